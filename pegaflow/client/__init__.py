@@ -1,0 +1,15 @@
+"""Engine-side client: register with a node, map its pool, move pages. See :mod:`.client`."""
+
+from pegaflow.client.client import NodeError, NodeUnavailable, PegaClient, QueryResult, Reservation
+from pegaflow.client.pages import load_pages, page_bytes, save_pages
+
+__all__ = [
+    "NodeError",
+    "NodeUnavailable",
+    "PegaClient",
+    "QueryResult",
+    "Reservation",
+    "load_pages",
+    "page_bytes",
+    "save_pages",
+]

@@ -1,0 +1,253 @@
+"""The one option table.
+
+Every option of every PegaFlow command is defined exactly once, here. The table produces
+the command-line flags (``--pool-size``), the environment variables (``PEGAFLOW_POOL_SIZE``)
+and the reference page ``docs/options.md`` (``python -m pegaflow.common.options``; a unit
+test fails when the page is stale). Precedence: flag > environment > default.
+
+Later features add their rows to ``OPTIONS``; nothing else parses options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pegaflow.common.units import parse_size
+
+NODE = "node"
+META = "meta"
+REPLAY = "replay"
+
+
+def _host_port(text: str) -> str:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"invalid address {text!r} (expected HOST:PORT)")
+    return text
+
+
+def _optional_host_port(text: str) -> str:
+    return "" if text in ("", "off", "none") else _host_port(text)
+
+
+def _positive_int(text: str) -> int:
+    v = int(text)
+    if v <= 0:
+        raise ValueError(f"must be > 0, got {v}")
+    return v
+
+
+def _non_negative_float(text: str) -> float:
+    v = float(text)
+    if v < 0:
+        raise ValueError(f"must be >= 0, got {v}")
+    return v
+
+
+def _bool(text: str | bool) -> bool:
+    if isinstance(text, bool):
+        return text
+    t = text.strip().lower()
+    if t in ("1", "true", "yes", "on"):
+        return True
+    if t in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"invalid boolean {text!r}")
+
+
+def _choice(*choices: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text.lower() not in choices:
+            raise ValueError(f"invalid choice {text!r} (choose from {', '.join(choices)})")
+        return text.lower()
+
+    parse.__name__ = "one of " + "|".join(choices)
+    return parse
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option: its flag, env variable, parser, default, help, and the commands that take it."""
+
+    name: str  # flag name without dashes, e.g. "pool-size"
+    default: Any
+    help: str
+    parse: Callable[[str], Any] = str
+    commands: tuple[str, ...] = (NODE,)
+    flag: bool = False  # a switch: ``--use-hugepages`` sets True
+    repeatable: bool = False  # may be given several times; value is a list
+    metavar: str | None = None
+    aliases: tuple[str, ...] = field(default=())
+
+    @property
+    def dest(self) -> str:
+        return self.name.replace("-", "_")
+
+    @property
+    def env(self) -> str:
+        return "PEGAFLOW_" + self.name.replace("-", "_").upper()
+
+
+OPTIONS: list[Option] = [
+    # --- node: core -------------------------------------------------------------------
+    Option("addr", "127.0.0.1:50055", "gRPC listen address (HOST:PORT) for engines.", _host_port),
+    Option("pool-size", "30gb", "Size of the shared-memory L1 pool (kb/mb/gb/tb).", parse_size),
+    Option(
+        "use-hugepages",
+        False,
+        "Back the pool with huge pages (MFD_HUGETLB); needs vm.nr_hugepages reserved.",
+        _bool,
+        flag=True,
+    ),
+    Option(
+        "http-addr",
+        "127.0.0.1:9091",
+        "HTTP address for Prometheus /metrics and /health ('off' disables).",
+        _optional_host_port,
+        commands=(NODE, META),
+    ),
+    Option(
+        "log-level",
+        "info",
+        "Log level.",
+        _choice("debug", "info", "warning", "error"),
+        commands=(NODE, META, REPLAY),
+    ),
+    Option(
+        "log-format",
+        "console",
+        "Log format: 'json' for machines, 'console' for people.",
+        _choice("json", "console"),
+        commands=(NODE, META, REPLAY),
+    ),
+    Option(
+        "reservation-ttl",
+        30.0,
+        "Seconds an uncommitted reservation lives before its pages are reclaimed.",
+        _non_negative_float,
+    ),
+    Option(
+        "lease-ttl",
+        300.0,
+        "Seconds a lease pins pages at most (a safety net; sessions release theirs).",
+        _non_negative_float,
+    ),
+    Option(
+        "max-batch",
+        16384,
+        "Largest number of block hashes accepted in one request.",
+        _positive_int,
+    ),
+    Option(
+        "page-align",
+        4096,
+        "Alignment in bytes of every page in the pool (O_DIRECT needs 4096).",
+        _positive_int,
+    ),
+]
+
+
+def options_for(command: str) -> list[Option]:
+    return [o for o in OPTIONS if command in o.commands]
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one line and exits 2 (no usage dump, no traceback)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        raise SystemExit(2)
+
+
+def _wrap(opt: Option) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            return opt.parse(text)
+        except (ValueError, TypeError) as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse.__name__ = getattr(opt.parse, "__name__", "value")
+    return parse
+
+
+def build_parser(command: str, prog: str, description: str = "") -> argparse.ArgumentParser:
+    """Flags for ``command``; defaults are filled from the environment in :func:`parse_options`."""
+    p = _OneLineParser(prog=prog, description=description)
+    add_options(p, command)
+    return p
+
+
+def add_options(p: argparse.ArgumentParser, command: str) -> None:
+    for opt in options_for(command):
+        names = [f"--{opt.name}", *(f"--{a}" for a in opt.aliases)]
+        if opt.flag:
+            p.add_argument(*names, dest=opt.dest, action="store_const", const=True, default=None, help=opt.help)
+        elif opt.repeatable:
+            p.add_argument(
+                *names, dest=opt.dest, action="append", type=_wrap(opt), default=None, help=opt.help
+            )
+        else:
+            p.add_argument(*names, dest=opt.dest, type=_wrap(opt), default=None, metavar=opt.metavar, help=opt.help)
+
+
+def fill_defaults(
+    ns: argparse.Namespace, command: str, prog: str, env: Mapping[str, str] | None = None
+) -> argparse.Namespace:
+    """Fill options not given as flags from ``PEGAFLOW_*`` variables, then the table's defaults."""
+    env = os.environ if env is None else env
+    for opt in options_for(command):
+        if getattr(ns, opt.dest, None) is not None:
+            continue
+        if opt.env in env:
+            raw = env[opt.env]
+            try:
+                if opt.repeatable:
+                    value: Any = [opt.parse(x) for x in raw.split(",") if x]
+                else:
+                    value = opt.parse(raw)
+            except (ValueError, TypeError) as exc:
+                sys.stderr.write(f"{prog}: error: {opt.env}={raw!r}: {exc}\n")
+                raise SystemExit(2) from None
+        else:
+            d = opt.default
+            value = list(d) if opt.repeatable else (opt.parse(d) if isinstance(d, str) and opt.parse is not str else d)
+        setattr(ns, opt.dest, value)
+    return ns
+
+
+def parse_options(
+    command: str, prog: str, argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
+) -> argparse.Namespace:
+    p = build_parser(command, prog)
+    return fill_defaults(p.parse_args(argv), command, prog, env)
+
+
+def render_markdown() -> str:
+    lines = [
+        "# Options",
+        "",
+        "Generated from `pegaflow/common/options.py` by `python -m pegaflow.common.options`;",
+        "do not edit by hand. Every option is a flag and a `PEGAFLOW_*` environment variable;",
+        "a flag wins over the environment, which wins over the default.",
+        "",
+    ]
+    for command, title in ((NODE, "pegaflow-node"), (META, "pegaflow-meta"), (REPLAY, "pegaflow replay")):
+        opts = options_for(command)
+        if not opts:
+            continue
+        lines += [f"## `{title}`", "", "| flag | environment | default | meaning |", "|---|---|---|---|"]
+        for o in opts:
+            flag = f"`--{o.name}`" + (" (repeatable)" if o.repeatable else "")
+            default = "off" if o.flag and not o.default else f"`{o.default}`" if o.default not in ("", None, []) else "—"
+            lines.append(f"| {flag} | `{o.env}` | {default} | {o.help} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(render_markdown())

@@ -1,0 +1,74 @@
+/*
+ * Batched page copies between an engine's paged KV cache and the shared pool.
+ *
+ * One call moves every segment of every block of a request: the Python side computes
+ * the (address, pool offset, length) triples with numpy and this loop runs without the
+ * GIL (ctypes releases it). Copies into the pool use non-temporal stores on x86-64:
+ * chunked memcpy of 64 KiB pieces otherwise pays a read-for-ownership of every
+ * destination line and reaches only ~2/3 of memcpy bandwidth (measured here: 6.8 vs
+ * 10.8 GB/s), and pool pages are not read again by this core soon anyway.
+ *
+ * Built as a CPython extension module only so the install compiles it; it is called
+ * through ctypes and exports no Python methods.
+ */
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <emmintrin.h>
+#define PF_HAVE_NT 1
+#endif
+
+#define PF_NT_MIN 4096 /* below this, ordinary stores are as fast and keep lines cached */
+
+static void copy_one(char *dst, const char *src, int64_t len, int nt) {
+#ifdef PF_HAVE_NT
+    if (nt && len >= PF_NT_MIN) {
+        /* align the destination to 16 bytes, stream the body, copy the tail */
+        int64_t head = (int64_t)((16 - ((uintptr_t)dst & 15)) & 15);
+        if (head) {
+            memcpy(dst, src, (size_t)head);
+            dst += head; src += head; len -= head;
+        }
+        int64_t body = len & ~(int64_t)63;
+        for (int64_t j = 0; j < body; j += 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)(src + j));
+            __m128i b = _mm_loadu_si128((const __m128i *)(src + j + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(src + j + 32));
+            __m128i d = _mm_loadu_si128((const __m128i *)(src + j + 48));
+            _mm_stream_si128((__m128i *)(dst + j), a);
+            _mm_stream_si128((__m128i *)(dst + j + 16), b);
+            _mm_stream_si128((__m128i *)(dst + j + 32), c);
+            _mm_stream_si128((__m128i *)(dst + j + 48), d);
+        }
+        if (len > body) memcpy(dst + body, src + body, (size_t)(len - body));
+        return;
+    }
+#endif
+    memcpy(dst, src, (size_t)len);
+}
+
+/*
+ * For i in [0, n): if to_pool, copy lens[i] bytes from address addrs[i] to pool + offs[i];
+ * otherwise the other way. nt: use non-temporal stores for large pieces (x86-64 only).
+ */
+void pf_copy_segments(char *pool, const int64_t *offs, const uint64_t *addrs, const int64_t *lens,
+                      int64_t n, int to_pool, int nt) {
+    for (int64_t i = 0; i < n; i++) {
+        char *p = pool + offs[i];
+        char *a = (char *)(uintptr_t)addrs[i];
+        if (to_pool)
+            copy_one(p, a, lens[i], nt);
+        else
+            copy_one(a, p, lens[i], nt);
+    }
+#ifdef PF_HAVE_NT
+    if (nt) _mm_sfence();
+#endif
+}
+
+static struct PyModuleDef pagecopy_module = {PyModuleDef_HEAD_INIT, "_pagecopy",
+                                             "Native page copies (called through ctypes).", -1, NULL};
+
+PyMODINIT_FUNC PyInit__pagecopy(void) { return PyModule_Create(&pagecopy_module); }

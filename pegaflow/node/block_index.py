@@ -1,0 +1,313 @@
+"""The node's block index: which block lives in which pool page, and what to evict.
+
+A *block* is one namespace's KV for one chunk of tokens, stored as one page of the pool.
+States and who moves a block between them:
+
+    (absent) --reserve--> PENDING --commit--> RESIDENT --evict--> (absent)
+                              \\--discard/expire--> (absent)
+
+- PENDING pages belong to the reserving engine, which is the only writer. They are in
+  no lookup result and are never evicted; ``discard`` frees them (reservation expired or
+  its session died).
+- RESIDENT blocks are immutable and visible to every reader of the namespace. A block
+  with ``pins > 0`` (a lease, or a transfer in progress) is out of the eviction order
+  and cannot be evicted; it goes back to the most-recently-used end when its last pin goes.
+- Eviction is one global LRU across namespaces and page sizes. Reclaimable blocks
+  (copies pulled from peers) are evicted before locally produced ones.
+- With an admission policy (TinyLFU), a new block that would need evictions is admitted
+  only if the policy prefers it to the LRU victim; otherwise it is not stored.
+
+This class does no I/O and holds no pool memory: the node wraps it around a shared
+memory pool, ``pegaflow replay`` runs it on offsets alone. It is not thread-safe; the
+node calls it from its event loop only.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from pegaflow.node.allocator import ExtentAllocator, OutOfSpace
+
+HASH_BYTES = 16
+
+PENDING = 0
+RESIDENT = 1
+
+
+class Admission(Protocol):
+    def record(self, key: int) -> None: ...
+    def admit(self, candidate: int, victim: int) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    id: int
+    name: str
+    page_bytes: int
+
+
+class Block:
+    """One page of the pool holding one block. Mutable, owned by :class:`BlockIndex`."""
+
+    __slots__ = ("ns", "hash", "offset", "size", "state", "pins", "reclaimable")
+
+    def __init__(self, ns: Namespace, hash_: bytes, offset: int, reclaimable: bool = False) -> None:
+        self.ns = ns
+        self.hash = hash_
+        self.offset = offset
+        self.size = ns.page_bytes
+        self.state = PENDING
+        self.pins = 0
+        self.reclaimable = reclaimable
+
+    @property
+    def key(self) -> tuple[int, bytes]:
+        return (self.ns.id, self.hash)
+
+    def __repr__(self) -> str:
+        return f"Block(ns={self.ns.name!r}, hash={self.hash.hex()[:12]}, offset={self.offset}, pins={self.pins})"
+
+
+def admission_key(ns_id: int, hash_: bytes) -> int:
+    """64-bit key of a block for admission sketches (hashes are already uniformly random)."""
+    return int.from_bytes(hash_[:8], "little") ^ (ns_id * 0x9E3779B97F4A7C15 & 0xFFFFFFFFFFFFFFFF)
+
+
+Listener = Callable[[str, Namespace, list[bytes]], None]  # (op, namespace, hashes)
+
+
+class BlockIndex:
+    def __init__(self, capacity: int, align: int = 4096, admission: Admission | None = None) -> None:
+        self.alloc = ExtentAllocator(capacity, align)
+        self.admission = admission
+        self._namespaces: dict[str, Namespace] = {}
+        self._blocks: dict[tuple[int, bytes], Block] = {}  # RESIDENT and PENDING
+        # Evictable RESIDENT blocks, least recently used first. Pinned blocks are not here.
+        self._lru: OrderedDict[tuple[int, bytes], Block] = OrderedDict()
+        self._lru_reclaimable: OrderedDict[tuple[int, bytes], Block] = OrderedDict()
+        self._listeners: list[Listener] = []
+        self.resident_blocks = 0
+        self.resident_bytes = 0
+        self.evictions = 0
+        self.evicted_bytes = 0
+        self.admission_rejections = 0
+        self.no_space = 0
+
+    # ---- namespaces -------------------------------------------------------------------
+    def namespace(self, name: str, page_bytes: int) -> Namespace:
+        """Get or create a namespace; its page size is fixed by the first registration."""
+        ns = self._namespaces.get(name)
+        if ns is None:
+            ns = Namespace(len(self._namespaces) + 1, name, page_bytes)
+            self._namespaces[name] = ns
+        elif ns.page_bytes != page_bytes:
+            raise ValueError(
+                f"namespace {name!r} has page_bytes={ns.page_bytes}, registration asked for {page_bytes}"
+            )
+        return ns
+
+    def get_namespace(self, name: str) -> Namespace | None:
+        return self._namespaces.get(name)
+
+    def namespaces(self) -> list[Namespace]:
+        return list(self._namespaces.values())
+
+    def add_listener(self, listener: Listener) -> None:
+        """``listener(op, ns, hashes)`` with op ``insert`` or ``evict``, called synchronously
+        after each batch; it must not block (the event publisher only buffers)."""
+        self._listeners.append(listener)
+
+    def _emit(self, op: str, ns: Namespace, hashes: list[bytes]) -> None:
+        if hashes:
+            for cb in self._listeners:
+                cb(op, ns, hashes)
+
+    # ---- lookups ----------------------------------------------------------------------
+    def get(self, ns: Namespace, hash_: bytes) -> Block | None:
+        b = self._blocks.get((ns.id, hash_))
+        return b if b is not None and b.state == RESIDENT else None
+
+    def contains(self, ns: Namespace, hash_: bytes) -> bool:
+        return self.get(ns, hash_) is not None
+
+    def prefix(self, ns: Namespace, hashes: Sequence[bytes], touch: bool = True) -> list[Block]:
+        """RESIDENT blocks for the longest prefix of ``hashes``; marks them recently used."""
+        out: list[Block] = []
+        blocks = self._blocks
+        nid = ns.id
+        for h in hashes:
+            b = blocks.get((nid, h))
+            if b is None or b.state != RESIDENT:
+                break
+            out.append(b)
+        if touch:
+            self.touch(out)
+        return out
+
+    def touch(self, blocks: Iterable[Block]) -> None:
+        adm = self.admission
+        for b in blocks:
+            k = b.key
+            lru = self._lru_reclaimable if b.reclaimable else self._lru
+            if k in lru:
+                lru.move_to_end(k)
+            if adm is not None:
+                adm.record(admission_key(b.ns.id, b.hash))
+
+    def record_access(self, ns: Namespace, hashes: Iterable[bytes]) -> None:
+        """Tell the admission policy about requested blocks (hit or miss)."""
+        if self.admission is not None:
+            for h in hashes:
+                self.admission.record(admission_key(ns.id, h))
+
+    # ---- pins -------------------------------------------------------------------------
+    def pin(self, blocks: Iterable[Block]) -> None:
+        for b in blocks:
+            if b.pins == 0 and b.state == RESIDENT:
+                (self._lru_reclaimable if b.reclaimable else self._lru).pop(b.key, None)
+            b.pins += 1
+
+    def unpin(self, blocks: Iterable[Block]) -> None:
+        for b in blocks:
+            b.pins -= 1
+            if b.pins == 0 and b.state == RESIDENT and self._blocks.get(b.key) is b:
+                (self._lru_reclaimable if b.reclaimable else self._lru)[b.key] = b
+
+    # ---- writes -----------------------------------------------------------------------
+    def reserve(
+        self, ns: Namespace, hashes: Sequence[bytes], reclaimable: bool = False
+    ) -> list[Block | None]:
+        """PENDING pages for the hashes not already held, in order.
+
+        ``None`` for a hash that is resident, pending elsewhere, repeated in the request,
+        or for which no page could be found (then every later hash gets ``None`` too:
+        prefix lookups could not use them). Never blocks: a full pool of pinned pages
+        just yields fewer pages.
+        """
+        out: list[Block | None] = []
+        blocks = self._blocks
+        full = False
+        for h in hashes:
+            key = (ns.id, h)
+            existing = blocks.get(key)
+            if full or existing is not None:
+                if existing is not None and existing.state == RESIDENT:
+                    self.touch((existing,))
+                out.append(None)
+                continue
+            offset = self._allocate(ns, h)
+            if offset is None:
+                full = True
+                self.no_space += 1
+                out.append(None)
+                continue
+            b = Block(ns, h, offset, reclaimable)
+            blocks[key] = b
+            out.append(b)
+        return out
+
+    def commit(self, pending: Sequence[Block]) -> list[Block]:
+        """Make PENDING blocks RESIDENT (visible). Returns the blocks committed."""
+        done: list[Block] = []
+        for b in pending:
+            if b.state != PENDING or self._blocks.get(b.key) is not b:
+                continue
+            b.state = RESIDENT
+            self.resident_blocks += 1
+            self.resident_bytes += b.size
+            if b.pins == 0:
+                (self._lru_reclaimable if b.reclaimable else self._lru)[b.key] = b
+            done.append(b)
+        for ns, hs in _group(done).items():
+            self._emit("insert", ns, hs)
+        return done
+
+    def discard(self, pending: Iterable[Block]) -> int:
+        """Free PENDING pages that will never be committed."""
+        n = 0
+        for b in pending:
+            if b.state == PENDING and self._blocks.get(b.key) is b:
+                del self._blocks[b.key]
+                self.alloc.free(b.offset, b.size)
+                n += 1
+        return n
+
+    def remove(self, blocks: Iterable[Block]) -> list[Block]:
+        """Drop RESIDENT unpinned blocks (e.g. a failed checksum). Returns those removed."""
+        gone = [b for b in blocks if b.state == RESIDENT and b.pins == 0 and self._blocks.get(b.key) is b]
+        for b in gone:
+            self._drop(b)
+        for ns, hs in _group(gone).items():
+            self._emit("evict", ns, hs)
+        return gone
+
+    # ---- eviction ---------------------------------------------------------------------
+    def _allocate(self, ns: Namespace, h: bytes) -> int | None:
+        size = ns.page_bytes
+        try:
+            return self.alloc.alloc(size)
+        except OutOfSpace:
+            pass
+        if self.admission is not None:
+            victim = self._peek_victim()
+            if victim is None:
+                return None
+            if not self.admission.admit(admission_key(ns.id, h), admission_key(victim.ns.id, victim.hash)):
+                self.admission_rejections += 1
+                return None
+        evicted: list[Block] = []
+        try:
+            while True:
+                victim = self._peek_victim()
+                if victim is None:
+                    return None
+                self._drop(victim)
+                self.evictions += 1
+                self.evicted_bytes += victim.size
+                evicted.append(victim)
+                if self.alloc.free_bytes >= self.alloc.round(size):
+                    try:
+                        return self.alloc.alloc(size)
+                    except OutOfSpace:
+                        continue
+        finally:
+            for ens, hs in _group(evicted).items():
+                self._emit("evict", ens, hs)
+
+    def _peek_victim(self) -> Block | None:
+        for lru in (self._lru_reclaimable, self._lru):
+            if lru:
+                return next(iter(lru.values()))
+        return None
+
+    def _drop(self, b: Block) -> None:
+        del self._blocks[b.key]
+        (self._lru_reclaimable if b.reclaimable else self._lru).pop(b.key, None)
+        self.alloc.free(b.offset, b.size)
+        self.resident_blocks -= 1
+        self.resident_bytes -= b.size
+
+    # ---- inspection -------------------------------------------------------------------
+    def resident(self, ns: Namespace | None = None) -> list[Block]:
+        return [b for b in self._blocks.values() if b.state == RESIDENT and (ns is None or b.ns is ns)]
+
+    def blocks_by_namespace(self) -> dict[str, int]:
+        out = {ns.name: 0 for ns in self._namespaces.values()}
+        for b in self._blocks.values():
+            if b.state == RESIDENT:
+                out[b.ns.name] += 1
+        return out
+
+    def lru_order(self) -> list[Block]:
+        """Eviction order (first evicted first); pinned blocks excluded."""
+        return [*self._lru_reclaimable.values(), *self._lru.values()]
+
+
+def _group(blocks: Iterable[Block]) -> dict[Namespace, list[bytes]]:
+    out: dict[Namespace, list[bytes]] = {}
+    for b in blocks:
+        out.setdefault(b.ns, []).append(b.hash)
+    return out

@@ -1,0 +1,132 @@
+"""Assembles and runs one node: pool, block index, sessions, gRPC service, metrics."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import time
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from pegaflow._proto import node_pb2, node_pb2_grpc
+from pegaflow.common.http import MetricsServer
+from pegaflow.node.block_index import BlockIndex
+from pegaflow.node.metrics import NodeMetrics
+from pegaflow.node.pool import SharedPool
+from pegaflow.node.service import NodeService
+from pegaflow.node.sessions import Sessions
+
+log = structlog.get_logger("pegaflow.node")
+
+EXPIRY_INTERVAL = 1.0  # seconds between sweeps of expired reservations and leases
+GRPC_MAX_MESSAGE = 64 << 20  # a 16k-hash request is ~400 KiB; leave room for big batches
+
+
+class StartupError(Exception):
+    """A configuration the node cannot start with (one line for the operator)."""
+
+
+class Node:
+    def __init__(self, opts: argparse.Namespace) -> None:
+        self.opts = opts
+        self.node_id = getattr(opts, "node_id", "") or socket.gethostname()
+        self.epoch = time.time_ns() // 1_000_000
+        self.pool = SharedPool(opts.pool_size, opts.use_hugepages)
+        self.metrics = NodeMetrics()
+        self.index = BlockIndex(self.pool.size, align=opts.page_align)
+        self.sessions = Sessions(self.index, opts.reservation_ttl, opts.lease_ttl)
+        self.service = NodeService(
+            self.index, self.sessions, self.metrics, self.pool.path, self.pool.size,
+            self.node_id, self.epoch, opts.max_batch,
+        )
+        m = self.metrics
+        m.pool_capacity.set(self.index.alloc.capacity)
+        m.bind(
+            pool_used=lambda: self.index.alloc.capacity - self.index.alloc.free_bytes,
+            resident_blocks=lambda: self.index.resident_blocks,
+            resident_bytes=lambda: self.index.resident_bytes,
+            leases=lambda: len(self.sessions.leases),
+            reservations=lambda: len(self.sessions.reservations),
+            sessions=lambda: len(self.sessions.sessions),
+        )
+        self._last_evictions = 0
+        self.server: grpc.aio.Server | None = None
+        self.http: MetricsServer | None = None
+
+    def health(self) -> dict:
+        return {"ok": True, "node_id": self.node_id, "epoch": self.epoch, "pool_bytes": self.pool.size,
+                "resident_blocks": self.index.resident_blocks}
+
+    async def start(self) -> None:
+        server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE),
+            ("grpc.max_send_message_length", GRPC_MAX_MESSAGE),
+            ("grpc.so_reuseport", 0),
+        ])
+        node_pb2_grpc.add_PegaNodeServicer_to_server(self.service, server)
+        hs = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+        names = (node_pb2.DESCRIPTOR.services_by_name["PegaNode"].full_name, health.SERVICE_NAME,
+                 reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, server)
+        try:
+            port = server.add_insecure_port(self.opts.addr)
+        except RuntimeError as exc:
+            raise StartupError(f"cannot listen on {self.opts.addr}: {exc}") from None
+        if port == 0:
+            raise StartupError(f"cannot listen on {self.opts.addr} (address in use?)")
+        await server.start()
+        r = hs.set("", health_pb2.HealthCheckResponse.SERVING)
+        if asyncio.iscoroutine(r):
+            await r
+        r = hs.set(names[0], health_pb2.HealthCheckResponse.SERVING)
+        if asyncio.iscoroutine(r):
+            await r
+        self.server = server
+        if self.opts.http_addr:
+            self.http = MetricsServer(self.opts.http_addr, self.metrics.registry, self.health)
+            try:
+                await self.http.start()
+            except OSError as exc:
+                raise StartupError(f"cannot listen on --http-addr {self.opts.http_addr}: {exc.strerror}") from None
+        log.info("node_started", addr=self.opts.addr, node_id=self.node_id, epoch=self.epoch,
+                 pool_bytes=self.pool.size, pool_path=self.pool.path, pid=os.getpid())
+
+    async def housekeeping(self) -> None:
+        while True:
+            await asyncio.sleep(EXPIRY_INTERVAL)
+            res, leases = self.sessions.expire()
+            if res:
+                self.metrics.expired.labels("reservation").inc(res)
+                log.info("reservations_expired", count=res)
+            if leases:
+                self.metrics.expired.labels("lease").inc(leases)
+                log.warning("leases_expired", count=leases)
+            ev = self.index.evictions - self._last_evictions
+            if ev:
+                self.metrics.evictions.labels("l1").inc(ev)
+                self._last_evictions = self.index.evictions
+
+    async def run(self) -> None:
+        await self.start()
+        assert self.server is not None
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        hk = asyncio.create_task(self.housekeeping())
+        await stop.wait()
+        log.info("node_stopping")
+        self.service.stopping.set()
+        hk.cancel()
+        await self.server.stop(grace=1.0)
+        if self.http:
+            await self.http.stop()
+        self.pool.close()
+        log.info("node_stopped")

@@ -1,0 +1,53 @@
+"""Prometheus metrics of the node. Names: ``pegaflow_node_<what>[_<unit>][_total]``.
+
+Gauges that mirror state (pool usage, resident blocks, leases) are computed at scrape
+time from the live objects, so they can never drift from the truth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+
+class NodeMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        self.rpc_latency = Histogram(
+            "pegaflow_node_rpc_duration_seconds",
+            "Latency of node RPCs by method and gRPC status.",
+            ["method", "status"],
+            buckets=RPC_BUCKETS,
+            registry=r,
+        )
+        self.hits = Counter("pegaflow_node_hit_blocks_total", "Blocks found by Query, by tier.", ["tier"], registry=r)
+        self.misses = Counter("pegaflow_node_miss_blocks_total", "Blocks asked by Query and not found.", registry=r)
+        self.queries = Counter("pegaflow_node_queries_total", "Query RPCs by outcome.", ["outcome"], registry=r)
+        self.evictions = Counter("pegaflow_node_evictions_total", "Blocks evicted from L1.", ["tier"], registry=r)
+        self.save_bytes = Counter("pegaflow_node_save_bytes_total", "Bytes committed into L1 by engines.", registry=r)
+        self.load_bytes = Counter("pegaflow_node_load_bytes_total", "Bytes leased to engines for loading.", registry=r)
+        self.reserve_skipped = Counter(
+            "pegaflow_node_reserve_skipped_blocks_total",
+            "Blocks not given a page by Reserve, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.expired = Counter(
+            "pegaflow_node_expired_total", "Reservations and leases that hit their TTL.", ["kind"], registry=r
+        )
+        self.sessions_closed = Counter("pegaflow_node_sessions_closed_total", "Sessions ended.", registry=r)
+        self.pool_capacity = Gauge("pegaflow_node_pool_capacity_bytes", "Size of the L1 pool.", registry=r)
+        self.pool_used = Gauge("pegaflow_node_pool_used_bytes", "Bytes of the pool in use (resident + pending).", registry=r)
+        self.resident_blocks = Gauge("pegaflow_node_resident_blocks", "Committed blocks in L1.", registry=r)
+        self.resident_bytes = Gauge("pegaflow_node_resident_bytes", "Bytes of committed blocks in L1.", registry=r)
+        self.leases = Gauge("pegaflow_node_active_leases", "Leases currently held.", registry=r)
+        self.reservations = Gauge("pegaflow_node_active_reservations", "Uncommitted reservations.", registry=r)
+        self.sessions = Gauge("pegaflow_node_sessions", "Registered engine sessions.", registry=r)
+
+    def bind(self, **sources: Callable[[], float]) -> None:
+        """Compute state gauges at scrape time: ``bind(pool_used=lambda: ...)``."""
+        for name, fn in sources.items():
+            getattr(self, name).set_function(fn)

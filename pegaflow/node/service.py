@@ -1,0 +1,225 @@
+"""The node's gRPC service: the engine-facing side of DESIGN.md "Engine <-> node".
+
+Handlers run on the node's asyncio loop and are the only callers of :class:`BlockIndex`
+and :class:`Sessions`, so no locks are needed. Every handler validates its request before
+touching state: a bad request gets INVALID_ARGUMENT and changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+import structlog
+
+from pegaflow._proto import node_pb2, node_pb2_grpc
+from pegaflow.common.errors import InvalidArgument, PegaError, grpc_code
+from pegaflow.node.block_index import HASH_BYTES, Block, BlockIndex, Namespace
+from pegaflow.node.metrics import NodeMetrics
+from pegaflow.node.sessions import Sessions
+
+log = structlog.get_logger("pegaflow.node")
+
+MAX_NAME = 512  # bytes of a namespace or instance name
+SESSION_PING_SECONDS = 5.0  # keep-alive events on the session stream
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+
+def rpc(method: str) -> Callable[[Callable[..., Awaitable[Resp]]], Callable[..., Awaitable[Resp]]]:
+    """Time a unary handler and turn :class:`PegaError` into its gRPC status (one place)."""
+
+    def wrap(fn: Callable[..., Awaitable[Resp]]) -> Callable[..., Awaitable[Resp]]:
+        @functools.wraps(fn)
+        async def handler(self: NodeService, request: Any, context: grpc.aio.ServicerContext) -> Resp:
+            t0 = time.perf_counter()
+            status = "OK"
+            try:
+                return await fn(self, request, context)
+            except PegaError as exc:
+                code = grpc_code(exc)
+                status = code.name
+                if code is grpc.StatusCode.INVALID_ARGUMENT:
+                    log.info("invalid_request", method=method, error=str(exc))
+                await context.abort(code, str(exc))
+                raise  # unreachable: abort raises
+            except Exception:
+                status = "INTERNAL"
+                log.exception("rpc_failed", method=method)
+                raise
+            finally:
+                self.metrics.rpc_latency.labels(method, status).observe(time.perf_counter() - t0)
+
+        return handler
+
+    return wrap
+
+
+def check_hashes(hashes: Sequence[bytes], max_batch: int) -> None:
+    if len(hashes) > max_batch:
+        raise InvalidArgument(f"batch of {len(hashes)} hashes exceeds --max-batch {max_batch}")
+    for i, h in enumerate(hashes):
+        if len(h) != HASH_BYTES:
+            raise InvalidArgument(f"hash {i} has {len(h)} bytes, expected {HASH_BYTES}")
+
+
+class NodeService(node_pb2_grpc.PegaNodeServicer):
+    def __init__(
+        self,
+        index: BlockIndex,
+        sessions: Sessions,
+        metrics: NodeMetrics,
+        pool_path: str,
+        pool_bytes: int,
+        node_id: str,
+        epoch: int,
+        max_batch: int = 16384,
+    ) -> None:
+        self.index = index
+        self.sessions = sessions
+        self.metrics = metrics
+        self.pool_path = pool_path
+        self.pool_bytes = pool_bytes
+        self.node_id = node_id
+        self.epoch = epoch
+        self.max_batch = max_batch
+        self.stopping = asyncio.Event()
+        self.hit_blocks = 0
+        self.miss_blocks = 0
+
+    # ---- sessions ---------------------------------------------------------------------
+    @rpc("Register")
+    async def Register(self, request: node_pb2.RegisterRequest, context: Any) -> node_pb2.RegisterResponse:
+        if not request.namespaces:
+            raise InvalidArgument("register needs at least one namespace")
+        if len(request.instance_id.encode()) > MAX_NAME:
+            raise InvalidArgument("instance_id too long")
+        specs: list[tuple[str, int]] = []
+        for ns in request.namespaces:
+            if not ns.name or len(ns.name.encode()) > MAX_NAME:
+                raise InvalidArgument(f"namespace name must be 1..{MAX_NAME} bytes")
+            if not 0 < ns.page_bytes <= self.pool_bytes:
+                raise InvalidArgument(
+                    f"page_bytes {ns.page_bytes} of namespace {ns.name!r} must be in 1..{self.pool_bytes}"
+                )
+            specs.append((ns.name, ns.page_bytes))
+        s = self.sessions.open(request.instance_id, specs)
+        log.info("session_registered", session=s.id, instance=request.instance_id, namespaces=[n for n, _ in specs])
+        return node_pb2.RegisterResponse(
+            session_id=s.id, pool_path=self.pool_path, pool_bytes=self.pool_bytes, node_id=self.node_id, epoch=self.epoch
+        )
+
+    async def Session(self, request: node_pb2.SessionRequest, context: Any) -> AsyncIterator[node_pb2.SessionEvent]:
+        try:
+            s = self.sessions.get(request.session_id)
+        except PegaError as exc:
+            await context.abort(grpc_code(exc), str(exc))
+            return
+        s.streams += 1
+        try:
+            while not self.stopping.is_set():
+                yield node_pb2.SessionEvent(session_id=s.id, epoch=self.epoch)
+                try:
+                    await asyncio.wait_for(self.stopping.wait(), SESSION_PING_SECONDS)
+                except TimeoutError:
+                    pass
+        finally:
+            s.streams -= 1
+            if s.streams == 0 and s.id in self.sessions.sessions:
+                res, leases = self.sessions.close(s.id)
+                self.metrics.sessions_closed.inc()
+                log.info("session_closed", session=s.id, instance=s.instance_id,
+                         reservations_freed=res, leases_released=leases)
+
+    # ---- reads ------------------------------------------------------------------------
+    @rpc("Query")
+    async def Query(self, request: node_pb2.QueryRequest, context: Any) -> node_pb2.QueryResponse:
+        s = self.sessions.get(request.session_id)
+        if not request.namespaces:
+            raise InvalidArgument("query needs at least one namespace")
+        hashes = list(request.hashes)
+        check_hashes(hashes, self.max_batch)
+        nss = [self.sessions.namespace(s, n) for n in request.namespaces]
+        per_ns = [self.index.prefix(ns, hashes) for ns in nss]
+        hit = min(len(p) for p in per_ns)
+        for ns in nss:
+            self.index.record_access(ns, hashes[hit:])
+        pages = [node_pb2.NamespaceOffsets(namespace=ns.name, offsets=[b.offset for b in p[:hit]])
+                 for ns, p in zip(nss, per_ns, strict=True)]
+        lease_id = 0
+        if request.lease and hit:
+            blocks: list[Block] = [b for p in per_ns for b in p[:hit]]
+            lease_id = self.sessions.lease(s, blocks).id
+            self.metrics.load_bytes.inc(sum(b.size for b in blocks))
+        self.hit_blocks += hit
+        self.miss_blocks += len(hashes) - hit
+        self.metrics.hits.labels("l1").inc(hit)
+        self.metrics.misses.inc(len(hashes) - hit)
+        self.metrics.queries.labels("hit" if hit else "miss").inc()
+        return node_pb2.QueryResponse(status=node_pb2.READY, hit_blocks=hit, lease_id=lease_id, pages=pages)
+
+    @rpc("Release")
+    async def Release(self, request: node_pb2.ReleaseRequest, context: Any) -> node_pb2.ReleaseResponse:
+        s = self.sessions.get(request.session_id)
+        self.sessions.release(s, request.lease_id)
+        return node_pb2.ReleaseResponse()
+
+    # ---- writes -----------------------------------------------------------------------
+    @rpc("Reserve")
+    async def Reserve(self, request: node_pb2.ReserveRequest, context: Any) -> node_pb2.ReserveResponse:
+        s = self.sessions.get(request.session_id)
+        hashes = list(request.hashes)
+        check_hashes(hashes, self.max_batch)
+        ns = self.sessions.namespace(s, request.namespace)
+        no_space_before = self.index.no_space
+        res = self.sessions.reserve(s, ns, hashes)
+        offsets = [b.offset if b is not None else -1 for b in res.blocks]
+        skipped = offsets.count(-1)
+        if skipped:
+            full = self.index.no_space > no_space_before
+            given = len(offsets) - skipped
+            self._count_skips(ns, hashes, res.blocks, full, given)
+        return node_pb2.ReserveResponse(reservation_id=res.id if res.id in s.reservations else 0, offsets=offsets)
+
+    def _count_skips(self, ns: Namespace, hashes: list[bytes], blocks: list[Block | None], full: bool, given: int) -> None:
+        held = sum(1 for h, b in zip(hashes, blocks, strict=True) if b is None and self.index.get(ns, h) is not None)
+        other = len(hashes) - given - held
+        if held:
+            self.metrics.reserve_skipped.labels("already_stored").inc(held)
+        if other:
+            self.metrics.reserve_skipped.labels("no_space" if full else "in_flight").inc(other)
+
+    @rpc("Commit")
+    async def Commit(self, request: node_pb2.CommitRequest, context: Any) -> node_pb2.CommitResponse:
+        s = self.sessions.get(request.session_id)
+        res = s.reservations.get(request.reservation_id)
+        page = res.ns.page_bytes if res is not None else 0
+        n = self.sessions.commit(s, request.reservation_id, list(request.indices), request.abort)
+        self.metrics.save_bytes.inc(n * page)
+        return node_pb2.CommitResponse(committed=n)
+
+    # ---- introspection ----------------------------------------------------------------
+    @rpc("Health")
+    async def Health(self, request: node_pb2.HealthRequest, context: Any) -> node_pb2.HealthResponse:
+        return node_pb2.HealthResponse(ok=True, node_id=self.node_id, epoch=self.epoch)
+
+    @rpc("Stats")
+    async def Stats(self, request: node_pb2.StatsRequest, context: Any) -> node_pb2.StatsResponse:
+        idx = self.index
+        return node_pb2.StatsResponse(
+            pool_bytes=self.pool_bytes,
+            used_bytes=idx.alloc.capacity - idx.alloc.free_bytes,
+            resident_blocks=idx.resident_blocks,
+            hits=self.hit_blocks,
+            misses=self.miss_blocks,
+            evictions=idx.evictions,
+            active_leases=len(self.sessions.leases),
+            active_reservations=len(self.sessions.reservations),
+            sessions=len(self.sessions.sessions),
+            blocks_by_namespace=idx.blocks_by_namespace(),
+        )
