@@ -27,7 +27,9 @@ import structlog
 import torch
 
 from pegaflow._proto import node_pb2, node_pb2_grpc
+from pegaflow.common.logging import ensure_library_logging
 
+ensure_library_logging()
 log = structlog.get_logger("pegaflow.client")
 
 GRPC_MAX_MESSAGE = 64 << 20

@@ -27,3 +27,18 @@ def configure_logging(level: str = "info", fmt: str = "console") -> None:
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
+
+
+def ensure_library_logging() -> None:
+    """For code running inside someone else's process (the client in vLLM): if nobody
+    configured structlog, log to stderr at info level instead of structlog's stdout default."""
+    if not structlog.is_configured():
+        structlog.configure(
+            processors=[
+                structlog.processors.add_log_level,
+                structlog.processors.TimeStamper(fmt="iso", utc=True),
+                structlog.dev.ConsoleRenderer(colors=False),
+            ],
+            wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+            logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        )

@@ -1,0 +1,96 @@
+"""Shared fixtures: free ports and real `pegaflow-node` daemon processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class NodeProcess:
+    """A real `pegaflow-node` subprocess; restartable on the same port."""
+
+    def __init__(self, tmp: Path, pool_size: str = "64mb", extra: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.http_port = free_port()
+        self.addr = f"127.0.0.1:{self.port}"
+        self.pool_size = pool_size
+        self.extra = list(extra or [])
+        self.env = env or {}
+        self.log_path = tmp / f"node-{self.port}.log"
+        self.proc: subprocess.Popen | None = None
+
+    def argv(self) -> list[str]:
+        return [sys.executable, "-m", "pegaflow.node.cli", "--addr", self.addr, "--pool-size", self.pool_size,
+                "--http-addr", f"127.0.0.1:{self.http_port}", "--log-format", "json", *self.extra]
+
+    def start(self, timeout: float = 30.0) -> NodeProcess:
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=log, env={**os.environ, **self.env})
+        self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout: float) -> None:
+        from pegaflow._proto import node_pb2, node_pb2_grpc
+
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(self.addr) as ch:
+            stub = node_pb2_grpc.PegaNodeStub(ch)
+            while time.monotonic() < deadline:
+                assert self.proc is not None
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"node exited {self.proc.returncode}: {self.log_path.read_text()[-2000:]}")
+                try:
+                    stub.Health(node_pb2.HealthRequest(), timeout=1)
+                    return
+                except grpc.RpcError:
+                    time.sleep(0.05)
+        raise TimeoutError(f"node {self.addr} not ready: {self.log_path.read_text()[-2000:]}")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        self.kill(signal.SIGTERM)
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+
+@pytest.fixture
+def node_factory(tmp_path: Path) -> Iterator:
+    nodes: list[NodeProcess] = []
+
+    def make(pool_size: str = "64mb", extra: list[str] | None = None, start: bool = True,
+             env: dict[str, str] | None = None) -> NodeProcess:
+        n = NodeProcess(tmp_path, pool_size, extra, env)
+        nodes.append(n)
+        return n.start() if start else n
+
+    yield make
+    for n in nodes:
+        n.kill()
+
+
+@pytest.fixture
+def node(node_factory) -> NodeProcess:
+    return node_factory()

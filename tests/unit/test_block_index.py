@@ -1,0 +1,156 @@
+import os
+
+from pegaflow.node.block_index import RESIDENT, BlockIndex
+
+
+def h(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def fill(idx: BlockIndex, ns, keys) -> list:
+    blocks = idx.reserve(ns, [h(k) for k in keys])
+    assert all(b is not None for b in blocks)
+    return idx.commit(blocks)
+
+
+def test_pending_pages_are_invisible_until_commit():
+    idx = BlockIndex(1 << 20)
+    ns = idx.namespace("a", 4096)
+    pending = idx.reserve(ns, [h(1), h(2)])
+    assert idx.prefix(ns, [h(1), h(2)]) == []
+    idx.commit([pending[0]])
+    assert [b.hash for b in idx.prefix(ns, [h(1), h(2)])] == [h(1)]
+
+
+def test_prefix_stops_at_first_missing_block():
+    idx = BlockIndex(1 << 20)
+    ns = idx.namespace("a", 4096)
+    fill(idx, ns, [1, 2, 4])
+    assert len(idx.prefix(ns, [h(1), h(2), h(3), h(4)])) == 2
+
+
+def test_one_lru_order_across_namespaces_and_page_sizes():
+    idx = BlockIndex(10 * 4096)
+    small = idx.namespace("small", 4096)
+    big = idx.namespace("big", 3 * 4096)
+    fill(idx, small, [1, 2])      # 2 pages
+    fill(idx, big, [10, 11])      # 6 pages
+    fill(idx, small, [3, 4])      # 2 pages -> full
+    idx.prefix(small, [h(1)])     # touch small/1: now newest
+    fill(idx, big, [12])          # needs 3 pages: evicts small/2, big/10 (LRU order)
+    assert idx.get(small, h(2)) is None
+    assert idx.get(big, h(10)) is None
+    assert idx.get(small, h(1)) is not None
+    assert idx.get(big, h(11)) is not None and idx.get(big, h(12)) is not None
+    assert idx.evictions == 2
+
+
+def test_pinned_blocks_are_never_evicted_and_reservation_gets_fewer_pages():
+    idx = BlockIndex(4 * 4096)
+    ns = idx.namespace("a", 4096)
+    blocks = fill(idx, ns, [1, 2, 3, 4])
+    idx.pin(blocks)
+    got = idx.reserve(ns, [h(5), h(6)])
+    assert got == [None, None]          # nothing evictable: no page, no blocking
+    assert idx.no_space == 1
+    idx.unpin(blocks[:1])
+    got = idx.reserve(ns, [h(5), h(6)])
+    assert got[0] is not None and got[1] is None
+    assert idx.get(ns, h(1)) is None and all(idx.get(ns, h(k)) for k in (2, 3, 4))
+
+
+def test_pending_pages_are_never_evicted():
+    idx = BlockIndex(2 * 4096)
+    ns = idx.namespace("a", 4096)
+    pend = idx.reserve(ns, [h(1), h(2)])
+    assert idx.reserve(ns, [h(3)]) == [None]
+    idx.discard(pend)
+    assert idx.reserve(ns, [h(3)])[0] is not None
+
+
+def test_reserve_skips_resident_and_in_flight_hashes():
+    idx = BlockIndex(1 << 20)
+    ns = idx.namespace("a", 4096)
+    fill(idx, ns, [1])
+    first = idx.reserve(ns, [h(2)])
+    second = idx.reserve(ns, [h(1), h(2), h(3)])
+    assert second[0] is None and second[1] is None and second[2] is not None
+    assert first[0] is not None
+
+
+def test_discarded_reservation_frees_its_pages():
+    idx = BlockIndex(8 * 4096)
+    ns = idx.namespace("a", 4096)
+    pend = idx.reserve(ns, [h(i) for i in range(8)])
+    assert idx.alloc.free_bytes == 0
+    assert idx.discard(pend) == 8
+    assert idx.alloc.free_bytes == idx.alloc.capacity
+    assert all(b.state != RESIDENT for b in pend if b)
+
+
+def test_namespaces_do_not_see_each_other():
+    idx = BlockIndex(1 << 20)
+    a, b = idx.namespace("a", 4096), idx.namespace("b", 4096)
+    fill(idx, a, [1, 2])
+    assert idx.prefix(b, [h(1), h(2)]) == []
+    assert idx.reserve(b, [h(1)])[0] is not None  # same hash, other namespace: a new page
+
+
+def test_namespace_page_size_is_fixed_by_first_registration():
+    idx = BlockIndex(1 << 20)
+    idx.namespace("a", 4096)
+    try:
+        idx.namespace("a", 8192)
+    except ValueError as exc:
+        assert "page_bytes" in str(exc)
+    else:
+        raise AssertionError("expected ValueError")
+
+
+def test_listeners_see_inserts_and_evictions():
+    idx = BlockIndex(2 * 4096)
+    ns = idx.namespace("a", 4096)
+    seen: list[tuple[str, list[bytes]]] = []
+    idx.add_listener(lambda op, n, hs: seen.append((op, hs)))
+    fill(idx, ns, [1, 2])
+    fill(idx, ns, [3])
+    assert seen == [("insert", [h(1), h(2)]), ("evict", [h(1)]), ("insert", [h(3)])]
+
+
+class RejectAll:
+    def __init__(self):
+        self.records = 0
+
+    def record(self, key: int) -> None:
+        self.records += 1
+
+    def admit(self, candidate: int, victim: int) -> bool:
+        return False
+
+
+def test_admission_policy_can_refuse_a_block_that_needs_an_eviction():
+    idx = BlockIndex(2 * 4096, admission=RejectAll())
+    ns = idx.namespace("a", 4096)
+    fill(idx, ns, [1, 2])
+    assert idx.reserve(ns, [h(3)]) == [None]
+    assert idx.admission_rejections == 1
+    assert idx.get(ns, h(1)) and idx.get(ns, h(2))
+
+
+def test_reclaimable_blocks_are_evicted_first():
+    idx = BlockIndex(3 * 4096)
+    ns = idx.namespace("a", 4096)
+    fill(idx, ns, [1])
+    remote = idx.reserve(ns, [h(2)], reclaimable=True)
+    idx.commit(remote)
+    fill(idx, ns, [3])
+    fill(idx, ns, [4])
+    assert idx.get(ns, h(2)) is None and idx.get(ns, h(1)) is not None
+
+
+def test_random_hashes_round_trip():
+    idx = BlockIndex(1 << 22)
+    ns = idx.namespace("m", 65536)
+    keys = [os.urandom(16) for _ in range(32)]
+    idx.commit([b for b in idx.reserve(ns, keys) if b])
+    assert [b.hash for b in idx.prefix(ns, keys)] == keys
