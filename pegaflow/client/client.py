@@ -193,13 +193,15 @@ class PegaClient:
         )
         return Reservation(resp.reservation_id, list(resp.offsets), self.epoch, self.pool)
 
-    def commit(self, reservation_id: int, indices: Sequence[int] | None = None) -> int:
-        resp = self._with_session(
-            lambda sid: node_pb2.CommitRequest(session_id=sid, reservation_id=reservation_id,
-                                               indices=list(indices or ())),
-            self._stub.Commit, reregister_ok=False,
-        )
-        return resp.committed
+    def commit(self, reservation_id: int, indices: Sequence[int] | None = None, wait: bool = True) -> int:
+        """Make the reserved pages visible. ``wait=False`` sends the commit without waiting
+        for the answer (the save path does not need it; errors are logged) and returns -1."""
+        req = lambda sid: node_pb2.CommitRequest(  # noqa: E731
+            session_id=sid, reservation_id=reservation_id, indices=list(indices or ()))
+        if not wait:
+            self._send_async(self._stub.Commit, req)
+            return -1
+        return self._with_session(req, self._stub.Commit, reregister_ok=False).committed
 
     def abort(self, reservation_id: int) -> None:
         self._with_session(
@@ -207,11 +209,31 @@ class PegaClient:
             self._stub.Commit, reregister_ok=False,
         )
 
-    def release(self, lease_id: int) -> None:
+    def release(self, lease_id: int, wait: bool = True) -> None:
+        """Unpin a lease's pages. ``wait=False`` does not wait for the answer."""
         if not lease_id:
             return
-        self._with_session(lambda sid: node_pb2.ReleaseRequest(session_id=sid, lease_id=lease_id),
-                           self._stub.Release, reregister_ok=False)
+        req = lambda sid: node_pb2.ReleaseRequest(session_id=sid, lease_id=lease_id)  # noqa: E731
+        if not wait:
+            self._send_async(self._stub.Release, req)
+            return
+        self._with_session(req, self._stub.Release, reregister_ok=False)
+
+    def _send_async(self, method, make_request) -> None:  # type: ignore[no-untyped-def]
+        """Fire an RPC whose answer the caller does not need; failures are logged, and a
+        lost session is noticed by the next synchronous call."""
+        with self._lock:
+            if not self._session_id:
+                return  # session gone: the node already dropped what this would commit/release
+            fut = method.future(make_request(self._session_id), timeout=self.timeout)
+
+        def done(f: grpc.Future) -> None:
+            exc = f.exception()
+            if exc is not None:
+                log.warning("async_rpc_failed", method=getattr(method, "_method", b"").decode(errors="replace"),
+                            error=str(getattr(exc, "details", lambda: exc)()))
+
+        fut.add_done_callback(done)
 
     def health(self) -> node_pb2.HealthResponse:
         return self._call(self._stub.Health, node_pb2.HealthRequest())

