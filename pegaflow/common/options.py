@@ -149,6 +149,82 @@ OPTIONS: list[Option] = [
         "Alignment in bytes of every page in the pool (O_DIRECT needs 4096).",
         _positive_int,
     ),
+    # --- global index: node publisher and pegaflow-meta (issue 5) --------------------------
+    Option(
+        "addr",
+        "127.0.0.1:50056",
+        "gRPC listen address (HOST:PORT) of the metaserver; 0.0.0.0:50056 to serve other hosts.",
+        _host_port,
+        commands=(META,),
+    ),
+    Option(
+        "redis-url",
+        "",
+        "Redis for the global index, e.g. redis://127.0.0.1:6379/0 (empty on a node: single-host mode).",
+        str,
+        commands=(NODE, META),
+    ),
+    Option(
+        "redis-cluster",
+        False,
+        "Treat --redis-url as one seed of a Redis Cluster.",
+        _bool,
+        commands=(NODE, META),
+        flag=True,
+    ),
+    Option("node-id", "", "Name of this node in the global index (default: the hostname).", str),
+    Option(
+        "advertise-addr",
+        "",
+        "Address (HOST:PORT) peers use to reach this node, published in the index (default: --addr).",
+        _optional_host_port,
+    ),
+    Option(
+        "meta-addr",
+        "",
+        "Metaserver gRPC address (HOST:PORT) for remote lookups (empty: none).",
+        _optional_host_port,
+    ),
+    Option(
+        "liveness-ttl",
+        10.0,
+        "Seconds after its last heartbeat that a node disappears from global lookups.",
+        _non_negative_float,
+    ),
+    Option(
+        "event-buffer",
+        1_000_000,
+        "Block updates the node buffers for Redis; beyond it updates drop and a snapshot re-syncs.",
+        _positive_int,
+    ),
+    Option(
+        "consumer-name",
+        "",
+        "Name of this metaserver replica in the consumer group (default: HOST-PID).",
+        str,
+        commands=(META,),
+    ),
+    Option(
+        "stream-lease-ttl",
+        10.0,
+        "Seconds before a dead replica's node streams are taken over by another replica.",
+        _non_negative_float,
+        commands=(META,),
+    ),
+    Option(
+        "sweep-interval",
+        30.0,
+        "Seconds between sweeps removing dead nodes' entries from the index (0: never).",
+        _non_negative_float,
+        commands=(META,),
+    ),
+    Option(
+        "query-max-blocks",
+        16384,
+        "Largest number of block hashes accepted in one lookup.",
+        _positive_int,
+        commands=(META,),
+    ),
 ]
 
 

@@ -1,0 +1,95 @@
+"""``pegaflow-meta`` (alias ``pegaflow-metaserver``): the global index server.
+
+    pegaflow-meta [options]           consume node streams, serve lookups over gRPC
+    pegaflow-meta rebuild [options]   recompute the index from the streams, print a JSON report
+
+Any number of replicas may run against one Redis or Redis Cluster; they share the node
+streams (see ``events/consumer.py``). Options: ``pegaflow/common/options.py`` (META rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+
+import redis
+import structlog
+
+from pegaflow.common.logging import configure_logging
+from pegaflow.common.options import META, parse_options
+from pegaflow.meta.redis_conn import Client
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    rebuild = bool(args) and args[0] == "rebuild"
+    prog = "pegaflow-meta rebuild" if rebuild else "pegaflow-meta"
+    opts = parse_options(META, prog, args[1:] if rebuild else args)
+    configure_logging(opts.log_level, opts.log_format)
+    if not opts.redis_url:
+        sys.stderr.write(f"{prog}: error: --redis-url (or PEGAFLOW_REDIS_URL) is required\n")
+        raise SystemExit(2)
+    from pegaflow.meta.redis_conn import connect
+
+    try:
+        r = connect(opts.redis_url, opts.redis_cluster)
+        r.ping()
+    except (redis.RedisError, OSError) as exc:
+        sys.stderr.write(f"{prog}: error: cannot reach redis at {opts.redis_url}: {exc}\n")
+        raise SystemExit(1) from None
+    if rebuild:
+        from pegaflow.meta.rebuild import rebuild as do_rebuild
+
+        report = do_rebuild(r)
+        sys.stdout.write(json.dumps(report.__dict__) + "\n")
+        return
+    serve_forever(r, opts)
+
+
+def serve_forever(r: Client, opts: argparse.Namespace) -> None:
+    from prometheus_client import start_http_server
+
+    from pegaflow.meta import sweeper
+    from pegaflow.meta.events.consumer import Consumer
+    from pegaflow.meta.lookup import Lookup
+    from pegaflow.meta.service import serve
+
+    log = structlog.get_logger("pegaflow.meta")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    consumer = Consumer(r, opts.consumer_name or None, lease_ms=int(opts.stream_lease_ttl * 1000))
+    threads = [threading.Thread(target=consumer.run, args=(stop,), name="pf-meta-consumer", daemon=True)]
+    if opts.sweep_interval > 0:
+        threads.append(
+            threading.Thread(
+                target=sweeper.run,
+                args=(r, stop, opts.sweep_interval, consumer.name),
+                name="pf-meta-sweeper",
+                daemon=True,
+            )
+        )
+    if opts.http_addr:
+        host, _, port = opts.http_addr.rpartition(":")
+        start_http_server(int(port), addr=host)
+    try:
+        server, port = serve(Lookup(r), opts.addr, opts.query_max_blocks)
+    except (RuntimeError, OSError) as exc:
+        sys.stderr.write(f"pegaflow-meta: error: cannot listen on {opts.addr}: {exc}\n")
+        raise SystemExit(1) from None
+    for t in threads:
+        t.start()
+    log.info("metaserver started", addr=opts.addr, port=port, consumer=consumer.name)
+    stop.wait()
+    server.stop(grace=1.0).wait()
+    for t in threads:
+        t.join(timeout=5)
+    log.info("metaserver stopped", consumer=consumer.name)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+"""Stream names and the consumer group.
+
+One stream per node, ``pf:ev:{<node>}``: the braces are a Redis Cluster hash tag, so each
+node's stream lives in one slot (per-node order is kept) and different nodes spread over
+the cluster.
+"""
+
+from __future__ import annotations
+
+GROUP = "pf-meta"  # the one consumer group all metaserver replicas share
+STREAM_PREFIX = "pf:ev:"
+
+
+def stream_key(node: str) -> str:
+    """Stream of one node. Node names may not contain braces (they would break the hash tag)."""
+    if not node or "{" in node or "}" in node:
+        raise ValueError(f"invalid node name {node!r}")
+    return f"{STREAM_PREFIX}{{{node}}}"
+
+
+def node_of_stream(key: str | bytes) -> str:
+    k = key.decode() if isinstance(key, bytes) else key
+    return k[len(STREAM_PREFIX) + 1 : -1]

@@ -1,0 +1,61 @@
+"""Every Redis key the metaserver and the node publisher use, in one place.
+
+Two kinds of slots (Redis Cluster hash tags):
+
+- ``{pf}``: the registry — node incarnations, liveness keys, stream leases, retired nids.
+  Small; one slot, so the registry scripts and the liveness ``MGET`` are single-slot.
+- ``{<ns tag>}``: the index of one namespace — 65536 bucket hashes plus an anchor key.
+  A QueryPrefix touches one namespace, so its Lua script runs in one slot. The price:
+  one namespace lives on one cluster shard (namespaces, not blocks, spread the load).
+
+Block ``h`` (16 bytes) of namespace tag ``t`` is field ``h[2:]`` of hash
+``pf:b:{t}`` + ``h[:2]``; the value is the list of nids holding it, 4 bytes each
+(big-endian). With <= 128 fields per bucket Redis keeps the bucket as a listpack,
+about 30 bytes per block instead of ~110 for one key per block.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+
+NODES = "pf:{pf}:nodes"  # HASH node name -> json {nid, epoch, addr} of its newest incarnation
+NEXT_NID = "pf:{pf}:nid"  # STRING counter; nids are never reused
+VERSION = "pf:{pf}:ver"  # STRING counter bumped whenever the visible set of incarnations changes
+RETIRED = "pf:{pf}:retired"  # ZSET nid -> ms when retired; the sweeper removes their entries
+NAMESPACES = "pf:{pf}:ns"  # HASH ns tag -> namespace string
+CONSUMERS = "pf:{pf}:consumers"  # ZSET consumer name -> heartbeat deadline ms
+SWEEP_LOCK = "pf:{pf}:sweep"
+
+BUCKET_PREFIX = "pf:b:"  # live index
+REBUILD_PREFIX = "pf:t:"  # index being rebuilt, renamed over the live one bucket by bucket
+BUCKETS = 1 << 16
+
+
+def live_key(node: str) -> str:
+    """STRING nid visible to readers for ``node``, with the node's liveness TTL."""
+    return f"pf:{{pf}}:live:{node}"
+
+
+def owner_key(node: str) -> str:
+    """STRING consumer that owns ``node``'s stream (a lease with a TTL)."""
+    return f"pf:{{pf}}:own:{node}"
+
+
+@functools.lru_cache(maxsize=4096)
+def ns_tag(namespace: str) -> str:
+    """16 hex chars naming a namespace in keys (namespace strings are long)."""
+    return hashlib.blake2b(namespace.encode(), digest_size=8).hexdigest()
+
+
+def anchor_key(tag: str) -> str:
+    """A key in the namespace's slot; scripts name it so the cluster routes them there."""
+    return f"pf:n:{{{tag}}}"
+
+
+def bucket_prefix(tag: str, prefix: str = BUCKET_PREFIX) -> bytes:
+    return f"{prefix}{{{tag}}}".encode()
+
+
+def bucket_key(tag: str, h: bytes, prefix: str = BUCKET_PREFIX) -> bytes:
+    return bucket_prefix(tag, prefix) + h[:2]

@@ -1,0 +1,92 @@
+"""Read side: QueryPrefix and the routing hint, one Redis round trip each.
+
+A lookup sends, together, the prefix script (namespace slot) and ``MGET`` of every known
+node's liveness key plus ``GET`` of the registry version (``{pf}`` slot); on a cluster the
+two go to their shards in parallel (``redis_conn.parallel``). Nids not visible in that
+same round trip are dropped, so a node whose TTL expired disappears from answers at once.
+The name/address cache is reloaded only when the registry version moved (then, and only
+then, a lookup costs a second round trip).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pegaflow.meta import keys, registry
+from pegaflow.meta.index import Index
+from pegaflow.meta.redis_conn import Client, parallel
+
+
+@dataclass(frozen=True)
+class NodePrefix:
+    node: str
+    address: str
+    prefix_len: int
+
+
+class Lookup:
+    """Thread-safe; one instance per process serves every gRPC handler thread."""
+
+    def __init__(self, r: Client) -> None:
+        self.r = r
+        self.index = Index(r)
+        self._lock = threading.Lock()
+        self._version = -1
+        self._names: list[str] = []
+        self._addrs: dict[str, str] = {}
+        self.index.ensure_scripts()
+
+    def _reload(self) -> None:
+        ver = registry.version(self.r)
+        nodes = registry.nodes(self.r)
+        with self._lock:
+            self._names = sorted(nodes)
+            self._addrs = {n: i.addr for n, i in nodes.items()}
+            self._version = ver
+
+    def query_prefix(self, namespace: str, hashes: Sequence[bytes]) -> list[NodePrefix]:
+        """Live nodes holding a non-empty prefix of ``hashes``, longest first (ties by name)."""
+        if not hashes:
+            return []
+        anchor, qcmd = self.index.query_command(namespace, hashes)
+        for attempt in range(3):
+            names = self._names
+            reg_cmds = [["GET", keys.VERSION]]
+            if names:
+                reg_cmds.append(["MGET", *(keys.live_key(n) for n in names)])
+            qrep, rrep = parallel(self.r, [(anchor, [qcmd]), (keys.VERSION, reg_cmds)])
+            if isinstance(qrep[0], Exception):
+                if "NOSCRIPT" in str(qrep[0]) and attempt < 2:
+                    self.index.ensure_scripts()
+                    continue
+                raise qrep[0]
+            for rep in rrep:
+                if isinstance(rep, Exception):
+                    raise rep
+            if int(rrep[0] or 0) != self._version and attempt < 2:
+                self._reload()
+                continue
+            live = rrep[1] if names else []
+            visible = {int(v): n for n, v in zip(names, live, strict=True) if v is not None}
+            held = Index.decode_query(qrep[0])
+            out = [
+                NodePrefix(visible[nid], self._addrs.get(visible[nid], ""), n)
+                for nid, n in held.items()
+                if nid in visible and n > 0
+            ]
+            out.sort(key=lambda p: (-p.prefix_len, p.node))
+            return out
+        raise RuntimeError("registry kept changing during the lookup")
+
+    def route_hint(self, namespace: str, hashes: Sequence[bytes]) -> NodePrefix | None:
+        """The live node with the longest prefix, or None when no live node holds block 0."""
+        res = self.query_prefix(namespace, hashes)
+        return res[0] if res else None
+
+    def nodes(self) -> list[tuple[str, str, int, bool]]:
+        """(name, address, epoch, alive) of every registered node."""
+        info = registry.nodes(self.r)
+        vis = set(registry.visible(self.r, sorted(info)).values())
+        return [(n, i.addr, i.epoch, n in vis) for n, i in sorted(info.items())]

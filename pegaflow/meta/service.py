@@ -1,0 +1,112 @@
+"""gRPC MetaService over :class:`pegaflow.meta.lookup.Lookup`.
+
+Requests are validated before Redis is touched: a bad namespace, a hash that is not 16
+bytes or too many hashes get INVALID_ARGUMENT; Redis failures get UNAVAILABLE. The
+mapping to status codes is ``pegaflow.common.errors`` (the one place).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Sequence
+from concurrent import futures
+from typing import Any, TypeVar
+
+import grpc
+import redis
+import structlog
+
+from pegaflow._proto import meta_pb2, meta_pb2_grpc
+from pegaflow.common.errors import InvalidArgument, PegaError, Unavailable, grpc_code
+from pegaflow.meta import metrics
+from pegaflow.meta.events.schema import HASH_BYTES
+from pegaflow.meta.lookup import Lookup, NodePrefix
+
+log = structlog.get_logger("pegaflow.meta.service")
+
+GRPC_THREADS = 8
+
+Resp = TypeVar("Resp")
+
+
+def _rpc(method: str) -> Callable[[Callable[..., Resp]], Callable[..., Resp]]:
+    def wrap(fn: Callable[..., Resp]) -> Callable[..., Resp]:
+        @functools.wraps(fn)
+        def handler(self: MetaServicer, request: Any, context: grpc.ServicerContext) -> Resp:
+            try:
+                try:
+                    return fn(self, request, context)
+                except (redis.RedisError, OSError) as exc:
+                    raise Unavailable(f"redis: {exc}") from exc
+            except PegaError as exc:
+                code = grpc_code(exc)
+                metrics.QUERY_ERRORS.labels(code.name).inc()
+                if code is grpc.StatusCode.INVALID_ARGUMENT:
+                    log.info("invalid_request", method=method, error=str(exc))
+                else:
+                    log.warning("rpc_failed", method=method, error=str(exc))
+                context.abort(code, str(exc))
+                raise  # unreachable: abort raises
+
+        return handler
+
+    return wrap
+
+
+def check_request(namespace: str, hashes: Sequence[bytes], max_blocks: int) -> None:
+    if not namespace:
+        raise InvalidArgument("namespace is empty")
+    if len(hashes) > max_blocks:
+        raise InvalidArgument(f"{len(hashes)} hashes exceed --query-max-blocks {max_blocks}")
+    for i, h in enumerate(hashes):
+        if len(h) != HASH_BYTES:
+            raise InvalidArgument(f"hash {i} has {len(h)} bytes, expected {HASH_BYTES}")
+
+
+def _pb(p: NodePrefix) -> meta_pb2.NodePrefix:
+    return meta_pb2.NodePrefix(node=p.node, address=p.address, prefix_len=p.prefix_len)
+
+
+class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
+    def __init__(self, lookup: Lookup, max_blocks: int) -> None:
+        self.lookup = lookup
+        self.max_blocks = max_blocks
+
+    def _query(self, request: meta_pb2.QueryPrefixRequest) -> list[NodePrefix]:
+        check_request(request.namespace, request.hashes, self.max_blocks)
+        t0 = time.perf_counter()
+        res = self.lookup.query_prefix(request.namespace, list(request.hashes))
+        metrics.QUERY_SECONDS.observe(time.perf_counter() - t0)
+        return res
+
+    @_rpc("QueryPrefix")
+    def QueryPrefix(self, request: meta_pb2.QueryPrefixRequest, context: grpc.ServicerContext) -> Any:  # noqa: N802
+        return meta_pb2.QueryPrefixResponse(nodes=[_pb(p) for p in self._query(request)])
+
+    @_rpc("RouteHint")
+    def RouteHint(self, request: meta_pb2.QueryPrefixRequest, context: grpc.ServicerContext) -> Any:  # noqa: N802
+        res = self._query(request)
+        if not res:
+            return meta_pb2.RouteHintResponse(found=False)
+        return meta_pb2.RouteHintResponse(found=True, best=_pb(res[0]))
+
+    @_rpc("ListNodes")
+    def ListNodes(self, request: meta_pb2.ListNodesRequest, context: grpc.ServicerContext) -> Any:  # noqa: N802
+        return meta_pb2.ListNodesResponse(
+            nodes=[
+                meta_pb2.NodeEntry(node=n, address=a, epoch=e, alive=al)
+                for n, a, e, al in self.lookup.nodes()
+            ]
+        )
+
+
+def serve(lookup: Lookup, addr: str, max_blocks: int) -> tuple[grpc.Server, int]:
+    """Start the gRPC server; returns it and the bound port (``addr`` may use port 0)."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=GRPC_THREADS))
+    meta_pb2_grpc.add_MetaServiceServicer_to_server(MetaServicer(lookup, max_blocks), server)
+    port = server.add_insecure_port(addr)
+    if port == 0:
+        raise OSError(f"cannot bind {addr}")
+    server.start()
+    return server, port

@@ -1,0 +1,170 @@
+"""Unit tests of the event codec, the index scripts and the registry, on fakeredis (Lua via lupa)."""
+
+from __future__ import annotations
+
+import random
+
+import fakeredis
+import pytest
+
+from pegaflow.meta import keys, registry
+from pegaflow.meta.events import FLAG_LAST, Event, MalformedEvent, Op, decode, encode, stream_key
+from pegaflow.meta.events.codec import FIELD
+from pegaflow.meta.events.consumer import Consumer
+from pegaflow.meta.events.publisher import EventPublisher
+from pegaflow.meta.index import Index
+
+pytest.importorskip("lupa", reason="fakeredis needs lupa for Lua scripts (pip install lupa)")
+
+NS = "llama|fp16|bs16|tp1"
+
+
+def hashes(n: int, seed: int = 0) -> list[bytes]:
+    rng = random.Random(seed)
+    return [rng.randbytes(16) for _ in range(n)]
+
+
+@pytest.fixture
+def r() -> fakeredis.FakeRedis:
+    return fakeredis.FakeRedis()
+
+
+# --- codec ---------------------------------------------------------------------------------
+
+
+def test_codec_round_trips_every_field() -> None:
+    hs = hashes(300)
+    ev = Event.make("node-a", 7, 3, 42, Op.EVICT, NS, hs, flags=FLAG_LAST)
+    data = encode(ev)
+    assert len(data) == 32 + len("node-a") + len(NS) + 300 * 16
+    back = decode(data)
+    assert back == ev
+    assert back.hashes == hs and back.last and back.count == 300
+
+
+def test_codec_rejects_malformed_bytes() -> None:
+    good = encode(Event.make("n", 1, 1, 1, Op.INSERT, NS, hashes(3)))
+    bad = [
+        b"",
+        good[:10],
+        good[:-1],  # truncated hash
+        good + b"x",  # trailing garbage
+        b"\x02" + good[1:],  # unknown version
+        good[:1] + b"\x09" + good[2:],  # unknown op
+    ]
+    for data in bad:
+        with pytest.raises(MalformedEvent):
+            decode(data)
+    with pytest.raises(ValueError):
+        Event.make("n", 1, 1, 1, Op.INSERT, NS, [b"short"])
+
+
+def test_stream_names_use_a_hash_tag_per_node() -> None:
+    assert stream_key("host-1") == "pf:ev:{host-1}"
+    with pytest.raises(ValueError):
+        stream_key("a{b}")
+
+
+# --- index scripts ---------------------------------------------------------------------------
+
+
+def test_apply_is_idempotent_and_evict_removes_only_that_node(r: fakeredis.FakeRedis) -> None:
+    ix = Index(r)
+    hs = hashes(50)
+    assert ix.apply(Op.INSERT, NS, 1, hs) == 50
+    assert ix.apply(Op.INSERT, NS, 1, hs) == 0  # again: nothing changes
+    assert ix.apply(Op.SNAPSHOT, NS, 2, hs[:10]) == 10
+    assert ix.holders(NS, hs[:1]) == [{1, 2}]
+    assert ix.apply(Op.EVICT, NS, 1, hs[:20]) == 20
+    assert ix.apply(Op.EVICT, NS, 1, hs[:20]) == 0
+    assert ix.holders(NS, [hs[0], hs[15], hs[30]]) == [{2}, set(), {1}]
+
+
+def test_replaying_a_suffix_of_events_in_order_changes_nothing(r: fakeredis.FakeRedis) -> None:
+    rng = random.Random(1)
+    pool = hashes(40, seed=2)
+    events = [(rng.choice([Op.INSERT, Op.EVICT]), rng.sample(pool, 8)) for _ in range(60)]
+    ix = Index(r)
+    for op, hs in events:
+        ix.apply(op, NS, 5, hs)
+    before = ix.holders(NS, pool)
+    assert any(before) and not all(before)
+    for op, hs in events[25:]:  # a crashed consumer's unacked tail, applied again
+        ix.apply(op, NS, 5, hs)
+    assert ix.holders(NS, pool) == before
+
+
+def test_query_returns_each_nodes_prefix_length(r: fakeredis.FakeRedis) -> None:
+    ix = Index(r)
+    hs = hashes(128)
+    ix.apply(Op.INSERT, NS, 1, hs)  # all 128
+    ix.apply(Op.INSERT, NS, 2, hs[:40])  # 40
+    ix.apply(Op.INSERT, NS, 3, hs[:5] + hs[6:100])  # hole at 5
+    ix.apply(Op.INSERT, NS, 4, hs[1:])  # lacks block 0: no prefix
+    ix.apply(Op.INSERT, "other-namespace", 5, hs)  # other namespace never seen
+    assert ix.query(NS, hs) == {1: 128, 2: 40, 3: 5}
+    assert ix.query(NS, [hashes(1, seed=9)[0]]) == {}
+
+
+# --- registry --------------------------------------------------------------------------------
+
+
+def test_register_switch_and_heartbeat(r: fakeredis.FakeRedis) -> None:
+    nid1, e1 = registry.register(r, "a", "h:1", 10_000, switch=True)
+    assert (nid1, e1) == (1, 1)
+    assert registry.visible(r, ["a"]) == {1: "a"}
+    # In-process re-sync: the old epoch stays visible until the snapshot is applied.
+    nid2, e2 = registry.register(r, "a", "h:1", 10_000, switch=False)
+    assert (nid2, e2) == (2, 2) and registry.visible(r, ["a"]) == {1: "a"}
+    assert registry.heartbeat(r, "a", nid2, 10_000)
+    assert not registry.heartbeat(r, "a", nid1, 10_000)  # superseded incarnation
+    assert registry.switch(r, "a", nid2) == 2
+    assert registry.visible(r, ["a"]) == {2: "a"} and 1 in registry.retired(r)
+    # Restart: the new incarnation is visible at once.
+    nid3, _ = registry.register(r, "a", "h:1", 10_000, switch=True)
+    assert registry.visible(r, ["a"]) == {nid3: "a"} and registry.switch(r, "a", nid2) == 0
+    # Liveness gone: invisible, heartbeat fails, reap retires it.
+    r.delete(keys.live_key("a"))
+    assert registry.visible(r, ["a"]) == {}
+    assert not registry.heartbeat(r, "a", nid3, 10_000)
+    assert registry.reap(r, ["a"]) == 1 and nid3 in registry.retired(r) and registry.nodes(r) == {}
+
+
+# --- publisher buffer and consumer on fakeredis ------------------------------------------------
+
+
+def test_full_buffer_drops_counts_and_never_blocks() -> None:
+    pub = EventPublisher(fakeredis.FakeRedis(), "n", "h:1", lambda: [], buffer_blocks=100)
+    pub.on_insert(NS, hashes(60))
+    pub.on_insert(NS, hashes(60, seed=1))  # does not fit: dropped
+    pub.on_insert(NS, hashes(1, seed=2))  # dropping until the re-sync cut
+    assert pub.stats.dropped_blocks == 61 and pub._buf_blocks == 60
+
+
+def test_publisher_and_consumer_converge_and_skip_malformed(r: fakeredis.FakeRedis) -> None:
+    state: dict[str, set[bytes]] = {NS: set(hashes(20, seed=3))}
+    pub = EventPublisher(r, "n1", "h:1", lambda: [(ns, sorted(h)) for ns, h in state.items()], flush_interval=0.001)
+    pub.start(wait=5)
+    new = hashes(30, seed=4)
+    state[NS].update(new)
+    pub.on_insert(NS, new)
+    gone = sorted(state[NS])[:7]
+    state[NS].difference_update(gone)
+    pub.on_evict(NS, gone)
+    assert pub.wait_idle(5)
+    r.xadd(stream_key("n1"), {FIELD: b"\x01garbage"})
+    r.xadd(stream_key("n1"), {b"other": b"x"})
+    r.xadd(stream_key("n1"), {FIELD: encode(Event.make("intruder", pub.nid, 1, 99, Op.INSERT, NS, hashes(1, 9)))})
+    last = hashes(3, seed=5)
+    state[NS].update(last)
+    pub.on_insert(NS, last)
+    assert pub.wait_idle(5)
+    pub.stop()
+    c = Consumer(r, "c1")
+    assert c.wait_caught_up(10)
+    assert c.stats.malformed == 3
+    (live,) = registry.visible(r, ["n1"])
+    every = sorted(set(hashes(20, seed=3)) | set(new) | set(last) | set(hashes(1, 9)))
+    got = {h for h, nids in zip(every, Index(r).holders(NS, every), strict=True) if live in nids}
+    assert got == state[NS]
+    assert r.xpending(stream_key("n1"), "pf-meta")["pending"] == 0
