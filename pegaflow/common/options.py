@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pegaflow.common.durations import parse_windows
 from pegaflow.common.units import parse_size
 
 NODE = "node"
@@ -224,6 +225,25 @@ OPTIONS: list[Option] = [
         "Largest number of block hashes accepted in one lookup.",
         _positive_int,
         commands=(META,),
+    ),
+    # --- policy: admission and the hit-rate ceiling -----------------------------------
+    Option(
+        "enable-lfu-admission",
+        False,
+        "Put TinyLFU admission in front of LRU eviction: a new block is stored only if it is "
+        "requested more often than the block it would evict.",
+        _bool,
+        commands=(NODE, REPLAY),
+        flag=True,
+    ),
+    Option(
+        "ceiling-windows",
+        "15m,1h,24h",
+        "Rolling windows (comma-separated durations: s/m/h/d) over which the hit-rate ceiling "
+        "r* = (N - U) / N is estimated and exported beside the measured hit rate.",
+        parse_windows,
+        commands=(NODE, META),
+        metavar="DURATIONS",
     ),
 ]
 
