@@ -19,6 +19,7 @@ from typing import Any
 
 from pegaflow.common.durations import parse_windows
 from pegaflow.common.units import parse_size
+from pegaflow.replay.capacity import parse_capacity, parse_route, parse_sweep
 
 NODE = "node"
 META = "meta"
@@ -242,9 +243,92 @@ OPTIONS: list[Option] = [
         "Rolling windows (comma-separated durations: s/m/h/d) over which the hit-rate ceiling "
         "r* = (N - U) / N is estimated and exported beside the measured hit rate.",
         parse_windows,
-        commands=(NODE, META),
+        commands=(NODE, META, REPLAY),
         metavar="DURATIONS",
     ),
+    # --- replay: offline trace analysis (pegaflow/replay/, docs/replay.md) --------------
+    Option(
+        "trace-format",
+        "auto",
+        "Trace format: auto (from the first line), mooncake, or pegaflow (the node's query trace).",
+        _choice("auto", "mooncake", "pegaflow"),
+        commands=(REPLAY,),
+    ),
+    Option(
+        "l1-capacity",
+        "25%",
+        "L1 (DRAM) capacity of the cluster: bytes (500gb), blocks (20000blocks), a percentage of "
+        "the trace's distinct blocks (25%), or inf.",
+        parse_capacity,
+        commands=(REPLAY,),
+        metavar="SIZE",
+    ),
+    Option(
+        "ssd-capacity",
+        "0",
+        "SSD tier capacity (units as --l1-capacity; 0: no SSD tier). It receives L1's evictions.",
+        parse_capacity,
+        commands=(REPLAY,),
+        metavar="SIZE",
+    ),
+    Option(
+        "page-bytes",
+        "64mb",
+        "Bytes of one block's page, for capacities in bytes when the trace does not say "
+        "(64mb: Llama-3-8B bf16, 512-token blocks).",
+        parse_size,
+        commands=(REPLAY,),
+    ),
+    Option("block-tokens", 512, "Tokens per block of the trace (Mooncake: 512).", _positive_int, commands=(REPLAY,)),
+    Option("instances", 1, "Engine instances the requests are spread over.", _positive_int, commands=(REPLAY,)),
+    Option(
+        "pools",
+        "both",
+        "shared: one pool for all instances; isolated: one per instance (capacity split evenly); "
+        "both: run and compare the two.",
+        _choice("shared", "isolated", "both"),
+        commands=(REPLAY,),
+    ),
+    Option(
+        "route",
+        "round-robin",
+        "How requests reach instances: round-robin, or field:NAME (crc32 of that trace field).",
+        parse_route,
+        commands=(REPLAY,),
+    ),
+    Option(
+        "compare-admission",
+        False,
+        "Run every scenario both with and without TinyLFU admission.",
+        _bool,
+        commands=(REPLAY,),
+        flag=True,
+    ),
+    Option(
+        "sweep",
+        "auto",
+        "L1 capacities for the hit-rate curve: auto (1/64 to all of the distinct blocks), none, "
+        "or a comma-separated list of capacities.",
+        parse_sweep,
+        commands=(REPLAY,),
+    ),
+    Option("json", False, "Print the report as JSON instead of tables.", _bool, commands=(REPLAY,), flag=True),
+    Option(
+        "plot",
+        "",
+        "Write a PNG of hit rate vs L1 capacity, with the ceiling, to this file.",
+        commands=(REPLAY,),
+        metavar="FILE",
+    ),
+    Option(
+        "skip-bad",
+        False,
+        "Count and skip malformed trace lines instead of stopping at the first one.",
+        _bool,
+        commands=(REPLAY,),
+        flag=True,
+    ),
+    Option("quiet", False, "No progress bar.", _bool, commands=(REPLAY,), flag=True),
 ]
 
 

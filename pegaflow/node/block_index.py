@@ -20,13 +20,21 @@ States and who moves a block between them:
 This class does no I/O and holds no pool memory: the node wraps it around a shared
 memory pool, ``pegaflow replay`` runs it on offsets alone. It is not thread-safe; the
 node calls it from its event loop only.
+
+Performance: ``pegaflow replay`` drives this very class at >= 1M block accesses/s, so
+the per-block paths keep Python out of the inner loop where it is cheap to do so: lookups
+and LRU moves are mapped over a request in C, a victim's page goes straight to the new
+block when their sizes match (no allocator round trip), and event grouping is skipped when
+nobody listens. The allocator is pluggable for the same reason (see ``__init__``).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import repeat
+from operator import attrgetter
 from typing import Protocol
 
 from pegaflow.node.allocator import ExtentAllocator, OutOfSpace
@@ -52,7 +60,7 @@ class Namespace:
 class Block:
     """One page of the pool holding one block. Mutable, owned by :class:`BlockIndex`."""
 
-    __slots__ = ("ns", "hash", "offset", "size", "state", "pins", "reclaimable")
+    __slots__ = ("ns", "hash", "offset", "size", "state", "pins", "reclaimable", "key")
 
     def __init__(self, ns: Namespace, hash_: bytes, offset: int, reclaimable: bool = False) -> None:
         self.ns = ns
@@ -62,10 +70,8 @@ class Block:
         self.state = PENDING
         self.pins = 0
         self.reclaimable = reclaimable
-
-    @property
-    def key(self) -> tuple[int, bytes]:
-        return (self.ns.id, self.hash)
+        # (ns.id, hash): the index's dict key, stored because the LRU paths need it per block.
+        self.key: tuple[int, bytes] = (ns.id, hash_)
 
     def __repr__(self) -> str:
         return f"Block(ns={self.ns.name!r}, hash={self.hash.hex()[:12]}, offset={self.offset}, pins={self.pins})"
@@ -78,10 +84,36 @@ def admission_key(ns_id: int, hash_: bytes) -> int:
 
 Listener = Callable[[str, Namespace, list[bytes]], None]  # (op, namespace, hashes)
 
+_KEY = attrgetter("key")
+
+
+class PageAllocator(Protocol):
+    """What the index needs from an allocator (``ExtentAllocator`` is the node's)."""
+
+    capacity: int
+    free_bytes: int
+
+    def round(self, size: int) -> int: ...
+    def alloc(self, size: int) -> int: ...  # raises OutOfSpace
+    def free(self, offset: int, size: int) -> None: ...
+
 
 class BlockIndex:
-    def __init__(self, capacity: int, align: int = 4096, admission: Admission | None = None) -> None:
-        self.alloc = ExtentAllocator(capacity, align)
+    def __init__(
+        self,
+        capacity: int,
+        align: int = 4096,
+        admission: Admission | None = None,
+        allocator: PageAllocator | None = None,
+    ) -> None:
+        """``capacity`` bytes of pages aligned to ``align``, carved by an :class:`ExtentAllocator`.
+
+        ``allocator`` replaces that allocator (then ``capacity`` and ``align`` are ignored):
+        replay passes a constant-time one when every page has the same size, where any
+        allocator that never fragments holds exactly ``capacity // page`` pages, so which
+        blocks are evicted is unchanged.
+        """
+        self.alloc: PageAllocator = allocator if allocator is not None else ExtentAllocator(capacity, align)
         self.admission = admission
         self._namespaces: dict[str, Namespace] = {}
         self._blocks: dict[tuple[int, bytes], Block] = {}  # RESIDENT and PENDING
@@ -95,6 +127,7 @@ class BlockIndex:
         self.evicted_bytes = 0
         self.admission_rejections = 0
         self.no_space = 0
+        self._pending = 0  # PENDING blocks held; when 0, prefix() need not check states
 
     # ---- namespaces -------------------------------------------------------------------
     def namespace(self, name: str, page_bytes: int) -> Namespace:
@@ -135,26 +168,42 @@ class BlockIndex:
 
     def prefix(self, ns: Namespace, hashes: Sequence[bytes], touch: bool = True) -> list[Block]:
         """RESIDENT blocks for the longest prefix of ``hashes``; marks them recently used."""
-        out: list[Block] = []
-        blocks = self._blocks
-        nid = ns.id
-        for h in hashes:
-            b = blocks.get((nid, h))
-            if b is None or b.state != RESIDENT:
-                break
-            out.append(b)
+        if not hashes or (ns.id, hashes[0]) not in self._blocks:
+            return []
+        # All lookups in C, then cut at the first miss (cheaper than a Python loop that stops).
+        out: list[Block] = list(map(self._blocks.get, zip(repeat(ns.id), hashes)))
+        try:
+            del out[out.index(None) :]
+        except ValueError:
+            pass
+        if self._pending:
+            for i, b in enumerate(out):
+                if b.state != RESIDENT:
+                    del out[i:]
+                    break
         if touch:
             self.touch(out)
         return out
 
     def touch(self, blocks: Iterable[Block]) -> None:
+        """Mark RESIDENT blocks most recently used (pinned ones stay out of the order) and
+        record one access of each with the admission policy."""
+        if not isinstance(blocks, list):
+            blocks = list(blocks)
+        try:
+            # Common case, all evictable and local: move them in C. A miss (pinned or
+            # reclaimable block) falls back to the full loop, which redoes the moves
+            # already made in the same order, so the resulting order is the same.
+            deque(map(self._lru.move_to_end, map(_KEY, blocks)), 0)
+        except KeyError:
+            for b in blocks:
+                k = b.key
+                lru = self._lru_reclaimable if b.reclaimable else self._lru
+                if k in lru:
+                    lru.move_to_end(k)
         adm = self.admission
-        for b in blocks:
-            k = b.key
-            lru = self._lru_reclaimable if b.reclaimable else self._lru
-            if k in lru:
-                lru.move_to_end(k)
-            if adm is not None:
+        if adm is not None:
+            for b in blocks:
                 adm.record(admission_key(b.ns.id, b.hash))
 
     def record_access(self, ns: Namespace, hashes: Iterable[bytes]) -> None:
@@ -189,16 +238,19 @@ class BlockIndex:
         """
         out: list[Block | None] = []
         blocks = self._blocks
+        nid = ns.id
+        allocate = self._allocate
         full = False
+        made = 0
         for h in hashes:
-            key = (ns.id, h)
+            key = (nid, h)
             existing = blocks.get(key)
             if full or existing is not None:
                 if existing is not None and existing.state == RESIDENT:
                     self.touch((existing,))
                 out.append(None)
                 continue
-            offset = self._allocate(ns, h)
+            offset = allocate(ns, h)
             if offset is None:
                 full = True
                 self.no_space += 1
@@ -206,23 +258,31 @@ class BlockIndex:
                 continue
             b = Block(ns, h, offset, reclaimable)
             blocks[key] = b
+            made += 1
             out.append(b)
+        self._pending += made
         return out
 
     def commit(self, pending: Sequence[Block]) -> list[Block]:
         """Make PENDING blocks RESIDENT (visible). Returns the blocks committed."""
         done: list[Block] = []
+        blocks = self._blocks
+        lru = self._lru
+        nbytes = 0
         for b in pending:
-            if b.state != PENDING or self._blocks.get(b.key) is not b:
+            if b.state != PENDING or blocks.get(b.key) is not b:
                 continue
             b.state = RESIDENT
-            self.resident_blocks += 1
-            self.resident_bytes += b.size
+            nbytes += b.size
             if b.pins == 0:
-                (self._lru_reclaimable if b.reclaimable else self._lru)[b.key] = b
+                (self._lru_reclaimable if b.reclaimable else lru)[b.key] = b
             done.append(b)
-        for ns, hs in _group(done).items():
-            self._emit("insert", ns, hs)
+        self._pending -= len(done)
+        self.resident_blocks += len(done)
+        self.resident_bytes += nbytes
+        if self._listeners:
+            for ns, hs in _group(done).items():
+                self._emit("insert", ns, hs)
         return done
 
     def discard(self, pending: Iterable[Block]) -> int:
@@ -233,6 +293,7 @@ class BlockIndex:
                 del self._blocks[b.key]
                 self.alloc.free(b.offset, b.size)
                 n += 1
+        self._pending -= n
         return n
 
     def remove(self, blocks: Iterable[Block]) -> list[Block]:
@@ -247,17 +308,34 @@ class BlockIndex:
     # ---- eviction ---------------------------------------------------------------------
     def _allocate(self, ns: Namespace, h: bytes) -> int | None:
         size = ns.page_bytes
-        try:
-            return self.alloc.alloc(size)
-        except OutOfSpace:
-            pass
+        alloc = self.alloc
+        need = alloc.round(size)
+        if alloc.free_bytes >= need:  # else alloc() would raise; exceptions are slow
+            try:
+                return alloc.alloc(size)
+            except OutOfSpace:
+                pass
+        lru = self._lru_reclaimable or self._lru  # reclaimable copies go first
+        if not lru:
+            return None
+        victim = next(iter(lru.values()))
         if self.admission is not None:
-            victim = self._peek_victim()
-            if victim is None:
-                return None
             if not self.admission.admit(admission_key(ns.id, h), admission_key(victim.ns.id, victim.hash)):
                 self.admission_rejections += 1
                 return None
+        vsize = victim.size
+        if vsize == size or alloc.round(vsize) == need:
+            # The victim's page fits exactly: hand it over instead of freeing and carving
+            # it again. One eviction either way, as the loop below would do.
+            lru.popitem(last=False)
+            del self._blocks[victim.key]
+            self.resident_blocks -= 1
+            self.resident_bytes -= vsize
+            self.evictions += 1
+            self.evicted_bytes += vsize
+            if self._listeners:
+                self._emit("evict", victim.ns, [victim.hash])
+            return victim.offset
         evicted: list[Block] = []
         try:
             while True:
@@ -278,9 +356,10 @@ class BlockIndex:
                 self._emit("evict", ens, hs)
 
     def _peek_victim(self) -> Block | None:
-        for lru in (self._lru_reclaimable, self._lru):
-            if lru:
-                return next(iter(lru.values()))
+        if self._lru_reclaimable:
+            return next(iter(self._lru_reclaimable.values()))
+        if self._lru:
+            return next(iter(self._lru.values()))
         return None
 
     def _drop(self, b: Block) -> None:

@@ -1,0 +1,45 @@
+"""``pegaflow``: the umbrella command; each subcommand lives in its own module.
+
+The table below is the only thing to edit when a subcommand is added: its module must
+have ``main(argv, prog) -> int``. Modules are imported only when their subcommand runs,
+so ``pegaflow --help`` stays instant.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Sequence
+
+# name -> (module with main(argv, prog), one-line summary)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "replay": ("pegaflow.replay.command", "offline trace analysis on the node's own cache code"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: pegaflow <command> [options]", "", "commands:"]
+    width = max(map(len, SUBCOMMANDS))
+    lines += [f"  {name.ljust(width)}  {summary}" for name, (_, summary) in SUBCOMMANDS.items()]
+    lines += ["", "pegaflow <command> --help shows a command's options."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        (sys.stdout if args else sys.stderr).write(_usage())
+        raise SystemExit(0 if args else 2)
+    name, rest = args[0], args[1:]
+    entry = SUBCOMMANDS.get(name)
+    if entry is None:
+        sys.stderr.write(
+            f"pegaflow: error: unknown command {name!r} (choose from {', '.join(SUBCOMMANDS)})\n"
+        )
+        raise SystemExit(2)
+    module = importlib.import_module(entry[0])
+    raise SystemExit(module.main(rest, prog=f"pegaflow {name}"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""``pegaflow replay TRACE``: read a trace, run the scenarios, print the report.
+
+Exit codes: 0 done; 2 bad flags or a bad trace (one line on stderr, no traceback: the
+line number of a malformed trace line is in it); 1 the trace or plot file cannot be read
+or written.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+
+from pegaflow.common.options import REPLAY, build_parser, fill_defaults
+from pegaflow.replay.capacity import route_field
+from pegaflow.replay.model import ISOLATED, SHARED, Scenario, scenario_grid
+from pegaflow.replay.report import Report, plot, render_table
+from pegaflow.replay.run import replay
+from pegaflow.replay.trace import TraceError, iter_lines, read_trace
+from pegaflow.replay.windows import ceiling_report
+
+DESCRIPTION = (
+    "Replay a request trace (Mooncake JSONL or the node's query trace) through the node's own "
+    "block index and admission code; report prefix hit rates, the (N-U)/N ceiling, per-window "
+    "ceilings, a capacity sweep and shared vs isolated pools."
+)
+
+
+class _Progress:
+    """A tqdm bar on stderr when it is a terminal (and not --quiet); otherwise nothing."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.bar = None
+        if enabled and total and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="req", file=sys.stderr, leave=False, dynamic_ncols=True)
+
+    def __call__(self, n: int) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "pegaflow replay") -> int:
+    p = build_parser(REPLAY, prog, DESCRIPTION)
+    p.add_argument("trace", help="trace file (JSON lines; .gz is decompressed)")
+    opts = fill_defaults(p.parse_args(argv), REPLAY, prog)
+
+    def fail(msg: str, code: int = 2) -> int:
+        sys.stderr.write(f"{prog}: error: {msg}\n")
+        return code
+
+    started = time.perf_counter()
+    try:
+        trace = read_trace(
+            iter_lines(opts.trace),
+            opts.trace_format,
+            block_tokens=opts.block_tokens,
+            route_field=route_field(opts.route) if opts.instances > 1 else None,
+            skip_bad=opts.skip_bad,
+        )
+    except TraceError as exc:
+        where = f"{opts.trace}:{exc.line}" if exc.line else opts.trace
+        return fail(f"{where}: {exc.message}")
+    except UnicodeDecodeError as exc:
+        return fail(f"{opts.trace}: not a UTF-8 text file ({exc.reason})")
+    except OSError as exc:
+        return fail(f"cannot read trace {opts.trace}: {exc.strerror or exc}", 1)
+    if not trace.requests:
+        return fail(
+            f"{opts.trace}: no requests" + (f" ({trace.skipped} bad lines skipped)" if trace.skipped else "")
+        )
+
+    base = Scenario(
+        l1=opts.l1_capacity,
+        ssd=opts.ssd_capacity,
+        page_bytes=opts.page_bytes,
+        instances=opts.instances,
+        route=opts.route,
+        tinylfu=opts.enable_lfu_admission,
+    )
+    if opts.instances == 1:
+        pools = [SHARED]
+    else:
+        pools = {"shared": [SHARED], "isolated": [ISOLATED], "both": [SHARED, ISOLATED]}[opts.pools]
+    admission = [opts.enable_lfu_admission]
+    if opts.compare_admission:
+        admission = [False, True]
+    scenarios = scenario_grid(base, pools, admission)
+    points = opts.sweep
+    total = len(trace.requests) * len(scenarios) * (1 + len(points))
+    bar = _Progress(total, not opts.quiet)
+    try:
+        runs = [replay(trace, sc, bar) for sc in scenarios]
+        sweep = [replay(trace, replace(sc, l1=cap), bar) for sc in scenarios for cap in points]
+    finally:
+        bar.close()
+    ceiling = ceiling_report(trace, runs[0].request_hits, opts.ceiling_windows)
+    page = next((b for b in trace.namespaces.values() if b), opts.page_bytes)
+    rep = Report(opts.trace, trace, ceiling, runs, sweep, page_bytes=page)
+    rep.seconds = time.perf_counter() - started
+    if opts.plot:
+        try:
+            plot(rep, opts.plot)
+        except OSError as exc:
+            return fail(f"cannot write plot {opts.plot}: {exc.strerror or exc}", 1)
+    sys.stdout.write(rep.to_json() + "\n" if opts.json else render_table(rep))
+    return 0

@@ -1,0 +1,234 @@
+"""The cache model ``pegaflow replay`` drives: pools of the node's own ``BlockIndex``.
+
+What is modelled, and how (also in ``docs/replay.md``):
+
+- **L1** is one :class:`~pegaflow.node.block_index.BlockIndex` per pool, with the node's
+  LRU eviction and, when asked, the node's TinyLFU admission
+  (:class:`~pegaflow.policy.tinylfu.TinyLFU`, sized to the L1 capacity in blocks). A
+  request is served exactly as the node serves it: ``prefix`` (hits are touched and
+  recorded), ``record_access`` for the rest, then ``reserve`` + ``commit`` of the blocks
+  the engine computed (the node's Query, Reserve, Commit).
+- **SSD** is a second ``BlockIndex`` per pool (plain LRU) that receives every block
+  evicted from L1 (a victim tier: the SSD write happens after the request). A prefix
+  continues across tiers: after L1's run, the SSD's run, then L1 again, and so on. SSD
+  hits are promoted into L1 like freshly computed blocks and stay on the SSD.
+- **Capacity** is in blocks (every page one unit, ``align=1``), in bytes (pages of the
+  namespace's size, 4096-aligned as in the node) or a percentage of the trace's distinct
+  blocks. Pools whose pages all have one size use :class:`UniformAllocator`; pools that
+  mix page sizes use the node's ``ExtentAllocator``.
+- **Instances**: with ``shared`` pools every instance uses one pool of the whole capacity
+  (PegaFlow: one node per host); with ``isolated`` pools instance i has its own pool of
+  ``capacity / instances`` (the same memory, split). Requests go to instances round-robin
+  or by ``crc32`` of a trace field, so equal field values always land together.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from pegaflow.node.allocator import OutOfSpace
+from pegaflow.node.block_index import BlockIndex, Namespace
+from pegaflow.policy.tinylfu import TinyLFU
+from pegaflow.replay.capacity import ROUND_ROBIN, Capacity, route_field
+
+# The node's default --page-align: O_DIRECT needs 4096-byte aligned pages.
+BYTES_ALIGN = 4096
+SHARED = "shared"
+ISOLATED = "isolated"
+
+
+class UniformAllocator:
+    """Constant-time page allocator for a pool whose pages all have one size.
+
+    Same contract as the node's ``ExtentAllocator`` for that case: pages are
+    ``round(size)`` bytes at multiples of it, ``capacity // page`` of them fit, and
+    ``free_bytes + allocated == capacity``. A page larger than the slot is refused.
+    """
+
+    __slots__ = ("page", "capacity", "free_bytes", "_next", "_free")
+
+    def __init__(self, capacity: int, page_bytes: int, align: int = 1) -> None:
+        if page_bytes <= 0:
+            raise ValueError(f"page_bytes must be > 0, got {page_bytes}")
+        self.page = (page_bytes + align - 1) // align * align
+        self.capacity = capacity - capacity % self.page
+        self.free_bytes = self.capacity
+        self._next = 0
+        self._free: list[int] = []
+
+    def round(self, size: int) -> int:
+        return self.page
+
+    def alloc(self, size: int) -> int:
+        if size > self.page:
+            raise ValueError(f"page of {size} bytes exceeds the uniform page of {self.page}")
+        if self._free:
+            off = self._free.pop()
+        elif self._next < self.capacity:
+            off = self._next
+            self._next += self.page
+        else:
+            raise OutOfSpace(size)
+        self.free_bytes -= self.page
+        return off
+
+    def free(self, offset: int, size: int) -> None:
+        self._free.append(offset)
+        self.free_bytes += self.page
+
+
+class Tier:
+    """One BlockIndex sized from a :class:`Capacity`, with its namespaces registered."""
+
+    def __init__(
+        self, amount: int, in_blocks: bool, page_bytes: dict[str, int], admission: bool = False
+    ) -> None:
+        sizes = {1} if in_blocks else set(page_bytes.values())
+        align = 1 if in_blocks else BYTES_ALIGN
+        if len(sizes) <= 1:
+            page = next(iter(sizes), 1)
+            alloc = UniformAllocator(amount, page, align)
+            entries = amount // alloc.page
+            self.index = BlockIndex(amount, align, allocator=alloc)
+        else:
+            mean = sum(sizes) / len(sizes)
+            entries = int(amount // mean)
+            self.index = BlockIndex(amount, align)
+        self.capacity_blocks = entries
+        self.admission: TinyLFU | None = TinyLFU(max(1, entries)) if admission else None
+        self.index.admission = self.admission
+        self.ns: dict[str, Namespace] = {
+            name: self.index.namespace(name, 1 if in_blocks else size) for name, size in page_bytes.items()
+        }
+
+
+class Pool:
+    """One node's cache: L1 and, if sized, the SSD victim tier (see the module docstring)."""
+
+    def __init__(
+        self,
+        l1: tuple[int, bool],
+        ssd: tuple[int, bool],
+        page_bytes: dict[str, int],
+        tinylfu: bool,
+    ) -> None:
+        self.l1 = Tier(*l1, page_bytes, admission=tinylfu)
+        self.ssd: Tier | None = None
+        self._evicted: list[tuple[str, list[bytes]]] = []
+        if ssd[0] > 0:
+            self.ssd = Tier(*ssd, page_bytes)
+            self.l1.index.add_listener(self._on_l1_event)
+
+    def _on_l1_event(self, op: str, ns: Namespace, hashes: list[bytes]) -> None:
+        if op == "evict":
+            self._evicted.append((ns.name, hashes))
+
+    def serve(self, namespace: str, hashes: list[bytes]) -> tuple[int, list[tuple[int, int]]]:
+        """Serve one request; returns (prefix hit blocks, SSD runs as (start, end) pairs)."""
+        l1 = self.l1.index
+        ns = self.l1.ns[namespace]
+        n = len(hashes)
+        pos = len(l1.prefix(ns, hashes))
+        if pos == n:
+            return n, []
+        if self.ssd is None:
+            rest = hashes[pos:]
+            l1.record_access(ns, rest)
+            l1.commit(list(filter(None, l1.reserve(ns, rest))))
+            return pos, []
+        ssd = self.ssd.index
+        sns = self.ssd.ns[namespace]
+        runs: list[tuple[int, int]] = []
+        store: list[bytes] = []  # not hit in L1: promoted from SSD or computed
+        while pos < n:
+            got = len(ssd.prefix(sns, hashes[pos:]))
+            if not got:
+                break
+            runs.append((pos, pos + got))
+            store += hashes[pos : pos + got]
+            pos += got
+            pos += len(l1.prefix(ns, hashes[pos:]))
+        store += hashes[pos:]
+        l1.record_access(ns, store)
+        l1.commit(list(filter(None, l1.reserve(ns, store))))
+        if self._evicted:
+            for name, hs in self._evicted:
+                s_ns = self.ssd.ns[name]
+                ssd.commit(list(filter(None, ssd.reserve(s_ns, hs))))
+            self._evicted.clear()
+        return pos, runs
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One what-if: tier sizes, pools, routing, admission."""
+
+    l1: Capacity
+    ssd: Capacity = Capacity(0, "bytes")
+    page_bytes: int = 64 << 20
+    instances: int = 1
+    pools: str = SHARED  # SHARED | ISOLATED
+    route: str = ROUND_ROBIN  # ROUND_ROBIN | "field:NAME"
+    tinylfu: bool = False
+
+    @property
+    def admission(self) -> str:
+        return "tinylfu" if self.tinylfu else "lru"
+
+    @property
+    def label(self) -> str:
+        pools = f"{self.pools} x{self.instances}" if self.instances > 1 else "1 pool"
+        return f"{pools}, {self.admission}"
+
+    def with_l1(self, l1: Capacity) -> Scenario:
+        return replace(self, l1=l1)
+
+
+class Cluster:
+    """The pools of one scenario and the rule that picks a pool for each request."""
+
+    def __init__(self, scenario: Scenario, unique: int, namespaces: dict[str, int | None]) -> None:
+        self.scenario = scenario
+        page_bytes = {name: size or scenario.page_bytes for name, size in namespaces.items()}
+        l1_amount, l1_blocks = scenario.l1.blocks_or_bytes(unique)
+        ssd_amount, ssd_blocks = scenario.ssd.blocks_or_bytes(unique)
+        n_pools = scenario.instances if scenario.pools == ISOLATED else 1
+        self.pools: list[Pool] = [
+            Pool(
+                (l1_amount // n_pools, l1_blocks),
+                (ssd_amount // n_pools, ssd_blocks),
+                page_bytes,
+                scenario.tinylfu,
+            )
+            for _ in range(n_pools)
+        ]
+        self._field = route_field(scenario.route)
+
+    def pool_for(self, i: int, route: str | None) -> Pool:
+        """The pool serving request number ``i`` whose routing field value is ``route``."""
+        n = len(self.pools)
+        if n == 1:
+            return self.pools[0]
+        if self._field is None:
+            return self.pools[i % n]
+        return self.pools[zlib.crc32((route or "").encode()) % n]
+
+    @property
+    def l1_capacity_blocks(self) -> int:
+        """L1 blocks over all pools (what the scenario's L1 size holds)."""
+        return sum(p.l1.capacity_blocks for p in self.pools)
+
+    def counter(self, name: str, tier: str = "l1") -> int:
+        total = 0
+        for p in self.pools:
+            t = p.l1 if tier == "l1" else p.ssd
+            if t is not None:
+                total += getattr(t.index, name)
+        return total
+
+
+def scenario_grid(base: Scenario, pools: Sequence[str], tinylfu: Sequence[bool]) -> list[Scenario]:
+    """Every combination of pool modes and admission settings, in the order given."""
+    return [replace(base, pools=p, tinylfu=t) for p in pools for t in tinylfu]

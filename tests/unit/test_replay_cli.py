@@ -1,0 +1,120 @@
+"""`pegaflow replay` as users run it: a real subprocess, its output, exit codes and errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SLICE = Path(__file__).parents[1] / "data" / "mooncake_slice.jsonl"
+EXE = shutil.which("pegaflow")
+
+
+def pegaflow(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    cmd = [EXE] if EXE else [sys.executable, "-m", "pegaflow.cli"]
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=120, env=env)
+
+
+def small_trace(tmp_path: Path) -> Path:
+    p = tmp_path / "t.jsonl"
+    reqs = [[1, 2, 3], [1, 2, 4], [1, 2, 3], [5]]
+    p.write_text(
+        "".join(
+            json.dumps(
+                {"timestamp": 1000 * i, "input_length": 512 * len(ids), "output_length": 1, "hash_ids": ids}
+            )
+            + "\n"
+            for i, ids in enumerate(reqs)
+        )
+    )
+    return p
+
+
+def test_json_report_has_hit_rates_ceiling_comparison_and_sweep(tmp_path):
+    out = pegaflow(
+        "replay",
+        str(small_trace(tmp_path)),
+        "--json",
+        "--l1-capacity",
+        "3blocks",
+        "--instances",
+        "2",
+        "--sweep",
+        "1blocks,3blocks,inf",
+        "--ceiling-windows",
+        "2s",
+        "--compare-admission",
+    )
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    assert d["trace"]["blocks"] == 10 and d["trace"]["unique_blocks"] == 5
+    assert d["ceiling"]["ceiling"] == 0.5
+    labels = [r["label"] for r in d["runs"]]
+    assert labels == ["shared x2, lru", "shared x2, tinylfu", "isolated x2, lru", "isolated x2, tinylfu"]
+    shared_lru = d["runs"][0]
+    assert shared_lru["hit_blocks"] == 4 and shared_lru["hit_rate"] == 0.4
+    assert shared_lru["l1_hit_blocks"] + shared_lru["ssd_hit_blocks"] == 4
+    assert [c["admission"] for c in d["shared_vs_isolated"]] == ["lru", "tinylfu"]
+    curve = d["sweep"][0]
+    assert curve["l1"] == ["1blocks", "3blocks", "100%"]
+    assert curve["hit_rate"][-1] == 0.5  # unbounded: the ceiling
+    assert [w["window"] for w in d["ceiling"]["windows"]] == ["2s", "2s"]
+
+
+def test_table_and_plot(tmp_path):
+    png = tmp_path / "curve.png"
+    out = pegaflow("replay", str(SLICE), "--instances", "2", "--plot", str(png), "--sweep", "10%,100%")
+    assert out.returncode == 0, out.stderr
+    for needle in (
+        "ceiling r* = (N - U) / N",
+        "per-window ceilings",
+        "shared vs isolated",
+        "capacity sweep",
+        "shared x2, lru",
+        "isolated x2, lru",
+    ):
+        assert needle in out.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert out.stderr == ""  # no progress bar when stderr is not a terminal
+
+
+def test_malformed_line_is_one_line_with_its_number_and_exit_2(tmp_path):
+    p = small_trace(tmp_path)
+    text = p.read_text().splitlines()
+    text.insert(2, '{"timestamp": 5, "hash_ids": [1, 2]')
+    p.write_text("\n".join(text) + "\n")
+    out = pegaflow("replay", str(p))
+    assert out.returncode == 2
+    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
+    assert f"{p}:3: not valid JSON" in out.stderr
+    ok = pegaflow("replay", str(p), "--skip-bad", "--json", "--sweep", "none")
+    assert ok.returncode == 0, ok.stderr
+    d = json.loads(ok.stdout)
+    assert d["trace"]["skipped_lines"] == 1 and d["trace"]["requests"] == 4
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--l1-capacity", "lots"], "--l1-capacity"),
+        (["--pools", "some"], "--pools"),
+        (["--route", "by-magic"], "--route"),
+        (["--instances", "0"], "--instances"),
+        (["--no-such-flag"], "unrecognized arguments"),
+    ],
+)
+def test_bad_flags_are_one_line(tmp_path, args, needle):
+    out = pegaflow("replay", str(small_trace(tmp_path)), *args)
+    assert out.returncode == 2
+    assert out.stderr.count("\n") == 1 and needle in out.stderr
+
+
+def test_missing_file_and_unknown_command(tmp_path):
+    out = pegaflow("replay", str(tmp_path / "nope.jsonl"))
+    assert out.returncode == 1 and out.stderr.count("\n") == 1 and "cannot read trace" in out.stderr
+    out = pegaflow("frobnicate")
+    assert out.returncode == 2 and "unknown command 'frobnicate'" in out.stderr
