@@ -1,0 +1,20 @@
+"""vLLM connector for PegaFlow.
+
+``kv_connector_module_path: "pegaflow.connector"`` makes vLLM load ``PegaKVConnector``
+from here. The vLLM-facing class is imported lazily so that the pure parts (block
+identity in ``hashing``, page layout in ``layout``) import without vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["PegaKVConnector"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "PegaKVConnector":
+        from pegaflow.connector.connector import PegaKVConnector
+
+        return PegaKVConnector
+    raise AttributeError(name)

@@ -1,0 +1,266 @@
+"""``PegaKVConnector``: vLLM's ``KVConnectorBase_V1`` backed by a PegaFlow node.
+
+Enable with::
+
+    --kv-transfer-config '{"kv_connector": "PegaKVConnector", "kv_role": "kv_both",
+                           "kv_connector_module_path": "pegaflow.connector"}'
+
+and point it at the node with ``PEGAFLOW_HOST`` / ``PEGAFLOW_PORT`` (default
+127.0.0.1:50055). Optional ``kv_connector_extra_config`` keys: ``pegaflow.model_id`` (the
+model's name in the namespace, when the same weights live at different paths on
+different hosts).
+
+One instance runs in the scheduler process (role SCHEDULER, ``SchedulerSide``: every node
+RPC) and one per worker (role WORKER, ``WorkerSide``: copies only). Both derive the same
+``KVIdentity`` from the vLLM config, so they agree on namespaces without talking.
+
+The connector is a cache, so a failed load must mean "recompute", never "fail the
+request": vLLM's default ``kv_load_failure_policy`` is ``fail``, and the scheduler-side
+constructor switches it to ``recompute`` (logged) before vLLM's scheduler reads it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from pegaflow.connector.hashing import KVIdentity, config_hash
+from pegaflow.connector.intents import PegaConnectorMetadata, PegaWorkerReport
+from pegaflow.connector.link import NodeLink, node_address
+from pegaflow.connector.scheduler import SchedulerSide
+from pegaflow.connector.worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("pegaflow.connector")
+
+
+def _dtype_name(dt: Any) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+def kv_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> KVIdentity:
+    """The block identity of this engine, from its config alone (same in every process).
+
+    Raises ``ValueError`` for cache layouts PegaFlow does not store (several KV cache
+    groups, e.g. hybrid or sliding-window models; pipeline parallelism).
+    """
+    from vllm.platforms import current_platform
+    from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ValueError(f"PegaFlow stores single-group KV caches; this model has {len(groups)} groups")
+    spec = groups[0].kv_cache_spec
+    if not isinstance(spec, AttentionSpec):
+        raise ValueError(f"PegaFlow stores attention KV; got {type(spec).__name__}")
+    par = vllm_config.parallel_config
+    if par.pipeline_parallel_size > 1:
+        raise ValueError("PegaFlow does not support pipeline parallelism yet")
+    mc = vllm_config.model_config
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+    model = str(extra.get("pegaflow.model_id") or mc.model)
+    if getattr(mc, "revision", None):
+        model += f"@{mc.revision}"
+    tp = int(par.tensor_parallel_size)
+    mla = isinstance(spec, MLAAttentionSpec)
+    replicas = max(1, int(getattr(kv_cache_config, "kv_tp_replicas", 1) or 1))
+    num_shards = 1 if mla else max(1, tp // replicas)
+    layout_name = getattr(kv_cache_config, "kv_cache_layout", None) or getattr(
+        vllm_config.cache_config, "kv_cache_layout", None
+    )
+    platform = f"{current_platform.device_type}:{layout_name or 'default'}"
+    num_layers = len(groups[0].layer_names)
+    return KVIdentity(
+        model=model,
+        config_hash=config_hash(mc.hf_config.to_dict()),
+        model_dtype=_dtype_name(mc.dtype),
+        kv_dtype=f"{_dtype_name(spec.dtype)}/{vllm_config.cache_config.cache_dtype}",
+        block_size=int(spec.block_size),
+        num_layers=num_layers,
+        num_kv_heads=int(spec.num_kv_heads),
+        head_size=int(spec.head_size),
+        tp_size=tp,
+        num_shards=num_shards,
+        mla=mla,
+        page_bytes=int(spec.real_page_size_bytes) * num_layers,
+        platform=platform,
+    )
+
+
+def _tp_rank(vllm_config: VllmConfig) -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # noqa: BLE001 - process group not initialised (single process tests)
+        return int(vllm_config.parallel_config.rank) % max(1, vllm_config.parallel_config.tensor_parallel_size)
+
+
+@dataclass
+class PegaConnectorStats(KVConnectorStats):
+    """Per-interval counters from the workers: loaded/saved blocks, load errors, copy seconds."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> PegaConnectorStats:
+        for k, v in other.data.items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {k: round(v, 4) if isinstance(v, float) else v for k, v in self.data.items()}
+
+    def is_empty(self) -> bool:
+        return not self.data
+
+
+class PegaKVConnector(KVConnectorBase_V1):
+    """vLLM KV connector for PegaFlow; scheduler and worker contracts live in
+    ``pegaflow.connector.scheduler`` and ``pegaflow.connector.worker``."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._sched: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        self._kv_cache_config = kv_cache_config
+        try:
+            if kv_cache_config is None:
+                raise ValueError("no kv_cache_config given")
+            self.identity: KVIdentity | None = kv_identity(vllm_config, kv_cache_config)
+        except ValueError as exc:
+            logger.error("PegaFlow connector disabled: %s", exc)
+            self.identity = None
+            return
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        addr = str(extra.get("pegaflow.addr") or node_address())
+        instance = f"{socket.gethostname()}:{os.getpid()}:{role.name.lower()}"
+        ident = self.identity
+        if role == KVConnectorRole.SCHEDULER:
+            if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+                logger.info("PegaFlow: kv_load_failure_policy set to 'recompute' (a failed cache load is a miss)")
+                self._kv_transfer_config.kv_load_failure_policy = "recompute"
+            link = NodeLink(addr, {ns: ident.page_bytes for ns in ident.namespaces}, instance)
+            self._sched = SchedulerSide(ident, link)
+            logger.info(
+                "PegaFlow scheduler: node %s (%s), namespaces %s",
+                addr,
+                "ready" if link.ready else "down, recomputing until it is back",
+                ident.namespaces,
+            )
+        else:
+            rank = _tp_rank(vllm_config)
+            self._worker = WorkerSide(ident, rank, lambda ns: NodeLink(addr, ns, f"{instance}:{rank}"))
+
+    # A best-effort cache: a dropped save is a future miss, not lost data.
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False
+
+    # ============================== worker side ==============================
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self._worker is None:
+            return
+        num_blocks = self._kv_cache_config.num_blocks if self._kv_cache_config is not None else None
+        try:
+            self._worker.register_kv_caches(kv_caches, num_blocks)
+        except ValueError as exc:
+            logger.error("PegaFlow disabled on this worker: %s", exc)
+            self._worker.layout = None
+
+    def _meta(self) -> PegaConnectorMetadata | None:
+        m = self._connector_metadata
+        return m if isinstance(m, PegaConnectorMetadata) else None
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._meta()
+        if self._worker is not None and meta is not None:
+            self._worker.start_load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv finished every copy before the forward began
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        return  # whole pages are copied once per step in wait_for_save
+
+    def wait_for_save(self) -> None:
+        meta = self._meta()
+        if self._worker is not None and meta is not None:
+            self._worker.save(meta)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors() if self._worker is not None else set()
+
+    def build_connector_worker_meta(self) -> PegaWorkerReport | None:
+        return self._worker.report(self._meta()) if self._worker is not None else None
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._worker is None:
+            return None
+        data = self._worker.take_stats()
+        return PegaConnectorStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return PegaConnectorStats(data=dict(data or {}))
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._sched is not None:
+            self._sched.link.close()
+
+    # ============================== scheduler side ==============================
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self._sched is None:
+            return 0, False
+        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        if self._sched is not None:
+            self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        if self._sched is None:
+            return PegaConnectorMetadata(step=0)
+        return self._sched.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self._sched is not None:
+            report = connector_output.kv_connector_worker_meta
+            self._sched.update_connector_output(report if isinstance(report, PegaWorkerReport) else None)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self._sched is None:
+            return False, None
+        return self._sched.request_finished(request)

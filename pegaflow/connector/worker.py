@@ -1,0 +1,171 @@
+"""Worker side of PegaKVConnector: copies between one rank's paged KV cache and pool pages.
+
+A worker never talks to the node except to register (which maps the pool). Per step:
+
+* ``start_load`` copies every ``LoadIntent`` of the step (one batched ``load_pages`` call)
+  before the forward. If the pool is not mapped, or is mapped from another node epoch than
+  the one the offsets were issued under, nothing is copied and the blocks are reported
+  through ``get_block_ids_with_load_errors`` so vLLM recomputes them: never wrong KV.
+* ``save`` copies this rank's shard of every ``SaveIntent`` after the forward (one batched
+  ``save_pages`` call) if this rank is the one that writes its shard (MLA: rank 0 only).
+  Failed copies are reported as failed reservations; the scheduler aborts them.
+* ``report`` tells the scheduler which step was handled.
+
+Copies are torch copies on shared memory (they release the GIL and run near memcpy speed).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from pegaflow.connector.hashing import KVIdentity
+from pegaflow.connector.intents import PegaConnectorMetadata, PegaWorkerReport
+from pegaflow.connector.layout import PageLayout, build_page_layout
+from pegaflow.connector.link import NodeLink
+
+logger = logging.getLogger("pegaflow.connector")
+
+
+def _copy_fns() -> tuple[Any, Any]:
+    from pegaflow.client import load_pages, save_pages
+
+    return load_pages, save_pages
+
+
+class WorkerSide:
+    """One TP rank's copy engine; see the module docstring for the contract."""
+
+    def __init__(self, identity: KVIdentity, tp_rank: int, link_factory: Any) -> None:
+        self.identity = identity
+        self.tp_rank = tp_rank
+        self.shard = identity.shard_of_rank(tp_rank)
+        self.saves_shard = identity.rank_saves(tp_rank)
+        self.namespace = identity.namespace(self.shard)
+        self._link_factory = link_factory
+        self.link: NodeLink | None = None
+        self.layout: PageLayout | None = None
+        self._load_errors: set[int] = set()
+        self._failed_reservations: set[int] = set()
+        self._load_pages, self._save_pages = _copy_fns()
+        self.stats: dict[str, float] = {}
+        self._warned: set[str] = set()
+
+    def _warn_once(self, key: str, msg: str, *args: object) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(msg, *args)
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor], num_blocks: int | None) -> None:
+        layout = build_page_layout(kv_caches, num_blocks)
+        if layout.page_bytes != self.identity.page_bytes:
+            logger.error(
+                "PegaFlow disabled on rank %d: KV cache page is %d bytes, the scheduler expects %d",
+                self.tp_rank,
+                layout.page_bytes,
+                self.identity.page_bytes,
+            )
+            return
+        self.layout = layout
+        self.link = self._link_factory({self.namespace: layout.page_bytes})
+        logger.info(
+            "PegaFlow rank %d: %d layers, %d segments, page %d bytes, namespace %s, node %s",
+            self.tp_rank,
+            len(layout.layer_names),
+            len(layout.segments),
+            layout.page_bytes,
+            self.namespace,
+            "ready" if self.link.ready else "down (will retry)",
+        )
+
+    def _pool_for(self, epoch: int) -> torch.Tensor | None:
+        """The mapped pool if it belongs to node epoch ``epoch``, else ``None``."""
+        link = self.link
+        if link is None or self.layout is None:
+            return None
+        if not link.ready:
+            return None
+        client = link.client
+        if client is None:
+            return None
+        if link.epoch != epoch:
+            self._warn_once("epoch", "PegaFlow rank %d: pool epoch %s != scheduler epoch %s; re-attaching",
+                            self.tp_rank, link.epoch, epoch)
+            link.reconnect()
+            return None
+        try:
+            return client.pool
+        except Exception:  # noqa: BLE001 - not mapped (yet)
+            return None
+
+    def start_load(self, meta: PegaConnectorMetadata) -> None:
+        if not meta.loads:
+            return
+        for epoch in sorted({ld.epoch for ld in meta.loads}):
+            loads = [ld for ld in meta.loads if ld.epoch == epoch]
+            block_ids = [b for ld in loads for b in ld.block_ids]
+            offsets = [o for ld in loads for o in ld.offsets[self.shard]]
+            pool = self._pool_for(epoch)
+            if pool is None or self.layout is None:
+                self._load_errors.update(block_ids)
+                continue
+            t0 = time.perf_counter()
+            try:
+                self._load_pages(self.layout.segments, block_ids, pool, offsets)
+            except Exception:  # noqa: BLE001 - any copy failure means "recompute these blocks"
+                logger.exception(
+                    "PegaFlow rank %d: load of %d blocks failed; vLLM recomputes them", self.tp_rank, len(block_ids)
+                )
+                self._load_errors.update(block_ids)
+                continue
+            self._count("load_s", time.perf_counter() - t0)
+            self._count("loaded_blocks", len(block_ids))
+
+    def save(self, meta: PegaConnectorMetadata) -> None:
+        if not meta.saves or not self.saves_shard:
+            return
+        mine = [s for sv in meta.saves for s in sv.shards if s.shard == self.shard]
+        for epoch in sorted({s.epoch for s in mine}):
+            batch = [s for s in mine if s.epoch == epoch]
+            pool = self._pool_for(epoch)
+            if pool is None or self.layout is None:
+                self._failed_reservations.update(s.reservation_id for s in batch)
+                continue
+            block_ids = [b for s in batch for b in s.block_ids]
+            offsets = [o for s in batch for o in s.offsets]
+            t0 = time.perf_counter()
+            try:
+                self._save_pages(self.layout.segments, block_ids, pool, offsets)
+            except Exception:  # noqa: BLE001 - a failed save is a future miss, never an error
+                logger.exception("PegaFlow rank %d: save of %d blocks failed", self.tp_rank, len(block_ids))
+                self._failed_reservations.update(s.reservation_id for s in batch)
+                continue
+            self._count("save_s", time.perf_counter() - t0)
+            self._count("saved_blocks", len(block_ids))
+
+    def take_load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        if out:
+            self._count("load_errors", len(out))
+        return out
+
+    def report(self, meta: PegaConnectorMetadata | None) -> PegaWorkerReport | None:
+        if meta is None:
+            return None
+        failed, self._failed_reservations = frozenset(self._failed_reservations), set()
+        return PegaWorkerReport(steps=frozenset({meta.step}), failed_reservations=failed)
+
+    def take_stats(self) -> dict[str, float]:
+        out, self.stats = self.stats, {}
+        return out
+
+    def _count(self, key: str, v: float) -> None:
+        self.stats[key] = self.stats.get(key, 0.0) + v
+
+    def close(self) -> None:
+        if self.link is not None:
+            self.link.close()

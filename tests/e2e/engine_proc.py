@@ -1,0 +1,106 @@
+"""A vLLM engine in its own process, driven by JSON commands (used by the e2e tests).
+
+Run as ``python -m tests.e2e.engine_proc --model DIR [--connector pega|none] [--tp N]
+--result-fd FD``. Commands arrive one JSON object per line on stdin; each answer is one
+JSON line written to ``FD`` (vLLM's logs go to stdout/stderr, which the test sends to a
+file). Commands:
+
+* ``{"op": "generate", "prompts": [[token ids], ...], "max_tokens": N}`` →
+  ``{"outputs": [{"tokens": [...], "logprobs": [...], "num_cached_tokens": n}], "seconds": s}``
+  (greedy, ``ignore_eos``, logprob of each sampled token);
+* ``{"op": "reset_prefix_cache"}``; ``{"op": "metrics"}`` → ``{"metrics": {name: value}}``
+  for counters whose name contains ``prefix_cache`` or ``kv_connector``;
+* ``{"op": "quit"}``.
+
+The first line written is ``{"ready": true}`` once the engine has started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--connector", default="pega", choices=["pega", "none"])
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--prefix-caching", action="store_true")
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--compile", action="store_true", help="torch.compile the model (slow start)")
+    ap.add_argument("--result-fd", type=int, required=True)
+    args = ap.parse_args()
+    out = os.fdopen(args.result_fd, "w", buffering=1)
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kw: dict = dict(
+        model=args.model,
+        dtype="float16",
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=args.prefix_caching,
+        tensor_parallel_size=args.tp,
+        disable_log_stats=False,
+        seed=0,
+        enforce_eager=not args.compile,
+    )
+    if args.connector == "pega":
+        kw["kv_transfer_config"] = {
+            "kv_connector": "PegaKVConnector",
+            "kv_role": "kv_both",
+            "kv_connector_module_path": "pegaflow.connector",
+        }
+    llm = LLM(**kw)
+    out.write(json.dumps({"ready": True}) + "\n")
+
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        cmd = json.loads(line)
+        try:
+            op = cmd["op"]
+            if op == "quit":
+                out.write(json.dumps({"ok": True}) + "\n")
+                break
+            if op == "generate":
+                sp = SamplingParams(
+                    temperature=0.0, max_tokens=cmd.get("max_tokens", 8), ignore_eos=True, logprobs=0
+                )
+                prompts = [TokensPrompt(prompt_token_ids=p) for p in cmd["prompts"]]
+                t0 = time.perf_counter()
+                res = llm.generate(prompts, sp, use_tqdm=False)
+                dt = time.perf_counter() - t0
+                outputs = []
+                for r in res:
+                    o = r.outputs[0]
+                    lps = [lp[t].logprob for lp, t in zip(o.logprobs or [], o.token_ids, strict=False)]
+                    outputs.append(
+                        {"tokens": list(o.token_ids), "logprobs": lps, "num_cached_tokens": r.num_cached_tokens or 0}
+                    )
+                out.write(json.dumps({"outputs": outputs, "seconds": dt}) + "\n")
+            elif op == "reset_prefix_cache":
+                llm.reset_prefix_cache()
+                out.write(json.dumps({"ok": True}) + "\n")
+            elif op == "metrics":
+                vals: dict[str, float] = {}
+                for m in llm.get_metrics():
+                    if "prefix_cache" in m.name or "kv_connector" in m.name:
+                        v = getattr(m, "value", None)
+                        if isinstance(v, int | float):
+                            vals[m.name] = vals.get(m.name, 0) + v
+                out.write(json.dumps({"metrics": vals}) + "\n")
+            else:
+                out.write(json.dumps({"error": f"unknown op {op}"}) + "\n")
+        except Exception:  # noqa: BLE001 - report to the test, keep serving
+            out.write(json.dumps({"error": traceback.format_exc()}) + "\n")
+    out.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,204 @@
+"""Process handles for the e2e tests: a real ``pegaflow-node`` and a vLLM engine subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+ENGINE_START_TIMEOUT_S = 240.0
+COMMAND_TIMEOUT_S = 300.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def node_command() -> list[str]:
+    exe = shutil.which("pegaflow-node")
+    return [exe] if exe else [sys.executable, "-m", "pegaflow.node.cli"]
+
+
+class NodeProc:
+    """A ``pegaflow-node`` daemon on a free loopback port."""
+
+    def __init__(self, log_dir: Path, pool_size: str = "1gb", port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.addr = f"127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"node-{self.port}-{int(time.time() * 1000)}.log"
+        self.pool_size = pool_size
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    def start(self) -> None:
+        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the process
+        self.proc = subprocess.Popen(
+            [*node_command(), "--addr", self.addr, "--pool-size", self.pool_size, "--http-addr", "off"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
+        self.wait_ready()
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        from pegaflow.client import NodeUnavailable, PegaClient
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"pegaflow-node exited: {self.log_path.read_text()[-2000:]}")
+            c = PegaClient(self.addr, timeout=1.0)
+            try:
+                if c.health().ok:
+                    return
+            except NodeUnavailable:
+                time.sleep(0.1)
+            finally:
+                c.close()
+        raise TimeoutError(f"pegaflow-node on {self.addr} not ready")
+
+    def stats(self) -> Any:
+        from pegaflow.client import PegaClient
+
+        c = PegaClient(self.addr, timeout=5.0)
+        try:
+            return c.stats()
+        finally:
+            c.close()
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class EngineProc:
+    """A vLLM engine (``tests.e2e.engine_proc``) in a subprocess, talked to over pipes."""
+
+    def __init__(
+        self,
+        model: Path,
+        log_dir: Path,
+        *,
+        node: NodeProc | None = None,
+        connector: str = "pega",
+        tp: int = 1,
+        env: dict[str, str] | None = None,
+        name: str = "engine",
+        extra_args: list[str] | None = None,
+    ) -> None:
+        self.log_path = log_dir / f"{name}-{int(time.time() * 1000)}.log"
+        r, w = os.pipe()
+        e = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        if node is not None:
+            host, port = node.addr.rsplit(":", 1)
+            e.update(PEGAFLOW_HOST=host, PEGAFLOW_PORT=port)
+        if tp > 1:
+            e.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp)))
+        e.update(env or {})
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the process
+        self.proc = subprocess.Popen(
+            [
+                sys.executable, "-m", "tests.e2e.engine_proc", "--model", str(model), "--connector", connector,
+                "--tp", str(tp), "--result-fd", str(w), *(extra_args or []),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            pass_fds=(w,),
+            cwd=REPO,
+            env=e,
+            start_new_session=True,
+        )
+        os.close(w)
+        self._r = os.fdopen(r, "r")
+        first = self._read(ENGINE_START_TIMEOUT_S)
+        assert first.get("ready"), first
+
+    def _read(self, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"engine did not answer; log: {self.log_tail()}")
+            ready, _, _ = select.select([self._r], [], [], min(left, 1.0))
+            if ready:
+                line = self._r.readline()
+                if not line:
+                    raise RuntimeError(f"engine exited (rc={self.proc.poll()}); log: {self.log_tail()}")
+                return json.loads(line)
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"engine exited (rc={self.proc.returncode}); log: {self.log_tail()}")
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def send(self, op: str, **kw: Any) -> None:
+        """Send a command without waiting for its answer (see ``recv``)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps({"op": op, **kw}) + "\n").encode())
+        self.proc.stdin.flush()
+
+    def recv(self, timeout: float = COMMAND_TIMEOUT_S) -> dict[str, Any]:
+        out = self._read(timeout)
+        if "error" in out:
+            raise RuntimeError(out["error"])
+        return out
+
+    def cmd(self, op: str, timeout: float = COMMAND_TIMEOUT_S, **kw: Any) -> dict[str, Any]:
+        self.send(op, **kw)
+        out = self._read(timeout)
+        if "error" in out:
+            raise RuntimeError(out["error"])
+        return out
+
+    def generate(self, prompts: list[list[int]], max_tokens: int = 8) -> list[dict[str, Any]]:
+        return self.cmd("generate", prompts=prompts, max_tokens=max_tokens)["outputs"]
+
+    def metrics(self) -> dict[str, float]:
+        return self.cmd("metrics")["metrics"]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.cmd("quit", timeout=30)
+            except Exception:  # noqa: BLE001
+                pass
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._r.close()
+        self._log.close()
+
+    def __enter__(self) -> EngineProc:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
