@@ -235,32 +235,38 @@ class Index:
                 removed += sum(run_scripts(self.r, calls[i : i + 16]))
         return removed
 
-    def dump(
-        self, tags: Iterable[str], visible: set[int] | None = None
-    ) -> dict[tuple[str, bytes], frozenset[int]]:
+    def _existing(self, tag: str) -> list[bytes]:
+        """Bucket keys of a namespace that exist (SCAN: sparse namespaces cost little)."""
+        pat = keys.bucket_prefix(tag, self.prefix) + b"*"
+        return sorted(set(self.r.scan_iter(match=pat, count=DUMP_CHUNK)))
+
+    def dump(self, tags: Iterable[str], visible: set[int] | None = None) -> dict[tuple[str, bytes], frozenset[int]]:
         """{(tag, hash): nids} for every block (nids filtered by ``visible`` when given)."""
         out: dict[tuple[str, bytes], frozenset[int]] = {}
         for tag in tags:
-            pre = keys.bucket_prefix(tag, self.prefix)
-            for first, last in self._bucket_chunks(tag, DUMP_CHUNK):
+            plen = len(keys.bucket_prefix(tag, self.prefix))
+            existing = self._existing(tag)
+            for i in range(0, len(existing), DUMP_CHUNK):
+                chunk = existing[i : i + DUMP_CHUNK]
                 p = self.r.pipeline(transaction=False)
-                for b in range(first, last + 1):
-                    p.hgetall(pre + b.to_bytes(2, "big"))
-                for b, fields in zip(range(first, last + 1), p.execute(), strict=True):
+                for k in chunk:
+                    p.hgetall(k)
+                for k, fields in zip(chunk, p.execute(), strict=True):
+                    b = k[plen:]
                     for f, v in fields.items():
                         nids = frozenset(n for n in _nids(v) if visible is None or n in visible)
                         if nids:
-                            out[(tag, b.to_bytes(2, "big") + f)] = nids
+                            out[(tag, b + f)] = nids
         return out
 
     def clear(self, tags: Iterable[str]) -> None:
         """Delete every bucket of these namespaces under this prefix."""
         for tag in tags:
-            pre = keys.bucket_prefix(tag, self.prefix)
-            for first, last in self._bucket_chunks(tag, DUMP_CHUNK):
+            existing = self._existing(tag)
+            for i in range(0, len(existing), DUMP_CHUNK):
                 p = self.r.pipeline(transaction=False)
-                for b in range(first, last + 1):
-                    p.delete(pre + b.to_bytes(2, "big"))
+                for k in existing[i : i + DUMP_CHUNK]:
+                    p.delete(k)
                 p.execute()
 
     def swap_into(self, live: Index, tags: Iterable[str]) -> None:

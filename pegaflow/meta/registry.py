@@ -18,6 +18,7 @@ the node refreshes. Hence:
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import dataclass
 
 from pegaflow.meta import keys
@@ -46,6 +47,9 @@ else
   redis.call('PEXPIRE', KEYS[5], ARGV[3])
 end
 if old and old ~= vis then redis.call('ZADD', KEYS[4], now, old) end
+-- A fresh (or emptied) Redis starts the version at a random base, so a reader's cached
+-- version from before the loss cannot match by accident.
+redis.call('SET', KEYS[3], ARGV[5], 'NX')
 redis.call('INCR', KEYS[3])
 return {nid, epoch}
 """
@@ -109,7 +113,7 @@ def register(r: Client, node: str, addr: str, ttl_ms: int, switch: bool) -> tupl
     nid, epoch = _REGISTER(
         r,
         [keys.NODES, keys.NEXT_NID, keys.VERSION, keys.RETIRED, keys.live_key(node)],
-        [node, addr, ttl_ms, "1" if switch else "0"],
+        [node, addr, ttl_ms, "1" if switch else "0", random.randrange(1 << 40)],
     )
     return int(nid), int(epoch)
 

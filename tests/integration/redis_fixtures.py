@@ -166,5 +166,4 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClu
 def flush_cluster(c: RedisClusterProc) -> None:
     rc = c.client()
     rc.flushall(target_nodes=RedisCluster.PRIMARIES)
-    rc.script_flush(target_nodes=RedisCluster.PRIMARIES)
     rc.close()

@@ -133,6 +133,8 @@ class Consumer:
             while len(self.streams) > target:
                 self._release(next(iter(self.streams)))
         self._retired = registry.retired(self.r)
+        # Reloaded, not just cached: Redis may have restarted empty.
+        self._known_tags = {t.decode() for t in self.r.hkeys(keys.NAMESPACES)}
         metrics.STREAMS_OWNED.set(len(self.streams))
 
     def _release(self, node: str) -> None:

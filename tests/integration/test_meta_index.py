@@ -1,0 +1,334 @@
+"""The metaserver against a real redis-server: real `pegaflow-meta` processes, node-like
+publisher processes, SIGKILLs and restarts. Every test compares the index with the nodes'
+own ground truth (their final block sets)."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from pegaflow._proto import meta_pb2
+from pegaflow.meta import keys, metrics, registry
+from pegaflow.meta.events import GROUP, Event, Op, decode, encode, stream_key
+from pegaflow.meta.events.codec import FIELD
+from pegaflow.meta.events.consumer import Consumer
+from pegaflow.meta.events.publisher import EventPublisher
+from pegaflow.meta.index import Index
+from pegaflow.meta.lookup import Lookup
+from tests.integration import redis_fixtures
+from tests.integration.meta_harness import (
+    MetaProc,
+    NodeProc,
+    client,
+    index_view,
+    load_truth,
+    run_rebuild,
+    wait_converged,
+    wait_until,
+)
+from tests.integration.redis_fixtures import RedisServer
+
+pytestmark = pytest.mark.integration
+redis_server = redis_fixtures.redis_server
+redis_server_aof = redis_fixtures.redis_server_aof
+
+
+def nodes(srv: RedisServer, tmp: Path, names: list[str], *extra: str, seed: int = 0) -> dict[str, NodeProc]:
+    return {
+        n: NodeProc(srv.url, False, n, tmp / f"{n}.json", tmp / f"{n}.log", "--seed", str(seed + i), *extra)
+        for i, n in enumerate(names)
+    }
+
+
+def states(procs: dict[str, NodeProc]) -> dict[str, Path]:
+    return {n: p.state for n, p in procs.items()}
+
+
+def some_prefix(state: Path) -> tuple[str, list[bytes]]:
+    ns, hs = next((ns, hs) for ns, hs in json.loads(state.read_text()).items() if hs)
+    return ns, [bytes.fromhex(h) for h in hs[:8]]
+
+
+def test_events_from_several_node_processes_equal_ground_truth(redis_server: RedisServer, tmp_path: Path) -> None:
+    meta = MetaProc(redis_server.url, False, "m1", tmp_path / "meta.log")
+    procs = nodes(redis_server, tmp_path, ["n1", "n2", "n3"], "--ops", "400", "--hold")
+    try:
+        for p in procs.values():
+            p.wait_done()
+        r = client(redis_server.url, False)
+        wait_converged(r, states(procs))
+        assert len(load_truth(states(procs))) > 1000
+        # Lookups through gRPC: a node's own blocks are a full prefix for it.
+        ns, hs = some_prefix(procs["n2"].state)
+        assert meta.query(ns, hs)["n2"] == len(hs)
+        hint = meta.stub.RouteHint(meta_pb2.QueryPrefixRequest(namespace=ns, hashes=hs + [b"\0" * 16]))
+        assert hint.found and hint.best.node == "n2" and hint.best.prefix_len == len(hs)
+        assert hint.best.address == "127.0.0.1:50055"
+        listed = meta.stub.ListNodes(meta_pb2.ListNodesRequest()).nodes
+        assert sorted((n.node, n.alive) for n in listed) == [("n1", True), ("n2", True), ("n3", True)]
+        for bad in (
+            meta_pb2.QueryPrefixRequest(namespace="", hashes=hs),
+            meta_pb2.QueryPrefixRequest(namespace=ns, hashes=[b"short"]),
+            meta_pb2.QueryPrefixRequest(namespace=ns, hashes=[b"\1" * 16] * 20000),
+        ):
+            with pytest.raises(grpc.RpcError) as err:
+                meta.stub.QueryPrefix(bad)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        for p in procs.values():
+            p.kill()
+        meta.stop()
+
+
+def test_metaserver_sigkilled_mid_stream_and_restarted_loses_no_event(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    procs = nodes(redis_server, tmp_path, ["n1", "n2"], "--ops", "3000", "--rate", "1500", "--hold")
+    meta = MetaProc(redis_server.url, False, "m1", tmp_path / "meta1.log", lease_ttl=1.5)
+    r = client(redis_server.url, False)
+    try:
+        wait_until(lambda: r.hlen(keys.NAMESPACES) > 0, 20, "the metaserver to apply something")
+        time.sleep(0.5)
+        meta.kill()  # mid-stream: the nodes are still publishing
+        done_before_kill = all(p.proc.poll() is not None for p in procs.values())
+        assert not done_before_kill
+        meta = MetaProc(redis_server.url, False, "m2", tmp_path / "meta2.log", lease_ttl=1.5)
+        for p in procs.values():
+            p.wait_done()
+        wait_converged(r, states(procs))
+        for n in procs:  # nothing left pending for the dead consumer
+            assert r.xpending(stream_key(n), GROUP)["pending"] == 0
+    finally:
+        for p in procs.values():
+            p.kill()
+        meta.stop()
+
+
+def test_takeover_claims_a_dead_consumers_pending_entries(redis_server: RedisServer) -> None:
+    r = client(redis_server.url, False)
+    held: set[bytes] = set()
+    pub = EventPublisher(r, "n1", "h:1", lambda: [], flush_interval=0.001).start(wait=5)
+    rng = random.Random(3)
+    for _ in range(20):
+        new = [rng.randbytes(16) for _ in range(50)]
+        held.update(new)
+        pub.on_insert("ns", new)
+    assert pub.wait_idle(5)
+    a = Consumer(r, "a", lease_ms=500)
+    a.refresh()
+    a._claim(a.streams["n1"])
+    read = a._read()  # a reads the entries, then dies before applying or acking them
+    assert sum(len(e) for _s, e in read) > 0
+    assert r.xpending(stream_key("n1"), GROUP)["pending"] > 0
+    b = Consumer(r, "b", lease_ms=500)
+    wait_until(lambda: (b.refresh(), "n1" in b.streams)[1], 5, "b to take the stream over")
+    assert b.wait_caught_up(10)
+    assert b.stats.claimed > 0
+    assert r.xpending(stream_key("n1"), GROUP)["pending"] == 0
+    (nid,) = registry.visible(r, ["n1"])
+    every = sorted(held)
+    assert all(nid in h for h in Index(r).holders("ns", every))
+    pub.stop()
+
+
+def test_two_replicas_share_streams_and_one_takes_over_when_the_other_dies(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    procs = nodes(redis_server, tmp_path, ["n1", "n2", "n3", "n4"], "--ops", "1500", "--rate", "600", "--hold")
+    m1 = MetaProc(redis_server.url, False, "m1", tmp_path / "m1.log", lease_ttl=1.5)
+    m2 = MetaProc(redis_server.url, False, "m2", tmp_path / "m2.log", lease_ttl=1.5)
+    r = client(redis_server.url, False)
+    try:
+
+        def owners() -> dict[str, int]:
+            o: dict[str, int] = {}
+            for n in procs:
+                v = r.get(keys.owner_key(n))
+                if v:
+                    o[v.decode()] = o.get(v.decode(), 0) + 1
+            return o
+
+        wait_until(lambda: owners() == {"m1": 2, "m2": 2}, 20, "two streams per replica")
+        m1.kill()
+        wait_until(lambda: owners() == {"m2": 4}, 20, "m2 to own all four streams")
+        for p in procs.values():
+            p.wait_done()
+        wait_converged(r, states(procs))
+    finally:
+        for p in procs.values():
+            p.kill()
+        m1.stop()
+        m2.stop()
+
+
+@pytest.mark.parametrize("aof", [False, True], ids=["empty-restart", "aof-restart"])
+def test_redis_restarted_index_converges(aof: bool, tmp_path: Path) -> None:
+    srv = redis_fixtures.start_server(tmp_path / "redis", aof=aof)
+    procs = nodes(srv, tmp_path, ["n1", "n2"], "--ops", "2000", "--rate", "800", "--hold", "--ttl", "3")
+    meta = MetaProc(srv.url, False, "m1", tmp_path / "meta.log", lease_ttl=1.5)
+    try:
+        r = client(srv.url, False)
+        wait_until(lambda: r.hlen(keys.NAMESPACES) > 0, 20, "first updates applied")
+        if aof:
+            time.sleep(1.2)  # appendfsync everysec
+        srv.stop()
+        time.sleep(1.0)  # nodes and the metaserver see Redis down and retry
+        srv.start()
+        if not aof:
+            assert client(srv.url, False).dbsize() == 0  # really lost everything
+        for p in procs.values():
+            p.wait_done(90)
+        wait_converged(client(srv.url, False), states(procs), timeout=60)
+    finally:
+        for p in procs.values():
+            p.kill()
+        meta.stop()
+        srv.stop()
+
+
+def test_node_restarted_with_new_epoch_replaces_stale_entries(redis_server: RedisServer, tmp_path: Path) -> None:
+    meta = MetaProc(redis_server.url, False, "m1", tmp_path / "meta.log")
+    r = client(redis_server.url, False)
+    state = tmp_path / "n1.json"
+    p = NodeProc(redis_server.url, False, "n1", state, tmp_path / "n1.log", "--ops", "300", "--hold")
+    try:
+        first = p.wait_done()
+        wait_converged(r, {"n1": state})
+        before = set(load_truth({"n1": state}))
+        p.kill()  # SIGKILL; on restart it keeps only 100 blocks (the rest were in lost DRAM)
+        p = NodeProc(redis_server.url, False, "n1", state, tmp_path / "n1.log", "--ops", "50", "--keep", "100",
+                     "--seed", "7", "--hold")  # fmt: skip
+        second = p.wait_done()
+        assert second["epoch"] == first["epoch"] + 1 and second["nid"] != first["nid"]
+        wait_converged(r, {"n1": state})
+        after = set(load_truth({"n1": state}))
+        assert len(before - after) > 500  # stale entries really had to go
+    finally:
+        p.kill()
+        meta.stop()
+
+
+def test_dead_node_invisible_after_its_ttl_and_swept_later(redis_server: RedisServer, tmp_path: Path) -> None:
+    meta = MetaProc(redis_server.url, False, "m1", tmp_path / "meta.log", sweep=1.0)
+    r = client(redis_server.url, False)
+    procs = nodes(redis_server, tmp_path, ["n1", "n2"], "--ops", "200", "--hold", "--ttl", "1.5")
+    try:
+        for p in procs.values():
+            p.wait_done()
+        wait_converged(r, states(procs))
+        ns, hs = some_prefix(procs["n1"].state)
+        assert "n1" in meta.query(ns, hs)
+        (dead_nid,) = registry.visible(r, ["n1"])
+        procs["n1"].kill()
+        t0 = time.monotonic()
+        wait_until(lambda: "n1" not in meta.query(ns, hs), 5, "n1 to disappear from lookups", every=0.05)
+        assert time.monotonic() - t0 < 3.0  # TTL 1.5 s: gone right after it expires
+        wait_converged(r, {"n2": procs["n2"].state})
+        tags = [t.decode() for t in r.hkeys(keys.NAMESPACES)]
+        wait_until(
+            lambda: not any(dead_nid in nids for nids in Index(r).dump(tags).values()), 20, "the sweeper to remove n1"
+        )
+        assert "n1" not in registry.nodes(r)
+    finally:
+        for p in procs.values():
+            p.kill()
+        meta.stop()
+
+
+def test_rebuild_equals_live_index_and_repairs_damage(redis_server: RedisServer, tmp_path: Path) -> None:
+    meta = MetaProc(redis_server.url, False, "m1", tmp_path / "meta.log")
+    r = client(redis_server.url, False)
+    procs = nodes(redis_server, tmp_path, ["n1", "n2"], "--ops", "400", "--hold")
+    try:
+        for p in procs.values():
+            p.wait_done()
+        wait_converged(r, states(procs))
+        live = index_view(r)
+        report = run_rebuild(redis_server.url, False)
+        print("rebuild report", report)
+        assert report["blocks"] > 0 and report["malformed"] == 0
+        assert index_view(r) == live
+        # Damage the live index (lose a bucket, add a phantom), then rebuild repairs it.
+        tags = [t.decode() for t in r.hkeys(keys.NAMESPACES)]
+        (tag, h), _ = next(iter(live.items()))
+        r.delete(keys.bucket_key(tag, h))
+        r.hset(keys.bucket_key(tag, b"\xff\xff"), b"\x00" * 14, b"\x00\x00\x00\x01")
+        assert index_view(r) != live
+        run_rebuild(redis_server.url, False)
+        assert index_view(r) == live == load_truth(states(procs))
+        # Replicas resume after the rebuild: new updates still get applied.
+        assert r.get("pf:{pf}:pause") is None
+        assert tags
+    finally:
+        for p in procs.values():
+            p.kill()
+        meta.stop()
+
+
+def test_malformed_events_are_skipped_counted_and_logged(redis_server: RedisServer, capsys) -> None:
+    r = client(redis_server.url, False)
+    rng = random.Random(1)
+    held = [rng.randbytes(16) for _ in range(30)]
+    pub = EventPublisher(r, "n1", "h:1", lambda: [("ns", held[:10])], flush_interval=0.001).start(wait=5)
+    assert pub.wait_idle(5)
+    s = stream_key("n1")
+    r.xadd(s, {FIELD: b"\x01\x01garbage"})
+    r.xadd(s, {FIELD: b"\x07" + b"\0" * 40})  # unknown schema version
+    r.xadd(s, {b"x": b"no event field"})
+    r.xadd(s, {FIELD: encode(Event.make("n2", pub.nid, 1, 5, Op.INSERT, "ns", held[29:]))})  # wrong stream
+    pub.on_insert("ns", held[10:20])
+    assert pub.wait_idle(5)
+    before = metrics.EVENTS_MALFORMED._value.get()
+    c = Consumer(r, "c")
+    assert c.wait_caught_up(10)
+    assert c.stats.malformed == 4
+    assert metrics.EVENTS_MALFORMED._value.get() - before == 4
+    out = capsys.readouterr()
+    assert out.out.count("skipping malformed event") + out.err.count("skipping malformed event") == 4
+    (nid,) = registry.visible(r, ["n1"])
+    got = Index(r).holders("ns", held)
+    assert [nid in g for g in got] == [True] * 20 + [False] * 10
+    assert Lookup(r).query_prefix("ns", held[:25])[0].prefix_len == 20
+    pub.stop()
+
+
+def test_dropped_updates_trigger_a_resync_and_the_index_converges(redis_server: RedisServer) -> None:
+    r = client(redis_server.url, False)
+    held: set[bytes] = set()
+    rng = random.Random(5)
+    pub = EventPublisher(r, "n1", "h:1", lambda: [("ns", sorted(held))], buffer_blocks=200, flush_interval=0.5)
+    pub.start(wait=5)
+    first_epoch = pub.epoch
+    for _ in range(10):  # 500 updates into a 200-block buffer before the next flush
+        new = [rng.randbytes(16) for _ in range(50)]
+        held.update(new)
+        pub.on_insert("ns", new)
+    assert pub.stats.dropped_blocks > 0
+    c = Consumer(r, "c")
+    wait_until(lambda: pub.epoch > first_epoch and pub.wait_idle(0.1), 10, "a re-sync")
+    assert c.wait_caught_up(10)
+    (nid,) = registry.visible(r, ["n1"])
+    assert nid == pub.nid  # the new epoch became visible once its snapshot was applied
+    assert all(nid in h for h in Index(r).holders("ns", sorted(held)))
+    # The stream was trimmed to the new epoch.
+    first = r.xrange(stream_key("n1"), count=1)[0][1][FIELD]
+    assert decode(first).epoch == pub.epoch and decode(first).op == Op.RESET
+    pub.stop()
+
+
+def test_infra_scripts_stop_is_idempotent(tmp_path: Path) -> None:
+    srv = redis_fixtures.start_server(tmp_path / "r")
+    srv.stop()
+    srv.stop()
+    out = subprocess.run(
+        [str(redis_fixtures.INFRA / "redis-standalone.sh"), "status", str(srv.dir), str(srv.port)],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 1 and "stopped" in out.stdout
