@@ -113,6 +113,18 @@ def test_aging_halves_counts_and_clears_doorkeeper() -> None:
     assert not lfu.door.any()
 
 
+def test_aging_halves_every_counter_of_a_dense_table() -> None:
+    rng = random.Random(2)
+    lfu = TinyLFU(200)
+    lfu.record_many([rng.randrange(300) for _ in range(lfu.sample_size - 1)])
+    assert lfu.agings == 0
+    low, high = lfu.table & 0x0F, lfu.table >> 4
+    assert np.count_nonzero(low & 1) > 100 and np.count_nonzero(high & 1) > 100  # odd values
+    lfu.age()
+    assert np.array_equal(lfu.table & 0x0F, low >> 1)
+    assert np.array_equal(lfu.table >> 4, high >> 1)
+
+
 def test_aging_happens_after_sample_size_accesses() -> None:
     lfu = TinyLFU(100)
     _record_all(lfu, [7] * 9)
