@@ -151,6 +151,34 @@ OPTIONS: list[Option] = [
         "Alignment in bytes of every page in the pool (O_DIRECT needs 4096).",
         _positive_int,
     ),
+    # --- node: SSD tier (pegaflow/node/ssd/, docs/ssd.md) ---------------------------------
+    Option(
+        "ssd-cache-path",
+        [],
+        "SSD cache file, or directory to hold one; repeat to stripe pages across disks. "
+        "Unset: no SSD tier.",
+        repeatable=True,
+        metavar="PATH",
+    ),
+    Option(
+        "ssd-cache-capacity",
+        "512gb",
+        "Total size of the SSD tier, split evenly across the paths and allocated at start-up.",
+        parse_size,
+    ),
+    Option("ssd-queue-depth", 32, "SSD I/Os in flight at most (io_uring queue depth).", _positive_int),
+    Option(
+        "ssd-write-queue-size",
+        "256mb",
+        "Bytes of L1 pages that may wait for their SSD write; beyond it writes are skipped, never waited for.",
+        parse_size,
+    ),
+    Option(
+        "ssd-io-engine",
+        "auto",
+        "SSD I/O engine: io_uring via liburing, a thread pool of preadv/pwritev, or auto (io_uring if usable).",
+        _choice("auto", "uring", "threads"),
+    ),
     # --- global index: node publisher and pegaflow-meta (issue 5) --------------------------
     Option(
         "addr",

@@ -21,6 +21,7 @@ from pegaflow.node.metrics import NodeMetrics
 from pegaflow.node.pool import SharedPool
 from pegaflow.node.service import NodeService
 from pegaflow.node.sessions import Sessions
+from pegaflow.node.ssd import SsdError, open_tier
 
 log = structlog.get_logger("pegaflow.node")
 
@@ -37,6 +38,10 @@ class Node:
         self.opts = opts
         self.node_id = getattr(opts, "node_id", "") or socket.gethostname()
         self.epoch = time.time_ns() // 1_000_000
+        try:  # SSD tier: validate paths before allocating the pool (docs/ssd.md)
+            self.ssd = open_tier(opts)
+        except SsdError as exc:
+            raise StartupError(str(exc)) from None
         self.pool = SharedPool(opts.pool_size, opts.use_hugepages)
         self.metrics = NodeMetrics()
         self.index = BlockIndex(self.pool.size, align=opts.page_align)
@@ -56,6 +61,12 @@ class Node:
             sessions=lambda: len(self.sessions.sessions),
         )
         self.index.add_listener(self._on_index_event)
+        if self.ssd is not None:
+            try:
+                self.ssd.attach(self.index, self.pool.view, self.metrics)
+            except SsdError as exc:
+                raise StartupError(str(exc)) from None
+            self.service.ssd = self.ssd
         self.server: grpc.aio.Server | None = None
         self.http: MetricsServer | None = None
 
@@ -85,6 +96,8 @@ class Node:
             raise StartupError(f"cannot listen on {self.opts.addr}: {exc}") from None
         if port == 0:
             raise StartupError(f"cannot listen on {self.opts.addr} (address in use?)")
+        if self.ssd is not None:
+            self.ssd.start(asyncio.get_running_loop())
         await server.start()
         r = hs.set("", health_pb2.HealthCheckResponse.SERVING)
         if asyncio.iscoroutine(r):
@@ -128,5 +141,7 @@ class Node:
         await self.server.stop(grace=1.0)
         if self.http:
             await self.http.stop()
+        if self.ssd is not None:
+            await self.ssd.close()  # before the pool: I/O reads and writes pool pages
         self.pool.close()
         log.info("node_stopped")

@@ -91,6 +91,7 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         self.stopping = asyncio.Event()
         self.hit_blocks = 0
         self.miss_blocks = 0
+        self.ssd: Any = None  # SsdTier when --ssd-cache-path is set (set by the node)
 
     # ---- sessions ---------------------------------------------------------------------
     @rpc("Register")
@@ -149,6 +150,9 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         hit = min(len(p) for p in per_ns)
         for ns in nss:
             self.index.record_access(ns, hashes[hit:])
+        if self.ssd is not None and hit < len(hashes) and self.ssd.promote(nss, hashes, hit):
+            self.metrics.queries.labels("loading").inc()
+            return node_pb2.QueryResponse(status=node_pb2.LOADING, hit_blocks=hit)
         pages = [node_pb2.NamespaceOffsets(namespace=ns.name, offsets=[b.offset for b in p[:hit]])
                  for ns, p in zip(nss, per_ns, strict=True)]
         lease_id = 0

@@ -1,0 +1,45 @@
+"""Prometheus metrics of the SSD tier (``pegaflow_node_ssd_*``), in the node's registry."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+PROMOTE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class SsdMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.capacity = Gauge("pegaflow_node_ssd_capacity_bytes", "Usable bytes of the SSD tier (all files).",
+                              registry=r)
+        self.used = Gauge("pegaflow_node_ssd_used_bytes", "Bytes of indexed records on SSD (headers included).",
+                          registry=r)
+        self.blocks = Gauge("pegaflow_node_ssd_blocks", "Blocks indexed on SSD.", registry=r)
+        self.write_bytes = Counter("pegaflow_node_ssd_write_bytes_total", "Page bytes written to SSD.", registry=r)
+        self.read_bytes = Counter("pegaflow_node_ssd_read_bytes_total", "Page bytes read from SSD.", registry=r)
+        self.write_throughput = Gauge("pegaflow_node_ssd_write_bytes_per_second",
+                                      "SSD write throughput over the last second.", registry=r)
+        self.read_throughput = Gauge("pegaflow_node_ssd_read_bytes_per_second",
+                                     "SSD read throughput over the last second.", registry=r)
+        self.queue_blocks = Gauge("pegaflow_node_ssd_write_queue_blocks",
+                                  "Blocks pinned in L1 waiting for their SSD write.", registry=r)
+        self.queue_bytes = Gauge("pegaflow_node_ssd_write_queue_bytes",
+                                 "Bytes pinned in L1 waiting for their SSD write.", registry=r)
+        self.inflight = Gauge("pegaflow_node_ssd_inflight_ios", "SSD I/Os submitted and not completed.",
+                              registry=r)
+        self.skipped = Counter("pegaflow_node_ssd_skipped_writes_total",
+                               "Blocks not written to SSD, by reason (queue_full, too_large, io_error).",
+                               ["reason"], registry=r)
+        self.written = Counter("pegaflow_node_ssd_written_blocks_total", "Blocks written to SSD.", registry=r)
+        self.evicted = Counter("pegaflow_node_ssd_evicted_blocks_total",
+                               "Blocks dropped from SSD when their segment was reclaimed.", registry=r)
+        self.checksum_failures = Counter("pegaflow_node_ssd_checksum_failures_total",
+                                         "SSD reads whose header or checksum did not match (served as a miss).",
+                                         registry=r)
+        self.read_errors = Counter("pegaflow_node_ssd_read_errors_total", "SSD reads that failed with an I/O error.",
+                                   registry=r)
+        self.promoted = Counter("pegaflow_node_ssd_promoted_blocks_total", "Blocks promoted from SSD into L1.",
+                                registry=r)
+        self.promote_latency = Histogram("pegaflow_node_ssd_promotion_seconds",
+                                         "Time from the Query that found blocks on SSD until they are in L1.",
+                                         buckets=PROMOTE_BUCKETS, registry=r)

@@ -1,0 +1,265 @@
+"""The SSD tier through real `pegaflow-node` processes: spill, promote, restart, corruption.
+
+Pages are 64 KiB of per-block random bytes; the L1 pool is tiny (1 MiB = 16 pages) so
+saved blocks are evicted from L1 and can only come back from SSD.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+
+from pegaflow.client import PegaClient
+from pegaflow.node.ssd.store import BLOCK, SB_MAGIC, record_bytes, unpack_header
+
+pytestmark = pytest.mark.integration
+
+NS = "ssd-model"
+PAGE = 64 << 10
+POOL = "1mb"  # 16 pages: anything older than the last ~16 blocks is only on SSD
+
+
+def hashes(tag: str, n: int) -> list[bytes]:
+    return [xxhash.xxh3_128_digest(f"{tag}:{i}".encode()) for i in range(n)]
+
+
+def page_of(h: bytes) -> bytes:
+    return np.random.default_rng(int.from_bytes(h[:8], "little")).bytes(PAGE)
+
+
+def metric(node, name: str, labels: str = "") -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{node.http_port}/metrics", timeout=5).read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", line)
+        if m and labels in (m.group(1) or ""):
+            total += float(m.group(2))
+    return total
+
+
+def wait_for(cond, timeout: float = 20.0, what: str = "condition"):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = cond()
+        if v:
+            return v
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def save(c: PegaClient, hs: list[bytes], batch: int = 4, node=None) -> None:  # type: ignore[no-untyped-def]
+    """Save blocks in small batches (as an engine does per step). With ``node``, wait after
+    each batch until the write-behind queue is empty, so no save is skipped for lack of
+    unpinned pages in the tiny pool."""
+    for i in range(0, len(hs), batch):
+        if node is not None and i:
+            wait_for(lambda: metric(node, "pegaflow_node_ssd_write_queue_blocks") == 0, what="write queue drained")
+        part = hs[i:i + batch]
+        r = c.reserve(NS, part)
+        for h, off in zip(part, r.offsets, strict=True):
+            if off >= 0:
+                r.pool[off:off + PAGE] = torch.frombuffer(bytearray(page_of(h)), dtype=torch.uint8)
+        if r.reservation_id:
+            c.commit(r.reservation_id)
+
+
+def load(c: PegaClient, hs: list[bytes], timeout: float = 20.0) -> tuple[int, int]:
+    """Query until READY; returns (hit blocks, LOADING answers seen) after checking every hit's bytes."""
+    loading = 0
+    deadline = time.monotonic() + timeout
+    while True:
+        q = c.query([NS], hs)
+        if q.status == "READY":
+            break
+        loading += 1
+        assert time.monotonic() < deadline, "promotion never finished"
+        time.sleep(0.005)
+    try:
+        for h, off in zip(hs, q.offsets[NS], strict=False):
+            got = q.pool[off:off + PAGE].numpy().tobytes()
+            assert got == page_of(h), "served page differs from the saved one"
+    finally:
+        c.release(q.lease_id)
+    return q.hit_blocks, loading
+
+
+def ssd_args(*paths: Path, capacity: str = "16mb") -> list[str]:
+    out = []
+    for p in paths:
+        out += ["--ssd-cache-path", str(p)]
+    return out + ["--ssd-cache-capacity", capacity, "--ssd-queue-depth", "8"]
+
+
+def records(path: Path) -> list[tuple[int, object]]:
+    """(offset, header) of every record header found in a cache file (brute-force scan)."""
+    data = path.read_bytes()
+    out = []
+    for off in range(BLOCK, len(data), BLOCK):
+        if data[off:off + 4] == b"PFR1":
+            h = unpack_header(data[off:off + BLOCK])
+            if h is not None:
+                out.append((off, h))
+    return out
+
+
+def test_evicted_blocks_come_back_from_ssd_with_identical_bytes(node_factory, tmp_path):
+    node = node_factory(POOL, ssd_args(tmp_path))
+    hs = hashes("a", 48)
+    with PegaClient(node.addr) as c:
+        c.register({NS: PAGE})
+        save(c, hs, node=node)
+        wait_for(lambda: metric(node, "pegaflow_node_ssd_blocks") >= 48, what="48 blocks on SSD")
+        assert metric(node, "pegaflow_node_evictions_total") > 0, "the pool must have evicted blocks"
+        hit, loading = load(c, hs[:12])
+        assert hit == 12
+        assert loading >= 1, "blocks only on SSD must first answer LOADING"
+        assert metric(node, "pegaflow_node_ssd_promoted_blocks_total") >= 12
+        assert metric(node, "pegaflow_node_ssd_promotion_seconds_count") >= 1
+        assert metric(node, "pegaflow_node_ssd_read_bytes_total") >= 12 * PAGE
+        assert metric(node, "pegaflow_node_ssd_write_bytes_total") >= 48 * PAGE
+        # a second query is an L1 hit: READY at once
+        q = c.query([NS], hs[:12])
+        assert (q.status, q.hit_blocks) == ("READY", 12)
+        c.release(q.lease_id)
+        # never-saved blocks are a miss, not LOADING
+        q = c.query([NS], hashes("never", 3))
+        assert (q.status, q.hit_blocks) == ("READY", 0)
+
+
+def test_sigkill_mid_write_then_restart_serves_only_intact_pages(node_factory, tmp_path):
+    node = node_factory(POOL, ssd_args(tmp_path))
+    early, burst = hashes("early", 24), hashes("burst", 64)
+    with PegaClient(node.addr) as c:
+        c.register({NS: PAGE})
+        save(c, early, node=node)
+        wait_for(lambda: metric(node, "pegaflow_node_ssd_blocks") >= 24, what="early blocks on SSD")
+        save(c, burst, batch=16)
+        node.kill(signal.SIGKILL)  # writes of the burst are in flight or queued
+    # A torn write leaves a valid header over a half-written page: make one for certain.
+    path = tmp_path / "pegaflow-ssd.cache"
+    off, newest = max(records(path), key=lambda r: r[1].seq)
+    with open(path, "r+b") as f:
+        f.seek(off + BLOCK + PAGE // 2)
+        f.write(bytes(PAGE // 2))
+    node.pool_size = "4mb"  # room for the whole early prefix at once
+    node.start()
+    with PegaClient(node.addr) as c:
+        c.register({NS: PAGE})
+        hit, loading = load(c, early)  # load() checks every served byte
+        assert hit == 24 and loading >= 1
+        # each burst block is either served intact (load checks bytes) or a miss
+        served = sum(load(c, [h])[0] for h in burst)
+        assert served < 64
+        assert newest.hash in burst and load(c, [newest.hash])[0] == 0, "the torn page is a miss"
+        assert metric(node, "pegaflow_node_ssd_checksum_failures_total") >= 1
+    assert "ssd_scan_done" in node.log()
+
+
+def test_flipped_bytes_on_disk_are_detected_and_never_served(node_factory, tmp_path):
+    node = node_factory(POOL, ssd_args(tmp_path))
+    hs = hashes("flip", 24)
+    with PegaClient(node.addr) as c:
+        c.register({NS: PAGE})
+        save(c, hs, node=node)
+        wait_for(lambda: metric(node, "pegaflow_node_ssd_blocks") >= 24, what="blocks on SSD")
+    node.stop()
+    path = tmp_path / "pegaflow-ssd.cache"
+    recs = {h.hash: off for off, h in records(path)}
+    victim = hs[5]
+    with open(path, "r+b") as f:
+        f.seek(recs[victim] + BLOCK + 1000)
+        b = f.read(1)
+        f.seek(recs[victim] + BLOCK + 1000)
+        f.write(bytes([b[0] ^ 0x40]))
+    node.start()
+    with PegaClient(node.addr) as c:
+        c.register({NS: PAGE})
+        hit, _ = load(c, hs[:10])
+        assert hit == 5, "the prefix must stop at the corrupted block"
+        assert metric(node, "pegaflow_node_ssd_checksum_failures_total") == 1
+        hit, _ = load(c, hs[:10])
+        assert hit == 5, "a corrupted block stays a miss"
+
+
+def test_two_paths_stripe_pages_across_both_files(node_factory, tmp_path):
+    a, b = tmp_path / "disk0", tmp_path / "disk1"
+    a.mkdir()
+    b.mkdir()
+    node = node_factory(POOL, ssd_args(a, b))
+    hs = hashes("stripe", 32)
+    with PegaClient(node.addr) as c:
+        c.register({NS: PAGE})
+        save(c, hs, node=node)
+        wait_for(lambda: metric(node, "pegaflow_node_ssd_blocks") >= 32, what="blocks on SSD")
+        hit, _ = load(c, hs[:8])
+        assert hit == 8
+    node.stop()
+    ra, rb = records(a / "pegaflow-ssd.cache"), records(b / "pegaflow-ssd.cache")
+    assert len(ra) == len(rb) == 16, (len(ra), len(rb))
+    assert {h.hash for _, h in ra} | {h.hash for _, h in rb} == set(hs)
+
+
+def test_capacity_is_never_exceeded_and_oldest_blocks_go_first(node_factory, tmp_path):
+    cap = 2 << 20
+    node = node_factory(POOL, ssd_args(tmp_path, capacity="2mb"))
+    hs = hashes("cap", 80)  # 80 * 68 KiB records = 5.3 MiB of writes into a 2 MiB tier
+    with PegaClient(node.addr) as c:
+        c.register({NS: PAGE})
+        for i in range(0, 80, 8):
+            save(c, hs[i:i + 8], node=node)
+            wait_for(lambda i=i: metric(node, "pegaflow_node_ssd_written_blocks_total") >= i + 8,
+                     what="writes")
+            assert metric(node, "pegaflow_node_ssd_used_bytes") <= cap
+        path = tmp_path / "pegaflow-ssd.cache"
+        assert path.stat().st_size <= cap  # allocated in full at start-up, never grown
+        assert metric(node, "pegaflow_node_ssd_evicted_blocks_total") > 0
+        assert metric(node, "pegaflow_node_ssd_blocks") * record_bytes(PAGE) <= cap
+        assert load(c, hs[-8:])[0] == 8, "the newest blocks are on SSD"
+        assert load(c, hs[:1])[0] == 0, "the oldest block was reclaimed"
+
+
+def _node_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pegaflow.node.cli", "--addr", "127.0.0.1:0", "--pool-size",
+                           "1mb", "--http-addr", "off", *args], capture_output=True, text=True, timeout=60)
+
+
+def _one_line_error(r: subprocess.CompletedProcess, *words: str) -> None:
+    assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("pegaflow-node: error:"), r.stderr[-2000:]
+    for w in words:
+        assert w in err[0], err[0]
+
+
+def test_bad_ssd_configuration_is_rejected_in_one_line_and_nothing_is_overwritten(tmp_path):
+    _one_line_error(_node_cli(tmp_path, "--ssd-cache-path", str(tmp_path / "no" / "such" / "dir" / "f")),
+                    "does not exist")
+    _one_line_error(_node_cli(tmp_path, "--ssd-cache-path", "/proc/pegaflow-ssd.cache"), "/proc")
+    _one_line_error(_node_cli(tmp_path, "--ssd-cache-path", str(tmp_path), "--ssd-cache-capacity", "900tb"),
+                    "free")
+    assert not (tmp_path / "pegaflow-ssd.cache").exists()
+    foreign = tmp_path / "foreign.bin"
+    foreign.write_bytes(b"my precious data" * 1000)
+    _one_line_error(_node_cli(tmp_path, "--ssd-cache-path", str(foreign)), "not a PegaFlow")
+    assert foreign.read_bytes() == b"my precious data" * 1000
+    newer = tmp_path / "newer.cache"
+    import struct
+
+    sb = bytearray(BLOCK)
+    struct.pack_into("<16sIIQQQ", sb, 0, SB_MAGIC, 99, 0, 16 << 20, 1 << 20, 0)
+    newer.write_bytes(bytes(sb) + b"\x07" * 100_000)
+    before = newer.read_bytes()
+    _one_line_error(_node_cli(tmp_path, "--ssd-cache-path", str(newer)), "newer")
+    assert newer.read_bytes() == before
+    assert os.path.getsize(newer) == len(before)
