@@ -38,12 +38,12 @@ local changed = 0
 for off = 1, #blob, 16 do
   local k = pre .. string.sub(blob, off, off + 1)
   local f = string.sub(blob, off + 2, off + 15)
-  local v = redis.call('HGET', k, f)
   if add then
-    if not v then
-      redis.call('HSET', k, f, nid)
+    -- A new block (the common case) costs one call.
+    if redis.call('HSETNX', k, f, nid) == 1 then
       changed = changed + 1
     else
+      local v = redis.call('HGET', k, f)
       local found = false
       for j = 1, #v, 4 do
         if string.sub(v, j, j + 3) == nid then found = true break end
@@ -53,7 +53,9 @@ for off = 1, #blob, 16 do
         changed = changed + 1
       end
     end
-  elseif v then
+  else
+    local v = redis.call('HGET', k, f)
+    if v then
     local keep = {}
     local found = false
     for j = 1, #v, 4 do
@@ -63,6 +65,7 @@ for off = 1, #blob, 16 do
     if found then
       changed = changed + 1
       if #keep == 0 then redis.call('HDEL', k, f) else redis.call('HSET', k, f, table.concat(keep)) end
+    end
     end
   end
 end

@@ -69,6 +69,7 @@ class Node:
             self.service.ssd = self.ssd
         self.server: grpc.aio.Server | None = None
         self.http: MetricsServer | None = None
+        self.publisher = None  # global-index event publisher (pegaflow.meta.events), with --redis-url
 
     def _on_index_event(self, op: str, ns: object, hashes: list[bytes]) -> None:
         if op == "evict":
@@ -112,6 +113,12 @@ class Node:
                 await self.http.start()
             except OSError as exc:
                 raise StartupError(f"cannot listen on --http-addr {self.opts.http_addr}: {exc.strerror}") from None
+        if getattr(self.opts, "redis_url", ""):
+            from pegaflow.meta.events.publisher import publish_block_index
+
+            self.publisher = publish_block_index(
+                self.opts, self.index, self.node_id, asyncio.get_running_loop(), self.metrics.registry
+            )
         log.info("node_started", addr=self.opts.addr, node_id=self.node_id, epoch=self.epoch,
                  pool_bytes=self.pool.size, pool_path=self.pool.path, pid=os.getpid())
 
@@ -138,6 +145,8 @@ class Node:
         log.info("node_stopping")
         self.service.stopping.set()
         hk.cancel()
+        if self.publisher is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.publisher.stop)
         await self.server.stop(grace=1.0)
         if self.http:
             await self.http.stop()

@@ -27,6 +27,7 @@ Contracts:
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import socket
@@ -34,10 +35,11 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 import structlog
-from prometheus_client import Counter, Gauge
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from pegaflow.meta import registry
@@ -56,13 +58,36 @@ COMPACT_FACTOR = 4  # ...and more than this many times the snapshot size
 
 SnapshotFn = Callable[[], Iterable[tuple[str, Sequence[bytes]]]]
 
-PUBLISHED = Counter(
-    "pegaflow_events_published_blocks_total", "Block updates written to the node stream", ["op"]
-)
-DROPPED = Counter("pegaflow_events_dropped_blocks_total", "Block updates dropped (buffer full or Redis down)")
-RESYNCS = Counter("pegaflow_events_resyncs_total", "Snapshots published (start, new epoch, re-sync)")
-ERRORS = Counter("pegaflow_events_publish_errors_total", "Redis errors seen by the publisher")
-BUFFERED = Gauge("pegaflow_events_buffered_blocks", "Block updates waiting to be published")
+
+
+class PublisherMetrics:
+    """The publisher's Prometheus series, created once per registry (the node has its own)."""
+
+    _by_registry: dict[int, PublisherMetrics] = {}
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.published = Counter(
+            "pegaflow_events_published_blocks_total", "Block updates written to the node stream", ["op"],
+            registry=registry,
+        )  # fmt: skip
+        self.dropped = Counter(
+            "pegaflow_events_dropped_blocks_total", "Block updates dropped (buffer full or Redis down)",
+            registry=registry,
+        )  # fmt: skip
+        self.resyncs = Counter(
+            "pegaflow_events_resyncs_total", "Snapshots published (start, new epoch, re-sync)", registry=registry
+        )
+        self.errors = Counter("pegaflow_events_publish_errors_total", "Redis errors seen by the publisher", registry=registry)
+        self.buffered = Gauge("pegaflow_events_buffered_blocks", "Block updates waiting to be published", registry=registry)
+
+    @classmethod
+    def of(cls, registry: CollectorRegistry | None) -> PublisherMetrics:
+        reg = registry if registry is not None else REGISTRY
+        m = cls._by_registry.get(id(reg))
+        if m is None:
+            m = cls._by_registry[id(reg)] = cls(reg)
+        return m
+
 
 _TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterDownError, OSError)
 
@@ -92,6 +117,7 @@ class EventPublisher:
         batch_blocks: int = BATCH_BLOCKS,
         retry_seconds: float = 5.0,
         flush_interval: float = FLUSH_INTERVAL,
+        registry: CollectorRegistry | None = None,
     ) -> None:
         self.r = r
         self.node = node
@@ -107,6 +133,7 @@ class EventPublisher:
         self.nid = 0
         self.epoch = 0
         self.stats = PublisherStats()
+        self.metrics = PublisherMetrics.of(registry)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._buf: list[tuple[Op, str, Sequence[bytes]]] = []
@@ -128,9 +155,11 @@ class EventPublisher:
     def on_evict(self, namespace: str, hashes: Sequence[bytes]) -> None:
         self._push(Op.EVICT, namespace, hashes)
 
-    def listener(self, op: str, namespace: str, hashes: Sequence[bytes]) -> None:
-        """Generic hook: ``op`` is ``"insert"`` or ``"evict"``."""
-        self._push(Op.EVICT if op == "evict" else Op.INSERT, namespace, hashes)
+    def listener(self, op: str, namespace: object, hashes: Sequence[bytes]) -> None:
+        """Block-index hook: ``op`` is ``"insert"`` or ``"evict"``; ``namespace`` is its name or
+        an object with a ``name`` (the node's ``Namespace``)."""
+        name = namespace if isinstance(namespace, str) else namespace.name  # type: ignore[attr-defined]
+        self._push(Op.EVICT if op == "evict" else Op.INSERT, name, hashes)
 
     def _push(self, op: Op, namespace: str, hashes: Sequence[bytes]) -> None:
         n = len(hashes)
@@ -152,7 +181,7 @@ class EventPublisher:
         if self._need is None:
             self._need = "resync"
         self.stats.dropped_blocks += n
-        DROPPED.inc(n)
+        self.metrics.dropped.inc(n)
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -211,7 +240,7 @@ class EventPublisher:
                 self._flush()
             except Exception as exc:  # keep the thread alive whatever Redis does
                 self.stats.errors += 1
-                ERRORS.inc()
+                self.metrics.errors.inc()
                 log.warning("publish failed; will re-sync", node=self.node, error=repr(exc))
                 with self._lock:
                     self._buf.clear()
@@ -225,7 +254,7 @@ class EventPublisher:
             with self._lock:
                 if not self._buf and not self._stop.is_set():
                     self._wake.wait(self.flush_interval)
-                BUFFERED.set(self._buf_blocks)
+                self.metrics.buffered.set(self._buf_blocks)
 
     def _take(self) -> list[tuple[Op, str, Sequence[bytes]]]:
         with self._lock:
@@ -257,7 +286,7 @@ class EventPublisher:
                     entries.append(self._event(op, ns, blob))
             self._xadd(entries)
             for op, n in counts.items():
-                PUBLISHED.labels(op.name.lower()).inc(n)
+                self.metrics.published.labels(op.name.lower()).inc(n)
                 self.stats.published_blocks += n
                 self._since_snapshot += n
             if self._since_snapshot > max(COMPACT_MIN_BLOCKS, COMPACT_FACTOR * self._snapshot_blocks):
@@ -328,8 +357,8 @@ class EventPublisher:
         self._snapshot_blocks = total
         self._since_snapshot = 0
         self.stats.resyncs += 1
-        RESYNCS.inc()
-        PUBLISHED.labels("snapshot").inc(total)
+        self.metrics.resyncs.inc()
+        self.metrics.published.labels("snapshot").inc(total)
         self._ready.set()
         log.info(
             "published snapshot", node=self.node, nid=self.nid, epoch=self.epoch, blocks=total, switch=switch
@@ -338,3 +367,39 @@ class EventPublisher:
 
 def default_node_name() -> str:
     return socket.gethostname()
+
+
+def publish_block_index(
+    opts: argparse.Namespace,
+    index: Any,
+    node_id: str,
+    loop: asyncio.AbstractEventLoop,
+    registry: CollectorRegistry | None = None,
+) -> EventPublisher:
+    """Hook a node's block index to its stream: one call from the node, on its event loop.
+
+    ``index`` is the node's ``BlockIndex`` (``add_listener``, ``resident()``); options used:
+    ``redis_url``, ``redis_cluster``, ``advertise_addr`` (else ``addr``; a wildcard host
+    becomes the hostname), ``liveness_ttl``, ``event_buffer``. Returns the started
+    publisher; call ``stop()`` on shutdown.
+    """
+    from pegaflow.meta.redis_conn import connect
+
+    addr = opts.advertise_addr or opts.addr
+    host, _, port = addr.rpartition(":")
+    if host in ("0.0.0.0", "[::]", "::", ""):
+        addr = f"{socket.gethostname()}:{port}"
+
+    def snapshot() -> list[tuple[str, list[bytes]]]:
+        by_ns: dict[str, list[bytes]] = {}
+        for b in index.resident():
+            by_ns.setdefault(b.ns.name, []).append(b.hash)
+        return list(by_ns.items())
+
+    r = connect(opts.redis_url, opts.redis_cluster)
+    pub = EventPublisher(
+        r, node_id, addr, snapshot, loop=loop, ttl_seconds=opts.liveness_ttl,
+        buffer_blocks=opts.event_buffer, registry=registry,
+    )  # fmt: skip
+    index.add_listener(pub.listener)
+    return pub.start()

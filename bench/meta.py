@@ -1,0 +1,346 @@
+"""Metaserver benchmark: update apply rate, QueryPrefix latency, Redis bytes per block.
+
+    python bench/meta.py [--blocks 1048576] [--standalone-only | --cluster-only]
+
+Starts its own redis-server / 6-process cluster (infra/redis/) on free ports, then per
+backend:
+
+1. baselines measured in the same run: ``redis-benchmark`` pipelined XADD (server
+   ceiling), redis-py pipelined XADD and XREADGROUP+XACK of one small entry per message
+   (what a one-event-per-block design would get), single GET round-trip latency;
+2. node streams holding ``--blocks`` 128-block request prefixes' worth of inserts (8
+   nodes, 2 namespaces, some prefixes held by two nodes) plus 10% insert+evict churn,
+   written as real events (512 hashes per entry);
+3. one consumer replica (``events.consumer.Consumer``) applies them: block updates / s;
+4. Redis memory per indexed (block, node) pair (streams deleted first);
+5. QueryPrefix of 128-block prefixes: in-process ``Lookup`` (one Redis round trip) and
+   through a real ``pegaflow-meta`` gRPC server; p50 / p99; answers checked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import grpc  # noqa: E402
+
+from pegaflow._proto import meta_pb2, meta_pb2_grpc  # noqa: E402
+from pegaflow.common.logging import configure_logging  # noqa: E402
+from pegaflow.meta import registry  # noqa: E402
+from pegaflow.meta.events import GROUP, Event, Op, encode, stream_key  # noqa: E402
+from pegaflow.meta.events.codec import FIELD  # noqa: E402
+from pegaflow.meta.events.consumer import Consumer  # noqa: E402
+from pegaflow.meta.lookup import Lookup  # noqa: E402
+from pegaflow.meta.redis_conn import Client, connect, is_cluster  # noqa: E402
+
+INFRA = ROOT / "infra" / "redis"
+NODES = 8
+PREFIX = 128
+NAMESPACES = ["bench-model-a|fp16|bs16|tp1", "bench-model-b|fp16|bs16|tp1"]
+ENTRY = 512
+
+
+def free_base(n: int, bus: bool) -> int:
+    for _ in range(200):
+        base = random.randrange(20000, 30000)
+        ports = list(range(base, base + n)) + ([p + 10000 for p in range(base, base + n)] if bus else [])
+        ok = True
+        for p in ports:
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError("no free ports")
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+# --- baselines -------------------------------------------------------------------------------
+
+
+def redis_benchmark_xadd(r: Client) -> float:
+    """Server ceiling: redis-benchmark pipelined XADD against the shard owning the stream."""
+    port = r.get_node_from_key("bench:{rb}").port if is_cluster(r) else r.connection_pool.connection_kwargs["port"]
+    args = ["redis-benchmark", "-p", str(port), "-n", "200000", "-P", "64", "-q"]
+    out = subprocess.run([*args, "XADD", "bench:{rb}", "*", "f", "v"], capture_output=True, text=True, timeout=120)
+    m = re.findall(r"([\d.]+) requests per second", out.stdout)
+    return float(m[-1]) if m else float("nan")
+
+
+def raw_stream_rates(r: Client, n: int = 100_000) -> tuple[float, float]:
+    """redis-py pipelined XADD, then XREADGROUP+XACK, of one 16-byte entry per message."""
+    key = "bench:{raw}"
+    r.delete(key)
+    t0 = time.perf_counter()
+    for _ in range(0, n, 1000):
+        p = r.pipeline(transaction=False)
+        for _j in range(1000):
+            p.xadd(key, {"e": b"x" * 16})
+        p.execute()
+    xadd = n / (time.perf_counter() - t0)
+    r.xgroup_create(key, "g", id="0")
+    t0 = time.perf_counter()
+    got = 0
+    while got < n:
+        res = r.xreadgroup("g", "c", {key: ">"}, count=1000)
+        if not res:
+            break
+        ids = [i for i, _ in res[0][1]]
+        r.xack(key, "g", *ids)
+        got += len(ids)
+    read = got / (time.perf_counter() - t0)
+    r.delete(key)
+    return xadd, read
+
+
+def get_latency(r: Client, n: int = 3000) -> tuple[float, float]:
+    r.set("bench:{pf}:k", "v")
+    lat = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        r.get("bench:{pf}:k")
+        lat.append(time.perf_counter() - t0)
+    return pct(lat, 0.5), pct(lat, 0.99)
+
+
+# --- workload ----------------------------------------------------------------------------------
+
+
+def make_workload(blocks: int, seed: int = 1):
+    """Requests of 128 blocks; holdings per node; and the expected prefix per (request, node)."""
+    rng = random.Random(seed)
+    n_req = blocks // PREFIX
+    raw = rng.randbytes(16 * n_req * PREFIX)
+    reqs = [[raw[(i * PREFIX + j) * 16 : (i * PREFIX + j + 1) * 16] for j in range(PREFIX)] for i in range(n_req)]
+    held: dict[tuple[int, int], list[bytes]] = {}  # (node, ns index) -> hashes
+    expect: list[dict[int, int]] = []
+    for i, req in enumerate(reqs):
+        ns = i % len(NAMESPACES)
+        owner = i % NODES
+        e = {owner: PREFIX}
+        held.setdefault((owner, ns), []).extend(req)
+        if rng.random() < 0.3:  # a second node holds a shorter prefix
+            other = (owner + 1 + rng.randrange(NODES - 1)) % NODES
+            k = rng.randint(1, PREFIX - 1)
+            held.setdefault((other, ns), []).extend(req[:k])
+            e[other] = k
+        expect.append(e)
+    return reqs, held, expect
+
+
+def write_streams(r: Client, held: dict[tuple[int, int], list[bytes]], churn: float, seed: int = 2) -> int:
+    """Register the nodes and write their events; returns the number of block updates."""
+    rng = random.Random(seed)
+    nids = {}
+    for node in range(NODES):
+        name = f"bench-node-{node}"
+        nid, _ = registry.register(r, name, f"10.0.0.{node}:50055", 600_000, switch=True)
+        nids[node] = (name, nid)
+        r.xgroup_create(stream_key(name), GROUP, id="0", mkstream=True)
+    updates = 0
+    seqs = dict.fromkeys(range(NODES), 0)
+    for (node, ns), hashes in held.items():
+        name, nid = nids[node]
+        entries = []
+
+        def ev(op: Op, chunk: list[bytes], node: int = node, ns: int = ns, name: str = name, nid: int = nid) -> bytes:
+            seqs[node] += 1
+            return encode(Event(name, nid, 1, seqs[node], op, NAMESPACES[ns], b"".join(chunk)))
+
+        for j in range(0, len(hashes), ENTRY):
+            entries.append(ev(Op.INSERT, hashes[j : j + ENTRY]))
+            updates += len(hashes[j : j + ENTRY])
+            if churn and rng.random() < churn:  # a block inserted and evicted again
+                tmp = [rng.randbytes(16) for _ in range(ENTRY // 2)]
+                entries.append(ev(Op.INSERT, tmp))
+                entries.append(ev(Op.EVICT, tmp))
+                updates += 2 * len(tmp)
+        for j in range(0, len(entries), 64):
+            p = r.pipeline(transaction=False)
+            for data in entries[j : j + 64]:
+                p.xadd(stream_key(name), {FIELD: data})
+            p.execute()
+    return updates
+
+
+def apply_all(r: Client, updates: int) -> tuple[float, float]:
+    c = Consumer(r, "bench-consumer", lease_ms=600_000)
+    t0 = time.perf_counter()
+    while c.stats.blocks < updates:
+        c.step()
+    dt = time.perf_counter() - t0
+    c.release_all()
+    return updates / dt, dt
+
+
+def index_bytes(r: Client, before: int) -> tuple[int, int]:
+    for node in range(NODES):
+        r.delete(stream_key(f"bench-node-{node}"))
+    used = used_memory(r)
+    return used - before, used
+
+
+def used_memory(r: Client) -> int:
+    if is_cluster(r):
+        return sum(v["used_memory"] for v in r.info("memory", target_nodes=r.PRIMARIES).values())
+    return int(r.info("memory")["used_memory"])
+
+
+def query_latency(r: Client, reqs, expect, n: int) -> tuple[float, float, int]:
+    lk = Lookup(r)
+    names = {i: f"bench-node-{i}" for i in range(NODES)}
+    rng = random.Random(3)
+    lat = []
+    checked = 0
+    for _ in range(n):
+        i = rng.randrange(len(reqs))
+        t0 = time.perf_counter()
+        res = lk.query_prefix(NAMESPACES[i % len(NAMESPACES)], reqs[i])
+        lat.append(time.perf_counter() - t0)
+        got = {p.node: p.prefix_len for p in res}
+        want = {names[k]: v for k, v in expect[i].items()}
+        assert got == want, (got, want)
+        checked += 1
+    return pct(lat, 0.5), pct(lat, 0.99), checked
+
+
+def grpc_latency(url: str, cluster: bool, reqs, n: int) -> tuple[float, float]:
+    port = free_base(1, False)
+    args = [sys.executable, "-m", "pegaflow.meta.cli", "--redis-url", url, "--addr", f"127.0.0.1:{port}",
+            "--http-addr", "off", "--sweep-interval", "0", "--log-level", "warning"]  # fmt: skip
+    if cluster:
+        args.append("--redis-cluster")
+    proc = subprocess.Popen(args, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+        grpc.channel_ready_future(ch).result(timeout=30)
+        stub = meta_pb2_grpc.MetaServiceStub(ch)
+        rng = random.Random(4)
+        lat = []
+        for k in range(n + 200):
+            i = rng.randrange(len(reqs))
+            req = meta_pb2.QueryPrefixRequest(namespace=NAMESPACES[i % len(NAMESPACES)], hashes=reqs[i])
+            t0 = time.perf_counter()
+            stub.QueryPrefix(req, timeout=5)
+            if k >= 200:  # warm-up
+                lat.append(time.perf_counter() - t0)
+        ch.close()
+        return pct(lat, 0.5), pct(lat, 0.99)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def run_backend(cluster: bool, blocks: int, queries: int) -> dict:
+    tmp = tempfile.mkdtemp(prefix="pf-bench-meta-")
+    if cluster:
+        base = free_base(6, True)
+        subprocess.run([str(INFRA / "redis-cluster.sh"), "start", tmp, str(base)], check=True, capture_output=True)
+        stop = [str(INFRA / "redis-cluster.sh"), "stop", tmp, str(base)]
+    else:
+        base = free_base(1, False)
+        subprocess.run([str(INFRA / "redis-standalone.sh"), "start", tmp, str(base)], check=True, capture_output=True)
+        stop = [str(INFRA / "redis-standalone.sh"), "stop", tmp, str(base)]
+    url = f"redis://127.0.0.1:{base}/0"
+    try:
+        r = connect(url, cluster, socket_timeout=60)
+        out: dict = {"backend": "cluster (3 masters + 3 replicas)" if cluster else "standalone"}
+        out["redis_benchmark_xadd_per_s"] = redis_benchmark_xadd(r)
+        out["raw_xadd_per_s"], out["raw_xreadgroup_ack_per_s"] = raw_stream_rates(r)
+        out["get_p50_us"], out["get_p99_us"] = (x * 1e6 for x in get_latency(r))
+        reqs, held, expect = make_workload(blocks)
+        before = used_memory(r)
+        t0 = time.perf_counter()
+        updates = write_streams(r, held, churn=0.1)
+        out["publish_blocks_per_s"] = updates / (time.perf_counter() - t0)
+        out["updates"] = updates
+        out["apply_blocks_per_s"], out["apply_seconds"] = apply_all(r, updates)
+        pairs = sum(len(v) for v in held.values())
+        distinct = len(reqs) * PREFIX
+        idx_bytes, _ = index_bytes(r, before)
+        out["indexed_blocks"] = distinct
+        out["indexed_pairs"] = pairs
+        out["bytes_per_block"] = idx_bytes / distinct
+        out["bytes_per_pair"] = idx_bytes / pairs
+        q50, q99, checked = query_latency(r, reqs, expect, queries)
+        out["query_p50_us"], out["query_p99_us"], out["queries_checked"] = q50 * 1e6, q99 * 1e6, checked
+        g50, g99 = grpc_latency(url, cluster, reqs, queries)
+        out["grpc_query_p50_us"], out["grpc_query_p99_us"] = g50 * 1e6, g99 * 1e6
+        return out
+    finally:
+        subprocess.run(stop, capture_output=True)
+
+
+def report(res: dict) -> str:
+    return "\n".join(
+        [
+            f"### {res['backend']}",
+            "",
+            "| metric | value | ratio vs same-run baseline |",
+            "|---|---|---|",
+            f"| block updates applied / s (1 replica) | {res['apply_blocks_per_s']:,.0f} "
+            f"({res['updates']:,} updates in {res['apply_seconds']:.1f} s) | "
+            f"{res['apply_blocks_per_s'] / res['raw_xreadgroup_ack_per_s']:.2f}x redis-py XREADGROUP+XACK msgs/s; "
+            f"{res['apply_blocks_per_s'] / res['redis_benchmark_xadd_per_s']:.2f}x redis-benchmark XADD/s |",
+            f"| block updates published / s (codec + pipelined XADD) | {res['publish_blocks_per_s']:,.0f} | "
+            f"{res['publish_blocks_per_s'] / res['raw_xadd_per_s']:.2f}x redis-py XADD msgs/s |",
+            f"| QueryPrefix 128 blocks, in-process p50 / p99 | {res['query_p50_us']:.0f} / {res['query_p99_us']:.0f} µs "
+            f"({res['queries_checked']} answers checked) | "
+            f"{res['query_p50_us'] / res['get_p50_us']:.1f}x / {res['query_p99_us'] / res['get_p99_us']:.1f}x a GET |",
+            f"| QueryPrefix 128 blocks, via gRPC p50 / p99 | {res['grpc_query_p50_us']:.0f} / "
+            f"{res['grpc_query_p99_us']:.0f} µs | |",
+            f"| Redis bytes per indexed block | {res['bytes_per_block']:.1f} B "
+            f"({res['indexed_blocks']:,} blocks, {res['indexed_pairs']:,} (block, node) pairs; "
+            f"{res['bytes_per_pair']:.1f} B/pair) | |",
+            f"| baselines | redis-benchmark XADD -P 64: {res['redis_benchmark_xadd_per_s']:,.0f}/s; "
+            f"redis-py XADD: {res['raw_xadd_per_s']:,.0f}/s; XREADGROUP+XACK: {res['raw_xreadgroup_ack_per_s']:,.0f}/s; "
+            f"GET p50/p99 {res['get_p50_us']:.0f}/{res['get_p99_us']:.0f} µs | |",
+            "",
+        ]
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--blocks", type=int, default=1 << 20, help="distinct blocks indexed (default 1048576)")
+    ap.add_argument("--queries", type=int, default=3000)
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--standalone-only", action="store_true")
+    g.add_argument("--cluster-only", action="store_true")
+    ap.add_argument("--json", help="also write raw results here")
+    a = ap.parse_args()
+    configure_logging("warning")
+    results = []
+    if not a.cluster_only:
+        results.append(run_backend(False, a.blocks, a.queries))
+    if not a.standalone_only:
+        results.append(run_backend(True, a.blocks, a.queries))
+    for res in results:
+        print(report(res))
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=2))
+    _ = statistics
+
+
+if __name__ == "__main__":
+    main()

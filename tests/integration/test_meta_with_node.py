@@ -1,0 +1,61 @@
+"""A real `pegaflow-node` with --redis-url publishes its block index; the metaserver's
+index then equals what the node itself answers, through inserts and LRU evictions."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import xxhash
+
+from pegaflow.client import PegaClient
+from pegaflow.meta.events.consumer import Consumer
+from pegaflow.meta.lookup import Lookup
+from pegaflow.meta.redis_conn import connect
+from tests.integration import redis_fixtures
+from tests.integration.meta_harness import wait_until
+from tests.integration.redis_fixtures import RedisServer
+
+pytestmark = pytest.mark.integration
+redis_server = redis_fixtures.redis_server
+
+PAGE = 64 << 10  # 64 KiB pages in a 4 MiB pool: 64 pages, so 100 blocks force evictions
+
+
+def hashes(tag: str, n: int) -> list[bytes]:
+    return [xxhash.xxh3_128_digest(f"{tag}:{i}".encode()) for i in range(n)]
+
+
+def test_node_daemon_publishes_inserts_and_evictions(node_factory, redis_server: RedisServer) -> None:
+    node = node_factory(pool_size="4mb", extra=["--redis-url", redis_server.url, "--node-id", "host-a",
+                                                 "--liveness-ttl", "1.5"])  # fmt: skip
+    r = connect(redis_server.url)
+    c = PegaClient(node.addr)
+    c.register({"model-x": PAGE})
+    hs = hashes("p", 100)
+    for i in range(0, 100, 10):  # ten requests, chained prefixes of 10 blocks each
+        res = c.reserve("model-x", hs[i : i + 10])
+        c.commit(res.reservation_id)
+    consumer = Consumer(r, "t")
+    lookup = Lookup(r)
+
+    def node_holds(h: bytes) -> bool:
+        q = c.query(["model-x"], [h])
+        if q.lease_id:
+            c.release(q.lease_id)
+        return q.hit_blocks == 1
+
+    def index_holds() -> list[bool]:
+        consumer.wait_caught_up(5)
+        return [bool(lookup.query_prefix("model-x", [h])) for h in hs]
+
+    truth = [node_holds(h) for h in hs]
+    assert 0 < sum(truth) < 100  # some were evicted
+    wait_until(lambda: index_holds() == truth, 20, "index == the node's own answers")
+    res = lookup.query_prefix("model-x", hs[90:])
+    assert [(p.node, p.address, p.prefix_len) for p in res] == [("host-a", node.addr, 10)]
+    node.kill()
+    t0 = time.monotonic()
+    wait_until(lambda: not lookup.query_prefix("model-x", hs[90:]), 5, "the dead node to vanish", every=0.05)
+    assert time.monotonic() - t0 < 3.0
+    c.close()
