@@ -394,6 +394,22 @@ class CeilingEstimator:
         est.merge(data)
         return est
 
+    @classmethod
+    def union_of(cls, blobs: Iterable[bytes], clock: Callable[[], float] = time.time) -> CeilingEstimator:
+        """A fresh estimator holding the union of serialized ones (e.g. every node's latest).
+
+        This is how a collector builds the cluster-wide view on each scrape: from the
+        latest snapshot of each node, never by merging snapshots into a running estimator.
+        """
+        it = iter(blobs)
+        first = next(it, None)
+        if first is None:
+            raise ValueError("union_of needs at least one serialized estimator")
+        est = cls.deserialize(first, clock=clock)
+        for blob in it:
+            est.merge(blob)
+        return est
+
     def rel_error(self, num_std_dev: int = 2) -> float:
         """Bound on the relative error of U at ``num_std_dev`` (1..3) standard deviations."""
         return abs(float(ds.hll_sketch.get_rel_err(True, True, self.lg_k, num_std_dev)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from pegaflow.common.durations import format_duration, parse_duration, parse_windows
@@ -134,16 +135,22 @@ def test_merge_of_two_estimators_equals_estimator_of_the_union() -> None:
         both.observe(ka, hits=100)
         both.observe(kb, hits=50)
     clock.t += 30
-    a.merge(b.serialize())
-    for sa, sboth in zip(a.snapshot(), both.snapshot(), strict=True):
-        assert (sa.requests, sa.hits) == (sboth.requests, sboth.hits)
-        # Same HLL registers; the estimates may differ in the 4th digit because HLL's HIP
-        # estimator depends on the order in which sketches met. A union that double counted
-        # would be off by ~40% here.
-        assert sa.distinct == pytest.approx(sboth.distinct, rel=2e-3)
-        assert sa.ceiling == pytest.approx(sboth.ceiling, abs=2e-3)
+    blob_a, blob_b = a.serialize(), b.serialize()
+    a.merge(blob_b)
+    # A collector's view: the union of the latest snapshots, built fresh.
+    cluster = CeilingEstimator.union_of([blob_a, blob_b], clock=clock)
+    for merged in (a, cluster):
+        for sm, sboth in zip(merged.snapshot(), both.snapshot(), strict=True):
+            assert (sm.requests, sm.hits) == (sboth.requests, sboth.hits)
+            # Same HLL registers; the estimates may differ in the 4th digit because HLL's HIP
+            # estimator depends on the order in which sketches met. A union that double
+            # counted would be off by ~40% here.
+            assert sm.distinct == pytest.approx(sboth.distinct, rel=2e-3)
+            assert sm.ceiling == pytest.approx(sboth.ceiling, abs=2e-3)
     # And the merge is not a no-op: b alone sees less.
     assert b.stats("1h").requests < a.stats("1h").requests
+    with pytest.raises(ValueError):
+        CeilingEstimator.union_of([])
 
 
 def test_deserialize_round_trips_and_merge_rejects_foreign_bytes() -> None:
@@ -186,6 +193,15 @@ def test_observe_validates_hits_and_reads_validate_windows() -> None:
         est.ceiling("5m")
     assert est.labels == ("15m", "1h", "24h")
     assert est.ceiling("15m") == est.ceiling(900) == 0.0
+
+
+def test_numpy_key_arrays_count_like_lists() -> None:
+    a, b = CeilingEstimator(clock=FakeClock()), CeilingEstimator(clock=FakeClock())
+    keys = [i * 7919 for i in range(3000)] * 2
+    a.observe(keys, hits=10)
+    b.observe(np.array(keys, dtype=np.int64), hits=10)
+    assert a.snapshot() == b.snapshot()
+    assert a.stats("15m").distinct == pytest.approx(3000, rel=0.01)
 
 
 def test_exact_ceiling_helper() -> None:
