@@ -1,0 +1,171 @@
+"""SSD tier throughput against fio on the same filesystem, in the same run.
+
+Drives the real tier in-process (block index, write-behind, promotion, checksums, the
+chosen I/O engine) without gRPC: the write phase commits blocks into L1 as fast as the
+bounded write queue takes them, the read phase promotes them back from SSD into L1 pages.
+Then ``fio --ioengine=io_uring --direct=1`` writes and reads the same number of bytes
+with the same I/O size and queue depth in the same directory. CPU seconds per GB are
+process CPU time (all threads) for the tier and fio's usr+sys for fio.
+
+    python bench/ssd.py --dir /var/tmp --size 2gb --page 2mb --queue-depth 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+from pegaflow.common.units import parse_size
+from pegaflow.node import metrics as node_metrics
+from pegaflow.node.block_index import BlockIndex
+from pegaflow.node.pool import SharedPool
+from pegaflow.node.ssd import open_tier, promote
+from pegaflow.node.ssd.store import record_bytes
+
+
+def fio(path: str, rw: str, size: int, bs: int, depth: int) -> dict[str, float]:
+    out = subprocess.run(
+        ["fio", "--name=pf", f"--filename={path}", "--ioengine=io_uring", "--direct=1", f"--rw={rw}",
+         f"--bs={bs}", f"--iodepth={depth}", f"--size={size}", "--output-format=json"],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    job = json.loads(out[out.index("{"):])["jobs"][0]
+    side = job["write" if rw == "write" else "read"]
+    secs = job["job_runtime"] / 1000
+    cpu = (job["usr_cpu"] + job["sys_cpu"]) / 100 * secs
+    return {"gbps": side["io_bytes"] / secs / 1e9, "cpu_s_per_gb": cpu / (side["io_bytes"] / 1e9)}
+
+
+async def tier_run(directory: str, size: int, page: int, depth: int, engine: str) -> dict[str, Any]:
+    n = size // page
+    pool_bytes = min(1 << 30, max(64 * page, 256 << 20))
+    opts = argparse.Namespace(ssd_cache_path=[directory], ssd_cache_capacity=n * record_bytes(page) * 2,
+                              ssd_queue_depth=depth, ssd_write_queue_size=pool_bytes // 2, ssd_io_engine=engine)
+    tier = open_tier(opts)
+    assert tier is not None
+    pool = SharedPool(pool_bytes)
+    np.frombuffer(pool.mm, dtype=np.uint8)[:] = np.random.default_rng(1).integers(0, 255, pool.size, dtype=np.uint8)
+    index = BlockIndex(pool.size)
+    tier.attach(index, pool.view, node_metrics.NodeMetrics())
+    loop = asyncio.get_running_loop()
+    tier.start(loop)
+    ns = index.namespace("bench", page)
+    rng = np.random.default_rng(2)
+    hashes = [rng.bytes(16) for _ in range(n)]
+    w = tier.writer
+    batch = 16
+    # ---- write: commit as fast as the bounded queue accepts ---------------------------
+    c0, t0 = time.process_time(), time.perf_counter()
+    i = 0
+    while i < n:
+        if w.queued_bytes + batch * page > w.limit_bytes:
+            await asyncio.sleep(0.0005)
+            continue
+        blocks = [b for b in index.reserve(ns, hashes[i:i + batch]) if b is not None]
+        index.commit(blocks)
+        i += batch
+    while not w.idle():
+        await asyncio.sleep(0.0005)
+    wt, wc = time.perf_counter() - t0, time.process_time() - c0
+    written = tier.metrics.written._value.get()  # noqa: SLF001
+    assert written == n, f"only {written} of {n} blocks written (skipped writes?)"
+    # ---- read: promote everything back (L1 emptied first) -----------------------------
+    index.remove(index.resident())
+    promote.HOLD_SECONDS = 0.0
+    c0, t0 = time.process_time(), time.perf_counter()
+    rbatch = max(1, min(64, (pool_bytes // page) // 3))
+    pending: list[list[bytes]] = []
+    i = 0
+    while i < n or pending:
+        while i < n and len(pending) < 2:
+            part = hashes[i:i + rbatch]
+            tier.promote([ns], part, 0)
+            pending.append(part)
+            i += rbatch
+        part = pending[0]
+        if all(index.get(ns, h) is not None for h in part) or not any(
+                (ns.id, h) in tier.promoter.inflight for h in part):
+            pending.pop(0)
+            await asyncio.sleep(0)
+            index.remove([b for h in part if (b := index.get(ns, h)) is not None and b.pins == 0])
+        else:
+            await asyncio.sleep(0.0002)
+    rt, rc = time.perf_counter() - t0, time.process_time() - c0
+    promoted = tier.metrics.promoted._value.get()  # noqa: SLF001
+    fails = tier.metrics.checksum_failures._value.get()  # noqa: SLF001
+    name = tier.engine.name
+    await tier.close()
+    pool.close()
+    gb = n * page / 1e9
+    return {"engine": name, "blocks": n, "write_gbps": gb / wt, "write_cpu_s_per_gb": wc / gb,
+            "read_gbps": promoted * page / 1e9 / rt, "read_cpu_s_per_gb": rc / (promoted * page / 1e9),
+            "promoted": int(promoted), "checksum_failures": int(fails)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dir", default="/var/tmp", help="directory on the filesystem to test")
+    p.add_argument("--size", default="2gb")
+    p.add_argument("--page", default="2mb", help="page (block) size; fio uses the same I/O size")
+    p.add_argument("--queue-depth", type=int, default=32)
+    p.add_argument("--engines", default="uring,threads")
+    p.add_argument("--repeat", type=int, default=3)
+    a = p.parse_args()
+    size, page = parse_size(a.size), parse_size(a.page)
+    import structlog
+
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
+    work = tempfile.mkdtemp(prefix="pegaflow-bench-ssd-", dir=a.dir)
+    engines = a.engines.split(",")
+    runs: dict[str, list[dict[str, Any]]] = {e: [] for e in engines}
+    fws: list[dict[str, float]] = []
+    frs: list[dict[str, float]] = []
+    try:
+        # Interleave fio and the tier so both see the same background load (shared disks
+        # and CPUs are noisy); report medians.
+        for _ in range(a.repeat):
+            fpath = os.path.join(work, "fio.dat")
+            fws.append(fio(fpath, "write", size, page, a.queue_depth))
+            frs.append(fio(fpath, "read", size, page, a.queue_depth))
+            os.unlink(fpath)
+            for eng in engines:
+                d = os.path.join(work, eng)
+                os.mkdir(d)
+                runs[eng].append(asyncio.run(tier_run(d, size, page, a.queue_depth, eng)))
+                shutil.rmtree(d)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    fw = {k: statistics.median(x[k] for x in fws) for k in fws[0]}
+    fr = {k: statistics.median(x[k] for x in frs) for k in frs[0]}
+    rows = []
+    for eng in engines:
+        rs = runs[eng]
+        for r in rs:
+            assert r["checksum_failures"] == 0 and r["promoted"] == r["blocks"], r
+        rows.append({"engine": eng, **{k: statistics.median(r[k] for r in rs)
+                                       for k in rs[0] if k.endswith(("gbps", "per_gb"))}})
+    print(f"# python {sys.argv[0]} --dir {a.dir} --size {a.size} --page {a.page} --queue-depth {a.queue_depth} "
+          f"--repeat {a.repeat}  (medians of {a.repeat})")
+    print("| what | write GB/s | write CPU s/GB | read GB/s | read CPU s/GB | vs fio (w / r) |")
+    print("|---|---|---|---|---|---|")
+    print(f"| fio io_uring direct, bs={a.page}, QD{a.queue_depth} | {fw['gbps']:.2f} | {fw['cpu_s_per_gb']:.3f} "
+          f"| {fr['gbps']:.2f} | {fr['cpu_s_per_gb']:.3f} | 1.00 / 1.00 |")
+    for r in rows:
+        print(f"| tier, engine={r['engine']} | {r['write_gbps']:.2f} | {r['write_cpu_s_per_gb']:.3f} "
+              f"| {r['read_gbps']:.2f} | {r['read_cpu_s_per_gb']:.3f} "
+              f"| {r['write_gbps'] / fw['gbps']:.2f} / {r['read_gbps'] / fr['gbps']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

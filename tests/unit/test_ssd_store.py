@@ -1,0 +1,224 @@
+"""SSD tier pieces in-process: record format, file validation, segment log, engines, the
+write-behind pin contract, and recovery by scan. Real files in a temp dir, tiny sizes."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pegaflow.node.block_index import BlockIndex
+from pegaflow.node.metrics import NodeMetrics
+from pegaflow.node.pool import SharedPool
+from pegaflow.node.ssd import SsdError, open_tier, promote
+from pegaflow.node.ssd.store import (
+    BLOCK,
+    CACHE_FILE_NAME,
+    SsdIndex,
+    aligned_buffer,
+    open_files,
+    pack_header,
+    record_bytes,
+    unpack_header,
+)
+from pegaflow.node.ssd.uring import uring_unavailable_reason
+
+PAGE = 16 << 10
+ENGINES = ["threads", "uring"]
+
+
+def test_header_round_trip_and_any_flipped_byte_is_rejected():
+    buf = aligned_buffer(BLOCK)
+    h = bytes(range(16))
+    pack_header(buf, 7, 9, b"model/tp0", h, 12345, 0xDEADBEEF)
+    got = unpack_header(buf)
+    assert got is not None
+    assert (got.gen, got.seq, got.ns_name, got.hash, got.payload_len, got.payload_csum) == (
+        7, 9, "model/tp0", h, 12345, 0xDEADBEEF)
+    for i in range(56 + len(b"model/tp0") + 8):  # every byte of the header and its checksum
+        bad = bytearray(buf)
+        bad[i] ^= 0x01
+        assert unpack_header(bad) is None, f"flipped header byte {i} not detected"
+    assert unpack_header(bytes(BLOCK)) is None
+
+
+def test_aligned_buffer_is_aligned():
+    import ctypes
+
+    for n in (BLOCK, 3 * BLOCK, 1 << 20):
+        b = aligned_buffer(n)
+        assert len(b) == n
+        assert ctypes.addressof((ctypes.c_char * n).from_buffer(b)) % BLOCK == 0
+
+
+def test_files_are_allocated_in_full_and_reopened(tmp_path: Path):
+    files = open_files([str(tmp_path)], 1 << 20)
+    p = tmp_path / CACHE_FILE_NAME
+    assert p.stat().st_size == 1 << 20
+    for f in files:
+        os.close(f.fd)
+    files = open_files([str(tmp_path)], 1 << 20)  # our own file: accepted as is
+    assert files[0].file_bytes == 1 << 20
+    for f in files:
+        os.close(f.fd)
+
+
+def test_foreign_and_newer_files_are_refused_untouched(tmp_path: Path):
+    foreign = tmp_path / "foreign"
+    foreign.write_bytes(b"x" * 10000)
+    with pytest.raises(SsdError, match="not a PegaFlow"):
+        open_files([str(foreign)], 1 << 20)
+    assert foreign.read_bytes() == b"x" * 10000
+    ours = tmp_path / "ours"
+    for f in open_files([str(ours)], 1 << 20):
+        os.close(f.fd)
+    data = bytearray(ours.read_bytes())
+    data[16:20] = (99).to_bytes(4, "little")  # format version 99
+    ours.write_bytes(bytes(data))
+    with pytest.raises(SsdError, match="newer"):
+        open_files([str(ours)], 1 << 20)
+    assert ours.read_bytes() == bytes(data)
+
+
+def test_capacity_beyond_free_space_is_refused_and_creates_nothing(tmp_path: Path):
+    with pytest.raises(SsdError, match="free"):
+        open_files([str(tmp_path)], 1 << 50)
+    assert not (tmp_path / CACHE_FILE_NAME).exists()
+
+
+def test_segment_log_stripes_reclaims_oldest_first_and_never_exceeds_capacity(tmp_path: Path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    files = open_files([str(a), str(b)], 2 << 20)
+    idx = SsdIndex(files, lambda name, pb: 1)
+    rec = record_bytes(PAGE)
+    order: list[list[bytes]] = [[], []]  # per file, oldest first
+    per_file = [0, 0]
+    for i in range(400):  # ~8 MiB of records into a 2 MiB log
+        key = (1, i.to_bytes(16, "little"))
+        slot, evicted = idx.allocate(PAGE)
+        assert slot.offset + rec <= files[slot.file].file_bytes
+        per_file[slot.file] += 1
+        if evicted:
+            fo = order[slot.file]
+            assert {k[1] for k in evicted} == set(fo[:len(evicted)]), "segments must be reclaimed oldest first"
+            del fo[:len(evicted)]
+        assert idx.add(key, slot, "ns", PAGE)
+        order[slot.file].append(key[1])
+        assert idx.used_bytes <= idx.capacity
+        assert idx.used_bytes == len(idx.entries) * rec
+    assert abs(per_file[0] - per_file[1]) <= 1, per_file
+    assert idx.evicted_blocks > 0
+    for f in files:
+        os.close(f.fd)
+
+
+def test_a_write_whose_segment_was_reclaimed_meanwhile_is_not_indexed(tmp_path: Path):
+    files = open_files([str(tmp_path)], 1 << 20)
+    idx = SsdIndex(files, lambda name, pb: 1)
+    slot, _ = idx.allocate(PAGE)
+    while True:  # wrap the log until slot's segment is reused
+        s2, evicted = idx.allocate(PAGE)
+        if s2.segment == slot.segment and s2.gen != slot.gen:
+            break
+    assert not idx.add((1, b"k" * 16), slot, "ns", PAGE)
+    assert (1, b"k" * 16) not in idx.entries
+    for f in files:
+        os.close(f.fd)
+
+
+# ---- the tier in-process ----------------------------------------------------------------
+def _opts(path: Path, engine: str, capacity: int = 4 << 20, queue: int = 1 << 20) -> argparse.Namespace:
+    return argparse.Namespace(ssd_cache_path=[str(path)], ssd_cache_capacity=capacity, ssd_queue_depth=4,
+                              ssd_write_queue_size=queue, ssd_io_engine=engine)
+
+
+def _engine_or_skip(engine: str) -> None:
+    if engine == "uring":
+        why = uring_unavailable_reason()
+        if why:
+            pytest.skip(f"io_uring engine unavailable here: {why}")
+
+
+async def _until(cond, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not cond():
+        assert loop.time() < end, "timed out"
+        await asyncio.sleep(0.002)
+
+
+class _Node:
+    """Pool + index + tier, as the daemon assembles them."""
+
+    def __init__(self, path: Path, engine: str, **kw: int) -> None:
+        self.tier = open_tier(_opts(path, engine, **kw))
+        assert self.tier is not None
+        self.pool = SharedPool(1 << 20)
+        self.index = BlockIndex(self.pool.size)
+        self.tier.attach(self.index, self.pool.view, NodeMetrics())
+        self.tier.start(asyncio.get_running_loop())
+        self.ns = self.index.namespace("m", PAGE)
+
+    def save(self, hashes: list[bytes]) -> list:  # type: ignore[type-arg]
+        blocks = [b for b in self.index.reserve(self.ns, hashes) if b is not None]
+        for b in blocks:
+            self.pool.view[b.offset:b.offset + PAGE] = _page(b.hash)
+        return self.index.commit(blocks)
+
+    async def close(self) -> None:
+        await self.tier.close()
+        self.pool.close()
+
+
+def _page(h: bytes) -> bytes:
+    return np.random.default_rng(int.from_bytes(h[:8], "little")).bytes(PAGE)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_write_behind_pins_until_written_and_scan_recovers_after_restart(tmp_path: Path, engine: str,
+                                                                        monkeypatch: pytest.MonkeyPatch):
+    _engine_or_skip(engine)
+    monkeypatch.setattr(promote, "HOLD_SECONDS", 0.01)
+    hashes = [i.to_bytes(16, "little") for i in range(1, 9)]
+
+    async def first() -> None:
+        n = _Node(tmp_path, engine)
+        blocks = n.save(hashes)
+        assert all(b.pins == 1 for b in blocks), "queued blocks must be pinned until written"
+        await _until(lambda: n.tier.writer.idle())
+        assert all(b.pins == 0 for b in blocks)
+        assert len(n.tier.store.entries) == 8
+        await n.close()
+
+    async def second() -> None:
+        n = _Node(tmp_path, engine)
+        assert len(n.tier.store.entries) == 8, "scan must find every record"
+        assert n.tier.promote([n.ns], hashes, 0) is True  # LOADING
+        await _until(lambda: all(n.index.get(n.ns, h) is not None for h in hashes))
+        for h in hashes:
+            b = n.index.get(n.ns, h)
+            assert bytes(n.pool.view[b.offset:b.offset + PAGE]) == _page(h)
+        assert n.tier.promote([n.ns], [b"\xff" * 16], 0) is False, "nothing on SSD: no LOADING"
+        await n.close()
+
+    asyncio.run(first())
+    asyncio.run(second())
+
+
+def test_full_write_queue_skips_and_counts_without_waiting(tmp_path: Path):
+    async def run() -> None:
+        n = _Node(tmp_path, "threads", queue=2 * PAGE)
+        n.save([i.to_bytes(16, "little") for i in range(1, 9)])
+        m = n.tier.metrics
+        assert m.skipped.labels("queue_full")._value.get() == 6  # noqa: SLF001
+        await _until(lambda: n.tier.writer.idle())
+        assert len(n.tier.store.entries) == 2
+        await n.close()
+
+    asyncio.run(run())
