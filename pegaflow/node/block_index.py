@@ -239,7 +239,15 @@ class BlockIndex:
         out: list[Block | None] = []
         blocks = self._blocks
         nid = ns.id
-        allocate = self._allocate
+        size = ns.page_bytes
+        alloc = self.alloc
+        need = alloc.round(size)
+        lru = self._lru
+        # Without admission or reclaimable copies, a victim of the same page size is just
+        # the LRU head: it is popped here and its page reused, and counters and events are
+        # settled once per call (what _allocate does per block, minus the calls).
+        simple = self.admission is None and not self._lru_reclaimable
+        evicted: list[Block] = []
         full = False
         made = 0
         for h in hashes:
@@ -250,7 +258,18 @@ class BlockIndex:
                     self.touch((existing,))
                 out.append(None)
                 continue
-            offset = allocate(ns, h)
+            if alloc.free_bytes >= need:  # else alloc() would raise; exceptions are slow
+                try:
+                    offset: int | None = alloc.alloc(size)
+                except OutOfSpace:
+                    offset = self._allocate(ns, h)
+            elif simple and lru and (victim := next(iter(lru.values()))).size == size:
+                lru.popitem(last=False)
+                del blocks[victim.key]
+                evicted.append(victim)
+                offset = victim.offset
+            else:
+                offset = self._allocate(ns, h)
             if offset is None:
                 full = True
                 self.no_space += 1
@@ -261,6 +280,15 @@ class BlockIndex:
             made += 1
             out.append(b)
         self._pending += made
+        if evicted:
+            k = len(evicted)
+            self.resident_blocks -= k
+            self.resident_bytes -= k * size
+            self.evictions += k
+            self.evicted_bytes += k * size
+            if self._listeners:
+                for ens, hs in _group(evicted).items():
+                    self._emit("evict", ens, hs)
         return out
 
     def commit(self, pending: Sequence[Block]) -> list[Block]:
