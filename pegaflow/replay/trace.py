@@ -306,7 +306,7 @@ def read_trace(
             try:
                 d = loads(text)
             except ValueError as exc:
-                raise TraceError(lineno, f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+                raise TraceError(lineno, f"not valid JSON ({exc.msg} at column {exc.pos + 1})") from None
             if not isinstance(d, dict):
                 raise TraceError(lineno, f"expected a JSON object, got {type(d).__name__}")
             if parse is None:
