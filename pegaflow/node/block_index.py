@@ -46,6 +46,12 @@ RESIDENT = 1
 
 
 class Admission(Protocol):
+    """What the index needs from an admission policy (``TinyLFU`` is the node's).
+
+    A policy may also offer ``record_many(keys)`` (equal to ``record`` per key, in order);
+    the index then records a request's blocks in one call instead of one call per block.
+    """
+
     def record(self, key: int) -> None: ...
     def admit(self, candidate: int, victim: int) -> bool: ...
 
@@ -201,16 +207,26 @@ class BlockIndex:
                 lru = self._lru_reclaimable if b.reclaimable else self._lru
                 if k in lru:
                     lru.move_to_end(k)
-        adm = self.admission
-        if adm is not None:
-            for b in blocks:
-                adm.record(admission_key(b.ns.id, b.hash))
+        if self.admission is not None and blocks:
+            self._record([admission_key(b.ns.id, b.hash) for b in blocks])
 
     def record_access(self, ns: Namespace, hashes: Iterable[bytes]) -> None:
-        """Tell the admission policy about requested blocks (hit or miss)."""
+        """Tell the admission policy about requested blocks (hit or miss), in order."""
         if self.admission is not None:
-            for h in hashes:
-                self.admission.record(admission_key(ns.id, h))
+            nid = ns.id
+            keys = [admission_key(nid, h) for h in hashes]
+            if keys:
+                self._record(keys)
+
+    def _record(self, keys: list[int]) -> None:
+        # Looked up per call, not cached: replay swaps ``admission`` after construction.
+        adm = self.admission
+        many = getattr(adm, "record_many", None)
+        if many is not None:
+            many(keys)
+        else:
+            for k in keys:
+                adm.record(k)  # type: ignore[union-attr]
 
     # ---- pins -------------------------------------------------------------------------
     def pin(self, blocks: Iterable[Block]) -> None:
@@ -263,11 +279,16 @@ class BlockIndex:
                     offset: int | None = alloc.alloc(size)
                 except OutOfSpace:
                     offset = self._allocate(ns, h)
-            elif simple and lru and (victim := next(iter(lru.values()))).size == size:
-                lru.popitem(last=False)
-                del blocks[victim.key]
-                evicted.append(victim)
-                offset = victim.offset
+            elif simple and lru:
+                vkey, victim = lru.popitem(False)
+                if victim.size == size:
+                    del blocks[vkey]
+                    evicted.append(victim)
+                    offset = victim.offset
+                else:  # another page size: put it back where it was, the slow path decides
+                    lru[vkey] = victim
+                    lru.move_to_end(vkey, False)
+                    offset = self._allocate(ns, h)
             else:
                 offset = self._allocate(ns, h)
             if offset is None:
