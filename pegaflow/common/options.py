@@ -320,7 +320,7 @@ OPTIONS: list[Option] = [
     Option(
         "route",
         "round-robin",
-        "How requests reach instances: round-robin, or field:NAME (crc32 of that trace field).",
+        "How requests reach instances: round-robin, or field:NAME (a stable hash of that trace field).",
         parse_route,
         commands=(REPLAY,),
     ),

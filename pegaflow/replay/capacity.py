@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -22,11 +23,12 @@ AUTO_SWEEP_PERCENT = (100 / 64, 100 / 32, 100 / 16, 100 / 8, 100 / 4, 100 / 2, 1
 class Capacity:
     """A tier size as written by the user: ``20000blocks``, ``500gb``, ``25%`` or ``inf``.
 
-    ``percent`` is of the trace's distinct blocks (U); ``inf`` never evicts (U blocks).
+    ``percent`` is of the trace's distinct blocks (U), split between isolated pools like
+    every size; ``inf`` gives *every* pool U blocks, so nothing is ever evicted.
     """
 
     value: float
-    unit: str  # "blocks" | "bytes" | "percent"
+    unit: str  # "blocks" | "bytes" | "percent" | "inf"
 
     @classmethod
     def parse(cls, text: str | Capacity) -> Capacity:
@@ -34,7 +36,7 @@ class Capacity:
             return text
         t = str(text).strip().lower()
         if t in ("inf", "unlimited"):
-            return cls(100.0, "percent")
+            return cls(math.inf, "inf")
         if t.endswith("%"):
             v = float(t[:-1])
             if v < 0:
@@ -47,11 +49,19 @@ class Capacity:
 
     def blocks_or_bytes(self, unique: int) -> tuple[int, bool]:
         """(amount, in_blocks) for a trace with ``unique`` distinct blocks."""
+        if self.unit == "inf":
+            return unique, True
         if self.unit == "percent":
             return int(round(unique * self.value / 100.0)), True
         return int(self.value), self.unit == "blocks"
 
+    @property
+    def is_unbounded(self) -> bool:
+        return self.unit == "inf"
+
     def __str__(self) -> str:
+        if self.unit == "inf":
+            return "inf"
         if self.unit == "percent":
             return f"{self.value:g}%"
         if self.unit == "blocks":

@@ -19,12 +19,12 @@ What is modelled, and how (also in ``docs/replay.md``):
 - **Instances**: with ``shared`` pools every instance uses one pool of the whole capacity
   (PegaFlow: one node per host); with ``isolated`` pools instance i has its own pool of
   ``capacity / instances`` (the same memory, split). Requests go to instances round-robin
-  or by ``crc32`` of a trace field, so equal field values always land together.
+  or by a stable hash of a trace field, so equal field values always land together.
 """
 
 from __future__ import annotations
 
-import zlib
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -186,6 +186,15 @@ class Scenario:
         return replace(self, l1=l1)
 
 
+def route_hash(value: str) -> int:
+    """A stable, well-mixed 64-bit hash of a routing value (the same on every run and host).
+
+    blake2b, not crc32: crc32 is linear, and its low bits barely change between names like
+    ``engine-0`` and ``engine-1``, which then all land on one instance for small N.
+    """
+    return int.from_bytes(hashlib.blake2b(value.encode(), digest_size=8).digest(), "little")
+
+
 class Cluster:
     """The pools of one scenario and the rule that picks a pool for each request."""
 
@@ -195,10 +204,12 @@ class Cluster:
         l1_amount, l1_blocks = scenario.l1.blocks_or_bytes(unique)
         ssd_amount, ssd_blocks = scenario.ssd.blocks_or_bytes(unique)
         n_pools = scenario.instances if scenario.pools == ISOLATED else 1
+        l1_split = 1 if scenario.l1.is_unbounded else n_pools
+        ssd_split = 1 if scenario.ssd.is_unbounded else n_pools
         self.pools: list[Pool] = [
             Pool(
-                (l1_amount // n_pools, l1_blocks),
-                (ssd_amount // n_pools, ssd_blocks),
+                (l1_amount // l1_split, l1_blocks),
+                (ssd_amount // ssd_split, ssd_blocks),
                 page_bytes,
                 scenario.tinylfu,
             )
@@ -213,7 +224,7 @@ class Cluster:
             return self.pools[0]
         if self._field is None:
             return self.pools[i % n]
-        return self.pools[zlib.crc32((route or "").encode()) % n]
+        return self.pools[route_hash(route or "") % n]
 
     @property
     def l1_capacity_blocks(self) -> int:

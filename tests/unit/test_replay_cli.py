@@ -60,7 +60,7 @@ def test_json_report_has_hit_rates_ceiling_comparison_and_sweep(tmp_path):
     assert shared_lru["l1_hit_blocks"] + shared_lru["ssd_hit_blocks"] == 4
     assert [c["admission"] for c in d["shared_vs_isolated"]] == ["lru", "tinylfu"]
     curve = d["sweep"][0]
-    assert curve["l1"] == ["1blocks", "3blocks", "100%"]
+    assert curve["l1"] == ["1blocks", "3blocks", "inf"]
     assert curve["hit_rate"][-1] == 0.5  # unbounded: the ceiling
     assert [w["window"] for w in d["ceiling"]["windows"]] == ["2s", "2s"]
 
@@ -118,3 +118,81 @@ def test_missing_file_and_unknown_command(tmp_path):
     assert out.returncode == 1 and out.stderr.count("\n") == 1 and "cannot read trace" in out.stderr
     out = pegaflow("frobnicate")
     assert out.returncode == 2 and "unknown command 'frobnicate'" in out.stderr
+
+
+def test_node_query_trace_with_namespaces_and_routing_by_instance(tmp_path):
+    from pegaflow.replay.trace import encode_query
+
+    h = [i.to_bytes(16, "little") for i in range(4)]
+    p = tmp_path / "q.jsonl"
+    # Engine e2 asks for [0, 1] twice, e1 asks for [0, 1] once in another namespace.
+    p.write_text(
+        "\n".join(
+            [
+                encode_query(0.0, "m1", h[:2], page_bytes=4096, instance="e2"),
+                encode_query(1.0, "m2", h[:2], page_bytes=4096, instance="e1"),
+                encode_query(2.0, "m1", h[:2], page_bytes=4096, instance="e2"),
+            ]
+        )
+        + "\n"
+    )
+    out = pegaflow(
+        "replay",
+        str(p),
+        "--json",
+        "--instances",
+        "2",
+        "--route",
+        "field:instance",
+        "--pools",
+        "isolated",
+        "--l1-capacity",
+        "inf",
+        "--sweep",
+        "none",
+    )
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    assert d["trace"]["format"] == "pegaflow"
+    assert d["trace"]["namespaces"] == {"m1": 4096, "m2": 4096}
+    assert d["trace"]["unique_blocks"] == 4  # equal hashes, different namespaces
+    (run,) = d["runs"]
+    assert run["label"] == "isolated x2, lru" and run["hit_blocks"] == 2
+    # Precondition of the numbers above: the two engines hash to different pools.
+    from pegaflow.replay.model import route_hash
+
+    assert route_hash("e2") % 2 != route_hash("e1") % 2
+
+
+def _run_on_a_terminal(args: list[str]) -> tuple[int, str]:
+    """Run pegaflow with stderr on a pseudo-terminal (120 columns); returns (rc, stderr)."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    cmd = [EXE] if EXE else [sys.executable, "-m", "pegaflow.cli"]
+    proc = subprocess.Popen([*cmd, *args], stdout=subprocess.DEVNULL, stderr=slave)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    return proc.wait(timeout=120), b"".join(chunks).decode(errors="replace")
+
+
+def test_progress_bar_on_a_terminal_unless_quiet():
+    args = ["replay", str(SLICE), "--sweep", "1%,2%,5%,10%,25%,50%,100%"]
+    rc, err = _run_on_a_terminal(args)
+    assert rc == 0 and "req/s" in err and "%|" in err
+    rc, err = _run_on_a_terminal([*args, "--quiet"])
+    assert rc == 0 and err.strip() == ""

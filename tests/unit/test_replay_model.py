@@ -172,3 +172,9 @@ def test_capacity_and_sweep_parsing():
     assert [str(c) for c in parse_sweep("1%,10blocks,2gb")] == ["1%", "10blocks", "2gb"]
     with pytest.raises(ValueError):
         Capacity.parse("lots")
+
+
+def test_inf_gives_every_isolated_pool_the_whole_trace():
+    r = run(SAME_PREFIX_4X, "inf", instances=2, pools=ISOLATED)
+    assert r.l1_capacity_blocks == 4  # U = 2 per pool, not split
+    assert r.request_hits == [0, 0, 2, 2]
