@@ -38,7 +38,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from pegaflow.connector.hashing import KVIdentity, config_hash
 from pegaflow.connector.intents import PegaConnectorMetadata, PegaWorkerReport
-from pegaflow.connector.link import NodeLink, node_address
+from pegaflow.connector.link import LOGGER_NAME, NodeLink, node_address
 from pegaflow.connector.scheduler import SchedulerSide
 from pegaflow.connector.worker import WorkerSide
 
@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-logger = logging.getLogger("pegaflow.connector")
+logger = logging.getLogger(LOGGER_NAME)
 
 
 def _dtype_name(dt: Any) -> str:

@@ -20,7 +20,9 @@ from typing import Any, TypeVar
 
 import tenacity
 
-logger = logging.getLogger("pegaflow.connector")
+# A child of vLLM's logger: connector messages go where vLLM's go, in its format and level.
+LOGGER_NAME = "vllm.pegaflow"
+logger = logging.getLogger(LOGGER_NAME)
 
 T = TypeVar("T")
 

@@ -45,9 +45,9 @@ from pegaflow.connector.intents import (
     SaveIntent,
     ShardSave,
 )
-from pegaflow.connector.link import NodeLink
+from pegaflow.connector.link import LOGGER_NAME, NodeLink
 
-logger = logging.getLogger("pegaflow.connector")
+logger = logging.getLogger(LOGGER_NAME)
 
 # How often a request whose blocks the node is still promoting re-asks (vLLM re-asks ~2 ms later).
 LOADING_POLL_S = 0.02

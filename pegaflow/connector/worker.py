@@ -26,9 +26,9 @@ import torch
 from pegaflow.connector.hashing import KVIdentity
 from pegaflow.connector.intents import PegaConnectorMetadata, PegaWorkerReport
 from pegaflow.connector.layout import PageLayout, build_page_layout
-from pegaflow.connector.link import NodeLink
+from pegaflow.connector.link import LOGGER_NAME, NodeLink
 
-logger = logging.getLogger("pegaflow.connector")
+logger = logging.getLogger(LOGGER_NAME)
 
 
 def _copy_fns() -> tuple[Any, Any]:
@@ -124,6 +124,9 @@ class WorkerSide:
                 continue
             self._count("load_s", time.perf_counter() - t0)
             self._count("loaded_blocks", len(block_ids))
+            if "first-load" not in self._warned:
+                self._warned.add("first-load")
+                logger.info("PegaFlow rank %d: first load, %d blocks from the node", self.tp_rank, len(block_ids))
 
     def save(self, meta: PegaConnectorMetadata) -> None:
         if not meta.saves or not self.saves_shard:

