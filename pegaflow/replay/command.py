@@ -7,9 +7,10 @@ or written.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 from pegaflow.common.options import REPLAY, build_parser, fill_defaults
@@ -30,12 +31,20 @@ DESCRIPTION = (
 class _Progress:
     """A tqdm bar on stderr when it is a terminal (and not --quiet); otherwise nothing."""
 
-    def __init__(self, total: int, enabled: bool) -> None:
+    def __init__(self, total: int, enabled: bool, desc: str, unit: str = "req") -> None:
         self.bar = None
         if enabled and total and sys.stderr.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, unit="req", file=sys.stderr, leave=False, dynamic_ncols=True)
+            self.bar = tqdm(
+                total=total,
+                desc=desc,
+                unit=unit,
+                unit_scale=unit == "B",
+                file=sys.stderr,
+                leave=False,
+                dynamic_ncols=True,
+            )
 
     def __call__(self, n: int) -> None:
         if self.bar is not None:
@@ -44,6 +53,21 @@ class _Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def _counted(lines: Iterator[str], bar: _Progress) -> Iterator[str]:
+    """Pass lines through, advancing ``bar`` by their length every 4096 lines."""
+    if bar.bar is None:
+        yield from lines
+        return
+    n = 0
+    for i, line in enumerate(lines, 1):
+        n += len(line)
+        if i % 4096 == 0:
+            bar(n)
+            n = 0
+        yield line
+    bar(n)
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "pegaflow replay") -> int:
@@ -57,8 +81,13 @@ def main(argv: Sequence[str] | None = None, prog: str = "pegaflow replay") -> in
 
     started = time.perf_counter()
     try:
+        size = os.path.getsize(opts.trace) if not opts.trace.endswith(".gz") else 0
+    except OSError:
+        size = 0
+    reading = _Progress(size, not opts.quiet, "read", "B")
+    try:
         trace = read_trace(
-            iter_lines(opts.trace),
+            _counted(iter_lines(opts.trace), reading),
             opts.trace_format,
             block_tokens=opts.block_tokens,
             route_field=route_field(opts.route) if opts.instances > 1 else None,
@@ -71,6 +100,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "pegaflow replay") -> in
         return fail(f"{opts.trace}: not a UTF-8 text file ({exc.reason})")
     except OSError as exc:
         return fail(f"cannot read trace {opts.trace}: {exc.strerror or exc}", 1)
+    finally:
+        reading.close()
     if not trace.requests:
         return fail(
             f"{opts.trace}: no requests" + (f" ({trace.skipped} bad lines skipped)" if trace.skipped else "")
@@ -94,7 +125,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "pegaflow replay") -> in
     scenarios = scenario_grid(base, pools, admission)
     points = opts.sweep
     total = len(trace.requests) * len(scenarios) * (1 + len(points))
-    bar = _Progress(total, not opts.quiet)
+    bar = _Progress(total, not opts.quiet, "replay")
     try:
         runs = [replay(trace, sc, bar) for sc in scenarios]
         sweep = [replay(trace, replace(sc, l1=cap), bar) for sc in scenarios for cap in points]

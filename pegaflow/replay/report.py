@@ -105,13 +105,18 @@ class Report:
         }
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, default=_json_default)
+        """Strict JSON: a number that is not one (an HLL read that never happened) is null."""
+        return json.dumps(_finite(self.to_dict()), indent=2, allow_nan=False)
 
 
-def _json_default(o: object) -> object:
-    if isinstance(o, float) and math.isnan(o):
-        return None
-    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+def _finite(o: object) -> object:
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, list | tuple):
+        return [_finite(v) for v in o]
+    return o
 
 
 def _pct(x: float) -> str:
@@ -306,7 +311,9 @@ def plot(rep: Report, path: str | Path) -> None:
     ax.set_ylabel("prefix hit rate (%)  — solid: blocks, dotted: tokens")
     ax.set_ylim(0, 100)
     ax.grid(True, alpha=0.3)
-    ax.set_title(f"pegaflow replay: {Path(rep.path).name}  (stars: configured capacity)", fontsize=10)
+    ssd = rep.runs[0].scenario.ssd if rep.runs else None
+    tier = f"; SSD {ssd} in every point" if ssd is not None and not ssd.is_zero else ""
+    ax.set_title(f"pegaflow replay: {Path(rep.path).name}  (stars: configured capacity{tier})", fontsize=10)
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
