@@ -73,9 +73,23 @@ def serve_forever(r: Client, opts: argparse.Namespace) -> None:
                 daemon=True,
             )
         )
+    from prometheus_client import REGISTRY
+
+    from pegaflow.meta.sketches import ClusterCeilingCollector
+
+    REGISTRY.register(ClusterCeilingCollector(r, opts.ceiling_windows))
     if opts.http_addr:
         host, _, port = opts.http_addr.rpartition(":")
         start_http_server(int(port), addr=host)
+    export = None
+    if opts.metrics_otel_endpoint:
+        from pegaflow.common import otel
+
+        try:
+            export = otel.start_otel_export(opts.metrics_otel_endpoint, REGISTRY, "pegaflow-meta")
+        except otel.OtelUnavailable as exc:
+            sys.stderr.write(f"pegaflow-meta: error: {exc}\n")
+            raise SystemExit(1) from None
     try:
         server, port = serve(Lookup(r), opts.addr, opts.query_max_blocks)
     except (RuntimeError, OSError) as exc:
@@ -88,6 +102,8 @@ def serve_forever(r: Client, opts: argparse.Namespace) -> None:
     server.stop(grace=1.0).wait()
     for t in threads:
         t.join(timeout=5)
+    if export is not None:
+        export.stop()
     log.info("metaserver stopped", consumer=consumer.name)
 
 

@@ -42,6 +42,12 @@ def owner_key(node: str) -> str:
     return f"pf:{{pf}}:own:{node}"
 
 
+def sketch_key(node: str) -> str:
+    """STRING the node's serialized hit-rate ceiling sketch, with a TTL (``sketches.py``);
+    in the slot of the node's event stream."""
+    return f"pf:sk:{{{node}}}"
+
+
 @functools.lru_cache(maxsize=4096)
 def ns_tag(namespace: str) -> str:
     """16 hex chars naming a namespace in keys (namespace strings are long)."""

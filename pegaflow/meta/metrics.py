@@ -15,7 +15,7 @@ STREAMS_OWNED = Gauge("pegaflow_meta_streams_owned", "Node streams this replica 
 SWEPT = Counter("pegaflow_meta_swept_entries_total", "Index entries of retired incarnations removed")
 REAPED = Counter("pegaflow_meta_nodes_reaped_total", "Nodes retired after their liveness expired")
 QUERY_SECONDS = Histogram(
-    "pegaflow_meta_query_seconds",
+    "pegaflow_meta_query_duration_seconds",
     "QueryPrefix latency inside the metaserver",
     buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5),
 )

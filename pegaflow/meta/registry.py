@@ -82,7 +82,7 @@ return 2
 _REAP = Script(
     _NOW
     + """
-local n = 0
+local out = {}
 for i = 1, #ARGV do
   local name = ARGV[i]
   if redis.call('EXISTS', 'pf:{pf}:live:' .. name) == 0 then
@@ -90,12 +90,12 @@ for i = 1, #ARGV do
     if cur then
       redis.call('ZADD', KEYS[2], now, cjson.decode(cur).nid)
       redis.call('HDEL', KEYS[1], name)
-      n = n + 1
+      out[#out + 1] = name
     end
   end
 end
-if n > 0 then redis.call('INCR', KEYS[3]) end
-return n
+if #out > 0 then redis.call('INCR', KEYS[3]) end
+return out
 """
 )
 
@@ -131,11 +131,11 @@ def switch(r: Client, node: str, nid: int) -> int:
     return int(_SWITCH(r, [keys.NODES, keys.live_key(node), keys.RETIRED, keys.VERSION], [node, nid]))
 
 
-def reap(r: Client, names: list[str]) -> int:
-    """Retire nodes among ``names`` whose liveness expired; returns how many."""
+def reap(r: Client, names: list[str]) -> list[str]:
+    """Retire and unregister nodes among ``names`` whose liveness expired; returns them."""
     if not names:
-        return 0
-    return int(_REAP(r, [keys.NODES, keys.RETIRED, keys.VERSION], names))
+        return []
+    return [n.decode() for n in _REAP(r, [keys.NODES, keys.RETIRED, keys.VERSION], names)]
 
 
 def nodes(r: Client) -> dict[str, NodeInfo]:

@@ -1,4 +1,4 @@
-"""Background sweep: retire dead nodes and remove retired incarnations' index entries.
+"""Background sweep: retire dead nodes, drop their streams, remove retired incarnations' entries.
 
 Readers never see these entries (lookups filter by the visible nids), so sweeping is
 about memory, not correctness, and may lag. One replica sweeps at a time (``SWEEP_LOCK``).
@@ -14,6 +14,7 @@ import time
 import structlog
 
 from pegaflow.meta import keys, metrics, registry
+from pegaflow.meta.events.streams import stream_key
 from pegaflow.meta.index import Index
 from pegaflow.meta.redis_conn import Client
 
@@ -28,7 +29,13 @@ def sweep_once(r: Client, owner: str = "sweeper", lock_ms: int = 60_000) -> tupl
         return None
     try:
         t0_ms = int(time.time() * 1000)
-        reaped = registry.reap(r, sorted(registry.nodes(r)))
+        gone = registry.reap(r, sorted(registry.nodes(r)))
+        for node in gone:
+            # A dead node's stream is void (its nid is retired). A node coming back re-registers
+            # first, so only delete while it is still unregistered.
+            if not r.hexists(keys.NODES, node):
+                r.delete(stream_key(node), keys.owner_key(node))
+        reaped = len(gone)
         dead = registry.retired(r)
         tags = sorted(t.decode() for t in r.hkeys(keys.NAMESPACES))
         removed = Index(r).sweep(tags, dead) if dead else 0

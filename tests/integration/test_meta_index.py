@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import grpc
 import pytest
 
 from pegaflow._proto import meta_pb2
-from pegaflow.meta import keys, metrics, registry
+from pegaflow.meta import keys, registry
 from pegaflow.meta.events import GROUP, Event, Op, decode, encode, stream_key
 from pegaflow.meta.events.codec import FIELD
 from pegaflow.meta.events.consumer import Consumer
@@ -23,6 +24,7 @@ from pegaflow.meta.index import Index
 from pegaflow.meta.lookup import Lookup
 from tests.integration import redis_fixtures
 from tests.integration.meta_harness import (
+    ENV,
     MetaProc,
     NodeProc,
     client,
@@ -178,6 +180,9 @@ def test_redis_restarted_index_converges(aof: bool, tmp_path: Path) -> None:
         if aof:
             time.sleep(1.2)  # appendfsync everysec
         srv.stop()
+        with pytest.raises(grpc.RpcError) as err:  # lookups fail fast and say why
+            meta.query("model-0|fp16|bs16", [b"\1" * 16])
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         time.sleep(1.0)  # nodes and the metaserver see Redis down and retry
         srv.start()
         if not aof:
@@ -235,6 +240,7 @@ def test_dead_node_invisible_after_its_ttl_and_swept_later(redis_server: RedisSe
             lambda: not any(dead_nid in nids for nids in Index(r).dump(tags).values()), 20, "the sweeper to remove n1"
         )
         assert "n1" not in registry.nodes(r)
+        assert not r.exists(stream_key("n1"))  # its stream went with it
     finally:
         for p in procs.values():
             p.kill()
@@ -271,7 +277,20 @@ def test_rebuild_equals_live_index_and_repairs_damage(redis_server: RedisServer,
         meta.stop()
 
 
-def test_malformed_events_are_skipped_counted_and_logged(redis_server: RedisServer, capsys) -> None:
+CONSUME = """
+import json, sys
+from pegaflow.common.logging import configure_logging
+from pegaflow.meta import metrics
+from pegaflow.meta.events.consumer import Consumer
+from pegaflow.meta.redis_conn import connect
+configure_logging("info")
+c = Consumer(connect(sys.argv[1]), "c")
+assert c.wait_caught_up(20)
+print(json.dumps({"malformed": c.stats.malformed, "metric": metrics.EVENTS_MALFORMED._value.get()}))
+"""
+
+
+def test_malformed_events_are_skipped_counted_and_logged(redis_server: RedisServer) -> None:
     r = client(redis_server.url, False)
     rng = random.Random(1)
     held = [rng.randbytes(16) for _ in range(30)]
@@ -284,17 +303,17 @@ def test_malformed_events_are_skipped_counted_and_logged(redis_server: RedisServ
     r.xadd(s, {FIELD: encode(Event.make("n2", pub.nid, 1, 5, Op.INSERT, "ns", held[29:]))})  # wrong stream
     pub.on_insert("ns", held[10:20])
     assert pub.wait_idle(5)
-    before = metrics.EVENTS_MALFORMED._value.get()
-    c = Consumer(r, "c")
-    assert c.wait_caught_up(10)
-    assert c.stats.malformed == 4
-    assert metrics.EVENTS_MALFORMED._value.get() - before == 4
-    out = capsys.readouterr()
-    assert out.out.count("skipping malformed event") + out.err.count("skipping malformed event") == 4
+    out = subprocess.run([sys.executable, "-c", CONSUME, redis_server.url], capture_output=True, text=True,
+                         timeout=60, env=ENV)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"malformed": 4, "metric": 4.0}
+    assert out.stderr.count("skipping malformed event") == 4
+    # The consumer kept going: the valid events around the bad ones are all applied.
     (nid,) = registry.visible(r, ["n1"])
     got = Index(r).holders("ns", held)
     assert [nid in g for g in got] == [True] * 20 + [False] * 10
     assert Lookup(r).query_prefix("ns", held[:25])[0].prefix_len == 20
+    assert r.xpending(s, GROUP)["pending"] == 0
     pub.stop()
 
 

@@ -127,7 +127,7 @@ def test_register_switch_and_heartbeat(r: fakeredis.FakeRedis) -> None:
     r.delete(keys.live_key("a"))
     assert registry.visible(r, ["a"]) == {}
     assert not registry.heartbeat(r, "a", nid3, 10_000)
-    assert registry.reap(r, ["a"]) == 1 and nid3 in registry.retired(r) and registry.nodes(r) == {}
+    assert registry.reap(r, ["a"]) == ["a"] and nid3 in registry.retired(r) and registry.nodes(r) == {}
 
 
 # --- publisher buffer and consumer on fakeredis ------------------------------------------------

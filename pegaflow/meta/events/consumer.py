@@ -49,7 +49,8 @@ from pegaflow.meta.redis_conn import Call, Client, Script, run_scripts
 
 log = structlog.get_logger("pegaflow.meta.consumer")
 
-READ_COUNT = 128  # entries per stream per read: ~64k block updates per round trip at 512/entry
+READ_ENTRIES = 256  # entries per step over all owned streams (~131k updates at 512/entry, ~1 s):
+# big enough to amortise round trips, small enough that a step stays well inside a lease
 CLAIM_COUNT = 256
 REFRESH_SECONDS = 1.0  # registry / lease / retired-set refresh period
 IDLE_SLEEP = 0.005  # sleep when no stream had anything (cluster reads cannot block)
@@ -221,14 +222,18 @@ class Consumer:
         owned = [st for st in self.streams.values() if st.claimed]
         if not owned:
             return []
+        count = max(4, READ_ENTRIES // len(owned))
         p = self.r.pipeline(transaction=False)
         for st in owned:
-            p.xreadgroup(GROUP, self.name, {st.key: ">"}, count=READ_COUNT)
+            p.xreadgroup(GROUP, self.name, {st.key: ">"}, count=count)
         out = []
         for st, res in zip(owned, p.execute(raise_on_error=False), strict=True):
             if isinstance(res, Exception):
-                if "NOGROUP" in str(res):  # Redis lost the group (restarted empty): start over
-                    self._ensure_group(st.key)
+                if "NOGROUP" in str(res):
+                    if self.r.hexists(keys.NODES, st.node):  # Redis restarted empty: start over
+                        self._ensure_group(st.key)
+                    else:  # the node was reaped and its stream deleted
+                        self._release(st.node)
                     continue
                 raise res
             for _key, entries in res or []:

@@ -67,18 +67,18 @@ class PublisherMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.published = Counter(
-            "pegaflow_events_published_blocks_total", "Block updates written to the node stream", ["op"],
+            "pegaflow_node_events_published_blocks_total", "Block updates written to the node stream", ["op"],
             registry=registry,
         )  # fmt: skip
         self.dropped = Counter(
-            "pegaflow_events_dropped_blocks_total", "Block updates dropped (buffer full or Redis down)",
+            "pegaflow_node_events_dropped_blocks_total", "Block updates dropped (buffer full or Redis down)",
             registry=registry,
         )  # fmt: skip
         self.resyncs = Counter(
-            "pegaflow_events_resyncs_total", "Snapshots published (start, new epoch, re-sync)", registry=registry
+            "pegaflow_node_events_resyncs_total", "Snapshots published (start, new epoch, re-sync)", registry=registry
         )
-        self.errors = Counter("pegaflow_events_publish_errors_total", "Redis errors seen by the publisher", registry=registry)
-        self.buffered = Gauge("pegaflow_events_buffered_blocks", "Block updates waiting to be published", registry=registry)
+        self.errors = Counter("pegaflow_node_events_publish_errors_total", "Redis errors seen by the publisher", registry=registry)
+        self.buffered = Gauge("pegaflow_node_events_buffered_blocks", "Block updates waiting to be published", registry=registry)
 
     @classmethod
     def of(cls, registry: CollectorRegistry | None) -> PublisherMetrics:
