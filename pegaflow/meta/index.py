@@ -80,26 +80,46 @@ local blob = ARGV[2]
 local cand = nil
 local out = {}
 local n = 0
+-- nid c (4 bytes) is in v (4-byte aligned list); a plain find could match across two nids.
+local function holds(v, c)
+  local i = 1
+  while true do
+    local p = string.find(v, c, i, true)
+    if not p then return false end
+    if (p - 1) % 4 == 0 then return true end
+    i = p + 1
+  end
+end
 for off = 1, #blob, 16 do
   local v = redis.call('HGET', pre .. string.sub(blob, off, off + 1), string.sub(blob, off + 2, off + 15))
   if not v then break end
   if cand == nil then
     cand = {}
     for j = 1, #v, 4 do cand[#cand + 1] = string.sub(v, j, j + 3) end
-  else
-    local has = {}
-    for j = 1, #v, 4 do has[string.sub(v, j, j + 3)] = true end
-    local keep = {}
-    for _, c in ipairs(cand) do
-      if has[c] then keep[#keep + 1] = c else out[#out + 1] = c; out[#out + 1] = n end
+  elseif not (#cand == 1 and v == cand[1]) then  -- else: one holder that still holds (common)
+    local keep = nil  -- built only once a candidate drops out
+    for idx, c in ipairs(cand) do
+      if holds(v, c) then
+        if keep then keep[#keep + 1] = c end
+      else
+        if not keep then
+          keep = {}
+          for j = 1, idx - 1 do keep[j] = cand[j] end
+        end
+        out[#out + 1] = c
+        out[#out + 1] = n
+      end
     end
-    cand = keep
+    if keep then cand = keep end
   end
   n = n + 1
   if #cand == 0 then break end
 end
 if cand then
-  for _, c in ipairs(cand) do out[#out + 1] = c; out[#out + 1] = n end
+  for _, c in ipairs(cand) do
+    out[#out + 1] = c
+    out[#out + 1] = n
+  end
 end
 return out
 """

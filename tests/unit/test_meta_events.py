@@ -168,3 +168,14 @@ def test_publisher_and_consumer_converge_and_skip_malformed(r: fakeredis.FakeRed
     got = {h for h, nids in zip(every, Index(r).holders(NS, every), strict=True) if live in nids}
     assert got == state[NS]
     assert r.xpending(stream_key("n1"), "pf-meta")["pending"] == 0
+
+
+def test_query_never_matches_a_nid_across_two_others(r: fakeredis.FakeRedis) -> None:
+    # 0x00000100 then 0x02000000 stored side by side contain the bytes of 0x00010002 at offset 2.
+    ix = Index(r)
+    hs = hashes(2, seed=11)
+    for nid in (0x00010002, 0x00000100, 0x02000000):
+        ix.apply(Op.INSERT, NS, nid, hs[:1])
+    for nid in (0x00000100, 0x02000000):
+        ix.apply(Op.INSERT, NS, nid, hs[1:])
+    assert ix.query(NS, hs) == {0x00010002: 1, 0x00000100: 2, 0x02000000: 2}
