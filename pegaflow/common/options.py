@@ -393,14 +393,13 @@ def build_parser(command: str, prog: str, description: str = "") -> argparse.Arg
 def add_options(p: argparse.ArgumentParser, command: str) -> None:
     for opt in options_for(command):
         names = [f"--{opt.name}", *(f"--{a}" for a in opt.aliases)]
+        text = opt.help.replace("%", "%%")  # argparse %-formats help ("25%" would crash --help)
         if opt.flag:
-            p.add_argument(*names, dest=opt.dest, action="store_const", const=True, default=None, help=opt.help)
+            p.add_argument(*names, dest=opt.dest, action="store_const", const=True, default=None, help=text)
         elif opt.repeatable:
-            p.add_argument(
-                *names, dest=opt.dest, action="append", type=_wrap(opt), default=None, help=opt.help
-            )
+            p.add_argument(*names, dest=opt.dest, action="append", type=_wrap(opt), default=None, help=text)
         else:
-            p.add_argument(*names, dest=opt.dest, type=_wrap(opt), default=None, metavar=opt.metavar, help=opt.help)
+            p.add_argument(*names, dest=opt.dest, type=_wrap(opt), default=None, metavar=opt.metavar, help=text)
 
 
 def fill_defaults(

@@ -123,7 +123,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "pegaflow replay") -> in
     if opts.compare_admission:
         admission = [False, True]
     scenarios = scenario_grid(base, pools, admission)
-    points = opts.sweep
+    points = opts.sweep if trace.unique else []  # no blocks: no curve to draw
     total = len(trace.requests) * len(scenarios) * (1 + len(points))
     bar = _Progress(total, not opts.quiet, "replay")
     try:

@@ -113,6 +113,26 @@ def test_bad_flags_are_one_line(tmp_path, args, needle):
     assert out.stderr.count("\n") == 1 and needle in out.stderr
 
 
+def test_help_lists_the_options_and_exits_0():
+    out = pegaflow("replay", "--help")
+    assert out.returncode == 0, out.stderr
+    assert "--l1-capacity" in out.stdout and "25%" in out.stdout and "--ceiling-windows" in out.stdout
+    out = pegaflow("--help")
+    assert out.returncode == 0 and "replay" in out.stdout
+
+
+def test_a_trace_without_blocks_or_requests(tmp_path):
+    p = tmp_path / "e.jsonl"
+    p.write_text('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": []}\n')
+    out = pegaflow("replay", str(p), "--json")
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    assert d["trace"]["blocks"] == 0 and d["ceiling"]["ceiling"] == 0.0 and d["sweep"] == []
+    p.write_text("\n")
+    out = pegaflow("replay", str(p))
+    assert out.returncode == 2 and out.stderr.strip().endswith("no requests")
+
+
 def test_missing_file_and_unknown_command(tmp_path):
     out = pegaflow("replay", str(tmp_path / "nope.jsonl"))
     assert out.returncode == 1 and out.stderr.count("\n") == 1 and "cannot read trace" in out.stderr
