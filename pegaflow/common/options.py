@@ -51,6 +51,13 @@ def _non_negative_float(text: str) -> float:
     return v
 
 
+def _positive_float(text: str) -> float:
+    v = float(text)
+    if v <= 0:
+        raise ValueError(f"must be > 0, got {v}")
+    return v
+
+
 def _bool(text: str | bool) -> bool:
     if isinstance(text, bool):
         return text
@@ -273,6 +280,23 @@ OPTIONS: list[Option] = [
         parse_windows,
         commands=(NODE, META, REPLAY),
         metavar="DURATIONS",
+    ),
+    Option(
+        "ceiling-publish-interval",
+        10.0,
+        "Seconds between publications of the node's ceiling sketch to Redis (with --redis-url), "
+        "from which pegaflow-meta exports the cluster's ceiling.",
+        _positive_float,
+    ),
+    # --- metrics export ------------------------------------------------------------------
+    Option(
+        "metrics-otel-endpoint",
+        "",
+        "Also push every metric to this OTLP/HTTP collector, e.g. http://127.0.0.1:4318 "
+        "(needs the otel extra; empty: Prometheus /metrics only).",
+        str,
+        commands=(NODE, META),
+        metavar="URL",
     ),
     # --- replay: offline trace analysis (pegaflow/replay/, docs/replay.md) --------------
     Option(

@@ -15,17 +15,27 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pegaflow._proto import node_pb2, node_pb2_grpc
+from pegaflow.common import otel
 from pegaflow.common.http import MetricsServer
 from pegaflow.node.block_index import BlockIndex
+from pegaflow.node.ceiling import NodeCeiling
 from pegaflow.node.metrics import NodeMetrics
 from pegaflow.node.pool import SharedPool
 from pegaflow.node.service import NodeService
 from pegaflow.node.sessions import Sessions
 from pegaflow.node.ssd import SsdError, open_tier
+from pegaflow.policy.ceiling import DEFAULT_WINDOWS
+from pegaflow.policy.tinylfu import TinyLFU
 
 log = structlog.get_logger("pegaflow.node")
 
 EXPIRY_INTERVAL = 1.0  # seconds between sweeps of expired reservations and leases
+CEILING_REFRESH = 5.0  # seconds between recomputations of the ceiling gauges (unions of HLLs)
+# TinyLFU is sized in blocks, but page sizes are only known once engines register. Assume
+# small pages (a 0.5B model's 16-token block is ~200 KiB): over-estimating the block count
+# only costs sketch memory (~9 bytes per assumed block, 4 MiB per 64 GiB of pool) and a
+# longer aging period, while under-estimating would saturate the counters.
+ADMISSION_PAGE_GUESS = 128 << 10
 GRPC_MAX_MESSAGE = 64 << 20  # a 16k-hash request is ~400 KiB; leave room for big batches
 
 
@@ -42,14 +52,24 @@ class Node:
             self.ssd = open_tier(opts)
         except SsdError as exc:
             raise StartupError(str(exc)) from None
+        if getattr(opts, "metrics_otel_endpoint", ""):
+            try:  # before the pool is allocated: a missing extra is a one-line error
+                otel.check_available()
+            except otel.OtelUnavailable as exc:
+                raise StartupError(str(exc)) from None
         self.pool = SharedPool(opts.pool_size, opts.use_hugepages)
         self.metrics = NodeMetrics()
-        self.index = BlockIndex(self.pool.size, align=opts.page_align)
+        admission = None
+        if getattr(opts, "enable_lfu_admission", False):
+            admission = TinyLFU(max(1, self.pool.size // ADMISSION_PAGE_GUESS))
+        self.index = BlockIndex(self.pool.size, align=opts.page_align, admission=admission)
+        self.ceiling = NodeCeiling(getattr(opts, "ceiling_windows", DEFAULT_WINDOWS), self.metrics)
         self.sessions = Sessions(self.index, opts.reservation_ttl, opts.lease_ttl)
         self.service = NodeService(
             self.index, self.sessions, self.metrics, self.pool.path, self.pool.size,
             self.node_id, self.epoch, opts.max_batch,
         )
+        self.service.ceiling = self.ceiling
         m = self.metrics
         m.pool_capacity.set(self.index.alloc.capacity)
         m.bind(
@@ -59,6 +79,7 @@ class Node:
             leases=lambda: len(self.sessions.leases),
             reservations=lambda: len(self.sessions.reservations),
             sessions=lambda: len(self.sessions.sessions),
+            admission_rejections=lambda: self.index.admission_rejections,
         )
         self.index.add_listener(self._on_index_event)
         if self.ssd is not None:
@@ -70,6 +91,8 @@ class Node:
         self.server: grpc.aio.Server | None = None
         self.http: MetricsServer | None = None
         self.publisher = None  # global-index event publisher (pegaflow.meta.events), with --redis-url
+        self.otel: otel.OtelExport | None = None
+        self._sketches: asyncio.Task[None] | None = None
 
     def _on_index_event(self, op: str, ns: object, hashes: list[bytes]) -> None:
         if op == "evict":
@@ -119,12 +142,42 @@ class Node:
             self.publisher = publish_block_index(
                 self.opts, self.index, self.node_id, asyncio.get_running_loop(), self.metrics.registry
             )
+            self._sketches = asyncio.create_task(self.publish_sketches())
+        if getattr(self.opts, "metrics_otel_endpoint", ""):
+            # Last: every metric family exists now (the publisher's too), so all are mirrored.
+            self.otel = otel.start_otel_export(self.opts.metrics_otel_endpoint, self.metrics.registry,
+                                               "pegaflow-node")
         log.info("node_started", addr=self.opts.addr, node_id=self.node_id, epoch=self.epoch,
                  pool_bytes=self.pool.size, pool_path=self.pool.path, pid=os.getpid())
 
+    async def publish_sketches(self) -> None:
+        """Every --ceiling-publish-interval: serialize the ceiling here (the estimator lives on
+        this loop) and store it in Redis from a worker thread; failures are logged and retried."""
+        from pegaflow.meta.redis_conn import connect
+        from pegaflow.meta.sketches import publish_sketch
+
+        interval = self.opts.ceiling_publish_interval
+        loop = asyncio.get_running_loop()
+        r = None
+        while True:
+            blob = self.ceiling.serialize()
+            try:
+                if r is None:
+                    r = await loop.run_in_executor(None, connect, self.opts.redis_url, self.opts.redis_cluster)
+                await loop.run_in_executor(None, publish_sketch, r, self.node_id, blob, interval)
+                self.metrics.sketch_publications.labels("ok").inc()
+            except Exception as exc:  # Redis down: the sketch expires, the next one replaces it
+                self.metrics.sketch_publications.labels("error").inc()
+                log.warning("ceiling_sketch_publish_failed", error=repr(exc))
+            await asyncio.sleep(interval)
+
     async def housekeeping(self) -> None:
+        next_ceiling = 0.0
         while True:
             await asyncio.sleep(EXPIRY_INTERVAL)
+            if time.monotonic() >= next_ceiling:
+                self.ceiling.refresh()
+                next_ceiling = time.monotonic() + CEILING_REFRESH
             res, leases = self.sessions.expire()
             if res:
                 self.metrics.expired.labels("reservation").inc(res)
@@ -145,6 +198,10 @@ class Node:
         log.info("node_stopping")
         self.service.stopping.set()
         hk.cancel()
+        if self._sketches is not None:
+            self._sketches.cancel()
+        if self.otel is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.otel.stop)
         if self.publisher is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.publisher.stop)
         await self.server.stop(grace=1.0)

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
@@ -46,8 +48,61 @@ class NodeMetrics:
         self.leases = Gauge("pegaflow_node_active_leases", "Leases currently held.", registry=r)
         self.reservations = Gauge("pegaflow_node_active_reservations", "Uncommitted reservations.", registry=r)
         self.sessions = Gauge("pegaflow_node_sessions", "Registered engine sessions.", registry=r)
+        # Hit-rate ceiling per window (pegaflow/node/ceiling.py), refreshed by the node's loop.
+        self.ceiling = Gauge(
+            "pegaflow_node_ceiling_hit_ratio",
+            "Hit-rate ceiling r* = (N - U) / N of the requests in the window.",
+            ["window"],
+            registry=r,
+        )
+        self.hit_ratio = Gauge(
+            "pegaflow_node_measured_hit_ratio", "Measured hit rate (hits / N) in the window.", ["window"], registry=r
+        )
+        self.window_requested = Gauge(
+            "pegaflow_node_window_requested_blocks", "N: blocks requested in the window.", ["window"], registry=r
+        )
+        self.window_hits = Gauge(
+            "pegaflow_node_window_hit_blocks", "Blocks served from cache in the window.", ["window"], registry=r
+        )
+        self.window_distinct = Gauge(
+            "pegaflow_node_window_distinct_blocks",
+            "U: distinct blocks requested in the window (HyperLogLog estimate).",
+            ["window"],
+            registry=r,
+        )
+        self.sketch_publications = Counter(
+            "pegaflow_node_ceiling_sketch_publications_total",
+            "Ceiling sketches written to Redis for the cluster view, by result (ok, error).",
+            ["result"],
+            registry=r,
+        )
+        self._admission_rejections: Callable[[], float] = lambda: 0
+        r.register(_FnCounter(
+            "pegaflow_node_admission_rejections",
+            "New blocks not stored because TinyLFU preferred the LRU victim.",
+            lambda: self._admission_rejections(),
+        ))  # fmt: skip
+        for tier in ("l1", "ssd", "remote"):  # export zeros, so dashboards see every tier
+            self.hits.labels(tier)
+        self.evictions.labels("l1")
 
     def bind(self, **sources: Callable[[], float]) -> None:
-        """Compute state gauges at scrape time: ``bind(pool_used=lambda: ...)``."""
+        """Compute state gauges (and ``admission_rejections``) at scrape time: ``bind(pool_used=lambda: ...)``."""
         for name, fn in sources.items():
-            getattr(self, name).set_function(fn)
+            if name == "admission_rejections":
+                self._admission_rejections = fn
+            else:
+                getattr(self, name).set_function(fn)
+
+
+class _FnCounter(Collector):
+    """A counter whose value is read from a live object at scrape time (a monotonic int)."""
+
+    def __init__(self, name: str, doc: str, fn: Callable[[], float]) -> None:
+        self.name, self.doc, self.fn = name, doc, fn
+
+    def describe(self) -> list[CounterMetricFamily]:
+        return [CounterMetricFamily(self.name, self.doc)]
+
+    def collect(self) -> list[CounterMetricFamily]:
+        return [CounterMetricFamily(self.name, self.doc, value=float(self.fn()))]

@@ -92,6 +92,7 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         self.hit_blocks = 0
         self.miss_blocks = 0
         self.ssd: Any = None  # SsdTier when --ssd-cache-path is set (set by the node)
+        self.ceiling: Any = None  # NodeCeiling (pegaflow/node/ceiling.py), set by the node
 
     # ---- sessions ---------------------------------------------------------------------
     @rpc("Register")
@@ -165,6 +166,8 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         self.metrics.hits.labels("l1").inc(hit)
         self.metrics.misses.inc(len(hashes) - hit)
         self.metrics.queries.labels("hit" if hit else "miss").inc()
+        if self.ceiling is not None:
+            self.ceiling.observe(nss[0].name, hashes, hit, request.req_id)
         return node_pb2.QueryResponse(status=node_pb2.READY, hit_blocks=hit, lease_id=lease_id, pages=pages)
 
     @rpc("Release")
