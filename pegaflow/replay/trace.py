@@ -29,6 +29,8 @@ import io
 import json
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import filterfalse
+from operator import methodcaller
 from pathlib import Path
 from typing import IO, Any
 
@@ -39,6 +41,8 @@ PEGAFLOW = "pegaflow"
 FORMATS = (MOONCAKE, PEGAFLOW)
 
 MOONCAKE_NAMESPACE = "mooncake"
+_ID_LIMIT = 1 << (8 * HASH_BYTES)
+_TO_HASH = methodcaller("to_bytes", HASH_BYTES, "little")
 # Mooncake's published traces hash every 512 prompt tokens into one id.
 MOONCAKE_BLOCK_TOKENS = 512
 
@@ -194,25 +198,19 @@ class _Reader:
         raw = d.get("hash_ids")
         if not isinstance(raw, list):
             raise TraceError(line, "field 'hash_ids' must be a list of integers")
+        # Validate everything before adding anything (a skipped line leaves no trace), with
+        # passes that run in C: set(map(type)) rejects 1.0 and True, min/max the range.
+        if set(map(type, raw)) - {int} or (raw and (min(raw) < 0 or max(raw) >= _ID_LIMIT)):
+            bad = next(x for x in raw if type(x) is not int or not 0 <= x < _ID_LIMIT)
+            raise TraceError(line, f"hash id {bad!r} is not an integer in [0, 2**128)")
+        route = _route(d, self.route_field, line)
         table = self.ids
-        try:
-            # Fast path: every id seen before (set(map(type)) runs in C and rejects 1.0, True).
-            if set(map(type, raw)) - {int}:
-                raise KeyError
-            ids = list(map(table.__getitem__, raw))
-            route = _route(d, self.route_field, line)
-        except KeyError:
-            for x in raw:  # validate all before adding any: a skipped line leaves no trace
-                if type(x) is not int or not 0 <= x < 1 << (8 * HASH_BYTES):
-                    raise TraceError(line, f"hash id {x!r} is not an integer in [0, 2**128)") from None
-            route = _route(d, self.route_field, line)
-            ids = []
-            for x in raw:
-                i = table.get(x)
-                if i is None:
-                    i = table[x] = len(self.hashes)
-                    self.hashes.append(x.to_bytes(HASH_BYTES, "little"))
-                ids.append(i)
+        new = list(dict.fromkeys(filterfalse(table.__contains__, raw)))
+        if new:
+            n0 = len(self.hashes)
+            table.update(zip(new, range(n0, n0 + len(new)), strict=True))
+            self.hashes.extend(map(_TO_HASH, new))
+        ids = list(map(table.__getitem__, raw))
         self.namespaces.setdefault(MOONCAKE_NAMESPACE, None)
         return Request(
             time=ts / 1000.0,  # type: ignore[operator]
