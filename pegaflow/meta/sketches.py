@@ -38,7 +38,7 @@ from pegaflow.policy.ceiling import CeilingEstimator, WindowStats
 log = structlog.get_logger("pegaflow.meta.sketches")
 
 SKETCH_TTL_INTERVALS = 3  # a sketch outlives two missed publications, then expires
-MIN_SCRAPE_INTERVAL = 2.0  # seconds a computed union is reused by later scrapes
+MIN_SCRAPE_INTERVAL = 5.0  # seconds a union is reused by later scrapes (a union of 50 full sketches takes ~2 s)
 
 
 def publish_sketch(r: Client, node: str, blob: bytes, interval: float) -> None:
