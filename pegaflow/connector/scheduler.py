@@ -188,19 +188,22 @@ class SchedulerSide:
         end = hit.blocks
         start = end - num_external_tokens // self.block_size
         block_ids = list(blocks.get_block_ids()[0])
+        epoch = hit.epoch
         if start < 0 or end > len(block_ids) or num_external_tokens % self.block_size:
-            # Not the shape we answered: load nothing; vLLM's computed count would be wrong,
-            # so this must never happen silently.
-            raise AssertionError(
-                f"PegaFlow: external tokens {num_external_tokens} do not match hit of {end} blocks "
-                f"({len(block_ids)} blocks allocated)"
+            # Not the shape we answered. vLLM already counts these tokens as computed, so the
+            # blocks must be recomputed: an intent with epoch -1 never matches a worker's
+            # pool, and every worker reports its blocks as load errors.
+            logger.error(
+                "PegaFlow: %d external tokens do not match a hit of %d blocks (%d allocated); recomputing",
+                num_external_tokens, end, len(block_ids),
             )
+            start, end, epoch = max(0, start), min(end, len(block_ids)), -1
         self._loads.append(
             LoadIntent(
                 req_id=request.request_id,
                 block_ids=tuple(block_ids[start:end]),
                 offsets=tuple(tuple(hit.offsets[ns][start:end]) for ns in self.namespaces),
-                epoch=hit.epoch,
+                epoch=epoch,
             )
         )
         if hit.lease_id:

@@ -85,7 +85,7 @@ class WorkerSide:
     def _pool_for(self, epoch: int) -> torch.Tensor | None:
         """The mapped pool if it belongs to node epoch ``epoch``, else ``None``."""
         link = self.link
-        if link is None or self.layout is None:
+        if link is None or self.layout is None or epoch < 0:
             return None
         if not link.ready:
             return None

@@ -28,7 +28,8 @@ import traceback
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
-    ap.add_argument("--connector", default="pega", choices=["pega", "none"])
+    ap.add_argument("--connector", default="pega", choices=["pega", "none", "custom"])
+    ap.add_argument("--kv-transfer-config", default="", help="JSON, with --connector custom")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--prefix-caching", action="store_true")
     ap.add_argument("--max-model-len", type=int, default=4096)
@@ -56,6 +57,8 @@ def main() -> None:
             "kv_role": "kv_both",
             "kv_connector_module_path": "pegaflow.connector",
         }
+    elif args.connector == "custom":
+        kw["kv_transfer_config"] = json.loads(args.kv_transfer_config)
     llm = LLM(**kw)
     out.write(json.dumps({"ready": True}) + "\n")
 
