@@ -100,7 +100,7 @@ async def tier_run(directory: str, size: int, page: int, depth: int, engine: str
             await asyncio.sleep(0)
             index.remove([b for h in part if (b := index.get(ns, h)) is not None and b.pins == 0])
         else:
-            await asyncio.sleep(0.0002)
+            await asyncio.sleep(0.001)
     rt, rc = time.perf_counter() - t0, time.process_time() - c0
     promoted = tier.metrics.promoted._value.get()  # noqa: SLF001
     fails = tier.metrics.checksum_failures._value.get()  # noqa: SLF001

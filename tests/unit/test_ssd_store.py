@@ -159,7 +159,7 @@ class _Node:
     def __init__(self, path: Path, engine: str, **kw: int) -> None:
         self.tier = open_tier(_opts(path, engine, **kw))
         assert self.tier is not None
-        self.pool = SharedPool(1 << 20)
+        self.pool = SharedPool(4 << 20)
         self.index = BlockIndex(self.pool.size)
         self.tier.attach(self.index, self.pool.view, NodeMetrics())
         self.tier.start(asyncio.get_running_loop())
@@ -185,7 +185,7 @@ def test_write_behind_pins_until_written_and_scan_recovers_after_restart(tmp_pat
                                                                         monkeypatch: pytest.MonkeyPatch):
     _engine_or_skip(engine)
     monkeypatch.setattr(promote, "HOLD_SECONDS", 0.01)
-    hashes = [i.to_bytes(16, "little") for i in range(1, 9)]
+    hashes = [i.to_bytes(16, "little") for i in range(1, 41)]  # 80 buffers: more than one iovec takes
 
     async def first() -> None:
         n = _Node(tmp_path, engine)
@@ -193,12 +193,12 @@ def test_write_behind_pins_until_written_and_scan_recovers_after_restart(tmp_pat
         assert all(b.pins == 1 for b in blocks), "queued blocks must be pinned until written"
         await _until(lambda: n.tier.writer.idle())
         assert all(b.pins == 0 for b in blocks)
-        assert len(n.tier.store.entries) == 8
+        assert len(n.tier.store.entries) == 40
         await n.close()
 
     async def second() -> None:
         n = _Node(tmp_path, engine)
-        assert len(n.tier.store.entries) == 8, "scan must find every record"
+        assert len(n.tier.store.entries) == 40, "scan must find every record"
         assert n.tier.promote([n.ns], hashes, 0) is True  # LOADING
         await _until(lambda: all(n.index.get(n.ns, h) is not None for h in hashes))
         for h in hashes:
@@ -214,6 +214,7 @@ def test_write_behind_pins_until_written_and_scan_recovers_after_restart(tmp_pat
 def test_full_write_queue_skips_and_counts_without_waiting(tmp_path: Path):
     async def run() -> None:
         n = _Node(tmp_path, "threads", queue=2 * PAGE)
+        assert n.tier.writer.limit_bytes == 2 * PAGE
         n.save([i.to_bytes(16, "little") for i in range(1, 9)])
         m = n.tier.metrics
         assert m.skipped.labels("queue_full")._value.get() == 6  # noqa: SLF001

@@ -27,14 +27,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pegaflow.node.block_index import RESIDENT, Block, Namespace
+from pegaflow.node.block_index import Block, Namespace
 from pegaflow.node.ssd.store import BLOCK, Entry, aligned_buffer, checksum, round_up, unpack_header
-from pegaflow.node.ssd.uring import IoOp
+from pegaflow.node.ssd.uring import MAX_IOV, IoOp
 
 if TYPE_CHECKING:
     from pegaflow.node.ssd.tier import SsdTier
 
 HOLD_SECONDS = 2.0  # pin promoted blocks this long for the engine's next Query to lease them
+READ_COALESCE_BYTES = 4 << 20  # records adjacent on disk are read by one readv up to this size
 
 
 @dataclass(eq=False)
@@ -46,10 +47,37 @@ class _Batch:
     pinned: list[Block] = field(default_factory=list)
 
 
+@dataclass(slots=True, eq=False)
+class _Rec:
+    key: tuple[int, bytes]
+    block: Block
+    entry: Entry
+    hdr: bytearray
+
+
+def _runs(recs: list[_Rec]) -> list[list[_Rec]]:
+    """Group records adjacent on disk (same file, contiguous) into runs for one readv each."""
+    recs = sorted(recs, key=lambda r: (r.entry.file, r.entry.offset))
+    runs: list[list[_Rec]] = []
+    size = 0
+    for r in recs:
+        last = runs[-1][-1] if runs else None
+        if (last is not None and last.entry.file == r.entry.file
+                and last.entry.offset + last.entry.size == r.entry.offset
+                and size + r.entry.size <= READ_COALESCE_BYTES and 2 * len(runs[-1]) + 2 <= MAX_IOV):
+            runs[-1].append(r)
+            size += r.entry.size
+        else:
+            runs.append([r])
+            size = r.entry.size
+    return runs
+
+
 class Promoter:
     def __init__(self, tier: SsdTier) -> None:
         self.tier = tier
         self.inflight: dict[tuple[int, bytes], Block] = {}
+        self._hdrs: list[bytearray] = []  # free 4 KiB header buffers (aligned)
 
     def query(self, nss: Sequence[Namespace], hashes: Sequence[bytes], hit: int) -> bool:
         """Start promoting the SSD continuation of an L1 prefix of length ``hit``."""
@@ -69,7 +97,7 @@ class Promoter:
         prefix = [b for ns in nss for b in index.prefix(ns, hashes[:hit], touch=False)]
         index.pin(prefix)
         batch.pinned.extend(prefix)
-        ops: list[IoOp] = []
+        recs: list[_Rec] = []
         for ns in nss:
             need = [h for h in hashes[hit:j]
                     if index.get(ns, h) is None and (ns.id, h) not in inflight and (ns.id, h) in store.entries]
@@ -79,65 +107,78 @@ class Promoter:
                 if b is None:
                     continue
                 key = (ns.id, h)
-                e = store.entries[key]
                 inflight[key] = b
-                batch.remaining += 1
-                ops.append(self._read(key, b, e, batch))
-        if ops:
-            t.metrics_node_hits(len(ops))
-            t.engine.submit(ops)
+                recs.append(_Rec(key, b, store.entries[key], self._hdr()))
+        if recs:
+            batch.remaining = len(recs)
+            t.metrics_node_hits(len(recs))
+            t.engine.submit([self._read(run, batch) for run in _runs(recs)])
         else:
             self._unpin(batch)
         h0 = hashes[hit]
         return all(index.get(ns, h0) is not None or (ns.id, h0) in inflight for ns in nss)
 
-    def _read(self, key: tuple[int, bytes], b: Block, e: Entry, batch: _Batch) -> IoOp:
+    def _hdr(self) -> bytearray:
+        return self._hdrs.pop() if self._hdrs else aligned_buffer(BLOCK)
+
+    def _read(self, run: list[_Rec], batch: _Batch) -> IoOp:
+        """One readv for records adjacent on disk; verified on the engine thread."""
         t = self.tier
         view = t.pool_view
-        hdr = aligned_buffer(BLOCK)
-        page = view[b.offset:b.offset + round_up(b.size)]
-        total = BLOCK + len(page)
-        name = b.ns.name
+        bufs: list[memoryview | bytearray] = []
+        for r in run:
+            bufs.append(r.hdr)
+            bufs.append(view[r.block.offset:r.block.offset + round_up(r.block.size)])
+        total = sum(len(x) for x in bufs)
 
         def complete(res: int) -> None:
-            # engine thread: verify before the loop may publish the page
+            # engine thread: verify before the loop may publish the pages
             if res != total:
-                t.call_soon(self._done, key, b, e, batch, "io_error")
+                t.call_soon(self._done, run, ["io_error"] * len(run), batch)
                 return
-            h = unpack_header(hdr)
-            ok = (h is not None and h.hash == b.hash and h.ns_name == name and h.gen == e.gen
-                  and h.seq == e.seq and h.payload_len == b.size
-                  and checksum(view[b.offset:b.offset + b.size]) == h.payload_csum)
-            t.call_soon(self._done, key, b, e, batch, "ok" if ok else "checksum")
+            out = []
+            for r in run:
+                b, e = r.block, r.entry
+                h = unpack_header(r.hdr)
+                ok = (h is not None and h.hash == b.hash and h.ns_name == b.ns.name and h.gen == e.gen
+                      and h.seq == e.seq and h.payload_len == b.size
+                      and checksum(view[b.offset:b.offset + b.size]) == h.payload_csum)
+                out.append("ok" if ok else "checksum")
+            t.call_soon(self._done, run, out, batch)
 
-        return IoOp(False, t.store.files[e.file].fd, e.offset, [hdr, page], complete)
+        return IoOp(False, t.store.files[run[0].entry.file].fd, run[0].entry.offset, bufs, complete)
 
-    def _done(self, key: tuple[int, bytes], b: Block, e: Entry, batch: _Batch, outcome: str) -> None:
+    def _done(self, run: list[_Rec], outcomes: list[str], batch: _Batch) -> None:
         t = self.tier
         m = t.metrics
-        self.inflight.pop(key, None)
-        if outcome == "ok":
-            t.promoting.add(key)
+        good = [r for r, o in zip(run, outcomes, strict=True) if o == "ok"]
+        for r in run:
+            self.inflight.pop(r.key, None)
+            self._hdrs.append(r.hdr)
+        if good:
+            keys = [r.key for r in good]
+            t.promoting.update(keys)
             try:
-                t.index.commit((b,))
+                committed = t.index.commit([r.block for r in good])
             finally:
-                t.promoting.discard(key)
-            if b.state == RESIDENT:
-                t.index.pin((b,))
-                batch.pinned.append(b)
-            m.promoted.inc()
-            m.read_bytes.inc(b.size)
-        else:
-            t.index.discard((b,))
-            if t.store.get(key) is e:
-                t.store.remove(key)
-            if outcome == "checksum":
+                t.promoting.difference_update(keys)
+            t.index.pin(committed)
+            batch.pinned.extend(committed)
+            m.promoted.inc(len(good))
+            m.read_bytes.inc(sum(r.block.size for r in good))
+        for r, o in zip(run, outcomes, strict=True):
+            if o == "ok":
+                continue
+            t.index.discard((r.block,))
+            if t.store.get(r.key) is r.entry:
+                t.store.remove(r.key)
+            if o == "checksum":
                 m.checksum_failures.inc()
-                t.log_checksum_failure(e)
+                t.log_checksum_failure(r.entry)
             else:
                 m.read_errors.inc()
                 t.log_io_error("read", 1)
-        batch.remaining -= 1
+        batch.remaining -= len(run)
         if batch.remaining == 0:
             m.promote_latency.observe(time.perf_counter() - batch.t0)
             assert t.loop is not None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -42,6 +43,8 @@ class SsdTier:
         self.store: SsdIndex
         self.loop: asyncio.AbstractEventLoop | None = None
         self.promoting: set[tuple[int, bytes]] = set()
+        self._posted: collections.deque[tuple[Callable[..., Any], tuple[Any, ...]]] = collections.deque()
+        self._drain_scheduled = False
         self._stats_task: asyncio.Task[None] | None = None
 
     # ---- wiring -----------------------------------------------------------------------
@@ -82,12 +85,29 @@ class SsdTier:
         self._stats_task = loop.create_task(self._stats())
 
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Run ``fn(*args)`` on the node's event loop (from any thread)."""
-        assert self.loop is not None
-        try:
-            self.loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # loop closed during shutdown
-            pass
+        """Run ``fn(*args)`` on the node's event loop (from any thread), in call order.
+
+        Completions are queued and drained in one loop callback: one wake-up of the loop
+        per burst of completions instead of one per I/O.
+        """
+        self._posted.append((fn, args))
+        if not self._drain_scheduled:
+            self._drain_scheduled = True
+            assert self.loop is not None
+            try:
+                self.loop.call_soon_threadsafe(self._drain)
+            except RuntimeError:  # loop closed during shutdown
+                pass
+
+    def _drain(self) -> None:
+        self._drain_scheduled = False  # before draining: a racing append schedules again
+        posted = self._posted
+        while posted:
+            fn, args = posted.popleft()
+            try:
+                fn(*args)
+            except Exception:
+                log.exception("ssd_completion_failed")
 
     # ---- hooks used by the node -------------------------------------------------------
     def promote(self, nss: Sequence[Namespace], hashes: Sequence[bytes], hit: int) -> bool:

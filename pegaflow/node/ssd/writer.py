@@ -24,13 +24,12 @@ from typing import TYPE_CHECKING
 
 from pegaflow.node.block_index import Block, Namespace
 from pegaflow.node.ssd.store import BLOCK, Slot, aligned_buffer, checksum, pack_header, round_up
-from pegaflow.node.ssd.uring import IoOp
+from pegaflow.node.ssd.uring import MAX_IOV, IoOp
 
 if TYPE_CHECKING:
     from pegaflow.node.ssd.tier import SsdTier
 
 WRITE_COALESCE_BYTES = 4 << 20  # adjacent records go out in one writev up to this size
-MAX_IOV = 1024  # IOV_MAX
 SECOND_CHANCE_AGE = 0.75  # re-write a promoted block whose SSD copy is older than this
 
 
