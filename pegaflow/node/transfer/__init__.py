@@ -1,0 +1,72 @@
+"""Remote reads (DESIGN.md "Remote reads"): a block's path from a peer's pool into ours.
+
+    Query miss after L1 and SSD -> :mod:`puller` asks the metaserver who holds the prefix
+    -> ``PinForTransfer`` on that peer (:mod:`pins`) -> a :class:`Transport` copies the
+    pinned pages straight into PENDING pages of our pool (:mod:`tcp` or :mod:`rdma`)
+    -> checksums verified -> commit (visible, published as inserts) -> ``Unpin``.
+
+This module holds what both sides and every transport share: the description of a pin
+(:class:`RemotePages`), the transport interface and its error, and the page checksum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import xxhash
+
+TCP = "tcp"
+RDMA = "rdma"
+
+
+def page_checksum(data: memoryview | bytes) -> int:
+    """xxh3_64 of one page: ~10+ GB/s, so verifying a pull costs little next to moving it."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+class TransferError(Exception):
+    """A pull's data plane failed (peer gone, connection reset, timeout, short read).
+
+    Raised by :meth:`Transport.read`; the puller then discards every page of the pull.
+    """
+
+
+@dataclass(frozen=True, slots=True)
+class RemotePages:
+    """Pages a peer pinned for us: ``count`` pages of ``page_bytes`` at ``offsets`` of its pool.
+
+    Valid until the pin expires (``PinResponse.expires_in``) or is unpinned; a read after
+    that may see other bytes, which the checksums then reject.
+    """
+
+    peer: str  # the peer's gRPC address (PegaPeer service)
+    pin_id: int
+    page_bytes: int
+    offsets: tuple[int, ...]
+    checksums: tuple[int, ...]
+    data_addr: str = ""  # TCP data plane HOST:PORT
+    rdma_base: int = 0  # RDMA: virtual address of the peer's pool offset 0
+    rkeys: tuple[int, ...] = ()  # RDMA: the pool MR's remote key on each of the peer's NICs
+
+    @property
+    def count(self) -> int:
+        return len(self.offsets)
+
+
+class Transport(Protocol):
+    """Moves pinned remote pages into local pool pages.
+
+    ``read`` blocks (the puller calls it from a worker thread) and either fills every
+    destination page, ``dests[i]`` receiving remote page ``i``, or raises
+    :class:`TransferError`; on error some destination bytes may have been written, so the
+    caller must discard those pages (they are PENDING: no reader sees them). It does not
+    verify checksums: the puller does, for every transport alike.
+    """
+
+    name: str
+
+    def read(self, remote: RemotePages, dests: Sequence[int]) -> None: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,41 @@
+"""Prometheus metrics of remote reads (``pegaflow_node_p2p_*``), in the node's registry."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+PULL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+PULL_STATUSES = ("ok", "partial", "checksum", "bad_answer", "error", "gone", "no_space")
+
+
+class PeerMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.pulls = Counter(
+            "pegaflow_node_p2p_pulls_total",
+            "Pulls of a prefix from a peer, by status (ok, partial, checksum, bad_answer, error, gone, no_space).",
+            ["status"], registry=r,
+        )  # fmt: skip
+        for s in PULL_STATUSES:
+            self.pulls.labels(s)
+        self.pull_bytes = Counter("pegaflow_node_p2p_pull_bytes_total",
+                                  "Page bytes pulled from peers, verified and committed into L1.", registry=r)
+        self.pull_latency = Histogram("pegaflow_node_p2p_pull_seconds",
+                                      "Time from the Query that started a pull until its pages are committed.",
+                                      buckets=PULL_BUCKETS, registry=r)
+        self.served_bytes = Counter("pegaflow_node_p2p_served_bytes_total",
+                                    "Page bytes this node sent to pullers on its TCP data port.", registry=r)
+        self.active_pins = Gauge("pegaflow_node_p2p_active_pins", "Pins this node holds for pullers.", registry=r)
+        self.pins_expired = Counter("pegaflow_node_p2p_pins_expired_total",
+                                    "Pins that reached their TTL without Unpin (puller died or was slow).",
+                                    registry=r)
+        self.pin_checksum_seconds = Histogram("pegaflow_node_p2p_pin_checksum_seconds",
+                                              "Time to checksum the pages of one pin.", buckets=PULL_BUCKETS,
+                                              registry=r)
+        self.backed_off = Gauge("pegaflow_node_p2p_backed_off_peers",
+                                "Peers skipped for now after a failed or wrong answer.", registry=r)
+        self.lookups = Counter("pegaflow_node_p2p_lookups_total",
+                               "Metaserver lookups after a local miss, by result (found, none, error).",
+                               ["result"], registry=r)
+        for s in ("found", "none", "error"):
+            self.lookups.labels(s)

@@ -1,0 +1,509 @@
+"""Remote reads in one process: the puller against a real pin table, PegaPeer service and TCP
+data port on loopback (or the RDMA transport over the fake verbs layer), with the
+metaserver and the peer RPC channel replaced by direct calls.
+
+Each test runs the real code above the network edge: reservation of PENDING pages,
+pinning, the data plane into pool pages, checksum verification, commit/discard,
+unpin, pin expiry and the backoff table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from pegaflow._proto import peer_pb2
+from pegaflow.node.block_index import RESIDENT, BlockIndex, Namespace
+from pegaflow.node.pool import SharedPool
+from pegaflow.node.transfer import RemotePages, TransferError, page_checksum
+from pegaflow.node.transfer.metrics import PeerMetrics
+from pegaflow.node.transfer.p2p import routability_warning
+from pegaflow.node.transfer.pins import PeerService, PinTable
+from pegaflow.node.transfer.puller import META_KEY, Backoff, Holder, Puller
+from pegaflow.node.transfer.tcp import TcpDataServer, TcpTransport
+from tests.unit import fake_verbs
+
+PAGE = 64 << 10
+POOL = 8 << 20
+NS = "model|fp16|bs16"
+
+
+def hashes(tag: str, n: int) -> list[bytes]:
+    import xxhash
+
+    return [xxhash.xxh3_128_digest(f"{tag}:{i}".encode()) for i in range(n)]
+
+
+class Aborted(Exception):
+    pass
+
+
+class Ctx:
+    async def abort(self, code: Any, msg: str) -> None:
+        raise Aborted(f"{code.name}: {msg}")
+
+
+class Side:
+    """One node's pool, index, pin table, PegaPeer service and TCP data port."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.pool = SharedPool(POOL, name=f"test-{name}")
+        self.index = BlockIndex(POOL, align=4096)
+        self.ns = self.index.namespace(NS, PAGE)
+        self.metrics = PeerMetrics(CollectorRegistry())
+        self.table = PinTable(self.index, self.pool.view, 30.0, self.metrics)
+        self.data = TcpDataServer("127.0.0.1:0", self.pool.fd, self.table.acquire, self.table.release_send,
+                                  self.metrics.served_bytes.inc)
+        self.data.start()
+        self.service = PeerService(self.table, f"127.0.0.1:{self.data.port}", 16384)
+        self.address = f"{name}:50055"
+
+    def store(self, hs: Sequence[bytes]) -> dict[bytes, bytes]:
+        """Commit pages of random bytes for ``hs``; returns hash -> page bytes."""
+        out = {}
+        blocks = self.index.reserve(self.ns, hs)
+        for h, b in zip(hs, blocks, strict=True):
+            assert b is not None
+            data = os.urandom(PAGE)
+            self.pool.view[b.offset:b.offset + PAGE] = data
+            out[h] = data
+        self.index.commit([b for b in blocks if b is not None])
+        return out
+
+    def page(self, h: bytes) -> bytes:
+        b = self.index.get(self.ns, h)
+        assert b is not None
+        return bytes(self.pool.view[b.offset:b.offset + b.size])
+
+    def close(self) -> None:
+        self.data.close()
+        self.table.close()
+        self.pool.close()
+
+
+class FakeMeta:
+    def __init__(self) -> None:
+        self.holders: list[Holder] = []
+        self.fail = False
+        self.calls = 0
+
+    async def __call__(self, namespace: str, hs: Sequence[bytes]) -> list[Holder]:
+        self.calls += 1
+        if self.fail:
+            raise ConnectionError("metaserver down")
+        return list(self.holders)
+
+
+class DirectPeers:
+    """PegaPeer RPCs as direct handler calls on the peer Side, with answer tampering."""
+
+    def __init__(self, sides: dict[str, Side]) -> None:
+        self.sides = sides
+        self.tamper: Any = None
+        self.unpinned: list[int] = []
+
+    async def pin(self, address: str, request: peer_pb2.PinRequest) -> peer_pb2.PinResponse:
+        resp = await self.sides[address].service.PinForTransfer(request, Ctx())
+        if self.tamper is not None:
+            self.tamper(resp)
+        return resp
+
+    async def unpin(self, address: str, pin_id: int) -> None:
+        self.unpinned.append(pin_id)
+        await self.sides[address].service.Unpin(peer_pb2.UnpinRequest(pin_id=pin_id), Ctx())
+
+
+@pytest.fixture
+def pair():
+    a, b = Side("a"), Side("b")
+    meta = FakeMeta()
+    peers = DirectPeers({a.address: a})
+    transport = TcpTransport(b.pool.view)
+    puller = Puller(b.index, b.pool.view, "b", meta, peers, transport, b.metrics, pin_ttl=5.0, backoff=30.0)
+    yield a, b, meta, peers, puller
+    transport.close()
+    a.close()
+    b.close()
+
+
+async def settle(puller: Puller) -> None:
+    while puller.tasks:
+        await asyncio.gather(*list(puller.tasks), return_exceptions=True)
+
+
+def pulls(side: Side, status: str) -> float:
+    return side.metrics.pulls.labels(status)._value.get()
+
+
+def test_prefix_pulled_from_peer_is_byte_identical_reclaimable_and_unpinned(pair):
+    a, b, meta, peers, puller = pair
+    hs = hashes("p", 24)
+    want = a.store(hs)
+    meta.holders = [Holder("b", "b:1", 0), Holder("a", a.address, 24)]  # itself listed: skipped
+
+    async def run() -> bool:
+        a.table.loop = asyncio.get_running_loop()
+        loading = await puller.query([b.ns], hs, 0)
+        assert b.index.get(b.ns, hs[0]) is None  # PENDING until verified: invisible
+        assert await puller.query([b.ns], hs, 0)  # a second Query while it runs: LOADING, no new pull
+        await settle(puller)
+        return loading
+
+    assert asyncio.run(run())
+    assert meta.calls == 1
+    for h in hs:
+        blk = b.index.get(b.ns, h)
+        assert blk is not None and blk.state == RESIDENT and blk.reclaimable
+        assert b.page(h) == want[h]
+    assert pulls(b, "ok") == 1
+    assert b.metrics.pull_bytes._value.get() == 24 * PAGE
+    assert a.metrics.served_bytes._value.get() == 24 * PAGE
+    assert len(peers.unpinned) == 1 and not a.table.pins  # pin released after the pull
+    assert all(blk.pins == 0 for blk in a.index.resident(a.ns))
+
+
+def test_pull_continues_after_local_prefix_and_only_fetches_missing_blocks(pair):
+    a, b, meta, peers, puller = pair
+    hs = hashes("q", 16)
+    want = a.store(hs)
+    local = b.store(hs[:5])
+    meta.holders = [Holder("a", a.address, 16)]
+
+    async def run() -> None:
+        a.table.loop = asyncio.get_running_loop()
+        assert await puller.query([b.ns], hs, 5)
+        await settle(puller)
+
+    asyncio.run(run())
+    assert [b.page(h) for h in hs[:5]] == [local[h] for h in hs[:5]]
+    assert [b.page(h) for h in hs[5:]] == [want[h] for h in hs[5:]]
+    assert a.metrics.served_bytes._value.get() == 11 * PAGE
+
+
+def test_no_holder_beyond_local_prefix_answers_ready_without_reserving(pair):
+    a, b, meta, peers, puller = pair
+    hs = hashes("r", 8)
+    meta.holders = [Holder("a", a.address, 3)]
+    free = b.index.alloc.free_bytes
+
+    async def run() -> bool:
+        return await puller.query([b.ns], hs, 3)
+
+    assert not asyncio.run(run())
+    assert b.index.alloc.free_bytes == free
+
+
+def test_bad_checksum_discards_pages_and_backs_the_peer_off(pair):
+    a, b, meta, peers, puller = pair
+    hs = hashes("c", 10)
+    a.store(hs)
+    meta.holders = [Holder("a", a.address, 10)]
+
+    def corrupt(resp: peer_pb2.PinResponse) -> None:
+        resp.checksums[3] ^= 1
+
+    peers.tamper = corrupt
+    free = b.index.alloc.free_bytes
+
+    async def run() -> bool:
+        a.table.loop = asyncio.get_running_loop()
+        assert await puller.query([b.ns], hs, 0)
+        await settle(puller)
+        return await puller.query([b.ns], hs, 3)  # page 3 missing: the peer is skipped now
+
+    assert not asyncio.run(run())
+    assert b.index.get(b.ns, hs[3]) is None  # the wrong page never became visible
+    assert b.index.get(b.ns, hs[2]) is not None and b.index.get(b.ns, hs[4]) is not None
+    assert b.index.alloc.free_bytes == free - 9 * PAGE
+    assert pulls(b, "checksum") == 1
+    assert puller.backoff.skip(a.address)
+    assert not a.table.pins
+
+
+@pytest.mark.parametrize("tamper", ["page_bytes", "count", "offsets"])
+def test_wrong_pin_answer_is_a_miss_and_backs_the_peer_off(pair, tamper):
+    a, b, meta, peers, puller = pair
+    hs = hashes("w", 6)
+    a.store(hs)
+    meta.holders = [Holder("a", a.address, 6)]
+
+    def bad(resp: peer_pb2.PinResponse) -> None:
+        if tamper == "page_bytes":
+            resp.page_bytes = PAGE * 2
+        elif tamper == "count":
+            resp.count = 99
+        else:
+            del resp.offsets[-1]
+
+    peers.tamper = bad
+    free = b.index.alloc.free_bytes
+
+    async def run() -> None:
+        a.table.loop = asyncio.get_running_loop()
+        assert await puller.query([b.ns], hs, 0)
+        await settle(puller)
+
+    asyncio.run(run())
+    assert all(b.index.get(b.ns, h) is None for h in hs)
+    assert b.index.alloc.free_bytes == free  # every PENDING page discarded
+    assert pulls(b, "bad_answer") == 1 and puller.backoff.skip(a.address)
+    assert not a.table.pins  # unpinned anyway
+
+
+def test_peer_gone_mid_pull_leaves_no_partial_page(pair):
+    a, b, meta, peers, puller = pair
+    hs = hashes("g", 32)
+    a.store(hs)
+    meta.holders = [Holder("a", a.address, 32)]
+
+    def kill_data_port(resp: peer_pb2.PinResponse) -> None:
+        a.data.close()  # the peer's data plane dies after answering the pin
+
+    peers.tamper = kill_data_port
+    free = b.index.alloc.free_bytes
+
+    async def run() -> None:
+        a.table.loop = asyncio.get_running_loop()
+        assert await puller.query([b.ns], hs, 0)
+        await settle(puller)
+
+    asyncio.run(run())
+    assert all(b.index.get(b.ns, h) is None for h in hs)
+    assert b.index.alloc.free_bytes == free
+    assert not puller.inflight
+    assert pulls(b, "error") == 1 and puller.backoff.skip(a.address)
+
+
+def test_metaserver_failure_serves_local_hits_and_is_skipped_for_a_while(pair):
+    a, b, meta, peers, puller = pair
+    meta.fail = True
+
+    async def run() -> tuple[bool, bool]:
+        return await puller.query([b.ns], hashes("m", 4), 0), await puller.query([b.ns], hashes("m", 4), 0)
+
+    assert asyncio.run(run()) == (False, False)
+    assert meta.calls == 1 and puller.backoff.skip(META_KEY)
+    assert b.metrics.lookups.labels("error")._value.get() == 1
+
+
+def test_pins_expire_without_unpin_and_unpin_their_blocks():
+    a = Side("e")
+    try:
+        hs = hashes("e", 4)
+        a.store(hs)
+        a.table.max_ttl = 0.2
+
+        async def run() -> None:
+            a.table.loop = asyncio.get_running_loop()
+            resp = await a.service.PinForTransfer(peer_pb2.PinRequest(namespace=NS, hashes=hs, ttl_seconds=60), Ctx())
+            assert resp.count == 4 and 0 < resp.expires_in <= 0.2
+            assert all(blk.pins == 1 for blk in a.index.resident(a.ns))
+            assert a.index.lru_order() == []  # pinned: not evictable
+            await asyncio.sleep(0.35)
+
+        asyncio.run(run())
+        assert not a.table.pins
+        assert a.metrics.pins_expired._value.get() == 1
+        assert all(blk.pins == 0 for blk in a.index.resident(a.ns))
+        assert len(a.index.lru_order()) == 4
+    finally:
+        a.close()
+
+
+def test_expired_pin_is_refused_on_the_data_port():
+    a, b = Side("x"), Side("y")
+    t = TcpTransport(b.pool.view)
+    try:
+        hs = hashes("x", 3)
+        a.store(hs)
+
+        async def run() -> RemotePages:
+            a.table.loop = asyncio.get_running_loop()
+            r = await a.service.PinForTransfer(peer_pb2.PinRequest(namespace=NS, hashes=hs), Ctx())
+            a.table.unpin(r.pin_id)
+            return RemotePages("x", r.pin_id, r.page_bytes, tuple(r.offsets), tuple(r.checksums), r.data_addr)
+
+        remote = asyncio.run(run())
+        with pytest.raises(TransferError, match="refused"):
+            t.read(remote, [0, PAGE, 2 * PAGE])
+    finally:
+        t.close()
+        a.close()
+        b.close()
+
+
+def test_pin_is_not_released_while_its_pages_are_being_sent():
+    a = Side("s")
+    try:
+        hs = hashes("s", 2)
+        a.store(hs)
+
+        async def run() -> None:
+            a.table.loop = asyncio.get_running_loop()
+            p = a.table.pin(NS, hs, 0.05)
+            assert p is not None
+            assert a.table.acquire(p.id, 0, 2) == p.spans  # a data thread starts sending
+            await asyncio.sleep(0.2)  # TTL passed
+            assert p.id in a.table.pins and all(blk.pins == 1 for blk in p.blocks)
+            assert a.table.acquire(p.id, 0, 1) != p.spans[:1]  # but no new sends start
+            a.table.release_send(p.id)
+            await asyncio.sleep(0.7)
+            assert p.id not in a.table.pins and all(blk.pins == 0 for blk in p.blocks)
+
+        asyncio.run(run())
+    finally:
+        a.close()
+
+
+def test_backoff_doubles_while_failing_and_clears_on_success():
+    now = [0.0]
+    bo = Backoff(1.0, 4.0, clock=lambda: now[0])
+    assert bo.fail("p") == 1.0 and bo.skip("p")
+    now[0] = 1.5
+    assert not bo.skip("p")
+    assert bo.fail("p") == 2.0 and bo.fail("p") == 4.0 and bo.fail("p") == 4.0
+    assert bo.active() == 1
+    bo.ok("p")
+    assert not bo.skip("p") and bo.active() == 0
+
+
+def test_routability_warning_for_wildcard_and_loopback_only():
+    assert routability_warning("0.0.0.0:50055")
+    assert routability_warning("127.0.0.1:50055")
+    assert routability_warning("[::]:50055")
+    assert routability_warning("10.1.2.3:50055") == ""
+
+
+# ---- RDMA over the fake verbs layer --------------------------------------------------------
+
+class RdmaPair:
+    def __init__(self) -> None:
+        from pegaflow.node.transfer.rdma import RdmaEngine, RdmaResponder, RdmaTransport
+
+        self.fabric = fake_verbs.Fabric(["a_0", "a_1", "b_0", "b_1"])
+        v = self.fabric.verbs()
+        self.a, self.b = Side("ra"), Side("rb")
+        self.ea = RdmaEngine(["a_0", "a_1"], self.a.pool.mm, v)
+        self.eb = RdmaEngine(["b_0", "b_1"], self.b.pool.mm, v)
+        self.responder = RdmaResponder(self.ea)
+        self.a.service.rdma = self.responder
+        self.handshakes = 0
+
+        def handshake(peer: str, req: peer_pb2.RdmaConnectRequest) -> peer_pb2.RdmaConnectResponse:
+            self.handshakes += 1
+            return self.responder.accept(req)
+
+        self.transport = RdmaTransport(self.eb, handshake, "rb")
+        self.meta = FakeMeta()
+        self.peers = DirectPeers({self.a.address: self.a})
+        self.puller = Puller(self.b.index, self.b.pool.view, "rb", self.meta, self.peers, self.transport,
+                             self.b.metrics, backoff=30.0, hold_seconds=0)
+
+    def close(self) -> None:
+        self.transport.close()
+        self.ea.close()
+        self.eb.close()
+        self.a.close()
+        self.b.close()
+
+
+def test_rdma_pull_reads_pages_one_sided_over_every_nic():
+    r = RdmaPair()
+    try:
+        hs = hashes("rd", 40)
+        want = r.a.store(hs)
+        r.meta.holders = [Holder("ra", r.a.address, 40)]
+
+        async def run() -> None:
+            r.a.table.loop = asyncio.get_running_loop()
+            assert await r.puller.query([r.b.ns], hs, 0)
+            await settle(r.puller)
+
+        asyncio.run(run())
+        assert all(r.b.page(h) == want[h] for h in hs)
+        assert r.fabric.reads == 40 and r.fabric.read_bytes == 40 * PAGE
+        assert r.handshakes == 2  # one RC QP per NIC, striped
+        assert r.a.metrics.served_bytes._value.get() == 0  # the peer's CPU did not send
+        assert pulls(r.b, "ok") == 1 and not r.a.table.pins
+    finally:
+        r.close()
+
+
+def test_rdma_qps_are_reused_and_a_dead_peer_qp_fails_the_pull_cleanly():
+    r = RdmaPair()
+    try:
+        hs = hashes("rq", 8)
+        r.a.store(hs)
+        r.meta.holders = [Holder("ra", r.a.address, 8)]
+        free = r.b.index.alloc.free_bytes
+
+        async def pull(start: int) -> None:
+            r.a.table.loop = asyncio.get_running_loop()
+            assert await r.puller.query([r.b.ns], hs, start)
+            await settle(r.puller)
+
+        asyncio.run(pull(0))
+        assert r.handshakes == 2
+        # drop what we pulled, then pull again: same QPs
+        r.b.index.remove(r.b.index.resident(r.b.ns))
+        asyncio.run(pull(0))
+        assert r.handshakes == 2
+        r.b.index.remove(r.b.index.resident(r.b.ns))
+        for qp, _ in r.responder.qps:  # the peer's side of every QP dies
+            r.fabric.kill_qp(qp.qp_num)
+        asyncio.run(pull(0))
+        assert all(r.b.index.get(r.b.ns, h) is None for h in hs)
+        assert r.b.index.alloc.free_bytes == free
+        assert pulls(r.b, "error") == 1 and r.puller.backoff.skip(r.a.address)
+        assert not r.transport._conns  # broken QPs dropped: the next pull handshakes again
+    finally:
+        r.close()
+
+
+def test_rdma_read_with_wrong_rkey_completes_in_error():
+    r = RdmaPair()
+    try:
+        hs = hashes("rk", 2)
+        r.a.store(hs)
+
+        async def pin() -> peer_pb2.PinResponse:
+            r.a.table.loop = asyncio.get_running_loop()
+            return await r.a.service.PinForTransfer(
+                peer_pb2.PinRequest(namespace=NS, hashes=hs, transport="rdma"), Ctx())
+
+        resp = asyncio.run(pin())
+        assert list(resp.rkeys) == r.ea.rkeys and resp.rdma_base == r.ea.base
+        remote = RemotePages(r.a.address, resp.pin_id, resp.page_bytes, tuple(resp.offsets),
+                             tuple(resp.checksums), rdma_base=resp.rdma_base, rkeys=(12345, 12346))
+        with pytest.raises(TransferError, match="failed"):
+            r.transport.read(remote, [0, PAGE])
+        good = RemotePages(r.a.address, resp.pin_id, resp.page_bytes, tuple(resp.offsets),
+                           tuple(resp.checksums), rdma_base=resp.rdma_base, rkeys=tuple(resp.rkeys))
+        r.transport.read(good, [0, PAGE])
+        assert [page_checksum(r.b.pool.view[o:o + PAGE]) for o in (0, PAGE)] == list(resp.checksums)
+    finally:
+        r.close()
+
+
+def test_namespace_mismatch_between_nodes_pins_nothing():
+    a = Side("n")
+    try:
+        a.store(hashes("n", 2))
+
+        async def run() -> peer_pb2.PinResponse:
+            a.table.loop = asyncio.get_running_loop()
+            return await a.service.PinForTransfer(peer_pb2.PinRequest(namespace="other", hashes=hashes("n", 2)), Ctx())
+
+        resp = asyncio.run(run())
+        assert resp.count == 0 and resp.pin_id == 0 and not a.table.pins
+    finally:
+        a.close()
+
+
+_ = Namespace  # re-exported type used in annotations of helpers
