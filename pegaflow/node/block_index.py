@@ -21,11 +21,14 @@ This class does no I/O and holds no pool memory: the node wraps it around a shar
 memory pool, ``pegaflow replay`` runs it on offsets alone. It is not thread-safe; the
 node calls it from its event loop only.
 
-Performance: ``pegaflow replay`` drives this very class at >= 1M block accesses/s, so
-the per-block paths keep Python out of the inner loop where it is cheap to do so: lookups
-and LRU moves are mapped over a request in C, a victim's page goes straight to the new
-block when their sizes match (no allocator round trip), and event grouping is skipped when
-nobody listens. The allocator is pluggable for the same reason (see ``__init__``).
+Performance: ``pegaflow replay`` drives this very class at ~1M block accesses/s, so
+the per-block paths keep Python out of the inner loop where it is cheap to do so: blocks
+are found in one dict per namespace keyed by the hash (a bytes key hashes once; an
+(id, hash) tuple would be built and hashed on every lookup), the LRU is keyed by the Block
+itself (identity hash), lookups and LRU moves are mapped over a request in C, a victim's
+page goes straight to the new block when their sizes match (no allocator round trip), and
+event grouping is skipped when nobody listens. The allocator is pluggable for the same
+reason (see ``__init__``).
 """
 
 from __future__ import annotations
@@ -33,8 +36,6 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from itertools import repeat
-from operator import attrgetter
 from typing import Protocol
 
 from pegaflow.node.allocator import ExtentAllocator, OutOfSpace
@@ -66,7 +67,7 @@ class Namespace:
 class Block:
     """One page of the pool holding one block. Mutable, owned by :class:`BlockIndex`."""
 
-    __slots__ = ("ns", "hash", "offset", "size", "state", "pins", "reclaimable", "key")
+    __slots__ = ("ns", "hash", "offset", "size", "state", "pins", "reclaimable")
 
     def __init__(self, ns: Namespace, hash_: bytes, offset: int, reclaimable: bool = False) -> None:
         self.ns = ns
@@ -76,8 +77,10 @@ class Block:
         self.state = PENDING
         self.pins = 0
         self.reclaimable = reclaimable
-        # (ns.id, hash): the index's dict key, stored because the LRU paths need it per block.
-        self.key: tuple[int, bytes] = (ns.id, hash_)
+
+    @property
+    def key(self) -> tuple[int, bytes]:
+        return (self.ns.id, self.hash)
 
     def __repr__(self) -> str:
         return f"Block(ns={self.ns.name!r}, hash={self.hash.hex()[:12]}, offset={self.offset}, pins={self.pins})"
@@ -90,7 +93,6 @@ def admission_key(ns_id: int, hash_: bytes) -> int:
 
 Listener = Callable[[str, Namespace, list[bytes]], None]  # (op, namespace, hashes)
 
-_KEY = attrgetter("key")
 
 
 class PageAllocator(Protocol):
@@ -122,10 +124,13 @@ class BlockIndex:
         self.alloc: PageAllocator = allocator if allocator is not None else ExtentAllocator(capacity, align)
         self.admission = admission
         self._namespaces: dict[str, Namespace] = {}
-        self._blocks: dict[tuple[int, bytes], Block] = {}  # RESIDENT and PENDING
-        # Evictable RESIDENT blocks, least recently used first. Pinned blocks are not here.
-        self._lru: OrderedDict[tuple[int, bytes], Block] = OrderedDict()
-        self._lru_reclaimable: OrderedDict[tuple[int, bytes], Block] = OrderedDict()
+        # RESIDENT and PENDING blocks, one dict per namespace id keyed by the hash: a bytes
+        # key hashes once (cached), where an (id, hash) tuple is built and hashed per lookup.
+        self._blocks: dict[int, dict[bytes, Block]] = {}
+        # Evictable RESIDENT blocks, least recently used first, keyed by the Block itself
+        # (identity hash: free). Pinned blocks are not here.
+        self._lru: OrderedDict[Block, None] = OrderedDict()
+        self._lru_reclaimable: OrderedDict[Block, None] = OrderedDict()
         self._listeners: list[Listener] = []
         self.resident_blocks = 0
         self.resident_bytes = 0
@@ -165,8 +170,20 @@ class BlockIndex:
                 cb(op, ns, hashes)
 
     # ---- lookups ----------------------------------------------------------------------
+    def _table(self, ns_id: int) -> dict[bytes, Block]:
+        t = self._blocks.get(ns_id)
+        if t is None:
+            t = self._blocks[ns_id] = {}
+        return t
+
+    def _current(self, b: Block) -> bool:
+        """True iff ``b`` is the block the index holds for its (namespace, hash)."""
+        t = self._blocks.get(b.ns.id)
+        return t is not None and t.get(b.hash) is b
+
     def get(self, ns: Namespace, hash_: bytes) -> Block | None:
-        b = self._blocks.get((ns.id, hash_))
+        t = self._blocks.get(ns.id)
+        b = None if t is None else t.get(hash_)
         return b if b is not None and b.state == RESIDENT else None
 
     def contains(self, ns: Namespace, hash_: bytes) -> bool:
@@ -174,10 +191,11 @@ class BlockIndex:
 
     def prefix(self, ns: Namespace, hashes: Sequence[bytes], touch: bool = True) -> list[Block]:
         """RESIDENT blocks for the longest prefix of ``hashes``; marks them recently used."""
-        if not hashes or (ns.id, hashes[0]) not in self._blocks:
+        t = self._blocks.get(ns.id)
+        if not hashes or t is None or hashes[0] not in t:
             return []
         # All lookups in C, then cut at the first miss (cheaper than a Python loop that stops).
-        out: list[Block] = list(map(self._blocks.get, zip(repeat(ns.id), hashes)))
+        out: list[Block] = list(map(t.get, hashes))
         try:
             del out[out.index(None) :]
         except ValueError:
@@ -200,13 +218,12 @@ class BlockIndex:
             # Common case, all evictable and local: move them in C. A miss (pinned or
             # reclaimable block) falls back to the full loop, which redoes the moves
             # already made in the same order, so the resulting order is the same.
-            deque(map(self._lru.move_to_end, map(_KEY, blocks)), 0)
+            deque(map(self._lru.move_to_end, blocks), 0)
         except KeyError:
             for b in blocks:
-                k = b.key
                 lru = self._lru_reclaimable if b.reclaimable else self._lru
-                if k in lru:
-                    lru.move_to_end(k)
+                if b in lru:
+                    lru.move_to_end(b)
         if self.admission is not None and blocks:
             self._record([admission_key(b.ns.id, b.hash) for b in blocks])
 
@@ -232,14 +249,14 @@ class BlockIndex:
     def pin(self, blocks: Iterable[Block]) -> None:
         for b in blocks:
             if b.pins == 0 and b.state == RESIDENT:
-                (self._lru_reclaimable if b.reclaimable else self._lru).pop(b.key, None)
+                (self._lru_reclaimable if b.reclaimable else self._lru).pop(b, None)
             b.pins += 1
 
     def unpin(self, blocks: Iterable[Block]) -> None:
         for b in blocks:
             b.pins -= 1
-            if b.pins == 0 and b.state == RESIDENT and self._blocks.get(b.key) is b:
-                (self._lru_reclaimable if b.reclaimable else self._lru)[b.key] = b
+            if b.pins == 0 and b.state == RESIDENT and self._current(b):
+                (self._lru_reclaimable if b.reclaimable else self._lru)[b] = None
 
     # ---- writes -----------------------------------------------------------------------
     def reserve(
@@ -253,8 +270,8 @@ class BlockIndex:
         just yields fewer pages.
         """
         out: list[Block | None] = []
-        blocks = self._blocks
-        nid = ns.id
+        blocks = self._table(ns.id)
+        tables = self._blocks
         size = ns.page_bytes
         alloc = self.alloc
         need = alloc.round(size)
@@ -267,8 +284,7 @@ class BlockIndex:
         full = False
         made = 0
         for h in hashes:
-            key = (nid, h)
-            existing = blocks.get(key)
+            existing = blocks.get(h)
             if full or existing is not None:
                 if existing is not None and existing.state == RESIDENT:
                     self.touch((existing,))
@@ -280,14 +296,14 @@ class BlockIndex:
                 except OutOfSpace:
                     offset = self._allocate(ns, h)
             elif simple and lru:
-                vkey, victim = lru.popitem(False)
+                victim = lru.popitem(False)[0]
                 if victim.size == size:
-                    del blocks[vkey]
+                    del tables[victim.ns.id][victim.hash]
                     evicted.append(victim)
                     offset = victim.offset
                 else:  # another page size: put it back where it was, the slow path decides
-                    lru[vkey] = victim
-                    lru.move_to_end(vkey, False)
+                    lru[victim] = None
+                    lru.move_to_end(victim, False)
                     offset = self._allocate(ns, h)
             else:
                 offset = self._allocate(ns, h)
@@ -297,7 +313,7 @@ class BlockIndex:
                 out.append(None)
                 continue
             b = Block(ns, h, offset, reclaimable)
-            blocks[key] = b
+            blocks[h] = b
             made += 1
             out.append(b)
         self._pending += made
@@ -315,16 +331,16 @@ class BlockIndex:
     def commit(self, pending: Sequence[Block]) -> list[Block]:
         """Make PENDING blocks RESIDENT (visible). Returns the blocks committed."""
         done: list[Block] = []
-        blocks = self._blocks
+        tables = self._blocks
         lru = self._lru
         nbytes = 0
         for b in pending:
-            if b.state != PENDING or blocks.get(b.key) is not b:
+            if b.state != PENDING or tables[b.ns.id].get(b.hash) is not b:
                 continue
             b.state = RESIDENT
             nbytes += b.size
             if b.pins == 0:
-                (self._lru_reclaimable if b.reclaimable else lru)[b.key] = b
+                (self._lru_reclaimable if b.reclaimable else lru)[b] = None
             done.append(b)
         self._pending -= len(done)
         self.resident_blocks += len(done)
@@ -338,8 +354,8 @@ class BlockIndex:
         """Free PENDING pages that will never be committed."""
         n = 0
         for b in pending:
-            if b.state == PENDING and self._blocks.get(b.key) is b:
-                del self._blocks[b.key]
+            if b.state == PENDING and self._current(b):
+                del self._blocks[b.ns.id][b.hash]
                 self.alloc.free(b.offset, b.size)
                 n += 1
         self._pending -= n
@@ -347,7 +363,7 @@ class BlockIndex:
 
     def remove(self, blocks: Iterable[Block]) -> list[Block]:
         """Drop RESIDENT unpinned blocks (e.g. a failed checksum). Returns those removed."""
-        gone = [b for b in blocks if b.state == RESIDENT and b.pins == 0 and self._blocks.get(b.key) is b]
+        gone = [b for b in blocks if b.state == RESIDENT and b.pins == 0 and self._current(b)]
         for b in gone:
             self._drop(b)
         for ns, hs in _group(gone).items():
@@ -367,7 +383,7 @@ class BlockIndex:
         lru = self._lru_reclaimable or self._lru  # reclaimable copies go first
         if not lru:
             return None
-        victim = next(iter(lru.values()))
+        victim = next(iter(lru))
         if self.admission is not None:
             if not self.admission.admit(admission_key(ns.id, h), admission_key(victim.ns.id, victim.hash)):
                 self.admission_rejections += 1
@@ -377,7 +393,7 @@ class BlockIndex:
             # The victim's page fits exactly: hand it over instead of freeing and carving
             # it again. One eviction either way, as the loop below would do.
             lru.popitem(last=False)
-            del self._blocks[victim.key]
+            del self._blocks[victim.ns.id][victim.hash]
             self.resident_blocks -= 1
             self.resident_bytes -= vsize
             self.evictions += 1
@@ -406,32 +422,35 @@ class BlockIndex:
 
     def _peek_victim(self) -> Block | None:
         if self._lru_reclaimable:
-            return next(iter(self._lru_reclaimable.values()))
+            return next(iter(self._lru_reclaimable))
         if self._lru:
-            return next(iter(self._lru.values()))
+            return next(iter(self._lru))
         return None
 
     def _drop(self, b: Block) -> None:
-        del self._blocks[b.key]
-        (self._lru_reclaimable if b.reclaimable else self._lru).pop(b.key, None)
+        del self._blocks[b.ns.id][b.hash]
+        (self._lru_reclaimable if b.reclaimable else self._lru).pop(b, None)
         self.alloc.free(b.offset, b.size)
         self.resident_blocks -= 1
         self.resident_bytes -= b.size
 
     # ---- inspection -------------------------------------------------------------------
     def resident(self, ns: Namespace | None = None) -> list[Block]:
-        return [b for b in self._blocks.values() if b.state == RESIDENT and (ns is None or b.ns is ns)]
+        return [
+            b for t in self._blocks.values() for b in t.values() if b.state == RESIDENT and (ns is None or b.ns is ns)
+        ]
 
     def blocks_by_namespace(self) -> dict[str, int]:
         out = {ns.name: 0 for ns in self._namespaces.values()}
-        for b in self._blocks.values():
-            if b.state == RESIDENT:
-                out[b.ns.name] += 1
+        for t in self._blocks.values():
+            for b in t.values():
+                if b.state == RESIDENT:
+                    out[b.ns.name] += 1
         return out
 
     def lru_order(self) -> list[Block]:
         """Eviction order (first evicted first); pinned blocks excluded."""
-        return [*self._lru_reclaimable.values(), *self._lru.values()]
+        return [*self._lru_reclaimable, *self._lru]
 
 
 def _group(blocks: Iterable[Block]) -> dict[Namespace, list[bytes]]:
