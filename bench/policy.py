@@ -124,6 +124,52 @@ def bench_hll(
     return rows, errors
 
 
+def bench_node_ceiling(n_blocks: int, repeat: int) -> list[tuple[str, float, str]]:
+    """What the node pays: Query-path observe on 16-byte hashes, publication, cluster union."""
+    from pegaflow.meta.sketches import cluster_union
+    from pegaflow.node.ceiling import NodeCeiling
+
+    rows: list[tuple[str, float, str]] = []
+    rng = random.Random(4)
+    hashes = [rng.getrandbits(128).to_bytes(16, "little") for _ in range(n_blocks // 2)] * 2
+    rng.shuffle(hashes)
+
+    def dict_update() -> None:
+        d: dict[bytes, int] = {}
+        for h in hashes:
+            d[h] = d.get(h, 0) + 1
+
+    for size in (128, 1024):
+        parts = [hashes[i : i + size] for i in range(0, len(hashes), size)]
+
+        def observe(parts: list[list[bytes]] = parts) -> None:
+            c = NodeCeiling((900.0, 3600.0, 86400.0))
+            for p in parts:
+                c.observe("model", p, 0)
+
+        ns, ratio = paired_ns(observe, dict_update, len(hashes), repeat)
+        rows.append((f"NodeCeiling.observe (16-byte hashes), {size} blocks per Query", ns, f"{ratio:.2f}x"))
+    now = time.time()
+    blobs = {}
+    for node in ("a", "b"):
+        c = NodeCeiling((900.0, 3600.0, 86400.0))
+        for b in range(10):  # every bucket of every window holds 100k distinct blocks
+            keys = [(node, b, i) for i in range(100_000)]
+            c.estimator.observe([hash(k) & M64 for k in keys], 0, now=now - 8640 * b)
+        c.serialize()  # the first call folds; later ones (every publication) only dump
+        t = time.perf_counter()
+        blobs[node] = c.serialize()
+        rows.append((f"NodeCeiling.serialize, full sketches ({len(blobs[node]) >> 10} KiB), node {node}",
+                     (time.perf_counter() - t) * 1e9, "-"))
+    t = time.perf_counter()
+    est, _, _ = cluster_union(blobs, (900.0, 3600.0, 86400.0))
+    assert est is not None
+    est.snapshot()
+    rows.append(("metaserver: union of 2 full node sketches + all windows (one scrape)",
+                 (time.perf_counter() - t) * 1e9, "-"))
+    return rows
+
+
 def bench_tinylfu(n_blocks: int, repeat: int) -> list[tuple[str, float, str]]:
     rows: list[tuple[str, float, str]] = []
     capacity = 100_000
@@ -205,6 +251,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     hll_rows, errors = bench_hll(args.blocks, args.repeat)
+    hll_rows += bench_node_ceiling(args.blocks, args.repeat)
     lfu_rows = bench_tinylfu(args.blocks, args.repeat)
     if args.markdown:
         print("| HLL ceiling | ns per block | vs peer |\n|---|---|---|")
