@@ -207,3 +207,46 @@ def test_local_prefix_hit_covering_the_stored_prefix_loads_nothing() -> None:
 
     b.sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([],)), 0)
     assert not node.leases
+
+
+def test_a_request_the_node_rejects_is_a_miss_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    from tests.unit.connector_fakes import FakeNodeClient, FakeRejected
+
+    node = FakeNode()
+    Engine(node, identity()).run(prompt(11))
+    b = Engine(node, identity())
+
+    def reject(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        raise FakeRejected("INVALID_ARGUMENT: bad hashes")
+
+    orig = FakeNodeClient.query
+    FakeNodeClient.query = reject  # type: ignore[method-assign]
+    try:
+        with caplog.at_level("ERROR"):
+            assert b.sched.get_num_new_matched_tokens(b.request(prompt(11)), 0) == (0, False)
+            assert b.sched.get_num_new_matched_tokens(b.request(prompt(11)), 0) == (0, False)
+    finally:
+        FakeNodeClient.query = orig  # type: ignore[method-assign]
+    assert sum("rejected" in r.message for r in caplog.records) == 1
+    assert b.sched.link.ready, "a rejected request does not mean the node is down"
+
+
+def test_lora_and_multimodal_inputs_reach_the_block_hashes() -> None:
+    from types import SimpleNamespace
+
+    from pegaflow.connector.scheduler import extra_keys_of
+
+    req = SimpleNamespace(
+        lora_request=SimpleNamespace(lora_name="sql-adapter"),
+        cache_salt="s1",
+        mm_features=[SimpleNamespace(identifier="img:abc", mm_position=SimpleNamespace(offset=20, length=8))],
+    )
+    keys = extra_keys_of(req)
+    assert keys.lora_name == "sql-adapter" and keys.cache_salt == "s1"
+    assert keys.mm_items[0].identifier == "img:abc" and keys.mm_items[0].offset == 20
+
+    node = FakeNode()
+    Engine(node, identity()).run(prompt(12), lora_request=SimpleNamespace(lora_name="a"))
+    assert Engine(node, identity()).run(prompt(12), lora_request=SimpleNamespace(lora_name="b"))["external"] == 0
+    assert Engine(node, identity()).run(prompt(12))["external"] == 0
+    assert Engine(node, identity()).run(prompt(12), lora_request=SimpleNamespace(lora_name="a"))["external"] == 5 * BS
