@@ -324,6 +324,14 @@ OPTIONS: list[Option] = [
         metavar="SIZE",
     ),
     Option(
+        "ssd-writes",
+        "evictions",
+        "What L1 writes to the replayed SSD tier: evictions (a victim cache) or commits (every "
+        "block, as the node's write-behind does).",
+        _choice("evictions", "commits"),
+        commands=(REPLAY,),
+    ),
+    Option(
         "page-bytes",
         "64mb",
         "Bytes of one block's page, for capacities in bytes when the trace does not say "

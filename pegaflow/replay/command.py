@@ -114,6 +114,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "pegaflow replay") -> in
         instances=opts.instances,
         route=opts.route,
         tinylfu=opts.enable_lfu_admission,
+        ssd_writes=opts.ssd_writes,
     )
     if opts.instances == 1:
         pools = [SHARED]

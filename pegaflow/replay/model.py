@@ -8,10 +8,14 @@ What is modelled, and how (also in ``docs/replay.md``):
   request is served exactly as the node serves it: ``prefix`` (hits are touched and
   recorded), ``record_access`` for the rest, then ``reserve`` + ``commit`` of the blocks
   the engine computed (the node's Query, Reserve, Commit).
-- **SSD** is a second ``BlockIndex`` per pool (plain LRU) that receives every block
-  evicted from L1 (a victim tier: the SSD write happens after the request). A prefix
-  continues across tiers: after L1's run, the SSD's run, then L1 again, and so on. SSD
-  hits are promoted into L1 like freshly computed blocks and stay on the SSD.
+- **SSD** is a second ``BlockIndex`` per pool (plain LRU). With ``ssd_writes="evictions"``
+  it receives every block evicted from L1 (a victim tier); with ``"commits"`` every block
+  committed into L1, as the node's write-behind does. Writes land after the request; a
+  block already there is refreshed, not rewritten. A prefix continues across tiers:
+  after L1's run, the SSD's run, then L1 again, and so on. SSD hits are promoted into L1
+  like freshly computed blocks and stay on the SSD. (The node's SSD index is a segment
+  log, FIFO with reinsertion of reused blocks, behind a bounded write queue; LRU is the
+  model here.)
 - **Capacity** is in blocks (every page one unit, ``align=1``), in bytes (pages of the
   namespace's size, 4096-aligned as in the node) or a percentage of the trace's distinct
   blocks. Pools whose pages all have one size use :class:`UniformAllocator`; pools that
@@ -37,6 +41,9 @@ from pegaflow.replay.capacity import ROUND_ROBIN, Capacity, route_field
 BYTES_ALIGN = 4096
 SHARED = "shared"
 ISOLATED = "isolated"
+SSD_WRITES_EVICTIONS = "evictions"  # the SSD tier is L1's victim cache
+SSD_WRITES_COMMITS = "commits"  # every block committed into L1 is also written (write-behind)
+SSD_WRITES = (SSD_WRITES_EVICTIONS, SSD_WRITES_COMMITS)
 
 
 class UniformAllocator:
@@ -113,17 +120,21 @@ class Pool:
         ssd: tuple[int, bool],
         page_bytes: dict[str, int],
         tinylfu: bool,
+        ssd_writes: str = SSD_WRITES_EVICTIONS,
     ) -> None:
+        if ssd_writes not in SSD_WRITES:
+            raise ValueError(f"ssd_writes must be one of {SSD_WRITES}, got {ssd_writes!r}")
         self.l1 = Tier(*l1, page_bytes, admission=tinylfu)
         self.ssd: Tier | None = None
-        self._evicted: list[tuple[str, list[bytes]]] = []
+        self._to_ssd: list[tuple[str, list[bytes]]] = []
+        self._ssd_op = "evict" if ssd_writes == SSD_WRITES_EVICTIONS else "insert"
         if ssd[0] > 0:
             self.ssd = Tier(*ssd, page_bytes)
             self.l1.index.add_listener(self._on_l1_event)
 
     def _on_l1_event(self, op: str, ns: Namespace, hashes: list[bytes]) -> None:
-        if op == "evict":
-            self._evicted.append((ns.name, hashes))
+        if op == self._ssd_op:
+            self._to_ssd.append((ns.name, hashes))
 
     def serve(self, namespace: str, hashes: list[bytes]) -> tuple[int, list[tuple[int, int]]]:
         """Serve one request; returns (prefix hit blocks, SSD runs as (start, end) pairs)."""
@@ -153,12 +164,16 @@ class Pool:
         store += hashes[pos:]
         l1.record_access(ns, store)
         l1.commit(list(filter(None, l1.reserve(ns, store))))
-        if self._evicted:
-            for name, hs in self._evicted:
-                s_ns = self.ssd.ns[name]
-                ssd.commit(list(filter(None, ssd.reserve(s_ns, hs))))
-            self._evicted.clear()
+        self._flush_ssd()
         return pos, runs
+
+    def _flush_ssd(self) -> None:
+        """Write what L1 handed to the SSD tier during this request."""
+        if self._to_ssd and self.ssd is not None:
+            ssd = self.ssd.index
+            for name, hs in self._to_ssd:
+                ssd.commit(list(filter(None, ssd.reserve(self.ssd.ns[name], hs))))
+            self._to_ssd.clear()
 
 
 @dataclass(frozen=True)
@@ -172,6 +187,7 @@ class Scenario:
     pools: str = SHARED  # SHARED | ISOLATED
     route: str = ROUND_ROBIN  # ROUND_ROBIN | "field:NAME"
     tinylfu: bool = False
+    ssd_writes: str = SSD_WRITES_EVICTIONS  # what L1 hands to the SSD tier (SSD_WRITES)
 
     @property
     def admission(self) -> str:
@@ -212,6 +228,7 @@ class Cluster:
                 (ssd_amount // ssd_split, ssd_blocks),
                 page_bytes,
                 scenario.tinylfu,
+                scenario.ssd_writes,
             )
             for _ in range(n_pools)
         ]

@@ -201,7 +201,7 @@ def render_table(rep: Report) -> str:
         out += [
             "",
             f"scenarios at L1 {sc.l1}"
-            + (f", SSD {sc.ssd}" if not sc.ssd.is_zero else ", no SSD tier")
+            + (f", SSD {sc.ssd} (written on L1 {sc.ssd_writes})" if not sc.ssd.is_zero else ", no SSD tier")
             + (f", route {sc.route}" if sc.instances > 1 else ""),
         ]
         rows = []

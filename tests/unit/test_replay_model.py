@@ -178,3 +178,17 @@ def test_inf_gives_every_isolated_pool_the_whole_trace():
     r = run(SAME_PREFIX_4X, "inf", instances=2, pools=ISOLATED)
     assert r.l1_capacity_blocks == 4  # U = 2 per pool, not split
     assert r.request_hits == [0, 0, 2, 2]
+
+
+def test_ssd_written_on_commit_holds_what_l1_never_evicted():
+    # As the node's write-behind: every block committed into L1 also goes to the SSD. r0
+    # stores 1 (L1 and SSD); r1 hits 1 in L1 and stores 2 (evicting 1 from L1 only); r2
+    # finds both 1 and 2 on the SSD, since 2 was written at commit.
+    from pegaflow.replay.model import SSD_WRITES_COMMITS
+
+    lines = mooncake([1, 2], [1, 2], [1, 2])
+    r = run(lines, "1blocks", ssd=Capacity.parse("4blocks"), ssd_writes=SSD_WRITES_COMMITS)
+    assert r.request_hits == [0, 1, 2]
+    assert (r.l1_hit_blocks, r.ssd_hit_blocks) == (1, 2)
+    victim = run(lines, "1blocks", ssd=Capacity.parse("4blocks"))
+    assert (victim.l1_hit_blocks, victim.ssd_hit_blocks) == (2, 1)
