@@ -19,7 +19,7 @@ from typing import Any
 
 from pegaflow.common.durations import parse_windows
 from pegaflow.common.units import parse_size
-from pegaflow.replay.capacity import parse_capacity, parse_route, parse_sweep
+from pegaflow.replay.capacity import parse_capacity, parse_jobs, parse_route, parse_sweep
 
 NODE = "node"
 META = "meta"
@@ -389,6 +389,13 @@ OPTIONS: list[Option] = [
         flag=True,
     ),
     Option("quiet", False, "No progress bar.", _bool, commands=(REPLAY,), flag=True),
+    Option(
+        "jobs",
+        1,
+        "Replays run at once, in forked processes (0: one per CPU); results do not depend on it.",
+        parse_jobs,
+        commands=(REPLAY,),
+    ),
 ]
 
 

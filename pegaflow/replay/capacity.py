@@ -102,3 +102,11 @@ def parse_route(text: str) -> str:
     """Validate a routing rule for the option table."""
     route_field(text)
     return text
+
+
+def parse_jobs(text: str) -> int:
+    """A number of worker processes: an int >= 0 (0: one per CPU)."""
+    v = int(text)
+    if v < 0:
+        raise ValueError(f"must be >= 0, got {v}")
+    return v

@@ -17,7 +17,7 @@ from pegaflow.common.options import REPLAY, build_parser, fill_defaults
 from pegaflow.replay.capacity import route_field
 from pegaflow.replay.model import ISOLATED, SHARED, Scenario, scenario_grid
 from pegaflow.replay.report import Report, plot, render_table
-from pegaflow.replay.run import replay
+from pegaflow.replay.run import replay_many
 from pegaflow.replay.trace import TraceError, iter_lines, read_trace
 from pegaflow.replay.windows import ceiling_report
 
@@ -127,11 +127,14 @@ def main(argv: Sequence[str] | None = None, prog: str = "pegaflow replay") -> in
     points = opts.sweep if trace.unique else []  # no blocks: no curve to draw
     total = len(trace.requests) * len(scenarios) * (1 + len(points))
     bar = _Progress(total, not opts.quiet, "replay")
+    jobs = opts.jobs or os.cpu_count() or 1
     try:
-        runs = [replay(trace, sc, bar) for sc in scenarios]
-        sweep = [replay(trace, replace(sc, l1=cap), bar) for sc in scenarios for cap in points]
+        every = replay_many(
+            trace, [*scenarios, *(replace(sc, l1=cap) for sc in scenarios for cap in points)], bar, jobs
+        )
     finally:
         bar.close()
+    runs, sweep = every[: len(scenarios)], every[len(scenarios) :]
     ceiling = ceiling_report(trace, runs[0].request_hits, opts.ceiling_windows)
     page = next((b for b in trace.namespaces.values() if b), opts.page_bytes)
     rep = Report(opts.trace, trace, ceiling, runs, sweep, page_bytes=page)

@@ -16,8 +16,10 @@ Counting contracts:
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 
 from pegaflow.replay.model import Cluster, Scenario
@@ -148,3 +150,43 @@ def _drive(trace: Trace, cluster: Cluster, res: RunResult, progress: Progress | 
     res.hit_tokens = hit_tokens
     res.ssd_hit_blocks = ssd_blocks
     res.ssd_hit_tokens = ssd_tokens
+
+
+# What forked workers of replay_many read: set before the pool forks, so the trace is
+# inherited copy-on-write instead of pickled to every worker.
+_SHARED: tuple[Trace, Sequence[Scenario]] | None = None
+
+
+def _run_shared(i: int) -> tuple[int, RunResult]:
+    assert _SHARED is not None
+    trace, scenarios = _SHARED
+    return i, replay(trace, scenarios[i])
+
+
+def replay_many(
+    trace: Trace, scenarios: Sequence[Scenario], progress: Progress | None = None, jobs: int = 1
+) -> list[RunResult]:
+    """``[replay(trace, s) for s in scenarios]``, on up to ``jobs`` processes.
+
+    Results are in the order of ``scenarios`` and equal to a sequential run (each replay is
+    deterministic and independent). Workers are forked, so they share the parsed trace;
+    where fork is not available the runs are sequential. With workers, ``progress``
+    advances by a whole run as each one finishes.
+    """
+    jobs = max(1, min(jobs, len(scenarios)))
+    if jobs == 1 or "fork" not in multiprocessing.get_all_start_methods():
+        return [replay(trace, sc, progress) for sc in scenarios]
+    global _SHARED
+    _SHARED = (trace, scenarios)
+    out: list[RunResult | None] = [None] * len(scenarios)
+    try:
+        ctx = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+            for fut in as_completed([pool.submit(_run_shared, i) for i in range(len(scenarios))]):
+                i, res = fut.result()
+                out[i] = res
+                if progress is not None:
+                    progress(len(trace.requests))
+    finally:
+        _SHARED = None
+    return [r for r in out if r is not None]

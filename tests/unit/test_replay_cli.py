@@ -216,3 +216,16 @@ def test_progress_bar_on_a_terminal_unless_quiet():
     assert rc == 0 and "req/s" in err and "%|" in err
     rc, err = _run_on_a_terminal([*args, "--quiet"])
     assert rc == 0 and err.strip() == ""
+
+
+def test_parallel_jobs_give_the_same_report():
+    args = ["replay", str(SLICE), "--json", "--instances", "2", "--sweep", "5%,50%", "--quiet"]
+    one, two = pegaflow(*args), pegaflow(*args, "--jobs", "2")
+    assert one.returncode == two.returncode == 0, one.stderr + two.stderr
+
+    def numbers(out: str) -> tuple:
+        d = json.loads(out)
+        runs = [{k: v for k, v in r.items() if "second" not in k} for r in d["runs"]]
+        return runs, d["sweep"], d["ceiling"], d["shared_vs_isolated"]
+
+    assert numbers(one.stdout) == numbers(two.stdout)
