@@ -8,6 +8,7 @@ so ``pegaflow --help`` stays instant.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -38,7 +39,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
         raise SystemExit(2)
     module = importlib.import_module(entry[0])
-    raise SystemExit(module.main(rest, prog=f"pegaflow {name}"))
+    try:
+        code = module.main(rest, prog=f"pegaflow {name}")
+        sys.stdout.flush()
+    except KeyboardInterrupt:
+        sys.stderr.write(f"pegaflow {name}: interrupted\n")
+        raise SystemExit(130) from None
+    except BrokenPipeError:
+        # The reader went away (``| head``): no traceback, and no second error at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(1) from None
+    raise SystemExit(code)
 
 
 if __name__ == "__main__":
