@@ -20,7 +20,7 @@ import pytest
 import torch
 import xxhash
 
-from pegaflow.client import PegaClient
+from pegaflow.client import NodeError, PegaClient
 from pegaflow.node.ssd.store import BLOCK, SB_MAGIC, record_bytes, unpack_header
 
 pytestmark = pytest.mark.integration
@@ -154,6 +154,9 @@ def test_sigkill_mid_write_then_restart_serves_only_intact_pages(node_factory, t
         f.write(bytes(PAGE // 2))
     node.pool_size = "4mb"  # room for the whole early prefix at once
     node.start()
+    with PegaClient(node.addr) as other:  # the page size of a namespace survives the restart
+        with pytest.raises(NodeError, match="page_bytes"):
+            other.register({NS: 2 * PAGE})
     with PegaClient(node.addr) as c:
         c.register({NS: PAGE})
         hit, loading = load(c, early)  # load() checks every served byte
