@@ -223,3 +223,30 @@ def test_full_write_queue_skips_and_counts_without_waiting(tmp_path: Path):
         await n.close()
 
     asyncio.run(run())
+
+
+def test_promoted_block_near_the_log_tail_is_written_again_and_a_young_one_is_not(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(promote, "HOLD_SECONDS", 0.0)
+
+    async def run() -> None:
+        n = _Node(tmp_path, "threads", capacity=1 << 20)  # 8 segments of ~6 records
+        store, index = n.tier.store, n.index
+        old, *rest = [i.to_bytes(16, "little") for i in range(1, 42)]
+        for h in [old, *rest]:
+            n.save([h])
+            await _until(lambda: n.tier.writer.idle())
+        young = rest[-1]
+        e_old, e_young = store.get((n.ns.id, old)), store.get((n.ns.id, young))
+        assert e_old is not None and store.age(e_old) >= 0.75, "the first block must be near the tail"
+        assert e_young is not None and store.age(e_young) < 0.25
+        for h in (old, young):
+            index.remove([index.get(n.ns, h)])
+            assert n.tier.promote([n.ns], [h], 0)
+            await _until(lambda h=h: index.get(n.ns, h) is not None)
+            await _until(lambda: n.tier.writer.idle())
+        assert store.get((n.ns.id, old)).seq > e_old.seq, "an aging promoted block goes back to the head"
+        assert store.get((n.ns.id, young)) is e_young, "a young one is not written twice"
+        await n.close()
+
+    asyncio.run(run())
