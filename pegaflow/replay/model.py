@@ -87,7 +87,11 @@ class UniformAllocator:
 
 
 class Tier:
-    """One BlockIndex sized from a :class:`Capacity`, with its namespaces registered."""
+    """One BlockIndex sized from a :class:`Capacity`, with its namespaces registered.
+
+    ``capacity_blocks`` (which also sizes TinyLFU) is exact for one page size and an
+    estimate (capacity / mean page size) when namespaces mix page sizes.
+    """
 
     def __init__(
         self, amount: int, in_blocks: bool, page_bytes: dict[str, int], admission: bool = False
@@ -112,7 +116,7 @@ class Tier:
 
 
 class Pool:
-    """One node's cache: L1 and, if sized, the SSD victim tier (see the module docstring)."""
+    """One node's cache: L1 and, if sized, the SSD tier (see the module docstring)."""
 
     def __init__(
         self,
