@@ -250,3 +250,31 @@ def test_promoted_block_near_the_log_tail_is_written_again_and_a_young_one_is_no
         await n.close()
 
     asyncio.run(run())
+
+
+def test_tp_shards_promote_together_and_loading_needs_every_shard(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(promote, "HOLD_SECONDS", 0.0)
+
+    async def run() -> None:
+        n = _Node(tmp_path, "uring" if uring_unavailable_reason() is None else "threads")
+        index = n.index
+        tp1 = index.namespace("m-tp1", PAGE)
+        hs = [i.to_bytes(16, "little") for i in range(1, 6)]
+        n.save(hs)
+        b1 = [b for b in index.reserve(tp1, hs[:3]) if b is not None]  # shard 1 has only 3 blocks
+        for b in b1:
+            n.pool.view[b.offset:b.offset + PAGE] = _page(b"\x01" + b.hash[1:])
+        index.commit(b1)
+        await _until(lambda: n.tier.writer.idle())
+        index.remove(index.resident())
+        assert n.tier.promote([n.ns, tp1], hs, 0) is True
+        await _until(lambda: not n.tier.promoter.inflight)
+        assert [len(index.prefix(ns, hs, touch=False)) for ns in (n.ns, tp1)] == [3, 3], (
+            "only the prefix both shards hold is promoted")
+        for b in index.prefix(tp1, hs, touch=False):
+            assert bytes(n.pool.view[b.offset:b.offset + PAGE]) == _page(b"\x01" + b.hash[1:])
+        assert n.tier.promote([n.ns, tp1], hs, 3) is False, "shard 1 lacks block 3: nothing to wait for"
+        await n.close()
+
+    asyncio.run(run())
