@@ -2,7 +2,7 @@
 Grafana dashboard only queries documented metrics.
 
 Nothing heavy starts: the registries are instantiated in-process (the node's NodeMetrics
-with its SSD tier's and event publisher's series, the metaserver's module-level metrics
+with its SSD tier's, remote reads' and event publisher's series, the metaserver's module-level metrics
 and its cluster-ceiling collector) and their families are compared with the doc's tables.
 """
 
@@ -42,9 +42,11 @@ def node_families() -> dict[str, tuple[str, set[str]]]:
     from pegaflow.meta.events.publisher import PublisherMetrics
     from pegaflow.node.metrics import NodeMetrics
     from pegaflow.node.ssd.metrics import SsdMetrics
+    from pegaflow.node.transfer.metrics import PeerMetrics
 
     m = NodeMetrics(CollectorRegistry())
     SsdMetrics(m.registry)
+    PeerMetrics(m.registry)
     PublisherMetrics(m.registry)
     return families(m.registry)
 
