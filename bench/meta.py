@@ -206,6 +206,25 @@ def used_memory(r: Client) -> int:
     return int(r.info("memory")["used_memory"])
 
 
+def reset_stats(r: Client) -> None:
+    if is_cluster(r):
+        r.config_resetstat(target_nodes=r.PRIMARIES)
+    else:
+        r.config_resetstat()
+
+
+def evalsha_usec_per_call(r: Client) -> float:
+    """Mean time Redis spent inside the script per query (server side, no network, no client)."""
+    infos = r.info("commandstats", target_nodes=r.PRIMARIES).values() if is_cluster(r) else [r.info("commandstats")]
+    calls = usec = 0
+    for info in infos:
+        st = info.get("cmdstat_evalsha")
+        if st:
+            calls += st["calls"]
+            usec += st["usec"]
+    return usec / max(1, calls)
+
+
 def query_latency(r: Client, reqs, expect, n: int) -> tuple[float, float, int]:
     lk = Lookup(r)
     names = {i: f"bench-node-{i}" for i in range(NODES)}
@@ -282,7 +301,9 @@ def run_backend(cluster: bool, blocks: int, queries: int) -> dict:
         out["indexed_pairs"] = pairs
         out["bytes_per_block"] = idx_bytes / distinct
         out["bytes_per_pair"] = idx_bytes / pairs
+        reset_stats(r)
         q50, q99, checked = query_latency(r, reqs, expect, queries)
+        out["query_server_us"] = evalsha_usec_per_call(r)
         out["query_p50_us"], out["query_p99_us"], out["queries_checked"] = q50 * 1e6, q99 * 1e6, checked
         g50, g99 = grpc_latency(url, cluster, reqs, queries)
         out["grpc_query_p50_us"], out["grpc_query_p99_us"] = g50 * 1e6, g99 * 1e6
@@ -307,6 +328,7 @@ def report(res: dict) -> str:
             f"| QueryPrefix 128 blocks, in-process p50 / p99 | {res['query_p50_us']:.0f} / {res['query_p99_us']:.0f} µs "
             f"({res['queries_checked']} answers checked) | "
             f"{res['query_p50_us'] / res['get_p50_us']:.1f}x / {res['query_p99_us'] / res['get_p99_us']:.1f}x a GET |",
+            f"| QueryPrefix 128 blocks, Redis time inside the script (mean) | {res['query_server_us']:.0f} µs | |",
             f"| QueryPrefix 128 blocks, via gRPC p50 / p99 | {res['grpc_query_p50_us']:.0f} / "
             f"{res['grpc_query_p99_us']:.0f} µs | |",
             f"| Redis bytes per indexed block | {res['bytes_per_block']:.1f} B "

@@ -29,10 +29,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     rebuild = bool(args) and args[0] == "rebuild"
     prog = "pegaflow-meta rebuild" if rebuild else "pegaflow-meta"
     opts = parse_options(META, prog, args[1:] if rebuild else args)
-    configure_logging(opts.log_level, opts.log_format)
     if not opts.redis_url:
         sys.stderr.write(f"{prog}: error: --redis-url (or PEGAFLOW_REDIS_URL) is required\n")
         raise SystemExit(2)
+    configure_logging(opts.log_level, opts.log_format)
     from pegaflow.meta.redis_conn import connect
 
     try:

@@ -14,6 +14,8 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from redis.exceptions import NoScriptError
+
 from pegaflow.meta import keys, registry
 from pegaflow.meta.index import Index
 from pegaflow.meta.redis_conn import Client, parallel
@@ -58,7 +60,7 @@ class Lookup:
                 reg_cmds.append(["MGET", *(keys.live_key(n) for n in names)])
             qrep, rrep = parallel(self.r, [(anchor, [qcmd]), (keys.VERSION, reg_cmds)])
             if isinstance(qrep[0], Exception):
-                if "NOSCRIPT" in str(qrep[0]) and attempt < 2:
+                if isinstance(qrep[0], NoScriptError) and attempt < 2:
                     self.index.ensure_scripts()
                     continue
                 raise qrep[0]

@@ -64,35 +64,28 @@ def _node_client(r: Client, key: Any) -> redis.Redis:
 
 
 def run_scripts(r: Client, calls: Sequence[Call]) -> list[Any]:
-    """Run script calls in order per shard, one pipeline per shard; return results in call order.
+    """Run script calls, one pipeline per shard, all shards in parallel; results in call order.
 
     Calls to the same shard execute in the order given. An error reply of one call is
     returned in its slot (as the exception object), never raised, so one bad call cannot
-    hide the results of the others.
+    hide the results of the others. A shard that lacks a script gets it loaded and the
+    affected calls re-run.
     """
-    groups: dict[int, tuple[redis.Redis, list[int]]] = {}
+    groups: dict[int, tuple[Any, list[int]]] = {}
     for i, (_s, keys, _a) in enumerate(calls):
         nc = _node_client(r, keys[0])
-        groups.setdefault(id(nc), (nc, []))[1].append(i)
+        groups.setdefault(id(nc), (keys[0], []))[1].append(i)
+    batches = [
+        (key, [["EVALSHA", calls[i][0].sha, len(calls[i][1]), *calls[i][1], *calls[i][2]] for i in idx])
+        for key, idx in groups.values()
+    ]
     out: list[Any] = [None] * len(calls)
-    for nc, idx in groups.values():
-        for attempt in range(2):
-            p = nc.pipeline(transaction=False)
-            for i in idx:
-                s, keys, args = calls[i]
-                p.evalsha(s.sha, len(keys), *keys, *args)
-            res = p.execute(raise_on_error=False)
-            missing = {calls[i][0] for i, v in zip(idx, res, strict=True) if isinstance(v, NoScriptError)}
-            if missing and attempt == 0:
-                for s in missing:
-                    nc.script_load(s.source)
-                continue
-            for i, v in zip(idx, res, strict=True):
-                out[i] = v
-            break
+    for (_key, idx), replies in zip(groups.values(), parallel(r, batches), strict=True):
+        for i, v in zip(idx, replies, strict=True):
+            out[i] = v
     for i, v in enumerate(out):
-        if isinstance(v, ResponseError) and "MOVED" in str(v):
-            s, keys, args = calls[i]  # slot moved under us: let the cluster client redirect
+        if isinstance(v, NoScriptError) or (isinstance(v, ResponseError) and "MOVED" in str(v)):
+            s, keys, args = calls[i]  # Script.__call__ loads the script; the cluster client follows MOVED
             out[i] = s(r, keys, args)
     return out
 

@@ -14,8 +14,6 @@ from pegaflow.meta.events.consumer import Consumer
 from pegaflow.meta.events.publisher import EventPublisher
 from pegaflow.meta.index import Index
 
-pytest.importorskip("lupa", reason="fakeredis needs lupa for Lua scripts (pip install lupa)")
-
 NS = "llama|fp16|bs16|tp1"
 
 
@@ -26,6 +24,7 @@ def hashes(n: int, seed: int = 0) -> list[bytes]:
 
 @pytest.fixture
 def r() -> fakeredis.FakeRedis:
+    pytest.importorskip("lupa", reason="fakeredis runs Lua scripts only with lupa (pip install 'fakeredis[lua]')")
     return fakeredis.FakeRedis()
 
 
@@ -134,7 +133,7 @@ def test_register_switch_and_heartbeat(r: fakeredis.FakeRedis) -> None:
 
 
 def test_full_buffer_drops_counts_and_never_blocks() -> None:
-    pub = EventPublisher(fakeredis.FakeRedis(), "n", "h:1", lambda: [], buffer_blocks=100)
+    pub = EventPublisher(fakeredis.FakeRedis(), "n", "h:1", lambda: [], buffer_blocks=100)  # never started
     pub.on_insert(NS, hashes(60))
     pub.on_insert(NS, hashes(60, seed=1))  # does not fit: dropped
     pub.on_insert(NS, hashes(1, seed=2))  # dropping until the re-sync cut
@@ -179,3 +178,22 @@ def test_query_never_matches_a_nid_across_two_others(r: fakeredis.FakeRedis) -> 
     for nid in (0x00000100, 0x02000000):
         ix.apply(Op.INSERT, NS, nid, hs[1:])
     assert ix.query(NS, hs) == {0x00010002: 1, 0x00000100: 2, 0x02000000: 2}
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--addr", "nowhere"], "invalid address"),
+        ([], "--redis-url (or PEGAFLOW_REDIS_URL) is required"),
+        (["rebuild", "--query-max-blocks", "0"], "must be > 0"),
+    ],
+)
+def test_meta_cli_rejects_bad_options_in_one_line(argv: list[str], needle: str, capsys, monkeypatch) -> None:
+    from pegaflow.meta.cli import main
+
+    monkeypatch.delenv("PEGAFLOW_REDIS_URL", raising=False)
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and needle in err and err.count("\n") == 1

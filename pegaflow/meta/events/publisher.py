@@ -48,7 +48,21 @@ from pegaflow.meta.events.schema import FLAG_LAST, HASH_BYTES, Event, Op
 from pegaflow.meta.events.streams import GROUP, stream_key
 from pegaflow.meta.redis_conn import Client
 
-log = structlog.get_logger("pegaflow.meta.publisher")
+_log = structlog.get_logger("pegaflow.meta.publisher")
+
+
+class _SafeLog:
+    """Logging from the publisher thread must never break publishing (e.g. a closed stderr)."""
+
+    def __getattr__(self, level: str) -> Callable[..., None]:
+        def emit(*args: Any, **kw: Any) -> None:
+            with contextlib.suppress(Exception):
+                getattr(_log, level)(*args, **kw)
+
+        return emit
+
+
+log = _SafeLog()
 
 BATCH_BLOCKS = 512  # hashes per stream entry: ~8 KB entries amortise Redis per-entry cost
 XADD_PIPELINE = 64  # entries per pipeline round trip
