@@ -56,7 +56,8 @@ REC_MAGIC = b"PFR1"
 CACHE_FILE_NAME = "pegaflow-ssd.cache"  # used when a --ssd-cache-path is a directory
 MAX_SEGMENT = 64 << 20  # large enough for any KV page we expect; small enough to reclaim fast
 MIN_SEGMENTS = 8  # per file: keeps FIFO reclaim granular on small caches
-SCAN_THREADS = 8  # parallel header reads at start-up (one chain per segment)
+SCAN_THREADS = 32  # parallel header reads at start-up (one chain per segment; I/O-bound)
+SCAN_WINDOW = 256 << 10  # start-up reads of small records: many headers per I/O
 MAX_NAME = 1024
 
 _SB = struct.Struct("<16sIIQQQ")  # magic, version, flags, file_bytes, segment_bytes, created_ns
@@ -504,19 +505,29 @@ class SsdIndex:
 
 
 def _walk(f: CacheFile, seg: Segment) -> list[tuple[int, Header]]:
-    """Valid records of one segment in order (see :meth:`SsdIndex.scan`)."""
+    """Valid records of one segment in order (see :meth:`SsdIndex.scan`).
+
+    Small records are scanned through ``SCAN_WINDOW`` reads (many headers per I/O);
+    large ones with one 4 KiB read per header, so start-up never reads the payloads.
+    """
     out: list[tuple[int, Header]] = []
-    buf = aligned_buffer(BLOCK)
+    buf = aligned_buffer(SCAN_WINDOW)
+    mv = memoryview(buf)
     pos = 0
+    win_start, win_len = 0, 0
     gen = None
+    last_size = 0
     while pos + BLOCK <= f.segment_bytes:
-        try:
-            n = os.preadv(f.fd, [buf], seg.start + pos)
-        except OSError:
-            break
-        if n < BLOCK:
-            break
-        h = unpack_header(buf)
+        if not (win_start <= pos and pos + BLOCK <= win_start + win_len):
+            want = BLOCK if last_size > SCAN_WINDOW // 4 else min(SCAN_WINDOW, f.segment_bytes - pos)
+            try:
+                n = os.preadv(f.fd, [mv[:want]], seg.start + pos)
+            except OSError:
+                break
+            win_start, win_len = pos, n
+            if n < BLOCK:
+                break
+        h = unpack_header(mv[pos - win_start:pos - win_start + BLOCK])
         if h is None or (gen is not None and h.gen != gen):
             break
         size = record_bytes(h.payload_len)
@@ -525,4 +536,5 @@ def _walk(f: CacheFile, seg: Segment) -> list[tuple[int, Header]]:
         gen = h.gen
         out.append((seg.start + pos, h))
         pos += size
+        last_size = size
     return out
