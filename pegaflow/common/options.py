@@ -222,6 +222,34 @@ OPTIONS: list[Option] = [
         "Metaserver gRPC address (HOST:PORT) for remote lookups (empty: none).",
         _optional_host_port,
     ),
+    # --- node: remote reads between nodes (pegaflow/node/transfer/, issue 6) -------------
+    Option(
+        "transfer-addr",
+        "",
+        "TCP data port (HOST:PORT) peers pull pages from (default: --addr's host, any free port; "
+        "the port is returned with each pin).",
+        _optional_host_port,
+    ),
+    Option(
+        "nics",
+        [],
+        "RDMA device to pull and serve pages over with one-sided READ (e.g. mlx5_0); repeat for "
+        "several. Unset: the TCP data plane.",
+        repeatable=True,
+        metavar="DEVICE",
+    ),
+    Option(
+        "pin-ttl",
+        30.0,
+        "Seconds a peer's pin holds pages at most for a puller (expires even if the puller dies).",
+        _positive_float,
+    ),
+    Option(
+        "peer-backoff",
+        5.0,
+        "Seconds a peer that failed or answered wrongly is skipped (doubles while it keeps failing).",
+        _positive_float,
+    ),
     Option(
         "liveness-ttl",
         10.0,

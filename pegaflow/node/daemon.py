@@ -24,6 +24,8 @@ from pegaflow.node.pool import SharedPool
 from pegaflow.node.service import NodeService
 from pegaflow.node.sessions import Sessions
 from pegaflow.node.ssd import SsdError, open_tier
+from pegaflow.node.transfer import p2p
+from pegaflow.node.transfer.rdma import RdmaUnavailable
 from pegaflow.policy.ceiling import DEFAULT_WINDOWS
 from pegaflow.policy.tinylfu import TinyLFU
 
@@ -88,6 +90,15 @@ class Node:
             except SsdError as exc:
                 raise StartupError(str(exc)) from None
             self.service.ssd = self.ssd
+        self.p2p = None  # remote reads (pegaflow/node/transfer/), when the node joins a cluster
+        if p2p.enabled(opts):
+            try:
+                self.p2p = p2p.P2P(opts, self.index, self.pool, self.node_id, self.metrics.registry,
+                                   self.metrics.hits.labels("remote").inc)
+            except (OSError, RdmaUnavailable) as exc:
+                self.pool.close()
+                raise StartupError(f"remote reads: {exc}") from None
+            self.service.puller = self.p2p.puller
         self.server: grpc.aio.Server | None = None
         self.http: MetricsServer | None = None
         self.publisher = None  # global-index event publisher (pegaflow.meta.events), with --redis-url
@@ -113,6 +124,8 @@ class Node:
         health_pb2_grpc.add_HealthServicer_to_server(hs, server)
         names = (node_pb2.DESCRIPTOR.services_by_name["PegaNode"].full_name, health.SERVICE_NAME,
                  reflection.SERVICE_NAME)
+        if self.p2p is not None:
+            names = (*names, self.p2p.add_to_server(server))
         reflection.enable_server_reflection(names, server)
         try:
             port = server.add_insecure_port(self.opts.addr)
@@ -122,6 +135,8 @@ class Node:
             raise StartupError(f"cannot listen on {self.opts.addr} (address in use?)")
         if self.ssd is not None:
             self.ssd.start(asyncio.get_running_loop())
+        if self.p2p is not None:
+            self.p2p.start(asyncio.get_running_loop())
         await server.start()
         r = hs.set("", health_pb2.HealthCheckResponse.SERVING)
         if asyncio.iscoroutine(r):
@@ -207,6 +222,8 @@ class Node:
         await self.server.stop(grace=1.0)
         if self.http:
             await self.http.stop()
+        if self.p2p is not None:
+            await self.p2p.close()  # before the pool: pulls write and the data port reads pool pages
         if self.ssd is not None:
             await self.ssd.close()  # before the pool: I/O reads and writes pool pages
         self.pool.close()

@@ -92,6 +92,7 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         self.hit_blocks = 0
         self.miss_blocks = 0
         self.ssd: Any = None  # SsdTier when --ssd-cache-path is set (set by the node)
+        self.puller: Any = None  # transfer.puller.Puller when --meta-addr is set (set by the node)
         self.ceiling: Any = None  # NodeCeiling (pegaflow/node/ceiling.py), set by the node
 
     # ---- sessions ---------------------------------------------------------------------
@@ -154,6 +155,13 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         if self.ssd is not None and hit < len(hashes) and self.ssd.promote(nss, hashes, hit):
             self.metrics.queries.labels("loading").inc()
             return node_pb2.QueryResponse(status=node_pb2.LOADING, hit_blocks=hit)
+        if self.puller is not None and hit < len(hashes):
+            if await self.puller.query(nss, hashes, hit):
+                self.metrics.queries.labels("loading").inc()
+                return node_pb2.QueryResponse(status=node_pb2.LOADING, hit_blocks=hit)
+            # The metaserver lookup awaited: blocks may have come or gone meanwhile.
+            per_ns = [self.index.prefix(ns, hashes, touch=False) for ns in nss]
+            hit = min(len(p) for p in per_ns)
         pages = [node_pb2.NamespaceOffsets(namespace=ns.name, offsets=[b.offset for b in p[:hit]])
                  for ns, p in zip(nss, per_ns, strict=True)]
         lease_id = 0
