@@ -278,3 +278,15 @@ def test_tp_shards_promote_together_and_loading_needs_every_shard(tmp_path: Path
         await n.close()
 
     asyncio.run(run())
+
+
+def test_a_cache_file_in_use_by_another_node_is_refused(tmp_path: Path):
+    files = open_files([str(tmp_path)], 1 << 20)
+    try:
+        with pytest.raises(SsdError, match="in use"):
+            open_files([str(tmp_path)], 1 << 20)
+    finally:
+        for f in files:
+            os.close(f.fd)
+    for f in open_files([str(tmp_path)], 1 << 20):  # free again once the first one is gone
+        os.close(f.fd)

@@ -36,6 +36,7 @@ Contracts:
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import os
 import stat
 import struct
@@ -279,6 +280,10 @@ def open_files(paths: Iterable[str], capacity: int) -> list[CacheFile]:
         except OSError as exc:
             raise SsdError(f"--ssd-cache-path {p}: cannot open: {exc.strerror}") from None
         try:
+            try:  # one node per cache file: a second one would overwrite the first one's log
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise SsdError(f"--ssd-cache-path {p} is in use by another process") from None
             size = os.fstat(fd).st_size
             geo = _check_existing(p, fd, size) if size else None
             seg_bytes, nseg = _geometry(file_bytes)
