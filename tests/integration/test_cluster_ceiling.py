@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -14,14 +15,18 @@ import pytest
 import xxhash
 
 from pegaflow.client import PegaClient
-from pegaflow.policy.ceiling import exact_ceiling
+from pegaflow.meta import keys, registry
+from pegaflow.meta.redis_conn import connect
+from pegaflow.meta.sketches import ClusterCeilingCollector, publish_sketch
+from pegaflow.policy.ceiling import CeilingEstimator, exact_ceiling
 from tests.conftest import free_port
 from tests.integration import redis_fixtures
 from tests.integration.meta_harness import ENV, wait_until
-from tests.integration.redis_fixtures import RedisServer
+from tests.integration.redis_fixtures import RedisClusterProc, RedisServer
 
 pytestmark = pytest.mark.integration
 redis_server = redis_fixtures.redis_server
+redis_cluster = redis_fixtures.redis_cluster
 
 PAGE = 16 << 10
 NS = "model-x"
@@ -114,3 +119,30 @@ def test_metaserver_union_ceiling_equals_the_combined_stream(node_factory, redis
         except subprocess.TimeoutExpired:
             meta.kill()
             meta.wait(5)
+
+
+def test_sketches_of_many_nodes_spread_over_a_redis_cluster_and_unite(redis_cluster: RedisClusterProc) -> None:
+    """Each node's sketch lives in its own slot (beside its stream); the collector reads them
+    all in one pipeline across the shards and unites them."""
+    redis_fixtures.flush_cluster(redis_cluster)
+    r = connect(redis_cluster.url, True)
+    now = time.time()
+    streams: dict[str, list[int]] = {}
+    for i in range(6):
+        node = f"node-{i}"
+        registry.register(r, node, f"10.0.0.{i}:50055", 60_000, True)
+        est = CeilingEstimator((900.0,), clock=time.time)
+        ks = list(range(i * 500, i * 500 + 1000))  # neighbours share 500 blocks
+        est.observe(ks, hits=i, now=now)
+        streams[node] = ks
+        publish_sketch(r, node, est.serialize(), 10.0)
+    slots = {r.keyslot(keys.sketch_key(n)) for n in streams}
+    assert len(slots) == 6
+    assert len({redis_cluster.client().get_node_from_key(keys.sketch_key(n)).name for n in streams}) > 1
+    stats, merged, skipped = ClusterCeilingCollector(r, (900.0,)).compute()
+    assert (merged, skipped) == (6, 0)
+    combined = [k for ks in streams.values() for k in ks]
+    s = stats[0]
+    assert (s.requests, s.hits) == (6000, 15)
+    assert abs(s.ceiling - exact_ceiling(combined)) < 0.01
+    r.close()
