@@ -85,19 +85,22 @@ class WriteBehind:
     def _issue(self, blocks: list[Block]) -> None:
         t = self.tier
         runs: list[list[_Rec]] = []
+        run_bytes = 0
         for b in blocks:
             slot, evicted = t.store.allocate(b.size)
             if evicted:
                 t.on_ssd_evicted(evicted)
             rec = _Rec(b, slot, self._hdr(), b.ns.name.encode())
+            size = BLOCK + round_up(b.size)
             last = runs[-1][-1] if runs else None
             if (last is not None and last.slot.file == slot.file and last.slot.segment == slot.segment
                     and last.slot.offset + BLOCK + round_up(last.block.size) == slot.offset
-                    and sum(BLOCK + round_up(r.block.size) for r in runs[-1]) + BLOCK + round_up(b.size)
-                    <= WRITE_COALESCE_BYTES and 2 * len(runs[-1]) + 2 <= MAX_IOV):
+                    and run_bytes + size <= WRITE_COALESCE_BYTES and 2 * len(runs[-1]) + 2 <= MAX_IOV):
                 runs[-1].append(rec)
+                run_bytes += size
             else:
                 runs.append([rec])
+                run_bytes = size
         ops = [self._op(run) for run in runs]
         t.engine.submit(ops)
 
