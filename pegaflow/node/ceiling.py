@@ -1,4 +1,7 @@
-"""The node's hit-rate ceiling: every answered Query feeds a :class:`CeilingEstimator`.
+"""The node's request accounting: the hit-rate ceiling and the per-tier outcome of each block.
+
+Every answered Query feeds a :class:`CeilingEstimator`, and each request's blocks are
+counted once by where they came from (``pegaflow_node_request_blocks_total{outcome}``).
 
 What is counted (the contract the gauges and the cluster union rely on):
 
@@ -16,6 +19,12 @@ What is counted (the contract the gauges and the cluster union rely on):
   namespace id) this is the same on every host, so sketches of different nodes can be
   united into the cluster's ceiling.
 - The clock is ``time.time``: bucket indices must agree across hosts for the union.
+- Outcomes: at the counted READY answer, blocks of the prefix that were already in L1 at
+  the request's first answer are ``l1``; blocks that a LOADING answer of the same
+  ``req_id`` said were coming from SSD or a peer (:meth:`NodeCeiling.loading`) are ``ssd``
+  or ``remote``; the rest are ``miss``. So the four outcomes partition each request's
+  blocks. Without a ``req_id`` a LOADING answer cannot be linked to the later READY one,
+  whose prefix then counts as ``l1``.
 
 Runs on the node's event loop only (the estimator is not thread-safe); gauges are
 refreshed from the loop by :meth:`NodeCeiling.refresh` and read by scrapers from any thread.
@@ -53,11 +62,26 @@ class NodeCeiling:
         self.estimator = CeilingEstimator(windows, clock=time.time)
         self.metrics = metrics
         self._seen: OrderedDict[str, None] = OrderedDict()
+        # req_id -> [(prefix length at a LOADING answer, tier loading the blocks after it)]
+        self._loading: OrderedDict[str, list[tuple[int, str]]] = OrderedDict()
         self._salts: dict[str, int] = {}
         self.observed_requests = 0
 
+    def loading(self, req_id: str, hit: int, tier: str) -> None:
+        """A LOADING answer: the blocks after the first ``hit`` are on their way from ``tier``."""
+        if not req_id or req_id in self._seen:
+            return
+        stages = self._loading.get(req_id)
+        if stages is None:
+            stages = self._loading[req_id] = []
+            if len(self._loading) > SEEN_REQUESTS:
+                self._loading.popitem(last=False)
+        if not stages or hit > stages[-1][0]:
+            stages.append((hit, tier))
+
     def observe(self, namespace: str, hashes: Sequence[bytes], hit: int, req_id: str = "") -> bool:
         """Count one READY answer (``hit`` of ``hashes`` served); False if ``req_id`` was seen."""
+        stages: list[tuple[int, str]] = []
         if req_id:
             if req_id in self._seen:
                 self._seen.move_to_end(req_id)
@@ -65,6 +89,9 @@ class NodeCeiling:
             self._seen[req_id] = None
             if len(self._seen) > SEEN_REQUESTS:
                 self._seen.popitem(last=False)
+            stages = self._loading.pop(req_id, None) or []
+        if self.metrics is not None:
+            self._count_outcomes(len(hashes), hit, stages)
         salt = self._salts.get(namespace)
         if salt is None:
             salt = self._salts[namespace] = namespace_salt(namespace)
@@ -72,6 +99,15 @@ class NodeCeiling:
         self.estimator.observe([frm(h[:8], "little") ^ salt for h in hashes], hit)
         self.observed_requests += 1
         return True
+
+    def _count_outcomes(self, n: int, hit: int, stages: list[tuple[int, str]]) -> None:
+        assert self.metrics is not None
+        out = self.metrics.request_blocks
+        bounds = [min(start, hit) for start, _ in stages] + [hit]
+        out.labels("l1").inc(bounds[0])
+        for i, (_, tier) in enumerate(stages):
+            out.labels(tier).inc(bounds[i + 1] - bounds[i])
+        out.labels("miss").inc(n - hit)
 
     def refresh(self) -> list[WindowStats]:
         """Recompute every window and set the gauges (call from the event loop)."""

@@ -70,6 +70,14 @@ class NodeMetrics:
             ["window"],
             registry=r,
         )
+        self.request_blocks = Counter(
+            "pegaflow_node_request_blocks_total",
+            "Blocks of each request by where they were found (l1, ssd, remote, miss); once per request.",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in ("l1", "ssd", "remote", "miss"):
+            self.request_blocks.labels(outcome)
         self.sketch_publications = Counter(
             "pegaflow_node_ceiling_sketch_publications_total",
             "Ceiling sketches written to Redis for the cluster view, by result (ok, error).",

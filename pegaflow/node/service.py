@@ -154,10 +154,14 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
             self.index.record_access(ns, hashes[hit:])
         if self.ssd is not None and hit < len(hashes) and self.ssd.promote(nss, hashes, hit):
             self.metrics.queries.labels("loading").inc()
+            if self.ceiling is not None:
+                self.ceiling.loading(request.req_id, hit, "ssd")
             return node_pb2.QueryResponse(status=node_pb2.LOADING, hit_blocks=hit)
         if self.puller is not None and hit < len(hashes):
             if await self.puller.query(nss, hashes, hit):
                 self.metrics.queries.labels("loading").inc()
+                if self.ceiling is not None:
+                    self.ceiling.loading(request.req_id, hit, "remote")
                 return node_pb2.QueryResponse(status=node_pb2.LOADING, hit_blocks=hit)
             # The metaserver lookup awaited: blocks may have come or gone meanwhile.
             per_ns = [self.index.prefix(ns, hashes, touch=False) for ns in nss]

@@ -145,7 +145,7 @@ def test_dashboard_queries_only_documented_metrics() -> None:
     # The dashboard's purpose: the measured hit rate against the ceiling, node and cluster.
     for needed in ("pegaflow_node_ceiling_hit_ratio", "pegaflow_node_measured_hit_ratio",
                    "pegaflow_meta_cluster_ceiling_hit_ratio", "pegaflow_meta_cluster_measured_hit_ratio",
-                   "pegaflow_node_hit_blocks_total", "pegaflow_node_evictions_total",
+                   "pegaflow_node_request_blocks_total", "pegaflow_node_evictions_total",
                    "pegaflow_node_admission_rejections_total", "pegaflow_node_pool_used_bytes",
                    "pegaflow_node_rpc_duration_seconds_bucket"):
         assert needed in used, f"dashboard does not show {needed}"

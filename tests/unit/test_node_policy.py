@@ -199,3 +199,31 @@ def test_collector_skips_sketches_of_other_windows_and_exports_the_union() -> No
     assert vals['pegaflow_meta_cluster_requested_blocks{window="15m"}'] == 600
     assert vals['pegaflow_meta_cluster_measured_hit_ratio{window="15m"}'] == 0.5
     assert abs(vals['pegaflow_meta_cluster_ceiling_hit_ratio{window="15m"}'] - 500 / 600) < 0.01
+
+
+def outcomes(m: NodeMetrics) -> dict[str, float]:
+    text = generate_latest(m.registry).decode()
+    return {o: float(ln.split(" ")[1]) for o in ("l1", "ssd", "remote", "miss") for ln in text.splitlines()
+            if ln.startswith(f'pegaflow_node_request_blocks_total{{outcome="{o}"}}')}
+
+
+def test_outcomes_partition_each_request_by_the_tier_that_brought_each_block() -> None:
+    m = NodeMetrics(CollectorRegistry())
+    c = NodeCeiling((60.0,), m)
+    hs = hashes("t", 20)
+    # 3 blocks in L1; SSD promotes up to 8 (LOADING twice, same stage); a peer brings 8..14.
+    c.loading("r", 3, "ssd")
+    c.loading("r", 3, "ssd")
+    c.loading("r", 8, "remote")
+    assert c.observe("m", hs, 14, req_id="r")
+    assert outcomes(m) == {"l1": 3, "ssd": 5, "remote": 6, "miss": 6}
+    c.loading("r", 14, "ssd")  # a late answer for a counted request changes nothing
+    assert not c.observe("m", hs, 20, req_id="r")
+    # A promotion that fell short (evicted meanwhile): the READY prefix bounds every tier.
+    c.loading("s", 5, "ssd")
+    assert c.observe("m", hs, 4, req_id="s")
+    assert outcomes(m) == {"l1": 7, "ssd": 5, "remote": 6, "miss": 22}
+    # Without a req_id a LOADING answer cannot be linked: the READY prefix counts as l1.
+    c.loading("", 2, "ssd")
+    assert c.observe("m", hs[:5], 5)
+    assert outcomes(m) == {"l1": 12, "ssd": 5, "remote": 6, "miss": 22}

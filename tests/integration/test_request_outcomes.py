@@ -1,0 +1,50 @@
+"""Per-request block outcomes on a real node with an SSD tier: blocks a request found only
+on SSD count as `ssd` once (not again as `l1` when the engine's follow-up Query leases
+them), blocks already in L1 as `l1`, the rest as `miss`; the ceiling sees each request once."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from pegaflow.client import PegaClient
+from tests.integration.test_ssd_tier import NS, PAGE, POOL, hashes, metric, save, ssd_args, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def ask_until_ready(c: PegaClient, hs: list[bytes], req_id: str, timeout: float = 20.0) -> tuple[int, int]:
+    """Query as the connector does (same req_id until READY); returns (hit blocks, LOADING answers)."""
+    loading = 0
+    deadline = time.monotonic() + timeout
+    while True:
+        q = c.query([NS], hs, req_id=req_id, lease=False)
+        if q.status == "READY":
+            return q.hit_blocks, loading
+        loading += 1
+        assert time.monotonic() < deadline, "promotion never finished"
+        time.sleep(0.005)
+
+
+def test_each_block_of_a_request_has_one_outcome(node_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    node = node_factory(POOL, ssd_args(tmp_path))
+    hs = hashes("o", 48)
+    with PegaClient(node.addr) as c:
+        c.register({NS: PAGE})
+        save(c, hs, node=node)
+        wait_for(lambda: metric(node, "pegaflow_node_ssd_blocks") >= 48, what="48 blocks on SSD")
+        before = {o: metric(node, "pegaflow_node_request_blocks_total", f'outcome="{o}"')
+                  for o in ("l1", "ssd", "remote", "miss")}
+        hit, loading = ask_until_ready(c, hs[:12], "r1")  # only on SSD: LOADING, then READY
+        assert (hit, loading >= 1) == (12, True)
+        # Promoted blocks stay pinned a moment: the next request finds them in L1.
+        hit, loading = ask_until_ready(c, hs[:12] + hashes("never-saved", 4), "r2")
+        assert (hit, loading) == (12, 0)
+        ask_until_ready(c, hs[:12], "r1")  # the engine asking again for r1: not a new request
+        after = {o: metric(node, "pegaflow_node_request_blocks_total", f'outcome="{o}"')
+                 for o in ("l1", "ssd", "remote", "miss")}
+        got = {o: after[o] - before[o] for o in after}
+        assert got == {"l1": 12, "ssd": 12, "remote": 0, "miss": 4}
+        # The older per-answer counter counts r1's blocks under ssd and again under l1.
+        assert metric(node, "pegaflow_node_hit_blocks_total", 'tier="ssd"') >= 12
