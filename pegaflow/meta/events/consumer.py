@@ -59,6 +59,16 @@ PAUSE_KEY = "pf:{pf}:pause"  # set by `pegaflow-meta rebuild`: replicas stop app
 _RENEW = Script(
     "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0"
 )
+# Take a free lease, or keep one this replica still holds (e.g. after it reset its state).
+_ACQUIRE = Script(
+    """
+local cur = redis.call('GET', KEYS[1])
+if cur == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+if cur then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+)
 _RELEASE = Script(
     "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 )
@@ -127,7 +137,7 @@ class Consumer:
                     break
                 if node in self.streams:
                     continue
-                if self.r.set(keys.owner_key(node), self.name, nx=True, px=self.lease_ms):
+                if _ACQUIRE(self.r, [keys.owner_key(node)], [self.name, self.lease_ms]):
                     self._ensure_group(stream_key(node))
                     self.streams[node] = _Stream(node, stream_key(node))
                     log.info("took stream", consumer=self.name, node=node)
