@@ -98,19 +98,28 @@ class Backoff:
 
 
 class MetaLookup:
-    """QueryPrefix on the metaserver over one grpc.aio channel."""
+    """QueryPrefix on the metaserver over one grpc.aio channel.
+
+    The channel is made on first use: a grpc.aio channel binds to the loop running at its
+    creation, and the node is constructed before its loop starts.
+    """
 
     def __init__(self, addr: str) -> None:
-        self.channel = grpc.aio.insecure_channel(addr)
-        self.stub = meta_pb2_grpc.MetaServiceStub(self.channel)
+        self.addr = addr
+        self.channel: grpc.aio.Channel | None = None
+        self.stub: meta_pb2_grpc.MetaServiceStub | None = None
 
     async def __call__(self, namespace: str, hashes: Sequence[bytes]) -> list[Holder]:
+        if self.stub is None:
+            self.channel = grpc.aio.insecure_channel(self.addr)
+            self.stub = meta_pb2_grpc.MetaServiceStub(self.channel)
         res = await self.stub.QueryPrefix(meta_pb2.QueryPrefixRequest(namespace=namespace, hashes=hashes),
                                           timeout=META_TIMEOUT)
         return [Holder(n.node, n.address, n.prefix_len) for n in res.nodes]
 
     async def close(self) -> None:
-        await self.channel.close()
+        if self.channel is not None:
+            await self.channel.close()
 
 
 class GrpcPeers:
