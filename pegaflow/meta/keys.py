@@ -26,6 +26,7 @@ RETIRED = "pf:{pf}:retired"  # ZSET nid -> ms when retired; the sweeper removes 
 NAMESPACES = "pf:{pf}:ns"  # HASH ns tag -> namespace string
 CONSUMERS = "pf:{pf}:consumers"  # ZSET consumer name -> heartbeat deadline ms
 SWEEP_LOCK = "pf:{pf}:sweep"
+SWEPT = "pf:{pf}:swept"  # SET of retired nids already swept once
 
 BUCKET_PREFIX = "pf:b:"  # live index
 REBUILD_PREFIX = "pf:t:"  # index being rebuilt, renamed over the live one bucket by bucket

@@ -125,9 +125,12 @@ def parallel(r: Client, groups: Sequence[tuple[Any, Sequence[Sequence[Any]]]]) -
                     replies.append(exc)
             out.append(replies)
         return out
-    except BaseException:
+    except BaseException as exc:
         for _pool, conn in conns:
             conn.disconnect()
+        if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+            # A shard died or failed over: make the next call re-learn the topology.
+            r.nodes_manager.initialize()
         raise
     finally:
         for pool, conn in conns:

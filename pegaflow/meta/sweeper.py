@@ -2,8 +2,9 @@
 
 Readers never see these entries (lookups filter by the visible nids), so sweeping is
 about memory, not correctness, and may lag. One replica sweeps at a time (``SWEEP_LOCK``).
-A retired nid is forgotten ``RETIRED_GRACE_MS`` after the first sweep that covered it;
-by then no consumer still applies its events (they skip retired nids).
+A retired nid is swept once soon after it retires and once more when it is forgotten,
+``RETIRED_GRACE_MS`` later; by then no consumer still applies its events (they skip
+retired nids), so a pass costs nothing while nothing retires.
 """
 
 from __future__ import annotations
@@ -36,11 +37,20 @@ def sweep_once(r: Client, owner: str = "sweeper", lock_ms: int = 60_000) -> tupl
             if not r.hexists(keys.NODES, node):
                 r.delete(stream_key(node), keys.owner_key(node))
         reaped = len(gone)
-        dead = registry.retired(r)
+        # Each retired nid is swept twice: once soon after it retired, once more when it is
+        # forgotten (a lagging consumer may have applied a late event of it in between).
+        retired = {int(m): int(sc) for m, sc in r.zrange(keys.RETIRED, 0, -1, withscores=True)}
+        swept = {int(m) for m in r.smembers(keys.SWEPT)}
+        old = {n for n, t in retired.items() if t < t0_ms - RETIRED_GRACE_MS}
+        todo = {n for n in retired if n not in swept} | old
         tags = sorted(t.decode() for t in r.hkeys(keys.NAMESPACES))
-        removed = Index(r).sweep(tags, dead) if dead else 0
-        # Forget nids retired long enough ago that no consumer can still be applying them.
-        r.zremrangebyscore(keys.RETIRED, "-inf", t0_ms - RETIRED_GRACE_MS)
+        removed = Index(r).sweep(tags, todo) if todo else 0
+        if todo - old:
+            r.sadd(keys.SWEPT, *(todo - old))
+        if old:
+            r.zrem(keys.RETIRED, *old)
+            r.srem(keys.SWEPT, *old)
+        dead = todo
         metrics.REAPED.inc(reaped)
         metrics.SWEPT.inc(removed)
         if reaped or removed:

@@ -351,3 +351,26 @@ def test_infra_scripts_stop_is_idempotent(tmp_path: Path) -> None:
         text=True,
     )
     assert out.returncode == 1 and "stopped" in out.stdout
+
+
+def test_sweeper_sweeps_a_retired_nid_once_then_again_when_forgetting_it(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pegaflow.meta import sweeper
+
+    r = client(redis_server.url, False)
+    rng = random.Random(8)
+    hs = [rng.randbytes(16) for _ in range(40)]
+    old, _ = registry.register(r, "a", "h:1", 60_000, switch=True)
+    new, _ = registry.register(r, "a", "h:1", 60_000, switch=True)  # restart: old nid retired
+    ix = Index(r)
+    ix.apply(Op.INSERT, "ns", old, hs)
+    ix.apply(Op.INSERT, "ns", new, hs[:10])
+    r.hset(keys.NAMESPACES, keys.ns_tag("ns"), "ns")
+    assert sweeper.sweep_once(r) == (0, 40)
+    assert ix.holders("ns", hs[:1]) == [{new}] and ix.holders("ns", hs[10:11]) == [set()]
+    ix.apply(Op.INSERT, "ns", old, hs[20:25])  # a lagging consumer's late event of the old nid
+    assert sweeper.sweep_once(r) == (0, 0)  # swept once already: passes cost nothing now
+    monkeypatch.setattr(sweeper, "RETIRED_GRACE_MS", 0)
+    assert sweeper.sweep_once(r) == (0, 5)  # forgetting it: the final pass catches the late ones
+    assert old not in registry.retired(r) and ix.holders("ns", hs[20:25]) == [set()] * 5
