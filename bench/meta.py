@@ -80,9 +80,15 @@ def pct(xs: list[float], q: float) -> float:
 
 def redis_benchmark_xadd(r: Client) -> float:
     """Server ceiling: redis-benchmark pipelined XADD against the shard owning the stream."""
-    port = r.get_node_from_key("bench:{rb}").port if is_cluster(r) else r.connection_pool.connection_kwargs["port"]
+    port = (
+        r.get_node_from_key("bench:{rb}").port
+        if is_cluster(r)
+        else r.connection_pool.connection_kwargs["port"]
+    )
     args = ["redis-benchmark", "-p", str(port), "-n", "200000", "-P", "64", "-q"]
-    out = subprocess.run([*args, "XADD", "bench:{rb}", "*", "f", "v"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [*args, "XADD", "bench:{rb}", "*", "f", "v"], capture_output=True, text=True, timeout=120
+    )
     m = re.findall(r"([\d.]+) requests per second", out.stdout)
     return float(m[-1]) if m else float("nan")
 
@@ -131,7 +137,9 @@ def make_workload(blocks: int, seed: int = 1):
     rng = random.Random(seed)
     n_req = blocks // PREFIX
     raw = rng.randbytes(16 * n_req * PREFIX)
-    reqs = [[raw[(i * PREFIX + j) * 16 : (i * PREFIX + j + 1) * 16] for j in range(PREFIX)] for i in range(n_req)]
+    reqs = [
+        [raw[(i * PREFIX + j) * 16 : (i * PREFIX + j + 1) * 16] for j in range(PREFIX)] for i in range(n_req)
+    ]
     held: dict[tuple[int, int], list[bytes]] = {}  # (node, ns index) -> hashes
     expect: list[dict[int, int]] = []
     for i, req in enumerate(reqs):
@@ -163,7 +171,9 @@ def write_streams(r: Client, held: dict[tuple[int, int], list[bytes]], churn: fl
         name, nid = nids[node]
         entries = []
 
-        def ev(op: Op, chunk: list[bytes], node: int = node, ns: int = ns, name: str = name, nid: int = nid) -> bytes:
+        def ev(
+            op: Op, chunk: list[bytes], node: int = node, ns: int = ns, name: str = name, nid: int = nid
+        ) -> bytes:
             seqs[node] += 1
             return encode(Event(name, nid, 1, seqs[node], op, NAMESPACES[ns], b"".join(chunk)))
 
@@ -215,7 +225,11 @@ def reset_stats(r: Client) -> None:
 
 def evalsha_usec_per_call(r: Client) -> float:
     """Mean time Redis spent inside the script per query (server side, no network, no client)."""
-    infos = r.info("commandstats", target_nodes=r.PRIMARIES).values() if is_cluster(r) else [r.info("commandstats")]
+    infos = (
+        r.info("commandstats", target_nodes=r.PRIMARIES).values()
+        if is_cluster(r)
+        else [r.info("commandstats")]
+    )
     calls = usec = 0
     for info in infos:
         st = info.get("cmdstat_evalsha")
@@ -274,11 +288,15 @@ def run_backend(cluster: bool, blocks: int, queries: int) -> dict:
     tmp = tempfile.mkdtemp(prefix="pf-bench-meta-")
     if cluster:
         base = free_base(6, True)
-        subprocess.run([str(INFRA / "redis-cluster.sh"), "start", tmp, str(base)], check=True, capture_output=True)
+        subprocess.run(
+            [str(INFRA / "redis-cluster.sh"), "start", tmp, str(base)], check=True, capture_output=True
+        )
         stop = [str(INFRA / "redis-cluster.sh"), "stop", tmp, str(base)]
     else:
         base = free_base(1, False)
-        subprocess.run([str(INFRA / "redis-standalone.sh"), "start", tmp, str(base)], check=True, capture_output=True)
+        subprocess.run(
+            [str(INFRA / "redis-standalone.sh"), "start", tmp, str(base)], check=True, capture_output=True
+        )
         stop = [str(INFRA / "redis-standalone.sh"), "stop", tmp, str(base)]
     url = f"redis://127.0.0.1:{base}/0"
     try:

@@ -263,7 +263,9 @@ class Index:
         pat = keys.bucket_prefix(tag, self.prefix) + b"*"
         return sorted(set(self.r.scan_iter(match=pat, count=DUMP_CHUNK)))
 
-    def dump(self, tags: Iterable[str], visible: set[int] | None = None) -> dict[tuple[str, bytes], frozenset[int]]:
+    def dump(
+        self, tags: Iterable[str], visible: set[int] | None = None
+    ) -> dict[tuple[str, bytes], frozenset[int]]:
         """{(tag, hash): nids} for every block (nids filtered by ``visible`` when given)."""
         out: dict[tuple[str, bytes], frozenset[int]] = {}
         for tag in tags:

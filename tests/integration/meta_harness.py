@@ -35,7 +35,9 @@ def wait_until(cond: Callable[[], bool], timeout: float, what: str, every: float
 class MetaProc:
     """A `pegaflow-meta` process (python -m pegaflow.meta.cli) with its own gRPC port."""
 
-    def __init__(self, url: str, cluster: bool, name: str, log: Path, lease_ttl: float = 2.0, sweep: float = 0.0):
+    def __init__(
+        self, url: str, cluster: bool, name: str, log: Path, lease_ttl: float = 2.0, sweep: float = 0.0
+    ):
         self.port = free_port_range(1, lo=30000, hi=40000)
         self.name = name
         args = [
@@ -56,7 +58,9 @@ class MetaProc:
             raise AssertionError(f"metaserver did not start:\n{log.read_text()[-3000:]}") from None
 
     def query(self, namespace: str, hashes: list[bytes]) -> dict[str, int]:
-        res = self.stub.QueryPrefix(meta_pb2.QueryPrefixRequest(namespace=namespace, hashes=hashes), timeout=10)
+        res = self.stub.QueryPrefix(
+            meta_pb2.QueryPrefixRequest(namespace=namespace, hashes=hashes), timeout=10
+        )
         return {n.node: n.prefix_len for n in res.nodes}
 
     def kill(self) -> None:
@@ -77,7 +81,16 @@ class MetaProc:
 
 
 def run_rebuild(url: str, cluster: bool) -> dict:
-    args = [sys.executable, "-m", "pegaflow.meta.cli", "rebuild", "--redis-url", url, "--log-level", "warning"]
+    args = [
+        sys.executable,
+        "-m",
+        "pegaflow.meta.cli",
+        "rebuild",
+        "--redis-url",
+        url,
+        "--log-level",
+        "warning",
+    ]
     if cluster:
         args.append("--redis-cluster")
     out = subprocess.run(args, env=ENV, capture_output=True, text=True, timeout=300)

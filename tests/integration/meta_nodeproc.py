@@ -77,7 +77,10 @@ async def main_async(a: argparse.Namespace) -> None:
     while not await loop.run_in_executor(None, pub.wait_idle, 1.0):
         pass
     save_state(a.state, state)
-    print(json.dumps({"done": True, "nid": pub.nid, "epoch": pub.epoch, "dropped": pub.stats.dropped_blocks}), flush=True)
+    print(
+        json.dumps({"done": True, "nid": pub.nid, "epoch": pub.epoch, "dropped": pub.stats.dropped_blocks}),
+        flush=True,
+    )
     if a.hold:
         while True:
             await asyncio.sleep(3600)

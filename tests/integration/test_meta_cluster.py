@@ -36,11 +36,27 @@ def cluster(redis_cluster: RedisClusterProc) -> RedisClusterProc:
     return redis_cluster
 
 
-def test_cluster_several_nodes_two_replicas_equal_truth_and_rebuild(cluster: RedisClusterProc, tmp_path: Path) -> None:
+def test_cluster_several_nodes_two_replicas_equal_truth_and_rebuild(
+    cluster: RedisClusterProc, tmp_path: Path
+) -> None:
     names = ["n1", "n2", "n3", "n4"]
     procs = {
-        n: NodeProc(cluster.url, True, n, tmp_path / f"{n}.json", tmp_path / f"{n}.log", "--seed", str(i),
-                    "--ops", "1200", "--rate", "800", "--namespaces", "3", "--hold")  # fmt: skip
+        n: NodeProc(
+            cluster.url,
+            True,
+            n,
+            tmp_path / f"{n}.json",
+            tmp_path / f"{n}.log",
+            "--seed",
+            str(i),
+            "--ops",
+            "1200",
+            "--rate",
+            "800",
+            "--namespaces",
+            "3",
+            "--hold",
+        )  # fmt: skip
         for i, n in enumerate(names)
     }
     m1 = MetaProc(cluster.url, True, "m1", tmp_path / "m1.log", lease_ttl=1.5)
@@ -77,8 +93,20 @@ def test_cluster_dead_node_invisible_and_swept(cluster: RedisClusterProc, tmp_pa
     meta = MetaProc(cluster.url, True, "m1", tmp_path / "m.log", sweep=1.0)
     r = client(cluster.url, True)
     procs = {
-        n: NodeProc(cluster.url, True, n, tmp_path / f"{n}.json", tmp_path / f"{n}.log", "--seed", str(i),
-                    "--ops", "200", "--ttl", "1.5", "--hold")  # fmt: skip
+        n: NodeProc(
+            cluster.url,
+            True,
+            n,
+            tmp_path / f"{n}.json",
+            tmp_path / f"{n}.log",
+            "--seed",
+            str(i),
+            "--ops",
+            "200",
+            "--ttl",
+            "1.5",
+            "--hold",
+        )  # fmt: skip
         for i, n in enumerate(["n1", "n2"])
     }
     try:

@@ -57,7 +57,9 @@ def some_prefix(state: Path) -> tuple[str, list[bytes]]:
     return ns, [bytes.fromhex(h) for h in hs[:8]]
 
 
-def test_events_from_several_node_processes_equal_ground_truth(redis_server: RedisServer, tmp_path: Path) -> None:
+def test_events_from_several_node_processes_equal_ground_truth(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
     meta = MetaProc(redis_server.url, False, "m1", tmp_path / "meta.log")
     procs = nodes(redis_server, tmp_path, ["n1", "n2", "n3"], "--ops", "400", "--hold")
     try:
@@ -142,7 +144,9 @@ def test_takeover_claims_a_dead_consumers_pending_entries(redis_server: RedisSer
 def test_two_replicas_share_streams_and_one_takes_over_when_the_other_dies(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:
-    procs = nodes(redis_server, tmp_path, ["n1", "n2", "n3", "n4"], "--ops", "1500", "--rate", "600", "--hold")
+    procs = nodes(
+        redis_server, tmp_path, ["n1", "n2", "n3", "n4"], "--ops", "1500", "--rate", "600", "--hold"
+    )
     m1 = MetaProc(redis_server.url, False, "m1", tmp_path / "m1.log", lease_ttl=1.5)
     m2 = MetaProc(redis_server.url, False, "m2", tmp_path / "m2.log", lease_ttl=1.5)
     r = client(redis_server.url, False)
@@ -197,7 +201,9 @@ def test_redis_restarted_index_converges(aof: bool, tmp_path: Path) -> None:
         srv.stop()
 
 
-def test_node_restarted_with_new_epoch_replaces_stale_entries(redis_server: RedisServer, tmp_path: Path) -> None:
+def test_node_restarted_with_new_epoch_replaces_stale_entries(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
     meta = MetaProc(redis_server.url, False, "m1", tmp_path / "meta.log")
     r = client(redis_server.url, False)
     state = tmp_path / "n1.json"
@@ -237,7 +243,9 @@ def test_dead_node_invisible_after_its_ttl_and_swept_later(redis_server: RedisSe
         wait_converged(r, {"n2": procs["n2"].state})
         tags = [t.decode() for t in r.hkeys(keys.NAMESPACES)]
         wait_until(
-            lambda: not any(dead_nid in nids for nids in Index(r).dump(tags).values()), 20, "the sweeper to remove n1"
+            lambda: not any(dead_nid in nids for nids in Index(r).dump(tags).values()),
+            20,
+            "the sweeper to remove n1",
         )
         assert "n1" not in registry.nodes(r)
         assert not r.exists(stream_key("n1"))  # its stream went with it
@@ -321,7 +329,9 @@ def test_dropped_updates_trigger_a_resync_and_the_index_converges(redis_server: 
     r = client(redis_server.url, False)
     held: set[bytes] = set()
     rng = random.Random(5)
-    pub = EventPublisher(r, "n1", "h:1", lambda: [("ns", sorted(held))], buffer_blocks=200, flush_interval=0.5)
+    pub = EventPublisher(
+        r, "n1", "h:1", lambda: [("ns", sorted(held))], buffer_blocks=200, flush_interval=0.5
+    )
     pub.start(wait=5)
     first_epoch = pub.epoch
     for _ in range(10):  # 500 updates into a 200-block buffer before the next flush

@@ -24,7 +24,9 @@ def hashes(n: int, seed: int = 0) -> list[bytes]:
 
 @pytest.fixture
 def r() -> fakeredis.FakeRedis:
-    pytest.importorskip("lupa", reason="fakeredis runs Lua scripts only with lupa (pip install 'fakeredis[lua]')")
+    pytest.importorskip(
+        "lupa", reason="fakeredis runs Lua scripts only with lupa (pip install 'fakeredis[lua]')"
+    )
     return fakeredis.FakeRedis()
 
 
@@ -142,7 +144,9 @@ def test_full_buffer_drops_counts_and_never_blocks() -> None:
 
 def test_publisher_and_consumer_converge_and_skip_malformed(r: fakeredis.FakeRedis) -> None:
     state: dict[str, set[bytes]] = {NS: set(hashes(20, seed=3))}
-    pub = EventPublisher(r, "n1", "h:1", lambda: [(ns, sorted(h)) for ns, h in state.items()], flush_interval=0.001)
+    pub = EventPublisher(
+        r, "n1", "h:1", lambda: [(ns, sorted(h)) for ns, h in state.items()], flush_interval=0.001
+    )
     pub.start(wait=5)
     new = hashes(30, seed=4)
     state[NS].update(new)
@@ -153,7 +157,9 @@ def test_publisher_and_consumer_converge_and_skip_malformed(r: fakeredis.FakeRed
     assert pub.wait_idle(5)
     r.xadd(stream_key("n1"), {FIELD: b"\x01garbage"})
     r.xadd(stream_key("n1"), {b"other": b"x"})
-    r.xadd(stream_key("n1"), {FIELD: encode(Event.make("intruder", pub.nid, 1, 99, Op.INSERT, NS, hashes(1, 9)))})
+    r.xadd(
+        stream_key("n1"), {FIELD: encode(Event.make("intruder", pub.nid, 1, 99, Op.INSERT, NS, hashes(1, 9)))}
+    )
     last = hashes(3, seed=5)
     state[NS].update(last)
     pub.on_insert(NS, last)

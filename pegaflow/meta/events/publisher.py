@@ -73,7 +73,6 @@ COMPACT_FACTOR = 4  # ...and more than this many times the snapshot size
 SnapshotFn = Callable[[], Iterable[tuple[str, Sequence[bytes]]]]
 
 
-
 class PublisherMetrics:
     """The publisher's Prometheus series, created once per registry (the node has its own)."""
 
@@ -89,10 +88,18 @@ class PublisherMetrics:
             registry=registry,
         )  # fmt: skip
         self.resyncs = Counter(
-            "pegaflow_node_events_resyncs_total", "Snapshots published (start, new epoch, re-sync)", registry=registry
+            "pegaflow_node_events_resyncs_total",
+            "Snapshots published (start, new epoch, re-sync)",
+            registry=registry,
         )
-        self.errors = Counter("pegaflow_node_events_publish_errors_total", "Redis errors seen by the publisher", registry=registry)
-        self.buffered = Gauge("pegaflow_node_events_buffered_blocks", "Block updates waiting to be published", registry=registry)
+        self.errors = Counter(
+            "pegaflow_node_events_publish_errors_total",
+            "Redis errors seen by the publisher",
+            registry=registry,
+        )
+        self.buffered = Gauge(
+            "pegaflow_node_events_buffered_blocks", "Block updates waiting to be published", registry=registry
+        )
 
     @classmethod
     def of(cls, registry: CollectorRegistry | None) -> PublisherMetrics:
