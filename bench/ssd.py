@@ -129,42 +129,43 @@ def main() -> None:
     work = tempfile.mkdtemp(prefix="pegaflow-bench-ssd-", dir=a.dir)
     engines = a.engines.split(",")
     runs: dict[str, list[dict[str, Any]]] = {e: [] for e in engines}
-    fws: list[dict[str, float]] = []
-    frs: list[dict[str, float]] = []
+    fios: dict[str, list[tuple[dict[str, float], dict[str, float]]]] = {e: [] for e in engines}
     try:
-        # Interleave fio and the tier so both see the same background load (shared disks
-        # and CPUs are noisy); report medians.
+        # Pair every tier run with its own fio runs right before it (fio write then read,
+        # tier write then read: each reads data it has just written, as a virtual disk may
+        # cache recent writes) so each pair sees the same background load: the disk and
+        # the CPUs here are shared and their speed moves from minute to minute. Ratios
+        # are per pair, then the median over --repeat.
         for _ in range(a.repeat):
-            fpath = os.path.join(work, "fio.dat")
-            fws.append(fio(fpath, "write", size, page, a.queue_depth))
-            frs.append(fio(fpath, "read", size, page, a.queue_depth))
-            os.unlink(fpath)
             for eng in engines:
+                fpath = os.path.join(work, "fio.dat")
+                fw = fio(fpath, "write", size, page, a.queue_depth)
+                fr = fio(fpath, "read", size, page, a.queue_depth)
+                os.unlink(fpath)
+                fios[eng].append((fw, fr))
                 d = os.path.join(work, eng)
                 os.mkdir(d)
                 runs[eng].append(asyncio.run(tier_run(d, size, page, a.queue_depth, eng)))
                 shutil.rmtree(d)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    fw = {k: statistics.median(x[k] for x in fws) for k in fws[0]}
-    fr = {k: statistics.median(x[k] for x in frs) for k in frs[0]}
-    rows = []
+    med = statistics.median
+    print(f"# python {sys.argv[0]} --dir {a.dir} --size {a.size} --page {a.page} --queue-depth {a.queue_depth} "
+          f"--repeat {a.repeat}  (medians of {a.repeat} paired runs)")
+    print("| engine | tier write GB/s | fio write GB/s | **write vs fio** | tier read GB/s | fio read GB/s "
+          "| **read vs fio** | tier CPU s/GB (w / r) | fio CPU s/GB (w / r) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for eng in engines:
-        rs = runs[eng]
+        rs, fs = runs[eng], fios[eng]
         for r in rs:
             assert r["checksum_failures"] == 0 and r["promoted"] == r["blocks"], r
-        rows.append({"engine": eng, **{k: statistics.median(r[k] for r in rs)
-                                       for k in rs[0] if k.endswith(("gbps", "per_gb"))}})
-    print(f"# python {sys.argv[0]} --dir {a.dir} --size {a.size} --page {a.page} --queue-depth {a.queue_depth} "
-          f"--repeat {a.repeat}  (medians of {a.repeat})")
-    print("| what | write GB/s | write CPU s/GB | read GB/s | read CPU s/GB | vs fio (w / r) |")
-    print("|---|---|---|---|---|---|")
-    print(f"| fio io_uring direct, bs={a.page}, QD{a.queue_depth} | {fw['gbps']:.2f} | {fw['cpu_s_per_gb']:.3f} "
-          f"| {fr['gbps']:.2f} | {fr['cpu_s_per_gb']:.3f} | 1.00 / 1.00 |")
-    for r in rows:
-        print(f"| tier, engine={r['engine']} | {r['write_gbps']:.2f} | {r['write_cpu_s_per_gb']:.3f} "
-              f"| {r['read_gbps']:.2f} | {r['read_cpu_s_per_gb']:.3f} "
-              f"| {r['write_gbps'] / fw['gbps']:.2f} / {r['read_gbps'] / fr['gbps']:.2f} |")
+        wr = med(r["write_gbps"] / f[0]["gbps"] for r, f in zip(rs, fs, strict=True))
+        rr = med(r["read_gbps"] / f[1]["gbps"] for r, f in zip(rs, fs, strict=True))
+        print(f"| {rs[0]['engine']} | {med(r['write_gbps'] for r in rs):.2f} | {med(f[0]['gbps'] for f in fs):.2f} "
+              f"| **{wr:.2f}** | {med(r['read_gbps'] for r in rs):.2f} | {med(f[1]['gbps'] for f in fs):.2f} "
+              f"| **{rr:.2f}** | {med(r['write_cpu_s_per_gb'] for r in rs):.3f} / "
+              f"{med(r['read_cpu_s_per_gb'] for r in rs):.3f} | {med(f[0]['cpu_s_per_gb'] for f in fs):.3f} / "
+              f"{med(f[1]['cpu_s_per_gb'] for f in fs):.3f} |")
 
 
 if __name__ == "__main__":
