@@ -390,7 +390,6 @@ class SsdIndex:
         with ThreadPoolExecutor(SCAN_THREADS) as ex:
             chains = list(ex.map(lambda fs: _walk(fs[0], fs[1]), jobs))
         max_gen = max_seq = 0
-        found = 0
         newest: list[tuple[int, int]] = [(0, -1)] * len(self.files)
         for (_f, seg), chain in zip(jobs, chains, strict=True):
             if not chain:
@@ -415,7 +414,7 @@ class SsdIndex:
                 self.entries[key] = e
                 seg.keys.add(key)
                 self.used_bytes += e.size
-                found += 1
+        found = len(self.entries)
         for f, (_g, idx) in zip(self.files, newest, strict=True):
             # Records of one generation come from one process lifetime: the next record
             # opens the segment after the newest one rather than appending after a tail
