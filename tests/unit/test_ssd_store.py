@@ -290,3 +290,20 @@ def test_a_cache_file_in_use_by_another_node_is_refused(tmp_path: Path):
             os.close(f.fd)
     for f in open_files([str(tmp_path)], 1 << 20):  # free again once the first one is gone
         os.close(f.fd)
+
+
+def test_loading_lasts_until_the_whole_continuation_is_in_l1(tmp_path: Path):
+    async def run() -> None:
+        n = _Node(tmp_path, "threads")
+        p, key = n.tier.promoter, (lambda h: (n.ns.id, h))
+        hs = [i.to_bytes(16, "little") for i in range(1, 4)]
+        n.save(hs[:1])
+        p.inflight[key(hs[1])] = p.inflight[key(hs[2])] = n.index.get(n.ns, hs[0])
+        assert p._loading([n.ns], hs, 0, 3), "landed block 0 + blocks 1, 2 in flight: LOADING"
+        del p.inflight[key(hs[2])]
+        assert p._loading([n.ns], hs, 1, 3), "block 1 still in flight"
+        del p.inflight[key(hs[1])]
+        assert not p._loading([n.ns], hs, 1, 3), "nothing on its way: READY"
+        await n.close()
+
+    asyncio.run(run())

@@ -5,8 +5,8 @@ Contracts:
   extends the L1 prefix with the blocks found on SSD (for every namespace of the query),
   reserves node-owned PENDING pages for them (``BlockIndex.reserve``; PENDING pages are
   invisible and never evicted), and issues the reads. It returns True (answer LOADING)
-  while the first block after the L1 prefix is being promoted, so the engine's next
-  Query finds it in L1 (READY). With no L1 space or nothing on SSD it returns False and
+  while blocks that would extend the L1 prefix are being promoted, so the engine's next
+  Query finds the whole continuation in L1 (READY). With no L1 space or nothing on SSD it returns False and
   the Query answers READY with the L1 prefix: LOADING is never answered for blocks that
   are not on their way.
 - A promoted page is committed (made visible) only after its header matches the index
@@ -115,8 +115,23 @@ class Promoter:
             t.engine.submit([self._read(run, batch) for run in _runs(recs)])
         else:
             self._unpin(batch)
-        h0 = hashes[hit]
-        return all(index.get(ns, h0) is not None or (ns.id, h0) in inflight for ns in nss)
+        return self._loading(nss, hashes, hit, j)
+
+    def _loading(self, nss: Sequence[Namespace], hashes: Sequence[bytes], hit: int, end: int) -> bool:
+        """True if the prefix can grow past ``hit`` once in-flight reads land: positions
+        from ``hit`` on are each held by every namespace in L1 or in flight, and some are
+        in flight. Answering LOADING until the whole continuation is in L1 (rather than
+        READY with the part that landed first) lets the engine load it in one go."""
+        index, inflight = self.tier.index, self.inflight
+        waiting = False
+        for k in range(hit, end):
+            h = hashes[k]
+            for ns in nss:
+                if index.get(ns, h) is None:
+                    if (ns.id, h) not in inflight:
+                        return waiting
+                    waiting = True
+        return waiting
 
     def _hdr(self) -> bytearray:
         return self._hdrs.pop() if self._hdrs else aligned_buffer(BLOCK)
