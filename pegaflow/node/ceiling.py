@@ -6,11 +6,11 @@ counted once by where they came from (``pegaflow_node_request_blocks_total{outco
 What is counted (the contract the gauges and the cluster union rely on):
 
 - One observation per **request**: the first READY answer to a Query with a given
-  ``req_id`` adds that query's blocks (N) and its prefix hits. A LOADING answer adds
-  nothing (the engine asks again and the READY answer counts, with the promoted blocks
-  as hits); later Queries with the same ``req_id`` (the connector re-asks while a request
-  waits to be scheduled) add nothing either, so retries do not inflate N or the hit rate.
-  Queries without a ``req_id`` are each one request.
+  ``req_id`` (of that engine session) adds that query's blocks (N) and its prefix hits.
+  A LOADING answer adds nothing (the engine asks again and the READY answer counts, with
+  the promoted blocks as hits); later Queries with the same ``req_id`` (the connector
+  re-asks while a request waits to be scheduled) add nothing either, so retries do not
+  inflate N or the hit rate. Queries without a ``req_id`` are each one request.
 - A query naming several namespaces (the TP shards of one engine) asks the same hashes in
   each; it is observed once, under its first namespace: the ceiling of the shards is
   the same, and hashing every shard's keys would cost k times as much on the event loop.

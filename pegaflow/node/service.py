@@ -60,6 +60,12 @@ def rpc(method: str) -> Callable[[Callable[..., Awaitable[Resp]]], Callable[...,
     return wrap
 
 
+def _request_key(session_id: int, req_id: str) -> str:
+    """A request's identity for the ceiling: engines number their requests independently
+    (vLLM's offline engine counts from 0), so the session tells two engines' "0" apart."""
+    return f"{session_id}/{req_id}" if req_id else ""
+
+
 def check_hashes(hashes: Sequence[bytes], max_batch: int) -> None:
     if len(hashes) > max_batch:
         raise InvalidArgument(f"batch of {len(hashes)} hashes exceeds --max-batch {max_batch}")
@@ -155,13 +161,13 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         if self.ssd is not None and hit < len(hashes) and self.ssd.promote(nss, hashes, hit):
             self.metrics.queries.labels("loading").inc()
             if self.ceiling is not None:
-                self.ceiling.loading(request.req_id, hit, "ssd")
+                self.ceiling.loading(_request_key(s.id, request.req_id), hit, "ssd")
             return node_pb2.QueryResponse(status=node_pb2.LOADING, hit_blocks=hit)
         if self.puller is not None and hit < len(hashes):
             if await self.puller.query(nss, hashes, hit):
                 self.metrics.queries.labels("loading").inc()
                 if self.ceiling is not None:
-                    self.ceiling.loading(request.req_id, hit, "remote")
+                    self.ceiling.loading(_request_key(s.id, request.req_id), hit, "remote")
                 return node_pb2.QueryResponse(status=node_pb2.LOADING, hit_blocks=hit)
             # The metaserver lookup awaited: blocks may have come or gone meanwhile.
             per_ns = [self.index.prefix(ns, hashes, touch=False) for ns in nss]
@@ -179,7 +185,7 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         self.metrics.misses.inc(len(hashes) - hit)
         self.metrics.queries.labels("hit" if hit else "miss").inc()
         if self.ceiling is not None:
-            self.ceiling.observe(nss[0].name, hashes, hit, request.req_id)
+            self.ceiling.observe(nss[0].name, hashes, hit, _request_key(s.id, request.req_id))
         return node_pb2.QueryResponse(status=node_pb2.READY, hit_blocks=hit, lease_id=lease_id, pages=pages)
 
     @rpc("Release")

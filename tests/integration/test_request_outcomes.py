@@ -48,3 +48,14 @@ def test_each_block_of_a_request_has_one_outcome(node_factory, tmp_path) -> None
         assert got == {"l1": 12, "ssd": 12, "remote": 0, "miss": 4}
         # The older per-answer counter counts r1's blocks under ssd and again under l1.
         assert metric(node, "pegaflow_node_hit_blocks_total", 'tier="ssd"') >= 12
+
+
+def test_two_engines_with_the_same_request_id_are_two_requests(node_factory) -> None:  # type: ignore[no-untyped-def]
+    node = node_factory("4mb")
+    hs = hashes("same-id", 4)
+    with PegaClient(node.addr) as a, PegaClient(node.addr) as b:
+        a.register({NS: PAGE})
+        b.register({NS: PAGE})
+        for c in (a, b, a, b):  # vLLM's offline engines both number their first request "0"
+            assert c.query([NS], hs, req_id="0", lease=False).hit_blocks == 0
+    assert metric(node, "pegaflow_node_request_blocks_total", 'outcome="miss"') == 8
