@@ -384,3 +384,34 @@ def test_sweeper_sweeps_a_retired_nid_once_then_again_when_forgetting_it(
     monkeypatch.setattr(sweeper, "RETIRED_GRACE_MS", 0)
     assert sweeper.sweep_once(r) == (0, 5)  # forgetting it: the final pass catches the late ones
     assert old not in registry.retired(r) and ix.holders("ns", hs[20:25]) == [set()] * 5
+
+
+def test_long_running_node_compacts_its_stream_without_a_visibility_gap(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pegaflow.meta.events import publisher as publisher_mod
+
+    monkeypatch.setattr(publisher_mod, "COMPACT_MIN_BLOCKS", 500)
+    r = client(redis_server.url, False)
+    rng = random.Random(9)
+    held: list[bytes] = []
+    pub = EventPublisher(r, "n1", "h:1", lambda: [("ns", list(held))], flush_interval=0.001).start(wait=5)
+    c = Consumer(r, "c")
+    first = pub.epoch
+    seen_visible: set[int] = set()
+    for _ in range(30):  # 30 x 40 updates: past the compaction threshold at least once
+        new = [rng.randbytes(16) for _ in range(40)]
+        held.extend(new)
+        pub.on_insert("ns", new)
+        assert pub.wait_idle(5)
+        c.wait_caught_up(5)
+        vis = registry.visible(r, ["n1"])
+        assert vis, "the node must stay visible through its re-snapshots"
+        seen_visible.update(vis)
+        (nid,) = vis
+        assert all(nid in h for h in Index(r).holders("ns", held[:-40]))
+    assert pub.epoch > first and pub.stats.resyncs >= 2 and len(seen_visible) >= 2
+    assert c.wait_caught_up(5)
+    entries = r.xrange(stream_key("n1"))
+    assert {decode(e[1][FIELD]).epoch for e in entries} == {pub.epoch}  # older epochs trimmed
+    pub.stop()
