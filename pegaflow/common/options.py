@@ -69,6 +69,12 @@ def _bool(text: str | bool) -> bool:
     raise ValueError(f"invalid boolean {text!r}")
 
 
+def _redis_url(text: str) -> str:
+    if text and not text.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError(f"invalid Redis URL {text!r} (expected redis://HOST:PORT[/DB], rediss:// or unix://)")
+    return text
+
+
 def _choice(*choices: str) -> Callable[[str], str]:
     def parse(text: str) -> str:
         if text.lower() not in choices:
@@ -198,7 +204,7 @@ OPTIONS: list[Option] = [
         "redis-url",
         "",
         "Redis for the global index, e.g. redis://127.0.0.1:6379/0 (empty on a node: single-host mode).",
-        str,
+        _redis_url,
         commands=(NODE, META),
     ),
     Option(

@@ -203,3 +203,13 @@ def test_meta_cli_rejects_bad_options_in_one_line(argv: list[str], needle: str, 
         main(argv)
     err = capsys.readouterr().err
     assert exc.value.code == 2 and needle in err and err.count("\n") == 1
+
+
+def test_redis_url_option_is_validated_for_node_and_meta() -> None:
+    from pegaflow.common.options import META, NODE, parse_options
+
+    assert parse_options(META, "m", ["--redis-url", "redis://h:1/0"], env={}).redis_url == "redis://h:1/0"
+    assert parse_options(NODE, "n", [], env={}).redis_url == ""
+    for cmd in (META, NODE):
+        with pytest.raises(SystemExit):
+            parse_options(cmd, "x", ["--redis-url", "localhost:6379"], env={})
