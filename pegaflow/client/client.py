@@ -82,12 +82,8 @@ class PegaClient:
         self.addr = addr
         self.instance_id = instance_id or f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(addr, options=[
-            ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE),
-            ("grpc.max_send_message_length", GRPC_MAX_MESSAGE),
-            ("grpc.enable_retries", 0),
-        ])
-        self._stub = node_pb2_grpc.PegaNodeStub(self._channel)
+        self._channel: grpc.Channel | None = None
+        self._connect()
         self._lock = threading.RLock()
         self._namespaces: dict[str, int] = {}
         self._session_id = 0
@@ -96,6 +92,23 @@ class PegaClient:
         self.epoch = 0
         self.node_id = ""
         self._closed = False
+
+    def _connect(self) -> None:
+        """A fresh channel. Used again after the node was unreachable: a channel that saw
+        its peer go away sits in gRPC's reconnect backoff (seconds), and a restarted node
+        should be used as soon as it listens."""
+        if self._channel is not None:
+            self._channel.close()
+        self._channel = grpc.insecure_channel(self.addr, options=[
+            ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE),
+            ("grpc.max_send_message_length", GRPC_MAX_MESSAGE),
+            ("grpc.enable_retries", 0),
+            # gRPC shares subchannels between channels to one address by default, so a
+            # new channel would inherit the old one's reconnect backoff.
+            ("grpc.use_local_subchannel_pool", 1),
+        ])
+        self._stub = node_pb2_grpc.PegaNodeStub(self._channel)
+        self._unreachable = False
 
     # ---- session ----------------------------------------------------------------------
     def register(self, namespaces: Mapping[str, int]) -> None:
@@ -130,8 +143,10 @@ class PegaClient:
         except grpc.RpcError:
             pass
         with self._lock:
-            if self._stream is stream:  # the node went away: register again on next use
+            if self._stream is stream and not self._closed:
+                # the node went away: reconnect and register again on next use
                 self._session_id = 0
+                self._unreachable = True
 
     @property
     def pool(self) -> torch.Tensor:
@@ -144,6 +159,8 @@ class PegaClient:
         return self._session_id
 
     def _ensure_session(self) -> None:
+        if self._unreachable:
+            self._connect()
         if not self._session_id:
             if not self._namespaces:
                 raise RuntimeError("call register() first")
@@ -156,23 +173,24 @@ class PegaClient:
             code = exc.code()  # type: ignore[attr-defined]
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
                 self._session_id = 0
+                self._unreachable = True
                 raise NodeUnavailable(f"node {self.addr}: {exc.details()}") from None  # type: ignore[attr-defined]
             if code is grpc.StatusCode.FAILED_PRECONDITION and retry_session:
                 self._session_id = 0
                 raise _SessionLost(exc.details()) from None  # type: ignore[attr-defined]
             raise NodeError(code, exc.details()) from None  # type: ignore[attr-defined]
 
-    def _with_session(self, make_request, method, reregister_ok: bool = True):  # type: ignore[no-untyped-def]
-        """Run an RPC under the current session; register again once if the node restarted."""
+    def _with_session(self, make_request, method: str, reregister_ok: bool = True):  # type: ignore[no-untyped-def]
+        """Run RPC ``method`` under the current session; register again once if the node restarted."""
         with self._lock:
             self._ensure_session()
             try:
-                return self._call(method, make_request(self._session_id))
+                return self._call(getattr(self._stub, method), make_request(self._session_id))
             except _SessionLost:
                 if not reregister_ok:
                     raise NodeUnavailable("node restarted; session lost") from None
                 self._register_locked()
-                return self._call(method, make_request(self._session_id))
+                return self._call(getattr(self._stub, method), make_request(self._session_id))
 
     # ---- RPCs -------------------------------------------------------------------------
     def query(self, namespaces: Sequence[str], hashes: Sequence[bytes], req_id: str = "",
@@ -180,7 +198,7 @@ class PegaClient:
         resp = self._with_session(
             lambda sid: node_pb2.QueryRequest(session_id=sid, namespaces=list(namespaces), hashes=list(hashes),
                                               req_id=req_id, lease=lease),
-            self._stub.Query,
+            "Query",
         )
         status: Literal["READY", "LOADING"] = "LOADING" if resp.status == node_pb2.LOADING else "READY"
         return QueryResult(status, resp.hit_blocks, resp.lease_id,
@@ -189,7 +207,7 @@ class PegaClient:
     def reserve(self, namespace: str, hashes: Sequence[bytes]) -> Reservation:
         resp = self._with_session(
             lambda sid: node_pb2.ReserveRequest(session_id=sid, namespace=namespace, hashes=list(hashes)),
-            self._stub.Reserve,
+            "Reserve",
         )
         return Reservation(resp.reservation_id, list(resp.offsets), self.epoch, self.pool)
 
@@ -199,14 +217,14 @@ class PegaClient:
         req = lambda sid: node_pb2.CommitRequest(  # noqa: E731
             session_id=sid, reservation_id=reservation_id, indices=list(indices or ()))
         if not wait:
-            self._send_async(self._stub.Commit, req)
+            self._send_async("Commit", req)
             return -1
-        return self._with_session(req, self._stub.Commit, reregister_ok=False).committed
+        return self._with_session(req, "Commit", reregister_ok=False).committed
 
     def abort(self, reservation_id: int) -> None:
         self._with_session(
             lambda sid: node_pb2.CommitRequest(session_id=sid, reservation_id=reservation_id, abort=True),
-            self._stub.Commit, reregister_ok=False,
+            "Commit", reregister_ok=False,
         )
 
     def release(self, lease_id: int, wait: bool = True) -> None:
@@ -215,38 +233,45 @@ class PegaClient:
             return
         req = lambda sid: node_pb2.ReleaseRequest(session_id=sid, lease_id=lease_id)  # noqa: E731
         if not wait:
-            self._send_async(self._stub.Release, req)
+            self._send_async("Release", req)
             return
-        self._with_session(req, self._stub.Release, reregister_ok=False)
+        self._with_session(req, "Release", reregister_ok=False)
 
-    def _send_async(self, method, make_request) -> None:  # type: ignore[no-untyped-def]
+    def _send_async(self, method: str, make_request) -> None:  # type: ignore[no-untyped-def]
         """Fire an RPC whose answer the caller does not need; failures are logged, and a
         lost session is noticed by the next synchronous call."""
         with self._lock:
             if not self._session_id:
                 return  # session gone: the node already dropped what this would commit/release
-            fut = method.future(make_request(self._session_id), timeout=self.timeout)
+            fut = getattr(self._stub, method).future(make_request(self._session_id), timeout=self.timeout)
 
         def done(f: grpc.Future) -> None:
             exc = f.exception()
             if exc is not None:
-                log.warning("async_rpc_failed", method=getattr(method, "_method", b"").decode(errors="replace"),
+                log.warning("async_rpc_failed", method=method,
                             error=str(getattr(exc, "details", lambda: exc)()))
 
         fut.add_done_callback(done)
 
     def health(self) -> node_pb2.HealthResponse:
-        return self._call(self._stub.Health, node_pb2.HealthRequest())
+        with self._lock:
+            if self._unreachable:
+                self._connect()
+            return self._call(self._stub.Health, node_pb2.HealthRequest())
 
     def stats(self) -> node_pb2.StatsResponse:
-        return self._call(self._stub.Stats, node_pb2.StatsRequest())
+        with self._lock:
+            if self._unreachable:
+                self._connect()
+            return self._call(self._stub.Stats, node_pb2.StatsRequest())
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
             if self._stream is not None:
                 self._stream.cancel()
-            self._channel.close()
+            if self._channel is not None:
+                self._channel.close()
 
     def __enter__(self) -> PegaClient:
         return self

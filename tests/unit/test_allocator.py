@@ -9,7 +9,7 @@ def test_pages_of_mixed_sizes_are_aligned_and_disjoint():
     a = ExtentAllocator(1 << 20, align=4096)
     sizes = [4096, 10000, 65536, 5000, 131072, 4096]
     got = [(a.alloc(s), a.round(s)) for s in sizes]
-    for off, size in got:
+    for off, _size in got:
         assert off % 4096 == 0
     spans = sorted(got)
     for (o1, s1), (o2, _) in zip(spans, spans[1:], strict=False):
