@@ -159,6 +159,12 @@ OPTIONS: list[Option] = [
         _positive_int,
     ),
     Option(
+        "query-trace",
+        "",
+        "Append every answered Query to this JSONL file for `pegaflow replay` (docs/replay.md).",
+        str,
+    ),
+    Option(
         "page-align",
         4096,
         "Alignment in bytes of every page in the pool (O_DIRECT needs 4096).",

@@ -21,6 +21,7 @@ from pegaflow.node.block_index import BlockIndex
 from pegaflow.node.ceiling import NodeCeiling
 from pegaflow.node.metrics import NodeMetrics
 from pegaflow.node.pool import SharedPool
+from pegaflow.node.query_trace import QueryTrace, QueryTraceError
 from pegaflow.node.service import NodeService
 from pegaflow.node.sessions import Sessions
 from pegaflow.node.ssd import SsdError, open_tier
@@ -59,6 +60,12 @@ class Node:
                 otel.check_available()
             except otel.OtelUnavailable as exc:
                 raise StartupError(str(exc)) from None
+        self.query_trace: QueryTrace | None = None
+        if getattr(opts, "query_trace", ""):
+            try:
+                self.query_trace = QueryTrace(opts.query_trace)
+            except QueryTraceError as exc:
+                raise StartupError(str(exc)) from None
         self.pool = SharedPool(opts.pool_size, opts.use_hugepages)
         self.metrics = NodeMetrics()
         admission = None
@@ -72,6 +79,7 @@ class Node:
             self.node_id, self.epoch, opts.max_batch,
         )
         self.service.ceiling = self.ceiling
+        self.service.query_trace = self.query_trace
         m = self.metrics
         m.pool_capacity.set(self.index.alloc.capacity)
         m.bind(
@@ -193,6 +201,8 @@ class Node:
             if time.monotonic() >= next_ceiling:
                 self.ceiling.refresh()
                 next_ceiling = time.monotonic() + CEILING_REFRESH
+            if self.query_trace is not None:
+                self.query_trace.flush()
             res, leases = self.sessions.expire()
             if res:
                 self.metrics.expired.labels("reservation").inc(res)
@@ -213,6 +223,8 @@ class Node:
         log.info("node_stopping")
         self.service.stopping.set()
         hk.cancel()
+        if self.query_trace is not None:
+            self.query_trace.close()
         if self._sketches is not None:
             self._sketches.cancel()
         if self.otel is not None:

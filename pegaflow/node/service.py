@@ -99,6 +99,7 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         self.miss_blocks = 0
         self.ssd: Any = None  # SsdTier when --ssd-cache-path is set (set by the node)
         self.puller: Any = None  # transfer.puller.Puller when --meta-addr is set (set by the node)
+        self.query_trace: Any = None  # query_trace.QueryTrace when --query-trace is set
         self.ceiling: Any = None  # NodeCeiling (pegaflow/node/ceiling.py), set by the node
 
     # ---- sessions ---------------------------------------------------------------------
@@ -186,6 +187,8 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         self.metrics.queries.labels("hit" if hit else "miss").inc()
         if self.ceiling is not None:
             self.ceiling.observe(nss[0].name, hashes, hit, _request_key(s.id, request.req_id))
+        if self.query_trace is not None:
+            self.query_trace.record(nss[0].name, hashes, nss[0].page_bytes, s.instance_id)
         return node_pb2.QueryResponse(status=node_pb2.READY, hit_blocks=hit, lease_id=lease_id, pages=pages)
 
     @rpc("Release")
