@@ -58,7 +58,7 @@ class Side:
         self.ns = self.index.namespace(NS, PAGE)
         self.metrics = PeerMetrics(CollectorRegistry())
         self.table = PinTable(self.index, self.pool.view, 30.0, self.metrics)
-        self.data = TcpDataServer("127.0.0.1:0", self.pool.fd, self.table.acquire, self.table.release_send,
+        self.data = TcpDataServer("127.0.0.1:0", self.pool.fd, self.pool.view, self.table.acquire, self.table.release_send,
                                   self.metrics.served_bytes.inc)
         self.data.start()
         self.service = PeerService(self.table, f"127.0.0.1:{self.data.port}", 16384)
@@ -204,11 +204,13 @@ def test_bad_checksum_discards_pages_and_backs_the_peer_off(pair):
     hs = hashes("c", 10)
     a.store(hs)
     meta.holders = [Holder("a", a.address, 10)]
+    page3 = a.index.get(a.ns, hs[3]).offset
 
-    def corrupt(resp: peer_pb2.PinResponse) -> None:
-        resp.checksums[3] ^= 1
+    def lying_checksum(view: memoryview) -> int:  # the peer's answer for page 3 is wrong
+        c = page_checksum(view)
+        return c ^ 1 if view == a.pool.view[page3:page3 + PAGE] else c
 
-    peers.tamper = corrupt
+    a.data.checksum = lying_checksum
     free = b.index.alloc.free_bytes
 
     async def run() -> bool:
@@ -485,7 +487,7 @@ def test_rdma_read_with_wrong_rkey_completes_in_error():
             r.transport.read(remote, [0, PAGE])
         good = RemotePages(r.a.address, resp.pin_id, resp.page_bytes, tuple(resp.offsets),
                            tuple(resp.checksums), rdma_base=resp.rdma_base, rkeys=tuple(resp.rkeys))
-        r.transport.read(good, [0, PAGE])
+        assert r.transport.read(good, [0, PAGE]) == [True, True]
         assert [page_checksum(r.b.pool.view[o:o + PAGE]) for o in (0, PAGE)] == list(resp.checksums)
     finally:
         r.close()
@@ -507,3 +509,54 @@ def test_namespace_mismatch_between_nodes_pins_nothing():
 
 
 _ = Namespace  # re-exported type used in annotations of helpers
+
+
+def test_pooled_connection_closed_by_the_peer_is_replaced_transparently(pair):
+    a, b, meta, peers, puller = pair
+    hs = hashes("idle", 8)
+    want = a.store(hs)
+    meta.holders = [Holder("a", a.address, 8)]
+    puller.hold_seconds = 0
+
+    async def pull() -> None:
+        a.table.loop = asyncio.get_running_loop()
+        assert await puller.query([b.ns], hs, 0)
+        await settle(puller)
+
+    asyncio.run(pull())
+    assert puller.transport._idle  # the connection was kept for the next pull
+    b.index.remove(b.index.resident(b.ns))
+    for c in list(a.data._conns):  # the peer drops its side of every idle connection
+        c.shutdown(2)
+    import time as _t
+
+    _t.sleep(0.1)
+    asyncio.run(pull())
+    assert pulls(b, "ok") == 2 and pulls(b, "error") == 0
+    assert all(b.page(h) == want[h] for h in hs)
+
+
+def test_rdma_page_not_matching_the_pin_checksum_is_discarded():
+    r = RdmaPair()
+    try:
+        hs = hashes("rc", 6)
+        r.a.store(hs)
+        r.meta.holders = [Holder("ra", r.a.address, 6)]
+
+        def corrupt(resp: peer_pb2.PinResponse) -> None:
+            assert len(resp.checksums) == 6  # RDMA pullers get checksums with the pin
+            resp.checksums[0] ^= 1
+
+        r.peers.tamper = corrupt
+
+        async def run() -> None:
+            r.a.table.loop = asyncio.get_running_loop()
+            assert await r.puller.query([r.b.ns], hs, 0)
+            await settle(r.puller)
+
+        asyncio.run(run())
+        assert r.b.index.get(r.b.ns, hs[0]) is None
+        assert all(r.b.index.get(r.b.ns, h) is not None for h in hs[1:])
+        assert pulls(r.b, "checksum") == 1 and r.puller.backoff.skip(r.a.address)
+    finally:
+        r.close()

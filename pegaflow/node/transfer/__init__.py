@@ -45,7 +45,7 @@ class RemotePages:
     pin_id: int
     page_bytes: int
     offsets: tuple[int, ...]
-    checksums: tuple[int, ...]
+    checksums: tuple[int, ...]  # xxh3_64 per page from the pin; empty for TCP (sent in-band)
     data_addr: str = ""  # TCP data plane HOST:PORT
     rdma_base: int = 0  # RDMA: virtual address of the peer's pool offset 0
     rkeys: tuple[int, ...] = ()  # RDMA: the pool MR's remote key on each of the peer's NICs
@@ -56,17 +56,20 @@ class RemotePages:
 
 
 class Transport(Protocol):
-    """Moves pinned remote pages into local pool pages.
+    """Moves pinned remote pages into local pool pages and verifies them.
 
     ``read`` blocks (the puller calls it from a worker thread) and either fills every
-    destination page, ``dests[i]`` receiving remote page ``i``, or raises
-    :class:`TransferError`; on error some destination bytes may have been written, so the
-    caller must discard those pages (they are PENDING: no reader sees them). It does not
-    verify checksums: the puller does, for every transport alike.
+    destination page, ``dests[i]`` receiving remote page ``i``, and returns per page
+    whether its xxh3_64 matches the source's, or raises :class:`TransferError`. On error
+    or mismatch some destination bytes may have been written, so the caller must discard
+    those pages (they are PENDING: no reader sees them). Where the source checksum comes
+    from is the transport's choice: RDMA READ has only the pin's (the peer's CPU is not
+    involved); TCP has the sender hash each page as it sends it and stream the checksums
+    after the pages, so hashing overlaps the wire on both ends instead of delaying the pin.
     """
 
     name: str
 
-    def read(self, remote: RemotePages, dests: Sequence[int]) -> None: ...
+    def read(self, remote: RemotePages, dests: Sequence[int]) -> list[bool]: ...
 
     def close(self) -> None: ...

@@ -62,7 +62,7 @@ class P2P:
         self.table = PinTable(index, pool.view, opts.pin_ttl, self.metrics)
         bind_host, _ = split_host_port(opts.addr)
         taddr = opts.transfer_addr or f"{bind_host}:0"
-        self.data = TcpDataServer(taddr, pool.fd, self.table.acquire, self.table.release_send,
+        self.data = TcpDataServer(taddr, pool.fd, pool.view, self.table.acquire, self.table.release_send,
                                   self.metrics.served_bytes.inc)
         thost, _ = split_host_port(taddr)
         if thost in WILDCARD:

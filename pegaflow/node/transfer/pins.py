@@ -3,7 +3,8 @@
 Contracts:
 - ``PinForTransfer`` pins the longest RESIDENT prefix of the requested hashes (pins keep
   blocks out of the eviction order, so their pages neither move nor change) and returns
-  their offsets and xxh3_64 checksums, computed after pinning.
+  their offsets and, for RDMA pullers, xxh3_64 checksums computed after pinning (TCP
+  pullers get them in-band from the data port, hashed while the pages are sent).
 - A pin ends at ``Unpin`` or after its TTL (capped by ``--pin-ttl``), whichever is first,
   so a puller that dies mid-pull leaks nothing. A pin whose pages are being sent right
   now (TCP data plane thread) ends when that send ends, never under it.
@@ -26,7 +27,7 @@ import structlog
 
 from pegaflow._proto import peer_pb2, peer_pb2_grpc
 from pegaflow.node.block_index import HASH_BYTES, Block, BlockIndex
-from pegaflow.node.transfer import page_checksum
+from pegaflow.node.transfer import TCP, page_checksum
 from pegaflow.node.transfer.metrics import PeerMetrics
 from pegaflow.node.transfer.tcp import BAD_RANGE, UNKNOWN_PIN
 
@@ -156,7 +157,9 @@ class PeerService(peer_pb2_grpc.PegaPeerServicer):
         t0 = time.perf_counter()
         view = self.table.view
         total = sum(n for _, n in p.spans)
-        if total <= CHECKSUM_INLINE_BYTES:
+        if request.transport == TCP:
+            sums: list[int] = []
+        elif total <= CHECKSUM_INLINE_BYTES:
             sums = [page_checksum(view[o:o + n]) for o, n in p.spans]
         else:  # pinned pages cannot change: hashing them off the loop is safe
             sums = await asyncio.get_running_loop().run_in_executor(

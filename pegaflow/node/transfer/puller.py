@@ -9,8 +9,8 @@ Contracts:
   its way for every namespace of the query. It never returns True for blocks nobody is
   bringing, so LOADING always ends.
 - A pull pins the prefix on the peer, reads the pages straight into the PENDING pages
-  (:class:`~pegaflow.node.transfer.Transport`, in a worker thread), verifies length and
-  xxh3_64 per page, commits the good pages (visible, published as inserts by the index
+  (:class:`~pegaflow.node.transfer.Transport`, in a worker thread) which verifies the
+  xxh3_64 of every page against the source's, checks counts and page size, commits the good pages (visible, published as inserts by the index
   listener) and discards the rest, then unpins. Any data-plane error discards every
   page of the pull: no partial page is ever visible, the engine just recomputes.
 - A peer that fails or answers wrongly (page size, counts, checksums) is skipped for
@@ -36,7 +36,7 @@ import structlog
 
 from pegaflow._proto import meta_pb2, meta_pb2_grpc, peer_pb2, peer_pb2_grpc
 from pegaflow.node.block_index import Block, BlockIndex, Namespace
-from pegaflow.node.transfer import TCP, RemotePages, TransferError, Transport, page_checksum
+from pegaflow.node.transfer import TCP, RemotePages, TransferError, Transport
 from pegaflow.node.transfer.metrics import PeerMetrics
 
 log = structlog.get_logger("pegaflow.p2p")
@@ -328,8 +328,9 @@ class Puller:
             return f"pinned {k} pages for {len(p.hashes)} hashes"
         if k and resp.page_bytes != p.ns.page_bytes:
             return f"page_bytes {resp.page_bytes} != ours {p.ns.page_bytes} for {p.ns.name!r}"
-        if len(resp.offsets) != k or len(resp.checksums) != k:
-            return f"{len(resp.offsets)} offsets and {len(resp.checksums)} checksums for {k} pages"
+        sums = len(resp.checksums)
+        if len(resp.offsets) != k or sums not in (k, 0) or (sums == 0 and k and self.transport.name != TCP):
+            return f"{len(resp.offsets)} offsets and {sums} checksums for {k} pages"
         if k and self.transport.name == TCP and not resp.data_addr:
             return "no data address"
         if k and self.transport.name != TCP and not resp.rkeys:
@@ -337,10 +338,8 @@ class Puller:
         return ""
 
     def _read_verify(self, remote: RemotePages, dests: list[int]) -> list[bool]:
-        """Worker thread: move the pages, then check each one's checksum."""
-        self.transport.read(remote, dests)
-        view, size = self.view, remote.page_bytes
-        return [page_checksum(view[o:o + size]) == c for o, c in zip(dests, remote.checksums, strict=True)]
+        """Worker thread: move the pages; the transport checks each one's checksum."""
+        return self.transport.read(remote, dests)
 
     def _fail(self, addr: str, event: str, why: object) -> None:
         period = self.backoff.fail(addr)

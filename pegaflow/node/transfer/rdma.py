@@ -33,7 +33,7 @@ from typing import Any
 import structlog
 
 from pegaflow._proto import peer_pb2
-from pegaflow.node.transfer import RDMA, RemotePages, TransferError
+from pegaflow.node.transfer import RDMA, RemotePages, TransferError, page_checksum
 
 log = structlog.get_logger("pegaflow.p2p")
 
@@ -150,6 +150,7 @@ class RdmaEngine:
         self.verbs = verbs or load_pyverbs()
         self.base, self._export = buffer_address(mm)
         self.size = len(mm)
+        self.view = memoryview(mm)
         self.nics = [Nic(self.verbs, n, self.base, self.size) for n in nics]
         if not self.nics:
             raise RdmaUnavailable("--nics names no device")
@@ -161,6 +162,7 @@ class RdmaEngine:
     def close(self) -> None:
         for n in self.nics:
             n.close()
+        self.view.release()
         self._export = None  # lets the pool's mmap close
 
 
@@ -244,15 +246,16 @@ class RdmaTransport:
             self._conns[key] = c
         return c
 
-    def read(self, remote: RemotePages, dests: Sequence[int]) -> None:
-        """One READ per page into ``dests``; all complete or TransferError."""
+    def read(self, remote: RemotePages, dests: Sequence[int]) -> list[bool]:
+        """One READ per page into ``dests`` (all complete or TransferError); then, per page,
+        whether it matches the pin's checksum."""
         n = len(dests)
         if n != remote.count:
             raise ValueError(f"{n} destinations for {remote.count} pages")
         if n == 0:
-            return
-        if not remote.rkeys:
-            raise TransferError("peer returned no RDMA keys")
+            return []
+        if not remote.rkeys or len(remote.checksums) != n:
+            raise TransferError("peer returned no RDMA keys or no checksums")
         k = len(self.engine.nics)
         stripes: list[list[int]] = [list(range(i, n, k)) for i in range(k)]
         try:
@@ -262,6 +265,8 @@ class RdmaTransport:
         except TransferError:
             self.forget(remote.peer)  # the peer likely died: every QP to it is suspect
             raise
+        view, size = self.engine.view, remote.page_bytes
+        return [page_checksum(view[o:o + size]) == c for o, c in zip(dests, remote.checksums, strict=True)]
 
     def _read_stripe(self, remote: RemotePages, dests: Sequence[int], nic_i: int, pages: list[int]) -> None:
         c = self._conn(remote.peer, nic_i, len(remote.rkeys))
