@@ -560,3 +560,13 @@ def test_rdma_page_not_matching_the_pin_checksum_is_discarded():
         assert pulls(r.b, "checksum") == 1 and r.puller.backoff.skip(r.a.address)
     finally:
         r.close()
+
+
+def test_rdma_engine_with_a_missing_device_fails_in_one_line_and_leaves_the_pool_closable():
+    from pegaflow.node.transfer.rdma import RdmaEngine, RdmaUnavailable
+
+    fabric = fake_verbs.Fabric(["mlx5_0"])
+    pool = SharedPool(POOL, name="test-rdma-missing")
+    with pytest.raises(RdmaUnavailable, match="mlx5_9"):
+        RdmaEngine(["mlx5_0", "mlx5_9"], pool.mm, fabric.verbs())
+    pool.close()  # no exported pointer left behind

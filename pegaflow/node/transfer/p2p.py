@@ -75,7 +75,11 @@ class P2P:
         if opts.nics:
             from pegaflow.node.transfer.rdma import RdmaEngine, RdmaResponder
 
-            self.engine = RdmaEngine(opts.nics, pool.mm)
+            try:
+                self.engine = RdmaEngine(opts.nics, pool.mm)
+            except BaseException:
+                self.data.close()
+                raise
             rdma = RdmaResponder(self.engine)
         self.service = PeerService(self.table, self.data_addr, opts.max_batch, rdma)
         self.puller: Puller | None = None

@@ -148,12 +148,18 @@ class RdmaEngine:
 
     def __init__(self, nics: Sequence[str], mm: mmap.mmap, verbs: SimpleNamespace | None = None) -> None:
         self.verbs = verbs or load_pyverbs()
+        if not nics:
+            raise RdmaUnavailable("--nics names no device")
         self.base, self._export = buffer_address(mm)
         self.size = len(mm)
         self.view = memoryview(mm)
-        self.nics = [Nic(self.verbs, n, self.base, self.size) for n in nics]
-        if not self.nics:
-            raise RdmaUnavailable("--nics names no device")
+        self.nics: list[Nic] = []
+        try:
+            for name in nics:
+                self.nics.append(Nic(self.verbs, name, self.base, self.size))
+        except BaseException:
+            self.close()  # the pool must stay closable after a failed start
+            raise
 
     @property
     def rkeys(self) -> list[int]:
