@@ -13,7 +13,7 @@ Contracts:
   entry (namespace, hash, generation, sequence, length) and its payload checksum
   matches; otherwise the page is discarded, the SSD entry dropped and the failure
   counted. Corrupt bytes are a miss, never served.
-- While a promotion runs, the query's L1 prefix is pinned, and every block of the batch
+- While a promotion runs, what L1 holds of the query's blocks is pinned, and every block of the batch
   stays pinned for ``HOLD_SECONDS`` after the batch completed, so the engine's next
   Query finds (and leases) them. Without this, a request larger than the free L1 would
   evict its own prefix to make room for its continuation, forever; with it, the later
@@ -94,9 +94,12 @@ class Promoter:
         if j == hit:
             return False
         batch = _Batch(time.perf_counter())
-        prefix = [b for ns in nss for b in index.prefix(ns, hashes[:hit], touch=False)]
-        index.pin(prefix)
-        batch.pinned.extend(prefix)
+        # Pin what L1 already holds of hashes[:j] (the prefix, and continuation blocks one
+        # shard has): the reservations below must not evict them.
+        held = [b for ns in nss for b in index.prefix(ns, hashes[:hit], touch=False)]
+        held += [b for ns in nss for h in hashes[hit:j] if (b := index.get(ns, h)) is not None]
+        index.pin(held)
+        batch.pinned.extend(held)
         recs: list[_Rec] = []
         for ns in nss:
             need = [h for h in hashes[hit:j]
