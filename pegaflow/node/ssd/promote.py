@@ -13,8 +13,8 @@ Contracts:
   entry (namespace, hash, generation, sequence, length) and its payload checksum
   matches; otherwise the page is discarded, the SSD entry dropped and the failure
   counted. Corrupt bytes are a miss, never served.
-- While a promotion runs, what L1 holds of the query's blocks is pinned, and every block of the batch
-  stays pinned for ``HOLD_SECONDS`` after the batch completed, so the engine's next
+- While a promotion runs, what L1 holds of the query's blocks is pinned, and every
+  block of the batch stays pinned for ``HOLD_SECONDS`` after it completed, so the next
   Query finds (and leases) them. Without this, a request larger than the free L1 would
   evict its own prefix to make room for its continuation, forever; with it, the later
   Query answers READY with as much of the prefix as L1 can hold.
