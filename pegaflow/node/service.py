@@ -69,9 +69,10 @@ def _request_key(session_id: int, req_id: str) -> str:
 def check_hashes(hashes: Sequence[bytes], max_batch: int) -> None:
     if len(hashes) > max_batch:
         raise InvalidArgument(f"batch of {len(hashes)} hashes exceeds --max-batch {max_batch}")
-    for i, h in enumerate(hashes):
-        if len(h) != HASH_BYTES:
-            raise InvalidArgument(f"hash {i} has {len(h)} bytes, expected {HASH_BYTES}")
+    lengths = set(map(len, hashes))  # in C; find the culprit only when something is wrong
+    if lengths and lengths != {HASH_BYTES}:
+        i, h = next((i, h) for i, h in enumerate(hashes) if len(h) != HASH_BYTES)
+        raise InvalidArgument(f"hash {i} has {len(h)} bytes, expected {HASH_BYTES}")
 
 
 class NodeService(node_pb2_grpc.PegaNodeServicer):
