@@ -9,8 +9,10 @@ netns.py), redis-server + pegaflow-meta in the hub namespace. Node 0 holds the p
 block: the time from its first Query (a local miss that starts the pull) to READY covers
 the metaserver lookup, the pin (with checksums), the transfer, verification and commit.
 Every pulled page is compared with what was saved (xxh3 of the expected bytes).
-iperf3 runs on the same link in the same direction (node 0 -> node 1), one TCP stream.
-Root is needed for namespaces.
+iperf3 runs on the same link in the same direction (node 0 -> node 1), one TCP stream,
+right before and right after every pull; the pull is compared with the mean of the two
+(the machine is shared, so the link's speed drifts between rounds). Root is needed for
+namespaces.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-IPERF_SECONDS = 5
+IPERF_SECONDS = 2  # per measurement; one right before and one right after each pull
 POLL = 0.0005  # client re-Query interval while LOADING (the engine's scheduler step is ~ms)
 
 
@@ -114,7 +116,7 @@ def main() -> None:
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--page-kib", type=int, default=1024, help="page size of the throughput pulls")
-    p.add_argument("--blocks", type=int, default=512, help="blocks per throughput pull")
+    p.add_argument("--blocks", type=int, default=1024, help="blocks per throughput pull")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--latency-pages", default="128,1024", help="page sizes (KiB) of the 64-block latency pulls")
     p.add_argument("--latency-rounds", type=int, default=5)
@@ -132,11 +134,12 @@ def main() -> None:
         ns = f"bench|p{a.page_kib}k"
         rates, iperfs = [], []
         for r in range(a.rounds):
-            iperfs.append(iperf(cluster))
             tag = f"tp{r}"
             _run(cluster, 0, "save", ns, tag, str(a.blocks), str(page))
             cluster.wait_indexed(ns, tag, a.blocks, "node-0", timeout=60)
+            before = iperf(cluster)
             out = _run(cluster, 1, "pull", ns, tag, str(a.blocks), str(page))
+            iperfs.append((before + iperf(cluster)) / 2)
             assert out["first"] == "LOADING" and out["bad_pages"] == 0, out
             rates.append(a.blocks * page / out["seconds"])
             print(f"round {r}: pull {rates[-1] / 1e9:.3f} GB/s ({out['seconds']:.3f} s for "
