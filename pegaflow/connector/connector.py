@@ -33,7 +33,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from pegaflow.connector.hashing import KVIdentity, config_hash
@@ -136,6 +141,40 @@ class PegaConnectorStats(KVConnectorStats):
         return not self.data
 
 
+# Worker stats key -> (Prometheus counter name, help). One counter per key, labelled per engine.
+_PROM_COUNTERS = {
+    "loaded_blocks": ("vllm:pegaflow_loaded_blocks_total", "Blocks copied from the PegaFlow pool into the KV cache."),
+    "saved_blocks": ("vllm:pegaflow_saved_blocks_total", "Blocks copied from the KV cache into the PegaFlow pool."),
+    "load_errors": ("vllm:pegaflow_load_errors_total", "Blocks that failed to load and were recomputed."),
+    "load_s": ("vllm:pegaflow_load_seconds_total", "Seconds spent copying pages into the KV cache."),
+    "save_s": ("vllm:pegaflow_save_seconds_total", "Seconds spent copying pages into the pool."),
+}
+
+
+class PegaPromMetrics(KVConnectorPromMetrics):
+    """Prometheus counters for PegaFlow copies, fed by ``PegaConnectorStats``."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            key: self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
+            for key, (name, doc) in _PROM_COUNTERS.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = self.per_engine_labelvalues[engine_idx]
+        for key, value in transfer_stats_data.items():
+            counter = self._counters.get(key)
+            if counter is not None and value:
+                counter.labels(*labels).inc(value)
+
+
 class PegaKVConnector(KVConnectorBase_V1):
     """vLLM KV connector for PegaFlow; scheduler and worker contracts live in
     ``pegaflow.connector.scheduler`` and ``pegaflow.connector.worker``."""
@@ -233,6 +272,16 @@ class PegaKVConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return PegaConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return PegaPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -9,7 +9,7 @@ file). Commands:
   ``{"outputs": [{"tokens": [...], "logprobs": [...], "num_cached_tokens": n}], "seconds": s}``
   (greedy, ``ignore_eos``, logprob of each sampled token);
 * ``{"op": "reset_prefix_cache"}``; ``{"op": "metrics"}`` → ``{"metrics": {name: value}}``
-  for counters whose name contains ``prefix_cache`` or ``kv_connector``;
+  for counters whose name contains ``prefix_cache``, ``kv_connector`` or ``pegaflow``;
 * ``{"op": "quit"}``.
 
 The first line written is ``{"ready": true}`` once the engine has started.
@@ -96,7 +96,7 @@ def main() -> None:
             elif op == "metrics":
                 vals: dict[str, float] = {}
                 for m in llm.get_metrics():
-                    if "prefix_cache" in m.name or "kv_connector" in m.name:
+                    if any(k in m.name for k in ("prefix_cache", "kv_connector", "pegaflow")):
                         v = getattr(m, "value", None)
                         if isinstance(v, int | float):
                             vals[m.name] = vals.get(m.name, 0) + v

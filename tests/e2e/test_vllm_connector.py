@@ -131,6 +131,8 @@ def test_restarted_engine_gets_its_prefix_from_pegaflow_with_identical_tokens(
     assert engine_a.warm_metrics.get("vllm:external_prefix_cache_hits", 0) >= sum(  # type: ignore[attr-defined]
         full_blocks_claimable(len(p)) for p in long_prompts
     )
+    loaded_blocks = engine_a.warm_metrics.get("vllm:pegaflow_loaded_blocks", 0)  # type: ignore[attr-defined]
+    assert loaded_blocks >= sum(full_blocks_claimable(len(p)) // BLOCK for p in long_prompts), engine_a.warm_metrics  # type: ignore[attr-defined]
     assert tokens(warm) == tokens(reference["long"])
     diff = max_logprob_diff(warm, reference["long"])
     print(f"PegaFlow hit logprob diff vs full prefill: {diff:.2e} (tolerance {logprob_tol:.1e})")
@@ -267,6 +269,10 @@ def test_openai_server_with_the_documented_config_reports_cached_tokens(
             time.sleep(1)
         assert hit is not None, "no cached tokens reported after the node came up"
         assert _cached(hit) == full_blocks_claimable(len(long_prompts[1]))
+        with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+            metrics = r.read().decode()
+        loaded = [line for line in metrics.splitlines() if line.startswith("vllm:pegaflow_loaded_blocks_total")]
+        assert loaded and float(loaded[0].rsplit(" ", 1)[1]) > 0, loaded
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
