@@ -26,6 +26,12 @@ BIG = ("--heads", "8", "--dim", "128")  # 128 KiB pages
 BIG_NS = namespace(8, 128)
 BIG_N = 64  # 8 MiB per prefix: seconds on a shaped link
 SHAPED = "20mbit"
+# A peer killed mid-pull still delivers what its kernel already buffered (socket buffers,
+# the qdisc queue: up to ~40 MiB over 4 streams), so that test pulls more than that.
+HUGE = ("--heads", "8", "--dim", "512")  # 512 KiB pages
+HUGE_NS = namespace(8, 512)
+HUGE_N = 160  # 80 MiB: ~8 s at HUGE_RATE
+HUGE_RATE = "80mbit"
 PIN_TTL = 3.0
 
 
@@ -87,14 +93,14 @@ def test_puller_killed_mid_pull_its_pins_on_the_peer_expire(cluster: P2PCluster)
 
 def test_peer_killed_mid_pull_is_a_miss_with_no_partial_page(cluster: P2PCluster) -> None:
     need_shaping(cluster)
-    cluster.client(0, "save", "kill", str(BIG_N), *BIG)
-    cluster.wait_indexed(BIG_NS, "kill", BIG_N, "node-0")
+    cluster.client(0, "save", "kill", str(HUGE_N), *HUGE)
+    cluster.wait_indexed(HUGE_NS, "kill", HUGE_N, "node-0")
     a = cluster.nodes[0].host
-    a.shape(SHAPED)
+    a.shape(HUGE_RATE)
     errors0 = cluster.metric(1, "pegaflow_node_p2p_pulls_total", 'status="error"')
-    loader = cluster.client_proc(1, "load", "kill", str(BIG_N), *BIG, "--timeout", "60", "--probe-each")
+    loader = cluster.client_proc(1, "load", "kill", str(HUGE_N), *HUGE, "--timeout", "90", "--probe-each")
     assert wait_line(loader, 60) == {"status": "LOADING", "hit": 0}
-    time.sleep(1.0)  # ~2.5 MB of 8 MB have crossed the shaped link
+    time.sleep(1.5)  # ~15 MiB of 80 MiB have crossed the shaped link
     cluster.kill_node(0)  # the peer dies mid-pull
     lines = [wait_line(loader, 60)]
     while "identical" not in lines[-1]:
