@@ -570,3 +570,29 @@ def test_rdma_engine_with_a_missing_device_fails_in_one_line_and_leaves_the_pool
     with pytest.raises(RdmaUnavailable, match="mlx5_9"):
         RdmaEngine(["mlx5_0", "mlx5_9"], pool.mm, fabric.verbs())
     pool.close()  # no exported pointer left behind
+
+
+def test_a_prefix_nobody_holds_is_not_looked_up_again_for_a_moment(pair, monkeypatch):
+    from pegaflow.node.transfer import puller as puller_mod
+
+    a, b, meta, peers, puller = pair
+    hs = hashes("neg", 4)
+    meta.holders = []
+
+    async def q() -> bool:
+        return await puller.query([b.ns], hs, 0)
+
+    assert not asyncio.run(q()) and not asyncio.run(q())
+    assert meta.calls == 1  # the engine's repeated Query did not cost a second round trip
+    monkeypatch.setattr(puller_mod, "NEGATIVE_TTL", 0.0)
+    a.store(hs)
+    meta.holders = [Holder("a", a.address, 4)]
+
+    async def pulled() -> bool:
+        a.table.loop = asyncio.get_running_loop()
+        r = await q()
+        await settle(puller)
+        return r
+
+    assert asyncio.run(pulled()) and meta.calls == 2  # once stale, the metaserver is asked again
+    assert all(b.index.get(b.ns, h) is not None for h in hs)

@@ -2,8 +2,9 @@
 
 Contracts:
 - :meth:`Puller.query` runs inside the Query handler after L1 and SSD. It asks the
-  metaserver (bounded by ``META_TIMEOUT``; a failing metaserver is skipped for a while)
-  which live peer holds the longest prefix, reserves node-owned PENDING pages
+  metaserver (bounded by ``META_TIMEOUT``; a failing metaserver is skipped for a while,
+  and a "no peer has it" answer is reused for ``NEGATIVE_TTL``) which live peer holds the
+  longest prefix, reserves node-owned PENDING pages
   (``reclaimable=True``: pulled copies are evicted first) for the blocks past the local
   prefix, starts the pull and returns True (answer LOADING) iff block ``hit`` is now on
   its way for every namespace of the query. It never returns True for blocks nobody is
@@ -48,6 +49,8 @@ HOLD_SECONDS = 2.0  # pulled blocks stay pinned this long for the engine's next 
 BACKOFF_MIN = 5.0  # first skip after a failure; doubles up to BACKOFF_MAX while failures repeat
 BACKOFF_MAX = 120.0
 META_KEY = "<metaserver>"  # backoff entry of the metaserver itself
+NEGATIVE_TTL = 0.5  # seconds a "nobody holds it" answer is reused (an engine re-Queries a waiting request)
+NEGATIVE_MAX = 65536  # remembered negative answers at most (oldest dropped first)
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +192,9 @@ class Puller:
         self.on_remote_hits = on_remote_hits
         self.hold_seconds = hold_seconds
         self.inflight: dict[tuple[int, bytes], Block] = {}
+        # (ns.id, first missing hash) -> time of a lookup that found no peer: repeated
+        # Queries of a request nobody can serve skip the metaserver round trip for a while.
+        self._negative: dict[tuple[int, bytes], float] = {}
         self.tasks: set[asyncio.Task[None]] = set()
         self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="p2p-pull")
         metrics.backed_off.set_function(self.backoff.active)
@@ -207,6 +213,14 @@ class Puller:
             return False
         end = min(len(hashes), hit + self.max_pull)
         todo = [ns for ns in nss if not self._on_way(ns, h0)]
+        now = time.monotonic()
+        neg = self._negative
+        for ns in todo:
+            t = neg.get((ns.id, h0))
+            if t is not None:
+                if now - t < NEGATIVE_TTL:
+                    return False
+                del neg[(ns.id, h0)]
         try:
             answers = await asyncio.wait_for(
                 asyncio.gather(*(self.lookup(ns.name, hashes[:end]) for ns in todo)), META_TIMEOUT * 2)
@@ -222,6 +236,9 @@ class Puller:
                          and not self.backoff.skip(x.address)), None)
             if best is None:
                 self.metrics.lookups.labels("none").inc()
+                if len(neg) >= NEGATIVE_MAX:
+                    del neg[next(iter(neg))]
+                neg[(ns.id, h0)] = time.monotonic()
                 return False  # one shard nobody can bring: the prefix stops at hit anyway
             self.metrics.lookups.labels("found").inc()
             plans.append((ns, best))
