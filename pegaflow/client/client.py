@@ -78,8 +78,12 @@ class _Mapping:
 
 
 class PegaClient:
-    def __init__(self, addr: str = "127.0.0.1:50055", instance_id: str | None = None, timeout: float = 5.0) -> None:
+    def __init__(self, addr: str = "127.0.0.1:50055", instance_id: str | None = None, timeout: float = 5.0,
+                 map_pool: bool = True) -> None:
+        """``map_pool=False`` for a process that only queries and never copies pages (vLLM's
+        scheduler): it skips mapping and pre-faulting the pool; results then carry no pool."""
         self.addr = addr
+        self.map_pool = map_pool
         self.instance_id = instance_id or f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.timeout = timeout
         self._channel: grpc.Channel | None = None
@@ -123,7 +127,7 @@ class PegaClient:
             namespaces=[node_pb2.NamespaceSpec(name=n, page_bytes=p) for n, p in self._namespaces.items()],
         )
         resp = self._call(self._stub.Register, req, retry_session=False)
-        if self._mapping is None or resp.epoch != self.epoch:
+        if self.map_pool and (self._mapping is None or resp.epoch != self.epoch):
             self._mapping = _Mapping(resp.pool_path, resp.pool_bytes)
         self._session_id = resp.session_id
         self.epoch = resp.epoch
@@ -151,8 +155,11 @@ class PegaClient:
     @property
     def pool(self) -> torch.Tensor:
         if self._mapping is None:
-            raise NodeUnavailable("not registered")
+            raise NodeUnavailable("not registered" if self.map_pool else "this client does not map the pool")
         return self._mapping.tensor
+
+    def _pool_or_none(self) -> torch.Tensor | None:
+        return self._mapping.tensor if self._mapping is not None else None
 
     @property
     def session_id(self) -> int:
@@ -202,14 +209,14 @@ class PegaClient:
         )
         status: Literal["READY", "LOADING"] = "LOADING" if resp.status == node_pb2.LOADING else "READY"
         return QueryResult(status, resp.hit_blocks, resp.lease_id,
-                           {p.namespace: list(p.offsets) for p in resp.pages}, self.epoch, self.pool)
+                           {p.namespace: list(p.offsets) for p in resp.pages}, self.epoch, self._pool_or_none())
 
     def reserve(self, namespace: str, hashes: Sequence[bytes]) -> Reservation:
         resp = self._with_session(
             lambda sid: node_pb2.ReserveRequest(session_id=sid, namespace=namespace, hashes=list(hashes)),
             "Reserve",
         )
-        return Reservation(resp.reservation_id, list(resp.offsets), self.epoch, self.pool)
+        return Reservation(resp.reservation_id, list(resp.offsets), self.epoch, self._pool_or_none())
 
     def commit(self, reservation_id: int, indices: Sequence[int] | None = None, wait: bool = True) -> int:
         """Make the reserved pages visible. ``wait=False`` sends the commit without waiting

@@ -142,8 +142,10 @@ OPTIONS: list[Option] = [
     ),
     Option(
         "reservation-ttl",
-        30.0,
-        "Seconds an uncommitted reservation lives before its pages are reclaimed.",
+        120.0,
+        "Seconds an uncommitted reservation lives before its pages are reclaimed (engines commit "
+        "after the step that computed the pages, so keep it above the longest step; a dead "
+        "engine's reservations are freed at once when its session drops).",
         _non_negative_float,
     ),
     Option(

@@ -43,7 +43,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from pegaflow.connector.hashing import KVIdentity, config_hash
 from pegaflow.connector.intents import PegaConnectorMetadata, PegaWorkerReport
-from pegaflow.connector.link import LOGGER_NAME, NodeLink, node_address
+from pegaflow.connector.link import LOGGER_NAME, NodeLink, node_address, query_only_client_factory
 from pegaflow.connector.scheduler import SchedulerSide
 from pegaflow.connector.worker import WorkerSide
 
@@ -207,7 +207,8 @@ class PegaKVConnector(KVConnectorBase_V1):
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 logger.info("PegaFlow: kv_load_failure_policy set to 'recompute' (a failed cache load is a miss)")
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
-            link = NodeLink(addr, {ns: ident.page_bytes for ns in ident.namespaces}, instance)
+            link = NodeLink(addr, {ns: ident.page_bytes for ns in ident.namespaces}, instance,
+                            client_factory=query_only_client_factory)
             self._sched = SchedulerSide(ident, link)
             logger.info(
                 "PegaFlow scheduler: node %s (%s), namespaces %s",

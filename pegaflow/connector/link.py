@@ -58,6 +58,13 @@ def _default_client_factory(addr: str, instance_id: str) -> Any:
     return PegaClient(addr, instance_id=instance_id, timeout=RPC_TIMEOUT_S)
 
 
+def query_only_client_factory(addr: str, instance_id: str) -> Any:
+    """For the scheduler process: it never copies pages, so it does not map the pool."""
+    from pegaflow.client import PegaClient
+
+    return PegaClient(addr, instance_id=instance_id, timeout=RPC_TIMEOUT_S, map_pool=False)
+
+
 class NodeLink:
     """A registered ``PegaClient`` that survives the node going away and coming back."""
 

@@ -57,7 +57,7 @@ class Sessions:
     def __init__(
         self,
         index: BlockIndex,
-        reservation_ttl: float = 30.0,
+        reservation_ttl: float = 120.0,
         lease_ttl: float = 300.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:

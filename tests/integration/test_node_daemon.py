@@ -316,3 +316,19 @@ def test_sigterm_stops_cleanly(node):
     node.stop()
     assert node.proc.returncode == 0
     assert "node_stopped" in node.log()
+
+
+def test_query_only_client_does_not_map_the_pool(node):
+    kv = kv_cache(5)
+    hs = hashes("qo", 3)
+    with PegaClient(node.addr) as w, PegaClient(node.addr, map_pool=False) as q:
+        w.register({"m": page_bytes(kv)})
+        q.register({"m": page_bytes(kv)})
+        r = w.reserve("m", hs)
+        save_pages(kv, [0, 1, 2], r.pool, r.offsets)
+        w.commit(r.reservation_id)
+        res = q.query(["m"], hs)
+        assert res.hit_blocks == 3 and res.pool is None and len(res.offsets["m"]) == 3
+        with pytest.raises(NodeUnavailable, match="does not map"):
+            _ = q.pool
+        q.release(res.lease_id)
