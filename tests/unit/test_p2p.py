@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -163,6 +164,11 @@ def test_prefix_pulled_from_peer_is_byte_identical_reclaimable_and_unpinned(pair
         assert b.page(h) == want[h]
     assert pulls(b, "ok") == 1
     assert b.metrics.pull_bytes._value.get() == 24 * PAGE
+    # The sender counts its bytes on its own thread once the last send returns, which can
+    # be just after the receiver has every byte: wait for it (bounded).
+    deadline = time.monotonic() + 5
+    while a.metrics.served_bytes._value.get() < 24 * PAGE and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert a.metrics.served_bytes._value.get() == 24 * PAGE
     assert len(peers.unpinned) == 1 and not a.table.pins  # pin released after the pull
     assert all(blk.pins == 0 for blk in a.index.resident(a.ns))
