@@ -33,6 +33,7 @@ reason (see ``__init__``).
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -59,9 +60,27 @@ class Admission(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Namespace:
-    id: int
+    id: int  # node-local, dense: cheap dict keys
     name: str
     page_bytes: int
+    salt: int  # namespace_salt(name): identical on every host, for block keys
+
+
+def namespace_salt(name: str) -> int:
+    """64-bit salt of a namespace name, identical on every host and in every process."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
+
+
+def block_key(salt: int, hash_: bytes) -> int:
+    """The one 64-bit integer key of a block (admission sketches, HLL ceilings): the hash's
+    low 64 bits (already uniformly random) salted with its namespace's name, so equal
+    hashes of different namespaces differ and keys agree across hosts (cluster unions)."""
+    return int.from_bytes(hash_[:8], "little") ^ salt
+
+
+def block_keys(salt: int, hashes: Iterable[bytes]) -> list[int]:
+    frm = int.from_bytes
+    return [frm(h[:8], "little") ^ salt for h in hashes]
 
 
 class Block:
@@ -84,11 +103,6 @@ class Block:
 
     def __repr__(self) -> str:
         return f"Block(ns={self.ns.name!r}, hash={self.hash.hex()[:12]}, offset={self.offset}, pins={self.pins})"
-
-
-def admission_key(ns_id: int, hash_: bytes) -> int:
-    """64-bit key of a block for admission sketches (hashes are already uniformly random)."""
-    return int.from_bytes(hash_[:8], "little") ^ (ns_id * 0x9E3779B97F4A7C15 & 0xFFFFFFFFFFFFFFFF)
 
 
 Listener = Callable[[str, Namespace, list[bytes]], None]  # (op, namespace, hashes)
@@ -145,7 +159,7 @@ class BlockIndex:
         """Get or create a namespace; its page size is fixed by the first registration."""
         ns = self._namespaces.get(name)
         if ns is None:
-            ns = Namespace(len(self._namespaces) + 1, name, page_bytes)
+            ns = Namespace(len(self._namespaces) + 1, name, page_bytes, namespace_salt(name))
             self._namespaces[name] = ns
         elif ns.page_bytes != page_bytes:
             raise ValueError(
@@ -225,13 +239,12 @@ class BlockIndex:
                 if b in lru:
                     lru.move_to_end(b)
         if self.admission is not None and blocks:
-            self._record([admission_key(b.ns.id, b.hash) for b in blocks])
+            self._record([block_key(b.ns.salt, b.hash) for b in blocks])
 
     def record_access(self, ns: Namespace, hashes: Iterable[bytes]) -> None:
         """Tell the admission policy about requested blocks (hit or miss), in order."""
         if self.admission is not None:
-            nid = ns.id
-            keys = [admission_key(nid, h) for h in hashes]
+            keys = block_keys(ns.salt, hashes)
             if keys:
                 self._record(keys)
 
@@ -385,7 +398,7 @@ class BlockIndex:
             return None
         victim = next(iter(lru))
         if self.admission is not None:
-            if not self.admission.admit(admission_key(ns.id, h), admission_key(victim.ns.id, victim.hash)):
+            if not self.admission.admit(block_key(ns.salt, h), block_key(victim.ns.salt, victim.hash)):
                 self.admission_rejections += 1
                 return None
         vsize = victim.size

@@ -14,10 +14,9 @@ What is counted (the contract the gauges and the cluster union rely on):
 - A query naming several namespaces (the TP shards of one engine) asks the same hashes in
   each; it is observed once, under its first namespace: the ceiling of the shards is
   the same, and hashing every shard's keys would cost k times as much on the event loop.
-- Keys are ``ceiling_key(namespace name, hash)``: the hash's low 64 bits salted with a
-  digest of the namespace *name*. Unlike ``admission_key`` (salted with the node-local
-  namespace id) this is the same on every host, so sketches of different nodes can be
-  united into the cluster's ceiling.
+- Keys are the block index's ``block_key`` (the same keys TinyLFU sees): the hash's low
+  64 bits salted with a digest of the namespace *name*, the same on every host, so
+  sketches of different nodes can be united into the cluster's ceiling.
 - The clock is ``time.time``: bucket indices must agree across hosts for the union.
 - Outcomes: at the counted READY answer, blocks of the prefix that were already in L1 at
   the request's first answer are ``l1``; blocks that a LOADING answer of the same
@@ -32,11 +31,11 @@ refreshed from the loop by :meth:`NodeCeiling.refresh` and read by scrapers from
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from pegaflow.node.block_index import block_key, block_keys, namespace_salt
 from pegaflow.node.metrics import NodeMetrics
 from pegaflow.policy.ceiling import CeilingEstimator, WindowStats
 
@@ -45,14 +44,9 @@ from pegaflow.policy.ceiling import CeilingEstimator, WindowStats
 SEEN_REQUESTS = 65536
 
 
-def namespace_salt(name: str) -> int:
-    """64-bit salt of a namespace name, identical on every host and in every process."""
-    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
-
-
 def ceiling_key(name: str, hash_: bytes) -> int:
     """Cluster-wide 64-bit key of block ``hash_`` of namespace ``name`` for HLL sketches."""
-    return int.from_bytes(hash_[:8], "little") ^ namespace_salt(name)
+    return block_key(namespace_salt(name), hash_)
 
 
 class NodeCeiling:
@@ -95,8 +89,7 @@ class NodeCeiling:
         salt = self._salts.get(namespace)
         if salt is None:
             salt = self._salts[namespace] = namespace_salt(namespace)
-        frm = int.from_bytes
-        self.estimator.observe([frm(h[:8], "little") ^ salt for h in hashes], hit)
+        self.estimator.observe(block_keys(salt, hashes), hit)
         self.observed_requests += 1
         return True
 

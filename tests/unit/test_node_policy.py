@@ -9,7 +9,7 @@ import xxhash
 from prometheus_client import CollectorRegistry, generate_latest
 
 from pegaflow.meta.sketches import ClusterCeilingCollector, cluster_union
-from pegaflow.node.block_index import BlockIndex, admission_key
+from pegaflow.node.block_index import BlockIndex, block_key
 from pegaflow.node.ceiling import NodeCeiling, ceiling_key, namespace_salt
 from pegaflow.node.metrics import NodeMetrics
 from pegaflow.policy.ceiling import CeilingEstimator
@@ -65,7 +65,7 @@ def test_touch_and_record_access_use_one_record_many_call_per_request() -> None:
     more = hashes("b", 5)
     idx.record_access(ns, more)  # one call for the 5 misses
     assert adm.calls == 2
-    assert adm.recorded == [admission_key(ns.id, h) for h in hs + more]
+    assert adm.recorded == [block_key(ns.salt, h) for h in hs + more]
 
 
 def test_a_policy_without_record_many_still_sees_every_access_in_order() -> None:
@@ -74,7 +74,7 @@ def test_a_policy_without_record_many_still_sees_every_access_in_order() -> None
     adm.recorded.clear()
     idx.prefix(ns, hs[:3])
     idx.record_access(ns, hs[5:])
-    assert adm.recorded == [admission_key(ns.id, h) for h in hs[:3] + hs[5:]]
+    assert adm.recorded == [block_key(ns.salt, h) for h in hs[:3] + hs[5:]]
 
 
 def test_tinylfu_in_the_index_counts_batched_accesses_like_scalar_ones() -> None:
@@ -82,7 +82,7 @@ def test_tinylfu_in_the_index_counts_batched_accesses_like_scalar_ones() -> None
     idx, ns, hs = filled_index(batched)
     for _ in range(3):
         idx.prefix(ns, hs)
-    keys = [admission_key(ns.id, h) for h in hs]
+    keys = [block_key(ns.salt, h) for h in hs]
     for _ in range(3):
         for k in keys:
             scalar.record(k)
