@@ -131,7 +131,7 @@ class SchedulerSide:
             lease = st.hit.lease_id
             st.hit = None
             if lease:
-                self.link.call(lambda c: c.release(lease))
+                self.link.call(lambda c: c.release(lease, wait=False))
 
     # -- vLLM hooks ----------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -156,13 +156,13 @@ class SchedulerSide:
                 st.next_poll = now + LOADING_POLL_S
                 if res.lease_id:
                     lease = res.lease_id
-                    self.link.call(lambda c: c.release(lease))
+                    self.link.call(lambda c: c.release(lease, wait=False))
                 return None, False
             # Waited long enough: recompute rather than hold the request back further.
             st.loading_since = None
             if res.lease_id:
                 lease = res.lease_id
-                self.link.call(lambda c: c.release(lease))
+                self.link.call(lambda c: c.release(lease, wait=False))
             return 0, False
         st.loading_since = None
         hit_blocks = min(int(res.hit_blocks), max_blocks)
@@ -170,7 +170,7 @@ class SchedulerSide:
         if hit_tokens <= num_computed_tokens:
             if res.lease_id:
                 lease = res.lease_id
-                self.link.call(lambda c: c.release(lease))
+                self.link.call(lambda c: c.release(lease, wait=False))
             return 0, False
         st.hit = _Hit(
             int(res.lease_id), hit_blocks, {ns: list(res.offsets[ns]) for ns in self.namespaces}, int(res.epoch)
@@ -288,7 +288,7 @@ class SchedulerSide:
                 else:
                     self.link.call(lambda c, rid=rid: c.abort(rid))
             for lease in work.leases:
-                self.link.call(lambda c, lease=lease: c.release(lease))
+                self.link.call(lambda c, lease=lease: c.release(lease, wait=False))
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         st = self._reqs.pop(request.request_id, None)

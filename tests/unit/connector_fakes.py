@@ -142,7 +142,7 @@ class FakeNodeClient:
         self._check("abort")
         self.node.reservations.pop(reservation_id, None)
 
-    def release(self, lease_id: int) -> None:
+    def release(self, lease_id: int, wait: bool = True) -> None:
         self._check("release")
         self.node.leases.discard(lease_id)
 
