@@ -75,6 +75,20 @@ class NodeProcess:
     def log(self) -> str:
         return self.log_path.read_text()
 
+    @property
+    def local_socket(self) -> str:
+        """The node's default local-socket path (``--local-socket auto``)."""
+        from pegaflow.node.local import default_socket_path
+
+        return default_socket_path("127.0.0.1", self.port, {**os.environ, **self.env})
+
+    def remove_local_socket(self) -> None:
+        """A SIGKILLed node leaves its socket file behind (the next node would replace it)."""
+        try:
+            os.unlink(self.local_socket)
+        except FileNotFoundError:
+            pass
+
 
 @pytest.fixture
 def node_factory(tmp_path: Path) -> Iterator:
@@ -89,6 +103,7 @@ def node_factory(tmp_path: Path) -> Iterator:
     yield make
     for n in nodes:
         n.kill()
+        n.remove_local_socket()
 
 
 @pytest.fixture

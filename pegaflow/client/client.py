@@ -10,14 +10,19 @@ Contracts:
   copy can never mix one epoch's offsets with another epoch's memory.
 - Every call raises :class:`NodeUnavailable` when the node cannot be reached; callers
   (the connector) treat that as a miss and recompute.
+- Transport: Query, Reserve, Commit and Release go over the node's local Unix socket when
+  Register announces one and this process can connect to it (every engine on the node's
+  host), else over gRPC. No configuration; errors and results are the same either way.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import socket
 import threading
 import uuid
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -27,6 +32,7 @@ import structlog
 import torch
 
 from pegaflow._proto import node_pb2, node_pb2_grpc
+from pegaflow.common.local_wire import MAX_FRAME, METHOD_IDS, METHODS, NO_REPLY, REPLY_HEADER, REQUEST_HEADER
 from pegaflow.common.logging import ensure_library_logging
 
 ensure_library_logging()
@@ -77,7 +83,115 @@ class _Mapping:
         self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
 
 
+class _LocalLink:
+    """Connections to the node's local socket (framing: :mod:`pegaflow.common.local_wire`).
+
+    One socket per calling thread (``threading.local``): threads have calls in flight at
+    once without a demultiplexer, and a call is one ``sendall`` plus blocking reads of its
+    own reply. A socket that failed or timed out is dropped (its stream may be out of step);
+    the thread's next call connects again.
+    """
+
+    def __init__(self, path: str, timeout: float) -> None:
+        self.path = path
+        self.timeout = timeout
+        self._tls = threading.local()
+        self._lock = threading.Lock()
+        # Every thread's socket, so close() reaches them all; weak, so a finished thread's
+        # socket is closed with its thread-local slot.
+        self._socks: weakref.WeakSet[socket.socket] = weakref.WeakSet()
+        self._closed = False
+
+    def _sock(self) -> socket.socket:
+        s: socket.socket | None = getattr(self._tls, "sock", None)
+        if s is not None:
+            return s
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.settimeout(self.timeout)
+            s.connect(self.path)
+        except OSError:
+            s.close()
+            raise
+        with self._lock:
+            if self._closed:
+                s.close()
+                raise ConnectionAbortedError("local link closed (the client registered again)")
+            self._socks.add(s)
+        self._tls.sock = s
+        return s
+
+    def connect(self) -> None:
+        """Connect this thread's socket now (raises ``OSError`` if the path is unusable)."""
+        self._sock()
+
+    def _drop(self) -> None:
+        s = getattr(self._tls, "sock", None)
+        if s is not None:
+            self._tls.sock = None
+            with self._lock:
+                self._socks.discard(s)
+            s.close()
+
+    def call(self, method_id: int, payload: bytes, reply: bool = True) -> tuple[int, bytes]:
+        """Send one frame; with ``reply`` return ``(status, body)``. ``OSError`` (including a
+        timeout, or EOF from a node that went away) means the socket is gone."""
+        s = self._sock()
+        try:
+            s.sendall(REQUEST_HEADER.pack(len(payload), method_id, 0 if reply else NO_REPLY) + payload)
+            if not reply:
+                return 0, b""
+            length, status = REPLY_HEADER.unpack(_recv_exactly(s, REPLY_HEADER.size))
+            return status, _recv_exactly(s, length)
+        except OSError:
+            self._drop()
+            raise
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            socks, self._socks = list(self._socks), weakref.WeakSet()
+        for s in socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv on it
+            except OSError:
+                pass
+            s.close()
+
+
+def _recv_exactly(s: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = s.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ConnectionResetError("the node closed the local socket")
+        got += k
+    return bytes(buf)
+
+
+_STATUS_CODES = {c.value[0]: c for c in grpc.StatusCode}
+_UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+
+
+@dataclass(frozen=True)
+class _Bound:
+    """One registration, read under the lock in one piece by every call: its session, its
+    transports and its pool mapping, so a result never mixes two epochs."""
+
+    session_id: int
+    epoch: int
+    stub: node_pb2_grpc.PegaNodeStub
+    local: _LocalLink | None
+    pool: torch.Tensor | None
+
+
 class PegaClient:
+    """Calls go over the node's local socket when Register announces one and it connects
+    (Query, Reserve, Commit, Release), else over gRPC; both raise the same errors. Several
+    threads may call at once: the lock covers (re-)registration only, not the calls."""
+
     def __init__(self, addr: str = "127.0.0.1:50055", instance_id: str | None = None, timeout: float = 5.0,
                  map_pool: bool = True) -> None:
         """``map_pool=False`` for a process that only queries and never copies pages (vLLM's
@@ -91,6 +205,7 @@ class PegaClient:
         self._lock = threading.RLock()
         self._namespaces: dict[str, int] = {}
         self._session_id = 0
+        self._bound: _Bound | None = None
         self._stream: grpc.Future | None = None
         self._mapping: _Mapping | None = None
         self.epoch = 0
@@ -126,19 +241,31 @@ class PegaClient:
             instance_id=self.instance_id,
             namespaces=[node_pb2.NamespaceSpec(name=n, page_bytes=p) for n, p in self._namespaces.items()],
         )
-        resp = self._call(self._stub.Register, req, retry_session=False)
+        resp = self._call("Register", req, None, retry_session=False)
         if self.map_pool and (self._mapping is None or resp.epoch != self.epoch):
             self._mapping = _Mapping(resp.pool_path, resp.pool_bytes)
+        if self._bound is not None and self._bound.local is not None:
+            self._bound.local.close()
+        local = None
+        if resp.local_socket:
+            local = _LocalLink(resp.local_socket, self.timeout)
+            try:
+                local.connect()
+            except OSError as exc:  # not on the node's host, or no access: gRPC does it all
+                log.info("local_socket_unusable", path=resp.local_socket, error=str(exc))
+                local.close()
+                local = None
         self._session_id = resp.session_id
         self.epoch = resp.epoch
         self.node_id = resp.node_id
+        self._bound = _Bound(resp.session_id, resp.epoch, self._stub, local, self._pool_or_none())
         if self._stream is not None:
             self._stream.cancel()
         self._stream = self._stub.Session(node_pb2.SessionRequest(session_id=resp.session_id))
         threading.Thread(target=self._drain, args=(self._stream,), daemon=True,
                          name="pegaflow-session").start()
         log.info("registered", node=self.node_id, epoch=self.epoch, session=self._session_id,
-                 pool_bytes=resp.pool_bytes)
+                 pool_bytes=resp.pool_bytes, transport="local" if local else "grpc")
 
     def _drain(self, stream: grpc.Future) -> None:
         try:
@@ -165,58 +292,96 @@ class PegaClient:
     def session_id(self) -> int:
         return self._session_id
 
-    def _ensure_session(self) -> None:
-        if self._unreachable:
-            self._connect()
-        if not self._session_id:
-            if not self._namespaces:
-                raise RuntimeError("call register() first")
-            self._register_locked()
+    @property
+    def transport(self) -> str:
+        """``local`` if the current registration uses the node's local socket, else ``grpc``."""
+        b = self._bound
+        return "local" if b is not None and b.local is not None else "grpc"
 
-    def _call(self, method, request, retry_session: bool = True):  # type: ignore[no-untyped-def]
-        try:
-            return method(request, timeout=self.timeout)
-        except grpc.RpcError as exc:
-            code = exc.code()  # type: ignore[attr-defined]
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+    def _ensure_session(self) -> _Bound:
+        with self._lock:
+            if self._unreachable:
+                self._connect()
+            if not self._session_id:
+                if not self._namespaces:
+                    raise RuntimeError("call register() first")
+                self._register_locked()
+            assert self._bound is not None
+            return self._bound
+
+    def _lost(self, b: _Bound | None, unreachable: bool) -> None:
+        """Forget the session (and the channel if ``unreachable``) unless another thread
+        has already registered again since ``b`` was taken."""
+        with self._lock:
+            if b is None or self._bound is b:
                 self._session_id = 0
-                self._unreachable = True
-                raise NodeUnavailable(f"node {self.addr}: {exc.details()}") from None  # type: ignore[attr-defined]
-            if code is grpc.StatusCode.FAILED_PRECONDITION and retry_session:
-                self._session_id = 0
-                raise _SessionLost(exc.details()) from None  # type: ignore[attr-defined]
-            raise NodeError(code, exc.details()) from None  # type: ignore[attr-defined]
+                if unreachable:
+                    self._unreachable = True
+
+    def _call(self, method: str, request, b: _Bound | None, retry_session: bool = True):  # type: ignore[no-untyped-def]
+        """One unary call under registration ``b`` (``None``: Register, over gRPC), over ``b``'s
+        local socket if it has one. Failures map alike for both transports."""
+        if b is not None and b.local is not None:
+            mid = METHOD_IDS[method]
+            payload = request.SerializeToString()
+            if len(payload) > MAX_FRAME:
+                raise NodeError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"request of {len(payload)} bytes > {MAX_FRAME}")
+            try:
+                status, body = b.local.call(mid, payload)
+            except OSError as exc:  # node killed or restarted: like UNAVAILABLE
+                self._lost(b, unreachable=True)
+                raise NodeUnavailable(f"node {self.addr} (local socket {b.local.path}): {exc}") from None
+            if status == 0:
+                return METHODS[mid][2].FromString(body)
+            code = _STATUS_CODES.get(status, grpc.StatusCode.UNKNOWN)
+            details = body.decode(errors="replace")
+        else:
+            stub = b.stub if b is not None else self._stub
+            try:
+                return getattr(stub, method)(request, timeout=self.timeout)
+            except grpc.RpcError as exc:
+                code, details = exc.code(), exc.details()  # type: ignore[attr-defined]
+        if code in _UNREACHABLE:
+            self._lost(b, unreachable=True)
+            raise NodeUnavailable(f"node {self.addr}: {details}")
+        if code is grpc.StatusCode.FAILED_PRECONDITION and retry_session:
+            self._lost(b, unreachable=False)
+            raise _SessionLost(details)
+        raise NodeError(code, details)
 
     def _with_session(self, make_request, method: str, reregister_ok: bool = True):  # type: ignore[no-untyped-def]
-        """Run RPC ``method`` under the current session; register again once if the node restarted."""
-        with self._lock:
-            self._ensure_session()
-            try:
-                return self._call(getattr(self._stub, method), make_request(self._session_id))
-            except _SessionLost:
-                if not reregister_ok:
-                    raise NodeUnavailable("node restarted; session lost") from None
-                self._register_locked()
-                return self._call(getattr(self._stub, method), make_request(self._session_id))
+        """Run RPC ``method`` under the current session; register again once if the node
+        restarted. Returns ``(response, registration used)``."""
+        b = self._ensure_session()
+        try:
+            return self._call(method, make_request(b.session_id), b), b
+        except _SessionLost:
+            if not reregister_ok:
+                raise NodeUnavailable("node restarted; session lost") from None
+        b = self._ensure_session()
+        try:
+            return self._call(method, make_request(b.session_id), b), b
+        except _SessionLost as exc:
+            raise NodeUnavailable(f"session lost twice in a row: {exc}") from None
 
     # ---- RPCs -------------------------------------------------------------------------
     def query(self, namespaces: Sequence[str], hashes: Sequence[bytes], req_id: str = "",
               lease: bool = True) -> QueryResult:
-        resp = self._with_session(
+        resp, b = self._with_session(
             lambda sid: node_pb2.QueryRequest(session_id=sid, namespaces=list(namespaces), hashes=list(hashes),
                                               req_id=req_id, lease=lease),
             "Query",
         )
         status: Literal["READY", "LOADING"] = "LOADING" if resp.status == node_pb2.LOADING else "READY"
         return QueryResult(status, resp.hit_blocks, resp.lease_id,
-                           {p.namespace: list(p.offsets) for p in resp.pages}, self.epoch, self._pool_or_none())
+                           {p.namespace: list(p.offsets) for p in resp.pages}, b.epoch, b.pool)
 
     def reserve(self, namespace: str, hashes: Sequence[bytes]) -> Reservation:
-        resp = self._with_session(
+        resp, b = self._with_session(
             lambda sid: node_pb2.ReserveRequest(session_id=sid, namespace=namespace, hashes=list(hashes)),
             "Reserve",
         )
-        return Reservation(resp.reservation_id, list(resp.offsets), self.epoch, self._pool_or_none())
+        return Reservation(resp.reservation_id, list(resp.offsets), b.epoch, b.pool)
 
     def commit(self, reservation_id: int, indices: Sequence[int] | None = None, wait: bool = True) -> int:
         """Make the reserved pages visible. ``wait=False`` sends the commit without waiting
@@ -226,7 +391,7 @@ class PegaClient:
         if not wait:
             self._send_async("Commit", req)
             return -1
-        return self._with_session(req, "Commit", reregister_ok=False).committed
+        return self._with_session(req, "Commit", reregister_ok=False)[0].committed
 
     def abort(self, reservation_id: int) -> None:
         self._with_session(
@@ -245,12 +410,20 @@ class PegaClient:
         self._with_session(req, "Release", reregister_ok=False)
 
     def _send_async(self, method: str, make_request) -> None:  # type: ignore[no-untyped-def]
-        """Fire an RPC whose answer the caller does not need; failures are logged, and a
-        lost session is noticed by the next synchronous call."""
+        """Fire an RPC whose answer the caller does not need; failures are logged (by the
+        node, for the local socket), and a lost session is noticed by the next synchronous call."""
         with self._lock:
-            if not self._session_id:
+            if not self._session_id or self._bound is None:
                 return  # session gone: the node already dropped what this would commit/release
-            fut = getattr(self._stub, method).future(make_request(self._session_id), timeout=self.timeout)
+            b = self._bound
+        request = make_request(b.session_id)
+        if b.local is not None:
+            try:
+                b.local.call(METHOD_IDS[method], request.SerializeToString(), reply=False)
+            except OSError as exc:
+                log.warning("async_rpc_failed", method=method, error=str(exc))
+            return
+        fut = getattr(b.stub, method).future(request, timeout=self.timeout)
 
         def done(f: grpc.Future) -> None:
             exc = f.exception()
@@ -264,19 +437,21 @@ class PegaClient:
         with self._lock:
             if self._unreachable:
                 self._connect()
-            return self._call(self._stub.Health, node_pb2.HealthRequest())
+            return self._call("Health", node_pb2.HealthRequest(), None)
 
     def stats(self) -> node_pb2.StatsResponse:
         with self._lock:
             if self._unreachable:
                 self._connect()
-            return self._call(self._stub.Stats, node_pb2.StatsRequest())
+            return self._call("Stats", node_pb2.StatsRequest(), None)
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
             if self._stream is not None:
                 self._stream.cancel()
+            if self._bound is not None and self._bound.local is not None:
+                self._bound.local.close()
             if self._channel is not None:
                 self._channel.close()
 

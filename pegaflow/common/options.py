@@ -69,6 +69,14 @@ def _bool(text: str | bool) -> bool:
     raise ValueError(f"invalid boolean {text!r}")
 
 
+def _local_socket(text: str) -> str:
+    if text in ("", "off", "none"):
+        return ""
+    if text != "auto" and len(os.fsencode(text)) > 107:  # sun_path holds 108 bytes with the NUL
+        raise ValueError(f"socket path {text!r} is longer than 107 bytes")
+    return text
+
+
 def _redis_url(text: str) -> str:
     if text and not text.startswith(("redis://", "rediss://", "unix://")):
         raise ValueError(f"invalid Redis URL {text!r} (expected redis://HOST:PORT[/DB], rediss:// or unix://)")
@@ -159,6 +167,15 @@ OPTIONS: list[Option] = [
         16384,
         "Largest number of block hashes accepted in one request.",
         _positive_int,
+    ),
+    Option(
+        "local-socket",
+        "auto",
+        "Unix socket (mode 0600) of the local fast path for Query/Reserve/Commit/Release, announced "
+        "to engines at Register; 'auto': $XDG_RUNTIME_DIR (else /tmp)/pegaflow-node-HOST-PORT.sock "
+        "from --addr; 'off' or empty: gRPC only.",
+        _local_socket,
+        metavar="PATH",
     ),
     Option(
         "query-trace",

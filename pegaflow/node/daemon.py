@@ -19,6 +19,7 @@ from pegaflow.common import otel
 from pegaflow.common.http import MetricsServer
 from pegaflow.node.block_index import BlockIndex
 from pegaflow.node.ceiling import NodeCeiling
+from pegaflow.node.local import LocalServer, LocalSocketError, default_socket_path
 from pegaflow.node.metrics import NodeMetrics
 from pegaflow.node.pool import SharedPool
 from pegaflow.node.query_trace import QueryTrace, QueryTraceError
@@ -108,6 +109,7 @@ class Node:
                 raise StartupError(f"remote reads: {exc}") from None
             self.service.puller = self.p2p.puller
         self.server: grpc.aio.Server | None = None
+        self.local: LocalServer | None = None  # the Unix-socket fast path (--local-socket)
         self.http: MetricsServer | None = None
         self.publisher = None  # global-index event publisher (pegaflow.meta.events), with --redis-url
         self.otel: otel.OtelExport | None = None
@@ -141,6 +143,13 @@ class Node:
             raise StartupError(f"cannot listen on {self.opts.addr}: {exc}") from None
         if port == 0:
             raise StartupError(f"cannot listen on {self.opts.addr} (address in use?)")
+        self._start_local(port)
+        if self.local is not None:
+            try:
+                await self.local.start()
+            except LocalSocketError as exc:
+                raise StartupError(str(exc)) from None
+            self.service.local_socket = self.local.path
         if self.ssd is not None:
             self.ssd.start(asyncio.get_running_loop())
         if self.p2p is not None:
@@ -171,7 +180,18 @@ class Node:
             self.otel = otel.start_otel_export(self.opts.metrics_otel_endpoint, self.metrics.registry,
                                                "pegaflow-node")
         log.info("node_started", addr=self.opts.addr, node_id=self.node_id, epoch=self.epoch,
-                 pool_bytes=self.pool.size, pool_path=self.pool.path, pid=os.getpid())
+                 pool_bytes=self.pool.size, pool_path=self.pool.path, local_socket=self.service.local_socket,
+                 pid=os.getpid())
+
+    def _start_local(self, grpc_port: int) -> None:
+        path = getattr(self.opts, "local_socket", "")
+        if path == "auto":
+            path = default_socket_path(self.opts.addr.rpartition(":")[0], grpc_port)
+        if path:
+            try:
+                self.local = LocalServer(self.service, path)
+            except LocalSocketError as exc:
+                raise StartupError(str(exc)) from None
 
     async def publish_sketches(self) -> None:
         """Every --ceiling-publish-interval: serialize the ceiling here (the estimator lives on
@@ -231,6 +251,8 @@ class Node:
             await asyncio.get_running_loop().run_in_executor(None, self.otel.stop)
         if self.publisher is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.publisher.stop)
+        if self.local is not None:
+            await self.local.close()
         await self.server.stop(grace=1.0)
         if self.http:
             await self.http.stop()

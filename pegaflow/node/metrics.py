@@ -20,8 +20,8 @@ class NodeMetrics:
         r = self.registry = registry or CollectorRegistry()
         self.rpc_latency = Histogram(
             "pegaflow_node_rpc_duration_seconds",
-            "Latency of node RPCs by method and gRPC status.",
-            ["method", "status"],
+            "Latency of node RPCs by method, gRPC status and transport (grpc, local).",
+            ["method", "status", "transport"],
             buckets=RPC_BUCKETS,
             registry=r,
         )

@@ -1,4 +1,10 @@
-"""The node's gRPC service: the engine-facing side of DESIGN.md "Engine <-> node".
+"""The node's engine-facing service (DESIGN.md "Engine <-> node"), over two transports.
+
+One method implements each RPC's semantics (``query``, ``reserve``, ...). Both transports
+call it: gRPC through the ``PegaNode`` servicer methods below, and the local fast path
+(a Unix socket, :mod:`pegaflow.node.local`) through :attr:`NodeService.local_methods`.
+The :func:`rpc` wrapper is the one place that times a call (per transport) and turns
+:class:`PegaError` into a status code, so both transports answer alike.
 
 Handlers run on the node's asyncio loop and are the only callers of :class:`BlockIndex`
 and :class:`Sessions`, so no locks are needed. Every handler validates its request before
@@ -18,6 +24,7 @@ import structlog
 
 from pegaflow._proto import node_pb2, node_pb2_grpc
 from pegaflow.common.errors import InvalidArgument, PegaError, grpc_code
+from pegaflow.common.local_wire import METHODS as LOCAL_METHODS
 from pegaflow.node.block_index import HASH_BYTES, Block, BlockIndex, Namespace
 from pegaflow.node.metrics import NodeMetrics
 from pegaflow.node.sessions import Sessions
@@ -27,37 +34,56 @@ log = structlog.get_logger("pegaflow.node")
 MAX_NAME = 512  # bytes of a namespace or instance name
 SESSION_PING_SECONDS = 5.0  # keep-alive events on the session stream
 
-Req = TypeVar("Req")
+GRPC = "grpc"
+LOCAL = "local"
+
 Resp = TypeVar("Resp")
+Handler = Callable[[Any, str], Awaitable[Any]]  # (request, transport) -> response
 
 
-def rpc(method: str) -> Callable[[Callable[..., Awaitable[Resp]]], Callable[..., Awaitable[Resp]]]:
-    """Time a unary handler and turn :class:`PegaError` into its gRPC status (one place)."""
+class RpcStatus(Exception):
+    """A call's final non-OK status, for the transport to send to the caller."""
 
-    def wrap(fn: Callable[..., Awaitable[Resp]]) -> Callable[..., Awaitable[Resp]]:
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def rpc(method: str) -> Callable[[Callable[[Any, Any], Awaitable[Resp]]], Callable[[Any, Any, str], Awaitable[Resp]]]:
+    """Time a call by method, status and transport, and turn :class:`PegaError` into its
+    status code (one place); the wrapped ``fn(self, request)`` raises ``RpcStatus`` on failure."""
+
+    def wrap(fn: Callable[[Any, Any], Awaitable[Resp]]) -> Callable[[Any, Any, str], Awaitable[Resp]]:
         @functools.wraps(fn)
-        async def handler(self: NodeService, request: Any, context: grpc.aio.ServicerContext) -> Resp:
+        async def handler(self: NodeService, request: Any, transport: str) -> Resp:
             t0 = time.perf_counter()
             status = "OK"
             try:
-                return await fn(self, request, context)
+                return await fn(self, request)
             except PegaError as exc:
                 code = grpc_code(exc)
                 status = code.name
                 if code is grpc.StatusCode.INVALID_ARGUMENT:
-                    log.info("invalid_request", method=method, error=str(exc))
-                await context.abort(code, str(exc))
-                raise  # unreachable: abort raises
-            except Exception:
+                    log.info("invalid_request", method=method, transport=transport, error=str(exc))
+                raise RpcStatus(code, str(exc)) from None
+            except Exception as exc:
                 status = "INTERNAL"
-                log.exception("rpc_failed", method=method)
-                raise
+                log.exception("rpc_failed", method=method, transport=transport)
+                raise RpcStatus(grpc.StatusCode.INTERNAL, f"internal error: {exc!r}") from None
             finally:
-                self.metrics.rpc_latency.labels(method, status).observe(time.perf_counter() - t0)
+                self.metrics.rpc_latency.labels(method, status, transport).observe(time.perf_counter() - t0)
 
         return handler
 
     return wrap
+
+
+async def _over_grpc(handler: Handler, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    try:
+        return await handler(request, GRPC)
+    except RpcStatus as st:
+        await context.abort(st.code, st.message)
 
 
 def _request_key(session_id: int, req_id: str) -> str:
@@ -102,10 +128,37 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         self.puller: Any = None  # transfer.puller.Puller when --meta-addr is set (set by the node)
         self.query_trace: Any = None  # query_trace.QueryTrace when --query-trace is set
         self.ceiling: Any = None  # NodeCeiling (pegaflow/node/ceiling.py), set by the node
+        self.local_socket = ""  # path of the local fast path announced at Register (set by the node)
+        # Wire method number -> (request type, handler) for pegaflow.node.local.
+        self.local_methods: dict[int, tuple[type, Handler]] = {
+            mid: (req_type, getattr(self, name.lower())) for mid, (name, req_type, _) in LOCAL_METHODS.items()
+        }
+
+    # ---- gRPC servicer: every unary method is the transport-neutral one above/below -------
+    async def Register(self, request: node_pb2.RegisterRequest, context: Any) -> node_pb2.RegisterResponse:
+        return await _over_grpc(self.register, request, context)
+
+    async def Query(self, request: node_pb2.QueryRequest, context: Any) -> node_pb2.QueryResponse:
+        return await _over_grpc(self.query, request, context)
+
+    async def Reserve(self, request: node_pb2.ReserveRequest, context: Any) -> node_pb2.ReserveResponse:
+        return await _over_grpc(self.reserve, request, context)
+
+    async def Commit(self, request: node_pb2.CommitRequest, context: Any) -> node_pb2.CommitResponse:
+        return await _over_grpc(self.commit, request, context)
+
+    async def Release(self, request: node_pb2.ReleaseRequest, context: Any) -> node_pb2.ReleaseResponse:
+        return await _over_grpc(self.release, request, context)
+
+    async def Health(self, request: node_pb2.HealthRequest, context: Any) -> node_pb2.HealthResponse:
+        return await _over_grpc(self.health, request, context)
+
+    async def Stats(self, request: node_pb2.StatsRequest, context: Any) -> node_pb2.StatsResponse:
+        return await _over_grpc(self.stats, request, context)
 
     # ---- sessions ---------------------------------------------------------------------
     @rpc("Register")
-    async def Register(self, request: node_pb2.RegisterRequest, context: Any) -> node_pb2.RegisterResponse:
+    async def register(self, request: node_pb2.RegisterRequest) -> node_pb2.RegisterResponse:
         if not request.namespaces:
             raise InvalidArgument("register needs at least one namespace")
         if len(request.instance_id.encode()) > MAX_NAME:
@@ -122,7 +175,8 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         s = self.sessions.open(request.instance_id, specs)
         log.info("session_registered", session=s.id, instance=request.instance_id, namespaces=[n for n, _ in specs])
         return node_pb2.RegisterResponse(
-            session_id=s.id, pool_path=self.pool_path, pool_bytes=self.pool_bytes, node_id=self.node_id, epoch=self.epoch
+            session_id=s.id, pool_path=self.pool_path, pool_bytes=self.pool_bytes, node_id=self.node_id,
+            epoch=self.epoch, local_socket=self.local_socket,
         )
 
     async def Session(self, request: node_pb2.SessionRequest, context: Any) -> AsyncIterator[node_pb2.SessionEvent]:
@@ -149,7 +203,7 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
 
     # ---- reads ------------------------------------------------------------------------
     @rpc("Query")
-    async def Query(self, request: node_pb2.QueryRequest, context: Any) -> node_pb2.QueryResponse:
+    async def query(self, request: node_pb2.QueryRequest) -> node_pb2.QueryResponse:
         s = self.sessions.get(request.session_id)
         if not request.namespaces:
             raise InvalidArgument("query needs at least one namespace")
@@ -193,14 +247,14 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         return node_pb2.QueryResponse(status=node_pb2.READY, hit_blocks=hit, lease_id=lease_id, pages=pages)
 
     @rpc("Release")
-    async def Release(self, request: node_pb2.ReleaseRequest, context: Any) -> node_pb2.ReleaseResponse:
+    async def release(self, request: node_pb2.ReleaseRequest) -> node_pb2.ReleaseResponse:
         s = self.sessions.get(request.session_id)
         self.sessions.release(s, request.lease_id)
         return node_pb2.ReleaseResponse()
 
     # ---- writes -----------------------------------------------------------------------
     @rpc("Reserve")
-    async def Reserve(self, request: node_pb2.ReserveRequest, context: Any) -> node_pb2.ReserveResponse:
+    async def reserve(self, request: node_pb2.ReserveRequest) -> node_pb2.ReserveResponse:
         s = self.sessions.get(request.session_id)
         hashes = list(request.hashes)
         check_hashes(hashes, self.max_batch)
@@ -224,7 +278,7 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
             self.metrics.reserve_skipped.labels("no_space" if full else "in_flight").inc(other)
 
     @rpc("Commit")
-    async def Commit(self, request: node_pb2.CommitRequest, context: Any) -> node_pb2.CommitResponse:
+    async def commit(self, request: node_pb2.CommitRequest) -> node_pb2.CommitResponse:
         s = self.sessions.get(request.session_id)
         res = s.reservations.get(request.reservation_id)
         page = res.ns.page_bytes if res is not None else 0
@@ -234,11 +288,11 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
 
     # ---- introspection ----------------------------------------------------------------
     @rpc("Health")
-    async def Health(self, request: node_pb2.HealthRequest, context: Any) -> node_pb2.HealthResponse:
+    async def health(self, request: node_pb2.HealthRequest) -> node_pb2.HealthResponse:
         return node_pb2.HealthResponse(ok=True, node_id=self.node_id, epoch=self.epoch)
 
     @rpc("Stats")
-    async def Stats(self, request: node_pb2.StatsRequest, context: Any) -> node_pb2.StatsResponse:
+    async def stats(self, request: node_pb2.StatsRequest) -> node_pb2.StatsResponse:
         idx = self.index
         return node_pb2.StatsResponse(
             pool_bytes=self.pool_bytes,

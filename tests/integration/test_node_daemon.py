@@ -261,7 +261,7 @@ def test_metrics_health_service_and_reflection(raw):
     assert metrics["pegaflow_node_resident_blocks"] == 2
     assert metrics['pegaflow_node_hit_blocks_total{tier="l1"}'] == 2
     assert metrics["pegaflow_node_miss_blocks_total"] == 1
-    assert metrics['pegaflow_node_rpc_duration_seconds_count{method="Query",status="OK"}'] >= 1
+    assert metrics['pegaflow_node_rpc_duration_seconds_count{method="Query",status="OK",transport="grpc"}'] >= 1
     assert urllib.request.urlopen(f"http://127.0.0.1:{n.http_port}/health", timeout=5).status == 200
     with grpc.insecure_channel(n.addr) as ch:
         st = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="pegaflow.v1.PegaNode"))

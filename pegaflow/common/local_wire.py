@@ -1,0 +1,41 @@
+"""Wire format of the node's local fast path (a Unix socket beside gRPC).
+
+Engines on the node's host (all of them: they map the node's pool) call the data-path
+RPCs over this socket instead of gRPC, whose Python machinery costs ~0.6-0.9 ms per unary
+call on a small machine, against a few microseconds for the protobuf (de)serialisation.
+The payloads are the very same protobuf messages as the gRPC service (proto/node.proto),
+so the two transports cannot drift apart; only the framing is new:
+
+    request = u32 payload length | u8 method | u8 flags | payload (serialised *Request)
+    reply   = u32 payload length | u8 status | payload (serialised *Response if status
+              is 0 = OK, else the UTF-8 error message); status is the gRPC code number
+
+All integers are little-endian. Frames on one connection are served in order, one at a
+time; a frame with ``NO_REPLY`` gets no reply (its errors are logged by the node). A client
+sends its next frame only after reading the previous reply, so it needs no request ids.
+A malformed frame (too long, unknown method, undecodable payload) closes the connection.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from pegaflow._proto import node_pb2
+
+REQUEST_HEADER = struct.Struct("<IBB")
+REPLY_HEADER = struct.Struct("<IB")
+
+NO_REPLY = 0x01  # flags bit: the caller does not read a reply (async Commit / Release)
+
+# Same bound as the gRPC server's message size: a 16k-hash request is ~400 KiB.
+MAX_FRAME = 64 << 20
+
+# Method number on the wire -> (name, request type, response type). Register, Session,
+# Health and Stats stay gRPC-only: the session stream is the node's liveness signal.
+METHODS: dict[int, tuple[str, type, type]] = {
+    1: ("Query", node_pb2.QueryRequest, node_pb2.QueryResponse),
+    2: ("Reserve", node_pb2.ReserveRequest, node_pb2.ReserveResponse),
+    3: ("Commit", node_pb2.CommitRequest, node_pb2.CommitResponse),  # also Abort (abort=True)
+    4: ("Release", node_pb2.ReleaseRequest, node_pb2.ReleaseResponse),
+}
+METHOD_IDS: dict[str, int] = {name: mid for mid, (name, _, _) in METHODS.items()}
