@@ -37,9 +37,15 @@ import hashlib
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Protocol
 
 from pegaflow.node.allocator import ExtentAllocator, OutOfSpace
+
+try:  # built by the install from pegaflow/native/sketch.c (TinyLFU's C paths)
+    from pegaflow._sketch import block_keys as _native_block_keys
+except ImportError:  # pragma: no cover - a source tree without the build
+    _native_block_keys = None
 
 HASH_BYTES = 16
 
@@ -79,6 +85,9 @@ def block_key(salt: int, hash_: bytes) -> int:
 
 
 def block_keys(salt: int, hashes: Iterable[bytes]) -> list[int]:
+    """``[block_key(salt, h) for h in hashes]``, in C when the extension is built."""
+    if _native_block_keys is not None:
+        return _native_block_keys(salt, hashes if isinstance(hashes, list) else list(hashes))
     frm = int.from_bytes
     return [frm(h[:8], "little") ^ salt for h in hashes]
 
@@ -107,6 +116,9 @@ class Block:
 
 Listener = Callable[[str, Namespace, list[bytes]], None]  # (op, namespace, hashes)
 
+# Attribute reads mapped over a batch of blocks in C (``map(_HASH, blocks)``).
+_HASH = attrgetter("hash")
+_NS = attrgetter("ns")
 
 
 class PageAllocator(Protocol):
@@ -239,7 +251,11 @@ class BlockIndex:
                 if b in lru:
                     lru.move_to_end(b)
         if self.admission is not None and blocks:
-            self._record([block_key(b.ns.salt, b.hash) for b in blocks])
+            ns = blocks[0].ns
+            if list(map(_NS, blocks)).count(ns) == len(blocks):  # one namespace: keys in C
+                self._record(block_keys(ns.salt, map(_HASH, blocks)))
+            else:
+                self._record([block_key(b.ns.salt, b.hash) for b in blocks])
 
     def record_access(self, ns: Namespace, hashes: Iterable[bytes]) -> None:
         """Tell the admission policy about requested blocks (hit or miss), in order."""
@@ -289,10 +305,13 @@ class BlockIndex:
         alloc = self.alloc
         need = alloc.round(size)
         lru = self._lru
-        # Without admission or reclaimable copies, a victim of the same page size is just
-        # the LRU head: it is popped here and its page reused, and counters and events are
-        # settled once per call (what _allocate does per block, minus the calls).
-        simple = self.admission is None and not self._lru_reclaimable
+        # Without reclaimable copies, a victim of the same page size is just the LRU head:
+        # admission (if any) judges it here, it is popped and its page reused, and counters
+        # and events are settled once per call (what _allocate does per block, minus the
+        # calls).
+        simple = not self._lru_reclaimable
+        adm = self.admission
+        salt = ns.salt
         evicted: list[Block] = []
         full = False
         made = 0
@@ -309,15 +328,17 @@ class BlockIndex:
                 except OutOfSpace:
                     offset = self._allocate(ns, h)
             elif simple and lru:
-                victim = lru.popitem(False)[0]
-                if victim.size == size:
+                victim = next(iter(lru))
+                if victim.size != size:  # another page size: the slow path decides
+                    offset = self._allocate(ns, h)
+                elif adm is not None and not adm.admit(block_key(salt, h), block_key(victim.ns.salt, victim.hash)):
+                    self.admission_rejections += 1
+                    offset = None
+                else:
+                    del lru[victim]
                     del tables[victim.ns.id][victim.hash]
                     evicted.append(victim)
                     offset = victim.offset
-                else:  # another page size: put it back where it was, the slow path decides
-                    lru[victim] = None
-                    lru.move_to_end(victim, False)
-                    offset = self._allocate(ns, h)
             else:
                 offset = self._allocate(ns, h)
             if offset is None:
@@ -467,6 +488,10 @@ class BlockIndex:
 
 
 def _group(blocks: Iterable[Block]) -> dict[Namespace, list[bytes]]:
+    if isinstance(blocks, list) and blocks:
+        ns = blocks[0].ns
+        if list(map(_NS, blocks)).count(ns) == len(blocks):  # one namespace: no hashing of ns
+            return {ns: list(map(_HASH, blocks))}
     out: dict[Namespace, list[bytes]] = {}
     for b in blocks:
         out.setdefault(b.ns, []).append(b.hash)

@@ -23,7 +23,8 @@ Contracts a caller may rely on:
   where N is the number of sketch increments since the last aging and ``epsilon = e / width``
   (the usual count-min bound; the ``+ 1`` is a doorkeeper false positive).
 - ``record_many(keys)`` equals ``for k in keys: record(k)`` (aging happens at the same
-  access), except that a doorkeeper false positive *between two keys of the same batch*
+  access), except that on the vectorised path (batches of 4096 keys or more; 48 without
+  the C extension) a doorkeeper false positive *between two keys of the same batch*
   is not seen: both keys count as first accesses. This is rare, and the estimate is then
   one lower than the scalar path's but still never below the true count.
 - Keys are ints of any size, taken mod 2**64 (the block index passes 64-bit keys cut from
@@ -31,13 +32,17 @@ Contracts a caller may rely on:
   ints; batch calls also take integer ndarrays (uint64 arrays cost nothing to convert).
   No salted hash is involved, so decisions are identical across processes and runs.
 
-Performance: a scalar call is a few dozen bytecodes (~1.5 µs here, ~8-15x a dict update),
-so per-block work belongs in the batch calls (``record_many``, ``estimate_many``,
-``admit_many``, ``admit_in_order``), which are numpy-vectorised: with a few thousand keys
-per call they cost less than a dict update per key; with ~100 keys per call numpy's fixed
-cost per call dominates, so batch across requests where the caller can (replay can).
-The scalar calls touch the table through a ``bytearray`` that shares memory with the numpy
-view, because indexing a ``bytearray`` is several times faster than indexing an ndarray.
+Performance: the per-key paths (``record``, ``estimate``, ``admit`` and ``record_many``
+below 4096 keys) run in C (``pegaflow/native/sketch.c``, built by the install as
+``pegaflow._sketch``) on the same two buffers: tens of ns a key, exactly the scalar
+semantics (so a request's ~30 keys cost less than numpy's fixed cost per call). The
+pure-Python scalar code below is the fallback for a source tree without the build and the
+reference the C code is tested against; ``native`` says which one runs. Larger batches and
+``estimate_many``, ``admit_many``, ``admit_in_order`` are numpy-vectorised (with the
+in-batch doorkeeper exception above). In Python a scalar call is a few dozen bytecodes
+(~1.5 µs here), and it touches the table through a ``bytearray`` that shares memory with
+the numpy view, because indexing a ``bytearray`` is several times faster than indexing an
+ndarray.
 
 Not done (as in Caffeine's simple mode): no random admission of warm candidates against
 hash-flooding adversaries; block hashes are not attacker-chosen here.
@@ -49,6 +54,11 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
+
+try:  # built by the install from pegaflow/native/sketch.c
+    from pegaflow._sketch import Sketch as _Sketch
+except ImportError:  # pragma: no cover - a source tree without the build: pure Python below
+    _Sketch = None
 
 # Counters per sketch row for each cache entry: with width = 4 x capacity and the default
 # sample of 10 x capacity accesses, the mean collision noise per counter stays below 2.5
@@ -64,6 +74,10 @@ COUNTER_MAX = 15
 # Below this many keys record_many loops over record: numpy's fixed cost per call (~100
 # small array operations) exceeds the per-key Python cost of short batches.
 _SCALAR_BELOW = 48
+# With the C paths, record_many is record per key below this many keys (~20 ns a key);
+# from here on it takes the vectorised path, whose in-batch doorkeeper approximation is
+# part of the contract above.
+_NATIVE_BELOW = 4096
 # record_many works in chunks of at most 2**20 keys so that a key's position in its chunk
 # fits the 20 low bits of the sort tag used to find first occurrences.
 _POS_BITS = 20
@@ -137,6 +151,7 @@ class TinyLFU:
         "_row_base_nibbles",
         "_row_steps",
         "_nib_u32",
+        "_core",
     )
 
     def __init__(
@@ -180,6 +195,22 @@ class TinyLFU:
         self._row_base_nibbles = (np.arange(self.depth, dtype=np.int64) * self.width)[:, None]
         self._row_steps = np.arange(self.depth, dtype=np.int64)[:, None]
         self._nib_u32 = self.depth * self.width <= (1 << 32)
+        # The per-key paths in C on the same two buffers, when the extension is built.
+        self._core = (
+            None
+            if _Sketch is None
+            else _Sketch(
+                self._buf,
+                self._dbuf,
+                self.depth,
+                self.width,
+                self.doorkeeper_bits,
+                self._door_step0,
+                self._seed_mix,
+                self.sample_size,
+                self._use_doorkeeper,
+            )
+        )
 
     # --- properties ---------------------------------------------------------------------
 
@@ -192,6 +223,11 @@ class TinyLFU:
     def samples(self) -> int:
         """Accesses recorded since the last aging (after an aging: half the sample size)."""
         return self._samples
+
+    @property
+    def native(self) -> bool:
+        """True when the per-key paths run in C (``pegaflow._sketch`` is built)."""
+        return self._core is not None
 
     @property
     def nbytes(self) -> int:
@@ -210,6 +246,10 @@ class TinyLFU:
 
     def record(self, key: int) -> None:
         """Count one access of ``key``; ages the sketch when the sample period is full."""
+        if self._core is not None:
+            self._samples, aged = self._core.record(key, self._samples)
+            self.agings += aged
+            return
         x = (((key & _M64) ^ self._seed_mix) * _C1) & _M64
         x ^= x >> 29
         x = (x * _C2) & _M64
@@ -242,6 +282,8 @@ class TinyLFU:
 
     def estimate(self, key: int) -> int:
         """Estimated accesses of ``key`` in the current sample period (0..16, never low)."""
+        if self._core is not None:
+            return self._core.estimate(key)
         x = (((key & _M64) ^ self._seed_mix) * _C1) & _M64
         x ^= x >> 29
         x = (x * _C2) & _M64
@@ -273,7 +315,8 @@ class TinyLFU:
         Ties reject: replacing an equally popular resident only costs a write. The caller
         records the candidate's access (``record``) before asking, as TinyLFU prescribes.
         """
-        if self.estimate(candidate) > self.estimate(victim):
+        core = self._core
+        if core.admit(candidate, victim) if core is not None else self.estimate(candidate) > self.estimate(victim):
             self.admitted += 1
             return True
         self.rejected += 1
@@ -369,6 +412,12 @@ class TinyLFU:
     def record_many(self, keys: Sequence[int] | np.ndarray) -> None:
         """Count one access per element of ``keys`` (repeats count repeatedly), vectorised."""
         n = len(keys)
+        if self._core is not None and n < _NATIVE_BELOW:
+            if isinstance(keys, np.ndarray):
+                keys = np.ascontiguousarray(reduce_keys(keys))
+            self._samples, aged = self._core.record_many(keys, self._samples)
+            self.agings += aged
+            return
         if n < _SCALAR_BELOW:
             record = self.record
             for k in keys.tolist() if isinstance(keys, np.ndarray) else keys:

@@ -154,3 +154,13 @@ def test_random_hashes_round_trip():
     keys = [os.urandom(16) for _ in range(32)]
     idx.commit([b for b in idx.reserve(ns, keys) if b])
     assert [b.hash for b in idx.prefix(ns, keys)] == keys
+
+
+def test_block_keys_in_c_equal_block_key():
+    from pegaflow.node import block_index
+
+    assert block_index._native_block_keys is not None, "pegaflow._sketch is not built"
+    hashes = [os.urandom(16) for _ in range(500)] + [h(0), h(2**128 - 1)]
+    for salt in (0, 1, 2**64 - 1, block_index.namespace_salt("ns")):
+        assert block_index.block_keys(salt, hashes) == [block_index.block_key(salt, x) for x in hashes]
+        assert block_index.block_keys(salt, iter(hashes)) == [block_index.block_key(salt, x) for x in hashes]

@@ -290,3 +290,44 @@ def test_exact_counter_agrees_on_small_distinct_sets() -> None:
     lfu.record_many(trace)
     exact = Counter(trace)
     assert {k: lfu.estimate(k) for k in exact} == {k: min(c, 16) for k, c in exact.items()}
+
+
+def _pure_python(lfu: TinyLFU) -> TinyLFU:
+    """The same sketch with the C paths switched off: the reference they must equal."""
+    lfu._core = None
+    return lfu
+
+
+def test_native_paths_are_built_and_equal_the_python_paths() -> None:
+    assert TinyLFU(10).native, "pegaflow._sketch is not built: run pip install -e . (or build_ext --inplace)"
+    rng = random.Random(11)
+    universe = [rng.getrandbits(128) for _ in range(1200)] + list(range(-300, 900))
+    trace = [rng.choice(universe) for _ in range(9000)]  # > 2 sample periods: crosses aging
+    for doorkeeper in (True, False):
+        native = TinyLFU(300, seed=7, doorkeeper=doorkeeper)
+        python = _pure_python(TinyLFU(300, seed=7, doorkeeper=doorkeeper))
+        for i in range(0, len(trace), 37):
+            chunk = trace[i : i + 37]
+            native.record_many(chunk)
+            for k in chunk:
+                python.record(k)
+            native.record(chunk[0])
+            python.record(chunk[0])
+        assert native.agings == python.agings >= 2
+        assert native.samples == python.samples
+        assert np.array_equal(native.table, python.table)
+        assert np.array_equal(native.door, python.door)
+        assert [native.estimate(k) for k in universe] == [python.estimate(k) for k in universe]
+        pairs = [(rng.choice(universe), rng.choice(universe)) for _ in range(500)]
+        assert [native.admit(c, v) for c, v in pairs] == [python.admit(c, v) for c, v in pairs]
+        assert (native.admitted, native.rejected) == (python.admitted, python.rejected)
+
+
+def test_native_record_many_takes_uint64_arrays_and_rejects_bad_keys() -> None:
+    a, b = TinyLFU(100), TinyLFU(100)
+    keys = [0, 7, 2**64 - 1, 2**63] * 5
+    a.record_many(keys)
+    b.record_many(np.repeat(np.array(keys, dtype=np.uint64), 2)[::2])  # a strided view
+    assert np.array_equal(a.table, b.table) and np.array_equal(a.door, b.door)
+    with pytest.raises(TypeError):
+        a.record_many(["not a key"])
