@@ -60,5 +60,6 @@ setup(
     ext_modules=[
         Extension("pegaflow._pagecopy", ["pegaflow/native/pagecopy.c"], extra_compile_args=["-O3"]),
         Extension("pegaflow._sketch", ["pegaflow/native/sketch.c"], extra_compile_args=["-O3"]),
+        Extension("pegaflow._blockindex", ["pegaflow/native/blockindex.c"], extra_compile_args=["-O3"]),
     ],
 )

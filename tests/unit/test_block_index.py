@@ -164,3 +164,23 @@ def test_block_keys_in_c_equal_block_key():
     for salt in (0, 1, 2**64 - 1, block_index.namespace_salt("ns")):
         assert block_index.block_keys(salt, hashes) == [block_index.block_key(salt, x) for x in hashes]
         assert block_index.block_keys(salt, iter(hashes)) == [block_index.block_key(salt, x) for x in hashes]
+
+
+def test_native_block_behaves_like_the_python_block():
+    from pegaflow.node import block_index
+
+    assert block_index.Block is not block_index.PyBlock, "pegaflow._blockindex is not built"
+    idx = BlockIndex(1 << 20)
+    ns = idx.namespace("a", 4096)
+    for cls in (block_index.Block, block_index.PyBlock):
+        b = cls(ns, h(7), 8192)
+        assert (b.ns, b.hash, b.offset, b.size, b.state, b.pins, b.reclaimable) == (ns, h(7), 8192, 4096, 0, 0, False)
+        assert b.key == (ns.id, h(7))
+        assert repr(b) == "Block(ns='a', hash=070000000000, offset=8192, pins=0)"
+        b.pins += 2
+        b.state = RESIDENT
+        assert (b.pins, b.state) == (2, RESIDENT)
+        assert cls(ns, h(1), 0, True).reclaimable is True
+        assert cls(ns, h(1), 0, reclaimable=True).reclaimable is True
+        assert b != cls(ns, h(7), 8192) and len({b, cls(ns, h(7), 8192)}) == 2  # identity, like the index's LRU
+    assert all(type(b) is block_index.Block for b in fill(idx, ns, [1, 2]))
