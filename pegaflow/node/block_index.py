@@ -310,6 +310,17 @@ class BlockIndex:
         prefix lookups could not use them). Never blocks: a full pool of pinned pages
         just yields fewer pages.
         """
+        return self._reserve(ns, hashes, reclaimable, False)  # type: ignore[return-value]
+
+    def insert(self, ns: Namespace, hashes: Sequence[bytes], reclaimable: bool = False) -> list[Block]:
+        """``commit`` of the pages ``reserve`` gives, in one pass: for a writer whose pages
+        are complete as soon as they are placed (``pegaflow replay``'s tiers). The same
+        rules, victims and events as the two calls; returns the blocks made RESIDENT."""
+        return self._reserve(ns, hashes, reclaimable, True)  # type: ignore[return-value]
+
+    def _reserve(
+        self, ns: Namespace, hashes: Sequence[bytes], reclaimable: bool, commit: bool
+    ) -> list[Block | None] | list[Block]:
         out: list[Block | None] = []
         blocks = self._table(ns.id)
         tables = self._blocks
@@ -324,15 +335,21 @@ class BlockIndex:
         simple = not self._lru_reclaimable
         adm = self.admission
         salt = ns.salt
+        # Victims come out of this namespace's table when it is the only one (saves a lookup).
+        single = len(tables) == 1
         evicted: list[Block] = []
         full = False
-        made = 0
+        made: list[Block] = []
         for h in hashes:
             existing = blocks.get(h)
             if full or existing is not None:
                 if existing is not None and existing.state == RESIDENT:
-                    self.touch((existing,))
-                out.append(None)
+                    if adm is None and not existing.pins and not existing.reclaimable:
+                        lru.move_to_end(existing)  # what touch() does for it, minus the call
+                    else:
+                        self.touch((existing,))
+                if not commit:
+                    out.append(None)
                 continue
             if alloc.free_bytes >= need:  # else alloc() would raise; exceptions are slow
                 try:
@@ -351,7 +368,10 @@ class BlockIndex:
                     self.admission_rejections += 1
                     offset = None
                 else:
-                    del tables[victim.ns.id][victim.hash]
+                    if single:
+                        del blocks[victim.hash]
+                    else:
+                        del tables[victim.ns.id][victim.hash]
                     evicted.append(victim)
                     offset = victim.offset
             else:
@@ -359,13 +379,14 @@ class BlockIndex:
             if offset is None:
                 full = True
                 self.no_space += 1
-                out.append(None)
+                if not commit:
+                    out.append(None)
                 continue
             b = Block(ns, h, offset, reclaimable)
             blocks[h] = b
-            made += 1
-            out.append(b)
-        self._pending += made
+            made.append(b)
+            if not commit:
+                out.append(b)
         if evicted:
             k = len(evicted)
             self.resident_blocks -= k
@@ -375,7 +396,19 @@ class BlockIndex:
             if self._listeners:
                 for ens, hs in _group(evicted).items():
                     self._emit("evict", ens, hs)
-        return out
+        if not commit:
+            self._pending += len(made)
+            return out
+        # commit(made): fresh blocks are current, unpinned and in this call's order.
+        order = self._lru_reclaimable if reclaimable else lru
+        for b in made:
+            b.state = RESIDENT
+            order[b] = None
+        self.resident_blocks += len(made)
+        self.resident_bytes += len(made) * size
+        if self._listeners and made:
+            self._emit("insert", ns, [b.hash for b in made])
+        return made
 
     def commit(self, pending: Sequence[Block]) -> list[Block]:
         """Make PENDING blocks RESIDENT (visible). Returns the blocks committed."""

@@ -7,7 +7,8 @@ What is modelled, and how (also in ``docs/replay.md``):
   (:class:`~pegaflow.policy.tinylfu.TinyLFU`, sized to the L1 capacity in blocks). A
   request is served exactly as the node serves it: ``prefix`` (hits are touched and
   recorded), ``record_access`` for the rest, then ``reserve`` + ``commit`` of the blocks
-  the engine computed (the node's Query, Reserve, Commit).
+  the engine computed (the node's Query, Reserve, Commit), in one pass
+  (``BlockIndex.insert``: the same rules, victims and events as the two calls).
 - **SSD** is a second ``BlockIndex`` per pool (plain LRU). With ``ssd_writes="evictions"``
   it receives every block evicted from L1 (a victim tier); with ``"commits"`` every block
   committed into L1, as the node's write-behind does. Writes land after the request; a
@@ -151,7 +152,7 @@ class Pool:
         if self.ssd is None:
             rest = hashes[pos:]
             l1.record_access(ns, rest)
-            l1.commit(list(filter(None, l1.reserve(ns, rest))))
+            l1.insert(ns, rest)
             return pos, []
         ssd = self.ssd.index
         sns = self.ssd.ns[namespace]
@@ -167,7 +168,7 @@ class Pool:
             pos += len(l1.prefix(ns, hashes[pos:]))
         store += hashes[pos:]
         l1.record_access(ns, store)
-        l1.commit(list(filter(None, l1.reserve(ns, store))))
+        l1.insert(ns, store)
         self._flush_ssd()
         return pos, runs
 
@@ -176,7 +177,7 @@ class Pool:
         if self._to_ssd and self.ssd is not None:
             ssd = self.ssd.index
             for name, hs in self._to_ssd:
-                ssd.commit(list(filter(None, ssd.reserve(self.ssd.ns[name], hs))))
+                ssd.insert(self.ssd.ns[name], hs)
             self._to_ssd.clear()
 
 
