@@ -319,3 +319,22 @@ def test_several_threads_have_calls_in_flight_on_their_own_sockets(node):
         st = c.stats()
         assert st.resident_blocks == threads * rounds * 3 and st.active_leases == 0
     assert rpc_counts(node, "local")[("Query", "OK")] == threads * rounds
+
+
+def test_a_timed_out_call_drops_its_socket_so_a_late_reply_is_never_read_as_the_next(node):
+    c = PegaClient(node.addr, timeout=0.5)
+    c.register({"m": PAGE})
+    hs = hashes("late", 2)
+    r = c.reserve("m", hs)
+    c.commit(r.reservation_id)
+    node.proc.send_signal(signal.SIGSTOP)
+    try:
+        with pytest.raises(NodeUnavailable):
+            c.query(["m"], hs, lease=False)  # its reply comes only after SIGCONT
+    finally:
+        node.proc.send_signal(signal.SIGCONT)
+    other = hashes("other", 3)
+    q = c.query(["m"], other, lease=False)  # a fresh socket: this reply, not the late one
+    assert (q.hit_blocks, q.offsets["m"]) == (0, [])
+    assert c.query(["m"], hs, lease=False).hit_blocks == 2 and c.transport == "local"
+    c.close()
