@@ -170,8 +170,386 @@ static PyTypeObject BlockType = {
     .tp_getset = Block_getset,
 };
 
+
+/* ---- LRU: the index's eviction order, an OrderedDict[Block, None] in what the index uses.
+ *
+ * Keys by identity (as Block hashes and compares), values always None. Methods and
+ * semantics are OrderedDict's: setting a present key keeps its place, move_to_end(k, last)
+ * and popitem(last) and pop(k[, default]) raise KeyError as OrderedDict does, iteration is
+ * oldest first and fails if the order changes under it. Why not OrderedDict: each of its
+ * operations is a dict operation plus a lookup in a second index of its linked list
+ * (2-4 hash probes, ~130 ns here); this is one probe into a table of node numbers and a
+ * doubly linked list of nodes in one array. */
+
+typedef struct {
+    PyObject *key; /* NULL for a free node */
+    Py_ssize_t prev, next;
+} Node;
+
+typedef struct {
+    PyObject_HEAD
+    Node *nodes;
+    Py_ssize_t nodes_cap, free_node; /* free nodes are chained through next */
+    Py_ssize_t head, tail, len;      /* head: oldest; -1 when empty */
+    Py_ssize_t *slots;               /* node number, EMPTY or TOMB */
+    Py_ssize_t mask, used;           /* used: live + tombstones */
+    unsigned long long version;
+} LRU;
+
+#define EMPTY (-1)
+#define TOMB (-2)
+
+static inline size_t ptr_hash(PyObject *k) {
+    size_t x = (size_t)k >> 4;
+    return (size_t)(x * 0x9E3779B97F4A7C15ULL) >> 7;
+}
+
+/* Slot of key, or -1; *ins (if given) gets the slot to insert into when absent. */
+static inline Py_ssize_t find_slot(LRU *l, PyObject *key, Py_ssize_t *ins) {
+    size_t i = ptr_hash(key) & (size_t)l->mask;
+    Py_ssize_t first_tomb = -1;
+    for (;;) {
+        Py_ssize_t n = l->slots[i];
+        if (n == EMPTY) {
+            if (ins) *ins = first_tomb >= 0 ? first_tomb : (Py_ssize_t)i;
+            return -1;
+        }
+        if (n == TOMB) {
+            if (first_tomb < 0) first_tomb = (Py_ssize_t)i;
+        } else if (l->nodes[n].key == key) {
+            return (Py_ssize_t)i;
+        }
+        i = (i + 1) & (size_t)l->mask;
+    }
+}
+
+static int rehash(LRU *l, Py_ssize_t nslots) {
+    Py_ssize_t *slots = PyMem_Malloc(sizeof(Py_ssize_t) * nslots);
+    if (slots == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < nslots; i++) slots[i] = EMPTY;
+    size_t mask = (size_t)nslots - 1;
+    for (Py_ssize_t n = l->head; n >= 0; n = l->nodes[n].next) {
+        size_t i = ptr_hash(l->nodes[n].key) & mask;
+        while (slots[i] != EMPTY) i = (i + 1) & mask;
+        slots[i] = n;
+    }
+    PyMem_Free(l->slots);
+    l->slots = slots;
+    l->mask = nslots - 1;
+    l->used = l->len;
+    return 0;
+}
+
+static inline void unlink_node(LRU *l, Py_ssize_t n) {
+    Node *x = &l->nodes[n];
+    if (x->prev >= 0) l->nodes[x->prev].next = x->next; else l->head = x->next;
+    if (x->next >= 0) l->nodes[x->next].prev = x->prev; else l->tail = x->prev;
+}
+
+static inline void link_tail(LRU *l, Py_ssize_t n) {
+    Node *x = &l->nodes[n];
+    x->prev = l->tail;
+    x->next = -1;
+    if (l->tail >= 0) l->nodes[l->tail].next = n; else l->head = n;
+    l->tail = n;
+}
+
+static inline void link_head(LRU *l, Py_ssize_t n) {
+    Node *x = &l->nodes[n];
+    x->next = l->head;
+    x->prev = -1;
+    if (l->head >= 0) l->nodes[l->head].prev = n; else l->tail = n;
+    l->head = n;
+}
+
+/* Appends key (new reference taken) at the newest end; no-op if present. */
+static int lru_add(LRU *l, PyObject *key) {
+    Py_ssize_t ins = -1;
+    if (find_slot(l, key, &ins) >= 0) return 0;
+    if (l->free_node < 0) {
+        Py_ssize_t cap = l->nodes_cap ? l->nodes_cap * 2 : 64;
+        Node *nodes = PyMem_Realloc(l->nodes, sizeof(Node) * cap);
+        if (nodes == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        for (Py_ssize_t i = l->nodes_cap; i < cap; i++) {
+            nodes[i].key = NULL;
+            nodes[i].next = i + 1 < cap ? i + 1 : -1;
+        }
+        l->free_node = l->nodes_cap;
+        l->nodes = nodes;
+        l->nodes_cap = cap;
+    }
+    Py_ssize_t n = l->free_node;
+    l->free_node = l->nodes[n].next;
+    Py_INCREF(key);
+    l->nodes[n].key = key;
+    link_tail(l, n);
+    if (l->slots[ins] == EMPTY) l->used++;
+    l->slots[ins] = n;
+    l->len++;
+    l->version++;
+    if (l->used * 3 >= (l->mask + 1) * 2) {
+        Py_ssize_t nslots = l->mask + 1;
+        while (l->len * 3 >= nslots) nslots *= 2; /* after: at most a third full */
+        if (rehash(l, nslots) < 0) return -1;
+    }
+    return 0;
+}
+
+/* Removes the key at slot i; returns its reference (the caller owns it). */
+static inline PyObject *lru_take(LRU *l, Py_ssize_t i) {
+    Py_ssize_t n = l->slots[i];
+    PyObject *key = l->nodes[n].key;
+    unlink_node(l, n);
+    l->nodes[n].key = NULL;
+    l->nodes[n].next = l->free_node;
+    l->free_node = n;
+    l->slots[i] = TOMB;
+    l->len--;
+    l->version++;
+    return key;
+}
+
+static PyObject *LRU_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    if (PyTuple_GET_SIZE(args) || (kwds && PyDict_GET_SIZE(kwds))) {
+        PyErr_SetString(PyExc_TypeError, "LRU() takes no arguments");
+        return NULL;
+    }
+    LRU *l = (LRU *)type->tp_alloc(type, 0);
+    if (l == NULL) return NULL;
+    l->head = l->tail = l->free_node = -1;
+    l->slots = PyMem_Malloc(sizeof(Py_ssize_t) * 8);
+    if (l->slots == NULL) {
+        Py_DECREF(l);
+        return PyErr_NoMemory();
+    }
+    for (int i = 0; i < 8; i++) l->slots[i] = EMPTY;
+    l->mask = 7;
+    return (PyObject *)l;
+}
+
+static int LRU_clear(LRU *l) {
+    for (Py_ssize_t n = l->head; n >= 0;) {
+        Py_ssize_t next = l->nodes[n].next;
+        Py_CLEAR(l->nodes[n].key);
+        n = next;
+    }
+    l->head = l->tail = -1;
+    l->len = 0;
+    if (l->nodes != NULL) { /* every node free again */
+        for (Py_ssize_t i = 0; i < l->nodes_cap; i++) l->nodes[i].next = i + 1 < l->nodes_cap ? i + 1 : -1;
+        l->free_node = l->nodes_cap ? 0 : -1;
+    }
+    if (l->slots != NULL) {
+        for (Py_ssize_t i = 0; i <= l->mask; i++) l->slots[i] = EMPTY;
+    }
+    l->used = 0;
+    l->version++;
+    return 0;
+}
+
+static int LRU_traverse(LRU *l, visitproc visit, void *arg) {
+    for (Py_ssize_t n = l->head; n >= 0; n = l->nodes[n].next) Py_VISIT(l->nodes[n].key);
+    return 0;
+}
+
+static void LRU_dealloc(LRU *l) {
+    PyObject_GC_UnTrack(l);
+    LRU_clear(l);
+    PyMem_Free(l->nodes);
+    PyMem_Free(l->slots);
+    Py_TYPE(l)->tp_free((PyObject *)l);
+}
+
+static Py_ssize_t LRU_length(LRU *l) { return l->len; }
+
+static int LRU_contains(LRU *l, PyObject *key) { return find_slot(l, key, NULL) >= 0; }
+
+static int LRU_ass_sub(LRU *l, PyObject *key, PyObject *value) {
+    if (value != NULL) return lru_add(l, key);
+    Py_ssize_t i = find_slot(l, key, NULL);
+    if (i < 0) {
+        PyErr_SetObject(PyExc_KeyError, key);
+        return -1;
+    }
+    Py_DECREF(lru_take(l, i));
+    return 0;
+}
+
+static PyObject *LRU_subscript(LRU *l, PyObject *key) {
+    if (find_slot(l, key, NULL) < 0) {
+        PyErr_SetObject(PyExc_KeyError, key);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static int parse_last(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, Py_ssize_t first, int *last,
+                      const char *what) {
+    *last = 1;
+    PyObject *v = NULL;
+    if (nargs > first + 1) {
+        PyErr_Format(PyExc_TypeError, "%s: too many arguments", what);
+        return -1;
+    }
+    if (nargs == first + 1) v = args[first];
+    if (kwnames != NULL) {
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(kwnames); i++) {
+            PyObject *name = PyTuple_GET_ITEM(kwnames, i);
+            if (v != NULL || !PyUnicode_Check(name) || PyUnicode_CompareWithASCIIString(name, "last") != 0) {
+                PyErr_Format(PyExc_TypeError, "%s: unexpected keyword argument", what);
+                return -1;
+            }
+            v = args[nargs + i];
+        }
+    }
+    if (v != NULL) {
+        int t = PyObject_IsTrue(v);
+        if (t < 0) return -1;
+        *last = t;
+    }
+    return 0;
+}
+
+/* move_to_end(key, last=True) */
+static PyObject *LRU_move_to_end(LRU *l, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    int last;
+    if (nargs < 1) {
+        PyErr_SetString(PyExc_TypeError, "move_to_end(key, last=True)");
+        return NULL;
+    }
+    if (parse_last(args, nargs, kwnames, 1, &last, "move_to_end") < 0) return NULL;
+    Py_ssize_t i = find_slot(l, args[0], NULL);
+    if (i < 0) {
+        PyErr_SetObject(PyExc_KeyError, args[0]);
+        return NULL;
+    }
+    Py_ssize_t n = l->slots[i];
+    if (last ? l->tail != n : l->head != n) {
+        unlink_node(l, n);
+        if (last) link_tail(l, n); else link_head(l, n);
+        l->version++;
+    }
+    Py_RETURN_NONE;
+}
+
+/* popitem(last=True) -> (key, None) */
+static PyObject *LRU_popitem(LRU *l, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    int last;
+    if (parse_last(args, nargs, kwnames, 0, &last, "popitem") < 0) return NULL;
+    if (l->len == 0) {
+        PyErr_SetString(PyExc_KeyError, "dictionary is empty");
+        return NULL;
+    }
+    PyObject *key = l->nodes[last ? l->tail : l->head].key;
+    Py_ssize_t i = find_slot(l, key, NULL);
+    key = lru_take(l, i);
+    PyObject *out = PyTuple_Pack(2, key, Py_None);
+    Py_DECREF(key);
+    return out;
+}
+
+/* pop(key[, default]) -> None (the value) or default */
+static PyObject *LRU_pop(LRU *l, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "pop(key[, default])");
+        return NULL;
+    }
+    Py_ssize_t i = find_slot(l, args[0], NULL);
+    if (i < 0) {
+        if (nargs == 2) return Py_NewRef(args[1]);
+        PyErr_SetObject(PyExc_KeyError, args[0]);
+        return NULL;
+    }
+    Py_DECREF(lru_take(l, i));
+    Py_RETURN_NONE;
+}
+
+typedef struct {
+    PyObject_HEAD
+    LRU *lru;
+    Py_ssize_t node;
+    unsigned long long version;
+} LRUIter;
+
+static PyTypeObject LRUIterType;
+
+static PyObject *LRU_iter(LRU *l) {
+    LRUIter *it = PyObject_New(LRUIter, &LRUIterType);
+    if (it == NULL) return NULL;
+    Py_INCREF(l);
+    it->lru = l;
+    it->node = l->head;
+    it->version = l->version;
+    return (PyObject *)it;
+}
+
+static void LRUIter_dealloc(LRUIter *it) {
+    Py_DECREF(it->lru);
+    PyObject_Free(it);
+}
+
+static PyObject *LRUIter_next(LRUIter *it) {
+    if (it->version != it->lru->version) {
+        PyErr_SetString(PyExc_RuntimeError, "LRU mutated during iteration");
+        return NULL;
+    }
+    if (it->node < 0) return NULL;
+    Node *x = &it->lru->nodes[it->node];
+    it->node = x->next;
+    return Py_NewRef(x->key);
+}
+
+static PyTypeObject LRUIterType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "pegaflow._blockindex.LRUIterator",
+    .tp_basicsize = sizeof(LRUIter),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_dealloc = (destructor)LRUIter_dealloc,
+    .tp_iter = PyObject_SelfIter,
+    .tp_iternext = (iternextfunc)LRUIter_next,
+};
+
+static PyMappingMethods LRU_as_mapping = {
+    .mp_length = (lenfunc)LRU_length,
+    .mp_subscript = (binaryfunc)LRU_subscript,
+    .mp_ass_subscript = (objobjargproc)LRU_ass_sub,
+};
+
+static PySequenceMethods LRU_as_sequence = {
+    .sq_contains = (objobjproc)LRU_contains,
+};
+
+static PyMethodDef LRU_methods[] = {
+    {"move_to_end", (PyCFunction)(void (*)(void))LRU_move_to_end, METH_FASTCALL | METH_KEYWORDS,
+     "move_to_end(key, last=True): to the newest (or, last=False, oldest) end; KeyError if absent."},
+    {"popitem", (PyCFunction)(void (*)(void))LRU_popitem, METH_FASTCALL | METH_KEYWORDS,
+     "popitem(last=True) -> (key, None): remove the newest (or oldest) entry."},
+    {"pop", (PyCFunction)(void (*)(void))LRU_pop, METH_FASTCALL, "pop(key[, default])."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject LRUType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "pegaflow._blockindex.LRU",
+    .tp_basicsize = sizeof(LRU),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "An insertion-ordered set of objects by identity with OrderedDict's methods (the index's LRU).",
+    .tp_new = LRU_new,
+    .tp_dealloc = (destructor)LRU_dealloc,
+    .tp_traverse = (traverseproc)LRU_traverse,
+    .tp_clear = (inquiry)LRU_clear,
+    .tp_as_mapping = &LRU_as_mapping,
+    .tp_as_sequence = &LRU_as_sequence,
+    .tp_iter = (getiterfunc)LRU_iter,
+    .tp_methods = LRU_methods,
+};
+
 static struct PyModuleDef blockindex_module = {
-    PyModuleDef_HEAD_INIT, "_blockindex", "The block index's Block in C (see pegaflow/node/block_index.py).", -1,
+    PyModuleDef_HEAD_INIT, "_blockindex", "The block index's Block and LRU in C (see pegaflow/node/block_index.py).", -1,
     NULL,
 };
 
@@ -182,12 +560,18 @@ PyMODINIT_FUNC PyInit__blockindex(void) {
     zero = PyLong_FromLong(0);
     if (zero == NULL) return NULL;
     if (str_page_bytes == NULL || str_id == NULL || str_name == NULL) return NULL;
-    if (PyType_Ready(&BlockType) < 0) return NULL;
+    if (PyType_Ready(&BlockType) < 0 || PyType_Ready(&LRUType) < 0 || PyType_Ready(&LRUIterType) < 0) return NULL;
     PyObject *m = PyModule_Create(&blockindex_module);
     if (m == NULL) return NULL;
     Py_INCREF(&BlockType);
     if (PyModule_AddObject(m, "Block", (PyObject *)&BlockType) < 0) {
         Py_DECREF(&BlockType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&LRUType);
+    if (PyModule_AddObject(m, "LRU", (PyObject *)&LRUType) < 0) {
+        Py_DECREF(&LRUType);
         Py_DECREF(m);
         return NULL;
     }

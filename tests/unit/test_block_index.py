@@ -1,5 +1,7 @@
 import os
 
+import pytest
+
 from pegaflow.node.block_index import RESIDENT, BlockIndex
 
 
@@ -237,3 +239,47 @@ def test_insert_equals_reserve_then_commit():
         assert a == b
         assert a[2][2] > 100  # evictions happened: the comparison is not vacuous
         assert (a[3] > 10) == bool(seed % 2)
+
+
+def test_native_lru_behaves_like_ordereddict():
+    import random
+    from collections import OrderedDict
+
+    from pegaflow.node import block_index
+
+    assert block_index._NativeLRU is not None, "pegaflow._blockindex is not built"
+    rng = random.Random(1)
+    keys = [object() for _ in range(150)]
+    ref, lru = OrderedDict(), block_index._NativeLRU()
+    ops = [
+        lambda d, k: d.__setitem__(k, None),
+        lambda d, k: d.move_to_end(k),
+        lambda d, k: d.move_to_end(k, last=False),
+        lambda d, k: d.popitem(last=False),
+        lambda d, k: d.popitem(),
+        lambda d, k: d.pop(k, "absent"),
+        lambda d, k: d.pop(k),
+        lambda d, k: d.__delitem__(k),
+        lambda d, k: d[k],
+        lambda d, k: k in d,
+        lambda d, k: len(d),
+    ]
+    for step in range(60_000):
+        op, k = rng.choice(ops), rng.choice(keys)
+        outcomes = []
+        for d in (ref, lru):
+            try:
+                outcomes.append(("ok", op(d, k)))
+            except KeyError:
+                outcomes.append(("KeyError", None))
+        assert outcomes[0] == outcomes[1], (step, outcomes)
+        if step % 997 == 0:
+            assert list(ref) == list(lru) and bool(ref) == bool(lru)
+    assert list(ref) == list(lru)
+    for k in keys[:3]:
+        lru[k] = None
+    it = iter(lru)
+    next(it)
+    lru.move_to_end(next(iter(lru)))
+    with pytest.raises(RuntimeError):
+        next(it)  # mutated during iteration, as OrderedDict refuses too
