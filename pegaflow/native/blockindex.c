@@ -548,9 +548,104 @@ static PyTypeObject LRUType = {
     .tp_methods = LRU_methods,
 };
 
+
+/* ---- place: the block index's reserve/insert loop for its steady state, in C.
+ *
+ * place(blocks, lru, ns, hashes, start, reclaimable, made, evicted, out) -> stop
+ *
+ * Runs BlockIndex._reserve's loop over hashes[start:] for as long as every step is one
+ * of its two common cases, and returns the index of the first hash it left to the
+ * Python loop (len(hashes) when it did them all). The caller guarantees the rest of the
+ * case: one namespace's table (blocks), no admission, no reclaimable LRU, and no free
+ * page in the pool (so every new block takes the LRU head's page). The two cases:
+ *
+ * - the hash is in blocks: out gets None; a RESIDENT, unpinned, local block is moved to
+ *   the newest end of lru (what touch() does). A pinned or reclaimable one stops here.
+ * - it is not: the LRU head (a Block of ns's page size, else stop; none, stop) is popped
+ *   and dropped from blocks, appended to evicted, and a new PENDING Block(ns, hash,
+ *   victim.offset, reclaimable) takes its place in blocks and is appended to made
+ *   (and to out, unless out is None).
+ *
+ * The Python loop stays the definition; tests run both on the same operations. */
+static PyObject *place(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "place(blocks, lru, ns, hashes, start, reclaimable, made, evicted, out)");
+        return NULL;
+    }
+    PyObject *blocks = args[0], *ns = args[2], *hashes = args[3], *reclaimable = args[5];
+    PyObject *made = args[6], *evicted = args[7], *out = args[8];
+    if (!PyDict_CheckExact(blocks) || Py_TYPE(args[1]) != &LRUType || !PyList_CheckExact(hashes) ||
+        !PyList_CheckExact(made) || !PyList_CheckExact(evicted) || (out != Py_None && !PyList_CheckExact(out))) {
+        PyErr_SetString(PyExc_TypeError, "place: dict, LRU, namespace, list, int, bool, list, list, list or None");
+        return NULL;
+    }
+    LRU *lru = (LRU *)args[1];
+    Py_ssize_t i = PyLong_AsSsize_t(args[4]);
+    if (i == -1 && PyErr_Occurred()) return NULL;
+    PyObject *size = PyObject_GetAttr(ns, str_page_bytes);
+    if (size == NULL) return NULL;
+    for (; i < PyList_GET_SIZE(hashes); i++) {
+        PyObject *h = PyList_GET_ITEM(hashes, i);
+        PyObject *found = PyDict_GetItemWithError(blocks, h); /* borrowed */
+        if (found == NULL && PyErr_Occurred()) goto error;
+        if (found != NULL) {
+            if (Py_TYPE(found) != &BlockType) break;
+            Block *e = (Block *)found;
+            int resident = PyLong_CheckExact(e->state) && PyLong_AsLong(e->state) == 1;
+            if (resident) {
+                if (!PyLong_CheckExact(e->pins) || PyLong_AsLong(e->pins) != 0 || e->reclaimable != Py_False) break;
+                Py_ssize_t slot = find_slot(lru, found, NULL);
+                if (slot < 0) break;
+                Py_ssize_t n = lru->slots[slot];
+                if (lru->tail != n) {
+                    unlink_node(lru, n);
+                    link_tail(lru, n);
+                    lru->version++;
+                }
+            }
+            if (out != Py_None && PyList_Append(out, Py_None) < 0) goto error;
+            continue;
+        }
+        if (lru->head < 0) break;
+        PyObject *head = lru->nodes[lru->head].key;
+        if (Py_TYPE(head) != &BlockType) break;
+        Block *victim = (Block *)head;
+        if (victim->size != size) {
+            int eq = PyObject_RichCompareBool(victim->size, size, Py_EQ);
+            if (eq < 0) goto error;
+            if (!eq) break;
+        }
+        PyObject *vkey = lru_take(lru, find_slot(lru, head, NULL)); /* the LRU's reference */
+        if (PyDict_DelItem(blocks, victim->hash) < 0 || PyList_Append(evicted, vkey) < 0) {
+            Py_DECREF(vkey);
+            goto error;
+        }
+        PyObject *b = block_make(&BlockType, ns, h, victim->offset, reclaimable);
+        Py_DECREF(vkey);
+        if (b == NULL) goto error;
+        if (PyDict_SetItem(blocks, h, b) < 0 || PyList_Append(made, b) < 0 ||
+            (out != Py_None && PyList_Append(out, b) < 0)) {
+            Py_DECREF(b);
+            goto error;
+        }
+        Py_DECREF(b);
+    }
+    Py_DECREF(size);
+    return PyLong_FromSsize_t(i);
+error:
+    Py_DECREF(size);
+    return NULL;
+}
+
+static PyMethodDef module_methods[] = {
+    {"place", (PyCFunction)(void (*)(void))place, METH_FASTCALL,
+     "place(blocks, lru, ns, hashes, start, reclaimable, made, evicted, out) -> index it stopped at."},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef blockindex_module = {
     PyModuleDef_HEAD_INIT, "_blockindex", "The block index's Block and LRU in C (see pegaflow/node/block_index.py).", -1,
-    NULL,
+    module_methods,
 };
 
 PyMODINIT_FUNC PyInit__blockindex(void) {

@@ -49,8 +49,9 @@ except ImportError:  # pragma: no cover - a source tree without the build
 try:  # built by the install from pegaflow/native/blockindex.c
     from pegaflow._blockindex import LRU as _NativeLRU
     from pegaflow._blockindex import Block as _NativeBlock
+    from pegaflow._blockindex import place as _native_place
 except ImportError:  # pragma: no cover - a source tree without the build
-    _NativeBlock = _NativeLRU = None
+    _NativeBlock = _NativeLRU = _native_place = None
 
 HASH_BYTES = 16
 
@@ -345,6 +346,20 @@ class BlockIndex:
         evicted: list[Block] = []
         full = False
         made: list[Block] = []
+        if (
+            single
+            and adm is None
+            and simple
+            and _native_place is not None
+            and type(lru) is _NativeLRU
+            and type(hashes) is list
+            and alloc.free_bytes < need
+        ):
+            # The steady state (a full pool, plain LRU, one namespace) of the loop below,
+            # in C: it stops at the first hash that needs anything else, and the loop
+            # below takes it from there.
+            done = _native_place(blocks, lru, ns, hashes, 0, reclaimable, made, evicted, None if commit else out)
+            hashes = hashes[done:] if done else hashes
         for h in hashes:
             existing = blocks.get(h)
             if full or existing is not None:
