@@ -10,6 +10,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+#include <stdint.h>
 
 /* Every field is an object member (T_OBJECT_EX): CPython specialises reads and writes of
  * those in the interpreter (LOAD_ATTR_SLOT / STORE_ATTR_SLOT), as for a __slots__ class,
@@ -31,11 +32,16 @@ static PyObject *str_id;
 static PyObject *str_name;
 
 static PyObject *zero; /* PENDING, and no pins */
+static PyObject *one;  /* RESIDENT */
+static PyObject *str_free_bytes;
+static PyObject *str_alloc;
+static PyObject *str_state;
+static PyObject *str_salt;
+static PyObject *str_admit;
 
-static PyObject *block_make(PyTypeObject *type, PyObject *ns, PyObject *hash, PyObject *offset,
-                            PyObject *reclaimable) {
-    PyObject *size = PyObject_GetAttr(ns, str_page_bytes);
-    if (size == NULL) return NULL;
+/* A new PENDING block; size is ns.page_bytes (a new reference, stolen). */
+static PyObject *block_make_sized(PyTypeObject *type, PyObject *ns, PyObject *hash, PyObject *offset,
+                                  PyObject *reclaimable, PyObject *size) {
     Block *b = (Block *)type->tp_alloc(type, 0);
     if (b == NULL) {
         Py_DECREF(size);
@@ -56,6 +62,13 @@ static PyObject *block_make(PyTypeObject *type, PyObject *ns, PyObject *hash, Py
     Py_INCREF(reclaimable);
     b->reclaimable = reclaimable;
     return (PyObject *)b;
+}
+
+static PyObject *block_make(PyTypeObject *type, PyObject *ns, PyObject *hash, PyObject *offset,
+                            PyObject *reclaimable) {
+    PyObject *size = PyObject_GetAttr(ns, str_page_bytes);
+    if (size == NULL) return NULL;
+    return block_make_sized(type, ns, hash, offset, reclaimable, size);
 }
 
 /* Block(ns, hash_, offset, reclaimable=False) */
@@ -549,31 +562,57 @@ static PyTypeObject LRUType = {
 };
 
 
+/* block_key's 64 bits: the hash's first 8 bytes, little-endian (fewer: zero-extended). */
+static inline uint64_t low64(PyObject *bytes) {
+    const unsigned char *b = (const unsigned char *)PyBytes_AS_STRING(bytes);
+    Py_ssize_t len = PyBytes_GET_SIZE(bytes);
+    uint64_t k = 0;
+    for (Py_ssize_t j = (len < 8 ? len : 8) - 1; j >= 0; j--) k = (k << 8) | b[j];
+    return k;
+}
+
 /* ---- place: the block index's reserve/insert loop for its steady state, in C.
  *
- * place(blocks, lru, ns, hashes, start, reclaimable, made, evicted, out) -> stop
+ * place(blocks, lru, ns, hashes, start, reclaimable, made, evicted, out, alloc, need, admission)
+ *   -> (stop, refused)
  *
  * Runs BlockIndex._reserve's loop over hashes[start:] for as long as every step is one
- * of its two common cases, and returns the index of the first hash it left to the
- * Python loop (len(hashes) when it did them all). The caller guarantees the rest of the
- * case: one namespace's table (blocks), no admission, no reclaimable LRU, and no free
- * page in the pool (so every new block takes the LRU head's page). The two cases:
+ * of its common cases, and returns the index of the first hash it left to the Python
+ * loop (len(hashes) when it did them all). The caller guarantees the rest of the case:
+ * one namespace's table (blocks), no reclaimable LRU. The cases:
  *
  * - the hash is in blocks: out gets None; a RESIDENT, unpinned, local block is moved to
- *   the newest end of lru (what touch() does). A pinned or reclaimable one stops here.
- * - it is not: the LRU head (a Block of ns's page size, else stop; none, stop) is popped
- *   and dropped from blocks, appended to evicted, and a new PENDING Block(ns, hash,
- *   victim.offset, reclaimable) takes its place in blocks and is appended to made
- *   (and to out, unless out is None).
+ *   the newest end of lru (what touch() does). A pinned or reclaimable one stops here,
+ *   and so does any RESIDENT one under admission (touch() records it there).
+ * - it is not, and alloc.free_bytes >= need: the page is alloc.alloc(ns.page_bytes)
+ *   (an exception stops here, cleared: the Python loop makes the same call and handles it);
+ * - it is not, and the pool is full: the LRU head (a Block of ns's page size, else stop;
+ *   none, stop) is judged by admission.admit(block_key(hash), block_key(head.hash)) if
+ *   admission is not None (refused: stop with refused=True, nothing popped: the Python
+ *   loop counts the refusal and ends the request), then popped and dropped from blocks,
+ *   appended to evicted, and its page taken.
+ * - either way a new PENDING Block(ns, hash, page, reclaimable) goes into blocks and is
+ *   appended to made (and to out, unless out is None).
  *
  * The Python loop stays the definition; tests run both on the same operations. */
 static PyObject *place(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 9) {
-        PyErr_SetString(PyExc_TypeError, "place(blocks, lru, ns, hashes, start, reclaimable, made, evicted, out)");
+    if (nargs != 12) {
+        PyErr_SetString(PyExc_TypeError,
+                        "place(blocks, lru, ns, hashes, start, reclaimable, made, evicted, out, alloc, need, admission)");
         return NULL;
     }
     PyObject *blocks = args[0], *ns = args[2], *hashes = args[3], *reclaimable = args[5];
-    PyObject *made = args[6], *evicted = args[7], *out = args[8];
+    PyObject *made = args[6], *evicted = args[7], *out = args[8], *alloc = args[9], *need = args[10];
+    PyObject *admission = args[11];
+    int refused = 0;
+    uint64_t salt = 0;
+    if (admission != Py_None) {
+        PyObject *so = PyObject_GetAttr(ns, str_salt);
+        if (so == NULL) return NULL;
+        salt = (uint64_t)PyLong_AsUnsignedLongLongMask(so);
+        Py_DECREF(so);
+        if (PyErr_Occurred()) return NULL;
+    }
     if (!PyDict_CheckExact(blocks) || Py_TYPE(args[1]) != &LRUType || !PyList_CheckExact(hashes) ||
         !PyList_CheckExact(made) || !PyList_CheckExact(evicted) || (out != Py_None && !PyList_CheckExact(out))) {
         PyErr_SetString(PyExc_TypeError, "place: dict, LRU, namespace, list, int, bool, list, list, list or None");
@@ -593,7 +632,9 @@ static PyObject *place(PyObject *module, PyObject *const *args, Py_ssize_t nargs
             Block *e = (Block *)found;
             int resident = PyLong_CheckExact(e->state) && PyLong_AsLong(e->state) == 1;
             if (resident) {
-                if (!PyLong_CheckExact(e->pins) || PyLong_AsLong(e->pins) != 0 || e->reclaimable != Py_False) break;
+                if (admission != Py_None || !PyLong_CheckExact(e->pins) || PyLong_AsLong(e->pins) != 0 ||
+                    e->reclaimable != Py_False)
+                    break;
                 Py_ssize_t slot = find_slot(lru, found, NULL);
                 if (slot < 0) break;
                 Py_ssize_t n = lru->slots[slot];
@@ -606,6 +647,28 @@ static PyObject *place(PyObject *module, PyObject *const *args, Py_ssize_t nargs
             if (out != Py_None && PyList_Append(out, Py_None) < 0) goto error;
             continue;
         }
+        PyObject *free = PyObject_GetAttr(alloc, str_free_bytes);
+        if (free == NULL) goto error;
+        int has_free = PyObject_RichCompareBool(free, need, Py_GE);
+        Py_DECREF(free);
+        if (has_free < 0) goto error;
+        if (has_free) {
+            PyObject *page = PyObject_CallMethodOneArg(alloc, str_alloc, size);
+            if (page == NULL) {
+                PyErr_Clear();
+                break;
+            }
+            PyObject *b = block_make_sized(&BlockType, ns, h, page, reclaimable, Py_NewRef(size));
+            Py_DECREF(page);
+            if (b == NULL) goto error;
+            if (PyDict_SetItem(blocks, h, b) < 0 || PyList_Append(made, b) < 0 ||
+                (out != Py_None && PyList_Append(out, b) < 0)) {
+                Py_DECREF(b);
+                goto error;
+            }
+            Py_DECREF(b);
+            continue;
+        }
         if (lru->head < 0) break;
         PyObject *head = lru->nodes[lru->head].key;
         if (Py_TYPE(head) != &BlockType) break;
@@ -615,12 +678,28 @@ static PyObject *place(PyObject *module, PyObject *const *args, Py_ssize_t nargs
             if (eq < 0) goto error;
             if (!eq) break;
         }
+        if (admission != Py_None) {
+            if (!PyBytes_Check(h) || !PyBytes_Check(victim->hash)) break;
+            PyObject *ck = PyLong_FromUnsignedLongLong(low64(h) ^ salt);
+            PyObject *vk = ck == NULL ? NULL : PyLong_FromUnsignedLongLong(low64(victim->hash) ^ salt);
+            PyObject *ok = vk == NULL ? NULL : PyObject_CallMethodObjArgs(admission, str_admit, ck, vk, NULL);
+            Py_XDECREF(ck);
+            Py_XDECREF(vk);
+            if (ok == NULL) goto error;
+            int yes = PyObject_IsTrue(ok);
+            Py_DECREF(ok);
+            if (yes < 0) goto error;
+            if (!yes) {
+                refused = 1;
+                break;
+            }
+        }
         PyObject *vkey = lru_take(lru, find_slot(lru, head, NULL)); /* the LRU's reference */
         if (PyDict_DelItem(blocks, victim->hash) < 0 || PyList_Append(evicted, vkey) < 0) {
             Py_DECREF(vkey);
             goto error;
         }
-        PyObject *b = block_make(&BlockType, ns, h, victim->offset, reclaimable);
+        PyObject *b = block_make_sized(&BlockType, ns, h, victim->offset, reclaimable, Py_NewRef(size));
         Py_DECREF(vkey);
         if (b == NULL) goto error;
         if (PyDict_SetItem(blocks, h, b) < 0 || PyList_Append(made, b) < 0 ||
@@ -631,15 +710,38 @@ static PyObject *place(PyObject *module, PyObject *const *args, Py_ssize_t nargs
         Py_DECREF(b);
     }
     Py_DECREF(size);
-    return PyLong_FromSsize_t(i);
+    return Py_BuildValue("(nO)", i, refused ? Py_True : Py_False);
 error:
     Py_DECREF(size);
     return NULL;
 }
 
+/* settle(made, lru): commit of fresh blocks, as BlockIndex.insert does it: every block's
+ * state becomes RESIDENT (1) and it is appended to lru, in order. */
+static PyObject *settle(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyList_CheckExact(args[0]) || Py_TYPE(args[1]) != &LRUType) {
+        PyErr_SetString(PyExc_TypeError, "settle(made: list, lru: LRU)");
+        return NULL;
+    }
+    PyObject *made = args[0];
+    LRU *lru = (LRU *)args[1];
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(made); i++) {
+        PyObject *b = PyList_GET_ITEM(made, i);
+        if (Py_TYPE(b) == &BlockType) {
+            Py_SETREF(((Block *)b)->state, Py_NewRef(one));
+        } else if (PyObject_SetAttr(b, str_state, one) < 0) {
+            return NULL;
+        }
+        if (lru_add(lru, b) < 0) return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
     {"place", (PyCFunction)(void (*)(void))place, METH_FASTCALL,
-     "place(blocks, lru, ns, hashes, start, reclaimable, made, evicted, out) -> index it stopped at."},
+     "place(blocks, lru, ns, hashes, start, reclaimable, made, evicted, out, alloc, need, admission) -> (stop, refused)."},
+    {"settle", (PyCFunction)(void (*)(void))settle, METH_FASTCALL,
+     "settle(made, lru): state RESIDENT and appended to lru, for each block in order."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -653,7 +755,14 @@ PyMODINIT_FUNC PyInit__blockindex(void) {
     str_id = PyUnicode_InternFromString("id");
     str_name = PyUnicode_InternFromString("name");
     zero = PyLong_FromLong(0);
-    if (zero == NULL) return NULL;
+    one = PyLong_FromLong(1);
+    str_free_bytes = PyUnicode_InternFromString("free_bytes");
+    str_alloc = PyUnicode_InternFromString("alloc");
+    str_state = PyUnicode_InternFromString("state");
+    str_salt = PyUnicode_InternFromString("salt");
+    str_admit = PyUnicode_InternFromString("admit");
+    if (str_salt == NULL || str_admit == NULL) return NULL;
+    if (zero == NULL || one == NULL || str_free_bytes == NULL || str_alloc == NULL || str_state == NULL) return NULL;
     if (str_page_bytes == NULL || str_id == NULL || str_name == NULL) return NULL;
     if (PyType_Ready(&BlockType) < 0 || PyType_Ready(&LRUType) < 0 || PyType_Ready(&LRUIterType) < 0) return NULL;
     PyObject *m = PyModule_Create(&blockindex_module);

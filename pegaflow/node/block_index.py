@@ -50,8 +50,9 @@ try:  # built by the install from pegaflow/native/blockindex.c
     from pegaflow._blockindex import LRU as _NativeLRU
     from pegaflow._blockindex import Block as _NativeBlock
     from pegaflow._blockindex import place as _native_place
+    from pegaflow._blockindex import settle as _native_settle
 except ImportError:  # pragma: no cover - a source tree without the build
-    _NativeBlock = _NativeLRU = _native_place = None
+    _NativeBlock = _NativeLRU = _native_place = _native_settle = None
 
 HASH_BYTES = 16
 
@@ -346,19 +347,22 @@ class BlockIndex:
         evicted: list[Block] = []
         full = False
         made: list[Block] = []
-        if (
-            single
-            and adm is None
-            and simple
-            and _native_place is not None
-            and type(lru) is _NativeLRU
-            and type(hashes) is list
-            and alloc.free_bytes < need
-        ):
-            # The steady state (a full pool, plain LRU, one namespace) of the loop below,
-            # in C: it stops at the first hash that needs anything else, and the loop
-            # below takes it from there.
-            done = _native_place(blocks, lru, ns, hashes, 0, reclaimable, made, evicted, None if commit else out)
+        if single and simple and _native_place is not None and type(lru) is _NativeLRU:
+            # The usual steps (one namespace, no reclaimable copies) of the loop below, in
+            # C: it stops at the first hash that needs anything else (or that admission
+            # refused), and the loop takes it from there.
+            if type(hashes) is not list:
+                hashes = list(hashes)
+            done, refused = _native_place(
+                blocks, lru, ns, hashes, 0, reclaimable, made, evicted, None if commit else out, alloc, need, adm
+            )
+            if refused:  # what the loop does for a refusal, then the rest of the request
+                self.admission_rejections += 1
+                full = True
+                self.no_space += 1
+                if not commit:
+                    out.append(None)
+                done += 1
             hashes = hashes[done:] if done else hashes
         for h in hashes:
             existing = blocks.get(h)
@@ -414,20 +418,26 @@ class BlockIndex:
             self.evictions += k
             self.evicted_bytes += k * size
             if self._listeners:
-                for ens, hs in _group(evicted).items():
-                    self._emit("evict", ens, hs)
+                if single:
+                    self._emit("evict", ns, list(map(_HASH, evicted)))
+                else:
+                    for ens, hs in _group(evicted).items():
+                        self._emit("evict", ens, hs)
         if not commit:
             self._pending += len(made)
             return out
         # commit(made): fresh blocks are current, unpinned and in this call's order.
         order = self._lru_reclaimable if reclaimable else lru
-        for b in made:
-            b.state = RESIDENT
-            order[b] = None
+        if _native_settle is not None and type(order) is _NativeLRU:
+            _native_settle(made, order)
+        else:
+            for b in made:
+                b.state = RESIDENT
+                order[b] = None
         self.resident_blocks += len(made)
         self.resident_bytes += len(made) * size
         if self._listeners and made:
-            self._emit("insert", ns, [b.hash for b in made])
+            self._emit("insert", ns, list(map(_HASH, made)))
         return made
 
     def commit(self, pending: Sequence[Block]) -> list[Block]:
