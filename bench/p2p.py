@@ -1,14 +1,18 @@
 """Remote-read benchmark: pull throughput between network namespaces vs iperf3 on the same
 link in the same run, and the latency of a 64-block prefix pull.
 
-    python bench/p2p.py [--page-kib 1024] [--blocks 512] [--rounds 3] [--latency-pages 128,1024]
+    python bench/p2p.py [--page-kib 1024] [--blocks 1024] [--rounds 3] [--latency-pages 128,1024]
+                        [--poll-ms 2]
 
 Two real pegaflow-node processes in two namespaces (veth + bridge, tests/integration/
 netns.py), redis-server + pegaflow-meta in the hub namespace. Node 0 holds the pages
 (written by an engine-like client); a client of node 1 queries until READY with every
-block: the time from its first Query (a local miss that starts the pull) to READY covers
-the metaserver lookup, the pin (with checksums), the transfer, verification and commit.
-Every pulled page is compared with what was saved (xxh3 of the expected bytes).
+block, re-Querying every ``--poll-ms`` while LOADING: the time from its first Query (a
+local miss that starts the pull) to READY covers the metaserver lookup, the pin, the
+transfer, verification and commit. Every pulled page is compared with what was saved
+(xxh3 of the expected bytes). Per round it also prints the CPU seconds per GiB pulled of
+both nodes and the client over that window (utime + stime from /proc: softirq work is
+counted where the kernel ran it, so compare the sum, and runs with each other).
 iperf3 runs on the same link in the same direction (node 0 -> node 1), one TCP stream,
 right before and right after every pull; the pull is compared with the mean of the two
 (the machine is shared, so the link's speed drifts between rounds). Root is needed for
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -31,7 +36,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 IPERF_SECONDS = 2  # per measurement; one right before and one right after each pull
-POLL = 0.0005  # client re-Query interval while LOADING (the engine's scheduler step is ~ms)
+# Client re-Query interval while LOADING. The connector asks every 20 ms, which would round a
+# 0.3 s pull up by up to 7%; 2 ms rounds by < 1% while each LOADING answer (a Query of 1024
+# hashes) still costs little next to the pull (0.5 ms measured the same within noise).
+POLL_MS = 2.0
 
 
 def _hashes(tag: str, n: int) -> list[bytes]:
@@ -47,8 +55,15 @@ def _page(tag: str, i: int, size: int) -> bytes:
     return np.random.default_rng(xxhash.xxh64_intdigest(f"{tag}:{i}".encode())).bytes(size)
 
 
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all its threads) from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _driver(argv: list[str]) -> None:
-    """Runs inside a host namespace: ``save`` or ``pull`` ADDR NS TAG N PAGE."""
+    """Runs inside a host namespace: ``save`` or ``pull`` ADDR NS TAG N PAGE [POLL_S PID0,PID1]."""
     import xxhash
 
     from pegaflow.client import PegaClient
@@ -64,10 +79,16 @@ def _driver(argv: list[str]) -> None:
             pool[off:off + page] = _page(tag, i, page)
         print(json.dumps({"committed": c.commit(r.reservation_id)}), flush=True)
         return
+    poll = float(argv[6])
+    pids = [int(x) for x in argv[7].split(",")]  # the nodes share our PID namespace (not our netns)
+    cpu0 = [_cpu_seconds(p) for p in pids]
+    me0 = os.times()
+    queries = 0
     t0 = time.perf_counter()
     first = None
     while True:
         q = c.query([ns], hs, lease=True)
+        queries += 1
         if first is None:
             first = q.status
         if q.status == "READY" and q.hit_blocks == n:
@@ -77,13 +98,17 @@ def _driver(argv: list[str]) -> None:
                 c.release(q.lease_id)
             if time.perf_counter() - t0 > 120:
                 raise SystemExit(f"pull incomplete: {q.hit_blocks}/{n}")
-        time.sleep(POLL)
+        time.sleep(poll)
     dt = time.perf_counter() - t0
+    cpu = [_cpu_seconds(p) - c0 for p, c0 in zip(pids, cpu0, strict=True)]
+    me1 = os.times()
+    cpu.append(me1.user - me0.user + me1.system - me0.system)
     pool = memoryview(c.pool.numpy())
     bad = sum(1 for i, off in enumerate(q.offsets[ns])
               if xxhash.xxh3_64_intdigest(pool[off:off + page]) != xxhash.xxh3_64_intdigest(_page(tag, i, page)))
     c.release(q.lease_id)
-    print(json.dumps({"seconds": dt, "first": first, "bad_pages": bad}), flush=True)
+    print(json.dumps({"seconds": dt, "first": first, "bad_pages": bad, "queries": queries,
+                      "cpu": cpu}), flush=True)
 
 
 def _run(cluster, i: int, *args: str) -> dict:  # type: ignore[no-untyped-def]
@@ -121,6 +146,8 @@ def main() -> None:
     p.add_argument("--latency-pages", default="128,1024", help="page sizes (KiB) of the 64-block latency pulls")
     p.add_argument("--latency-rounds", type=int, default=5)
     p.add_argument("--pool", default="2gb")
+    p.add_argument("--poll-ms", type=float, default=POLL_MS,
+                   help="client re-Query interval while LOADING (the connector's is 20 ms)")
     a = p.parse_args()
 
     from tests.integration.p2p_harness import P2PCluster
@@ -132,18 +159,24 @@ def main() -> None:
     try:
         page = a.page_kib << 10
         ns = f"bench|p{a.page_kib}k"
+        pids = f"{cluster.nodes[0].proc.pid},{cluster.nodes[1].proc.pid}"
+        poll = str(a.poll_ms / 1e3)
         rates, iperfs = [], []
         for r in range(a.rounds):
             tag = f"tp{r}"
             _run(cluster, 0, "save", ns, tag, str(a.blocks), str(page))
             cluster.wait_indexed(ns, tag, a.blocks, "node-0", timeout=60)
             before = iperf(cluster)
-            out = _run(cluster, 1, "pull", ns, tag, str(a.blocks), str(page))
+            out = _run(cluster, 1, "pull", ns, tag, str(a.blocks), str(page), poll, pids)
             iperfs.append((before + iperf(cluster)) / 2)
             assert out["first"] == "LOADING" and out["bad_pages"] == 0, out
             rates.append(a.blocks * page / out["seconds"])
+            gib = a.blocks * page / (1 << 30)
+            sender, puller, client = (x / gib for x in out["cpu"])
             print(f"round {r}: pull {rates[-1] / 1e9:.3f} GB/s ({out['seconds']:.3f} s for "
-                  f"{a.blocks * page >> 20} MiB), iperf3 {iperfs[-1] / 1e9:.3f} GB/s", flush=True)
+                  f"{a.blocks * page >> 20} MiB), iperf3 {iperfs[-1] / 1e9:.3f} GB/s; CPU s/GiB: sender node "
+                  f"{sender:.2f}, pulling node {puller:.2f}, client {client:.2f} ({out['queries']} queries)",
+                  flush=True)
         ratios = [x / y for x, y in zip(rates, iperfs, strict=True)]
         print(f"\nthroughput: pull median {statistics.median(rates) / 1e9:.3f} GB/s, iperf3 median "
               f"{statistics.median(iperfs) / 1e9:.3f} GB/s, ratio median {statistics.median(ratios):.2f}x "
@@ -155,7 +188,7 @@ def main() -> None:
                 tag = f"lat{kib}-{r}"
                 _run(cluster, 0, "save", lns, tag, "64", str(kib << 10))
                 cluster.wait_indexed(lns, tag, 64, "node-0", timeout=60)
-                out = _run(cluster, 1, "pull", lns, tag, "64", str(kib << 10))
+                out = _run(cluster, 1, "pull", lns, tag, "64", str(kib << 10), poll, pids)
                 assert out["bad_pages"] == 0, out
                 lats.append(out["seconds"])
             print(f"64-block prefix pull, {kib} KiB pages ({64 * kib >> 10} MiB): p50 "
