@@ -22,6 +22,7 @@ from pegaflow._proto import peer_pb2
 from pegaflow.node.block_index import RESIDENT, BlockIndex, Namespace
 from pegaflow.node.pool import SharedPool
 from pegaflow.node.transfer import RemotePages, TransferError, page_checksum
+from pegaflow.node.transfer.checksums import PageChecksums
 from pegaflow.node.transfer.metrics import PeerMetrics
 from pegaflow.node.transfer.p2p import routability_warning
 from pegaflow.node.transfer.pins import PeerService, PinTable
@@ -52,15 +53,16 @@ class Ctx:
 class Side:
     """One node's pool, index, pin table, PegaPeer service and TCP data port."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, background: bool = False) -> None:
         self.name = name
         self.pool = SharedPool(POOL, name=f"test-{name}")
         self.index = BlockIndex(POOL, align=4096)
         self.ns = self.index.namespace(NS, PAGE)
         self.metrics = PeerMetrics(CollectorRegistry())
-        self.table = PinTable(self.index, self.pool.view, 30.0, self.metrics)
+        self.checksums = PageChecksums(self.index, self.pool.view, self.metrics, background=background)
+        self.table = PinTable(self.index, self.pool.view, 30.0, self.metrics, self.checksums)
         self.data = TcpDataServer("127.0.0.1:0", self.pool.fd, self.pool.view, self.table.acquire, self.table.release_send,
-                                  self.metrics.served_bytes.inc)
+                                  self.metrics.served_bytes.inc, self.checksums.of)
         self.data.start()
         self.service = PeerService(self.table, f"127.0.0.1:{self.data.port}", 16384)
         self.address = f"{name}:50055"
@@ -126,7 +128,8 @@ def pair():
     meta = FakeMeta()
     peers = DirectPeers({a.address: a})
     transport = TcpTransport(b.pool.view)
-    puller = Puller(b.index, b.pool.view, "b", meta, peers, transport, b.metrics, pin_ttl=5.0, backoff=30.0)
+    puller = Puller(b.index, b.pool.view, "b", meta, peers, transport, b.metrics, pin_ttl=5.0, backoff=30.0,
+                    checksums=b.checksums)
     yield a, b, meta, peers, puller
     transport.close()
     a.close()
@@ -205,18 +208,22 @@ def test_no_holder_beyond_local_prefix_answers_ready_without_reserving(pair):
     assert b.index.alloc.free_bytes == free
 
 
-def test_bad_checksum_discards_pages_and_backs_the_peer_off(pair):
+@pytest.mark.parametrize("where", ["sent", "stored"])
+def test_bad_checksum_discards_pages_and_backs_the_peer_off(pair, where):
     a, b, meta, peers, puller = pair
     hs = hashes("c", 10)
     a.store(hs)
     meta.holders = [Holder("a", a.address, 10)]
-    page3 = a.index.get(a.ns, hs[3]).offset
+    block3 = a.index.get(a.ns, hs[3])
+    if where == "sent":  # the data port's answer for page 3 is wrong
 
-    def lying_checksum(view: memoryview) -> int:  # the peer's answer for page 3 is wrong
-        c = page_checksum(view)
-        return c ^ 1 if view == a.pool.view[page3:page3 + PAGE] else c
+        def lying_checksum(p: Any) -> int:
+            c = a.checksums.of(p)
+            return c ^ 1 if p.offset == block3.offset else c
 
-    a.data.checksum = lying_checksum
+        a.data.checksum_of = lying_checksum
+    else:  # the sender's kept checksum of page 3 does not match the page
+        a.checksums.record(block3, page_checksum(a.pool.view[block3.offset:block3.offset + PAGE]) ^ 1)
     free = b.index.alloc.free_bytes
 
     async def run() -> bool:
@@ -356,10 +363,10 @@ def test_pin_is_not_released_while_its_pages_are_being_sent():
             a.table.loop = asyncio.get_running_loop()
             p = a.table.pin(NS, hs, 0.05)
             assert p is not None
-            assert a.table.acquire(p.id, 0, 2) == p.spans  # a data thread starts sending
+            assert a.table.acquire(p.id, 0, 2) == p.blocks  # a data thread starts sending
             await asyncio.sleep(0.2)  # TTL passed
             assert p.id in a.table.pins and all(blk.pins == 1 for blk in p.blocks)
-            assert a.table.acquire(p.id, 0, 1) != p.spans[:1]  # but no new sends start
+            assert a.table.acquire(p.id, 0, 1) != p.blocks[:1]  # but no new sends start
             a.table.release_send(p.id)
             await asyncio.sleep(0.7)
             assert p.id not in a.table.pins and all(blk.pins == 0 for blk in p.blocks)
@@ -493,7 +500,7 @@ def test_rdma_read_with_wrong_rkey_completes_in_error():
             r.transport.read(remote, [0, PAGE])
         good = RemotePages(r.a.address, resp.pin_id, resp.page_bytes, tuple(resp.offsets),
                            tuple(resp.checksums), rdma_base=resp.rdma_base, rkeys=tuple(resp.rkeys))
-        assert r.transport.read(good, [0, PAGE]) == [True, True]
+        assert r.transport.read(good, [0, PAGE]) == list(resp.checksums)
         assert [page_checksum(r.b.pool.view[o:o + PAGE]) for o in (0, PAGE)] == list(resp.checksums)
     finally:
         r.close()
@@ -602,3 +609,70 @@ def test_a_prefix_nobody_holds_is_not_looked_up_again_for_a_moment(pair, monkeyp
 
     assert asyncio.run(pulled()) and meta.calls == 2  # once stale, the metaserver is asked again
     assert all(b.index.get(b.ns, h) is not None for h in hs)
+
+
+def hashed(side: Side, when: str) -> float:
+    return side.metrics.hashed_bytes.labels(when)._value.get()
+
+
+def test_a_published_node_hashes_each_committed_page_once_and_every_pull_reuses_it():
+    a, b = Side("ha", background=True), Side("hb", background=True)
+    meta, peers = FakeMeta(), DirectPeers({a.address: a})
+    transport = TcpTransport(b.pool.view)
+    puller = Puller(b.index, b.pool.view, "hb", meta, peers, transport, b.metrics, pin_ttl=5.0,
+                    checksums=b.checksums)
+    hs = hashes("h", 12)
+    meta.holders = [Holder("ha", a.address, 12)]
+    try:
+
+        async def run() -> tuple[dict[bytes, bytes], peer_pb2.PinResponse]:
+            a.table.loop = asyncio.get_running_loop()
+            a.checksums.start()
+            b.checksums.start()
+            want = a.store(hs)
+            deadline = time.monotonic() + 10
+            while len(a.checksums) < 12 and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)
+            assert await puller.query([b.ns], hs, 0)
+            await settle(puller)
+            pin = await a.service.PinForTransfer(peer_pb2.PinRequest(namespace=NS, hashes=hs, transport="rdma"), Ctx())
+            a.table.unpin(pin.pin_id)
+            await asyncio.sleep(0.05)  # b's hasher had its chance at the pulled pages
+            await a.checksums.close()
+            await b.checksums.close()
+            return want, pin
+
+        want, pin = asyncio.run(run())
+        sums = [page_checksum(want[h]) for h in hs]
+        assert all(b.page(h) == want[h] for h in hs)
+        assert [a.checksums.get(a.index.get(a.ns, h)) for h in hs] == sums
+        assert hashed(a, "commit") == 12 * PAGE
+        assert hashed(a, "transfer") == 0  # the TCP send and the RDMA pin re-read no page
+        assert list(pin.checksums) == sums
+        assert [b.checksums.get(b.index.get(b.ns, h)) for h in hs] == sums  # kept as verified on the pull
+        assert hashed(b, "commit") == hashed(b, "transfer") == 0  # not hashed again after the pull
+        assert all(blk.pins == 0 for blk in a.index.resident(a.ns))  # the hasher's pins are gone
+    finally:
+        transport.close()
+        a.close()
+        b.close()
+
+
+def test_an_unknown_checksum_is_computed_when_first_sent_and_forgotten_with_its_block(pair):
+    a, b, meta, peers, puller = pair
+    hs = hashes("k", 4)
+    want = a.store(hs)
+    meta.holders = [Holder("a", a.address, 4)]
+
+    async def run() -> None:
+        a.table.loop = asyncio.get_running_loop()
+        assert await puller.query([b.ns], hs, 0)
+        await settle(puller)
+
+    asyncio.run(run())
+    assert all(b.page(h) == want[h] for h in hs)
+    assert hashed(a, "transfer") == 4 * PAGE and len(a.checksums) == 4  # no background hasher here
+    blk = a.index.get(a.ns, hs[0])
+    assert a.checksums.of(blk) == page_checksum(want[hs[0]]) and hashed(a, "transfer") == 4 * PAGE
+    assert a.index.remove([blk]) == [blk]
+    assert a.checksums.get(blk) is None and len(a.checksums) == 3  # evicted: its page may be reused

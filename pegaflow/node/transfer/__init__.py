@@ -59,17 +59,19 @@ class Transport(Protocol):
     """Moves pinned remote pages into local pool pages and verifies them.
 
     ``read`` blocks (the puller calls it from a worker thread) and either fills every
-    destination page, ``dests[i]`` receiving remote page ``i``, and returns per page
-    whether its xxh3_64 matches the source's, or raises :class:`TransferError`. On error
-    or mismatch some destination bytes may have been written, so the caller must discard
-    those pages (they are PENDING: no reader sees them). Where the source checksum comes
-    from is the transport's choice: RDMA READ has only the pin's (the peer's CPU is not
-    involved); TCP has the sender hash each page as it sends it and stream the checksums
-    after the pages, so hashing overlaps the wire on both ends instead of delaying the pin.
+    destination page, ``dests[i]`` receiving remote page ``i``, and returns per page its
+    xxh3_64 if that matches the source's, else None; or raises :class:`TransferError`.
+    On error or mismatch some destination bytes may have been written, so the caller
+    must discard those pages (they are PENDING: no reader sees them); a matching value is
+    the page's checksum from then on (the puller keeps it, so it can serve the page
+    without hashing it). Where the source checksum comes from is the transport's choice:
+    RDMA READ has only the pin's (the peer's CPU is not involved); TCP has the sender
+    stream the checksums after the pages, so the pin is answered at once. Either way the
+    serving node usually knows them already (``checksums.PageChecksums``).
     """
 
     name: str
 
-    def read(self, remote: RemotePages, dests: Sequence[int]) -> list[bool]: ...
+    def read(self, remote: RemotePages, dests: Sequence[int]) -> list[int | None]: ...
 
     def close(self) -> None: ...

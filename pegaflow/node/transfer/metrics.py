@@ -30,8 +30,23 @@ class PeerMetrics:
                                     "Pins that reached their TTL without Unpin (puller died or was slow).",
                                     registry=r)
         self.pin_checksum_seconds = Histogram("pegaflow_node_p2p_pin_checksum_seconds",
-                                              "Time to checksum the pages of one pin.", buckets=PULL_BUCKETS,
+                                              "Time to get the checksums of one RDMA pin (hashing only pages not known yet).", buckets=PULL_BUCKETS,
                                               registry=r)
+        self.hashed_bytes = Counter(
+            "pegaflow_node_p2p_hashed_bytes_total",
+            "Page bytes this node hashed for remote reads, by when: commit (in the background, before any "
+            "pull) or transfer (a page sent or pinned before its checksum was known).",
+            ["when"], registry=r,
+        )  # fmt: skip
+        for s in ("commit", "transfer"):
+            self.hashed_bytes.labels(s)
+        self.hash_skipped_bytes = Counter(
+            "pegaflow_node_p2p_hash_skipped_bytes_total",
+            "Committed page bytes not hashed in the background because its queue was full (hashed when sent).",
+            registry=r)
+        self.known_checksums = Gauge("pegaflow_node_p2p_known_checksums",
+                                     "Resident blocks whose page checksum is known (no re-read when served).",
+                                     registry=r)
         self.backed_off = Gauge("pegaflow_node_p2p_backed_off_peers",
                                 "Peers skipped for now after a failed or wrong answer.", registry=r)
         self.lookups = Counter("pegaflow_node_p2p_lookups_total",

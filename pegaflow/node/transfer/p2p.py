@@ -19,6 +19,7 @@ from pegaflow._proto import peer_pb2, peer_pb2_grpc
 from pegaflow.node.block_index import BlockIndex
 from pegaflow.node.pool import SharedPool
 from pegaflow.node.transfer import Transport
+from pegaflow.node.transfer.checksums import PageChecksums
 from pegaflow.node.transfer.metrics import PeerMetrics
 from pegaflow.node.transfer.pins import PeerService, PinTable
 from pegaflow.node.transfer.puller import GrpcPeers, MetaLookup, Puller
@@ -59,11 +60,14 @@ class P2P:
         warn = routability_warning(adv)
         if warn:
             log.warning("p2p_address_not_routable", addr=adv, detail=warn)
-        self.table = PinTable(index, pool.view, opts.pin_ttl, self.metrics)
+        # A published node (peers may pull from it) hashes what it commits ahead of any pull.
+        self.checksums = PageChecksums(index, pool.view, self.metrics,
+                                       background=bool(getattr(opts, "redis_url", "")))
+        self.table = PinTable(index, pool.view, opts.pin_ttl, self.metrics, self.checksums)
         bind_host, _ = split_host_port(opts.addr)
         taddr = opts.transfer_addr or f"{bind_host}:0"
         self.data = TcpDataServer(taddr, pool.fd, pool.view, self.table.acquire, self.table.release_send,
-                                  self.metrics.served_bytes.inc)
+                                  self.metrics.served_bytes.inc, self.checksums.of)
         thost, _ = split_host_port(taddr)
         if thost in WILDCARD:
             thost, _ = split_host_port(adv)
@@ -98,7 +102,7 @@ class P2P:
             self._lookup = MetaLookup(opts.meta_addr)
             self.puller = Puller(index, pool.view, node_id, self._lookup, self._peers, transport, self.metrics,
                                  pin_ttl=opts.pin_ttl, backoff=opts.peer_backoff, max_pull=opts.max_batch,
-                                 on_remote_hits=on_remote_hits)
+                                 on_remote_hits=on_remote_hits, checksums=self.checksums)
         log.info("p2p_ready", data_addr=self.data_addr, transport="rdma" if self.engine else "tcp",
                  pulls=self.puller is not None, nics=list(opts.nics))
 
@@ -115,6 +119,7 @@ class P2P:
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.table.loop = loop
+        self.checksums.start()
         self.data.start()
 
     async def close(self) -> None:
@@ -122,6 +127,7 @@ class P2P:
         if self.puller is not None:
             await self.puller.close()
             self.puller.transport.close()
+        await self.checksums.close()
         self.data.close()
         self.table.close()
         if self._peers is not None:

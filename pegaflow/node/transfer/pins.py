@@ -3,8 +3,9 @@
 Contracts:
 - ``PinForTransfer`` pins the longest RESIDENT prefix of the requested hashes (pins keep
   blocks out of the eviction order, so their pages neither move nor change) and returns
-  their offsets and, for RDMA pullers, xxh3_64 checksums computed after pinning (TCP
-  pullers get them in-band from the data port, hashed while the pages are sent).
+  their offsets and, for RDMA pullers, their xxh3_64 checksums (TCP pullers get them
+  in-band from the data port). Known checksums come from :class:`PageChecksums`; only
+  pages whose checksum is not known yet are hashed, after pinning.
 - A pin ends at ``Unpin`` or after its TTL (capped by ``--pin-ttl``), whichever is first,
   so a puller that dies mid-pull leaks nothing. A pin whose pages are being sent right
   now (TCP data plane thread) ends when that send ends, never under it.
@@ -27,7 +28,8 @@ import structlog
 
 from pegaflow._proto import peer_pb2, peer_pb2_grpc
 from pegaflow.node.block_index import HASH_BYTES, Block, BlockIndex
-from pegaflow.node.transfer import TCP, page_checksum
+from pegaflow.node.transfer import TCP
+from pegaflow.node.transfer.checksums import PageChecksums
 from pegaflow.node.transfer.metrics import PeerMetrics
 from pegaflow.node.transfer.tcp import BAD_RANGE, UNKNOWN_PIN
 
@@ -52,9 +54,11 @@ class Pin:
 class PinTable:
     """Pins of this node's pages held for pullers; see the module docstring."""
 
-    def __init__(self, index: BlockIndex, pool_view: memoryview, max_ttl: float, metrics: PeerMetrics) -> None:
+    def __init__(self, index: BlockIndex, pool_view: memoryview, max_ttl: float, metrics: PeerMetrics,
+                 checksums: PageChecksums) -> None:
         self.index = index
         self.view = pool_view
+        self.checksums = checksums
         self.max_ttl = max_ttl
         self.metrics = metrics
         self.pins: dict[int, Pin] = {}
@@ -108,8 +112,8 @@ class PinTable:
             self.index.unpin(p.blocks)
 
     # ---- data-plane threads ---------------------------------------------------------------
-    def acquire(self, pin_id: int, start: int, count: int) -> list[tuple[int, int]] | int:
-        """Spans of pages ``start..start+count`` of a live pin, marked busy; or an error status."""
+    def acquire(self, pin_id: int, start: int, count: int) -> list[Block] | int:
+        """Blocks ``start..start+count`` of a live pin, marked busy; or an error status."""
         with self._lock:
             p = self.pins.get(pin_id)
             if p is None or p.ended:
@@ -117,7 +121,7 @@ class PinTable:
             if count == 0 or start + count > len(p.spans):
                 return BAD_RANGE
             p.sending += 1
-            return p.spans[start:start + count]
+            return p.blocks[start:start + count]
 
     def release_send(self, pin_id: int) -> None:
         with self._lock:
@@ -154,17 +158,16 @@ class PeerService(peer_pb2_grpc.PegaPeerServicer):
         p = self.table.pin(request.namespace, hashes, request.ttl_seconds, request.puller)
         if p is None:
             return peer_pb2.PinResponse()
-        t0 = time.perf_counter()
-        view = self.table.view
-        total = sum(n for _, n in p.spans)
-        if request.transport == TCP:
-            sums: list[int] = []
-        elif total <= CHECKSUM_INLINE_BYTES:
-            sums = [page_checksum(view[o:o + n]) for o, n in p.spans]
-        else:  # pinned pages cannot change: hashing them off the loop is safe
-            sums = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: [page_checksum(view[o:o + n]) for o, n in p.spans])
-        self.table.metrics.pin_checksum_seconds.observe(time.perf_counter() - t0)
+        sums: list[int] = []
+        if request.transport != TCP:
+            t0 = time.perf_counter()
+            cs = self.table.checksums
+            unknown = sum(b.size for b in p.blocks if cs.get(b) is None)
+            if unknown <= CHECKSUM_INLINE_BYTES:
+                sums = [cs.of(b) for b in p.blocks]
+            else:  # pinned pages cannot change: hashing them off the loop is safe
+                sums = await asyncio.get_running_loop().run_in_executor(None, lambda: [cs.of(b) for b in p.blocks])
+            self.table.metrics.pin_checksum_seconds.observe(time.perf_counter() - t0)
         resp = peer_pb2.PinResponse(
             pin_id=p.id, count=len(p.blocks), page_bytes=p.blocks[0].size, offsets=[o for o, _ in p.spans],
             checksums=sums, data_addr=self.data_addr, expires_in=max(0.0, p.expires - time.monotonic()),

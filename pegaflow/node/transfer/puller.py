@@ -12,7 +12,8 @@ Contracts:
 - A pull pins the prefix on the peer, reads the pages straight into the PENDING pages
   (:class:`~pegaflow.node.transfer.Transport`, in a worker thread) which verifies the
   xxh3_64 of every page against the source's, checks counts and page size, commits the good pages (visible, published as inserts by the index
-  listener) and discards the rest, then unpins. Any data-plane error discards every
+  listener; their verified checksums kept in ``checksums``, so this node serves them
+  without hashing) and discards the rest, then unpins. Any data-plane error discards every
   page of the pull: no partial page is ever visible, the engine just recomputes.
 - A peer that fails or answers wrongly (page size, counts, checksums) is skipped for
   ``backoff`` seconds, doubling while it keeps failing (:class:`Backoff`).
@@ -38,6 +39,7 @@ import structlog
 from pegaflow._proto import meta_pb2, meta_pb2_grpc, peer_pb2, peer_pb2_grpc
 from pegaflow.node.block_index import Block, BlockIndex, Namespace
 from pegaflow.node.transfer import TCP, RemotePages, TransferError, Transport
+from pegaflow.node.transfer.checksums import PageChecksums
 from pegaflow.node.transfer.metrics import PeerMetrics
 
 log = structlog.get_logger("pegaflow.p2p")
@@ -178,6 +180,7 @@ class Puller:
         max_pull: int = 4096,
         on_remote_hits: Callable[[int], None] | None = None,
         hold_seconds: float = HOLD_SECONDS,
+        checksums: PageChecksums | None = None,
     ) -> None:
         self.index = index
         self.view = pool_view
@@ -191,6 +194,7 @@ class Puller:
         self.backoff = Backoff(backoff, max(backoff, BACKOFF_MAX))
         self.on_remote_hits = on_remote_hits
         self.hold_seconds = hold_seconds
+        self.checksums = checksums
         self.inflight: dict[tuple[int, bytes], Block] = {}
         # (ns.id, first missing hash) -> time of a lookup that found no peer: repeated
         # Queries of a request nobody can serve skip the metaserver round trip for a while.
@@ -296,19 +300,23 @@ class Puller:
                                  resp.data_addr, resp.rdma_base, tuple(resp.rkeys))
             blocks = p.blocks[:k]
             try:
-                oks = await asyncio.get_running_loop().run_in_executor(
+                sums = await asyncio.get_running_loop().run_in_executor(
                     self._executor, self._read_verify, remote, [b.offset for b in blocks])
             except TransferError as exc:
                 status = "error"
                 self._fail(addr, "transfer_failed", exc)
                 return
-            good = [b for b, ok in zip(blocks, oks, strict=True) if ok]
+            good = [b for b, c in zip(blocks, sums, strict=True) if c is not None]
             bad = len(blocks) - len(good)
-            self.index.discard([b for b, ok in zip(blocks, oks, strict=True) if not ok])
+            self.index.discard([b for b, c in zip(blocks, sums, strict=True) if c is None])
             for b in blocks:
                 self.inflight.pop(b.key, None)
             committed = self.index.commit(good)
             self.index.pin(committed)
+            if self.checksums is not None and committed:
+                verified = {id(b): c for b, c in zip(blocks, sums, strict=True) if c is not None}
+                for b in committed:
+                    self.checksums.record(b, verified[id(b)])
             nbytes = sum(b.size for b in committed)
             self.metrics.pull_bytes.inc(nbytes)
             if self.on_remote_hits is not None:
@@ -354,7 +362,7 @@ class Puller:
             return "no RDMA keys"
         return ""
 
-    def _read_verify(self, remote: RemotePages, dests: list[int]) -> list[bool]:
+    def _read_verify(self, remote: RemotePages, dests: list[int]) -> list[int | None]:
         """Worker thread: move the pages; the transport checks each one's checksum."""
         return self.transport.read(remote, dests)
 

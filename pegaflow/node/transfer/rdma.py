@@ -252,9 +252,9 @@ class RdmaTransport:
             self._conns[key] = c
         return c
 
-    def read(self, remote: RemotePages, dests: Sequence[int]) -> list[bool]:
+    def read(self, remote: RemotePages, dests: Sequence[int]) -> list[int | None]:
         """One READ per page into ``dests`` (all complete or TransferError); then, per page,
-        whether it matches the pin's checksum."""
+        the pin's checksum if the page matches it, else None."""
         n = len(dests)
         if n != remote.count:
             raise ValueError(f"{n} destinations for {remote.count} pages")
@@ -272,7 +272,8 @@ class RdmaTransport:
             self.forget(remote.peer)  # the peer likely died: every QP to it is suspect
             raise
         view, size = self.engine.view, remote.page_bytes
-        return [page_checksum(view[o:o + size]) == c for o, c in zip(dests, remote.checksums, strict=True)]
+        return [c if page_checksum(view[o:o + size]) == c else None
+                for o, c in zip(dests, remote.checksums, strict=True)]
 
     def _read_stripe(self, remote: RemotePages, dests: Sequence[int], nic_i: int, pages: list[int]) -> None:
         c = self._conn(remote.peer, nic_i, len(remote.rkeys))

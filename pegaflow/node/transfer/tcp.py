@@ -8,10 +8,12 @@ Wire format (little endian), one request at a time per connection, connections r
                             pages start .. start+count-1 of the pin, in order; then
                             ``count`` u64: the xxh3_64 of each page as it was sent.
 
-Sender (:class:`TcpDataServer`): one thread per connection; each page is hashed, then
-goes from the pool's memfd to the socket with ``os.sendfile``, so the bytes never enter
-Python and hashing page i+1 overlaps the kernel sending page i. While it sends, the pin is
-held busy and cannot expire (``PinTable``).
+Sender (:class:`TcpDataServer`): one thread per connection; each page goes from the
+pool's memfd to the socket with ``os.sendfile``, so the bytes never enter Python. Its
+checksum is usually known already (``PageChecksums``: hashed once when the block was
+committed, or verified when it was pulled); a page whose checksum is not known yet is
+hashed right before it is sent. While it sends, the pin is held busy and cannot expire
+(``PinTable``).
 
 Receiver (:class:`TcpTransport`): ``recv_into`` with ``MSG_WAITALL`` straight into each
 destination page (a memoryview slice of the pool mmap): one syscall per page, GIL
@@ -27,6 +29,7 @@ import struct
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
 import structlog
 
@@ -46,8 +49,19 @@ SOCK_BUF = 4 << 20  # socket buffers large enough to keep a 10-25 Gbit/s link bu
 IDLE_PER_PEER = 8  # idle connections kept per peer data address
 KEEPALIVE_IDLE = 30  # seconds: probes find pullers that vanished from an idle connection
 
-# (pin_id, start, count) -> [(pool offset, bytes)] with the pin marked busy, or an error status
-Acquire = Callable[[int, int, int], "list[tuple[int, int]] | int"]
+
+
+class Page(Protocol):
+    """What the data port needs of a pinned block (``Block``)."""
+
+    @property
+    def offset(self) -> int: ...
+    @property
+    def size(self) -> int: ...
+
+
+# (pin_id, start, count) -> the pin's pages with the pin marked busy, or an error status
+Acquire = Callable[[int, int, int], "Sequence[Page] | int"]
 Release = Callable[[int], None]
 
 
@@ -83,12 +97,14 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
 class TcpDataServer:
     """The node's data port. Serves pages of live pins to any puller that names the pin.
 
-    ``acquire`` and ``release`` come from the pin table and are called from this server's
-    threads; everything else here touches no node state.
+    ``acquire`` and ``release`` come from the pin table and ``checksum_of`` (a page's
+    xxh3_64, known or computed now: ``PageChecksums.of``) from the node; all are called
+    from this server's threads. Everything else here touches no node state.
     """
 
     def __init__(self, addr: str, pool_fd: int, pool_view: memoryview, acquire: Acquire, release: Release,
-                 on_sent: Callable[[int], None] | None = None) -> None:
+                 on_sent: Callable[[int], None] | None = None,
+                 checksum_of: Callable[[Page], int] | None = None) -> None:
         host, port = split_host_port(addr)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
@@ -98,7 +114,8 @@ class TcpDataServer:
         self.port: int = self.sock.getsockname()[1]
         self.pool_fd = pool_fd
         self.view = pool_view
-        self.checksum: Callable[[memoryview], int] = page_checksum
+        self.checksum_of: Callable[[Page], int] = checksum_of or (
+            lambda p: page_checksum(pool_view[p.offset:p.offset + p.size]))
         self.acquire = acquire
         self.release = release
         self.on_sent = on_sent  # called with the bytes of each span sent (a thread-safe counter)
@@ -140,13 +157,13 @@ class TcpDataServer:
                 magic, pin_id, start, count = REQ.unpack(hdr)
                 if magic != REQ_MAGIC:
                     return
-                spans = self.acquire(pin_id, start, count)
-                if isinstance(spans, int):
-                    conn.sendall(RESP.pack(RESP_MAGIC, spans, 0))
+                pages = self.acquire(pin_id, start, count)
+                if isinstance(pages, int):
+                    conn.sendall(RESP.pack(RESP_MAGIC, pages, 0))
                     continue
                 try:
-                    conn.sendall(RESP.pack(RESP_MAGIC, OK, sum(n for _, n in spans)))
-                    self._send_spans(conn, spans)
+                    conn.sendall(RESP.pack(RESP_MAGIC, OK, sum(p.size for p in pages)))
+                    self._send_pages(conn, pages)
                 finally:
                     self.release(pin_id)
         except OSError as exc:  # puller died or stalled: nothing to clean up but the socket
@@ -156,21 +173,23 @@ class TcpDataServer:
                 self._conns.discard(conn)
             conn.close()
 
-    def _send_spans(self, conn: socket.socket, spans: list[tuple[int, int]]) -> None:
-        out = conn.fileno()
+    def _send_pages(self, conn: socket.socket, pages: Sequence[Page]) -> None:
+        out, fd, checksum_of = conn.fileno(), self.pool_fd, self.checksum_of
         sums = []
-        view, checksum = self.view, self.checksum
-        for off, n in spans:
-            sums.append(checksum(view[off:off + n]))
+        total = 0
+        for p in pages:
+            sums.append(checksum_of(p))
+            off, n = p.offset, p.size
+            total += n
             while n:
-                sent = os.sendfile(out, self.pool_fd, off, n)
+                sent = os.sendfile(out, fd, off, n)
                 if sent == 0:
                     raise OSError("sendfile sent nothing")
                 off += sent
                 n -= sent
         conn.sendall(struct.pack(f"<{len(sums)}Q", *sums))
         if self.on_sent is not None:
-            self.on_sent(sum(n for _, n in spans))
+            self.on_sent(total)
 
     def close(self) -> None:
         self._closed = True
@@ -188,17 +207,6 @@ class TcpDataServer:
                 pass
 
 
-def _coalesce(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Adjacent pages in pin order become one sendfile call."""
-    out: list[tuple[int, int]] = []
-    for off, n in spans:
-        if out and out[-1][0] + out[-1][1] == off:
-            out[-1] = (out[-1][0], out[-1][1] + n)
-        else:
-            out.append((off, n))
-    return out
-
-
 class TcpTransport:
     """Puller side of the TCP data plane; see the module docstring. Thread-safe."""
 
@@ -211,8 +219,8 @@ class TcpTransport:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max(1, self.streams - 1) * 4, thread_name_prefix="p2p-recv")
 
-    def read(self, remote: RemotePages, dests: Sequence[int]) -> list[bool]:
-        """Fill ``dests[i]`` with remote page ``i``; per page, whether it matches the sender's hash."""
+    def read(self, remote: RemotePages, dests: Sequence[int]) -> list[int | None]:
+        """Fill ``dests[i]`` with remote page ``i``; per page, its checksum if it matches the sender's."""
         n = len(dests)
         if n != remote.count:
             raise ValueError(f"{n} destinations for {remote.count} pages")
@@ -224,7 +232,7 @@ class TcpTransport:
         parts = [(s, min(n, s + step)) for s in range(0, n, step)]
         futs = [self._pool.submit(self._read_range, remote, dests, a, b) for a, b in parts[1:]]
         err: BaseException | None = None
-        ok: list[bool] = []
+        ok: list[int | None] = []
         try:
             ok += self._read_range(remote, dests, *parts[0])
         except BaseException as exc:  # noqa: BLE001 - wait for the other streams before raising
@@ -241,7 +249,7 @@ class TcpTransport:
             raise TransferError(f"data plane {remote.data_addr}: {err!r}") from err
         return ok
 
-    def _read_range(self, remote: RemotePages, dests: Sequence[int], a: int, b: int) -> list[bool]:
+    def _read_range(self, remote: RemotePages, dests: Sequence[int], a: int, b: int) -> list[int | None]:
         sock, reused = self._connect(remote.data_addr)
         ok = False
         try:
@@ -275,7 +283,7 @@ class TcpTransport:
             _recv_exact(sock, memoryview(trailer))
             sent = struct.unpack(f"<{b - a}Q", trailer)
             ok = True
-            return [x == y for x, y in zip(got, sent, strict=True)]
+            return [x if x == y else None for x, y in zip(got, sent, strict=True)]
         except OSError as exc:
             raise TransferError(f"data plane {remote.data_addr}: {exc}") from exc
         finally:
