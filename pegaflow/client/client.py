@@ -21,6 +21,7 @@ import mmap
 import os
 import socket
 import threading
+import time
 import uuid
 import weakref
 from collections.abc import Mapping, Sequence
@@ -39,6 +40,7 @@ ensure_library_logging()
 log = structlog.get_logger("pegaflow.client")
 
 GRPC_MAX_MESSAGE = 64 << 20
+CLOSE_DRAIN_S = 2.0  # at most this long, close() waits for calls sent without waiting
 
 
 class NodeUnavailable(Exception):
@@ -147,12 +149,21 @@ class _LocalLink:
             self._drop()
             raise
 
-    def close(self) -> None:
+    def close(self, drain: float = 0.0) -> None:
+        """Close every thread's socket. ``drain > 0``: first let the node finish the frames
+        already sent (no-reply Commits and Releases): shut down the write side and wait, at
+        most ``drain`` seconds per socket, for the node to close its side — it serves a
+        connection's frames in order and closes only after the last one."""
         with self._lock:
             self._closed = True
             socks, self._socks = list(self._socks), weakref.WeakSet()
         for s in socks:
             try:
+                if drain > 0:
+                    s.shutdown(socket.SHUT_WR)
+                    s.settimeout(drain)
+                    while s.recv(1 << 16):
+                        pass  # replies nobody waits for any more
                 s.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv on it
             except OSError:
                 pass
@@ -211,6 +222,7 @@ class PegaClient:
         self.epoch = 0
         self.node_id = ""
         self._closed = False
+        self._pending: set[grpc.Future] = set()  # wait=False gRPC calls in flight
 
     def _connect(self) -> None:
         """A fresh channel. Used again after the node was unreachable: a channel that saw
@@ -424,8 +436,12 @@ class PegaClient:
                 log.warning("async_rpc_failed", method=method, error=str(exc))
             return
         fut = getattr(b.stub, method).future(request, timeout=self.timeout)
+        with self._lock:
+            self._pending.add(fut)
 
         def done(f: grpc.Future) -> None:
+            with self._lock:
+                self._pending.discard(f)
             exc = f.exception()
             if exc is not None:
                 log.warning("async_rpc_failed", method=method,
@@ -446,12 +462,23 @@ class PegaClient:
             return self._call("Stats", node_pb2.StatsRequest(), None)
 
     def close(self) -> None:
+        """Deliver what was sent without waiting (``wait=False`` Commits and Releases) —
+        bounded by the client's timeout — then end the session. Ending the session first
+        would let the node drop a reservation whose Commit is still on its way."""
         with self._lock:
             self._closed = True
+            if self._bound is not None and self._bound.local is not None:
+                self._bound.local.close(drain=min(self.timeout, CLOSE_DRAIN_S))
+            pending, self._pending = list(self._pending), set()
+        deadline = time.monotonic() + min(self.timeout, CLOSE_DRAIN_S)
+        for fut in pending:
+            try:
+                fut.result(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001 - logged by its done-callback, or the node is gone
+                pass
+        with self._lock:
             if self._stream is not None:
                 self._stream.cancel()
-            if self._bound is not None and self._bound.local is not None:
-                self._bound.local.close()
             if self._channel is not None:
                 self._channel.close()
 

@@ -229,6 +229,26 @@ def test_async_commit_and_release_go_over_the_socket_in_order(node):
     assert rpc_counts(node, "local")[("Release", "OK")] == 1
 
 
+@pytest.mark.parametrize("socket_on", [True, False], ids=["local", "grpc"])
+def test_commits_sent_without_waiting_are_delivered_before_close_ends_the_session(node_factory, socket_on):
+    """close() ends the session, and the node drops a session's open reservations: a
+    Commit sent with wait=False right before close() must land first (the connector's
+    last step before an engine shuts down)."""
+    n = node_factory(extra=[] if socket_on else ["--local-socket", "off"])
+    pages_per_round = 64
+    for rnd in range(20):
+        c = PegaClient(n.addr)
+        c.register({"m": PAGE})
+        assert c.transport == ("local" if socket_on else "grpc")
+        hs = hashes(f"close-{rnd}", pages_per_round)
+        r = c.reserve("m", hs)
+        c.commit(r.reservation_id, wait=False)
+        c.close()
+        with PegaClient(n.addr) as check:
+            check.register({"m": PAGE})
+            assert check.query(["m"], hs, lease=False).hit_blocks == pages_per_round, f"round {rnd}"
+
+
 def test_clients_reconnect_over_the_socket_after_a_node_sigkill_and_restart(node):
     c = PegaClient(node.addr, timeout=2)
     c.register({"m": PAGE})

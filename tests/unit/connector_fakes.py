@@ -131,7 +131,7 @@ class FakeNodeClient:
             self.node.reservations[rid] = items
         return RES(rid, offs, self.node.epoch)
 
-    def commit(self, reservation_id: int, indices: Sequence[int] | None = None) -> int:
+    def commit(self, reservation_id: int, indices: Sequence[int] | None = None, wait: bool = True) -> int:
         self._check("commit")
         items = self.node.reservations.pop(reservation_id, [])
         for ns, h, off in items:
