@@ -21,14 +21,19 @@ This class does no I/O and holds no pool memory: the node wraps it around a shar
 memory pool, ``pegaflow replay`` runs it on offsets alone. It is not thread-safe; the
 node calls it from its event loop only.
 
-Performance: ``pegaflow replay`` drives this very class at ~1M block accesses/s, so
-the per-block paths keep Python out of the inner loop where it is cheap to do so: blocks
-are found in one dict per namespace keyed by the hash (a bytes key hashes once; an
-(id, hash) tuple would be built and hashed on every lookup), the LRU is keyed by the Block
-itself (identity hash), lookups and LRU moves are mapped over a request in C, a victim's
-page goes straight to the new block when their sizes match (no allocator round trip), and
-event grouping is skipped when nobody listens. The allocator is pluggable for the same
-reason (see ``__init__``).
+Performance: ``pegaflow replay`` drives this very class at 1-3M block accesses/s, so
+the per-block paths keep Python out of the inner loop: blocks are found in one dict per
+namespace keyed by the hash (a bytes key hashes once; an (id, hash) tuple would be built
+and hashed on every lookup), the LRU is keyed by the Block itself (identity hash),
+lookups and LRU moves are mapped over a request in C, a victim's page goes straight to
+the new block when their sizes match (no allocator round trip), and event grouping is
+skipped when nobody listens. Three pieces are C (``pegaflow/native/blockindex.c``, built
+by the install as ``pegaflow._blockindex``; the Python below is their reference and the
+fallback of a source tree without the build, and the tests hold them equal): ``Block``,
+the ``LRU`` eviction orders (OrderedDict's methods, one hash probe per operation), and
+``place``, the loop of ``reserve``/``insert`` for its usual steps (one namespace, no
+reclaimable copies), which hands anything else back to the Python loop. The allocator is
+pluggable for the same reason (see ``__init__``).
 """
 
 from __future__ import annotations
