@@ -623,8 +623,15 @@ static PyObject *place(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     if (i == -1 && PyErr_Occurred()) return NULL;
     PyObject *size = PyObject_GetAttr(ns, str_page_bytes);
     if (size == NULL) return NULL;
-    for (; i < PyList_GET_SIZE(hashes); i++) {
-        PyObject *h = PyList_GET_ITEM(hashes, i);
+    /* The allocator and the admission policy are Python calls: own what they could
+     * change under us (a tuple of the hashes; the victim across admit()). */
+    PyObject *hs = PyList_AsTuple(hashes);
+    if (hs == NULL) {
+        Py_DECREF(size);
+        return NULL;
+    }
+    for (; i < PyTuple_GET_SIZE(hs); i++) {
+        PyObject *h = PyTuple_GET_ITEM(hs, i);
         PyObject *found = PyDict_GetItemWithError(blocks, h); /* borrowed */
         if (found == NULL && PyErr_Occurred()) goto error;
         if (found != NULL) {
@@ -682,10 +689,18 @@ static PyObject *place(PyObject *module, PyObject *const *args, Py_ssize_t nargs
             if (!PyBytes_Check(h) || !PyBytes_Check(victim->hash)) break;
             PyObject *ck = PyLong_FromUnsignedLongLong(low64(h) ^ salt);
             PyObject *vk = ck == NULL ? NULL : PyLong_FromUnsignedLongLong(low64(victim->hash) ^ salt);
+            Py_INCREF(head);
             PyObject *ok = vk == NULL ? NULL : PyObject_CallMethodObjArgs(admission, str_admit, ck, vk, NULL);
             Py_XDECREF(ck);
             Py_XDECREF(vk);
+            int moved = lru->head < 0 || lru->nodes[lru->head].key != head;
+            Py_DECREF(head);
             if (ok == NULL) goto error;
+            if (moved) {
+                Py_DECREF(ok);
+                PyErr_SetString(PyExc_RuntimeError, "the LRU changed during an admission call");
+                goto error;
+            }
             int yes = PyObject_IsTrue(ok);
             Py_DECREF(ok);
             if (yes < 0) goto error;
@@ -710,9 +725,11 @@ static PyObject *place(PyObject *module, PyObject *const *args, Py_ssize_t nargs
         Py_DECREF(b);
     }
     Py_DECREF(size);
+    Py_DECREF(hs);
     return Py_BuildValue("(nO)", i, refused ? Py_True : Py_False);
 error:
     Py_DECREF(size);
+    Py_DECREF(hs);
     return NULL;
 }
 
