@@ -625,6 +625,7 @@ static PyObject *place(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     if (size == NULL) return NULL;
     /* The allocator and the admission policy are Python calls: own what they could
      * change under us (a tuple of the hashes; the victim across admit()). */
+    int pool_full = 0;
     PyObject *hs = PyList_AsTuple(hashes);
     if (hs == NULL) {
         Py_DECREF(size);
@@ -654,11 +655,16 @@ static PyObject *place(PyObject *module, PyObject *const *args, Py_ssize_t nargs
             if (out != Py_None && PyList_Append(out, Py_None) < 0) goto error;
             continue;
         }
-        PyObject *free = PyObject_GetAttr(alloc, str_free_bytes);
-        if (free == NULL) goto error;
-        int has_free = PyObject_RichCompareBool(free, need, Py_GE);
-        Py_DECREF(free);
-        if (has_free < 0) goto error;
+        int has_free = 0;
+        if (!pool_full) {
+            PyObject *free = PyObject_GetAttr(alloc, str_free_bytes);
+            if (free == NULL) goto error;
+            has_free = PyObject_RichCompareBool(free, need, Py_GE);
+            Py_DECREF(free);
+            if (has_free < 0) goto error;
+            /* Full stays full here: a victim's page goes to the new block, nothing is freed. */
+            pool_full = !has_free;
+        }
         if (has_free) {
             PyObject *page = PyObject_CallMethodOneArg(alloc, str_alloc, size);
             if (page == NULL) {
