@@ -148,12 +148,15 @@ def main() -> None:
     p.add_argument("--pool", default="2gb")
     p.add_argument("--poll-ms", type=float, default=POLL_MS,
                    help="client re-Query interval while LOADING (the connector's is 20 ms)")
+    p.add_argument("--hugepages", action="store_true",
+                   help="pools on huge pages (needs 2 x --pool of free ones: /proc/sys/vm/nr_hugepages)")
     a = p.parse_args()
 
     from tests.integration.p2p_harness import P2PCluster
 
     tmp = Path(tempfile.mkdtemp(prefix="pegaflow-bench-p2p-"))
-    cluster = P2PCluster(tmp, 2, pool=a.pool, node_args=("--log-level", "warning"))
+    node_args = ("--log-level", "warning", *(("--use-hugepages",) if a.hugepages else ()))
+    cluster = P2PCluster(tmp, 2, pool=a.pool, node_args=node_args)
     if cluster.fallback_reason:
         print(f"network namespaces unavailable ({cluster.fallback_reason}): loopback addresses instead")
     try:

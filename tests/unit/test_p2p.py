@@ -27,7 +27,7 @@ from pegaflow.node.transfer.metrics import PeerMetrics
 from pegaflow.node.transfer.p2p import routability_warning
 from pegaflow.node.transfer.pins import PeerService, PinTable
 from pegaflow.node.transfer.puller import META_KEY, Backoff, Holder, Puller
-from pegaflow.node.transfer.tcp import TcpDataServer, TcpTransport
+from pegaflow.node.transfer.tcp import TcpDataServer, TcpTransport, sendfile_works
 from tests.unit import fake_verbs
 
 PAGE = 64 << 10
@@ -676,3 +676,27 @@ def test_an_unknown_checksum_is_computed_when_first_sent_and_forgotten_with_its_
     assert a.checksums.of(blk) == page_checksum(want[hs[0]]) and hashed(a, "transfer") == 4 * PAGE
     assert a.index.remove([blk]) == [blk]
     assert a.checksums.get(blk) is None and len(a.checksums) == 3  # evicted: its page may be reused
+
+
+def test_a_huge_page_pool_cannot_be_spliced_and_its_pages_are_sent_from_the_mapping(pair):
+    hugetlb = os.memfd_create("test-hugetlb", os.MFD_HUGETLB | os.MFD_CLOEXEC)  # no huge page needed to probe
+    try:
+        os.ftruncate(hugetlb, 2 << 20)
+        assert not sendfile_works(hugetlb)
+    finally:
+        os.close(hugetlb)
+    a, b, meta, peers, puller = pair
+    assert a.data.sendfile  # a plain memfd pool
+    a.data.sendfile = False  # what a node with --use-hugepages does
+    hs = hashes("hp", 8)
+    want = a.store(hs)
+    meta.holders = [Holder("a", a.address, 8)]
+
+    async def run() -> None:
+        a.table.loop = asyncio.get_running_loop()
+        assert await puller.query([b.ns], hs, 0)
+        await settle(puller)
+
+    asyncio.run(run())
+    assert all(b.page(h) == want[h] for h in hs)
+    assert pulls(b, "ok") == 1

@@ -104,6 +104,7 @@ class P2P:
                                  pin_ttl=opts.pin_ttl, backoff=opts.peer_backoff, max_pull=opts.max_batch,
                                  on_remote_hits=on_remote_hits, checksums=self.checksums)
         log.info("p2p_ready", data_addr=self.data_addr, transport="rdma" if self.engine else "tcp",
+                 sendfile=self.data.sendfile,
                  pulls=self.puller is not None, nics=list(opts.nics))
 
     def _handshake(self, peer: str, req: peer_pb2.RdmaConnectRequest) -> peer_pb2.RdmaConnectResponse:

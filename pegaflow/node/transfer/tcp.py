@@ -9,7 +9,9 @@ Wire format (little endian), one request at a time per connection, connections r
                             ``count`` u64: the xxh3_64 of each page as it was sent.
 
 Sender (:class:`TcpDataServer`): one thread per connection; each page goes from the
-pool's memfd to the socket with ``os.sendfile``, so the bytes never enter Python. Its
+pool's memfd to the socket with ``os.sendfile``, so the bytes never enter Python and are
+not copied (a huge-page pool, ``--use-hugepages``, cannot be spliced: there each page is
+sent from the pool mapping with one kernel copy, GIL released). Its
 checksum is usually known already (``PageChecksums``: hashed once when the block was
 committed, or verified when it was pulled); a page whose checksum is not known yet is
 hashed right before it is sent. While it sends, the pin is held busy and cannot expire
@@ -79,6 +81,20 @@ def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(IO_TIMEOUT))
 
 
+def sendfile_works(fd: int) -> bool:
+    """Whether ``os.sendfile`` can read ``fd``: hugetlbfs (a ``MFD_HUGETLB`` pool) has no
+    splice support, so sendfile from it fails with EINVAL whatever the offset."""
+    a, b = socket.socketpair()
+    try:
+        os.sendfile(a.fileno(), fd, 0, 1)
+        return True
+    except OSError:
+        return False
+    finally:
+        a.close()
+        b.close()
+
+
 def split_host_port(addr: str) -> tuple[str, int]:
     host, _, port = addr.rpartition(":")
     return host.strip("[]"), int(port)
@@ -114,6 +130,7 @@ class TcpDataServer:
         self.port: int = self.sock.getsockname()[1]
         self.pool_fd = pool_fd
         self.view = pool_view
+        self.sendfile = sendfile_works(pool_fd)
         self.checksum_of: Callable[[Page], int] = checksum_of or (
             lambda p: page_checksum(pool_view[p.offset:p.offset + p.size]))
         self.acquire = acquire
@@ -181,6 +198,9 @@ class TcpDataServer:
             sums.append(checksum_of(p))
             off, n = p.offset, p.size
             total += n
+            if not self.sendfile:
+                conn.sendall(self.view[off:off + n])
+                continue
             while n:
                 sent = os.sendfile(out, fd, off, n)
                 if sent == 0:
