@@ -16,8 +16,8 @@ Contracts:
   verified against (:meth:`record`, no extra pass); a block committed on a node that
   serves peers is hashed in the background, off the engine's save path and before any
   pull is likely (``insert`` events, pinned while hashed, one worker thread, batches of
-  ``HASH_BATCH_BYTES``, at most ``HASH_QUEUE_BYTES`` waiting); a page sent before that
-  is hashed by the sender as it goes out (:meth:`of`) and kept.
+  ``HASH_BATCH_BYTES`` or 1/16 of the pool, at most ``HASH_QUEUE_BYTES`` waiting); a page
+  sent before that is hashed by the sender as it goes out (:meth:`of`) and kept.
 - :meth:`get`, :meth:`of` and :meth:`record` may be called from data-plane threads for
   blocks pinned by the caller (one dict operation each, atomic under the GIL); the
   listener and the background hasher run on the node's event loop.
@@ -40,6 +40,7 @@ from pegaflow.node.transfer.metrics import PeerMetrics
 log = structlog.get_logger("pegaflow.p2p")
 
 HASH_BATCH_BYTES = 64 << 20  # pages hashed per worker hop (~6 ms here): few hops, short pins
+HASH_BATCH_POOL_SHARE = 16  # ... and at most 1/16 of the pool pinned by the hasher (small pools)
 HASH_QUEUE_BYTES = 4 << 30  # committed bytes waiting at most; beyond, pages are hashed when sent
 
 
@@ -57,6 +58,7 @@ class PageChecksums:
         self.metrics = metrics
         self.background = background
         self._sums: dict[tuple[int, bytes], int] = {}
+        self._batch_bytes = max(1, min(HASH_BATCH_BYTES, index.alloc.capacity // HASH_BATCH_POOL_SHARE))
         self._queue: deque[tuple[Namespace, bytes]] = deque()
         self._queued_bytes = 0
         self._wake: asyncio.Event | None = None
@@ -116,7 +118,7 @@ class PageChecksums:
             while self._queue:
                 batch: list[Block] = []
                 size = 0
-                while self._queue and size < HASH_BATCH_BYTES:
+                while self._queue and size < self._batch_bytes:
                     ns, h = self._queue.popleft()
                     self._queued_bytes -= ns.page_bytes
                     b = self.index.get(ns, h)
