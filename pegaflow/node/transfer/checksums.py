@@ -136,6 +136,8 @@ class PageChecksums:
                     self.metrics.hashed_bytes.labels("commit").inc(size)
                     log.debug("p2p_checksums", blocks=len(batch), bytes=size,
                               seconds=round(time.perf_counter() - t0, 4))
+                except Exception as exc:  # noqa: BLE001 - those pages are hashed when sent instead
+                    log.warning("p2p_checksums_failed", blocks=len(batch), error=repr(exc))
                 finally:
                     self.index.unpin(batch)
 
