@@ -5,7 +5,14 @@
  * Why: every miss of the index creates one Block; as a Python class with __slots__ that
  * is an __init__ frame, seven attribute stores and a GC-tracked allocation (~340 ns on
  * the 2-core machine). Here it is one untracked allocation and a vectorcall. A Block refers only to its Namespace (a frozen dataclass)
- * and its hash (bytes), neither of which can refer back, so it needs no GC support.
+ * and its hash (bytes), neither of which can refer back, so it needs no GC support
+ * (the index stores only ints in its other fields; a cycle through a Block would leak).
+ *
+ * Threads: every function here runs with the GIL held and never releases it; the node
+ * calls them from its event loop only (worker threads merely read Block attributes).
+ * Other threads can run only inside the Python calls place() makes (allocator, admission,
+ * a size comparison), which it treats as re-entrant. No Py_mod_gil slot: a free-threaded
+ * build re-enables the GIL on import.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -123,8 +130,16 @@ static void Block_dealloc(Block *b) {
     Py_TYPE(b)->tp_free((PyObject *)b);
 }
 
+/* A member deleted with `del b.x` is NULL: what reading it does on the Python class. */
+static int block_has(PyObject *v, const char *name) {
+    if (v != NULL) return 1;
+    PyErr_Format(PyExc_AttributeError, "'Block' object has no attribute '%s'", name);
+    return 0;
+}
+
 /* key: (ns.id, hash) */
 static PyObject *Block_key(Block *b, void *closure) {
+    if (!block_has(b->ns, "ns") || !block_has(b->hash, "hash")) return NULL;
     PyObject *id = PyObject_GetAttr(b->ns, str_id);
     if (id == NULL) return NULL;
     PyObject *out = PyTuple_Pack(2, id, b->hash);
@@ -134,6 +149,9 @@ static PyObject *Block_key(Block *b, void *closure) {
 
 /* Block(ns='name', hash=<first 12 hex digits>, offset=N, pins=N) */
 static PyObject *Block_repr(Block *b) {
+    if (!block_has(b->ns, "ns") || !block_has(b->hash, "hash") || !block_has(b->offset, "offset") ||
+        !block_has(b->pins, "pins"))
+        return NULL;
     PyObject *name = PyObject_GetAttr(b->ns, str_name);
     if (name == NULL) return NULL;
     PyObject *hex = PyObject_CallMethod(b->hash, "hex", NULL);
@@ -571,6 +589,14 @@ static inline uint64_t low64(PyObject *bytes) {
     return k;
 }
 
+/* v is the int x exactly (an int of any size; no exception left set). */
+static inline int int_is(PyObject *v, long x) {
+    if (!PyLong_CheckExact(v)) return 0;
+    int overflow;
+    long got = PyLong_AsLongAndOverflow(v, &overflow);
+    return !overflow && got == x;
+}
+
 /* ---- place: the block index's reserve/insert loop for its steady state, in C.
  *
  * place(blocks, lru, ns, hashes, start, reclaimable, made, evicted, out, alloc, need, admission)
@@ -621,6 +647,10 @@ static PyObject *place(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     LRU *lru = (LRU *)args[1];
     Py_ssize_t i = PyLong_AsSsize_t(args[4]);
     if (i == -1 && PyErr_Occurred()) return NULL;
+    if (i < 0) {
+        PyErr_SetString(PyExc_ValueError, "place: start must be >= 0");
+        return NULL;
+    }
     PyObject *size = PyObject_GetAttr(ns, str_page_bytes);
     if (size == NULL) return NULL;
     /* The allocator and the admission policy are Python calls: own what they could
@@ -638,10 +668,11 @@ static PyObject *place(PyObject *module, PyObject *const *args, Py_ssize_t nargs
         if (found != NULL) {
             if (Py_TYPE(found) != &BlockType) break;
             Block *e = (Block *)found;
-            int resident = PyLong_CheckExact(e->state) && PyLong_AsLong(e->state) == 1;
+            /* Anything unusual (a deleted attribute, a state that is no int) is the Python loop's. */
+            if (e->state == NULL || !PyLong_CheckExact(e->state)) break;
+            int resident = int_is(e->state, 1);
             if (resident) {
-                if (admission != Py_None || !PyLong_CheckExact(e->pins) || PyLong_AsLong(e->pins) != 0 ||
-                    e->reclaimable != Py_False)
+                if (admission != Py_None || e->pins == NULL || !int_is(e->pins, 0) || e->reclaimable != Py_False)
                     break;
                 Py_ssize_t slot = find_slot(lru, found, NULL);
                 if (slot < 0) break;
@@ -668,6 +699,9 @@ static PyObject *place(PyObject *module, PyObject *const *args, Py_ssize_t nargs
         if (has_free) {
             PyObject *page = PyObject_CallMethodOneArg(alloc, str_alloc, size);
             if (page == NULL) {
+                /* KeyboardInterrupt, SystemExit: not the allocator's failure to retry, propagated
+                 * (the Python loop catches OutOfSpace only). */
+                if (!PyErr_ExceptionMatches(PyExc_Exception)) goto error;
                 PyErr_Clear();
                 break;
             }
@@ -686,13 +720,21 @@ static PyObject *place(PyObject *module, PyObject *const *args, Py_ssize_t nargs
         PyObject *head = lru->nodes[lru->head].key;
         if (Py_TYPE(head) != &BlockType) break;
         Block *victim = (Block *)head;
+        if (victim->size == NULL) break;
         if (victim->size != size) {
-            int eq = PyObject_RichCompareBool(victim->size, size, Py_EQ);
+            /* Not the same int object: the comparison may run Python code, which could drop the
+             * head from the LRU (and free it) or replace its size: hold both across it. */
+            PyObject *vsize = Py_NewRef(victim->size);
+            Py_INCREF(head);
+            int eq = PyObject_RichCompareBool(vsize, size, Py_EQ);
+            int moved = lru->head < 0 || lru->nodes[lru->head].key != head;
+            Py_DECREF(vsize);
+            Py_DECREF(head);
             if (eq < 0) goto error;
-            if (!eq) break;
+            if (!eq || moved) break;
         }
         if (admission != Py_None) {
-            if (!PyBytes_Check(h) || !PyBytes_Check(victim->hash)) break;
+            if (!PyBytes_Check(h) || victim->hash == NULL || !PyBytes_Check(victim->hash)) break;
             PyObject *ck = PyLong_FromUnsignedLongLong(low64(h) ^ salt);
             PyObject *vk = ck == NULL ? NULL : PyLong_FromUnsignedLongLong(low64(victim->hash) ^ salt);
             Py_INCREF(head);
@@ -715,6 +757,9 @@ static PyObject *place(PyObject *module, PyObject *const *args, Py_ssize_t nargs
                 break;
             }
         }
+        /* Still the head (checked after every Python call above); a deleted hash or offset is
+         * the Python loop's to report. */
+        if (victim->hash == NULL || victim->offset == NULL) break;
         PyObject *vkey = lru_take(lru, find_slot(lru, head, NULL)); /* the LRU's reference */
         if (PyDict_DelItem(blocks, victim->hash) < 0 || PyList_Append(evicted, vkey) < 0) {
             Py_DECREF(vkey);
@@ -749,13 +794,18 @@ static PyObject *settle(PyObject *module, PyObject *const *args, Py_ssize_t narg
     PyObject *made = args[0];
     LRU *lru = (LRU *)args[1];
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(made); i++) {
-        PyObject *b = PyList_GET_ITEM(made, i);
+        /* Held: setting the state (or dropping the old one) may run Python code that
+         * changes made. */
+        PyObject *b = Py_NewRef(PyList_GET_ITEM(made, i));
         if (Py_TYPE(b) == &BlockType) {
-            Py_SETREF(((Block *)b)->state, Py_NewRef(one));
+            Py_XSETREF(((Block *)b)->state, Py_NewRef(one));
         } else if (PyObject_SetAttr(b, str_state, one) < 0) {
+            Py_DECREF(b);
             return NULL;
         }
-        if (lru_add(lru, b) < 0) return NULL;
+        int err = lru_add(lru, b);
+        Py_DECREF(b);
+        if (err < 0) return NULL;
     }
     Py_RETURN_NONE;
 }

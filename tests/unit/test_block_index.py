@@ -306,3 +306,135 @@ def test_native_placement_equals_the_python_loop(monkeypatch):
             assert native == python
             assert native[2][2] > 100
     assert len(calls) > 500  # the C loop really ran
+
+
+# ---- pegaflow._blockindex memory safety: what Python code can do to the C paths -----------
+
+
+class _FullPool:
+    """An allocator with no free bytes: place() takes the LRU head's page."""
+
+    free_bytes = 0
+
+    def alloc(self, size: int) -> int:
+        raise AssertionError("not called on a full pool")
+
+
+def _native():
+    from pegaflow.node import block_index
+
+    assert block_index._native_place is not None, "pegaflow._blockindex is not built"
+    return block_index
+
+
+def _place(bi, blocks, lru, ns, hashes, alloc=None, made=None, out=None, start=0):
+    made = [] if made is None else made
+    alloc = _FullPool() if alloc is None else alloc
+    return bi._native_place(blocks, lru, ns, hashes, start, False, made, [], out, alloc, 4096, None)
+
+
+def _resident(bi, ns, key: int):
+    b = bi.Block(ns, h(key), 0)
+    b.state = RESIDENT
+    lru = bi._NativeLRU()
+    lru[b] = None
+    return b, lru
+
+
+def test_native_block_with_a_deleted_attribute_raises_like_the_python_block():
+    bi = _native()
+    ns = BlockIndex(1 << 20).namespace("a", 4096)
+    for cls in (bi.Block, bi.PyBlock):
+        b = cls(ns, h(1), 0)
+        del b.hash
+        with pytest.raises(AttributeError):
+            b.key  # noqa: B018 - was a segfault in C
+        b = cls(ns, h(1), 0)
+        del b.offset
+        with pytest.raises(AttributeError):
+            repr(b)
+
+
+@pytest.mark.parametrize("attr", ["state", "pins", "size", "hash", "offset"])
+def test_native_place_leaves_a_block_without_an_attribute_to_the_python_loop(attr):
+    bi = _native()
+    ns = BlockIndex(1 << 20).namespace("a", 4096)
+    b, lru = _resident(bi, ns, 1)
+    blocks = {b.hash: b}
+    delattr(b, attr)
+    # the resident block itself (state, pins), or a miss that would evict it (size, hash, offset)
+    hashes = [h(1)] if attr in ("state", "pins") else [h(2)]
+    made: list = []
+    assert _place(bi, blocks, lru, ns, hashes, made=made) == (0, False)
+    assert made == [] and list(lru) == [b]
+
+
+def test_native_place_takes_counts_beyond_a_c_long():
+    bi = _native()
+    ns = BlockIndex(1 << 20).namespace("a", 4096)
+    b, lru = _resident(bi, ns, 1)
+    b.pins = 2**100  # was a SystemError (an OverflowError left set)
+    assert _place(bi, {b.hash: b}, lru, ns, [h(1)]) == (0, False)
+    b.pins, b.state = 0, 2**100  # not RESIDENT: a pending block, no touch
+    out: list = []
+    assert _place(bi, {b.hash: b}, lru, ns, [h(1)], out=out) == (1, False)
+    assert out == [None]
+
+
+def test_native_place_refuses_a_negative_start():
+    bi = _native()
+    ns = BlockIndex(1 << 20).namespace("a", 4096)
+    with pytest.raises(ValueError):  # was a read before the start of the hashes
+        _place(bi, {}, bi._NativeLRU(), ns, [h(1)], start=-(10**9))
+
+
+def test_native_place_holds_the_victim_while_python_code_compares_its_size():
+    bi = _native()
+    ns = BlockIndex(1 << 20).namespace("a", 4096)
+    b, lru = _resident(bi, ns, 1)
+
+    class Size:
+        def __eq__(self, other):
+            lru.popitem(last=False)  # drops the last reference to the head
+            return True
+
+    b.size = Size()
+    blocks: dict = {}
+    del b
+    made: list = []
+    assert _place(bi, blocks, lru, ns, [h(2)], made=made) == (0, False)
+    assert made == [] and len(lru) == 0
+
+
+def test_native_place_does_not_swallow_keyboard_interrupt_from_the_allocator():
+    bi = _native()
+    ns = BlockIndex(1 << 20).namespace("a", 4096)
+
+    class Alloc:
+        free_bytes = 1 << 30
+
+        def __init__(self, exc: BaseException) -> None:
+            self.exc = exc
+
+        def alloc(self, size: int) -> int:
+            raise self.exc
+
+    # An ordinary exception stops the C loop (the Python loop retries and handles it) ...
+    assert _place(bi, {}, bi._NativeLRU(), ns, [h(1)], alloc=Alloc(RuntimeError())) == (0, False)
+    # ... but an interrupt propagates, as from the Python loop (which catches OutOfSpace only).
+    with pytest.raises(KeyboardInterrupt):
+        _place(bi, {}, bi._NativeLRU(), ns, [h(1)], alloc=Alloc(KeyboardInterrupt()))
+
+
+def test_native_settle_holds_each_block_while_python_code_runs():
+    bi = _native()
+    made: list = []
+
+    class NotABlock:  # a Python block whose state store empties made
+        def __setattr__(self, name, value):
+            made.clear()
+
+    made.append(NotABlock())
+    lru = bi._NativeLRU()
+    bi._native_settle(made, lru)
+    assert len(lru) == 1 and type(next(iter(lru))) is NotABlock
