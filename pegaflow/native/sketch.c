@@ -11,6 +11,10 @@
  * Why C: a scalar record in Python is a few dozen bytecodes (~1.5 us here); pegaflow
  * replay records every block access and asks admission for every eviction, and numpy's
  * fixed cost per call dominates at a request's ~30 keys. Here a key costs tens of ns.
+ *
+ * Threads: the GIL is held throughout (never released), like the Python paths on the
+ * same buffers; the owner serialises calls. The exported views keep the bytearrays from
+ * being resized under the Sketch.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -123,7 +127,7 @@ static int Sketch_init(Sketch *self, PyObject *args, PyObject *kwds) {
                                      &door_bits, &door_step0, &seed_mix, &sample_size, &use_door))
         return -1;
     if (depth < 1 || width < 2 || (width & (width - 1)) || door_bits < 8 ||
-        (door_bits & (door_bits - 1)) || sample_size < 1) {
+        (door_bits & (door_bits - 1)) || sample_size < 1 || depth > PY_SSIZE_T_MAX / (width / 2)) {
         PyErr_SetString(PyExc_ValueError, "bad sketch geometry");
         return -1;
     }
@@ -178,6 +182,20 @@ static PyObject *Sketch_record(Sketch *self, PyObject *const *args, Py_ssize_t n
     return Py_BuildValue("(ni)", samples, aged);
 }
 
+/* A buffer of native 8-byte integers (struct codes q Q l L n N, native order): what the
+ * Python path takes as ints. Floats of the same size (d) are keys there for nobody. */
+static int int64_format(const Py_buffer *v) {
+    if (v->itemsize != 8) return 0;
+    const char *f = v->format == NULL ? "B" : v->format;
+    if (*f == '@' || *f == '=') f++;
+#if PY_LITTLE_ENDIAN
+    else if (*f == '<') f++;
+#else
+    else if (*f == '>' || *f == '!') f++;
+#endif
+    return f[0] != '\0' && strchr("qQlLnN", f[0]) != NULL && f[1] == '\0';
+}
+
 /* record_many(keys, samples) -> (samples, agings); keys: a list/tuple of ints or a
  * contiguous buffer of 8-byte integers (a uint64/int64 ndarray). */
 static PyObject *Sketch_record_many(Sketch *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -193,7 +211,7 @@ static PyObject *Sketch_record_many(Sketch *self, PyObject *const *args, Py_ssiz
     if (!PyList_Check(keys) && !PyTuple_Check(keys) && PyObject_CheckBuffer(keys)) {
         Py_buffer view;
         if (PyObject_GetBuffer(keys, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return NULL;
-        if (view.itemsize != 8) {
+        if (!int64_format(&view)) {
             PyBuffer_Release(&view);
             PyErr_SetString(PyExc_TypeError, "a key buffer must hold 8-byte integers");
             return NULL;
@@ -206,11 +224,15 @@ static PyObject *Sketch_record_many(Sketch *self, PyObject *const *args, Py_ssiz
     }
     PyObject *seq = PySequence_Fast(keys, "keys must be a sequence of integers");
     if (seq == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    for (Py_ssize_t i = 0; i < n; i++) {
+    /* A key that is no int converts through its __index__, which may change a list of keys
+     * under us: the length is read again per key (as a Python for loop does) and the key is
+     * held while it converts. */
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
         uint64_t key;
-        if (as_key(items[i], &key) < 0) {
+        PyObject *item = Py_NewRef(PySequence_Fast_GET_ITEM(seq, i));
+        int err = as_key(item, &key);
+        Py_DECREF(item);
+        if (err < 0) {
             Py_DECREF(seq);
             return NULL;
         }

@@ -331,3 +331,40 @@ def test_native_record_many_takes_uint64_arrays_and_rejects_bad_keys() -> None:
     assert np.array_equal(a.table, b.table) and np.array_equal(a.door, b.door)
     with pytest.raises(TypeError):
         a.record_many(["not a key"])
+
+
+def test_native_record_many_survives_keys_that_change_the_list() -> None:
+    """A key converting through __index__ may empty the list of keys: read per key, held (was a use after
+    free of the list's items)."""
+    lfu = TinyLFU(100)
+    assert lfu.native
+    keys: list = []
+
+    class Key:
+        def __index__(self) -> int:
+            keys.clear()
+            return 12345
+
+    keys.extend([Key()] + [object() for _ in range(1000)])
+    samples, _ = lfu._core.record_many(keys, 0)
+    assert samples == 1  # the one key seen; the list was empty after it, as a Python for loop sees it
+
+
+def test_native_sketch_refuses_geometry_whose_size_overflows() -> None:
+    from pegaflow._sketch import Sketch
+
+    depth = (1 << 61) + 1  # depth * width / 2 wraps to 8 bytes: was writes far past the table
+    with pytest.raises(ValueError):
+        Sketch(bytearray(8), bytearray(8), depth, 16, 64, 4, 0, 10, False)
+
+
+def test_native_record_many_takes_only_integer_buffers() -> None:
+    import array
+
+    a, b = TinyLFU(100), TinyLFU(100)
+    keys = [1, 2, 3, 2**63 - 1]
+    a.record_many(array.array("q", keys))
+    b.record_many(keys)
+    assert np.array_equal(a.table, b.table) and np.array_equal(a.door, b.door)
+    with pytest.raises(TypeError):  # eight bytes a key, but floats: the Python path refuses them too
+        a.record_many(array.array("d", [1.0, 2.0]))
