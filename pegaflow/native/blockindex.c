@@ -503,7 +503,7 @@ static PyObject *LRU_pop(LRU *l, PyObject *const *args, Py_ssize_t nargs) {
 
 typedef struct {
     PyObject_HEAD
-    LRU *lru;
+    LRU *lru; /* NULL once exhausted (as OrderedDict's iterator: StopIteration from then on) */
     Py_ssize_t node;
     unsigned long long version;
 } LRUIter;
@@ -521,16 +521,20 @@ static PyObject *LRU_iter(LRU *l) {
 }
 
 static void LRUIter_dealloc(LRUIter *it) {
-    Py_DECREF(it->lru);
+    Py_XDECREF(it->lru);
     PyObject_Free(it);
 }
 
 static PyObject *LRUIter_next(LRUIter *it) {
+    if (it->lru == NULL) return NULL;
+    if (it->node < 0) { /* past the last key: done, whatever changed since (as OrderedDict) */
+        Py_CLEAR(it->lru);
+        return NULL;
+    }
     if (it->version != it->lru->version) {
         PyErr_SetString(PyExc_RuntimeError, "LRU mutated during iteration");
         return NULL;
     }
-    if (it->node < 0) return NULL;
     Node *x = &it->lru->nodes[it->node];
     it->node = x->next;
     return Py_NewRef(x->key);

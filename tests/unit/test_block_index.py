@@ -438,3 +438,26 @@ def test_native_settle_holds_each_block_while_python_code_runs():
     lru = bi._NativeLRU()
     bi._native_settle(made, lru)
     assert len(lru) == 1 and type(next(iter(lru))) is NotABlock
+
+
+def test_native_lru_iterator_ends_like_ordereddicts():
+    """Once exhausted, an iterator stays exhausted even if the order changes afterwards."""
+    from collections import OrderedDict
+
+    bi = _native()
+    for d in (OrderedDict(), bi._NativeLRU()):
+        d[object()] = None
+        it = iter(d)
+        assert len(list(it)) == 1
+        d[object()] = None
+        assert next(it, "end") == "end", type(d)
+        it = iter(d)
+        next(it)
+        next(it)
+        d[object()] = None  # after the last key: ended, the change is not looked at
+        assert next(it, "end") == "end", type(d)
+        it = iter(d)
+        next(it)
+        d[object()] = None  # before it: a mutation during iteration
+        with pytest.raises(RuntimeError):
+            next(it)
