@@ -141,6 +141,14 @@ async def settle(puller: Puller) -> None:
         await asyncio.gather(*list(puller.tasks), return_exceptions=True)
 
 
+async def drained(side: Side, timeout: float = 5.0) -> None:
+    """Wait (bounded) until the side's pins are gone: a data thread may release its send
+    just after the puller has every byte and has unpinned."""
+    deadline = time.monotonic() + timeout
+    while side.table.pins and time.monotonic() < deadline:
+        await asyncio.sleep(0.005)
+
+
 def pulls(side: Side, status: str) -> float:
     return side.metrics.pulls.labels(status)._value.get()
 
@@ -157,6 +165,7 @@ def test_prefix_pulled_from_peer_is_byte_identical_reclaimable_and_unpinned(pair
         assert b.index.get(b.ns, hs[0]) is None  # PENDING until verified: invisible
         assert await puller.query([b.ns], hs, 0)  # a second Query while it runs: LOADING, no new pull
         await settle(puller)
+        await drained(a)
         return loading
 
     assert asyncio.run(run())
@@ -230,6 +239,7 @@ def test_bad_checksum_discards_pages_and_backs_the_peer_off(pair, where):
         a.table.loop = asyncio.get_running_loop()
         assert await puller.query([b.ns], hs, 0)
         await settle(puller)
+        await drained(a)
         return await puller.query([b.ns], hs, 3)  # page 3 missing: the peer is skipped now
 
     assert not asyncio.run(run())
@@ -368,7 +378,7 @@ def test_pin_is_not_released_while_its_pages_are_being_sent():
             assert p.id in a.table.pins and all(blk.pins == 1 for blk in p.blocks)
             assert a.table.acquire(p.id, 0, 1) != p.blocks[:1]  # but no new sends start
             a.table.release_send(p.id)
-            await asyncio.sleep(0.7)
+            await asyncio.sleep(0.05)  # the last send's end unpins at once, not at the next recheck
             assert p.id not in a.table.pins and all(blk.pins == 0 for blk in p.blocks)
 
         asyncio.run(run())
@@ -635,6 +645,7 @@ def test_a_published_node_hashes_each_committed_page_once_and_every_pull_reuses_
                 await asyncio.sleep(0.005)
             assert await puller.query([b.ns], hs, 0)
             await settle(puller)
+            await drained(a)
             pin = await a.service.PinForTransfer(peer_pb2.PinRequest(namespace=NS, hashes=hs, transport="rdma"), Ctx())
             a.table.unpin(pin.pin_id)
             await asyncio.sleep(0.05)  # b's hasher had its chance at the pulled pages
@@ -668,6 +679,7 @@ def test_an_unknown_checksum_is_computed_when_first_sent_and_forgotten_with_its_
         a.table.loop = asyncio.get_running_loop()
         assert await puller.query([b.ns], hs, 0)
         await settle(puller)
+        await drained(a)
 
     asyncio.run(run())
     assert all(b.page(h) == want[h] for h in hs)

@@ -126,8 +126,15 @@ class PinTable:
     def release_send(self, pin_id: int) -> None:
         with self._lock:
             p = self.pins.get(pin_id)
-            if p is not None:
-                p.sending -= 1
+            if p is None:
+                return
+            p.sending -= 1
+            done = p.ended and p.sending == 0
+        if done and self.loop is not None:  # ended while busy: unpin now, not at the next recheck
+            try:
+                self.loop.call_soon_threadsafe(self._end, p)
+            except RuntimeError:  # the loop is closed: the node is stopping and close() unpins
+                pass
 
     def close(self) -> None:
         for p in list(self.pins.values()):
