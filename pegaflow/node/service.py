@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -33,6 +34,7 @@ log = structlog.get_logger("pegaflow.node")
 
 MAX_NAME = 512  # bytes of a namespace or instance name
 SESSION_PING_SECONDS = 5.0  # keep-alive events on the session stream
+QUERIED_REQUESTS = 65536  # request keys remembered so a re-asked request counts its accesses once
 
 GRPC = "grpc"
 LOCAL = "local"
@@ -124,6 +126,7 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         self.stopping = asyncio.Event()
         self.hit_blocks = 0
         self.miss_blocks = 0
+        self._queried: OrderedDict[str, None] = OrderedDict()  # recent request keys, see query()
         self.ssd: Any = None  # SsdTier when --ssd-cache-path is set (set by the node)
         self.puller: Any = None  # transfer.puller.Puller when --meta-addr is set (set by the node)
         self.query_trace: Any = None  # query_trace.QueryTrace when --query-trace is set
@@ -210,10 +213,14 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         hashes = list(request.hashes)
         check_hashes(hashes, self.max_batch)
         nss = [self.sessions.namespace(s, n) for n in request.namespaces]
-        per_ns = [self.index.prefix(ns, hashes) for ns in nss]
+        # A request is asked about again while its blocks load (LOADING polls) or when the
+        # engine could not schedule it yet: its accesses count once, at its first Query.
+        first = self._first_query(_request_key(s.id, request.req_id))
+        per_ns = [self.index.prefix(ns, hashes, touch=first) for ns in nss]
         hit = min(len(p) for p in per_ns)
-        for ns in nss:
-            self.index.record_access(ns, hashes[hit:])
+        if first:
+            for ns in nss:
+                self.index.record_access(ns, hashes[hit:])
         if self.ssd is not None and hit < len(hashes) and self.ssd.promote(nss, hashes, hit):
             self.metrics.queries.labels("loading").inc()
             if self.ceiling is not None:
@@ -245,6 +252,18 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         if self.query_trace is not None:
             self.query_trace.record(nss[0].name, hashes, nss[0].page_bytes, s.instance_id)
         return node_pb2.QueryResponse(status=node_pb2.READY, hit_blocks=hit, lease_id=lease_id, pages=pages)
+
+    def _first_query(self, key: str) -> bool:
+        """True unless request ``key`` was queried recently (requests without an id: always)."""
+        if not key:
+            return True
+        if key in self._queried:
+            self._queried.move_to_end(key)
+            return False
+        self._queried[key] = None
+        if len(self._queried) > QUERIED_REQUESTS:
+            self._queried.popitem(last=False)
+        return True
 
     @rpc("Release")
     async def release(self, request: node_pb2.ReleaseRequest) -> node_pb2.ReleaseResponse:

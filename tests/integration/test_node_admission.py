@@ -53,3 +53,33 @@ def test_without_admission_the_scan_flushes_the_hot_set(node_factory) -> None:
     left, rejected = hot_blocks_left_after_a_scan(node_factory(pool_size="4mb"))
     assert left == 0
     assert rejected == 0
+
+
+def hot_blocks_left_after_a_re_asked_scan(node, same_request: bool) -> int:  # type: ignore[no-untyped-def]
+    """The hot set is asked for 6 times; every scan chunk is asked for 8 times before it is
+    offered — as a LOADING poll or an engine that cannot schedule the request yet does."""
+    hot, scan = hashes("hot", 32), hashes("scan", 400)
+    with PegaClient(node.addr) as c:
+        c.register({"m": PAGE})
+        res = c.reserve("m", hot)
+        assert c.commit(res.reservation_id) == 32
+        for rnd in range(6):
+            for i in range(0, 32, 8):
+                assert c.query(["m"], hot[i : i + 8], lease=False, req_id=f"hot-{rnd}-{i}").hit_blocks == 8
+        for i in range(0, len(scan), 8):
+            chunk = scan[i : i + 8]
+            for k in range(8):
+                req = f"scan-{i}" if same_request else f"scan-{i}-{k}"
+                assert c.query(["m"], chunk, lease=False, req_id=req).hit_blocks == 0
+            res = c.reserve("m", chunk)
+            if res.reservation_id:
+                c.commit(res.reservation_id)
+        return sum(c.query(["m"], [h], lease=False).hit_blocks for h in hot)
+
+
+def test_a_request_asked_again_counts_its_accesses_once(node_factory) -> None:
+    node = node_factory(pool_size="4mb", extra=["--enable-lfu-admission"])
+    assert hot_blocks_left_after_a_re_asked_scan(node, same_request=True) == 32
+    # Control: the same queries as 8 different requests make the scan the popular set.
+    node2 = node_factory(pool_size="4mb", extra=["--enable-lfu-admission"])
+    assert hot_blocks_left_after_a_re_asked_scan(node2, same_request=False) < 32
