@@ -11,7 +11,12 @@ Invariants a caller may rely on:
 - free extents never overlap and never touch (touching extents are merged);
 - ``free_bytes + allocated bytes == capacity`` at all times.
 
-Costs are O(log n) in the number of free extents (a sorted list keyed by size).
+Costs are O(log n) in the number of free extents (a sorted list keyed by size), and O(1)
+for a streak of pages of one size: best fit carves a streak's pages one after another from
+the same extent (the remainder of the smallest extent that fits stays the smallest that
+fits), so ``alloc`` takes the whole best-fit extent as the current *run* and hands out its
+pages without touching the sorted list. The run's remainder counts as free; it goes back
+to the free set (coalesced) before anything else looks at or changes the extents.
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ class ExtentAllocator:
         self._by_start: dict[int, int] = {}  # start -> size
         self._by_end: dict[int, int] = {}  # end -> start
         self._by_size: SortedList = SortedList()  # (size, start)
+        # The current run: [run_start, run_end) is free, held outside the extents, and serves
+        # pages of run_need bytes (0: no run).
+        self._run_start = self._run_end = self._run_need = 0
         if self.capacity:
             self._add(0, self.capacity)
 
@@ -46,13 +54,18 @@ class ExtentAllocator:
         if size <= 0:
             raise ValueError(f"page size must be > 0, got {size}")
         need = self.round(size)
+        start = self._run_start
+        if need == self._run_need and self._run_end - start >= need:
+            self._run_start = start + need
+            self.free_bytes -= need
+            return start
+        self._flush_run()
         i = self._by_size.bisect_left((need, -1))
         if i == len(self._by_size):
             raise OutOfSpace(need)
         ext_size, start = self._by_size[i]
         self._remove(start, ext_size)
-        if ext_size > need:
-            self._add(start + need, ext_size - need)
+        self._run_start, self._run_end, self._run_need = start + need, start + ext_size, need
         self.free_bytes -= need
         return start
 
@@ -61,6 +74,18 @@ class ExtentAllocator:
         start, end = offset, offset + need
         if offset % self.align or end > self.capacity or offset < 0:
             raise ValueError(f"bad extent to free: offset={offset} size={size}")
+        self._flush_run()
+        self._merge_add(start, end)
+        self.free_bytes += need
+
+    def _flush_run(self) -> None:
+        """Give the current run's remainder back to the free set."""
+        start, end = self._run_start, self._run_end
+        self._run_start = self._run_end = self._run_need = 0
+        if end > start:
+            self._merge_add(start, end)
+
+    def _merge_add(self, start: int, end: int) -> None:
         prev_start = self._by_end.get(start)
         if prev_start is not None:
             self._remove(prev_start, start - prev_start)
@@ -70,13 +95,14 @@ class ExtentAllocator:
             self._remove(end, next_size)
             end += next_size
         self._add(start, end - start)
-        self.free_bytes += need
 
     def largest_free(self) -> int:
+        self._flush_run()
         return self._by_size[-1][0] if self._by_size else 0
 
     def extents(self) -> list[tuple[int, int]]:
         """Free extents sorted by start (for tests and diagnostics)."""
+        self._flush_run()
         return sorted(self._by_start.items())
 
     def _add(self, start: int, size: int) -> None:
