@@ -66,6 +66,13 @@ __attribute__((target("avx2"))) static void copy_nt_avx2(char *dst, const char *
     }
     int64_t q = (len / 4) & ~(int64_t)63;
     for (int64_t j = 0; j < q; j += 64) {
+        /* Non-temporal prefetch of the source: a 16 MiB request otherwise sweeps the whole
+         * L3 and the node (and engine) run cold afterwards: the node's Reserve/Query after
+         * a copy took ~330 us instead of ~230 (64 blocks), for ~3% of copy speed. */
+        _mm_prefetch(src + j + 1024, _MM_HINT_NTA);
+        _mm_prefetch(src + q + j + 1024, _MM_HINT_NTA);
+        _mm_prefetch(src + 2 * q + j + 1024, _MM_HINT_NTA);
+        _mm_prefetch(src + 3 * q + j + 1024, _MM_HINT_NTA);
         nt64_avx2(dst + j, src + j);
         nt64_avx2(dst + q + j, src + q + j);
         nt64_avx2(dst + 2 * q + j, src + 2 * q + j);
