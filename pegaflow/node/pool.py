@@ -14,6 +14,13 @@ import time
 
 import numpy as np
 import structlog
+import xxhash
+
+
+def page_checksum(data: memoryview | bytes | bytearray) -> int:
+    """The one checksum of a pool page (SSD records, peer pulls): xxh3_64, ~14 GB/s here,
+    releases the GIL for large buffers."""
+    return xxhash.xxh3_64_intdigest(data)
 
 log = structlog.get_logger("pegaflow.pool")
 

@@ -48,6 +48,8 @@ from dataclasses import dataclass, field
 import structlog
 import xxhash
 
+from pegaflow.node.pool import page_checksum
+
 log = structlog.get_logger("pegaflow.ssd")
 
 BLOCK = 4096  # O_DIRECT unit and header size; pages are padded to it
@@ -96,9 +98,7 @@ def aligned_buffer(n: int, align: int = BLOCK) -> bytearray:
     return ba
 
 
-def checksum(data: memoryview | bytes | bytearray) -> int:
-    """xxh3_64 of a page (~14 GB/s here, releases the GIL for large buffers)."""
-    return xxhash.xxh3_64_intdigest(data)
+checksum = page_checksum  # the pool's one page checksum (a record's payload checksum)
 
 
 # ---- record headers -------------------------------------------------------------------

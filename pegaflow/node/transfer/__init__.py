@@ -15,15 +15,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-import xxhash
+from pegaflow.node.pool import page_checksum  # noqa: F401 - re-exported for the transports
 
 TCP = "tcp"
 RDMA = "rdma"
 
 
-def page_checksum(data: memoryview | bytes) -> int:
-    """xxh3_64 of one page: ~10+ GB/s, so verifying a pull costs little next to moving it."""
-    return xxhash.xxh3_64_intdigest(data)
 
 
 class TransferError(Exception):
