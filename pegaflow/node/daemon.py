@@ -108,6 +108,8 @@ class Node:
                 self.pool.close()
                 raise StartupError(f"remote reads: {exc}") from None
             self.service.puller = self.p2p.puller
+            if self.ssd is not None:  # one checksum per page for SSD records and pulls
+                self.ssd.checksums = self.p2p.checksums
         self.server: grpc.aio.Server | None = None
         self.local: LocalServer | None = None  # the Unix-socket fast path (--local-socket)
         self.http: MetricsServer | None = None

@@ -22,6 +22,7 @@ import xxhash
 
 from pegaflow.client import NodeError, PegaClient
 from pegaflow.node.ssd.store import BLOCK, SB_MAGIC, record_bytes, unpack_header
+from tests.integration.redis_fixtures import redis_server  # noqa: F401
 
 pytestmark = pytest.mark.integration
 
@@ -135,6 +136,22 @@ def test_evicted_blocks_come_back_from_ssd_with_identical_bytes(node_factory, tm
         # never-saved blocks are a miss, not LOADING
         q = c.query([NS], hashes("never", 3))
         assert (q.status, q.hit_blocks) == ("READY", 0)
+
+
+def test_a_node_serving_peers_shares_page_checksums_with_its_ssd_records(node_factory, tmp_path, redis_server):  # noqa: F811
+    """With --redis-url the node keeps each page's checksum once (for pulls by peers) and
+    the SSD writer takes it from there instead of hashing again: the records it writes
+    must still verify when the pages come back."""
+    node = node_factory(POOL, [*ssd_args(tmp_path), "--redis-url", redis_server.url])
+    hs = hashes("shared", 48)
+    with PegaClient(node.addr) as c:
+        c.register({NS: PAGE})
+        save(c, hs, node=node)
+        wait_for(lambda: metric(node, "pegaflow_node_ssd_blocks") >= 48, what="48 blocks on SSD")
+        hit, _ = load(c, hs[:12])  # load() compares every page's bytes
+        assert hit == 12
+        assert metric(node, "pegaflow_node_ssd_promoted_blocks_total") >= 12
+        assert metric(node, "pegaflow_node_ssd_checksum_failures_total") == 0
 
 
 def test_sigkill_mid_write_then_restart_serves_only_intact_pages(node_factory, tmp_path):

@@ -62,6 +62,9 @@ class SsdTier:
         # Queued writes pin their L1 pages: never let them hold more than half the pool.
         self.writer = WriteBehind(self, min(self.opts.ssd_write_queue_size, index.alloc.capacity // 2))
         self.promoter = Promoter(self)
+        # A node serving peers keeps each resident page's checksum once (PageChecksums in
+        # pegaflow/node/transfer/checksums.py); the writer uses and adds to it (set by the node).
+        self.checksums: Any = None
         index.add_listener(self.writer.on_index_event)
         m = self.metrics
         m.capacity.set(self.store.capacity)

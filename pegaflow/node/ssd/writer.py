@@ -114,11 +114,19 @@ class WriteBehind:
             bufs.append(view[b.offset:b.offset + round_up(b.size)])
         total = sum(len(x) for x in bufs)
 
+        known = t.checksums
+
         def prepare() -> None:
             for r in run:
                 b = r.block
-                pack_header(r.hdr, r.slot.gen, r.slot.seq, r.name, b.hash, b.size,
-                            checksum(view[b.offset:b.offset + b.size]))
+                # The page is pinned, so a value the node's p2p checksums hold describes it;
+                # otherwise it is hashed here and shared with them.
+                c = known.get(b) if known is not None else None
+                if c is None:
+                    c = checksum(view[b.offset:b.offset + b.size])
+                    if known is not None:
+                        known.record(b, c)
+                pack_header(r.hdr, r.slot.gen, r.slot.seq, r.name, b.hash, b.size, c)
 
         def complete(res: int) -> None:
             t.call_soon(self._done, run, res == total)

@@ -18,6 +18,9 @@ Contracts:
   pull is likely (``insert`` events, pinned while hashed, one worker thread, batches of
   ``HASH_BATCH_BYTES`` or 1/16 of the pool, at most ``HASH_QUEUE_BYTES`` waiting); a page
   sent before that is hashed by the sender as it goes out (:meth:`of`) and kept.
+- The SSD tier's writer (``pegaflow/node/ssd/writer.py``) uses a known value for its
+  record's payload checksum (the same function, ``pool.page_checksum``) and adds the
+  ones it computes, so a page is hashed once for both.
 - :meth:`get`, :meth:`of` and :meth:`record` may be called from data-plane threads for
   blocks pinned by the caller (one dict operation each, atomic under the GIL); the
   listener and the background hasher run on the node's event loop.
