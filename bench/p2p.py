@@ -36,9 +36,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 IPERF_SECONDS = 2  # per measurement; one right before and one right after each pull
-# Client re-Query interval while LOADING. The connector asks every 20 ms, which would round a
-# 0.3 s pull up by up to 7%; 2 ms rounds by < 1% while each LOADING answer (a Query of 1024
-# hashes) still costs little next to the pull (0.5 ms measured the same within noise).
+# Client re-Query interval while LOADING. The connector's 5 ms would round a 0.3 s pull up
+# by up to 2%; 2 ms rounds by < 1% while each LOADING answer (a Query of 1024 hashes) still
+# costs little next to the pull (0.5 ms measured the same within noise).
 POLL_MS = 2.0
 
 
@@ -147,7 +147,7 @@ def main() -> None:
     p.add_argument("--latency-rounds", type=int, default=5)
     p.add_argument("--pool", default="2gb")
     p.add_argument("--poll-ms", type=float, default=POLL_MS,
-                   help="client re-Query interval while LOADING (the connector's is 20 ms)")
+                   help="client re-Query interval while LOADING (the connector's is 5 ms)")
     p.add_argument("--hugepages", action="store_true",
                    help="pools on huge pages (needs 2 x --pool of free ones: /proc/sys/vm/nr_hugepages)")
     a = p.parse_args()

@@ -49,8 +49,11 @@ from pegaflow.connector.link import LOGGER_NAME, NodeLink
 
 logger = logging.getLogger(LOGGER_NAME)
 
-# How often a request whose blocks the node is still promoting re-asks (vLLM re-asks ~2 ms later).
-LOADING_POLL_S = 0.02
+# How often a request whose blocks the node is still promoting re-asks (vLLM re-asks ~2 ms
+# later). A poll is one Query over the local socket (~0.2 ms) and the node counts a
+# request's accesses once however often it asks; a 64-block pull from a peer takes ~8 ms,
+# which 20 ms polls rounded up to 20.
+LOADING_POLL_S = 0.005
 # After this long in LOADING the request stops waiting and recomputes.
 LOADING_WAIT_S = 2.0
 
