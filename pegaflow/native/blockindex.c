@@ -625,6 +625,18 @@ static inline int int_is(PyObject *v, long x) {
  *   appended to made (and to out, unless out is None).
  *
  * The Python loop stays the definition; tests run both on the same operations. */
+/* place()'s step for one hash: a new block at ``offset`` in ``blocks`` (the namespace's
+ * table), appended to ``made`` and to ``out`` unless it is None. 0, or -1 with an exception. */
+static int put_block(PyObject *blocks, PyObject *made, PyObject *out, PyObject *ns, PyObject *h,
+                     PyObject *offset, PyObject *reclaimable, PyObject *size) {
+    PyObject *b = block_make_sized(&BlockType, ns, h, offset, reclaimable, Py_NewRef(size));
+    if (b == NULL) return -1;
+    int rc = (PyDict_SetItem(blocks, h, b) < 0 || PyList_Append(made, b) < 0 ||
+              (out != Py_None && PyList_Append(out, b) < 0)) ? -1 : 0;
+    Py_DECREF(b);
+    return rc;
+}
+
 static PyObject *place(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 12) {
         PyErr_SetString(PyExc_TypeError,
@@ -709,15 +721,9 @@ static PyObject *place(PyObject *module, PyObject *const *args, Py_ssize_t nargs
                 PyErr_Clear();
                 break;
             }
-            PyObject *b = block_make_sized(&BlockType, ns, h, page, reclaimable, Py_NewRef(size));
+            int rc = put_block(blocks, made, out, ns, h, page, reclaimable, size);
             Py_DECREF(page);
-            if (b == NULL) goto error;
-            if (PyDict_SetItem(blocks, h, b) < 0 || PyList_Append(made, b) < 0 ||
-                (out != Py_None && PyList_Append(out, b) < 0)) {
-                Py_DECREF(b);
-                goto error;
-            }
-            Py_DECREF(b);
+            if (rc < 0) goto error;
             continue;
         }
         if (lru->head < 0) break;
@@ -769,15 +775,9 @@ static PyObject *place(PyObject *module, PyObject *const *args, Py_ssize_t nargs
             Py_DECREF(vkey);
             goto error;
         }
-        PyObject *b = block_make_sized(&BlockType, ns, h, victim->offset, reclaimable, Py_NewRef(size));
+        int rc = put_block(blocks, made, out, ns, h, victim->offset, reclaimable, size); /* vkey holds victim */
         Py_DECREF(vkey);
-        if (b == NULL) goto error;
-        if (PyDict_SetItem(blocks, h, b) < 0 || PyList_Append(made, b) < 0 ||
-            (out != Py_None && PyList_Append(out, b) < 0)) {
-            Py_DECREF(b);
-            goto error;
-        }
-        Py_DECREF(b);
+        if (rc < 0) goto error;
     }
     Py_DECREF(size);
     Py_DECREF(hs);
