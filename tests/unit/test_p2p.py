@@ -141,6 +141,17 @@ async def settle(puller: Puller) -> None:
         await asyncio.gather(*list(puller.tasks), return_exceptions=True)
 
 
+def pull(a: Side, b: Side, puller: Puller, hs: list[bytes], hit: int) -> None:
+    """B misses after ``hit`` blocks and pulls the rest from A; returns when the pull ended."""
+
+    async def run() -> None:
+        a.table.loop = asyncio.get_running_loop()
+        assert await puller.query([b.ns], hs, hit)
+        await settle(puller)
+
+    asyncio.run(run())
+
+
 async def drained(side: Side, timeout: float = 5.0) -> None:
     """Wait (bounded) until the side's pins are gone: a data thread may release its send
     just after the puller has every byte and has unpinned."""
@@ -193,12 +204,7 @@ def test_pull_continues_after_local_prefix_and_only_fetches_missing_blocks(pair)
     local = b.store(hs[:5])
     meta.holders = [Holder("a", a.address, 16)]
 
-    async def run() -> None:
-        a.table.loop = asyncio.get_running_loop()
-        assert await puller.query([b.ns], hs, 5)
-        await settle(puller)
-
-    asyncio.run(run())
+    pull(a, b, puller, hs, 5)
     assert [b.page(h) for h in hs[:5]] == [local[h] for h in hs[:5]]
     assert [b.page(h) for h in hs[5:]] == [want[h] for h in hs[5:]]
     assert a.metrics.served_bytes._value.get() == 11 * PAGE
@@ -269,12 +275,7 @@ def test_wrong_pin_answer_is_a_miss_and_backs_the_peer_off(pair, tamper):
     peers.tamper = bad
     free = b.index.alloc.free_bytes
 
-    async def run() -> None:
-        a.table.loop = asyncio.get_running_loop()
-        assert await puller.query([b.ns], hs, 0)
-        await settle(puller)
-
-    asyncio.run(run())
+    pull(a, b, puller, hs, 0)
     assert all(b.index.get(b.ns, h) is None for h in hs)
     assert b.index.alloc.free_bytes == free  # every PENDING page discarded
     assert pulls(b, "bad_answer") == 1 and puller.backoff.skip(a.address)
@@ -293,12 +294,7 @@ def test_peer_gone_mid_pull_leaves_no_partial_page(pair):
     peers.tamper = kill_data_port
     free = b.index.alloc.free_bytes
 
-    async def run() -> None:
-        a.table.loop = asyncio.get_running_loop()
-        assert await puller.query([b.ns], hs, 0)
-        await settle(puller)
-
-    asyncio.run(run())
+    pull(a, b, puller, hs, 0)
     assert all(b.index.get(b.ns, h) is None for h in hs)
     assert b.index.alloc.free_bytes == free
     assert not puller.inflight
@@ -704,11 +700,6 @@ def test_a_huge_page_pool_cannot_be_spliced_and_its_pages_are_sent_from_the_mapp
     want = a.store(hs)
     meta.holders = [Holder("a", a.address, 8)]
 
-    async def run() -> None:
-        a.table.loop = asyncio.get_running_loop()
-        assert await puller.query([b.ns], hs, 0)
-        await settle(puller)
-
-    asyncio.run(run())
+    pull(a, b, puller, hs, 0)
     assert all(b.page(h) == want[h] for h in hs)
     assert pulls(b, "ok") == 1
