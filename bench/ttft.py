@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import socket
 import statistics
 import subprocess
@@ -47,7 +45,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.e2e.harness import EngineProc, NodeProc, free_port  # noqa: E402
+from tests.e2e.harness import EngineProc, NodeProc, free_port, stop_group  # noqa: E402
 from tests.e2e.model import build_tiny_llama, make_text  # noqa: E402
 
 # Sized so that a cold ~8K-token prefill takes >= 2 s on a 2-core CPU (float16 on CPU is slow:
@@ -128,13 +126,7 @@ class Peer:
         if self.node is not None:
             self.node.stop()
         for p in reversed(self.procs):
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-                try:
-                    p.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
+            stop_group(p, 20)
 
 
 def wait_port(port: int, timeout: float = 120.0) -> None:

@@ -25,6 +25,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_group(proc: subprocess.Popen, timeout: float, term: bool = True) -> None:  # type: ignore[type-arg]
+    """End a process started with ``start_new_session``: SIGTERM its group (``term=False``: it
+    was already asked to quit), wait, and SIGKILL the group if it is still there."""
+    if term and proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def node_command() -> list[str]:
     exe = shutil.which("pegaflow-node")
     return [exe] if exe else [sys.executable, "-m", "pegaflow.node.cli"]
@@ -190,11 +202,7 @@ class EngineProc:
                 self.cmd("quit", timeout=30)
             except Exception:  # noqa: BLE001
                 pass
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+            stop_group(self.proc, 30, term=False)
         self._r.close()
         self._log.close()
 

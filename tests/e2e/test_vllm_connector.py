@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -31,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.harness import REPO, EngineProc, NodeProc, free_port
+from tests.e2e.harness import REPO, EngineProc, NodeProc, free_port, stop_group
 from tests.e2e.model import make_text
 
 pytestmark = [pytest.mark.e2e]
@@ -274,9 +273,4 @@ def test_openai_server_with_the_documented_config_reports_cached_tokens(
         loaded = [line for line in metrics.splitlines() if line.startswith("vllm:pegaflow_loaded_blocks_total")]
         assert loaded and float(loaded[0].rsplit(" ", 1)[1]) > 0, loaded
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_group(proc, 30)
