@@ -1,11 +1,11 @@
 # The two set-up commands of the README:
-#   make node ARGS="--pool-size 8gb"   install everything, then run the node daemon
-#   make test                          install what the tests need, then run the whole suite
+#   make node ARGS="--pool-size 8gb"   install the runtime (pinned), then run the node daemon
+#   make test                          install what the tests need (pinned), then run the whole suite
 PYTHON ?= python3
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: node test install install-test lint
+.PHONY: node test install install-test lint lock
 
 install:
 	PYTHON=$(PYTHON) scripts/install.sh run
@@ -17,8 +17,12 @@ node: install
 	exec pegaflow-node $(ARGS)
 
 test: install-test
-	$(PYTHON) -m ruff check pegaflow tests bench
+	$(PYTHON) -m ruff check pegaflow tests bench scripts
 	$(PYTHON) -m pytest -ra $(PYTEST_ARGS)
 
 lint:
-	$(PYTHON) -m ruff check pegaflow tests bench
+	$(PYTHON) -m ruff check pegaflow tests bench scripts
+
+# Re-resolve requirements/*.txt from pyproject.toml (ARGS=--upgrade: newest allowed versions).
+lock:
+	PYTHON=$(PYTHON) scripts/lock.sh $(ARGS)

