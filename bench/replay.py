@@ -9,8 +9,8 @@ Each number is the best of ``--repeat`` runs, in wall time and in this process's
 
     python bench/replay.py [TRACE] [--repeat 5] [--json]
 
-TRACE defaults to ../shared/traces/mooncake_synthetic_trace.jsonl next to the repository,
-else the slice in tests/data. The target is >= 1M block accesses/s in every case. The
+TRACE defaults to traces/mooncake_synthetic_trace.jsonl.gz (Mooncake's public synthetic
+trace, shipped in the repository; see traces/README.md). The target is >= 1M block accesses/s in every case. The
 header says whether the index and TinyLFU run their C paths (``pegaflow._blockindex``,
 ``pegaflow._sketch``, built by the install) or the pure-Python fallback.
 """
@@ -38,10 +38,7 @@ from pegaflow.replay.run import replay  # noqa: E402
 from pegaflow.replay.trace import Trace, iter_lines, read_trace  # noqa: E402
 
 TARGET = 1_000_000  # block accesses per second
-DEFAULT_TRACES = (
-    ROOT.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl",
-    ROOT / "tests" / "data" / "mooncake_slice.jsonl",
-)
+DEFAULT_TRACE = ROOT / "traces" / "mooncake_synthetic_trace.jsonl.gz"
 
 
 def dict_lru(trace: Trace, capacity: int) -> tuple[int, float, float]:
@@ -78,7 +75,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    path = Path(args.trace) if args.trace else next(p for p in DEFAULT_TRACES if p.exists())
+    path = Path(args.trace) if args.trace else DEFAULT_TRACE
     t0 = time.perf_counter()
     trace = read_trace(iter_lines(path))
     parse_s = time.perf_counter() - t0

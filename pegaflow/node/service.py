@@ -1,4 +1,4 @@
-"""The node's engine-facing service (DESIGN.md "Engine <-> node"), over two transports.
+"""The node's engine-facing service (docs/architecture.md, "Engine ↔ node protocol"), over two transports.
 
 One method implements each RPC's semantics (``query``, ``reserve``, ...). Both transports
 call it: gRPC through the ``PegaNode`` servicer methods below, and the local fast path
@@ -128,7 +128,7 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         self.miss_blocks = 0
         self._queried: OrderedDict[str, None] = OrderedDict()  # recent request keys, see query()
         self.ssd: Any = None  # SsdTier when --ssd-cache-path is set (set by the node)
-        self.puller: Any = None  # transfer.puller.Puller when --meta-addr is set (set by the node)
+        self.puller: Any = None  # transfer.puller.Puller when --metaserver-addr is set (set by the node)
         self.query_trace: Any = None  # query_trace.QueryTrace when --query-trace is set
         self.ceiling: Any = None  # NodeCeiling (pegaflow/node/ceiling.py), set by the node
         self.local_socket = ""  # path of the local fast path announced at Register (set by the node)

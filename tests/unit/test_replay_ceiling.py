@@ -15,7 +15,7 @@ from pegaflow.replay.windows import ceiling_report
 
 DATA = Path(__file__).parents[1] / "data"
 SLICE = DATA / "mooncake_slice.jsonl"  # the last 300 lines of the synthetic trace
-FULL = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+FULL = Path(__file__).resolve().parents[2] / "traces" / "mooncake_synthetic_trace.jsonl.gz"
 
 
 def lines(*reqs: tuple[float, list[int]]) -> list[str]:
@@ -52,7 +52,7 @@ def check_synthetic(path: Path) -> None:
     trace = read_trace(iter_lines(path))
     n = u = 0
     seen: set[int] = set()
-    for line in path.read_text().splitlines():
+    for line in iter_lines(path):
         ids = json.loads(line)["hash_ids"]
         n += len(ids)
         seen.update(ids)
@@ -80,6 +80,4 @@ def test_synthetic_trace_slice_hits_its_ceiling_exactly():
 
 
 def test_full_synthetic_trace_hits_its_ceiling_exactly():
-    if not FULL.exists():
-        pytest.skip(f"{FULL} is not here (the slice in tests/data is tested instead)")
     check_synthetic(FULL)

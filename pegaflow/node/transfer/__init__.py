@@ -1,4 +1,4 @@
-"""Remote reads (DESIGN.md "Remote reads"): a block's path from a peer's pool into ours.
+"""Remote reads (docs/architecture.md "Peer pull", docs/p2p.md): a block's path from a peer's pool into ours.
 
     Query miss after L1 and SSD -> :mod:`puller` asks the metaserver who holds the prefix
     -> ``PinForTransfer`` on that peer (:mod:`pins`) -> a :class:`Transport` copies the
