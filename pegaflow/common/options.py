@@ -25,6 +25,8 @@ NODE = "node"
 META = "meta"
 REPLAY = "replay"
 
+DEFAULT_META_REDIS = "redis://127.0.0.1:6379/0"
+
 
 def _host_port(text: str) -> str:
     host, sep, port = text.rpartition(":")
@@ -35,6 +37,25 @@ def _host_port(text: str) -> str:
 
 def _optional_host_port(text: str) -> str:
     return "" if text in ("", "off", "none") else _host_port(text)
+
+
+def _grpc_target(text: str) -> str:
+    """``HOST:PORT``, also written as the original's URL form ``http://HOST:PORT`` (the scheme
+    is dropped: these are plaintext gRPC channels); empty or 'off': none."""
+    for scheme in ("http://", "grpc://"):
+        if text.lower().startswith(scheme):
+            text = text[len(scheme):].rstrip("/")
+            break
+    else:
+        if "://" in text:
+            raise ValueError(f"invalid address {text!r} (expected HOST:PORT or http://HOST:PORT)")
+    return _optional_host_port(text)
+
+
+def _name(text: str) -> str:
+    if not text.strip():
+        raise ValueError("empty name")
+    return text.strip()
 
 
 def _positive_int(text: str) -> int:
@@ -83,6 +104,13 @@ def _redis_url(text: str) -> str:
     return text
 
 
+def _log_level(text: str) -> str:
+    level = {"trace": "debug", "warn": "warning"}.get(text.lower(), text.lower())
+    if level not in ("debug", "info", "warning", "error"):
+        raise ValueError(f"invalid choice {text!r} (choose from debug, info, warning, error)")
+    return level
+
+
 def _choice(*choices: str) -> Callable[[str], str]:
     def parse(text: str) -> str:
         if text.lower() not in choices:
@@ -103,7 +131,10 @@ class Option:
     parse: Callable[[str], Any] = str
     commands: tuple[str, ...] = (NODE,)
     flag: bool = False  # a switch: ``--use-hugepages`` sets True
-    repeatable: bool = False  # may be given several times; value is a list
+    # A list: the flag takes one or more values and may be repeated (``--nics a b --nics c``);
+    # with ``commas`` each value may also be a comma-separated list (``--nics a,b``).
+    repeatable: bool = False
+    commas: bool = False
     metavar: str | None = None
     aliases: tuple[str, ...] = field(default=())
 
@@ -113,7 +144,24 @@ class Option:
 
     @property
     def env(self) -> str:
-        return "PEGAFLOW_" + self.name.replace("-", "_").upper()
+        return _env_name(self.name)
+
+    @property
+    def envs(self) -> tuple[str, ...]:
+        """The environment variables read, in order: the option's, then its aliases'."""
+        return (self.env, *(_env_name(a) for a in self.aliases))
+
+    def parse_list(self, values: Sequence[str]) -> list[Any]:
+        """Parse the values of a list option (empty items of a comma list are dropped; a flag
+        given with no value at all is an error)."""
+        split = [p for v in values for p in (v.split(",") if self.commas else [v]) if p]
+        if values and not split:
+            raise ValueError("expected at least one value")
+        return [self.parse(p) for p in split]
+
+
+def _env_name(flag: str) -> str:
+    return "PEGAFLOW_" + flag.replace("-", "_").upper()
 
 
 OPTIONS: list[Option] = [
@@ -137,8 +185,8 @@ OPTIONS: list[Option] = [
     Option(
         "log-level",
         "info",
-        "Log level.",
-        _choice("debug", "info", "warning", "error"),
+        "Log level (the original's 'trace' and 'warn' mean debug and warning).",
+        _log_level,
         commands=(NODE, META, REPLAY),
     ),
     Option(
@@ -193,8 +241,8 @@ OPTIONS: list[Option] = [
     Option(
         "ssd-cache-path",
         [],
-        "SSD cache file, or directory to hold one; repeat to stripe pages across disks. "
-        "Unset: no SSD tier.",
+        "SSD cache file, or directory to hold one; several (after one flag or the flag repeated) "
+        "stripe pages across disks. Unset: no SSD tier.",
         repeatable=True,
         metavar="PATH",
     ),
@@ -228,9 +276,16 @@ OPTIONS: list[Option] = [
     Option(
         "redis-url",
         "",
-        "Redis for the global index, e.g. redis://127.0.0.1:6379/0 (empty on a node: single-host mode).",
+        "Redis for the global index, e.g. redis://127.0.0.1:6379/0 (empty: single-host mode, or the "
+        "metaserver's Redis when --metaserver-addr is set).",
         _redis_url,
-        commands=(NODE, META),
+    ),
+    Option(
+        "redis-url",
+        DEFAULT_META_REDIS,
+        "Redis (or one seed of a Redis Cluster) holding the global index; infra/redis/ starts one.",
+        _redis_url,
+        commands=(META,),
     ),
     Option(
         "redis-cluster",
@@ -248,10 +303,14 @@ OPTIONS: list[Option] = [
         _optional_host_port,
     ),
     Option(
-        "meta-addr",
+        "metaserver-addr",
         "",
-        "Metaserver gRPC address (HOST:PORT) for remote lookups (empty: none).",
-        _optional_host_port,
+        "Metaserver gRPC address, HOST:PORT or http://HOST:PORT (empty: none). The node pulls what "
+        "it misses from the peers the metaserver names, and, without --redis-url, publishes its "
+        "blocks to the Redis the metaserver uses.",
+        _grpc_target,
+        aliases=("meta-addr",),
+        metavar="ADDR",
     ),
     # --- node: remote reads between nodes (pegaflow/node/transfer/, issue 6) -------------
     Option(
@@ -264,9 +323,11 @@ OPTIONS: list[Option] = [
     Option(
         "nics",
         [],
-        "RDMA device to pull and serve pages over with one-sided READ (e.g. mlx5_0); repeat for "
-        "several. Unset: the TCP data plane.",
+        "RDMA devices to pull and serve pages over with one-sided READ: --nics mlx5_0 mlx5_1, "
+        "--nics mlx5_0,mlx5_1 or the flag repeated. Unset: the TCP data plane.",
+        _name,
         repeatable=True,
+        commas=True,
         metavar="DEVICE",
     ),
     Option(
@@ -274,6 +335,7 @@ OPTIONS: list[Option] = [
         30.0,
         "Seconds a peer's pin holds pages at most for a puller (expires even if the puller dies).",
         _positive_float,
+        aliases=("transfer-lock-timeout-secs",),  # the original's name
     ),
     Option(
         "peer-backoff",
@@ -339,6 +401,7 @@ OPTIONS: list[Option] = [
         parse_windows,
         commands=(NODE, META, REPLAY),
         metavar="DURATIONS",
+        aliases=("metric-hll-windows",),  # the original's name
     ),
     Option(
         "ceiling-publish-interval",
@@ -494,8 +557,9 @@ def add_options(p: argparse.ArgumentParser, command: str) -> None:
         text = opt.help.replace("%", "%%")  # argparse %-formats help ("25%" would crash --help)
         if opt.flag:
             p.add_argument(*names, dest=opt.dest, action="store_const", const=True, default=None, help=text)
-        elif opt.repeatable:
-            p.add_argument(*names, dest=opt.dest, action="append", type=_wrap(opt), default=None, help=text)
+        elif opt.repeatable:  # values are parsed (and comma-split) in fill_defaults
+            p.add_argument(*names, dest=opt.dest, action="extend", nargs="+", default=None,
+                           metavar=opt.metavar, help=text)
         else:
             p.add_argument(*names, dest=opt.dest, type=_wrap(opt), default=None, metavar=opt.metavar, help=text)
 
@@ -506,17 +570,22 @@ def fill_defaults(
     """Fill options not given as flags from ``PEGAFLOW_*`` variables, then the table's defaults."""
     env = os.environ if env is None else env
     for opt in options_for(command):
-        if getattr(ns, opt.dest, None) is not None:
+        given = getattr(ns, opt.dest, None)
+        if given is not None:
+            if opt.repeatable:
+                try:
+                    setattr(ns, opt.dest, opt.parse_list(given))
+                except (ValueError, TypeError) as exc:
+                    sys.stderr.write(f"{prog}: error: argument --{opt.name}: {exc}\n")
+                    raise SystemExit(2) from None
             continue
-        if opt.env in env:
-            raw = env[opt.env]
+        var = next((v for v in opt.envs if v in env), None)
+        if var is not None:
+            raw = env[var]
             try:
-                if opt.repeatable:
-                    value: Any = [opt.parse(x) for x in raw.split(",") if x]
-                else:
-                    value = opt.parse(raw)
+                value: Any = opt.parse_list(raw.split(",")) if opt.repeatable else opt.parse(raw)
             except (ValueError, TypeError) as exc:
-                sys.stderr.write(f"{prog}: error: {opt.env}={raw!r}: {exc}\n")
+                sys.stderr.write(f"{prog}: error: {var}={raw!r}: {exc}\n")
                 raise SystemExit(2) from None
         else:
             d = opt.default
@@ -547,7 +616,8 @@ def render_markdown() -> str:
             continue
         lines += [f"## `{title}`", "", "| flag | environment | default | meaning |", "|---|---|---|---|"]
         for o in opts:
-            flag = f"`--{o.name}`" + (" (repeatable)" if o.repeatable else "")
+            flag = f"`--{o.name}`" + "".join(f" (alias `--{a}`)" for a in o.aliases)
+            flag += " (one or more values)" if o.repeatable else ""
             default = "off" if o.flag and not o.default else f"`{o.default}`" if o.default not in ("", None, []) else "—"
             lines.append(f"| {flag} | `{o.env}` | {default} | {o.help} |")
         lines.append("")

@@ -5,10 +5,11 @@ Enable with::
     --kv-transfer-config '{"kv_connector": "PegaKVConnector", "kv_role": "kv_both",
                            "kv_connector_module_path": "pegaflow.connector"}'
 
-and point it at the node with ``PEGAFLOW_HOST`` / ``PEGAFLOW_PORT`` (default
-127.0.0.1:50055). Optional ``kv_connector_extra_config`` keys: ``pegaflow.model_id`` (the
-model's name in the namespace, when the same weights live at different paths on
-different hosts).
+and point it at the node with ``PEGAFLOW_HOST`` / ``PEGAFLOW_PORT`` or the
+``kv_connector_extra_config`` keys ``pegaflow.host`` / ``pegaflow.port`` (default
+``http://127.0.0.1`` and 50055; see ``link.node_address``). Other optional keys:
+``pegaflow.model_id`` (the model's name in the namespace, when the same weights live at
+different paths on different hosts).
 
 One instance runs in the scheduler process (role SCHEDULER, ``SchedulerSide``: every node
 RPC) and one per worker (role WORKER, ``WorkerSide``: copies only). Both derive the same
@@ -195,12 +196,11 @@ class PegaKVConnector(KVConnectorBase_V1):
             if kv_cache_config is None:
                 raise ValueError("no kv_cache_config given")
             self.identity: KVIdentity | None = kv_identity(vllm_config, kv_cache_config)
+            addr = node_address(extra=self._kv_transfer_config.kv_connector_extra_config or {})
         except ValueError as exc:
             logger.error("PegaFlow connector disabled: %s", exc)
             self.identity = None
             return
-        extra = self._kv_transfer_config.kv_connector_extra_config or {}
-        addr = str(extra.get("pegaflow.addr") or node_address())
         instance = f"{socket.gethostname()}:{os.getpid()}:{role.name.lower()}"
         ident = self.identity
         if role == KVConnectorRole.SCHEDULER:

@@ -17,6 +17,7 @@ import os
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import tenacity
 
@@ -34,16 +35,58 @@ RECONNECT_MAX_S = 5.0
 
 ENV_HOST = "PEGAFLOW_HOST"
 ENV_PORT = "PEGAFLOW_PORT"
+EXTRA_ADDR = "pegaflow.addr"  # HOST:PORT in kv_connector_extra_config
+EXTRA_HOST = "pegaflow.host"  # the original's keys
+EXTRA_PORT = "pegaflow.port"
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 50055
 
 
-def node_address(env: Mapping[str, str] | None = None) -> str:
-    """``HOST:PORT`` of the node from ``PEGAFLOW_HOST`` / ``PEGAFLOW_PORT`` (defaults 127.0.0.1:50055)."""
+def node_address(env: Mapping[str, str] | None = None, extra: Mapping[str, Any] | None = None) -> str:
+    """``HOST:PORT`` of the node the connector talks to.
+
+    The original's rules and forms: the host from ``PEGAFLOW_HOST``, else the
+    ``pegaflow.host`` key of ``kv_connector_extra_config``, else 127.0.0.1; the port from
+    ``PEGAFLOW_PORT``, else ``pegaflow.port``, else 50055. A host may be written as a URL
+    (``http://127.0.0.1``, the original's documented default) and may carry a port
+    (``http://10.0.0.1:50055``), used when no port is given separately. ``pegaflow.addr``
+    (``HOST:PORT``) overrides all of them. Raises ValueError for an address it cannot read.
+    """
     env = os.environ if env is None else env
-    host = env.get(ENV_HOST) or DEFAULT_HOST
-    port = int(env.get(ENV_PORT) or DEFAULT_PORT)
-    return f"{host}:{port}"
+    extra = extra or {}
+    if extra.get(EXTRA_ADDR):
+        host, port = _split(str(extra[EXTRA_ADDR]))
+        if port is None:
+            raise ValueError(f"{EXTRA_ADDR}={extra[EXTRA_ADDR]!r} has no port (expected HOST:PORT)")
+        return _join(host, port)
+    host, host_port = _split(str(env.get(ENV_HOST) or extra.get(EXTRA_HOST) or DEFAULT_HOST))
+    raw_port = env.get(ENV_PORT) or extra.get(EXTRA_PORT)
+    try:
+        port = int(raw_port) if raw_port not in (None, "") else host_port or DEFAULT_PORT
+    except ValueError:
+        raise ValueError(f"invalid PegaFlow port {raw_port!r}") from None
+    if not 0 < port < 65536:
+        raise ValueError(f"invalid PegaFlow port {port}")
+    return _join(host, port)
+
+
+def _split(text: str) -> tuple[str, int | None]:
+    """(host, port or None) of ``HOST``, ``HOST:PORT``, ``[V6]:PORT`` or a URL of them."""
+    t = text.strip()
+    if "://" not in t:
+        t = "//" + t
+    try:
+        parts = urlsplit(t)
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"invalid PegaFlow address {text!r}: {exc}") from None
+    if not parts.hostname:
+        raise ValueError(f"invalid PegaFlow address {text!r}")
+    return parts.hostname, port
+
+
+def _join(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _client_errors() -> tuple[type[Exception], type[Exception]]:

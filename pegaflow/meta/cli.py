@@ -29,9 +29,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     rebuild = bool(args) and args[0] == "rebuild"
     prog = "pegaflow-meta rebuild" if rebuild else "pegaflow-meta"
     opts = parse_options(META, prog, args[1:] if rebuild else args)
-    if not opts.redis_url:
-        sys.stderr.write(f"{prog}: error: --redis-url (or PEGAFLOW_REDIS_URL) is required\n")
-        raise SystemExit(2)
     configure_logging(opts.log_level, opts.log_format)
     from pegaflow.meta.redis_conn import connect
 
@@ -39,7 +36,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         r = connect(opts.redis_url, opts.redis_cluster)
         r.ping()
     except (redis.RedisError, OSError) as exc:
-        sys.stderr.write(f"{prog}: error: cannot reach redis at {opts.redis_url}: {exc}\n")
+        sys.stderr.write(f"{prog}: error: {unreachable_redis(opts.redis_url, exc)}\n")
         raise SystemExit(1) from None
     if rebuild:
         from pegaflow.meta.rebuild import rebuild as do_rebuild
@@ -48,6 +45,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.stdout.write(json.dumps(report.__dict__) + "\n")
         return
     serve_forever(r, opts)
+
+
+def unreachable_redis(url: str, exc: BaseException) -> str:
+    """The one-line start-up error for a Redis that does not answer, with how to get one."""
+    detail = " ".join(str(exc).split()) or type(exc).__name__
+    return (
+        f"cannot reach Redis at {url} ({detail}); start one (infra/redis/redis-standalone.sh start DIR PORT "
+        "in the PegaFlow repository, or redis-server --port PORT) or point --redis-url at yours"
+    )
 
 
 def serve_forever(r: Client, opts: argparse.Namespace) -> None:
@@ -91,7 +97,7 @@ def serve_forever(r: Client, opts: argparse.Namespace) -> None:
             sys.stderr.write(f"pegaflow-meta: error: {exc}\n")
             raise SystemExit(1) from None
     try:
-        server, port = serve(Lookup(r), opts.addr, opts.query_max_blocks)
+        server, port = serve(Lookup(r), opts.addr, opts.query_max_blocks, opts.redis_url, opts.redis_cluster)
     except (RuntimeError, OSError) as exc:
         sys.stderr.write(f"pegaflow-meta: error: cannot listen on {opts.addr}: {exc}\n")
         raise SystemExit(1) from None

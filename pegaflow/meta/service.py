@@ -69,9 +69,10 @@ def _pb(p: NodePrefix) -> meta_pb2.NodePrefix:
 
 
 class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
-    def __init__(self, lookup: Lookup, max_blocks: int) -> None:
+    def __init__(self, lookup: Lookup, max_blocks: int, redis_url: str = "", redis_cluster: bool = False) -> None:
         self.lookup = lookup
         self.max_blocks = max_blocks
+        self.cluster_config = meta_pb2.ClusterConfigResponse(redis_url=redis_url, redis_cluster=redis_cluster)
 
     def _query(self, request: meta_pb2.QueryPrefixRequest) -> list[NodePrefix]:
         check_request(request.namespace, request.hashes, self.max_blocks)
@@ -101,10 +102,18 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         )
 
 
-def serve(lookup: Lookup, addr: str, max_blocks: int) -> tuple[grpc.Server, int]:
+    @_rpc("GetClusterConfig")
+    def GetClusterConfig(self, request: meta_pb2.ClusterConfigRequest, context: grpc.ServicerContext) -> Any:  # noqa: N802
+        return self.cluster_config
+
+
+def serve(
+    lookup: Lookup, addr: str, max_blocks: int, redis_url: str = "", redis_cluster: bool = False
+) -> tuple[grpc.Server, int]:
     """Start the gRPC server; returns it and the bound port (``addr`` may use port 0)."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=GRPC_THREADS))
-    meta_pb2_grpc.add_MetaServiceServicer_to_server(MetaServicer(lookup, max_blocks), server)
+    servicer = MetaServicer(lookup, max_blocks, redis_url, redis_cluster)
+    meta_pb2_grpc.add_MetaServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port(addr)
     if port == 0:
         raise OSError(f"cannot bind {addr}")

@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 from pegaflow._proto import node_pb2, node_pb2_grpc
 from pegaflow.common import otel
 from pegaflow.common.http import MetricsServer
+from pegaflow.node import cluster
 from pegaflow.node.block_index import BlockIndex
 from pegaflow.node.ceiling import NodeCeiling
 from pegaflow.node.local import LocalServer, LocalSocketError, default_socket_path
@@ -116,6 +117,7 @@ class Node:
         self.publisher = None  # global-index event publisher (pegaflow.meta.events), with --redis-url
         self.otel: otel.OtelExport | None = None
         self._sketches: asyncio.Task[None] | None = None
+        self._joining: asyncio.Task[None] | None = None  # asking the metaserver for its Redis
 
     def _on_index_event(self, op: str, ns: object, hashes: list[bytes]) -> None:
         if op == "evict":
@@ -171,12 +173,9 @@ class Node:
             except OSError as exc:
                 raise StartupError(f"cannot listen on --http-addr {self.opts.http_addr}: {exc.strerror}") from None
         if getattr(self.opts, "redis_url", ""):
-            from pegaflow.meta.events.publisher import publish_block_index
-
-            self.publisher = publish_block_index(
-                self.opts, self.index, self.node_id, asyncio.get_running_loop(), self.metrics.registry
-            )
-            self._sketches = asyncio.create_task(self.publish_sketches())
+            self._start_publishing()
+        elif getattr(self.opts, "metaserver_addr", ""):  # the original's way: Redis from the metaserver
+            self._joining = asyncio.create_task(self._join_via_metaserver())
         if getattr(self.opts, "metrics_otel_endpoint", ""):
             # Last: every metric family exists now (the publisher's too), so all are mirrored.
             self.otel = otel.start_otel_export(self.opts.metrics_otel_endpoint, self.metrics.registry,
@@ -184,6 +183,23 @@ class Node:
         log.info("node_started", addr=self.opts.addr, node_id=self.node_id, epoch=self.epoch,
                  pool_bytes=self.pool.size, pool_path=self.pool.path, local_socket=self.service.local_socket,
                  pid=os.getpid())
+
+    def _start_publishing(self) -> None:
+        from pegaflow.meta.events.publisher import publish_block_index
+
+        self.publisher = publish_block_index(
+            self.opts, self.index, self.node_id, asyncio.get_running_loop(), self.metrics.registry
+        )
+        self._sketches = asyncio.create_task(self.publish_sketches())
+
+    async def _join_via_metaserver(self) -> None:
+        """Publish to the Redis the metaserver names (pegaflow/node/cluster.py); ``self.opts``
+        then holds it, as if it had been given with --redis-url."""
+        target = await cluster.discover(self.opts.metaserver_addr)
+        self.opts.redis_url, self.opts.redis_cluster = target.url, target.cluster
+        log.info("publishing_to_metaserver_redis", metaserver=self.opts.metaserver_addr,
+                 redis_url=cluster.redacted(target.url), redis_cluster=target.cluster)
+        self._start_publishing()
 
     def _start_local(self, grpc_port: int) -> None:
         path = getattr(self.opts, "local_socket", "")
@@ -247,6 +263,8 @@ class Node:
         hk.cancel()
         if self.query_trace is not None:
             self.query_trace.close()
+        if self._joining is not None:
+            self._joining.cancel()
         if self._sketches is not None:
             self._sketches.cancel()
         if self.otel is not None:

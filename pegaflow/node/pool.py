@@ -33,16 +33,22 @@ class PoolError(Exception):
     """The pool cannot be created as asked (a one-line reason for the operator)."""
 
 
-def _hugepages_free() -> tuple[int, int]:
-    """(free huge pages, huge page size in bytes) from /proc/meminfo."""
-    free, size = 0, HUGE_PAGE
+def _meminfo() -> dict[str, int]:
+    """/proc/meminfo as {field: value}; kB fields in bytes, counts as they are."""
+    out: dict[str, int] = {}
     with open("/proc/meminfo") as f:
         for line in f:
-            if line.startswith("HugePages_Free:"):
-                free = int(line.split()[1])
-            elif line.startswith("Hugepagesize:"):
-                size = int(line.split()[1]) * 1024
-    return free, size
+            key, _, rest = line.partition(":")
+            parts = rest.split()
+            if parts and parts[0].isdigit():
+                out[key] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    return out
+
+
+def _hugepages_free() -> tuple[int, int]:
+    """(free huge pages, huge page size in bytes) from /proc/meminfo."""
+    info = _meminfo()
+    return info.get("HugePages_Free", 0), info.get("Hugepagesize", HUGE_PAGE)
 
 
 class SharedPool:
@@ -60,6 +66,14 @@ class SharedPool:
                     f"reserved (echo {need} > /proc/sys/vm/nr_hugepages)"
                 )
             flags |= os.MFD_HUGETLB
+        else:
+            # Pre-faulting more than the host has would end in the OOM killer, not an error.
+            avail = _meminfo().get("MemAvailable", size)
+            if size > avail:
+                raise PoolError(
+                    f"--pool-size {size / (1 << 30):.1f} GiB is more than the {avail / (1 << 30):.1f} GiB "
+                    "of memory available on this host; choose a smaller --pool-size"
+                )
         self.size = size
         self.use_hugepages = use_hugepages
         self.fd = os.memfd_create(name, flags)

@@ -191,7 +191,7 @@ def test_query_never_matches_a_nid_across_two_others(r: fakeredis.FakeRedis) -> 
     [
         (["--bogus"], "unrecognized arguments: --bogus"),
         (["--addr", "nowhere"], "invalid address"),
-        ([], "--redis-url (or PEGAFLOW_REDIS_URL) is required"),
+        (["--redis-url", "http://127.0.0.1:6379"], "invalid Redis URL"),
         (["rebuild", "--query-max-blocks", "0"], "must be > 0"),
     ],
 )

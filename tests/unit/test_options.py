@@ -61,3 +61,83 @@ def test_bad_environment_value_exits_with_one_line():
         env={"PEGAFLOW_POOL_SIZE": "huge", "PATH": "/usr/bin:/bin"},
     )
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "PEGAFLOW_POOL_SIZE" in p.stderr
+
+
+# The original's quick start (novitalabs/pegaflow docs/p2p.md, docs/server.md), flag for flag.
+ORIGINAL_P2P_NODE = (
+    "--addr 10.0.0.11:50055 --pool-size 30gb --ssd-cache-path /mnt/nvme0 --nics mlx5_0 mlx5_1 "
+    "--metaserver-addr http://metaserver-host:50056"
+).split()
+
+
+def test_the_originals_p2p_node_command_line_parses():
+    o = parse_options(NODE, "pegaflow-server", ORIGINAL_P2P_NODE, env={})
+    assert o.addr == "10.0.0.11:50055" and o.pool_size == 30 << 30
+    assert o.ssd_cache_path == ["/mnt/nvme0"]
+    assert o.nics == ["mlx5_0", "mlx5_1"]
+    assert o.metaserver_addr == "metaserver-host:50056"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--nics", "mlx5_0", "mlx5_1"],
+        ["--nics", "mlx5_0", "--nics", "mlx5_1"],
+        ["--nics", "mlx5_0,mlx5_1"],
+        ["--nics", "mlx5_0,", "mlx5_1"],
+    ],
+)
+def test_nics_take_several_values_after_one_flag_repeated_or_comma_separated(argv):
+    assert parse_options(NODE, "pegaflow-node", argv, env={}).nics == ["mlx5_0", "mlx5_1"]
+
+
+def test_several_ssd_paths_after_one_flag_or_repeated():
+    one = parse_options(NODE, "n", ["--ssd-cache-path", "/a", "/b"], env={})
+    rep = parse_options(NODE, "n", ["--ssd-cache-path", "/a", "--ssd-cache-path", "/b"], env={})
+    assert one.ssd_cache_path == rep.ssd_cache_path == ["/a", "/b"]
+
+
+@pytest.mark.parametrize(
+    "value, want",
+    [
+        ("http://10.0.0.100:50056", "10.0.0.100:50056"),
+        ("http://meta:50056/", "meta:50056"),
+        ("HTTP://meta:50056", "meta:50056"),
+        ("meta:50056", "meta:50056"),
+        ("http://[::1]:50056", "[::1]:50056"),
+        ("", ""),
+    ],
+)
+def test_metaserver_addr_takes_the_url_and_the_host_port_forms(value, want):
+    assert parse_options(NODE, "n", ["--metaserver-addr", value], env={}).metaserver_addr == want
+
+
+def test_meta_addr_is_an_alias_as_flag_and_as_environment_variable():
+    assert parse_options(NODE, "n", ["--meta-addr", "m:1"], env={}).metaserver_addr == "m:1"
+    assert parse_options(NODE, "n", [], env={"PEGAFLOW_META_ADDR": "m:2"}).metaserver_addr == "m:2"
+    both = {"PEGAFLOW_META_ADDR": "m:2", "PEGAFLOW_METASERVER_ADDR": "http://m:3"}
+    assert parse_options(NODE, "n", [], env=both).metaserver_addr == "m:3"
+
+
+@pytest.mark.parametrize("argv", [["--metaserver-addr", "ftp://m:1"], ["--metaserver-addr", "http://m"],
+                                  ["--nics", ","], ["--nics"]])
+def test_bad_cluster_flags_exit_with_one_line(argv):
+    p = subprocess.run([sys.executable, "-m", "pegaflow.node.cli", *argv], capture_output=True, text=True, timeout=60)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and "--" in lines[0] and "Traceback" not in p.stderr, p.stderr
+
+
+def test_metaserver_redis_defaults_to_the_local_redis():
+    from pegaflow.common.options import META
+
+    assert parse_options(META, "pegaflow-metaserver", ["--addr", "0.0.0.0:50056"], env={}).redis_url == (
+        "redis://127.0.0.1:6379/0"
+    )
+    assert parse_options(NODE, "pegaflow-node", [], env={}).redis_url == ""
+
+
+def test_the_originals_flag_names_and_log_levels_are_accepted():
+    o = parse_options(NODE, "pegaflow-server", ["--log-level", "warn", "--transfer-lock-timeout-secs", "120",
+                                                "--metric-hll-windows", "15m,1d"], env={})
+    assert o.log_level == "warning" and o.pin_ttl == 120.0 and o.ceiling_windows == (900.0, 86400.0)
+    assert parse_options(NODE, "n", ["--log-level", "trace"], env={}).log_level == "debug"

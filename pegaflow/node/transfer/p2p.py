@@ -1,8 +1,9 @@
 """Wires remote reads into a node: pin table + PegaPeer service + data plane + puller.
 
-P2P is on when the node joins a cluster (``--redis-url``: it is published, so peers may
-pull from it) or pulls (``--meta-addr``). Serving needs nothing else; pulling needs the
-metaserver. ``--nics`` switches both sides from the TCP data plane to RDMA READ.
+P2P is on when the node joins a cluster: it is published, so peers may pull from it
+(``--redis-url``, or the metaserver's Redis when only ``--metaserver-addr`` is given), and
+it pulls what it misses (``--metaserver-addr``). Serving needs nothing else; pulling needs
+the metaserver. ``--nics`` switches both sides from the TCP data plane to RDMA READ.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ HANDSHAKE_TIMEOUT = 5.0
 
 
 def enabled(opts: argparse.Namespace) -> bool:
-    return bool(getattr(opts, "redis_url", "") or getattr(opts, "meta_addr", ""))
+    """Whether the node is in a cluster: published (peers may pull from it) and, with a
+    metaserver, pulling."""
+    return bool(getattr(opts, "redis_url", "") or getattr(opts, "metaserver_addr", ""))
 
 
 def advertised(opts: argparse.Namespace) -> str:
@@ -61,8 +64,7 @@ class P2P:
         if warn:
             log.warning("p2p_address_not_routable", addr=adv, detail=warn)
         # A published node (peers may pull from it) hashes what it commits ahead of any pull.
-        self.checksums = PageChecksums(index, pool.view, self.metrics,
-                                       background=bool(getattr(opts, "redis_url", "")))
+        self.checksums = PageChecksums(index, pool.view, self.metrics, background=True)
         self.table = PinTable(index, pool.view, opts.pin_ttl, self.metrics, self.checksums)
         bind_host, _ = split_host_port(opts.addr)
         taddr = opts.transfer_addr or f"{bind_host}:0"
@@ -90,7 +92,7 @@ class P2P:
         self._peers: GrpcPeers | None = None
         self._lookup: MetaLookup | None = None
         self._sync_channels: dict[str, grpc.Channel] = {}
-        if opts.meta_addr:
+        if opts.metaserver_addr:
             transport: Transport
             if self.engine is not None:
                 from pegaflow.node.transfer.rdma import RdmaTransport
@@ -99,7 +101,7 @@ class P2P:
             else:
                 transport = TcpTransport(pool.view)
             self._peers = GrpcPeers()
-            self._lookup = MetaLookup(opts.meta_addr)
+            self._lookup = MetaLookup(opts.metaserver_addr)
             self.puller = Puller(index, pool.view, node_id, self._lookup, self._peers, transport, self.metrics,
                                  pin_ttl=opts.pin_ttl, backoff=opts.peer_backoff, max_pull=opts.max_batch,
                                  on_remote_hits=on_remote_hits, checksums=self.checksums)
