@@ -53,7 +53,7 @@ def tokenize(model_a: Path):  # noqa: ANN201 - returns a callable
 
 @pytest.fixture(scope="session")
 def long_prompts(tokenize) -> list[list[int]]:  # noqa: ANN001
-    """Three prompts of ~1000 tokens (7 full blocks of 128 each)."""
+    """Three prompts of ~1000 tokens (several full blocks at any block size vLLM picks)."""
     return [tokenize(make_text(950, seed))[:1000] for seed in (101, 102, 103)]
 
 

@@ -12,7 +12,9 @@ file). Commands:
   for counters whose name contains ``prefix_cache``, ``kv_connector`` or ``pegaflow``;
 * ``{"op": "quit"}``.
 
-The first line written is ``{"ready": true}`` once the engine has started.
+The first line written is ``{"ready": true, "block_size": N}`` once the engine has started:
+``block_size`` is the engine's KV block size in tokens, as vLLM chose it (tests read it,
+they never assume it).
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ def main() -> None:
     elif args.connector == "custom":
         kw["kv_transfer_config"] = json.loads(args.kv_transfer_config)
     llm = LLM(**kw)
-    out.write(json.dumps({"ready": True}) + "\n")
+    block_size = int(llm.llm_engine.vllm_config.cache_config.block_size)
+    out.write(json.dumps({"ready": True, "block_size": block_size}) + "\n")
 
     for line in sys.stdin:
         if not line.strip():

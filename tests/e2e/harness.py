@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import shutil
 import signal
@@ -17,6 +18,18 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 ENGINE_START_TIMEOUT_S = 240.0
 COMMAND_TIMEOUT_S = 300.0
+
+
+def namespace_block_size(namespace: str) -> int:
+    """The block size (tokens) a connector's namespace records (``...|bs=N|...``)."""
+    m = re.search(r"\|bs=(\d+)\|", namespace)
+    assert m, f"no block size in namespace {namespace!r}"
+    return int(m.group(1))
+
+
+def full_blocks_claimable(n_tokens: int, block_size: int) -> int:
+    """Tokens a connector may claim for a prompt: full blocks, never the last prompt token."""
+    return (n_tokens - 1) // block_size * block_size
 
 
 def free_port() -> int:
@@ -149,6 +162,7 @@ class EngineProc:
         self._r = os.fdopen(r, "r")
         first = self._read(ENGINE_START_TIMEOUT_S)
         assert first.get("ready"), first
+        self.block_size: int = int(first["block_size"])  # what vLLM chose for this engine
 
     def _read(self, timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout

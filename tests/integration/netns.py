@@ -53,6 +53,11 @@ class Host:
     def py(self, code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         return self.run([sys.executable, "-c", code, *args], timeout=timeout)
 
+    def tx_bytes(self) -> int:
+        """Bytes this host has sent on its link so far (the kernel's interface counter)."""
+        out = self.run(["cat", f"/sys/class/net/{self.dev}/statistics/tx_bytes"], timeout=10)
+        return int(out.stdout)
+
     def shape(self, rate: str) -> None:
         """Cap this host's egress (tc tbf), e.g. ``"50mbit"``; ``""`` removes the cap."""
         if not self.ns:

@@ -77,7 +77,8 @@ def test_puller_killed_mid_pull_its_pins_on_the_peer_expire(cluster: P2PCluster)
         loader = cluster.client_proc(2, "load", "pins", str(BIG_N), *BIG, "--timeout", "60")
         assert wait_line(loader, 60) == {"status": "LOADING", "hit": 0}
         wait_until(lambda: cluster.metric(0, "pegaflow_node_p2p_active_pins") == 1, 10, "the pin on node-0")
-        time.sleep(0.5)
+        sent = a.tx_bytes()
+        wait_until(lambda: a.tx_bytes() - sent >= 1 << 20, 30, "pages flowing to the puller")
         cluster.kill_node(2)  # the puller dies mid-pull
         loader.kill()
         t0 = time.monotonic()
@@ -98,9 +99,10 @@ def test_peer_killed_mid_pull_is_a_miss_with_no_partial_page(cluster: P2PCluster
     a = cluster.nodes[0].host
     a.shape(HUGE_RATE)
     errors0 = cluster.metric(1, "pegaflow_node_p2p_pulls_total", 'status="error"')
+    sent = a.tx_bytes()
     loader = cluster.client_proc(1, "load", "kill", str(HUGE_N), *HUGE, "--timeout", "90", "--probe-each")
     assert wait_line(loader, 60) == {"status": "LOADING", "hit": 0}
-    time.sleep(1.5)  # ~15 MiB of 80 MiB have crossed the shaped link
+    wait_until(lambda: a.tx_bytes() - sent >= 15 << 20, 30, "~15 MiB of 80 MiB across the shaped link")
     cluster.kill_node(0)  # the peer dies mid-pull
     lines = [wait_line(loader, 60)]
     while "identical" not in lines[-1]:

@@ -8,7 +8,7 @@ engine's KV cache and in the node.
 
 from __future__ import annotations
 
-import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -160,6 +160,8 @@ def test_failed_save_is_aborted_never_committed() -> None:
 
 
 def test_loading_answer_waits_without_busy_spinning_then_recomputes(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [1000.0]  # the scheduler's monotonic clock, advanced by hand
+    monkeypatch.setattr(scheduler_mod, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     node = FakeNode()
     Engine(node, identity()).run(prompt(8))
     b = Engine(node, identity())
@@ -169,17 +171,19 @@ def test_loading_answer_waits_without_busy_spinning_then_recomputes(monkeypatch:
     answers = [b.sched.get_num_new_matched_tokens(req, 0) for _ in range(200)]
     assert answers[0] == (None, False)
     assert all(a == (None, False) for a in answers)
-    assert node.calls["query"] - before <= 2, "re-asked the node on every scheduler poll"
+    assert node.calls["query"] - before == 1, "re-asked the node on every scheduler poll"
+    clock[0] += scheduler_mod.LOADING_POLL_S
+    assert b.sched.get_num_new_matched_tokens(req, 0) == (None, False)
+    assert node.calls["query"] - before == 2, "asks again once the poll interval passed"
 
-    monkeypatch.setattr(scheduler_mod, "LOADING_WAIT_S", 0.0)
-    monkeypatch.setattr(scheduler_mod, "LOADING_POLL_S", 0.0)
-    time.sleep(2 * scheduler_mod.LOADING_POLL_S + 0.05)
+    clock[0] += scheduler_mod.LOADING_WAIT_S  # still LOADING after the longest wait: recompute
     assert b.sched.get_num_new_matched_tokens(req, 0) == (0, False)
 
     node.loading = 1
     monkeypatch.setattr(scheduler_mod, "LOADING_WAIT_S", 10.0)
     req2 = b.request(prompt(8))
     assert b.sched.get_num_new_matched_tokens(req2, 0) == (None, False)
+    clock[0] += scheduler_mod.LOADING_POLL_S
     assert b.sched.get_num_new_matched_tokens(req2, 0) == (5 * BS, False)
 
 

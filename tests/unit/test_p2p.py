@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import select
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -25,7 +26,7 @@ from pegaflow.node.transfer import RemotePages, TransferError, page_checksum
 from pegaflow.node.transfer.checksums import PageChecksums
 from pegaflow.node.transfer.metrics import PeerMetrics
 from pegaflow.node.transfer.p2p import routability_warning
-from pegaflow.node.transfer.pins import PeerService, PinTable
+from pegaflow.node.transfer.pins import BUSY_RECHECK, PeerService, PinTable
 from pegaflow.node.transfer.puller import META_KEY, Backoff, Holder, Puller
 from pegaflow.node.transfer.tcp import TcpDataServer, TcpTransport, sendfile_works
 from tests.unit import fake_verbs
@@ -150,6 +151,14 @@ def pull(a: Side, b: Side, puller: Puller, hs: list[bytes], hit: int) -> None:
         await settle(puller)
 
     asyncio.run(run())
+
+
+async def until(cond, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    """Wait (bounded) on the running loop until ``cond()`` holds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+        await asyncio.sleep(0.002)
 
 
 async def drained(side: Side, timeout: float = 5.0) -> None:
@@ -326,7 +335,7 @@ def test_pins_expire_without_unpin_and_unpin_their_blocks():
             assert resp.count == 4 and 0 < resp.expires_in <= 0.2
             assert all(blk.pins == 1 for blk in a.index.resident(a.ns))
             assert a.index.lru_order() == []  # pinned: not evictable
-            await asyncio.sleep(0.35)
+            await until(lambda: not a.table.pins, 5.0, "the pin's TTL to end it")
 
         asyncio.run(run())
         assert not a.table.pins
@@ -370,12 +379,13 @@ def test_pin_is_not_released_while_its_pages_are_being_sent():
             p = a.table.pin(NS, hs, 0.05)
             assert p is not None
             assert a.table.acquire(p.id, 0, 2) == p.blocks  # a data thread starts sending
-            await asyncio.sleep(0.2)  # TTL passed
+            await until(lambda: p.ended, 5.0, "the TTL to end the pin")
             assert p.id in a.table.pins and all(blk.pins == 1 for blk in p.blocks)
             assert a.table.acquire(p.id, 0, 1) != p.blocks[:1]  # but no new sends start
             a.table.release_send(p.id)
-            await asyncio.sleep(0.05)  # the last send's end unpins at once, not at the next recheck
-            assert p.id not in a.table.pins and all(blk.pins == 0 for blk in p.blocks)
+            # The last send's end unpins at once, not at the next recheck (BUSY_RECHECK later).
+            await until(lambda: p.id not in a.table.pins, BUSY_RECHECK * 0.8, "the unpin at the send's end")
+            assert all(blk.pins == 0 for blk in p.blocks)
 
         asyncio.run(run())
     finally:
@@ -547,9 +557,9 @@ def test_pooled_connection_closed_by_the_peer_is_replaced_transparently(pair):
     b.index.remove(b.index.resident(b.ns))
     for c in list(a.data._conns):  # the peer drops its side of every idle connection
         c.shutdown(2)
-    import time as _t
-
-    _t.sleep(0.1)
+    idle = [s for socks in puller.transport._idle.values() for s in socks]
+    readable, _, _ = select.select(idle, [], [], 5.0)  # the FIN has reached every pooled socket
+    assert len(readable) == len(idle)
     asyncio.run(pull())
     assert pulls(b, "ok") == 2 and pulls(b, "error") == 0
     assert all(b.page(h) == want[h] for h in hs)
@@ -644,7 +654,9 @@ def test_a_published_node_hashes_each_committed_page_once_and_every_pull_reuses_
             await drained(a)
             pin = await a.service.PinForTransfer(peer_pb2.PinRequest(namespace=NS, hashes=hs, transport="rdma"), Ctx())
             a.table.unpin(pin.pin_id)
-            await asyncio.sleep(0.05)  # b's hasher had its chance at the pulled pages
+            # b's hasher has seen the pulled pages' inserts: its queue is empty and it pins nothing.
+            await until(lambda: not b.checksums._queue and all(blk.pins == 0 for blk in b.index.resident(b.ns)),
+                        5.0, "b's hasher to be idle")
             await a.checksums.close()
             await b.checksums.close()
             return want, pin
