@@ -180,7 +180,13 @@ OPTIONS: list[Option] = [
         "127.0.0.1:9091",
         "HTTP address for Prometheus /metrics and /health ('off' disables).",
         _optional_host_port,
-        commands=(NODE, META),
+    ),
+    Option(
+        "http-addr",
+        "127.0.0.1:9097",
+        "HTTP address for Prometheus /metrics ('off' disables); not the node's 9091, so both run on one host.",
+        _optional_host_port,
+        commands=(META,),
     ),
     Option(
         "log-level",

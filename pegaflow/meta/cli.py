@@ -86,7 +86,12 @@ def serve_forever(r: Client, opts: argparse.Namespace) -> None:
     REGISTRY.register(ClusterCeilingCollector(r, opts.ceiling_windows))
     if opts.http_addr:
         host, _, port = opts.http_addr.rpartition(":")
-        start_http_server(int(port), addr=host)
+        try:
+            start_http_server(int(port), addr=host)
+        except OSError as exc:
+            sys.stderr.write(f"pegaflow-meta: error: cannot listen on --http-addr {opts.http_addr}: "
+                             f"{exc.strerror or exc}\n")
+            raise SystemExit(1) from None
     export = None
     if opts.metrics_otel_endpoint:
         from pegaflow.common import otel

@@ -118,8 +118,9 @@ def test_the_originals_p2p_quick_start_builds_a_cluster(tmp_path: Path, procs: l
     meta = f"http://127.0.0.1:{meta_port}"
     redis_env = {"PEGAFLOW_REDIS_URL": redis_server.url}  # the default, 127.0.0.1:6379, is not ours to take
     # "1. Start MetaServer": pegaflow-metaserver --addr 0.0.0.0:50056
-    m = Proc([console("pegaflow-metaserver"), "--addr", f"127.0.0.1:{meta_port}"], tmp_path / "meta.log",
-             {**redis_env, "PEGAFLOW_HTTP_ADDR": f"127.0.0.1:{free_port()}"})
+    # Its metrics port (127.0.0.1:9097) is not the node's (9091): both run on one host.
+    assert port_is_free(9097), "the metaserver's default metrics port is taken on this host"
+    m = Proc([console("pegaflow-metaserver"), "--addr", f"127.0.0.1:{meta_port}"], tmp_path / "meta.log", redis_env)
     procs.append(m)
     channel = grpc.insecure_channel(f"127.0.0.1:{meta_port}")
     stub = meta_pb2_grpc.MetaServiceStub(channel)
@@ -183,3 +184,16 @@ def test_metaserver_without_a_reachable_redis_says_how_to_start_one(tmp_path: Pa
     lines = p.stderr.strip().splitlines()
     assert p.returncode == 1 and len(lines) == 1, p.stderr
     assert f"127.0.0.1:{dead}" in lines[0] and "infra/redis/" in lines[0] and "Traceback" not in p.stderr
+
+
+def test_metaserver_metrics_port_in_use_is_a_one_line_error(redis_server):  # noqa: F811
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        p = subprocess.run([console("pegaflow-metaserver"), "--addr", f"127.0.0.1:{free_port()}",
+                            "--http-addr", f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "PEGAFLOW_REDIS_URL": redis_server.url})
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 1 and len(lines) == 1 and f"--http-addr 127.0.0.1:{port}" in lines[0], p.stderr
+    assert "Traceback" not in p.stderr
