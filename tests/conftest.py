@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -74,6 +76,16 @@ class NodeProcess:
 
     def log(self) -> str:
         return self.log_path.read_text()
+
+    def metric(self, name: str, labels: str = "") -> float:
+        """Sum of the node's Prometheus series ``name`` whose labels contain ``labels``."""
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/metrics", timeout=5).read().decode()
+        total = 0.0
+        for line in text.splitlines():
+            m = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", line)
+            if m and labels in (m.group(1) or ""):
+                total += float(m.group(2))
+        return total
 
     @property
     def local_socket(self) -> str:

@@ -205,15 +205,16 @@ OPTIONS: list[Option] = [
     Option(
         "reservation-ttl",
         120.0,
-        "Seconds an uncommitted reservation lives before its pages are reclaimed (engines commit "
-        "after the step that computed the pages, so keep it above the longest step; a dead "
-        "engine's reservations are freed at once when its session drops).",
+        "Seconds after which an uncommitted reservation is reported as late (metric "
+        "pegaflow_node_expired_total, a log line). Its pages are never taken from a live engine; "
+        "a dead engine's reservations are freed at once when its session drops.",
         _non_negative_float,
     ),
     Option(
         "lease-ttl",
         300.0,
-        "Seconds a lease pins pages at most (a safety net; sessions release theirs).",
+        "Seconds after which an unreleased lease is reported as late (metric, log line); its pages "
+        "stay pinned until Release or the engine's session ends.",
         _non_negative_float,
     ),
     Option(

@@ -241,13 +241,20 @@ class Node:
                 next_ceiling = time.monotonic() + CEILING_REFRESH
             if self.query_trace is not None:
                 self.query_trace.flush()
-            res, leases = self.sessions.expire()
-            if res:
-                self.metrics.expired.labels("reservation").inc(res)
-                log.info("reservations_expired", count=res)
-            if leases:
-                self.metrics.expired.labels("lease").inc(leases)
-                log.warning("leases_expired", count=leases)
+            e = self.sessions.expire()
+            if e.reservations_overdue:  # kept: their engines live (pegaflow/node/sessions.py)
+                self.metrics.expired.labels("reservation").inc(e.reservations_overdue)
+                log.warning("reservations_past_ttl", count=e.reservations_overdue,
+                            ttl=self.opts.reservation_ttl, detail="kept until their sessions commit or end")
+            if e.leases_overdue:
+                self.metrics.expired.labels("lease").inc(e.leases_overdue)
+                log.warning("leases_past_ttl", count=e.leases_overdue, ttl=self.opts.lease_ttl,
+                            detail="kept until released or their sessions end")
+            if e.sessions_closed:
+                self.metrics.expired.labels("session").inc(e.sessions_closed)
+                self.metrics.sessions_closed.inc(e.sessions_closed)
+                log.info("sessions_never_streamed_closed", count=e.sessions_closed,
+                         reservations_freed=e.reservations_freed, leases_freed=e.leases_freed)
 
     async def run(self) -> None:
         await self.start()

@@ -38,7 +38,10 @@ class NodeMetrics:
             registry=r,
         )
         self.expired = Counter(
-            "pegaflow_node_expired_total", "Reservations and leases that hit their TTL.", ["kind"], registry=r
+            "pegaflow_node_expired_total",
+            "Reservations and leases held past their TTL by a live engine (reported, never taken from "
+            "it), and sessions ended because they never opened their Session stream.",
+            ["kind"], registry=r
         )
         self.sessions_closed = Counter("pegaflow_node_sessions_closed_total", "Sessions ended.", registry=r)
         self.pool_capacity = Gauge("pegaflow_node_pool_capacity_bytes", "Size of the L1 pool.", registry=r)

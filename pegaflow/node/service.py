@@ -189,6 +189,7 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
             await context.abort(grpc_code(exc), str(exc))
             return
         s.streams += 1
+        s.streamed = True
         try:
             while not self.stopping.is_set():
                 yield node_pb2.SessionEvent(session_id=s.id, epoch=self.epoch)

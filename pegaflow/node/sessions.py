@@ -1,14 +1,24 @@
 """Engine sessions and what they hold: leases (read pins) and reservations (pending writes).
 
 Contracts:
-- A session is created by Register and owned by one engine process. Its keep-alive stream
-  ending (the engine died or disconnected) ends the session: its reservations are
-  discarded (their pages never become visible) and its leases released.
-- A lease pins the pages of a Query's hits until Release, the session's end, or
-  ``lease_ttl`` seconds (a safety net against leaks), whichever comes first.
-- A reservation holds PENDING pages that only its session writes. Commit makes them
-  visible; after ``reservation_ttl`` seconds without a commit they are freed.
-- A session may use only the namespaces it registered (namespace isolation).
+- A session is created by Register and owned by one engine process, which keeps it alive
+  with its ``Session`` stream. The stream ending (the engine died or disconnected) ends the
+  session: its reservations are discarded (their pages never become visible) and its
+  leases released. A session that opens no stream within ``session_open_timeout`` seconds
+  of its Register is ended the same way (a client that registered and vanished).
+- **A page held by a live session is never given to another block, whatever the clock
+  says.** A lease pins its pages until Release or the session's end; a reservation holds
+  PENDING pages that only its session writes until Commit/abort or the session's end.
+  ``lease_ttl`` and ``reservation_ttl`` do not take pages away from a live holder (a writer
+  slower than the TTL would otherwise overwrite pages already given to another block, a
+  slow reader would copy someone else's bytes): a holding past its TTL is reported once
+  (``Expiry``, then a metric and a log line at the node) and keeps its pages. Only the
+  holder's session ending frees them.
+- A session may use only the namespaces it registered (namespace isolation). Register is
+  atomic: a registration that fails creates no namespace.
+- Ids of sessions, leases and reservations are random 63-bit numbers (unguessable), and
+  leases and reservations are looked up within their session only: one session can never
+  release, commit or abort another's.
 
 Not thread-safe: the node calls this from its event loop only.
 """
@@ -16,12 +26,15 @@ Not thread-safe: the node calls this from its event loop only.
 from __future__ import annotations
 
 import itertools
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pegaflow.common.errors import FailedPrecondition, InvalidArgument
 from pegaflow.node.block_index import PENDING, Block, BlockIndex, Namespace
+
+SESSION_OPEN_TIMEOUT = 30.0  # seconds from Register to the Session stream (PegaClient opens it at once)
 
 
 @dataclass(eq=False)
@@ -30,6 +43,7 @@ class Lease:
     session_id: int
     blocks: list[Block]
     expires: float
+    overdue: bool = False  # held past lease_ttl by a live session (reported once)
 
 
 @dataclass(eq=False)
@@ -40,6 +54,7 @@ class Reservation:
     blocks: list[Block | None]  # index-aligned with the request's hashes
     expires: float
     committed: bool = False
+    overdue: bool = False  # held past reservation_ttl by a live session (reported once)
 
 
 @dataclass(eq=False)
@@ -50,7 +65,19 @@ class Session:
     leases: dict[int, Lease] = field(default_factory=dict)
     reservations: dict[int, Reservation] = field(default_factory=dict)
     streams: int = 0
+    streamed: bool = False  # a Session stream was opened at least once
     created: float = 0.0
+
+
+@dataclass(frozen=True)
+class Expiry:
+    """What one :meth:`Sessions.expire` sweep found."""
+
+    reservations_overdue: int = 0  # newly past reservation_ttl, kept (their session lives)
+    leases_overdue: int = 0  # newly past lease_ttl, kept
+    sessions_closed: int = 0  # never opened their Session stream in time: ended
+    reservations_freed: int = 0  # ... with what they held
+    leases_freed: int = 0
 
 
 class Sessions:
@@ -60,30 +87,36 @@ class Sessions:
         reservation_ttl: float = 120.0,
         lease_ttl: float = 300.0,
         clock: Callable[[], float] = time.monotonic,
+        session_open_timeout: float = SESSION_OPEN_TIMEOUT,
     ) -> None:
         self.index = index
         self.reservation_ttl = reservation_ttl
         self.lease_ttl = lease_ttl
+        self.session_open_timeout = session_open_timeout
         self.clock = clock
-        self._ids = itertools.count(1)
         self.sessions: dict[int, Session] = {}
         self.leases: dict[int, Lease] = {}
         self.reservations: dict[int, Reservation] = {}
         # Ids of reservations that were committed or aborted, to tell "duplicate commit"
         # apart from "unknown reservation" in error messages (bounded).
         self._closed: dict[int, str] = {}
-        self.expired_reservations = 0
-        self.expired_leases = 0
+
+    def _new_id(self, taken: dict[int, object]) -> int:
+        while True:
+            i = secrets.randbits(63)
+            if i and i not in taken and i not in self._closed:
+                return i
 
     # ---- sessions ---------------------------------------------------------------------
     def open(self, instance_id: str, namespaces: Sequence[tuple[str, int]]) -> Session:
-        nss: dict[str, Namespace] = {}
-        for name, page_bytes in namespaces:
-            try:
-                nss[name] = self.index.namespace(name, page_bytes)
-            except ValueError as exc:
-                raise InvalidArgument(str(exc)) from None
-        s = Session(next(self._ids), instance_id, nss, created=self.clock())
+        for name, page_bytes in namespaces:  # all checked before any is created
+            ns = self.index.get_namespace(name)
+            if ns is not None and ns.page_bytes != page_bytes:
+                raise InvalidArgument(
+                    f"namespace {name!r} has page_bytes={ns.page_bytes}, registration asked for {page_bytes}"
+                )
+        nss = {name: self.index.namespace(name, page_bytes) for name, page_bytes in namespaces}
+        s = Session(self._new_id(self.sessions), instance_id, nss, created=self.clock())
         self.sessions[s.id] = s
         return s
 
@@ -115,7 +148,7 @@ class Sessions:
     # ---- leases -----------------------------------------------------------------------
     def lease(self, s: Session, blocks: list[Block]) -> Lease:
         self.index.pin(blocks)
-        lease = Lease(next(self._ids), s.id, blocks, self.clock() + self.lease_ttl)
+        lease = Lease(self._new_id(self.leases), s.id, blocks, self.clock() + self.lease_ttl)
         s.leases[lease.id] = lease
         self.leases[lease.id] = lease
         return lease
@@ -136,7 +169,7 @@ class Sessions:
     # ---- reservations -----------------------------------------------------------------
     def reserve(self, s: Session, ns: Namespace, hashes: Sequence[bytes]) -> Reservation:
         blocks = self.index.reserve(ns, hashes)
-        res = Reservation(next(self._ids), s.id, ns, blocks, self.clock() + self.reservation_ttl)
+        res = Reservation(self._new_id(self.reservations), s.id, ns, blocks, self.clock() + self.reservation_ttl)
         if any(b is not None for b in blocks):
             s.reservations[res.id] = res
             self.reservations[res.id] = res
@@ -148,7 +181,7 @@ class Sessions:
             why = self._closed.get(reservation_id)
             if why:
                 raise InvalidArgument(f"reservation {reservation_id} was already {why}")
-            raise InvalidArgument(f"unknown or expired reservation {reservation_id} for session {s.id}")
+            raise InvalidArgument(f"unknown reservation {reservation_id} for session {s.id}")
         if abort:
             self._drop_reservation(res)
             self._remember(res.id, "aborted")
@@ -188,16 +221,21 @@ class Sessions:
                 del self._closed[k]
 
     # ---- expiry -----------------------------------------------------------------------
-    def expire(self) -> tuple[int, int]:
-        """Drop reservations and leases past their deadline; returns how many of each."""
+    def expire(self) -> Expiry:
+        """One sweep: end sessions that never opened their stream in time (freeing what they
+        held), and report holdings newly past their TTL. Nothing a live session holds is freed."""
         now = self.clock()
-        rs = [r for r in self.reservations.values() if r.expires <= now]
-        for r in rs:
-            self._drop_reservation(r)
-            self._remember(r.id, "expired")
-        ls = [x for x in self.leases.values() if x.expires <= now]
-        for x in ls:
-            self._drop_lease(x)
-        self.expired_reservations += len(rs)
-        self.expired_leases += len(ls)
-        return (len(rs), len(ls))
+        stale = [s for s in self.sessions.values()
+                 if not s.streamed and s.streams == 0 and now - s.created >= self.session_open_timeout]
+        freed_r = freed_l = 0
+        for s in stale:
+            r, n = self.close(s.id)
+            freed_r += r
+            freed_l += n
+        late_r = [r for r in self.reservations.values() if not r.overdue and r.expires <= now]
+        for r in late_r:
+            r.overdue = True
+        late_l = [x for x in self.leases.values() if not x.overdue and x.expires <= now]
+        for x in late_l:
+            x.overdue = True
+        return Expiry(len(late_r), len(late_l), len(stale), freed_r, freed_l)

@@ -7,12 +7,10 @@ saved blocks are evicted from L1 and can only come back from SSD.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -39,16 +37,6 @@ def page_of(h: bytes) -> bytes:
     return np.random.default_rng(int.from_bytes(h[:8], "little")).bytes(PAGE)
 
 
-def metric(node, name: str, labels: str = "") -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{node.http_port}/metrics", timeout=5).read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        m = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", line)
-        if m and labels in (m.group(1) or ""):
-            total += float(m.group(2))
-    return total
-
-
 def wait_for(cond, timeout: float = 20.0, what: str = "condition"):  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -65,7 +53,7 @@ def save(c: PegaClient, hs: list[bytes], batch: int = 4, node=None) -> None:  # 
     unpinned pages in the tiny pool."""
     for i in range(0, len(hs), batch):
         if node is not None and i:
-            wait_for(lambda: metric(node, "pegaflow_node_ssd_write_queue_blocks") == 0, what="write queue drained")
+            wait_for(lambda: node.metric("pegaflow_node_ssd_write_queue_blocks") == 0, what="write queue drained")
         part = hs[i:i + batch]
         r = c.reserve(NS, part)
         for h, off in zip(part, r.offsets, strict=True):
@@ -120,15 +108,15 @@ def test_evicted_blocks_come_back_from_ssd_with_identical_bytes(node_factory, tm
     with PegaClient(node.addr) as c:
         c.register({NS: PAGE})
         save(c, hs, node=node)
-        wait_for(lambda: metric(node, "pegaflow_node_ssd_blocks") >= 48, what="48 blocks on SSD")
-        assert metric(node, "pegaflow_node_evictions_total") > 0, "the pool must have evicted blocks"
+        wait_for(lambda: node.metric("pegaflow_node_ssd_blocks") >= 48, what="48 blocks on SSD")
+        assert node.metric("pegaflow_node_evictions_total") > 0, "the pool must have evicted blocks"
         hit, loading = load(c, hs[:12])
         assert hit == 12
         assert loading >= 1, "blocks only on SSD must first answer LOADING"
-        assert metric(node, "pegaflow_node_ssd_promoted_blocks_total") >= 12
-        assert metric(node, "pegaflow_node_ssd_promotion_seconds_count") >= 1
-        assert metric(node, "pegaflow_node_ssd_read_bytes_total") >= 12 * PAGE
-        assert metric(node, "pegaflow_node_ssd_write_bytes_total") >= 48 * PAGE
+        assert node.metric("pegaflow_node_ssd_promoted_blocks_total") >= 12
+        assert node.metric("pegaflow_node_ssd_promotion_seconds_count") >= 1
+        assert node.metric("pegaflow_node_ssd_read_bytes_total") >= 12 * PAGE
+        assert node.metric("pegaflow_node_ssd_write_bytes_total") >= 48 * PAGE
         # a second query is an L1 hit: READY at once
         q = c.query([NS], hs[:12])
         assert (q.status, q.hit_blocks) == ("READY", 12)
@@ -147,11 +135,11 @@ def test_a_node_serving_peers_shares_page_checksums_with_its_ssd_records(node_fa
     with PegaClient(node.addr) as c:
         c.register({NS: PAGE})
         save(c, hs, node=node)
-        wait_for(lambda: metric(node, "pegaflow_node_ssd_blocks") >= 48, what="48 blocks on SSD")
+        wait_for(lambda: node.metric("pegaflow_node_ssd_blocks") >= 48, what="48 blocks on SSD")
         hit, _ = load(c, hs[:12])  # load() compares every page's bytes
         assert hit == 12
-        assert metric(node, "pegaflow_node_ssd_promoted_blocks_total") >= 12
-        assert metric(node, "pegaflow_node_ssd_checksum_failures_total") == 0
+        assert node.metric("pegaflow_node_ssd_promoted_blocks_total") >= 12
+        assert node.metric("pegaflow_node_ssd_checksum_failures_total") == 0
 
 
 def test_sigkill_mid_write_then_restart_serves_only_intact_pages(node_factory, tmp_path):
@@ -160,9 +148,9 @@ def test_sigkill_mid_write_then_restart_serves_only_intact_pages(node_factory, t
     with PegaClient(node.addr) as c:
         c.register({NS: PAGE})
         save(c, early, node=node)
-        wait_for(lambda: metric(node, "pegaflow_node_ssd_blocks") >= 24, what="early blocks on SSD")
+        wait_for(lambda: node.metric("pegaflow_node_ssd_blocks") >= 24, what="early blocks on SSD")
         save(c, burst, batch=16)
-        wait_for(lambda: metric(node, "pegaflow_node_ssd_written_blocks_total") >= 25, what="a burst write")
+        wait_for(lambda: node.metric("pegaflow_node_ssd_written_blocks_total") >= 25, what="a burst write")
         node.kill(signal.SIGKILL)  # other writes of the burst are in flight or queued
     # A torn write leaves a valid header over a half-written page: make one for certain.
     path = tmp_path / "pegaflow-ssd.cache"
@@ -183,7 +171,7 @@ def test_sigkill_mid_write_then_restart_serves_only_intact_pages(node_factory, t
         served = sum(load(c, [h])[0] for h in burst)
         assert served < 64
         assert load(c, [newest.hash])[0] == 0, "the torn page is a miss"
-        assert metric(node, "pegaflow_node_ssd_checksum_failures_total") >= 1
+        assert node.metric("pegaflow_node_ssd_checksum_failures_total") >= 1
     assert "ssd_scan_done" in node.log()
 
 
@@ -193,7 +181,7 @@ def test_flipped_bytes_on_disk_are_detected_and_never_served(node_factory, tmp_p
     with PegaClient(node.addr) as c:
         c.register({NS: PAGE})
         save(c, hs, node=node)
-        wait_for(lambda: metric(node, "pegaflow_node_ssd_blocks") >= 24, what="blocks on SSD")
+        wait_for(lambda: node.metric("pegaflow_node_ssd_blocks") >= 24, what="blocks on SSD")
     node.stop()
     path = tmp_path / "pegaflow-ssd.cache"
     recs = {h.hash: off for off, h in records(path)}
@@ -208,7 +196,7 @@ def test_flipped_bytes_on_disk_are_detected_and_never_served(node_factory, tmp_p
         c.register({NS: PAGE})
         hit, _ = load(c, hs[:10])
         assert hit == 5, "the prefix must stop at the corrupted block"
-        assert metric(node, "pegaflow_node_ssd_checksum_failures_total") == 1
+        assert node.metric("pegaflow_node_ssd_checksum_failures_total") == 1
         hit, _ = load(c, hs[:10])
         assert hit == 5, "a corrupted block stays a miss"
 
@@ -222,7 +210,7 @@ def test_two_paths_stripe_pages_across_both_files(node_factory, tmp_path):
     with PegaClient(node.addr) as c:
         c.register({NS: PAGE})
         save(c, hs, node=node)
-        wait_for(lambda: metric(node, "pegaflow_node_ssd_blocks") >= 32, what="blocks on SSD")
+        wait_for(lambda: node.metric("pegaflow_node_ssd_blocks") >= 32, what="blocks on SSD")
         hit, _ = load(c, hs[:8])
         assert hit == 8
     node.stop()
@@ -239,13 +227,13 @@ def test_capacity_is_never_exceeded_and_oldest_blocks_go_first(node_factory, tmp
         c.register({NS: PAGE})
         for i in range(0, 80, 8):
             save(c, hs[i:i + 8], node=node)
-            wait_for(lambda i=i: metric(node, "pegaflow_node_ssd_written_blocks_total") >= i + 8,
+            wait_for(lambda i=i: node.metric("pegaflow_node_ssd_written_blocks_total") >= i + 8,
                      what="writes")
-            assert metric(node, "pegaflow_node_ssd_used_bytes") <= cap
+            assert node.metric("pegaflow_node_ssd_used_bytes") <= cap
         path = tmp_path / "pegaflow-ssd.cache"
         assert path.stat().st_size <= cap  # allocated in full at start-up, never grown
-        assert metric(node, "pegaflow_node_ssd_evicted_blocks_total") > 0
-        assert metric(node, "pegaflow_node_ssd_blocks") * record_bytes(PAGE) <= cap
+        assert node.metric("pegaflow_node_ssd_evicted_blocks_total") > 0
+        assert node.metric("pegaflow_node_ssd_blocks") * record_bytes(PAGE) <= cap
         assert load(c, hs[-8:])[0] == 8, "the newest blocks are on SSD"
         assert load(c, hs[:1])[0] == 0, "the oldest block was reclaimed"
 

@@ -1,8 +1,8 @@
 import pytest
 
 from pegaflow.common.errors import FailedPrecondition, InvalidArgument
-from pegaflow.node.block_index import BlockIndex
-from pegaflow.node.sessions import Sessions
+from pegaflow.node.block_index import PENDING, BlockIndex
+from pegaflow.node.sessions import Expiry, Sessions
 
 
 def h(i: int) -> bytes:
@@ -21,35 +21,75 @@ class Clock:
 def env():
     clock = Clock()
     idx = BlockIndex(16 * 4096)
-    return idx, Sessions(idx, reservation_ttl=10, lease_ttl=60, clock=clock), clock
+    return idx, Sessions(idx, reservation_ttl=10, lease_ttl=60, clock=clock, session_open_timeout=30), clock
 
 
-def test_uncommitted_reservation_expires_and_frees_pages(env):
+def live(ss: Sessions, name: str, namespaces):  # type: ignore[no-untyped-def]
+    """A session whose engine holds its Session stream open (what the node's service does)."""
+    s = ss.open(name, namespaces)
+    s.streams, s.streamed = 1, True
+    return s
+
+
+def test_a_live_writer_past_its_ttl_keeps_its_pages_and_commits_them(env):
+    idx, ss, clock = env
+    s = live(ss, "e1", [("a", 4096)])
+    r = ss.reserve(s, s.namespaces["a"], [h(1), h(2)])
+    clock.t = 9.9
+    assert ss.expire() == Expiry()
+    clock.t = 1000.0
+    assert ss.expire() == Expiry(reservations_overdue=1)
+    assert ss.expire() == Expiry(), "reported once"
+    # Nothing was freed: a full pool gives another engine no page of the late writer's.
+    other = live(ss, "e2", [("a", 4096)])
+    got = ss.reserve(other, other.namespaces["a"], [h(100 + i) for i in range(16)])
+    mine = {b.offset for b in r.blocks if b is not None}
+    assert not mine & {b.offset for b in got.blocks if b is not None}
+    assert all(b is not None and b.state == PENDING for b in r.blocks)
+    assert ss.commit(s, r.id) == 2
+    assert [b.offset for b in idx.prefix(s.namespaces["a"], [h(1), h(2)])] == [b.offset for b in r.blocks]
+
+
+def test_a_live_reader_past_its_ttl_keeps_its_pages_pinned(env):
+    idx, ss, clock = env
+    s = live(ss, "e1", [("a", 4096)])
+    ns = s.namespaces["a"]
+    ss.commit(s, ss.reserve(s, ns, [h(1)]).id)
+    lease = ss.lease(s, idx.prefix(ns, [h(1)]))
+    clock.t = 61
+    assert ss.expire() == Expiry(leases_overdue=1)
+    assert idx.lru_order() == [], "still pinned: not evictable, its page cannot be reused"
+    ss.release(s, lease.id)
+    assert len(idx.lru_order()) == 1
+
+
+def test_a_session_that_never_opens_its_stream_is_ended_with_what_it_holds(env):
     idx, ss, clock = env
     s = ss.open("e1", [("a", 4096)])
     ss.reserve(s, s.namespaces["a"], [h(1), h(2)])
-    assert idx.alloc.free_bytes == idx.alloc.capacity - 2 * 4096
-    clock.t = 9.9
-    assert ss.expire() == (0, 0)
-    clock.t = 10.0
-    assert ss.expire() == (1, 0)
+    kept = live(ss, "e2", [("a", 4096)])
+    clock.t = 29.9
+    assert ss.expire().sessions_closed == 0
+    clock.t = 30.0
+    e = ss.expire()
+    assert (e.sessions_closed, e.reservations_freed) == (1, 1)
+    assert s.id not in ss.sessions and kept.id in ss.sessions
     assert idx.alloc.free_bytes == idx.alloc.capacity
-    assert idx.prefix(s.namespaces["a"], [h(1)]) == []
+    with pytest.raises(FailedPrecondition):
+        ss.get(s.id)
 
 
-def test_commit_after_expiry_is_rejected(env):
+def test_a_session_whose_stream_ended_is_not_swept_twice(env):
     _, ss, clock = env
-    s = ss.open("e1", [("a", 4096)])
-    r = ss.reserve(s, s.namespaces["a"], [h(1)])
-    clock.t = 11
-    ss.expire()
-    with pytest.raises(InvalidArgument, match="expired"):
-        ss.commit(s, r.id)
+    s = live(ss, "e1", [("a", 4096)])
+    s.streams = 0  # the service closes it when the last stream ends; expire leaves it to that
+    clock.t = 100
+    assert ss.expire().sessions_closed == 0
 
 
 def test_duplicate_commit_is_invalid_and_harmless(env):
     idx, ss, _ = env
-    s = ss.open("e1", [("a", 4096)])
+    s = live(ss, "e1", [("a", 4096)])
     r = ss.reserve(s, s.namespaces["a"], [h(1)])
     assert ss.commit(s, r.id) == 1
     with pytest.raises(InvalidArgument, match="already committed"):
@@ -59,7 +99,7 @@ def test_duplicate_commit_is_invalid_and_harmless(env):
 
 def test_partial_commit_frees_the_rest(env):
     idx, ss, _ = env
-    s = ss.open("e1", [("a", 4096)])
+    s = live(ss, "e1", [("a", 4096)])
     r = ss.reserve(s, s.namespaces["a"], [h(1), h(2), h(3)])
     assert ss.commit(s, r.id, [0, 2]) == 2
     assert idx.resident_blocks == 2
@@ -68,7 +108,7 @@ def test_partial_commit_frees_the_rest(env):
 
 def test_commit_indices_out_of_range_are_rejected_without_change(env):
     idx, ss, _ = env
-    s = ss.open("e1", [("a", 4096)])
+    s = live(ss, "e1", [("a", 4096)])
     r = ss.reserve(s, s.namespaces["a"], [h(1)])
     with pytest.raises(InvalidArgument, match="out of range"):
         ss.commit(s, r.id, [5])
@@ -77,7 +117,7 @@ def test_commit_indices_out_of_range_are_rejected_without_change(env):
 
 def test_lease_pins_until_release_and_session_end_frees_everything(env):
     idx, ss, _ = env
-    s = ss.open("e1", [("a", 4096)])
+    s = live(ss, "e1", [("a", 4096)])
     ns = s.namespaces["a"]
     ss.commit(s, ss.reserve(s, ns, [h(1), h(2)]).id)
     lease = ss.lease(s, idx.prefix(ns, [h(1), h(2)]))
@@ -89,17 +129,6 @@ def test_lease_pins_until_release_and_session_end_frees_everything(env):
     assert lease.id not in ss.leases
 
 
-def test_lease_ttl_is_a_safety_net(env):
-    idx, ss, clock = env
-    s = ss.open("e1", [("a", 4096)])
-    ns = s.namespaces["a"]
-    ss.commit(s, ss.reserve(s, ns, [h(1)]).id)
-    ss.lease(s, idx.prefix(ns, [h(1)]))
-    clock.t = 61
-    assert ss.expire() == (0, 1)
-    assert len(idx.lru_order()) == 1
-
-
 def test_unknown_session_and_foreign_namespace(env):
     _, ss, _ = env
     with pytest.raises(FailedPrecondition):
@@ -108,3 +137,29 @@ def test_unknown_session_and_foreign_namespace(env):
     ss.open("e2", [("b", 4096)])
     with pytest.raises(InvalidArgument, match="not registered"):
         ss.namespace(s, "b")
+
+
+def test_ids_are_unguessable_and_scoped_to_their_session(env):
+    idx, ss, _ = env
+    a, b = live(ss, "a", [("n", 4096)]), live(ss, "b", [("n", 4096)])
+    ns = a.namespaces["n"]
+    ra = ss.reserve(a, ns, [h(1)])
+    ss.commit(a, ss.reserve(a, ns, [h(2)]).id)
+    la = ss.lease(a, idx.prefix(ns, [h(2)]))
+    ids = [a.id, b.id, ra.id, la.id]
+    assert len(set(ids)) == 4 and all(i >= 1 << 20 for i in ids), "random 63-bit ids, not a counter"
+    assert all(i < 1 << 63 for i in ids)
+    with pytest.raises(InvalidArgument, match="unknown"):
+        ss.commit(b, ra.id, abort=True)  # b cannot abort a's reservation
+    with pytest.raises(InvalidArgument, match="unknown lease"):
+        ss.release(b, la.id)  # nor release a's lease
+    assert ra.id in ss.reservations and la.id in ss.leases
+
+
+def test_a_register_that_fails_creates_no_namespace(env):
+    idx, ss, _ = env
+    ss.open("e1", [("taken", 4096)])
+    with pytest.raises(InvalidArgument, match="page_bytes"):
+        ss.open("e2", [("fresh", 4096), ("taken", 8192)])
+    assert idx.get_namespace("fresh") is None
+    assert len(ss.sessions) == 1
