@@ -59,12 +59,16 @@ def _plan(segments: Sequence[torch.Tensor], block_ids: Sequence[int],
     seg_stride = np.array([seg.stride(0) * seg.element_size() for seg in segments], dtype=np.uint64)
     seg_start = np.concatenate(([0], np.cumsum(seg_len)[:-1])).astype(np.int64)
     nblocks = np.array([seg.shape[0] for seg in segments])
-    bids = np.asarray(block_ids, dtype=np.int64)
-    offs = np.asarray(offsets, dtype=np.int64)
+    try:
+        bids = np.asarray(block_ids, dtype=np.int64)
+        offs = np.asarray(offsets, dtype=np.int64)
+    except OverflowError:
+        raise IndexError("block id or page offset out of range") from None
     if bids.size and (bids.min() < 0 or (bids[:, None] >= nblocks[None, :]).any()):
         raise IndexError("block id out of range of the KV cache")
     page = int(seg_len.sum())
-    if offs.size and (offs.min() < 0 or offs.max() + page > pool_bytes):
+    # offset + page may overflow int64; offset > pool_bytes - page cannot.
+    if offs.size and (page > pool_bytes or offs.min() < 0 or offs.max() > pool_bytes - page):
         raise IndexError("page offset out of range of the pool")
     addrs = (seg_ptr[None, :] + bids.astype(np.uint64)[:, None] * seg_stride[None, :]).ravel()
     pool_off = (offs[:, None] + seg_start[None, :]).ravel()

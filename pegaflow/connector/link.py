@@ -132,7 +132,11 @@ class NodeLink:
         self._unavailable = unavailable
         self._rejected = rejected
         self._logged_rejections: set[str] = set()
+        # _lock guards the client while it (re-)registers, which blocks for up to one RPC
+        # timeout on a hung node; nothing on a call's path takes it. _thread_lock only
+        # guards starting the supervisor, so a failing call never waits on a registration.
         self._lock = threading.Lock()
+        self._thread_lock = threading.Lock()
         self._client: Any = None
         self._ready = threading.Event()
         self._down = threading.Event()
@@ -206,15 +210,19 @@ class NodeLink:
         with self._lock:
             if self._client is None:
                 self._client = self._factory(self.addr, self.instance_id)
+            client = self._client
             try:
-                self._client.register(self.namespaces)
-            except BaseException:
-                c, self._client = self._client, None
-                try:
-                    c.close()
-                except Exception:  # noqa: BLE001
-                    pass
-                raise
+                client.register(self.namespaces)
+                failure: BaseException | None = None
+            except BaseException as exc:  # re-raised below, once the lock is free
+                self._client = None
+                failure = exc
+        if failure is not None:
+            try:  # closing the client of a hung node blocks too: never under the lock
+                client.close()
+            except Exception:  # noqa: BLE001
+                pass
+            raise failure
         self._down.clear()
         self._ready.set()
         if self._warned_down:
@@ -231,7 +239,7 @@ class NodeLink:
                 exc or "not reachable",
             )
             self._warned_down = True
-        with self._lock:
+        with self._thread_lock:
             if self._thread is None and not self._stop.is_set():
                 self._thread = threading.Thread(target=self._supervise, name="pegaflow-reconnect", daemon=True)
                 self._thread.start()

@@ -91,3 +91,14 @@ def test_native_copy_of_odd_lengths_and_misaligned_addresses_is_exact(to_pool):
         else:
             expect[o:o + n] = src[off:off + n]
     assert np.array_equal(dst, expect)
+
+
+@pytest.mark.parametrize("offset", [2**63 - 1, 2**63 - 4096, 2**64 - 1, 2**63, -(2**63)])
+@pytest.mark.parametrize("copy", [save_pages, load_pages])
+def test_offsets_near_the_int64_limit_are_refused_not_copied(offset, copy):
+    # offset + page_bytes overflowed the bounds check and the native copy wrote out of bounds.
+    src = cpu_layout()
+    pool = torch.zeros(page_bytes(src) * 4, dtype=torch.uint8)
+    with pytest.raises(IndexError):
+        copy(src, [0], pool, [offset])
+    assert int(pool.sum()) == 0

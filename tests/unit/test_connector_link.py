@@ -1,0 +1,70 @@
+"""NodeLink's contract: a call never waits longer than its own RPC on a hung node."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from pegaflow.connector.link import NodeLink
+
+RPC_S = 0.2  # what a call to the hung node takes before it fails (the client's RPC timeout)
+REGISTER_S = 1.5  # a re-registration against it blocks this long, and closing that client 1 s more
+
+
+class Unavailable(Exception):
+    pass
+
+
+class HungNodeClient:
+    def __init__(self, hung: threading.Event, registering: threading.Event) -> None:
+        self.hung, self.registering = hung, registering
+
+    def register(self, namespaces: object) -> None:
+        if self.hung.is_set():
+            self.registering.set()
+            time.sleep(REGISTER_S)
+            raise Unavailable("register timed out")
+
+    def close(self) -> None:
+        if self.hung.is_set():
+            time.sleep(1.0)
+
+
+def test_calls_do_not_wait_on_a_reconnect_to_a_hung_node():
+    hung, registering = threading.Event(), threading.Event()
+    link = NodeLink("hung:0", {"ns": 1}, "t", client_factory=lambda a, i: HungNodeClient(hung, registering),
+                    unavailable=(Unavailable,), rejected=(RuntimeError,))
+    waits: dict[str, float] = {}
+
+    def first(c: HungNodeClient) -> None:
+        time.sleep(RPC_S)
+        raise Unavailable("query timed out")  # starts the reconnect
+
+    def second(c: HungNodeClient) -> None:  # in flight too, fails while the reconnect registers
+        assert registering.wait(10)
+        waits["second_failed"] = time.monotonic()
+        raise Unavailable("query timed out")
+
+    def run(fn, name: str) -> None:  # type: ignore[no-untyped-def]
+        assert link.call(fn) is None
+        waits[name] = time.monotonic()
+
+    try:
+        assert link.ready
+        hung.set()
+        threads = [threading.Thread(target=run, args=(f, n)) for f, n in ((first, "first"), (second, "second"))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert registering.is_set() and "second" in waits
+        t0 = time.monotonic()
+        link.reconnect()  # e.g. a stale pool epoch, while the node hangs
+        after_failure = {"second call": waits["second"] - waits["second_failed"], "reconnect": time.monotonic() - t0}
+        t0 = time.monotonic()
+        assert link.call(first) is None  # down: answered at once, no RPC
+        after_failure["later call"] = time.monotonic() - t0
+        assert max(after_failure.values()) < 0.5, f"waited on the reconnect: {after_failure}"
+    finally:
+        hung.clear()
+        link.close()
