@@ -51,9 +51,10 @@ class NodeProcess:
 
     def wait_ready(self, timeout: float) -> None:
         from pegaflow._proto import node_pb2, node_pb2_grpc
+        from pegaflow.common.security import Security, sync_channel
 
         deadline = time.monotonic() + timeout
-        with grpc.insecure_channel(self.addr) as ch:
+        with sync_channel(self.addr, Security.load(env={**os.environ, **self.env})) as ch:
             stub = node_pb2_grpc.PegaNodeStub(ch)
             while time.monotonic() < deadline:
                 assert self.proc is not None

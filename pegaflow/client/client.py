@@ -33,8 +33,17 @@ import structlog
 import torch
 
 from pegaflow._proto import node_pb2, node_pb2_grpc
-from pegaflow.common.local_wire import MAX_FRAME, METHOD_IDS, METHODS, NO_REPLY, REPLY_HEADER, REQUEST_HEADER
+from pegaflow.common.local_wire import (
+    HELLO,
+    MAX_FRAME,
+    METHOD_IDS,
+    METHODS,
+    NO_REPLY,
+    REPLY_HEADER,
+    REQUEST_HEADER,
+)
 from pegaflow.common.logging import ensure_library_logging
+from pegaflow.common.security import Security, sync_channel
 
 ensure_library_logging()
 log = structlog.get_logger("pegaflow.client")
@@ -94,9 +103,10 @@ class _LocalLink:
     the thread's next call connects again.
     """
 
-    def __init__(self, path: str, timeout: float) -> None:
+    def __init__(self, path: str, timeout: float, token: str = "") -> None:
         self.path = path
         self.timeout = timeout
+        self.token = token
         self._tls = threading.local()
         self._lock = threading.Lock()
         # Every thread's socket, so close() reaches them all; weak, so a finished thread's
@@ -112,6 +122,13 @@ class _LocalLink:
         try:
             s.settimeout(self.timeout)
             s.connect(self.path)
+            if self.token:  # the opening frame (local_wire.HELLO)
+                hello = self.token.encode()
+                s.sendall(REQUEST_HEADER.pack(len(hello), HELLO, 0) + hello)
+                length, status = REPLY_HEADER.unpack(_recv_exactly(s, REPLY_HEADER.size))
+                body = _recv_exactly(s, length)
+                if status != 0:
+                    raise PermissionError(f"local socket refused the token: {body.decode(errors='replace')}")
         except OSError:
             s.close()
             raise
@@ -204,10 +221,13 @@ class PegaClient:
     threads may call at once: the lock covers (re-)registration only, not the calls."""
 
     def __init__(self, addr: str = "127.0.0.1:50055", instance_id: str | None = None, timeout: float = 5.0,
-                 map_pool: bool = True) -> None:
+                 map_pool: bool = True, security: Security | None = None) -> None:
         """``map_pool=False`` for a process that only queries and never copies pages (vLLM's
-        scheduler): it skips mapping and pre-faulting the pool; results then carry no pool."""
+        scheduler): it skips mapping and pre-faulting the pool; results then carry no pool.
+        ``security``: the token and TLS roots to use; default from the environment
+        (``PEGAFLOW_AUTH_TOKEN[_FILE]``, ``PEGAFLOW_TLS_CA``; see ``pegaflow.common.security``)."""
         self.addr = addr
+        self.security = security if security is not None else Security.load()
         self.map_pool = map_pool
         self.instance_id = instance_id or f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.timeout = timeout
@@ -230,7 +250,7 @@ class PegaClient:
         should be used as soon as it listens."""
         if self._channel is not None:
             self._channel.close()
-        self._channel = grpc.insecure_channel(self.addr, options=[
+        self._channel = sync_channel(self.addr, self.security, options=[
             ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE),
             ("grpc.max_send_message_length", GRPC_MAX_MESSAGE),
             ("grpc.enable_retries", 0),
@@ -260,7 +280,7 @@ class PegaClient:
             self._bound.local.close()
         local = None
         if resp.local_socket:
-            local = _LocalLink(resp.local_socket, self.timeout)
+            local = _LocalLink(resp.local_socket, self.timeout, self.security.token)
             try:
                 local.connect()
             except OSError as exc:  # not on the node's host, or no access: gRPC does it all

@@ -10,8 +10,10 @@ so the two transports cannot drift apart; only the framing is new:
     reply   = u32 payload length | u8 status | payload (serialised *Response if status
               is 0 = OK, else the UTF-8 error message); status is the gRPC code number
 
-All integers are little-endian. Frames on one connection are served in order, one at a
-time; a frame with ``NO_REPLY`` gets no reply (its errors are logged by the node). A client
+All integers are little-endian. A connection to a node with a token opens with a HELLO
+frame (method 0, payload = the token, UTF-8) that the node answers OK, or answers
+UNAUTHENTICATED and closes; without a token HELLO is optional. Frames on one connection are
+served in order, one at a time; a frame with ``NO_REPLY`` gets no reply (its errors are logged by the node). A client
 sends its next frame only after reading the previous reply, so it needs no request ids.
 A malformed frame (too long, unknown method, undecodable payload) closes the connection.
 """
@@ -24,6 +26,8 @@ from pegaflow._proto import node_pb2
 
 REQUEST_HEADER = struct.Struct("<IBB")
 REPLY_HEADER = struct.Struct("<IB")
+
+HELLO = 0  # method number of the opening frame carrying the token
 
 NO_REPLY = 0x01  # flags bit: the caller does not read a reply (async Commit / Release)
 

@@ -390,6 +390,30 @@ OPTIONS: list[Option] = [
         _positive_int,
         commands=(META,),
     ),
+    # --- access (pegaflow/common/security.py, docs/security.md) -----------------------
+    Option(
+        "auth-token-file",
+        "",
+        "File (mode 0600) holding the shared token every gRPC call, local-socket connection and "
+        "peer must present; PEGAFLOW_AUTH_TOKEN may hold the token itself. Empty: no token.",
+        commands=(NODE, META),
+        metavar="PATH",
+    ),
+    Option(
+        "tls-cert",
+        "",
+        "PEM certificate chain: serve gRPC over TLS (with --tls-key).",
+        commands=(NODE, META),
+        metavar="PATH",
+    ),
+    Option("tls-key", "", "PEM private key of --tls-cert.", commands=(NODE, META), metavar="PATH"),
+    Option(
+        "tls-ca",
+        "",
+        "PEM roots to verify the metaserver and peers against: call them over TLS "
+        "(PEGAFLOW_TLS_CA for engines' connectors).",
+        metavar="PATH",
+    ),
     # --- policy: admission and the hit-rate ceiling -----------------------------------
     Option(
         "enable-lfu-admission",

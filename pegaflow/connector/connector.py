@@ -42,6 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from pegaflow.common.security import Security
 from pegaflow.connector.hashing import KVIdentity, config_hash
 from pegaflow.connector.intents import PegaConnectorMetadata, PegaWorkerReport
 from pegaflow.connector.link import LOGGER_NAME, NodeLink, node_address, query_only_client_factory
@@ -197,6 +198,7 @@ class PegaKVConnector(KVConnectorBase_V1):
                 raise ValueError("no kv_cache_config given")
             self.identity: KVIdentity | None = kv_identity(vllm_config, kv_cache_config)
             addr = node_address(extra=self._kv_transfer_config.kv_connector_extra_config or {})
+            Security.load()  # a token or TLS file that cannot be used disables the connector, loudly
         except ValueError as exc:
             logger.error("PegaFlow connector disabled: %s", exc)
             self.identity = None

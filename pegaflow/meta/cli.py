@@ -21,6 +21,7 @@ import structlog
 
 from pegaflow.common.logging import configure_logging
 from pegaflow.common.options import META, parse_options
+from pegaflow.common.security import Security, SecurityError
 from pegaflow.meta.redis_conn import Client
 
 
@@ -30,6 +31,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     prog = "pegaflow-meta rebuild" if rebuild else "pegaflow-meta"
     opts = parse_options(META, prog, args[1:] if rebuild else args)
     configure_logging(opts.log_level, opts.log_format)
+    try:
+        security = Security.from_options(opts)
+    except SecurityError as exc:
+        sys.stderr.write(f"{prog}: error: {exc}\n")
+        raise SystemExit(2) from None
     from pegaflow.meta.redis_conn import connect
 
     try:
@@ -44,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         report = do_rebuild(r)
         sys.stdout.write(json.dumps(report.__dict__) + "\n")
         return
-    serve_forever(r, opts)
+    serve_forever(r, opts, security)
 
 
 def unreachable_redis(url: str, exc: BaseException) -> str:
@@ -56,7 +62,7 @@ def unreachable_redis(url: str, exc: BaseException) -> str:
     )
 
 
-def serve_forever(r: Client, opts: argparse.Namespace) -> None:
+def serve_forever(r: Client, opts: argparse.Namespace, security: Security) -> None:
     from prometheus_client import start_http_server
 
     from pegaflow.meta import sweeper
@@ -102,12 +108,16 @@ def serve_forever(r: Client, opts: argparse.Namespace) -> None:
             sys.stderr.write(f"pegaflow-meta: error: {exc}\n")
             raise SystemExit(1) from None
     try:
-        server, port = serve(Lookup(r), opts.addr, opts.query_max_blocks, opts.redis_url, opts.redis_cluster)
+        server, port = serve(Lookup(r), opts.addr, opts.query_max_blocks, opts.redis_url, opts.redis_cluster,
+                             security)
     except (RuntimeError, OSError) as exc:
         sys.stderr.write(f"pegaflow-meta: error: cannot listen on {opts.addr}: {exc}\n")
         raise SystemExit(1) from None
     for t in threads:
         t.start()
+    warn = security.exposure_warning(opts.addr)
+    if warn:
+        log.warning("metaserver_exposed_without_token", addr=opts.addr, detail=warn)
     log.info("metaserver started", addr=opts.addr, port=port, consumer=consumer.name)
     stop.wait()
     server.stop(grace=1.0).wait()

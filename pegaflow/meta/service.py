@@ -19,6 +19,8 @@ import structlog
 
 from pegaflow._proto import meta_pb2, meta_pb2_grpc
 from pegaflow.common.errors import InvalidArgument, PegaError, Unavailable, grpc_code
+from pegaflow.common.grpc_guard import SyncGuard
+from pegaflow.common.security import Security
 from pegaflow.meta import metrics
 from pegaflow.meta.events.schema import HASH_BYTES
 from pegaflow.meta.lookup import Lookup, NodePrefix
@@ -108,13 +110,16 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
 
 
 def serve(
-    lookup: Lookup, addr: str, max_blocks: int, redis_url: str = "", redis_cluster: bool = False
+    lookup: Lookup, addr: str, max_blocks: int, redis_url: str = "", redis_cluster: bool = False,
+    security: Security | None = None,
 ) -> tuple[grpc.Server, int]:
-    """Start the gRPC server; returns it and the bound port (``addr`` may use port 0)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=GRPC_THREADS))
+    """Start the gRPC server; returns it and the bound port (``addr`` may use port 0).
+    ``security``: the token every call must carry and the TLS certificate (none: open, plaintext)."""
+    sec = security or Security()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=GRPC_THREADS), interceptors=[SyncGuard(sec.token)])
     servicer = MetaServicer(lookup, max_blocks, redis_url, redis_cluster)
     meta_pb2_grpc.add_MetaServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port(addr)
+    port = sec.add_port(server, addr)
     if port == 0:
         raise OSError(f"cannot bind {addr}")
     server.start()

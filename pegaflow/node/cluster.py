@@ -24,6 +24,7 @@ import structlog
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
 from pegaflow._proto import meta_pb2, meta_pb2_grpc
+from pegaflow.common.security import Security, aio_channel
 
 log = structlog.get_logger("pegaflow.node.cluster")
 
@@ -52,9 +53,9 @@ def as_seen_from(url: str, metaserver_addr: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
-async def ask(metaserver_addr: str, timeout: float = ASK_TIMEOUT) -> RedisTarget:
+async def ask(metaserver_addr: str, sec: Security, timeout: float = ASK_TIMEOUT) -> RedisTarget:
     """One GetClusterConfig call; raises ``grpc.aio.AioRpcError`` (or ValueError: no Redis)."""
-    async with grpc.aio.insecure_channel(metaserver_addr) as ch:
+    async with aio_channel(metaserver_addr, sec) as ch:
         res = await meta_pb2_grpc.MetaServiceStub(ch).GetClusterConfig(
             meta_pb2.ClusterConfigRequest(), timeout=timeout
         )
@@ -63,7 +64,7 @@ async def ask(metaserver_addr: str, timeout: float = ASK_TIMEOUT) -> RedisTarget
     return RedisTarget(as_seen_from(res.redis_url, metaserver_addr), res.redis_cluster)
 
 
-async def discover(metaserver_addr: str, retry_max: float = RETRY_MAX) -> RedisTarget:
+async def discover(metaserver_addr: str, sec: Security, retry_max: float = RETRY_MAX) -> RedisTarget:
     """The metaserver's Redis, asking until it answers (cancel the task to stop)."""
     failures = 0
     async for attempt in AsyncRetrying(
@@ -73,7 +74,7 @@ async def discover(metaserver_addr: str, retry_max: float = RETRY_MAX) -> RedisT
     ):
         with attempt:
             try:
-                target = await ask(metaserver_addr)
+                target = await ask(metaserver_addr, sec)
             except (grpc.aio.AioRpcError, ValueError) as exc:
                 if failures == 0:
                     detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)

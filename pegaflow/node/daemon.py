@@ -16,7 +16,9 @@ from grpc_reflection.v1alpha import reflection
 
 from pegaflow._proto import node_pb2, node_pb2_grpc
 from pegaflow.common import otel
+from pegaflow.common.grpc_guard import AsyncGuard
 from pegaflow.common.http import MetricsServer
+from pegaflow.common.security import Security, SecurityError
 from pegaflow.node import cluster
 from pegaflow.node.block_index import BlockIndex
 from pegaflow.node.ceiling import NodeCeiling
@@ -62,6 +64,10 @@ class Node:
                 otel.check_available()
             except otel.OtelUnavailable as exc:
                 raise StartupError(str(exc)) from None
+        try:
+            self.security = Security.from_options(opts)
+        except SecurityError as exc:
+            raise StartupError(str(exc)) from None
         self.query_trace: QueryTrace | None = None
         if getattr(opts, "query_trace", ""):
             try:
@@ -103,8 +109,8 @@ class Node:
         self.p2p = None  # remote reads (pegaflow/node/transfer/), when the node joins a cluster
         if p2p.enabled(opts):
             try:
-                self.p2p = p2p.P2P(opts, self.index, self.pool, self.node_id, self.metrics.registry,
-                                   self.metrics.hits.labels("remote").inc)
+                self.p2p = p2p.P2P(opts, self.index, self.pool, self.node_id, self.metrics.registry, self.security,
+                                   on_remote_hits=self.metrics.hits.labels("remote").inc)
             except (OSError, RdmaUnavailable) as exc:
                 self.pool.close()
                 raise StartupError(f"remote reads: {exc}") from None
@@ -128,7 +134,7 @@ class Node:
                 "resident_blocks": self.index.resident_blocks}
 
     async def start(self) -> None:
-        server = grpc.aio.server(options=[
+        server = grpc.aio.server(interceptors=[AsyncGuard(self.security.token)], options=[
             ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE),
             ("grpc.max_send_message_length", GRPC_MAX_MESSAGE),
             ("grpc.so_reuseport", 0),
@@ -142,11 +148,14 @@ class Node:
             names = (*names, self.p2p.add_to_server(server))
         reflection.enable_server_reflection(names, server)
         try:
-            port = server.add_insecure_port(self.opts.addr)
+            port = self.security.add_port(server, self.opts.addr)
         except RuntimeError as exc:
             raise StartupError(f"cannot listen on {self.opts.addr}: {exc}") from None
         if port == 0:
             raise StartupError(f"cannot listen on {self.opts.addr} (address in use?)")
+        warn = self.security.exposure_warning(self.opts.addr)
+        if warn:
+            log.warning("node_exposed_without_token", addr=self.opts.addr, detail=warn)
         self._start_local(port)
         if self.local is not None:
             try:
@@ -195,7 +204,7 @@ class Node:
     async def _join_via_metaserver(self) -> None:
         """Publish to the Redis the metaserver names (pegaflow/node/cluster.py); ``self.opts``
         then holds it, as if it had been given with --redis-url."""
-        target = await cluster.discover(self.opts.metaserver_addr)
+        target = await cluster.discover(self.opts.metaserver_addr, self.security)
         self.opts.redis_url, self.opts.redis_cluster = target.url, target.cluster
         log.info("publishing_to_metaserver_redis", metaserver=self.opts.metaserver_addr,
                  redis_url=cluster.redacted(target.url), redis_cluster=target.cluster)
@@ -207,7 +216,7 @@ class Node:
             path = default_socket_path(self.opts.addr.rpartition(":")[0], grpc_port)
         if path:
             try:
-                self.local = LocalServer(self.service, path)
+                self.local = LocalServer(self.service, path, self.security.token)
             except LocalSocketError as exc:
                 raise StartupError(str(exc)) from None
 

@@ -16,12 +16,15 @@ Contracts:
   The file is removed on clean shutdown, unless another node has replaced it meanwhile.
 - A malformed frame (length over :data:`MAX_FRAME`, unknown method, undecodable payload)
   closes that connection with a log line; nothing else is affected.
+- With a token (``--auth-token-file``), a connection's first frame must be HELLO with the
+  token (constant-time compare); otherwise the node answers UNAUTHENTICATED and closes it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import errno
+import hmac
 import os
 import socket
 import stat
@@ -30,7 +33,7 @@ from collections.abc import Mapping
 import structlog
 from google.protobuf.message import DecodeError
 
-from pegaflow.common.local_wire import MAX_FRAME, NO_REPLY, REPLY_HEADER, REQUEST_HEADER
+from pegaflow.common.local_wire import HELLO, MAX_FRAME, NO_REPLY, REPLY_HEADER, REQUEST_HEADER
 from pegaflow.node.service import LOCAL, NodeService, RpcStatus
 
 log = structlog.get_logger("pegaflow.node")
@@ -38,6 +41,9 @@ log = structlog.get_logger("pegaflow.node")
 SOCKET_MODE = 0o600
 SOCKET_NAME = "pegaflow-node-{host}-{port}.sock"
 MAX_SUN_PATH = 107  # bytes of a Unix socket path (sun_path is 108 with the NUL)
+MAX_HELLO = 4096  # bytes of a token
+UNAUTHENTICATED = 16  # gRPC's code number
+UNAUTHENTICATED_MSG = b"a valid token is required"
 
 
 class LocalSocketError(Exception):
@@ -77,7 +83,8 @@ def _claim(path: str) -> None:
 class LocalServer:
     """Serves ``service.local_methods`` on a Unix socket, on the running loop."""
 
-    def __init__(self, service: NodeService, path: str) -> None:
+    def __init__(self, service: NodeService, path: str, token: str = "") -> None:
+        self.token = token
         if len(os.fsencode(path)) > MAX_SUN_PATH:
             raise LocalSocketError(f"--local-socket {path} is longer than {MAX_SUN_PATH} bytes")
         self.service = service
@@ -127,6 +134,7 @@ class LocalServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._writers.add(writer)
         methods = self.service.local_methods
+        authenticated = not self.token
         try:
             while True:
                 try:
@@ -138,6 +146,25 @@ class LocalServer:
                 length, method, flags = REQUEST_HEADER.unpack(header)
                 if length > MAX_FRAME:
                     log.warning("local_frame_rejected", reason="too long", length=length, max=MAX_FRAME)
+                    return
+                if method == HELLO:
+                    if length > MAX_HELLO:
+                        log.warning("local_frame_rejected", reason="hello too long", length=length)
+                        return
+                    presented = await reader.readexactly(length)
+                    if self.token and not hmac.compare_digest(presented, self.token.encode()):
+                        log.warning("local_connection_refused", reason="wrong token")
+                        writer.write(REPLY_HEADER.pack(len(UNAUTHENTICATED_MSG), UNAUTHENTICATED) + UNAUTHENTICATED_MSG)
+                        await writer.drain()
+                        return
+                    authenticated = True
+                    writer.write(REPLY_HEADER.pack(0, 0))
+                    await writer.drain()
+                    continue
+                if not authenticated:
+                    log.warning("local_connection_refused", reason="no token presented")
+                    writer.write(REPLY_HEADER.pack(len(UNAUTHENTICATED_MSG), UNAUTHENTICATED) + UNAUTHENTICATED_MSG)
+                    await writer.drain()
                     return
                 entry = methods.get(method)
                 if entry is None:

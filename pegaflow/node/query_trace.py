@@ -9,6 +9,7 @@ recording costs the Query path one ``json.dumps`` and no system call.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from typing import IO
@@ -22,8 +23,10 @@ class QueryTraceError(Exception):
 
 class QueryTrace:
     def __init__(self, path: str) -> None:
-        try:
-            self._f: IO[str] = open(path, "a", buffering=1 << 20)  # noqa: SIM115 - lives as long as the node
+        try:  # 0600 like the pool and the SSD files: it names every request's blocks
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            os.fchmod(fd, 0o600)  # an existing file too
+            self._f: IO[str] = os.fdopen(fd, "a", buffering=1 << 20)  # lives as long as the node
         except OSError as exc:
             raise QueryTraceError(f"cannot open --query-trace {path}: {exc.strerror}") from None
         self.path = path

@@ -8,6 +8,7 @@ import grpc
 import pytest
 
 from pegaflow._proto import meta_pb2, meta_pb2_grpc
+from pegaflow.common.security import Security
 from pegaflow.node import cluster
 
 
@@ -51,7 +52,7 @@ def test_discover_keeps_asking_until_the_metaserver_answers():
         meta_pb2_grpc.add_MetaServiceServicer_to_server(servicer, server)
         port = server.add_insecure_port("127.0.0.1:0")
         addr = f"localhost:{port}"
-        task = asyncio.create_task(cluster.discover(addr, retry_max=0.05))
+        task = asyncio.create_task(cluster.discover(addr, Security(), retry_max=0.05))
         await asyncio.sleep(0)  # the first attempts fail: nothing listens yet
         for _ in range(200):
             if task.done():

@@ -17,6 +17,7 @@ import grpc
 import structlog
 
 from pegaflow._proto import peer_pb2, peer_pb2_grpc
+from pegaflow.common.security import Security, sync_channel
 from pegaflow.node.block_index import BlockIndex
 from pegaflow.node.pool import SharedPool
 from pegaflow.node.transfer import Transport
@@ -57,7 +58,8 @@ class P2P:
     """The node's remote-read parts; construct before the gRPC server starts."""
 
     def __init__(self, opts: argparse.Namespace, index: BlockIndex, pool: SharedPool, node_id: str,
-                 metrics_registry: Any, on_remote_hits: Any = None) -> None:
+                 metrics_registry: Any, security: Security, on_remote_hits: Any = None) -> None:
+        self.security = security
         self.metrics = PeerMetrics(metrics_registry)
         adv = advertised(opts)
         warn = routability_warning(adv)
@@ -100,8 +102,8 @@ class P2P:
                 transport = RdmaTransport(self.engine, self._handshake, node_id)
             else:
                 transport = TcpTransport(pool.view)
-            self._peers = GrpcPeers()
-            self._lookup = MetaLookup(opts.metaserver_addr)
+            self._peers = GrpcPeers(security)
+            self._lookup = MetaLookup(opts.metaserver_addr, security)
             self.puller = Puller(index, pool.view, node_id, self._lookup, self._peers, transport, self.metrics,
                                  pin_ttl=opts.pin_ttl, backoff=opts.peer_backoff, max_pull=opts.max_batch,
                                  on_remote_hits=on_remote_hits, checksums=self.checksums)
@@ -113,7 +115,7 @@ class P2P:
         """RdmaConnect from a transport worker thread (a blocking channel per peer)."""
         ch = self._sync_channels.get(peer)
         if ch is None:
-            ch = self._sync_channels[peer] = grpc.insecure_channel(peer)
+            ch = self._sync_channels[peer] = sync_channel(peer, self.security)
         return peer_pb2_grpc.PegaPeerStub(ch).RdmaConnect(req, timeout=HANDSHAKE_TIMEOUT)
 
     def add_to_server(self, server: grpc.aio.Server) -> str:

@@ -16,7 +16,7 @@ Contracts:
 from __future__ import annotations
 
 import asyncio
-import itertools
+import secrets
 import threading
 import time
 from collections.abc import Sequence
@@ -62,10 +62,18 @@ class PinTable:
         self.max_ttl = max_ttl
         self.metrics = metrics
         self.pins: dict[int, Pin] = {}
-        self._ids = itertools.count(1)
+
         self._lock = threading.Lock()
         self.loop: asyncio.AbstractEventLoop | None = None
         metrics.active_pins.set_function(lambda: len(self.pins))
+
+    def _new_id(self) -> int:
+        """A random 63-bit pin id: the data port serves whoever names a live pin, so the id is
+        the capability (only PinForTransfer, behind the token, hands one out)."""
+        while True:
+            i = secrets.randbits(63)
+            if i and i not in self.pins:
+                return i
 
     def pin(self, ns_name: str, hashes: Sequence[bytes], ttl: float, puller: str = "") -> Pin | None:
         """Pin the resident prefix; None when the namespace or block 0 is not here."""
@@ -77,7 +85,7 @@ class PinTable:
             return None
         self.index.pin(blocks)
         ttl = min(ttl if ttl > 0 else self.max_ttl, self.max_ttl)
-        p = Pin(next(self._ids), blocks, [(b.offset, b.size) for b in blocks], time.monotonic() + ttl, puller)
+        p = Pin(self._new_id(), blocks, [(b.offset, b.size) for b in blocks], time.monotonic() + ttl, puller)
         self.pins[p.id] = p
         loop = self.loop or asyncio.get_running_loop()
         p.timer = loop.call_later(ttl, self._expire, p.id)

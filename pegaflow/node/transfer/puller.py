@@ -37,6 +37,7 @@ import grpc
 import structlog
 
 from pegaflow._proto import meta_pb2, meta_pb2_grpc, peer_pb2, peer_pb2_grpc
+from pegaflow.common.security import Security, aio_channel
 from pegaflow.node.block_index import Block, BlockIndex, Namespace
 from pegaflow.node.transfer import TCP, RemotePages, TransferError, Transport
 from pegaflow.node.transfer.checksums import PageChecksums
@@ -109,14 +110,15 @@ class MetaLookup:
     creation, and the node is constructed before its loop starts.
     """
 
-    def __init__(self, addr: str) -> None:
+    def __init__(self, addr: str, security: Security) -> None:
         self.addr = addr
+        self.security = security
         self.channel: grpc.aio.Channel | None = None
         self.stub: meta_pb2_grpc.MetaServiceStub | None = None
 
     async def __call__(self, namespace: str, hashes: Sequence[bytes]) -> list[Holder]:
         if self.stub is None:
-            self.channel = grpc.aio.insecure_channel(self.addr)
+            self.channel = aio_channel(self.addr, self.security)
             self.stub = meta_pb2_grpc.MetaServiceStub(self.channel)
         res = await self.stub.QueryPrefix(meta_pb2.QueryPrefixRequest(namespace=namespace, hashes=hashes),
                                           timeout=META_TIMEOUT)
@@ -130,14 +132,15 @@ class MetaLookup:
 class GrpcPeers:
     """PegaPeer stubs, one grpc.aio channel per peer address."""
 
-    def __init__(self, max_message: int = 64 << 20) -> None:
+    def __init__(self, security: Security, max_message: int = 64 << 20) -> None:
+        self.security = security
         self._stubs: dict[str, tuple[grpc.aio.Channel, peer_pb2_grpc.PegaPeerStub]] = {}
         self._opts = [("grpc.max_receive_message_length", max_message), ("grpc.max_send_message_length", max_message)]
 
     def stub(self, address: str) -> peer_pb2_grpc.PegaPeerStub:
         e = self._stubs.get(address)
         if e is None:
-            ch = grpc.aio.insecure_channel(address, options=self._opts)
+            ch = aio_channel(address, self.security, self._opts)
             e = self._stubs[address] = (ch, peer_pb2_grpc.PegaPeerStub(ch))
         return e[1]
 

@@ -1,0 +1,234 @@
+"""The gate in front of every PegaFlow gRPC service: the shared token, and undecodable requests.
+
+One server interceptor (``grpc.aio`` for the node, plain ``grpc`` for the metaserver) does,
+for every call, before any servicer code runs:
+
+1. **Token.** When the process has a token (``--auth-token-file`` / ``PEGAFLOW_AUTH_TOKEN``),
+   a call must carry ``authorization: Bearer <token>`` metadata; anything else answers
+   UNAUTHENTICATED. The comparison is constant-time (``hmac.compare_digest``). Health
+   checks stay open (``OPEN_SERVICES``) so that probes need no secret.
+2. **Decoding.** grpc deserializes a request outside the servicer, and a request whose
+   bytes are not the message answered UNKNOWN with a multi-line traceback in the log per
+   call. Here the deserializer is wrapped: undecodable bytes answer INVALID_ARGUMENT, and
+   one structured log line per method and minute says how many were refused.
+
+Clients send the token with every call through the channels of ``pegaflow.common.security``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import inspect
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import structlog
+
+log = structlog.get_logger("pegaflow.grpc")
+
+AUTH_HEADER = "authorization"
+ENV_TOKEN = "PEGAFLOW_AUTH_TOKEN"
+ENV_TOKEN_FILE = "PEGAFLOW_AUTH_TOKEN_FILE"
+# Answer without a token: liveness probes (the standard health service and the node's own
+# Health, which tells only its id and epoch).
+OPEN_SERVICES = ("/grpc.health.v1.Health/", "/pegaflow.v1.PegaNode/Health")
+LOG_EVERY_S = 60.0  # refused requests are logged once per method and this many seconds
+
+
+class TokenError(Exception):
+    """The token file cannot be used (one line for the operator)."""
+
+
+def read_token(path: str = "", env: dict[str, str] | None = None) -> str:
+    """The shared token: from ``path`` (or ``PEGAFLOW_AUTH_TOKEN_FILE``), else ``PEGAFLOW_AUTH_TOKEN``;
+    '' when none is set. A file must not be readable by others (like an SSH key)."""
+    env = dict(os.environ) if env is None else env
+    path = path or env.get(ENV_TOKEN_FILE, "")
+    if path:
+        p = Path(path)
+        try:
+            mode = p.stat().st_mode
+            text = p.read_text().strip()
+        except OSError as exc:
+            raise TokenError(f"cannot read the token file {path}: {exc.strerror or exc}") from None
+        if mode & 0o077:
+            raise TokenError(f"the token file {path} is readable by others (chmod 600 {path})")
+        if not text:
+            raise TokenError(f"the token file {path} is empty")
+        return text
+    return env.get(ENV_TOKEN, "").strip()
+
+
+def token_matches(token: str, presented: str | bytes | None) -> bool:
+    if presented is None:
+        return False
+    want = ("Bearer " + token).encode()
+    got = presented.encode() if isinstance(presented, str) else presented
+    return hmac.compare_digest(want, got)
+
+
+class _Undecodable:
+    __slots__ = ("error",)
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+class _Refusals:
+    """Counts refused requests per (method, reason); logs one line per method and minute."""
+
+    def __init__(self) -> None:
+        self._last: dict[tuple[str, str], float] = {}
+        self._count: dict[tuple[str, str], int] = {}
+
+    def note(self, method: str, reason: str, detail: str) -> None:
+        key = (method, reason)
+        self._count[key] = self._count.get(key, 0) + 1
+        now = time.monotonic()
+        if now - self._last.get(key, -LOG_EVERY_S) >= LOG_EVERY_S:
+            self._last[key] = now
+            log.warning("grpc_request_refused", method=method, reason=reason, detail=detail,
+                        refused_since_last_line=self._count.pop(key))
+
+
+def _safe(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserialize is None:
+        return None
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except Exception as exc:  # noqa: BLE001 - any failure to parse is the caller's bad bytes
+            return _Undecodable(f"undecodable request ({type(exc).__name__}: {exc})")
+
+    return parse
+
+
+def _metadata_value(details: Any, key: str) -> str | None:
+    for k, v in details.invocation_metadata or ():
+        if k == key:
+            return v
+    return None
+
+
+class _Gate:
+    def __init__(self, token: str) -> None:
+        self.token = token
+        self.refusals = _Refusals()
+
+    def allowed(self, details: Any) -> bool:
+        if not self.token or details.method.startswith(OPEN_SERVICES):
+            return True
+        return token_matches(self.token, _metadata_value(details, AUTH_HEADER))
+
+
+class AsyncGuard(grpc.aio.ServerInterceptor):
+    """For ``grpc.aio.server(interceptors=[AsyncGuard(token)])`` (the node)."""
+
+    def __init__(self, token: str = "") -> None:
+        self.gate = _Gate(token)
+
+    async def intercept_service(self, continuation: Callable[..., Any], details: Any) -> Any:
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        method = details.method
+        gate = self.gate
+        if not gate.allowed(details):
+            gate.refusals.note(method, "unauthenticated", "missing or wrong token")
+            return _rejecting(handler, grpc.StatusCode.UNAUTHENTICATED, "a valid token is required", aio=True)
+        return _decoding(handler, method, gate.refusals, aio=True)
+
+
+class SyncGuard(grpc.ServerInterceptor):
+    """For ``grpc.server(executor, interceptors=[SyncGuard(token)])`` (the metaserver)."""
+
+    def __init__(self, token: str = "") -> None:
+        self.gate = _Gate(token)
+
+    def intercept_service(self, continuation: Callable[..., Any], details: Any) -> Any:
+        handler = continuation(details)
+        if handler is None:
+            return None
+        if not self.gate.allowed(details):
+            self.gate.refusals.note(details.method, "unauthenticated", "missing or wrong token")
+            return _rejecting(handler, grpc.StatusCode.UNAUTHENTICATED, "a valid token is required", aio=False)
+        return _decoding(handler, details.method, self.gate.refusals, aio=False)
+
+
+def _kind(handler: Any) -> str:
+    if handler.unary_unary:
+        return "unary_unary"
+    if handler.unary_stream:
+        return "unary_stream"
+    if handler.stream_unary:
+        return "stream_unary"
+    return "stream_stream"
+
+
+def _rejecting(handler: Any, code: grpc.StatusCode, message: str, aio: bool) -> Any:
+    """A handler of the same shape that answers ``code`` without touching the request."""
+    kind = _kind(handler)
+    if aio:
+        async def unary(request: Any, context: Any) -> Any:
+            await context.abort(code, message)
+
+        async def stream(request: Any, context: Any) -> Any:
+            await context.abort(code, message)
+            yield  # pragma: no cover - abort raises
+    else:
+        def unary(request: Any, context: Any) -> Any:  # type: ignore[misc]
+            context.abort(code, message)
+
+        def stream(request: Any, context: Any) -> Any:  # type: ignore[misc]
+            context.abort(code, message)
+            yield  # pragma: no cover - abort raises
+    behavior = stream if kind.endswith("_stream") else unary
+    return handler._replace(**{kind: behavior, "request_deserializer": _safe(handler.request_deserializer)})
+
+
+def _decoding(handler: Any, method: str, refusals: _Refusals, aio: bool) -> Any:
+    """``handler`` with a deserializer that cannot raise, answering INVALID_ARGUMENT instead."""
+    kind = _kind(handler)
+    if kind.startswith("stream_"):  # no PegaFlow RPC streams requests; leave such handlers alone
+        return handler
+    inner = getattr(handler, kind)
+    bad = grpc.StatusCode.INVALID_ARGUMENT
+    if aio:
+        if kind == "unary_unary":
+            async def behavior(request: Any, context: Any) -> Any:
+                if isinstance(request, _Undecodable):
+                    refusals.note(method, "undecodable", request.error)
+                    await context.abort(bad, request.error)
+                res = inner(request, context)
+                return await res if inspect.isawaitable(res) else res
+        else:
+            async def behavior(request: Any, context: Any) -> Any:  # type: ignore[misc]
+                if isinstance(request, _Undecodable):
+                    refusals.note(method, "undecodable", request.error)
+                    await context.abort(bad, request.error)
+                items = inner(request, context)
+                if hasattr(items, "__aiter__"):
+                    async for item in items:
+                        yield item
+                else:
+                    for item in items:
+                        yield item
+    else:
+        if kind == "unary_unary":
+            def behavior(request: Any, context: Any) -> Any:  # type: ignore[misc]
+                if isinstance(request, _Undecodable):
+                    refusals.note(method, "undecodable", request.error)
+                    context.abort(bad, request.error)
+                return inner(request, context)
+        else:
+            def behavior(request: Any, context: Any) -> Any:  # type: ignore[misc]
+                if isinstance(request, _Undecodable):
+                    refusals.note(method, "undecodable", request.error)
+                    context.abort(bad, request.error)
+                yield from inner(request, context)
+    return handler._replace(**{kind: behavior, "request_deserializer": _safe(handler.request_deserializer)})
