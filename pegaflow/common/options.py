@@ -224,6 +224,15 @@ OPTIONS: list[Option] = [
         _positive_int,
     ),
     Option(
+        "max-namespaces",
+        4096,
+        "Most namespaces (model x layout x TP shard) the node keeps; a Register that would create "
+        "more answers RESOURCE_EXHAUSTED. Other bounds: names and req_id at most 512 bytes, a "
+        "Query's namespaces only the session's own, once each; a session that opens no Session "
+        "stream within 30 s is ended.",
+        _positive_int,
+    ),
+    Option(
         "local-socket",
         "auto",
         "Unix socket (mode 0600) of the local fast path for Query/Reserve/Commit/Release, announced "

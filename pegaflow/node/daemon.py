@@ -81,7 +81,8 @@ class Node:
             admission = TinyLFU(max(1, self.pool.size // ADMISSION_PAGE_GUESS))
         self.index = BlockIndex(self.pool.size, align=opts.page_align, admission=admission)
         self.ceiling = NodeCeiling(getattr(opts, "ceiling_windows", DEFAULT_WINDOWS), self.metrics)
-        self.sessions = Sessions(self.index, opts.reservation_ttl, opts.lease_ttl)
+        self.sessions = Sessions(self.index, opts.reservation_ttl, opts.lease_ttl,
+                                 max_namespaces=opts.max_namespaces)
         self.service = NodeService(
             self.index, self.sessions, self.metrics, self.pool.path, self.pool.size,
             self.node_id, self.epoch, opts.max_batch,

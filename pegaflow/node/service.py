@@ -211,6 +211,11 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         s = self.sessions.get(request.session_id)
         if not request.namespaces:
             raise InvalidArgument("query needs at least one namespace")
+        if len(request.namespaces) > len(s.namespaces) or len(set(request.namespaces)) < len(request.namespaces):
+            raise InvalidArgument(f"query names {len(request.namespaces)} namespaces: each at most once, and only "
+                                  f"the {len(s.namespaces)} this session registered")
+        if len(request.req_id) > MAX_NAME:  # kept per request (counted once): bounded
+            raise InvalidArgument(f"req_id longer than {MAX_NAME} characters")
         hashes = list(request.hashes)
         check_hashes(hashes, self.max_batch)
         nss = [self.sessions.namespace(s, n) for n in request.namespaces]

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from pegaflow.common.errors import FailedPrecondition, InvalidArgument
+from pegaflow.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from pegaflow.node.block_index import PENDING, Block, BlockIndex, Namespace
 
 SESSION_OPEN_TIMEOUT = 30.0  # seconds from Register to the Session stream (PegaClient opens it at once)
@@ -88,8 +88,10 @@ class Sessions:
         lease_ttl: float = 300.0,
         clock: Callable[[], float] = time.monotonic,
         session_open_timeout: float = SESSION_OPEN_TIMEOUT,
+        max_namespaces: int = 4096,
     ) -> None:
         self.index = index
+        self.max_namespaces = max_namespaces
         self.reservation_ttl = reservation_ttl
         self.lease_ttl = lease_ttl
         self.session_open_timeout = session_open_timeout
@@ -109,12 +111,18 @@ class Sessions:
 
     # ---- sessions ---------------------------------------------------------------------
     def open(self, instance_id: str, namespaces: Sequence[tuple[str, int]]) -> Session:
+        new = set()
         for name, page_bytes in namespaces:  # all checked before any is created
             ns = self.index.get_namespace(name)
             if ns is not None and ns.page_bytes != page_bytes:
                 raise InvalidArgument(
                     f"namespace {name!r} has page_bytes={ns.page_bytes}, registration asked for {page_bytes}"
                 )
+            if ns is None:
+                new.add(name)
+        if new and len(self.index.namespaces()) + len(new) > self.max_namespaces:
+            raise ResourceExhausted(f"this node holds {len(self.index.namespaces())} namespaces; "
+                                    f"{len(new)} more would pass --max-namespaces {self.max_namespaces}")
         nss = {name: self.index.namespace(name, page_bytes) for name, page_bytes in namespaces}
         s = Session(self._new_id(self.sessions), instance_id, nss, created=self.clock())
         self.sessions[s.id] = s

@@ -99,8 +99,6 @@ def main(argv: Sequence[str] | None = None, prog: str = "pegaflow replay") -> in
     except TraceError as exc:
         where = f"{opts.trace}:{exc.line}" if exc.line else opts.trace
         return fail(f"{where}: {exc.message}")
-    except UnicodeDecodeError as exc:
-        return fail(f"{opts.trace}: not a UTF-8 text file ({exc.reason})")
     except OSError as exc:
         return fail(f"cannot read trace {opts.trace}: {exc.strerror or exc}", 1)
     finally:

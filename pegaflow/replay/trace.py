@@ -25,8 +25,8 @@ Contracts:
 from __future__ import annotations
 
 import gzip
-import io
 import json
+import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import filterfalse
@@ -45,6 +45,9 @@ _ID_LIMIT = 1 << (8 * HASH_BYTES)
 _TO_HASH = methodcaller("to_bytes", HASH_BYTES, "little")
 # Mooncake's published traces hash every 512 prompt tokens into one id.
 MOONCAKE_BLOCK_TOKENS = 512
+# Latest request time accepted, in seconds (epoch seconds of the year 33658; Mooncake's
+# relative milliseconds up to 1e15): past it a time is garbage, not a trace.
+MAX_SECONDS = 1e12
 
 
 class TraceError(ValueError):
@@ -128,12 +131,10 @@ def encode_query(
     return json.dumps(d, separators=(",", ":"))
 
 
-def open_trace(path: str | Path) -> IO[str]:
-    """Open a trace file for reading text; ``.gz`` files are decompressed."""
+def open_trace(path: str | Path) -> IO[bytes]:
+    """Open a trace file for reading bytes; ``.gz`` files are decompressed."""
     p = Path(path)
-    if p.suffix == ".gz":
-        return io.TextIOWrapper(gzip.open(p, "rb"), encoding="utf-8")
-    return open(p, encoding="utf-8")
+    return gzip.open(p, "rb") if p.suffix == ".gz" else open(p, "rb")
 
 
 def detect_format(obj: Any) -> str | None:
@@ -146,15 +147,17 @@ def detect_format(obj: Any) -> str | None:
     return None
 
 
-def _number(d: dict[str, Any], key: str, line: int, *, required: bool = True) -> float | None:
+def _time(d: dict[str, Any], key: str, line: int, scale: float = 1.0) -> float:
+    """A request time in seconds (``scale``: seconds per unit): finite, in [0, MAX_SECONDS]."""
     v = d.get(key)
     if v is None:
-        if required:
-            raise TraceError(line, f"missing field {key!r}")
-        return None
+        raise TraceError(line, f"missing field {key!r}")
     if type(v) not in (int, float):
         raise TraceError(line, f"field {key!r} must be a number, got {type(v).__name__}")
-    return v
+    t = v * scale
+    if not 0.0 <= t <= MAX_SECONDS:  # also false for NaN; JSON's 1e309 is inf
+        raise TraceError(line, f"field {key!r} = {v!r} is not a time in [0, {MAX_SECONDS / scale:g}]")
+    return float(t)
 
 
 def _count(
@@ -192,7 +195,7 @@ class _Reader:
         self.namespaces: dict[str, int | None] = {}
 
     def mooncake(self, d: dict[str, Any], line: int) -> Request:
-        ts = _number(d, "timestamp", line)
+        ts = _time(d, "timestamp", line, scale=1e-3)
         n_in = _count(d, "input_length", line)
         _count(d, "output_length", line, required=False)
         raw = d.get("hash_ids")
@@ -213,7 +216,7 @@ class _Reader:
         ids = list(map(table.__getitem__, raw))
         self.namespaces.setdefault(MOONCAKE_NAMESPACE, None)
         return Request(
-            time=ts / 1000.0,  # type: ignore[operator]
+            time=ts,
             namespace=MOONCAKE_NAMESPACE,
             hashes=list(map(self.hashes.__getitem__, ids)),
             ids=ids,
@@ -224,7 +227,7 @@ class _Reader:
         )
 
     def pegaflow(self, d: dict[str, Any], line: int) -> Request:
-        t = _number(d, "time", line)
+        t = _time(d, "time", line)
         ns = d.get("namespace")
         if not isinstance(ns, str) or not ns:
             raise TraceError(line, "field 'namespace' must be a non-empty string")
@@ -264,7 +267,7 @@ class _Reader:
             hashes.append(self.hashes[i])
             ids.append(i)
         return Request(
-            time=float(t),  # type: ignore[arg-type]
+            time=t,
             namespace=ns,
             hashes=hashes,
             ids=ids,
@@ -297,14 +300,16 @@ def read_trace(
     first_bad = ""
     parse = None if fmt == "auto" else getattr(reader, fmt)
     loads = json.loads
-    for lineno, text in enumerate(lines, 1):
+    for lineno, text in _numbered(lines):
         if not text.strip():
             continue
         try:
             try:
                 d = loads(text)
-            except ValueError as exc:
+            except json.JSONDecodeError as exc:
                 raise TraceError(lineno, f"not valid JSON ({exc.msg} at column {exc.pos + 1})") from None
+            except (ValueError, RecursionError) as exc:  # e.g. nesting too deep, integers too long
+                raise TraceError(lineno, f"not a usable JSON line ({type(exc).__name__}: {exc})") from None
             if not isinstance(d, dict):
                 raise TraceError(lineno, f"expected a JSON object, got {type(d).__name__}")
             if parse is None:
@@ -333,6 +338,28 @@ def read_trace(
     )
 
 
+def _numbered(lines: Iterable[str]) -> Iterator[tuple[int, str]]:
+    """``enumerate(lines, 1)``; a file that cannot be read past some line (a truncated or
+    corrupt ``.gz``, bytes that are not UTF-8) raises :class:`TraceError` naming that line."""
+    it = iter(lines)
+    lineno = 0
+    while True:
+        try:
+            text = next(it)
+        except StopIteration:
+            return
+        except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
+            raise TraceError(lineno + 1, f"cannot decompress the trace here ({exc or type(exc).__name__}): "
+                                         "the file is truncated or corrupt") from None
+        except UnicodeDecodeError as exc:
+            raise TraceError(lineno + 1, f"not UTF-8 text ({exc.reason})") from None
+        lineno += 1
+        yield lineno, text
+
+
 def iter_lines(path: str | Path) -> Iterator[str]:
+    """The file's lines as text. Each line is decoded on its own, so bytes that are not UTF-8
+    fail at their own line (``read_trace`` names it)."""
     with open_trace(path) as f:
-        yield from f
+        for raw in f:
+            yield raw.decode("utf-8")

@@ -110,19 +110,22 @@ def ceiling_report(
             hll[(w, cur)] = _read(est, w, cur, buckets)  # type: ignore[arg-type]
 
     for w, idx in per_window.items():
-        acc_win = np.repeat(idx, lengths)
-        n_per = np.bincount(idx, weights=lengths).astype(np.int64)
-        h_per = np.bincount(idx, weights=hits, minlength=len(n_per)).astype(np.int64)
+        # Only windows that hold requests are counted (dense numbering): a trace spanning
+        # years of mostly empty windows costs what its requests cost, not one slot per window.
+        present, dense = np.unique(idx, return_inverse=True)
+        acc_win = np.repeat(dense, lengths)
+        n_per = np.bincount(dense, weights=lengths, minlength=len(present)).astype(np.int64)
+        h_per = np.bincount(dense, weights=hits, minlength=len(present)).astype(np.int64)
         pairs = np.unique(acc_win * np.int64(unique) + ids)
-        u_per = np.bincount(pairs // np.int64(unique), minlength=len(n_per))
+        u_per = np.bincount(pairs // np.int64(unique), minlength=len(present))
         label = format_duration(w)
-        for j in range(len(n_per)):
-            n = int(n_per[j])
+        for d, j in enumerate(present.tolist()):
+            n = int(n_per[d])
             if n == 0:
                 continue
-            u = int(u_per[j])
+            u = int(u_per[d])
             rows.append(
-                WindowRow(label, j, j * w, n, u, (n - u) / n, hll.get((w, j), math.nan), int(h_per[j]) / n)
+                WindowRow(label, j, j * w, n, u, (n - u) / n, hll.get((w, j), math.nan), int(h_per[d]) / n)
             )
     return CeilingReport(
         blocks=n_blocks,

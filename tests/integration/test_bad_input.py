@@ -91,3 +91,33 @@ def test_metaserver_answers_undecodable_requests_with_invalid_argument(tmp_path,
     finally:
         meta.terminate()
         meta.wait(15)
+
+
+def test_requests_past_the_nodes_bounds_are_refused_and_change_nothing(node_factory):  # type: ignore[no-untyped-def]
+    from pegaflow._proto import node_pb2_grpc
+
+    node = node_factory(extra=["--max-namespaces", "4"])
+    with grpc.insecure_channel(node.addr) as ch:
+        stub = node_pb2_grpc.PegaNodeStub(ch)
+
+        def register(*names: str) -> node_pb2.RegisterResponse:
+            return stub.Register(node_pb2.RegisterRequest(
+                instance_id="b", namespaces=[node_pb2.NamespaceSpec(name=n, page_bytes=4096) for n in names]),
+                timeout=5)
+
+        sid = register("a", "b").session_id
+        for q, why in (
+            (node_pb2.QueryRequest(session_id=sid, namespaces=["a"] * 1000, hashes=[b"\0" * 16]), "namespaces"),
+            (node_pb2.QueryRequest(session_id=sid, namespaces=["a", "a"], hashes=[b"\0" * 16]), "namespaces"),
+            (node_pb2.QueryRequest(session_id=sid, namespaces=["a"], hashes=[b"\0" * 16], req_id="r" * (1 << 20)),
+             "req_id"),
+        ):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Query(q, timeout=10)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and why in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            register("c", "d", "e")  # 2 + 3 > 4: refused whole
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-namespaces" in err.value.details()
+        stats = stub.Stats(node_pb2.StatsRequest(), timeout=5)
+        assert set(stats.blocks_by_namespace) <= {"a", "b"}
+        register("c", "d")  # exactly at the bound
