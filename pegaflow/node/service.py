@@ -247,6 +247,8 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         if request.lease and hit:
             blocks: list[Block] = [b for p in per_ns for b in p[:hit]]
             lease_id = self.sessions.lease(s, blocks).id
+            if self.ssd is not None:
+                self.ssd.leased(blocks)
             self.metrics.load_bytes.inc(sum(b.size for b in blocks))
         self.hit_blocks += hit
         self.miss_blocks += len(hashes) - hit

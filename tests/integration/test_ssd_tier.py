@@ -201,6 +201,53 @@ def test_flipped_bytes_on_disk_are_detected_and_never_served(node_factory, tmp_p
         assert hit == 5, "a corrupted block stays a miss"
 
 
+def test_requests_promoted_one_after_another_on_a_small_pool_all_hit(node_factory, tmp_path):
+    # Promoted pages were held (pinned) for HOLD_SECONDS even after the engine leased them:
+    # on a 16-page pool, the 17th request within 2 s found no room and missed blocks that
+    # were on SSD. The hold now ends when a Query leases the batch.
+    node = node_factory(POOL, ssd_args(tmp_path))
+    hs = hashes("seq", 48)
+    with PegaClient(node.addr) as c:
+        c.register({NS: PAGE})
+        save(c, hs, node=node)
+        wait_for(lambda: node.metric("pegaflow_node_ssd_blocks") >= 48, what="blocks on SSD")
+    node.stop()
+    node.start()  # L1 empty: every block comes from SSD
+    with PegaClient(node.addr) as c:
+        c.register({NS: PAGE})
+        missed = [i for i, h in enumerate(hs) if load(c, [h])[0] != 1]
+    assert not missed, f"blocks on SSD that missed: {missed}"
+
+
+def test_a_damaged_record_header_loses_only_its_own_block_after_a_restart(node_factory, tmp_path):
+    # The scan used to stop at the first bad header of a segment: every later record of it
+    # was lost at the restart. It now resynchronises at the next header of the segment.
+    node = node_factory(POOL, ssd_args(tmp_path))
+    hs = hashes("hdr", 48)
+    with PegaClient(node.addr) as c:
+        c.register({NS: PAGE})
+        save(c, hs, node=node)
+        wait_for(lambda: node.metric("pegaflow_node_ssd_blocks") >= 48, what="blocks on SSD")
+    node.stop()
+    path = tmp_path / "pegaflow-ssd.cache"
+    recs = {h.hash: off for off, h in records(path)}
+    assert set(hs) <= set(recs)
+    victim = hs[5]
+    same_segment_after = [h for h in hs if h != victim and recs[victim] < recs[h] < recs[victim] + (1 << 20)]
+    assert same_segment_after, "the test needs records after the damaged one in its segment"
+    with open(path, "r+b") as f:
+        f.seek(recs[victim])  # the header's magic: it is no header any more
+        f.write(b"\xff" * 8)
+    node.start()
+    with PegaClient(node.addr) as c:
+        c.register({NS: PAGE})
+        served = {h for h in hs if load(c, [h])[0] == 1}  # load() checks every served byte
+    assert victim not in served
+    missing = [hs.index(h) for h in hs if h not in served and h != victim]
+    assert not missing, f"intact blocks lost after the restart: {missing}"
+    assert "ssd_scan_resynced" in node.log()
+
+
 def test_two_paths_stripe_pages_across_both_files(node_factory, tmp_path):
     a, b = tmp_path / "disk0", tmp_path / "disk1"
     a.mkdir()

@@ -14,14 +14,19 @@ Contracts:
   matches; otherwise the page is discarded, the SSD entry dropped and the failure
   counted. Corrupt bytes are a miss, never served.
 - While a promotion runs, what L1 holds of the query's blocks is pinned, and every
-  block of the batch stays pinned for ``HOLD_SECONDS`` after it completed, so the next
-  Query finds (and leases) them. Without this, a request larger than the free L1 would
-  evict its own prefix to make room for its continuation, forever; with it, the later
-  Query answers READY with as much of the prefix as L1 can hold.
+  block of the batch stays pinned after it completed until a Query leases all of them
+  (:meth:`Promoter.leased`: the lease pins them from then on) or ``HOLD_SECONDS`` pass,
+  so the next Query finds (and leases) them. Without the hold, a request larger than the
+  free L1 would evict its own prefix to make room for its continuation, forever; with it,
+  the later Query answers READY with as much of the prefix as L1 can hold. Ending the
+  hold at the lease matters on a small pool: held pages cannot be evicted, and requests
+  promoted one after the other within ``HOLD_SECONDS`` found no room (misses of blocks
+  that were on SSD).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -45,6 +50,7 @@ class _Batch:
     t0: float
     remaining: int = 0
     pinned: list[Block] = field(default_factory=list)
+    timer: asyncio.TimerHandle | None = None  # ends the hold (set when the batch completed)
 
 
 @dataclass(slots=True, eq=False)
@@ -78,6 +84,7 @@ class Promoter:
         self.tier = tier
         self.inflight: dict[tuple[int, bytes], Block] = {}
         self._hdrs: list[bytearray] = []  # free 4 KiB header buffers (aligned)
+        self._holding: dict[int, list[_Batch]] = {}  # id(block) -> completed batches that hold it
 
     def query(self, nss: Sequence[Namespace], hashes: Sequence[bytes], hit: int) -> bool:
         """Start promoting the SSD continuation of an L1 prefix of length ``hit``."""
@@ -200,8 +207,32 @@ class Promoter:
         if batch.remaining == 0:
             m.promote_latency.observe(time.perf_counter() - batch.t0)
             assert t.loop is not None
-            t.loop.call_later(HOLD_SECONDS, self._unpin, batch)
+            batch.timer = t.loop.call_later(HOLD_SECONDS, self._unpin, batch)
+            for b in batch.pinned:
+                self._holding.setdefault(id(b), []).append(batch)
+
+    def leased(self, blocks: Sequence[Block]) -> None:
+        """A Query leased ``blocks``: end the holds of completed batches it covers entirely."""
+        if not self._holding:
+            return
+        ids = {id(b) for b in blocks}
+        done = {id(x): x for i in ids for x in self._holding.get(i, ())}
+        for batch in done.values():
+            if all(id(b) in ids for b in batch.pinned):
+                self._unpin(batch)
 
     def _unpin(self, batch: _Batch) -> None:
+        if batch.timer is not None:
+            batch.timer.cancel()
+            batch.timer = None
+        for b in batch.pinned:
+            held = self._holding.get(id(b))
+            if held is not None:
+                try:
+                    held.remove(batch)
+                except ValueError:
+                    pass
+                if not held:
+                    del self._holding[id(b)]
         self.tier.index.unpin(batch.pinned)
         batch.pinned = []

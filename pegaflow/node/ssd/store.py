@@ -513,6 +513,14 @@ def _walk(f: CacheFile, seg: Segment) -> list[tuple[int, Header]]:
 
     Small records are scanned through ``SCAN_WINDOW`` reads (many headers per I/O);
     large ones with one 4 KiB read per header, so start-up never reads the payloads.
+
+    A header that is not valid where the previous record ends (a damaged sector, a torn
+    write) does not end the segment: the walk resynchronises at the next 4 KiB block that
+    holds a valid header (records are 4 KiB aligned). One of the segment's generation
+    resumes the chain, so a damaged record loses only itself; one of an older generation
+    (the stale tail of the segment's previous use) or the segment's end ends the walk.
+    Cost: at most the rest of the segment, read in ``SCAN_WINDOW`` chunks, and only where
+    the chain broke (a full segment's tail is shorter than one record).
     """
     out: list[tuple[int, Header]] = []
     buf = aligned_buffer(SCAN_WINDOW)
@@ -521,9 +529,11 @@ def _walk(f: CacheFile, seg: Segment) -> list[tuple[int, Header]]:
     win_start, win_len = 0, 0
     gen = None
     last_size = 0
+    resyncing = False
     while pos + BLOCK <= f.segment_bytes:
         if not (win_start <= pos and pos + BLOCK <= win_start + win_len):
-            want = BLOCK if last_size > SCAN_WINDOW // 4 else min(SCAN_WINDOW, f.segment_bytes - pos)
+            big = last_size > SCAN_WINDOW // 4 and not resyncing
+            want = BLOCK if big else min(SCAN_WINDOW, f.segment_bytes - pos)
             try:
                 n = os.preadv(f.fd, [mv[:want]], seg.start + pos)
             except OSError:
@@ -532,11 +542,23 @@ def _walk(f: CacheFile, seg: Segment) -> list[tuple[int, Header]]:
             if n < BLOCK:
                 break
         h = unpack_header(mv[pos - win_start:pos - win_start + BLOCK])
-        if h is None or (gen is not None and h.gen != gen):
+        if h is None:
+            if gen is None:
+                break  # nothing valid at the segment's start: empty or never written
+            if not resyncing:
+                resyncing = True
+                damaged_at = pos
+            pos += BLOCK
+            continue
+        if gen is not None and h.gen != gen:
             break
         size = record_bytes(h.payload_len)
         if pos + size > f.segment_bytes:
             break
+        if resyncing:
+            resyncing = False
+            log.warning("ssd_scan_resynced", file=f.path, segment=seg.index, damaged_offset=seg.start + damaged_at,
+                        skipped_bytes=pos - damaged_at)
         gen = h.gen
         out.append((seg.start + pos, h))
         pos += size

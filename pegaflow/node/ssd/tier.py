@@ -20,7 +20,7 @@ from typing import Any
 
 import structlog
 
-from pegaflow.node.block_index import BlockIndex, Namespace
+from pegaflow.node.block_index import Block, BlockIndex, Namespace
 from pegaflow.node.metrics import NodeMetrics
 from pegaflow.node.ssd.metrics import SsdMetrics
 from pegaflow.node.ssd.promote import Promoter
@@ -118,6 +118,10 @@ class SsdTier:
         if self.loop is None or self.writer.closing:
             return False
         return self.promoter.query(nss, hashes, hit)
+
+    def leased(self, blocks: Sequence[Block]) -> None:
+        """A Query leased ``blocks``: promotion holds on them may end (``Promoter.leased``)."""
+        self.promoter.leased(blocks)
 
     def metrics_node_hits(self, n: int) -> None:
         self.node_metrics.hits.labels("ssd").inc(n)
