@@ -5,7 +5,7 @@ PYTHON ?= python3
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: node test install install-test lint lock
+.PHONY: node test install install-test lint lock chaos
 
 install:
 	PYTHON=$(PYTHON) scripts/install.sh run
@@ -26,3 +26,11 @@ lint:
 # Re-resolve requirements/*.txt from pyproject.toml (ARGS=--upgrade: newest allowed versions).
 lock:
 	PYTHON=$(PYTHON) scripts/lock.sh $(ARGS)
+
+# The chaos suite at full intensity (tests/chaos/; the fast subset runs in `make test`).
+# Figures go to chaos-report.jsonl; `python -m tests.chaos.report chaos-report.jsonl` renders
+# the table of docs/reliability.md.
+chaos:
+	rm -f chaos-report.jsonl
+	PEGAFLOW_CHAOS=full PEGAFLOW_CHAOS_REPORT=$(CURDIR)/chaos-report.jsonl $(PYTHON) -m pytest -s -ra tests/chaos
+	$(PYTHON) -m tests.chaos.report chaos-report.jsonl

@@ -20,13 +20,14 @@ from __future__ import annotations
 import hmac
 import inspect
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import grpc
 import structlog
+
+from pegaflow.common.logging import RateLimitedLog
 
 log = structlog.get_logger("pegaflow.grpc")
 
@@ -79,20 +80,13 @@ class _Undecodable:
 
 
 class _Refusals:
-    """Counts refused requests per (method, reason); logs one line per method and minute."""
+    """Refused requests, logged once per method, reason and minute (``RateLimitedLog``)."""
 
     def __init__(self) -> None:
-        self._last: dict[tuple[str, str], float] = {}
-        self._count: dict[tuple[str, str], int] = {}
+        self._log = RateLimitedLog(log, "grpc_request_refused", LOG_EVERY_S)
 
     def note(self, method: str, reason: str, detail: str) -> None:
-        key = (method, reason)
-        self._count[key] = self._count.get(key, 0) + 1
-        now = time.monotonic()
-        if now - self._last.get(key, -LOG_EVERY_S) >= LOG_EVERY_S:
-            self._last[key] = now
-            log.warning("grpc_request_refused", method=method, reason=reason, detail=detail,
-                        refused_since_last_line=self._count.pop(key))
+        self._log.note(method, reason, method=method, reason=reason, detail=detail)
 
 
 def _safe(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:

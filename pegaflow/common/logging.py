@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 
 import structlog
 
@@ -42,3 +43,20 @@ def ensure_library_logging() -> None:
             wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
             logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         )
+
+
+class RateLimitedLog:
+    """One warning line per key and ``every`` seconds, saying how many were suppressed: for
+    events a stranger can trigger at will (refused requests), which must not flood the log."""
+
+    def __init__(self, logger: structlog.typing.FilteringBoundLogger, event: str, every: float = 60.0) -> None:
+        self.log, self.event, self.every = logger, event, every
+        self._last: dict[tuple[str, ...], float] = {}
+        self._count: dict[tuple[str, ...], int] = {}
+
+    def note(self, *key: str, **fields: object) -> None:
+        self._count[key] = self._count.get(key, 0) + 1
+        now = time.monotonic()
+        if now - self._last.get(key, -self.every) >= self.every:
+            self._last[key] = now
+            self.log.warning(self.event, **fields, occurrences_since_last_line=self._count.pop(key))

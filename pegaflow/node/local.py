@@ -34,9 +34,12 @@ import structlog
 from google.protobuf.message import DecodeError
 
 from pegaflow.common.local_wire import HELLO, MAX_FRAME, NO_REPLY, REPLY_HEADER, REQUEST_HEADER
+from pegaflow.common.logging import RateLimitedLog
 from pegaflow.node.service import LOCAL, NodeService, RpcStatus
 
 log = structlog.get_logger("pegaflow.node")
+# A stranger with access to the socket can send any bytes: one line per reason and minute.
+rejected = RateLimitedLog(log, "local_frame_rejected")
 
 SOCKET_MODE = 0o600
 SOCKET_NAME = "pegaflow-node-{host}-{port}.sock"
@@ -141,19 +144,23 @@ class LocalServer:
                     header = await reader.readexactly(REQUEST_HEADER.size)
                 except asyncio.IncompleteReadError as exc:
                     if exc.partial:
-                        log.warning("local_frame_rejected", reason="truncated header")
+                        rejected.note("truncated header", reason="truncated header")
                     return
                 length, method, flags = REQUEST_HEADER.unpack(header)
                 if length > MAX_FRAME:
-                    log.warning("local_frame_rejected", reason="too long", length=length, max=MAX_FRAME)
+                    rejected.note("too long", reason="too long", length=length, max=MAX_FRAME)
                     return
                 if method == HELLO:
                     if length > MAX_HELLO:
-                        log.warning("local_frame_rejected", reason="hello too long", length=length)
+                        rejected.note("hello too long", reason="hello too long", length=length)
                         return
-                    presented = await reader.readexactly(length)
+                    try:
+                        presented = await reader.readexactly(length)
+                    except asyncio.IncompleteReadError:
+                        rejected.note("truncated hello", reason="truncated hello", length=length)
+                        return
                     if self.token and not hmac.compare_digest(presented, self.token.encode()):
-                        log.warning("local_connection_refused", reason="wrong token")
+                        rejected.note("wrong token", reason="wrong token")
                         writer.write(REPLY_HEADER.pack(len(UNAUTHENTICATED_MSG), UNAUTHENTICATED) + UNAUTHENTICATED_MSG)
                         await writer.drain()
                         return
@@ -162,24 +169,24 @@ class LocalServer:
                     await writer.drain()
                     continue
                 if not authenticated:
-                    log.warning("local_connection_refused", reason="no token presented")
+                    rejected.note("no token presented", reason="no token presented")
                     writer.write(REPLY_HEADER.pack(len(UNAUTHENTICATED_MSG), UNAUTHENTICATED) + UNAUTHENTICATED_MSG)
                     await writer.drain()
                     return
                 entry = methods.get(method)
                 if entry is None:
-                    log.warning("local_frame_rejected", reason="unknown method", method=method)
+                    rejected.note("unknown method", reason="unknown method", method=method)
                     return
                 try:
                     payload = await reader.readexactly(length)
                 except asyncio.IncompleteReadError:
-                    log.warning("local_frame_rejected", reason="truncated payload", length=length)
+                    rejected.note("truncated payload", reason="truncated payload", length=length)
                     return
                 req_type, handler = entry
                 try:
                     request = req_type.FromString(payload)
                 except DecodeError as exc:
-                    log.warning("local_frame_rejected", reason="undecodable payload", method=method, error=str(exc))
+                    rejected.note("undecodable payload", reason="undecodable payload", method=method, error=str(exc))
                     return
                 try:
                     body = (await handler(request, LOCAL)).SerializeToString()
@@ -193,7 +200,7 @@ class LocalServer:
                 if not flags & NO_REPLY:
                     writer.write(REPLY_HEADER.pack(len(body), status) + body)
                     await writer.drain()  # immediate below the high-water mark
-        except (ConnectionError, OSError):
+        except (ConnectionError, OSError, asyncio.IncompleteReadError):
             pass  # the engine went away; its session stream tells the node
         finally:
             self._writers.discard(writer)

@@ -81,15 +81,16 @@ def test_every_console_script_runs_its_main_path(runtime_venv: Path, tmp_path: P
 
     # pegaflow-node: serves Health, stops cleanly on SIGTERM.
     port = free_port()
+    node_log = tmp_path / "node.log"  # a file, never an unread pipe (a full pipe blocks the daemon)
     node = subprocess.Popen([str(bin_ / "pegaflow-node"), "--addr", f"127.0.0.1:{port}", "--pool-size", "32mb",
-                             "--http-addr", "off"], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                             "--http-addr", "off"], cwd=cwd, env=env, stdout=open(node_log, "ab"),
                             stderr=subprocess.STDOUT)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             stub = node_pb2_grpc.PegaNodeStub(ch)
 
             def healthy() -> bool:
-                assert node.poll() is None, node.stdout.read().decode() if node.stdout else ""
+                assert node.poll() is None, node_log.read_text()[-3000:]
                 try:
                     return stub.Health(node_pb2.HealthRequest(), timeout=1).ok
                 except grpc.RpcError:
@@ -97,7 +98,7 @@ def test_every_console_script_runs_its_main_path(runtime_venv: Path, tmp_path: P
 
             wait_until(healthy, 60, "pegaflow-node from the runtime venv")
         node.send_signal(signal.SIGTERM)
-        assert node.wait(timeout=30) == 0
+        assert node.wait(timeout=30) == 0, node_log.read_text()[-3000:]
     finally:
         if node.poll() is None:
             node.kill()
@@ -105,15 +106,16 @@ def test_every_console_script_runs_its_main_path(runtime_venv: Path, tmp_path: P
 
     # pegaflow-meta: serves ListNodes against a real Redis; `rebuild` prints its report.
     mport = free_port()
+    meta_log = tmp_path / "meta.log"
     meta = subprocess.Popen([str(bin_ / "pegaflow-meta"), "--addr", f"127.0.0.1:{mport}", "--redis-url",
                              redis_server.url, "--http-addr", "off"], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                            stdout=open(meta_log, "ab"), stderr=subprocess.STDOUT)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{mport}") as ch:
             stub = meta_pb2_grpc.MetaServiceStub(ch)
 
             def serving() -> bool:
-                assert meta.poll() is None, meta.stdout.read().decode() if meta.stdout else ""
+                assert meta.poll() is None, meta_log.read_text()[-3000:]
                 try:
                     stub.ListNodes(meta_pb2.ListNodesRequest(), timeout=1)
                     return True
@@ -121,9 +123,12 @@ def test_every_console_script_runs_its_main_path(runtime_venv: Path, tmp_path: P
                     return False
 
             wait_until(serving, 60, "pegaflow-meta from the runtime venv")
-    finally:
         meta.terminate()
-        meta.wait(timeout=30)
+        assert meta.wait(timeout=30) == 0, meta_log.read_text()[-3000:]
+    finally:
+        if meta.poll() is None:
+            meta.kill()
+            meta.wait()
     p = subprocess.run([str(bin_ / "pegaflow-meta"), "rebuild", "--redis-url", redis_server.url],
                        capture_output=True, text=True, cwd=cwd, env=env, timeout=120)
     assert p.returncode == 0, p.stderr

@@ -1,0 +1,88 @@
+"""What every chaos scenario shares: the block universe, verifiable pages, intensity, reports.
+
+A block's page is a pure function of its hash (:func:`page`), so any process can check any
+page it is served, byte for byte: a wrong byte is never "maybe fine". Scenarios run at two
+intensities: ``fast`` (the default, part of ``make test``) and ``full`` (``make chaos``),
+and each reports what it tried, what failed and what was lost, as one line on stdout and,
+with ``PEGAFLOW_CHAOS_REPORT=FILE``, one JSON line appended to FILE
+(``python -m tests.chaos.report FILE`` renders the table of docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import xxhash
+
+PAGE = 64 << 10
+NS = "chaos-model"
+FULL = os.environ.get("PEGAFLOW_CHAOS", "fast") == "full"
+
+
+def pick(fast: float, full: float) -> float:
+    """A scenario's size: ``fast`` in ``make test``, ``full`` in ``make chaos``."""
+    return full if FULL else fast
+
+
+def block_hash(i: int) -> bytes:
+    return xxhash.xxh3_128_digest(f"chaos:{i}".encode())
+
+
+def page(h: bytes, size: int = PAGE) -> np.ndarray:
+    """The one right content of ``h``'s page: its hash, repeated, with the page index mixed in."""
+    seed = np.frombuffer(xxhash.xxh3_128_digest(h) * 4, dtype=np.uint64)
+    reps = size // seed.nbytes
+    arr = np.tile(seed, reps) ^ np.arange(reps * seed.size, dtype=np.uint64)
+    return arr.view(np.uint8)
+
+
+def page_ok(h: bytes, got: np.ndarray | memoryview | bytes) -> bool:
+    return bool(np.array_equal(np.frombuffer(got, dtype=np.uint8), page(h, len(got))))
+
+
+@dataclass
+class Figures:
+    """What one scenario did. ``wrong`` must be 0 (bytes served that were not the block's),
+    ``crashes`` 0 (daemons that died of the chaos rather than of a kill), ``tracebacks`` 0,
+    ``leaked`` 0 (reservations, leases or sessions left once every client is gone)."""
+
+    scenario: str
+    tried: int = 0  # operations attempted (queries, saves, RPCs, inputs)
+    failed: int = 0  # operations that failed as the chaos makes them fail (misses, errors answered)
+    lost: int = 0  # blocks that should have survived and did not
+    wrong: int = 0
+    crashes: int = 0
+    tracebacks: int = 0
+    leaked: int = 0
+    seconds: float = 0.0
+    notes: dict[str, float | int | str] = field(default_factory=dict)
+
+    def bad(self) -> bool:
+        return bool(self.wrong or self.crashes or self.tracebacks or self.leaked)
+
+
+class Report:
+    def __init__(self, scenario: str) -> None:
+        self.fig = Figures(scenario)
+        self._t0 = time.monotonic()
+
+    def done(self) -> Figures:
+        f = self.fig
+        f.seconds = round(time.monotonic() - self._t0, 1)
+        extra = " ".join(f"{k}={v}" for k, v in f.notes.items())
+        print(f"CHAOS {f.scenario}: tried={f.tried} failed={f.failed} lost={f.lost} wrong={f.wrong} "
+              f"crashes={f.crashes} tracebacks={f.tracebacks} leaked={f.leaked} seconds={f.seconds} {extra}",
+              flush=True)
+        out = os.environ.get("PEGAFLOW_CHAOS_REPORT")
+        if out:
+            with open(out, "a") as fh:
+                fh.write(json.dumps({**asdict(f), "intensity": "full" if FULL else "fast"}) + "\n")
+        return f
+
+
+def tracebacks_in(text: str) -> int:
+    return text.count("Traceback (most recent call last)")

@@ -1,0 +1,73 @@
+"""Starting, killing and reading the chaos worker processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Worker:
+    def __init__(self, role: str, addr: str, seed: int, universe: int, *extra: str) -> None:
+        self.p = subprocess.Popen([sys.executable, "-m", "tests.chaos.worker", role, addr, str(seed), str(universe),
+                                   *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
+                                  env={**os.environ, "PYTHONPATH": str(ROOT)}, text=True)
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        line = self._line(timeout)
+        assert json.loads(line).get("ready"), line
+
+    def _line(self, timeout: float) -> str:
+        assert self.p.stdout is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            r, _, _ = select.select([self.p.stdout], [], [], 0.5)
+            if r:
+                line = self.p.stdout.readline()
+                if line:
+                    return line
+                break
+            if self.p.poll() is not None:
+                break
+        err = self.p.stderr.read() if self.p.stderr and self.p.poll() is not None else ""
+        raise AssertionError(f"worker gave no line (rc={self.p.poll()}): {err[-2000:]}")
+
+    def kill(self) -> None:
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGKILL)
+        self.p.wait(30)
+        self.close()
+
+    def finish(self, timeout: float = 60) -> dict[str, Any]:
+        """SIGTERM, then its totals."""
+        self.p.send_signal(signal.SIGTERM)
+        line = self._line(timeout)
+        self.p.wait(timeout)
+        self.close()
+        return json.loads(line)
+
+    def stderr(self) -> str:
+        return self.p.stderr.read() if self.p.stderr else ""
+
+    def close(self) -> None:
+        for f in (self.p.stdout, self.p.stderr):
+            if f is not None and not f.closed:
+                f.close()
+
+
+def node_stats(addr: str) -> Any:
+    from pegaflow.client import PegaClient
+
+    c = PegaClient(addr, timeout=5)
+    try:
+        return c.stats()
+    finally:
+        c.close()

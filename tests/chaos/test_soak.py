@@ -1,0 +1,52 @@
+"""A soak: writers and readers for a while against one node; every page verified, the node's
+private memory and file descriptors sampled, and nothing held once the clients are gone."""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+
+from tests.chaos.common import PAGE, Report, pick, tracebacks_in
+from tests.chaos.procs import Worker, node_stats
+from tests.integration.meta_harness import wait_until
+
+MAX_GROWTH = 0.25  # private memory of the node, last sample over the one after warm-up
+
+
+def test_soak_verifies_every_page_and_leaks_nothing(node_factory):  # type: ignore[no-untyped-def]
+    rep = Report("soak: writers + readers, RSS and fds sampled")
+    node = node_factory(f"{256 * PAGE >> 20}mb")
+    proc = psutil.Process(node.proc.pid)
+    # Request ids cycle through 2,000 per reader: the node's memory of recent requests
+    # (bounded, 65,536 keys) fills at once, so growth after warm-up is what would leak.
+    workers = [Worker(role, node.addr, 500 + i, 4096, "--blocks", "16", "--req-ids", "2000")
+               for i, role in enumerate(["writer", "writer", "reader", "reader"])]
+    for w in workers:
+        w.wait_ready()
+    duration = pick(15, 450)
+    samples: list[tuple[float, int, int]] = []
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < duration:
+        mem = proc.memory_full_info()
+        samples.append((time.monotonic() - t0, mem.uss, proc.num_fds()))
+        time.sleep(1.0)  # sampling period
+    totals = [w.finish() for w in workers]
+    wait_until(lambda: (lambda s: s.active_reservations == 0 and s.active_leases == 0 and s.sessions == 0)(
+        node_stats(node.addr)), 30, "every client's holdings and session gone")
+    warm = samples[len(samples) // 4]
+    last = samples[-1]
+    growth = (last[1] - warm[1]) / max(1, warm[1])
+    f = rep.fig
+    f.tried = sum(t["ops"] for t in totals)
+    f.failed = sum(t["errors"] for t in totals)
+    f.wrong = sum(t["wrong"] for t in totals)
+    f.crashes = int(node.proc.poll() is not None)
+    f.tracebacks = tracebacks_in(node.log())
+    f.leaked = max(0, last[2] - warm[2] - 4)  # fds beyond a few of noise
+    f.notes.update(blocks_verified=sum(t["blocks"] for t in totals if "wrong" in t),
+                   uss_mib_after_warmup=round(warm[1] / 2**20, 1), uss_mib_end=round(last[1] / 2**20, 1),
+                   uss_growth_pct=round(100 * growth, 1), fds=f"{warm[2]}->{last[2]}")
+    rep.done()
+    assert not f.bad(), f
+    assert growth <= MAX_GROWTH, f"node private memory grew {100 * growth:.1f}%"
