@@ -49,8 +49,10 @@ class RateLimitedLog:
     """One warning line per key and ``every`` seconds, saying how many were suppressed: for
     events a stranger can trigger at will (refused requests), which must not flood the log."""
 
-    def __init__(self, logger: structlog.typing.FilteringBoundLogger, event: str, every: float = 60.0) -> None:
+    def __init__(self, logger: structlog.typing.FilteringBoundLogger, event: str, every: float = 60.0,
+                 level: str = "warning") -> None:
         self.log, self.event, self.every = logger, event, every
+        self._emit = getattr(logger, level)
         self._last: dict[tuple[str, ...], float] = {}
         self._count: dict[tuple[str, ...], int] = {}
 
@@ -59,4 +61,4 @@ class RateLimitedLog:
         now = time.monotonic()
         if now - self._last.get(key, -self.every) >= self.every:
             self._last[key] = now
-            self.log.warning(self.event, **fields, occurrences_since_last_line=self._count.pop(key))
+            self._emit(self.event, **fields, occurrences_since_last_line=self._count.pop(key))

@@ -30,13 +30,18 @@ _REGISTER = Script(
     _NOW
     + """
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
-local epoch = 1
+local epoch = tonumber(ARGV[7])
 local old = nil
 if cur then
   local c = cjson.decode(cur)
   epoch = c.epoch + 1
   old = tostring(c.nid)
 end
+-- A fresh (or emptied) Redis starts nids at a random base and a node's first epoch at a
+-- random value: events written before the loss (a node notices it only at its next
+-- heartbeat) then name an incarnation that does not exist now, instead of another
+-- node's new one, and the consumer drops them.
+redis.call('SET', KEYS[2], ARGV[6], 'NX')
 local nid = redis.call('INCR', KEYS[2])
 redis.call('HSET', KEYS[1], ARGV[1], cjson.encode({nid = nid, epoch = epoch, addr = ARGV[2]}))
 local vis = redis.call('GET', KEYS[5])
@@ -113,7 +118,8 @@ def register(r: Client, node: str, addr: str, ttl_ms: int, switch: bool) -> tupl
     nid, epoch = _REGISTER(
         r,
         [keys.NODES, keys.NEXT_NID, keys.VERSION, keys.RETIRED, keys.live_key(node)],
-        [node, addr, ttl_ms, "1" if switch else "0", random.randrange(1 << 40)],
+        [node, addr, ttl_ms, "1" if switch else "0", random.randrange(1 << 40), random.randrange(1 << 20, 1 << 30),
+         random.randrange(1, 1 << 40)],
     )
     return int(nid), int(epoch)
 

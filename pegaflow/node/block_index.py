@@ -39,6 +39,7 @@ pluggable for the same reason (see ``__init__``).
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -174,6 +175,7 @@ class BlockIndex:
         self.alloc: PageAllocator = allocator if allocator is not None else ExtentAllocator(capacity, align)
         self.admission = admission
         self._namespaces: dict[str, Namespace] = {}
+        self._ns_ids = itertools.count(1)  # never reused: ids key checksums and SSD entries
         # RESIDENT and PENDING blocks, one dict per namespace id keyed by the hash: a bytes
         # key hashes once (cached), where an (id, hash) tuple is built and hashed per lookup.
         self._blocks: dict[int, dict[bytes, Block]] = {}
@@ -195,7 +197,7 @@ class BlockIndex:
         """Get or create a namespace; its page size is fixed by the first registration."""
         ns = self._namespaces.get(name)
         if ns is None:
-            ns = Namespace(len(self._namespaces) + 1, name, page_bytes, namespace_salt(name))
+            ns = Namespace(next(self._ns_ids), name, page_bytes, namespace_salt(name))
             self._namespaces[name] = ns
         elif ns.page_bytes != page_bytes:
             raise ValueError(
@@ -205,6 +207,16 @@ class BlockIndex:
 
     def get_namespace(self, name: str) -> Namespace | None:
         return self._namespaces.get(name)
+
+    def drop_namespace(self, name: str) -> bool:
+        """Forget namespace ``name`` if it holds no block in any state; True if it was dropped.
+        The caller checks that nothing else refers to it (sessions, the SSD tier)."""
+        ns = self._namespaces.get(name)
+        if ns is None or self._blocks.get(ns.id):
+            return False
+        del self._namespaces[name]
+        self._blocks.pop(ns.id, None)
+        return True
 
     def namespaces(self) -> list[Namespace]:
         return list(self._namespaces.values())

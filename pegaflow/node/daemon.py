@@ -251,6 +251,7 @@ class Node:
                 next_ceiling = time.monotonic() + CEILING_REFRESH
             if self.query_trace is not None:
                 self.query_trace.flush()
+            self._drop_unused_namespaces()
             e = self.sessions.expire()
             if e.reservations_overdue:  # kept: their engines live (pegaflow/node/sessions.py)
                 self.metrics.expired.labels("reservation").inc(e.reservations_overdue)
@@ -265,6 +266,20 @@ class Node:
                 self.metrics.sessions_closed.inc(e.sessions_closed)
                 log.info("sessions_never_streamed_closed", count=e.sessions_closed,
                          reservations_freed=e.reservations_freed, leases_freed=e.leases_freed)
+
+    def _drop_unused_namespaces(self) -> None:
+        """Forget namespaces that hold nothing (no block in L1, none on SSD) and that no live
+        session registered: a long-lived node meets many models and layouts, and
+        ``--max-namespaces`` bounds only those in use."""
+        store = self.ssd.store if self.ssd is not None else None
+        dropped = 0
+        for ns in self.index.namespaces():
+            if self.sessions.uses(ns.name) or (store is not None and store.holds_namespace(ns.id)):
+                continue
+            dropped += self.index.drop_namespace(ns.name)
+        if dropped:
+            self.metrics.namespaces_dropped.inc(dropped)
+            log.info("namespaces_dropped", count=dropped, left=len(self.index.namespaces()))
 
     async def run(self) -> None:
         await self.start()

@@ -160,18 +160,14 @@ class LocalServer:
                         rejected.note("truncated hello", reason="truncated hello", length=length)
                         return
                     if self.token and not hmac.compare_digest(presented, self.token.encode()):
-                        rejected.note("wrong token", reason="wrong token")
-                        writer.write(REPLY_HEADER.pack(len(UNAUTHENTICATED_MSG), UNAUTHENTICATED) + UNAUTHENTICATED_MSG)
-                        await writer.drain()
+                        await _refuse(writer, "wrong token")
                         return
                     authenticated = True
                     writer.write(REPLY_HEADER.pack(0, 0))
                     await writer.drain()
                     continue
                 if not authenticated:
-                    rejected.note("no token presented", reason="no token presented")
-                    writer.write(REPLY_HEADER.pack(len(UNAUTHENTICATED_MSG), UNAUTHENTICATED) + UNAUTHENTICATED_MSG)
-                    await writer.drain()
+                    await _refuse(writer, "no token presented")
                     return
                 entry = methods.get(method)
                 if entry is None:
@@ -205,3 +201,10 @@ class LocalServer:
         finally:
             self._writers.discard(writer)
             writer.close()
+
+
+async def _refuse(writer: asyncio.StreamWriter, reason: str) -> None:
+    """Answer UNAUTHENTICATED (the caller then closes the connection)."""
+    rejected.note(reason, reason=reason)
+    writer.write(REPLY_HEADER.pack(len(UNAUTHENTICATED_MSG), UNAUTHENTICATED) + UNAUTHENTICATED_MSG)
+    await writer.drain()

@@ -37,6 +37,11 @@ class NodeMetrics:
             ["reason"],
             registry=r,
         )
+        self.namespaces_dropped = Counter(
+            "pegaflow_node_namespaces_dropped_total",
+            "Namespaces forgotten because they held no block (L1 or SSD) and no live session used them.",
+            registry=r,
+        )
         self.expired = Counter(
             "pegaflow_node_expired_total",
             "Reservations and leases held past their TTL by a live engine (reported, never taken from "

@@ -26,11 +26,14 @@ import structlog
 from pegaflow._proto import node_pb2, node_pb2_grpc
 from pegaflow.common.errors import InvalidArgument, PegaError, grpc_code
 from pegaflow.common.local_wire import METHODS as LOCAL_METHODS
+from pegaflow.common.logging import RateLimitedLog
 from pegaflow.node.block_index import HASH_BYTES, Block, BlockIndex, Namespace
 from pegaflow.node.metrics import NodeMetrics
 from pegaflow.node.sessions import Sessions
 
 log = structlog.get_logger("pegaflow.node")
+# A client can send any number of bad requests: one line per method, transport and 10 s.
+invalid_requests = RateLimitedLog(log, "invalid_request", every=10.0, level="info")
 
 MAX_NAME = 512  # bytes of a namespace or instance name
 SESSION_PING_SECONDS = 5.0  # keep-alive events on the session stream
@@ -67,7 +70,7 @@ def rpc(method: str) -> Callable[[Callable[[Any, Any], Awaitable[Resp]]], Callab
                 code = grpc_code(exc)
                 status = code.name
                 if code is grpc.StatusCode.INVALID_ARGUMENT:
-                    log.info("invalid_request", method=method, transport=transport, error=str(exc))
+                    invalid_requests.note(method, transport, method=method, transport=transport, error=str(exc))
                 raise RpcStatus(code, str(exc)) from None
             except Exception as exc:
                 status = "INTERNAL"

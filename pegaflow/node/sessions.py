@@ -97,6 +97,7 @@ class Sessions:
         self.session_open_timeout = session_open_timeout
         self.clock = clock
         self.sessions: dict[int, Session] = {}
+        self._ns_users: dict[str, int] = {}  # namespace name -> live sessions that registered it
         self.leases: dict[int, Lease] = {}
         self.reservations: dict[int, Reservation] = {}
         # Ids of reservations that were committed or aborted, to tell "duplicate commit"
@@ -111,8 +112,13 @@ class Sessions:
 
     # ---- sessions ---------------------------------------------------------------------
     def open(self, instance_id: str, namespaces: Sequence[tuple[str, int]]) -> Session:
+        wanted: dict[str, int] = {}
+        for name, page_bytes in namespaces:
+            if wanted.setdefault(name, page_bytes) != page_bytes:
+                raise InvalidArgument(f"namespace {name!r} is registered twice, with page_bytes "
+                                      f"{wanted[name]} and {page_bytes}")
         new = set()
-        for name, page_bytes in namespaces:  # all checked before any is created
+        for name, page_bytes in wanted.items():  # all checked before any is created
             ns = self.index.get_namespace(name)
             if ns is not None and ns.page_bytes != page_bytes:
                 raise InvalidArgument(
@@ -123,10 +129,16 @@ class Sessions:
         if new and len(self.index.namespaces()) + len(new) > self.max_namespaces:
             raise ResourceExhausted(f"this node holds {len(self.index.namespaces())} namespaces; "
                                     f"{len(new)} more would pass --max-namespaces {self.max_namespaces}")
-        nss = {name: self.index.namespace(name, page_bytes) for name, page_bytes in namespaces}
+        nss = {name: self.index.namespace(name, page_bytes) for name, page_bytes in wanted.items()}
         s = Session(self._new_id(self.sessions), instance_id, nss, created=self.clock())
         self.sessions[s.id] = s
+        for name in nss:
+            self._ns_users[name] = self._ns_users.get(name, 0) + 1
         return s
+
+    def uses(self, name: str) -> bool:
+        """Whether a live session registered namespace ``name``."""
+        return name in self._ns_users
 
     def get(self, session_id: int) -> Session:
         s = self.sessions.get(session_id)
@@ -145,6 +157,12 @@ class Sessions:
         s = self.sessions.pop(session_id, None)
         if s is None:
             return (0, 0)
+        for name in s.namespaces:
+            n = self._ns_users[name] - 1
+            if n:
+                self._ns_users[name] = n
+            else:
+                del self._ns_users[name]
         r = len(s.reservations)
         for res in list(s.reservations.values()):
             self._drop_reservation(res)

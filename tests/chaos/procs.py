@@ -71,3 +71,9 @@ def node_stats(addr: str) -> Any:
         return c.stats()
     finally:
         c.close()
+
+
+def nothing_held(addr: str) -> bool:
+    """No reservation, lease or session is left on the node at ``addr``."""
+    st = node_stats(addr)
+    return st.active_reservations == 0 and st.active_leases == 0 and st.sessions == 0

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from pegaflow._proto import node_pb2, node_pb2_grpc
 from pegaflow.client import PegaClient
 from pegaflow.common.local_wire import REPLY_HEADER, REQUEST_HEADER
-from tests.chaos.common import NS, PAGE, Report, block_hash, page, page_ok, pick, tracebacks_in
+from tests.chaos.common import NS, PAGE, Report, block_hash, page_ok, pick, store, tracebacks_in
 
 EXAMPLES = int(pick(150, 3000))
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
@@ -43,10 +43,7 @@ def target(tmp_path_factory):  # type: ignore[no-untyped-def]
     victim = PegaClient(node.addr)
     victim.register({NS: PAGE})
     hs = [block_hash(i) for i in range(8)]
-    r = victim.reserve(NS, hs)
-    for h, off in zip(hs, r.offsets, strict=True):
-        victim.pool[off:off + PAGE].numpy()[:] = page(h)
-    victim.commit(r.reservation_id)
+    store(victim, hs)
     fuzzer = PegaClient(node.addr)
     fuzzer.register({"fz": 4096})
     yield node, victim, fuzzer, hs
@@ -175,7 +172,12 @@ JSON_VALUES = st.recursive(JSON_SCALARS, lambda inner: st.one_of(st.lists(inner,
                            max_leaves=20)
 TRACE_KEYS = ["timestamp", "input_length", "output_length", "hash_ids", "time", "namespace", "hashes", "page_bytes",
               "block_tokens", "tokens", "instance"]
+VALID_MOONCAKE = st.builds(
+    lambda t, n, ids: json.dumps({"timestamp": t, "input_length": n, "output_length": 1, "hash_ids": ids}),
+    st.integers(0, 10**9), st.integers(0, 10**5), st.lists(st.integers(0, 2**20), max_size=30))
 TRACE_LINES = st.one_of(
+    VALID_MOONCAKE,
+    VALID_MOONCAKE,  # half the lines are good ones, so good and bad mix in one file
     st.dictionaries(st.sampled_from(TRACE_KEYS), JSON_VALUES, max_size=8).map(lambda d: json.dumps(d, allow_nan=True)),
     JSON_VALUES.map(lambda v: json.dumps(v, allow_nan=True)),
     st.text(max_size=80).map(lambda t: t.replace("\n", " ")),

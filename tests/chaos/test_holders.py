@@ -12,13 +12,8 @@ import random
 import time
 
 from tests.chaos.common import PAGE, Report, pick, tracebacks_in
-from tests.chaos.procs import Worker, node_stats
+from tests.chaos.procs import Worker, node_stats, nothing_held
 from tests.integration.meta_harness import wait_until
-
-
-def no_holdings(addr: str) -> bool:
-    st = node_stats(addr)
-    return st.active_reservations == 0 and st.active_leases == 0
 
 
 def test_killed_writers_and_readers_expose_nothing_and_leak_nothing(node_factory):  # type: ignore[no-untyped-def]
@@ -43,8 +38,8 @@ def test_killed_writers_and_readers_expose_nothing_and_leak_nothing(node_factory
             for w in batch:
                 w.kill()
                 kills += 1
-        wait_until(lambda: no_holdings(node.addr), 30, "the killed engines' holdings to be freed")
         totals = observer.finish()
+        wait_until(lambda: nothing_held(node.addr), 30, "the killed engines' holdings and sessions freed")
     finally:
         observer.kill()
     st = node_stats(node.addr)
@@ -72,7 +67,7 @@ def test_holders_slower_than_every_ttl_never_see_or_write_anothers_bytes(node_fa
     wait_until(lambda: node.metric("pegaflow_node_expired_total") >= pick(20, 200), pick(60, 300),
                "holders to outlive their TTLs")
     totals = [w.finish() for w in slow + fast]
-    wait_until(lambda: no_holdings(node.addr), 30, "holdings freed")
+    wait_until(lambda: nothing_held(node.addr), 30, "holdings freed")
     f = rep.fig
     f.tried = sum(t["ops"] for t in totals)
     f.failed = sum(t["errors"] for t in totals)

@@ -23,7 +23,9 @@ def test_index_converges_after_metaserver_kills_and_redis_outages(tmp_path: Path
     srv = redis_fixtures.start_server(tmp_path / "redis")
     rng = random.Random(3)
     names = ["n1", "n2", "n3"]
-    ops = int(pick(3000, 20000))
+    # The node-like publisher's own bookkeeping is quadratic in its state (it samples evictions
+    # from a sorted set): past ~8000 operations the harness, not PegaFlow, is what is slow.
+    ops = int(pick(3000, 6000))
     procs = {n: NodeProc(srv.url, False, n, tmp_path / f"{n}.json", tmp_path / f"{n}.log", "--seed", str(i),
                          "--ops", str(ops), "--rate", "1500", "--hold", "--ttl", "3")
              for i, n in enumerate(names)}
@@ -39,14 +41,14 @@ def test_index_converges_after_metaserver_kills_and_redis_outages(tmp_path: Path
     try:
         r = client(srv.url, False)
         wait_until(lambda: r.hlen(keys.NODES) == len(names), 30, "nodes registered")
-        for k in range(1, int(pick(3, 10)) + 1):
-            time.sleep(rng.uniform(0.2, 1.0))  # the chaos: a fault at a random point of the stream
+        for k in range(1, int(pick(3, 8)) + 1):
+            time.sleep(rng.uniform(0.1, 0.5))  # the chaos: a fault at a random point of the stream
             if k % 2:
                 meta.kill()
                 meta = new_meta(k)
             else:
                 srv.stop()
-                time.sleep(rng.uniform(0.5, 2.0))  # Redis down for a while
+                time.sleep(rng.uniform(0.3, 1.5))  # Redis down for a while
                 srv.start()
                 r = client(srv.url, False)
             faults += 1

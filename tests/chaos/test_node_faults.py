@@ -17,7 +17,7 @@ import time
 
 from pegaflow.client import PegaClient
 from pegaflow.connector.link import RPC_TIMEOUT_S, NodeLink
-from tests.chaos.common import NS, PAGE, Report, block_hash, page, page_ok, pick, tracebacks_in
+from tests.chaos.common import NS, PAGE, Report, block_hash, page_ok, pick, store, tracebacks_in
 from tests.chaos.procs import Worker
 from tests.integration.meta_harness import wait_until
 
@@ -27,17 +27,14 @@ CALL_SLACK_S = 0.5  # scheduling noise on a loaded 2-core machine, on top of the
 def test_calls_stay_bounded_while_the_node_is_killed_and_hung(node_factory):  # type: ignore[no-untyped-def]
     rep = Report("node SIGKILLed and SIGSTOPped under connector load")
     node = node_factory()
+    hs = [block_hash(i) for i in range(4)]
     with PegaClient(node.addr) as c:
         c.register({NS: PAGE})
-        r = c.reserve(NS, [block_hash(i) for i in range(4)])
-        for i, off in enumerate(r.offsets):
-            c.pool[off:off + PAGE].numpy()[:] = page(block_hash(i))
-        c.commit(r.reservation_id)
+        store(c, hs)
     links = [NodeLink(node.addr, {NS: PAGE}, f"chaos-{i}") for i in range(3)]
     stop = threading.Event()
     worst: list[float] = []
     calls = [0, 0, 0]  # tried, answered (a hit), unexpected exceptions
-    hs = [block_hash(i) for i in range(4)]
 
     def hammer(link: NodeLink) -> None:
         while not stop.is_set():
@@ -68,10 +65,7 @@ def test_calls_stay_bounded_while_the_node_is_killed_and_hung(node_factory):  # 
             node.start()  # same port, empty pool
             with PegaClient(node.addr) as c:  # refill, so hits can resume
                 c.register({NS: PAGE})
-                r = c.reserve(NS, hs)
-                for h, off in zip(hs, r.offsets, strict=True):
-                    c.pool[off:off + PAGE].numpy()[:] = page(h)
-                c.commit(r.reservation_id)
+                store(c, hs)
             answered = calls[1]
             wait_until(lambda a=answered: calls[1] > a + 10, 60, "hits after the restart")
     finally:

@@ -8,7 +8,7 @@ import time
 import psutil
 
 from tests.chaos.common import PAGE, Report, pick, tracebacks_in
-from tests.chaos.procs import Worker, node_stats
+from tests.chaos.procs import Worker, nothing_held
 from tests.integration.meta_harness import wait_until
 
 MAX_GROWTH = 0.25  # private memory of the node, last sample over the one after warm-up
@@ -32,8 +32,7 @@ def test_soak_verifies_every_page_and_leaks_nothing(node_factory):  # type: igno
         samples.append((time.monotonic() - t0, mem.uss, proc.num_fds()))
         time.sleep(1.0)  # sampling period
     totals = [w.finish() for w in workers]
-    wait_until(lambda: (lambda s: s.active_reservations == 0 and s.active_leases == 0 and s.sessions == 0)(
-        node_stats(node.addr)), 30, "every client's holdings and session gone")
+    wait_until(lambda: nothing_held(node.addr), 30, "every client's holdings and session gone")
     warm = samples[len(samples) // 4]
     last = samples[-1]
     growth = (last[1] - warm[1]) / max(1, warm[1])

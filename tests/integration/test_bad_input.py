@@ -121,3 +121,29 @@ def test_requests_past_the_nodes_bounds_are_refused_and_change_nothing(node_fact
         stats = stub.Stats(node_pb2.StatsRequest(), timeout=5)
         assert set(stats.blocks_by_namespace) <= {"a", "b"}
         register("c", "d")  # exactly at the bound
+
+
+def test_empty_namespaces_no_session_uses_are_forgotten(node_factory):  # type: ignore[no-untyped-def]
+    from pegaflow.client import PegaClient
+    from tests.integration.meta_harness import wait_until
+
+    node = node_factory(extra=["--max-namespaces", "3"])
+    with PegaClient(node.addr) as c:  # holds a block: its namespace stays
+        c.register({"kept": 4096})
+        r = c.reserve("kept", [b"\1" * 16])
+        c.commit(r.reservation_id)
+    with PegaClient(node.addr) as c:
+        c.register({"a": 4096, "b": 4096})
+        with PegaClient(node.addr) as other, pytest.raises(Exception, match="max-namespaces"):
+            other.register({"c": 4096})
+    # Once their session is gone, the two empty ones are dropped and room is back.
+    wait_until(lambda: node.metric("pegaflow_node_namespaces_dropped_total") >= 2, 20, "empty namespaces dropped")
+    with PegaClient(node.addr) as c:
+        c.register({"c": 4096, "d": 4096})
+        assert set(c.stats().blocks_by_namespace) == {"kept", "c", "d"}
+        assert c.query(["c"], [b"\1" * 16]).hit_blocks == 0
+    with PegaClient(node.addr) as c:
+        c.register({"kept": 4096})
+        q = c.query(["kept"], [b"\1" * 16])
+        assert q.hit_blocks == 1
+        c.release(q.lease_id)

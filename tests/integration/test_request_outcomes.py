@@ -9,7 +9,7 @@ import time
 import pytest
 
 from pegaflow.client import PegaClient
-from tests.integration.test_ssd_tier import NS, PAGE, POOL, hashes, metric, save, ssd_args, wait_for
+from tests.integration.test_ssd_tier import NS, PAGE, POOL, hashes, save, ssd_args, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -33,8 +33,8 @@ def test_each_block_of_a_request_has_one_outcome(node_factory, tmp_path) -> None
     with PegaClient(node.addr) as c:
         c.register({NS: PAGE})
         save(c, hs, node=node)
-        wait_for(lambda: metric(node, "pegaflow_node_ssd_blocks") >= 48, what="48 blocks on SSD")
-        before = {o: metric(node, "pegaflow_node_request_blocks_total", f'outcome="{o}"')
+        wait_for(lambda: node.metric("pegaflow_node_ssd_blocks") >= 48, what="48 blocks on SSD")
+        before = {o: node.metric("pegaflow_node_request_blocks_total", f'outcome="{o}"')
                   for o in ("l1", "ssd", "remote", "miss")}
         hit, loading = ask_until_ready(c, hs[:12], "r1")  # only on SSD: LOADING, then READY
         assert (hit, loading >= 1) == (12, True)
@@ -42,12 +42,12 @@ def test_each_block_of_a_request_has_one_outcome(node_factory, tmp_path) -> None
         hit, loading = ask_until_ready(c, hs[:12] + hashes("never-saved", 4), "r2")
         assert (hit, loading) == (12, 0)
         ask_until_ready(c, hs[:12], "r1")  # the engine asking again for r1: not a new request
-        after = {o: metric(node, "pegaflow_node_request_blocks_total", f'outcome="{o}"')
+        after = {o: node.metric("pegaflow_node_request_blocks_total", f'outcome="{o}"')
                  for o in ("l1", "ssd", "remote", "miss")}
         got = {o: after[o] - before[o] for o in after}
         assert got == {"l1": 12, "ssd": 12, "remote": 0, "miss": 4}
         # The older per-answer counter counts r1's blocks under ssd and again under l1.
-        assert metric(node, "pegaflow_node_hit_blocks_total", 'tier="ssd"') >= 12
+        assert node.metric("pegaflow_node_hit_blocks_total", 'tier="ssd"') >= 12
 
 
 def test_two_engines_with_the_same_request_id_are_two_requests(node_factory) -> None:  # type: ignore[no-untyped-def]
@@ -58,4 +58,4 @@ def test_two_engines_with_the_same_request_id_are_two_requests(node_factory) -> 
         b.register({NS: PAGE})
         for c in (a, b, a, b):  # vLLM's offline engines both number their first request "0"
             assert c.query([NS], hs, req_id="0", lease=False).hit_blocks == 0
-    assert metric(node, "pegaflow_node_request_blocks_total", 'outcome="miss"') == 8
+    assert node.metric("pegaflow_node_request_blocks_total", 'outcome="miss"') == 8

@@ -112,15 +112,15 @@ def test_query_returns_each_nodes_prefix_length(r: fakeredis.FakeRedis) -> None:
 
 def test_register_switch_and_heartbeat(r: fakeredis.FakeRedis) -> None:
     nid1, e1 = registry.register(r, "a", "h:1", 10_000, switch=True)
-    assert (nid1, e1) == (1, 1)
-    assert registry.visible(r, ["a"]) == {1: "a"}
+    assert nid1 > 1 << 20 and e1 >= 1  # random bases in a fresh Redis
+    assert registry.visible(r, ["a"]) == {nid1: "a"}
     # In-process re-sync: the old epoch stays visible until the snapshot is applied.
     nid2, e2 = registry.register(r, "a", "h:1", 10_000, switch=False)
-    assert (nid2, e2) == (2, 2) and registry.visible(r, ["a"]) == {1: "a"}
+    assert (nid2, e2) == (nid1 + 1, e1 + 1) and registry.visible(r, ["a"]) == {nid1: "a"}
     assert registry.heartbeat(r, "a", nid2, 10_000)
     assert not registry.heartbeat(r, "a", nid1, 10_000)  # superseded incarnation
     assert registry.switch(r, "a", nid2) == 2
-    assert registry.visible(r, ["a"]) == {2: "a"} and 1 in registry.retired(r)
+    assert registry.visible(r, ["a"]) == {nid2: "a"} and nid1 in registry.retired(r)
     # Restart: the new incarnation is visible at once.
     nid3, _ = registry.register(r, "a", "h:1", 10_000, switch=True)
     assert registry.visible(r, ["a"]) == {nid3: "a"} and registry.switch(r, "a", nid2) == 0
@@ -213,3 +213,41 @@ def test_redis_url_option_is_validated_for_node_and_meta() -> None:
     for cmd in (META, NODE):
         with pytest.raises(SystemExit):
             parse_options(cmd, "x", ["--redis-url", "localhost:6379"], env={})
+
+
+def test_a_redis_that_lost_its_data_never_reuses_an_incarnation(r: fakeredis.FakeRedis) -> None:
+    # Node a is nid X before the loss; after it, b registers first. With a counter that
+    # restarts at 1, b got a's old nid, and a's events written before it noticed the loss
+    # were indexed as b's blocks (found by the chaos suite: 27 extra blocks, 120 wrong holders).
+    before = {registry.register(r, n, "h:1", 10_000, switch=True) for n in ("a", "b")}
+    r.flushall()
+    after = {registry.register(r, n, "h:1", 10_000, switch=True) for n in ("b", "a")}
+    assert not {nid for nid, _ in before} & {nid for nid, _ in after}
+
+
+def test_consumer_drops_events_of_an_incarnation_that_is_not_the_newest(r: fakeredis.FakeRedis) -> None:
+    from pegaflow.meta.events import Event, encode, stream_key
+    from pegaflow.meta.events.codec import FIELD
+    from pegaflow.meta.events.consumer import Consumer
+
+    old_nid, old_epoch = registry.register(r, "a", "h:1", 10_000, switch=True)
+    r.flushall()  # Redis lost everything; "a" has not noticed yet and keeps writing
+    nid_b, epoch_b = registry.register(r, "b", "h:2", 10_000, switch=True)
+    stale = hashes(4, seed=3)
+    r.xadd(stream_key("a"), {FIELD: encode(Event("a", old_nid, old_epoch, 7, Op.INSERT, NS, b"".join(stale)))})
+    # Even an event that names b's new nid with a's old epoch is not b's.
+    r.xadd(stream_key("a"), {FIELD: encode(Event("a", nid_b, old_epoch, 8, Op.INSERT, NS, b"".join(stale)))})
+    fresh = hashes(4, seed=4)
+    r.xadd(stream_key("b"), {FIELD: encode(Event("b", nid_b, epoch_b, 0, Op.INSERT, NS, b"".join(fresh)))})
+    # Then "a" notices and registers again; its stream is read from the start.
+    nid_a, epoch_a = registry.register(r, "a", "h:1", 10_000, switch=True)
+    mine = hashes(4, seed=5)
+    r.xadd(stream_key("a"), {FIELD: encode(Event("a", nid_a, epoch_a, 0, Op.INSERT, NS, b"".join(mine)))})
+    c = Consumer(r, "c1", lease_ms=10_000)
+    for _ in range(5):
+        c.step()
+    ix = Index(r)
+    assert ix.query(NS, fresh) == {nid_b: 4}
+    assert ix.query(NS, mine) == {nid_a: 4}
+    assert ix.query(NS, stale) == {}, "events of a lost incarnation were indexed"
+    assert c.stats.stale == 2

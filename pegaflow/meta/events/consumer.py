@@ -28,6 +28,7 @@ Contracts:
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import socket
@@ -257,6 +258,7 @@ class Consumer:
         new_tags: dict[str, str] = {}
         ops: dict[str, int] = {}
         blocks = 0
+        current = self._incarnation(st.node)
         for eid, fields in entries:
             self._to_ack.setdefault(st.key, []).append(eid)
             try:
@@ -273,7 +275,13 @@ class Consumer:
             if ev.op == Op.RESET:
                 st.resets[ev.epoch] = eid
                 continue
-            if ev.nid in self._retired:
+            if (ev.nid, ev.epoch) != current:
+                # Registration happens before a node writes an incarnation's events, so a
+                # newer one is already in the registry: read it again once before judging.
+                current = self._incarnation(st.node)
+            if ev.nid in self._retired or (ev.nid, ev.epoch) != current:
+                # Not the node's newest incarnation: superseded by a re-sync, or written
+                # before Redis lost its data. Its updates must not land under any nid.
                 self.stats.stale += 1
                 metrics.EVENTS_SKIPPED.inc()
                 continue
@@ -305,6 +313,14 @@ class Consumer:
         metrics.BLOCKS_APPLIED.inc(blocks)
         for op, n in ops.items():
             metrics.EVENTS_APPLIED.labels(op.lower()).inc(n)
+
+    def _incarnation(self, node: str) -> tuple[int, int] | None:
+        """(nid, epoch) of ``node``'s newest registration, None if it has none."""
+        raw = self.r.hget(keys.NODES, node)
+        if raw is None:
+            return None
+        d = json.loads(raw)
+        return int(d["nid"]), int(d["epoch"])
 
     def _still_owner(self, st: _Stream) -> bool:
         return self.r.get(keys.owner_key(st.node)) == self.name.encode()

@@ -233,6 +233,7 @@ class EventPublisher:
         return False
 
     _busy = False
+    _next_beat = 0.0  # when the liveness key is next refreshed (publisher thread)
 
     # --- publisher thread ----------------------------------------------------------------------
 
@@ -245,19 +246,15 @@ class EventPublisher:
         )
 
     def _run(self) -> None:
-        next_beat = 0.0
         while True:
             stopping = self._stop.is_set()
             try:
                 if self._need is not None and not stopping:
                     self._resync(self._need == "start")
-                    next_beat = time.monotonic() + self.ttl_ms / 3000
-                if time.monotonic() >= next_beat and not stopping:
-                    if not self._retrying()(registry.heartbeat, self.r, self.node, self.nid, self.ttl_ms):
-                        log.warning("registration lost; re-registering", node=self.node, nid=self.nid)
-                        self._need = "start"
-                        continue
-                    next_beat = time.monotonic() + self.ttl_ms / 3000
+                    self._next_beat = time.monotonic() + self.ttl_ms / 3000
+                if not stopping and not self._beat_if_due():
+                    log.warning("registration lost; re-registering", node=self.node, nid=self.nid)
+                    continue
                 self._flush()
             except Exception as exc:  # keep the thread alive whatever Redis does
                 self.stats.errors += 1
@@ -335,7 +332,21 @@ class EventPublisher:
 
             ids.extend(self._retrying()(send))
             self.stats.published_entries += len(chunk)
+            self._beat_if_due()  # a long snapshot or backlog must not let the liveness key lapse
         return ids
+
+    def _beat_if_due(self) -> bool:
+        """Refresh the liveness key if a third of its TTL passed; False if the registration is
+        gone (then a re-sync is due). Heartbeats come from this thread only, between batches."""
+        now = time.monotonic()
+        if now < self._next_beat or not self.nid:
+            return True
+        ok = bool(self._retrying()(registry.heartbeat, self.r, self.node, self.nid, self.ttl_ms))
+        self._next_beat = now + self.ttl_ms / 3000
+        if not ok:
+            with self._lock:
+                self._need = "start"
+        return ok
 
     def _cut(self) -> list[tuple[str, Sequence[bytes]]]:
         with self._lock:

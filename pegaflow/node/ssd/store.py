@@ -35,6 +35,7 @@ Contracts:
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import fcntl
 import os
@@ -370,6 +371,7 @@ class SsdIndex:
         self.files = files
         self.ns_id = ns_id
         self.entries: dict[tuple[int, bytes], Entry] = {}
+        self.per_namespace: collections.Counter[int] = collections.Counter()  # namespace id -> entries
         self.capacity = sum(len(f.segments) * f.segment_bytes for f in files)
         self.used_bytes = 0  # record bytes of indexed entries
         self.evicted_blocks = 0
@@ -412,6 +414,7 @@ class SsdIndex:
                     self._forget(key, old)
                 e = Entry(seg.file, seg.index, off, h.gen, h.seq, h.ns_name, h.payload_len)
                 self.entries[key] = e
+                self.per_namespace[nid] += 1
                 seg.keys.add(key)
                 self.used_bytes += e.size
         found = len(self.entries)
@@ -473,6 +476,7 @@ class SsdIndex:
             self._forget(key, old)
         e = Entry(slot.file, slot.segment, slot.offset, slot.gen, slot.seq, ns_name, payload_len)
         self.entries[key] = e
+        self.per_namespace[key[0]] += 1
         seg.keys.add(key)
         self.used_bytes += e.size
         return True
@@ -482,8 +486,19 @@ class SsdIndex:
         if e is not None:
             self._forget(key, e)
 
+    def holds_namespace(self, ns_id: int) -> bool:
+        return self.per_namespace[ns_id] > 0
+
+    def _uncount(self, ns_id: int) -> None:
+        n = self.per_namespace[ns_id] - 1
+        if n > 0:
+            self.per_namespace[ns_id] = n
+        else:
+            del self.per_namespace[ns_id]
+
     def _forget(self, key: tuple[int, bytes], e: Entry) -> None:
         del self.entries[key]
+        self._uncount(key[0])
         self.files[e.file].segments[e.segment].keys.discard(key)
         self.used_bytes -= e.size
 
@@ -493,6 +508,7 @@ class SsdIndex:
             e = self.entries.get(k)
             if e is not None:
                 del self.entries[k]
+                self._uncount(k[0])
                 self.used_bytes -= e.size
         self.evicted_blocks += len(keys)
         seg.keys.clear()
