@@ -23,7 +23,7 @@ def test_killed_writers_and_readers_expose_nothing_and_leak_nothing(node_factory
     rng = random.Random(7)
     observer = Worker("reader", node.addr, 1, universe, "--blocks", "16")
     observer.wait_ready()
-    duration = pick(12, 120)
+    duration = pick(8, 120)
     kills = 0
     deadline = time.monotonic() + duration
     seed = 100
@@ -64,7 +64,7 @@ def test_holders_slower_than_every_ttl_never_see_or_write_anothers_bytes(node_fa
     fast = [Worker(role, node.addr, 20 + i, universe, "--blocks", "8") for i, role in enumerate(["writer", "reader"])]
     for w in slow + fast:
         w.wait_ready()
-    wait_until(lambda: node.metric("pegaflow_node_expired_total") >= pick(20, 200), pick(60, 300),
+    wait_until(lambda: node.metric("pegaflow_node_expired_total") >= pick(10, 200), pick(60, 300),
                "holders to outlive their TTLs")
     totals = [w.finish() for w in slow + fast]
     wait_until(lambda: nothing_held(node.addr), 30, "holdings freed")

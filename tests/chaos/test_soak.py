@@ -24,7 +24,7 @@ def test_soak_verifies_every_page_and_leaks_nothing(node_factory):  # type: igno
                for i, role in enumerate(["writer", "writer", "reader", "reader"])]
     for w in workers:
         w.wait_ready()
-    duration = pick(15, 450)
+    duration = pick(10, 450)
     samples: list[tuple[float, int, int]] = []
     t0 = time.monotonic()
     while time.monotonic() - t0 < duration:
