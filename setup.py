@@ -58,8 +58,8 @@ class EggInfo(egg_info):
 setup(
     cmdclass={"build_py": BuildPy, "egg_info": EggInfo},
     ext_modules=[
-        Extension("pegaflow._pagecopy", ["pegaflow/native/pagecopy.c"], extra_compile_args=["-O3"]),
-        Extension("pegaflow._sketch", ["pegaflow/native/sketch.c"], extra_compile_args=["-O3"]),
-        Extension("pegaflow._blockindex", ["pegaflow/native/blockindex.c"], extra_compile_args=["-O3"]),
+        Extension("pegaflow.client._pagecopy", ["pegaflow/native/pagecopy.c"], extra_compile_args=["-O3"]),
+        Extension("pegaflow.core._sketch", ["pegaflow/native/sketch.c"], extra_compile_args=["-O3"]),
+        Extension("pegaflow.core._blockindex", ["pegaflow/native/blockindex.c"], extra_compile_args=["-O3"]),
     ],
 )

@@ -38,13 +38,14 @@ sys.path.insert(0, str(ROOT))
 import grpc  # noqa: E402
 
 from pegaflow._proto import meta_pb2, meta_pb2_grpc  # noqa: E402
+from pegaflow.cluster import registry  # noqa: E402
+from pegaflow.cluster.codec import FIELD, encode  # noqa: E402
+from pegaflow.cluster.redis_conn import Client, connect, is_cluster  # noqa: E402
+from pegaflow.cluster.schema import Event, Op  # noqa: E402
+from pegaflow.cluster.streams import GROUP, stream_key  # noqa: E402
 from pegaflow.common.logging import configure_logging  # noqa: E402
-from pegaflow.meta import registry  # noqa: E402
-from pegaflow.meta.events import GROUP, Event, Op, encode, stream_key  # noqa: E402
-from pegaflow.meta.events.codec import FIELD  # noqa: E402
-from pegaflow.meta.events.consumer import Consumer  # noqa: E402
+from pegaflow.meta.ingest import Consumer  # noqa: E402
 from pegaflow.meta.lookup import Lookup  # noqa: E402
-from pegaflow.meta.redis_conn import Client, connect, is_cluster  # noqa: E402
 
 INFRA = ROOT / "infra" / "redis"
 NODES = 8

@@ -22,8 +22,8 @@ from collections.abc import Callable
 import datasketches as ds
 import numpy as np
 
-from pegaflow.policy.ceiling import CeilingEstimator, exact_ceiling
-from pegaflow.policy.tinylfu import TinyLFU
+from pegaflow.core.ceiling import CeilingEstimator, exact_ceiling
+from pegaflow.core.tinylfu import TinyLFU
 
 M64 = (1 << 64) - 1
 
@@ -126,8 +126,8 @@ def bench_hll(
 
 def bench_node_ceiling(n_blocks: int, repeat: int) -> list[tuple[str, float, str]]:
     """What the node pays: Query-path observe on 16-byte hashes, publication, cluster union."""
-    from pegaflow.meta.sketches import cluster_union
-    from pegaflow.node.ceiling import NodeCeiling
+    from pegaflow.cluster.sketches import cluster_union
+    from pegaflow.node.requests import RequestAccounting
 
     rows: list[tuple[str, float, str]] = []
     rng = random.Random(4)
@@ -143,23 +143,23 @@ def bench_node_ceiling(n_blocks: int, repeat: int) -> list[tuple[str, float, str
         parts = [hashes[i : i + size] for i in range(0, len(hashes), size)]
 
         def observe(parts: list[list[bytes]] = parts) -> None:
-            c = NodeCeiling((900.0, 3600.0, 86400.0))
+            c = RequestAccounting((900.0, 3600.0, 86400.0))
             for p in parts:
                 c.observe("model", p, 0)
 
         ns, ratio = paired_ns(observe, dict_update, len(hashes), repeat)
-        rows.append((f"NodeCeiling.observe (16-byte hashes), {size} blocks per Query", ns, f"{ratio:.2f}x"))
+        rows.append((f"RequestAccounting.observe (16-byte hashes), {size} blocks per Query", ns, f"{ratio:.2f}x"))
     now = time.time()
     blobs = {}
     for node in ("a", "b"):
-        c = NodeCeiling((900.0, 3600.0, 86400.0))
+        c = RequestAccounting((900.0, 3600.0, 86400.0))
         for b in range(10):  # every bucket of every window holds 100k distinct blocks
             keys = [(node, b, i) for i in range(100_000)]
             c.estimator.observe([hash(k) & M64 for k in keys], 0, now=now - 8640 * b)
         c.serialize()  # the first call folds; later ones (every publication) only dump
         t = time.perf_counter()
         blobs[node] = c.serialize()
-        rows.append((f"NodeCeiling.serialize, full sketches ({len(blobs[node]) >> 10} KiB), node {node}",
+        rows.append((f"RequestAccounting.serialize, full sketches ({len(blobs[node]) >> 10} KiB), node {node}",
                      (time.perf_counter() - t) * 1e9, "-"))
     t = time.perf_counter()
     est, _, _ = cluster_union(blobs, (900.0, 3600.0, 86400.0))

@@ -11,8 +11,8 @@ Each number is the best of ``--repeat`` runs, in wall time and in this process's
 
 TRACE defaults to traces/mooncake_synthetic_trace.jsonl.gz (Mooncake's public synthetic
 trace, shipped in the repository; see traces/README.md). The target is >= 1M block accesses/s in every case. The
-header says whether the index and TinyLFU run their C paths (``pegaflow._blockindex``,
-``pegaflow._sketch``, built by the install) or the pure-Python fallback.
+header says whether the index and TinyLFU run their C paths (``pegaflow.core._blockindex``,
+``pegaflow.core._sketch``, built by the install) or the pure-Python fallback.
 """
 
 from __future__ import annotations
@@ -30,12 +30,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pegaflow.node import block_index  # noqa: E402
-from pegaflow.policy.tinylfu import TinyLFU  # noqa: E402
-from pegaflow.replay.capacity import Capacity  # noqa: E402
+from pegaflow.config.capacity import Capacity  # noqa: E402
+from pegaflow.core import block_index  # noqa: E402
+from pegaflow.core.tinylfu import TinyLFU  # noqa: E402
+from pegaflow.core.trace import Trace, read_trace  # noqa: E402
+from pegaflow.replay.files import iter_lines  # noqa: E402
 from pegaflow.replay.model import ISOLATED, SHARED, Scenario  # noqa: E402
 from pegaflow.replay.run import replay  # noqa: E402
-from pegaflow.replay.trace import Trace, iter_lines, read_trace  # noqa: E402
 
 TARGET = 1_000_000  # block accesses per second
 DEFAULT_TRACE = ROOT / "traces" / "mooncake_synthetic_trace.jsonl.gz"

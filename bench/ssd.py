@@ -26,12 +26,13 @@ from typing import Any
 
 import numpy as np
 
-from pegaflow.common.units import parse_size
+from pegaflow.config.commands import node_config
+from pegaflow.core.block_index import BlockIndex
+from pegaflow.core.units import parse_size
 from pegaflow.node import metrics as node_metrics
-from pegaflow.node.block_index import BlockIndex
 from pegaflow.node.pool import SharedPool
-from pegaflow.node.ssd import open_tier, promote
-from pegaflow.node.ssd.store import record_bytes
+from pegaflow.node.tiers.ssd import open_tier, promote
+from pegaflow.node.tiers.ssd.store import record_bytes
 
 
 def fio(path: str, rw: str, size: int, bs: int, depth: int) -> dict[str, float]:
@@ -50,9 +51,9 @@ def fio(path: str, rw: str, size: int, bs: int, depth: int) -> dict[str, float]:
 async def tier_run(directory: str, size: int, page: int, depth: int, engine: str) -> dict[str, Any]:
     n = size // page
     pool_bytes = min(1 << 30, max(64 * page, 256 << 20))
-    opts = argparse.Namespace(ssd_cache_path=[directory], ssd_cache_capacity=n * record_bytes(page) * 2,
-                              ssd_queue_depth=depth, ssd_write_queue_size=pool_bytes // 2, ssd_io_engine=engine)
-    tier = open_tier(opts)
+    config = node_config(ssd_cache_path=[directory], ssd_cache_capacity=n * record_bytes(page) * 2,
+                         ssd_queue_depth=depth, ssd_write_queue_size=pool_bytes // 2, ssd_io_engine=engine)
+    tier = open_tier(config)
     assert tier is not None
     pool = SharedPool(pool_bytes)
     np.frombuffer(pool.mm, dtype=np.uint8)[:] = np.random.default_rng(1).integers(0, 255, pool.size, dtype=np.uint8)

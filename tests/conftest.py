@@ -91,7 +91,7 @@ class NodeProcess:
     @property
     def local_socket(self) -> str:
         """The node's default local-socket path (``--local-socket auto``)."""
-        from pegaflow.node.local import default_socket_path
+        from pegaflow.node.transports.unix_socket import default_socket_path
 
         return default_socket_path("127.0.0.1", self.port, {**os.environ, **self.env})
 

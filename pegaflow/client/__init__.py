@@ -1,6 +1,13 @@
 """Engine-side client: register with a node, map its pool, move pages. See :mod:`.client`."""
 
-from pegaflow.client.client import NodeError, NodeUnavailable, PegaClient, QueryResult, Reservation
+from pegaflow.client.client import (
+    NodeError,
+    NodeUnavailable,
+    PegaClient,
+    QueryResult,
+    QueryStatus,
+    Reservation,
+)
 from pegaflow.client.pages import load_pages, page_bytes, save_pages
 
 __all__ = [
@@ -8,6 +15,7 @@ __all__ = [
     "NodeUnavailable",
     "PegaClient",
     "QueryResult",
+    "QueryStatus",
     "Reservation",
     "load_pages",
     "page_bytes",

@@ -17,6 +17,7 @@ Contracts:
 
 from __future__ import annotations
 
+import enum
 import mmap
 import os
 import socket
@@ -26,7 +27,6 @@ import uuid
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
 import grpc
 import structlog
@@ -64,9 +64,17 @@ class NodeError(Exception):
         self.code = code
 
 
+class QueryStatus(enum.StrEnum):
+    """READY: the hit is leased (``pages`` hold it); LOADING: the node is bringing more of the
+    prefix in from SSD or a peer, ask again."""
+
+    READY = "READY"
+    LOADING = "LOADING"
+
+
 @dataclass(frozen=True)
 class QueryResult:
-    status: Literal["READY", "LOADING"]
+    status: QueryStatus
     hit_blocks: int
     lease_id: int
     offsets: dict[str, list[int]]
@@ -404,7 +412,7 @@ class PegaClient:
                                               req_id=req_id, lease=lease),
             "Query",
         )
-        status: Literal["READY", "LOADING"] = "LOADING" if resp.status == node_pb2.LOADING else "READY"
+        status = QueryStatus.LOADING if resp.status == node_pb2.LOADING else QueryStatus.READY
         return QueryResult(status, resp.hit_blocks, resp.lease_id,
                            {p.namespace: list(p.offsets) for p in resp.pages}, b.epoch, b.pool)
 

@@ -6,7 +6,7 @@ A *layout* is a list of segment tensors. For each segment ``seg``, ``seg[b]`` is
 K and V of each layer.) ``offsets[i]`` is where ``block_ids[i]``'s page starts in the pool.
 
 One call moves a whole request. On CPU the (address, offset, length) triples are computed
-with numpy and copied by ``pegaflow._pagecopy`` in one GIL-free native call; on CUDA (or
+with numpy and copied by ``pegaflow.client._pagecopy`` in one GIL-free native call; on CUDA (or
 if the native module is missing) by one ``copy_`` per block and segment, which on CUDA
 is a DMA from pinned pool memory.
 """
@@ -22,7 +22,7 @@ import torch
 
 _native: ctypes.CDLL | None = None
 try:
-    _spec = importlib.util.find_spec("pegaflow._pagecopy")
+    _spec = importlib.util.find_spec("pegaflow.client._pagecopy")
     if _spec is not None and _spec.origin:
         _native = ctypes.CDLL(_spec.origin)
         _native.pf_copy_segments.argtypes = [

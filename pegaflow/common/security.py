@@ -26,16 +26,24 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
 from pegaflow.common.grpc_guard import AUTH_HEADER, ENV_TOKEN, TokenError, read_token
+from pegaflow.common.hosts import LOOPBACK, host_of
 
 ENV_TLS_CA = "PEGAFLOW_TLS_CA"
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 __all__ = ["ENV_TOKEN", "Security", "SecurityError", "TokenError", "aio_channel", "sync_channel"]
+
+
+class SecurityOptions(Protocol):
+    """The options a server's security comes from (both commands' configs have them)."""
+
+    auth_token_file: str
+    tls_cert: str
+    tls_key: str
 
 
 class SecurityError(ValueError):
@@ -77,9 +85,10 @@ class Security:
                    _read(ca, "the TLS CA file") if ca else b"")
 
     @classmethod
-    def from_options(cls, opts: Any) -> Security:
-        return cls.load(getattr(opts, "auth_token_file", ""), getattr(opts, "tls_cert", ""),
-                        getattr(opts, "tls_key", ""), getattr(opts, "tls_ca", ""))
+    def from_options(cls, config: SecurityOptions, tls_ca: str = "") -> Security:
+        """From a command's config (``NodeConfig``, ``MetaConfig``); ``tls_ca`` for a process
+        that dials others over TLS (the node: ``--tls-ca``)."""
+        return cls.load(config.auth_token_file, config.tls_cert, config.tls_key, tls_ca)
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
@@ -100,8 +109,7 @@ class Security:
 
     def exposure_warning(self, addr: str) -> str:
         """A warning for a port on a non-loopback address that anyone on the network may call."""
-        host = addr.rpartition(":")[0].strip("[]")
-        if host in LOOPBACK or self.token:
+        if host_of(addr) in LOOPBACK or self.token:
             return ""
         return (f"{addr} is reachable from other hosts and no token is set: anyone who can reach it "
                 "may read and write this cache (set --auth-token-file; docs/security.md)")

@@ -43,11 +43,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from pegaflow.common.security import Security
-from pegaflow.connector.hashing import KVIdentity, config_hash
 from pegaflow.connector.intents import PegaConnectorMetadata, PegaWorkerReport
 from pegaflow.connector.link import LOGGER_NAME, NodeLink, node_address, query_only_client_factory
 from pegaflow.connector.scheduler import SchedulerSide
 from pegaflow.connector.worker import WorkerSide
+from pegaflow.core.identity import KVIdentity, config_hash
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

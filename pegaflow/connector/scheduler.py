@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pegaflow.connector.hashing import ExtraKeys, KVIdentity, MMItem, block_hashes
+from pegaflow.client import QueryStatus
 from pegaflow.connector.intents import (
     LoadIntent,
     PegaConnectorMetadata,
@@ -46,6 +46,7 @@ from pegaflow.connector.intents import (
     ShardSave,
 )
 from pegaflow.connector.link import LOGGER_NAME, NodeLink
+from pegaflow.core.identity import ExtraKeys, KVIdentity, MMItem, block_hashes
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -152,7 +153,7 @@ class SchedulerSide:
         self.queries += 1
         if res is None:
             return 0, False
-        if res.status == "LOADING":
+        if res.status == QueryStatus.LOADING:
             if st.loading_since is None:
                 st.loading_since = now
             if now - st.loading_since < LOADING_WAIT_S:

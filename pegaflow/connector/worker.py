@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from pegaflow.connector.hashing import KVIdentity
 from pegaflow.connector.intents import PegaConnectorMetadata, PegaWorkerReport
 from pegaflow.connector.layout import PageLayout, build_page_layout
 from pegaflow.connector.link import LOGGER_NAME, NodeLink
+from pegaflow.core.identity import KVIdentity
 
 logger = logging.getLogger(LOGGER_NAME)
 

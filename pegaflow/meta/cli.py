@@ -4,12 +4,11 @@
     pegaflow-meta rebuild [options]   recompute the index from the streams, print a JSON report
 
 Any number of replicas may run against one Redis or Redis Cluster; they share the node
-streams (see ``events/consumer.py``). Options: ``pegaflow/common/options.py`` (META rows).
+streams (see ``events/consumer.py``). Options: ``pegaflow/config/options.py`` (META rows).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import signal
 import sys
@@ -19,24 +18,25 @@ from collections.abc import Sequence
 import redis
 import structlog
 
+from pegaflow.cluster.redis_conn import Client
 from pegaflow.common.logging import configure_logging
-from pegaflow.common.options import META, parse_options
 from pegaflow.common.security import Security, SecurityError
-from pegaflow.meta.redis_conn import Client
+from pegaflow.config.commands import MetaConfig, load
+from pegaflow.config.options import META
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     rebuild = bool(args) and args[0] == "rebuild"
     prog = "pegaflow-meta rebuild" if rebuild else "pegaflow-meta"
-    opts = parse_options(META, prog, args[1:] if rebuild else args)
+    opts = load(META, prog, args[1:] if rebuild else args)
     configure_logging(opts.log_level, opts.log_format)
     try:
         security = Security.from_options(opts)
     except SecurityError as exc:
         sys.stderr.write(f"{prog}: error: {exc}\n")
         raise SystemExit(2) from None
-    from pegaflow.meta.redis_conn import connect
+    from pegaflow.cluster.redis_conn import connect
 
     try:
         r = connect(opts.redis_url, opts.redis_cluster)
@@ -62,11 +62,11 @@ def unreachable_redis(url: str, exc: BaseException) -> str:
     )
 
 
-def serve_forever(r: Client, opts: argparse.Namespace, security: Security) -> None:
+def serve_forever(r: Client, opts: MetaConfig, security: Security) -> None:
     from prometheus_client import start_http_server
 
     from pegaflow.meta import sweeper
-    from pegaflow.meta.events.consumer import Consumer
+    from pegaflow.meta.ingest import Consumer
     from pegaflow.meta.lookup import Lookup
     from pegaflow.meta.service import serve
 
@@ -87,7 +87,7 @@ def serve_forever(r: Client, opts: argparse.Namespace, security: Security) -> No
         )
     from prometheus_client import REGISTRY
 
-    from pegaflow.meta.sketches import ClusterCeilingCollector
+    from pegaflow.cluster.sketches import ClusterCeilingCollector
 
     REGISTRY.register(ClusterCeilingCollector(r, opts.ceiling_windows))
     if opts.http_addr:

@@ -21,9 +21,9 @@ import struct
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from pegaflow.meta import keys
-from pegaflow.meta.events.schema import Op
-from pegaflow.meta.redis_conn import Call, Client, Script, run_scripts
+from pegaflow.cluster import keys
+from pegaflow.cluster.redis_conn import Call, Client, Script, run_scripts
+from pegaflow.cluster.schema import Op
 
 DUMP_CHUNK = 1024  # buckets per HGETALL pipeline when dumping / sweeping
 SWEEP_CHUNK = 256  # buckets per sweep script call: bounds the time one call holds Redis

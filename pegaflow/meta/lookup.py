@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 from redis.exceptions import NoScriptError
 
-from pegaflow.meta import keys, registry
+from pegaflow.cluster import keys, registry
+from pegaflow.cluster.redis_conn import Client, parallel
 from pegaflow.meta.index import Index
-from pegaflow.meta.redis_conn import Client, parallel
 
 
 @dataclass(frozen=True)

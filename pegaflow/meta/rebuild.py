@@ -21,13 +21,13 @@ from dataclasses import dataclass
 
 import structlog
 
-from pegaflow.meta import keys, registry
-from pegaflow.meta.events.codec import MalformedEvent, decode_entry
-from pegaflow.meta.events.consumer import PAUSE_KEY
-from pegaflow.meta.events.schema import Op
-from pegaflow.meta.events.streams import stream_key
+from pegaflow.cluster import keys, registry
+from pegaflow.cluster.codec import MalformedEvent, decode_entry
+from pegaflow.cluster.redis_conn import Client, run_scripts
+from pegaflow.cluster.schema import Op
+from pegaflow.cluster.streams import stream_key
 from pegaflow.meta.index import Index
-from pegaflow.meta.redis_conn import Client, run_scripts
+from pegaflow.meta.ingest import PAUSE_KEY
 
 log = structlog.get_logger("pegaflow.meta.rebuild")
 

@@ -18,11 +18,11 @@ import redis
 import structlog
 
 from pegaflow._proto import meta_pb2, meta_pb2_grpc
+from pegaflow.cluster.schema import HASH_BYTES
 from pegaflow.common.errors import InvalidArgument, PegaError, Unavailable, grpc_code
 from pegaflow.common.grpc_guard import SyncGuard
 from pegaflow.common.security import Security
 from pegaflow.meta import metrics
-from pegaflow.meta.events.schema import HASH_BYTES
 from pegaflow.meta.lookup import Lookup, NodePrefix
 
 log = structlog.get_logger("pegaflow.meta.service")

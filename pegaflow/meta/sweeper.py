@@ -14,10 +14,11 @@ import time
 
 import structlog
 
-from pegaflow.meta import keys, metrics, registry
-from pegaflow.meta.events.streams import stream_key
+from pegaflow.cluster import keys, registry
+from pegaflow.cluster.redis_conn import Client
+from pegaflow.cluster.streams import stream_key
+from pegaflow.meta import metrics
 from pegaflow.meta.index import Index
-from pegaflow.meta.redis_conn import Client
 
 log = structlog.get_logger("pegaflow.meta.sweeper")
 

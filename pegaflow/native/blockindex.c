@@ -1,4 +1,4 @@
-/* pegaflow.node.block_index.Block as a C type: the same attributes, constructor, key and
+/* pegaflow.core.block_index.Block as a C type: the same attributes, constructor, key and
  * repr as the Python class in block_index.py (which stays as the fallback for a source
  * tree without the build), at a fraction of the cost to create.
  *
@@ -189,7 +189,7 @@ static PyGetSetDef Block_getset[] = {
 };
 
 static PyTypeObject BlockType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "pegaflow._blockindex.Block",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "pegaflow.core._blockindex.Block",
     .tp_basicsize = sizeof(Block),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "One page of the pool holding one block. Mutable, owned by BlockIndex.",
@@ -541,7 +541,7 @@ static PyObject *LRUIter_next(LRUIter *it) {
 }
 
 static PyTypeObject LRUIterType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "pegaflow._blockindex.LRUIterator",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "pegaflow.core._blockindex.LRUIterator",
     .tp_basicsize = sizeof(LRUIter),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_dealloc = (destructor)LRUIter_dealloc,
@@ -569,7 +569,7 @@ static PyMethodDef LRU_methods[] = {
 };
 
 static PyTypeObject LRUType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "pegaflow._blockindex.LRU",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "pegaflow.core._blockindex.LRU",
     .tp_basicsize = sizeof(LRU),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_doc = "An insertion-ordered set of objects by identity with OrderedDict's methods (the index's LRU).",
@@ -823,7 +823,7 @@ static PyMethodDef module_methods[] = {
 };
 
 static struct PyModuleDef blockindex_module = {
-    PyModuleDef_HEAD_INIT, "_blockindex", "The block index's Block and LRU in C (see pegaflow/node/block_index.py).", -1,
+    PyModuleDef_HEAD_INIT, "_blockindex", "The block index's Block and LRU in C (see pegaflow/core/block_index.py).", -1,
     module_methods,
 };
 

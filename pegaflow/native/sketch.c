@@ -1,4 +1,4 @@
-/* The per-key paths of pegaflow.policy.tinylfu.TinyLFU in C: record, estimate, admit.
+/* The per-key paths of pegaflow.core.tinylfu.TinyLFU in C: record, estimate, admit.
  *
  * TinyLFU owns the state (the count-min table and the doorkeeper are its bytearrays, the
  * sample count is its attribute); a Sketch only holds views of the two buffers and the
@@ -271,7 +271,7 @@ static PyMethodDef Sketch_methods[] = {
 };
 
 static PyTypeObject SketchType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "pegaflow._sketch.Sketch",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "pegaflow.core._sketch.Sketch",
     .tp_basicsize = sizeof(Sketch),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Views of a TinyLFU's count-min table and doorkeeper with its per-key paths in C.",
@@ -281,7 +281,7 @@ static PyTypeObject SketchType = {
     .tp_methods = Sketch_methods,
 };
 
-/* block_keys(salt, hashes) -> [int]: the twin of pegaflow.node.block_index.block_keys,
+/* block_keys(salt, hashes) -> [int]: the twin of pegaflow.core.block_index.block_keys,
  * int.from_bytes(h[:8], "little") ^ salt for each bytes object h. */
 static PyObject *block_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     uint64_t salt;
@@ -325,7 +325,7 @@ static PyMethodDef module_methods[] = {
 };
 
 static struct PyModuleDef sketch_module = {
-    PyModuleDef_HEAD_INIT, "_sketch", "TinyLFU's per-key paths in C (see pegaflow/policy/tinylfu.py).", -1,
+    PyModuleDef_HEAD_INIT, "_sketch", "TinyLFU's per-key paths in C (see pegaflow/core/tinylfu.py).", -1,
     module_methods,
 };
 

@@ -7,18 +7,19 @@ import sys
 from collections.abc import Sequence
 
 from pegaflow.common.logging import configure_logging
-from pegaflow.common.options import NODE, parse_options
+from pegaflow.config.commands import load
+from pegaflow.config.options import NODE
 from pegaflow.node.pool import PoolError
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     prog = "pegaflow-node"
-    opts = parse_options(NODE, prog, argv)
-    configure_logging(opts.log_level, opts.log_format)
+    config = load(NODE, prog, argv)
+    configure_logging(config.log_level, config.log_format)
     from pegaflow.node.daemon import Node, StartupError
 
     try:
-        node = Node(opts)
+        node = Node(config)
         asyncio.run(node.run())
     except (PoolError, StartupError) as exc:
         sys.stderr.write(f"{prog}: error: {exc}\n")

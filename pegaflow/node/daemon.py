@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
+import dataclasses
 import os
 import signal
 import socket
@@ -19,20 +19,20 @@ from pegaflow.common import otel
 from pegaflow.common.grpc_guard import AsyncGuard
 from pegaflow.common.http import MetricsServer
 from pegaflow.common.security import Security, SecurityError
-from pegaflow.node import cluster
-from pegaflow.node.block_index import BlockIndex
-from pegaflow.node.ceiling import NodeCeiling
-from pegaflow.node.local import LocalServer, LocalSocketError, default_socket_path
+from pegaflow.config.commands import NodeConfig
+from pegaflow.core.block_index import BlockIndex, IndexEvent, Namespace
+from pegaflow.core.tinylfu import TinyLFU
+from pegaflow.node import discovery
 from pegaflow.node.metrics import NodeMetrics
 from pegaflow.node.pool import SharedPool
 from pegaflow.node.query_trace import QueryTrace, QueryTraceError
+from pegaflow.node.requests import RequestAccounting
 from pegaflow.node.service import NodeService
 from pegaflow.node.sessions import Sessions
-from pegaflow.node.ssd import SsdError, open_tier
-from pegaflow.node.transfer import p2p
-from pegaflow.node.transfer.rdma import RdmaUnavailable
-from pegaflow.policy.ceiling import DEFAULT_WINDOWS
-from pegaflow.policy.tinylfu import TinyLFU
+from pegaflow.node.tiers.remote import wiring
+from pegaflow.node.tiers.remote.rdma import RdmaUnavailable
+from pegaflow.node.tiers.ssd import SsdError, open_tier
+from pegaflow.node.transports.unix_socket import LocalServer, LocalSocketError, default_socket_path
 
 log = structlog.get_logger("pegaflow.node")
 
@@ -51,44 +51,60 @@ class StartupError(Exception):
 
 
 class Node:
-    def __init__(self, opts: argparse.Namespace) -> None:
-        self.opts = opts
-        self.node_id = getattr(opts, "node_id", "") or socket.gethostname()
+    def __init__(self, config: NodeConfig) -> None:
+        self.config = config
+        self.node_id = config.node_id or socket.gethostname()
         self.epoch = time.time_ns() // 1_000_000
         try:  # SSD tier: validate paths before allocating the pool (docs/ssd.md)
-            self.ssd = open_tier(opts)
+            self.ssd = open_tier(config)
         except SsdError as exc:
             raise StartupError(str(exc)) from None
-        if getattr(opts, "metrics_otel_endpoint", ""):
+        if config.metrics_otel_endpoint:
             try:  # before the pool is allocated: a missing extra is a one-line error
                 otel.check_available()
             except otel.OtelUnavailable as exc:
                 raise StartupError(str(exc)) from None
         try:
-            self.security = Security.from_options(opts)
+            self.security = Security.from_options(config, config.tls_ca)
         except SecurityError as exc:
             raise StartupError(str(exc)) from None
         self.query_trace: QueryTrace | None = None
-        if getattr(opts, "query_trace", ""):
+        if config.query_trace:
             try:
-                self.query_trace = QueryTrace(opts.query_trace)
+                self.query_trace = QueryTrace(config.query_trace)
             except QueryTraceError as exc:
                 raise StartupError(str(exc)) from None
-        self.pool = SharedPool(opts.pool_size, opts.use_hugepages)
+        self.pool = SharedPool(config.pool_size, config.use_hugepages)
         self.metrics = NodeMetrics()
         admission = None
-        if getattr(opts, "enable_lfu_admission", False):
+        if config.enable_lfu_admission:
             admission = TinyLFU(max(1, self.pool.size // ADMISSION_PAGE_GUESS))
-        self.index = BlockIndex(self.pool.size, align=opts.page_align, admission=admission)
-        self.ceiling = NodeCeiling(getattr(opts, "ceiling_windows", DEFAULT_WINDOWS), self.metrics)
-        self.sessions = Sessions(self.index, opts.reservation_ttl, opts.lease_ttl,
-                                 max_namespaces=opts.max_namespaces)
+        self.index = BlockIndex(self.pool.size, align=config.page_align, admission=admission)
+        self.ceiling = RequestAccounting(config.ceiling_windows, self.metrics)
+        self.sessions = Sessions(self.index, config.reservation_ttl, config.lease_ttl,
+                                 max_namespaces=config.max_namespaces)
+        self.index.add_listener(self._on_index_event)
+        if self.ssd is not None:
+            try:
+                self.ssd.attach(self.index, self.pool.view, self.metrics)
+            except SsdError as exc:
+                raise StartupError(str(exc)) from None
+        self.p2p: wiring.P2P | None = None  # remote reads (pegaflow/node/tiers/remote/), in a cluster
+        if config.joins_cluster:
+            try:
+                self.p2p = wiring.P2P(config, self.index, self.pool, self.node_id, self.metrics.registry,
+                                      self.security, on_remote_hits=self.metrics.hits.labels("remote").inc)
+            except (OSError, RdmaUnavailable) as exc:
+                self.pool.close()
+                raise StartupError(f"remote reads: {exc}") from None
+            if self.ssd is not None:  # one checksum per page for SSD records and pulls
+                self.ssd.checksums = self.p2p.checksums
         self.service = NodeService(
             self.index, self.sessions, self.metrics, self.pool.path, self.pool.size,
-            self.node_id, self.epoch, opts.max_batch,
+            self.node_id, self.epoch, config.max_batch,
+            accounting=self.ceiling, ssd=self.ssd, query_trace=self.query_trace,
+            remote=self.p2p.puller if self.p2p is not None else None,
         )
-        self.service.ceiling = self.ceiling
-        self.service.query_trace = self.query_trace
         m = self.metrics
         m.pool_capacity.set(self.index.alloc.capacity)
         m.bind(
@@ -100,24 +116,6 @@ class Node:
             sessions=lambda: len(self.sessions.sessions),
             admission_rejections=lambda: self.index.admission_rejections,
         )
-        self.index.add_listener(self._on_index_event)
-        if self.ssd is not None:
-            try:
-                self.ssd.attach(self.index, self.pool.view, self.metrics)
-            except SsdError as exc:
-                raise StartupError(str(exc)) from None
-            self.service.ssd = self.ssd
-        self.p2p = None  # remote reads (pegaflow/node/transfer/), when the node joins a cluster
-        if p2p.enabled(opts):
-            try:
-                self.p2p = p2p.P2P(opts, self.index, self.pool, self.node_id, self.metrics.registry, self.security,
-                                   on_remote_hits=self.metrics.hits.labels("remote").inc)
-            except (OSError, RdmaUnavailable) as exc:
-                self.pool.close()
-                raise StartupError(f"remote reads: {exc}") from None
-            self.service.puller = self.p2p.puller
-            if self.ssd is not None:  # one checksum per page for SSD records and pulls
-                self.ssd.checksums = self.p2p.checksums
         self.server: grpc.aio.Server | None = None
         self.local: LocalServer | None = None  # the Unix-socket fast path (--local-socket)
         self.http: MetricsServer | None = None
@@ -126,8 +124,8 @@ class Node:
         self._sketches: asyncio.Task[None] | None = None
         self._joining: asyncio.Task[None] | None = None  # asking the metaserver for its Redis
 
-    def _on_index_event(self, op: str, ns: object, hashes: list[bytes]) -> None:
-        if op == "evict":
+    def _on_index_event(self, op: IndexEvent, ns: Namespace, hashes: list[bytes]) -> None:
+        if op is IndexEvent.EVICT:
             self.metrics.evictions.labels("l1").inc(len(hashes))
 
     def health(self) -> dict:
@@ -149,14 +147,14 @@ class Node:
             names = (*names, self.p2p.add_to_server(server))
         reflection.enable_server_reflection(names, server)
         try:
-            port = self.security.add_port(server, self.opts.addr)
+            port = self.security.add_port(server, self.config.addr)
         except RuntimeError as exc:
-            raise StartupError(f"cannot listen on {self.opts.addr}: {exc}") from None
+            raise StartupError(f"cannot listen on {self.config.addr}: {exc}") from None
         if port == 0:
-            raise StartupError(f"cannot listen on {self.opts.addr} (address in use?)")
-        warn = self.security.exposure_warning(self.opts.addr)
+            raise StartupError(f"cannot listen on {self.config.addr} (address in use?)")
+        warn = self.security.exposure_warning(self.config.addr)
         if warn:
-            log.warning("node_exposed_without_token", addr=self.opts.addr, detail=warn)
+            log.warning("node_exposed_without_token", addr=self.config.addr, detail=warn)
         self._start_local(port)
         if self.local is not None:
             try:
@@ -176,45 +174,45 @@ class Node:
         if asyncio.iscoroutine(r):
             await r
         self.server = server
-        if self.opts.http_addr:
-            self.http = MetricsServer(self.opts.http_addr, self.metrics.registry, self.health)
+        if self.config.http_addr:
+            self.http = MetricsServer(self.config.http_addr, self.metrics.registry, self.health)
             try:
                 await self.http.start()
             except OSError as exc:
-                raise StartupError(f"cannot listen on --http-addr {self.opts.http_addr}: {exc.strerror}") from None
-        if getattr(self.opts, "redis_url", ""):
+                raise StartupError(f"cannot listen on --http-addr {self.config.http_addr}: {exc.strerror}") from None
+        if self.config.redis_url:
             self._start_publishing()
-        elif getattr(self.opts, "metaserver_addr", ""):  # the original's way: Redis from the metaserver
+        elif self.config.metaserver_addr:  # the original's way: Redis from the metaserver
             self._joining = asyncio.create_task(self._join_via_metaserver())
-        if getattr(self.opts, "metrics_otel_endpoint", ""):
+        if self.config.metrics_otel_endpoint:
             # Last: every metric family exists now (the publisher's too), so all are mirrored.
-            self.otel = otel.start_otel_export(self.opts.metrics_otel_endpoint, self.metrics.registry,
+            self.otel = otel.start_otel_export(self.config.metrics_otel_endpoint, self.metrics.registry,
                                                "pegaflow-node")
-        log.info("node_started", addr=self.opts.addr, node_id=self.node_id, epoch=self.epoch,
+        log.info("node_started", addr=self.config.addr, node_id=self.node_id, epoch=self.epoch,
                  pool_bytes=self.pool.size, pool_path=self.pool.path, local_socket=self.service.local_socket,
                  pid=os.getpid())
 
     def _start_publishing(self) -> None:
-        from pegaflow.meta.events.publisher import publish_block_index
+        from pegaflow.node.publishing import publish_block_index
 
         self.publisher = publish_block_index(
-            self.opts, self.index, self.node_id, asyncio.get_running_loop(), self.metrics.registry
+            self.config, self.index, self.node_id, asyncio.get_running_loop(), self.metrics.registry
         )
         self._sketches = asyncio.create_task(self.publish_sketches())
 
     async def _join_via_metaserver(self) -> None:
-        """Publish to the Redis the metaserver names (pegaflow/node/cluster.py); ``self.opts``
+        """Publish to the Redis the metaserver names (pegaflow/node/discovery.py); ``self.config``
         then holds it, as if it had been given with --redis-url."""
-        target = await cluster.discover(self.opts.metaserver_addr, self.security)
-        self.opts.redis_url, self.opts.redis_cluster = target.url, target.cluster
-        log.info("publishing_to_metaserver_redis", metaserver=self.opts.metaserver_addr,
-                 redis_url=cluster.redacted(target.url), redis_cluster=target.cluster)
+        target = await discovery.discover(self.config.metaserver_addr, self.security)
+        self.config = dataclasses.replace(self.config, redis_url=target.url, redis_cluster=target.cluster)
+        log.info("publishing_to_metaserver_redis", metaserver=self.config.metaserver_addr,
+                 redis_url=discovery.redacted(target.url), redis_cluster=target.cluster)
         self._start_publishing()
 
     def _start_local(self, grpc_port: int) -> None:
-        path = getattr(self.opts, "local_socket", "")
+        path = self.config.local_socket
         if path == "auto":
-            path = default_socket_path(self.opts.addr.rpartition(":")[0], grpc_port)
+            path = default_socket_path(self.config.addr.rpartition(":")[0], grpc_port)
         if path:
             try:
                 self.local = LocalServer(self.service, path, self.security.token)
@@ -224,17 +222,17 @@ class Node:
     async def publish_sketches(self) -> None:
         """Every --ceiling-publish-interval: serialize the ceiling here (the estimator lives on
         this loop) and store it in Redis from a worker thread; failures are logged and retried."""
-        from pegaflow.meta.redis_conn import connect
-        from pegaflow.meta.sketches import publish_sketch
+        from pegaflow.cluster.redis_conn import connect
+        from pegaflow.cluster.sketches import publish_sketch
 
-        interval = self.opts.ceiling_publish_interval
+        interval = self.config.ceiling_publish_interval
         loop = asyncio.get_running_loop()
         r = None
         while True:
             blob = self.ceiling.serialize()
             try:
                 if r is None:
-                    r = await loop.run_in_executor(None, connect, self.opts.redis_url, self.opts.redis_cluster)
+                    r = await loop.run_in_executor(None, connect, self.config.redis_url, self.config.redis_cluster)
                 await loop.run_in_executor(None, publish_sketch, r, self.node_id, blob, interval)
                 self.metrics.sketch_publications.labels("ok").inc()
             except Exception as exc:  # Redis down: the sketch expires, the next one replaces it
@@ -256,10 +254,10 @@ class Node:
             if e.reservations_overdue:  # kept: their engines live (pegaflow/node/sessions.py)
                 self.metrics.expired.labels("reservation").inc(e.reservations_overdue)
                 log.warning("reservations_past_ttl", count=e.reservations_overdue,
-                            ttl=self.opts.reservation_ttl, detail="kept until their sessions commit or end")
+                            ttl=self.config.reservation_ttl, detail="kept until their sessions commit or end")
             if e.leases_overdue:
                 self.metrics.expired.labels("lease").inc(e.leases_overdue)
-                log.warning("leases_past_ttl", count=e.leases_overdue, ttl=self.opts.lease_ttl,
+                log.warning("leases_past_ttl", count=e.leases_overdue, ttl=self.config.lease_ttl,
                             detail="kept until released or their sessions end")
             if e.sessions_closed:
                 self.metrics.expired.labels("session").inc(e.sessions_closed)

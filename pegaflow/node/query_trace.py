@@ -1,7 +1,7 @@
 """The node's query trace: one JSON line per answered request, for ``pegaflow replay``.
 
 Written when ``--query-trace FILE`` is given. The format is defined in docs/replay.md and
-written by :func:`pegaflow.replay.trace.encode_query` (one definition of the format).
+written by :func:`pegaflow.core.trace.encode_query` (one definition of the format).
 A request is recorded once, when the node answers it READY (LOADING answers are retries
 of the same request). Lines are buffered and flushed by the node's housekeeping task, so
 recording costs the Query path one ``json.dumps`` and no system call.
@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from typing import IO
 
-from pegaflow.replay.trace import encode_query
+from pegaflow.core.trace import encode_query
 
 
 class QueryTraceError(Exception):

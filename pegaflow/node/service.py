@@ -2,7 +2,7 @@
 
 One method implements each RPC's semantics (``query``, ``reserve``, ...). Both transports
 call it: gRPC through the ``PegaNode`` servicer methods below, and the local fast path
-(a Unix socket, :mod:`pegaflow.node.local`) through :attr:`NodeService.local_methods`.
+(a Unix socket, :mod:`pegaflow.node.transports.unix_socket`) through :attr:`NodeService.local_methods`.
 The :func:`rpc` wrapper is the one place that times a call (per transport) and turns
 :class:`PegaError` into a status code, so both transports answer alike.
 
@@ -16,9 +16,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import grpc
 import structlog
@@ -27,8 +26,10 @@ from pegaflow._proto import node_pb2, node_pb2_grpc
 from pegaflow.common.errors import InvalidArgument, PegaError, grpc_code
 from pegaflow.common.local_wire import METHODS as LOCAL_METHODS
 from pegaflow.common.logging import RateLimitedLog
-from pegaflow.node.block_index import HASH_BYTES, Block, BlockIndex, Namespace
+from pegaflow.core.block_index import HASH_BYTES, Block, BlockIndex, Namespace
+from pegaflow.core.recent import RecentKeys
 from pegaflow.node.metrics import NodeMetrics
+from pegaflow.node.requests import SEEN_REQUESTS as QUERIED_REQUESTS
 from pegaflow.node.sessions import Sessions
 
 log = structlog.get_logger("pegaflow.node")
@@ -37,7 +38,6 @@ invalid_requests = RateLimitedLog(log, "invalid_request", every=10.0, level="inf
 
 MAX_NAME = 512  # bytes of a namespace or instance name
 SESSION_PING_SECONDS = 5.0  # keep-alive events on the session stream
-QUERIED_REQUESTS = 65536  # request keys remembered so a re-asked request counts its accesses once
 
 GRPC = "grpc"
 LOCAL = "local"
@@ -106,6 +106,40 @@ def check_hashes(hashes: Sequence[bytes], max_batch: int) -> None:
         raise InvalidArgument(f"hash {i} has {len(h)} bytes, expected {HASH_BYTES}")
 
 
+class SsdTier(Protocol):
+    """The SSD tier as a Query sees it (``pegaflow.node.tiers.ssd.SsdTier``)."""
+
+    def promote(self, nss: Sequence[Namespace], hashes: Sequence[bytes], hit: int) -> bool:
+        """Start loading what follows the first ``hit`` blocks from SSD; False if nothing is there."""
+        ...
+
+    def leased(self, blocks: Sequence[Block]) -> None:
+        """These blocks were leased: promoted ones need not be held for the engine any longer."""
+        ...
+
+
+class RemoteTier(Protocol):
+    """Peer pulls as a Query sees them (``pegaflow.node.tiers.remote.puller.Puller``)."""
+
+    async def query(self, nss: Sequence[Namespace], hashes: Sequence[bytes], hit: int) -> bool:
+        """Start pulling what follows the first ``hit`` blocks from peers; False if no peer has it."""
+        ...
+
+
+class QueryRecorder(Protocol):
+    """The ``--query-trace`` writer (``pegaflow.node.query_trace.QueryTrace``)."""
+
+    def record(self, namespace: str, hashes: Sequence[bytes], page_bytes: int, instance: str) -> None: ...
+
+
+class Accounting(Protocol):
+    """Per-request accounting (``pegaflow.node.requests.RequestAccounting``)."""
+
+    def loading(self, req_id: str, hit: int, tier: str) -> None: ...
+
+    def observe(self, namespace: str, hashes: Sequence[bytes], hit: int, req_id: str = "") -> bool: ...
+
+
 class NodeService(node_pb2_grpc.PegaNodeServicer):
     def __init__(
         self,
@@ -117,6 +151,11 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         node_id: str,
         epoch: int,
         max_batch: int = 16384,
+        *,
+        accounting: Accounting | None = None,
+        ssd: SsdTier | None = None,
+        remote: RemoteTier | None = None,
+        query_trace: QueryRecorder | None = None,
     ) -> None:
         self.index = index
         self.sessions = sessions
@@ -129,13 +168,13 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         self.stopping = asyncio.Event()
         self.hit_blocks = 0
         self.miss_blocks = 0
-        self._queried: OrderedDict[str, None] = OrderedDict()  # recent request keys, see query()
-        self.ssd: Any = None  # SsdTier when --ssd-cache-path is set (set by the node)
-        self.puller: Any = None  # transfer.puller.Puller when --metaserver-addr is set (set by the node)
-        self.query_trace: Any = None  # query_trace.QueryTrace when --query-trace is set
-        self.ceiling: Any = None  # NodeCeiling (pegaflow/node/ceiling.py), set by the node
-        self.local_socket = ""  # path of the local fast path announced at Register (set by the node)
-        # Wire method number -> (request type, handler) for pegaflow.node.local.
+        self._queried = RecentKeys(QUERIED_REQUESTS)  # recent request keys, see query()
+        self.accounting = accounting
+        self.ssd = ssd  # --ssd-cache-path
+        self.remote = remote  # pulls from peers: --metaserver-addr
+        self.query_trace = query_trace  # --query-trace
+        self.local_socket = ""  # path of the local fast path announced at Register (set once it listens)
+        # Wire method number -> (request type, handler) for pegaflow.node.transports.unix_socket.
         self.local_methods: dict[int, tuple[type, Handler]] = {
             mid: (req_type, getattr(self, name.lower())) for mid, (name, req_type, _) in LOCAL_METHODS.items()
         }
@@ -232,14 +271,14 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
                 self.index.record_access(ns, hashes[hit:])
         if self.ssd is not None and hit < len(hashes) and self.ssd.promote(nss, hashes, hit):
             self.metrics.queries.labels("loading").inc()
-            if self.ceiling is not None:
-                self.ceiling.loading(_request_key(s.id, request.req_id), hit, "ssd")
+            if self.accounting is not None:
+                self.accounting.loading(_request_key(s.id, request.req_id), hit, "ssd")
             return node_pb2.QueryResponse(status=node_pb2.LOADING, hit_blocks=hit)
-        if self.puller is not None and hit < len(hashes):
-            if await self.puller.query(nss, hashes, hit):
+        if self.remote is not None and hit < len(hashes):
+            if await self.remote.query(nss, hashes, hit):
                 self.metrics.queries.labels("loading").inc()
-                if self.ceiling is not None:
-                    self.ceiling.loading(_request_key(s.id, request.req_id), hit, "remote")
+                if self.accounting is not None:
+                    self.accounting.loading(_request_key(s.id, request.req_id), hit, "remote")
                 return node_pb2.QueryResponse(status=node_pb2.LOADING, hit_blocks=hit)
             # The metaserver lookup awaited: blocks may have come or gone meanwhile.
             per_ns = [self.index.prefix(ns, hashes, touch=False) for ns in nss]
@@ -258,23 +297,15 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         self.metrics.hits.labels("l1").inc(hit)
         self.metrics.misses.inc(len(hashes) - hit)
         self.metrics.queries.labels("hit" if hit else "miss").inc()
-        if self.ceiling is not None:
-            self.ceiling.observe(nss[0].name, hashes, hit, _request_key(s.id, request.req_id))
+        if self.accounting is not None:
+            self.accounting.observe(nss[0].name, hashes, hit, _request_key(s.id, request.req_id))
         if self.query_trace is not None:
             self.query_trace.record(nss[0].name, hashes, nss[0].page_bytes, s.instance_id)
         return node_pb2.QueryResponse(status=node_pb2.READY, hit_blocks=hit, lease_id=lease_id, pages=pages)
 
     def _first_query(self, key: str) -> bool:
         """True unless request ``key`` was queried recently (requests without an id: always)."""
-        if not key:
-            return True
-        if key in self._queried:
-            self._queried.move_to_end(key)
-            return False
-        self._queried[key] = None
-        if len(self._queried) > QUERIED_REQUESTS:
-            self._queried.popitem(last=False)
-        return True
+        return not key or not self._queried.seen(key)
 
     @rpc("Release")
     async def release(self, request: node_pb2.ReleaseRequest) -> node_pb2.ReleaseResponse:

@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pegaflow.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from pegaflow.node.block_index import PENDING, Block, BlockIndex, Namespace
+from pegaflow.core.block_index import PENDING, Block, BlockIndex, Namespace
 
 SESSION_OPEN_TIMEOUT = 30.0  # seconds from Register to the Session stream (PegaClient opens it at once)
 

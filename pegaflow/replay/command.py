@@ -14,12 +14,14 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
-from pegaflow.common.options import REPLAY, build_parser, fill_defaults
-from pegaflow.replay.capacity import route_field
+from pegaflow.config.capacity import route_field
+from pegaflow.config.commands import ReplayConfig, load
+from pegaflow.config.options import REPLAY
+from pegaflow.core.trace import TraceError, read_trace
+from pegaflow.replay.files import iter_lines
 from pegaflow.replay.model import ISOLATED, SHARED, Scenario, scenario_grid
 from pegaflow.replay.report import Report, plot, render_table
 from pegaflow.replay.run import replay_many
-from pegaflow.replay.trace import TraceError, iter_lines, read_trace
 from pegaflow.replay.windows import ceiling_report
 
 DESCRIPTION = (
@@ -72,9 +74,7 @@ def _counted(lines: Iterator[str], bar: _Progress) -> Iterator[str]:
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "pegaflow replay") -> int:
-    p = build_parser(REPLAY, prog, DESCRIPTION)
-    p.add_argument("trace", help="trace file (JSON lines; .gz is decompressed)")
-    opts = fill_defaults(p.parse_args(argv), REPLAY, prog)
+    opts: ReplayConfig = load(REPLAY, prog, argv, description=DESCRIPTION)
 
     def fail(msg: str, code: int = 2) -> int:
         sys.stderr.write(f"{prog}: error: {msg}\n")

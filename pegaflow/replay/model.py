@@ -2,9 +2,9 @@
 
 What is modelled, and how (also in ``docs/replay.md``):
 
-- **L1** is one :class:`~pegaflow.node.block_index.BlockIndex` per pool, with the node's
+- **L1** is one :class:`~pegaflow.core.block_index.BlockIndex` per pool, with the node's
   LRU eviction and, when asked, the node's TinyLFU admission
-  (:class:`~pegaflow.policy.tinylfu.TinyLFU`, sized to the L1 capacity in blocks). A
+  (:class:`~pegaflow.core.tinylfu.TinyLFU`, sized to the L1 capacity in blocks). A
   request is served exactly as the node serves it: ``prefix`` (hits are touched and
   recorded), ``record_access`` for the rest, then ``reserve`` + ``commit`` of the blocks
   the engine computed (the node's Query, Reserve, Commit), in one pass
@@ -33,10 +33,10 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from pegaflow.node.allocator import OutOfSpace
-from pegaflow.node.block_index import BlockIndex, Namespace
-from pegaflow.policy.tinylfu import TinyLFU
-from pegaflow.replay.capacity import ROUND_ROBIN, Capacity, route_field
+from pegaflow.config.capacity import ROUND_ROBIN, Capacity, route_field
+from pegaflow.core.allocator import OutOfSpace
+from pegaflow.core.block_index import BlockIndex, IndexEvent, Namespace
+from pegaflow.core.tinylfu import TinyLFU
 
 # The node's default --page-align: O_DIRECT needs 4096-byte aligned pages.
 BYTES_ALIGN = 4096
@@ -132,13 +132,13 @@ class Pool:
         self.l1 = Tier(*l1, page_bytes, admission=tinylfu)
         self.ssd: Tier | None = None
         self._to_ssd: list[tuple[str, list[bytes]]] = []
-        self._ssd_op = "evict" if ssd_writes == SSD_WRITES_EVICTIONS else "insert"
+        self._ssd_op = IndexEvent.EVICT if ssd_writes == SSD_WRITES_EVICTIONS else IndexEvent.INSERT
         if ssd[0] > 0:
             self.ssd = Tier(*ssd, page_bytes)
             self.l1.index.add_listener(self._on_l1_event)
 
-    def _on_l1_event(self, op: str, ns: Namespace, hashes: list[bytes]) -> None:
-        if op == self._ssd_op:
+    def _on_l1_event(self, op: IndexEvent, ns: Namespace, hashes: list[bytes]) -> None:
+        if op is self._ssd_op:
             self._to_ssd.append((ns.name, hashes))
 
     def serve(self, namespace: str, hashes: list[bytes]) -> tuple[int, list[tuple[int, int]]]:

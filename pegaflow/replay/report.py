@@ -12,11 +12,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pegaflow.common.units import format_size
-from pegaflow.replay.capacity import Capacity
+from pegaflow.config.capacity import Capacity
+from pegaflow.core.trace import Trace
+from pegaflow.core.units import format_size
 from pegaflow.replay.model import ISOLATED, SHARED
 from pegaflow.replay.run import RunResult
-from pegaflow.replay.trace import Trace
 from pegaflow.replay.windows import CeilingReport
 
 # Per window length, the table lists at most this many windows (the JSON has all).

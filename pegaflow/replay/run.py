@@ -22,8 +22,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 
+from pegaflow.core.trace import Trace
 from pegaflow.replay.model import Cluster, Scenario
-from pegaflow.replay.trace import Trace
 
 # Progress is reported every this many requests: often enough for a smooth bar, rarely
 # enough that the callback costs nothing measurable.

@@ -12,7 +12,7 @@ import random
 import time
 from pathlib import Path
 
-from pegaflow.meta import keys
+from pegaflow.cluster import keys
 from tests.chaos.common import Report, pick, tracebacks_in
 from tests.integration import redis_fixtures
 from tests.integration.meta_harness import MetaProc, NodeProc, client, load_truth, wait_converged, wait_until

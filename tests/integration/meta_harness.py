@@ -14,9 +14,9 @@ from pathlib import Path
 import grpc
 
 from pegaflow._proto import meta_pb2, meta_pb2_grpc
-from pegaflow.meta import keys, registry
+from pegaflow.cluster import keys, registry
+from pegaflow.cluster.redis_conn import Client, connect
 from pegaflow.meta.index import Index
-from pegaflow.meta.redis_conn import Client, connect
 from tests.integration.redis_fixtures import free_port_range
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -20,9 +20,9 @@ import random
 import sys
 import time
 
+from pegaflow.cluster.redis_conn import connect
 from pegaflow.common.logging import configure_logging
-from pegaflow.meta.events.publisher import EventPublisher
-from pegaflow.meta.redis_conn import connect
+from pegaflow.node.publishing import EventPublisher
 
 
 def load_state(path: str) -> dict[str, set[bytes]]:

@@ -24,7 +24,7 @@ from pegaflow._proto import meta_pb2, meta_pb2_grpc, node_pb2, node_pb2_grpc, pe
 from pegaflow.client import NodeError, PegaClient
 from pegaflow.common.local_wire import HELLO, METHOD_IDS, REPLY_HEADER, REQUEST_HEADER
 from pegaflow.common.security import Security
-from pegaflow.node.transfer.tcp import REQ, REQ_MAGIC, RESP, UNKNOWN_PIN
+from pegaflow.node.tiers.remote.tcp import REQ, REQ_MAGIC, RESP, UNKNOWN_PIN
 from tests.conftest import free_port
 from tests.integration.meta_harness import wait_until
 from tests.integration.redis_fixtures import redis_server  # noqa: F401

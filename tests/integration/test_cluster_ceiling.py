@@ -15,10 +15,10 @@ import pytest
 import xxhash
 
 from pegaflow.client import PegaClient
-from pegaflow.meta import keys, registry
-from pegaflow.meta.redis_conn import connect
-from pegaflow.meta.sketches import ClusterCeilingCollector, publish_sketch
-from pegaflow.policy.ceiling import CeilingEstimator, exact_ceiling
+from pegaflow.cluster import keys, registry
+from pegaflow.cluster.redis_conn import connect
+from pegaflow.cluster.sketches import ClusterCeilingCollector, publish_sketch
+from pegaflow.core.ceiling import CeilingEstimator, exact_ceiling
 from tests.conftest import free_port
 from tests.integration import redis_fixtures
 from tests.integration.meta_harness import ENV, wait_until

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from pegaflow.meta import keys, registry
-from pegaflow.meta.events import stream_key
+from pegaflow.cluster import keys, registry
+from pegaflow.cluster.streams import stream_key
 from pegaflow.meta.lookup import Lookup
 from tests.integration import redis_fixtures
 from tests.integration.meta_harness import (

@@ -15,13 +15,14 @@ import grpc
 import pytest
 
 from pegaflow._proto import meta_pb2
-from pegaflow.meta import keys, registry
-from pegaflow.meta.events import GROUP, Event, Op, decode, encode, stream_key
-from pegaflow.meta.events.codec import FIELD
-from pegaflow.meta.events.consumer import Consumer
-from pegaflow.meta.events.publisher import EventPublisher
+from pegaflow.cluster import keys, registry
+from pegaflow.cluster.codec import FIELD, decode, encode
+from pegaflow.cluster.schema import Event, Op
+from pegaflow.cluster.streams import GROUP, stream_key
 from pegaflow.meta.index import Index
+from pegaflow.meta.ingest import Consumer
 from pegaflow.meta.lookup import Lookup
+from pegaflow.node.publishing import EventPublisher
 from tests.integration import redis_fixtures
 from tests.integration.meta_harness import (
     ENV,
@@ -294,8 +295,8 @@ CONSUME = """
 import json, sys
 from pegaflow.common.logging import configure_logging
 from pegaflow.meta import metrics
-from pegaflow.meta.events.consumer import Consumer
-from pegaflow.meta.redis_conn import connect
+from pegaflow.meta.ingest import Consumer
+from pegaflow.cluster.redis_conn import connect
 configure_logging("info")
 c = Consumer(connect(sys.argv[1]), "c")
 assert c.wait_caught_up(20)
@@ -394,7 +395,7 @@ def test_sweeper_sweeps_a_retired_nid_once_then_again_when_forgetting_it(
 def test_long_running_node_compacts_its_stream_without_a_visibility_gap(
     redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pegaflow.meta.events import publisher as publisher_mod
+    from pegaflow.node import publishing as publisher_mod
 
     monkeypatch.setattr(publisher_mod, "COMPACT_MIN_BLOCKS", 500)
     r = client(redis_server.url, False)

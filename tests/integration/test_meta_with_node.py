@@ -9,9 +9,9 @@ import pytest
 import xxhash
 
 from pegaflow.client import PegaClient
-from pegaflow.meta.events.consumer import Consumer
+from pegaflow.cluster.redis_conn import connect
+from pegaflow.meta.ingest import Consumer
 from pegaflow.meta.lookup import Lookup
-from pegaflow.meta.redis_conn import connect
 from tests.integration import redis_fixtures
 from tests.integration.meta_harness import wait_until
 from tests.integration.redis_fixtures import RedisServer

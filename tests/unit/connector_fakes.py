@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from pegaflow.connector.hashing import KVIdentity
 from pegaflow.connector.intents import PegaWorkerReport
 from pegaflow.connector.link import NodeLink
 from pegaflow.connector.scheduler import SchedulerSide
 from pegaflow.connector.worker import WorkerSide
+from pegaflow.core.identity import KVIdentity
 
 
 class FakeUnavailable(Exception):

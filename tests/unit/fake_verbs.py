@@ -1,4 +1,4 @@
-"""A fake verbs layer at the hardware edge, for pegaflow/node/transfer/rdma.py.
+"""A fake verbs layer at the hardware edge, for pegaflow/node/tiers/remote/rdma.py.
 
 Implements only the pyverbs classes and calls rdma.py uses, with the same names and
 signatures, over an in-process :class:`Fabric`: devices, memory regions with real

@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from pegaflow.node.allocator import ExtentAllocator, OutOfSpace
+from pegaflow.core.allocator import ExtentAllocator, OutOfSpace
 
 
 def test_pages_of_mixed_sizes_are_aligned_and_disjoint():

@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from pegaflow.node.block_index import RESIDENT, BlockIndex
+from pegaflow.core.block_index import RESIDENT, BlockIndex
 
 
 def h(i: int) -> bytes:
@@ -159,9 +159,9 @@ def test_random_hashes_round_trip():
 
 
 def test_block_keys_in_c_equal_block_key():
-    from pegaflow.node import block_index
+    from pegaflow.core import block_index
 
-    assert block_index._native_block_keys is not None, "pegaflow._sketch is not built"
+    assert block_index._native_block_keys is not None, "pegaflow.core._sketch is not built"
     hashes = [os.urandom(16) for _ in range(500)] + [h(0), h(2**128 - 1)]
     for salt in (0, 1, 2**64 - 1, block_index.namespace_salt("ns")):
         assert block_index.block_keys(salt, hashes) == [block_index.block_key(salt, x) for x in hashes]
@@ -169,9 +169,9 @@ def test_block_keys_in_c_equal_block_key():
 
 
 def test_native_block_behaves_like_the_python_block():
-    from pegaflow.node import block_index
+    from pegaflow.core import block_index
 
-    assert block_index.Block is not block_index.PyBlock, "pegaflow._blockindex is not built"
+    assert block_index.Block is not block_index.PyBlock, "pegaflow.core._blockindex is not built"
     idx = BlockIndex(1 << 20)
     ns = idx.namespace("a", 4096)
     for cls in (block_index.Block, block_index.PyBlock):
@@ -245,9 +245,9 @@ def test_native_lru_behaves_like_ordereddict():
     import random
     from collections import OrderedDict
 
-    from pegaflow.node import block_index
+    from pegaflow.core import block_index
 
-    assert block_index._NativeLRU is not None, "pegaflow._blockindex is not built"
+    assert block_index._NativeLRU is not None, "pegaflow.core._blockindex is not built"
     rng = random.Random(1)
     keys = [object() for _ in range(150)]
     ref, lru = OrderedDict(), block_index._NativeLRU()
@@ -286,10 +286,10 @@ def test_native_lru_behaves_like_ordereddict():
 
 
 def test_native_placement_equals_the_python_loop(monkeypatch):
-    """The C loop of the full-pool steady state (pegaflow._blockindex.place) changes nothing."""
-    from pegaflow.node import block_index
+    """The C loop of the full-pool steady state (pegaflow.core._blockindex.place) changes nothing."""
+    from pegaflow.core import block_index
 
-    assert block_index._native_place is not None, "pegaflow._blockindex is not built"
+    assert block_index._native_place is not None, "pegaflow.core._blockindex is not built"
     calls = []
     real = block_index._native_place
 
@@ -308,7 +308,7 @@ def test_native_placement_equals_the_python_loop(monkeypatch):
     assert len(calls) > 500  # the C loop really ran
 
 
-# ---- pegaflow._blockindex memory safety: what Python code can do to the C paths -----------
+# ---- pegaflow.core._blockindex memory safety: what Python code can do to the C paths -----------
 
 
 class _FullPool:
@@ -321,9 +321,9 @@ class _FullPool:
 
 
 def _native():
-    from pegaflow.node import block_index
+    from pegaflow.core import block_index
 
-    assert block_index._native_place is not None, "pegaflow._blockindex is not built"
+    assert block_index._native_place is not None, "pegaflow.core._blockindex is not built"
     return block_index
 
 

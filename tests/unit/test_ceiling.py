@@ -7,14 +7,14 @@ import random
 import numpy as np
 import pytest
 
-from pegaflow.common.durations import format_duration, parse_duration, parse_windows
-from pegaflow.policy.ceiling import (
+from pegaflow.core.ceiling import (
     MAX_BYTES,
     CeilingEstimator,
     ExactCeiling,
     choose_lg_k,
     exact_ceiling,
 )
+from pegaflow.core.durations import format_duration, parse_duration, parse_windows
 
 
 class FakeClock:

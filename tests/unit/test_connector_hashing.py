@@ -1,4 +1,4 @@
-"""Block identity: namespaces and chained block hashes (pegaflow/connector/hashing.py)."""
+"""Block identity: namespaces and chained block hashes (pegaflow/core/identity.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import pytest
 import xxhash
 
-from pegaflow.connector.hashing import (
+from pegaflow.core.identity import (
     HASH_BYTES,
     ExtraKeys,
     KVIdentity,
@@ -165,7 +165,7 @@ def test_config_hash_ignores_bookkeeping_and_key_order() -> None:
 
 
 _SNIPPET = """
-from pegaflow.connector.hashing import KVIdentity, block_hashes, ExtraKeys
+from pegaflow.core.identity import KVIdentity, block_hashes, ExtraKeys
 i = KVIdentity(model="m", config_hash="c", model_dtype="float16", kv_dtype="float16", block_size=4,
                num_layers=2, num_kv_heads=2, head_size=8, tp_size=1, num_shards=1, mla=False,
                page_bytes=512, platform="cpu")

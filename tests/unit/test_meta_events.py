@@ -7,12 +7,13 @@ import random
 import fakeredis
 import pytest
 
-from pegaflow.meta import keys, registry
-from pegaflow.meta.events import FLAG_LAST, Event, MalformedEvent, Op, decode, encode, stream_key
-from pegaflow.meta.events.codec import FIELD
-from pegaflow.meta.events.consumer import Consumer
-from pegaflow.meta.events.publisher import EventPublisher
+from pegaflow.cluster import keys, registry
+from pegaflow.cluster.codec import FIELD, MalformedEvent, decode, encode
+from pegaflow.cluster.schema import FLAG_LAST, Event, Op
+from pegaflow.cluster.streams import stream_key
 from pegaflow.meta.index import Index
+from pegaflow.meta.ingest import Consumer
+from pegaflow.node.publishing import EventPublisher
 
 NS = "llama|fp16|bs16|tp1"
 
@@ -206,7 +207,8 @@ def test_meta_cli_rejects_bad_options_in_one_line(argv: list[str], needle: str, 
 
 
 def test_redis_url_option_is_validated_for_node_and_meta() -> None:
-    from pegaflow.common.options import META, NODE, parse_options
+    from pegaflow.config.commands import parse_options
+    from pegaflow.config.options import META, NODE
 
     assert parse_options(META, "m", ["--redis-url", "redis://h:1/0"], env={}).redis_url == "redis://h:1/0"
     assert parse_options(NODE, "n", [], env={}).redis_url == ""
@@ -226,9 +228,10 @@ def test_a_redis_that_lost_its_data_never_reuses_an_incarnation(r: fakeredis.Fak
 
 
 def test_consumer_drops_events_of_an_incarnation_that_is_not_the_newest(r: fakeredis.FakeRedis) -> None:
-    from pegaflow.meta.events import Event, encode, stream_key
-    from pegaflow.meta.events.codec import FIELD
-    from pegaflow.meta.events.consumer import Consumer
+    from pegaflow.cluster.codec import FIELD, encode
+    from pegaflow.cluster.schema import Event
+    from pegaflow.cluster.streams import stream_key
+    from pegaflow.meta.ingest import Consumer
 
     old_nid, old_epoch = registry.register(r, "a", "h:1", 10_000, switch=True)
     r.flushall()  # Redis lost everything; "a" has not noticed yet and keeps writing

@@ -39,10 +39,10 @@ def exported_name(fam_name: str, kind: str) -> str:
 
 
 def node_families() -> dict[str, tuple[str, set[str]]]:
-    from pegaflow.meta.events.publisher import PublisherMetrics
     from pegaflow.node.metrics import NodeMetrics
-    from pegaflow.node.ssd.metrics import SsdMetrics
-    from pegaflow.node.transfer.metrics import PeerMetrics
+    from pegaflow.node.publishing import PublisherMetrics
+    from pegaflow.node.tiers.remote.metrics import PeerMetrics
+    from pegaflow.node.tiers.ssd.metrics import SsdMetrics
 
     m = NodeMetrics(CollectorRegistry())
     SsdMetrics(m.registry)
@@ -53,7 +53,7 @@ def node_families() -> dict[str, tuple[str, set[str]]]:
 
 def meta_families() -> dict[str, tuple[str, set[str]]]:
     import pegaflow.meta.metrics  # noqa: F401  (module-level metrics in the default registry)
-    from pegaflow.meta.sketches import ClusterCeilingCollector
+    from pegaflow.cluster.sketches import ClusterCeilingCollector
 
     reg = CollectorRegistry()
     reg.register(ClusterCeilingCollector(None, (900.0,)))  # type: ignore[arg-type]  (describe only)

@@ -1,4 +1,4 @@
-"""How a node given only --metaserver-addr finds the Redis to publish to (pegaflow/node/cluster.py)."""
+"""How a node given only --metaserver-addr finds the Redis to publish to (pegaflow/node/discovery.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from pegaflow._proto import meta_pb2, meta_pb2_grpc
 from pegaflow.common.security import Security
-from pegaflow.node import cluster
+from pegaflow.node import discovery as cluster
 
 
 @pytest.mark.parametrize(

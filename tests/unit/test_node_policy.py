@@ -8,12 +8,12 @@ import time
 import xxhash
 from prometheus_client import CollectorRegistry, generate_latest
 
-from pegaflow.meta.sketches import ClusterCeilingCollector, cluster_union
-from pegaflow.node.block_index import BlockIndex, block_key
-from pegaflow.node.ceiling import NodeCeiling, ceiling_key, namespace_salt
+from pegaflow.cluster.sketches import ClusterCeilingCollector, cluster_union
+from pegaflow.core.block_index import BlockIndex, block_key
+from pegaflow.core.ceiling import CeilingEstimator
+from pegaflow.core.tinylfu import TinyLFU
 from pegaflow.node.metrics import NodeMetrics
-from pegaflow.policy.ceiling import CeilingEstimator
-from pegaflow.policy.tinylfu import TinyLFU
+from pegaflow.node.requests import RequestAccounting, ceiling_key, namespace_salt
 
 PAGE = 4096
 
@@ -91,7 +91,7 @@ def test_tinylfu_in_the_index_counts_batched_accesses_like_scalar_ones() -> None
 
 
 def test_ceiling_counts_each_request_once_however_often_it_is_queried() -> None:
-    c = NodeCeiling((60.0,))
+    c = RequestAccounting((60.0,))
     hs = hashes("r", 10)
     assert c.observe("m", hs, 4, req_id="req-1")
     assert not c.observe("m", hs, 10, req_id="req-1")  # the engine re-asking: not a new request
@@ -112,7 +112,7 @@ def test_ceiling_keys_depend_on_the_namespace_name_not_on_node_local_ids() -> No
 
 def test_refresh_sets_the_window_gauges() -> None:
     m = NodeMetrics(CollectorRegistry())
-    c = NodeCeiling((60.0, 3600.0), m)
+    c = RequestAccounting((60.0, 3600.0), m)
     hs = hashes("g", 100)
     for i in range(4):  # 100 distinct blocks asked 4 times: r* = 0.75
         c.observe("m", hs, 50 if i else 0, req_id=f"q{i}")
@@ -185,7 +185,7 @@ def test_collector_skips_sketches_of_other_windows_and_exports_the_union() -> No
     b.observe(list(range(100)) * 3, hits=100, now=now)
     other = CeilingEstimator((60.0,), clock=time.time)
     other.observe([1, 2, 3], now=now)
-    from pegaflow.meta.sketches import publish_sketch
+    from pegaflow.cluster.sketches import publish_sketch
 
     publish_sketch(r, "a", a.serialize(), 10.0)  # type: ignore[arg-type]
     publish_sketch(r, "b", b.serialize(), 10.0)  # type: ignore[arg-type]
@@ -209,7 +209,7 @@ def outcomes(m: NodeMetrics) -> dict[str, float]:
 
 def test_outcomes_partition_each_request_by_the_tier_that_brought_each_block() -> None:
     m = NodeMetrics(CollectorRegistry())
-    c = NodeCeiling((60.0,), m)
+    c = RequestAccounting((60.0,), m)
     hs = hashes("t", 20)
     # 3 blocks in L1; SSD promotes up to 8 (LOADING twice, same stage); a peer brings 8..14.
     c.loading("r", 3, "ssd")

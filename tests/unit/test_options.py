@@ -4,8 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from pegaflow.common.options import NODE, parse_options, render_markdown
-from pegaflow.common.units import parse_size
+from pegaflow.config.commands import CONFIGS, NodeConfig, field_names, node_config, parse_options
+from pegaflow.config.options import NODE, render_markdown
+from pegaflow.core.units import parse_size
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,7 +35,7 @@ def test_flag_beats_environment_beats_default():
 
 def test_docs_options_page_is_generated_from_the_table():
     assert (ROOT / "docs" / "options.md").read_text() == render_markdown(), (
-        "docs/options.md is stale: python -m pegaflow.common.options > docs/options.md"
+        "docs/options.md is stale: python -m pegaflow.config.options > docs/options.md"
     )
 
 
@@ -73,8 +74,8 @@ ORIGINAL_P2P_NODE = (
 def test_the_originals_p2p_node_command_line_parses():
     o = parse_options(NODE, "pegaflow-server", ORIGINAL_P2P_NODE, env={})
     assert o.addr == "10.0.0.11:50055" and o.pool_size == 30 << 30
-    assert o.ssd_cache_path == ["/mnt/nvme0"]
-    assert o.nics == ["mlx5_0", "mlx5_1"]
+    assert o.ssd_cache_path == ("/mnt/nvme0",)
+    assert o.nics == ("mlx5_0", "mlx5_1")
     assert o.metaserver_addr == "metaserver-host:50056"
 
 
@@ -88,13 +89,13 @@ def test_the_originals_p2p_node_command_line_parses():
     ],
 )
 def test_nics_take_several_values_after_one_flag_repeated_or_comma_separated(argv):
-    assert parse_options(NODE, "pegaflow-node", argv, env={}).nics == ["mlx5_0", "mlx5_1"]
+    assert parse_options(NODE, "pegaflow-node", argv, env={}).nics == ("mlx5_0", "mlx5_1")
 
 
 def test_several_ssd_paths_after_one_flag_or_repeated():
     one = parse_options(NODE, "n", ["--ssd-cache-path", "/a", "/b"], env={})
     rep = parse_options(NODE, "n", ["--ssd-cache-path", "/a", "--ssd-cache-path", "/b"], env={})
-    assert one.ssd_cache_path == rep.ssd_cache_path == ["/a", "/b"]
+    assert one.ssd_cache_path == rep.ssd_cache_path == ("/a", "/b")
 
 
 @pytest.mark.parametrize(
@@ -128,7 +129,7 @@ def test_bad_cluster_flags_exit_with_one_line(argv):
 
 
 def test_metaserver_redis_defaults_to_the_local_redis():
-    from pegaflow.common.options import META
+    from pegaflow.config.options import META
 
     assert parse_options(META, "pegaflow-metaserver", ["--addr", "0.0.0.0:50056"], env={}).redis_url == (
         "redis://127.0.0.1:6379/0"
@@ -141,3 +142,20 @@ def test_the_originals_flag_names_and_log_levels_are_accepted():
                                                 "--metric-hll-windows", "15m,1d"], env={})
     assert o.log_level == "warning" and o.pin_ttl == 120.0 and o.ceiling_windows == (900.0, 86400.0)
     assert parse_options(NODE, "n", ["--log-level", "trace"], env={}).log_level == "debug"
+
+
+def test_each_command_config_has_exactly_the_table_options_in_order():
+    import dataclasses
+
+    for command, cls in CONFIGS.items():
+        assert [f.name for f in dataclasses.fields(cls)] == field_names(command), command
+
+
+def test_config_is_typed_and_frozen():
+    import dataclasses
+
+    c = parse_options(NODE, "pegaflow-node", ["--nics", "a", "b"], env={})
+    assert isinstance(c, NodeConfig) and c.nics == ("a", "b")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.addr = "x:1"  # type: ignore[misc]
+    assert node_config(pool_size=1 << 20).pool_size == 1 << 20

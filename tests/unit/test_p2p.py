@@ -20,15 +20,15 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from pegaflow._proto import peer_pb2
-from pegaflow.node.block_index import RESIDENT, BlockIndex, Namespace
+from pegaflow.common.hosts import routability_warning
+from pegaflow.core.block_index import RESIDENT, BlockIndex, Namespace
 from pegaflow.node.pool import SharedPool
-from pegaflow.node.transfer import RemotePages, TransferError, page_checksum
-from pegaflow.node.transfer.checksums import PageChecksums
-from pegaflow.node.transfer.metrics import PeerMetrics
-from pegaflow.node.transfer.p2p import routability_warning
-from pegaflow.node.transfer.pins import BUSY_RECHECK, PeerService, PinTable
-from pegaflow.node.transfer.puller import META_KEY, Backoff, Holder, Puller
-from pegaflow.node.transfer.tcp import TcpDataServer, TcpTransport, sendfile_works
+from pegaflow.node.tiers.remote import RemotePages, TransferError, page_checksum
+from pegaflow.node.tiers.remote.checksums import PageChecksums
+from pegaflow.node.tiers.remote.metrics import PeerMetrics
+from pegaflow.node.tiers.remote.pins import BUSY_RECHECK, PeerService, PinTable
+from pegaflow.node.tiers.remote.puller import META_KEY, Backoff, Holder, Puller
+from pegaflow.node.tiers.remote.tcp import TcpDataServer, TcpTransport, sendfile_works
 from tests.unit import fake_verbs
 
 PAGE = 64 << 10
@@ -415,7 +415,7 @@ def test_routability_warning_for_wildcard_and_loopback_only():
 
 class RdmaPair:
     def __init__(self) -> None:
-        from pegaflow.node.transfer.rdma import RdmaEngine, RdmaResponder, RdmaTransport
+        from pegaflow.node.tiers.remote.rdma import RdmaEngine, RdmaResponder, RdmaTransport
 
         self.fabric = fake_verbs.Fabric(["a_0", "a_1", "b_0", "b_1"])
         v = self.fabric.verbs()
@@ -592,7 +592,7 @@ def test_rdma_page_not_matching_the_pin_checksum_is_discarded():
 
 
 def test_rdma_engine_with_a_missing_device_fails_in_one_line_and_leaves_the_pool_closable():
-    from pegaflow.node.transfer.rdma import RdmaEngine, RdmaUnavailable
+    from pegaflow.node.tiers.remote.rdma import RdmaEngine, RdmaUnavailable
 
     fabric = fake_verbs.Fabric(["mlx5_0"])
     pool = SharedPool(POOL, name="test-rdma-missing")
@@ -602,7 +602,7 @@ def test_rdma_engine_with_a_missing_device_fails_in_one_line_and_leaves_the_pool
 
 
 def test_a_prefix_nobody_holds_is_not_looked_up_again_for_a_moment(pair, monkeypatch):
-    from pegaflow.node.transfer import puller as puller_mod
+    from pegaflow.node.tiers.remote import puller as puller_mod
 
     a, b, meta, peers, puller = pair
     hs = hashes("neg", 4)

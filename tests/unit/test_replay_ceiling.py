@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from pegaflow.replay.capacity import Capacity
+from pegaflow.config.capacity import Capacity
+from pegaflow.core.trace import read_trace
+from pegaflow.replay.files import iter_lines
 from pegaflow.replay.model import Scenario
 from pegaflow.replay.run import replay
-from pegaflow.replay.trace import iter_lines, read_trace
 from pegaflow.replay.windows import ceiling_report
 
 DATA = Path(__file__).parents[1] / "data"

@@ -141,7 +141,7 @@ def test_missing_file_and_unknown_command(tmp_path):
 
 
 def test_node_query_trace_with_namespaces_and_routing_by_instance(tmp_path):
-    from pegaflow.replay.trace import encode_query
+    from pegaflow.core.trace import encode_query
 
     h = [i.to_bytes(16, "little") for i in range(4)]
     p = tmp_path / "q.jsonl"

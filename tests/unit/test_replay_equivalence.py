@@ -15,10 +15,10 @@ from collections import OrderedDict
 
 import pytest
 
-from pegaflow.replay.capacity import Capacity
+from pegaflow.config.capacity import Capacity
+from pegaflow.core.trace import read_trace
 from pegaflow.replay.model import Scenario
 from pegaflow.replay.run import replay
-from pegaflow.replay.trace import read_trace
 
 
 def reference(reqs: list[list[int]], cap: int) -> list[int]:

@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from pegaflow.node.allocator import OutOfSpace
-from pegaflow.replay.capacity import Capacity, parse_sweep
+from pegaflow.config.capacity import Capacity, parse_sweep
+from pegaflow.core.allocator import OutOfSpace
+from pegaflow.core.trace import read_trace
 from pegaflow.replay.model import ISOLATED, SHARED, Scenario, UniformAllocator
 from pegaflow.replay.run import replay
-from pegaflow.replay.trace import read_trace
 
 
 def mooncake(*reqs: list[int], tokens: list[int] | None = None, extra: list[dict] | None = None) -> list[str]:
@@ -133,7 +133,7 @@ def test_one_instance_isolated_equals_shared():
 
 
 def test_mixed_page_sizes_use_the_nodes_extent_allocator():
-    from pegaflow.replay.trace import encode_query
+    from pegaflow.core.trace import encode_query
 
     h = [i.to_bytes(16, "little") for i in range(4)]
     lines = [

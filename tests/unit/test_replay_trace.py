@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pegaflow.replay.trace import MOONCAKE, PEGAFLOW, TraceError, encode_query, read_trace
+from pegaflow.core.trace import MOONCAKE, PEGAFLOW, TraceError, encode_query, read_trace
 
 GOOD = json.dumps({"timestamp": 1500, "input_length": 600, "output_length": 3, "hash_ids": [7, 8]})
 

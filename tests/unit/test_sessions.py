@@ -1,7 +1,7 @@
 import pytest
 
 from pegaflow.common.errors import FailedPrecondition, InvalidArgument
-from pegaflow.node.block_index import PENDING, BlockIndex
+from pegaflow.core.block_index import PENDING, BlockIndex
 from pegaflow.node.sessions import Expiry, Sessions
 
 

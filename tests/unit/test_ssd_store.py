@@ -3,7 +3,6 @@ write-behind pin contract, and recovery by scan. Real files in a temp dir, tiny 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 from pathlib import Path
@@ -11,11 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pegaflow.node.block_index import BlockIndex
+from pegaflow.config.commands import NodeConfig, node_config
+from pegaflow.core.block_index import BlockIndex
 from pegaflow.node.metrics import NodeMetrics
 from pegaflow.node.pool import SharedPool
-from pegaflow.node.ssd import SsdError, open_tier, promote
-from pegaflow.node.ssd.store import (
+from pegaflow.node.tiers.ssd import SsdError, open_tier, promote
+from pegaflow.node.tiers.ssd.store import (
     BLOCK,
     CACHE_FILE_NAME,
     SsdIndex,
@@ -25,7 +25,7 @@ from pegaflow.node.ssd.store import (
     record_bytes,
     unpack_header,
 )
-from pegaflow.node.ssd.uring import uring_unavailable_reason
+from pegaflow.node.tiers.ssd.uring import uring_unavailable_reason
 
 PAGE = 16 << 10
 ENGINES = ["threads", "uring"]
@@ -133,9 +133,9 @@ def test_a_write_whose_segment_was_reclaimed_meanwhile_is_not_indexed(tmp_path: 
 
 
 # ---- the tier in-process ----------------------------------------------------------------
-def _opts(path: Path, engine: str, capacity: int = 4 << 20, queue: int = 1 << 20) -> argparse.Namespace:
-    return argparse.Namespace(ssd_cache_path=[str(path)], ssd_cache_capacity=capacity, ssd_queue_depth=4,
-                              ssd_write_queue_size=queue, ssd_io_engine=engine)
+def _opts(path: Path, engine: str, capacity: int = 4 << 20, queue: int = 1 << 20) -> NodeConfig:
+    return node_config(ssd_cache_path=[str(path)], ssd_cache_capacity=capacity, ssd_queue_depth=4,
+                       ssd_write_queue_size=queue, ssd_io_engine=engine)
 
 
 def _engine_or_skip(engine: str) -> None:

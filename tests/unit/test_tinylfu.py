@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import numpy as np
 import pytest
 
-from pegaflow.policy.tinylfu import COUNTER_MAX, TinyLFU
+from pegaflow.core.tinylfu import COUNTER_MAX, TinyLFU
 
 
 def _lru_hot_hit_rate(
@@ -246,7 +246,7 @@ def test_admit_in_order_matches_sequential_eviction_queue() -> None:
 
 _CHILD = """
 import sys
-from pegaflow.policy.tinylfu import TinyLFU
+from pegaflow.core.tinylfu import TinyLFU
 t = TinyLFU(1000, seed=3)
 t.record_many([2**127 + i % 50 for i in range(3000)] + [10**30 + i for i in range(40)])
 print(t.estimate_many([2**127 + i for i in range(60)] + [10**30 + i for i in range(40)]).tolist())
@@ -299,7 +299,7 @@ def _pure_python(lfu: TinyLFU) -> TinyLFU:
 
 
 def test_native_paths_are_built_and_equal_the_python_paths() -> None:
-    assert TinyLFU(10).native, "pegaflow._sketch is not built: run pip install -e . (or build_ext --inplace)"
+    assert TinyLFU(10).native, "pegaflow.core._sketch is not built: run pip install -e . (or build_ext --inplace)"
     rng = random.Random(11)
     universe = [rng.getrandbits(128) for _ in range(1200)] + list(range(-300, 900))
     trace = [rng.choice(universe) for _ in range(9000)]  # > 2 sample periods: crosses aging
@@ -351,7 +351,7 @@ def test_native_record_many_survives_keys_that_change_the_list() -> None:
 
 
 def test_native_sketch_refuses_geometry_whose_size_overflows() -> None:
-    from pegaflow._sketch import Sketch
+    from pegaflow.core._sketch import Sketch
 
     depth = (1 << 61) + 1  # depth * width / 2 wraps to 8 bytes: was writes far past the table
     with pytest.raises(ValueError):

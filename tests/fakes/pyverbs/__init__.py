@@ -1,6 +1,6 @@
 """A stand-in for Debian's ``pyverbs``, for node *processes* started by the tests.
 
-The RDMA code (``pegaflow/node/transfer/rdma.py``) imports ``pyverbs`` and uses the classes
+The RDMA code (``pegaflow/node/tiers/remote/rdma.py``) imports ``pyverbs`` and uses the classes
 of its submodules. Putting ``tests/fakes`` first on ``PYTHONPATH`` gives such a process the
 fake verbs layer of ``tests/unit/fake_verbs.py`` instead, with the devices named in
 ``PEGAFLOW_FAKE_RDMA_DEVICES`` (comma-separated): the node's own code runs unchanged, only

@@ -1,0 +1,169 @@
+"""Node incarnations and liveness, all in the ``{pf}`` slot.
+
+An incarnation is ``(node, epoch)`` with an integer ``nid`` from a counter that is never
+reused. The registry keeps, per node, its newest incarnation (``pf:{pf}:nodes``) and a
+liveness key ``pf:{pf}:live:<node>`` whose *value* is the nid readers see and whose TTL
+the node refreshes. Hence:
+
+- A dead node (TTL expired) is invisible at once: its live key is gone. The sweeper
+  later retires its nid and removes its entries.
+- A restarted node registers with ``switch=True``: readers see the new nid at once
+  (the old one's entries are stale: the node lost its memory) while the snapshot fills it.
+- A node re-syncing in-process (after dropped events or to compact its stream) registers
+  with ``switch=False``: readers keep the old nid until the consumer applies the new
+  epoch's last snapshot chunk and calls :func:`switch`.
+- Every change of the visible set bumps ``pf:{pf}:ver`` so readers refresh their cache.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+
+from pegaflow.cluster import keys
+from pegaflow.cluster.redis_conn import Client, Script
+
+_NOW = "local t = redis.call('TIME') local now = t[1] * 1000 + math.floor(t[2] / 1000)\n"
+
+_REGISTER = Script(
+    _NOW
+    + """
+local cur = redis.call('HGET', KEYS[1], ARGV[1])
+local epoch = tonumber(ARGV[7])
+local old = nil
+if cur then
+  local c = cjson.decode(cur)
+  epoch = c.epoch + 1
+  old = tostring(c.nid)
+end
+-- A fresh (or emptied) Redis starts nids at a random base and a node's first epoch at a
+-- random value: events written before the loss (a node notices it only at its next
+-- heartbeat) then name an incarnation that does not exist now, instead of another
+-- node's new one, and the consumer drops them.
+redis.call('SET', KEYS[2], ARGV[6], 'NX')
+local nid = redis.call('INCR', KEYS[2])
+redis.call('HSET', KEYS[1], ARGV[1], cjson.encode({nid = nid, epoch = epoch, addr = ARGV[2]}))
+local vis = redis.call('GET', KEYS[5])
+if ARGV[4] == '1' or not vis then
+  if vis then redis.call('ZADD', KEYS[4], now, vis) end
+  redis.call('SET', KEYS[5], nid, 'PX', ARGV[3])
+else
+  redis.call('PEXPIRE', KEYS[5], ARGV[3])
+end
+if old and old ~= vis then redis.call('ZADD', KEYS[4], now, old) end
+-- A fresh (or emptied) Redis starts the version at a random base, so a reader's cached
+-- version from before the loss cannot match by accident.
+redis.call('SET', KEYS[3], ARGV[5], 'NX')
+redis.call('INCR', KEYS[3])
+return {nid, epoch}
+"""
+)
+
+_HEARTBEAT = Script(
+    """
+local cur = redis.call('HGET', KEYS[1], ARGV[1])
+if not cur or cjson.decode(cur).nid ~= tonumber(ARGV[2]) then return 0 end
+return redis.call('PEXPIRE', KEYS[2], ARGV[3])
+"""
+)
+
+_SWITCH = Script(
+    _NOW
+    + """
+local cur = redis.call('HGET', KEYS[1], ARGV[1])
+if not cur or cjson.decode(cur).nid ~= tonumber(ARGV[2]) then return 0 end
+local vis = redis.call('GET', KEYS[2])
+if not vis then return 0 end
+if vis == ARGV[2] then return 1 end
+redis.call('ZADD', KEYS[3], now, vis)
+redis.call('SET', KEYS[2], ARGV[2], 'KEEPTTL')
+redis.call('INCR', KEYS[4])
+return 2
+"""
+)
+
+# Retire the newest nid of nodes whose live key is gone; forget them in the registry.
+_REAP = Script(
+    _NOW
+    + """
+local out = {}
+for i = 1, #ARGV do
+  local name = ARGV[i]
+  if redis.call('EXISTS', 'pf:{pf}:live:' .. name) == 0 then
+    local cur = redis.call('HGET', KEYS[1], name)
+    if cur then
+      redis.call('ZADD', KEYS[2], now, cjson.decode(cur).nid)
+      redis.call('HDEL', KEYS[1], name)
+      out[#out + 1] = name
+    end
+  end
+end
+if #out > 0 then redis.call('INCR', KEYS[3]) end
+return out
+"""
+)
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    name: str
+    nid: int  # newest incarnation (may not be visible yet)
+    epoch: int
+    addr: str
+
+
+def register(r: Client, node: str, addr: str, ttl_ms: int, switch: bool) -> tuple[int, int]:
+    """Start a new incarnation of ``node``; returns ``(nid, epoch)``."""
+    nid, epoch = _REGISTER(
+        r,
+        [keys.NODES, keys.NEXT_NID, keys.VERSION, keys.RETIRED, keys.live_key(node)],
+        [node, addr, ttl_ms, "1" if switch else "0", random.randrange(1 << 40), random.randrange(1 << 20, 1 << 30),
+         random.randrange(1, 1 << 40)],
+    )
+    return int(nid), int(epoch)
+
+
+def heartbeat(r: Client, node: str, nid: int, ttl_ms: int) -> bool:
+    """Refresh liveness; False when the registration is gone (expired, Redis lost data): re-register."""
+    return bool(_HEARTBEAT(r, [keys.NODES, keys.live_key(node)], [node, nid, ttl_ms]))
+
+
+def switch(r: Client, node: str, nid: int) -> int:
+    """Make ``nid`` the visible incarnation of ``node`` if it is still the newest and alive.
+
+    Returns 0 (superseded or dead: nothing done), 1 (already visible), 2 (switched).
+    """
+    return int(_SWITCH(r, [keys.NODES, keys.live_key(node), keys.RETIRED, keys.VERSION], [node, nid]))
+
+
+def reap(r: Client, names: list[str]) -> list[str]:
+    """Retire and unregister nodes among ``names`` whose liveness expired; returns them."""
+    if not names:
+        return []
+    return [n.decode() for n in _REAP(r, [keys.NODES, keys.RETIRED, keys.VERSION], names)]
+
+
+def nodes(r: Client) -> dict[str, NodeInfo]:
+    out = {}
+    for k, v in r.hgetall(keys.NODES).items():
+        name = k.decode()
+        d = json.loads(v)
+        out[name] = NodeInfo(name, int(d["nid"]), int(d["epoch"]), str(d["addr"]))
+    return out
+
+
+def visible(r: Client, names: list[str]) -> dict[int, str]:
+    """nid -> node name for the live nodes among ``names``."""
+    if not names:
+        return {}
+    vals = r.mget([keys.live_key(n) for n in names])
+    return {int(v): n for n, v in zip(names, vals, strict=True) if v is not None}
+
+
+def retired(r: Client) -> set[int]:
+    return {int(m) for m in r.zrange(keys.RETIRED, 0, -1)}
+
+
+def version(r: Client) -> int:
+    return int(r.get(keys.VERSION) or 0)

@@ -1,0 +1,86 @@
+"""The node event: what one node tells the global index about the blocks it holds.
+
+An event is one entry of the node's own Redis Stream (``pf:ev:{<node>}``). Events of one
+node are totally ordered by ``(epoch, seq)``; ``seq`` restarts at 0 in every epoch.
+
+Contract (schema version 1):
+
+- ``INSERT`` / ``EVICT``: the node now holds / no longer holds these blocks of ``namespace``.
+- ``RESET``: first event of an epoch (``seq == 0``, no namespace, no hashes). Everything
+  the node said in older epochs is void; what it holds is what follows.
+- ``SNAPSHOT``: blocks held at the start of the epoch, in chunks, applied like ``INSERT``.
+  The last chunk of a snapshot carries ``FLAG_LAST`` (possibly with no hashes): once it
+  is applied, the index holds the node's full state and the epoch becomes the one readers
+  see.
+
+``nid`` is the integer id of the incarnation ``(node, epoch)``, handed out by Redis when
+the node registers (``pegaflow.cluster.registry``); the index stores nids, never names,
+because small integers are what make the index compact.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+SCHEMA_VERSION = 1
+HASH_BYTES = 16  # block hashes are 128-bit (xxh3_128 / blake3 truncated): docs/architecture.md "Block identity"
+
+FLAG_LAST = 0x01  # last chunk of a snapshot
+
+
+class Op(enum.IntEnum):
+    INSERT = 1
+    EVICT = 2
+    SNAPSHOT = 3
+    RESET = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One decoded node event. ``blob`` is the concatenation of the 16-byte block hashes.
+
+    The hashes travel as one blob because every consumer step (codec, Lua apply) works on
+    the batch, never on single blocks; ``hashes`` splits it for callers that need a list.
+    """
+
+    node: str
+    nid: int
+    epoch: int
+    seq: int
+    op: Op
+    namespace: str = ""
+    blob: bytes = b""
+    flags: int = 0
+
+    @property
+    def count(self) -> int:
+        return len(self.blob) // HASH_BYTES
+
+    @property
+    def hashes(self) -> list[bytes]:
+        b = self.blob
+        return [b[i : i + HASH_BYTES] for i in range(0, len(b), HASH_BYTES)]
+
+    @property
+    def last(self) -> bool:
+        return bool(self.flags & FLAG_LAST)
+
+    @classmethod
+    def make(
+        cls,
+        node: str,
+        nid: int,
+        epoch: int,
+        seq: int,
+        op: Op,
+        namespace: str = "",
+        hashes: Sequence[bytes] = (),
+        flags: int = 0,
+    ) -> Event:
+        """Build an event from a list of hashes; raises ValueError unless each is 16 bytes."""
+        for h in hashes:
+            if len(h) != HASH_BYTES:
+                raise ValueError(f"block hash must be {HASH_BYTES} bytes, got {len(h)}")
+        return cls(node, nid, epoch, seq, Op(op), namespace, b"".join(hashes), flags)

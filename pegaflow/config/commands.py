@@ -1,0 +1,164 @@
+"""Typed configuration: one frozen dataclass per command, filled from the option table.
+
+:mod:`pegaflow.config.options` is the only definition of each option (flag, environment
+variable, default, parser, help). The classes here only name the parsed values and their
+types, so code downstream of the command line reads ``config.pool_size`` (checked, and
+immutable) instead of an ``argparse.Namespace``. ``tests/unit/test_options.py`` fails when
+a class and the table disagree (a field without an option, or an option without a field).
+
+    config = load(NODE, "pegaflow-node", argv)       # flags > PEGAFLOW_* > defaults
+    config = node_config(pool_size=1 << 30)          # defaults plus overrides (tests, tools)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from pegaflow.config.capacity import Capacity
+from pegaflow.config.options import META, NODE, REPLAY, build_parser, fill_defaults, options_for
+
+
+@dataclass(frozen=True, slots=True)
+class NodeConfig:
+    """``pegaflow-node`` (the NODE rows of the option table)."""
+
+    addr: str
+    pool_size: int
+    use_hugepages: bool
+    http_addr: str
+    log_level: str
+    log_format: str
+    reservation_ttl: float
+    lease_ttl: float
+    max_batch: int
+    max_namespaces: int
+    local_socket: str
+    query_trace: str
+    page_align: int
+    ssd_cache_path: tuple[str, ...]
+    ssd_cache_capacity: int
+    ssd_queue_depth: int
+    ssd_write_queue_size: int
+    ssd_io_engine: str
+    redis_url: str
+    redis_cluster: bool
+    node_id: str
+    advertise_addr: str
+    metaserver_addr: str
+    transfer_addr: str
+    nics: tuple[str, ...]
+    pin_ttl: float
+    peer_backoff: float
+    liveness_ttl: float
+    event_buffer: int
+    auth_token_file: str
+    tls_cert: str
+    tls_key: str
+    tls_ca: str
+    enable_lfu_admission: bool
+    ceiling_windows: tuple[float, ...]
+    ceiling_publish_interval: float
+    metrics_otel_endpoint: str
+
+    @property
+    def joins_cluster(self) -> bool:
+        """Publishes to a global index (``--redis-url``) or asks a metaserver for one."""
+        return bool(self.redis_url or self.metaserver_addr)
+
+
+@dataclass(frozen=True, slots=True)
+class MetaConfig:
+    """``pegaflow-meta`` (the META rows)."""
+
+    http_addr: str
+    log_level: str
+    log_format: str
+    addr: str
+    redis_url: str
+    redis_cluster: bool
+    consumer_name: str
+    stream_lease_ttl: float
+    sweep_interval: float
+    query_max_blocks: int
+    auth_token_file: str
+    tls_cert: str
+    tls_key: str
+    ceiling_windows: tuple[float, ...]
+    metrics_otel_endpoint: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayConfig:
+    """``pegaflow replay TRACE`` (the REPLAY rows)."""
+
+    log_level: str
+    log_format: str
+    enable_lfu_admission: bool
+    ceiling_windows: tuple[float, ...]
+    trace: str
+    trace_format: str
+    l1_capacity: Capacity
+    ssd_capacity: Capacity
+    ssd_writes: str
+    page_bytes: int
+    block_tokens: int
+    instances: int
+    pools: str
+    route: str
+    compare_admission: bool
+    sweep: tuple[Capacity, ...]
+    json: bool
+    plot: str
+    skip_bad: bool
+    quiet: bool
+    jobs: int
+
+
+CONFIGS: dict[str, type] = {NODE: NodeConfig, META: MetaConfig, REPLAY: ReplayConfig}
+C = TypeVar("C", NodeConfig, MetaConfig, ReplayConfig)
+
+
+def _frozen(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+def from_namespace(cls: type[C], ns: argparse.Namespace) -> C:
+    """The typed config of parsed options (lists become tuples: a config is immutable)."""
+    return cls(**{f.name: _frozen(getattr(ns, f.name)) for f in dataclasses.fields(cls)})
+
+
+def load(
+    command: str, prog: str, argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None,
+    description: str = "",
+) -> Any:
+    """Parse ``argv`` (flags > ``PEGAFLOW_*`` > defaults) into the command's config class.
+
+    A bad flag or variable is one line on stderr and exit status 2 (never a traceback)."""
+    p = build_parser(command, prog, description)
+    return from_namespace(CONFIGS[command], fill_defaults(p.parse_args(argv), command, prog, env))
+
+
+parse_options = load  # the name the CLI entry points and tests use
+
+
+def _defaults(cls: type[C], command: str, positional: Sequence[str], overrides: dict[str, Any]) -> C:
+    cfg = load(command, command, list(positional), env={})
+    return dataclasses.replace(cfg, **{k: _frozen(v) for k, v in overrides.items()})
+
+
+def node_config(**overrides: Any) -> NodeConfig:
+    """The node's defaults (no flags, no environment) with ``overrides`` applied."""
+    return _defaults(NodeConfig, NODE, [], overrides)
+
+
+def meta_config(**overrides: Any) -> MetaConfig:
+    return _defaults(MetaConfig, META, [], overrides)
+
+
+def field_names(command: str) -> list[str]:
+    """The option table's destinations for ``command``, in table order (the test's side)."""
+    return [o.dest for o in options_for(command)]

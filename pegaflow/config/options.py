@@ -1,0 +1,678 @@
+"""The one option table.
+
+Every option of every PegaFlow command is defined exactly once, here. The table produces
+the command-line flags (``--pool-size``), the environment variables (``PEGAFLOW_POOL_SIZE``)
+and the reference page ``docs/options.md`` (``python -m pegaflow.config.options``; a unit
+test fails when the page is stale). Precedence: flag > environment > default.
+
+Later features add their rows to ``OPTIONS``; nothing else parses options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pegaflow.config.capacity import parse_capacity, parse_route, parse_sweep
+from pegaflow.core.durations import parse_windows
+from pegaflow.core.units import parse_size
+
+NODE = "node"
+META = "meta"
+REPLAY = "replay"
+
+DEFAULT_META_REDIS = "redis://127.0.0.1:6379/0"
+
+
+def _host_port(text: str) -> str:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"invalid address {text!r} (expected HOST:PORT)")
+    return text
+
+
+def _optional_host_port(text: str) -> str:
+    return "" if text in ("", "off", "none") else _host_port(text)
+
+
+def _grpc_target(text: str) -> str:
+    """``HOST:PORT``, also written as the original's URL form ``http://HOST:PORT`` (the scheme
+    is dropped: these are plaintext gRPC channels); empty or 'off': none."""
+    for scheme in ("http://", "grpc://"):
+        if text.lower().startswith(scheme):
+            text = text[len(scheme):].rstrip("/")
+            break
+    else:
+        if "://" in text:
+            raise ValueError(f"invalid address {text!r} (expected HOST:PORT or http://HOST:PORT)")
+    return _optional_host_port(text)
+
+
+def _name(text: str) -> str:
+    if not text.strip():
+        raise ValueError("empty name")
+    return text.strip()
+
+
+def _positive_int(text: str) -> int:
+    v = int(text)
+    if v <= 0:
+        raise ValueError(f"must be > 0, got {v}")
+    return v
+
+
+def _non_negative_int(text: str) -> int:
+    v = int(text)
+    if v < 0:
+        raise ValueError(f"must be >= 0, got {v}")
+    return v
+
+
+def _non_negative_float(text: str) -> float:
+    v = float(text)
+    if v < 0:
+        raise ValueError(f"must be >= 0, got {v}")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    v = float(text)
+    if v <= 0:
+        raise ValueError(f"must be > 0, got {v}")
+    return v
+
+
+def _bool(text: str | bool) -> bool:
+    if isinstance(text, bool):
+        return text
+    t = text.strip().lower()
+    if t in ("1", "true", "yes", "on"):
+        return True
+    if t in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"invalid boolean {text!r}")
+
+
+def _local_socket(text: str) -> str:
+    if text in ("", "off", "none"):
+        return ""
+    if text != "auto" and len(os.fsencode(text)) > 107:  # sun_path holds 108 bytes with the NUL
+        raise ValueError(f"socket path {text!r} is longer than 107 bytes")
+    return text
+
+
+def _redis_url(text: str) -> str:
+    if text and not text.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError(f"invalid Redis URL {text!r} (expected redis://HOST:PORT[/DB], rediss:// or unix://)")
+    return text
+
+
+def _log_level(text: str) -> str:
+    level = {"trace": "debug", "warn": "warning"}.get(text.lower(), text.lower())
+    if level not in ("debug", "info", "warning", "error"):
+        raise ValueError(f"invalid choice {text!r} (choose from debug, info, warning, error)")
+    return level
+
+
+def _choice(*choices: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text.lower() not in choices:
+            raise ValueError(f"invalid choice {text!r} (choose from {', '.join(choices)})")
+        return text.lower()
+
+    parse.__name__ = "one of " + "|".join(choices)
+    return parse
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option: its flag, env variable, parser, default, help, and the commands that take it."""
+
+    name: str  # flag name without dashes, e.g. "pool-size"
+    default: Any
+    help: str
+    parse: Callable[[str], Any] = str
+    commands: tuple[str, ...] = (NODE,)
+    flag: bool = False  # a switch: ``--use-hugepages`` sets True
+    # A list: the flag takes one or more values and may be repeated (``--nics a b --nics c``);
+    # with ``commas`` each value may also be a comma-separated list (``--nics a,b``).
+    repeatable: bool = False
+    commas: bool = False
+    metavar: str | None = None
+    aliases: tuple[str, ...] = field(default=())
+    positional: bool = False  # an argument, not a flag (``pegaflow replay TRACE``); required
+
+    @property
+    def dest(self) -> str:
+        return self.name.replace("-", "_")
+
+    @property
+    def env(self) -> str:
+        return _env_name(self.name)
+
+    @property
+    def envs(self) -> tuple[str, ...]:
+        """The environment variables read, in order: the option's, then its aliases'."""
+        return (self.env, *(_env_name(a) for a in self.aliases))
+
+    def parse_list(self, values: Sequence[str]) -> list[Any]:
+        """Parse the values of a list option (empty items of a comma list are dropped; a flag
+        given with no value at all is an error)."""
+        split = [p for v in values for p in (v.split(",") if self.commas else [v]) if p]
+        if values and not split:
+            raise ValueError("expected at least one value")
+        return [self.parse(p) for p in split]
+
+
+def _env_name(flag: str) -> str:
+    return "PEGAFLOW_" + flag.replace("-", "_").upper()
+
+
+OPTIONS: list[Option] = [
+    # --- node: core -------------------------------------------------------------------
+    Option("addr", "127.0.0.1:50055", "gRPC listen address (HOST:PORT) for engines.", _host_port),
+    Option("pool-size", "30gb", "Size of the shared-memory L1 pool (kb/mb/gb/tb).", parse_size),
+    Option(
+        "use-hugepages",
+        False,
+        "Back the pool with huge pages (MFD_HUGETLB); needs vm.nr_hugepages reserved.",
+        _bool,
+        flag=True,
+    ),
+    Option(
+        "http-addr",
+        "127.0.0.1:9091",
+        "HTTP address for Prometheus /metrics and /health ('off' disables).",
+        _optional_host_port,
+    ),
+    Option(
+        "http-addr",
+        "127.0.0.1:9097",
+        "HTTP address for Prometheus /metrics ('off' disables); not the node's 9091, so both run on one host.",
+        _optional_host_port,
+        commands=(META,),
+    ),
+    Option(
+        "log-level",
+        "info",
+        "Log level (the original's 'trace' and 'warn' mean debug and warning).",
+        _log_level,
+        commands=(NODE, META, REPLAY),
+    ),
+    Option(
+        "log-format",
+        "console",
+        "Log format: 'json' for machines, 'console' for people.",
+        _choice("json", "console"),
+        commands=(NODE, META, REPLAY),
+    ),
+    Option(
+        "reservation-ttl",
+        120.0,
+        "Seconds after which an uncommitted reservation is reported as late (metric "
+        "pegaflow_node_expired_total, a log line). Its pages are never taken from a live engine; "
+        "a dead engine's reservations are freed at once when its session drops.",
+        _non_negative_float,
+    ),
+    Option(
+        "lease-ttl",
+        300.0,
+        "Seconds after which an unreleased lease is reported as late (metric, log line); its pages "
+        "stay pinned until Release or the engine's session ends.",
+        _non_negative_float,
+    ),
+    Option(
+        "max-batch",
+        16384,
+        "Largest number of block hashes accepted in one request.",
+        _positive_int,
+    ),
+    Option(
+        "max-namespaces",
+        4096,
+        "Most namespaces (model x layout x TP shard) the node keeps; a Register that would create "
+        "more answers RESOURCE_EXHAUSTED. Other bounds: names and req_id at most 512 bytes, a "
+        "Query's namespaces only the session's own, once each; a session that opens no Session "
+        "stream within 30 s is ended.",
+        _positive_int,
+    ),
+    Option(
+        "local-socket",
+        "auto",
+        "Unix socket (mode 0600) of the local fast path for Query/Reserve/Commit/Release, announced "
+        "to engines at Register; 'auto': $XDG_RUNTIME_DIR (else /tmp)/pegaflow-node-HOST-PORT.sock "
+        "from --addr; 'off' or empty: gRPC only.",
+        _local_socket,
+        metavar="PATH",
+    ),
+    Option(
+        "query-trace",
+        "",
+        "Append every answered Query to this JSONL file for `pegaflow replay` (docs/replay.md).",
+        str,
+    ),
+    Option(
+        "page-align",
+        4096,
+        "Alignment in bytes of every page in the pool (O_DIRECT needs 4096).",
+        _positive_int,
+    ),
+    # --- node: SSD tier (pegaflow/node/tiers/ssd/, docs/ssd.md) ---------------------------------
+    Option(
+        "ssd-cache-path",
+        [],
+        "SSD cache file, or directory to hold one; several (after one flag or the flag repeated) "
+        "stripe pages across disks. Unset: no SSD tier.",
+        repeatable=True,
+        metavar="PATH",
+    ),
+    Option(
+        "ssd-cache-capacity",
+        "512gb",
+        "Total size of the SSD tier, split evenly across the paths and allocated at start-up.",
+        parse_size,
+    ),
+    Option("ssd-queue-depth", 32, "SSD I/Os in flight at most (io_uring queue depth).", _positive_int),
+    Option(
+        "ssd-write-queue-size",
+        "256mb",
+        "Bytes of L1 pages that may wait for their SSD write; beyond it writes are skipped, never waited for.",
+        parse_size,
+    ),
+    Option(
+        "ssd-io-engine",
+        "auto",
+        "SSD I/O engine: io_uring via liburing, a thread pool of preadv/pwritev, or auto (io_uring if usable).",
+        _choice("auto", "uring", "threads"),
+    ),
+    # --- global index: node publisher and pegaflow-meta (issue 5) --------------------------
+    Option(
+        "addr",
+        "127.0.0.1:50056",
+        "gRPC listen address (HOST:PORT) of the metaserver; 0.0.0.0:50056 to serve other hosts.",
+        _host_port,
+        commands=(META,),
+    ),
+    Option(
+        "redis-url",
+        "",
+        "Redis for the global index, e.g. redis://127.0.0.1:6379/0 (empty: single-host mode, or the "
+        "metaserver's Redis when --metaserver-addr is set).",
+        _redis_url,
+    ),
+    Option(
+        "redis-url",
+        DEFAULT_META_REDIS,
+        "Redis (or one seed of a Redis Cluster) holding the global index; infra/redis/ starts one.",
+        _redis_url,
+        commands=(META,),
+    ),
+    Option(
+        "redis-cluster",
+        False,
+        "Treat --redis-url as one seed of a Redis Cluster.",
+        _bool,
+        commands=(NODE, META),
+        flag=True,
+    ),
+    Option("node-id", "", "Name of this node in the global index (default: the hostname).", str),
+    Option(
+        "advertise-addr",
+        "",
+        "Address (HOST:PORT) peers use to reach this node, published in the index (default: --addr).",
+        _optional_host_port,
+    ),
+    Option(
+        "metaserver-addr",
+        "",
+        "Metaserver gRPC address, HOST:PORT or http://HOST:PORT (empty: none). The node pulls what "
+        "it misses from the peers the metaserver names, and, without --redis-url, publishes its "
+        "blocks to the Redis the metaserver uses.",
+        _grpc_target,
+        aliases=("meta-addr",),
+        metavar="ADDR",
+    ),
+    # --- node: remote reads between nodes (pegaflow/node/tiers/remote/, issue 6) -------------
+    Option(
+        "transfer-addr",
+        "",
+        "TCP data port (HOST:PORT) peers pull pages from (default: --addr's host, any free port; "
+        "the port is returned with each pin).",
+        _optional_host_port,
+    ),
+    Option(
+        "nics",
+        [],
+        "RDMA devices to pull and serve pages over with one-sided READ: --nics mlx5_0 mlx5_1, "
+        "--nics mlx5_0,mlx5_1 or the flag repeated. Unset: the TCP data plane.",
+        _name,
+        repeatable=True,
+        commas=True,
+        metavar="DEVICE",
+    ),
+    Option(
+        "pin-ttl",
+        30.0,
+        "Seconds a peer's pin holds pages at most for a puller (expires even if the puller dies).",
+        _positive_float,
+        aliases=("transfer-lock-timeout-secs",),  # the original's name
+    ),
+    Option(
+        "peer-backoff",
+        5.0,
+        "Seconds a peer that failed or answered wrongly is skipped (doubles while it keeps failing).",
+        _positive_float,
+    ),
+    Option(
+        "liveness-ttl",
+        10.0,
+        "Seconds after its last heartbeat that a node disappears from global lookups.",
+        _non_negative_float,
+    ),
+    Option(
+        "event-buffer",
+        1_000_000,
+        "Block updates the node buffers for Redis; beyond it updates drop and a snapshot re-syncs.",
+        _positive_int,
+    ),
+    Option(
+        "consumer-name",
+        "",
+        "Name of this metaserver replica in the consumer group (default: HOST-PID).",
+        str,
+        commands=(META,),
+    ),
+    Option(
+        "stream-lease-ttl",
+        10.0,
+        "Seconds before a dead replica's node streams are taken over by another replica.",
+        _non_negative_float,
+        commands=(META,),
+    ),
+    Option(
+        "sweep-interval",
+        30.0,
+        "Seconds between sweeps removing dead nodes' entries from the index (0: never).",
+        _non_negative_float,
+        commands=(META,),
+    ),
+    Option(
+        "query-max-blocks",
+        16384,
+        "Largest number of block hashes accepted in one lookup.",
+        _positive_int,
+        commands=(META,),
+    ),
+    # --- access (pegaflow/common/security.py, docs/security.md) -----------------------
+    Option(
+        "auth-token-file",
+        "",
+        "File (mode 0600) holding the shared token every gRPC call, local-socket connection and "
+        "peer must present; PEGAFLOW_AUTH_TOKEN may hold the token itself. Empty: no token.",
+        commands=(NODE, META),
+        metavar="PATH",
+    ),
+    Option(
+        "tls-cert",
+        "",
+        "PEM certificate chain: serve gRPC over TLS (with --tls-key).",
+        commands=(NODE, META),
+        metavar="PATH",
+    ),
+    Option("tls-key", "", "PEM private key of --tls-cert.", commands=(NODE, META), metavar="PATH"),
+    Option(
+        "tls-ca",
+        "",
+        "PEM roots to verify the metaserver and peers against: call them over TLS "
+        "(PEGAFLOW_TLS_CA for engines' connectors).",
+        metavar="PATH",
+    ),
+    # --- policy: admission and the hit-rate ceiling -----------------------------------
+    Option(
+        "enable-lfu-admission",
+        False,
+        "Put TinyLFU admission in front of LRU eviction: a new block is stored only if it is "
+        "requested more often than the block it would evict.",
+        _bool,
+        commands=(NODE, REPLAY),
+        flag=True,
+    ),
+    Option(
+        "ceiling-windows",
+        "15m,1h,24h",
+        "Rolling windows (comma-separated durations: s/m/h/d) over which the hit-rate ceiling "
+        "r* = (N - U) / N is estimated and exported beside the measured hit rate.",
+        parse_windows,
+        commands=(NODE, META, REPLAY),
+        metavar="DURATIONS",
+        aliases=("metric-hll-windows",),  # the original's name
+    ),
+    Option(
+        "ceiling-publish-interval",
+        10.0,
+        "Seconds between publications of the node's ceiling sketch to Redis (with --redis-url), "
+        "from which pegaflow-meta exports the cluster's ceiling.",
+        _positive_float,
+    ),
+    # --- metrics export ------------------------------------------------------------------
+    Option(
+        "metrics-otel-endpoint",
+        "",
+        "Also push every metric to this OTLP/HTTP collector, e.g. http://127.0.0.1:4318 "
+        "(needs the otel extra; empty: Prometheus /metrics only).",
+        str,
+        commands=(NODE, META),
+        metavar="URL",
+    ),
+    # --- replay: offline trace analysis (pegaflow/replay/, docs/replay.md) --------------
+    Option("trace", None, "Trace file (JSON lines; .gz is decompressed).", str, commands=(REPLAY,),
+           positional=True, metavar="TRACE"),
+    Option(
+        "trace-format",
+        "auto",
+        "Trace format: auto (from the first line), mooncake, or pegaflow (the node's query trace).",
+        _choice("auto", "mooncake", "pegaflow"),
+        commands=(REPLAY,),
+    ),
+    Option(
+        "l1-capacity",
+        "25%",
+        "L1 (DRAM) capacity of the cluster: bytes (500gb), blocks (20000blocks), a percentage of "
+        "the trace's distinct blocks (25%), or inf.",
+        parse_capacity,
+        commands=(REPLAY,),
+        metavar="SIZE",
+    ),
+    Option(
+        "ssd-capacity",
+        "0",
+        "SSD tier capacity (units as --l1-capacity; 0: no SSD tier). It receives L1's evictions.",
+        parse_capacity,
+        commands=(REPLAY,),
+        metavar="SIZE",
+    ),
+    Option(
+        "ssd-writes",
+        "evictions",
+        "What L1 writes to the replayed SSD tier: evictions (a victim cache) or commits (every "
+        "block, as the node's write-behind does).",
+        _choice("evictions", "commits"),
+        commands=(REPLAY,),
+    ),
+    Option(
+        "page-bytes",
+        "64mb",
+        "Bytes of one block's page, for capacities in bytes when the trace does not say "
+        "(64mb: Llama-3-8B bf16, 512-token blocks).",
+        parse_size,
+        commands=(REPLAY,),
+    ),
+    Option("block-tokens", 512, "Tokens per block of the trace (Mooncake: 512).", _positive_int, commands=(REPLAY,)),
+    Option("instances", 1, "Engine instances the requests are spread over.", _positive_int, commands=(REPLAY,)),
+    Option(
+        "pools",
+        "both",
+        "shared: one pool for all instances; isolated: one per instance (capacity split evenly); "
+        "both: run and compare the two.",
+        _choice("shared", "isolated", "both"),
+        commands=(REPLAY,),
+    ),
+    Option(
+        "route",
+        "round-robin",
+        "How requests reach instances: round-robin, or field:NAME (a stable hash of that trace field).",
+        parse_route,
+        commands=(REPLAY,),
+    ),
+    Option(
+        "compare-admission",
+        False,
+        "Run every scenario both with and without TinyLFU admission.",
+        _bool,
+        commands=(REPLAY,),
+        flag=True,
+    ),
+    Option(
+        "sweep",
+        "auto",
+        "L1 capacities for the hit-rate curve: auto (1/64 to all of the distinct blocks), none, "
+        "or a comma-separated list of capacities.",
+        parse_sweep,
+        commands=(REPLAY,),
+    ),
+    Option("json", False, "Print the report as JSON instead of tables.", _bool, commands=(REPLAY,), flag=True),
+    Option(
+        "plot",
+        "",
+        "Write a PNG of hit rate vs L1 capacity, with the ceiling, to this file.",
+        commands=(REPLAY,),
+        metavar="FILE",
+    ),
+    Option(
+        "skip-bad",
+        False,
+        "Count and skip malformed trace lines instead of stopping at the first one.",
+        _bool,
+        commands=(REPLAY,),
+        flag=True,
+    ),
+    Option("quiet", False, "No progress bar.", _bool, commands=(REPLAY,), flag=True),
+    Option(
+        "jobs",
+        1,
+        "Replays run at once, in forked processes (0: one per CPU); results do not depend on it.",
+        _non_negative_int,
+        commands=(REPLAY,),
+    ),
+]
+
+
+def options_for(command: str) -> list[Option]:
+    return [o for o in OPTIONS if command in o.commands]
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one line and exits 2 (no usage dump, no traceback)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        raise SystemExit(2)
+
+
+def _wrap(opt: Option) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            return opt.parse(text)
+        except (ValueError, TypeError) as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse.__name__ = getattr(opt.parse, "__name__", "value")
+    return parse
+
+
+def build_parser(command: str, prog: str, description: str = "") -> argparse.ArgumentParser:
+    """Flags for ``command``; defaults are filled from the environment in :func:`parse_options`."""
+    p = _OneLineParser(prog=prog, description=description)
+    add_options(p, command)
+    return p
+
+
+def add_options(p: argparse.ArgumentParser, command: str) -> None:
+    for opt in options_for(command):
+        names = [f"--{opt.name}", *(f"--{a}" for a in opt.aliases)]
+        text = opt.help.replace("%", "%%")  # argparse %-formats help ("25%" would crash --help)
+        if opt.positional:
+            p.add_argument(opt.dest, type=_wrap(opt), metavar=opt.metavar, help=text)
+        elif opt.flag:
+            p.add_argument(*names, dest=opt.dest, action="store_const", const=True, default=None, help=text)
+        elif opt.repeatable:  # values are parsed (and comma-split) in fill_defaults
+            p.add_argument(*names, dest=opt.dest, action="extend", nargs="+", default=None,
+                           metavar=opt.metavar, help=text)
+        else:
+            p.add_argument(*names, dest=opt.dest, type=_wrap(opt), default=None, metavar=opt.metavar, help=text)
+
+
+def fill_defaults(
+    ns: argparse.Namespace, command: str, prog: str, env: Mapping[str, str] | None = None
+) -> argparse.Namespace:
+    """Fill options not given as flags from ``PEGAFLOW_*`` variables, then the table's defaults."""
+    env = os.environ if env is None else env
+    for opt in options_for(command):
+        given = getattr(ns, opt.dest, None)
+        if opt.positional:
+            continue
+        if given is not None:
+            if opt.repeatable:
+                try:
+                    setattr(ns, opt.dest, opt.parse_list(given))
+                except (ValueError, TypeError) as exc:
+                    sys.stderr.write(f"{prog}: error: argument --{opt.name}: {exc}\n")
+                    raise SystemExit(2) from None
+            continue
+        var = next((v for v in opt.envs if v in env), None)
+        if var is not None:
+            raw = env[var]
+            try:
+                value: Any = opt.parse_list(raw.split(",")) if opt.repeatable else opt.parse(raw)
+            except (ValueError, TypeError) as exc:
+                sys.stderr.write(f"{prog}: error: {var}={raw!r}: {exc}\n")
+                raise SystemExit(2) from None
+        else:
+            d = opt.default
+            value = list(d) if opt.repeatable else (opt.parse(d) if isinstance(d, str) and opt.parse is not str else d)
+        setattr(ns, opt.dest, value)
+    return ns
+
+
+def render_markdown() -> str:
+    lines = [
+        "# Options",
+        "",
+        "Generated from `pegaflow/config/options.py` by `python -m pegaflow.config.options`;",
+        "do not edit by hand. Every option is a flag and a `PEGAFLOW_*` environment variable;",
+        "a flag wins over the environment, which wins over the default.",
+        "",
+    ]
+    for command, title in ((NODE, "pegaflow-node"), (META, "pegaflow-meta"), (REPLAY, "pegaflow replay")):
+        opts = options_for(command)
+        if not opts:
+            continue
+        lines += [f"## `{title}`", "", "| flag | environment | default | meaning |", "|---|---|---|---|"]
+        for o in opts:
+            if o.positional:
+                lines.append(f"| `{o.metavar}` (argument) | — | required | {o.help} |")
+                continue
+            flag = f"`--{o.name}`" + "".join(f" (alias `--{a}`)" for a in o.aliases)
+            flag += " (one or more values)" if o.repeatable else ""
+            default = "off" if o.flag and not o.default else f"`{o.default}`" if o.default not in ("", None, []) else "—"
+            lines.append(f"| {flag} | `{o.env}` | {default} | {o.help} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(render_markdown())

@@ -1,0 +1,601 @@
+"""The node's block index: which block lives in which pool page, and what to evict.
+
+A *block* is one namespace's KV for one chunk of tokens, stored as one page of the pool.
+States and who moves a block between them:
+
+    (absent) --reserve--> PENDING --commit--> RESIDENT --evict--> (absent)
+                              \\--discard/expire--> (absent)
+
+- PENDING pages belong to the reserving engine, which is the only writer. They are in
+  no lookup result and are never evicted; ``discard`` frees them (reservation expired or
+  its session died).
+- RESIDENT blocks are immutable and visible to every reader of the namespace. A block
+  with ``pins > 0`` (a lease, or a transfer in progress) is out of the eviction order
+  and cannot be evicted; it goes back to the most-recently-used end when its last pin goes.
+- Eviction is one global LRU across namespaces and page sizes. Reclaimable blocks
+  (copies pulled from peers) are evicted before locally produced ones.
+- With an admission policy (TinyLFU), a new block that would need evictions is admitted
+  only if the policy prefers it to the LRU victim; otherwise it is not stored.
+
+This class does no I/O and holds no pool memory: the node wraps it around a shared
+memory pool, ``pegaflow replay`` runs it on offsets alone. It is not thread-safe; the
+node calls it from its event loop only.
+
+Performance: ``pegaflow replay`` drives this very class at 1-3M block accesses/s, so
+the per-block paths keep Python out of the inner loop: blocks are found in one dict per
+namespace keyed by the hash (a bytes key hashes once; an (id, hash) tuple would be built
+and hashed on every lookup), the LRU is keyed by the Block itself (identity hash),
+lookups and LRU moves are mapped over a request in C, a victim's page goes straight to
+the new block when their sizes match (no allocator round trip), and event grouping is
+skipped when nobody listens. Three pieces are C (``pegaflow/native/blockindex.c``, built
+by the install as ``pegaflow.core._blockindex``; the Python below is their reference and the
+fallback of a source tree without the build, and the tests hold them equal): ``Block``,
+the ``LRU`` eviction orders (OrderedDict's methods, one hash probe per operation), and
+``place``, the loop of ``reserve``/``insert`` for its usual steps (one namespace, no
+reclaimable copies), which hands anything else back to the Python loop. The allocator is
+pluggable for the same reason (see ``__init__``).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import itertools
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from operator import attrgetter
+from typing import Protocol
+
+from pegaflow.core.allocator import ExtentAllocator, OutOfSpace
+
+try:  # built by the install from pegaflow/native/sketch.c (TinyLFU's C paths)
+    from pegaflow.core._sketch import block_keys as _native_block_keys
+except ImportError:  # pragma: no cover - a source tree without the build
+    _native_block_keys = None
+try:  # built by the install from pegaflow/native/blockindex.c
+    from pegaflow.core._blockindex import LRU as _NativeLRU
+    from pegaflow.core._blockindex import Block as _NativeBlock
+    from pegaflow.core._blockindex import place as _native_place
+    from pegaflow.core._blockindex import settle as _native_settle
+except ImportError:  # pragma: no cover - a source tree without the build
+    _NativeBlock = _NativeLRU = _native_place = _native_settle = None
+
+HASH_BYTES = 16
+
+PENDING = 0
+RESIDENT = 1
+
+
+class Admission(Protocol):
+    """What the index needs from an admission policy (``TinyLFU`` is the node's).
+
+    A policy may also offer ``record_many(keys)`` (equal to ``record`` per key, in order);
+    the index then records a request's blocks in one call instead of one call per block.
+    """
+
+    def record(self, key: int) -> None: ...
+    def admit(self, candidate: int, victim: int) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    id: int  # node-local, dense: cheap dict keys
+    name: str
+    page_bytes: int
+    salt: int  # namespace_salt(name): identical on every host, for block keys
+
+
+def namespace_salt(name: str) -> int:
+    """64-bit salt of a namespace name, identical on every host and in every process."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
+
+
+def block_key(salt: int, hash_: bytes) -> int:
+    """The one 64-bit integer key of a block (admission sketches, HLL ceilings): the hash's
+    low 64 bits (already uniformly random) salted with its namespace's name, so equal
+    hashes of different namespaces differ and keys agree across hosts (cluster unions)."""
+    return int.from_bytes(hash_[:8], "little") ^ salt
+
+
+def block_keys(salt: int, hashes: Iterable[bytes]) -> list[int]:
+    """``[block_key(salt, h) for h in hashes]``, in C when the extension is built."""
+    if _native_block_keys is not None:
+        return _native_block_keys(salt, hashes if isinstance(hashes, list) else list(hashes))
+    frm = int.from_bytes
+    return [frm(h[:8], "little") ^ salt for h in hashes]
+
+
+class Block:
+    """One page of the pool holding one block. Mutable, owned by :class:`BlockIndex`."""
+
+    __slots__ = ("ns", "hash", "offset", "size", "state", "pins", "reclaimable")
+
+    def __init__(self, ns: Namespace, hash_: bytes, offset: int, reclaimable: bool = False) -> None:
+        self.ns = ns
+        self.hash = hash_
+        self.offset = offset
+        self.size = ns.page_bytes
+        self.state = PENDING
+        self.pins = 0
+        self.reclaimable = reclaimable
+
+    @property
+    def key(self) -> tuple[int, bytes]:
+        return (self.ns.id, self.hash)
+
+    def __repr__(self) -> str:
+        return f"Block(ns={self.ns.name!r}, hash={self.hash.hex()[:12]}, offset={self.offset}, pins={self.pins})"
+
+
+# The same class in C (pegaflow/native/blockindex.c) when the extension is built: a miss
+# creates one Block, and the C one costs a third of this one (no __init__ frame, no GC).
+# The Python class above is the reference and the fallback of a source tree without it.
+PyBlock = Block
+if _NativeBlock is not None:
+    Block = _NativeBlock  # type: ignore[misc,assignment]
+
+# The eviction orders: OrderedDict[Block, None], or its C twin (pegaflow.core._blockindex.LRU:
+# the same methods and order, one hash probe per operation instead of two to four).
+_new_lru: Callable[[], OrderedDict[Block, None]] = OrderedDict if _NativeLRU is None else _NativeLRU
+
+
+class IndexEvent(enum.StrEnum):
+    """What a listener is told happened to some blocks of one namespace."""
+
+    INSERT = "insert"  # became RESIDENT (visible)
+    EVICT = "evict"  # left the index (evicted, removed)
+
+
+Listener = Callable[[IndexEvent, Namespace, list[bytes]], None]  # (event, namespace, hashes)
+
+# Attribute reads mapped over a batch of blocks in C (``map(_HASH, blocks)``).
+_HASH = attrgetter("hash")
+_NS = attrgetter("ns")
+
+
+class PageAllocator(Protocol):
+    """What the index needs from an allocator (``ExtentAllocator`` is the node's)."""
+
+    capacity: int
+    free_bytes: int
+
+    def round(self, size: int) -> int: ...
+    def alloc(self, size: int) -> int: ...  # raises OutOfSpace
+    def free(self, offset: int, size: int) -> None: ...
+
+
+class BlockIndex:
+    def __init__(
+        self,
+        capacity: int,
+        align: int = 4096,
+        admission: Admission | None = None,
+        allocator: PageAllocator | None = None,
+    ) -> None:
+        """``capacity`` bytes of pages aligned to ``align``, carved by an :class:`ExtentAllocator`.
+
+        ``allocator`` replaces that allocator (then ``capacity`` and ``align`` are ignored):
+        replay passes a constant-time one when every page has the same size, where any
+        allocator that never fragments holds exactly ``capacity // page`` pages, so which
+        blocks are evicted is unchanged.
+        """
+        self.alloc: PageAllocator = allocator if allocator is not None else ExtentAllocator(capacity, align)
+        self.admission = admission
+        self._namespaces: dict[str, Namespace] = {}
+        self._ns_ids = itertools.count(1)  # never reused: ids key checksums and SSD entries
+        # RESIDENT and PENDING blocks, one dict per namespace id keyed by the hash: a bytes
+        # key hashes once (cached), where an (id, hash) tuple is built and hashed per lookup.
+        self._blocks: dict[int, dict[bytes, Block]] = {}
+        # Evictable RESIDENT blocks, least recently used first, keyed by the Block itself
+        # (identity hash: free). Pinned blocks are not here.
+        self._lru: OrderedDict[Block, None] = _new_lru()
+        self._lru_reclaimable: OrderedDict[Block, None] = _new_lru()
+        self._listeners: list[Listener] = []
+        self.resident_blocks = 0
+        self.resident_bytes = 0
+        self.evictions = 0
+        self.evicted_bytes = 0
+        self.admission_rejections = 0
+        self.no_space = 0
+        self._pending = 0  # PENDING blocks held; when 0, prefix() need not check states
+
+    # ---- namespaces -------------------------------------------------------------------
+    def namespace(self, name: str, page_bytes: int) -> Namespace:
+        """Get or create a namespace; its page size is fixed by the first registration."""
+        ns = self._namespaces.get(name)
+        if ns is None:
+            ns = Namespace(next(self._ns_ids), name, page_bytes, namespace_salt(name))
+            self._namespaces[name] = ns
+        elif ns.page_bytes != page_bytes:
+            raise ValueError(
+                f"namespace {name!r} has page_bytes={ns.page_bytes}, registration asked for {page_bytes}"
+            )
+        return ns
+
+    def get_namespace(self, name: str) -> Namespace | None:
+        return self._namespaces.get(name)
+
+    def drop_namespace(self, name: str) -> bool:
+        """Forget namespace ``name`` if it holds no block in any state; True if it was dropped.
+        The caller checks that nothing else refers to it (sessions, the SSD tier)."""
+        ns = self._namespaces.get(name)
+        if ns is None or self._blocks.get(ns.id):
+            return False
+        del self._namespaces[name]
+        self._blocks.pop(ns.id, None)
+        return True
+
+    def namespaces(self) -> list[Namespace]:
+        return list(self._namespaces.values())
+
+    def add_listener(self, listener: Listener) -> None:
+        """``listener(op, ns, hashes)`` with op ``insert`` or ``evict``, called synchronously
+        after each batch; it must not block (the event publisher only buffers)."""
+        self._listeners.append(listener)
+
+    def _emit(self, op: IndexEvent, ns: Namespace, hashes: list[bytes]) -> None:
+        if hashes:
+            for cb in self._listeners:
+                cb(op, ns, hashes)
+
+    # ---- lookups ----------------------------------------------------------------------
+    def _table(self, ns_id: int) -> dict[bytes, Block]:
+        t = self._blocks.get(ns_id)
+        if t is None:
+            t = self._blocks[ns_id] = {}
+        return t
+
+    def _current(self, b: Block) -> bool:
+        """True iff ``b`` is the block the index holds for its (namespace, hash)."""
+        t = self._blocks.get(b.ns.id)
+        return t is not None and t.get(b.hash) is b
+
+    def get(self, ns: Namespace, hash_: bytes) -> Block | None:
+        t = self._blocks.get(ns.id)
+        b = None if t is None else t.get(hash_)
+        return b if b is not None and b.state == RESIDENT else None
+
+    def contains(self, ns: Namespace, hash_: bytes) -> bool:
+        return self.get(ns, hash_) is not None
+
+    def prefix(self, ns: Namespace, hashes: Sequence[bytes], touch: bool = True) -> list[Block]:
+        """RESIDENT blocks for the longest prefix of ``hashes``; marks them recently used."""
+        t = self._blocks.get(ns.id)
+        if not hashes or t is None or hashes[0] not in t:
+            return []
+        # All lookups in C, then cut at the first miss (cheaper than a Python loop that stops).
+        out: list[Block] = list(map(t.get, hashes))
+        try:
+            del out[out.index(None) :]
+        except ValueError:
+            pass
+        if self._pending:
+            for i, b in enumerate(out):
+                if b.state != RESIDENT:
+                    del out[i:]
+                    break
+        if touch:
+            self.touch(out)
+        return out
+
+    def touch(self, blocks: Iterable[Block]) -> None:
+        """Mark RESIDENT blocks most recently used (pinned ones stay out of the order) and
+        record one access of each with the admission policy."""
+        if not isinstance(blocks, list):
+            blocks = list(blocks)
+        try:
+            # Common case, all evictable and local: move them in C. A miss (pinned or
+            # reclaimable block) falls back to the full loop, which redoes the moves
+            # already made in the same order, so the resulting order is the same.
+            deque(map(self._lru.move_to_end, blocks), 0)
+        except KeyError:
+            for b in blocks:
+                lru = self._lru_reclaimable if b.reclaimable else self._lru
+                if b in lru:
+                    lru.move_to_end(b)
+        if self.admission is not None and blocks:
+            ns = blocks[0].ns
+            if list(map(_NS, blocks)).count(ns) == len(blocks):  # one namespace: keys in C
+                self._record(block_keys(ns.salt, map(_HASH, blocks)))
+            else:
+                self._record([block_key(b.ns.salt, b.hash) for b in blocks])
+
+    def record_access(self, ns: Namespace, hashes: Iterable[bytes]) -> None:
+        """Tell the admission policy about requested blocks (hit or miss), in order."""
+        if self.admission is not None:
+            keys = block_keys(ns.salt, hashes)
+            if keys:
+                self._record(keys)
+
+    def _record(self, keys: list[int]) -> None:
+        # Looked up per call, not cached: replay swaps ``admission`` after construction.
+        adm = self.admission
+        many = getattr(adm, "record_many", None)
+        if many is not None:
+            many(keys)
+        else:
+            for k in keys:
+                adm.record(k)  # type: ignore[union-attr]
+
+    # ---- pins -------------------------------------------------------------------------
+    def pin(self, blocks: Iterable[Block]) -> None:
+        for b in blocks:
+            if b.pins == 0 and b.state == RESIDENT:
+                (self._lru_reclaimable if b.reclaimable else self._lru).pop(b, None)
+            b.pins += 1
+
+    def unpin(self, blocks: Iterable[Block]) -> None:
+        for b in blocks:
+            b.pins -= 1
+            if b.pins == 0 and b.state == RESIDENT and self._current(b):
+                (self._lru_reclaimable if b.reclaimable else self._lru)[b] = None
+
+    # ---- writes -----------------------------------------------------------------------
+    def reserve(
+        self, ns: Namespace, hashes: Sequence[bytes], reclaimable: bool = False
+    ) -> list[Block | None]:
+        """PENDING pages for the hashes not already held, in order.
+
+        ``None`` for a hash that is resident, pending elsewhere, repeated in the request,
+        or for which no page could be found (then every later hash gets ``None`` too:
+        prefix lookups could not use them). Never blocks: a full pool of pinned pages
+        just yields fewer pages.
+        """
+        return self._reserve(ns, hashes, reclaimable, False)  # type: ignore[return-value]
+
+    def insert(self, ns: Namespace, hashes: Sequence[bytes], reclaimable: bool = False) -> list[Block]:
+        """``commit`` of the pages ``reserve`` gives, in one pass: for a writer whose pages
+        are complete as soon as they are placed (``pegaflow replay``'s tiers). The same
+        rules, victims and events as the two calls; returns the blocks made RESIDENT."""
+        return self._reserve(ns, hashes, reclaimable, True)  # type: ignore[return-value]
+
+    def _reserve(
+        self, ns: Namespace, hashes: Sequence[bytes], reclaimable: bool, commit: bool
+    ) -> list[Block | None] | list[Block]:
+        out: list[Block | None] = []
+        blocks = self._table(ns.id)
+        tables = self._blocks
+        size = ns.page_bytes
+        alloc = self.alloc
+        need = alloc.round(size)
+        lru = self._lru
+        # Without reclaimable copies, a victim of the same page size is just the LRU head:
+        # admission (if any) judges it here, it is popped and its page reused, and counters
+        # and events are settled once per call (what _allocate does per block, minus the
+        # calls).
+        simple = not self._lru_reclaimable
+        adm = self.admission
+        salt = ns.salt
+        # Victims come out of this namespace's table when it is the only one (saves a lookup).
+        single = len(tables) == 1
+        evicted: list[Block] = []
+        full = False
+        made: list[Block] = []
+        if single and simple and _native_place is not None and type(lru) is _NativeLRU:
+            # The usual steps (one namespace, no reclaimable copies) of the loop below, in
+            # C: it stops at the first hash that needs anything else (or that admission
+            # refused), and the loop takes it from there.
+            if type(hashes) is not list:
+                hashes = list(hashes)
+            done, refused = _native_place(
+                blocks, lru, ns, hashes, 0, reclaimable, made, evicted, None if commit else out, alloc, need, adm
+            )
+            if refused:  # what the loop does for a refusal, then the rest of the request
+                self.admission_rejections += 1
+                full = True
+                self.no_space += 1
+                if not commit:
+                    out.append(None)
+                done += 1
+            hashes = hashes[done:] if done else hashes
+        for h in hashes:
+            existing = blocks.get(h)
+            if full or existing is not None:
+                if existing is not None and existing.state == RESIDENT:
+                    if adm is None and not existing.pins and not existing.reclaimable:
+                        lru.move_to_end(existing)  # what touch() does for it, minus the call
+                    else:
+                        self.touch((existing,))
+                if not commit:
+                    out.append(None)
+                continue
+            if alloc.free_bytes >= need:  # else alloc() would raise; exceptions are slow
+                try:
+                    offset: int | None = alloc.alloc(size)
+                except OutOfSpace:
+                    offset = self._allocate(ns, h)
+            elif simple and lru:
+                victim = lru.popitem(False)[0]
+                if victim.size != size:  # another page size: back where it was, the slow path decides
+                    lru[victim] = None
+                    lru.move_to_end(victim, False)
+                    offset = self._allocate(ns, h)
+                elif adm is not None and not adm.admit(block_key(salt, h), block_key(victim.ns.salt, victim.hash)):
+                    lru[victim] = None  # it stays, where it was
+                    lru.move_to_end(victim, False)
+                    self.admission_rejections += 1
+                    offset = None
+                else:
+                    if single:
+                        del blocks[victim.hash]
+                    else:
+                        del tables[victim.ns.id][victim.hash]
+                    evicted.append(victim)
+                    offset = victim.offset
+            else:
+                offset = self._allocate(ns, h)
+            if offset is None:
+                full = True
+                self.no_space += 1
+                if not commit:
+                    out.append(None)
+                continue
+            b = Block(ns, h, offset, reclaimable)
+            blocks[h] = b
+            made.append(b)
+            if not commit:
+                out.append(b)
+        if evicted:
+            k = len(evicted)
+            self.resident_blocks -= k
+            self.resident_bytes -= k * size
+            self.evictions += k
+            self.evicted_bytes += k * size
+            if self._listeners:
+                if single:
+                    self._emit(IndexEvent.EVICT, ns, list(map(_HASH, evicted)))
+                else:
+                    for ens, hs in _group(evicted).items():
+                        self._emit(IndexEvent.EVICT, ens, hs)
+        if not commit:
+            self._pending += len(made)
+            return out
+        # commit(made): fresh blocks are current, unpinned and in this call's order.
+        order = self._lru_reclaimable if reclaimable else lru
+        if _native_settle is not None and type(order) is _NativeLRU:
+            _native_settle(made, order)
+        else:
+            for b in made:
+                b.state = RESIDENT
+                order[b] = None
+        self.resident_blocks += len(made)
+        self.resident_bytes += len(made) * size
+        if self._listeners and made:
+            self._emit(IndexEvent.INSERT, ns, list(map(_HASH, made)))
+        return made
+
+    def commit(self, pending: Sequence[Block]) -> list[Block]:
+        """Make PENDING blocks RESIDENT (visible). Returns the blocks committed."""
+        done: list[Block] = []
+        tables = self._blocks
+        lru = self._lru
+        nbytes = 0
+        for b in pending:
+            if b.state != PENDING or tables[b.ns.id].get(b.hash) is not b:
+                continue
+            b.state = RESIDENT
+            nbytes += b.size
+            if b.pins == 0:
+                (self._lru_reclaimable if b.reclaimable else lru)[b] = None
+            done.append(b)
+        self._pending -= len(done)
+        self.resident_blocks += len(done)
+        self.resident_bytes += nbytes
+        if self._listeners:
+            for ns, hs in _group(done).items():
+                self._emit(IndexEvent.INSERT, ns, hs)
+        return done
+
+    def discard(self, pending: Iterable[Block]) -> int:
+        """Free PENDING pages that will never be committed."""
+        n = 0
+        for b in pending:
+            if b.state == PENDING and self._current(b):
+                del self._blocks[b.ns.id][b.hash]
+                self.alloc.free(b.offset, b.size)
+                n += 1
+        self._pending -= n
+        return n
+
+    def remove(self, blocks: Iterable[Block]) -> list[Block]:
+        """Drop RESIDENT unpinned blocks (e.g. a failed checksum). Returns those removed."""
+        gone = [b for b in blocks if b.state == RESIDENT and b.pins == 0 and self._current(b)]
+        for b in gone:
+            self._drop(b)
+        for ns, hs in _group(gone).items():
+            self._emit(IndexEvent.EVICT, ns, hs)
+        return gone
+
+    # ---- eviction ---------------------------------------------------------------------
+    def _allocate(self, ns: Namespace, h: bytes) -> int | None:
+        size = ns.page_bytes
+        alloc = self.alloc
+        need = alloc.round(size)
+        if alloc.free_bytes >= need:  # else alloc() would raise; exceptions are slow
+            try:
+                return alloc.alloc(size)
+            except OutOfSpace:
+                pass
+        lru = self._lru_reclaimable or self._lru  # reclaimable copies go first
+        if not lru:
+            return None
+        victim = next(iter(lru))
+        if self.admission is not None:
+            if not self.admission.admit(block_key(ns.salt, h), block_key(victim.ns.salt, victim.hash)):
+                self.admission_rejections += 1
+                return None
+        vsize = victim.size
+        if vsize == size or alloc.round(vsize) == need:
+            # The victim's page fits exactly: hand it over instead of freeing and carving
+            # it again. One eviction either way, as the loop below would do.
+            lru.popitem(last=False)
+            del self._blocks[victim.ns.id][victim.hash]
+            self.resident_blocks -= 1
+            self.resident_bytes -= vsize
+            self.evictions += 1
+            self.evicted_bytes += vsize
+            if self._listeners:
+                self._emit(IndexEvent.EVICT, victim.ns, [victim.hash])
+            return victim.offset
+        evicted: list[Block] = []
+        try:
+            while True:
+                victim = self._peek_victim()
+                if victim is None:
+                    return None
+                self._drop(victim)
+                self.evictions += 1
+                self.evicted_bytes += victim.size
+                evicted.append(victim)
+                if self.alloc.free_bytes >= self.alloc.round(size):
+                    try:
+                        return self.alloc.alloc(size)
+                    except OutOfSpace:
+                        continue
+        finally:
+            for ens, hs in _group(evicted).items():
+                self._emit(IndexEvent.EVICT, ens, hs)
+
+    def _peek_victim(self) -> Block | None:
+        if self._lru_reclaimable:
+            return next(iter(self._lru_reclaimable))
+        if self._lru:
+            return next(iter(self._lru))
+        return None
+
+    def _drop(self, b: Block) -> None:
+        del self._blocks[b.ns.id][b.hash]
+        (self._lru_reclaimable if b.reclaimable else self._lru).pop(b, None)
+        self.alloc.free(b.offset, b.size)
+        self.resident_blocks -= 1
+        self.resident_bytes -= b.size
+
+    # ---- inspection -------------------------------------------------------------------
+    def resident(self, ns: Namespace | None = None) -> list[Block]:
+        return [
+            b for t in self._blocks.values() for b in t.values() if b.state == RESIDENT and (ns is None or b.ns is ns)
+        ]
+
+    def blocks_by_namespace(self) -> dict[str, int]:
+        out = {ns.name: 0 for ns in self._namespaces.values()}
+        for t in self._blocks.values():
+            for b in t.values():
+                if b.state == RESIDENT:
+                    out[b.ns.name] += 1
+        return out
+
+    def lru_order(self) -> list[Block]:
+        """Eviction order (first evicted first); pinned blocks excluded."""
+        return [*self._lru_reclaimable, *self._lru]
+
+
+def _group(blocks: Iterable[Block]) -> dict[Namespace, list[bytes]]:
+    if isinstance(blocks, list) and blocks:
+        ns = blocks[0].ns
+        if list(map(_NS, blocks)).count(ns) == len(blocks):  # one namespace: no hashing of ns
+            return {ns: list(map(_HASH, blocks))}
+    out: dict[Namespace, list[bytes]] = {}
+    for b in blocks:
+        out.setdefault(b.ns, []).append(b.hash)
+    return out

@@ -1,0 +1,344 @@
+"""Metaserver side: consume every node stream through one consumer group and apply it.
+
+Work sharing: each node stream is consumed by exactly one replica at a time, the holder
+of a lease key ``pf:{pf}:own:<node>`` (TTL ``lease_ms``, renewed every step). Replicas
+heartbeat into ``pf:{pf}:consumers`` and take at most ``ceil(streams / replicas)``
+streams each, releasing extras, so work spreads as replicas come and go.
+
+Why leases on top of the consumer group: index updates of one node must be applied in
+stream order (an old INSERT applied after a newer EVICT would resurrect a block). A
+consumer group alone hands entries of one stream to whichever consumer asks.
+
+Contracts:
+
+- An entry is acked only after its index update returned from Redis.
+- On taking a stream over, the new owner first claims *all* pending entries of the
+  stream (``XAUTOCLAIM``, in id order; a dead owner's unacked entries), applies and acks
+  them, then reads new ones. Entries applied but not acked by the dead owner are applied
+  again; that is safe because replaying a suffix of one node's events in order leaves the
+  index unchanged (``index.py``).
+- A malformed entry, or one whose node differs from its stream's, is logged, counted,
+  acked and skipped; the consumer keeps going.
+- Events of retired incarnations are skipped (their entries are being swept).
+- Applying a snapshot's last chunk makes that epoch visible (``registry.switch``) and
+  trims older entries from the stream.
+- A zombie owner (paused past its lease) could apply a stale batch once; the lease is
+  re-checked before every batch, which narrows but does not close that window.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+import structlog
+
+from pegaflow.cluster import keys, registry
+from pegaflow.cluster.codec import MalformedEvent, decode_entry
+from pegaflow.cluster.redis_conn import Call, Client, Script, run_scripts
+from pegaflow.cluster.schema import Event, Op
+from pegaflow.cluster.streams import GROUP, stream_key
+from pegaflow.meta import metrics
+from pegaflow.meta.index import Index
+
+log = structlog.get_logger("pegaflow.meta.consumer")
+
+READ_ENTRIES = 256  # entries per step over all owned streams (~131k updates at 512/entry, ~1 s):
+# big enough to amortise round trips, small enough that a step stays well inside a lease
+CLAIM_COUNT = 256
+REFRESH_SECONDS = 1.0  # registry / lease / retired-set refresh period
+IDLE_SLEEP = 0.005  # sleep when no stream had anything (cluster reads cannot block)
+PAUSE_KEY = "pf:{pf}:pause"  # set by `pegaflow-meta rebuild`: replicas stop applying
+
+_RENEW = Script(
+    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0"
+)
+# Take a free lease, or keep one this replica still holds (e.g. after it reset its state).
+_ACQUIRE = Script(
+    """
+local cur = redis.call('GET', KEYS[1])
+if cur == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+if cur then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+)
+_RELEASE = Script(
+    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+)
+
+
+def default_consumer_name() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass
+class ConsumerStats:
+    entries: int = 0
+    blocks: int = 0
+    malformed: int = 0
+    stale: int = 0
+    claimed: int = 0
+    switches: int = 0
+
+
+@dataclass
+class _Stream:
+    node: str
+    key: str
+    claimed: bool = False  # pending entries taken over and applied
+    resets: dict[int, bytes] = field(default_factory=dict)  # epoch -> id of its RESET entry
+
+
+class Consumer:
+    """One replica's consumer: call :meth:`step` in a loop, or :meth:`run` in a thread."""
+
+    def __init__(self, r: Client, name: str | None = None, *, lease_ms: int = 10_000) -> None:
+        self.r = r
+        self.name = name or default_consumer_name()
+        self.lease_ms = lease_ms
+        self.index = Index(r)
+        self.stats = ConsumerStats()
+        self.streams: dict[str, _Stream] = {}  # owned, by node name
+        self._retired: set[int] = set()
+        self._known_tags: set[str] = set()
+        self._next_refresh = 0.0
+        self._to_ack: dict[str, list[bytes]] = {}
+
+    # --- leases --------------------------------------------------------------------------
+
+    def refresh(self) -> None:
+        """Heartbeat, renew/acquire/release stream leases, reload the retired set."""
+        now_ms = int(time.time() * 1000)
+        paused = self.r.get(PAUSE_KEY) is not None
+        self.r.zadd(keys.CONSUMERS, {self.name: now_ms + self.lease_ms})
+        self.r.zremrangebyscore(keys.CONSUMERS, "-inf", now_ms)
+        n_consumers = max(1, self.r.zcard(keys.CONSUMERS))
+        nodes = sorted(registry.nodes(self.r))
+        for node in list(self.streams):
+            if (
+                paused
+                or node not in nodes
+                or not _RENEW(self.r, [keys.owner_key(node)], [self.name, self.lease_ms])
+            ):
+                self._release(node)
+        if not paused:
+            target = math.ceil(len(nodes) / n_consumers)
+            # Start at a replica-specific offset so replicas don't all race for the same streams.
+            start = hash(self.name) % max(1, len(nodes))
+            for node in nodes[start:] + nodes[:start]:
+                if len(self.streams) >= target:
+                    break
+                if node in self.streams:
+                    continue
+                if _ACQUIRE(self.r, [keys.owner_key(node)], [self.name, self.lease_ms]):
+                    self._ensure_group(stream_key(node))
+                    self.streams[node] = _Stream(node, stream_key(node))
+                    log.info("took stream", consumer=self.name, node=node)
+            while len(self.streams) > target:
+                self._release(next(iter(self.streams)))
+        self._retired = registry.retired(self.r)
+        # Reloaded, not just cached: Redis may have restarted empty.
+        self._known_tags = {t.decode() for t in self.r.hkeys(keys.NAMESPACES)}
+        metrics.STREAMS_OWNED.set(len(self.streams))
+
+    def _release(self, node: str) -> None:
+        self._flush_acks()
+        self.streams.pop(node, None)
+        _RELEASE(self.r, [keys.owner_key(node)], [self.name])
+        log.info("released stream", consumer=self.name, node=node)
+
+    def release_all(self) -> None:
+        for node in list(self.streams):
+            self._release(node)
+        self.r.zrem(keys.CONSUMERS, self.name)
+
+    def _ensure_group(self, key: str) -> None:
+        try:
+            self.r.xgroup_create(key, GROUP, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    # --- the loop --------------------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        """Consume until ``stop`` is set; Redis errors are logged and retried, never fatal."""
+        while not stop.is_set():
+            try:
+                if self.step() == 0:
+                    stop.wait(IDLE_SLEEP)
+            except (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterError, OSError) as exc:
+                log.warning("redis unavailable; retrying", consumer=self.name, error=repr(exc))
+                self.streams.clear()  # re-take leases (and re-claim) once Redis is back
+                self._to_ack.clear()
+                stop.wait(0.5)
+            except redis.ResponseError as exc:
+                log.warning("redis error; retrying", consumer=self.name, error=repr(exc))
+                self.streams.clear()
+                self._to_ack.clear()
+                stop.wait(0.2)
+        try:
+            self.release_all()
+        except redis.RedisError:
+            pass
+
+    def step(self) -> int:
+        """Refresh leases if due, claim taken-over streams, read and apply one batch.
+
+        Returns the number of entries handled (0 when idle).
+        """
+        if time.monotonic() >= self._next_refresh:
+            self.refresh()
+            self._next_refresh = time.monotonic() + min(REFRESH_SECONDS, self.lease_ms / 3000)
+        handled = 0
+        for st in list(self.streams.values()):
+            if not st.claimed:
+                handled += self._claim(st)
+        batches = self._read()
+        for st, entries in batches:
+            self._apply(st, entries)
+            handled += len(entries)
+        self._flush_acks()
+        return handled
+
+    def _claim(self, st: _Stream) -> int:
+        start: Any = "0-0"
+        n = 0
+        while True:
+            res = self.r.xautoclaim(st.key, GROUP, self.name, 0, start_id=start, count=CLAIM_COUNT)
+            start, entries = res[0], res[1]
+            if entries:
+                entries = [(i, f) for i, f in entries if f is not None]
+                self._apply(st, entries)
+                n += len(entries)
+                self._flush_acks()
+            if start in (b"0-0", "0-0"):
+                break
+        st.claimed = True
+        if n:
+            self.stats.claimed += n
+            metrics.ENTRIES_CLAIMED.inc(n)
+            log.info("claimed pending entries", consumer=self.name, node=st.node, entries=n)
+        return n
+
+    def _read(self) -> list[tuple[_Stream, list[tuple[bytes, dict]]]]:
+        owned = [st for st in self.streams.values() if st.claimed]
+        if not owned:
+            return []
+        count = max(4, READ_ENTRIES // len(owned))
+        p = self.r.pipeline(transaction=False)
+        for st in owned:
+            p.xreadgroup(GROUP, self.name, {st.key: ">"}, count=count)
+        out = []
+        for st, res in zip(owned, p.execute(raise_on_error=False), strict=True):
+            if isinstance(res, Exception):
+                if "NOGROUP" in str(res):
+                    if self.r.hexists(keys.NODES, st.node):  # Redis restarted empty: start over
+                        self._ensure_group(st.key)
+                    else:  # the node was reaped and its stream deleted
+                        self._release(st.node)
+                    continue
+                raise res
+            for _key, entries in res or []:
+                if entries:
+                    out.append((st, entries))
+        return out
+
+    def _apply(self, st: _Stream, entries: Sequence[tuple[bytes, dict]]) -> None:
+        calls: list[Call] = []
+        switches: list[Event] = []
+        new_tags: dict[str, str] = {}
+        ops: dict[str, int] = {}
+        blocks = 0
+        current = self._incarnation(st.node)
+        for eid, fields in entries:
+            self._to_ack.setdefault(st.key, []).append(eid)
+            try:
+                ev = decode_entry(fields)
+                if ev.node != st.node:
+                    raise MalformedEvent(f"event of node {ev.node!r} in stream of {st.node!r}")
+            except MalformedEvent as exc:
+                self.stats.malformed += 1
+                metrics.EVENTS_MALFORMED.inc()
+                log.warning("skipping malformed event", stream=st.key, id=eid, error=str(exc))
+                continue
+            self.stats.entries += 1
+            ops[ev.op.name] = ops.get(ev.op.name, 0) + 1
+            if ev.op == Op.RESET:
+                st.resets[ev.epoch] = eid
+                continue
+            if (ev.nid, ev.epoch) != current:
+                # Registration happens before a node writes an incarnation's events, so a
+                # newer one is already in the registry: read it again once before judging.
+                current = self._incarnation(st.node)
+            if ev.nid in self._retired or (ev.nid, ev.epoch) != current:
+                # Not the node's newest incarnation: superseded by a re-sync, or written
+                # before Redis lost its data. Its updates must not land under any nid.
+                self.stats.stale += 1
+                metrics.EVENTS_SKIPPED.inc()
+                continue
+            if ev.blob:
+                calls.append(self.index.apply_call(ev.op, ev.namespace, ev.nid, ev.blob))
+                blocks += ev.count
+                tag = keys.ns_tag(ev.namespace)
+                if tag not in self._known_tags:
+                    new_tags[tag] = ev.namespace
+            if ev.op == Op.SNAPSHOT and ev.last:
+                switches.append(ev)
+        if new_tags:
+            self.r.hset(keys.NAMESPACES, mapping=new_tags)
+            self._known_tags.update(new_tags)
+        if calls:
+            if not self._still_owner(st):
+                self._to_ack.pop(st.key, None)
+                raise redis.ResponseError(f"lost the lease of {st.node} before applying")
+            for res in run_scripts(self.r, calls):
+                if isinstance(res, Exception):
+                    raise res
+        for ev in switches:
+            if registry.switch(self.r, ev.node, ev.nid):
+                self.stats.switches += 1
+                reset_id = st.resets.get(ev.epoch)
+                if reset_id is not None:
+                    self.r.xtrim(st.key, minid=reset_id, approximate=False)
+        self.stats.blocks += blocks
+        metrics.BLOCKS_APPLIED.inc(blocks)
+        for op, n in ops.items():
+            metrics.EVENTS_APPLIED.labels(op.lower()).inc(n)
+
+    def _incarnation(self, node: str) -> tuple[int, int] | None:
+        """(nid, epoch) of ``node``'s newest registration, None if it has none."""
+        raw = self.r.hget(keys.NODES, node)
+        if raw is None:
+            return None
+        d = json.loads(raw)
+        return int(d["nid"]), int(d["epoch"])
+
+    def _still_owner(self, st: _Stream) -> bool:
+        return self.r.get(keys.owner_key(st.node)) == self.name.encode()
+
+    def _flush_acks(self) -> None:
+        if not self._to_ack:
+            return
+        p = self.r.pipeline(transaction=False)
+        for key, ids in self._to_ack.items():
+            p.xack(key, GROUP, *ids)
+        p.execute()
+        self._to_ack.clear()
+
+    def wait_caught_up(self, timeout: float = 30.0) -> bool:
+        """Step until no owned stream has undelivered or pending entries (tests, benchmarks)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.step() == 0 and self.streams and all(st.claimed for st in self.streams.values()):
+                return True
+        return False

@@ -1,0 +1,434 @@
+"""Node side: batch the node's block inserts/evictions into its Redis Stream.
+
+Hook-up is one call: the node's block index calls :meth:`EventPublisher.on_insert` and
+:meth:`EventPublisher.on_evict` (or the generic :meth:`EventPublisher.listener`) after it
+changed its own index, from the thread that changed it. Those calls only append to a
+bounded in-memory buffer under a lock: they never wait on Redis.
+
+Contracts:
+
+- Order: events are published in the order the listener was called. Per block, that
+  order must be the order of the node's own mutations (true when one thread mutates).
+- Bounded: at most ``buffer_blocks`` block updates wait in memory. When the buffer is
+  full, or Redis stays unreachable longer than ``retry_seconds``, updates are dropped and
+  counted, never blocking the node; the publisher then re-syncs: a new epoch, a full
+  snapshot, and the index converges again.
+- Snapshot cut: ``snapshot()`` runs together with clearing the buffer, on the node's
+  event loop when ``loop`` is given (so no listener call interleaves), otherwise in the
+  publisher thread under the buffer lock. Every update after the cut is published after
+  the snapshot, so snapshot + later updates equals the node's state.
+- Start and every re-sync: ``RESET``, ``SNAPSHOT`` chunks, a last chunk with ``FLAG_LAST``.
+  On start (a restarted node lost its memory) readers switch to the new epoch at once; on
+  an in-process re-sync they keep the old epoch until the metaserver applied the snapshot.
+- Liveness: the TTL key is refreshed every ``ttl_seconds / 3``. If the registration is gone
+  (TTL expired while partitioned, Redis restarted empty) the publisher re-registers and
+  re-syncs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+import structlog
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
+from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
+
+from pegaflow.cluster import registry
+from pegaflow.cluster.codec import FIELD, encode
+from pegaflow.cluster.redis_conn import Client, connect
+from pegaflow.cluster.schema import FLAG_LAST, HASH_BYTES, Event, Op
+from pegaflow.cluster.streams import GROUP, stream_key
+from pegaflow.common.hosts import advertised
+from pegaflow.config.commands import NodeConfig
+from pegaflow.core.block_index import BlockIndex, IndexEvent, Namespace
+
+_log = structlog.get_logger("pegaflow.meta.publisher")
+
+
+class _SafeLog:
+    """Logging from the publisher thread must never break publishing (e.g. a closed stderr)."""
+
+    def __getattr__(self, level: str) -> Callable[..., None]:
+        def emit(*args: Any, **kw: Any) -> None:
+            with contextlib.suppress(Exception):
+                getattr(_log, level)(*args, **kw)
+
+        return emit
+
+
+log = _SafeLog()
+
+BATCH_BLOCKS = 512  # hashes per stream entry: ~8 KB entries amortise Redis per-entry cost
+XADD_PIPELINE = 64  # entries per pipeline round trip
+FLUSH_INTERVAL = 0.02  # seconds a partial batch may wait: index lag vs. entry count
+COMPACT_MIN_BLOCKS = 4_000_000  # re-snapshot (and trim) once the stream carries this many updates...
+COMPACT_FACTOR = 4  # ...and more than this many times the snapshot size
+
+SnapshotFn = Callable[[], Iterable[tuple[str, Sequence[bytes]]]]
+
+
+class PublisherMetrics:
+    """The publisher's Prometheus series, created once per registry (the node has its own)."""
+
+    _by_registry: dict[int, PublisherMetrics] = {}
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.published = Counter(
+            "pegaflow_node_events_published_blocks_total", "Block updates written to the node stream", ["op"],
+            registry=registry,
+        )  # fmt: skip
+        self.dropped = Counter(
+            "pegaflow_node_events_dropped_blocks_total", "Block updates dropped (buffer full or Redis down)",
+            registry=registry,
+        )  # fmt: skip
+        self.resyncs = Counter(
+            "pegaflow_node_events_resyncs_total",
+            "Snapshots published (start, new epoch, re-sync)",
+            registry=registry,
+        )
+        self.errors = Counter(
+            "pegaflow_node_events_publish_errors_total",
+            "Redis errors seen by the publisher",
+            registry=registry,
+        )
+        self.buffered = Gauge(
+            "pegaflow_node_events_buffered_blocks", "Block updates waiting to be published", registry=registry
+        )
+
+    @classmethod
+    def of(cls, registry: CollectorRegistry | None) -> PublisherMetrics:
+        reg = registry if registry is not None else REGISTRY
+        m = cls._by_registry.get(id(reg))
+        if m is None:
+            m = cls._by_registry[id(reg)] = cls(reg)
+        return m
+
+
+class Resync(enum.Enum):
+    """Why a new epoch is due: START switches readers to it at once (the node lost its memory,
+    or its registration), RESYNC keeps the old one until the snapshot is applied."""
+
+    START = enum.auto()
+    RESYNC = enum.auto()
+
+
+_TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterDownError, OSError)
+
+
+@dataclass
+class PublisherStats:
+    published_blocks: int = 0
+    published_entries: int = 0
+    dropped_blocks: int = 0
+    resyncs: int = 0
+    errors: int = 0
+
+
+class EventPublisher:
+    """Publishes one node's block events to ``pf:ev:{node}``, in a background thread."""
+
+    def __init__(
+        self,
+        r: Client,
+        node: str,
+        addr: str,
+        snapshot: SnapshotFn,
+        *,
+        loop: asyncio.AbstractEventLoop | None = None,
+        ttl_seconds: float = 10.0,
+        buffer_blocks: int = 1_000_000,
+        batch_blocks: int = BATCH_BLOCKS,
+        retry_seconds: float = 5.0,
+        flush_interval: float = FLUSH_INTERVAL,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.r = r
+        self.node = node
+        self.addr = addr
+        self.stream = stream_key(node)
+        self._snapshot = snapshot
+        self._loop = loop
+        self.ttl_ms = int(ttl_seconds * 1000)
+        self.buffer_blocks = buffer_blocks
+        self.batch_blocks = batch_blocks
+        self.retry_seconds = retry_seconds
+        self.flush_interval = flush_interval
+        self.nid = 0
+        self.epoch = 0
+        self.stats = PublisherStats()
+        self.metrics = PublisherMetrics.of(registry)
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._buf: list[tuple[Op, str, Sequence[bytes]]] = []
+        self._buf_blocks = 0
+        self._dropping = False  # set on the first drop; everything until the next cut is void
+        self._need: Resync | None = Resync.START  # the pending re-sync, if any
+        self._seq = 0
+        self._since_snapshot = 0
+        self._snapshot_blocks = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+
+    # --- node side (any thread; never blocks on Redis) -------------------------------------
+
+    def on_insert(self, namespace: str, hashes: Sequence[bytes]) -> None:
+        self._push(Op.INSERT, namespace, hashes)
+
+    def on_evict(self, namespace: str, hashes: Sequence[bytes]) -> None:
+        self._push(Op.EVICT, namespace, hashes)
+
+    def listener(self, op: IndexEvent, namespace: Namespace, hashes: Sequence[bytes]) -> None:
+        """The block-index hook (``BlockIndex.add_listener``)."""
+        self._push(Op.EVICT if op is IndexEvent.EVICT else Op.INSERT, namespace.name, hashes)
+
+    def _push(self, op: Op, namespace: str, hashes: Sequence[bytes]) -> None:
+        n = len(hashes)
+        if not n:
+            return
+        with self._lock:
+            if self._dropping or self._buf_blocks + n > self.buffer_blocks:
+                self._drop(n)
+                return
+            self._buf.append((op, namespace, hashes))
+            self._buf_blocks += n
+            if self._buf_blocks >= self.batch_blocks * XADD_PIPELINE:
+                self._wake.notify()
+
+    def _drop(self, n: int) -> None:
+        if not self._dropping:
+            log.warning("event buffer full or redis unreachable: dropping until re-sync", node=self.node)
+        self._dropping = True
+        if self._need is None:
+            self._need = Resync.RESYNC
+        self.stats.dropped_blocks += n
+        self.metrics.dropped.inc(n)
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def start(self, wait: float | None = None) -> EventPublisher:
+        """Start the thread; with ``wait``, block up to that long for the first snapshot."""
+        self._thread = threading.Thread(target=self._run, name=f"pf-publisher-{self.node}", daemon=True)
+        self._thread.start()
+        if wait:
+            self._ready.wait(wait)
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Flush what is buffered (best effort within ``timeout``) and stop the thread."""
+        self._stop.set()
+        with self._lock:
+            self._wake.notify()
+        if self._thread:
+            self._thread.join(timeout)
+
+    def wait_idle(self, timeout: float = 10.0) -> bool:
+        """True once everything buffered so far is published (tests, benchmarks)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._buf and self._need is None and self._ready.is_set() and not self._busy:
+                    return True
+            time.sleep(0.005)
+        return False
+
+    _busy = False
+    _next_beat = 0.0  # when the liveness key is next refreshed (publisher thread)
+
+    # --- publisher thread ----------------------------------------------------------------------
+
+    def _retrying(self) -> Retrying:
+        return Retrying(
+            stop=stop_after_delay(self.retry_seconds),
+            wait=wait_exponential(multiplier=0.05, max=1.0),
+            retry=retry_if_exception_type(_TRANSIENT),
+            reraise=True,
+        )
+
+    def _run(self) -> None:
+        while True:
+            stopping = self._stop.is_set()
+            try:
+                if self._need is not None and not stopping:
+                    self._resync(self._need is Resync.START)
+                    self._next_beat = time.monotonic() + self.ttl_ms / 3000
+                if not stopping and not self._beat_if_due():
+                    log.warning("registration lost; re-registering", node=self.node, nid=self.nid)
+                    continue
+                self._flush()
+            except Exception as exc:  # keep the thread alive whatever Redis does
+                self.stats.errors += 1
+                self.metrics.errors.inc()
+                log.warning("publish failed; will re-sync", node=self.node, error=repr(exc))
+                with self._lock:
+                    self._buf.clear()
+                    self._buf_blocks = 0
+                    self._dropping = True
+                    if self._need is None:
+                        self._need = Resync.RESYNC
+                self._stop.wait(0.2)
+            if stopping:
+                return
+            with self._lock:
+                if not self._buf and not self._stop.is_set():
+                    self._wake.wait(self.flush_interval)
+                self.metrics.buffered.set(self._buf_blocks)
+
+    def _take(self) -> list[tuple[Op, str, Sequence[bytes]]]:
+        with self._lock:
+            buf, self._buf, self._buf_blocks = self._buf, [], 0
+            self._busy = bool(buf)
+            return buf
+
+    def _flush(self) -> None:
+        buf = self._take()
+        if not buf:
+            return
+        try:
+            entries: list[Event] = []
+            counts: dict[Op, int] = {}
+            # Merge runs of the same (op, namespace) into entries of at most batch_blocks hashes.
+            i = 0
+            while i < len(buf):
+                op, ns, _ = buf[i]
+                parts: list[bytes] = []
+                while i < len(buf) and buf[i][0] == op and buf[i][1] == ns:
+                    parts.extend(buf[i][2])
+                    i += 1
+                counts[op] = counts.get(op, 0) + len(parts)
+                for j in range(0, len(parts), self.batch_blocks):
+                    chunk = parts[j : j + self.batch_blocks]
+                    blob = b"".join(chunk)
+                    if len(blob) != len(chunk) * HASH_BYTES:
+                        raise ValueError("block hash of wrong length passed to the publisher")
+                    entries.append(self._event(op, ns, blob))
+            self._xadd(entries)
+            for op, n in counts.items():
+                self.metrics.published.labels(op.name.lower()).inc(n)
+                self.stats.published_blocks += n
+                self._since_snapshot += n
+            if self._since_snapshot > max(COMPACT_MIN_BLOCKS, COMPACT_FACTOR * self._snapshot_blocks):
+                with self._lock:
+                    if self._need is None:
+                        self._need = Resync.RESYNC  # compact: new epoch, snapshot, trim the old one
+        finally:
+            self._busy = False
+
+    def _event(self, op: Op, ns: str, blob: bytes, flags: int = 0) -> Event:
+        ev = Event(self.node, self.nid, self.epoch, self._seq, op, ns, blob, flags)
+        self._seq += 1
+        return ev
+
+    def _xadd(self, entries: list[Event]) -> list[bytes]:
+        ids: list[bytes] = []
+        for i in range(0, len(entries), XADD_PIPELINE):
+            chunk = [encode(e) for e in entries[i : i + XADD_PIPELINE]]
+
+            def send(chunk: list[bytes] = chunk) -> list[bytes]:
+                p = self.r.pipeline(transaction=False)
+                for data in chunk:
+                    p.xadd(self.stream, {FIELD: data})
+                return p.execute()
+
+            ids.extend(self._retrying()(send))
+            self.stats.published_entries += len(chunk)
+            self._beat_if_due()  # a long snapshot or backlog must not let the liveness key lapse
+        return ids
+
+    def _beat_if_due(self) -> bool:
+        """Refresh the liveness key if a third of its TTL passed; False if the registration is
+        gone (then a re-sync is due). Heartbeats come from this thread only, between batches."""
+        now = time.monotonic()
+        if now < self._next_beat or not self.nid:
+            return True
+        ok = bool(self._retrying()(registry.heartbeat, self.r, self.node, self.nid, self.ttl_ms))
+        self._next_beat = now + self.ttl_ms / 3000
+        if not ok:
+            with self._lock:
+                self._need = Resync.START
+        return ok
+
+    def _cut(self) -> list[tuple[str, Sequence[bytes]]]:
+        with self._lock:
+            self._buf.clear()
+            self._buf_blocks = 0
+            self._dropping = False
+            return list(self._snapshot())
+
+    def _take_snapshot(self) -> list[tuple[str, Sequence[bytes]]]:
+        if self._loop is None:
+            return self._cut()
+
+        async def cut() -> list[tuple[str, Sequence[bytes]]]:
+            return self._cut()
+
+        return asyncio.run_coroutine_threadsafe(cut(), self._loop).result(timeout=60)
+
+    def _resync(self, switch: bool) -> None:
+        """New epoch: register, cut, publish RESET + snapshot. Raises on Redis failure."""
+        retry = self._retrying()
+        self.nid, self.epoch = retry(registry.register, self.r, self.node, self.addr, self.ttl_ms, switch)
+        with contextlib.suppress(redis.ResponseError):  # BUSYGROUP: it exists
+            retry(self.r.xgroup_create, self.stream, GROUP, id="0", mkstream=True)
+        self._seq = 0
+        with self._lock:
+            self._need = None
+        snap = self._take_snapshot()
+        entries = [self._event(Op.RESET, "", b"")]
+        total = 0
+        for ns, hashes in snap:
+            for j in range(0, len(hashes), self.batch_blocks):
+                chunk = hashes[j : j + self.batch_blocks]
+                entries.append(self._event(Op.SNAPSHOT, ns, b"".join(chunk)))
+                total += len(chunk)
+        entries.append(self._event(Op.SNAPSHOT, "", b"", FLAG_LAST))
+        ids = self._xadd(entries)
+        if switch:
+            # Older epochs are void for readers already; drop them from the stream.
+            retry(self.r.xtrim, self.stream, minid=ids[0], approximate=False)
+        self._snapshot_blocks = total
+        self._since_snapshot = 0
+        self.stats.resyncs += 1
+        self.metrics.resyncs.inc()
+        self.metrics.published.labels("snapshot").inc(total)
+        self._ready.set()
+        log.info(
+            "published snapshot", node=self.node, nid=self.nid, epoch=self.epoch, blocks=total, switch=switch
+        )
+
+
+def publish_block_index(
+    config: NodeConfig,
+    index: BlockIndex,
+    node_id: str,
+    loop: asyncio.AbstractEventLoop,
+    registry: CollectorRegistry | None = None,
+) -> EventPublisher:
+    """Hook a node's block index to its stream: one call from the node, on its event loop.
+
+    Publishes to ``config.redis_url`` as :func:`pegaflow.common.hosts.advertised` (the address
+    peers pull from). Returns the started publisher; call ``stop()`` on shutdown.
+    """
+    addr = advertised(config.addr, config.advertise_addr)
+
+    def snapshot() -> list[tuple[str, list[bytes]]]:
+        by_ns: dict[str, list[bytes]] = {}
+        for b in index.resident():
+            by_ns.setdefault(b.ns.name, []).append(b.hash)
+        return list(by_ns.items())
+
+    r = connect(config.redis_url, config.redis_cluster)
+    pub = EventPublisher(
+        r, node_id, addr, snapshot, loop=loop, ttl_seconds=config.liveness_ttl,
+        buffer_blocks=config.event_buffer, registry=registry,
+    )  # fmt: skip
+    index.add_listener(pub.listener)
+    return pub.start()

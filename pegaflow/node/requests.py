@@ -1,0 +1,118 @@
+"""The node's request accounting: the hit-rate ceiling and the per-tier outcome of each block.
+
+Every answered Query feeds a :class:`CeilingEstimator`, and each request's blocks are
+counted once by where they came from (``pegaflow_node_request_blocks_total{outcome}``).
+
+What is counted (the contract the gauges and the cluster union rely on):
+
+- One observation per **request**: the first READY answer to a Query with a given
+  ``req_id`` (of that engine session) adds that query's blocks (N) and its prefix hits.
+  A LOADING answer adds nothing (the engine asks again and the READY answer counts, with
+  the promoted blocks as hits); later Queries with the same ``req_id`` (the connector
+  re-asks while a request waits to be scheduled) add nothing either, so retries do not
+  inflate N or the hit rate. Queries without a ``req_id`` are each one request.
+- A query naming several namespaces (the TP shards of one engine) asks the same hashes in
+  each; it is observed once, under its first namespace: the ceiling of the shards is
+  the same, and hashing every shard's keys would cost k times as much on the event loop.
+- Keys are the block index's ``block_key`` (the same keys TinyLFU sees): the hash's low
+  64 bits salted with a digest of the namespace *name*, the same on every host, so
+  sketches of different nodes can be united into the cluster's ceiling.
+- The clock is ``time.time``: bucket indices must agree across hosts for the union.
+- Outcomes: at the counted READY answer, blocks of the prefix that were already in L1 at
+  the request's first answer are ``l1``; blocks that a LOADING answer of the same
+  ``req_id`` said were coming from SSD or a peer (:meth:`RequestAccounting.loading`) are ``ssd``
+  or ``remote``; the rest are ``miss``. So the four outcomes partition each request's
+  blocks. Without a ``req_id`` a LOADING answer cannot be linked to the later READY one,
+  whose prefix then counts as ``l1``.
+
+Runs on the node's event loop only (the estimator is not thread-safe); gauges are
+refreshed from the loop by :meth:`RequestAccounting.refresh` and read by scrapers from any thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from pegaflow.core.block_index import block_key, block_keys, namespace_salt
+from pegaflow.core.ceiling import CeilingEstimator, WindowStats
+from pegaflow.core.recent import RecentKeys
+from pegaflow.node.metrics import NodeMetrics
+
+# Request ids remembered to skip repeated Queries of one request (here and in the service's
+# first-Query check). The connector re-asks within seconds, so this only needs to outlive
+# the scheduler's queue of waiting requests.
+SEEN_REQUESTS = 65536
+
+
+def ceiling_key(name: str, hash_: bytes) -> int:
+    """Cluster-wide 64-bit key of block ``hash_`` of namespace ``name`` for HLL sketches."""
+    return block_key(namespace_salt(name), hash_)
+
+
+class RequestAccounting:
+    """A node's CeilingEstimator plus request de-duplication and its Prometheus gauges."""
+
+    def __init__(self, windows: Sequence[float], metrics: NodeMetrics | None = None) -> None:
+        self.estimator = CeilingEstimator(windows, clock=time.time)
+        self.metrics = metrics
+        self._seen = RecentKeys(SEEN_REQUESTS)  # requests whose READY answer was counted
+        # req_id -> [(prefix length at a LOADING answer, tier loading the blocks after it)]
+        self._loading: OrderedDict[str, list[tuple[int, str]]] = OrderedDict()
+        self._salts: dict[str, int] = {}
+        self.observed_requests = 0
+
+    def loading(self, req_id: str, hit: int, tier: str) -> None:
+        """A LOADING answer: the blocks after the first ``hit`` are on their way from ``tier``."""
+        if not req_id or req_id in self._seen:
+            return
+        stages = self._loading.get(req_id)
+        if stages is None:
+            stages = self._loading[req_id] = []
+            if len(self._loading) > SEEN_REQUESTS:
+                self._loading.popitem(last=False)
+        if not stages or hit > stages[-1][0]:
+            stages.append((hit, tier))
+
+    def observe(self, namespace: str, hashes: Sequence[bytes], hit: int, req_id: str = "") -> bool:
+        """Count one READY answer (``hit`` of ``hashes`` served); False if ``req_id`` was seen."""
+        stages: list[tuple[int, str]] = []
+        if req_id:
+            if self._seen.seen(req_id):
+                return False
+            stages = self._loading.pop(req_id, None) or []
+        if self.metrics is not None:
+            self._count_outcomes(len(hashes), hit, stages)
+        salt = self._salts.get(namespace)
+        if salt is None:
+            salt = self._salts[namespace] = namespace_salt(namespace)
+        self.estimator.observe(block_keys(salt, hashes), hit)
+        self.observed_requests += 1
+        return True
+
+    def _count_outcomes(self, n: int, hit: int, stages: list[tuple[int, str]]) -> None:
+        assert self.metrics is not None
+        out = self.metrics.request_blocks
+        bounds = [min(start, hit) for start, _ in stages] + [hit]
+        out.labels("l1").inc(bounds[0])
+        for i, (_, tier) in enumerate(stages):
+            out.labels(tier).inc(bounds[i + 1] - bounds[i])
+        out.labels("miss").inc(n - hit)
+
+    def refresh(self) -> list[WindowStats]:
+        """Recompute every window and set the gauges (call from the event loop)."""
+        snap = self.estimator.snapshot()
+        m = self.metrics
+        if m is not None:
+            for s in snap:
+                m.ceiling.labels(s.label).set(s.ceiling)
+                m.hit_ratio.labels(s.label).set(s.hit_rate)
+                m.window_requested.labels(s.label).set(s.requests)
+                m.window_hits.labels(s.label).set(s.hits)
+                m.window_distinct.labels(s.label).set(s.distinct)
+        return snap
+
+    def serialize(self) -> bytes:
+        """The estimator's wire form, for the metaserver's cluster union (event loop only)."""
+        return self.estimator.serialize()

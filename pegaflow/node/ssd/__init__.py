@@ -1,6 +1,0 @@
-"""L3 SSD tier: see :mod:`pegaflow.node.ssd.tier` for the path of a block through it."""
-
-from pegaflow.node.ssd.store import SsdError
-from pegaflow.node.ssd.tier import SsdTier, open_tier
-
-__all__ = ["SsdError", "SsdTier", "open_tier"]

@@ -1,0 +1,205 @@
+"""Serving side of remote reads: pins with a TTL, and the ``PegaPeer`` gRPC service.
+
+Contracts:
+- ``PinForTransfer`` pins the longest RESIDENT prefix of the requested hashes (pins keep
+  blocks out of the eviction order, so their pages neither move nor change) and returns
+  their offsets and, for RDMA pullers, their xxh3_64 checksums (TCP pullers get them
+  in-band from the data port). Known checksums come from :class:`PageChecksums`; only
+  pages whose checksum is not known yet are hashed, after pinning.
+- A pin ends at ``Unpin`` or after its TTL (capped by ``--pin-ttl``), whichever is first,
+  so a puller that dies mid-pull leaks nothing. A pin whose pages are being sent right
+  now (TCP data plane thread) ends when that send ends, never under it.
+- The pin table lives on the node's event loop; only :meth:`PinTable.acquire` and
+  :meth:`PinTable.release_send` are called from data-plane threads, under ``_lock``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import structlog
+
+from pegaflow._proto import peer_pb2, peer_pb2_grpc
+from pegaflow.core.block_index import HASH_BYTES, Block, BlockIndex
+from pegaflow.node.tiers.remote import TCP
+from pegaflow.node.tiers.remote.checksums import PageChecksums
+from pegaflow.node.tiers.remote.metrics import PeerMetrics
+from pegaflow.node.tiers.remote.tcp import BAD_RANGE, UNKNOWN_PIN
+
+log = structlog.get_logger("pegaflow.p2p")
+
+BUSY_RECHECK = 0.5  # seconds: an expired pin still being sent is looked at again this often
+CHECKSUM_INLINE_BYTES = 1 << 20  # below this, checksum on the loop (a thread hop costs more)
+
+
+@dataclass(eq=False)
+class Pin:
+    id: int
+    blocks: list[Block]
+    spans: list[tuple[int, int]]  # (offset, size) per block, read by data-plane threads
+    expires: float
+    puller: str = ""
+    sending: int = 0
+    ended: bool = False
+    timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+
+
+class PinTable:
+    """Pins of this node's pages held for pullers; see the module docstring."""
+
+    def __init__(self, index: BlockIndex, pool_view: memoryview, max_ttl: float, metrics: PeerMetrics,
+                 checksums: PageChecksums) -> None:
+        self.index = index
+        self.view = pool_view
+        self.checksums = checksums
+        self.max_ttl = max_ttl
+        self.metrics = metrics
+        self.pins: dict[int, Pin] = {}
+
+        self._lock = threading.Lock()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        metrics.active_pins.set_function(lambda: len(self.pins))
+
+    def _new_id(self) -> int:
+        """A random 63-bit pin id: the data port serves whoever names a live pin, so the id is
+        the capability (only PinForTransfer, behind the token, hands one out)."""
+        while True:
+            i = secrets.randbits(63)
+            if i and i not in self.pins:
+                return i
+
+    def pin(self, ns_name: str, hashes: Sequence[bytes], ttl: float, puller: str = "") -> Pin | None:
+        """Pin the resident prefix; None when the namespace or block 0 is not here."""
+        ns = self.index.get_namespace(ns_name)
+        if ns is None:
+            return None
+        blocks = self.index.prefix(ns, hashes, touch=True)
+        if not blocks:
+            return None
+        self.index.pin(blocks)
+        ttl = min(ttl if ttl > 0 else self.max_ttl, self.max_ttl)
+        p = Pin(self._new_id(), blocks, [(b.offset, b.size) for b in blocks], time.monotonic() + ttl, puller)
+        self.pins[p.id] = p
+        loop = self.loop or asyncio.get_running_loop()
+        p.timer = loop.call_later(ttl, self._expire, p.id)
+        return p
+
+    def unpin(self, pin_id: int) -> bool:
+        p = self.pins.get(pin_id)
+        if p is None:
+            return False
+        if p.timer is not None:
+            p.timer.cancel()
+        self._end(p)
+        return True
+
+    def _expire(self, pin_id: int) -> None:
+        p = self.pins.get(pin_id)
+        if p is None:
+            return
+        self.metrics.pins_expired.inc()
+        log.info("p2p_pin_expired", pin=pin_id, puller=p.puller, blocks=len(p.blocks))
+        self._end(p)
+
+    def _end(self, p: Pin) -> None:
+        with self._lock:
+            p.ended = True
+            busy = p.sending > 0
+        if busy:  # a data thread reads these pages now: unpin when it is done
+            assert self.loop is not None
+            p.timer = self.loop.call_later(BUSY_RECHECK, self._end, p)
+            return
+        if self.pins.pop(p.id, None) is not None:
+            self.index.unpin(p.blocks)
+
+    # ---- data-plane threads ---------------------------------------------------------------
+    def acquire(self, pin_id: int, start: int, count: int) -> list[Block] | int:
+        """Blocks ``start..start+count`` of a live pin, marked busy; or an error status."""
+        with self._lock:
+            p = self.pins.get(pin_id)
+            if p is None or p.ended:
+                return UNKNOWN_PIN
+            if count == 0 or start + count > len(p.spans):
+                return BAD_RANGE
+            p.sending += 1
+            return p.blocks[start:start + count]
+
+    def release_send(self, pin_id: int) -> None:
+        with self._lock:
+            p = self.pins.get(pin_id)
+            if p is None:
+                return
+            p.sending -= 1
+            done = p.ended and p.sending == 0
+        if done and self.loop is not None:  # ended while busy: unpin now, not at the next recheck
+            try:
+                self.loop.call_soon_threadsafe(self._end, p)
+            except RuntimeError:  # the loop is closed: the node is stopping and close() unpins
+                pass
+
+    def close(self) -> None:
+        for p in list(self.pins.values()):
+            if p.timer is not None:
+                p.timer.cancel()
+            self.pins.pop(p.id, None)
+            self.index.unpin(p.blocks)
+
+
+class PeerService(peer_pb2_grpc.PegaPeerServicer):
+    """``PegaPeer`` on the node's gRPC server (same port as the engine service).
+
+    ``data_addr`` is the advertised TCP data port; ``rdma`` (an ``RdmaResponder``) is set
+    when the node runs with ``--nics``.
+    """
+
+    def __init__(self, table: PinTable, data_addr: str, max_batch: int, rdma: Any = None) -> None:
+        self.table = table
+        self.data_addr = data_addr
+        self.max_batch = max_batch
+        self.rdma = rdma
+
+    async def PinForTransfer(self, request: peer_pb2.PinRequest, context: Any) -> peer_pb2.PinResponse:  # noqa: N802
+        hashes = list(request.hashes)
+        if len(hashes) > self.max_batch or any(len(h) != HASH_BYTES for h in hashes):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"need at most {self.max_batch} hashes of {HASH_BYTES} bytes")
+        p = self.table.pin(request.namespace, hashes, request.ttl_seconds, request.puller)
+        if p is None:
+            return peer_pb2.PinResponse()
+        sums: list[int] = []
+        if request.transport != TCP:
+            t0 = time.perf_counter()
+            cs = self.table.checksums
+            unknown = sum(b.size for b in p.blocks if cs.get(b) is None)
+            if unknown <= CHECKSUM_INLINE_BYTES:
+                sums = [cs.of(b) for b in p.blocks]
+            else:  # pinned pages cannot change: hashing them off the loop is safe
+                sums = await asyncio.get_running_loop().run_in_executor(None, lambda: [cs.of(b) for b in p.blocks])
+            self.table.metrics.pin_checksum_seconds.observe(time.perf_counter() - t0)
+        resp = peer_pb2.PinResponse(
+            pin_id=p.id, count=len(p.blocks), page_bytes=p.blocks[0].size, offsets=[o for o, _ in p.spans],
+            checksums=sums, data_addr=self.data_addr, expires_in=max(0.0, p.expires - time.monotonic()),
+        )  # fmt: skip
+        if self.rdma is not None and request.transport == "rdma":
+            resp.rdma_base = self.rdma.base_addr
+            resp.rkeys.extend(self.rdma.rkeys)
+        return resp
+
+    async def Unpin(self, request: peer_pb2.UnpinRequest, context: Any) -> peer_pb2.UnpinResponse:  # noqa: N802
+        return peer_pb2.UnpinResponse(released=self.table.unpin(request.pin_id))
+
+    async def RdmaConnect(self, request: peer_pb2.RdmaConnectRequest, context: Any) -> peer_pb2.RdmaConnectResponse:  # noqa: N802
+        if self.rdma is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node runs without --nics (no RDMA)")
+        try:
+            return self.rdma.accept(request)
+        except (ValueError, IndexError) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise  # unreachable

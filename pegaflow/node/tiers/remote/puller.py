@@ -1,0 +1,393 @@
+"""Pulling side of remote reads: a local miss becomes LOADING while a peer's pages arrive.
+
+Contracts:
+- :meth:`Puller.query` runs inside the Query handler after L1 and SSD. It asks the
+  metaserver (bounded by ``META_TIMEOUT``; a failing metaserver is skipped for a while,
+  and a "no peer has it" answer is reused for ``NEGATIVE_TTL``) which live peer holds the
+  longest prefix, reserves node-owned PENDING pages
+  (``reclaimable=True``: pulled copies are evicted first) for the blocks past the local
+  prefix, starts the pull and returns True (answer LOADING) iff block ``hit`` is now on
+  its way for every namespace of the query. It never returns True for blocks nobody is
+  bringing, so LOADING always ends.
+- A pull pins the prefix on the peer, reads the pages straight into the PENDING pages
+  (:class:`~pegaflow.node.tiers.remote.Transport`, in a worker thread) which verifies the
+  xxh3_64 of every page against the source's, checks counts and page size, commits the good pages (visible, published as inserts by the index
+  listener; their verified checksums kept in ``checksums``, so this node serves them
+  without hashing) and discards the rest, then unpins. Any data-plane error discards every
+  page of the pull: no partial page is ever visible, the engine just recomputes.
+- A peer that fails or answers wrongly (page size, counts, checksums) is skipped for
+  ``backoff`` seconds, doubling while it keeps failing (:class:`Backoff`).
+- Committed pages (and the local prefix) stay pinned ``HOLD_SECONDS`` so the engine's
+  next Query finds and leases them, as SSD promotion does.
+
+Runs on the node's event loop like the rest of the node; only the transport read and
+the checksum loop run in worker threads, on PENDING pages nobody else touches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import grpc
+import structlog
+
+from pegaflow._proto import meta_pb2, meta_pb2_grpc, peer_pb2, peer_pb2_grpc
+from pegaflow.common.security import Security, aio_channel
+from pegaflow.core.block_index import Block, BlockIndex, Namespace
+from pegaflow.node.tiers.remote import TCP, RemotePages, TransferError, Transport
+from pegaflow.node.tiers.remote.checksums import PageChecksums
+from pegaflow.node.tiers.remote.metrics import PeerMetrics
+
+log = structlog.get_logger("pegaflow.p2p")
+
+META_TIMEOUT = 0.25  # seconds a Query waits for the metaserver before answering with local hits
+PIN_TIMEOUT = 5.0  # seconds for PinForTransfer (checksums of a large prefix take a few ms)
+UNPIN_TIMEOUT = 2.0
+HOLD_SECONDS = 2.0  # pulled blocks stay pinned this long for the engine's next Query
+BACKOFF_MIN = 5.0  # first skip after a failure; doubles up to BACKOFF_MAX while failures repeat
+BACKOFF_MAX = 120.0
+META_KEY = "<metaserver>"  # backoff entry of the metaserver itself
+NEGATIVE_TTL = 0.5  # seconds a "nobody holds it" answer is reused (an engine re-Queries a waiting request)
+NEGATIVE_MAX = 65536  # remembered negative answers at most (oldest dropped first)
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """A node that holds ``prefix_len`` leading blocks of a request (metaserver answer)."""
+
+    node: str
+    address: str
+    prefix_len: int
+
+
+class Lookup(Protocol):
+    async def __call__(self, namespace: str, hashes: Sequence[bytes]) -> list[Holder]: ...
+
+
+class Peers(Protocol):
+    """The PegaPeer RPCs the puller needs (gRPC in the node, a fake in unit tests)."""
+
+    async def pin(self, address: str, request: peer_pb2.PinRequest) -> peer_pb2.PinResponse: ...
+    async def unpin(self, address: str, pin_id: int) -> None: ...
+
+
+class Backoff:
+    """Keys (peer addresses, the metaserver) skipped after failures; thread-unsafe, loop only."""
+
+    def __init__(self, base: float = BACKOFF_MIN, cap: float = BACKOFF_MAX,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.base, self.cap, self.clock = base, cap, clock
+        self._until: dict[str, tuple[float, float]] = {}  # key -> (skip until, current period)
+
+    def skip(self, key: str) -> bool:
+        e = self._until.get(key)
+        return e is not None and self.clock() < e[0]
+
+    def fail(self, key: str) -> float:
+        """Record a failure; returns how long ``key`` is skipped now."""
+        e = self._until.get(key)
+        period = self.base if e is None else min(self.cap, e[1] * 2)
+        self._until[key] = (self.clock() + period, period)
+        return period
+
+    def ok(self, key: str) -> None:
+        self._until.pop(key, None)
+
+    def active(self) -> int:
+        now = self.clock()
+        return sum(1 for until, _ in self._until.values() if until > now)
+
+
+class MetaLookup:
+    """QueryPrefix on the metaserver over one grpc.aio channel.
+
+    The channel is made on first use: a grpc.aio channel binds to the loop running at its
+    creation, and the node is constructed before its loop starts.
+    """
+
+    def __init__(self, addr: str, security: Security) -> None:
+        self.addr = addr
+        self.security = security
+        self.channel: grpc.aio.Channel | None = None
+        self.stub: meta_pb2_grpc.MetaServiceStub | None = None
+
+    async def __call__(self, namespace: str, hashes: Sequence[bytes]) -> list[Holder]:
+        if self.stub is None:
+            self.channel = aio_channel(self.addr, self.security)
+            self.stub = meta_pb2_grpc.MetaServiceStub(self.channel)
+        res = await self.stub.QueryPrefix(meta_pb2.QueryPrefixRequest(namespace=namespace, hashes=hashes),
+                                          timeout=META_TIMEOUT)
+        return [Holder(n.node, n.address, n.prefix_len) for n in res.nodes]
+
+    async def close(self) -> None:
+        if self.channel is not None:
+            await self.channel.close()
+
+
+class GrpcPeers:
+    """PegaPeer stubs, one grpc.aio channel per peer address."""
+
+    def __init__(self, security: Security, max_message: int = 64 << 20) -> None:
+        self.security = security
+        self._stubs: dict[str, tuple[grpc.aio.Channel, peer_pb2_grpc.PegaPeerStub]] = {}
+        self._opts = [("grpc.max_receive_message_length", max_message), ("grpc.max_send_message_length", max_message)]
+
+    def stub(self, address: str) -> peer_pb2_grpc.PegaPeerStub:
+        e = self._stubs.get(address)
+        if e is None:
+            ch = aio_channel(address, self.security, self._opts)
+            e = self._stubs[address] = (ch, peer_pb2_grpc.PegaPeerStub(ch))
+        return e[1]
+
+    async def pin(self, address: str, request: peer_pb2.PinRequest) -> peer_pb2.PinResponse:
+        return await self.stub(address).PinForTransfer(request, timeout=PIN_TIMEOUT)
+
+    async def unpin(self, address: str, pin_id: int) -> None:
+        await self.stub(address).Unpin(peer_pb2.UnpinRequest(pin_id=pin_id), timeout=UNPIN_TIMEOUT)
+
+    async def close(self) -> None:
+        for ch, _ in self._stubs.values():
+            await ch.close()
+        self._stubs.clear()
+
+
+@dataclass(eq=False)
+class _Pull:
+    ns: Namespace
+    holder: Holder
+    hashes: list[bytes]
+    blocks: list[Block]
+    t0: float
+    held: list[Block]  # local prefix pinned while the pull runs
+
+
+class Puller:
+    """See the module docstring. ``lookup``/``peers``/``transport`` are the edges (fakes in tests)."""
+
+    def __init__(
+        self,
+        index: BlockIndex,
+        pool_view: memoryview,
+        node_id: str,
+        lookup: Lookup,
+        peers: Peers,
+        transport: Transport,
+        metrics: PeerMetrics,
+        pin_ttl: float = 30.0,
+        backoff: float = BACKOFF_MIN,
+        max_pull: int = 4096,
+        on_remote_hits: Callable[[int], None] | None = None,
+        hold_seconds: float = HOLD_SECONDS,
+        checksums: PageChecksums | None = None,
+    ) -> None:
+        self.index = index
+        self.view = pool_view
+        self.node_id = node_id
+        self.lookup = lookup
+        self.peers = peers
+        self.transport = transport
+        self.metrics = metrics
+        self.pin_ttl = pin_ttl
+        self.max_pull = max_pull
+        self.backoff = Backoff(backoff, max(backoff, BACKOFF_MAX))
+        self.on_remote_hits = on_remote_hits
+        self.hold_seconds = hold_seconds
+        self.checksums = checksums
+        self.inflight: dict[tuple[int, bytes], Block] = {}
+        # (ns.id, first missing hash) -> time of a lookup that found no peer: repeated
+        # Queries of a request nobody can serve skip the metaserver round trip for a while.
+        self._negative: dict[tuple[int, bytes], float] = {}
+        self.tasks: set[asyncio.Task[None]] = set()
+        self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="p2p-pull")
+        metrics.backed_off.set_function(self.backoff.active)
+
+    def _on_way(self, ns: Namespace, h: bytes) -> bool:
+        return self.index.get(ns, h) is not None or (ns.id, h) in self.inflight
+
+    async def query(self, nss: Sequence[Namespace], hashes: Sequence[bytes], hit: int) -> bool:
+        """Start pulling the continuation of an L1 prefix of length ``hit``; True = answer LOADING."""
+        if hit >= len(hashes):
+            return False
+        h0 = hashes[hit]
+        if all(self._on_way(ns, h0) for ns in nss):
+            return True
+        if self.backoff.skip(META_KEY):
+            return False
+        end = min(len(hashes), hit + self.max_pull)
+        todo = [ns for ns in nss if not self._on_way(ns, h0)]
+        now = time.monotonic()
+        neg = self._negative
+        for ns in todo:
+            t = neg.get((ns.id, h0))
+            if t is not None:
+                if now - t < NEGATIVE_TTL:
+                    return False
+                del neg[(ns.id, h0)]
+        try:
+            answers = await asyncio.wait_for(
+                asyncio.gather(*(self.lookup(ns.name, hashes[:end]) for ns in todo)), META_TIMEOUT * 2)
+        except Exception as exc:  # metaserver down or slow: serve local hits, retry later
+            self.metrics.lookups.labels("error").inc()
+            period = self.backoff.fail(META_KEY)
+            log.warning("p2p_lookup_failed", error=repr(exc), skip_seconds=period)
+            return False
+        self.backoff.ok(META_KEY)
+        plans: list[tuple[Namespace, Holder]] = []
+        for ns, holders in zip(todo, answers, strict=True):
+            best = next((x for x in holders if x.node != self.node_id and x.prefix_len > hit
+                         and not self.backoff.skip(x.address)), None)
+            if best is None:
+                self.metrics.lookups.labels("none").inc()
+                if len(neg) >= NEGATIVE_MAX:
+                    del neg[next(iter(neg))]
+                neg[(ns.id, h0)] = time.monotonic()
+                return False  # one shard nobody can bring: the prefix stops at hit anyway
+            self.metrics.lookups.labels("found").inc()
+            plans.append((ns, best))
+        for ns, best in plans:  # the lookup awaited: the state may have moved meanwhile
+            if self._on_way(ns, h0):
+                continue
+            need: list[bytes] = []
+            for h in hashes[hit:min(end, best.prefix_len)]:
+                if (ns.id, h) in self.inflight:
+                    break
+                if self.index.get(ns, h) is None:
+                    need.append(h)
+            blocks = self.index.reserve(ns, need, reclaimable=True) if need else []
+            k = next((i for i, b in enumerate(blocks) if b is None), len(blocks))
+            self.index.discard([b for b in blocks[k:] if b is not None])
+            if k == 0:
+                self.metrics.pulls.labels("no_space").inc()
+                continue
+            got: list[Block] = blocks[:k]  # type: ignore[assignment]
+            for b in got:
+                self.inflight[b.key] = b
+            held = self.index.prefix(ns, hashes[:hit], touch=False)
+            self.index.pin(held)
+            pull = _Pull(ns, best, need[:k], got, time.perf_counter(), held)
+            task = asyncio.get_running_loop().create_task(self._pull(pull))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+        return all(self._on_way(ns, h0) for ns in nss)
+
+    async def _pull(self, p: _Pull) -> None:
+        addr = p.holder.address
+        pin_id = 0
+        status = "error"
+        committed: list[Block] = []
+        try:
+            try:
+                resp = await self.peers.pin(addr, peer_pb2.PinRequest(
+                    namespace=p.ns.name, hashes=p.hashes, ttl_seconds=self.pin_ttl,
+                    transport=self.transport.name, puller=self.node_id))  # fmt: skip
+            except Exception as exc:
+                status = "error"
+                self._fail(addr, "pin_failed", exc)
+                return
+            pin_id = resp.pin_id
+            why = self._check(p, resp)
+            if why:
+                status = "bad_answer"
+                self._fail(addr, "bad_pin_answer", why)
+                return
+            k = resp.count
+            if k == 0:  # evicted since the metaserver saw it: not the peer's fault
+                status = "gone"
+                return
+            remote = RemotePages(addr, pin_id, resp.page_bytes, tuple(resp.offsets), tuple(resp.checksums),
+                                 resp.data_addr, resp.rdma_base, tuple(resp.rkeys))
+            blocks = p.blocks[:k]
+            try:
+                sums = await asyncio.get_running_loop().run_in_executor(
+                    self._executor, self._read_verify, remote, [b.offset for b in blocks])
+            except TransferError as exc:
+                status = "error"
+                self._fail(addr, "transfer_failed", exc)
+                return
+            good = [b for b, c in zip(blocks, sums, strict=True) if c is not None]
+            bad = len(blocks) - len(good)
+            self.index.discard([b for b, c in zip(blocks, sums, strict=True) if c is None])
+            for b in blocks:
+                self.inflight.pop(b.key, None)
+            committed = self.index.commit(good)
+            self.index.pin(committed)
+            if self.checksums is not None and committed:
+                verified = {id(b): c for b, c in zip(blocks, sums, strict=True) if c is not None}
+                for b in committed:
+                    self.checksums.record(b, verified[id(b)])
+            nbytes = sum(b.size for b in committed)
+            self.metrics.pull_bytes.inc(nbytes)
+            if self.on_remote_hits is not None:
+                self.on_remote_hits(len(committed))
+            if bad:
+                status = "checksum"
+                self._fail(addr, "checksum_mismatch", f"{bad} of {len(blocks)} pages")
+            else:
+                status = "ok" if k == len(p.blocks) else "partial"
+                self.backoff.ok(addr)
+                self.metrics.pull_latency.observe(time.perf_counter() - p.t0)
+            log.debug("p2p_pulled", peer=p.holder.node, blocks=len(committed), bytes=nbytes, status=status,
+                      seconds=round(time.perf_counter() - p.t0, 4))
+        except asyncio.CancelledError:
+            status = "error"
+            raise
+        finally:
+            self.metrics.pulls.labels(status).inc()
+            self.index.discard(p.blocks)  # no-op for committed pages; frees all others
+            for b in p.blocks:
+                self.inflight.pop(b.key, None)
+            if pin_id:
+                self._spawn(self._unpin(addr, pin_id))
+            held = p.held + committed
+            if self.hold_seconds > 0:
+                asyncio.get_running_loop().call_later(self.hold_seconds, self.index.unpin, held)
+            else:
+                self.index.unpin(held)
+
+    def _check(self, p: _Pull, resp: peer_pb2.PinResponse) -> str:
+        """Why a pin answer cannot be used ('' if it can)."""
+        k = resp.count
+        if k > len(p.hashes):
+            return f"pinned {k} pages for {len(p.hashes)} hashes"
+        if k and resp.page_bytes != p.ns.page_bytes:
+            return f"page_bytes {resp.page_bytes} != ours {p.ns.page_bytes} for {p.ns.name!r}"
+        sums = len(resp.checksums)
+        if len(resp.offsets) != k or sums not in (k, 0) or (sums == 0 and k and self.transport.name != TCP):
+            return f"{len(resp.offsets)} offsets and {sums} checksums for {k} pages"
+        if k and self.transport.name == TCP and not resp.data_addr:
+            return "no data address"
+        if k and self.transport.name != TCP and not resp.rkeys:
+            return "no RDMA keys"
+        return ""
+
+    def _read_verify(self, remote: RemotePages, dests: list[int]) -> list[int | None]:
+        """Worker thread: move the pages; the transport checks each one's checksum."""
+        return self.transport.read(remote, dests)
+
+    def _fail(self, addr: str, event: str, why: object) -> None:
+        period = self.backoff.fail(addr)
+        log.warning("p2p_" + event, peer=addr, error=str(why), skip_seconds=period)
+
+    async def _unpin(self, addr: str, pin_id: int) -> None:
+        try:
+            await self.peers.unpin(addr, pin_id)
+        except Exception as exc:  # the pin expires on its own
+            log.info("p2p_unpin_failed", peer=addr, pin=pin_id, error=repr(exc))
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def close(self) -> None:
+        """Cancel pulls and wait for their worker threads (they write pool pages)."""
+        for t in list(self.tasks):
+            t.cancel()
+        if self.tasks:
+            await asyncio.gather(*self.tasks, return_exceptions=True)
+        await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown, True)

@@ -1,0 +1,238 @@
+"""Promotion: bring blocks a Query found on SSD back into L1, asynchronously.
+
+Contracts:
+- :meth:`Promoter.query` runs inside the Query handler (event loop) and never waits. It
+  extends the L1 prefix with the blocks found on SSD (for every namespace of the query),
+  reserves node-owned PENDING pages for them (``BlockIndex.reserve``; PENDING pages are
+  invisible and never evicted), and issues the reads. It returns True (answer LOADING)
+  while blocks that would extend the L1 prefix are being promoted, so the engine's next
+  Query finds the whole continuation in L1 (READY). With no L1 space or nothing on SSD it returns False and
+  the Query answers READY with the L1 prefix: LOADING is never answered for blocks that
+  are not on their way.
+- A promoted page is committed (made visible) only after its header matches the index
+  entry (namespace, hash, generation, sequence, length) and its payload checksum
+  matches; otherwise the page is discarded, the SSD entry dropped and the failure
+  counted. Corrupt bytes are a miss, never served.
+- While a promotion runs, what L1 holds of the query's blocks is pinned, and every
+  block of the batch stays pinned after it completed until a Query leases all of them
+  (:meth:`Promoter.leased`: the lease pins them from then on) or ``HOLD_SECONDS`` pass,
+  so the next Query finds (and leases) them. Without the hold, a request larger than the
+  free L1 would evict its own prefix to make room for its continuation, forever; with it,
+  the later Query answers READY with as much of the prefix as L1 can hold. Ending the
+  hold at the lease matters on a small pool: held pages cannot be evicted, and requests
+  promoted one after the other within ``HOLD_SECONDS`` found no room (misses of blocks
+  that were on SSD).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pegaflow.core.block_index import Block, Namespace
+from pegaflow.node.tiers.ssd.store import BLOCK, Entry, aligned_buffer, checksum, round_up, unpack_header
+from pegaflow.node.tiers.ssd.uring import MAX_IOV, IoOp
+
+if TYPE_CHECKING:
+    from pegaflow.node.tiers.ssd.tier import SsdTier
+
+HOLD_SECONDS = 2.0  # pin promoted blocks this long for the engine's next Query to lease them
+READ_COALESCE_BYTES = 4 << 20  # records adjacent on disk are read by one readv up to this size
+
+
+@dataclass(eq=False)
+class _Batch:
+    """Blocks promoted for one Query; latency is observed when the last one lands."""
+
+    t0: float
+    remaining: int = 0
+    pinned: list[Block] = field(default_factory=list)
+    timer: asyncio.TimerHandle | None = None  # ends the hold (set when the batch completed)
+
+
+@dataclass(slots=True, eq=False)
+class _Rec:
+    key: tuple[int, bytes]
+    block: Block
+    entry: Entry
+    hdr: bytearray
+
+
+def _runs(recs: list[_Rec]) -> list[list[_Rec]]:
+    """Group records adjacent on disk (same file, contiguous) into runs for one readv each."""
+    recs = sorted(recs, key=lambda r: (r.entry.file, r.entry.offset))
+    runs: list[list[_Rec]] = []
+    size = 0
+    for r in recs:
+        last = runs[-1][-1] if runs else None
+        if (last is not None and last.entry.file == r.entry.file
+                and last.entry.offset + last.entry.size == r.entry.offset
+                and size + r.entry.size <= READ_COALESCE_BYTES and 2 * len(runs[-1]) + 2 <= MAX_IOV):
+            runs[-1].append(r)
+            size += r.entry.size
+        else:
+            runs.append([r])
+            size = r.entry.size
+    return runs
+
+
+class Promoter:
+    def __init__(self, tier: SsdTier) -> None:
+        self.tier = tier
+        self.inflight: dict[tuple[int, bytes], Block] = {}
+        self._hdrs: list[bytearray] = []  # free 4 KiB header buffers (aligned)
+        self._holding: dict[int, list[_Batch]] = {}  # id(block) -> completed batches that hold it
+
+    def query(self, nss: Sequence[Namespace], hashes: Sequence[bytes], hit: int) -> bool:
+        """Start promoting the SSD continuation of an L1 prefix of length ``hit``."""
+        t = self.tier
+        index, store, inflight = t.index, t.store, self.inflight
+        end = len(hashes)
+        j = hit
+        while j < end:
+            h = hashes[j]
+            if not all(index.get(ns, h) is not None or (ns.id, h) in inflight or (ns.id, h) in store.entries
+                       for ns in nss):
+                break
+            j += 1
+        if j == hit:
+            return False
+        batch = _Batch(time.perf_counter())
+        # Pin what L1 already holds of hashes[:j] (the prefix, and continuation blocks one
+        # shard has): the reservations below must not evict them.
+        held = [b for ns in nss for b in index.prefix(ns, hashes[:hit], touch=False)]
+        held += [b for ns in nss for h in hashes[hit:j] if (b := index.get(ns, h)) is not None]
+        index.pin(held)
+        batch.pinned.extend(held)
+        recs: list[_Rec] = []
+        for ns in nss:
+            need = [h for h in hashes[hit:j]
+                    if index.get(ns, h) is None and (ns.id, h) not in inflight and (ns.id, h) in store.entries]
+            if not need:
+                continue
+            for h, b in zip(need, index.reserve(ns, need), strict=True):
+                if b is None:
+                    continue
+                key = (ns.id, h)
+                inflight[key] = b
+                recs.append(_Rec(key, b, store.entries[key], self._hdr()))
+        if recs:
+            batch.remaining = len(recs)
+            t.metrics_node_hits(len(recs))
+            t.engine.submit([self._read(run, batch) for run in _runs(recs)])
+        else:
+            self._unpin(batch)
+        return self._loading(nss, hashes, hit, j)
+
+    def _loading(self, nss: Sequence[Namespace], hashes: Sequence[bytes], hit: int, end: int) -> bool:
+        """True if the prefix can grow past ``hit`` once in-flight reads land: positions
+        from ``hit`` on are each held by every namespace in L1 or in flight, and some are
+        in flight. Answering LOADING until the whole continuation is in L1 (rather than
+        READY with the part that landed first) lets the engine load it in one go."""
+        index, inflight = self.tier.index, self.inflight
+        waiting = False
+        for k in range(hit, end):
+            h = hashes[k]
+            for ns in nss:
+                if index.get(ns, h) is None:
+                    if (ns.id, h) not in inflight:
+                        return waiting
+                    waiting = True
+        return waiting
+
+    def _hdr(self) -> bytearray:
+        return self._hdrs.pop() if self._hdrs else aligned_buffer(BLOCK)
+
+    def _read(self, run: list[_Rec], batch: _Batch) -> IoOp:
+        """One readv for records adjacent on disk; verified on the engine thread."""
+        t = self.tier
+        view = t.pool_view
+        bufs: list[memoryview | bytearray] = []
+        for r in run:
+            bufs.append(r.hdr)
+            bufs.append(view[r.block.offset:r.block.offset + round_up(r.block.size)])
+        total = sum(len(x) for x in bufs)
+
+        def complete(res: int) -> None:
+            # engine thread: verify before the loop may publish the pages
+            if res != total:
+                t.call_soon(self._done, run, ["io_error"] * len(run), batch)
+                return
+            out = []
+            for r in run:
+                b, e = r.block, r.entry
+                h = unpack_header(r.hdr)
+                ok = (h is not None and h.hash == b.hash and h.ns_name == b.ns.name and h.gen == e.gen
+                      and h.seq == e.seq and h.payload_len == b.size
+                      and checksum(view[b.offset:b.offset + b.size]) == h.payload_csum)
+                out.append("ok" if ok else "checksum")
+            t.call_soon(self._done, run, out, batch)
+
+        return IoOp(False, t.store.files[run[0].entry.file].fd, run[0].entry.offset, bufs, complete)
+
+    def _done(self, run: list[_Rec], outcomes: list[str], batch: _Batch) -> None:
+        t = self.tier
+        m = t.metrics
+        good = [r for r, o in zip(run, outcomes, strict=True) if o == "ok"]
+        for r in run:
+            self.inflight.pop(r.key, None)
+            self._hdrs.append(r.hdr)
+        if good:
+            keys = [r.key for r in good]
+            t.promoting.update(keys)
+            try:
+                committed = t.index.commit([r.block for r in good])
+            finally:
+                t.promoting.difference_update(keys)
+            t.index.pin(committed)
+            batch.pinned.extend(committed)
+            m.promoted.inc(len(good))
+            m.read_bytes.inc(sum(r.block.size for r in good))
+        for r, o in zip(run, outcomes, strict=True):
+            if o == "ok":
+                continue
+            t.index.discard((r.block,))
+            if t.store.get(r.key) is r.entry:
+                t.store.remove(r.key)
+            if o == "checksum":
+                m.checksum_failures.inc()
+                t.log_checksum_failure(r.entry)
+            else:
+                m.read_errors.inc()
+                t.log_io_error("read", 1)
+        batch.remaining -= len(run)
+        if batch.remaining == 0:
+            m.promote_latency.observe(time.perf_counter() - batch.t0)
+            assert t.loop is not None
+            batch.timer = t.loop.call_later(HOLD_SECONDS, self._unpin, batch)
+            for b in batch.pinned:
+                self._holding.setdefault(id(b), []).append(batch)
+
+    def leased(self, blocks: Sequence[Block]) -> None:
+        """A Query leased ``blocks``: end the holds of completed batches it covers entirely."""
+        if not self._holding:
+            return
+        ids = {id(b) for b in blocks}
+        done = {id(x): x for i in ids for x in self._holding.get(i, ())}
+        for batch in done.values():
+            if all(id(b) in ids for b in batch.pinned):
+                self._unpin(batch)
+
+    def _unpin(self, batch: _Batch) -> None:
+        if batch.timer is not None:
+            batch.timer.cancel()
+            batch.timer = None
+        for b in batch.pinned:
+            held = self._holding.get(id(b))
+            if held is not None:
+                try:
+                    held.remove(batch)
+                except ValueError:
+                    pass
+                if not held:
+                    del self._holding[id(b)]
+        self.tier.index.unpin(batch.pinned)
+        batch.pinned = []

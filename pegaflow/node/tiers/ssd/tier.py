@@ -1,0 +1,178 @@
+"""The L3 SSD tier of one node: cache files + index (store), I/O engine, write-behind,
+promotion. A block's path: commit into L1 -> :mod:`writer` -> disk; Query miss in L1 ->
+:mod:`promote` -> disk -> L1 page -> commit.
+
+Lifecycle: :func:`open_tier` validates and scans at start-up, before the pool is used
+(bad paths and capacities fail with :class:`SsdError`, one line); :meth:`SsdTier.start`
+binds it to the node's event loop; :meth:`SsdTier.close` lets queued writes finish
+(bounded) and must run before the pool is unmapped. Everything except the I/O engine
+threads runs on the node's event loop, like the rest of the node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import structlog
+
+from pegaflow.config.commands import NodeConfig
+from pegaflow.core.block_index import Block, BlockIndex, Namespace
+from pegaflow.node.metrics import NodeMetrics
+from pegaflow.node.tiers.ssd.metrics import SsdMetrics
+from pegaflow.node.tiers.ssd.promote import Promoter
+from pegaflow.node.tiers.ssd.store import CacheFile, Entry, SsdError, SsdIndex, open_files
+from pegaflow.node.tiers.ssd.uring import make_engine
+from pegaflow.node.tiers.ssd.writer import WriteBehind
+
+log = structlog.get_logger("pegaflow.ssd")
+
+CLOSE_DRAIN_SECONDS = 10.0  # at shutdown, wait this long at most for queued writes
+STATS_INTERVAL = 1.0  # seconds between throughput gauge updates
+IO_ALIGN = 4096
+
+
+class SsdTier:
+    def __init__(self, files: list[CacheFile], config: NodeConfig) -> None:
+        self.files = files
+        self.config = config
+        self.index: BlockIndex
+        self.store: SsdIndex
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.promoting: set[tuple[int, bytes]] = set()
+        self._posted: collections.deque[tuple[Callable[..., Any], tuple[Any, ...]]] = collections.deque()
+        self._drain_scheduled = False
+        self._stats_task: asyncio.Task[None] | None = None
+
+    # ---- wiring -----------------------------------------------------------------------
+    def attach(self, index: BlockIndex, pool_view: memoryview, metrics: NodeMetrics) -> None:
+        """Scan the files, register their namespaces in ``index`` and start the engine."""
+        if index.alloc.align % IO_ALIGN:
+            raise SsdError(f"--ssd-cache-path needs --page-align to be a multiple of {IO_ALIGN} (O_DIRECT)")
+        self.index = index
+        self.pool_view = pool_view
+        self.node_metrics = metrics
+        self.metrics = SsdMetrics(metrics.registry)
+        self.store = SsdIndex(self.files, self._ns_id)
+        self.store.scan()
+        self.engine = make_engine(self.config.ssd_io_engine, self.config.ssd_queue_depth)
+        # Queued writes pin their L1 pages: never let them hold more than half the pool.
+        self.writer = WriteBehind(self, min(self.config.ssd_write_queue_size, index.alloc.capacity // 2))
+        self.promoter = Promoter(self)
+        # A node serving peers keeps each resident page's checksum once (PageChecksums in
+        # pegaflow/node/tiers/remote/checksums.py); the writer uses and adds to it (set by the node).
+        self.checksums: Any = None
+        index.add_listener(self.writer.on_index_event)
+        m = self.metrics
+        m.capacity.set(self.store.capacity)
+        m.used.set_function(lambda: self.store.used_bytes)
+        m.blocks.set_function(lambda: len(self.store.entries))
+        m.queue_blocks.set_function(lambda: len(self.writer.pending))
+        m.queue_bytes.set_function(lambda: self.writer.queued_bytes)
+        m.inflight.set_function(lambda: self.engine.inflight())
+        log.info("ssd_tier_ready", files=[f.path for f in self.files], capacity=self.store.capacity,
+                 blocks=len(self.store.entries), engine=self.engine.name, queue_depth=self.engine.depth)
+
+    def _ns_id(self, name: str, page_bytes: int) -> int | None:
+        try:
+            return self.index.namespace(name, page_bytes).id
+        except ValueError:
+            log.warning("ssd_namespace_conflict", namespace=name, page_bytes=page_bytes)
+            return None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._stats_task = loop.create_task(self._stats())
+
+    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on the node's event loop (from any thread), in call order.
+
+        Completions are queued and drained in one loop callback: one wake-up of the loop
+        per burst of completions instead of one per I/O.
+        """
+        self._posted.append((fn, args))
+        if not self._drain_scheduled:
+            self._drain_scheduled = True
+            assert self.loop is not None
+            try:
+                self.loop.call_soon_threadsafe(self._drain)
+            except RuntimeError:  # loop closed during shutdown
+                pass
+
+    def _drain(self) -> None:
+        self._drain_scheduled = False  # before draining: a racing append schedules again
+        posted = self._posted
+        while posted:
+            fn, args = posted.popleft()
+            try:
+                fn(*args)
+            except Exception:
+                log.exception("ssd_completion_failed")
+
+    # ---- hooks used by the node -------------------------------------------------------
+    def promote(self, nss: Sequence[Namespace], hashes: Sequence[bytes], hit: int) -> bool:
+        """Query hook: True = answer LOADING (blocks after ``hit`` are on their way to L1)."""
+        if self.loop is None or self.writer.closing:
+            return False
+        return self.promoter.query(nss, hashes, hit)
+
+    def leased(self, blocks: Sequence[Block]) -> None:
+        """A Query leased ``blocks``: promotion holds on them may end (``Promoter.leased``)."""
+        self.promoter.leased(blocks)
+
+    def metrics_node_hits(self, n: int) -> None:
+        self.node_metrics.hits.labels("ssd").inc(n)
+
+    def on_ssd_evicted(self, keys: list[tuple[int, bytes]]) -> None:
+        self.metrics.evicted.inc(len(keys))
+
+    def log_io_error(self, what: str, n: int) -> None:
+        log.warning("ssd_io_error", op=what, blocks=n)
+
+    def log_checksum_failure(self, e: Entry) -> None:
+        log.warning("ssd_checksum_mismatch", file=self.files[e.file].path, offset=e.offset,
+                    namespace=e.ns_name)
+
+    def stats(self) -> dict[str, int]:
+        return {"blocks": len(self.store.entries), "used_bytes": self.store.used_bytes,
+                "capacity": self.store.capacity, "queued": len(self.writer.pending)}
+
+    async def _stats(self) -> None:
+        m = self.metrics
+        last_w = last_r = 0.0
+        t_last = time.perf_counter()
+        while True:
+            await asyncio.sleep(STATS_INTERVAL)
+            now = time.perf_counter()
+            w = m.write_bytes._value.get()  # noqa: SLF001 - prometheus_client has no public getter
+            r = m.read_bytes._value.get()  # noqa: SLF001
+            dt = max(now - t_last, 1e-9)
+            m.write_throughput.set((w - last_w) / dt)
+            m.read_throughput.set((r - last_r) / dt)
+            last_w, last_r, t_last = w, r, now
+
+    async def close(self) -> None:
+        """Stop taking writes, let queued ones finish (bounded), stop the engine, close files."""
+        self.writer.closing = True
+        deadline = time.monotonic() + CLOSE_DRAIN_SECONDS
+        while not self.writer.idle() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        if self._stats_task is not None:
+            self._stats_task.cancel()
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.close)
+        await asyncio.sleep(0)  # run completions posted by the engine's last I/Os
+        self.store.close()
+        log.info("ssd_tier_closed", blocks=len(self.store.entries), used_bytes=self.store.used_bytes)
+
+
+def open_tier(config: NodeConfig) -> SsdTier | None:
+    """Validate and open the cache files named by the options (None: no SSD tier).
+
+    Raises SsdError with a one-line reason; nothing is overwritten in that case.
+    """
+    if not config.ssd_cache_path:
+        return None
+    return SsdTier(open_files(list(config.ssd_cache_path), config.ssd_cache_capacity), config)
