@@ -16,12 +16,17 @@ install-test:
 node: install
 	exec pegaflow-node $(ARGS)
 
+# lint-imports: the layer contracts of pyproject.toml ([tool.importlinter]; docs/architecture.md).
+LINT_IMPORTS = $(PYTHON) -c "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"
+
 test: install-test
 	$(PYTHON) -m ruff check pegaflow tests bench scripts
+	$(LINT_IMPORTS)
 	$(PYTHON) -m pytest -ra $(PYTEST_ARGS)
 
 lint:
 	$(PYTHON) -m ruff check pegaflow tests bench scripts
+	$(LINT_IMPORTS)
 
 # Re-resolve requirements/*.txt from pyproject.toml (ARGS=--upgrade: newest allowed versions).
 lock:

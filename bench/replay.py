@@ -10,9 +10,7 @@ Each number is the best of ``--repeat`` runs, in wall time and in this process's
     python bench/replay.py [TRACE] [--repeat 5] [--json]
 
 TRACE defaults to traces/mooncake_synthetic_trace.jsonl.gz (Mooncake's public synthetic
-trace, shipped in the repository; see traces/README.md). The target is >= 1M block accesses/s in every case. The
-header says whether the index and TinyLFU run their C paths (``pegaflow.core._blockindex``,
-``pegaflow.core._sketch``, built by the install) or the pure-Python fallback.
+trace, shipped in the repository; see traces/README.md). The target is >= 1M block accesses/s in every case.
 """
 
 from __future__ import annotations
@@ -31,8 +29,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pegaflow.config.capacity import Capacity  # noqa: E402
-from pegaflow.core import block_index  # noqa: E402
-from pegaflow.core.tinylfu import TinyLFU  # noqa: E402
 from pegaflow.core.trace import Trace, read_trace  # noqa: E402
 from pegaflow.replay.files import iter_lines  # noqa: E402
 from pegaflow.replay.model import ISOLATED, SHARED, Scenario  # noqa: E402
@@ -135,8 +131,6 @@ def main() -> None:
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
         "loadavg_1m": os.getloadavg()[0],
-        "native_index": block_index.Block is not block_index.PyBlock,
-        "native_tinylfu": TinyLFU(1).native,
         "rows": rows,
     }
     if args.json:
@@ -145,8 +139,7 @@ def main() -> None:
     print(
         f"trace {path.name}: {len(trace.requests):,} requests, {n:,} block accesses, U {trace.unique:,}; "
         f"parsed in {parse_s:.2f}s ({n / parse_s / 1e6:.2f}M/s); best of {args.repeat}; "
-        f"load avg {out['loadavg_1m']:.1f} on {out['cpus']} cpus; C paths: index "
-        f"{'yes' if out['native_index'] else 'NO'}, TinyLFU {'yes' if out['native_tinylfu'] else 'NO'}"
+        f"load avg {out['loadavg_1m']:.1f} on {out['cpus']} cpus"
     )
     print("M/s = million block accesses per second: wall (cpu); ratio = replay / dict LRU peer")
     print(f"{'case':26} {'hit rate':>8} {'replay M/s':>14} {'dict LRU M/s':>14} {'ratio':>11}  >=1M/s")

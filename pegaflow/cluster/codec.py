@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import struct
 
-from pegaflow.cluster.schema import HASH_BYTES, SCHEMA_VERSION, Event, Op
+from pegaflow.cluster.schema import SCHEMA_VERSION, Event, Op
+from pegaflow.core.identity import HASH_BYTES
 
 FIELD = b"e"  # the one field of a stream entry
 _HEADER = struct.Struct("<BBBxIQQHHI")

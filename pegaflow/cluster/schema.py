@@ -24,8 +24,9 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pegaflow.core.identity import HASH_BYTES
+
 SCHEMA_VERSION = 1
-HASH_BYTES = 16  # block hashes are 128-bit (xxh3_128 / blake3 truncated): docs/architecture.md "Block identity"
 
 FLAG_LAST = 0x01  # last chunk of a snapshot
 

@@ -17,7 +17,3 @@ def stream_key(node: str) -> str:
         raise ValueError(f"invalid node name {node!r}")
     return f"{STREAM_PREFIX}{{{node}}}"
 
-
-def node_of_stream(key: str | bytes) -> str:
-    k = key.decode() if isinstance(key, bytes) else key
-    return k[len(STREAM_PREFIX) + 1 : -1]

@@ -19,10 +19,6 @@ class InvalidArgument(PegaError):
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 
-class NotFound(PegaError):
-    code = grpc.StatusCode.NOT_FOUND
-
-
 class FailedPrecondition(PegaError):
     """E.g. an unknown session: the node restarted and the client must register again."""
 

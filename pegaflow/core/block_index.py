@@ -28,40 +28,34 @@ and hashed on every lookup), the LRU is keyed by the Block itself (identity hash
 lookups and LRU moves are mapped over a request in C, a victim's page goes straight to
 the new block when their sizes match (no allocator round trip), and event grouping is
 skipped when nobody listens. Three pieces are C (``pegaflow/native/blockindex.c``, built
-by the install as ``pegaflow.core._blockindex``; the Python below is their reference and the
-fallback of a source tree without the build, and the tests hold them equal): ``Block``,
-the ``LRU`` eviction orders (OrderedDict's methods, one hash probe per operation), and
-``place``, the loop of ``reserve``/``insert`` for its usual steps (one namespace, no
-reclaimable copies), which hands anything else back to the Python loop. The allocator is
-pluggable for the same reason (see ``__init__``).
+by the install as ``pegaflow.core._blockindex``) and are the only implementation of what
+they do: ``Block``, the ``LRU`` eviction orders (OrderedDict's methods, one hash probe per
+operation), and ``place``/``settle``, the loop of ``reserve``/``insert`` for its usual steps
+(one namespace, no reclaimable copies), which hands anything else back to the Python loop
+below. That loop is the general case and, run alone, the reference the tests hold ``place``
+equal to; the pure-Python ``Block`` is in ``tests/oracles/``. The allocator is pluggable for
+the same reason (see ``__init__``).
 """
 
 from __future__ import annotations
 
 import enum
-import hashlib
 import itertools
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Protocol
 
+# Built by the install from pegaflow/native/blockindex.c: the Block type, the LRU eviction
+# order, and place/settle, the reserve/insert loop's steady state (docs/architecture.md, "One
+# source of truth": they are the implementation, measured 1.75x the Python loop on replay).
+from pegaflow.core._blockindex import LRU
+from pegaflow.core._blockindex import Block as Block
+from pegaflow.core._blockindex import place as _native_place
+from pegaflow.core._blockindex import settle as _native_settle
 from pegaflow.core.allocator import ExtentAllocator, OutOfSpace
-
-try:  # built by the install from pegaflow/native/sketch.c (TinyLFU's C paths)
-    from pegaflow.core._sketch import block_keys as _native_block_keys
-except ImportError:  # pragma: no cover - a source tree without the build
-    _native_block_keys = None
-try:  # built by the install from pegaflow/native/blockindex.c
-    from pegaflow.core._blockindex import LRU as _NativeLRU
-    from pegaflow.core._blockindex import Block as _NativeBlock
-    from pegaflow.core._blockindex import place as _native_place
-    from pegaflow.core._blockindex import settle as _native_settle
-except ImportError:  # pragma: no cover - a source tree without the build
-    _NativeBlock = _NativeLRU = _native_place = _native_settle = None
-
-HASH_BYTES = 16
+from pegaflow.core.identity import block_key, block_keys, namespace_salt
 
 PENDING = 0
 RESIDENT = 1
@@ -84,60 +78,6 @@ class Namespace:
     name: str
     page_bytes: int
     salt: int  # namespace_salt(name): identical on every host, for block keys
-
-
-def namespace_salt(name: str) -> int:
-    """64-bit salt of a namespace name, identical on every host and in every process."""
-    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
-
-
-def block_key(salt: int, hash_: bytes) -> int:
-    """The one 64-bit integer key of a block (admission sketches, HLL ceilings): the hash's
-    low 64 bits (already uniformly random) salted with its namespace's name, so equal
-    hashes of different namespaces differ and keys agree across hosts (cluster unions)."""
-    return int.from_bytes(hash_[:8], "little") ^ salt
-
-
-def block_keys(salt: int, hashes: Iterable[bytes]) -> list[int]:
-    """``[block_key(salt, h) for h in hashes]``, in C when the extension is built."""
-    if _native_block_keys is not None:
-        return _native_block_keys(salt, hashes if isinstance(hashes, list) else list(hashes))
-    frm = int.from_bytes
-    return [frm(h[:8], "little") ^ salt for h in hashes]
-
-
-class Block:
-    """One page of the pool holding one block. Mutable, owned by :class:`BlockIndex`."""
-
-    __slots__ = ("ns", "hash", "offset", "size", "state", "pins", "reclaimable")
-
-    def __init__(self, ns: Namespace, hash_: bytes, offset: int, reclaimable: bool = False) -> None:
-        self.ns = ns
-        self.hash = hash_
-        self.offset = offset
-        self.size = ns.page_bytes
-        self.state = PENDING
-        self.pins = 0
-        self.reclaimable = reclaimable
-
-    @property
-    def key(self) -> tuple[int, bytes]:
-        return (self.ns.id, self.hash)
-
-    def __repr__(self) -> str:
-        return f"Block(ns={self.ns.name!r}, hash={self.hash.hex()[:12]}, offset={self.offset}, pins={self.pins})"
-
-
-# The same class in C (pegaflow/native/blockindex.c) when the extension is built: a miss
-# creates one Block, and the C one costs a third of this one (no __init__ frame, no GC).
-# The Python class above is the reference and the fallback of a source tree without it.
-PyBlock = Block
-if _NativeBlock is not None:
-    Block = _NativeBlock  # type: ignore[misc,assignment]
-
-# The eviction orders: OrderedDict[Block, None], or its C twin (pegaflow.core._blockindex.LRU:
-# the same methods and order, one hash probe per operation instead of two to four).
-_new_lru: Callable[[], OrderedDict[Block, None]] = OrderedDict if _NativeLRU is None else _NativeLRU
 
 
 class IndexEvent(enum.StrEnum):
@@ -189,8 +129,8 @@ class BlockIndex:
         self._blocks: dict[int, dict[bytes, Block]] = {}
         # Evictable RESIDENT blocks, least recently used first, keyed by the Block itself
         # (identity hash: free). Pinned blocks are not here.
-        self._lru: OrderedDict[Block, None] = _new_lru()
-        self._lru_reclaimable: OrderedDict[Block, None] = _new_lru()
+        self._lru = LRU()
+        self._lru_reclaimable = LRU()
         self._listeners: list[Listener] = []
         self.resident_blocks = 0
         self.resident_bytes = 0
@@ -355,31 +295,23 @@ class BlockIndex:
     ) -> list[Block | None] | list[Block]:
         out: list[Block | None] = []
         blocks = self._table(ns.id)
-        tables = self._blocks
         size = ns.page_bytes
         alloc = self.alloc
-        need = alloc.round(size)
         lru = self._lru
-        # Without reclaimable copies, a victim of the same page size is just the LRU head:
-        # admission (if any) judges it here, it is popped and its page reused, and counters
-        # and events are settled once per call (what _allocate does per block, minus the
-        # calls).
-        simple = not self._lru_reclaimable
         adm = self.admission
-        salt = ns.salt
-        # Victims come out of this namespace's table when it is the only one (saves a lookup).
-        single = len(tables) == 1
-        evicted: list[Block] = []
-        full = False
         made: list[Block] = []
-        if single and simple and _native_place is not None and type(lru) is _NativeLRU:
-            # The usual steps (one namespace, no reclaimable copies) of the loop below, in
-            # C: it stops at the first hash that needs anything else (or that admission
-            # refused), and the loop takes it from there.
+        evicted: list[Block] = []  # victims whose page went to a new block, counted at the end
+        dropped: list[Block] = []  # victims _allocate evicted (counted there), reported at the end
+        full = False
+        if len(self._blocks) == 1 and not self._lru_reclaimable:
+            # The steady state (one namespace, no reclaimable copies) in C: it stops at the
+            # first hash that needs anything else (or that admission refused), and the loop
+            # below, the general case, takes it from there.
             if type(hashes) is not list:
                 hashes = list(hashes)
             done, refused = _native_place(
-                blocks, lru, ns, hashes, 0, reclaimable, made, evicted, None if commit else out, alloc, need, adm
+                blocks, lru, ns, hashes, 0, reclaimable, made, evicted, None if commit else out, alloc,
+                alloc.round(size), adm,
             )
             if refused:  # what the loop does for a refusal, then the rest of the request
                 self.admission_rejections += 1
@@ -400,31 +332,7 @@ class BlockIndex:
                 if not commit:
                     out.append(None)
                 continue
-            if alloc.free_bytes >= need:  # else alloc() would raise; exceptions are slow
-                try:
-                    offset: int | None = alloc.alloc(size)
-                except OutOfSpace:
-                    offset = self._allocate(ns, h)
-            elif simple and lru:
-                victim = lru.popitem(False)[0]
-                if victim.size != size:  # another page size: back where it was, the slow path decides
-                    lru[victim] = None
-                    lru.move_to_end(victim, False)
-                    offset = self._allocate(ns, h)
-                elif adm is not None and not adm.admit(block_key(salt, h), block_key(victim.ns.salt, victim.hash)):
-                    lru[victim] = None  # it stays, where it was
-                    lru.move_to_end(victim, False)
-                    self.admission_rejections += 1
-                    offset = None
-                else:
-                    if single:
-                        del blocks[victim.hash]
-                    else:
-                        del tables[victim.ns.id][victim.hash]
-                    evicted.append(victim)
-                    offset = victim.offset
-            else:
-                offset = self._allocate(ns, h)
+            offset = self._allocate(ns, h, dropped)
             if offset is None:
                 full = True
                 self.no_space += 1
@@ -442,23 +350,14 @@ class BlockIndex:
             self.resident_bytes -= k * size
             self.evictions += k
             self.evicted_bytes += k * size
-            if self._listeners:
-                if single:
-                    self._emit(IndexEvent.EVICT, ns, list(map(_HASH, evicted)))
-                else:
-                    for ens, hs in _group(evicted).items():
-                        self._emit(IndexEvent.EVICT, ens, hs)
+        if self._listeners and (evicted or dropped):
+            for ens, hs in _group(evicted + dropped if dropped else evicted).items():
+                self._emit(IndexEvent.EVICT, ens, hs)
         if not commit:
             self._pending += len(made)
             return out
         # commit(made): fresh blocks are current, unpinned and in this call's order.
-        order = self._lru_reclaimable if reclaimable else lru
-        if _native_settle is not None and type(order) is _NativeLRU:
-            _native_settle(made, order)
-        else:
-            for b in made:
-                b.state = RESIDENT
-                order[b] = None
+        _native_settle(made, self._lru_reclaimable if reclaimable else lru)
         self.resident_blocks += len(made)
         self.resident_bytes += len(made) * size
         if self._listeners and made:
@@ -508,7 +407,11 @@ class BlockIndex:
         return gone
 
     # ---- eviction ---------------------------------------------------------------------
-    def _allocate(self, ns: Namespace, h: bytes) -> int | None:
+    def _allocate(self, ns: Namespace, h: bytes, dropped: list[Block]) -> int | None:
+        """A page for block ``h`` of ``ns``: free space, else the page of the eviction order's
+        head (reclaimable copies first) if it fits and admission prefers ``h``, else evict
+        until one is carved. Victims are counted here and appended to ``dropped`` (the caller
+        reports them); None: no room (or admission refused)."""
         size = ns.page_bytes
         alloc = self.alloc
         need = alloc.round(size)
@@ -535,27 +438,21 @@ class BlockIndex:
             self.resident_bytes -= vsize
             self.evictions += 1
             self.evicted_bytes += vsize
-            if self._listeners:
-                self._emit(IndexEvent.EVICT, victim.ns, [victim.hash])
+            dropped.append(victim)
             return victim.offset
-        evicted: list[Block] = []
-        try:
-            while True:
-                victim = self._peek_victim()
-                if victim is None:
-                    return None
-                self._drop(victim)
-                self.evictions += 1
-                self.evicted_bytes += victim.size
-                evicted.append(victim)
-                if self.alloc.free_bytes >= self.alloc.round(size):
-                    try:
-                        return self.alloc.alloc(size)
-                    except OutOfSpace:
-                        continue
-        finally:
-            for ens, hs in _group(evicted).items():
-                self._emit(IndexEvent.EVICT, ens, hs)
+        while True:
+            victim = self._peek_victim()
+            if victim is None:
+                return None
+            self._drop(victim)
+            self.evictions += 1
+            self.evicted_bytes += victim.size
+            dropped.append(victim)
+            if self.alloc.free_bytes >= self.alloc.round(size):
+                try:
+                    return self.alloc.alloc(size)
+                except OutOfSpace:
+                    continue
 
     def _peek_victim(self) -> Block | None:
         if self._lru_reclaimable:

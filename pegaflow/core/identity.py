@@ -30,18 +30,21 @@ never mistake each other's blocks.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import xxhash
 
+from pegaflow.core._sketch import block_keys as _native_block_keys  # pegaflow/native/sketch.c
+
 # Part of every namespace; bump when any encoding below changes.
 HASH_VERSION = 1
-HASH_BYTES = 16
+HASH_BYTES = 16  # every block hash in PegaFlow: xxh3_128 digests (the index, the events, the wire)
 
 # Config keys that say where or by what a config was written, not what the model computes.
 _VOLATILE_CONFIG_KEYS = frozenset({"_name_or_path", "name_or_path", "transformers_version", "_commit_hash"})
@@ -210,3 +213,20 @@ def block_hashes(
         prev = h.digest()
         out.append(prev)
     return out
+
+
+def namespace_salt(name: str) -> int:
+    """64-bit salt of a namespace name, identical on every host and in every process."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
+
+
+def block_key(salt: int, hash_: bytes) -> int:
+    """The one 64-bit integer key of a block (admission sketches, HLL ceilings): the hash's
+    low 64 bits (already uniformly random) salted with its namespace's name, so equal
+    hashes of different namespaces differ and keys agree across hosts (cluster unions)."""
+    return int.from_bytes(hash_[:8], "little") ^ salt
+
+
+def block_keys(salt: int, hashes: Iterable[bytes]) -> list[int]:
+    """``[block_key(salt, h) for h in hashes]``, in C (a test holds the two equal)."""
+    return _native_block_keys(salt, hashes if isinstance(hashes, list) else list(hashes))

@@ -23,8 +23,7 @@ Contracts a caller may rely on:
   where N is the number of sketch increments since the last aging and ``epsilon = e / width``
   (the usual count-min bound; the ``+ 1`` is a doorkeeper false positive).
 - ``record_many(keys)`` equals ``for k in keys: record(k)`` (aging happens at the same
-  access), except that on the vectorised path (batches of 4096 keys or more; 48 without
-  the C extension) a doorkeeper false positive *between two keys of the same batch*
+  access), except that on the vectorised path (batches of 4096 keys or more) a doorkeeper false positive *between two keys of the same batch*
   is not seen: both keys count as first accesses. This is rare, and the estimate is then
   one lower than the scalar path's but still never below the true count.
 - Keys are ints of any size, taken mod 2**64 (the block index passes 64-bit keys cut from
@@ -35,11 +34,13 @@ Contracts a caller may rely on:
 Performance: the per-key paths (``record``, ``estimate``, ``admit`` and ``record_many``
 below 4096 keys) run in C (``pegaflow/native/sketch.c``, built by the install as
 ``pegaflow.core._sketch``) on the same two buffers: tens of ns a key, exactly the scalar
-semantics (so a request's ~30 keys cost less than numpy's fixed cost per call). The
-pure-Python scalar code below is the fallback for a source tree without the build and the
-reference the C code is tested against; ``native`` says which one runs. Larger batches and
+semantics (so a request's ~30 keys cost less than numpy's fixed cost per call). They are
+the only per-key implementation (~200 ns a call from Python against ~1.5 µs for the Python
+reference, measured here; docs/architecture.md, "One source of
+truth"); its pure-Python reference lives in ``tests/oracles/tinylfu_scalar.py``, which the
+tests hold the C code equal to. Larger batches and
 ``estimate_many``, ``admit_many``, ``admit_in_order`` are numpy-vectorised (with the
-in-batch doorkeeper exception above). In Python a scalar call is a few dozen bytecodes
+in-batch doorkeeper exception above). In Python (the reference) a scalar call is a few dozen bytecodes
 (~1.5 µs here), and it touches the table through a ``bytearray`` that shares memory with
 the numpy view, because indexing a ``bytearray`` is several times faster than indexing an
 ndarray.
@@ -55,10 +56,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-try:  # built by the install from pegaflow/native/sketch.c
-    from pegaflow.core._sketch import Sketch as _Sketch
-except ImportError:  # pragma: no cover - a source tree without the build: pure Python below
-    _Sketch = None
+from pegaflow.core._sketch import Sketch as _Sketch  # built by the install from pegaflow/native/sketch.c
 
 # Counters per sketch row for each cache entry: with width = 4 x capacity and the default
 # sample of 10 x capacity accesses, the mean collision noise per counter stays below 2.5
@@ -71,10 +69,7 @@ DOORKEEPER_BITS_PER_SAMPLE = 8
 # Narrowest row; below this the count-min error bound becomes useless.
 MIN_WIDTH = 64
 COUNTER_MAX = 15
-# Below this many keys record_many loops over record: numpy's fixed cost per call (~100
-# small array operations) exceeds the per-key Python cost of short batches.
-_SCALAR_BELOW = 48
-# With the C paths, record_many is record per key below this many keys (~20 ns a key);
+# record_many is record per key, in C, below this many keys (~20 ns a key);
 # from here on it takes the vectorised path, whose in-batch doorkeeper approximation is
 # part of the contract above.
 _NATIVE_BELOW = 4096
@@ -196,20 +191,16 @@ class TinyLFU:
         self._row_steps = np.arange(self.depth, dtype=np.int64)[:, None]
         self._nib_u32 = self.depth * self.width <= (1 << 32)
         # The per-key paths in C on the same two buffers, when the extension is built.
-        self._core = (
-            None
-            if _Sketch is None
-            else _Sketch(
-                self._buf,
-                self._dbuf,
-                self.depth,
-                self.width,
-                self.doorkeeper_bits,
-                self._door_step0,
-                self._seed_mix,
-                self.sample_size,
-                self._use_doorkeeper,
-            )
+        self._core = _Sketch(
+            self._buf,
+            self._dbuf,
+            self.depth,
+            self.width,
+            self.doorkeeper_bits,
+            self._door_step0,
+            self._seed_mix,
+            self.sample_size,
+            self._use_doorkeeper,
         )
 
     # --- properties ---------------------------------------------------------------------
@@ -225,89 +216,20 @@ class TinyLFU:
         return self._samples
 
     @property
-    def native(self) -> bool:
-        """True when the per-key paths run in C (``pegaflow.core._sketch`` is built)."""
-        return self._core is not None
-
-    @property
     def nbytes(self) -> int:
         """Memory held by the sketch and the doorkeeper."""
         return len(self._buf) + len(self._dbuf)
 
-    # --- scalar path --------------------------------------------------------------------
-    # The scalar calls are written out long-hand (no helper calls, locals for attributes)
-    # because every bytecode shows at a few hundred thousand calls per second.
-
-    def _mix(self, key: int) -> int:
-        x = (((key & _M64) ^ self._seed_mix) * _C1) & _M64
-        x ^= x >> 29
-        x = (x * _C2) & _M64
-        return x ^ (x >> 32)
+    # --- per-key path: C (pegaflow/native/sketch.c) -------------------------------------
 
     def record(self, key: int) -> None:
         """Count one access of ``key``; ages the sketch when the sample period is full."""
-        if self._core is not None:
-            self._samples, aged = self._core.record(key, self._samples)
-            self.agings += aged
-            return
-        x = (((key & _M64) ^ self._seed_mix) * _C1) & _M64
-        x ^= x >> 29
-        x = (x * _C2) & _M64
-        x ^= x >> 32
-        h1 = x >> 32
-        h2 = (x & _M32) | 1
-        if self._use_doorkeeper:
-            dbuf = self._dbuf
-            p = (h1 + self._door_step0 * h2) & self._dmask
-            q = (p + h2) & self._dmask
-            if not ((dbuf[p >> 3] >> (p & 7)) & (dbuf[q >> 3] >> (q & 7)) & 1):
-                dbuf[p >> 3] |= 1 << (p & 7)
-                dbuf[q >> 3] |= 1 << (q & 7)
-                self._samples += 1
-                if self._samples >= self.sample_size:
-                    self.age()
-                return
-        buf = self._buf
-        wmask = self._wmask
-        for base in self._row_base_bytes:
-            j = h1 & wmask
-            b = base + (j >> 1)
-            s = (j & 1) << 2
-            if (buf[b] >> s) & 15 != 15:
-                buf[b] += 1 << s
-            h1 += h2
-        self._samples += 1
-        if self._samples >= self.sample_size:
-            self.age()
+        self._samples, aged = self._core.record(key, self._samples)
+        self.agings += aged
 
     def estimate(self, key: int) -> int:
         """Estimated accesses of ``key`` in the current sample period (0..16, never low)."""
-        if self._core is not None:
-            return self._core.estimate(key)
-        x = (((key & _M64) ^ self._seed_mix) * _C1) & _M64
-        x ^= x >> 29
-        x = (x * _C2) & _M64
-        x ^= x >> 32
-        h1 = x >> 32
-        h2 = (x & _M32) | 1
-        est = 0
-        if self._use_doorkeeper:
-            dbuf = self._dbuf
-            p = (h1 + self._door_step0 * h2) & self._dmask
-            q = (p + h2) & self._dmask
-            est = (dbuf[p >> 3] >> (p & 7)) & (dbuf[q >> 3] >> (q & 7)) & 1
-        buf = self._buf
-        wmask = self._wmask
-        m = 15
-        for base in self._row_base_bytes:
-            j = h1 & wmask
-            v = (buf[base + (j >> 1)] >> ((j & 1) << 2)) & 15
-            if v < m:
-                if not v:
-                    return est
-                m = v
-            h1 += h2
-        return est + m
+        return self._core.estimate(key)
 
     def admit(self, candidate: int, victim: int) -> bool:
         """True iff ``candidate``'s estimated frequency is strictly greater than ``victim``'s.
@@ -315,8 +237,7 @@ class TinyLFU:
         Ties reject: replacing an equally popular resident only costs a write. The caller
         records the candidate's access (``record``) before asking, as TinyLFU prescribes.
         """
-        core = self._core
-        if core.admit(candidate, victim) if core is not None else self.estimate(candidate) > self.estimate(victim):
+        if self._core.admit(candidate, victim):
             self.admitted += 1
             return True
         self.rejected += 1
@@ -412,16 +333,11 @@ class TinyLFU:
     def record_many(self, keys: Sequence[int] | np.ndarray) -> None:
         """Count one access per element of ``keys`` (repeats count repeatedly), vectorised."""
         n = len(keys)
-        if self._core is not None and n < _NATIVE_BELOW:
+        if n < _NATIVE_BELOW:
             if isinstance(keys, np.ndarray):
                 keys = np.ascontiguousarray(reduce_keys(keys))
             self._samples, aged = self._core.record_many(keys, self._samples)
             self.agings += aged
-            return
-        if n < _SCALAR_BELOW:
-            record = self.record
-            for k in keys.tolist() if isinstance(keys, np.ndarray) else keys:
-                record(k)
             return
         h1, h2 = self._split(keys)
         start = 0

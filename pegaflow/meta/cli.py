@@ -4,7 +4,7 @@
     pegaflow-meta rebuild [options]   recompute the index from the streams, print a JSON report
 
 Any number of replicas may run against one Redis or Redis Cluster; they share the node
-streams (see ``events/consumer.py``). Options: ``pegaflow/config/options.py`` (META rows).
+streams (see ``pegaflow/meta/ingest.py``). Options: ``pegaflow/config/options.py`` (META rows).
 """
 
 from __future__ import annotations
@@ -74,19 +74,22 @@ def serve_forever(r: Client, opts: MetaConfig, security: Security) -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    consumer = Consumer(r, opts.consumer_name or None, lease_ms=int(opts.stream_lease_ttl * 1000))
+    from prometheus_client import REGISTRY
+
+    from pegaflow.meta.metrics import MetaMetrics
+
+    metrics = MetaMetrics(REGISTRY)  # what --http-addr serves
+    consumer = Consumer(r, opts.consumer_name or None, lease_ms=int(opts.stream_lease_ttl * 1000), metrics=metrics)
     threads = [threading.Thread(target=consumer.run, args=(stop,), name="pf-meta-consumer", daemon=True)]
     if opts.sweep_interval > 0:
         threads.append(
             threading.Thread(
                 target=sweeper.run,
-                args=(r, stop, opts.sweep_interval, consumer.name),
+                args=(r, stop, opts.sweep_interval, consumer.name, metrics),
                 name="pf-meta-sweeper",
                 daemon=True,
             )
         )
-    from prometheus_client import REGISTRY
-
     from pegaflow.cluster.sketches import ClusterCeilingCollector
 
     REGISTRY.register(ClusterCeilingCollector(r, opts.ceiling_windows))
@@ -109,7 +112,7 @@ def serve_forever(r: Client, opts: MetaConfig, security: Security) -> None:
             raise SystemExit(1) from None
     try:
         server, port = serve(Lookup(r), opts.addr, opts.query_max_blocks, opts.redis_url, opts.redis_cluster,
-                             security)
+                             security, metrics)
     except (RuntimeError, OSError) as exc:
         sys.stderr.write(f"pegaflow-meta: error: cannot listen on {opts.addr}: {exc}\n")
         raise SystemExit(1) from None

@@ -8,7 +8,7 @@ Contracts:
 - :meth:`Index.apply_calls` builds one Lua call per event batch. Applying is idempotent
   and order-insensitive between nids: INSERT adds the nid if absent, EVICT removes it if
   present. Replaying any suffix of one node's events in order leaves the same state, which
-  is what makes re-delivery after a crash safe (see ``events/consumer.py``).
+  is what makes re-delivery after a crash safe (see ``pegaflow/meta/ingest.py``).
 - :meth:`Index.query` returns, for every nid holding block 0, the number of leading
   blocks it holds, computed inside Redis by one script (one round trip). It knows
   nothing of liveness: callers filter by the visible nids (``registry.py``).

@@ -36,7 +36,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import redis
 import structlog
@@ -46,8 +46,8 @@ from pegaflow.cluster.codec import MalformedEvent, decode_entry
 from pegaflow.cluster.redis_conn import Call, Client, Script, run_scripts
 from pegaflow.cluster.schema import Event, Op
 from pegaflow.cluster.streams import GROUP, stream_key
-from pegaflow.meta import metrics
 from pegaflow.meta.index import Index
+from pegaflow.meta.metrics import MetaMetrics
 
 log = structlog.get_logger("pegaflow.meta.consumer")
 
@@ -98,14 +98,26 @@ class _Stream:
     resets: dict[int, bytes] = field(default_factory=dict)  # epoch -> id of its RESET entry
 
 
+class IndexWriter(Protocol):
+    """What ingest needs from the index: the script call that applies one batch of a node's
+    events (run in the same pipeline round trip as the stream acks). ``meta.index.Index`` is
+    the Redis one."""
+
+    def apply_call(self, op: Op, namespace: str, nid: int, blob: bytes) -> Call: ...
+
+
 class Consumer:
     """One replica's consumer: call :meth:`step` in a loop, or :meth:`run` in a thread."""
 
-    def __init__(self, r: Client, name: str | None = None, *, lease_ms: int = 10_000) -> None:
+    def __init__(
+        self, r: Client, name: str | None = None, *, lease_ms: int = 10_000, index: IndexWriter | None = None,
+        metrics: MetaMetrics | None = None,
+    ) -> None:
         self.r = r
         self.name = name or default_consumer_name()
         self.lease_ms = lease_ms
-        self.index = Index(r)
+        self.index: IndexWriter = index if index is not None else Index(r)
+        self.metrics = metrics if metrics is not None else MetaMetrics()
         self.stats = ConsumerStats()
         self.streams: dict[str, _Stream] = {}  # owned, by node name
         self._retired: set[int] = set()
@@ -148,7 +160,7 @@ class Consumer:
         self._retired = registry.retired(self.r)
         # Reloaded, not just cached: Redis may have restarted empty.
         self._known_tags = {t.decode() for t in self.r.hkeys(keys.NAMESPACES)}
-        metrics.STREAMS_OWNED.set(len(self.streams))
+        self.metrics.streams_owned.set(len(self.streams))
 
     def _release(self, node: str) -> None:
         self._flush_acks()
@@ -226,7 +238,7 @@ class Consumer:
         st.claimed = True
         if n:
             self.stats.claimed += n
-            metrics.ENTRIES_CLAIMED.inc(n)
+            self.metrics.entries_claimed.inc(n)
             log.info("claimed pending entries", consumer=self.name, node=st.node, entries=n)
         return n
 
@@ -268,7 +280,7 @@ class Consumer:
                     raise MalformedEvent(f"event of node {ev.node!r} in stream of {st.node!r}")
             except MalformedEvent as exc:
                 self.stats.malformed += 1
-                metrics.EVENTS_MALFORMED.inc()
+                self.metrics.events_malformed.inc()
                 log.warning("skipping malformed event", stream=st.key, id=eid, error=str(exc))
                 continue
             self.stats.entries += 1
@@ -284,7 +296,7 @@ class Consumer:
                 # Not the node's newest incarnation: superseded by a re-sync, or written
                 # before Redis lost its data. Its updates must not land under any nid.
                 self.stats.stale += 1
-                metrics.EVENTS_SKIPPED.inc()
+                self.metrics.events_stale.inc()
                 continue
             if ev.blob:
                 calls.append(self.index.apply_call(ev.op, ev.namespace, ev.nid, ev.blob))
@@ -311,9 +323,9 @@ class Consumer:
                 if reset_id is not None:
                     self.r.xtrim(st.key, minid=reset_id, approximate=False)
         self.stats.blocks += blocks
-        metrics.BLOCKS_APPLIED.inc(blocks)
+        self.metrics.blocks_applied.inc(blocks)
         for op, n in ops.items():
-            metrics.EVENTS_APPLIED.labels(op.lower()).inc(n)
+            self.metrics.events_applied.labels(op.lower()).inc(n)
 
     def _incarnation(self, node: str) -> tuple[int, int] | None:
         """(nid, epoch) of ``node``'s newest registration, None if it has none."""

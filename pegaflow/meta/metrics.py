@@ -1,22 +1,46 @@
-"""Prometheus metrics of the metaserver (one definition per metric, imported where counted)."""
+"""Prometheus metrics of the metaserver: one object per process, registered on a registry.
+
+The same pattern as the node's (``NodeMetrics``, ``SsdMetrics``, ``PeerMetrics``,
+``PublisherMetrics``): a class whose constructor takes the ``CollectorRegistry`` its series
+go to, passed to the parts that count. ``pegaflow-meta`` builds one on the default registry
+(what ``--http-addr`` serves); a part built without one counts into a private registry.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-EVENTS_APPLIED = Counter("pegaflow_meta_events_applied_total", "Node events applied to the index", ["op"])
-BLOCKS_APPLIED = Counter("pegaflow_meta_blocks_applied_total", "Block updates applied to the index")
-EVENTS_MALFORMED = Counter("pegaflow_meta_events_malformed_total", "Stream entries skipped as malformed")
-EVENTS_SKIPPED = Counter("pegaflow_meta_events_stale_total", "Events of retired incarnations skipped")
-ENTRIES_CLAIMED = Counter(
-    "pegaflow_meta_entries_claimed_total", "Pending entries claimed from other consumers"
-)
-STREAMS_OWNED = Gauge("pegaflow_meta_streams_owned", "Node streams this replica consumes")
-SWEPT = Counter("pegaflow_meta_swept_entries_total", "Index entries of retired incarnations removed")
-REAPED = Counter("pegaflow_meta_nodes_reaped_total", "Nodes retired after their liveness expired")
-QUERY_SECONDS = Histogram(
-    "pegaflow_meta_query_duration_seconds",
-    "QueryPrefix latency inside the metaserver",
-    buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5),
-)
-QUERY_ERRORS = Counter("pegaflow_meta_query_errors_total", "Lookups that failed", ["code"])
+
+class MetaMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        reg = registry if registry is not None else CollectorRegistry()
+        self.registry = reg
+        self.events_applied = Counter(
+            "pegaflow_meta_events_applied_total", "Node events applied to the index", ["op"], registry=reg
+        )
+        self.blocks_applied = Counter(
+            "pegaflow_meta_blocks_applied_total", "Block updates applied to the index", registry=reg
+        )
+        self.events_malformed = Counter(
+            "pegaflow_meta_events_malformed_total", "Stream entries skipped as malformed", registry=reg
+        )
+        self.events_stale = Counter(
+            "pegaflow_meta_events_stale_total", "Events of retired incarnations skipped", registry=reg
+        )
+        self.entries_claimed = Counter(
+            "pegaflow_meta_entries_claimed_total", "Pending entries claimed from other consumers", registry=reg
+        )
+        self.streams_owned = Gauge("pegaflow_meta_streams_owned", "Node streams this replica consumes", registry=reg)
+        self.swept = Counter(
+            "pegaflow_meta_swept_entries_total", "Index entries of retired incarnations removed", registry=reg
+        )
+        self.reaped = Counter(
+            "pegaflow_meta_nodes_reaped_total", "Nodes retired after their liveness expired", registry=reg
+        )
+        self.query_seconds = Histogram(
+            "pegaflow_meta_query_duration_seconds",
+            "QueryPrefix latency inside the metaserver",
+            buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5),
+            registry=reg,
+        )
+        self.query_errors = Counter("pegaflow_meta_query_errors_total", "Lookups that failed", ["code"], registry=reg)

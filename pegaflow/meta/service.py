@@ -18,12 +18,12 @@ import redis
 import structlog
 
 from pegaflow._proto import meta_pb2, meta_pb2_grpc
-from pegaflow.cluster.schema import HASH_BYTES
 from pegaflow.common.errors import InvalidArgument, PegaError, Unavailable, grpc_code
 from pegaflow.common.grpc_guard import SyncGuard
 from pegaflow.common.security import Security
-from pegaflow.meta import metrics
+from pegaflow.core.identity import HASH_BYTES
 from pegaflow.meta.lookup import Lookup, NodePrefix
+from pegaflow.meta.metrics import MetaMetrics
 
 log = structlog.get_logger("pegaflow.meta.service")
 
@@ -43,7 +43,7 @@ def _rpc(method: str) -> Callable[[Callable[..., Resp]], Callable[..., Resp]]:
                     raise Unavailable(f"redis: {exc}") from exc
             except PegaError as exc:
                 code = grpc_code(exc)
-                metrics.QUERY_ERRORS.labels(code.name).inc()
+                self.metrics.query_errors.labels(code.name).inc()
                 if code is grpc.StatusCode.INVALID_ARGUMENT:
                     log.info("invalid_request", method=method, error=str(exc))
                 else:
@@ -71,8 +71,10 @@ def _pb(p: NodePrefix) -> meta_pb2.NodePrefix:
 
 
 class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
-    def __init__(self, lookup: Lookup, max_blocks: int, redis_url: str = "", redis_cluster: bool = False) -> None:
+    def __init__(self, lookup: Lookup, max_blocks: int, redis_url: str = "", redis_cluster: bool = False,
+                 metrics: MetaMetrics | None = None) -> None:
         self.lookup = lookup
+        self.metrics = metrics if metrics is not None else MetaMetrics()
         self.max_blocks = max_blocks
         self.cluster_config = meta_pb2.ClusterConfigResponse(redis_url=redis_url, redis_cluster=redis_cluster)
 
@@ -80,7 +82,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         check_request(request.namespace, request.hashes, self.max_blocks)
         t0 = time.perf_counter()
         res = self.lookup.query_prefix(request.namespace, list(request.hashes))
-        metrics.QUERY_SECONDS.observe(time.perf_counter() - t0)
+        self.metrics.query_seconds.observe(time.perf_counter() - t0)
         return res
 
     @_rpc("QueryPrefix")
@@ -111,13 +113,13 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
 
 def serve(
     lookup: Lookup, addr: str, max_blocks: int, redis_url: str = "", redis_cluster: bool = False,
-    security: Security | None = None,
+    security: Security | None = None, metrics: MetaMetrics | None = None,
 ) -> tuple[grpc.Server, int]:
     """Start the gRPC server; returns it and the bound port (``addr`` may use port 0).
     ``security``: the token every call must carry and the TLS certificate (none: open, plaintext)."""
     sec = security or Security()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=GRPC_THREADS), interceptors=[SyncGuard(sec.token)])
-    servicer = MetaServicer(lookup, max_blocks, redis_url, redis_cluster)
+    servicer = MetaServicer(lookup, max_blocks, redis_url, redis_cluster, metrics)
     meta_pb2_grpc.add_MetaServiceServicer_to_server(servicer, server)
     port = sec.add_port(server, addr)
     if port == 0:

@@ -17,15 +17,17 @@ import structlog
 from pegaflow.cluster import keys, registry
 from pegaflow.cluster.redis_conn import Client
 from pegaflow.cluster.streams import stream_key
-from pegaflow.meta import metrics
 from pegaflow.meta.index import Index
+from pegaflow.meta.metrics import MetaMetrics
 
 log = structlog.get_logger("pegaflow.meta.sweeper")
 
 RETIRED_GRACE_MS = 600_000
 
 
-def sweep_once(r: Client, owner: str = "sweeper", lock_ms: int = 60_000) -> tuple[int, int] | None:
+def sweep_once(
+    r: Client, owner: str = "sweeper", lock_ms: int = 60_000, metrics: MetaMetrics | None = None
+) -> tuple[int, int] | None:
     """One pass; returns (nodes reaped, entries removed), or None if another replica sweeps."""
     if not r.set(keys.SWEEP_LOCK, owner, nx=True, px=lock_ms):
         return None
@@ -52,8 +54,9 @@ def sweep_once(r: Client, owner: str = "sweeper", lock_ms: int = 60_000) -> tupl
             r.zrem(keys.RETIRED, *old)
             r.srem(keys.SWEPT, *old)
         dead = todo
-        metrics.REAPED.inc(reaped)
-        metrics.SWEPT.inc(removed)
+        if metrics is not None:
+            metrics.reaped.inc(reaped)
+            metrics.swept.inc(removed)
         if reaped or removed:
             log.info("swept", reaped=reaped, removed=removed, retired=len(dead))
         return reaped, removed
@@ -62,9 +65,9 @@ def sweep_once(r: Client, owner: str = "sweeper", lock_ms: int = 60_000) -> tupl
             r.delete(keys.SWEEP_LOCK)
 
 
-def run(r: Client, stop: threading.Event, interval: float, owner: str) -> None:
+def run(r: Client, stop: threading.Event, interval: float, owner: str, metrics: MetaMetrics | None = None) -> None:
     while not stop.wait(interval):
         try:
-            sweep_once(r, owner)
+            sweep_once(r, owner, metrics=metrics)
         except Exception as exc:  # a failed pass is retried next interval
             log.warning("sweep failed", error=repr(exc))

@@ -38,17 +38,18 @@ from typing import Any
 
 import redis
 import structlog
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from pegaflow.cluster import registry
 from pegaflow.cluster.codec import FIELD, encode
 from pegaflow.cluster.redis_conn import Client, connect
-from pegaflow.cluster.schema import FLAG_LAST, HASH_BYTES, Event, Op
+from pegaflow.cluster.schema import FLAG_LAST, Event, Op
 from pegaflow.cluster.streams import GROUP, stream_key
 from pegaflow.common.hosts import advertised
 from pegaflow.config.commands import NodeConfig
 from pegaflow.core.block_index import BlockIndex, IndexEvent, Namespace
+from pegaflow.core.identity import HASH_BYTES
 
 _log = structlog.get_logger("pegaflow.meta.publisher")
 
@@ -76,9 +77,7 @@ SnapshotFn = Callable[[], Iterable[tuple[str, Sequence[bytes]]]]
 
 
 class PublisherMetrics:
-    """The publisher's Prometheus series, created once per registry (the node has its own)."""
-
-    _by_registry: dict[int, PublisherMetrics] = {}
+    """The publisher's Prometheus series, on the node's registry (a private one when none is given)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.published = Counter(
@@ -102,14 +101,6 @@ class PublisherMetrics:
         self.buffered = Gauge(
             "pegaflow_node_events_buffered_blocks", "Block updates waiting to be published", registry=registry
         )
-
-    @classmethod
-    def of(cls, registry: CollectorRegistry | None) -> PublisherMetrics:
-        reg = registry if registry is not None else REGISTRY
-        m = cls._by_registry.get(id(reg))
-        if m is None:
-            m = cls._by_registry[id(reg)] = cls(reg)
-        return m
 
 
 class Resync(enum.Enum):
@@ -164,7 +155,7 @@ class EventPublisher:
         self.nid = 0
         self.epoch = 0
         self.stats = PublisherStats()
-        self.metrics = PublisherMetrics.of(registry)
+        self.metrics = PublisherMetrics(registry if registry is not None else CollectorRegistry())
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._buf: list[tuple[Op, str, Sequence[bytes]]] = []

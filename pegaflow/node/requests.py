@@ -35,8 +35,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from pegaflow.core.block_index import block_key, block_keys, namespace_salt
 from pegaflow.core.ceiling import CeilingEstimator, WindowStats
+from pegaflow.core.identity import block_key, block_keys, namespace_salt
 from pegaflow.core.recent import RecentKeys
 from pegaflow.node.metrics import NodeMetrics
 

@@ -26,7 +26,8 @@ from pegaflow._proto import node_pb2, node_pb2_grpc
 from pegaflow.common.errors import InvalidArgument, PegaError, grpc_code
 from pegaflow.common.local_wire import METHODS as LOCAL_METHODS
 from pegaflow.common.logging import RateLimitedLog
-from pegaflow.core.block_index import HASH_BYTES, Block, BlockIndex, Namespace
+from pegaflow.core.block_index import Block, BlockIndex, Namespace
+from pegaflow.core.identity import HASH_BYTES
 from pegaflow.core.recent import RecentKeys
 from pegaflow.node.metrics import NodeMetrics
 from pegaflow.node.requests import SEEN_REQUESTS as QUERIED_REQUESTS

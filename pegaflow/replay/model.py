@@ -203,10 +203,6 @@ class Scenario:
         pools = f"{self.pools} x{self.instances}" if self.instances > 1 else "1 pool"
         return f"{pools}, {self.admission}"
 
-    def with_l1(self, l1: Capacity) -> Scenario:
-        return replace(self, l1=l1)
-
-
 def route_hash(value: str) -> int:
     """A stable, well-mixed 64-bit hash of a routing value (the same on every run and host).
 

@@ -294,13 +294,12 @@ def test_rebuild_equals_live_index_and_repairs_damage(redis_server: RedisServer,
 CONSUME = """
 import json, sys
 from pegaflow.common.logging import configure_logging
-from pegaflow.meta import metrics
 from pegaflow.meta.ingest import Consumer
 from pegaflow.cluster.redis_conn import connect
 configure_logging("info")
 c = Consumer(connect(sys.argv[1]), "c")
 assert c.wait_caught_up(20)
-print(json.dumps({"malformed": c.stats.malformed, "metric": metrics.EVENTS_MALFORMED._value.get()}))
+print(json.dumps({"malformed": c.stats.malformed, "metric": c.metrics.events_malformed._value.get()}))
 """
 
 

@@ -159,22 +159,21 @@ def test_random_hashes_round_trip():
 
 
 def test_block_keys_in_c_equal_block_key():
-    from pegaflow.core import block_index
+    from pegaflow.core import identity
 
-    assert block_index._native_block_keys is not None, "pegaflow.core._sketch is not built"
     hashes = [os.urandom(16) for _ in range(500)] + [h(0), h(2**128 - 1)]
-    for salt in (0, 1, 2**64 - 1, block_index.namespace_salt("ns")):
-        assert block_index.block_keys(salt, hashes) == [block_index.block_key(salt, x) for x in hashes]
-        assert block_index.block_keys(salt, iter(hashes)) == [block_index.block_key(salt, x) for x in hashes]
+    for salt in (0, 1, 2**64 - 1, identity.namespace_salt("ns")):
+        assert identity.block_keys(salt, hashes) == [identity.block_key(salt, x) for x in hashes]
+        assert identity.block_keys(salt, iter(hashes)) == [identity.block_key(salt, x) for x in hashes]
 
 
 def test_native_block_behaves_like_the_python_block():
     from pegaflow.core import block_index
+    from tests.oracles.block_index_py import PyBlock
 
-    assert block_index.Block is not block_index.PyBlock, "pegaflow.core._blockindex is not built"
     idx = BlockIndex(1 << 20)
     ns = idx.namespace("a", 4096)
-    for cls in (block_index.Block, block_index.PyBlock):
+    for cls in (block_index.Block, PyBlock):
         b = cls(ns, h(7), 8192)
         assert (b.ns, b.hash, b.offset, b.size, b.state, b.pins, b.reclaimable) == (ns, h(7), 8192, 4096, 0, 0, False)
         assert b.key == (ns.id, h(7))
@@ -247,10 +246,9 @@ def test_native_lru_behaves_like_ordereddict():
 
     from pegaflow.core import block_index
 
-    assert block_index._NativeLRU is not None, "pegaflow.core._blockindex is not built"
     rng = random.Random(1)
     keys = [object() for _ in range(150)]
-    ref, lru = OrderedDict(), block_index._NativeLRU()
+    ref, lru = OrderedDict(), block_index.LRU()
     ops = [
         lambda d, k: d.__setitem__(k, None),
         lambda d, k: d.move_to_end(k),
@@ -288,8 +286,8 @@ def test_native_lru_behaves_like_ordereddict():
 def test_native_placement_equals_the_python_loop(monkeypatch):
     """The C loop of the full-pool steady state (pegaflow.core._blockindex.place) changes nothing."""
     from pegaflow.core import block_index
+    from tests.oracles.block_index_py import leave_everything_to_python
 
-    assert block_index._native_place is not None, "pegaflow.core._blockindex is not built"
     calls = []
     real = block_index._native_place
 
@@ -301,7 +299,7 @@ def test_native_placement_equals_the_python_loop(monkeypatch):
         for use_insert in (True, False):
             monkeypatch.setattr(block_index, "_native_place", counting)
             native = _random_ops(seed, BlockIndex(12 * 4096), use_insert, one_namespace=True)
-            monkeypatch.setattr(block_index, "_native_place", None)
+            monkeypatch.setattr(block_index, "_native_place", leave_everything_to_python)
             python = _random_ops(seed, BlockIndex(12 * 4096), use_insert, one_namespace=True)
             assert native == python
             assert native[2][2] > 100
@@ -336,7 +334,7 @@ def _place(bi, blocks, lru, ns, hashes, alloc=None, made=None, out=None, start=0
 def _resident(bi, ns, key: int):
     b = bi.Block(ns, h(key), 0)
     b.state = RESIDENT
-    lru = bi._NativeLRU()
+    lru = bi.LRU()
     lru[b] = None
     return b, lru
 
@@ -344,7 +342,9 @@ def _resident(bi, ns, key: int):
 def test_native_block_with_a_deleted_attribute_raises_like_the_python_block():
     bi = _native()
     ns = BlockIndex(1 << 20).namespace("a", 4096)
-    for cls in (bi.Block, bi.PyBlock):
+    from tests.oracles.block_index_py import PyBlock
+
+    for cls in (bi.Block, PyBlock):
         b = cls(ns, h(1), 0)
         del b.hash
         with pytest.raises(AttributeError):
@@ -385,7 +385,7 @@ def test_native_place_refuses_a_negative_start():
     bi = _native()
     ns = BlockIndex(1 << 20).namespace("a", 4096)
     with pytest.raises(ValueError):  # was a read before the start of the hashes
-        _place(bi, {}, bi._NativeLRU(), ns, [h(1)], start=-(10**9))
+        _place(bi, {}, bi.LRU(), ns, [h(1)], start=-(10**9))
 
 
 def test_native_place_holds_the_victim_while_python_code_compares_its_size():
@@ -420,10 +420,10 @@ def test_native_place_does_not_swallow_keyboard_interrupt_from_the_allocator():
             raise self.exc
 
     # An ordinary exception stops the C loop (the Python loop retries and handles it) ...
-    assert _place(bi, {}, bi._NativeLRU(), ns, [h(1)], alloc=Alloc(RuntimeError())) == (0, False)
+    assert _place(bi, {}, bi.LRU(), ns, [h(1)], alloc=Alloc(RuntimeError())) == (0, False)
     # ... but an interrupt propagates, as from the Python loop (which catches OutOfSpace only).
     with pytest.raises(KeyboardInterrupt):
-        _place(bi, {}, bi._NativeLRU(), ns, [h(1)], alloc=Alloc(KeyboardInterrupt()))
+        _place(bi, {}, bi.LRU(), ns, [h(1)], alloc=Alloc(KeyboardInterrupt()))
 
 
 def test_native_settle_holds_each_block_while_python_code_runs():
@@ -435,7 +435,7 @@ def test_native_settle_holds_each_block_while_python_code_runs():
             made.clear()
 
     made.append(NotABlock())
-    lru = bi._NativeLRU()
+    lru = bi.LRU()
     bi._native_settle(made, lru)
     assert len(lru) == 1 and type(next(iter(lru))) is NotABlock
 
@@ -445,7 +445,7 @@ def test_native_lru_iterator_ends_like_ordereddicts():
     from collections import OrderedDict
 
     bi = _native()
-    for d in (OrderedDict(), bi._NativeLRU()):
+    for d in (OrderedDict(), bi.LRU()):
         d[object()] = None
         it = iter(d)
         assert len(list(it)) == 1

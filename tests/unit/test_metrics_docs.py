@@ -2,7 +2,7 @@
 Grafana dashboard only queries documented metrics.
 
 Nothing heavy starts: the registries are instantiated in-process (the node's NodeMetrics
-with its SSD tier's, remote reads' and event publisher's series, the metaserver's module-level metrics
+with its SSD tier's, remote reads' and event publisher's series, the metaserver's MetaMetrics
 and its cluster-ceiling collector) and their families are compared with the doc's tables.
 """
 
@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 import pytest
-from prometheus_client import REGISTRY, CollectorRegistry
+from prometheus_client import CollectorRegistry
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "metrics.md"
@@ -52,13 +52,13 @@ def node_families() -> dict[str, tuple[str, set[str]]]:
 
 
 def meta_families() -> dict[str, tuple[str, set[str]]]:
-    import pegaflow.meta.metrics  # noqa: F401  (module-level metrics in the default registry)
     from pegaflow.cluster.sketches import ClusterCeilingCollector
+    from pegaflow.meta.metrics import MetaMetrics
 
     reg = CollectorRegistry()
     reg.register(ClusterCeilingCollector(None, (900.0,)))  # type: ignore[arg-type]  (describe only)
     out = families(reg, describe=True)
-    out.update({k: v for k, v in families(REGISTRY).items() if k.startswith("pegaflow_meta_")})
+    out.update(families(MetaMetrics(CollectorRegistry()).registry))
     return out
 
 

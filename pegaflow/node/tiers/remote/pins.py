@@ -27,7 +27,8 @@ import grpc
 import structlog
 
 from pegaflow._proto import peer_pb2, peer_pb2_grpc
-from pegaflow.core.block_index import HASH_BYTES, Block, BlockIndex
+from pegaflow.core.block_index import Block, BlockIndex
+from pegaflow.core.identity import HASH_BYTES
 from pegaflow.node.tiers.remote import TCP
 from pegaflow.node.tiers.remote.checksums import PageChecksums
 from pegaflow.node.tiers.remote.metrics import PeerMetrics

@@ -187,7 +187,7 @@ def _read_superblock(fd: int) -> bytes:
     return bytes(buf[:n])
 
 
-def _check_existing(path: str, fd: int, size: int) -> tuple[int, int] | None:
+def _check_existing(path: str, fd: int) -> tuple[int, int] | None:
     """Validate an existing non-empty file; returns its (file_bytes, segment_bytes).
 
     Raises SsdError for a foreign or newer file (never overwritten)."""
@@ -254,7 +254,7 @@ def open_files(paths: Iterable[str], capacity: int) -> list[CacheFile]:
                 except OSError as exc:
                     raise SsdError(f"--ssd-cache-path {p}: cannot open with O_DIRECT: {exc.strerror}") from None
                 try:
-                    _check_existing(p, fd, st.st_size)
+                    _check_existing(p, fd)
                 finally:
                     os.close(fd)
             have = st.st_blocks * 512
@@ -286,7 +286,7 @@ def open_files(paths: Iterable[str], capacity: int) -> list[CacheFile]:
             except BlockingIOError:
                 raise SsdError(f"--ssd-cache-path {p} is in use by another process") from None
             size = os.fstat(fd).st_size
-            geo = _check_existing(p, fd, size) if size else None
+            geo = _check_existing(p, fd) if size else None
             seg_bytes, nseg = _geometry(file_bytes)
             if geo != (file_bytes, seg_bytes):
                 if geo is not None:

@@ -1,0 +1,45 @@
+"""The pure-Python ``Block`` and ``settle``: what ``pegaflow/native/blockindex.c`` implements.
+
+``BlockIndex``'s own Python loop (``_reserve``) is the reference of ``place``: a test runs it
+alone by replacing ``place`` with one that leaves every hash to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pegaflow.core.block_index import PENDING, RESIDENT, Namespace
+
+
+class PyBlock:
+    """One page of the pool holding one block (the C ``Block``'s attributes, key and repr)."""
+
+    __slots__ = ("ns", "hash", "offset", "size", "state", "pins", "reclaimable")
+
+    def __init__(self, ns: Namespace, hash_: bytes, offset: int, reclaimable: bool = False) -> None:
+        self.ns = ns
+        self.hash = hash_
+        self.offset = offset
+        self.size = ns.page_bytes
+        self.state = PENDING
+        self.pins = 0
+        self.reclaimable = reclaimable
+
+    @property
+    def key(self) -> tuple[int, bytes]:
+        return (self.ns.id, self.hash)
+
+    def __repr__(self) -> str:
+        return f"Block(ns={self.ns.name!r}, hash={self.hash.hex()[:12]}, offset={self.offset}, pins={self.pins})"
+
+
+def settle(made: Sequence[PyBlock], order: dict) -> None:
+    """``insert``'s commit of fresh blocks: each becomes RESIDENT at the newest end of ``order``."""
+    for b in made:
+        b.state = RESIDENT
+        order[b] = None
+
+
+def leave_everything_to_python(*args: object) -> tuple[int, bool]:
+    """A ``place`` that places nothing: ``_reserve``'s Python loop then does every step."""
+    return args[4], False  # type: ignore[return-value]
