@@ -30,14 +30,11 @@ import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from pegaflow.core.block_index import Block, Namespace
+from pegaflow.node.tiers.ssd.parts import TierParts
 from pegaflow.node.tiers.ssd.store import BLOCK, Entry, aligned_buffer, checksum, round_up, unpack_header
 from pegaflow.node.tiers.ssd.uring import MAX_IOV, IoOp
-
-if TYPE_CHECKING:
-    from pegaflow.node.tiers.ssd.tier import SsdTier
 
 HOLD_SECONDS = 2.0  # pin promoted blocks this long for the engine's next Query to lease them
 READ_COALESCE_BYTES = 4 << 20  # records adjacent on disk are read by one readv up to this size
@@ -80,7 +77,7 @@ def _runs(recs: list[_Rec]) -> list[list[_Rec]]:
 
 
 class Promoter:
-    def __init__(self, tier: SsdTier) -> None:
+    def __init__(self, tier: TierParts) -> None:
         self.tier = tier
         self.inflight: dict[tuple[int, bytes], Block] = {}
         self._hdrs: list[bytearray] = []  # free 4 KiB header buffers (aligned)

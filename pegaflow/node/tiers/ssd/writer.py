@@ -20,14 +20,11 @@ Contracts:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from pegaflow.core.block_index import Block, IndexEvent, Namespace
+from pegaflow.node.tiers.ssd.parts import TierParts
 from pegaflow.node.tiers.ssd.store import BLOCK, Slot, aligned_buffer, checksum, pack_header, round_up
 from pegaflow.node.tiers.ssd.uring import MAX_IOV, IoOp
-
-if TYPE_CHECKING:
-    from pegaflow.node.tiers.ssd.tier import SsdTier
 
 WRITE_COALESCE_BYTES = 4 << 20  # adjacent records go out in one writev up to this size
 SECOND_CHANCE_AGE = 0.75  # re-write a promoted block whose SSD copy is older than this
@@ -42,7 +39,7 @@ class _Rec:
 
 
 class WriteBehind:
-    def __init__(self, tier: SsdTier, limit_bytes: int) -> None:
+    def __init__(self, tier: TierParts, limit_bytes: int) -> None:
         self.tier = tier
         self.limit_bytes = limit_bytes
         self.pending: set[tuple[int, bytes]] = set()

@@ -1,0 +1,39 @@
+"""What the SSD tier's writer and promoter use of the tier (``SsdTier`` implements it).
+
+Kept apart so ``writer.py`` and ``promote.py`` depend on this contract, not on ``tier.py``
+(which builds them): the import graph has no cycle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from pegaflow.core.block_index import BlockIndex
+from pegaflow.node.tiers.ssd.metrics import SsdMetrics
+from pegaflow.node.tiers.ssd.store import Entry, SsdIndex
+from pegaflow.node.tiers.ssd.uring import Engine
+
+
+class TierParts(Protocol):
+    index: BlockIndex
+    store: SsdIndex
+    engine: Engine
+    metrics: SsdMetrics
+    pool_view: memoryview
+    loop: asyncio.AbstractEventLoop | None
+    promoting: set[tuple[int, bytes]]
+    checksums: Any  # PageChecksums of the remote tier, when the node joins a cluster
+
+    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on the node's event loop (from any thread), in call order."""
+        ...
+
+    def on_ssd_evicted(self, keys: list[tuple[int, bytes]]) -> None: ...
+
+    def log_io_error(self, what: str, n: int) -> None: ...
+
+    def log_checksum_failure(self, e: Entry) -> None: ...
+
+    def metrics_node_hits(self, n: int) -> None: ...
