@@ -11,8 +11,8 @@ The engines of this module run one after another against one node, as a user wou
     API the OpenAI server with the exact --kv-transfer-config string, node down at start
 
 Correctness of a hit is shown three ways together (docs/architecture.md): tokens equal to a run that
-recomputed, logprobs within the noise of vLLM's own local prefix hit, and a negative
-control where corrupted pages must change the output.
+recomputed, logprobs equal to A1's (the same engine configuration recomputing) within the noise
+of vLLM's own local prefix hit, and a negative control where corrupted pages must change the output.
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def test_cold_engine_with_connector_matches_the_reference(reference, cold_a, lon
 
 
 def test_restarted_engine_gets_its_prefix_from_pegaflow_with_identical_tokens(
-    engine_a: EngineProc, reference, logprob_tol: float, long_prompts  # noqa: ANN001
+    engine_a: EngineProc, reference, cold_a, logprob_tol: float, long_prompts  # noqa: ANN001
 ) -> None:
     warm = engine_a.warm  # type: ignore[attr-defined]
     bs = engine_a.block_size
@@ -135,9 +135,14 @@ def test_restarted_engine_gets_its_prefix_from_pegaflow_with_identical_tokens(
     )
     loaded_blocks = engine_a.warm_metrics.get("vllm:pegaflow_loaded_blocks", 0)  # type: ignore[attr-defined]
     assert loaded_blocks >= sum(full_blocks_claimable(len(p), bs) // bs for p in long_prompts), engine_a.warm_metrics  # type: ignore[attr-defined]
-    assert tokens(warm) == tokens(reference["long"])
-    diff = max_logprob_diff(warm, reference["long"])
-    print(f"PegaFlow hit logprob diff vs full prefill: {diff:.2e} (tolerance {logprob_tol:.1e})")
+    assert tokens(warm) == tokens(reference["long"]) == tokens(cold_a)
+    # The hit against recomputation by the same engine configuration (A1: connector on, so the
+    # same KV layout and kernels): measured bit-identical here. The reference engine has no
+    # connector, hence another KV layout, and its logprobs differ from A1's by float16 noise
+    # that varies run to run (2.6e-4 here, 2.2e-2 once in a fresh-clone run): printed, not bounded.
+    diff = max_logprob_diff(warm, cold_a)
+    print(f"PegaFlow hit logprob diff vs the cold run: {diff:.2e} (tolerance {logprob_tol:.1e}); "
+          f"cold run vs the connector-less reference: {max_logprob_diff(cold_a, reference['long']):.2e}")
     assert diff <= logprob_tol
 
 
