@@ -163,20 +163,21 @@ def write_streams(r: Client, held: dict[tuple[int, int], list[bytes]], churn: fl
     nids = {}
     for node in range(NODES):
         name = f"bench-node-{node}"
-        nid, _ = registry.register(r, name, f"10.0.0.{node}:50055", 600_000, switch=True)
-        nids[node] = (name, nid)
+        nid, epoch = registry.register(r, name, f"10.0.0.{node}:50055", 600_000, switch=True)
+        nids[node] = (name, nid, epoch)
         r.xgroup_create(stream_key(name), GROUP, id="0", mkstream=True)
     updates = 0
     seqs = dict.fromkeys(range(NODES), 0)
     for (node, ns), hashes in held.items():
-        name, nid = nids[node]
+        name, nid, epoch = nids[node]
         entries = []
 
         def ev(
-            op: Op, chunk: list[bytes], node: int = node, ns: int = ns, name: str = name, nid: int = nid
+            op: Op, chunk: list[bytes], node: int = node, ns: int = ns, name: str = name, nid: int = nid,
+            epoch: int = epoch,
         ) -> bytes:
             seqs[node] += 1
-            return encode(Event(name, nid, 1, seqs[node], op, NAMESPACES[ns], b"".join(chunk)))
+            return encode(Event(name, nid, epoch, seqs[node], op, NAMESPACES[ns], b"".join(chunk)))
 
         for j in range(0, len(hashes), ENTRY):
             entries.append(ev(Op.INSERT, hashes[j : j + ENTRY]))
@@ -199,6 +200,8 @@ def apply_all(r: Client, updates: int) -> tuple[float, float]:
     t0 = time.perf_counter()
     while c.stats.blocks < updates:
         c.step()
+        if c.stats.stale or c.stats.malformed:  # the events are not the registered incarnation's
+            raise SystemExit(f"bench: {c.stats.stale} stale and {c.stats.malformed} malformed events")
     dt = time.perf_counter() - t0
     c.release_all()
     return updates / dt, dt
