@@ -142,21 +142,14 @@ def load(
     return from_namespace(CONFIGS[command], fill_defaults(p.parse_args(argv), command, prog, env))
 
 
-parse_options = load  # the name the CLI entry points and tests use
-
-
-def _defaults(cls: type[C], command: str, positional: Sequence[str], overrides: dict[str, Any]) -> C:
-    cfg = load(command, command, list(positional), env={})
+def _defaults(command: str, overrides: dict[str, Any]) -> Any:
+    cfg = load(command, command, [], env={})
     return dataclasses.replace(cfg, **{k: _frozen(v) for k, v in overrides.items()})
 
 
 def node_config(**overrides: Any) -> NodeConfig:
     """The node's defaults (no flags, no environment) with ``overrides`` applied."""
-    return _defaults(NodeConfig, NODE, [], overrides)
-
-
-def meta_config(**overrides: Any) -> MetaConfig:
-    return _defaults(MetaConfig, META, [], overrides)
+    return _defaults(NODE, overrides)
 
 
 def field_names(command: str) -> list[str]:

@@ -595,7 +595,7 @@ def _wrap(opt: Option) -> Callable[[str], Any]:
 
 
 def build_parser(command: str, prog: str, description: str = "") -> argparse.ArgumentParser:
-    """Flags for ``command``; defaults are filled from the environment in :func:`parse_options`."""
+    """Flags for ``command``; defaults are filled from the environment in :func:`load`."""
     p = _OneLineParser(prog=prog, description=description)
     add_options(p, command)
     return p

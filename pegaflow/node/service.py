@@ -30,7 +30,7 @@ from pegaflow.core.block_index import Block, BlockIndex, Namespace
 from pegaflow.core.identity import HASH_BYTES
 from pegaflow.core.recent import RecentKeys
 from pegaflow.node.metrics import NodeMetrics
-from pegaflow.node.requests import SEEN_REQUESTS as QUERIED_REQUESTS
+from pegaflow.node.requests import SEEN_REQUESTS
 from pegaflow.node.sessions import Sessions
 
 log = structlog.get_logger("pegaflow.node")
@@ -107,7 +107,7 @@ def check_hashes(hashes: Sequence[bytes], max_batch: int) -> None:
         raise InvalidArgument(f"hash {i} has {len(h)} bytes, expected {HASH_BYTES}")
 
 
-class SsdTier(Protocol):
+class PromotingTier(Protocol):
     """The SSD tier as a Query sees it (``pegaflow.node.tiers.ssd.SsdTier``)."""
 
     def promote(self, nss: Sequence[Namespace], hashes: Sequence[bytes], hit: int) -> bool:
@@ -154,7 +154,7 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         max_batch: int = 16384,
         *,
         accounting: Accounting | None = None,
-        ssd: SsdTier | None = None,
+        ssd: PromotingTier | None = None,
         remote: RemoteTier | None = None,
         query_trace: QueryRecorder | None = None,
     ) -> None:
@@ -169,7 +169,7 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         self.stopping = asyncio.Event()
         self.hit_blocks = 0
         self.miss_blocks = 0
-        self._queried = RecentKeys(QUERIED_REQUESTS)  # recent request keys, see query()
+        self._queried = RecentKeys(SEEN_REQUESTS)  # recent request keys, see query()
         self.accounting = accounting
         self.ssd = ssd  # --ssd-cache-path
         self.remote = remote  # pulls from peers: --metaserver-addr

@@ -207,14 +207,14 @@ def test_meta_cli_rejects_bad_options_in_one_line(argv: list[str], needle: str, 
 
 
 def test_redis_url_option_is_validated_for_node_and_meta() -> None:
-    from pegaflow.config.commands import parse_options
+    from pegaflow.config.commands import load
     from pegaflow.config.options import META, NODE
 
-    assert parse_options(META, "m", ["--redis-url", "redis://h:1/0"], env={}).redis_url == "redis://h:1/0"
-    assert parse_options(NODE, "n", [], env={}).redis_url == ""
+    assert load(META, "m", ["--redis-url", "redis://h:1/0"], env={}).redis_url == "redis://h:1/0"
+    assert load(NODE, "n", [], env={}).redis_url == ""
     for cmd in (META, NODE):
         with pytest.raises(SystemExit):
-            parse_options(cmd, "x", ["--redis-url", "localhost:6379"], env={})
+            load(cmd, "x", ["--redis-url", "localhost:6379"], env={})
 
 
 def test_a_redis_that_lost_its_data_never_reuses_an_incarnation(r: fakeredis.FakeRedis) -> None:

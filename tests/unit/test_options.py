@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from pegaflow.config.commands import CONFIGS, NodeConfig, field_names, node_config, parse_options
+from pegaflow.config.commands import CONFIGS, NodeConfig, field_names, load, node_config
 from pegaflow.config.options import NODE, render_markdown
 from pegaflow.core.units import parse_size
 
@@ -21,7 +21,7 @@ def test_sizes_use_binary_units():
 
 
 def test_node_defaults_match_the_original():
-    o = parse_options(NODE, "pegaflow-node", [], env={})
+    o = load(NODE, "pegaflow-node", [], env={})
     assert o.addr == "127.0.0.1:50055"
     assert o.pool_size == 30 << 30
     assert o.use_hugepages is False
@@ -29,7 +29,7 @@ def test_node_defaults_match_the_original():
 
 def test_flag_beats_environment_beats_default():
     env = {"PEGAFLOW_POOL_SIZE": "2gb", "PEGAFLOW_ADDR": "127.0.0.1:6000"}
-    o = parse_options(NODE, "pegaflow-node", ["--addr", "127.0.0.1:7000"], env=env)
+    o = load(NODE, "pegaflow-node", ["--addr", "127.0.0.1:7000"], env=env)
     assert o.pool_size == 2 << 30 and o.addr == "127.0.0.1:7000"
 
 
@@ -72,7 +72,7 @@ ORIGINAL_P2P_NODE = (
 
 
 def test_the_originals_p2p_node_command_line_parses():
-    o = parse_options(NODE, "pegaflow-server", ORIGINAL_P2P_NODE, env={})
+    o = load(NODE, "pegaflow-server", ORIGINAL_P2P_NODE, env={})
     assert o.addr == "10.0.0.11:50055" and o.pool_size == 30 << 30
     assert o.ssd_cache_path == ("/mnt/nvme0",)
     assert o.nics == ("mlx5_0", "mlx5_1")
@@ -89,12 +89,12 @@ def test_the_originals_p2p_node_command_line_parses():
     ],
 )
 def test_nics_take_several_values_after_one_flag_repeated_or_comma_separated(argv):
-    assert parse_options(NODE, "pegaflow-node", argv, env={}).nics == ("mlx5_0", "mlx5_1")
+    assert load(NODE, "pegaflow-node", argv, env={}).nics == ("mlx5_0", "mlx5_1")
 
 
 def test_several_ssd_paths_after_one_flag_or_repeated():
-    one = parse_options(NODE, "n", ["--ssd-cache-path", "/a", "/b"], env={})
-    rep = parse_options(NODE, "n", ["--ssd-cache-path", "/a", "--ssd-cache-path", "/b"], env={})
+    one = load(NODE, "n", ["--ssd-cache-path", "/a", "/b"], env={})
+    rep = load(NODE, "n", ["--ssd-cache-path", "/a", "--ssd-cache-path", "/b"], env={})
     assert one.ssd_cache_path == rep.ssd_cache_path == ("/a", "/b")
 
 
@@ -110,14 +110,14 @@ def test_several_ssd_paths_after_one_flag_or_repeated():
     ],
 )
 def test_metaserver_addr_takes_the_url_and_the_host_port_forms(value, want):
-    assert parse_options(NODE, "n", ["--metaserver-addr", value], env={}).metaserver_addr == want
+    assert load(NODE, "n", ["--metaserver-addr", value], env={}).metaserver_addr == want
 
 
 def test_meta_addr_is_an_alias_as_flag_and_as_environment_variable():
-    assert parse_options(NODE, "n", ["--meta-addr", "m:1"], env={}).metaserver_addr == "m:1"
-    assert parse_options(NODE, "n", [], env={"PEGAFLOW_META_ADDR": "m:2"}).metaserver_addr == "m:2"
+    assert load(NODE, "n", ["--meta-addr", "m:1"], env={}).metaserver_addr == "m:1"
+    assert load(NODE, "n", [], env={"PEGAFLOW_META_ADDR": "m:2"}).metaserver_addr == "m:2"
     both = {"PEGAFLOW_META_ADDR": "m:2", "PEGAFLOW_METASERVER_ADDR": "http://m:3"}
-    assert parse_options(NODE, "n", [], env=both).metaserver_addr == "m:3"
+    assert load(NODE, "n", [], env=both).metaserver_addr == "m:3"
 
 
 @pytest.mark.parametrize("argv", [["--metaserver-addr", "ftp://m:1"], ["--metaserver-addr", "http://m"],
@@ -131,17 +131,17 @@ def test_bad_cluster_flags_exit_with_one_line(argv):
 def test_metaserver_redis_defaults_to_the_local_redis():
     from pegaflow.config.options import META
 
-    assert parse_options(META, "pegaflow-metaserver", ["--addr", "0.0.0.0:50056"], env={}).redis_url == (
+    assert load(META, "pegaflow-metaserver", ["--addr", "0.0.0.0:50056"], env={}).redis_url == (
         "redis://127.0.0.1:6379/0"
     )
-    assert parse_options(NODE, "pegaflow-node", [], env={}).redis_url == ""
+    assert load(NODE, "pegaflow-node", [], env={}).redis_url == ""
 
 
 def test_the_originals_flag_names_and_log_levels_are_accepted():
-    o = parse_options(NODE, "pegaflow-server", ["--log-level", "warn", "--transfer-lock-timeout-secs", "120",
+    o = load(NODE, "pegaflow-server", ["--log-level", "warn", "--transfer-lock-timeout-secs", "120",
                                                 "--metric-hll-windows", "15m,1d"], env={})
     assert o.log_level == "warning" and o.pin_ttl == 120.0 and o.ceiling_windows == (900.0, 86400.0)
-    assert parse_options(NODE, "n", ["--log-level", "trace"], env={}).log_level == "debug"
+    assert load(NODE, "n", ["--log-level", "trace"], env={}).log_level == "debug"
 
 
 def test_each_command_config_has_exactly_the_table_options_in_order():
@@ -154,7 +154,7 @@ def test_each_command_config_has_exactly_the_table_options_in_order():
 def test_config_is_typed_and_frozen():
     import dataclasses
 
-    c = parse_options(NODE, "pegaflow-node", ["--nics", "a", "b"], env={})
+    c = load(NODE, "pegaflow-node", ["--nics", "a", "b"], env={})
     assert isinstance(c, NodeConfig) and c.nics == ("a", "b")
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.addr = "x:1"  # type: ignore[misc]
