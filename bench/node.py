@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pegaflow.client import PegaClient, load_pages, page_bytes, save_pages  # noqa: E402
+from pegaflow.client.pages import copy_kernels  # noqa: E402
 from tests.conftest import NodeProcess  # noqa: E402
 
 BLOCKS_PER_REQUEST = 64
@@ -126,6 +127,7 @@ def run(page_kib: int, layers: int, total_mb: int, rounds: int, node: NodeProces
         "query_p99_us": float(np.percentile(lat, 99)) * 1e6,
         "query_release_p50_us": statistics.median(lat_rel) * 1e6,
         "transport": c.transport,
+        "kernels": copy_kernels(),
         "steps_us": {k: v / nreq * 1e6 for k, v in steps.items()},
     }
 
@@ -165,6 +167,9 @@ def main() -> None:
         print(f"| {r['page_kib']} KiB | {r['layers']} | {r['inflight']} | {r['save_gbps']:.2f} | {r['save_gbps'] / mc:.2f}x | "
               f"{r['load_gbps']:.2f} | {r['load_gbps'] / mc:.2f}x | {r['query_p50_us']:.0f} | "
               f"{r['query_p99_us']:.0f} | {r['query_release_p50_us']:.0f} |")
+    print("\nCopy kernel each row's process chose (pegaflow/client/pages.py measures the candidates on its "
+          "first copies): " + "; ".join(f"{r['page_kib']} KiB x{r['inflight']}: save {r['kernels'].get('save')}, "
+                                         f"load {r['kernels'].get('load')}" for r in rows))
     print(f"\nWhere a {BLOCKS_PER_REQUEST}-block request's time goes (µs per request, mean; with several in "
           f"flight, steps overlap; transport: {rows[0]['transport']}):")
     names = list(rows[0]["steps_us"])

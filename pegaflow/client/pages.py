@@ -9,16 +9,34 @@ One call moves a whole request. On CPU the (address, offset, length) triples are
 with numpy and copied by ``pegaflow.client._pagecopy`` in one GIL-free native call; on CUDA (or
 if the native module is missing) by one ``copy_`` per block and segment, which on CUDA
 is a DMA from pinned pool memory.
+
+Which native kernel copies is measured, not assumed: glibc memcpy, non-temporal stores,
+and each of them on two threads win or lose by host (on two machines of the same kind the
+winner differed). The first copies of at least ``CALIBRATE_MIN_BYTES`` in each direction
+rotate through the candidates (every candidate copies the same bytes correctly, so this
+costs nothing but the slower ones' time), and after ``CALIBRATE_SAMPLES`` each the one
+with the best median GB/s is kept for the life of the process. The choice is logged
+(``copy_kernel_chosen``) and exported as ``pegaflow_client_copy_kernel`` /
+``pegaflow_client_copy_calibration_gbps``; ``PEGAFLOW_COPY_KERNEL`` forces one.
 """
 
 from __future__ import annotations
 
 import ctypes
 import importlib.util
+import os
+import statistics
+import threading
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
+import structlog
 import torch
+from prometheus_client import REGISTRY, CollectorRegistry, Gauge
+
+log = structlog.get_logger("pegaflow.pages")
 
 _native: ctypes.CDLL | None = None
 try:
@@ -27,11 +45,146 @@ try:
         _native = ctypes.CDLL(_spec.origin)
         _native.pf_copy_segments.argtypes = [
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-            ctypes.c_int64, ctypes.c_int, ctypes.c_int,
+            ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
         ]
-        _native.pf_copy_segments.restype = None
-except OSError:  # pragma: no cover - a build without a compiler
+        _native.pf_copy_segments.restype = ctypes.c_int
+        _native.pf_kernels.restype = ctypes.c_int
+        _native.pf_nt_variant.restype = ctypes.c_int
+except (OSError, AttributeError):  # pragma: no cover - a build without a compiler, or a stale one
     _native = None
+
+CALIBRATE_MIN_BYTES = 1 << 20  # smaller copies say more about call overhead than bandwidth
+CALIBRATE_SAMPLES = 3  # per candidate; the median of three survives one disturbed copy
+ENV_KERNEL = "PEGAFLOW_COPY_KERNEL"
+
+_KERNEL_MEMCPY, _KERNEL_NT = 0, 1  # pagecopy.c's PF_KERNEL_*
+
+
+
+class CopyMetrics:
+    """The engine process's copy series (on vLLM's registry: the default one)."""
+
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        self.registry = registry
+        self.kernel = Gauge("pegaflow_client_copy_kernel",
+                            "1 for the native copy kernel this process chose per direction "
+                            "(save: KV cache -> pool), 0 for the others it measured",
+                            ["direction", "kernel"], registry=registry)
+        self.calibration_gbps = Gauge("pegaflow_client_copy_calibration_gbps",
+                                      "Median GB/s each copy kernel reached while this process calibrated",
+                                      ["direction", "kernel"], registry=registry)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One way the native module can copy: ``code`` is pagecopy.c's kernel number."""
+
+    name: str
+    code: int
+    threads: int
+
+
+def candidates() -> list[Kernel]:
+    """The kernels this build and host can run (two-thread ones only with a second CPU)."""
+    if _native is None:
+        return []
+    have = _native.pf_kernels()
+    nt_name = {2: "nt-avx2", 1: "nt-sse2"}.get(_native.pf_nt_variant(), "nt")
+    one = [Kernel("memcpy", _KERNEL_MEMCPY, 1)]
+    if have & (1 << _KERNEL_NT):
+        one.append(Kernel(nt_name, _KERNEL_NT, 1))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    two = [Kernel(k.name + "-2t", k.code, 2) for k in one] if cpus >= 2 else []
+    return one + two
+
+
+@dataclass
+class KernelChoice:
+    """Measures the candidates on one direction's first large copies, then keeps the fastest."""
+
+    direction: str
+    kernels: list[Kernel]
+    metrics: CopyMetrics
+    forced: Kernel | None = None
+    samples: dict[str, list[float]] = field(default_factory=dict)
+    chosen: Kernel | None = None
+    _next: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        if self.forced is not None:
+            self._choose(self.forced, forced=True)
+
+    def pick(self, nbytes: int) -> tuple[Kernel, bool]:
+        """The kernel for a copy of ``nbytes`` and whether its time should be reported."""
+        if self.chosen is not None:
+            return self.chosen, False
+        if nbytes < CALIBRATE_MIN_BYTES:
+            return self.kernels[0], False
+        with self._lock:
+            k = self.kernels[self._next % len(self.kernels)]
+            self._next += 1
+        return k, True
+
+    def report(self, kernel: Kernel, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            if self.chosen is not None:
+                return
+            self.samples.setdefault(kernel.name, []).append(nbytes / max(seconds, 1e-9) / 1e9)
+            if any(len(self.samples.get(k.name, ())) < CALIBRATE_SAMPLES for k in self.kernels):
+                return
+            medians = {k.name: statistics.median(self.samples[k.name]) for k in self.kernels}
+            best = max(self.kernels, key=lambda k: medians[k.name])
+            for name, gbps in medians.items():
+                self.metrics.calibration_gbps.labels(self.direction, name).set(gbps)
+            self._choose(best, forced=False, gbps={n: round(g, 2) for n, g in medians.items()})
+
+    def _choose(self, kernel: Kernel, forced: bool, gbps: dict[str, float] | None = None) -> None:
+        self.chosen = kernel
+        for k in self.kernels:
+            self.metrics.kernel.labels(self.direction, k.name).set(1 if k == kernel else 0)
+        log.info("copy_kernel_chosen", direction=self.direction, kernel=kernel.name, forced=forced,
+                 measured_gbps=gbps)
+
+
+def _forced(kernels: list[Kernel]) -> Kernel | None:
+    name = os.environ.get(ENV_KERNEL, "").strip()
+    if not name:
+        return None
+    for k in kernels:
+        if k.name == name or (name == "nt" and k.code == _KERNEL_NT and k.threads == 1):
+            return k
+    raise ValueError(f"{ENV_KERNEL}={name!r}: this host can run {', '.join(k.name for k in kernels)}")
+
+
+_choices: dict[bool, KernelChoice] = {}
+_choices_lock = threading.Lock()
+_metrics: CopyMetrics | None = None
+
+
+def _choice(to_pool: bool) -> KernelChoice:
+    global _metrics
+    c = _choices.get(to_pool)
+    if c is None:
+        with _choices_lock:
+            c = _choices.get(to_pool)
+            if c is None:
+                if _metrics is None:
+                    _metrics = CopyMetrics()
+                ks = candidates()
+                c = _choices[to_pool] = KernelChoice("save" if to_pool else "load", ks, _metrics, _forced(ks))
+    return c
+
+
+def copy_kernels() -> dict[str, str | None]:
+    """The kernel chosen per direction so far (None while still calibrating or never used)."""
+    return {("save" if d else "load"): (c.chosen.name if c.chosen else None) for d, c in _choices.items()}
+
+
+def reset_kernel_choice() -> None:
+    """Forget the choices (tests; a process that moved to other memory)."""
+    with _choices_lock:
+        _choices.clear()
 
 
 def page_bytes(segments: Sequence[torch.Tensor]) -> int:
@@ -84,10 +237,16 @@ def _copy(segments: Sequence[torch.Tensor], block_ids: Sequence[int], pool: torc
     native = _native is not None and pool.device.type == "cpu" and all(s.device.type == "cpu" for s in segments)
     if native:
         addrs, pool_off, lens = _plan(segments, block_ids, offsets, pool.numel())
+        choice = _choice(to_pool)
+        nbytes = int(lens.sum())
+        kernel, timed = choice.pick(nbytes)
+        t0 = time.perf_counter()
         _native.pf_copy_segments(  # type: ignore[union-attr]
             pool.data_ptr(), pool_off.ctypes.data, addrs.ctypes.data, lens.ctypes.data,
-            lens.size, int(to_pool), 1,
+            lens.size, int(to_pool), kernel.code, kernel.threads,
         )
+        if timed:
+            choice.report(kernel, nbytes, time.perf_counter() - t0)
         return
     for b, off in zip(block_ids, offsets, strict=True):
         pos = off

@@ -3,16 +3,19 @@
  *
  * One call moves every segment of every block of a request: the Python side computes
  * the (address, pool offset, length) triples with numpy and this loop runs without the
- * GIL (ctypes releases it). Large pieces are copied with non-temporal stores on x86-64,
- * both ways: chunked memcpy of 64 KiB pieces otherwise pays a read-for-ownership of every
- * destination line and reaches only ~2/3 of memcpy bandwidth (measured here: 6.8 vs
- * 10.8 GB/s); pool pages are not read again by this core soon, and a loaded KV block is
- * read by attention only after the whole load.
+ * GIL (ctypes releases it). Three ways to copy are here: glibc memcpy per piece,
+ * non-temporal stores (no read-for-ownership of the destination lines; AVX2 in four
+ * side-by-side streams, SSE2 fallback), and either of them split over two threads. Which
+ * one wins depends on the host: on one of this kind non-temporal stores reached ~14 GB/s
+ * against ~8 for glibc, on another glibc won. So this file does not choose: the Python
+ * side (pegaflow/client/pages.py) measures them on the first real copies and keeps the
+ * fastest.
  *
  * Built as a CPython extension module only so the install compiles it; it is called
  * through ctypes and exports no Python methods.
  */
 #include <Python.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -87,7 +90,7 @@ __attribute__((target("avx2"))) static void copy_nt_avx2(char *dst, const char *
 static int have_avx2 = -1;
 #endif
 
-static void copy_one(char *dst, const char *src, int64_t len, int nt) {
+static inline void copy_one(char *dst, const char *src, int64_t len, int nt) {
 #ifdef PF_HAVE_NT
     if (nt && len >= PF_NT_MIN) {
         if (have_avx2)
@@ -100,19 +103,13 @@ static void copy_one(char *dst, const char *src, int64_t len, int nt) {
     memcpy(dst, src, (size_t)len);
 }
 
-/*
- * For i in [0, n): if to_pool, copy lens[i] bytes from address addrs[i] to pool + offs[i];
- * otherwise the other way. nt: use non-temporal stores for large pieces (x86-64 only).
- */
-void pf_copy_segments(char *pool, const int64_t *offs, const uint64_t *addrs, const int64_t *lens,
-                      int64_t n, int to_pool, int nt) {
-#ifdef PF_HAVE_NT
-    if (have_avx2 < 0) {
-        __builtin_cpu_init();
-        have_avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
-    }
-#endif
-    for (int64_t i = 0; i < n; i++) {
+/* Kernels, by number (the Python side measures them where it runs and keeps the winner). */
+#define PF_KERNEL_MEMCPY 0 /* glibc memcpy per piece */
+#define PF_KERNEL_NT 1     /* non-temporal stores for pieces >= PF_NT_MIN (AVX2 or SSE2) */
+
+static void copy_range(char *pool, const int64_t *offs, const uint64_t *addrs, const int64_t *lens,
+                       int64_t lo, int64_t hi, int to_pool, int nt) {
+    for (int64_t i = lo; i < hi; i++) {
         char *p = pool + offs[i];
         char *a = (char *)(uintptr_t)addrs[i];
         if (to_pool)
@@ -123,6 +120,76 @@ void pf_copy_segments(char *pool, const int64_t *offs, const uint64_t *addrs, co
 #ifdef PF_HAVE_NT
     if (nt) _mm_sfence();
 #endif
+}
+
+struct pf_job {
+    char *pool;
+    const int64_t *offs;
+    const uint64_t *addrs;
+    const int64_t *lens;
+    int64_t lo, hi;
+    int to_pool, nt;
+};
+
+static void *pf_job_run(void *arg) {
+    struct pf_job *j = (struct pf_job *)arg;
+    copy_range(j->pool, j->offs, j->addrs, j->lens, j->lo, j->hi, j->to_pool, j->nt);
+    return NULL;
+}
+
+/* Kernels this build can run: bit k set = kernel k available. */
+int pf_kernels(void) {
+#ifdef PF_HAVE_NT
+    return (1 << PF_KERNEL_MEMCPY) | (1 << PF_KERNEL_NT);
+#else
+    return 1 << PF_KERNEL_MEMCPY;
+#endif
+}
+
+/* Which non-temporal variant PF_KERNEL_NT runs here: 2 = AVX2, 1 = SSE2, 0 = none. */
+int pf_nt_variant(void) {
+#ifdef PF_HAVE_NT
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") ? 2 : 1;
+#else
+    return 0;
+#endif
+}
+
+/*
+ * For i in [0, n): if to_pool, copy lens[i] bytes from address addrs[i] to pool + offs[i];
+ * otherwise the other way, with kernel PF_KERNEL_*. threads = 2 splits the pieces in two
+ * halves of equal bytes, the second copied by a new thread (pthread_create costs ~20-50 us,
+ * nothing against a request of megabytes; the caller asks for it only where it measured a
+ * gain). Returns 0, or -1 when the second thread could not start (then all was copied here).
+ */
+int pf_copy_segments(char *pool, const int64_t *offs, const uint64_t *addrs, const int64_t *lens,
+                     int64_t n, int to_pool, int kernel, int threads) {
+    int nt = 0;
+#ifdef PF_HAVE_NT
+    if (have_avx2 < 0) {
+        __builtin_cpu_init();
+        have_avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
+    }
+    nt = kernel == PF_KERNEL_NT;
+#endif
+    if (threads < 2 || n < 2) {
+        copy_range(pool, offs, addrs, lens, 0, n, to_pool, nt);
+        return 0;
+    }
+    int64_t total = 0;
+    for (int64_t i = 0; i < n; i++) total += lens[i];
+    int64_t half = 0, mid = 0;
+    while (mid < n && half * 2 < total) half += lens[mid++];
+    struct pf_job job = {pool, offs, addrs, lens, mid, n, to_pool, nt};
+    pthread_t t;
+    if (pthread_create(&t, NULL, pf_job_run, &job) != 0) {
+        copy_range(pool, offs, addrs, lens, 0, n, to_pool, nt);
+        return -1;
+    }
+    copy_range(pool, offs, addrs, lens, 0, mid, to_pool, nt);
+    pthread_join(t, NULL);
+    return 0;
 }
 
 static struct PyModuleDef pagecopy_module = {PyModuleDef_HEAD_INIT, "_pagecopy",

@@ -52,8 +52,12 @@ def test_out_of_range_offsets_and_blocks_are_refused():
         save_pages(src, [0, 1], pool, [0])
 
 
+KERNELS = [(0, 1), (1, 1), (0, 2), (1, 2)]  # (pagecopy.c kernel, threads)
+
+
+@pytest.mark.parametrize(("kernel", "threads"), KERNELS)
 @pytest.mark.parametrize("to_pool", [1, 0])
-def test_native_copy_of_odd_lengths_and_misaligned_addresses_is_exact(to_pool):
+def test_native_copy_of_odd_lengths_and_misaligned_addresses_is_exact(to_pool, kernel, threads):
     """The non-temporal paths align the destination, split large pieces into four streams
     and finish with a tail: every byte lands, none outside its range is touched."""
     if pages._native is None:
@@ -81,7 +85,7 @@ def test_native_copy_of_odd_lengths_and_misaligned_addresses_is_exact(to_pool):
     offs_a, addrs_a, lens_a = (np.array(offs, dtype=np.int64), np.array(addrs, dtype=np.uint64),
                                np.array(lens, dtype=np.int64))  # alive across the call
     pages._native.pf_copy_segments(
-        pool.ctypes.data, offs_a.ctypes.data, addrs_a.ctypes.data, lens_a.ctypes.data, len(lens), to_pool, 1)
+        pool.ctypes.data, offs_a.ctypes.data, addrs_a.ctypes.data, lens_a.ctypes.data, len(lens), to_pool, kernel, threads)
     dst, dst_before, src = (pool, before_pool, before_other) if to_pool else (other, before_other, before_pool)
     expect = dst_before.copy()
     for off, addr, n in zip(offs, addrs, lens, strict=True):
@@ -102,3 +106,79 @@ def test_offsets_near_the_int64_limit_are_refused_not_copied(offset, copy):
     with pytest.raises(IndexError):
         copy(src, [0], pool, [offset])
     assert int(pool.sum()) == 0
+
+
+@pytest.fixture
+def fresh_choice(monkeypatch):
+    """A process that has not chosen a kernel yet, with its own metrics registry."""
+    from prometheus_client import CollectorRegistry
+
+    monkeypatch.delenv(pages.ENV_KERNEL, raising=False)
+    pages.reset_kernel_choice()
+    reg = CollectorRegistry()
+    monkeypatch.setattr(pages, "_metrics", pages.CopyMetrics(reg))
+    yield reg
+    pages.reset_kernel_choice()
+
+
+@pytest.mark.parametrize("name", [k.name for k in pages.candidates()])
+def test_every_candidate_kernel_round_trips_a_request(name, fresh_choice, monkeypatch):
+    monkeypatch.setenv(pages.ENV_KERNEL, name)
+    src = cpu_layout(blocks=64, layers=4)
+    pb = page_bytes(src)
+    pool = torch.zeros(pb * 64, dtype=torch.uint8)
+    ids = list(range(63, -1, -1))
+    save_pages(src, ids, pool, [i * pb for i in range(64)])
+    dst = [torch.zeros_like(s) for s in src]
+    load_pages(dst, ids, pool, [i * pb for i in range(64)])
+    assert all(torch.equal(a, b) for a, b in zip(src, dst, strict=True))
+    assert pages.copy_kernels() == {"save": name, "load": name}
+    assert fresh_choice.get_sample_value("pegaflow_client_copy_kernel", {"direction": "save", "kernel": name}) == 1
+
+
+def test_the_first_large_copies_measure_every_candidate_and_keep_one(fresh_choice):
+    ks = pages.candidates()
+    assert ks, "the native module offers no kernel"
+    # blocks of 256 KiB (4 layers x 64 KiB): one request of 8 blocks is 2 MiB >= CALIBRATE_MIN_BYTES
+    buf = torch.randn(4, 16, 2, 128, 128).to(torch.float16)
+    src = [buf[i] for i in range(4)]
+    pb = page_bytes(src)
+    n = max(1, pages.CALIBRATE_MIN_BYTES // pb)
+    pool = torch.zeros(pb * n, dtype=torch.uint8)
+    for _ in range(pages.CALIBRATE_SAMPLES * len(ks)):
+        assert pages.copy_kernels().get("save") is None  # still measuring
+        save_pages(src, list(range(n)), pool, [i * pb for i in range(n)])
+    chosen = pages.copy_kernels()["save"]
+    assert chosen in {k.name for k in ks}
+    for k in ks:  # every candidate was measured and exported; exactly one is marked chosen
+        gbps = fresh_choice.get_sample_value("pegaflow_client_copy_calibration_gbps",
+                                             {"direction": "save", "kernel": k.name})
+        assert gbps is not None and gbps > 0
+        assert fresh_choice.get_sample_value("pegaflow_client_copy_kernel",
+                                             {"direction": "save", "kernel": k.name}) == (k.name == chosen)
+    assert pages.copy_kernels().get("load") is None  # each direction chooses on its own copies
+
+
+def test_choice_keeps_the_best_median_and_ignores_small_copies():
+    from prometheus_client import CollectorRegistry
+
+    a, b = pages.Kernel("a", 0, 1), pages.Kernel("b", 1, 1)
+    c = pages.KernelChoice("save", [a, b], pages.CopyMetrics(CollectorRegistry()))
+    assert c.pick(pages.CALIBRATE_MIN_BYTES - 1) == (a, False)  # not timed, nothing rotates
+    order = [c.pick(pages.CALIBRATE_MIN_BYTES)[0] for _ in range(4)]
+    assert order == [a, b, a, b]
+    # a: 1, 1, 9 GB/s (one lucky copy); b: 2, 2, 2 -> b has the better median
+    for k, gbps in ((a, 1), (b, 2), (a, 1), (b, 2), (a, 9)):
+        c.report(k, 10**9, 1 / gbps)
+    assert c.chosen is None
+    c.report(b, 10**9, 1 / 2)
+    assert c.chosen == b
+    assert c.pick(10**9) == (b, False)
+
+
+def test_an_unknown_forced_kernel_is_a_one_line_error(fresh_choice, monkeypatch):
+    monkeypatch.setenv(pages.ENV_KERNEL, "warp-drive")
+    src = cpu_layout()
+    pool = torch.zeros(page_bytes(src), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="PEGAFLOW_COPY_KERNEL='warp-drive': this host can run memcpy"):
+        save_pages(src, [0], pool, [0])
