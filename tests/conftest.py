@@ -43,13 +43,15 @@ class NodeProcess:
         return [sys.executable, "-m", "pegaflow.node.cli", "--addr", self.addr, "--pool-size", self.pool_size,
                 "--http-addr", f"127.0.0.1:{self.http_port}", "--log-format", "json", *self.extra]
 
-    def start(self, timeout: float = 30.0) -> NodeProcess:
+    def start(self, timeout: float = 30.0, wait_pool: bool = True) -> NodeProcess:
+        """Start and wait until the node answers Health and (``wait_pool``) its pool is
+        fully pre-faulted, so a test sees the whole capacity."""
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=log, env={**os.environ, **self.env})
-        self.wait_ready(timeout)
+        self.wait_ready(timeout, wait_pool)
         return self
 
-    def wait_ready(self, timeout: float) -> None:
+    def wait_ready(self, timeout: float, wait_pool: bool = True) -> None:
         from pegaflow._proto import node_pb2, node_pb2_grpc
         from pegaflow.common.security import Security, sync_channel
 
@@ -61,10 +63,12 @@ class NodeProcess:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"node exited {self.proc.returncode}: {self.log_path.read_text()[-2000:]}")
                 try:
-                    stub.Health(node_pb2.HealthRequest(), timeout=1)
-                    return
+                    h = stub.Health(node_pb2.HealthRequest(), timeout=1)
+                    if not wait_pool or h.pool_prefaulted_bytes >= h.pool_bytes:
+                        return
                 except grpc.RpcError:
-                    time.sleep(0.05)
+                    pass
+                time.sleep(0.05)
         raise TimeoutError(f"node {self.addr} not ready: {self.log_path.read_text()[-2000:]}")
 
     def kill(self, sig: int = signal.SIGKILL) -> None:

@@ -33,6 +33,7 @@ import structlog
 import torch
 
 from pegaflow._proto import node_pb2, node_pb2_grpc
+from pegaflow.client.pages import map_lazily
 from pegaflow.common.local_wire import (
     HELLO,
     MAX_FRAME,
@@ -96,10 +97,13 @@ class _Mapping:
     def __init__(self, path: str, size: int) -> None:
         fd = os.open(path, os.O_RDWR)
         try:
-            self.mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+            # Not MAP_POPULATE: that maps the whole pool now (seconds per 100 GiB); copies
+            # populate the chunks they touch instead (pegaflow.client.pages.map_lazily).
+            self.mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
         finally:
             os.close(fd)
         self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
+        map_lazily(self.tensor)
 
 
 class _LocalLink:

@@ -9,7 +9,9 @@ Invariants a caller may rely on:
 - every offset returned is a multiple of ``align`` and every page size is rounded up
   to a multiple of ``align`` (O_DIRECT and hugepage-friendly);
 - free extents never overlap and never touch (touching extents are merged);
-- ``free_bytes + allocated bytes == capacity`` at all times.
+- ``free_bytes + allocated bytes == usable`` at all times: only ``[0, usable)`` is handed
+  out; ``extend`` grows it towards ``capacity`` (the node pre-faults its pool in the
+  background and makes each faulted chunk usable when it is done).
 
 Costs are O(log n) in the number of free extents (a sorted list keyed by size), and O(1)
 for a streak of pages of one size: best fit carves a streak's pages one after another from
@@ -29,20 +31,38 @@ class OutOfSpace(Exception):
 
 
 class ExtentAllocator:
-    def __init__(self, capacity: int, align: int = 4096) -> None:
+    def __init__(self, capacity: int, align: int = 4096, usable: int | None = None) -> None:
         if align <= 0 or align & (align - 1):
             raise ValueError(f"align must be a power of two, got {align}")
         self.align = align
         self.capacity = capacity - capacity % align
-        self.free_bytes = self.capacity
+        self.usable = 0
+        self.free_bytes = 0
         self._by_start: dict[int, int] = {}  # start -> size
         self._by_end: dict[int, int] = {}  # end -> start
         self._by_size: SortedList = SortedList()  # (size, start)
         # The current run: [run_start, run_end) is free, held outside the extents, and serves
         # pages of run_need bytes (0: no run).
         self._run_start = self._run_end = self._run_need = 0
-        if self.capacity:
-            self._add(0, self.capacity)
+        self.extend(self.capacity if usable is None else usable)
+
+    def extend(self, usable: int) -> int:
+        """Make ``[0, usable)`` (rounded down to ``align``, at most ``capacity``) allocatable;
+        returns the bytes added. Never shrinks."""
+        end = min(self.capacity, usable - usable % self.align)
+        start = self.usable
+        if end <= start:
+            return 0
+        self._flush_run()
+        self._merge_add(start, end)
+        self.usable = end
+        self.free_bytes += end - start
+        return end - start
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of allocated pages (resident and pending)."""
+        return self.usable - self.free_bytes
 
     def round(self, size: int) -> int:
         """Bytes a page of ``size`` really occupies."""
@@ -72,7 +92,7 @@ class ExtentAllocator:
     def free(self, offset: int, size: int) -> None:
         need = self.round(size)
         start, end = offset, offset + need
-        if offset % self.align or end > self.capacity or offset < 0:
+        if offset % self.align or end > self.usable or offset < 0:
             raise ValueError(f"bad extent to free: offset={offset} size={size}")
         self._flush_run()
         self._merge_add(start, end)

@@ -100,6 +100,8 @@ class PageAllocator(Protocol):
     capacity: int
     free_bytes: int
 
+    @property
+    def used_bytes(self) -> int: ...  # allocated pages
     def round(self, size: int) -> int: ...
     def alloc(self, size: int) -> int: ...  # raises OutOfSpace
     def free(self, offset: int, size: int) -> None: ...

@@ -20,6 +20,7 @@ from pegaflow.common.grpc_guard import AsyncGuard
 from pegaflow.common.http import MetricsServer
 from pegaflow.common.security import Security, SecurityError
 from pegaflow.config.commands import NodeConfig
+from pegaflow.core.allocator import ExtentAllocator
 from pegaflow.core.block_index import BlockIndex, IndexEvent, Namespace
 from pegaflow.core.tinylfu import TinyLFU
 from pegaflow.node import discovery
@@ -79,7 +80,9 @@ class Node:
         admission = None
         if config.enable_lfu_admission:
             admission = TinyLFU(max(1, self.pool.size // ADMISSION_PAGE_GUESS))
-        self.index = BlockIndex(self.pool.size, align=config.page_align, admission=admission)
+        # Pages become allocatable as the background pre-fault reaches them (start()).
+        self.index = BlockIndex(self.pool.size, admission=admission,
+                                allocator=ExtentAllocator(self.pool.size, config.page_align, usable=0))
         self.ceiling = RequestAccounting(config.ceiling_windows, self.metrics)
         self.sessions = Sessions(self.index, config.reservation_ttl, config.lease_ttl,
                                  max_namespaces=config.max_namespaces)
@@ -104,11 +107,13 @@ class Node:
             self.node_id, self.epoch, config.max_batch,
             accounting=self.ceiling, ssd=self.ssd, query_trace=self.query_trace,
             remote=self.p2p.puller if self.p2p is not None else None,
+            pool_prefaulted=lambda: self.pool.prefaulted,
         )
         m = self.metrics
         m.pool_capacity.set(self.index.alloc.capacity)
         m.bind(
-            pool_used=lambda: self.index.alloc.capacity - self.index.alloc.free_bytes,
+            pool_used=lambda: self.index.alloc.used_bytes,
+            pool_prefaulted=lambda: self.pool.prefaulted,
             resident_blocks=lambda: self.index.resident_blocks,
             resident_bytes=lambda: self.index.resident_bytes,
             leases=lambda: len(self.sessions.leases),
@@ -130,9 +135,25 @@ class Node:
 
     def health(self) -> dict:
         return {"ok": True, "node_id": self.node_id, "epoch": self.epoch, "pool_bytes": self.pool.size,
+                "pool_prefaulted_bytes": self.pool.prefaulted, "pool_ready": self.pool.ready,
+                "pool_prefault_error": self.pool.prefault_error,
                 "resident_blocks": self.index.resident_blocks}
 
+    def _start_prefault(self) -> None:
+        """Pre-fault the pool in the background; each faulted chunk becomes allocatable on the
+        event loop (the allocator is the loop's)."""
+        loop = asyncio.get_running_loop()
+
+        def grew(done: int) -> None:
+            try:
+                loop.call_soon_threadsafe(self.index.alloc.extend, done)  # type: ignore[attr-defined]
+            except RuntimeError:  # the loop is closed: the node is stopping
+                pass
+
+        self.pool.start_prefault(grew)
+
     async def start(self) -> None:
+        self._start_prefault()
         server = grpc.aio.server(interceptors=[AsyncGuard(self.security.token)], options=[
             ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE),
             ("grpc.max_send_message_length", GRPC_MAX_MESSAGE),
@@ -189,7 +210,7 @@ class Node:
             self.otel = otel.start_otel_export(self.config.metrics_otel_endpoint, self.metrics.registry,
                                                "pegaflow-node")
         log.info("node_started", addr=self.config.addr, node_id=self.node_id, epoch=self.epoch,
-                 pool_bytes=self.pool.size, pool_path=self.pool.path, local_socket=self.service.local_socket,
+                 pool_bytes=self.pool.size, pool_prefaulted_bytes=self.pool.prefaulted, pool_path=self.pool.path, local_socket=self.service.local_socket,
                  pid=os.getpid())
 
     def _start_publishing(self) -> None:

@@ -50,6 +50,9 @@ class NodeMetrics:
         )
         self.sessions_closed = Counter("pegaflow_node_sessions_closed_total", "Sessions ended.", registry=r)
         self.pool_capacity = Gauge("pegaflow_node_pool_capacity_bytes", "Size of the L1 pool.", registry=r)
+        self.pool_prefaulted = Gauge("pegaflow_node_pool_prefaulted_bytes",
+                                     "Bytes of the pool pre-faulted so far (only these are handed out; "
+                                     "equal to the capacity once the background pre-fault is done).", registry=r)
         self.pool_used = Gauge("pegaflow_node_pool_used_bytes", "Bytes of the pool in use (resident + pending).", registry=r)
         self.resident_blocks = Gauge("pegaflow_node_resident_blocks", "Committed blocks in L1.", registry=r)
         self.resident_bytes = Gauge("pegaflow_node_resident_bytes", "Bytes of committed blocks in L1.", registry=r)

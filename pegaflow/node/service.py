@@ -157,6 +157,7 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         ssd: PromotingTier | None = None,
         remote: RemoteTier | None = None,
         query_trace: QueryRecorder | None = None,
+        pool_prefaulted: Callable[[], int] | None = None,
     ) -> None:
         self.index = index
         self.sessions = sessions
@@ -174,6 +175,7 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         self.ssd = ssd  # --ssd-cache-path
         self.remote = remote  # pulls from peers: --metaserver-addr
         self.query_trace = query_trace  # --query-trace
+        self.pool_prefaulted = pool_prefaulted or (lambda: pool_bytes)  # bytes pre-faulted so far
         self.local_socket = ""  # path of the local fast path announced at Register (set once it listens)
         # Wire method number -> (request type, handler) for pegaflow.node.transports.unix_socket.
         self.local_methods: dict[int, tuple[type, Handler]] = {
@@ -351,14 +353,15 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
     # ---- introspection ----------------------------------------------------------------
     @rpc("Health")
     async def health(self, request: node_pb2.HealthRequest) -> node_pb2.HealthResponse:
-        return node_pb2.HealthResponse(ok=True, node_id=self.node_id, epoch=self.epoch)
+        return node_pb2.HealthResponse(ok=True, node_id=self.node_id, epoch=self.epoch, pool_bytes=self.pool_bytes,
+                                       pool_prefaulted_bytes=self.pool_prefaulted())
 
     @rpc("Stats")
     async def stats(self, request: node_pb2.StatsRequest) -> node_pb2.StatsResponse:
         idx = self.index
         return node_pb2.StatsResponse(
             pool_bytes=self.pool_bytes,
-            used_bytes=idx.alloc.capacity - idx.alloc.free_bytes,
+            used_bytes=idx.alloc.used_bytes,
             resident_blocks=idx.resident_blocks,
             hits=self.hit_blocks,
             misses=self.miss_blocks,
@@ -367,4 +370,5 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
             active_reservations=len(self.sessions.reservations),
             sessions=len(self.sessions.sessions),
             blocks_by_namespace=idx.blocks_by_namespace(),
+            pool_prefaulted_bytes=self.pool_prefaulted(),
         )

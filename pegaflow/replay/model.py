@@ -66,6 +66,10 @@ class UniformAllocator:
         self._next = 0
         self._free: list[int] = []
 
+    @property
+    def used_bytes(self) -> int:
+        return self.capacity - self.free_bytes
+
     def round(self, size: int) -> int:
         return self.page
 

@@ -332,3 +332,54 @@ def test_query_only_client_does_not_map_the_pool(node):
         with pytest.raises(NodeUnavailable, match="does not map"):
             _ = q.pool
         q.release(res.lease_id)
+
+
+def _first_answer(n) -> tuple[float, node_pb2.HealthResponse, object]:
+    """Spawn ``n``; seconds until a Register + Query is answered, and the Health read right after."""
+    t0 = time.monotonic()
+    n.start(timeout=60, wait_pool=False)
+    with PegaClient(n.addr) as c:
+        c.register({"m": 256 << 10})
+        q = c.query(["m"], hashes("first", 4))
+        took = time.monotonic() - t0
+        assert q.hit_blocks == 0
+        return took, c.health(), c
+
+
+def test_node_serves_before_its_pool_is_prefaulted_and_hands_out_only_faulted_pages(node_factory):
+    """A 4 GiB pool takes seconds to pre-fault here; the node answers its first Query as
+    fast as with a tiny pool, reports progress, and never gives a page past the frontier."""
+    small_took, _, _ = _first_answer(node_factory(pool_size="64mb", start=False))
+    big = node_factory(pool_size="4gb", start=False)
+    took, h, _ = _first_answer(big)
+    print(f"first Query answered {took:.2f} s after spawn with a 4 GiB pool, {small_took:.2f} s with 64 MiB; "
+          f"{h.pool_prefaulted_bytes / h.pool_bytes:.0%} pre-faulted then")
+    assert took < small_took + 1.0
+    assert h.pool_prefaulted_bytes < h.pool_bytes, "the pool was already pre-faulted: the test proves nothing"
+    page = 2 << 20
+    with PegaClient(big.addr) as c:
+        c.register({"big": page})
+        seen_partial = False
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            r = c.reserve("big", hashes(f"fill-{time.monotonic()}", 64))
+            frontier = c.health().pool_prefaulted_bytes  # read after the Reserve: it only grows
+            got = [o for o in r.offsets if o >= 0]
+            assert all(o + page <= frontier for o in got), (got, frontier)
+            if r.reservation_id:
+                c.commit(r.reservation_id)
+            if frontier < c.health().pool_bytes:
+                seen_partial = True
+            else:
+                break
+        assert seen_partial
+        h = c.health()
+        assert h.pool_prefaulted_bytes == h.pool_bytes, "pre-fault did not finish in 60 s"
+    body = urllib.request.urlopen(f"http://127.0.0.1:{big.http_port}/metrics", timeout=5).read().decode()
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values = {s.name: s.value for f in text_string_to_metric_families(body) for s in f.samples}
+    assert values["pegaflow_node_pool_prefaulted_bytes"] == values["pegaflow_node_pool_capacity_bytes"] == h.pool_bytes
+    health = urllib.request.urlopen(f"http://127.0.0.1:{big.http_port}/health", timeout=5).read().decode()
+    assert '"pool_ready": true' in health
+    assert "pool_ready" in big.log()

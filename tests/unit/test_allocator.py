@@ -63,3 +63,25 @@ def test_random_churn_keeps_accounting_exact():
     for off in list(live):
         a.free(off, live.pop(off))
     assert a.extents() == [(0, a.capacity)]
+
+
+def test_only_the_usable_prefix_is_handed_out_and_extend_grows_it():
+    """The node's pool is pre-faulted in the background: pages past the faulted frontier
+    (``usable``) are never handed out; each extension is allocatable at once and merges
+    with a free extent that ends at the old frontier."""
+    a = ExtentAllocator(16 * 4096, align=4096, usable=0)
+    assert (a.capacity, a.usable, a.free_bytes, a.used_bytes) == (16 * 4096, 0, 0, 0)
+    with pytest.raises(OutOfSpace):
+        a.alloc(4096)
+    assert a.extend(4 * 4096 + 100) == 4 * 4096  # rounded down to align
+    offs = [a.alloc(4096) for _ in range(3)]
+    assert max(offs) < 4 * 4096 and a.used_bytes == 3 * 4096
+    with pytest.raises(OutOfSpace):
+        a.alloc(2 * 4096)  # one page left below the frontier
+    assert a.extend(8 * 4096) == 4 * 4096
+    assert a.alloc(2 * 4096) == 3 * 4096  # the free page at the old frontier merged with the new space
+    assert a.extend(4 * 4096) == 0  # never shrinks
+    assert a.extend(1 << 30) == 8 * 4096  # at most the capacity
+    assert a.usable == a.capacity and a.free_bytes + a.used_bytes == a.usable
+    with pytest.raises(ValueError):
+        ExtentAllocator(16 * 4096, usable=4096).free(8 * 4096, 4096)  # past the frontier
