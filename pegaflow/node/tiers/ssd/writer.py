@@ -76,7 +76,8 @@ class WriteBehind:
             self.queued_bytes += size
             batch.append(b)
         if batch:
-            self._issue(batch)
+            # Not inline: this runs inside a Commit; the loop answers what is waiting first.
+            t.call_soon(self._issue, batch)
 
     # ---- issue ------------------------------------------------------------------------
     def _issue(self, blocks: list[Block]) -> None:
