@@ -14,7 +14,11 @@ backend:
 3. one consumer replica (``events.consumer.Consumer``) applies them: block updates / s;
 4. Redis memory per indexed (block, node) pair (streams deleted first);
 5. QueryPrefix of 128-block prefixes: in-process ``Lookup`` (one Redis round trip) and
-   through a real ``pegaflow-meta`` gRPC server; p50 / p99; answers checked.
+   through a real ``pegaflow-meta`` gRPC server; p50 / p99; answers checked. Each gRPC
+   QueryPrefix is followed by a GetClusterConfig (answered from memory) on the same server:
+   its p99 is this host's gRPC floor at that moment (it varied 0.6-4 ms between runs here);
+6. the same gRPC queries while that server's consumer applies a second backlog of events
+   (the same inserts again plus fresh churn) at full rate, counted while the backlog lasts.
 """
 
 from __future__ import annotations
@@ -157,17 +161,24 @@ def make_workload(blocks: int, seed: int = 1):
     return reqs, held, expect
 
 
-def write_streams(r: Client, held: dict[tuple[int, int], list[bytes]], churn: float, seed: int = 2) -> int:
-    """Register the nodes and write their events; returns the number of block updates."""
-    rng = random.Random(seed)
+def register_nodes(r: Client) -> dict[int, tuple[str, int, int]]:
     nids = {}
     for node in range(NODES):
         name = f"bench-node-{node}"
         nid, epoch = registry.register(r, name, f"10.0.0.{node}:50055", 600_000, switch=True)
         nids[node] = (name, nid, epoch)
         r.xgroup_create(stream_key(name), GROUP, id="0", mkstream=True)
+    return nids
+
+
+def write_streams(r: Client, held: dict[tuple[int, int], list[bytes]], churn: float, seed: int = 2,
+                  nids: dict[int, tuple[str, int, int]] | None = None, seqs: dict[int, int] | None = None) -> int:
+    """Write the nodes' events (registering them first unless ``nids`` is given; ``seqs``
+    carries their sequence numbers from one call to the next); returns the block updates."""
+    rng = random.Random(seed)
+    nids = nids if nids is not None else register_nodes(r)
+    seqs = seqs if seqs is not None else dict.fromkeys(range(NODES), 0)
     updates = 0
-    seqs = dict.fromkeys(range(NODES), 0)
     for (node, ns), hashes in held.items():
         name, nid, epoch = nids[node]
         entries = []
@@ -193,6 +204,15 @@ def write_streams(r: Client, held: dict[tuple[int, int], list[bytes]], churn: fl
                 p.xadd(stream_key(name), {FIELD: data})
             p.execute()
     return updates
+
+
+def backlog(r: Client) -> int:
+    """Entries of the node streams not yet delivered to or not yet acknowledged by a consumer."""
+    n = 0
+    for node in range(NODES):
+        for g in r.xinfo_groups(stream_key(f"bench-node-{node}")):
+            n += int(g.get("lag") or 0) + int(g.get("pending") or 0)
+    return n
 
 
 def apply_all(r: Client, updates: int) -> tuple[float, float]:
@@ -261,28 +281,58 @@ def query_latency(r: Client, reqs, expect, n: int) -> tuple[float, float, int]:
     return pct(lat, 0.5), pct(lat, 0.99), checked
 
 
-def grpc_latency(url: str, cluster: bool, reqs, n: int) -> tuple[float, float]:
+def grpc_latency(url: str, cluster: bool, reqs, n: int, load=None) -> dict:
+    """QueryPrefix through a real ``pegaflow-meta`` (p50 / p99, µs), each call followed by a
+    GetClusterConfig on the same server (an answer from memory: the gRPC round trip this
+    host gives at that moment, the floor of a QueryPrefix). With ``load`` (writes a backlog of
+    events, returns its block updates): again while that server's consumer applies it at
+    full rate, counted only while the backlog lasts; its apply rate is reported too."""
     port = free_base(1, False)
     args = [sys.executable, "-m", "pegaflow.meta.cli", "--redis-url", url, "--addr", f"127.0.0.1:{port}",
             "--http-addr", "off", "--sweep-interval", "0", "--log-level", "warning"]  # fmt: skip
     if cluster:
         args.append("--redis-cluster")
     proc = subprocess.Popen(args, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    out: dict = {}
     try:
         ch = grpc.insecure_channel(f"127.0.0.1:{port}")
         grpc.channel_ready_future(ch).result(timeout=30)
         stub = meta_pb2_grpc.MetaServiceStub(ch)
         rng = random.Random(4)
-        lat = []
-        for k in range(n + 200):
+
+        def one() -> tuple[float, float]:
             i = rng.randrange(len(reqs))
             req = meta_pb2.QueryPrefixRequest(namespace=NAMESPACES[i % len(NAMESPACES)], hashes=reqs[i])
             t0 = time.perf_counter()
             stub.QueryPrefix(req, timeout=5)
-            if k >= 200:  # warm-up
-                lat.append(time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            stub.GetClusterConfig(meta_pb2.ClusterConfigRequest(), timeout=5)
+            return t1 - t0, time.perf_counter() - t1
+
+        for _ in range(200):  # warm-up
+            one()
+        lat, floor = zip(*(one() for _ in range(n)), strict=True)
+        out["grpc_query_p50_us"], out["grpc_query_p99_us"] = pct(lat, 0.5) * 1e6, pct(lat, 0.99) * 1e6
+        out["grpc_floor_p50_us"], out["grpc_floor_p99_us"] = pct(floor, 0.5) * 1e6, pct(floor, 0.99) * 1e6
+        if load is not None:
+            r = connect(url, cluster, socket_timeout=60)
+            updates = load()
+            t0 = time.perf_counter()
+            lat2, floor2 = [], []
+            while True:
+                for _ in range(50):
+                    a, b = one()
+                    lat2.append(a)
+                    floor2.append(b)
+                if backlog(r) == 0:
+                    break
+            dt = time.perf_counter() - t0
+            out["loaded_updates"], out["loaded_apply_blocks_per_s"] = updates, updates / dt
+            out["loaded_queries"] = len(lat2)
+            out["loaded_grpc_query_p50_us"], out["loaded_grpc_query_p99_us"] = pct(lat2, 0.5) * 1e6, pct(lat2, 0.99) * 1e6
+            out["loaded_grpc_floor_p99_us"] = pct(floor2, 0.99) * 1e6
         ch.close()
-        return pct(lat, 0.5), pct(lat, 0.99)
+        return out
     finally:
         proc.terminate()
         proc.wait(10)
@@ -312,7 +362,8 @@ def run_backend(cluster: bool, blocks: int, queries: int) -> dict:
         reqs, held, expect = make_workload(blocks)
         before = used_memory(r)
         t0 = time.perf_counter()
-        updates = write_streams(r, held, churn=0.1)
+        nids, seqs = register_nodes(r), dict.fromkeys(range(NODES), 0)
+        updates = write_streams(r, held, churn=0.1, nids=nids, seqs=seqs)
         out["publish_blocks_per_s"] = updates / (time.perf_counter() - t0)
         out["updates"] = updates
         out["apply_blocks_per_s"], out["apply_seconds"] = apply_all(r, updates)
@@ -327,8 +378,10 @@ def run_backend(cluster: bool, blocks: int, queries: int) -> dict:
         q50, q99, checked = query_latency(r, reqs, expect, queries)
         out["query_server_us"] = evalsha_usec_per_call(r)
         out["query_p50_us"], out["query_p99_us"], out["queries_checked"] = q50 * 1e6, q99 * 1e6, checked
-        g50, g99 = grpc_latency(url, cluster, reqs, queries)
-        out["grpc_query_p50_us"], out["grpc_query_p99_us"] = g50 * 1e6, g99 * 1e6
+        # The same events again (inserts of blocks already held: the index does not change,
+        # so the answers stay what they were) plus fresh churn, applied while queried.
+        out.update(grpc_latency(url, cluster, reqs, queries,
+                                load=lambda: write_streams(r, held, churn=0.1, seed=5, nids=nids, seqs=seqs)))
         return out
     finally:
         subprocess.run(stop, capture_output=True)
@@ -352,7 +405,14 @@ def report(res: dict) -> str:
             f"{res['query_p50_us'] / res['get_p50_us']:.1f}x / {res['query_p99_us'] / res['get_p99_us']:.1f}x a GET |",
             f"| QueryPrefix 128 blocks, Redis time inside the script (mean) | {res['query_server_us']:.0f} µs | |",
             f"| QueryPrefix 128 blocks, via gRPC p50 / p99 | {res['grpc_query_p50_us']:.0f} / "
-            f"{res['grpc_query_p99_us']:.0f} µs | |",
+            f"{res['grpc_query_p99_us']:.0f} µs | {res['grpc_query_p99_us'] / res['grpc_floor_p99_us']:.2f}x the p99 "
+            f"of a gRPC call answered from memory, interleaved ({res['grpc_floor_p50_us']:.0f} / "
+            f"{res['grpc_floor_p99_us']:.0f} µs) |",
+            f"| QueryPrefix 128 blocks via gRPC while the server applies updates, p50 / p99 | "
+            f"{res['loaded_grpc_query_p50_us']:.0f} / {res['loaded_grpc_query_p99_us']:.0f} µs "
+            f"({res['loaded_queries']} queries; {res['loaded_apply_blocks_per_s']:,.0f} updates/s applied meanwhile, "
+            f"{res['loaded_updates']:,} in all) | {res['loaded_grpc_query_p99_us'] / res['loaded_grpc_floor_p99_us']:.2f}x "
+            f"the interleaved in-memory call's p99 ({res['loaded_grpc_floor_p99_us']:.0f} µs) |",
             f"| Redis bytes per indexed block | {res['bytes_per_block']:.1f} B "
             f"({res['indexed_blocks']:,} blocks, {res['indexed_pairs']:,} (block, node) pairs; "
             f"{res['bytes_per_pair']:.1f} B/pair) | |",
@@ -372,6 +432,7 @@ def main() -> None:
     g.add_argument("--standalone-only", action="store_true")
     g.add_argument("--cluster-only", action="store_true")
     ap.add_argument("--json", help="also write raw results here")
+    ap.add_argument("--summary", type=Path, help="write the first backend's figures as JSON (python -m bench)")
     a = ap.parse_args()
     configure_logging("warning")
     results = []
@@ -383,6 +444,8 @@ def main() -> None:
         print(report(res))
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=2))
+    if a.summary:
+        a.summary.write_text(json.dumps(results[0]))
     _ = statistics
 
 
