@@ -12,6 +12,7 @@ includes its RPCs (Reserve+Commit for a save, Query+Release for a load).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -138,6 +139,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--inflight", type=int, nargs="+", default=[1, 2],
                     help="requests in flight at once (each value is one row per page size)")
+    ap.add_argument("--summary", type=Path, help="write the figures as JSON (python -m bench)")
     ap.add_argument("--grpc-only", action="store_true",
                     help="start the node with --local-socket off (every call over gRPC, as before the fast path)")
     args = ap.parse_args()
@@ -156,6 +158,15 @@ def main() -> None:
     # The peer is measured before and after; the better of the two is the bar (the
     # conservative choice on a machine whose load changes during the run).
     mc = max(mc_before, memcpy_gbps(args.total_mb << 20, args.rounds))
+    if args.summary:
+        summary: dict = {"memcpy_gbps": mc}
+        for r in rows:
+            tag = f"{r['page_kib']}k_x{r['inflight']}"
+            summary[f"save_{tag}_gbps"] = r["save_gbps"]
+            summary[f"load_{tag}_gbps"] = r["load_gbps"]
+            summary[f"query_p99_us_{tag}"] = r["query_p99_us"]
+            summary[f"kernels_{tag}"] = r["kernels"]
+        args.summary.write_text(json.dumps(summary))
     cpu = subprocess.run(["sh", "-c", "grep -m1 'model name' /proc/cpuinfo | cut -d: -f2"],
                          capture_output=True, text=True).stdout.strip()
     print(f"# node save/load vs single-thread numpy memcpy ({cpu}, {os.cpu_count()} cores)")

@@ -150,6 +150,7 @@ def main() -> None:
                    help="client re-Query interval while LOADING (the connector's is 5 ms)")
     p.add_argument("--hugepages", action="store_true",
                    help="pools on huge pages (needs 2 x --pool of free ones: /proc/sys/vm/nr_hugepages)")
+    p.add_argument("--summary", type=Path, help="write the figures as JSON (python -m bench)")
     a = p.parse_args()
 
     from tests.integration.p2p_harness import P2PCluster
@@ -184,6 +185,10 @@ def main() -> None:
         print(f"\nthroughput: pull median {statistics.median(rates) / 1e9:.3f} GB/s, iperf3 median "
               f"{statistics.median(iperfs) / 1e9:.3f} GB/s, ratio median {statistics.median(ratios):.2f}x "
               f"(best {max(ratios):.2f}x)")
+        if a.summary:
+            a.summary.write_text(json.dumps({
+                "pull_gbps_median": statistics.median(rates) / 1e9, "iperf3_gbps_median": statistics.median(iperfs) / 1e9,
+                "ratio_median": statistics.median(ratios), "ratios": ratios}))
         for kib in [int(x) for x in a.latency_pages.split(",")]:
             lns = f"bench|lat{kib}k"
             lats = []

@@ -248,11 +248,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--blocks", type=int, default=1_000_000, help="block requests per timing")
     ap.add_argument("--repeat", type=int, default=3, help="timings per measurement (best is kept)")
     ap.add_argument("--markdown", action="store_true", help="print markdown tables")
+    ap.add_argument("--summary", help="write the figures as JSON (python -m bench)")
     args = ap.parse_args(argv)
 
     hll_rows, errors = bench_hll(args.blocks, args.repeat)
     hll_rows += bench_node_ceiling(args.blocks, args.repeat)
     lfu_rows = bench_tinylfu(args.blocks, args.repeat)
+    if args.summary:
+        import json
+
+        with open(args.summary, "w") as f:
+            json.dump({"hll_u_error_max_abs": max(abs(ue) for _, _, ue, _ in errors),
+                       "hll_rstar_error_max_abs": max(abs(re) for _, _, _, re in errors)}, f)
     if args.markdown:
         print("| HLL ceiling | ns per block | vs peer |\n|---|---|---|")
         for name, ns, ratio in hll_rows:

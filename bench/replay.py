@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from pegaflow.config.capacity import Capacity  # noqa: E402
 from pegaflow.core.trace import Trace, read_trace  # noqa: E402
+from pegaflow.replay.command import freeze_heap  # noqa: E402
 from pegaflow.replay.files import iter_lines  # noqa: E402
 from pegaflow.replay.model import ISOLATED, SHARED, Scenario  # noqa: E402
 from pegaflow.replay.run import replay  # noqa: E402
@@ -71,11 +72,13 @@ def main() -> None:
     ap.add_argument("trace", nargs="?")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--summary", type=Path, help="write the figures as JSON (python -m bench)")
     args = ap.parse_args()
     path = Path(args.trace) if args.trace else DEFAULT_TRACE
     t0 = time.perf_counter()
     trace = read_trace(iter_lines(path))
     parse_s = time.perf_counter() - t0
+    freeze_heap()  # as `pegaflow replay` does after reading its trace
     n = trace.blocks
     cases = [
         ("L1 LRU 12.5% of U", Scenario(Capacity.parse("12.5%")), True),
@@ -133,6 +136,14 @@ def main() -> None:
         "loadavg_1m": os.getloadavg()[0],
         "rows": rows,
     }
+    if args.summary:
+        slowest = min(rows, key=lambda r: r["accesses_per_s"])
+        peers = [r for r in rows if "ratio_vs_peer" in r]
+        args.summary.write_text(json.dumps({
+            "slowest_case": slowest["case"], "slowest_accesses_per_s": slowest["accesses_per_s"],
+            "target_accesses_per_s": TARGET,
+            "hit_rates": {r["case"]: r["hit_rate"] for r in rows},
+            "ratio_vs_dict_lru_min": min(r["ratio_vs_peer"] for r in peers) if peers else None}))
     if args.json:
         print(json.dumps(out, indent=2))
         return

@@ -123,6 +123,7 @@ def main() -> None:
     p.add_argument("--queue-depth", type=int, default=32)
     p.add_argument("--engines", default="uring,threads")
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--summary", help="write the figures as JSON (python -m bench)")
     a = p.parse_args()
     size, page = parse_size(a.size), parse_size(a.page)
     import structlog
@@ -157,17 +158,26 @@ def main() -> None:
     print("| engine | tier write GB/s | fio write GB/s | **write vs fio** | tier read GB/s | fio read GB/s "
           "| **read vs fio** | tier CPU s/GB (w / r) | fio CPU s/GB (w / r) |")
     print("|---|---|---|---|---|---|---|---|---|")
+    summary: dict[str, float] = {}
     for eng in engines:
         rs, fs = runs[eng], fios[eng]
         for r in rs:
             assert r["checksum_failures"] == 0 and r["promoted"] == r["blocks"], r
         wr = med(r["write_gbps"] / f[0]["gbps"] for r, f in zip(rs, fs, strict=True))
         rr = med(r["read_gbps"] / f[1]["gbps"] for r, f in zip(rs, fs, strict=True))
+        summary.update({f"{eng}_write_gbps": med(r["write_gbps"] for r in rs),
+                        f"{eng}_fio_write_gbps": med(f[0]["gbps"] for f in fs), f"{eng}_write_ratio": wr,
+                        f"{eng}_read_gbps": med(r["read_gbps"] for r in rs),
+                        f"{eng}_fio_read_gbps": med(f[1]["gbps"] for f in fs), f"{eng}_read_ratio": rr})
         print(f"| {rs[0]['engine']} | {med(r['write_gbps'] for r in rs):.2f} | {med(f[0]['gbps'] for f in fs):.2f} "
               f"| **{wr:.2f}** | {med(r['read_gbps'] for r in rs):.2f} | {med(f[1]['gbps'] for f in fs):.2f} "
               f"| **{rr:.2f}** | {med(r['write_cpu_s_per_gb'] for r in rs):.3f} / "
               f"{med(r['read_cpu_s_per_gb'] for r in rs):.3f} | {med(f[0]['cpu_s_per_gb'] for f in fs):.3f} / "
               f"{med(f[1]['cpu_s_per_gb'] for f in fs):.3f} |")
+
+    if a.summary:
+        with open(a.summary, "w") as f:
+            json.dump(summary, f)
 
 
 if __name__ == "__main__":

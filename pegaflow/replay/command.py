@@ -7,6 +7,7 @@ or written.
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 import sys
@@ -29,6 +30,15 @@ DESCRIPTION = (
     "block index and admission code; report prefix hit rates, the (N-U)/N ceiling, per-window "
     "ceilings, a capacity sweep and shared vs isolated pools."
 )
+
+
+def freeze_heap() -> None:
+    """Move what exists now (the trace: ~10^5-10^7 objects that live for the whole run) out
+    of the collector's sight: otherwise every collection the replay's allocations trigger
+    scans it again. Measured: the L1 12.5% + SSD 50% case of bench/replay.py ran at
+    0.6 M accesses/s right after reading the trace, 1.0 M/s after this."""
+    gc.collect()
+    gc.freeze()
 
 
 class _Progress:
@@ -103,6 +113,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "pegaflow replay") -> in
         return fail(f"cannot read trace {opts.trace}: {exc.strerror or exc}", 1)
     finally:
         reading.close()
+    freeze_heap()
     if not trace.requests:
         return fail(
             f"{opts.trace}: no requests" + (f" ({trace.skipped} bad lines skipped)" if trace.skipped else "")

@@ -1,0 +1,92 @@
+"""Every benchmark goal, in one place, and how ``python -m bench`` runs each benchmark short.
+
+A :class:`Run` is one benchmark script with the arguments of its short mode; it writes its
+figures as JSON to the file given by ``--summary`` (ttft: ``--out``). A :class:`Goal` reads
+one figure of one run (a dotted path into that JSON), the same-run peer or physical limit
+it is compared with, and the bound it must meet: on the ratio to the peer, or on the value
+itself where the goal is absolute (latencies, start-up time). docs/benchmarks.md keeps the
+full runs of each script.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    script: str  # under bench/
+    args: tuple[str, ...]  # the short mode
+    summary_flag: str = "--summary"
+    root: bool = False  # needs root (network namespaces)
+
+
+@dataclass(frozen=True)
+class Goal:
+    run: str
+    metric: str  # what the table calls it
+    value: str  # dotted path into the run's summary
+    unit: str
+    peer: str | None  # dotted path of the same-run peer / limit (None: absolute goal without one)
+    peer_name: str
+    bound: float
+    on: str = "ratio"  # "ratio": value / peer (or ``ratio`` below) is bounded; "value": the value is
+    higher_is_better: bool = True
+    ratio: str | None = None  # a ratio the bench computed itself (a median of per-round ratios), shown
+    # and bounded instead of value / peer
+
+
+RUNS: tuple[Run, ...] = (
+    Run("node", "node.py", ("--rounds", "2", "--inflight", "1", "--total-mb", "256")),
+    Run("pool", "pool.py", ("--pool-gb", "4")),
+    Run("spill", "spill.py", ("--seconds", "12")),
+    Run("p2p", "p2p.py", ("--rounds", "3", "--blocks", "512", "--latency-rounds", "2"), root=True),
+    Run("meta", "meta.py", ("--standalone-only", "--queries", "2000")),
+    Run("ssd", "ssd.py", ("--size", "1gb", "--repeat", "2", "--engines", "uring")),
+    Run("replay", "replay.py", ("--repeat", "5")),
+    Run("policy", "policy.py", ("--blocks", "300000", "--repeat", "2")),
+    Run("ttft", "ttft.py", ("--connectors", "pega,example", "--prompts", "4"), summary_flag="--out"),
+)
+
+GOALS: tuple[Goal, ...] = (
+    # Copies between an engine's KV cache and the pool, RPCs included, one request in flight.
+    Goal("node", "save 256 KiB pages, 1 in flight", "save_256k_x1_gbps", "GB/s", "memcpy_gbps", "memcpy", 0.7),
+    Goal("node", "load 256 KiB pages, 1 in flight", "load_256k_x1_gbps", "GB/s", "memcpy_gbps", "memcpy", 0.7),
+    Goal("node", "save 2 MiB pages, 1 in flight", "save_2048k_x1_gbps", "GB/s", "memcpy_gbps", "memcpy", 0.7),
+    Goal("node", "load 2 MiB pages, 1 in flight", "load_2048k_x1_gbps", "GB/s", "memcpy_gbps", "memcpy", 0.7),
+    # Start-up: the pool is pre-faulted in the background.
+    Goal("pool", "first Query after spawn, 4 GiB pool", "first_query_s", "s", "first_query_small_pool_s",
+         "same with a 64 MiB pool", 1.0, on="value", higher_is_better=False),
+    Goal("pool", "background pre-fault", "prefault_gbps", "GB/s", "memset_fresh_gbps", "memset of fresh memory",
+         0.9),
+    # Query latency over the local socket while the SSD tier spills and the pool evicts.
+    Goal("spill", "Query p99 while spilling + evicting", "loaded_query_p99_us", "µs", "idle_query_p99_us",
+         "same node idle", 2000, on="value", higher_is_better=False),
+    # Remote reads.
+    Goal("p2p", "peer pull throughput (median of rounds)", "pull_gbps_median", "GB/s", "iperf3_gbps_median",
+         "iperf3, same link", 0.85, ratio="ratio_median"),
+    # The metaserver.
+    Goal("meta", "updates applied per replica", "apply_blocks_per_s", "/s", "raw_xreadgroup_ack_per_s",
+         "redis-py XREADGROUP+XACK msgs/s", 150_000, on="value"),
+    Goal("meta", "QueryPrefix 128 blocks via gRPC, p99", "grpc_query_p99_us", "µs", "grpc_floor_p99_us",
+         "in-memory gRPC call, interleaved", 2000, on="value", higher_is_better=False),
+    Goal("meta", "QueryPrefix p99 while applying at full rate", "loaded_grpc_query_p99_us", "µs",
+         "loaded_grpc_floor_p99_us", "in-memory gRPC call, interleaved", 5000, on="value", higher_is_better=False),
+    # The SSD tier against fio on the same file system.
+    Goal("ssd", "SSD tier write, 2 MiB pages", "uring_write_gbps", "GB/s", "uring_fio_write_gbps", "fio", 0.9,
+         ratio="uring_write_ratio"),
+    Goal("ssd", "SSD tier read, 2 MiB pages", "uring_read_gbps", "GB/s", "uring_fio_read_gbps", "fio", 0.9,
+         ratio="uring_read_ratio"),
+    # Offline analysis.
+    Goal("replay", "replay, slowest case", "slowest_accesses_per_s", "accesses/s", "target_accesses_per_s",
+         "1M/s target", 1_000_000, on="value"),
+    Goal("policy", "HLL distinct-count error, worst size", "hll_u_error_max_abs", "", None, "", 0.01, on="value",
+         higher_is_better=False),
+    # Time to first token through a real vLLM engine.
+    Goal("ttft", "cold / warm TTFT (PegaFlow)", "connectors.pega.cold_mean_ms", "ms",
+         "connectors.pega.warm_mean_ms", "PegaFlow warm", 10.0),
+    Goal("ttft", "warm TTFT, ExampleConnector / PegaFlow (paired median)", "connectors.pega.warm_mean_ms", "ms",
+         "connectors.example.warm_mean_ms", "ExampleConnector warm", 1.0,
+         ratio="connectors.example.warm_vs_pega_median"),
+)
