@@ -38,7 +38,7 @@ class Goal:
 
 
 RUNS: tuple[Run, ...] = (
-    Run("node", "node.py", ("--rounds", "2", "--inflight", "1", "--total-mb", "256")),
+    Run("node", "node.py", ("--rounds", "3", "--inflight", "1")),
     Run("pool", "pool.py", ("--pool-gb", "4")),
     Run("spill", "spill.py", ("--seconds", "12")),
     Run("p2p", "p2p.py", ("--rounds", "3", "--blocks", "512", "--latency-rounds", "2"), root=True),

@@ -307,3 +307,30 @@ def test_loading_lasts_until_the_whole_continuation_is_in_l1(tmp_path: Path):
         await n.close()
 
     asyncio.run(run())
+
+
+def test_completion_drain_yields_to_the_loop_and_keeps_call_order(tmp_path: Path):
+    """A burst of posted completions is run in call order, but not in one loop callback:
+    after DRAIN_BUDGET_S the drain yields and what the loop has waiting (a Query) runs."""
+    import time
+
+    from pegaflow.node.tiers.ssd import tier as tier_mod
+
+    async def run() -> list:  # type: ignore[type-arg]
+        n = _Node(tmp_path, "threads")
+        order: list = []  # type: ignore[type-arg]
+
+        def slow(i: int) -> None:
+            time.sleep(tier_mod.DRAIN_BUDGET_S * 2)
+            order.append(i)
+
+        for i in range(20):
+            n.tier.call_soon(slow, i)
+        asyncio.get_running_loop().call_soon(order.append, "query")  # waiting behind the drain
+        await _until(lambda: len(order) == 21)
+        await n.close()
+        return order
+
+    order = asyncio.run(run())
+    assert [x for x in order if x != "query"] == list(range(20))
+    assert order.index("query") < 5, order
