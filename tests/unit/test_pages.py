@@ -182,3 +182,52 @@ def test_an_unknown_forced_kernel_is_a_one_line_error(fresh_choice, monkeypatch)
     pool = torch.zeros(page_bytes(src), dtype=torch.uint8)
     with pytest.raises(ValueError, match="PEGAFLOW_COPY_KERNEL='warp-drive': this host can run memcpy"):
         save_pages(src, [0], pool, [0])
+
+
+def _memfd_pool(nbytes: int):  # type: ignore[no-untyped-def]
+    import mmap
+    import os
+
+    fd = os.memfd_create("pf-test-pool")
+    os.ftruncate(fd, nbytes)
+    return fd, mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+
+
+def _wait(cond, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
+    import time
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
+
+
+def test_a_lazily_mapped_pool_is_populated_in_the_background_only_where_the_node_allocated():
+    """The engine's mapping gets its page tables in the background, but only for chunks
+    the node has already faulted in: a page the engine faulted first would be charged to
+    the engine's memory cgroup."""
+    import mmap
+    import os
+
+    chunk = 1 << pages.POPULATE_CHUNK_SHIFT
+    fd, node_view = _memfd_pool(8 * chunk)
+    try:
+        node_view[: 3 * chunk] = b"\x01" * (3 * chunk)  # the node pre-faulted the first 3 chunks
+        engine = mmap.mmap(fd, 8 * chunk, flags=mmap.MAP_SHARED)
+        t = torch.frombuffer(engine, dtype=torch.uint8)
+        pages.map_lazily(t)
+        p = pages._lazy[t.data_ptr()]
+        assert _wait(lambda: p.done[:3].all()), "allocated chunks were not populated in the background"
+        allocated = os.fstat(fd).st_blocks * 512
+        assert not p.done[3:].any() and allocated == 3 * chunk, (p.done, allocated)
+        node_view[3 * chunk:] = b"\x02" * (5 * chunk)  # the pre-fault goes on
+        assert _wait(lambda: p.left == 0)
+        assert bytes(engine[5 * chunk: 5 * chunk + 4]) == b"\x02" * 4
+        p.stop.set()
+        t = None  # type: ignore[assignment]  # releases the buffer export so the mapping can close
+        engine.close()
+    finally:
+        node_view.close()
+        os.close(fd)
