@@ -121,7 +121,10 @@ class KernelChoice:
         """The kernel for a copy of ``nbytes`` and whether its time should be reported."""
         if self.chosen is not None:
             return self.chosen, False
-        if nbytes < CALIBRATE_MIN_BYTES:
+        if nbytes < CALIBRATE_MIN_BYTES or _populating.busy():
+            # Not while this process populates its pool mapping in the background: that
+            # thread takes the second core the two-thread kernels need, and a choice made
+            # then (measured: 6.5 vs 15 GB/s for them) would hold for the process's life.
             return self.kernels[0], False
         with self._lock:
             k = self.kernels[self._next % len(self.kernels)]
@@ -271,26 +274,53 @@ class _Populated:
             pass
         c, total = 0, self.done.size
         waited = 0.0
-        while c < total and not self.stop.is_set() and waited < BACKGROUND_GIVE_UP_S:
-            if self.done[c]:
-                c += 1
-                continue
-            k = min(BACKGROUND_CHUNKS, total - c)
-            end = min((c + k) << POPULATE_CHUNK_SHIFT, self.size)
+        busy = False
+        try:
+            while c < total and not self.stop.is_set() and waited < BACKGROUND_GIVE_UP_S:
+                if not self.done[c] and not busy:
+                    busy = True
+                    _populating.add(1)
+                c, waited, busy = self._step(c, total, waited, busy)
+        finally:
+            if busy:
+                _populating.add(-1)
+
+    def _step(self, c: int, total: int, waited: float, busy: bool) -> tuple[int, float, bool]:
+        """One step of the background loop: populate the next chunks, or wait for the node."""
+        if self.done[c]:
+            return c + 1, waited, busy
+        k = min(BACKGROUND_CHUNKS, total - c)
+        end = min((c + k) << POPULATE_CHUNK_SHIFT, self.size)
+        if not self._allocated(end):
+            k = 1
+            end = min((c + 1) << POPULATE_CHUNK_SHIFT, self.size)
             if not self._allocated(end):
-                k = 1
-                end = min((c + 1) << POPULATE_CHUNK_SHIFT, self.size)
-                if not self._allocated(end):
-                    # The node's pre-fault has not got here yet (or the pool is on huge
-                    # pages, which mincore does not report for another process's faults).
-                    self.stop.wait(0.05)
-                    waited += 0.05
-                    continue
-            self._populate(c, k)
-            c += k
-            waited = 0.0
+                # The node's pre-fault has not got here yet (or the pool is on huge pages,
+                # which mincore does not report for another process's faults): not busy.
+                if busy:
+                    _populating.add(-1)
+                self.stop.wait(0.05)
+                return c, waited + 0.05, False
+        self._populate(c, k)
+        return c + k, 0.0, busy
 
 
+class _Busy:
+    """How many background populate threads are populating right now (not waiting)."""
+
+    def __init__(self) -> None:
+        self._n = 0
+        self._lock = threading.Lock()
+
+    def add(self, d: int) -> None:
+        with self._lock:
+            self._n += d
+
+    def busy(self) -> bool:
+        return self._n > 0
+
+
+_populating = _Busy()
 _lazy: dict[int, _Populated] = {}
 
 

@@ -231,3 +231,24 @@ def test_a_lazily_mapped_pool_is_populated_in_the_background_only_where_the_node
     finally:
         node_view.close()
         os.close(fd)
+
+
+def test_no_kernel_is_chosen_while_the_pool_mapping_is_being_populated(fresh_choice):
+    """The background populate thread takes the core a two-thread kernel needs: copies made
+    meanwhile are not measured (a choice made then would hold for the process's life)."""
+    buf = torch.randn(4, 16, 2, 128, 128).to(torch.float16)
+    src = [buf[i] for i in range(4)]
+    pb = page_bytes(src)
+    n = max(1, pages.CALIBRATE_MIN_BYTES // pb)
+    pool = torch.zeros(pb * n, dtype=torch.uint8)
+    rounds = pages.CALIBRATE_SAMPLES * len(pages.candidates())
+    pages._populating.add(1)
+    try:
+        for _ in range(rounds):
+            save_pages(src, list(range(n)), pool, [i * pb for i in range(n)])
+        assert pages.copy_kernels().get("save") is None
+    finally:
+        pages._populating.add(-1)
+    for _ in range(rounds):
+        save_pages(src, list(range(n)), pool, [i * pb for i in range(n)])
+    assert pages.copy_kernels()["save"] is not None
