@@ -41,7 +41,7 @@ RUNS: tuple[Run, ...] = (
     Run("node", "node.py", ("--rounds", "3", "--inflight", "1")),
     Run("pool", "pool.py", ("--pool-gb", "4")),
     Run("spill", "spill.py", ("--seconds", "12")),
-    Run("p2p", "p2p.py", ("--rounds", "3", "--blocks", "512", "--latency-rounds", "2"), root=True),
+    Run("p2p", "p2p.py", ("--rounds", "3", "--latency-rounds", "2"), root=True),
     Run("meta", "meta.py", ("--standalone-only", "--queries", "2000")),
     Run("ssd", "ssd.py", ("--size", "1gb", "--repeat", "2", "--engines", "uring")),
     Run("replay", "replay.py", ("--repeat", "5")),
