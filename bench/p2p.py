@@ -35,6 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.common import cpu_seconds  # noqa: E402
+
 IPERF_SECONDS = 2  # per measurement; one right before and one right after each pull
 # Client re-Query interval while LOADING. The connector's 5 ms would round a 0.3 s pull up
 # by up to 2%; 2 ms rounds by < 1% while each LOADING answer (a Query of 1024 hashes) still
@@ -53,13 +55,6 @@ def _page(tag: str, i: int, size: int) -> bytes:
     import xxhash
 
     return np.random.default_rng(xxhash.xxh64_intdigest(f"{tag}:{i}".encode())).bytes(size)
-
-
-def _cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (all its threads) from /proc."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _driver(argv: list[str]) -> None:
@@ -81,7 +76,7 @@ def _driver(argv: list[str]) -> None:
         return
     poll = float(argv[6])
     pids = [int(x) for x in argv[7].split(",")]  # the nodes share our PID namespace (not our netns)
-    cpu0 = [_cpu_seconds(p) for p in pids]
+    cpu0 = [cpu_seconds(p) for p in pids]
     me0 = os.times()
     queries = 0
     t0 = time.perf_counter()
@@ -100,7 +95,7 @@ def _driver(argv: list[str]) -> None:
                 raise SystemExit(f"pull incomplete: {q.hit_blocks}/{n}")
         time.sleep(poll)
     dt = time.perf_counter() - t0
-    cpu = [_cpu_seconds(p) - c0 for p, c0 in zip(pids, cpu0, strict=True)]
+    cpu = [cpu_seconds(p) - c0 for p, c0 in zip(pids, cpu0, strict=True)]
     me1 = os.times()
     cpu.append(me1.user - me0.user + me1.system - me0.system)
     pool = memoryview(c.pool.numpy())

@@ -26,13 +26,13 @@ import sys
 import tempfile
 import textwrap
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.common import cpu_seconds, scrape  # noqa: E402
 from pegaflow.client import PegaClient  # noqa: E402
 from tests.conftest import NodeProcess  # noqa: E402
 
@@ -65,24 +65,6 @@ WRITER = textwrap.dedent("""
         saved += len(ok)
     print(saved, flush=True)
 """)
-
-
-def scrape(port: int) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(body):
-        for s in fam.samples:
-            key = s.name + "".join(f"|{k}={v}" for k, v in sorted(s.labels.items()))
-            out[key] = s.value
-    return out
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (all its threads) from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def query_latencies(c: PegaClient, hashes: list[bytes], seconds: float) -> list[float]:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
-import mmap
 import os
 import statistics
 import threading
@@ -37,6 +36,8 @@ import numpy as np
 import structlog
 import torch
 from prometheus_client import REGISTRY, CollectorRegistry, Gauge
+
+from pegaflow.common.memory import MADV_POPULATE_READ, PAGE_SIZE, madvise, resident
 
 log = structlog.get_logger("pegaflow.pages")
 
@@ -60,7 +61,6 @@ CALIBRATE_SAMPLES = 3  # per candidate; the median of three survives one disturb
 ENV_KERNEL = "PEGAFLOW_COPY_KERNEL"
 
 _KERNEL_MEMCPY, _KERNEL_NT = 0, 1  # pagecopy.c's PF_KERNEL_*
-
 
 
 class CopyMetrics:
@@ -121,7 +121,7 @@ class KernelChoice:
         """The kernel for a copy of ``nbytes`` and whether its time should be reported."""
         if self.chosen is not None:
             return self.chosen, False
-        if nbytes < CALIBRATE_MIN_BYTES or _populating.busy():
+        if nbytes < CALIBRATE_MIN_BYTES or _populating():
             # Not while this process populates its pool mapping in the background: that
             # thread takes the second core the two-thread kernels need, and a choice made
             # then (measured: 6.5 vs 15 GB/s for them) would hold for the process's life.
@@ -202,17 +202,8 @@ def reset_kernel_choice() -> None:
 # (MADV_POPULATE_READ, ~33 GB/s; the entries it makes are writable for a shared mapping),
 # while a background thread populates the chunks the node has allocated, front to back.
 POPULATE_CHUNK_SHIFT = 21
-MADV_POPULATE_READ = 22
-
 BACKGROUND_CHUNKS = 64  # chunks per background madvise call (128 MiB, ~4 ms here)
 BACKGROUND_GIVE_UP_S = 600.0  # no chunk allocated by the node for this long: stop trying
-PAGE_SIZE = mmap.PAGESIZE
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.madvise.restype = ctypes.c_int
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-_libc.mincore.restype = ctypes.c_int
 
 
 class _Populated:
@@ -233,19 +224,18 @@ class _Populated:
         self.left = chunks
         self.lock = threading.Lock()
         self.stop = threading.Event()
-
-    def _mark(self, chunks: np.ndarray) -> None:
-        with self.lock:
-            fresh = chunks[~self.done[chunks]]
-            self.done[fresh] = True
-            self.left -= int(fresh.size)
+        self.busy = False
 
     def _populate(self, first: int, count: int) -> None:
         start = first << POPULATE_CHUNK_SHIFT
         n = min(count << POPULATE_CHUNK_SHIFT, self.size - start)
         # A failure (kernel < 5.14) only means the copy takes the page faults itself.
-        _libc.madvise(self.base + start, n, MADV_POPULATE_READ)
-        self._mark(np.arange(first, first + count))
+        madvise(self.base + start, n, MADV_POPULATE_READ)
+        with self.lock:
+            fresh = np.arange(first, first + count)
+            fresh = fresh[~self.done[fresh]]
+            self.done[fresh] = True
+            self.left -= int(fresh.size)
 
     def ensure(self, pool_off: np.ndarray, lens: np.ndarray) -> None:
         if not self.left:
@@ -260,68 +250,49 @@ class _Populated:
         for run in np.split(todo, np.flatnonzero(np.diff(todo) != 1) + 1) if todo.size else ():
             self._populate(int(run[0]), len(run))
 
-    def _allocated(self, end: int) -> bool:
-        """The node has allocated the page holding byte ``end - 1`` (and, pre-faulting
-        front to back, everything before it)."""
-        vec = (ctypes.c_ubyte * 1)()
-        page = (end - 1) & ~(PAGE_SIZE - 1)
-        return _libc.mincore(self.base + page, PAGE_SIZE, vec) == 0 and bool(vec[0] & 1)
+    def _allocated(self, chunk_end: int) -> bool:
+        """The node has allocated chunks ``[0, chunk_end)``: the last page is resident
+        (the node pre-faults front to back)."""
+        end = min(chunk_end << POPULATE_CHUNK_SHIFT, self.size)
+        return resident(self.base + ((end - 1) & ~(PAGE_SIZE - 1)))
 
     def background(self) -> None:
+        """Populate the chunks the node has allocated, front to back; ``busy`` while it does
+        (not while it waits for the node's pre-fault)."""
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
         except (OSError, AttributeError):  # pragma: no cover - not Linux
             pass
-        c, total = 0, self.done.size
-        waited = 0.0
-        busy = False
+        c, total, waited = 0, self.done.size, 0.0
         try:
             while c < total and not self.stop.is_set() and waited < BACKGROUND_GIVE_UP_S:
-                if not self.done[c] and not busy:
-                    busy = True
-                    _populating.add(1)
-                c, waited, busy = self._step(c, total, waited, busy)
+                if self.done[c]:
+                    c += 1
+                    continue
+                k = min(BACKGROUND_CHUNKS, total - c)
+                if not self._allocated(c + k):
+                    k = 1
+                    if not self._allocated(c + 1):
+                        # The node's pre-fault has not got here yet (or the pool is on huge
+                        # pages, which mincore does not report for another process's faults).
+                        self.busy = False
+                        self.stop.wait(0.05)
+                        waited += 0.05
+                        continue
+                self.busy = True
+                self._populate(c, k)
+                c += k
+                waited = 0.0
         finally:
-            if busy:
-                _populating.add(-1)
-
-    def _step(self, c: int, total: int, waited: float, busy: bool) -> tuple[int, float, bool]:
-        """One step of the background loop: populate the next chunks, or wait for the node."""
-        if self.done[c]:
-            return c + 1, waited, busy
-        k = min(BACKGROUND_CHUNKS, total - c)
-        end = min((c + k) << POPULATE_CHUNK_SHIFT, self.size)
-        if not self._allocated(end):
-            k = 1
-            end = min((c + 1) << POPULATE_CHUNK_SHIFT, self.size)
-            if not self._allocated(end):
-                # The node's pre-fault has not got here yet (or the pool is on huge pages,
-                # which mincore does not report for another process's faults): not busy.
-                if busy:
-                    _populating.add(-1)
-                self.stop.wait(0.05)
-                return c, waited + 0.05, False
-        self._populate(c, k)
-        return c + k, 0.0, busy
+            self.busy = False
 
 
-class _Busy:
-    """How many background populate threads are populating right now (not waiting)."""
-
-    def __init__(self) -> None:
-        self._n = 0
-        self._lock = threading.Lock()
-
-    def add(self, d: int) -> None:
-        with self._lock:
-            self._n += d
-
-    def busy(self) -> bool:
-        return self._n > 0
-
-
-_populating = _Busy()
 _lazy: dict[int, _Populated] = {}
+
+
+def _populating() -> bool:
+    """A background thread of this process is populating a pool mapping right now."""
+    return any(p.busy for p in list(_lazy.values()))
 
 
 def map_lazily(pool: torch.Tensor) -> None:

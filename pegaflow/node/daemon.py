@@ -210,8 +210,8 @@ class Node:
             self.otel = otel.start_otel_export(self.config.metrics_otel_endpoint, self.metrics.registry,
                                                "pegaflow-node")
         log.info("node_started", addr=self.config.addr, node_id=self.node_id, epoch=self.epoch,
-                 pool_bytes=self.pool.size, pool_prefaulted_bytes=self.pool.prefaulted, pool_path=self.pool.path, local_socket=self.service.local_socket,
-                 pid=os.getpid())
+                 pool_bytes=self.pool.size, pool_prefaulted_bytes=self.pool.prefaulted, pool_path=self.pool.path,
+                 local_socket=self.service.local_socket, pid=os.getpid())
 
     def _start_publishing(self) -> None:
         from pegaflow.node.publishing import publish_block_index

@@ -7,7 +7,7 @@ file mode is 0600).
 The pool is pre-faulted (every page allocated and mapped) because a first touch costs a
 page fault per 4 KiB (~1.5-2 GB/s here), which would otherwise land on the first saves. It
 is pre-faulted in the background, front to back, by one thread (``MADV_POPULATE_WRITE``
-through ctypes, so the GIL is free meanwhile): the node serves at once, and the owner
+through ``pegaflow.common.memory``, so the GIL is free meanwhile): the node serves at once, and the owner
 makes each chunk allocatable when it is done (``on_progress``), so a page handed out is
 always already faulted. A 500 GiB pool no longer takes minutes before the first request.
 """
@@ -26,6 +26,8 @@ import numpy as np
 import structlog
 import xxhash
 
+from pegaflow.common.memory import MADV_POPULATE_WRITE, madvise
+
 
 def page_checksum(data: memoryview | bytes | bytearray) -> int:
     """The one checksum of a pool page (SSD records, peer pulls): xxh3_64, ~14 GB/s here,
@@ -35,13 +37,8 @@ def page_checksum(data: memoryview | bytes | bytearray) -> int:
 log = structlog.get_logger("pegaflow.pool")
 
 HUGE_PAGE = 2 << 20
-MADV_POPULATE_WRITE = 23  # not exported by the mmap module
 # Made allocatable one chunk at a time: ~25 ms of work here, a multiple of any huge page.
 PREFAULT_CHUNK = 64 << 20
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.madvise.restype = ctypes.c_int
 
 
 class PoolError(Exception):
@@ -104,7 +101,6 @@ class SharedPool:
         self._anchor = ctypes.c_char.from_buffer(self.mm)  # the mapping's address, for madvise
         self.base = ctypes.addressof(self._anchor)
         self.prefaulted = 0  # [0, prefaulted) is allocated and mapped
-        self.prefault_seconds: float | None = None  # set when the whole pool is faulted
         self.prefault_error: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -128,9 +124,9 @@ class SharedPool:
         self._prefault(None)
 
     def _populate(self, start: int, n: int) -> None:
-        if _libc.madvise(self.base + start, n, MADV_POPULATE_WRITE) == 0:
+        err = madvise(self.base + start, n, MADV_POPULATE_WRITE)
+        if not err:
             return
-        err = ctypes.get_errno()
         if err != errno.EINVAL:  # EINVAL: a kernel older than 5.14; ENOMEM/EFAULT: out of memory
             raise OSError(err, os.strerror(err))
         np.frombuffer(self.mm, dtype=np.uint8, count=n, offset=start)[::4096] = 0
@@ -160,7 +156,6 @@ class SharedPool:
                 last_log = now
         if done >= self.size:
             dt = time.perf_counter() - t0
-            self.prefault_seconds = dt
             log.info("pool_ready", bytes=self.size, hugepages=self.use_hugepages, seconds=round(dt, 3),
                      gb_per_s=round(self.size / max(dt, 1e-9) / 1e9, 2))
 

@@ -242,13 +242,15 @@ def test_no_kernel_is_chosen_while_the_pool_mapping_is_being_populated(fresh_cho
     n = max(1, pages.CALIBRATE_MIN_BYTES // pb)
     pool = torch.zeros(pb * n, dtype=torch.uint8)
     rounds = pages.CALIBRATE_SAMPLES * len(pages.candidates())
-    pages._populating.add(1)
+    busy = pages._Populated(0, 1)
+    busy.busy = True
+    pages._lazy[-1] = busy  # a mapping whose background populate is at work
     try:
         for _ in range(rounds):
             save_pages(src, list(range(n)), pool, [i * pb for i in range(n)])
         assert pages.copy_kernels().get("save") is None
     finally:
-        pages._populating.add(-1)
+        del pages._lazy[-1]
     for _ in range(rounds):
         save_pages(src, list(range(n)), pool, [i * pb for i in range(n)])
     assert pages.copy_kernels()["save"] is not None
