@@ -11,6 +11,12 @@ The peer for the pre-fault is single-thread ``memset`` (numpy ``fill``) of the s
 of never-touched bytes, anonymous and memfd, the better of the two: both pay one page
 fault and one zeroing per 4 KiB page, which is the work a pre-fault does; memset of memory
 already faulted (~10 GB/s here) is not a bar a first touch can reach.
+
+Order matters on a VM: with virtio-balloon free page reporting (seen on machines of this
+kind) pages the guest freed a few seconds ago are returned to the host, and touching them
+again costs the host a fault too, so the first touch of such memory runs at a third of the
+rate of memory freed just now. Whichever runs right after the other has freed its memory
+wins. So the two alternate, node, memset, node, memset, and the best of each is compared.
 """
 
 from __future__ import annotations
@@ -83,21 +89,31 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="pf-bench-pool-"))
     small, n = first_query_seconds(tmp, "64mb")
     n.stop()
-    big, n = first_query_seconds(tmp, f"{nbytes >> 20}mb")
-    try:
-        ready = pool_ready(n, 600)
-    finally:
-        n.stop()
-    memset = memset_fresh_gbps(nbytes)
+    readies, memsets = [], []
+    big = 0.0
+    for _ in range(2):
+        took, n = first_query_seconds(tmp, f"{nbytes >> 20}mb")
+        big = big or took  # the first: no earlier run of this size helped it
+        try:
+            readies.append(pool_ready(n, 600))
+        finally:
+            n.stop()
+        memsets.append(memset_fresh_gbps(nbytes))
+    ready = max(readies, key=lambda r: r["gb_per_s"])
+    memset = max(memsets, key=lambda m: max(m.values()))
     res = {
         "first_query_s": big, "first_query_small_pool_s": small,
         "prefault_gbps": ready["gb_per_s"], "prefault_seconds": ready["seconds"],
-        "memset_fresh_gbps": max(memset.values()), "memset_fresh": memset, "pool_bytes": nbytes,
+        "prefault_runs_gbps": [r["gb_per_s"] for r in readies],
+        "memset_fresh_gbps": max(memset.values()), "memset_fresh": memset,
+        "memset_runs_gbps": [max(m.values()) for m in memsets], "pool_bytes": nbytes,
     }
     print(f"# node start-up with a {args.pool_gb:g} GiB pool ({os.cpu_count()} cores)")
     print(f"first Query answered {big:.2f} s after spawn ({small:.2f} s with a 64 MiB pool)")
-    print(f"background pre-fault: {ready['gb_per_s']:.2f} GB/s ({ready['seconds']:.2f} s); memset of fresh memory "
-          + ", ".join(f"{k} {v:.2f}" for k, v in memset.items()) + " GB/s; ratio "
+    print(f"background pre-fault: {ready['gb_per_s']:.2f} GB/s ({ready['seconds']:.2f} s; runs "
+          f"{', '.join(f'{g:.2f}' for g in res['prefault_runs_gbps'])}); memset of fresh memory "
+          + ", ".join(f"{k} {v:.2f}" for k, v in memset.items()) + " GB/s (runs "
+          + ", ".join(f"{g:.2f}" for g in res["memset_runs_gbps"]) + "); ratio "
           f"{ready['gb_per_s'] / res['memset_fresh_gbps']:.2f}x")
     if args.summary:
         args.summary.write_text(json.dumps(res))

