@@ -7,6 +7,7 @@ from pegaflow.client.client import (
     QueryResult,
     QueryStatus,
     Reservation,
+    ResetResult,
 )
 from pegaflow.client.pages import load_pages, page_bytes, save_pages
 
@@ -17,6 +18,7 @@ __all__ = [
     "QueryResult",
     "QueryStatus",
     "Reservation",
+    "ResetResult",
     "load_pages",
     "page_bytes",
     "save_pages",

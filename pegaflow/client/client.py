@@ -91,6 +91,13 @@ class Reservation:
     pool: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
 
+@dataclass(frozen=True)
+class ResetResult:
+    dropped_blocks: int  # no longer visible in the node's DRAM
+    busy_blocks: int  # of those, pages still pinned or being written (freed when done)
+    ssd_blocks: int  # SSD records forgotten
+
+
 class _Mapping:
     """One mapping of one node epoch's pool; unmapped when the last tensor view dies."""
 
@@ -452,6 +459,12 @@ class PegaClient:
             self._send_async("Release", req)
             return
         self._with_session(req, "Release", reregister_ok=False)
+
+    def reset(self, namespaces: Sequence[str]) -> ResetResult:
+        """Drop every stored block of ``namespaces`` (registered by this client) on the node."""
+        resp, _ = self._with_session(
+            lambda sid: node_pb2.ResetRequest(session_id=sid, namespaces=list(namespaces)), "Reset")
+        return ResetResult(resp.dropped_blocks, resp.busy_blocks, resp.ssd_blocks)
 
     def _send_async(self, method: str, make_request) -> None:  # type: ignore[no-untyped-def]
         """Fire an RPC whose answer the caller does not need; failures are logged (by the

@@ -41,5 +41,6 @@ METHODS: dict[int, tuple[str, type, type]] = {
     2: ("Reserve", node_pb2.ReserveRequest, node_pb2.ReserveResponse),
     3: ("Commit", node_pb2.CommitRequest, node_pb2.CommitResponse),  # also Abort (abort=True)
     4: ("Release", node_pb2.ReleaseRequest, node_pb2.ReleaseResponse),
+    5: ("Reset", node_pb2.ResetRequest, node_pb2.ResetResponse),
 }
 METHOD_IDS: dict[str, int] = {name: mid for mid, (name, _, _) in METHODS.items()}

@@ -319,3 +319,6 @@ class PegaKVConnector(KVConnectorBase_V1):
         if self._sched is None:
             return False, None
         return self._sched.request_finished(request)
+
+    def reset_cache(self) -> bool | None:
+        return self._sched.reset_cache() if self._sched is not None else None

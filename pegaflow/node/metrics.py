@@ -49,6 +49,9 @@ class NodeMetrics:
             ["kind"], registry=r
         )
         self.sessions_closed = Counter("pegaflow_node_sessions_closed_total", "Sessions ended.", registry=r)
+        self.resets = Counter("pegaflow_node_resets_total",
+                              "Reset calls: an engine dropped its namespaces' blocks (reset_prefix_cache).",
+                              registry=r)
         self.pool_capacity = Gauge("pegaflow_node_pool_capacity_bytes", "Size of the L1 pool.", registry=r)
         self.pool_prefaulted = Gauge("pegaflow_node_pool_prefaulted_bytes",
                                      "Bytes of the pool pre-faulted so far (only these are handed out; "

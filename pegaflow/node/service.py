@@ -118,6 +118,10 @@ class PromotingTier(Protocol):
         """These blocks were leased: promoted ones need not be held for the engine any longer."""
         ...
 
+    def clear(self, ns: Namespace) -> int:
+        """Forget every SSD record of ``ns``; returns how many."""
+        ...
+
 
 class RemoteTier(Protocol):
     """Peer pulls as a Query sees them (``pegaflow.node.tiers.remote.puller.Puller``)."""
@@ -197,6 +201,9 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
 
     async def Release(self, request: node_pb2.ReleaseRequest, context: Any) -> node_pb2.ReleaseResponse:
         return await _over_grpc(self.release, request, context)
+
+    async def Reset(self, request: node_pb2.ResetRequest, context: Any) -> node_pb2.ResetResponse:
+        return await _over_grpc(self.reset, request, context)
 
     async def Health(self, request: node_pb2.HealthRequest, context: Any) -> node_pb2.HealthResponse:
         return await _over_grpc(self.health, request, context)
@@ -349,6 +356,24 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         n = self.sessions.commit(s, request.reservation_id, list(request.indices), request.abort)
         self.metrics.save_bytes.inc(n * page)
         return node_pb2.CommitResponse(committed=n)
+
+    @rpc("Reset")
+    async def reset(self, request: node_pb2.ResetRequest) -> node_pb2.ResetResponse:
+        s = self.sessions.get(request.session_id)
+        if not request.namespaces:
+            raise InvalidArgument("reset needs at least one namespace")
+        nss = [self.sessions.namespace(s, n) for n in dict.fromkeys(request.namespaces)]
+        dropped = busy = on_ssd = 0
+        for ns in nss:
+            hashes, pinned = self.index.clear(ns)
+            dropped += len(hashes)
+            busy += pinned
+            if self.ssd is not None:
+                on_ssd += self.ssd.clear(ns)
+        self.metrics.resets.inc()
+        log.info("namespaces_reset", session=s.id, instance=s.instance_id, namespaces=[ns.name for ns in nss],
+                 dropped_blocks=dropped, busy_blocks=busy, ssd_blocks=on_ssd)
+        return node_pb2.ResetResponse(dropped_blocks=dropped, busy_blocks=busy, ssd_blocks=on_ssd)
 
     # ---- introspection ----------------------------------------------------------------
     @rpc("Health")

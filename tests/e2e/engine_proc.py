@@ -8,7 +8,8 @@ file). Commands:
 * ``{"op": "generate", "prompts": [[token ids], ...], "max_tokens": N}`` →
   ``{"outputs": [{"tokens": [...], "logprobs": [...], "num_cached_tokens": n}], "seconds": s}``
   (greedy, ``ignore_eos``, logprob of each sampled token);
-* ``{"op": "reset_prefix_cache"}``; ``{"op": "metrics"}`` → ``{"metrics": {name: value}}``
+* ``{"op": "reset_prefix_cache", "connector": bool}`` → ``{"ok": success}`` (``connector``:
+  the connector's cache too, as ``POST /reset_prefix_cache?reset_external=true``); ``{"op": "metrics"}`` → ``{"metrics": {name: value}}``
   for counters whose name contains ``prefix_cache``, ``kv_connector`` or ``pegaflow``;
 * ``{"op": "quit"}``.
 
@@ -94,8 +95,8 @@ def main() -> None:
                     )
                 out.write(json.dumps({"outputs": outputs, "seconds": dt}) + "\n")
             elif op == "reset_prefix_cache":
-                llm.reset_prefix_cache()
-                out.write(json.dumps({"ok": True}) + "\n")
+                ok = llm.reset_prefix_cache(reset_connector=bool(cmd.get("connector")))
+                out.write(json.dumps({"ok": bool(ok)}) + "\n")
             elif op == "metrics":
                 vals: dict[str, float] = {}
                 for m in llm.get_metrics():

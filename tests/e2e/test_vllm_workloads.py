@@ -3,6 +3,9 @@
 Multi-turn: turn 2 of a conversation holds turn 1's prompt and answer. An engine that ran
 turn 1 saved the full blocks of both (decode-block saves), so a restarted engine given
 turn 2 loads the answer's blocks too, and its tokens equal a recomputing engine's.
+
+Reset: vLLM's ``reset_prefix_cache(reset_connector=True)`` drops the engine's namespace
+from the node (a local reset does not).
 """
 
 from __future__ import annotations
@@ -47,23 +50,50 @@ def conversation(model_a: Path, e2e_logs: Path, tokenize) -> dict[str, Any]:  # 
     return {"p1": p1, "turn1": turn1, "p2": p2, "turn2": turn2, "block_size": bs}
 
 
+@pytest.fixture(scope="module")
+def turn1(model_a: Path, e2e_logs: Path, node: NodeProc, conversation: dict[str, Any]) -> dict[str, Any]:
+    """An engine with PegaFlow runs turn 1 (saves the prompt's and the answer's blocks)."""
+    with EngineProc(model_a, e2e_logs, node=node, name="conv-turn1") as eng:
+        assert eng.block_size == conversation["block_size"]
+        return eng.generate([conversation["p1"]], answer_tokens(eng.block_size))[0]
+
+
+@pytest.fixture(scope="module")
+def turn2_engine(model_a: Path, e2e_logs: Path, node: NodeProc, turn1, conversation) -> Iterator[EngineProc]:  # noqa: ANN001
+    """A restarted engine; its turn-2 run is kept as ``turn2``."""
+    with EngineProc(model_a, e2e_logs, node=node, name="conv-turn2") as eng:
+        eng.turn2 = eng.generate([conversation["p2"]], MAX_TOKENS)[0]  # type: ignore[attr-defined]
+        yield eng
+
+
 def test_next_turn_hits_the_previous_answer_on_a_restarted_engine(
-    model_a: Path, e2e_logs: Path, node: NodeProc, conversation: dict[str, Any]
+    turn1: dict[str, Any], turn2_engine: EngineProc, conversation: dict[str, Any]
 ) -> None:
     c = conversation
-    with EngineProc(model_a, e2e_logs, node=node, name="conv-turn1") as eng:
-        assert eng.block_size == c["block_size"]
-        turn1 = eng.generate([c["p1"]], answer_tokens(eng.block_size))[0]
     assert turn1["tokens"] == c["turn1"]["tokens"]
     bs = c["block_size"]
     # KV exists for every position but the last sampled token's.
     computed = len(c["p1"]) + len(turn1["tokens"]) - 1
     expect = min(computed // bs * bs, full_blocks_claimable(len(c["p2"]), bs))
     assert expect > full_blocks_claimable(len(c["p1"]), bs), "the answer must fill at least one block"
-
-    with EngineProc(model_a, e2e_logs, node=node, name="conv-turn2") as eng:
-        turn2 = eng.generate([c["p2"]], MAX_TOKENS)[0]
+    turn2 = turn2_engine.turn2  # type: ignore[attr-defined]
     assert turn2["num_cached_tokens"] == expect, (
         f"turn 2 hit {turn2['num_cached_tokens']} tokens; prompt blocks alone are "
         f"{full_blocks_claimable(len(c['p1']), bs)}, prompt + answer {expect}")
     assert turn2["tokens"] == c["turn2"]["tokens"]
+
+
+def test_reset_prefix_cache_with_the_connector_drops_the_namespace_on_the_node(
+    turn2_engine: EngineProc, node: NodeProc, conversation: dict[str, Any]
+) -> None:
+    namespaces = [ns for ns, n in node.stats().blocks_by_namespace.items() if n > 0]
+    assert len(namespaces) == 1, node.stats().blocks_by_namespace
+    assert turn2_engine.cmd("reset_prefix_cache", connector=False)["ok"]
+    assert node.stats().blocks_by_namespace[namespaces[0]] > 0, "a local reset leaves the node alone"
+
+    assert turn2_engine.cmd("reset_prefix_cache", connector=True)["ok"]
+    assert node.stats().blocks_by_namespace[namespaces[0]] == 0
+    assert "PegaFlow: reset dropped" in turn2_engine.log_tail(20000)
+    again = turn2_engine.generate([conversation["p2"]], MAX_TOKENS)[0]
+    assert again["num_cached_tokens"] == 0, "nothing of the namespace is left to hit"
+    assert again["tokens"] == conversation["turn2"]["tokens"]

@@ -155,6 +155,9 @@ def test_a_path_served_by_a_live_process_is_a_one_line_startup_error(node, node_
     ("unknown reservation", "Commit",
      lambda sid: node_pb2.CommitRequest(session_id=sid, reservation_id=424242), "unknown"),
     ("unknown lease", "Release", lambda sid: node_pb2.ReleaseRequest(session_id=sid, lease_id=99), "unknown lease"),
+    ("reset of no namespace", "Reset", lambda sid: node_pb2.ResetRequest(session_id=sid), "at least one namespace"),
+    ("reset of another's namespace", "Reset",
+     lambda sid: node_pb2.ResetRequest(session_id=sid, namespaces=["nope"]), "not registered"),
 ])
 def test_invalid_requests_over_the_socket_answer_invalid_argument_and_change_nothing(raw, name, method, make, needle):
     n, stub, sid, link = raw
@@ -185,6 +188,12 @@ def test_client_gets_the_same_errors_over_both_transports(node_factory):
             assert err.value.code is grpc.StatusCode.INVALID_ARGUMENT
             with pytest.raises(NodeError, match="INVALID_ARGUMENT: .*expected 16"):
                 c.reserve("m", [b"short"])
+            with pytest.raises(NodeError, match="INVALID_ARGUMENT: .*not registered"):
+                c.reset(["other"])
+            r = c.reserve("m", hashes("kept-then-reset", 2))
+            c.commit(r.reservation_id)
+            assert c.reset(["m"]).dropped_blocks == 2
+            assert c.query(["m"], hashes("kept-then-reset", 2)).hit_blocks == 0
 
 
 @pytest.mark.parametrize("name, frame", [

@@ -319,3 +319,35 @@ def test_bad_ssd_configuration_is_rejected_in_one_line_and_nothing_is_overwritte
     _one_line_error(_node_cli(tmp_path, "--ssd-cache-path", str(newer)), "newer")
     assert newer.read_bytes() == before
     assert os.path.getsize(newer) == len(before)
+
+
+def test_reset_drops_a_namespace_from_dram_and_ssd_and_keeps_the_others(node_factory, tmp_path):
+    node = node_factory(POOL, ssd_args(tmp_path))
+    hs, other = hashes("reset", 24), hashes("other", 4)
+    with PegaClient(node.addr) as c, PegaClient(node.addr) as d:
+        c.register({NS: PAGE})
+        d.register({"other-model": PAGE})
+        save(c, hs, node=node)
+        r = d.reserve("other-model", other)
+        d.commit(r.reservation_id)
+        wait_for(lambda: node.metric("pegaflow_node_ssd_blocks") >= 28, what="28 blocks on SSD")
+        q = c.query([NS], hs[-2:])  # a lease held across the reset
+        assert q.hit_blocks == 2
+        with pytest.raises(NodeError) as exc:
+            c.reset(["other-model"])  # not registered by this session
+        assert exc.value.code.name == "INVALID_ARGUMENT"
+        with pytest.raises(NodeError) as exc:
+            c.reset([])
+        assert exc.value.code.name == "INVALID_ARGUMENT"
+
+        res = c.reset([NS])
+        assert res.ssd_blocks == 24 and res.busy_blocks >= 2 and res.dropped_blocks >= 2
+        assert node.metric("pegaflow_node_resets_total") == 1
+        for part in (hs[:12], hs[12:]):
+            assert load(c, part)[0] == 0, "nothing of the namespace is served, from DRAM or SSD"
+        c.release(q.lease_id)
+        wait_for(lambda: c.stats().used_bytes == PAGE * len(other), what="the leased pages freed")
+        q = d.query(["other-model"], other)
+        assert q.hit_blocks == 4, "another namespace keeps its blocks"
+        d.release(q.lease_id)
+        assert "namespaces_reset" in node.log()

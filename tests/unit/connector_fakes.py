@@ -147,6 +147,13 @@ class FakeNodeClient:
         self._check("release")
         self.node.leases.discard(lease_id)
 
+    def reset(self, namespaces: Sequence[str]) -> SimpleNamespace:
+        self._check("reset")
+        gone = [k for k in self.node.stored if k[0] in namespaces]
+        for k in gone:
+            del self.node.stored[k]
+        return SimpleNamespace(dropped_blocks=len(gone), busy_blocks=0, ssd_blocks=0)
+
     def close(self) -> None:
         pass
 

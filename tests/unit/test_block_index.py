@@ -461,3 +461,32 @@ def test_native_lru_iterator_ends_like_ordereddicts():
         d[object()] = None  # before it: a mutation during iteration
         with pytest.raises(RuntimeError):
             next(it)
+
+
+def test_clear_drops_a_namespace_and_frees_pinned_and_pending_pages_when_they_are_done():
+    idx = BlockIndex(16 * 4096)
+    a, b = idx.namespace("a", 4096), idx.namespace("b", 4096)
+    events = []
+    idx.add_listener(lambda op, ns, hs: events.append((op, ns.name, len(hs))))
+    fill(idx, a, [1, 2, 3])
+    fill(idx, b, [1])
+    leased = idx.prefix(a, [h(1)])
+    idx.pin(leased)
+    writing = idx.reserve(a, [h(9)])  # a save in flight
+    used = idx.alloc.used_bytes
+    events.clear()
+
+    hashes, busy = idx.clear(a)
+    assert sorted(hashes) == [h(1), h(2), h(3)] and busy == 2  # one pinned, one pending
+    assert ("evict", "a", 3) in [(str(op), n, k) for op, n, k in events]
+    assert idx.prefix(a, [h(1)]) == [] and idx.get(a, h(2)) is None
+    assert [x.hash for x in idx.prefix(b, [h(1)])] == [h(1)], "other namespaces keep their blocks"
+    assert idx.alloc.used_bytes == used - 2 * 4096, "unpinned pages are free at once"
+    assert idx.resident_blocks == 1
+
+    assert idx.commit(writing) == [], "a save in flight never becomes visible"
+    assert idx.get(a, h(9)) is None
+    idx.unpin(leased)
+    assert idx.alloc.used_bytes == used - 4 * 4096, "the pinned and pending pages are freed once done"
+    fill(idx, a, [1])  # the namespace works as before
+    assert [x.hash for x in idx.prefix(a, [h(1)])] == [h(1)]

@@ -316,3 +316,17 @@ def test_save_only_never_loads_and_load_only_never_saves() -> None:
     out = decode.run(prompt(4), generate=answer(4, 2 * BS))
     assert out["meta"].saves == () and out["decode_saves"] == []
     assert node.calls["reserve"] == reserves, "a load_only engine never reserves"
+
+
+def test_reset_cache_drops_the_engines_namespaces_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    node = FakeNode()
+    a = Engine(node, identity())
+    a.run(prompt(1))
+    assert Engine(node, identity()).run(prompt(1))["external"] == 5 * BS
+    with caplog.at_level("INFO", logger="vllm.pegaflow"):
+        assert a.sched.reset_cache() is True
+    assert "reset dropped 5 blocks" in caplog.text
+    assert Engine(node, identity()).run(prompt(1))["external"] == 0
+    node.up = False
+    a.sched.link.call(lambda c: c.query([], []))  # the link notices the node is gone
+    assert a.sched.reset_cache() is False

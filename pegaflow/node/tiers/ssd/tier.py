@@ -137,6 +137,17 @@ class SsdTier:
     def metrics_node_hits(self, n: int) -> None:
         self.node_metrics.hits.labels("ssd").inc(n)
 
+    def clear(self, ns: Namespace) -> int:
+        """Forget every SSD record of ``ns`` (a reset); writes in flight are not indexed when
+        they land. Returns the records forgotten. The records stay on disk until their
+        segment is reused, so a node restarted before then finds them again."""
+        store = self.store
+        keys = [k for k in store.entries if k[0] == ns.id]
+        for k in keys:
+            store.remove(k)
+        self.writer.voided.update(k for k in self.writer.pending if k[0] == ns.id)
+        return len(keys)
+
     def on_ssd_evicted(self, keys: list[tuple[int, bytes]]) -> None:
         self.metrics.evicted.inc(len(keys))
 

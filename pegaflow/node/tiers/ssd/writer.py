@@ -43,6 +43,7 @@ class WriteBehind:
         self.tier = tier
         self.limit_bytes = limit_bytes
         self.pending: set[tuple[int, bytes]] = set()
+        self.voided: set[tuple[int, bytes]] = set()  # pending when their namespace was cleared
         self.queued_bytes = 0
         self.closing = False
         self._hdrs: list[bytearray] = []
@@ -146,7 +147,9 @@ class WriteBehind:
             self.pending.discard(key)
             self.queued_bytes -= round_up(b.size)
             self._hdrs.append(r.hdr)
-            if not ok:
+            if key in self.voided:  # cleared while it was written: not indexed
+                self.voided.discard(key)
+            elif not ok:
                 m.skipped.labels("io_error").inc()
             elif t.store.add(key, r.slot, b.ns.name, b.size):
                 m.written.inc()
