@@ -4,12 +4,16 @@ Multi-turn: turn 2 of a conversation holds turn 1's prompt and answer. An engine
 turn 1 saved the full blocks of both (decode-block saves), so a restarted engine given
 turn 2 loads the answer's blocks too, and its tokens equal a recomputing engine's.
 
+Composition: both engines run PegaFlow next to vLLM's ExampleConnector inside vLLM's
+MultiConnector, named by ``kv_connector`` alone (the ``vllm.general_plugins`` entry point).
+
 Reset: vLLM's ``reset_prefix_cache(reset_connector=True)`` drops the engine's namespace
 from the node (a local reset does not).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -50,18 +54,41 @@ def conversation(model_a: Path, e2e_logs: Path, tokenize) -> dict[str, Any]:  # 
     return {"p1": p1, "turn1": turn1, "p2": p2, "turn2": turn2, "block_size": bs}
 
 
+def multi_connector(example_dir: Path) -> list[str]:
+    """PegaFlow first, vLLM's ExampleConnector second, both named only (the plugin entry
+    point registers PegaKVConnector; no kv_connector_module_path). Inside MultiConnector
+    the load-failure policy is the top-level config's, so it is set there."""
+    cfg = {
+        "kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"connectors": [
+            {"kv_connector": "PegaKVConnector", "kv_role": "kv_both"},
+            {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+             "kv_connector_extra_config": {"shared_storage_path": str(example_dir)}},
+        ]},
+    }
+    return ["--kv-transfer-config", json.dumps(cfg)]
+
+
 @pytest.fixture(scope="module")
-def turn1(model_a: Path, e2e_logs: Path, node: NodeProc, conversation: dict[str, Any]) -> dict[str, Any]:
-    """An engine with PegaFlow runs turn 1 (saves the prompt's and the answer's blocks)."""
-    with EngineProc(model_a, e2e_logs, node=node, name="conv-turn1") as eng:
+def example_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("example-connector")
+
+
+@pytest.fixture(scope="module")
+def turn1(model_a: Path, e2e_logs: Path, node: NodeProc, conversation: dict[str, Any], example_dir: Path) -> dict[str, Any]:
+    """An engine with PegaFlow and ExampleConnector in a MultiConnector runs turn 1 (PegaFlow
+    saves the prompt's and the answer's blocks)."""
+    with EngineProc(model_a, e2e_logs, node=node, name="conv-turn1", connector="custom",
+                    extra_args=multi_connector(example_dir)) as eng:
         assert eng.block_size == conversation["block_size"]
         return eng.generate([conversation["p1"]], answer_tokens(eng.block_size))[0]
 
 
 @pytest.fixture(scope="module")
-def turn2_engine(model_a: Path, e2e_logs: Path, node: NodeProc, turn1, conversation) -> Iterator[EngineProc]:  # noqa: ANN001
-    """A restarted engine; its turn-2 run is kept as ``turn2``."""
-    with EngineProc(model_a, e2e_logs, node=node, name="conv-turn2") as eng:
+def turn2_engine(model_a: Path, e2e_logs: Path, node: NodeProc, turn1, conversation, example_dir) -> Iterator[EngineProc]:  # noqa: ANN001
+    """A restarted engine, same MultiConnector; its turn-2 run is kept as ``turn2``."""
+    with EngineProc(model_a, e2e_logs, node=node, name="conv-turn2", connector="custom",
+                    extra_args=multi_connector(example_dir)) as eng:
         eng.turn2 = eng.generate([conversation["p2"]], MAX_TOKENS)[0]  # type: ignore[attr-defined]
         yield eng
 
@@ -83,6 +110,17 @@ def test_next_turn_hits_the_previous_answer_on_a_restarted_engine(
     assert turn2["tokens"] == c["turn2"]["tokens"]
 
 
+def test_inside_multiconnector_both_connectors_save_and_pegaflow_loads(
+    turn2_engine: EngineProc, example_dir: Path, node: NodeProc
+) -> None:
+    # The turn-2 hit above came through MultiConnector (ExampleConnector cannot hit it: it
+    # names a whole prompt, and turn 2's prompt is new); ExampleConnector saved too.
+    assert any(example_dir.rglob("*.safetensors")), "ExampleConnector saved nothing next to PegaFlow"
+    assert sum(node.stats().blocks_by_namespace.values()) > 0
+    log = turn2_engine.log_tail(200000)
+    assert "PegaFlow disabled" not in log and "PegaFlow connector disabled" not in log
+
+
 def test_reset_prefix_cache_with_the_connector_drops_the_namespace_on_the_node(
     turn2_engine: EngineProc, node: NodeProc, conversation: dict[str, Any]
 ) -> None:
@@ -94,6 +132,11 @@ def test_reset_prefix_cache_with_the_connector_drops_the_namespace_on_the_node(
     assert turn2_engine.cmd("reset_prefix_cache", connector=True)["ok"]
     assert node.stats().blocks_by_namespace[namespaces[0]] == 0
     assert "PegaFlow: reset dropped" in turn2_engine.log_tail(20000)
+    hits = node.stats().hits
+    loaded = turn2_engine.metrics().get("vllm:pegaflow_loaded_blocks", 0)
     again = turn2_engine.generate([conversation["p2"]], MAX_TOKENS)[0]
-    assert again["num_cached_tokens"] == 0, "nothing of the namespace is left to hit"
+    # ExampleConnector (second in the MultiConnector, no reset_cache) may still hit its own
+    # copy of this prompt; PegaFlow has nothing left to give.
+    assert node.stats().hits == hits, "the node served blocks of a namespace that was reset"
+    assert turn2_engine.metrics().get("vllm:pegaflow_loaded_blocks", 0) == loaded
     assert again["tokens"] == conversation["turn2"]["tokens"]
