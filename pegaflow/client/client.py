@@ -73,6 +73,9 @@ class QueryStatus(enum.StrEnum):
     LOADING = "LOADING"
 
 
+_LOADING_FROM = {node_pb2.LOADING_FROM_SSD: "ssd", node_pb2.LOADING_FROM_PEER: "peer"}
+
+
 @dataclass(frozen=True)
 class QueryResult:
     status: QueryStatus
@@ -81,6 +84,7 @@ class QueryResult:
     offsets: dict[str, list[int]]
     epoch: int
     pool: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    loading_from: str = ""  # LOADING: "ssd" or "peer" (where the blocks after hit_blocks come from)
 
 
 @dataclass(frozen=True)
@@ -425,7 +429,8 @@ class PegaClient:
         )
         status = QueryStatus.LOADING if resp.status == node_pb2.LOADING else QueryStatus.READY
         return QueryResult(status, resp.hit_blocks, resp.lease_id,
-                           {p.namespace: list(p.offsets) for p in resp.pages}, b.epoch, b.pool)
+                           {p.namespace: list(p.offsets) for p in resp.pages}, b.epoch, b.pool,
+                           _LOADING_FROM.get(resp.loading_from, ""))
 
     def reserve(self, namespace: str, hashes: Sequence[bytes]) -> Reservation:
         resp, b = self._with_session(

@@ -301,6 +301,11 @@ class PegaKVConnector(KVConnectorBase_V1):
             return 0, False
         return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        if self._sched is None:
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
+        return {CacheHitSource(k): v for k, v in self._sched.hit_sources(request, num_external_tokens).items()}
+
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if self._sched is not None:
             self._sched.update_state_after_alloc(request, blocks, num_external_tokens)

@@ -88,6 +88,11 @@ class _ReqState:
     hit: _Hit | None = None
     next_poll: float = 0.0
     loading_since: float | None = None
+    loading_dram: int = 0  # blocks already in the node's DRAM at the first LOADING answer
+    loading_from: str = ""  # "ssd" / "peer": where the node was fetching the rest from
+    # (blocks that were in DRAM, tier of the rest) of the last hit, for the hit-source split
+    hit_split: tuple[int, str] | None = None
+    hit_end: int = 0  # tokens: end of the last hit
 
 
 @dataclass
@@ -172,6 +177,7 @@ class SchedulerSide:
         if res.status == QueryStatus.LOADING:
             if st.loading_since is None:
                 st.loading_since = now
+                st.loading_dram, st.loading_from = int(res.hit_blocks), str(getattr(res, "loading_from", "") or "")
             if now - st.loading_since < LOADING_WAIT_S:
                 st.next_poll = now + LOADING_POLL_S
                 if res.lease_id:
@@ -184,6 +190,7 @@ class SchedulerSide:
                 lease = res.lease_id
                 self.link.call(lambda c: c.release(lease, wait=False))
             return 0, False
+        st.hit_split = (st.loading_dram, st.loading_from) if st.loading_since is not None and st.loading_from else None
         st.loading_since = None
         hit_blocks = min(int(res.hit_blocks), max_blocks)
         hit_tokens = hit_blocks * self.block_size
@@ -197,6 +204,25 @@ class SchedulerSide:
         )
         return hit_tokens - num_computed_tokens, False
 
+    def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
+        """Split a hit's external tokens by the tier that held them when the request asked
+        ("host": the node's DRAM; "disk": its SSD tier; "p2p": a peer), for vLLM's
+        ``get_external_cache_hit_sources``. Blocks the node promoted or pulled while the
+        request waited count for the tier they came from; the counts sum to
+        ``num_external_tokens``."""
+        if num_external_tokens <= 0:
+            return {}
+        st = self._reqs.get(request.request_id)
+        split = st.hit_split if st is not None else None
+        if split is None:
+            return {"host": num_external_tokens}
+        dram_blocks, tier = split
+        end = st.hit_end if st is not None else 0
+        start = end - num_external_tokens
+        host = max(0, min(end, dram_blocks * self.block_size) - start)
+        out = {"host": host, "disk" if tier == "ssd" else "p2p": num_external_tokens - host}
+        return {k: v for k, v in out.items() if v > 0}
+
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         st = self._reqs.get(request.request_id)
         if st is None:
@@ -206,6 +232,7 @@ class SchedulerSide:
             return
         hit, st.hit = st.hit, None
         end = hit.blocks
+        st.hit_end = end * self.block_size
         start = end - num_external_tokens // self.block_size
         block_ids = list(blocks.get_block_ids()[0])
         epoch = hit.epoch

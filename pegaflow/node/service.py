@@ -283,13 +283,15 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
             self.metrics.queries.labels("loading").inc()
             if self.accounting is not None:
                 self.accounting.loading(_request_key(s.id, request.req_id), hit, "ssd")
-            return node_pb2.QueryResponse(status=node_pb2.LOADING, hit_blocks=hit)
+            return node_pb2.QueryResponse(status=node_pb2.LOADING, hit_blocks=hit,
+                                          loading_from=node_pb2.LOADING_FROM_SSD)
         if self.remote is not None and hit < len(hashes):
             if await self.remote.query(nss, hashes, hit):
                 self.metrics.queries.labels("loading").inc()
                 if self.accounting is not None:
                     self.accounting.loading(_request_key(s.id, request.req_id), hit, "remote")
-                return node_pb2.QueryResponse(status=node_pb2.LOADING, hit_blocks=hit)
+                return node_pb2.QueryResponse(status=node_pb2.LOADING, hit_blocks=hit,
+                                              loading_from=node_pb2.LOADING_FROM_PEER)
             # The metaserver lookup awaited: blocks may have come or gone meanwhile.
             per_ns = [self.index.prefix(ns, hashes, touch=False) for ns in nss]
             hit = min(len(p) for p in per_ns)

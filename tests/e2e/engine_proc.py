@@ -10,7 +10,8 @@ file). Commands:
   (greedy, ``ignore_eos``, logprob of each sampled token);
 * ``{"op": "reset_prefix_cache", "connector": bool}`` → ``{"ok": success}`` (``connector``:
   the connector's cache too, as ``POST /reset_prefix_cache?reset_external=true``); ``{"op": "metrics"}`` → ``{"metrics": {name: value}}``
-  for counters whose name contains ``prefix_cache``, ``kv_connector`` or ``pegaflow``;
+  for counters whose name contains ``prefix_cache``, ``kv_connector``, ``pegaflow`` or
+  ``by_source`` (those also per ``source`` label, as ``name{source="disk"}``);
 * ``{"op": "quit"}``.
 
 The first line written is ``{"ready": true, "block_size": N}`` once the engine has started:
@@ -100,10 +101,14 @@ def main() -> None:
             elif op == "metrics":
                 vals: dict[str, float] = {}
                 for m in llm.get_metrics():
-                    if any(k in m.name for k in ("prefix_cache", "kv_connector", "pegaflow")):
+                    if any(k in m.name for k in ("prefix_cache", "kv_connector", "pegaflow", "by_source")):
                         v = getattr(m, "value", None)
                         if isinstance(v, int | float):
                             vals[m.name] = vals.get(m.name, 0) + v
+                            source = (getattr(m, "labels", None) or {}).get("source")
+                            if source:  # e.g. vllm:prompt_tokens_cached_by_source{source="disk"}
+                                key = f'{m.name}{{source="{source}"}}'
+                                vals[key] = vals.get(key, 0) + v
                 out.write(json.dumps({"metrics": vals}) + "\n")
             else:
                 out.write(json.dumps({"error": f"unknown op {op}"}) + "\n")

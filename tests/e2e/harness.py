@@ -58,7 +58,9 @@ def node_command() -> list[str]:
 class NodeProc:
     """A ``pegaflow-node`` daemon on a free loopback port."""
 
-    def __init__(self, log_dir: Path, pool_size: str = "1gb", port: int | None = None) -> None:
+    def __init__(self, log_dir: Path, pool_size: str = "1gb", port: int | None = None,
+                 extra: list[str] | None = None) -> None:
+        self.extra = list(extra or [])
         self.port = port or free_port()
         self.addr = f"127.0.0.1:{self.port}"
         self.log_path = log_dir / f"node-{self.port}-{int(time.time() * 1000)}.log"
@@ -69,7 +71,7 @@ class NodeProc:
     def start(self) -> None:
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the process
         self.proc = subprocess.Popen(
-            [*node_command(), "--addr", self.addr, "--pool-size", self.pool_size, "--http-addr", "off"],
+            [*node_command(), "--addr", self.addr, "--pool-size", self.pool_size, "--http-addr", "off", *self.extra],
             stdout=log,
             stderr=subprocess.STDOUT,
             cwd=REPO,

@@ -7,6 +7,9 @@ turn 2 loads the answer's blocks too, and its tokens equal a recomputing engine'
 Composition: both engines run PegaFlow next to vLLM's ExampleConnector inside vLLM's
 MultiConnector, named by ``kv_connector`` alone (the ``vllm.general_plugins`` entry point).
 
+Tiers: the node's DRAM pool is tiny and backed by an SSD tier, so turn 1's blocks are on
+SSD only when turn 2 asks, and vLLM's by-source metrics say so.
+
 Reset: vLLM's ``reset_prefix_cache(reset_connector=True)`` drops the engine's namespace
 from the node (a local reset does not).
 """
@@ -34,8 +37,11 @@ def answer_tokens(block_size: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def node(e2e_logs: Path) -> Iterator[NodeProc]:
-    n = NodeProc(e2e_logs, pool_size="256mb")
+def node(e2e_logs: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProc]:
+    """A small DRAM pool over an SSD tier: what turn 1 saved is evicted from DRAM by the
+    prompts after it and comes back from SSD for turn 2."""
+    ssd = tmp_path_factory.mktemp("ssd-tier")
+    n = NodeProc(e2e_logs, pool_size="4mb", extra=["--ssd-cache-path", str(ssd), "--ssd-cache-capacity", "256mb"])
     yield n
     n.stop()
 
@@ -75,13 +81,22 @@ def example_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def turn1(model_a: Path, e2e_logs: Path, node: NodeProc, conversation: dict[str, Any], example_dir: Path) -> dict[str, Any]:
+def turn1(model_a: Path, e2e_logs: Path, node: NodeProc, conversation: dict[str, Any], example_dir: Path,
+          tokenize) -> dict[str, Any]:  # noqa: ANN001
     """An engine with PegaFlow and ExampleConnector in a MultiConnector runs turn 1 (PegaFlow
     saves the prompt's and the answer's blocks)."""
     with EngineProc(model_a, e2e_logs, node=node, name="conv-turn1", connector="custom",
                     extra_args=multi_connector(example_dir)) as eng:
         assert eng.block_size == conversation["block_size"]
-        return eng.generate([conversation["p1"]], answer_tokens(eng.block_size))[0]
+        out = eng.generate([conversation["p1"]], answer_tokens(eng.block_size))[0]
+        # Other prompts until turn 1's blocks have left the node's DRAM (LRU; kept on SSD).
+        saved = (len(conversation["p1"]) + len(out["tokens"]) - 1) // eng.block_size
+        for seed in range(310, 320):
+            if node.stats().evictions >= saved + 2:
+                break
+            eng.generate([tokenize(make_text(950, seed))[:1000]], 1)
+        assert node.stats().evictions >= saved + 2, node.stats()
+        return out
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +105,7 @@ def turn2_engine(model_a: Path, e2e_logs: Path, node: NodeProc, turn1, conversat
     with EngineProc(model_a, e2e_logs, node=node, name="conv-turn2", connector="custom",
                     extra_args=multi_connector(example_dir)) as eng:
         eng.turn2 = eng.generate([conversation["p2"]], MAX_TOKENS)[0]  # type: ignore[attr-defined]
+        eng.turn2_metrics = eng.metrics()  # type: ignore[attr-defined]
         yield eng
 
 
@@ -108,6 +124,18 @@ def test_next_turn_hits_the_previous_answer_on_a_restarted_engine(
         f"turn 2 hit {turn2['num_cached_tokens']} tokens; prompt blocks alone are "
         f"{full_blocks_claimable(len(c['p1']), bs)}, prompt + answer {expect}")
     assert turn2["tokens"] == c["turn2"]["tokens"]
+
+
+def test_vllm_counts_the_hit_by_the_tier_it_came_from(turn2_engine: EngineProc) -> None:
+    """Turn 1's blocks were only on the node's SSD when turn 2 asked: vLLM's
+    prompt_tokens_cached_by_source says "disk" for them (get_external_cache_hit_sources)."""
+    m = turn2_engine.turn2_metrics  # type: ignore[attr-defined]
+    cached = turn2_engine.turn2["num_cached_tokens"]  # type: ignore[attr-defined]
+    by = {s: m.get(f'vllm:prompt_tokens_cached_by_source{{source="{s}"}}', 0)
+          for s in ("host", "disk", "p2p", "external_unspecified")}
+    assert by["disk"] > 0, (by, {k: v for k, v in m.items() if "source" in k})
+    assert by["external_unspecified"] == 0 and by["p2p"] == 0
+    assert by["disk"] + by["host"] == cached
 
 
 def test_inside_multiconnector_both_connectors_save_and_pegaflow_loads(

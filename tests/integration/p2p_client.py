@@ -70,7 +70,7 @@ def main() -> None:
     deadline = time.monotonic() + a.timeout
     while True:
         q = c.query([ns], hs, req_id=f"load-{a.tag}")
-        s = f"{q.status}:{q.hit_blocks}"
+        s = f"{q.status}:{q.hit_blocks}" + (f":{q.loading_from}" if q.loading_from else "")
         if not statuses or statuses[-1] != s:
             statuses.append(s)
             print(json.dumps({"status": q.status, "hit": q.hit_blocks}), flush=True)

@@ -71,6 +71,7 @@ def load(c: PegaClient, hs: list[bytes], timeout: float = 20.0) -> tuple[int, in
         q = c.query([NS], hs)
         if q.status == "READY":
             break
+        assert q.loading_from == "ssd", q
         loading += 1
         assert time.monotonic() < deadline, "promotion never finished"
         time.sleep(0.005)

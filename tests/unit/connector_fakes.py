@@ -41,6 +41,7 @@ class QR:
     lease_id: int
     offsets: dict[str, list[int]]
     epoch: int
+    loading_from: str = ""
 
 
 @dataclass
@@ -64,6 +65,8 @@ class FakeNode:
         self.up = True
         self.epoch = 1
         self.loading = 0  # answer LOADING this many times
+        self.loading_dram = 0  # ... saying this many blocks are in DRAM already
+        self.loading_from = ""  # ... and the rest come from "ssd" or "peer"
         self.calls: Counter[str] = Counter()
 
     def restart(self) -> None:
@@ -102,7 +105,7 @@ class FakeNodeClient:
         self._check("query")
         if self.node.loading > 0:
             self.node.loading -= 1
-            return QR("LOADING", 0, 0, {}, self.node.epoch)
+            return QR("LOADING", self.node.loading_dram, 0, {}, self.node.epoch, self.node.loading_from)
         n = 0
         for h in hashes:
             if all((ns, h) in self.node.stored for ns in namespaces):

@@ -330,3 +330,32 @@ def test_reset_cache_drops_the_engines_namespaces_and_says_so(caplog: pytest.Log
     node.up = False
     a.sched.link.call(lambda c: c.query([], []))  # the link notices the node is gone
     assert a.sched.reset_cache() is False
+
+
+@pytest.mark.parametrize("tier, source", [("ssd", "disk"), ("peer", "p2p")])
+def test_hit_sources_split_the_tokens_by_the_tier_that_held_them(
+    monkeypatch: pytest.MonkeyPatch, tier: str, source: str
+) -> None:
+    clock = [1000.0]
+    monkeypatch.setattr(scheduler_mod, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    node = FakeNode()
+    p = prompt(10)
+    Engine(node, identity()).run(p)
+    b = Engine(node, identity())
+
+    req = b.request(p)  # every block in DRAM: all "host"
+    assert b.sched.get_num_new_matched_tokens(req, 0) == (5 * BS, False)
+    assert b.sched.hit_sources(req, 5 * BS) == {"host": 5 * BS}
+
+    # 2 blocks in DRAM, the other 3 promoted from SSD / pulled from a peer while it waited;
+    # the engine itself already holds block 0 (a local prefix hit).
+    node.loading, node.loading_dram, node.loading_from = 1, 2, tier
+    req = b.request(p)
+    assert b.sched.get_num_new_matched_tokens(req, BS) == (None, False)
+    clock[0] += scheduler_mod.LOADING_POLL_S
+    n, _ = b.sched.get_num_new_matched_tokens(req, BS)
+    assert n == 4 * BS
+    b.sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (list(range(6)),)), n)
+    split = b.sched.hit_sources(req, n)
+    assert split == {"host": BS, source: 3 * BS} and sum(split.values()) == n
+    assert b.sched.hit_sources(req, 0) == {}
