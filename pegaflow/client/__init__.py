@@ -1,6 +1,7 @@
 """Engine-side client: register with a node, map its pool, move pages. See :mod:`.client`."""
 
 from pegaflow.client.client import (
+    BlockEvents,
     NodeError,
     NodeUnavailable,
     PegaClient,
@@ -12,6 +13,7 @@ from pegaflow.client.client import (
 from pegaflow.client.pages import load_pages, page_bytes, save_pages
 
 __all__ = [
+    "BlockEvents",
     "NodeError",
     "NodeUnavailable",
     "PegaClient",

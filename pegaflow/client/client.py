@@ -25,7 +25,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -74,6 +74,17 @@ class QueryStatus(enum.StrEnum):
 
 
 _LOADING_FROM = {node_pb2.LOADING_FROM_SSD: "ssd", node_pb2.LOADING_FROM_PEER: "peer"}
+_MEDIUM = {node_pb2.MEDIUM_DRAM: "dram", node_pb2.MEDIUM_SSD: "ssd"}
+
+
+@dataclass(frozen=True)
+class BlockEvents:
+    """Blocks of one namespace that left (``stored=False``) or reached a medium of the node."""
+
+    namespace: str
+    medium: str  # "dram" or "ssd"
+    stored: bool
+    hashes: list[bytes]
 
 
 @dataclass(frozen=True)
@@ -244,9 +255,13 @@ class PegaClient:
     threads may call at once: the lock covers (re-)registration only, not the calls."""
 
     def __init__(self, addr: str = "127.0.0.1:50055", instance_id: str | None = None, timeout: float = 5.0,
-                 map_pool: bool = True, security: Security | None = None) -> None:
+                 map_pool: bool = True, security: Security | None = None,
+                 on_blocks: Callable[[list[BlockEvents], int], None] | None = None) -> None:
         """``map_pool=False`` for a process that only queries and never copies pages (vLLM's
         scheduler): it skips mapping and pre-faulting the pool; results then carry no pool.
+        ``on_blocks(events, dropped_hashes)``: the node's block events for the registered
+        namespaces (evictions, SSD writes; ``pegaflow.node.block_events``), called from the
+        session thread; it must not block.
         ``security``: the token and TLS roots to use; default from the environment
         (``PEGAFLOW_AUTH_TOKEN[_FILE]``, ``PEGAFLOW_TLS_CA``; see ``pegaflow.common.security``)."""
         self.addr = addr
@@ -266,6 +281,7 @@ class PegaClient:
         self.node_id = ""
         self._closed = False
         self._pending: set[grpc.Future] = set()  # wait=False gRPC calls in flight
+        self.on_blocks = on_blocks
 
     def _connect(self) -> None:
         """A fresh channel. Used again after the node was unreachable: a channel that saw
@@ -295,6 +311,7 @@ class PegaClient:
         req = node_pb2.RegisterRequest(
             instance_id=self.instance_id,
             namespaces=[node_pb2.NamespaceSpec(name=n, page_bytes=p) for n, p in self._namespaces.items()],
+            watch_blocks=self.on_blocks is not None,
         )
         resp = self._call("Register", req, None, retry_session=False)
         if self.map_pool and (self._mapping is None or resp.epoch != self.epoch):
@@ -324,8 +341,13 @@ class PegaClient:
 
     def _drain(self, stream: grpc.Future) -> None:
         try:
-            for _ in stream:  # type: ignore[attr-defined]
-                pass
+            for ev in stream:  # type: ignore[attr-defined]
+                if (ev.blocks or ev.dropped_hashes) and self.on_blocks is not None:
+                    try:
+                        self.on_blocks([BlockEvents(b.namespace, _MEDIUM.get(b.medium, ""), b.stored, list(b.hashes))
+                                        for b in ev.blocks], ev.dropped_hashes)
+                    except Exception:  # noqa: BLE001 - a consumer bug must not end the session
+                        log.exception("on_blocks_failed")
         except grpc.RpcError:
             pass
         with self._lock:

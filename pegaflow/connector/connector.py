@@ -22,9 +22,11 @@ constructor switches it to ``recompute`` (logged) before vLLM's scheduler reads 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from pegaflow.common.security import Security
+from pegaflow.connector.events import KVEvents
 from pegaflow.connector.intents import PegaConnectorMetadata, PegaWorkerReport
 from pegaflow.connector.link import LOGGER_NAME, NodeLink, query_only_client_factory
 from pegaflow.connector.scheduler import SchedulerSide
@@ -52,6 +55,7 @@ from pegaflow.core.identity import KVIdentity, config_hash
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -211,9 +215,14 @@ class PegaKVConnector(KVConnectorBase_V1):
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 logger.info("PegaFlow: kv_load_failure_policy set to 'recompute' (a failed cache load is a miss)")
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
+            kv_events = vllm_config.kv_events_config
+            events = (KVEvents(ident.namespaces[0], ident.block_size)
+                      if kv_events is not None and kv_events.enable_kv_cache_events else None)
+            factory = (query_only_client_factory if events is None else
+                       functools.partial(query_only_client_factory, on_blocks=events.on_blocks))
             link = NodeLink(addr, {ns: ident.page_bytes for ns in ident.namespaces}, instance,
-                            client_factory=query_only_client_factory)
-            self._sched = SchedulerSide(ident, link, settings)
+                            client_factory=factory)
+            self._sched = SchedulerSide(ident, link, settings, events)
             logger.info(
                 "PegaFlow scheduler: node %s (%s), mode %s, namespaces %s",
                 addr,
@@ -324,6 +333,9 @@ class PegaKVConnector(KVConnectorBase_V1):
         if self._sched is None:
             return False, None
         return self._sched.request_finished(request)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return self._sched.take_events() if self._sched is not None else ()
 
     def reset_cache(self) -> bool | None:
         return self._sched.reset_cache() if self._sched is not None else None

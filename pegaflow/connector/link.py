@@ -101,11 +101,12 @@ def _default_client_factory(addr: str, instance_id: str) -> Any:
     return PegaClient(addr, instance_id=instance_id, timeout=RPC_TIMEOUT_S)
 
 
-def query_only_client_factory(addr: str, instance_id: str) -> Any:
-    """For the scheduler process: it never copies pages, so it does not map the pool."""
+def query_only_client_factory(addr: str, instance_id: str, on_blocks: Callable[..., None] | None = None) -> Any:
+    """For the scheduler process: it never copies pages, so it does not map the pool.
+    ``on_blocks``: receive the node's block events (``PegaClient``)."""
     from pegaflow.client import PegaClient
 
-    return PegaClient(addr, instance_id=instance_id, timeout=RPC_TIMEOUT_S, map_pool=False)
+    return PegaClient(addr, instance_id=instance_id, timeout=RPC_TIMEOUT_S, map_pool=False, on_blocks=on_blocks)
 
 
 class NodeLink:

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pegaflow.client import QueryStatus
+from pegaflow.connector.events import KVEvents
 from pegaflow.connector.intents import (
     LoadIntent,
     PegaConnectorMetadata,
@@ -99,6 +100,8 @@ class _ReqState:
 class _StepWork:
     leases: list[int] = field(default_factory=list)
     reservations: dict[int, int] = field(default_factory=dict)  # id -> blocks
+    # shard 0's reservation id -> (request, [(block index, hash)], its hashes): KV events once committed
+    announce: dict[int, tuple[Any, list[tuple[int, bytes]], list[bytes]]] = field(default_factory=dict)
 
 
 def extra_keys_of(request: Any) -> ExtraKeys:
@@ -118,10 +121,12 @@ def extra_keys_of(request: Any) -> ExtraKeys:
 class SchedulerSide:
     """Per-engine scheduler-side state; see the module docstring for the contract."""
 
-    def __init__(self, identity: KVIdentity, link: NodeLink, settings: ConnectorSettings | None = None) -> None:
+    def __init__(self, identity: KVIdentity, link: NodeLink, settings: ConnectorSettings | None = None,
+                 events: KVEvents | None = None) -> None:
         self.identity = identity
         self.link = link
         self.settings = settings or ConnectorSettings()
+        self.events = events  # vLLM KV cache events (kv_events_config), None when off
         self.block_size = identity.block_size
         self.namespaces = identity.namespaces
         self._reqs: dict[str, _ReqState] = {}
@@ -329,6 +334,8 @@ class SchedulerSide:
                 )
             )
             work.reservations[int(r.reservation_id)] = len(idx)
+            if shard == 0 and self.events is not None and st.request is not None:
+                work.announce[int(r.reservation_id)] = (st.request, [(lo + i, hashes[i]) for i in idx], st.hashes)
         if shards:
             out.append(SaveIntent(req_id=req_id, shards=tuple(shards)))
 
@@ -345,6 +352,8 @@ class SchedulerSide:
                     # step's output and the next step (a sync round trip per reservation).
                     self.link.call(lambda c, rid=rid: c.commit(rid, wait=False))
                     self.saved_blocks += work.reservations[rid]
+                    if self.events is not None and rid in work.announce:
+                        self.events.stored(*work.announce[rid])
                 else:
                     self.link.call(lambda c, rid=rid: c.abort(rid))
             for lease in work.leases:
@@ -355,6 +364,9 @@ class SchedulerSide:
         if st is not None:
             self._drop_hit(st)
         return False, None
+
+    def take_events(self) -> list[Any]:
+        return self.events.take() if self.events is not None else []
 
     def reset_cache(self) -> bool:
         """vLLM's ``reset_prefix_cache(reset_connector=True)``: drop this engine's namespaces

@@ -125,6 +125,7 @@ class BlockIndex:
         self.alloc: PageAllocator = allocator if allocator is not None else ExtentAllocator(capacity, align)
         self.admission = admission
         self._namespaces: dict[str, Namespace] = {}
+        self._ns_by_id: dict[int, Namespace] = {}
         self._ns_ids = itertools.count(1)  # never reused: ids key checksums and SSD entries
         # RESIDENT and PENDING blocks, one dict per namespace id keyed by the hash: a bytes
         # key hashes once (cached), where an (id, hash) tuple is built and hashed per lookup.
@@ -151,6 +152,7 @@ class BlockIndex:
         if ns is None:
             ns = Namespace(next(self._ns_ids), name, page_bytes, namespace_salt(name))
             self._namespaces[name] = ns
+            self._ns_by_id[ns.id] = ns
         elif ns.page_bytes != page_bytes:
             raise ValueError(
                 f"namespace {name!r} has page_bytes={ns.page_bytes}, registration asked for {page_bytes}"
@@ -160,6 +162,9 @@ class BlockIndex:
     def get_namespace(self, name: str) -> Namespace | None:
         return self._namespaces.get(name)
 
+    def namespace_by_id(self, ns_id: int) -> Namespace | None:
+        return self._ns_by_id.get(ns_id)
+
     def drop_namespace(self, name: str) -> bool:
         """Forget namespace ``name`` if it holds no block in any state; True if it was dropped.
         The caller checks that nothing else refers to it (sessions, the SSD tier)."""
@@ -167,6 +172,7 @@ class BlockIndex:
         if ns is None or self._blocks.get(ns.id):
             return False
         del self._namespaces[name]
+        self._ns_by_id.pop(ns.id, None)
         self._blocks.pop(ns.id, None)
         return True
 

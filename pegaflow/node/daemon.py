@@ -24,6 +24,7 @@ from pegaflow.core.allocator import ExtentAllocator
 from pegaflow.core.block_index import BlockIndex, IndexEvent, Namespace
 from pegaflow.core.tinylfu import TinyLFU
 from pegaflow.node import discovery
+from pegaflow.node.block_events import BlockEventFeed
 from pegaflow.node.metrics import NodeMetrics
 from pegaflow.node.pool import SharedPool
 from pegaflow.node.query_trace import QueryTrace, QueryTraceError
@@ -87,9 +88,12 @@ class Node:
         self.sessions = Sessions(self.index, config.reservation_ttl, config.lease_ttl,
                                  max_namespaces=config.max_namespaces)
         self.index.add_listener(self._on_index_event)
+        self.block_events = BlockEventFeed()
+        self.index.add_listener(self.block_events.on_index_event)
         if self.ssd is not None:
             try:
                 self.ssd.attach(self.index, self.pool.view, self.metrics)
+                self.ssd.block_events = self.block_events
             except SsdError as exc:
                 raise StartupError(str(exc)) from None
         self.p2p: wiring.P2P | None = None  # remote reads (pegaflow/node/tiers/remote/), in a cluster
@@ -108,6 +112,7 @@ class Node:
             accounting=self.ceiling, ssd=self.ssd, query_trace=self.query_trace,
             remote=self.p2p.puller if self.p2p is not None else None,
             pool_prefaulted=lambda: self.pool.prefaulted,
+            block_events=self.block_events,
         )
         m = self.metrics
         m.pool_capacity.set(self.index.alloc.capacity)

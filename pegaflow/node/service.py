@@ -29,6 +29,7 @@ from pegaflow.common.logging import RateLimitedLog
 from pegaflow.core.block_index import Block, BlockIndex, Namespace
 from pegaflow.core.identity import HASH_BYTES
 from pegaflow.core.recent import RecentKeys
+from pegaflow.node.block_events import BlockEventFeed
 from pegaflow.node.metrics import NodeMetrics
 from pegaflow.node.requests import SEEN_REQUESTS
 from pegaflow.node.sessions import Sessions
@@ -39,6 +40,7 @@ invalid_requests = RateLimitedLog(log, "invalid_request", every=10.0, level="inf
 
 MAX_NAME = 512  # bytes of a namespace or instance name
 SESSION_PING_SECONDS = 5.0  # keep-alive events on the session stream
+BLOCK_EVENTS_COALESCE_S = 0.01  # block events of a burst go out together, at most this much later
 
 GRPC = "grpc"
 LOCAL = "local"
@@ -162,6 +164,7 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         remote: RemoteTier | None = None,
         query_trace: QueryRecorder | None = None,
         pool_prefaulted: Callable[[], int] | None = None,
+        block_events: BlockEventFeed | None = None,
     ) -> None:
         self.index = index
         self.sessions = sessions
@@ -180,6 +183,7 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         self.remote = remote  # pulls from peers: --metaserver-addr
         self.query_trace = query_trace  # --query-trace
         self.pool_prefaulted = pool_prefaulted or (lambda: pool_bytes)  # bytes pre-faulted so far
+        self.block_events = block_events  # evictions etc. for sessions that watch them
         self.local_socket = ""  # path of the local fast path announced at Register (set once it listens)
         # Wire method number -> (request type, handler) for pegaflow.node.transports.unix_socket.
         self.local_methods: dict[int, tuple[type, Handler]] = {
@@ -228,6 +232,7 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
                 )
             specs.append((ns.name, ns.page_bytes))
         s = self.sessions.open(request.instance_id, specs)
+        s.watch_blocks = request.watch_blocks
         log.info("session_registered", session=s.id, instance=request.instance_id, namespaces=[n for n, _ in specs])
         return node_pb2.RegisterResponse(
             session_id=s.id, pool_path=self.pool_path, pool_bytes=self.pool_bytes, node_id=self.node_id,
@@ -242,14 +247,27 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
             return
         s.streams += 1
         s.streamed = True
+        feed = self.block_events if s.watch_blocks else None
+        watcher = feed.watch(s.id, s.namespaces.values()) if feed is not None else None
         try:
             while not self.stopping.is_set():
-                yield node_pb2.SessionEvent(session_id=s.id, epoch=self.epoch)
+                if watcher is None:
+                    yield node_pb2.SessionEvent(session_id=s.id, epoch=self.epoch)
+                    try:
+                        await asyncio.wait_for(self.stopping.wait(), SESSION_PING_SECONDS)
+                    except TimeoutError:
+                        pass
+                    continue
+                blocks, dropped = watcher.take()
+                yield node_pb2.SessionEvent(session_id=s.id, epoch=self.epoch, blocks=blocks, dropped_hashes=dropped)
                 try:
-                    await asyncio.wait_for(self.stopping.wait(), SESSION_PING_SECONDS)
+                    await asyncio.wait_for(watcher.ready.wait(), SESSION_PING_SECONDS)
+                    await asyncio.sleep(BLOCK_EVENTS_COALESCE_S)  # one message per burst of evictions
                 except TimeoutError:
                     pass
         finally:
+            if watcher is not None and feed is not None:
+                feed.unwatch(watcher)
             s.streams -= 1
             if s.streams == 0 and s.id in self.sessions.sessions:
                 res, leases = self.sessions.close(s.id)

@@ -67,6 +67,7 @@ class Session:
     streams: int = 0
     streamed: bool = False  # a Session stream was opened at least once
     created: float = 0.0
+    watch_blocks: bool = False  # send block events on the Session stream (RegisterRequest.watch_blocks)
 
 
 @dataclass(frozen=True)

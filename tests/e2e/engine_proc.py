@@ -39,6 +39,7 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--compile", action="store_true", help="torch.compile the model (slow start)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--kv-events-endpoint", default="", help="publish vLLM KV cache events (ZMQ) here")
     ap.add_argument("--result-fd", type=int, required=True)
     args = ap.parse_args()
     out = os.fdopen(args.result_fd, "w", buffering=1)
@@ -56,6 +57,11 @@ def main() -> None:
         seed=0,
         enforce_eager=not args.compile,
     )
+    if args.kv_events_endpoint:
+        from vllm.config import KVEventsConfig
+
+        kw["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                                endpoint=args.kv_events_endpoint, topic="kv-events")
     if args.max_num_batched_tokens:
         kw["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.connector == "pega":

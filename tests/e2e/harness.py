@@ -227,3 +227,50 @@ class EngineProc:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class KVEventSubscriber:
+    """A subscriber to vLLM's ZMQ KV-event publisher (what a KV-aware router runs):
+    collects every decoded event in a background thread."""
+
+    def __init__(self, port: int, topic: str = "kv-events") -> None:
+        import threading
+
+        import zmq
+
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        self._sock.setsockopt(zmq.RCVTIMEO, 200)
+        self._sock.connect(self.endpoint)  # before the engine binds: zmq connects when it does
+        self.events: list[Any] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="kv-event-sub")
+        self._thread.start()
+
+    def _run(self) -> None:
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        dec = msgspec.msgpack.Decoder(type=KVEventBatch)
+        while not self._stop.is_set():
+            try:
+                _topic, _seq, payload = self._sock.recv_multipart()
+            except zmq.Again:
+                continue
+            batch = dec.decode(payload)
+            with self._lock:
+                self.events.extend(batch.events)
+
+    def snapshot(self) -> list[Any]:
+        with self._lock:
+            return list(self.events)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._sock.close(0)
+        self._ctx.term()

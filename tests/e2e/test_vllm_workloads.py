@@ -10,6 +10,9 @@ MultiConnector, named by ``kv_connector`` alone (the ``vllm.general_plugins`` en
 Tiers: the node's DRAM pool is tiny and backed by an SSD tier, so turn 1's blocks are on
 SSD only when turn 2 asks, and vLLM's by-source metrics say so.
 
+KV events: the restarted engine publishes vLLM's KV cache events (ZMQ); a subscriber in
+the test sees PegaFlow's BlockStored (CPU, then STORAGE) and, after the reset, BlockRemoved.
+
 Reset: vLLM's ``reset_prefix_cache(reset_connector=True)`` drops the engine's namespace
 from the node (a local reset does not).
 """
@@ -17,13 +20,14 @@ from the node (a local reset does not).
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.e2e.harness import EngineProc, NodeProc, full_blocks_claimable
+from tests.e2e.harness import EngineProc, KVEventSubscriber, NodeProc, free_port, full_blocks_claimable
 from tests.e2e.model import make_text
 
 pytestmark = [pytest.mark.e2e]
@@ -100,10 +104,20 @@ def turn1(model_a: Path, e2e_logs: Path, node: NodeProc, conversation: dict[str,
 
 
 @pytest.fixture(scope="module")
-def turn2_engine(model_a: Path, e2e_logs: Path, node: NodeProc, turn1, conversation, example_dir) -> Iterator[EngineProc]:  # noqa: ANN001
-    """A restarted engine, same MultiConnector; its turn-2 run is kept as ``turn2``."""
+def kv_events() -> Iterator[KVEventSubscriber]:
+    sub = KVEventSubscriber(free_port())
+    yield sub
+    sub.close()
+
+
+@pytest.fixture(scope="module")
+def turn2_engine(model_a: Path, e2e_logs: Path, node: NodeProc, turn1, conversation, example_dir,  # noqa: ANN001
+                 kv_events: KVEventSubscriber) -> Iterator[EngineProc]:
+    """A restarted engine, same MultiConnector, publishing vLLM KV events over ZMQ; its
+    turn-2 run is kept as ``turn2``."""
+    port = kv_events.endpoint.rsplit(":", 1)[1]
     with EngineProc(model_a, e2e_logs, node=node, name="conv-turn2", connector="custom",
-                    extra_args=multi_connector(example_dir)) as eng:
+                    extra_args=[*multi_connector(example_dir), "--kv-events-endpoint", f"tcp://*:{port}"]) as eng:
         eng.turn2 = eng.generate([conversation["p2"]], MAX_TOKENS)[0]  # type: ignore[attr-defined]
         eng.turn2_metrics = eng.metrics()  # type: ignore[attr-defined]
         yield eng
@@ -149,8 +163,43 @@ def test_inside_multiconnector_both_connectors_save_and_pegaflow_loads(
     assert "PegaFlow disabled" not in log and "PegaFlow connector disabled" not in log
 
 
+def pega_events(sub: KVEventSubscriber, kind: str, medium: str) -> list[Any]:
+    return [e for e in sub.snapshot() if type(e).__name__ == kind and e.medium == medium]
+
+
+def wait_events(sub: KVEventSubscriber, kind: str, medium: str, engine: EngineProc | None = None,
+                timeout: float = 60.0) -> list[Any]:
+    """Events of ``kind`` in ``medium``, once there are some (``engine``: keep it stepping:
+    the connector's events go out with a scheduler step)."""
+    deadline = time.monotonic() + timeout
+    while not (got := pega_events(sub, kind, medium)):
+        assert time.monotonic() < deadline, f"no {kind} ({medium}) event; got {sub.snapshot()[-5:]}"
+        if engine is not None:
+            engine.generate([[1, 2, 3]], 1)
+        time.sleep(0.05)
+    return got
+
+
+def test_kv_events_tell_a_subscriber_what_pegaflow_stored(
+    turn2_engine: EngineProc, kv_events: KVEventSubscriber, conversation: dict[str, Any]
+) -> None:
+    """Turn 2's blocks beyond its hit were saved: vLLM's publisher sends BlockStored with
+    medium CPU (the node's pool) for them, then STORAGE once the node's SSD tier wrote them."""
+    bs = conversation["block_size"]
+    p2 = conversation["p2"]
+    hit = turn2_engine.turn2["num_cached_tokens"] // bs  # type: ignore[attr-defined]
+    new_blocks = [p2[i * bs:(i + 1) * bs] for i in range(hit, len(p2) // bs)]
+    assert new_blocks, "turn 2 must complete a block of its own"
+    stored = wait_events(kv_events, "BlockStored", "CPU")
+    got = [e.token_ids[k * bs:(k + 1) * bs] for e in stored for k in range(len(e.block_hashes))]
+    assert all(b in got for b in new_blocks), "a block turn 2 saved was not announced"
+    assert all(e.block_size == bs for e in stored)
+    on_ssd = wait_events(kv_events, "BlockStored", "STORAGE", turn2_engine)
+    assert {h for e in on_ssd for h in e.block_hashes} <= {h for e in stored for h in e.block_hashes}
+
+
 def test_reset_prefix_cache_with_the_connector_drops_the_namespace_on_the_node(
-    turn2_engine: EngineProc, node: NodeProc, conversation: dict[str, Any]
+    turn2_engine: EngineProc, node: NodeProc, conversation: dict[str, Any], kv_events: KVEventSubscriber
 ) -> None:
     namespaces = [ns for ns, n in node.stats().blocks_by_namespace.items() if n > 0]
     assert len(namespaces) == 1, node.stats().blocks_by_namespace
@@ -168,3 +217,8 @@ def test_reset_prefix_cache_with_the_connector_drops_the_namespace_on_the_node(
     assert node.stats().hits == hits, "the node served blocks of a namespace that was reset"
     assert turn2_engine.metrics().get("vllm:pegaflow_loaded_blocks", 0) == loaded
     assert again["tokens"] == conversation["turn2"]["tokens"]
+    # ... and a KV-event subscriber hears that PegaFlow lost them, from DRAM and SSD.
+    announced = {h for e in pega_events(kv_events, "BlockStored", "CPU") for h in e.block_hashes}
+    removed = {h for e in wait_events(kv_events, "BlockRemoved", "CPU", turn2_engine) for h in e.block_hashes}
+    assert removed and removed <= announced
+    wait_events(kv_events, "BlockRemoved", "STORAGE", turn2_engine)

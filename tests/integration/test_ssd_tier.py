@@ -352,3 +352,37 @@ def test_reset_drops_a_namespace_from_dram_and_ssd_and_keeps_the_others(node_fac
         assert q.hit_blocks == 4, "another namespace keeps its blocks"
         d.release(q.lease_id)
         assert "namespaces_reset" in node.log()
+
+
+def test_a_watching_session_gets_its_namespaces_block_events(node_factory, tmp_path):
+    """RegisterRequest.watch_blocks: DRAM evictions, SSD writes and resets of the session's
+    namespaces arrive on its Session stream; another namespace's do not."""
+    import threading
+
+    node = node_factory(POOL, ssd_args(tmp_path))
+    got: list = []
+    lock = threading.Lock()
+
+    def on_blocks(events, dropped):  # type: ignore[no-untyped-def]
+        with lock:
+            got.extend(events)
+        assert dropped == 0
+
+    def seen(medium: str, stored: bool) -> set[bytes]:
+        with lock:
+            return {h for e in got if e.namespace == NS and e.medium == medium and e.stored == stored for h in e.hashes}
+
+    hs = hashes("watched", 24)
+    with PegaClient(node.addr, on_blocks=on_blocks) as c, PegaClient(node.addr) as other:
+        c.register({NS: PAGE})
+        other.register({"unwatched": PAGE})
+        save(c, hs, node=node)
+        r = other.reserve("unwatched", hashes("u", 2))
+        other.commit(r.reservation_id)
+        wait_for(lambda: seen("ssd", True) == set(hs), what="every SSD write reported")
+        wait_for(lambda: len(seen("dram", False)) >= 8, what="DRAM evictions reported")
+        assert seen("dram", False) <= set(hs)
+        c.reset([NS])
+        wait_for(lambda: seen("ssd", False) == set(hs), what="the reset's SSD removals reported")
+        with lock:
+            assert all(e.namespace == NS for e in got), "events of a namespace this session did not register"

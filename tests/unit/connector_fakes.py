@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from pegaflow.connector.events import KVEvents
 from pegaflow.connector.intents import PegaWorkerReport
 from pegaflow.connector.link import NodeLink
 from pegaflow.connector.scheduler import SchedulerSide
@@ -209,13 +210,15 @@ class Engine:
         num_blocks: int = 64,
         link_factory: Callable[[Mapping[str, int]], NodeLink] | None = None,
         settings: ConnectorSettings | None = None,
+        events: KVEvents | None = None,
     ) -> None:
         self.node = node
         self.ident = ident
         if link_factory is None:
             assert node is not None
             link_factory = lambda ns: fake_link(node, ns)  # noqa: E731
-        self.sched = SchedulerSide(ident, link_factory({ns: ident.page_bytes for ns in ident.namespaces}), settings)
+        self.sched = SchedulerSide(ident, link_factory({ns: ident.page_bytes for ns in ident.namespaces}), settings,
+                                   events)
         self.workers = []
         self.caches = []
         for rank in range(ident.tp_size):

@@ -359,3 +359,57 @@ def test_hit_sources_split_the_tokens_by_the_tier_that_held_them(
     split = b.sched.hit_sources(req, n)
     assert split == {"host": BS, source: 3 * BS} and sum(split.values()) == n
     assert b.sched.hit_sources(req, 0) == {}
+
+
+def test_kv_events_announce_committed_blocks_and_what_the_node_lost() -> None:
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    from pegaflow.client import BlockEvents
+    from pegaflow.connector.events import KVEvents
+    from pegaflow.core.identity import block_hashes
+
+    node = FakeNode()
+    ident = identity()
+    ev = KVEvents(ident.namespaces[0], BS)
+    eng = Engine(node, ident, events=ev)
+    p = prompt(11)
+    eng.run(p)
+    hs = [maybe_convert_block_hash(h) for h in block_hashes(ident.seed, p, BS)]  # as vLLM names them
+    ours = block_hashes(ident.seed, p, BS)
+    (stored,) = ev.take()
+    assert isinstance(stored, BlockStored) and stored.medium == "CPU"
+    assert stored.block_hashes == hs and stored.token_ids == p[:5 * BS] and stored.parent_block_hash is None
+    assert ev.take() == [], "each event once"
+
+    ev.on_blocks([BlockEvents(ident.namespaces[0], "dram", False, [ours[3], ours[4], b"x" * 16]),
+                  BlockEvents("another-namespace", "dram", False, [ours[0]])], 0)
+    ev.on_blocks([BlockEvents(ident.namespaces[0], "ssd", True, [ours[3]])], 0)
+    removed, on_ssd = ev.take()
+    assert isinstance(removed, BlockRemoved) and removed.medium == "CPU"
+    assert removed.block_hashes == [hs[3], hs[4]], "only blocks this engine announced, only its namespace"
+    assert isinstance(on_ssd, BlockStored) and on_ssd.medium == "STORAGE"
+    assert on_ssd.block_hashes == [hs[3]] and on_ssd.parent_block_hash == hs[2]
+    assert on_ssd.token_ids == p[3 * BS:4 * BS]
+
+    ev.on_blocks([BlockEvents(ident.namespaces[0], "ssd", False, [ours[3]])], 0)
+    (gone,) = ev.take()
+    assert gone.block_hashes == [hs[3]] and gone.medium == "STORAGE"
+    ev.on_blocks([BlockEvents(ident.namespaces[0], "ssd", True, [ours[3]])], 0)
+    assert ev.take() == [], "a block gone from every medium is forgotten"
+
+
+def test_kv_events_use_vllms_block_hashes_when_the_request_has_them() -> None:
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    from pegaflow.connector.events import KVEvents
+
+    node = FakeNode()
+    ident = identity()
+    ev = KVEvents(ident.namespaces[0], BS)
+    eng = Engine(node, ident, events=ev)
+    p = prompt(12)
+    vllm_hashes = [bytes([i]) * 32 for i in range(5)]
+    eng.run(p, block_hashes=vllm_hashes)
+    (stored,) = ev.take()
+    assert stored.block_hashes == [maybe_convert_block_hash(h) for h in vllm_hashes]

@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from pegaflow.core.block_index import BlockIndex
+from pegaflow.core.block_index import BlockIndex, Namespace
 from pegaflow.node.tiers.ssd.metrics import SsdMetrics
 from pegaflow.node.tiers.ssd.store import Entry, SsdIndex
 from pegaflow.node.tiers.ssd.uring import Engine
@@ -31,6 +31,8 @@ class TierParts(Protocol):
         ...
 
     def on_ssd_evicted(self, keys: list[tuple[int, bytes]]) -> None: ...
+
+    def ssd_stored(self, ns: Namespace, hashes: list[bytes]) -> None: ...
 
     def log_io_error(self, what: str, n: int) -> None: ...
 

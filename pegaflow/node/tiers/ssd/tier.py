@@ -47,6 +47,7 @@ class SsdTier:
         self._posted: collections.deque[tuple[Callable[..., Any], tuple[Any, ...]]] = collections.deque()
         self._drain_scheduled = False
         self._stats_task: asyncio.Task[None] | None = None
+        self.block_events: Any = None  # BlockEventFeed (pegaflow/node/block_events.py), set by the node
 
     # ---- wiring -----------------------------------------------------------------------
     def attach(self, index: BlockIndex, pool_view: memoryview, metrics: NodeMetrics) -> None:
@@ -146,10 +147,24 @@ class SsdTier:
         for k in keys:
             store.remove(k)
         self.writer.voided.update(k for k in self.writer.pending if k[0] == ns.id)
+        if keys and self.block_events is not None:
+            self.block_events.ssd_removed(ns, [h for _, h in keys])
         return len(keys)
+
+    def ssd_stored(self, ns: Namespace, hashes: list[bytes]) -> None:
+        if self.block_events is not None and hashes:
+            self.block_events.ssd_stored(ns, hashes)
 
     def on_ssd_evicted(self, keys: list[tuple[int, bytes]]) -> None:
         self.metrics.evicted.inc(len(keys))
+        if self.block_events is not None:
+            by_ns: dict[int, list[bytes]] = {}
+            for nid, h in keys:
+                by_ns.setdefault(nid, []).append(h)
+            for nid, hs in by_ns.items():
+                ns = self.index.namespace_by_id(nid)
+                if ns is not None:
+                    self.block_events.ssd_removed(ns, hs)
 
     def log_io_error(self, what: str, n: int) -> None:
         log.warning("ssd_io_error", op=what, blocks=n)

@@ -141,6 +141,7 @@ class WriteBehind:
         m = t.metrics
         blocks = [r.block for r in run]
         t.index.unpin(blocks)
+        stored: dict[int, tuple[Namespace, list[bytes]]] = {}  # namespace id -> (namespace, hashes written)
         for r in run:
             b = r.block
             key = b.key
@@ -154,6 +155,9 @@ class WriteBehind:
             elif t.store.add(key, r.slot, b.ns.name, b.size):
                 m.written.inc()
                 m.write_bytes.inc(b.size)
+                stored.setdefault(b.ns.id, (b.ns, []))[1].append(b.hash)
+        for ns, hs in stored.values():
+            t.ssd_stored(ns, hs)
         if not ok:
             t.log_io_error("write", len(run))
 
