@@ -96,6 +96,7 @@ class QueryResult:
     epoch: int
     pool: torch.Tensor | None = field(default=None, repr=False, compare=False)
     loading_from: str = ""  # LOADING: "ssd" or "peer" (where the blocks after hit_blocks come from)
+    expected_blocks: int = 0  # LOADING from SSD: the prefix length once loaded (0: unknown)
 
 
 @dataclass(frozen=True)
@@ -452,7 +453,7 @@ class PegaClient:
         status = QueryStatus.LOADING if resp.status == node_pb2.LOADING else QueryStatus.READY
         return QueryResult(status, resp.hit_blocks, resp.lease_id,
                            {p.namespace: list(p.offsets) for p in resp.pages}, b.epoch, b.pool,
-                           _LOADING_FROM.get(resp.loading_from, ""))
+                           _LOADING_FROM.get(resp.loading_from, ""), resp.expected_blocks)
 
     def reserve(self, namespace: str, hashes: Sequence[bytes]) -> Reservation:
         resp, b = self._with_session(

@@ -153,6 +153,8 @@ _PROM_COUNTERS = {
     "loaded_blocks": ("vllm:pegaflow_loaded_blocks_total", "Blocks copied from the PegaFlow pool into the KV cache."),
     "saved_blocks": ("vllm:pegaflow_saved_blocks_total", "Blocks copied from the KV cache into the PegaFlow pool."),
     "load_errors": ("vllm:pegaflow_load_errors_total", "Blocks that failed to load and were recomputed."),
+    "async_loads": ("vllm:pegaflow_async_loads_total",
+                    "Requests whose blocks were promoted from the node's SSD while vLLM ran others."),
     "load_s": ("vllm:pegaflow_load_seconds_total", "Seconds spent copying pages into the KV cache."),
     "save_s": ("vllm:pegaflow_save_seconds_total", "Seconds spent copying pages into the pool."),
 }
@@ -271,6 +273,12 @@ class PegaKVConnector(KVConnectorBase_V1):
         meta = self._meta()
         if self._worker is not None and meta is not None:
             self._worker.save(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is None:
+            return None, None
+        done = self._worker.take_finished_recving()
+        return None, (done or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()

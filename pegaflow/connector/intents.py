@@ -16,6 +16,9 @@ Contracts:
   them, which it does only after the report for that step arrived without the reservation
   in ``failed_reservations``. A worker that could not copy reports the reservation; the
   scheduler aborts it. Nothing half-written ever becomes visible.
+* An asynchronous ``LoadIntent`` (``is_async``) may arrive in any later step, whether or
+  not its request is scheduled; the worker reports it finished after copying it (or after
+  failing to: its blocks are then load errors), never before.
 * ``epoch`` (of a load or a shard save) is the node epoch its offsets were issued under. A worker whose mapping is of
   another epoch (node restarted, worker not yet re-attached) must not copy: offsets would
   point into the wrong pool. It reports loads as failed (vLLM recomputes) and saves as failed.
@@ -42,6 +45,11 @@ class LoadIntent:
     block_ids: tuple[int, ...]
     offsets: tuple[tuple[int, ...], ...]
     epoch: int
+    # An asynchronous load (vLLM's ``(n, True)``): once copied, the worker reports ``req_id``
+    # in ``get_finished``'s finished_recving; ``missing`` are blocks of it the node could not
+    # deliver, reported as load errors (vLLM recomputes from the first of them).
+    is_async: bool = False
+    missing: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

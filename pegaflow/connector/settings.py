@@ -43,6 +43,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("pegaflow.save_decode_blocks", "PEGAFLOW_SAVE_DECODE_BLOCKS", "true",
             "Also save the full blocks of generated tokens, so the next turn of a conversation "
             "hits its previous answer; `false` saves prompt blocks only."),
+    Setting("pegaflow.async_load", "PEGAFLOW_ASYNC_LOAD", "true",
+            "While the node promotes a request's blocks from SSD, tell vLLM the load is "
+            "asynchronous (it runs other requests and is told when the copy is done); `false` "
+            "keeps the request waiting (re-asked every 5 ms)."),
     Setting("pegaflow.model_id", None, "the model path",
             "The model's name in the namespace, when the same weights live at different paths "
             "on different hosts."),
@@ -60,6 +64,7 @@ class ConnectorSettings:
     addr: str = "127.0.0.1:50055"
     mode: str = READ_WRITE
     save_decode_blocks: bool = True
+    async_load: bool = True
     model_id: str | None = None
 
     @property
@@ -102,11 +107,13 @@ def load_settings(extra: Mapping[str, Any] | None = None, env: Mapping[str, str]
         raise ValueError(f"pegaflow.mode={mode!r} is not one of {', '.join(MODES)}")
     save_decode = _bool("pegaflow.save_decode_blocks",
                         _raw("pegaflow.save_decode_blocks", "PEGAFLOW_SAVE_DECODE_BLOCKS", extra, env), True)
+    async_load = _bool("pegaflow.async_load", _raw("pegaflow.async_load", "PEGAFLOW_ASYNC_LOAD", extra, env), True)
     model_id = extra.get("pegaflow.model_id")
     return ConnectorSettings(
         addr=node_address(env=env, extra=extra),
         mode=mode,
         save_decode_blocks=save_decode,
+        async_load=async_load,
         model_id=str(model_id) if model_id else None,
     )
 

@@ -10,6 +10,8 @@ A worker never talks to the node except to register (which maps the pool). Per s
   ``save_pages`` call) if this rank is the one that writes its shard (MLA: rank 0 only).
   Failed copies are reported as failed reservations; the scheduler aborts them.
 * ``report`` tells the scheduler which step was handled.
+* ``take_finished_recving`` (vLLM's ``get_finished``): the requests whose asynchronous
+  load this rank copied (or failed to copy) in the step's ``start_load``.
 
 Copies are torch copies on shared memory (they release the GIL and run near memcpy speed).
 """
@@ -50,6 +52,7 @@ class WorkerSide:
         self.link: NodeLink | None = None
         self.layout: PageLayout | None = None
         self._load_errors: set[int] = set()
+        self._finished_recving: set[str] = set()  # asynchronous loads done (copied or failed)
         self._failed_reservations: set[int] = set()
         self._load_pages, self._save_pages = _copy_fns()
         self.stats: dict[str, float] = {}
@@ -105,6 +108,11 @@ class WorkerSide:
     def start_load(self, meta: PegaConnectorMetadata) -> None:
         if not meta.loads:
             return
+        for ld in meta.loads:
+            if ld.is_async:  # reported after this step's copies below, successful or not
+                self._finished_recving.add(ld.req_id)
+                self._load_errors.update(ld.missing)
+                self._count("async_loads", 1)
         for epoch in sorted({ld.epoch for ld in meta.loads}):
             loads = [ld for ld in meta.loads if ld.epoch == epoch]
             block_ids = [b for ld in loads for b in ld.block_ids]
@@ -149,6 +157,10 @@ class WorkerSide:
                 continue
             self._count("save_s", time.perf_counter() - t0)
             self._count("saved_blocks", len(block_ids))
+
+    def take_finished_recving(self) -> set[str]:
+        out, self._finished_recving = self._finished_recving, set()
+        return out
 
     def take_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()

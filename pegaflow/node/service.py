@@ -112,8 +112,9 @@ def check_hashes(hashes: Sequence[bytes], max_batch: int) -> None:
 class PromotingTier(Protocol):
     """The SSD tier as a Query sees it (``pegaflow.node.tiers.ssd.SsdTier``)."""
 
-    def promote(self, nss: Sequence[Namespace], hashes: Sequence[bytes], hit: int) -> bool:
-        """Start loading what follows the first ``hit`` blocks from SSD; False if nothing is there."""
+    def promote(self, nss: Sequence[Namespace], hashes: Sequence[bytes], hit: int) -> int:
+        """Start loading what follows the first ``hit`` blocks from SSD; the prefix length
+        once loaded, 0 if nothing is there."""
         ...
 
     def leased(self, blocks: Sequence[Block]) -> None:
@@ -297,12 +298,12 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         if first:
             for ns in nss:
                 self.index.record_access(ns, hashes[hit:])
-        if self.ssd is not None and hit < len(hashes) and self.ssd.promote(nss, hashes, hit):
+        if self.ssd is not None and hit < len(hashes) and (expected := self.ssd.promote(nss, hashes, hit)):
             self.metrics.queries.labels("loading").inc()
             if self.accounting is not None:
                 self.accounting.loading(_request_key(s.id, request.req_id), hit, "ssd")
             return node_pb2.QueryResponse(status=node_pb2.LOADING, hit_blocks=hit,
-                                          loading_from=node_pb2.LOADING_FROM_SSD)
+                                          loading_from=node_pb2.LOADING_FROM_SSD, expected_blocks=expected)
         if self.remote is not None and hit < len(hashes):
             if await self.remote.query(nss, hashes, hit):
                 self.metrics.queries.labels("loading").inc()

@@ -150,6 +150,9 @@ def test_vllm_counts_the_hit_by_the_tier_it_came_from(turn2_engine: EngineProc) 
     assert by["disk"] > 0, (by, {k: v for k, v in m.items() if "source" in k})
     assert by["external_unspecified"] == 0 and by["p2p"] == 0
     assert by["disk"] + by["host"] == cached
+    # The blocks still on SSD were loaded asynchronously: vLLM got (n, True) and was told
+    # in get_finished when the workers had copied them.
+    assert m.get("vllm:pegaflow_async_loads", 0) >= 1, m
 
 
 def test_inside_multiconnector_both_connectors_save_and_pegaflow_loads(

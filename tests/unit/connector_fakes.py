@@ -43,6 +43,7 @@ class QR:
     offsets: dict[str, list[int]]
     epoch: int
     loading_from: str = ""
+    expected_blocks: int = 0
 
 
 @dataclass
@@ -68,6 +69,7 @@ class FakeNode:
         self.loading = 0  # answer LOADING this many times
         self.loading_dram = 0  # ... saying this many blocks are in DRAM already
         self.loading_from = ""  # ... and the rest come from "ssd" or "peer"
+        self.loading_expected = 0  # ... and the prefix will be this long once loaded
         self.calls: Counter[str] = Counter()
 
     def restart(self) -> None:
@@ -106,7 +108,8 @@ class FakeNodeClient:
         self._check("query")
         if self.node.loading > 0:
             self.node.loading -= 1
-            return QR("LOADING", self.node.loading_dram, 0, {}, self.node.epoch, self.node.loading_from)
+            return QR("LOADING", self.node.loading_dram, 0, {}, self.node.epoch, self.node.loading_from,
+                      self.node.loading_expected)
         n = 0
         for h in hashes:
             if all((ns, h) in self.node.stored for ns in namespaces):

@@ -413,3 +413,95 @@ def test_kv_events_use_vllms_block_hashes_when_the_request_has_them() -> None:
     eng.run(p, block_hashes=vllm_hashes)
     (stored,) = ev.take()
     assert stored.block_hashes == [maybe_convert_block_hash(h) for h in vllm_hashes]
+
+
+def idle_step() -> SimpleNamespace:
+    """A scheduler output with nothing scheduled (the request waits for its KV)."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[], num_scheduled_tokens={},
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[],
+                                              resumed_req_ids=set()))
+
+
+def run_step(eng: Engine, meta) -> set[str]:  # type: ignore[no-untyped-def]
+    """Workers handle ``meta``; returns what they report finished (get_finished)."""
+    done: set[str] = set()
+    report = None
+    for w in eng.workers:
+        w.start_load(meta)
+        w.save(meta)
+        r = w.report(meta)
+        report = r if report is None else report.aggregate(r)
+        done |= w.take_finished_recving()
+        eng.load_errors |= w.take_load_errors()
+    eng.sched.update_connector_output(report)
+    return done
+
+
+def async_setup(monkeypatch: pytest.MonkeyPatch, expected: int = 5):  # type: ignore[no-untyped-def]
+    clock = [1000.0]
+    monkeypatch.setattr(scheduler_mod, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    node = FakeNode()
+    p = prompt(13)
+    Engine(node, identity()).run(p)
+    b = Engine(node, identity(tp=1))
+    node.loading, node.loading_dram, node.loading_from, node.loading_expected = 2, 1, "ssd", expected
+    req = b.request(p)
+    block_ids = [b.free.pop() for _ in range(6)]
+    return clock, node, b, p, req, block_ids
+
+
+def test_blocks_still_on_ssd_load_asynchronously_while_the_engine_runs_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock, node, b, p, req, block_ids = async_setup(monkeypatch)
+    assert b.sched.get_num_new_matched_tokens(req, 0) == (5 * BS, True)
+    b.sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (block_ids,)), 5 * BS)
+    assert b.sched.hit_sources(req, 5 * BS) == {"host": BS, "disk": 4 * BS}
+
+    meta = b.sched.build_connector_meta(idle_step())  # polled too soon: nothing yet
+    assert meta.loads == () and run_step(b, meta) == set()
+    clock[0] += scheduler_mod.LOADING_POLL_S
+    meta = b.sched.build_connector_meta(idle_step())  # the node still loads
+    assert meta.loads == () and run_step(b, meta) == set()
+    clock[0] += scheduler_mod.LOADING_POLL_S
+    meta = b.sched.build_connector_meta(idle_step())  # in DRAM now: the copy goes out
+    (ld,) = meta.loads
+    assert ld.is_async and ld.block_ids == tuple(block_ids[:5]) and ld.missing == ()
+    assert run_step(b, meta) == {req.request_id}, "finished only once the copy was made"
+    for i, blk in enumerate(block_ids[:5]):
+        assert b.block_content(0, blk) == b.expected(0, p, i)
+    assert not b.load_errors and not node.leases, "the lease ends with the step"
+    b.sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (block_ids,)), 0)
+    assert b.sched.build_connector_meta(idle_step()).loads == (), "one intent per load"
+
+
+def test_an_async_load_that_loses_blocks_reports_them_as_load_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock, node, b, p, req, block_ids = async_setup(monkeypatch)
+    node.loading = 1
+    assert b.sched.get_num_new_matched_tokens(req, 0) == (5 * BS, True)
+    b.sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (block_ids,)), 5 * BS)
+    third = sorted(node.stored, key=lambda k: node.stored[k])[3]
+    del node.stored[third]  # evicted before the promotion finished
+    clock[0] += scheduler_mod.LOADING_POLL_S
+    meta = b.sched.build_connector_meta(idle_step())
+    (ld,) = meta.loads
+    assert ld.block_ids == tuple(block_ids[:3]) and ld.missing == tuple(block_ids[3:5])
+    assert run_step(b, meta) == {req.request_id}
+    assert b.load_errors == set(block_ids[3:5])
+
+
+def test_an_async_load_that_never_lands_gives_up_and_recomputes(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock, node, b, p, req, block_ids = async_setup(monkeypatch)
+    node.loading = 10**6
+    assert b.sched.get_num_new_matched_tokens(req, 0) == (5 * BS, True)
+    b.sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (block_ids,)), 5 * BS)
+    clock[0] += scheduler_mod.LOADING_WAIT_S
+    meta = b.sched.build_connector_meta(idle_step())
+    (ld,) = meta.loads
+    assert ld.block_ids == () and ld.missing == tuple(block_ids[:5])
+    assert run_step(b, meta) == {req.request_id} and b.load_errors == set(block_ids[:5])
+
+
+def test_async_load_off_keeps_the_request_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock, node, b, p, req, block_ids = async_setup(monkeypatch)
+    b.sched.settings = ConnectorSettings(async_load=False)
+    assert b.sched.get_num_new_matched_tokens(req, 0) == (None, False)

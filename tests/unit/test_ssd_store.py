@@ -199,12 +199,12 @@ def test_write_behind_pins_until_written_and_scan_recovers_after_restart(tmp_pat
     async def second() -> None:
         n = _Node(tmp_path, engine)
         assert len(n.tier.store.entries) == 40, "scan must find every record"
-        assert n.tier.promote([n.ns], hashes, 0) is True  # LOADING
+        assert n.tier.promote([n.ns], hashes, 0) == len(hashes)  # LOADING, up to the whole prefix
         await _until(lambda: all(n.index.get(n.ns, h) is not None for h in hashes))
         for h in hashes:
             b = n.index.get(n.ns, h)
             assert bytes(n.pool.view[b.offset:b.offset + PAGE]) == _page(h)
-        assert n.tier.promote([n.ns], [b"\xff" * 16], 0) is False, "nothing on SSD: no LOADING"
+        assert n.tier.promote([n.ns], [b"\xff" * 16], 0) == 0, "nothing on SSD: no LOADING"
         await n.close()
 
     asyncio.run(first())
@@ -268,13 +268,13 @@ def test_tp_shards_promote_together_and_loading_needs_every_shard(tmp_path: Path
         index.commit(b1)
         await _until(lambda: n.tier.writer.idle())
         index.remove(index.resident())
-        assert n.tier.promote([n.ns, tp1], hs, 0) is True
+        assert n.tier.promote([n.ns, tp1], hs, 0) == 3, "shard 1 lacks block 3: the prefix stops there"
         await _until(lambda: not n.tier.promoter.inflight)
         assert [len(index.prefix(ns, hs, touch=False)) for ns in (n.ns, tp1)] == [3, 3], (
             "only the prefix both shards hold is promoted")
         for b in index.prefix(tp1, hs, touch=False):
             assert bytes(n.pool.view[b.offset:b.offset + PAGE]) == _page(b"\x01" + b.hash[1:])
-        assert n.tier.promote([n.ns, tp1], hs, 3) is False, "shard 1 lacks block 3: nothing to wait for"
+        assert n.tier.promote([n.ns, tp1], hs, 3) == 0, "shard 1 lacks block 3: nothing to wait for"
         await n.close()
 
     asyncio.run(run())

@@ -83,8 +83,9 @@ class Promoter:
         self._hdrs: list[bytearray] = []  # free 4 KiB header buffers (aligned)
         self._holding: dict[int, list[_Batch]] = {}  # id(block) -> completed batches that hold it
 
-    def query(self, nss: Sequence[Namespace], hashes: Sequence[bytes], hit: int) -> bool:
-        """Start promoting the SSD continuation of an L1 prefix of length ``hit``."""
+    def query(self, nss: Sequence[Namespace], hashes: Sequence[bytes], hit: int) -> int:
+        """Start promoting the SSD continuation of an L1 prefix of length ``hit``; returns
+        the prefix length it will reach (0: nothing to wait for)."""
         t = self.tier
         index, store, inflight = t.index, t.store, self.inflight
         end = len(hashes)
@@ -96,7 +97,7 @@ class Promoter:
                 break
             j += 1
         if j == hit:
-            return False
+            return 0
         batch = _Batch(time.perf_counter())
         # Pin what L1 already holds of hashes[:j] (the prefix, and continuation blocks one
         # shard has): the reservations below must not evict them.
@@ -124,11 +125,11 @@ class Promoter:
             self._unpin(batch)
         return self._loading(nss, hashes, hit, j)
 
-    def _loading(self, nss: Sequence[Namespace], hashes: Sequence[bytes], hit: int, end: int) -> bool:
-        """True if the prefix can grow past ``hit`` once in-flight reads land: positions
-        from ``hit`` on are each held by every namespace in L1 or in flight, and some are
-        in flight. Answering LOADING until the whole continuation is in L1 (rather than
-        READY with the part that landed first) lets the engine load it in one go."""
+    def _loading(self, nss: Sequence[Namespace], hashes: Sequence[bytes], hit: int, end: int) -> int:
+        """The prefix length once in-flight reads land, if it grows past ``hit`` (else 0):
+        positions from ``hit`` on are each held by every namespace in L1 or in flight, and
+        some are in flight. Answering LOADING until the whole continuation is in L1 (rather
+        than READY with the part that landed first) lets the engine load it in one go."""
         index, inflight = self.tier.index, self.inflight
         waiting = False
         for k in range(hit, end):
@@ -136,9 +137,9 @@ class Promoter:
             for ns in nss:
                 if index.get(ns, h) is None:
                     if (ns.id, h) not in inflight:
-                        return waiting
+                        return k if waiting else 0
                     waiting = True
-        return waiting
+        return end if waiting else 0
 
     def _hdr(self) -> bytearray:
         return self._hdrs.pop() if self._hdrs else aligned_buffer(BLOCK)

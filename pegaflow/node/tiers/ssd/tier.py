@@ -125,10 +125,11 @@ class SsdTier:
                 return
 
     # ---- hooks used by the node -------------------------------------------------------
-    def promote(self, nss: Sequence[Namespace], hashes: Sequence[bytes], hit: int) -> bool:
-        """Query hook: True = answer LOADING (blocks after ``hit`` are on their way to L1)."""
+    def promote(self, nss: Sequence[Namespace], hashes: Sequence[bytes], hit: int) -> int:
+        """Query hook: > 0 = answer LOADING (blocks after ``hit`` are on their way to L1); the
+        prefix length the node will hold once they landed."""
         if self.loop is None or self.writer.closing:
-            return False
+            return 0
         return self.promoter.query(nss, hashes, hit)
 
     def leased(self, blocks: Sequence[Block]) -> None:
