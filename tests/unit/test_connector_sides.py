@@ -361,18 +361,23 @@ def test_hit_sources_split_the_tokens_by_the_tier_that_held_them(
     assert b.sched.hit_sources(req, 0) == {}
 
 
+def events_engine():  # type: ignore[no-untyped-def]
+    """An engine whose scheduler side produces vLLM KV events."""
+    from pegaflow.connector.events import KVEvents
+
+    ident = identity()
+    ev = KVEvents(ident.namespaces[0], BS)
+    return ident, ev, Engine(FakeNode(), ident, events=ev)
+
+
 def test_kv_events_announce_committed_blocks_and_what_the_node_lost() -> None:
     from vllm.distributed.kv_events import BlockRemoved, BlockStored
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
     from pegaflow.client import BlockEvents
-    from pegaflow.connector.events import KVEvents
     from pegaflow.core.identity import block_hashes
 
-    node = FakeNode()
-    ident = identity()
-    ev = KVEvents(ident.namespaces[0], BS)
-    eng = Engine(node, ident, events=ev)
+    ident, ev, eng = events_engine()
     p = prompt(11)
     eng.run(p)
     hs = [maybe_convert_block_hash(h) for h in block_hashes(ident.seed, p, BS)]  # as vLLM names them
@@ -402,12 +407,7 @@ def test_kv_events_announce_committed_blocks_and_what_the_node_lost() -> None:
 def test_kv_events_use_vllms_block_hashes_when_the_request_has_them() -> None:
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-    from pegaflow.connector.events import KVEvents
-
-    node = FakeNode()
-    ident = identity()
-    ev = KVEvents(ident.namespaces[0], BS)
-    eng = Engine(node, ident, events=ev)
+    _, ev, eng = events_engine()
     p = prompt(12)
     vllm_hashes = [bytes([i]) * 32 for i in range(5)]
     eng.run(p, block_hashes=vllm_hashes)
