@@ -71,7 +71,7 @@ def _dtype_name(dt: Any) -> str:
     return str(dt).removeprefix("torch.")
 
 
-def kv_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> KVIdentity:
+def kv_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, model_id: str | None = None) -> KVIdentity:
     """The block identity of this engine, from its config alone (same in every process).
 
     Raises ``ValueError`` for cache layouts PegaFlow does not store (several KV cache
@@ -90,8 +90,7 @@ def kv_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> KVId
     if par.pipeline_parallel_size > 1:
         raise ValueError("PegaFlow does not support pipeline parallelism yet")
     mc = vllm_config.model_config
-    settings = load_settings(extra=vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-    model = settings.model_id or str(mc.model)
+    model = model_id or str(mc.model)
     if getattr(mc, "revision", None):
         model += f"@{mc.revision}"
     tp = int(par.tensor_parallel_size)
@@ -203,8 +202,8 @@ class PegaKVConnector(KVConnectorBase_V1):
         try:
             if kv_cache_config is None:
                 raise ValueError("no kv_cache_config given")
-            self.identity: KVIdentity | None = kv_identity(vllm_config, kv_cache_config)
             settings = load_settings(extra=self._kv_transfer_config.kv_connector_extra_config or {})
+            self.identity: KVIdentity | None = kv_identity(vllm_config, kv_cache_config, settings.model_id)
             addr = settings.addr
             Security.load()  # a token or TLS file that cannot be used disables the connector, loudly
         except ValueError as exc:

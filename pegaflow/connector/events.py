@@ -60,8 +60,6 @@ class KVEvents:
     def stored(self, request: Any, blocks: Sequence[tuple[int, bytes]], chain: Sequence[bytes]) -> None:
         """Blocks of ``request`` (index in the request, PegaFlow hash) were committed;
         ``chain``: the request's PegaFlow hashes (for a parent where vLLM has none)."""
-        from vllm.distributed.kv_events import BlockStored
-
         vhashes = getattr(request, "block_hashes", None) or []
         tokens = request.all_token_ids
         lora = getattr(request, "lora_request", None)
@@ -80,17 +78,9 @@ class KVEvents:
             batch.append(a)
         contiguous = all(b[0] == blocks[0][0] + k for k, b in enumerate(blocks))
         if batch and contiguous:  # one event for a chain, as vLLM's block pool sends
-            self._out.append(BlockStored(
-                block_hashes=[a.block_hash for a in batch], parent_block_hash=parent0,
-                token_ids=[t for a in batch for t in a.tokens], block_size=bs, lora_id=None,
-                medium=MEDIUM_OF["dram"], lora_name=lora_name,
-            ))
+            self._out.append(self._stored_event(batch, parent0, MEDIUM_OF["dram"]))
         else:
-            for a in batch:
-                self._out.append(BlockStored(
-                    block_hashes=[a.block_hash], parent_block_hash=a.parent, token_ids=list(a.tokens),
-                    block_size=bs, lora_id=None, medium=MEDIUM_OF["dram"], lora_name=lora_name,
-                ))
+            self._out.extend(self._stored_event([a], a.parent, MEDIUM_OF["dram"]) for a in batch)
 
     def on_blocks(self, events: list[BlockEvents], dropped: int) -> None:
         """``PegaClient(on_blocks=...)``: called from the session thread."""
@@ -99,7 +89,7 @@ class KVEvents:
 
     # ---- output -------------------------------------------------------------------------
     def take(self) -> list[Any]:
-        from vllm.distributed.kv_events import BlockRemoved, BlockStored
+        from vllm.distributed.kv_events import BlockRemoved
 
         with self._lock:
             node, self._node = self._node, collections.deque()
@@ -122,14 +112,21 @@ class KVEvents:
                         for h, _ in known:
                             self._announced.pop(h, None)
                     continue
-                for _, a in known:  # SSD writes: one event per block (their parents differ)
-                    out.append(BlockStored(
-                        block_hashes=[a.block_hash], parent_block_hash=a.parent, token_ids=list(a.tokens),
-                        block_size=self.block_size, lora_id=None, medium=medium, lora_name=a.lora_name,
-                    ))
+                # SSD writes: one event per block (they need not form a chain)
+                out.extend(self._stored_event([a], a.parent, medium) for _, a in known)
         return out
 
     # ---- internals ----------------------------------------------------------------------
+    def _stored_event(self, chain: list[_Announced], parent: Any, medium: str | None) -> Any:
+        """One ``BlockStored`` for consecutive blocks ``chain`` (its first block's parent: ``parent``)."""
+        from vllm.distributed.kv_events import BlockStored
+
+        return BlockStored(
+            block_hashes=[a.block_hash for a in chain], parent_block_hash=parent,
+            token_ids=[t for a in chain for t in a.tokens], block_size=self.block_size, lora_id=None,
+            medium=medium, lora_name=chain[0].lora_name,
+        )
+
     def _remember(self, h: bytes, a: _Announced) -> None:
         ann = self._announced
         ann[h] = a

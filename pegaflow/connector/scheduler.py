@@ -158,7 +158,6 @@ class SchedulerSide:
         self.queries = 0
         self.hit_blocks = 0
         self.saved_blocks = 0
-        self.async_loads = 0
 
     # -- request state -------------------------------------------------------------------
     def _state(self, request: Any) -> _ReqState:
@@ -201,7 +200,7 @@ class SchedulerSide:
         if res is None:
             return 0, False
         if res.status == QueryStatus.LOADING:
-            expected = min(int(getattr(res, "expected_blocks", 0) or 0), max_blocks)
+            expected = min(int(res.expected_blocks), max_blocks)
             if (self.settings.async_load and expected > int(res.hit_blocks)
                     and expected * self.block_size > num_computed_tokens):
                 # vLLM's asynchronous contract: allocate now, run other requests, and wait for
@@ -211,14 +210,13 @@ class SchedulerSide:
                     lease = res.lease_id
                     self.link.call(lambda c: c.release(lease, wait=False))
                 st.pending = _AsyncLoad(end=expected, since=now, next_poll=now + LOADING_POLL_S)
-                st.hit_split = (int(res.hit_blocks), str(getattr(res, "loading_from", "") or ""))
+                st.hit_split = (int(res.hit_blocks), res.loading_from)
                 st.hit_end = expected * self.block_size
                 st.loading_since = None
-                self.async_loads += 1
                 return expected * self.block_size - num_computed_tokens, True
             if st.loading_since is None:
                 st.loading_since = now
-                st.loading_dram, st.loading_from = int(res.hit_blocks), str(getattr(res, "loading_from", "") or "")
+                st.loading_dram, st.loading_from = int(res.hit_blocks), res.loading_from
             if now - st.loading_since < LOADING_WAIT_S:
                 st.next_poll = now + LOADING_POLL_S
                 if res.lease_id:
@@ -254,11 +252,10 @@ class SchedulerSide:
         if num_external_tokens <= 0:
             return {}
         st = self._reqs.get(request.request_id)
-        split = st.hit_split if st is not None else None
-        if split is None:
+        if st is None or st.hit_split is None:
             return {"host": num_external_tokens}
-        dram_blocks, tier = split
-        end = st.hit_end if st is not None else 0
+        dram_blocks, tier = st.hit_split
+        end = st.hit_end
         start = end - num_external_tokens
         host = max(0, min(end, dram_blocks * self.block_size) - start)
         out = {"host": host, "disk" if tier == "ssd" else "p2p": num_external_tokens - host}
@@ -355,9 +352,7 @@ class SchedulerSide:
         first of them. Every pending load ends in exactly one intent."""
         for req_id, st in list(self._async.items()):
             a = st.pending
-            if a is None:
-                del self._async[req_id]
-                continue
+            assert a is not None  # set by get_num_new_matched_tokens before it was queued here
             if a.next_poll > now:
                 continue
             hit, lease_id, offsets, epoch = 0, 0, None, -1

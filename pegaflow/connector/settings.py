@@ -29,6 +29,7 @@ class Setting:
     env: str | None  # environment variable (None: extra config only)
     default: str
     meaning: str
+    default_is_value: bool = True  # False: ``default`` describes it in words (not code-formatted)
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -49,10 +50,10 @@ SETTINGS: tuple[Setting, ...] = (
             "keeps the request waiting (re-asked every 5 ms)."),
     Setting("pegaflow.model_id", None, "the model path",
             "The model's name in the namespace, when the same weights live at different paths "
-            "on different hosts."),
+            "on different hosts.", default_is_value=False),
     Setting(None, "PEGAFLOW_COPY_KERNEL", "measured",
             "Force the page-copy kernel (`memcpy`, `nt-avx2`, `nt-sse2`, a `-2t` suffix for two "
-            "threads) instead of measuring the candidates on the first large copies."),
+            "threads) instead of measuring the candidates on the first large copies.", default_is_value=False),
 )
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -125,7 +126,6 @@ def render_markdown() -> str:
     for s in SETTINGS:
         key = f"`{s.key}`" if s.key else "—"
         env = f"`{s.env}`" if s.env else "—"
-        default = f"`{s.default}`" if s.default and s.default not in ("measured", "the model path") else (
-            s.default or "—")
+        default = (f"`{s.default}`" if s.default_is_value else s.default) if s.default else "—"
         rows.append(f"| {key} | {env} | {default} | {s.meaning} |")
     return "\n".join(rows) + "\n"

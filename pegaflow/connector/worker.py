@@ -112,7 +112,8 @@ class WorkerSide:
             if ld.is_async:  # reported after this step's copies below, successful or not
                 self._finished_recving.add(ld.req_id)
                 self._load_errors.update(ld.missing)
-                self._count("async_loads", 1)
+                if self.tp_rank == 0:  # a request, not a copy: counted once, not once per rank
+                    self._count("async_loads", 1)
         for epoch in sorted({ld.epoch for ld in meta.loads}):
             loads = [ld for ld in meta.loads if ld.epoch == epoch]
             block_ids = [b for ld in loads for b in ld.block_ids]
