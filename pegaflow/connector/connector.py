@@ -35,6 +35,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -74,18 +76,41 @@ def _dtype_name(dt: Any) -> str:
 def kv_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, model_id: str | None = None) -> KVIdentity:
     """The block identity of this engine, from its config alone (same in every process).
 
-    Raises ``ValueError`` for cache layouts PegaFlow does not store (several KV cache
-    groups, e.g. hybrid or sliding-window models; pipeline parallelism).
+    Several KV cache groups (vLLM's hybrid allocator) are stored when every group is
+    attention KV of one shape (full, sliding-window or chunked-local attention: e.g.
+    Gemma-2/3, Mistral-style or gpt-oss layer mixes): one page then holds every layer, and
+    the identity is the same as with the hybrid allocator off. Raises ``ValueError`` for
+    cache layouts PegaFlow does not store (state-space or cross-attention groups, groups
+    of different shapes; pipeline parallelism).
     """
     from vllm.platforms import current_platform
-    from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
+    from vllm.v1.kv_cache_interface import (
+        AttentionSpec,
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
 
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ValueError(f"PegaFlow stores single-group KV caches; this model has {len(groups)} groups")
+    if not groups:
+        raise ValueError("the model has no KV cache groups")
     spec = groups[0].kv_cache_spec
-    if not isinstance(spec, AttentionSpec):
-        raise ValueError(f"PegaFlow stores attention KV; got {type(spec).__name__}")
+    for g in groups:
+        gs = g.kv_cache_spec
+        if not isinstance(gs, AttentionSpec):
+            raise ValueError(f"PegaFlow stores attention KV; got {type(gs).__name__}")
+        if not getattr(g, "enable_kv_transfer", True):
+            raise ValueError(f"KV cache group of {g.layer_names[:1]} opts out of KV transfer")
+        if len(groups) > 1:
+            if not isinstance(gs, (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec)):
+                raise ValueError(f"PegaFlow does not store {type(gs).__name__} KV cache groups")
+            shape = (gs.block_size, gs.num_kv_heads, gs.head_size, gs.dtype, gs.real_page_size_bytes,
+                     isinstance(gs, MLAAttentionSpec))
+            if shape != (spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype, spec.real_page_size_bytes,
+                         isinstance(spec, MLAAttentionSpec)):
+                raise ValueError("PegaFlow stores KV cache groups of one shape; this model's groups differ "
+                                 f"({type(spec).__name__} and {type(gs).__name__})")
     par = vllm_config.parallel_config
     if par.pipeline_parallel_size > 1:
         raise ValueError("PegaFlow does not support pipeline parallelism yet")
@@ -101,7 +126,7 @@ def kv_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, model_i
         vllm_config.cache_config, "kv_cache_layout", None
     )
     platform = f"{current_platform.device_type}:{layout_name or 'default'}"
-    num_layers = len(groups[0].layer_names)
+    num_layers = sum(len(g.layer_names) for g in groups)
     return KVIdentity(
         model=model,
         config_hash=config_hash(mc.hf_config.to_dict()),
@@ -151,9 +176,13 @@ class PegaConnectorStats(KVConnectorStats):
 _PROM_COUNTERS = {
     "loaded_blocks": ("vllm:pegaflow_loaded_blocks_total", "Blocks copied from the PegaFlow pool into the KV cache."),
     "saved_blocks": ("vllm:pegaflow_saved_blocks_total", "Blocks copied from the KV cache into the PegaFlow pool."),
+    "loaded_bytes": ("vllm:pegaflow_loaded_bytes_total",
+                     "Bytes copied from the PegaFlow pool into the KV cache (sliding-window layers: their window only)."),
+    "saved_bytes": ("vllm:pegaflow_saved_bytes_total", "Bytes copied from the KV cache into the PegaFlow pool."),
     "load_errors": ("vllm:pegaflow_load_errors_total", "Blocks that failed to load and were recomputed."),
     "async_loads": ("vllm:pegaflow_async_loads_total",
-                    "Requests whose blocks were promoted from the node's SSD while vLLM ran others."),
+                    "Requests loaded through vLLM's asynchronous path (SSD promotions; every hit of a "
+                    "multi-group engine)."),
     "load_s": ("vllm:pegaflow_load_seconds_total", "Seconds spent copying pages into the KV cache."),
     "save_s": ("vllm:pegaflow_save_seconds_total", "Seconds spent copying pages into the pool."),
 }
@@ -183,7 +212,7 @@ class PegaPromMetrics(KVConnectorPromMetrics):
                 counter.labels(*labels).inc(value)
 
 
-class PegaKVConnector(KVConnectorBase_V1):
+class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector for PegaFlow; scheduler and worker contracts live in
     ``pegaflow.connector.scheduler`` and ``pegaflow.connector.worker``."""
 
@@ -199,6 +228,9 @@ class PegaKVConnector(KVConnectorBase_V1):
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._kv_cache_config = kv_cache_config
+        groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
+        self._layer_groups = {name: gi for gi, g in enumerate(groups) for name in g.layer_names}
+        kv_groups = max(1, len(groups))
         try:
             if kv_cache_config is None:
                 raise ValueError("no kv_cache_config given")
@@ -223,7 +255,7 @@ class PegaKVConnector(KVConnectorBase_V1):
                        functools.partial(query_only_client_factory, on_blocks=events.on_blocks))
             link = NodeLink(addr, {ns: ident.page_bytes for ns in ident.namespaces}, instance,
                             client_factory=factory)
-            self._sched = SchedulerSide(ident, link, settings, events)
+            self._sched = SchedulerSide(ident, link, settings, events, kv_groups=kv_groups)
             logger.info(
                 "PegaFlow scheduler: node %s (%s), mode %s, namespaces %s",
                 addr,
@@ -233,7 +265,8 @@ class PegaKVConnector(KVConnectorBase_V1):
             )
         else:
             rank = _tp_rank(vllm_config)
-            self._worker = WorkerSide(ident, rank, lambda ns: NodeLink(addr, ns, f"{instance}:{rank}"))
+            self._worker = WorkerSide(ident, rank, lambda ns: NodeLink(addr, ns, f"{instance}:{rank}"),
+                                      kv_groups=kv_groups)
 
     # A best-effort cache: a dropped save is a future miss, not lost data.
     @property
@@ -246,7 +279,7 @@ class PegaKVConnector(KVConnectorBase_V1):
             return
         num_blocks = self._kv_cache_config.num_blocks if self._kv_cache_config is not None else None
         try:
-            self._worker.register_kv_caches(kv_caches, num_blocks)
+            self._worker.register_kv_caches(kv_caches, num_blocks, self._layer_groups or None)
         except ValueError as exc:
             logger.error("PegaFlow disabled on this worker: %s", exc)
             self._worker.layout = None
@@ -278,6 +311,14 @@ class PegaKVConnector(KVConnectorBase_V1):
             return None, None
         done = self._worker.take_finished_recving()
         return None, (done or None)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self._worker is None:
+            return KVConnectorTransferResults()
+        return KVConnectorTransferResults(
+            finished_recving=self._worker.take_finished_recving(),
+            failed_recving=self._worker.take_failed_recving(),
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
@@ -340,6 +381,12 @@ class PegaKVConnector(KVConnectorBase_V1):
         if self._sched is None:
             return False, None
         return self._sched.request_finished(request)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # Saves are copied in the step that computed them: nothing holds the blocks.
+        return self.request_finished(request, block_ids[0] if block_ids else [])
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         return self._sched.take_events() if self._sched is not None else ()

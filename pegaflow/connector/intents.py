@@ -19,6 +19,12 @@ Contracts:
 * An asynchronous ``LoadIntent`` (``is_async``) may arrive in any later step, whether or
   not its request is scheduled; the worker reports it finished after copying it (or after
   failing to: its blocks are then load errors), never before.
+* ``block_ids[i]`` is the engine block of page ``i``: an ``int``, or with several KV cache
+  groups (vLLM's hybrid allocator) a tuple of one block id per group, where ``-1`` means
+  the group holds no block there (a sliding-window layer outside the window: a load skips
+  that part of the page; saves never carry ``-1``). With several groups vLLM cannot map a
+  block id back to a request, so every load is asynchronous and a failed one fails the
+  whole request (``failed_recving``): vLLM recomputes it.
 * ``epoch`` (of a load or a shard save) is the node epoch its offsets were issued under. A worker whose mapping is of
   another epoch (node restarted, worker not yet re-attached) must not copy: offsets would
   point into the wrong pool. It reports loads as failed (vLLM recomputes) and saves as failed.
@@ -27,11 +33,14 @@ Contracts:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeAlias
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
+
+PageBlock: TypeAlias = int | tuple[int, ...]  # one block id, or one per KV cache group
 
 
 @dataclass(frozen=True)
@@ -42,14 +51,14 @@ class LoadIntent:
     """
 
     req_id: str
-    block_ids: tuple[int, ...]
+    block_ids: tuple[PageBlock, ...]
     offsets: tuple[tuple[int, ...], ...]
     epoch: int
     # An asynchronous load (vLLM's ``(n, True)``): once copied, the worker reports ``req_id``
     # in ``get_finished``'s finished_recving; ``missing`` are blocks of it the node could not
     # deliver, reported as load errors (vLLM recomputes from the first of them).
     is_async: bool = False
-    missing: tuple[int, ...] = ()
+    missing: tuple[PageBlock, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -58,7 +67,7 @@ class ShardSave:
 
     shard: int
     reservation_id: int
-    block_ids: tuple[int, ...]
+    block_ids: tuple[PageBlock, ...]
     offsets: tuple[int, ...]
     epoch: int
 

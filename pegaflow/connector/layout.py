@@ -21,6 +21,13 @@ memory order works unchanged):
 
 Layers are ordered by their names with numbers compared as numbers (``layers.10`` after
 ``layers.9``), so every engine of a namespace builds the same page from the same blocks.
+
+Several KV cache groups (vLLM's hybrid allocator: full-attention and sliding-window layers
+each keep their own block table, and one layer of each group may share one tensor): every
+segment records its layer's group (``segment_groups``) and a page of block ``i`` takes each
+layer's row from that layer's group's block ``i``. The page is the same bytes, in the same
+order, as with one group (the hybrid allocator off), so engines with and without it share
+pages.
 """
 
 from __future__ import annotations
@@ -53,10 +60,28 @@ class PageLayout:
     layer_names: tuple[str, ...]
     num_blocks: int
     page_bytes: int
+    segment_groups: tuple[int, ...] = ()  # KV cache group of each segment; () = all group 0
+    num_groups: int = 1
 
-    def page(self, block_id: int) -> torch.Tensor:
-        """A copy of block ``block_id``'s page (for tests and checksums; not the hot path)."""
-        return torch.cat([seg[block_id] for seg in self.segments])
+    @property
+    def groups(self) -> tuple[int, ...] | None:
+        """``segment_groups`` for ``save_pages``/``load_pages``, ``None`` with one group."""
+        return self.segment_groups if self.num_groups > 1 else None
+
+    def bytes_of(self, pages: Sequence[int | tuple[int, ...]]) -> int:
+        """Bytes a copy of ``pages`` moves (a group's ``-1`` block is not copied)."""
+        if self.num_groups == 1:
+            return len(pages) * self.page_bytes
+        per_group = [0] * self.num_groups
+        for seg, g in zip(self.segments, self.segment_groups, strict=True):
+            per_group[g] += seg.shape[1]
+        return sum(per_group[g] for p in pages for g, b in enumerate(p) if b != -1)  # type: ignore[arg-type]
+
+    def page(self, block_id: int | tuple[int, ...]) -> torch.Tensor:
+        """A copy of a block's page (one block id, or one per group; for tests, not the hot path)."""
+        ids = (block_id,) if isinstance(block_id, int) else block_id
+        groups = self.segment_groups or (0,) * len(self.segments)
+        return torch.cat([seg[ids[g]] for seg, g in zip(self.segments, groups, strict=True)])
 
 
 def _find_block_dim(t: torch.Tensor, num_blocks: int | None) -> int:
@@ -114,20 +139,32 @@ def _ndindex(shape: Sequence[int]) -> list[tuple[int, ...]]:
     return out
 
 
-def build_page_layout(kv_caches: Mapping[str, torch.Tensor], num_blocks: int | None = None) -> PageLayout:
+def build_page_layout(kv_caches: Mapping[str, torch.Tensor], num_blocks: int | None = None,
+                      layer_groups: Mapping[str, int] | None = None) -> PageLayout:
     """Segments for every layer of ``kv_caches`` (as given to ``register_kv_caches``).
 
-    Layers that alias the same memory (cross-layer KV sharing) are stored once. Raises
-    ``ValueError`` for layouts whose block slices are not contiguous or whose layers
-    disagree on the number of blocks.
+    ``layer_groups`` maps each layer to its KV cache group (vLLM's ``kv_cache_groups``);
+    layers it does not name are not stored (with several groups: layers that reuse another
+    layer's KV). Without it, layers that alias the same memory (cross-layer KV sharing) are
+    stored once. Raises ``ValueError`` for layouts whose block slices are not contiguous or
+    whose layers disagree on the number of blocks.
     """
     names: list[str] = []
     segments: list[torch.Tensor] = []
+    seg_groups: list[int] = []
     seen: set[tuple[object, ...]] = set()
     blocks: int | None = num_blocks
+    num_groups = 1 + max(layer_groups.values(), default=0) if layer_groups else 1
     for name in sorted(kv_caches, key=layer_sort_key):
         t = kv_caches[name]
-        key = (t.data_ptr(), tuple(t.shape), t.stride())
+        if layer_groups is not None and num_groups > 1:
+            if name not in layer_groups:
+                continue
+            group = layer_groups[name]
+            key: tuple[object, ...] = (name,)  # one tensor may back one layer of every group
+        else:
+            group = 0
+            key = (t.data_ptr(), tuple(t.shape), t.stride())
         if key in seen:
             continue
         seen.add(key)
@@ -138,6 +175,7 @@ def build_page_layout(kv_caches: Mapping[str, torch.Tensor], num_blocks: int | N
             raise ValueError(f"layer {name} has {segs[0].shape[0]} blocks, expected {blocks}")
         names.append(name)
         segments.extend(segs)
+        seg_groups.extend([group] * len(segs))
     if not segments:
         raise ValueError("no KV cache tensors")
     assert blocks is not None
@@ -146,4 +184,6 @@ def build_page_layout(kv_caches: Mapping[str, torch.Tensor], num_blocks: int | N
         layer_names=tuple(names),
         num_blocks=blocks,
         page_bytes=sum(s.shape[1] for s in segments),
+        segment_groups=tuple(seg_groups),
+        num_groups=num_groups,
     )

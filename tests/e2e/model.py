@@ -37,8 +37,13 @@ def build_tiny_llama(
     intermediate: int = 512,
     vocab: int = 2000,
     max_pos: int = 16384,
+    sliding_window: int | None = None,
 ) -> Path:
-    """Write tokenizer + config + random weights (float16) to ``out`` and return it."""
+    """Write tokenizer + config + random weights (float16) to ``out`` and return it.
+
+    ``sliding_window``: every other layer (odd ones) attends over only the last
+    ``sliding_window`` tokens (``layer_types``, as Gemma-2/3 and Mistral-style configs do);
+    vLLM then keeps two KV cache groups, full and sliding-window attention."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -74,6 +79,9 @@ def build_tiny_llama(
         tie_word_embeddings=False,
         torch_dtype="float16",
     )
+    if sliding_window is not None:
+        cfg.sliding_window = sliding_window
+        cfg.layer_types = ["sliding_attention" if i % 2 else "full_attention" for i in range(layers)]
     model = LlamaForCausalLM(cfg).to(torch.float16)
     model.save_pretrained(out)
     return out

@@ -165,3 +165,11 @@ def test_dashboard_check_catches_an_undocumented_metric() -> None:
     doc = documented()
     used = dashboard_metrics({"panels": [{"targets": [{"expr": "rate(pegaflow_node_bogus_total[5m])"}]}]})
     assert [s for s in used if base_name(s, doc) not in doc] == ["pegaflow_node_bogus_total"]
+
+
+def test_connector_metrics_table_lists_exactly_the_workers_counters() -> None:
+    from pegaflow.connector.connector import _PROM_COUNTERS
+
+    doc = (ROOT / "docs" / "connector.md").read_text()
+    listed = set(re.findall(r"^\| `(vllm:pegaflow_[a-z_]+)` \|", doc, flags=re.M))
+    assert listed == {name for name, _ in _PROM_COUNTERS.values()}
