@@ -7,6 +7,7 @@ saved blocks are evicted from L1 and can only come back from SSD.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,7 +20,7 @@ import torch
 import xxhash
 
 from pegaflow.client import NodeError, PegaClient
-from pegaflow.node.tiers.ssd.store import BLOCK, SB_MAGIC, record_bytes, unpack_header
+from pegaflow.node.tiers.ssd.store import BLOCK, SB_MAGIC, TOMBSTONE, record_bytes, unpack_header
 from tests.integration.redis_fixtures import redis_server  # noqa: F401
 
 pytestmark = pytest.mark.integration
@@ -352,6 +353,25 @@ def test_reset_drops_a_namespace_from_dram_and_ssd_and_keeps_the_others(node_fac
         assert q.hit_blocks == 4, "another namespace keeps its blocks"
         d.release(q.lease_id)
         assert "namespaces_reset" in node.log()
+        after = hashes("after-reset", 4)  # saved after the reset: must survive it
+        save(c, after, node=node)
+        wait_for(lambda: node.metric("pegaflow_node_ssd_blocks") >= 8, what="the new blocks on SSD")
+
+    # The reset is durable: the records stay on disk, but a restarted node (even after a
+    # crash right after the reset) finds a reset record newer than them and skips them.
+    node.kill(signal.SIGKILL)
+    tombs = [h for _, h in records(tmp_path / "pegaflow-ssd.cache") if h.hash == TOMBSTONE]
+    assert [h.ns_name for h in tombs] == [NS]
+    node.start()
+    with PegaClient(node.addr) as c, PegaClient(node.addr) as d:
+        c.register({NS: PAGE})
+        d.register({"other-model": PAGE})
+        assert load(c, hs[:12])[0] == 0 and load(c, hs[12:])[0] == 0, "reset blocks came back after a restart"
+        assert load(c, after)[0] == 4, "blocks saved after the reset were lost"
+        assert wait_for(lambda: d.query(["other-model"], other, lease=False).hit_blocks == 4 or None,
+                        what="the other namespace back from SSD") is True
+    voided = re.findall(r'"voided_by_reset": (\d+)', node.log())
+    assert voided and int(voided[-1]) == len(hs), voided  # the restarted node's scan
 
 
 def test_a_watching_session_gets_its_namespaces_block_events(node_factory, tmp_path):

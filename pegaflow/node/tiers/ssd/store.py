@@ -24,6 +24,11 @@ is reclaimed whole, oldest first, when the log wraps; every record in it carries
 *generation* the segment was opened with, so a scan of a segment stops at the first
 record that is torn or left over from the segment's previous use.
 
+Resets are durable: :meth:`SsdIndex.tombstone` writes a header-only *reset record* (hash
+``TOMBSTONE``, no payload) for the namespace into every file, and a scan ignores every record
+of that namespace with a smaller sequence number. Each file is FIFO, so its reset record
+outlives every older record of that file it voids.
+
 Contracts:
 - A record is in the index only after its write completed; an entry names the exact
   (generation, sequence) it expects to find, and every read verifies the header and
@@ -63,6 +68,7 @@ MIN_SEGMENTS = 8  # per file: keeps FIFO reclaim granular on small caches
 SCAN_THREADS = 32  # parallel header reads at start-up (one chain per segment; I/O-bound)
 SCAN_WINDOW = 256 << 10  # start-up reads of small records: many headers per I/O
 MAX_NAME = 1024
+TOMBSTONE = b"\xff" * 16  # the block hash of a reset record (a real block hash never is all ones)
 
 _SB = struct.Struct("<16sIIQQQ")  # magic, version, flags, file_bytes, segment_bytes, created_ns
 _HDR = struct.Struct("<4sHHQQQQ16s")  # magic, version, name_len, gen, seq, payload_len, payload_csum, hash
@@ -393,6 +399,12 @@ class SsdIndex:
             chains = list(ex.map(lambda fs: _walk(fs[0], fs[1]), jobs))
         max_gen = max_seq = 0
         newest: list[tuple[int, int]] = [(0, -1)] * len(self.files)
+        reset_at: dict[str, int] = {}  # namespace -> sequence of its newest reset record
+        for chain in chains:
+            for _off, h in chain:
+                if h.hash == TOMBSTONE and h.payload_len == 0 and h.seq > reset_at.get(h.ns_name, 0):
+                    reset_at[h.ns_name] = h.seq
+        voided = 0
         for (_f, seg), chain in zip(jobs, chains, strict=True):
             if not chain:
                 continue
@@ -403,6 +415,9 @@ class SsdIndex:
             for off, h in chain:
                 max_seq = max(max_seq, h.seq)
                 seg.fill = off + record_bytes(h.payload_len) - seg.start
+                if h.seq < reset_at.get(h.ns_name, 0) or (h.hash == TOMBSTONE and h.payload_len == 0):
+                    voided += h.hash != TOMBSTONE
+                    continue
                 nid = self.ns_id(h.ns_name, h.payload_len)
                 if nid is None:
                     continue
@@ -428,7 +443,7 @@ class SsdIndex:
         self._gen = max(self._gen, max_gen + 1)
         self._seq = max_seq
         log.info("ssd_scan_done", blocks=found, used_bytes=self.used_bytes, capacity=self.capacity,
-                 seconds=round(time.perf_counter() - t0, 3))
+                 voided_by_reset=voided, seconds=round(time.perf_counter() - t0, 3))
         return found
 
     # ---- lookups ----------------------------------------------------------------------
@@ -451,7 +466,9 @@ class SsdIndex:
         size = record_bytes(payload_len)
         if size > self.max_record:
             raise ValueError(f"record of {size} bytes exceeds the segment size {self.max_record}")
-        f = min(self.files, key=lambda x: x.bytes_written)
+        return self._allocate_in(min(self.files, key=lambda x: x.bytes_written), size)
+
+    def _allocate_in(self, f: CacheFile, size: int) -> tuple[Slot, list[tuple[int, bytes]]]:
         evicted: list[tuple[int, bytes]] = []
         seg = f.segments[f.cursor] if f.cursor >= 0 else None
         if seg is None or seg.gen == 0 or seg.fill + size > f.segment_bytes:
@@ -465,6 +482,21 @@ class SsdIndex:
         f.bytes_written += size
         self._seq += 1
         return Slot(seg.file, seg.index, off, seg.gen, self._seq), evicted
+
+    def tombstone(self, ns_name: str) -> list[tuple[int, bytes]]:
+        """Make a reset of ``ns_name`` durable: a reset record in every file, written and
+        ``fdatasync``-ed before this returns (a few ms on the event loop; resets are rare).
+        Returns the keys whose segments were reclaimed for it. Raises ``OSError``."""
+        evicted: list[tuple[int, bytes]] = []
+        buf = aligned_buffer(BLOCK)
+        for f in self.files:
+            slot, ev = self._allocate_in(f, record_bytes(0))
+            evicted += ev
+            buf[:] = bytes(BLOCK)
+            pack_header(buf, slot.gen, slot.seq, ns_name.encode(), TOMBSTONE, 0, 0)
+            os.pwritev(f.fd, [buf], slot.offset)
+            os.fdatasync(f.fd)
+        return evicted
 
     def add(self, key: tuple[int, bytes], slot: Slot, ns_name: str, payload_len: int) -> bool:
         """Index a record whose write completed. False if its segment was reclaimed meanwhile."""

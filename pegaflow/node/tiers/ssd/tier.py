@@ -141,13 +141,23 @@ class SsdTier:
 
     def clear(self, ns: Namespace) -> int:
         """Forget every SSD record of ``ns`` (a reset); writes in flight are not indexed when
-        they land. Returns the records forgotten. The records stay on disk until their
-        segment is reused, so a node restarted before then finds them again."""
+        they land. Returns the records forgotten. The reset is durable: a reset record in
+        every cache file voids the namespace's older records for the scan of a restarted
+        node (``SsdIndex.tombstone``)."""
         store = self.store
         keys = [k for k in store.entries if k[0] == ns.id]
         for k in keys:
             store.remove(k)
-        self.writer.voided.update(k for k in self.writer.pending if k[0] == ns.id)
+        pending = [k for k in self.writer.pending if k[0] == ns.id]
+        self.writer.voided.update(pending)
+        if keys or pending:
+            try:
+                evicted = store.tombstone(ns.name)
+            except OSError as exc:
+                log.warning("ssd_reset_not_durable", namespace=ns.name, error=str(exc))
+            else:
+                if evicted:
+                    self.on_ssd_evicted(evicted)
         if keys and self.block_events is not None:
             self.block_events.ssd_removed(ns, [h for _, h in keys])
         return len(keys)
