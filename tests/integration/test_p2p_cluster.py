@@ -58,7 +58,8 @@ def test_prefix_saved_on_a_is_served_byte_identical_to_a_client_of_b(cluster: P2
     cluster.wait_indexed(NS, "ident", 24, "node-0")
     out = cluster.client(1, "load", "ident", "24", "--until-hit", "--probe-each")
     assert out["hit"] == 24 and out["identical"], out
-    assert out["statuses"][0] == "LOADING:0:peer", out  # the first Query started the pull
+    # The first Query started the pull, and says how long the prefix is once it lands.
+    assert out["statuses"][0] == "LOADING:0:peer:24", out
     assert cluster.metric(1, "pegaflow_node_p2p_pulls_total", 'status="ok"') >= 1
     assert cluster.metric(1, "pegaflow_node_hit_blocks_total", 'tier="remote"') == 24
     assert cluster.metric(0, "pegaflow_node_p2p_served_bytes_total") == 24 * saved["page_bytes"]

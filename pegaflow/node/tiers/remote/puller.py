@@ -209,6 +209,14 @@ class Puller:
     def _on_way(self, ns: Namespace, h: bytes) -> bool:
         return self.index.get(ns, h) is not None or (ns.id, h) in self.inflight
 
+    def expected(self, nss: Sequence[Namespace], hashes: Sequence[bytes], hit: int) -> int:
+        """The prefix length once the pulls in flight land: ``hit`` plus the blocks after it
+        that every namespace holds or is pulling (the LOADING answer's ``expected_blocks``)."""
+        j = hit
+        while j < len(hashes) and all(self._on_way(ns, hashes[j]) for ns in nss):
+            j += 1
+        return j
+
     async def query(self, nss: Sequence[Namespace], hashes: Sequence[bytes], hit: int) -> bool:
         """Start pulling the continuation of an L1 prefix of length ``hit``; True = answer LOADING."""
         if hit >= len(hashes):
