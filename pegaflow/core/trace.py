@@ -8,7 +8,7 @@ Two JSON-lines formats, one request per line (both documented in ``docs/replay.m
   Every request is in one namespace, ``mooncake``.
 - ``pegaflow``: the node's own query trace, ``{"time": seconds, "namespace": str,
   "hashes": [32 hex digits, ...]}`` plus optional ``page_bytes``, ``block_tokens``,
-  ``tokens`` and ``instance``. :func:`encode_query` writes it; it is the one definition.
+  ``tokens``, ``instance`` and ``saved``. :func:`encode_query` writes it; it is the one definition.
 
 Contracts:
 
@@ -70,6 +70,9 @@ class Request:
     block_tokens: int
     route: str | None  # value of the routing field, if one was asked for
     line: int
+    # Blocks the engine stored after this request beyond the queried ones (the block with
+    # the last prompt token, blocks of generated tokens): committed, never counted as accesses.
+    saved: list[bytes] = field(default_factory=list)
 
 
 @dataclass
@@ -116,9 +119,12 @@ def encode_query(
     block_tokens: int | None = None,
     tokens: int | None = None,
     instance: str | None = None,
+    saved: Sequence[bytes] = (),
 ) -> str:
     """One line (without newline) of the ``pegaflow`` query trace; :func:`read_trace` reads it."""
     d: dict[str, Any] = {"time": time, "namespace": namespace, "hashes": [h.hex() for h in hashes]}
+    if saved:
+        d["saved"] = [h.hex() for h in saved]
     for k, v in (
         ("page_bytes", page_bytes),
         ("block_tokens", block_tokens),
@@ -234,15 +240,11 @@ class _Reader:
             raise TraceError(line, f"namespace {ns!r} had page_bytes={known}, this line says {page}")
         tokens = _count(d, "tokens", line, required=False)
         route = _route(d, self.route_field, line)
-        raw_hashes: list[bytes] = []
-        for x in raw:
-            try:
-                h = bytes.fromhex(x)
-            except (TypeError, ValueError):
-                raise TraceError(line, f"hash {x!r} is not a hex string") from None
-            if len(h) != HASH_BYTES:
-                raise TraceError(line, f"hash {x!r} has {len(h)} bytes, expected {HASH_BYTES}")
-            raw_hashes.append(h)
+        raw_hashes = _hex_hashes(raw, line)
+        raw_saved = d.get("saved")
+        if raw_saved is not None and not isinstance(raw_saved, list):
+            raise TraceError(line, "field 'saved' must be a list of hex strings")
+        saved = _hex_hashes(raw_saved or (), line)
         # Valid: only now touch the tables, so a skipped line leaves no trace.
         if page is not None:
             self.namespaces[ns] = page
@@ -268,7 +270,21 @@ class _Reader:
             block_tokens=bt,
             route=route,
             line=line,
+            saved=saved,
         )
+
+
+def _hex_hashes(raw: Iterable[Any], line: int) -> list[bytes]:
+    out: list[bytes] = []
+    for x in raw:
+        try:
+            h = bytes.fromhex(x)
+        except (TypeError, ValueError):
+            raise TraceError(line, f"hash {x!r} is not a hex string") from None
+        if len(h) != HASH_BYTES:
+            raise TraceError(line, f"hash {x!r} has {len(h)} bytes, expected {HASH_BYTES}")
+        out.append(h)
+    return out
 
 
 def read_trace(

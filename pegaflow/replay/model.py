@@ -145,8 +145,18 @@ class Pool:
         if op is self._ssd_op:
             self._to_ssd.append((ns.name, hashes))
 
-    def serve(self, namespace: str, hashes: list[bytes]) -> tuple[int, list[tuple[int, int]]]:
-        """Serve one request; returns (prefix hit blocks, SSD runs as (start, end) pairs)."""
+    def serve(self, namespace: str, hashes: list[bytes], saved: list[bytes] | None = None
+              ) -> tuple[int, list[tuple[int, int]]]:
+        """Serve one request; returns (prefix hit blocks, SSD runs as (start, end) pairs).
+        ``saved``: blocks the engine then stores beyond the queried ones (a Reserve + Commit
+        without a Query: inserted, not recorded as accesses)."""
+        hit, runs = self._serve(namespace, hashes)
+        if saved:
+            self.l1.index.insert(self.l1.ns[namespace], saved)
+            self._flush_ssd()
+        return hit, runs
+
+    def _serve(self, namespace: str, hashes: list[bytes]) -> tuple[int, list[tuple[int, int]]]:
         l1 = self.l1.index
         ns = self.l1.ns[namespace]
         n = len(hashes)

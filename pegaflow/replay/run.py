@@ -130,7 +130,7 @@ def _drive(trace: Trace, cluster: Cluster, res: RunResult, progress: Progress | 
     blocks = tokens = hit_tokens = ssd_blocks = ssd_tokens = 0
     for i, r in enumerate(trace.requests):
         pool = single if single is not None else pool_for(i, r.route)
-        h, runs = pool.serve(r.namespace, r.hashes)
+        h, runs = pool.serve(r.namespace, r.hashes, r.saved)
         append(h)
         bt = r.block_tokens
         tok = r.tokens

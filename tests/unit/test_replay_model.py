@@ -192,3 +192,18 @@ def test_ssd_written_on_commit_holds_what_l1_never_evicted():
     assert (r.l1_hit_blocks, r.ssd_hit_blocks) == (1, 2)
     victim = run(lines, "1blocks", ssd=Capacity.parse("4blocks"))
     assert (victim.l1_hit_blocks, victim.ssd_hit_blocks) == (2, 1)
+
+
+def test_blocks_a_request_saved_beyond_its_query_are_hit_by_the_next_turn():
+    from pegaflow.core.trace import encode_query
+
+    a, b, c = (bytes([i]) * 16 for i in (1, 2, 3))
+    # Turn 1 queries [a] and the engine also stores b (its answer's block); turn 2 queries [a, b, c].
+    with_saves = [encode_query(0.0, "ns", [a], saved=[b], block_tokens=16), encode_query(1.0, "ns", [a, b, c])]
+    without = [encode_query(0.0, "ns", [a], block_tokens=16), encode_query(1.0, "ns", [a, b, c])]
+    assert run(with_saves, "inf").request_hits == [0, 2]
+    assert run(without, "inf").request_hits == [0, 1]
+    trace = read_trace(with_saves)
+    assert trace.blocks == 4, "saved blocks are not accesses"
+    with pytest.raises(Exception, match="saved"):
+        read_trace([json.dumps({"time": 0, "namespace": "ns", "hashes": [], "saved": "ab"})])
