@@ -1,6 +1,7 @@
 """Run every benchmark in its short mode and check every goal: ``python -m bench``.
 
     python -m bench [--only node,meta] [--skip ttft] [--out DIR]
+    python -m bench --only concurrency,multiturn     # the long engine benchmarks (not in the default set)
 
 Each benchmark runs as its own process (bench/<script>, arguments from bench/goals.py),
 one after another on a machine that should be quiet, and writes its figures as JSON;
@@ -125,7 +126,8 @@ def main() -> None:
     unknown = (only | skip) - names
     if unknown:
         ap.error(f"unknown benchmark(s) {', '.join(sorted(unknown))}; known: {', '.join(r.name for r in RUNS)}")
-    runs = [r for r in RUNS if (not only or r.name in only) and r.name not in skip]
+    # Long engine benchmarks run only when named (--only): the default set stays short.
+    runs = [r for r in RUNS if (r.name in only if only else r.default) and r.name not in skip]
     out = a.out or ROOT / "bench" / "out" / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     summaries: dict[str, dict | None] = {}

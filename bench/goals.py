@@ -20,6 +20,7 @@ class Run:
     args: tuple[str, ...]  # the short mode
     summary_flag: str = "--summary"
     root: bool = False  # needs root (network namespaces)
+    default: bool = True  # in ``python -m bench``'s default set (False: long; run with --only)
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,9 @@ RUNS: tuple[Run, ...] = (
     Run("replay", "replay.py", ("--repeat", "5")),
     Run("policy", "policy.py", ("--blocks", "300000", "--repeat", "2")),
     Run("ttft", "ttft.py", ("--connectors", "pega,example", "--prompts", "4"), summary_flag="--out"),
+    # Five vLLM servers / four engines each: minutes, so only when asked for.
+    Run("concurrency", "concurrency.py", ("--rounds", "2"), default=False),
+    Run("multiturn", "multiturn.py", (), default=False),
 )
 
 GOALS: tuple[Goal, ...] = (
@@ -89,4 +93,18 @@ GOALS: tuple[Goal, ...] = (
     Goal("ttft", "warm TTFT, ExampleConnector / PegaFlow (paired median)", "connectors.pega.warm_mean_ms", "ms",
          "connectors.example.warm_mean_ms", "ExampleConnector warm", 1.0,
          ratio="connectors.example.warm_vs_pega_median"),
+    # Under load (8 x 8K-token prompts), a restarted engine against vLLM's in-engine prefix hit.
+    Goal("concurrency", "warm TTFT at 4 rps, PegaFlow / in-engine prefix hit", "warm_rate.pega.mean_ms", "ms",
+         "warm_rate.prefix.mean_ms", "vLLM prefix cache", 1.1, higher_is_better=False),
+    Goal("concurrency", "warm TTFT 8 concurrent, PegaFlow / in-engine prefix hit", "warm_concurrent.pega.mean_ms",
+         "ms", "warm_concurrent.prefix.mean_ms", "vLLM prefix cache", 1.1, higher_is_better=False),
+    Goal("concurrency", "warm TTFT at 4 rps, ExampleConnector / PegaFlow", "warm_rate.pega.mean_ms", "ms",
+         "warm_rate.example.mean_ms", "ExampleConnector warm", 1.0, ratio="warm_rate.example_over_pega"),
+    Goal("concurrency", "warm TTFT 8 concurrent, ExampleConnector / PegaFlow", "warm_concurrent.pega.mean_ms", "ms",
+         "warm_concurrent.example.mean_ms", "ExampleConnector warm", 1.0, ratio="warm_concurrent.example_over_pega"),
+    # Conversations through two engines taking turns: replay predicts what the engines hit.
+    Goal("multiturn", "token hit rate, |measured - replay| (decode saves)", "decode_saves.hit_rate_error_pp", "pp",
+         None, "", 1.0, on="value", higher_is_better=False),
+    Goal("multiturn", "token hit rate, |measured - replay| (prompt blocks only)", "prompt_only.hit_rate_error_pp",
+         "pp", None, "", 1.0, on="value", higher_is_better=False),
 )

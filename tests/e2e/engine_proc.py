@@ -6,7 +6,7 @@ JSON line written to ``FD`` (vLLM's logs go to stdout/stderr, which the test sen
 file). Commands:
 
 * ``{"op": "generate", "prompts": [[token ids], ...], "max_tokens": N}`` →
-  ``{"outputs": [{"tokens": [...], "logprobs": [...], "num_cached_tokens": n}], "seconds": s}``
+  ``{"outputs": [{"tokens": [...], "logprobs": [...], "num_cached_tokens": n, "ttft_s": t}], "seconds": s}``
   (greedy, ``ignore_eos``, logprob of each sampled token);
 * ``{"op": "reset_prefix_cache", "connector": bool}`` → ``{"ok": success}`` (``connector``:
   the connector's cache too, as ``POST /reset_prefix_cache?reset_external=true``); ``{"op": "metrics"}`` → ``{"metrics": {name: value}}``
@@ -99,8 +99,11 @@ def main() -> None:
                 for r in res:
                     o = r.outputs[0]
                     lps = [lp[t].logprob for lp, t in zip(o.logprobs or [], o.token_ids, strict=False)]
+                    m = getattr(r, "metrics", None)
                     outputs.append(
-                        {"tokens": list(o.token_ids), "logprobs": lps, "num_cached_tokens": r.num_cached_tokens or 0}
+                        {"tokens": list(o.token_ids), "logprobs": lps, "num_cached_tokens": r.num_cached_tokens or 0,
+                         # arrival to first token, in the engine (batched requests queue behind each other)
+                         "ttft_s": float(getattr(m, "first_token_latency", 0.0) or 0.0)}
                     )
                 out.write(json.dumps({"outputs": outputs, "seconds": dt}) + "\n")
             elif op == "reset_prefix_cache":
