@@ -44,9 +44,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.ttft import MODEL_SHAPE, percentile  # noqa: E402
+from bench.ttft import MODEL_SHAPE, bench_workload, percentile  # noqa: E402
 from tests.e2e.harness import NodeProc, free_port, stop_group  # noqa: E402
-from tests.e2e.model import build_tiny_llama, make_text  # noqa: E402
 
 SERVER_START_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 600.0
@@ -162,14 +161,7 @@ def main() -> None:
     logs = tmp / "logs"
     logs.mkdir()
     model = args.model_dir or tmp / "model"
-    if not (model / "config.json").exists():
-        build_tiny_llama(model, seed=0, vocab=2000, max_pos=16384, **MODEL_SHAPE)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model)
-    prompts = [list(tok(make_text(args.prompt_tokens * 2, 3000 + i))["input_ids"][: args.prompt_tokens])
-               for i in range(args.prompts)]
-    warmup = list(tok(make_text(200, 2999))["input_ids"])
+    prompts, warmup = bench_workload(model, args.prompts, args.prompt_tokens, 3000)
     max_len = args.prompt_tokens + 256
     patterns = {f"{args.rate:g} rps": args.rate, f"{args.prompts} concurrent": None}
 

@@ -62,6 +62,18 @@ def percentile(xs: list[float], q: float) -> float:
     return s[k]
 
 
+def bench_workload(model: Path, n: int, tokens: int, seed: int) -> tuple[list[list[int]], list[int]]:
+    """The bench model at ``model`` (built there if missing), ``n`` prompts of ``tokens``
+    tokens (text seeds ``seed + i``) and a short warm-up prompt (seed ``seed - 1``)."""
+    if not (model / "config.json").exists():
+        build_tiny_llama(model, seed=0, vocab=2000, max_pos=16384, **MODEL_SHAPE)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    prompts = [list(tok(make_text(tokens * 2, seed + i))["input_ids"][:tokens]) for i in range(n)]
+    return prompts, list(tok(make_text(200, seed - 1))["input_ids"])
+
+
 def custom(cfg: dict[str, Any]) -> list[str]:
     return ["--connector", "custom", "--kv-transfer-config", json.dumps(cfg)]
 
@@ -182,16 +194,7 @@ def main() -> None:
     logs = tmp / "logs"
     logs.mkdir()
     model = args.model_dir or tmp / "model"
-    if not (model / "config.json").exists():
-        build_tiny_llama(model, seed=0, vocab=2000, max_pos=16384, **MODEL_SHAPE)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model)
-    prompts = []
-    for i in range(args.prompts):
-        ids = tok(make_text(args.prompt_tokens * 2, 1000 + i))["input_ids"]
-        prompts.append(list(ids[: args.prompt_tokens]))
-    warmup = list(tok(make_text(200, 999))["input_ids"])
+    prompts, warmup = bench_workload(model, args.prompts, args.prompt_tokens, 1000)
 
     results: dict[str, Any] = {
         "model": MODEL_SHAPE,

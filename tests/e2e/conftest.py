@@ -57,6 +57,14 @@ def long_prompts(tokenize) -> list[list[int]]:  # noqa: ANN001
     return [tokenize(make_text(950, seed))[:1000] for seed in (101, 102, 103)]
 
 
+@pytest.fixture(scope="module")
+def node(e2e_logs: Path) -> Iterator[NodeProc]:
+    """One node per test module (a 256 MiB pool); modules that need another define their own."""
+    n = NodeProc(e2e_logs, pool_size="256mb")
+    yield n
+    n.stop()
+
+
 @pytest.fixture
 def node_factory(e2e_logs: Path) -> Iterator:
     """Start ``pegaflow-node`` daemons; all are stopped at the end of the test."""

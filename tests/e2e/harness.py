@@ -128,6 +128,18 @@ class NodeProc:
                 self.proc.wait()
 
 
+def corrupt_pool(node: NodeProc) -> None:
+    """Overwrite the node's whole pool with random bytes (negative controls: loaded KV is used)."""
+    from pegaflow.client import PegaClient
+
+    c = PegaClient(node.addr)
+    try:
+        c.register({"pegaflow-test-corrupter": 4096})
+        c.pool.random_(0, 256)
+    finally:
+        c.close()
+
+
 class EngineProc:
     """A vLLM engine (``tests.e2e.engine_proc``) in a subprocess, talked to over pipes."""
 

@@ -34,6 +34,7 @@ from tests.e2e.harness import (
     REPO,
     EngineProc,
     NodeProc,
+    corrupt_pool,
     free_port,
     full_blocks_claimable,
     namespace_block_size,
@@ -82,13 +83,6 @@ def reference(model_a: Path, e2e_logs: Path, long_prompts, extra_prompts) -> dic
 @pytest.fixture(scope="module")
 def logprob_tol(reference: dict[str, Any]) -> float:
     return max(LOGPROB_FLOOR, 4 * reference["noise"])
-
-
-@pytest.fixture(scope="module")
-def node(e2e_logs: Path) -> Iterator[NodeProc]:
-    n = NodeProc(e2e_logs, pool_size="256mb")
-    yield n
-    n.stop()
 
 
 @pytest.fixture(scope="module")
@@ -199,8 +193,6 @@ def test_corrupted_pages_change_the_output(
     engine_a: EngineProc, node: NodeProc, reference, long_prompts  # noqa: ANN001
 ) -> None:
     """Negative control: the loaded KV is really used."""
-    from pegaflow.client import PegaClient
-
     ref = tokens(reference["long"])[0]
     ok = None
     for _ in range(5):
@@ -209,12 +201,7 @@ def test_corrupted_pages_change_the_output(
             break
     assert ok is not None and ok["num_cached_tokens"] > 0 and ok["tokens"] == ref
 
-    c = PegaClient(node.addr)
-    try:
-        c.register({"pegaflow-test-corrupter": 4096})
-        c.pool.random_(0, 256)
-    finally:
-        c.close()
+    corrupt_pool(node)
     bad = engine_a.generate([long_prompts[0]], MAX_TOKENS)[0]
     assert bad["num_cached_tokens"] > 0
     assert bad["tokens"] != ref, "corrupted KV pages did not change the output: is the loaded KV used?"

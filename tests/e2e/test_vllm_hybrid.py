@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.harness import EngineProc, NodeProc, full_blocks_claimable, namespace_page_bytes
+from tests.e2e.harness import EngineProc, NodeProc, corrupt_pool, full_blocks_claimable, namespace_page_bytes
 from tests.e2e.model import build_tiny_llama
 
 pytestmark = [pytest.mark.e2e]
@@ -37,13 +37,6 @@ SLIDING_WINDOW = 200
 def model_swa(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama-swa", seed=5,
                             sliding_window=SLIDING_WINDOW)
-
-
-@pytest.fixture(scope="module")
-def node(e2e_logs: Path) -> Iterator[NodeProc]:
-    n = NodeProc(e2e_logs, pool_size="256mb")
-    yield n
-    n.stop()
 
 
 @pytest.fixture(scope="module")
@@ -94,15 +87,8 @@ def test_sliding_window_layers_load_only_the_blocks_inside_their_window(
 
 
 def test_corrupted_pages_change_the_output(warm: EngineProc, node: NodeProc, cold, long_prompts) -> None:  # noqa: ANN001
-    from pegaflow.client import PegaClient
-
     ref = cold["outs"][0]["tokens"]
-    c = PegaClient(node.addr)
-    try:
-        c.register({"pegaflow-test-corrupter": 4096})
-        c.pool.random_(0, 256)
-    finally:
-        c.close()
+    corrupt_pool(node)
     bad = warm.generate([long_prompts[0]], MAX_TOKENS)[0]
     assert bad["num_cached_tokens"] > 0
     assert bad["tokens"] != ref, "corrupted KV pages did not change the output: is the loaded KV used?"

@@ -86,6 +86,13 @@ def sched_out(req: Any, ids: tuple[list[int], ...], computed: int, scheduled: in
     )
 
 
+def idle_step() -> SimpleNamespace:
+    """A step that schedules nothing (the request waits for its asynchronous load)."""
+    return SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={},
+                           scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[],
+                                                                 resumed_req_ids=set()))
+
+
 def cold_run(eng: HybridEngine, tokens: list[int]) -> None:
     req = eng.request(tokens)
     assert eng.sched.get_num_new_matched_tokens(req, 0) == (0, False)
@@ -104,6 +111,18 @@ def expected(eng: HybridEngine, tokens: list[int], layer: int, i: int) -> float:
 
 
 TOKENS = list(range(1, 16 * 6 + 5))  # 6 full blocks and a partial one
+
+
+def warm_request(node: FakeNode) -> tuple[HybridEngine, Any, tuple[int | None, bool], tuple[list[int], list[int]]]:
+    """TOKENS computed by one engine, then asked for (and allocated) by a restarted one."""
+    cold_run(HybridEngine(node), TOKENS)
+    eng = HybridEngine(node)
+    req = eng.request(TOKENS)
+    answer = eng.sched.get_num_new_matched_tokens(req, 0)
+    n = answer[0] or 0
+    ids = eng.alloc(-(-len(TOKENS) // eng.ident.block_size), n // eng.ident.block_size)
+    eng.sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ids), n)
+    return eng, req, answer, ids
 
 
 def test_a_page_holds_every_layer_from_its_groups_block_and_loads_skip_the_null_block() -> None:
@@ -133,16 +152,9 @@ def test_a_page_holds_every_layer_from_its_groups_block_and_loads_skip_the_null_
 def test_a_restarted_hybrid_engine_loads_asynchronously_full_layers_and_the_window_only() -> None:
     node = FakeNode()
     bs = identity().block_size
-    cold_run(HybridEngine(node), TOKENS)
-    eng = HybridEngine(node)
-    req = eng.request(TOKENS)
-    n, is_async = eng.sched.get_num_new_matched_tokens(req, 0)
+    eng, req, (n, is_async), ids = warm_request(node)
     assert (n, is_async) == (6 * bs, True), "a multi-group hit must use vLLM's asynchronous load"
-    ids = eng.alloc(7, 6)
-    eng.sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ids), n)
-    empty = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={},
-                            scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[],
-                                                                  resumed_req_ids=set()))
+    empty = idle_step()
     meta, _ = eng.step(empty)  # the request waits for its KV; the load is issued in this step
     (ld,) = meta.loads
     assert ld.is_async and ld.block_ids[0] == (ids[0][0], -1) and ld.block_ids[5] == (ids[0][5], ids[1][5])
@@ -178,21 +190,12 @@ def test_a_block_some_group_no_longer_holds_is_not_saved() -> None:
 
 
 def test_a_failed_multi_group_load_fails_the_request_not_block_ids() -> None:
-    node = FakeNode()
-    bs = identity().block_size
-    cold_run(HybridEngine(node), TOKENS)
-    eng = HybridEngine(node)
-    req = eng.request(TOKENS)
-    n, _ = eng.sched.get_num_new_matched_tokens(req, 0)
-    ids = eng.alloc(7, n // bs)
-    eng.sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ids), n)
+    eng, req, _, ids = warm_request(FakeNode())
     def broken(*a: Any) -> None:
         raise OSError("copy failed")
 
     eng.worker._load_pages = broken  # type: ignore[method-assign]
-    empty = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={},
-                            scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[],
-                                                                  resumed_req_ids=set()))
+    empty = idle_step()
     meta, _ = eng.step(empty)
     assert eng.worker.take_finished_recving() == {req.request_id}
     assert eng.worker.take_failed_recving() == {req.request_id}
