@@ -40,6 +40,8 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="torch.compile the model (slow start)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--kv-events-endpoint", default="", help="publish vLLM KV cache events (ZMQ) here")
+    ap.add_argument("--no-hybrid-kv-cache", action="store_true",
+                    help="turn vLLM's hybrid KV cache manager off (one KV cache group)")
     ap.add_argument("--result-fd", type=int, required=True)
     args = ap.parse_args()
     out = os.fdopen(args.result_fd, "w", buffering=1)
@@ -62,6 +64,8 @@ def main() -> None:
 
         kw["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                                 endpoint=args.kv_events_endpoint, topic="kv-events")
+    if args.no_hybrid_kv_cache:
+        kw["disable_hybrid_kv_cache_manager"] = True
     if args.max_num_batched_tokens:
         kw["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.connector == "pega":
