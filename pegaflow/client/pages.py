@@ -326,9 +326,10 @@ def page_bytes(segments: Sequence[torch.Tensor]) -> int:
 BlockIds = Sequence[int] | Sequence[Sequence[int]]  # per page: one id, or one per KV cache group
 
 
-def _block_matrix(block_ids: BlockIds, groups: Sequence[int] | None, nseg: int) -> tuple[np.ndarray, np.ndarray]:
+def _block_matrix(block_ids: BlockIds, groups: Sequence[int] | None, nseg: int,
+                  to_pool: bool) -> tuple[np.ndarray, np.ndarray]:
     """``(ids, seg_group)``: ``ids[i, g]`` is page ``i``'s block in group ``g``, ``seg_group[s]``
-    the group of segment ``s``."""
+    the group of segment ``s``. A save refuses a ``-1`` (a page is written whole)."""
     try:
         ids = np.asarray(block_ids, dtype=np.int64)
     except OverflowError:
@@ -342,6 +343,8 @@ def _block_matrix(block_ids: BlockIds, groups: Sequence[int] | None, nseg: int) 
         raise ValueError(f"{len(seg_group)} segment groups for {nseg} segments")
     if nseg and (seg_group.min() < 0 or seg_group.max() >= ids.shape[1]) and ids.size:
         raise ValueError(f"segment group out of range of the {ids.shape[1]} block ids given per page")
+    if to_pool and ids.size and (ids[:, np.unique(seg_group)] == -1).any():
+        raise ValueError("a page with a group that has no block (-1) cannot be saved")
     return ids, seg_group
 
 
@@ -366,15 +369,13 @@ def _plan(segments: Sequence[torch.Tensor], block_ids: BlockIds,
     seg_stride = np.array([seg.stride(0) * seg.element_size() for seg in segments], dtype=np.uint64)
     seg_start = np.concatenate(([0], np.cumsum(seg_len)[:-1])).astype(np.int64)
     nblocks = np.array([seg.shape[0] for seg in segments])
-    ids, seg_group = _block_matrix(block_ids, groups, len(segments))
+    ids, seg_group = _block_matrix(block_ids, groups, len(segments), to_pool)
     bids = ids[:, seg_group]  # (pages, segments): the block each segment copies
     try:
         offs = np.asarray(offsets, dtype=np.int64)
     except OverflowError:
         raise IndexError("block id or page offset out of range") from None
     skip = bids == -1
-    if skip.any() and to_pool:
-        raise ValueError("a page with a group that has no block (-1) cannot be saved")
     if bids.size and ((bids[~skip] < 0).any() or (bids >= nblocks[None, :]).any()):
         raise IndexError("block id out of range of the KV cache")
     page = int(seg_len.sum())
@@ -389,15 +390,16 @@ def _plan(segments: Sequence[torch.Tensor], block_ids: BlockIds,
 
 
 def _copy(segments: Sequence[torch.Tensor], block_ids: BlockIds, pool: torch.Tensor,
-          offsets: Sequence[int], to_pool: bool, groups: Sequence[int] | None = None) -> None:
+          offsets: Sequence[int], to_pool: bool, groups: Sequence[int] | None = None) -> int:
+    """The copy; returns the bytes it moved."""
     _check(segments, block_ids, pool, offsets)
     if not len(block_ids):
-        return
+        return 0
     native = _native is not None and pool.device.type == "cpu" and all(s.device.type == "cpu" for s in segments)
     if native:
         addrs, pool_off, lens = _plan(segments, block_ids, offsets, pool.numel(), groups, to_pool)
         if not lens.size:
-            return
+            return 0
         lazy = _lazy.get(pool.data_ptr())
         if lazy is not None:
             lazy.ensure(pool_off, lens)
@@ -411,10 +413,9 @@ def _copy(segments: Sequence[torch.Tensor], block_ids: BlockIds, pool: torch.Ten
         )
         if timed:
             choice.report(kernel, nbytes, time.perf_counter() - t0)
-        return
-    ids, seg_group = _block_matrix(block_ids, groups, len(segments))
-    if to_pool and (ids[:, seg_group] == -1).any():
-        raise ValueError("a page with a group that has no block (-1) cannot be saved")
+        return nbytes
+    ids, seg_group = _block_matrix(block_ids, groups, len(segments), to_pool)
+    moved = 0
     for row, off in zip(ids.tolist(), offsets, strict=True):
         pos = off
         for seg, g in zip(segments, seg_group.tolist(), strict=True):
@@ -427,18 +428,22 @@ def _copy(segments: Sequence[torch.Tensor], block_ids: BlockIds, pool: torch.Ten
                     dst.copy_(part.reshape(-1).view(torch.uint8), non_blocking=True)
                 else:
                     part.reshape(-1).view(torch.uint8).copy_(dst, non_blocking=True)
+                moved += n
             pos += n
+    return moved
 
 
 def save_pages(segments: Sequence[torch.Tensor], block_ids: BlockIds, pool: torch.Tensor,
-               offsets: Sequence[int], groups: Sequence[int] | None = None) -> None:
+               offsets: Sequence[int], groups: Sequence[int] | None = None) -> int:
     """Copy the pages of ``block_ids`` from the KV cache into the pool at ``offsets``
-    (``groups``: each segment's KV cache group, when ``block_ids`` give one id per group)."""
-    _copy(segments, block_ids, pool, offsets, True, groups)
+    (``groups``: each segment's KV cache group, when ``block_ids`` give one id per group).
+    Returns the bytes copied."""
+    return _copy(segments, block_ids, pool, offsets, True, groups)
 
 
 def load_pages(segments: Sequence[torch.Tensor], block_ids: BlockIds, pool: torch.Tensor,
-               offsets: Sequence[int], groups: Sequence[int] | None = None) -> None:
+               offsets: Sequence[int], groups: Sequence[int] | None = None) -> int:
     """Copy pool pages at ``offsets`` into the KV cache blocks ``block_ids`` (a group's
-    block id ``-1``: that part of the page is not needed and not copied)."""
-    _copy(segments, block_ids, pool, offsets, False, groups)
+    block id ``-1``: that part of the page is not needed and not copied). Returns the
+    bytes copied."""
+    return _copy(segments, block_ids, pool, offsets, False, groups)

@@ -307,9 +307,8 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.save(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        if self._worker is None:
-            return None, None
-        done = self._worker.take_finished_recving()
+        # vLLM 0.32 asks get_transfer_results (which also says which loads failed).
+        done = self.get_transfer_results(finished_req_ids).finished_recving
         return None, (done or None)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:

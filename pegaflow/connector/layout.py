@@ -68,15 +68,6 @@ class PageLayout:
         """``segment_groups`` for ``save_pages``/``load_pages``, ``None`` with one group."""
         return self.segment_groups if self.num_groups > 1 else None
 
-    def bytes_of(self, pages: Sequence[int | tuple[int, ...]]) -> int:
-        """Bytes a copy of ``pages`` moves (a group's ``-1`` block is not copied)."""
-        if self.num_groups == 1:
-            return len(pages) * self.page_bytes
-        per_group = [0] * self.num_groups
-        for seg, g in zip(self.segments, self.segment_groups, strict=True):
-            per_group[g] += seg.shape[1]
-        return sum(per_group[g] for p in pages for g, b in enumerate(p) if b != -1)  # type: ignore[arg-type]
-
     def page(self, block_id: int | tuple[int, ...]) -> torch.Tensor:
         """A copy of a block's page (one block id, or one per group; for tests, not the hot path)."""
         ids = (block_id,) if isinstance(block_id, int) else block_id

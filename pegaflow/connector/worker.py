@@ -153,7 +153,7 @@ class WorkerSide:
                 continue
             t0 = time.perf_counter()
             try:
-                self._load_pages(self.layout.segments, block_ids, pool, offsets, self.layout.groups)
+                nbytes = self._load_pages(self.layout.segments, block_ids, pool, offsets, self.layout.groups)
             except Exception:  # noqa: BLE001 - any copy failure means "recompute these blocks"
                 logger.exception(
                     "PegaFlow rank %d: load of %d blocks failed; vLLM recomputes them", self.tp_rank, len(block_ids)
@@ -162,7 +162,7 @@ class WorkerSide:
                 continue
             self._count("load_s", time.perf_counter() - t0)
             self._count("loaded_blocks", len(block_ids))
-            self._count("loaded_bytes", self.layout.bytes_of(block_ids))
+            self._count("loaded_bytes", nbytes)
             if "first-load" not in self._warned:
                 self._warned.add("first-load")
                 logger.info("PegaFlow rank %d: first load, %d blocks from the node", self.tp_rank, len(block_ids))
@@ -181,14 +181,14 @@ class WorkerSide:
             offsets = [o for s in batch for o in s.offsets]
             t0 = time.perf_counter()
             try:
-                self._save_pages(self.layout.segments, block_ids, pool, offsets, self.layout.groups)
+                nbytes = self._save_pages(self.layout.segments, block_ids, pool, offsets, self.layout.groups)
             except Exception:  # noqa: BLE001 - a failed save is a future miss, never an error
                 logger.exception("PegaFlow rank %d: save of %d blocks failed", self.tp_rank, len(block_ids))
                 self._failed_reservations.update(s.reservation_id for s in batch)
                 continue
             self._count("save_s", time.perf_counter() - t0)
             self._count("saved_blocks", len(block_ids))
-            self._count("saved_bytes", self.layout.bytes_of(block_ids))
+            self._count("saved_bytes", nbytes)
 
     def take_finished_recving(self) -> set[str]:
         out, self._finished_recving = self._finished_recving, set()

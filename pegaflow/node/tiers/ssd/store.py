@@ -129,6 +129,11 @@ class Header:
     payload_len: int
     payload_csum: int
 
+    @property
+    def is_reset(self) -> bool:
+        """A reset record (``SsdIndex.tombstone``), not a block."""
+        return self.hash == TOMBSTONE and self.payload_len == 0
+
 
 def unpack_header(buf: bytes | bytearray | memoryview) -> Header | None:
     """The header at the start of ``buf``, or None if it is not a valid record header."""
@@ -402,7 +407,7 @@ class SsdIndex:
         reset_at: dict[str, int] = {}  # namespace -> sequence of its newest reset record
         for chain in chains:
             for _off, h in chain:
-                if h.hash == TOMBSTONE and h.payload_len == 0 and h.seq > reset_at.get(h.ns_name, 0):
+                if h.is_reset and h.seq > reset_at.get(h.ns_name, 0):
                     reset_at[h.ns_name] = h.seq
         voided = 0
         for (_f, seg), chain in zip(jobs, chains, strict=True):
@@ -415,8 +420,8 @@ class SsdIndex:
             for off, h in chain:
                 max_seq = max(max_seq, h.seq)
                 seg.fill = off + record_bytes(h.payload_len) - seg.start
-                if h.seq < reset_at.get(h.ns_name, 0) or (h.hash == TOMBSTONE and h.payload_len == 0):
-                    voided += h.hash != TOMBSTONE
+                if h.is_reset or h.seq < reset_at.get(h.ns_name, 0):
+                    voided += not h.is_reset
                     continue
                 nid = self.ns_id(h.ns_name, h.payload_len)
                 if nid is None:
