@@ -7,7 +7,8 @@ K and V of each layer.) ``offsets[i]`` is where ``block_ids[i]``'s page starts i
 
 Engines with several KV cache groups (vLLM's hybrid allocator: full and sliding-window
 attention layers keep separate block tables) give each segment a group (``groups``) and
-each page one block id per group (``block_ids[i][g]``). A block id of ``-1`` means that
+each page one block id per group (``block_ids[i][g]``). A block id of ``-1`` (only with
+``groups``) means that
 group has no block for this page (a sliding-window layer outside the window); loads skip
 those segments, saves refuse them (a page is written whole or not at all).
 
@@ -334,6 +335,8 @@ def _block_matrix(block_ids: BlockIds, groups: Sequence[int] | None, nseg: int,
         ids = np.asarray(block_ids, dtype=np.int64)
     except OverflowError:
         raise IndexError("block id out of range") from None
+    if groups is None and ids.size and ids.min() < 0:
+        raise IndexError("block id out of range of the KV cache")  # -1 needs the segments' groups
     if ids.ndim == 1:
         ids = ids.reshape(-1, 1)
     elif ids.ndim != 2:
@@ -369,19 +372,35 @@ def _plan(segments: Sequence[torch.Tensor], block_ids: BlockIds,
     seg_stride = np.array([seg.stride(0) * seg.element_size() for seg in segments], dtype=np.uint64)
     seg_start = np.concatenate(([0], np.cumsum(seg_len)[:-1])).astype(np.int64)
     nblocks = np.array([seg.shape[0] for seg in segments])
-    ids, seg_group = _block_matrix(block_ids, groups, len(segments), to_pool)
-    bids = ids[:, seg_group]  # (pages, segments): the block each segment copies
     try:
         offs = np.asarray(offsets, dtype=np.int64)
     except OverflowError:
         raise IndexError("block id or page offset out of range") from None
-    skip = bids == -1
-    if bids.size and ((bids[~skip] < 0).any() or (bids >= nblocks[None, :]).any()):
-        raise IndexError("block id out of range of the KV cache")
     page = int(seg_len.sum())
     # offset + page may overflow int64; offset > pool_bytes - page cannot.
     if offs.size and (page > pool_bytes or offs.min() < 0 or offs.max() > pool_bytes - page):
         raise IndexError("page offset out of range of the pool")
+    if groups is None:
+        # One KV cache group, every engine's hot path: one id per page, every segment
+        # copied (measured: the masked multi-group planning below costs ~90 µs more per
+        # 64-block request here, 2% of its copy).
+        try:
+            bids = np.asarray(block_ids, dtype=np.int64)
+        except OverflowError:
+            raise IndexError("block id out of range") from None
+        if bids.ndim != 1:
+            raise ValueError("block ids per KV cache group need the segments' groups")
+        if bids.size and (bids.min() < 0 or (bids[:, None] >= nblocks[None, :]).any()):
+            raise IndexError("block id out of range of the KV cache")
+        addrs = (seg_ptr[None, :] + bids.astype(np.uint64)[:, None] * seg_stride[None, :]).ravel()
+        pool_off = (offs[:, None] + seg_start[None, :]).ravel()
+        lens = np.broadcast_to(seg_len, (bids.size, seg_len.size)).ravel().copy()
+        return addrs, pool_off, lens
+    ids, seg_group = _block_matrix(block_ids, groups, len(segments), to_pool)
+    bids = ids[:, seg_group]  # (pages, segments): the block each segment copies
+    skip = bids == -1
+    if bids.size and ((bids[~skip] < 0).any() or (bids >= nblocks[None, :]).any()):
+        raise IndexError("block id out of range of the KV cache")
     keep = ~skip.ravel()
     addrs = (seg_ptr[None, :] + np.where(skip, 0, bids).astype(np.uint64) * seg_stride[None, :]).ravel()[keep]
     pool_off = (offs[:, None] + seg_start[None, :]).ravel()[keep]
