@@ -22,7 +22,7 @@ LINT_IMPORTS = $(PYTHON) -c "import sys; from importlinter.cli import lint_impor
 test: install-test
 	$(PYTHON) -m ruff check pegaflow tests bench scripts
 	$(LINT_IMPORTS)
-	$(PYTHON) -m pytest -ra $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -ra --durations=15 $(PYTEST_ARGS)
 
 lint:
 	$(PYTHON) -m ruff check pegaflow tests bench scripts

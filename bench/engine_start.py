@@ -1,21 +1,27 @@
 """vLLM start-up time with PegaFlow, against the node's pool size.
 
-    python bench/engine_start.py [--pools 1gb,16gb] [--rounds 2] [--summary F]
+    python bench/engine_start.py [--pools 1gb,16gb] [--rounds 2] [--after-prefault] [--summary F]
 
 The pool lives in ``pegaflow-node``, not in the engine: an engine maps it lazily and
 populates only what it copies, so its start must not grow with the pool (the original
 reports vLLM ready 2.15x sooner than with the pool inside the engine). For each round and
-each pool size a fresh node is started (and left pre-faulting in the background, as in
-production), then a vLLM engine with PegaKVConnector; measured is the time from spawning
-the engine process to its ``LLM()`` being ready. The same-run peer is the same engine with
-no connector at all, started in the same rounds. Rounds interleave the configurations, so
-drift on the host hits each alike; medians are reported.
+each pool size a fresh node is started (left pre-faulting in the background, as in
+production, or waited for with ``--after-prefault``), then two vLLM engines one after the
+other (vLLM's default process layout): one with PegaKVConnector, and the same-run peer,
+the same engine with no connector while the same node runs. The peer carries everything a
+node of that size costs the host (memory the pool takes from the page cache, pre-fault
+threads) without the connector, so the ratio is what the connector adds at that pool size.
+Measured is the time from spawning the engine process to its ``LLM()`` being ready, and the
+connector's own share of it: the worker's ``register_kv_caches`` (map the pool, register
+the namespace), which it logs. Rounds interleave the configurations, so drift on the host
+hits each alike; medians are reported.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -28,13 +34,23 @@ sys.path.insert(0, str(REPO))
 from tests.e2e.harness import EngineProc, NodeProc  # noqa: E402
 from tests.e2e.model import build_tiny_llama  # noqa: E402
 
+REGISTERED = re.compile(r"PegaFlow rank 0: .* registered in ([0-9.]+) ms")
 
-def start_seconds(model: Path, logs: Path, node: NodeProc | None, name: str) -> float:
+
+def start_seconds(model: Path, logs: Path, node: NodeProc, name: str, connector: bool) -> tuple[float, float | None]:
+    """Seconds from spawn to ready, and (with the connector) its worker's registration in ms."""
     t0 = time.monotonic()
-    eng = EngineProc(model, logs, node=node, connector="pega" if node is not None else "none", name=name)
+    eng = EngineProc(model, logs, node=node, connector="pega" if connector else "none", name=name,
+                     multiprocess=True)
     took = time.monotonic() - t0
+    log = eng.log_tail(10**7)
     eng.close()
-    return took
+    if not connector:
+        return took, None
+    m = REGISTERED.search(log)
+    if m is None:
+        raise SystemExit(f"error: no registration line in {eng.log_path}")
+    return took, float(m.group(1))
 
 
 def wait_prefaulted(node: NodeProc, timeout: float = 600.0) -> None:
@@ -56,39 +72,59 @@ def main() -> None:
     ap.add_argument("--pools", default="1gb,16gb", help="node pool sizes, comma-separated")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--after-prefault", action="store_true",
-                    help="start each engine only once the node's pool is pre-faulted (a node up for a while)")
+                    help="start the engines only once the node's pool is pre-faulted (a node up for a while)")
     ap.add_argument("--summary", type=Path, help="write the figures as JSON (python -m bench)")
     args = ap.parse_args()
     pools = [p.strip() for p in args.pools.split(",") if p.strip()]
+    if not pools or args.rounds < 1:
+        raise SystemExit("error: --pools needs at least one size and --rounds at least 1")
     tmp = Path(tempfile.mkdtemp(prefix="pf-bench-start-"))
     logs = tmp / "logs"
     logs.mkdir()
     model = build_tiny_llama(tmp / "model", seed=0)
-    runs: dict[str, list[float]] = {"none": [], **{p: [] for p in pools}}
+    pega: dict[str, list[float]] = {p: [] for p in pools}
+    none: dict[str, list[float]] = {p: [] for p in pools}
+    register_ms: dict[str, list[float]] = {p: [] for p in pools}
+    ratios: dict[str, list[float]] = {p: [] for p in pools}
     for r in range(args.rounds):
-        runs["none"].append(start_seconds(model, logs, None, f"none-{r}"))
-        print(f"round {r}: no connector {runs['none'][-1]:.1f} s", flush=True)
         for p in pools:
             node = NodeProc(logs, pool_size=p)
-            if args.after_prefault:
-                wait_prefaulted(node)
             try:
-                runs[p].append(start_seconds(model, logs, node, f"pega-{p}-{r}"))
+                if args.after_prefault:
+                    wait_prefaulted(node)
+                # Alternate which engine goes first, so a node still pre-faulting slows each alike.
+                order = (True, False) if r % 2 == 0 else (False, True)
+                for with_connector in order:
+                    took, reg = start_seconds(model, logs, node, f"{'pega' if with_connector else 'none'}-{p}-{r}",
+                                              with_connector)
+                    (pega if with_connector else none)[p].append(took)
+                    if reg is not None:
+                        register_ms[p].append(reg)
             finally:
                 node.stop()
-            print(f"round {r}: PegaFlow, {p} pool: {runs[p][-1]:.1f} s", flush=True)
-    med = {k: statistics.median(v) for k, v in runs.items()}
+            ratios[p].append(pega[p][-1] / none[p][-1])
+            print(f"round {r}, node pool {p}: PegaFlow {pega[p][-1]:.1f} s (registration {register_ms[p][-1]:.1f} ms),"
+                  f" no connector {none[p][-1]:.1f} s", flush=True)
+    med = statistics.median
     when = "after the node pre-faulted its pool" if args.after_prefault else "while the node pre-faults its pool"
     print(f"# vLLM ready after spawn (median of {args.rounds}), started {when}; logs in {logs}")
-    print(f"no connector: {med['none']:.1f} s")
     for p in pools:
-        print(f"PegaFlow, node pool {p}: {med[p]:.1f} s ({med[p] / med['none']:.2f}x no connector)")
-    if len(pools) >= 2:
-        print(f"largest / smallest pool: {med[pools[-1]] / med[pools[0]]:.2f}x")
+        print(f"node pool {p}: PegaFlow {med(pega[p]):.1f} s, no connector {med(none[p]):.1f} s "
+              f"({med(ratios[p]):.2f}x, paired median); connector registration {med(register_ms[p]):.1f} ms")
+    big, small = pools[-1], pools[0]
+    print(f"largest / smallest pool: PegaFlow {med(pega[big]) / med(pega[small]):.2f}x, "
+          f"no connector {med(none[big]) / med(none[small]):.2f}x; registration "
+          f"{med(register_ms[big]) / med(register_ms[small]):.2f}x")
     if args.summary:
         args.summary.write_text(json.dumps({
-            "ready_s": med, "runs": runs, "pools": pools,
-            "largest_over_smallest": med[pools[-1]] / med[pools[0]] if len(pools) >= 2 else 1.0,
+            "pools": pools, "after_prefault": args.after_prefault,
+            "pega_ready_s": {p: med(v) for p, v in pega.items()},
+            "none_ready_s": {p: med(v) for p, v in none.items()},
+            "register_ms": {p: med(v) for p, v in register_ms.items()},
+            "pega_over_none": {p: med(v) for p, v in ratios.items()},
+            "largest": {"pega_ready_s": med(pega[big]), "none_ready_s": med(none[big]),
+                        "pega_over_none": med(ratios[big]), "register_ms": med(register_ms[big])},
+            "runs": {"pega": pega, "none": none, "register_ms": register_ms},
         }))
 
 

@@ -51,6 +51,7 @@ RUNS: tuple[Run, ...] = (
     # Five vLLM servers / four engines each: minutes, so only when asked for.
     Run("concurrency", "concurrency.py", ("--rounds", "2"), default=False),
     Run("multiturn", "multiturn.py", (), default=False),
+    Run("engine_start", "engine_start.py", ("--rounds", "1"), default=False),
 )
 
 GOALS: tuple[Goal, ...] = (
@@ -102,6 +103,12 @@ GOALS: tuple[Goal, ...] = (
          "warm_rate.example.mean_ms", "ExampleConnector warm", 1.0, ratio="warm_rate.example_over_pega"),
     Goal("concurrency", "warm TTFT 8 concurrent, ExampleConnector / PegaFlow", "warm_concurrent.pega.mean_ms", "ms",
          "warm_concurrent.example.mean_ms", "ExampleConnector warm", 1.0, ratio="warm_concurrent.example_over_pega"),
+    # vLLM's start with the connector, next to a 16 GiB node: the pool is the node's, not the engine's.
+    Goal("engine_start", "vLLM ready, PegaFlow / no connector, 16 GiB node", "largest.pega_ready_s", "s",
+         "largest.none_ready_s", "no connector, same node", 1.05, higher_is_better=False,
+         ratio="largest.pega_over_none"),
+    Goal("engine_start", "connector registration, 16 GiB node", "largest.register_ms", "ms", None, "", 1000,
+         on="value", higher_is_better=False),
     # Conversations through two engines taking turns: replay predicts what the engines hit.
     Goal("multiturn", "token hit rate, |measured - replay| (decode saves)", "decode_saves.hit_rate_error_pp", "pp",
          None, "", 1.0, on="value", higher_is_better=False),

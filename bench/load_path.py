@@ -58,10 +58,12 @@ def main() -> None:
     results: dict[str, object] = {"prompts": args.prompts, "prompt_tokens": args.prompt_tokens,
                                   "window": args.window}
     try:
-        with EngineProc(model, logs, node=node, name="cold", extra_args=[*common, "--no-hybrid-kv-cache"]) as cold:
+        with EngineProc(model, logs, node=node, name="cold", extra_args=[*common, "--no-hybrid-kv-cache"],
+                        multiprocess=True) as cold:
             cold.generate(prompts, 1)
         for name, extra in variants.items():
-            engines[name] = EngineProc(model, logs, node=node, name=name.split()[0], extra_args=[*common, *extra])
+            engines[name] = EngineProc(model, logs, node=node, name=name.split()[0], extra_args=[*common, *extra],
+                                       multiprocess=True)
             engines[name].generate([warmup], 1)
         times: dict[str, list[float]] = {n: [] for n in engines}
         cached: dict[str, list[int]] = {n: [] for n in engines}

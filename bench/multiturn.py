@@ -60,7 +60,8 @@ def run_config(model: Path, logs: Path, node: NodeProc, decode_saves: bool, args
     extra = ["--connector", "custom", "--kv-transfer-config", kv_config(f"multiturn-{name}", decode_saves),
              "--max-model-len", str(FIRST_TOKENS + args.turns * (args.answer_tokens + MESSAGE_TOKENS) + 64)]
     t0 = time.perf_counter()
-    engines = [EngineProc(model, logs, node=node, name=f"{name}-{x}", extra_args=extra) for x in "AB"]
+    engines = [EngineProc(model, logs, node=node, name=f"{name}-{x}", extra_args=extra, multiprocess=True)
+               for x in "AB"]
     print(f"{name}: engines up in {time.perf_counter() - t0:.0f} s", flush=True)
     for e in engines:  # a first batch pays one-time costs; none of the measured turns should
         e.generate([w[:64] for w in warmup], 8)

@@ -160,7 +160,7 @@ PAUSE_S = 1.5
 
 def start_engine(model: Path, logs: Path, peer: Peer, name: str, warmup: list[int]) -> tuple[EngineProc, float]:
     t0 = time.perf_counter()
-    eng = EngineProc(model, logs, node=peer.node, name=name, python=peer.python, env=peer.env,
+    eng = EngineProc(model, logs, node=peer.node, name=name, python=peer.python, env=peer.env, multiprocess=True,
                      extra_args=[*peer.args, "--max-model-len", str(MAX_MODEL_LEN),
                                  # one chunk per prompt: ExampleConnector cannot save a chunked prefill
                                  "--max-num-batched-tokens", str(MAX_MODEL_LEN)])

@@ -70,6 +70,7 @@ class WorkerSide:
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor], num_blocks: int | None,
                            layer_groups: Mapping[str, int] | None = None) -> None:
+        t0 = time.perf_counter()
         layout = build_page_layout(kv_caches, num_blocks, layer_groups)
         if layout.page_bytes != self.identity.page_bytes:
             logger.error(
@@ -81,8 +82,12 @@ class WorkerSide:
             return
         self.layout = layout
         self.link = self._link_factory({self.namespace: layout.page_bytes})
+        # The connector's whole share of the engine's start (layout, register, map the pool);
+        # bench/engine_start.py reads it from this line.
+        took_ms = (time.perf_counter() - t0) * 1e3
         logger.info(
-            "PegaFlow rank %d: %d layers in %d KV cache group(s), %d segments, page %d bytes, namespace %s, node %s",
+            "PegaFlow rank %d: %d layers in %d KV cache group(s), %d segments, page %d bytes, namespace %s, node %s, "
+            "registered in %.1f ms",
             self.tp_rank,
             len(layout.layer_names),
             layout.num_groups,
@@ -90,6 +95,7 @@ class WorkerSide:
             layout.page_bytes,
             self.namespace,
             "ready" if self.link.ready else "down (will retry)",
+            took_ms,
         )
 
     def _pool_for(self, epoch: int) -> torch.Tensor | None:

@@ -88,7 +88,8 @@ def logprob_tol(reference: dict[str, Any]) -> float:
 @pytest.fixture(scope="module")
 def cold_a(model_a: Path, e2e_logs: Path, node: NodeProc, long_prompts) -> list[dict[str, Any]]:  # noqa: ANN001
     """Engine A1 (PYTHONHASHSEED=1) computes the long prompts and saves them to the node."""
-    with EngineProc(model_a, e2e_logs, node=node, name="A1-cold", env={"PYTHONHASHSEED": "1"}) as eng:
+    with EngineProc(model_a, e2e_logs, node=node, name="A1-cold", env={"PYTHONHASHSEED": "1"},
+                    multiprocess=True) as eng:
         return eng.generate(long_prompts, MAX_TOKENS)
 
 

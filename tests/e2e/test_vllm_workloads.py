@@ -90,7 +90,7 @@ def turn1(model_a: Path, e2e_logs: Path, node: NodeProc, conversation: dict[str,
     """An engine with PegaFlow and ExampleConnector in a MultiConnector runs turn 1 (PegaFlow
     saves the prompt's and the answer's blocks)."""
     with EngineProc(model_a, e2e_logs, node=node, name="conv-turn1", connector="custom",
-                    extra_args=multi_connector(example_dir)) as eng:
+                    extra_args=multi_connector(example_dir), multiprocess=True) as eng:
         assert eng.block_size == conversation["block_size"]
         out = eng.generate([conversation["p1"]], answer_tokens(eng.block_size))[0]
         # Other prompts until turn 1's blocks have left the node's DRAM (LRU; kept on SSD).
