@@ -76,18 +76,22 @@ def _dtype_name(dt: Any) -> str:
 def kv_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, model_id: str | None = None) -> KVIdentity:
     """The block identity of this engine, from its config alone (same in every process).
 
-    Several KV cache groups (vLLM's hybrid allocator) are stored when every group is
-    attention KV of one shape (full, sliding-window or chunked-local attention: e.g.
-    Gemma-2/3, Mistral-style or gpt-oss layer mixes): one page then holds every layer, and
-    the identity is the same as with the hybrid allocator off. Raises ``ValueError`` for
-    cache layouts PegaFlow does not store (state-space or cross-attention groups, groups
-    of different shapes; pipeline parallelism).
+    Several KV cache groups (vLLM's hybrid allocator) are stored when every attention group
+    is KV of one shape (full, sliding-window or chunked-local attention: e.g. Gemma-2/3,
+    Mistral-style or gpt-oss layer mixes), and state-space (Mamba) groups when vLLM keeps
+    their states at block boundaries (``mamba_cache_mode="align"``: hybrid models such as
+    Nemotron-H or Granite-4). One page then holds every attention layer's block ``i``; the
+    state-space layers' states go to state pages (``KVIdentity.state_page_bytes``). For
+    attention-only models the identity is the same as with the hybrid allocator off. Raises ``ValueError`` for cache
+    layouts PegaFlow does not store (cross-attention groups, attention groups of different
+    shapes, state-space groups without aligned states; pipeline parallelism).
     """
     from vllm.platforms import current_platform
     from vllm.v1.kv_cache_interface import (
         AttentionSpec,
         ChunkedLocalAttentionSpec,
         FullAttentionSpec,
+        MambaSpec,
         MLAAttentionSpec,
         SlidingWindowSpec,
     )
@@ -95,13 +99,25 @@ def kv_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, model_i
     groups = kv_cache_config.kv_cache_groups
     if not groups:
         raise ValueError("the model has no KV cache groups")
-    spec = groups[0].kv_cache_spec
+    attn = [g for g in groups if not isinstance(g.kv_cache_spec, MambaSpec)]
+    if not attn:
+        raise ValueError("PegaFlow stores attention KV; the model has state-space layers only")
+    spec = attn[0].kv_cache_spec
     for g in groups:
         gs = g.kv_cache_spec
-        if not isinstance(gs, AttentionSpec):
-            raise ValueError(f"PegaFlow stores attention KV; got {type(gs).__name__}")
         if not getattr(g, "enable_kv_transfer", True):
             raise ValueError(f"KV cache group of {g.layer_names[:1]} opts out of KV transfer")
+        if isinstance(gs, MambaSpec):
+            mode = getattr(gs, "mamba_cache_mode", "none")
+            if mode != "align":
+                raise ValueError("PegaFlow stores state-space (Mamba) layers only with their states at block "
+                                 f"boundaries (mamba_cache_mode='align', with prefix caching); got {mode!r}")
+            if gs.block_size != spec.block_size:
+                raise ValueError(f"state-space groups of block size {gs.block_size} next to attention blocks of "
+                                 f"{spec.block_size} tokens")
+            continue
+        if not isinstance(gs, AttentionSpec):
+            raise ValueError(f"PegaFlow stores attention KV; got {type(gs).__name__}")
         if len(groups) > 1:
             if not isinstance(gs, (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec)):
                 raise ValueError(f"PegaFlow does not store {type(gs).__name__} KV cache groups")
@@ -126,7 +142,12 @@ def kv_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, model_i
         vllm_config.cache_config, "kv_cache_layout", None
     )
     platform = f"{current_platform.device_type}:{layout_name or 'default'}"
-    num_layers = sum(len(g.layer_names) for g in groups)
+    # A page is one block of every attention layer; a state page (hybrid state-space models)
+    # every state-space layer's state at one block boundary, unpadded.
+    num_layers = sum(len(g.layer_names) for g in attn)
+    page_bytes = sum(int(g.kv_cache_spec.real_page_size_bytes) * len(g.layer_names) for g in attn)
+    state_page_bytes = sum(int(g.kv_cache_spec.real_page_size_bytes) * len(g.layer_names)
+                           for g in groups if isinstance(g.kv_cache_spec, MambaSpec))
     return KVIdentity(
         model=model,
         config_hash=config_hash(mc.hf_config.to_dict()),
@@ -139,9 +160,16 @@ def kv_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, model_i
         tp_size=tp,
         num_shards=num_shards,
         mla=mla,
-        page_bytes=int(spec.real_page_size_bytes) * num_layers,
+        page_bytes=page_bytes,
         platform=platform,
+        state_page_bytes=state_page_bytes,
     )
+
+
+def _is_state_space(spec: Any) -> bool:
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return isinstance(spec, MambaSpec)
 
 
 def _tp_rank(vllm_config: VllmConfig) -> int:
@@ -179,6 +207,11 @@ _PROM_COUNTERS = {
     "loaded_bytes": ("vllm:pegaflow_loaded_bytes_total",
                      "Bytes copied from the PegaFlow pool into the KV cache (sliding-window layers: their window only)."),
     "saved_bytes": ("vllm:pegaflow_saved_bytes_total", "Bytes copied from the KV cache into the PegaFlow pool."),
+    "loaded_states": ("vllm:pegaflow_loaded_states_total",
+                      "State pages (hybrid state-space models: every state-space layer's state at a hit's end) "
+                      "copied into the KV cache."),
+    "saved_states": ("vllm:pegaflow_saved_states_total",
+                     "State pages copied into the pool (one per state vLLM hands off at a block boundary)."),
     "load_errors": ("vllm:pegaflow_load_errors_total", "Blocks that failed to load and were recomputed."),
     "async_loads": ("vllm:pegaflow_async_loads_total",
                     "Requests loaded through vLLM's asynchronous path (SSD promotions; every hit of a "
@@ -231,6 +264,7 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
         groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
         self._layer_groups = {name: gi for gi, g in enumerate(groups) for name in g.layer_names}
         kv_groups = max(1, len(groups))
+        state_groups = frozenset(gi for gi, g in enumerate(groups) if _is_state_space(g.kv_cache_spec))
         try:
             if kv_cache_config is None:
                 raise ValueError("no kv_cache_config given")
@@ -253,9 +287,12 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
                       if kv_events is not None and kv_events.enable_kv_cache_events else None)
             factory = (query_only_client_factory if events is None else
                        functools.partial(query_only_client_factory, on_blocks=events.on_blocks))
-            link = NodeLink(addr, {ns: ident.page_bytes for ns in ident.namespaces}, instance,
+            pages = {ns: ident.page_bytes for ns in ident.namespaces}
+            pages.update({ns: ident.state_page_bytes for ns in ident.state_namespaces})
+            link = NodeLink(addr, pages, instance,
                             client_factory=factory)
-            self._sched = SchedulerSide(ident, link, settings, events, kv_groups=kv_groups)
+            self._sched = SchedulerSide(ident, link, settings, events, kv_groups=kv_groups,
+                                        state_groups=state_groups)
             logger.info(
                 "PegaFlow scheduler: node %s (%s), mode %s, namespaces %s",
                 addr,
@@ -266,7 +303,7 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             rank = _tp_rank(vllm_config)
             self._worker = WorkerSide(ident, rank, lambda ns: NodeLink(addr, ns, f"{instance}:{rank}"),
-                                      kv_groups=kv_groups)
+                                      kv_groups=kv_groups, state_groups=state_groups)
 
     # A best-effort cache: a dropped save is a future miss, not lost data.
     @property

@@ -59,6 +59,10 @@ class LoadIntent:
     # deliver, reported as load errors (vLLM recomputes from the first of them).
     is_async: bool = False
     missing: tuple[PageBlock, ...] = ()
+    # A state page (hybrid state-space models): ``block_ids`` are the state-space groups'
+    # blocks, ``offsets`` pages of the state namespaces. It travels with its request's
+    # attention load in the same step (both ``is_async``); either failing fails the request.
+    state: bool = False
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,7 @@ class ShardSave:
     block_ids: tuple[PageBlock, ...]
     offsets: tuple[int, ...]
     epoch: int
+    state: bool = False  # state pages (state-space groups' blocks) into the shard's state namespace
 
 
 @dataclass(frozen=True)

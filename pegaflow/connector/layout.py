@@ -27,7 +27,11 @@ each keep their own block table, and one layer of each group may share one tenso
 segment records its layer's group (``segment_groups``) and a page of block ``i`` takes each
 layer's row from that layer's group's block ``i``. The page is the same bytes, in the same
 order, as with one group (the hybrid allocator off), so engines with and without it share
-pages.
+pages. A state-space (Mamba) layer's group holds, per block, the layer's state after that
+many tokens (vLLM's ``mamba_cache_mode="align"``); its segments are the state tensors
+(conv, SSM). Those layers make a layout of their own, the state page (see
+``KVIdentity.state_page_bytes``): vLLM keeps a state only at some boundaries, so it cannot
+be part of every block's page.
 """
 
 from __future__ import annotations
@@ -112,8 +116,13 @@ def _as_block_rows(seg: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def block_segments(t: torch.Tensor, num_blocks: int | None = None) -> list[torch.Tensor]:
-    """The segments of one layer's KV cache tensor, in page order (K before V)."""
+def block_segments(t: torch.Tensor | Sequence[torch.Tensor], num_blocks: int | None = None) -> list[torch.Tensor]:
+    """The segments of one layer's KV cache tensor, in page order (K before V). A state-space
+    (Mamba) layer's cache is a sequence of state tensors (conv, SSM), each block-major: one
+    segment per state, in vLLM's order, without the padding vLLM puts after them."""
+    if isinstance(t, (list, tuple)):
+        return [seg for state in t for seg in block_segments(state, num_blocks)]
+    assert isinstance(t, torch.Tensor)
     d = _find_block_dim(t, num_blocks)
     outer = t.shape[:d]
     segs: list[torch.Tensor] = []
@@ -130,22 +139,25 @@ def _ndindex(shape: Sequence[int]) -> list[tuple[int, ...]]:
     return out
 
 
-def build_page_layout(kv_caches: Mapping[str, torch.Tensor], num_blocks: int | None = None,
-                      layer_groups: Mapping[str, int] | None = None) -> PageLayout:
+def build_page_layout(kv_caches: Mapping[str, torch.Tensor | Sequence[torch.Tensor]], num_blocks: int | None = None,
+                      layer_groups: Mapping[str, int] | None = None, num_groups: int | None = None) -> PageLayout:
     """Segments for every layer of ``kv_caches`` (as given to ``register_kv_caches``).
 
     ``layer_groups`` maps each layer to its KV cache group (vLLM's ``kv_cache_groups``);
     layers it does not name are not stored (with several groups: layers that reuse another
     layer's KV). Without it, layers that alias the same memory (cross-layer KV sharing) are
     stored once. Raises ``ValueError`` for layouts whose block slices are not contiguous or
-    whose layers disagree on the number of blocks.
+    whose layers disagree on the number of blocks. ``num_groups``: the engine's number of
+    groups (default: the highest group in ``layer_groups`` plus one), so that a layout of
+    some groups only (attention or state-space layers) reads per-group block ids of all.
     """
     names: list[str] = []
     segments: list[torch.Tensor] = []
     seg_groups: list[int] = []
     seen: set[tuple[object, ...]] = set()
     blocks: int | None = num_blocks
-    num_groups = 1 + max(layer_groups.values(), default=0) if layer_groups else 1
+    if num_groups is None:
+        num_groups = 1 + max(layer_groups.values(), default=0) if layer_groups else 1
     for name in sorted(kv_caches, key=layer_sort_key):
         t = kv_caches[name]
         if layer_groups is not None and num_groups > 1:
@@ -155,6 +167,8 @@ def build_page_layout(kv_caches: Mapping[str, torch.Tensor], num_blocks: int | N
             key: tuple[object, ...] = (name,)  # one tensor may back one layer of every group
         else:
             group = 0
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"layer {name} keeps state tensors, not KV; it needs its KV cache group")
             key = (t.data_ptr(), tuple(t.shape), t.stride())
         if key in seen:
             continue

