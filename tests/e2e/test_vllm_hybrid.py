@@ -21,7 +21,14 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.harness import EngineProc, NodeProc, corrupt_pool, full_blocks_claimable, namespace_page_bytes
+from tests.e2e.harness import (
+    EngineProc,
+    NodeProc,
+    assert_recomputed_equal,
+    corrupt_pool,
+    full_blocks_claimable,
+    namespace_page_bytes,
+)
 from tests.e2e.model import build_tiny_llama
 
 pytestmark = [pytest.mark.e2e]
@@ -63,10 +70,7 @@ def test_vllm_keeps_its_hybrid_kv_cache_manager_with_the_connector(cold) -> None
 def test_restarted_engine_hits_with_identical_tokens_and_logprobs(warm: EngineProc, cold, long_prompts) -> None:  # noqa: ANN001
     for prompt, out in zip(long_prompts, warm.warm, strict=True):  # type: ignore[attr-defined]
         assert out["num_cached_tokens"] == full_blocks_claimable(len(prompt), warm.block_size)
-    assert [o["tokens"] for o in warm.warm] == [o["tokens"] for o in cold["outs"]]  # type: ignore[attr-defined]
-    diff = max(abs(a - b) for w, c in zip(warm.warm, cold["outs"], strict=True)  # type: ignore[attr-defined]
-               for a, b in zip(w["logprobs"], c["logprobs"], strict=True))
-    assert diff <= LOGPROB_FLOOR, diff
+    assert_recomputed_equal(warm.warm, cold["outs"], LOGPROB_FLOOR)  # type: ignore[attr-defined]
     # Multi-group hits go through vLLM's asynchronous load (request-level failures).
     assert warm.warm_metrics.get("vllm:pegaflow_async_loads", 0) == len(long_prompts)  # type: ignore[attr-defined]
 

@@ -25,7 +25,13 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.harness import EngineProc, NodeProc, corrupt_pool, full_blocks_claimable
+from tests.e2e.harness import (
+    EngineProc,
+    NodeProc,
+    assert_recomputed_equal,
+    corrupt_pool,
+    full_blocks_claimable,
+)
 from tests.e2e.model import build_tiny_nemotron_h
 
 pytestmark = [pytest.mark.e2e]
@@ -81,10 +87,7 @@ def test_restarted_engine_resumes_from_pegaflow_with_identical_tokens_and_logpro
 ) -> None:
     for prompt, out in zip(long_prompts, warm.warm, strict=True):  # type: ignore[attr-defined]
         assert out["num_cached_tokens"] == full_blocks_claimable(len(prompt), warm.block_size)
-    assert [o["tokens"] for o in warm.warm] == [o["tokens"] for o in cold["outs"]]  # type: ignore[attr-defined]
-    diff = max(abs(a - b) for w, c in zip(warm.warm, cold["outs"], strict=True)  # type: ignore[attr-defined]
-               for a, b in zip(w["logprobs"], c["logprobs"], strict=True))
-    assert diff <= LOGPROB_FLOOR, diff
+    assert_recomputed_equal(warm.warm, cold["outs"], LOGPROB_FLOOR)  # type: ignore[attr-defined]
     m = warm.warm_metrics  # type: ignore[attr-defined]
     assert m.get("vllm:pegaflow_loaded_states", 0) == len(long_prompts), m
     assert m.get("vllm:pegaflow_async_loads", 0) == len(long_prompts), m
