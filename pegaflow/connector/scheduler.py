@@ -145,6 +145,7 @@ class _ReqState:
     hit_split: tuple[int, str] | None = None
     hit_end: int = 0  # tokens: end of the last hit
     pending: _AsyncLoad | None = None  # an asynchronous load promised to vLLM
+    state_wait_since: float | None = None  # waiting for a state page the node promotes from SSD
 
 
 @dataclass
@@ -337,10 +338,15 @@ class SchedulerSide:
             found = self._find_state(hashes, hit_blocks, num_computed_tokens, req_id)
             if found is None or found[0] == 0:
                 self._release(hit.lease_id)
-                if found is None:  # a state page is being promoted from SSD: ask again shortly
-                    st.next_poll = now + LOADING_POLL_S
-                    return None, False
+                if found is None:  # a state page is being promoted from SSD: ask again shortly,
+                    if st.state_wait_since is None:  # for at most LOADING_WAIT_S
+                        st.state_wait_since = now
+                    if now - st.state_wait_since < LOADING_WAIT_S:
+                        st.next_poll = now + LOADING_POLL_S
+                        return None, False
+                st.state_wait_since = None
                 return 0, False
+            st.state_wait_since = None
             hit.blocks, hit.state_lease, hit.state_offsets = found
             hit_tokens = hit.blocks * self.block_size
         if self.kv_groups > 1:

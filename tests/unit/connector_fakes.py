@@ -70,6 +70,7 @@ class FakeNode:
         self.loading_dram = 0  # ... saying this many blocks are in DRAM already
         self.loading_from = ""  # ... and the rest come from "ssd" or "peer"
         self.loading_expected = 0  # ... and the prefix will be this long once loaded
+        self.loading_match = ""  # only queries of a namespace containing this (all if empty)
         self.calls: Counter[str] = Counter()
 
     def restart(self) -> None:
@@ -106,7 +107,7 @@ class FakeNodeClient:
 
     def query(self, namespaces: Sequence[str], hashes: Sequence[bytes], req_id: str = "", lease: bool = True) -> QR:
         self._check("query")
-        if self.node.loading > 0:
+        if self.node.loading > 0 and any(self.node.loading_match in ns for ns in namespaces):
             self.node.loading -= 1
             return QR("LOADING", self.node.loading_dram, 0, {}, self.node.epoch, self.node.loading_from,
                       self.node.loading_expected)

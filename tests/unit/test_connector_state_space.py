@@ -207,6 +207,22 @@ def test_a_state_engine_waits_for_an_ssd_promotion_instead_of_promising_blocks()
     assert eng.sched.get_num_new_matched_tokens(req, 0) == (None, False)
 
 
+def test_a_state_page_being_promoted_is_waited_for_then_given_up() -> None:
+    from pegaflow.connector.scheduler import LOADING_WAIT_S
+
+    node = FakeNode()
+    cold_run(StateEngine(node), TOKENS)
+    node.loading, node.loading_match = 10**6, "|state="  # the state page is on SSD and never arrives
+    eng = StateEngine(node)
+    req = eng.request(TOKENS)
+    assert eng.sched.get_num_new_matched_tokens(req, 0) == (None, False)
+    assert not node.leases, "the attention pages stay leased while the state is awaited"
+    st = eng.sched._reqs[req.request_id]
+    st.next_poll, st.state_wait_since = 0.0, st.state_wait_since - LOADING_WAIT_S  # type: ignore[operator]
+    assert eng.sched.get_num_new_matched_tokens(req, 0) == (0, False), "waited past LOADING_WAIT_S"
+    assert not node.leases
+
+
 def test_generated_blocks_are_not_saved_by_a_state_engine() -> None:
     """vLLM keeps no state at a generated block's end, so such a block could never end a hit."""
     node = FakeNode()
