@@ -14,6 +14,7 @@ import pytest
 
 from pegaflow.connector.link import NodeLink
 from tests.e2e.harness import NodeProc
+from tests.integration.meta_harness import wait_until
 from tests.unit.connector_fakes import Engine, identity
 
 pytestmark = [pytest.mark.integration]
@@ -32,6 +33,17 @@ def engine(node: NodeProc, **kw: object) -> Engine:
     return Engine(None, identity(**kw), link_factory=lambda ns: NodeLink(node.addr, ns, "test"))  # type: ignore[arg-type]
 
 
+def committed(node: NodeProc, namespace: str, blocks: int) -> int:
+    """Wait (bounded) until the node holds ``blocks`` blocks of ``namespace`` and return how
+    many it holds: the connector sends its commits without waiting for their answer, so an
+    engine started right after another may otherwise ask before they landed."""
+    def count() -> int:
+        return dict(node.stats().blocks_by_namespace).get(namespace, 0)
+
+    wait_until(lambda: count() >= blocks, 10.0, f"{blocks} committed blocks of {namespace}")
+    return count()
+
+
 def prompt(seed: int) -> list[int]:
     return [(seed * 7919 + i * 31) % 5000 for i in range(5 * BS + 3)]
 
@@ -39,19 +51,21 @@ def prompt(seed: int) -> list[int]:
 def test_restarted_engine_loads_saved_blocks_through_the_real_node(node: NodeProc) -> None:
     p = prompt(1)
     assert engine(node).run(p)["external"] == 0
+    committed(node, identity().namespace(0), 5)
     b = engine(node)
     warm = b.run(p)
     assert warm["external"] == 5 * BS and not warm["errors"]
     assert all(got == b.expected(0, p, i) for i, got in enumerate(warm["loaded"][0]))
-    assert node.stats().active_leases == 0 and node.stats().active_reservations == 0
+    # Releases, like commits, are sent without waiting for their answer.
+    wait_until(lambda: node.stats().active_leases == 0 and node.stats().active_reservations == 0, 10.0,
+               "no lease or reservation left")
 
 
 def test_tp2_shards_both_stored_and_loaded_into_their_rank(node: NodeProc) -> None:
     p = prompt(2)
     ident = identity(tp=2)
     engine(node, tp=2).run(p)
-    by_ns = dict(node.stats().blocks_by_namespace)
-    assert by_ns[ident.namespace(0)] >= 5 and by_ns[ident.namespace(1)] >= 5
+    assert committed(node, ident.namespace(0), 5) >= 5 and committed(node, ident.namespace(1), 5) >= 5
     b = engine(node, tp=2)
     warm = b.run(p)
     assert warm["external"] == 5 * BS
@@ -66,7 +80,7 @@ def test_mla_tp2_stores_one_copy_and_loads_it_into_both_ranks(node: NodeProc) ->
     ident = identity(tp=2, mla=True)
     before = dict(node.stats().blocks_by_namespace).get(ident.namespace(0), 0)
     engine(node, tp=2, mla=True).run(p)
-    after = dict(node.stats().blocks_by_namespace)[ident.namespace(0)]
+    after = committed(node, ident.namespace(0), before + 5)
     assert after - before == 5, "MLA latent is stored once per block, not once per rank"
     b = engine(node, tp=2, mla=True)
     warm = b.run(p)
