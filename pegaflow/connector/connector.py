@@ -73,6 +73,13 @@ def _dtype_name(dt: Any) -> str:
     return str(dt).removeprefix("torch.")
 
 
+def is_state_space(spec: Any) -> bool:
+    """A state-space (Mamba) KV cache group: its blocks hold recurrent states, not KV."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return isinstance(spec, MambaSpec)
+
+
 def kv_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, model_id: str | None = None) -> KVIdentity:
     """The block identity of this engine, from its config alone (same in every process).
 
@@ -91,7 +98,6 @@ def kv_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, model_i
         AttentionSpec,
         ChunkedLocalAttentionSpec,
         FullAttentionSpec,
-        MambaSpec,
         MLAAttentionSpec,
         SlidingWindowSpec,
     )
@@ -99,7 +105,7 @@ def kv_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, model_i
     groups = kv_cache_config.kv_cache_groups
     if not groups:
         raise ValueError("the model has no KV cache groups")
-    attn = [g for g in groups if not isinstance(g.kv_cache_spec, MambaSpec)]
+    attn = [g for g in groups if not is_state_space(g.kv_cache_spec)]
     if not attn:
         raise ValueError("PegaFlow stores attention KV; the model has state-space layers only")
     spec = attn[0].kv_cache_spec
@@ -107,7 +113,7 @@ def kv_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, model_i
         gs = g.kv_cache_spec
         if not getattr(g, "enable_kv_transfer", True):
             raise ValueError(f"KV cache group of {g.layer_names[:1]} opts out of KV transfer")
-        if isinstance(gs, MambaSpec):
+        if is_state_space(gs):
             mode = getattr(gs, "mamba_cache_mode", "none")
             if mode != "align":
                 raise ValueError("PegaFlow stores state-space (Mamba) layers only with their states at block "
@@ -147,7 +153,7 @@ def kv_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, model_i
     num_layers = sum(len(g.layer_names) for g in attn)
     page_bytes = sum(int(g.kv_cache_spec.real_page_size_bytes) * len(g.layer_names) for g in attn)
     state_page_bytes = sum(int(g.kv_cache_spec.real_page_size_bytes) * len(g.layer_names)
-                           for g in groups if isinstance(g.kv_cache_spec, MambaSpec))
+                           for g in groups if is_state_space(g.kv_cache_spec))
     return KVIdentity(
         model=model,
         config_hash=config_hash(mc.hf_config.to_dict()),
@@ -164,12 +170,6 @@ def kv_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, model_i
         platform=platform,
         state_page_bytes=state_page_bytes,
     )
-
-
-def _is_state_space(spec: Any) -> bool:
-    from vllm.v1.kv_cache_interface import MambaSpec
-
-    return isinstance(spec, MambaSpec)
 
 
 def _tp_rank(vllm_config: VllmConfig) -> int:
@@ -264,7 +264,7 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
         groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
         self._layer_groups = {name: gi for gi, g in enumerate(groups) for name in g.layer_names}
         kv_groups = max(1, len(groups))
-        state_groups = frozenset(gi for gi, g in enumerate(groups) if _is_state_space(g.kv_cache_spec))
+        state_groups = frozenset(gi for gi, g in enumerate(groups) if is_state_space(g.kv_cache_spec))
         try:
             if kv_cache_config is None:
                 raise ValueError("no kv_cache_config given")

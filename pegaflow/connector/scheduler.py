@@ -228,11 +228,11 @@ class SchedulerSide:
             self._release_hit(hit)
 
     def _release_hit(self, hit: _Hit) -> None:
-        for lease in (hit.lease_id, hit.state_lease):
-            if lease:
-                self.link.call(lambda c, lease=lease: c.release(lease, wait=False))
+        self._release(hit.lease_id)
+        self._release(hit.state_lease)
 
     def _release(self, lease: int) -> None:
+        """Release a lease (``0``: none) without waiting for the node's answer."""
         if lease:
             self.link.call(lambda c: c.release(lease, wait=False))
 
@@ -299,9 +299,7 @@ class SchedulerSide:
                 # vLLM's asynchronous contract: allocate now, run other requests, and wait for
                 # this one until the workers report it in get_finished (build_connector_meta
                 # issues the copy once the node has the blocks in DRAM).
-                if res.lease_id:
-                    lease = res.lease_id
-                    self.link.call(lambda c: c.release(lease, wait=False))
+                self._release(int(res.lease_id))
                 st.pending = _AsyncLoad(end=expected, since=now, next_poll=now + LOADING_POLL_S)
                 st.hit_split = (int(res.hit_blocks), res.loading_from)
                 st.hit_end = expected * self.block_size
@@ -312,24 +310,18 @@ class SchedulerSide:
                 st.loading_dram, st.loading_from = int(res.hit_blocks), res.loading_from
             if now - st.loading_since < LOADING_WAIT_S:
                 st.next_poll = now + LOADING_POLL_S
-                if res.lease_id:
-                    lease = res.lease_id
-                    self.link.call(lambda c: c.release(lease, wait=False))
+                self._release(int(res.lease_id))
                 return None, False
             # Waited long enough: recompute rather than hold the request back further.
             st.loading_since = None
-            if res.lease_id:
-                lease = res.lease_id
-                self.link.call(lambda c: c.release(lease, wait=False))
+            self._release(int(res.lease_id))
             return 0, False
         st.hit_split = (st.loading_dram, st.loading_from) if st.loading_since is not None and st.loading_from else None
         st.loading_since = None
         hit_blocks = min(int(res.hit_blocks), max_blocks)
         hit_tokens = hit_blocks * self.block_size
         if hit_tokens <= num_computed_tokens:
-            if res.lease_id:
-                lease = res.lease_id
-                self.link.call(lambda c: c.release(lease, wait=False))
+            self._release(int(res.lease_id))
             return 0, False
         hit = _Hit(
             int(res.lease_id), hit_blocks, {ns: list(res.offsets[ns]) for ns in self.namespaces}, int(res.epoch)
@@ -396,7 +388,7 @@ class SchedulerSide:
                     a.hit = None
             a.block_ids = self._page_blocks(ids, a.start, a.end)
             if self.state_groups and a.end > a.start:
-                last = self._page_blocks(ids, a.end - 1, a.end)[0]
+                last = a.block_ids[-1]
                 assert isinstance(last, tuple)
                 a.state_block = tuple(b if g in self.state_groups else -1 for g, b in enumerate(last))
                 if any(a.state_block[g] == -1 for g in self.state_groups):
@@ -544,23 +536,20 @@ class SchedulerSide:
                 res = None if expired else self.link.call(
                     lambda c, h=st.hashes[:a.end], r=req_id: c.query(self.namespaces, h, req_id=r, lease=True))
             if res is not None and res.status == QueryStatus.LOADING:
-                if res.lease_id:
-                    self.link.call(lambda c, lease=res.lease_id: c.release(lease, wait=False))
+                self._release(int(res.lease_id))
                 a.next_poll = now + LOADING_POLL_S
                 continue
             if res is not None:
                 hit, lease_id, offsets, epoch = min(int(res.hit_blocks), a.end), int(res.lease_id), res.offsets, int(res.epoch)
             n = max(0, hit - a.start)
-            state_lease = a.hit.state_lease if a.hit is not None else 0
-            if state_lease:
+            if a.hit is not None and a.hit.state_lease:
                 # The state page at the hit's end, copied in the same step as the attention pages.
-                state_offsets = a.hit.state_offsets or {}  # type: ignore[union-attr]
-                if n == len(a.block_ids) and n:
+                if n == len(a.block_ids) and n and a.hit.state_offsets is not None:
                     self._loads.append(LoadIntent(
                         req_id=req_id, block_ids=(a.state_block,),
-                        offsets=tuple(tuple(state_offsets[ns]) for ns in self.state_namespaces),
+                        offsets=tuple(tuple(a.hit.state_offsets[ns]) for ns in self.state_namespaces),
                         epoch=epoch, is_async=True, state=True))
-                self._load_leases.append(state_lease)
+                self._load_leases.append(a.hit.state_lease)
             self._loads.append(LoadIntent(
                 req_id=req_id,
                 block_ids=tuple(a.block_ids[:n]),
@@ -651,7 +640,7 @@ class SchedulerSide:
                 else:
                     self.link.call(lambda c, rid=rid: c.abort(rid))
             for lease in work.leases:
-                self.link.call(lambda c, lease=lease: c.release(lease, wait=False))
+                self._release(lease)
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         st = self._reqs.pop(request.request_id, None)
