@@ -15,6 +15,7 @@ from collections.abc import Sequence
 # name -> (module with main(argv, prog), one-line summary)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("pegaflow.replay.command", "offline trace analysis on the node's own cache code"),
+    "router": ("pegaflow.router.cli", "KV-aware HTTP router and prefill/decode disaggregation in front of vLLM"),
 }
 
 

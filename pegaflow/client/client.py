@@ -444,10 +444,12 @@ class PegaClient:
 
     # ---- RPCs -------------------------------------------------------------------------
     def query(self, namespaces: Sequence[str], hashes: Sequence[bytes], req_id: str = "",
-              lease: bool = True) -> QueryResult:
+              lease: bool = True, peek: bool = False) -> QueryResult:
+        """The longest prefix of ``hashes`` stored in every one of ``namespaces``. ``peek``
+        (routing hints): DRAM only, no lease, and nothing counted or fetched on the node."""
         resp, b = self._with_session(
             lambda sid: node_pb2.QueryRequest(session_id=sid, namespaces=list(namespaces), hashes=list(hashes),
-                                              req_id=req_id, lease=lease),
+                                              req_id=req_id, lease=lease and not peek, peek=peek),
             "Query",
         )
         status = QueryStatus.LOADING if resp.status == node_pb2.LOADING else QueryStatus.READY

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pegaflow.config.capacity import Capacity
-from pegaflow.config.options import META, NODE, REPLAY, build_parser, fill_defaults, options_for
+from pegaflow.config.options import META, NODE, REPLAY, ROUTER, build_parser, fill_defaults, options_for
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,8 +118,45 @@ class ReplayConfig:
     jobs: int
 
 
-CONFIGS: dict[str, type] = {NODE: NodeConfig, META: MetaConfig, REPLAY: ReplayConfig}
-C = TypeVar("C", NodeConfig, MetaConfig, ReplayConfig)
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """``pegaflow router`` (the ROUTER rows)."""
+
+    log_level: str
+    log_format: str
+    host: str
+    port: int
+    engine: tuple[str, ...]
+    prefill: tuple[str, ...]
+    decode: tuple[str, ...]
+    policy: str
+    metaserver_addr: str
+    tokenizer: str
+    overlap_weight: float
+    hint_timeout: float
+    health_interval: float
+    backoff_max: float
+    request_timeout: float
+
+    @property
+    def disaggregated(self) -> bool:
+        return bool(self.prefill or self.decode)
+
+    def check(self) -> None:
+        """The combinations one flag cannot check (ValueError, one line)."""
+        if self.disaggregated and self.engine:
+            raise ValueError("give --engine, or --prefill and --decode, not both")
+        if self.disaggregated and not (self.prefill and self.decode):
+            raise ValueError("prefill/decode disaggregation needs at least one --prefill and one --decode")
+        if not (self.engine or self.disaggregated):
+            raise ValueError("no engines: give --engine URL ..., or --prefill URL ... --decode URL ...")
+        urls = [*self.engine, *self.prefill, *self.decode]
+        if len(set(urls)) < len(urls):
+            raise ValueError("an engine URL is given twice")
+
+
+CONFIGS: dict[str, type] = {NODE: NodeConfig, META: MetaConfig, REPLAY: ReplayConfig, ROUTER: RouterConfig}
+C = TypeVar("C", NodeConfig, MetaConfig, ReplayConfig, RouterConfig)
 
 
 def _frozen(value: Any) -> Any:

@@ -24,6 +24,7 @@ from pegaflow.core.units import parse_size
 NODE = "node"
 META = "meta"
 REPLAY = "replay"
+ROUTER = "router"
 
 DEFAULT_META_REDIS = "redis://127.0.0.1:6379/0"
 
@@ -86,6 +87,26 @@ def _positive_float(text: str) -> float:
     return v
 
 
+def _port(text: str | int) -> int:
+    n = int(text)
+    if not 0 < n < 65536:
+        raise ValueError(f"port {n} out of range 1..65535")
+    return n
+
+
+def _http_url(text: str) -> str:
+    """``http://HOST:PORT`` (a trailing slash dropped); ``HOST:PORT`` means http."""
+    t = text.strip().rstrip("/")
+    if "://" not in t:
+        t = "http://" + t
+    scheme, _, rest = t.partition("://")
+    if scheme not in ("http", "https") or not rest or "/" in rest:
+        raise ValueError(f"{text!r} is not http://HOST:PORT")
+    if ":" in rest:
+        _host_port(rest)
+    return t
+
+
 def _bool(text: str | bool) -> bool:
     if isinstance(text, bool):
         return text
@@ -145,6 +166,7 @@ class Option:
     metavar: str | None = None
     aliases: tuple[str, ...] = field(default=())
     positional: bool = False  # an argument, not a flag (``pegaflow replay TRACE``); required
+    env_var: str | None = None  # the variable's name when not PEGAFLOW_<FLAG> (a name taken elsewhere)
 
     @property
     def dest(self) -> str:
@@ -152,7 +174,7 @@ class Option:
 
     @property
     def env(self) -> str:
-        return _env_name(self.name)
+        return self.env_var or _env_name(self.name)
 
     @property
     def envs(self) -> tuple[str, ...]:
@@ -201,14 +223,14 @@ OPTIONS: list[Option] = [
         "info",
         "Log level (the original's 'trace' and 'warn' mean debug and warning).",
         _log_level,
-        commands=(NODE, META, REPLAY),
+        commands=(NODE, META, REPLAY, ROUTER),
     ),
     Option(
         "log-format",
         "console",
         "Log format: 'json' for machines, 'console' for people.",
         _choice("json", "console"),
-        commands=(NODE, META, REPLAY),
+        commands=(NODE, META, REPLAY, ROUTER),
     ),
     Option(
         "reservation-ttl",
@@ -568,6 +590,121 @@ OPTIONS: list[Option] = [
         _non_negative_int,
         commands=(REPLAY,),
     ),
+
+    # --- pegaflow router (pegaflow/router/) ----------------------------------------------------
+    # Its variables are PEGAFLOW_ROUTER_*: PEGAFLOW_HOST and PEGAFLOW_PORT name the node for
+    # the connector (the original's documented form).
+    Option("host", "0.0.0.0", "HTTP listen host (the original's --host).", commands=(ROUTER,),
+           env_var="PEGAFLOW_ROUTER_HOST"),
+    Option("port", 8000, "HTTP listen port (the original's --port).", _port, commands=(ROUTER,),
+           env_var="PEGAFLOW_ROUTER_PORT"),
+    Option(
+        "engine",
+        (),
+        "vLLM OpenAI servers (http://HOST:PORT) that each serve whole requests. Give these, or "
+        "--prefill and --decode.",
+        _http_url,
+        commands=(ROUTER,),
+        repeatable=True,
+        commas=True,
+        metavar="URL",
+        env_var="PEGAFLOW_ROUTER_ENGINES",
+    ),
+    Option(
+        "prefill",
+        (),
+        "Prefill engines (the original's flag): each request's prompt runs here first "
+        "(max_tokens=1, connector mode save_only).",
+        _http_url,
+        commands=(ROUTER,),
+        repeatable=True,
+        commas=True,
+        metavar="URL",
+        env_var="PEGAFLOW_ROUTER_PREFILL",
+    ),
+    Option(
+        "decode",
+        (),
+        "Decode engines (the original's flag): they load the prefill's blocks from PegaFlow and "
+        "stream the answer (connector mode load_only).",
+        _http_url,
+        commands=(ROUTER,),
+        repeatable=True,
+        commas=True,
+        metavar="URL",
+        env_var="PEGAFLOW_ROUTER_DECODE",
+    ),
+    Option(
+        "policy",
+        "kv-aware",
+        "round-robin; least-loaded (fewest requests in flight, vLLM's queue from /metrics); "
+        "kv-aware (least estimated prefill work: the prompt tokens the engine's node does not hold "
+        "plus those queued ahead; docs/router.md).",
+        _choice("kv-aware", "least-loaded", "round-robin"),
+        commands=(ROUTER,),
+        env_var="PEGAFLOW_ROUTER_POLICY",
+    ),
+    Option(
+        "metaserver-addr",
+        "",
+        "Metaserver gRPC address (HOST:PORT or http://HOST:PORT) for kv-aware routing across "
+        "hosts (empty: ask each engine's node directly, which must be on this host).",
+        _grpc_target,
+        commands=(ROUTER,),
+        aliases=("meta-addr",),
+        metavar="ADDR",
+    ),
+    Option(
+        "tokenizer",
+        "",
+        "Tokenizer (path or Hugging Face name) the router hashes prompts with (empty: the model "
+        "path the engines report in /v1/models).",
+        commands=(ROUTER,),
+        env_var="PEGAFLOW_ROUTER_TOKENIZER",
+    ),
+    Option(
+        "overlap-weight",
+        1.0,
+        "kv-aware: weight of a prompt token to compute against one queued ahead (1: both cost "
+        "the same prefill time; higher favours cache hits over balance).",
+        _non_negative_float,
+        commands=(ROUTER,),
+        env_var="PEGAFLOW_ROUTER_OVERLAP_WEIGHT",
+    ),
+    Option(
+        "hint-timeout",
+        0.05,
+        "Seconds to wait for the metaserver's (or a node's) prefix answer before routing by "
+        "load alone.",
+        _positive_float,
+        commands=(ROUTER,),
+        env_var="PEGAFLOW_ROUTER_HINT_TIMEOUT",
+    ),
+    Option(
+        "health-interval",
+        2.0,
+        "Seconds between health checks (and /metrics scrapes) of each engine.",
+        _positive_float,
+        commands=(ROUTER,),
+        env_var="PEGAFLOW_ROUTER_HEALTH_INTERVAL",
+    ),
+    Option(
+        "backoff-max",
+        30.0,
+        "Longest wait, in seconds, between retries of an engine that stopped answering (the "
+        "wait doubles from 0.5 s).",
+        _positive_float,
+        commands=(ROUTER,),
+        env_var="PEGAFLOW_ROUTER_BACKOFF_MAX",
+    ),
+    Option(
+        "request-timeout",
+        600.0,
+        "Seconds an engine may take to answer one request (streamed: between two chunks).",
+        _positive_float,
+        commands=(ROUTER,),
+        env_var="PEGAFLOW_ROUTER_REQUEST_TIMEOUT",
+    ),
 ]
 
 
@@ -657,7 +794,8 @@ def render_markdown() -> str:
         "a flag wins over the environment, which wins over the default.",
         "",
     ]
-    for command, title in ((NODE, "pegaflow-node"), (META, "pegaflow-meta"), (REPLAY, "pegaflow replay")):
+    for command, title in ((NODE, "pegaflow-node"), (META, "pegaflow-meta"), (REPLAY, "pegaflow replay"),
+                           (ROUTER, "pegaflow router")):
         opts = options_for(command)
         if not opts:
             continue

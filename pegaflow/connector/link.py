@@ -157,6 +157,12 @@ class NodeLink:
         return self._client
 
     @property
+    def node_id(self) -> str:
+        """The node's id as its registration answered it ("" while not registered)."""
+        c = self._client
+        return str(getattr(c, "node_id", "") or "") if c is not None and self._ready.is_set() else ""
+
+    @property
     def epoch(self) -> int:
         """Node epoch the current registration belongs to (0 if the client does not say)."""
         c = self._client

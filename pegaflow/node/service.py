@@ -290,6 +290,12 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         hashes = list(request.hashes)
         check_hashes(hashes, self.max_batch)
         nss = [self.sessions.namespace(s, n) for n in request.namespaces]
+        if request.peek:  # a router asking where to send a request: changes nothing here
+            if request.lease:
+                raise InvalidArgument("a peek query takes no lease")
+            hit = min(len(self.index.prefix(ns, hashes, touch=False)) for ns in nss)
+            self.metrics.queries.labels("peek").inc()
+            return node_pb2.QueryResponse(status=node_pb2.READY, hit_blocks=hit)
         # A request is asked about again while its blocks load (LOADING polls) or when the
         # engine could not schedule it yet: its accesses count once, at its first Query.
         first = self._first_query(_request_key(s.id, request.req_id))

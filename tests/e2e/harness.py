@@ -12,6 +12,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -312,3 +314,58 @@ class KVEventSubscriber:
         self._thread.join(timeout=5)
         self._sock.close(0)
         self._ctx.term()
+
+
+class ApiServer:
+    """A vLLM OpenAI server (``vllm.entrypoints.openai.api_server``) in its own process group.
+
+    ``start`` returns at once (several servers start side by side); ``wait_ready`` waits,
+    bounded, for its ``/health``. ``extra`` is the connector's ``kv_connector_extra_config``;
+    ``node`` None starts it without a KV connector."""
+
+    START_TIMEOUT_S = 420.0
+
+    def __init__(self, model: Path, logs: Path, name: str, node: NodeProc | None,
+                 extra: dict[str, Any] | None = None, max_model_len: int = 2048) -> None:
+        self.name = name
+        self.model = str(model)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = logs / f"api-{name}-{self.port}.log"
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+               "--dtype", "float16", "--host", "127.0.0.1", "--port", str(self.port),
+               "--max-model-len", str(max_model_len), "--enforce-eager", "--no-enable-prefix-caching",
+               "--enable-prompt-tokens-details", "--seed", "0"]
+        if node is not None:
+            cfg = {"kv_connector": "PegaKVConnector", "kv_role": "kv_both",
+                   "kv_connector_module_path": "pegaflow.connector",
+                   "kv_connector_extra_config": {"pegaflow.addr": node.addr, **(extra or {})}}
+            cmd += ["--kv-transfer-config", json.dumps(cfg)]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
+                                         env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
+                                              "TOKENIZERS_PARALLELISM": "false"})
+
+    def wait_ready(self) -> ApiServer:
+        deadline = time.monotonic() + self.START_TIMEOUT_S
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited: {self.log_path.read_text(errors='replace')[-3000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name} did not start; log {self.log_path}")
+            time.sleep(0.5)
+
+    def post(self, path: str, body: dict[str, Any], timeout: float = 300) -> dict[str, Any]:
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def stop(self) -> None:
+        stop_group(self.proc, 30)

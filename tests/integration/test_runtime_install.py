@@ -15,6 +15,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -28,7 +30,7 @@ from tests.integration.redis_fixtures import redis_server  # noqa: F401
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = ("pegaflow-node", "pegaflow-server", "pegaflow-meta", "pegaflow-metaserver", "pegaflow")
+SCRIPTS = ("pegaflow-node", "pegaflow-server", "pegaflow-meta", "pegaflow-metaserver", "pegaflow", "pegaflow-router")
 INSTALL_TIMEOUT_S = 600
 
 
@@ -142,3 +144,29 @@ def test_every_console_script_runs_its_main_path(runtime_venv: Path, tmp_path: P
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["trace"]["requests"] == 3993
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # pegaflow-router (FastAPI, uvicorn, httpx are in the runtime set): serves /health; with
+    # its one engine refusing connections that is 503.
+    rport = free_port()
+    router_log = tmp_path / "router.log"
+    router = subprocess.Popen([str(bin_ / "pegaflow-router"), "--host", "127.0.0.1", "--port", str(rport),
+                               "--engine", "http://127.0.0.1:9", "--policy", "round-robin"], cwd=cwd, env=env,
+                              stdout=open(router_log, "ab"), stderr=subprocess.STDOUT)
+    try:
+        def answers() -> bool:
+            assert router.poll() is None, router_log.read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{rport}/health", timeout=1):
+                    return False
+            except urllib.error.HTTPError as exc:
+                return exc.code == 503
+            except (urllib.error.URLError, OSError):
+                return False
+
+        wait_until(answers, 60, "pegaflow-router from the runtime venv")
+        router.terminate()
+        assert router.wait(timeout=30) == 0, router_log.read_text()[-3000:]
+    finally:
+        if router.poll() is None:
+            router.kill()
+            router.wait()

@@ -87,6 +87,7 @@ class FakeNodeClient:
     def __init__(self, node: FakeNode) -> None:
         self.node = node
         self.epoch = 0
+        self.node_id = "fake-node"
         self._pool: torch.Tensor | None = None
 
     def _check(self, what: str) -> None:
@@ -277,13 +278,13 @@ class Engine:
         decode_saves = []
         for tok in generate:
             decode_saves += self._decode_step(req, tok, block_ids).saves
-        self.sched.request_finished(req)
+        finished = self.sched.request_finished(req)
         loaded = {
             rank: [self.block_content(rank, b) for b in block_ids[: n_ext // bs]] for rank in range(len(self.workers))
         }
         self.free.extend(reversed(block_ids))
         return {"external": n_ext, "meta": meta, "errors": errors, "loaded": loaded, "block_ids": block_ids,
-                "decode_saves": decode_saves}
+                "decode_saves": decode_saves, "finished": finished}
 
     def _decode_step(self, req: Any, token: int, block_ids: list[int]) -> Any:
         """One decode step: ``token`` was sampled (appended), and its KV is computed now."""

@@ -1,4 +1,4 @@
-"""docs/metrics.md documents exactly the metrics the node, the metaserver and the engine-side copier export, and the
+"""docs/metrics.md documents exactly the metrics the node, the metaserver, the router and the engine-side copier export, and the
 Grafana dashboard only queries documented metrics.
 
 Nothing heavy starts: the registries are instantiated in-process (the node's NodeMetrics
@@ -71,6 +71,12 @@ def client_families() -> dict[str, tuple[str, set[str]]]:
     return families(m.registry)
 
 
+def router_families() -> dict[str, tuple[str, set[str]]]:
+    from pegaflow.router.app import RouterMetrics
+
+    return families(RouterMetrics(CollectorRegistry()).registry)
+
+
 def families(reg: CollectorRegistry, describe: bool = False) -> dict[str, tuple[str, set[str]]]:
     out: dict[str, tuple[str, set[str]]] = {}
     collectors = list(reg._collector_to_names) if describe else [reg]  # noqa: SLF001
@@ -86,7 +92,7 @@ def families(reg: CollectorRegistry, describe: bool = False) -> dict[str, tuple[
 
 def test_every_exported_metric_is_documented_with_its_type() -> None:
     doc = documented()
-    exported = {**node_families(), **meta_families(), **client_families()}
+    exported = {**node_families(), **meta_families(), **client_families(), **router_families()}
     assert len(exported) > 50  # the registries really were built
     missing = sorted(set(exported) - set(doc))
     assert not missing, f"metrics missing from docs/metrics.md: {missing}"
@@ -96,21 +102,21 @@ def test_every_exported_metric_is_documented_with_its_type() -> None:
 
 def test_documented_labels_match_the_labels_seen() -> None:
     doc = documented()
-    exported = {**node_families(), **meta_families(), **client_families()}
+    exported = {**node_families(), **meta_families(), **client_families(), **router_families()}
     # Labels are only visible on children that exist; check those we can see.
     bad = {n: (doc[n][1], labels) for n, (_, labels) in exported.items() if labels and not labels <= doc[n][1]}
     assert not bad, f"labels exported but not documented (doc, code): {bad}"
 
 
 def test_no_documented_metric_is_stale() -> None:
-    exported = {**node_families(), **meta_families(), **client_families()}
+    exported = {**node_families(), **meta_families(), **client_families(), **router_families()}
     stale = sorted(set(documented()) - set(exported))
     assert not stale, f"docs/metrics.md lists metrics nobody exports: {stale}"
 
 
 def test_names_follow_the_scheme() -> None:
     for name, (kind, _) in documented().items():
-        assert name.startswith(("pegaflow_node_", "pegaflow_meta_", "pegaflow_client_")), name
+        assert name.startswith(("pegaflow_node_", "pegaflow_meta_", "pegaflow_client_", "pegaflow_router_")), name
         assert name.endswith("_total") == (kind == "counter"), name
 
 

@@ -1,0 +1,485 @@
+"""The router's HTTP service (FastAPI on uvicorn; httpx to the engines).
+
+``POST /v1/completions`` and ``/v1/chat/completions`` (streamed or not) go to one engine
+chosen by the policy; ``GET /v1/models`` merges the engines' models; ``/health`` is 200
+while an engine is up; ``/metrics`` is Prometheus text.
+
+Failures. A request that fails before any byte of its answer reached the client (the
+engine refused the connection, broke it, or answered 5xx) is sent once more, to another
+engine; a connection failure also takes the engine out of rotation (see ``engines``). Once
+streaming has started the answer is the engine's: a broken stream ends the client's
+stream. The engine's own 4xx answers are passed on as they are.
+
+Prefill/decode disaggregation (``--prefill`` / ``--decode``): the request goes first to a
+prefill engine with ``max_tokens=1``, not streamed, and ``kv_transfer_params`` asking its
+connector to report what it stored; then the original request goes to a decode engine
+with ``{"pegaflow": {"expect_blocks": n}}``, whose connector waits (bounded) until its node
+holds those blocks (from the shared pool on one host, a peer pull across hosts) and
+recomputes whatever did not arrive. If no prefill engine answers, the decode engine
+computes the prompt itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from pegaflow.common.security import Security
+from pegaflow.config.commands import RouterConfig
+from pegaflow.core.router_protocol import ROUTER_KEY
+from pegaflow.router.engines import ANY, DECODE, PREFILL, Engine, EnginePool
+from pegaflow.router.hints import HintUnavailable, MetaHints, NodeHints
+from pegaflow.router.policy import Decision, Policy
+from pegaflow.router.prompts import CHAT, COMPLETIONS, BadRequest, Prompts, check_body, extra_keys, hashes_of
+
+log = structlog.get_logger("pegaflow.router")
+
+PATHS = {COMPLETIONS: "/v1/completions", CHAT: "/v1/chat/completions"}
+FORWARDED_HEADERS = ("authorization", "x-request-id")
+ATTEMPTS = 2  # a request that failed before streaming is tried once more, elsewhere
+# Fields a prefill request must not carry: it computes the prompt and samples one token.
+PREFILL_DROPPED = ("stream", "stream_options", "n", "best_of", "min_tokens", "max_completion_tokens")
+
+
+def openai_error(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": status}},
+                        status_code=status)
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = r = registry
+        self.requests = Counter("pegaflow_router_requests_total", "Requests by endpoint and outcome "
+                                "(ok, client_error: the engine's or the router's 4xx, failed).",
+                                ["endpoint", "outcome"], registry=r)
+        self.engine_requests = Counter("pegaflow_router_engine_requests_total", "Requests sent to each engine.",
+                                       ["engine", "role"], registry=r)
+        self.retries = Counter("pegaflow_router_retries_total", "Attempts that failed before the client got a "
+                               "byte, by why (connect, server_error, stream_start); each is tried once more "
+                               "elsewhere.", ["reason"], registry=r)
+        self.broken_streams = Counter("pegaflow_router_broken_streams_total",
+                                      "Streams an engine broke after the first byte (not retried).", registry=r)
+        self.engine_up = Gauge("pegaflow_router_engine_up", "1 while an engine is in rotation.",
+                               ["engine", "role"], registry=r)
+        self.in_flight = Gauge("pegaflow_router_in_flight", "Requests in flight per engine.", ["engine"], registry=r)
+        self.ttft = Histogram("pegaflow_router_ttft_seconds", "Time to the first streamed byte, as the router "
+                              "sees it (routing included).", registry=r,
+                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+        self.latency = Histogram("pegaflow_router_request_seconds", "Whole requests, as the router sees them.",
+                                 registry=r, buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
+        self.route_seconds = Histogram("pegaflow_router_route_seconds", "Choosing an engine: tokenizing, "
+                                       "hashing and the prefix hint.", registry=r,
+                                       buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1))
+        self.prompt_tokens = Counter("pegaflow_router_prompt_tokens_total", "Prompt tokens of routed requests "
+                                     "(those the router could tokenize).", registry=r)
+        self.prefix_tokens = Counter("pegaflow_router_prefix_tokens_total", "Of those, the leading tokens the "
+                                     "chosen engine's node held when routed (kv-aware's predicted hit).", registry=r)
+        self.hint_fallbacks = Counter("pegaflow_router_hint_fallbacks_total", "kv-aware requests routed by load "
+                                      "alone, by why (unavailable, timeout, no_tokens, no_pegaflow).", ["reason"],
+                                      registry=r)
+        self.prefill_seconds = Histogram("pegaflow_router_prefill_seconds", "Disaggregated requests: the "
+                                         "prefill half.", registry=r,
+                                         buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+        self.prefill_failures = Counter("pegaflow_router_prefill_failures_total", "Disaggregated requests whose "
+                                        "prefill failed: the decode engine computed the prompt.", registry=r)
+
+
+@dataclass
+class _Load:
+    """One request's share of an engine's load, given back once (first token / end)."""
+
+    engine: Engine
+    tokens: int
+    metrics: RouterMetrics
+    queued: bool = True
+    open: bool = True
+
+    def __post_init__(self) -> None:
+        self.engine.in_flight += 1
+        self.engine.queued_tokens += self.tokens
+        self.metrics.in_flight.labels(self.engine.url).set(self.engine.in_flight)
+
+    def first_token(self) -> None:
+        if self.queued:
+            self.queued = False
+            self.engine.queued_tokens -= self.tokens
+
+    def done(self) -> None:
+        self.first_token()
+        if self.open:
+            self.open = False
+            self.engine.in_flight -= 1
+            self.metrics.in_flight.labels(self.engine.url).set(self.engine.in_flight)
+
+
+@dataclass
+class _Answer:
+    """An engine's complete answer (not streamed, or an error before streaming)."""
+
+    engine: Engine | None
+    status: int
+    body: bytes
+    content_type: str = "application/json"
+
+    def json(self) -> Any:
+        try:
+            return json.loads(self.body)
+        except ValueError:
+            return None
+
+    def response(self) -> Response:
+        return Response(self.body, status_code=self.status, media_type=self.content_type)
+
+
+@dataclass
+class _Stream:
+    engine: Engine
+    first: bytes
+    rest: AsyncIterator[bytes]
+    upstream: httpx.Response
+    load: _Load
+
+
+class Router:
+    def __init__(self, cfg: RouterConfig, *, registry: CollectorRegistry | None = None,
+                 prompts: Prompts | None = None, security: Security | None = None) -> None:
+        cfg.check()
+        self.cfg = cfg
+        self.policy = Policy(cfg.policy, cfg.overlap_weight)
+        self.registry = registry or CollectorRegistry()
+        self.metrics = RouterMetrics(self.registry)
+        self.prompts = prompts or Prompts()
+        self.security = security if security is not None else Security.load()
+        engines = ([Engine(u, ANY) for u in cfg.engine] + [Engine(u, PREFILL) for u in cfg.prefill]
+                   + [Engine(u, DECODE) for u in cfg.decode])
+        for e in engines:
+            self.metrics.engine_up.labels(e.url, e.role).set(0)
+        self.client: httpx.AsyncClient | None = None
+        self.pool: EnginePool | None = None
+        self._engines = engines
+        self.hints: MetaHints | NodeHints | None = None
+        self._tasks: list[asyncio.Task[Any]] = []
+
+    # -- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+                                        timeout=httpx.Timeout(self.cfg.request_timeout, connect=5.0))
+        self.pool = EnginePool(self._engines, self.client, self.cfg.health_interval, self.cfg.backoff_max,
+                               on_change=self._engine_changed)
+        if self.policy.wants_prefixes:
+            self.hints = (MetaHints(self.cfg.metaserver_addr, self.security, self.cfg.hint_timeout)
+                          if self.cfg.metaserver_addr else NodeHints(self.security, self.cfg.hint_timeout))
+        await self.pool.check_all()
+        self._tasks.append(asyncio.create_task(self.pool.run()))
+        if self.prompts.tokenizer is None and self.policy.wants_prefixes:
+            # Serving starts once the tokenizer is loaded (seconds) when its name is known by
+            # now; else once the first engine is up names it, in the background.
+            loading = asyncio.create_task(self._load_tokenizer())
+            if self._tokenizer_name():
+                await loading
+            else:
+                self._tasks.append(loading)
+        log.info("router_started", policy=self.cfg.policy, engines=len(self._engines),
+                 up=sum(e.up for e in self._engines), metaserver=self.cfg.metaserver_addr or None,
+                 disaggregated=self.cfg.disaggregated)
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        if self.hints is not None:
+            await self.hints.close()
+        if self.client is not None:
+            await self.client.aclose()
+
+    def _engine_changed(self, e: Engine) -> None:
+        self.metrics.engine_up.labels(e.url, e.role).set(1 if e.up else 0)
+
+    def _tokenizer_name(self) -> str:
+        return self.cfg.tokenizer or next((e.model_root for e in self._engines if e.up and e.model_root), "")
+
+    async def _load_tokenizer(self) -> None:
+        """The configured tokenizer, or the model path the first engine up reports."""
+        while not (name := self._tokenizer_name()):
+            await asyncio.sleep(0.5)
+        try:
+            self.prompts.tokenizer = await asyncio.to_thread(Prompts.load, name)
+            log.info("tokenizer_loaded", tokenizer=name)
+        except Exception as exc:  # noqa: BLE001 - text prompts are then routed by load
+            log.warning("tokenizer_unavailable", tokenizer=name, error=str(exc)[:300],
+                        consequence="text prompts are routed by load only")
+
+    # -- routing ---------------------------------------------------------------------------
+    async def _prefixes(self, engines: list[Engine], body: dict[str, Any], tokens: list[int] | None,
+                        known: dict[str, int] | None) -> dict[str, int] | None:
+        """Leading prompt tokens each engine's node holds, or None: route by load."""
+        if tokens is None:
+            self.metrics.hint_fallbacks.labels("no_tokens").inc()
+            return None
+        groups: dict[tuple[str, int, tuple[str, ...]], list[Engine]] = {}
+        for e in engines:
+            if e.info is not None and e.info.node:
+                groups.setdefault((e.info.root, e.info.block_size, e.info.namespaces), []).append(e)
+        if not groups:
+            self.metrics.hint_fallbacks.labels("no_pegaflow").inc()
+            return None
+        assert self.hints is not None
+        out: dict[str, int] = {}
+        for (_, bs, namespaces), group in groups.items():
+            info = group[0].info
+            assert info is not None
+            hashes = hashes_of(info.seed, tokens, bs, extra_keys(body, group[0].adapters))
+            if not hashes:
+                continue
+            try:
+                held = await asyncio.wait_for(
+                    self.hints.prefixes(namespaces, hashes, [e.info.node_addr for e in group if e.info],
+                                        info.page_bytes),
+                    self.cfg.hint_timeout)
+            except HintUnavailable:
+                self.metrics.hint_fallbacks.labels("unavailable").inc()
+                return None
+            except TimeoutError:
+                self.metrics.hint_fallbacks.labels("timeout").inc()
+                return None
+            for node, n in (known or {}).items():
+                held[node] = max(held.get(node, 0), n)
+            for e in group:
+                assert e.info is not None
+                out[e.url] = min(held.get(e.info.node, 0), len(hashes)) * bs
+        return out
+
+    async def route(self, role: str, body: dict[str, Any], tokens: list[int] | None, exclude: list[str],
+                    known: dict[str, int] | None = None) -> tuple[Engine, Decision] | None:
+        assert self.pool is not None
+        t0 = time.perf_counter()
+        engines = self.pool.candidates(role, body.get("model"), exclude)
+        if not engines:
+            return None
+        prefixes = await self._prefixes(engines, body, tokens, known) if self.policy.wants_prefixes else None
+        d = self.policy.choose([e.candidate((prefixes or {}).get(e.url, 0)) for e in engines],
+                               len(tokens or ()), use_prefixes=prefixes is not None)
+        self.metrics.route_seconds.observe(time.perf_counter() - t0)
+        if tokens:
+            self.metrics.prompt_tokens.inc(len(tokens))
+            self.metrics.prefix_tokens.inc(d.prefix_tokens)
+        return self.pool.engines[d.url], d
+
+    # -- forwarding ------------------------------------------------------------------------
+    def _headers(self, request: Request | None) -> dict[str, str]:
+        if request is None:
+            return {}
+        return {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
+
+    async def _send(self, role: str, path: str, body: dict[str, Any], tokens: list[int] | None, stream: bool,
+                    headers: dict[str, str], known: dict[str, int] | None = None) -> _Answer | _Stream:
+        """Route and send, trying a second engine when the first fails before streaming."""
+        assert self.client is not None and self.pool is not None
+        tried: list[str] = []
+        failure = _Answer(None, 503, b"")
+        for _ in range(ATTEMPTS):
+            picked = await self.route(role, body, tokens, tried, known)
+            if picked is None:
+                break
+            e, d = picked
+            if tried:
+                log.info("retrying_elsewhere", engine=e.url, failed=tried[-1])
+            tried.append(e.url)
+            self.metrics.engine_requests.labels(e.url, e.role).inc()
+            load = _Load(e, max(0, len(tokens or ()) - d.prefix_tokens), self.metrics)
+            try:
+                upstream = await self.client.send(
+                    self.client.build_request("POST", e.url + path, json=body, headers=headers), stream=True)
+            except httpx.TransportError as exc:
+                failure = self._broken(e, load, exc, "connect", "request failed")
+                continue
+            if upstream.status_code >= 500:
+                with contextlib.suppress(httpx.HTTPError):
+                    await upstream.aread()
+                await upstream.aclose()
+                load.done()
+                self.metrics.retries.labels("server_error").inc()
+                failure = _Answer(e, upstream.status_code, upstream.content if upstream.is_stream_consumed else b"",
+                                  upstream.headers.get("content-type", "application/json"))
+                continue
+            if upstream.status_code != 200 or not stream:
+                try:
+                    data = await upstream.aread()
+                except httpx.TransportError as exc:
+                    failure = self._broken(e, load, exc, "connect", "answer broken")
+                    continue
+                finally:
+                    await upstream.aclose()
+                load.done()
+                e.served += 1
+                return _Answer(e, upstream.status_code, data, upstream.headers.get("content-type", "application/json"))
+            rest = upstream.aiter_raw()
+            try:
+                first = await anext(rest, b"")
+            except httpx.TransportError as exc:
+                await upstream.aclose()
+                failure = self._broken(e, load, exc, "stream_start", "stream broken before its first byte")
+                continue
+            load.first_token()
+            e.served += 1
+            return _Stream(e, first, rest, upstream, load)
+        return failure
+
+    def _broken(self, e: Engine, load: _Load, exc: Exception, reason: str, what: str) -> _Answer:
+        """An engine's connection failed before the client got a byte: out of rotation."""
+        load.done()
+        self.pool.mark_down(e, f"{what}: {type(exc).__name__}")  # type: ignore[union-attr]
+        self.metrics.retries.labels(reason).inc()
+        return _Answer(e, 502, f"engine {e.url}: {what} ({type(exc).__name__})".encode(), "text/plain")
+
+    async def _relay(self, s: _Stream, t0: float, endpoint: str) -> AsyncIterator[bytes]:
+        try:
+            if s.first:
+                yield s.first
+            async for chunk in s.rest:
+                yield chunk
+            self.metrics.requests.labels(endpoint, "ok").inc()
+        except httpx.TransportError as exc:
+            self.metrics.broken_streams.inc()
+            self.metrics.requests.labels(endpoint, "failed").inc()
+            log.warning("stream_broken", engine=s.engine.url, error=type(exc).__name__)
+        finally:
+            await s.upstream.aclose()
+            s.load.done()
+            self.metrics.latency.observe(time.perf_counter() - t0)
+
+    def _finish(self, out: _Answer | _Stream, endpoint: str, t0: float) -> Response:
+        if isinstance(out, _Stream):
+            self.metrics.ttft.observe(time.perf_counter() - t0)
+            return StreamingResponse(self._relay(out, t0, endpoint), media_type="text/event-stream",
+                                     headers={"x-pegaflow-engine": out.engine.url})
+        self.metrics.latency.observe(time.perf_counter() - t0)
+        if out.engine is None:
+            self.metrics.requests.labels(endpoint, "failed").inc()
+            return openai_error(503, "no engine is available for this model", "ServiceUnavailableError")
+        if out.status >= 500:
+            self.metrics.requests.labels(endpoint, "failed").inc()
+            if out.content_type.startswith("application/json") and out.json() is not None:
+                return out.response()
+            return openai_error(out.status, out.body.decode(errors="replace") or "engine error", "EngineError")
+        self.metrics.requests.labels(endpoint, "ok" if out.status < 400 else "client_error").inc()
+        resp = out.response()
+        resp.headers["x-pegaflow-engine"] = out.engine.url
+        return resp
+
+    async def handle(self, kind: str, request: Request) -> Response:
+        t0 = time.perf_counter()
+        endpoint = PATHS[kind]
+        try:
+            body = await request.json()
+            check_body(kind, body)
+        except ValueError as exc:  # JSONDecodeError is one
+            self.metrics.requests.labels(endpoint, "client_error").inc()
+            return openai_error(400, str(exc) if isinstance(exc, BadRequest) else f"invalid JSON: {exc}",
+                                "BadRequestError", getattr(exc, "param", None))
+        assert self.pool is not None
+        model = body.get("model")
+        if not any(e.serves(model) for e in self.pool.engines.values() if e.role != PREFILL and e.up):
+            self.metrics.requests.labels(endpoint, "client_error" if self._known(model) else "failed").inc()
+            if self._known(model) or not any(e.up for e in self.pool.engines.values()):
+                return openai_error(503, f"no engine serving {model or 'a model'} is up", "ServiceUnavailableError")
+            return openai_error(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+        tokens = self.prompts.token_ids(kind, body)
+        stream = bool(body.get("stream", False))
+        headers = self._headers(request)
+        if self.cfg.disaggregated:
+            out = await self._disaggregated(kind, body, tokens, stream, headers)
+        else:
+            out = await self._send(ANY, endpoint, body, tokens, stream, headers)
+        return self._finish(out, endpoint, t0)
+
+    def _known(self, model: Any) -> bool:
+        assert self.pool is not None
+        return any(e.serves(model) for e in self.pool.engines.values() if e.model)
+
+    async def _disaggregated(self, kind: str, body: dict[str, Any], tokens: list[int] | None, stream: bool,
+                             headers: dict[str, str]) -> _Answer | _Stream:
+        path = PATHS[kind]
+        theirs = body.get("kv_transfer_params") if isinstance(body.get("kv_transfer_params"), dict) else {}
+        pre = {k: v for k, v in body.items() if k not in PREFILL_DROPPED}
+        pre.update(max_tokens=1, stream=False, kv_transfer_params={**theirs, ROUTER_KEY: {"prefill": True}})
+        t0 = time.perf_counter()
+        first = await self._send(PREFILL, path, pre, tokens, False, headers)
+        self.metrics.prefill_seconds.observe(time.perf_counter() - t0)
+        expect, known = 0, None
+        assert isinstance(first, _Answer)
+        if first.engine is not None and 400 <= first.status < 500:
+            return first  # the request itself is bad: the decode engine would say the same
+        ours = ((first.json() or {}).get("kv_transfer_params") or {}).get(ROUTER_KEY) if first.status == 200 else None
+        if isinstance(ours, dict):
+            expect = int(ours.get("stored_blocks") or 0)
+            if ours.get("node") and expect:
+                known = {str(ours["node"]): expect}
+        else:
+            self.metrics.prefill_failures.inc()
+            log.warning("prefill_failed", status=first.status,
+                        engine=first.engine.url if first.engine else None,
+                        consequence="the decode engine computes the prompt")
+        dec = {**body, "kv_transfer_params": {**theirs, ROUTER_KEY: {"expect_blocks": expect}}}
+        return await self._send(DECODE, path, dec, tokens, stream, headers, known)
+
+    # -- the app ---------------------------------------------------------------------------
+    def app(self) -> FastAPI:
+        @contextlib.asynccontextmanager
+        async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+            await self.start()
+            try:
+                yield
+            finally:
+                await self.stop()
+
+        app = FastAPI(title="pegaflow router", lifespan=lifespan, docs_url=None, redoc_url=None,
+                      openapi_url=None)
+
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> Response:
+            return await self.handle(COMPLETIONS, request)
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request) -> Response:
+            return await self.handle(CHAT, request)
+
+        @app.get("/v1/models")
+        async def models() -> Response:
+            assert self.pool is not None
+            return JSONResponse({"object": "list", "data": self.pool.models()})
+
+        @app.get("/health")
+        async def health() -> Response:
+            assert self.pool is not None
+            up = {e.url: e.up for e in self.pool.engines.values()}
+            ok = any(up.values()) if not self.cfg.disaggregated else (
+                any(e.up for e in self.pool.engines.values() if e.role == PREFILL)
+                and any(e.up for e in self.pool.engines.values() if e.role == DECODE))
+            return JSONResponse({"ok": ok, "engines": up}, status_code=200 if ok else 503)
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+        return app

@@ -1,0 +1,78 @@
+"""Processes for the router's tests: ``pegaflow router`` itself and stand-in engines."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.e2e.harness import REPO, free_port, stop_group
+
+START_TIMEOUT_S = 60.0
+
+
+def wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = START_TIMEOUT_S,
+              status: int = 200) -> None:
+    """Until ``url`` answers ``status`` (bounded), failing early if the process exits."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"exited {proc.returncode}: {log.read_text(errors='replace')[-3000:]}")
+        try:
+            if httpx.get(url, timeout=2).status_code == status:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} did not answer {status}; log {log}")
+        time.sleep(0.1)
+
+
+class Proc:
+    def __init__(self, cmd: list[str], log: Path, health: str | None) -> None:
+        self.log = log
+        with open(log, "ab") as f:
+            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+        if health is not None:
+            wait_http(health, self.proc, log)
+
+    def stop(self) -> None:
+        stop_group(self.proc, 15)
+
+
+class FakeEngine(Proc):
+    def __init__(self, logs: Path, name: str, *args: str) -> None:
+        self.name = name
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__([sys.executable, "-m", "tests.fakes.openai_engine", "--port", str(self.port),
+                          "--name", name, *args], logs / f"engine-{name}.log", self.url + "/health")
+
+    def served(self) -> list[dict[str, Any]]:
+        return httpx.get(self.url + "/_requests", timeout=5).json()
+
+
+class RouterProc(Proc):
+    def __init__(self, logs: Path, *args: str, name: str = "router", wait: bool = True) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__([sys.executable, "-m", "pegaflow.cli", "router", "--host", "127.0.0.1", "--port",
+                          str(self.port), "--health-interval", "0.2", "--log-format", "json", *args],
+                         logs / f"{name}.log", self.url + "/health" if wait else None)
+
+    def post(self, path: str, body: Any, **kw: Any) -> httpx.Response:
+        return httpx.post(self.url + path, json=body, timeout=60, **kw)
+
+    def metric(self, name: str, **labels: str) -> float:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        total = 0.0
+        for fam in text_string_to_metric_families(httpx.get(self.url + "/metrics", timeout=5).text):
+            for s in fam.samples:
+                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                    total += s.value
+        return total

@@ -1,0 +1,236 @@
+"""``pegaflow router`` as a real process in front of real HTTP servers standing in for vLLM
+(tests/fakes/openai_engine.py) and real nodes: routing, streaming, retries, disaggregation's
+protocol, bad input. The same router in front of real vLLM engines: tests/e2e/test_router_vllm.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import xxhash
+
+from pegaflow.client import PegaClient
+from pegaflow.core.identity import block_hashes
+from pegaflow.core.router_protocol import ROUTER_KEY
+from tests.e2e.harness import NodeProc
+from tests.integration.router_harness import FakeEngine, RouterProc
+
+pytestmark = pytest.mark.integration
+
+MODEL = "fake-model"
+BS = 4  # the fake engines' block size (they report it; the router reads it)
+ROOT = f"pf1|{MODEL}|bs={BS}"  # the fake engines' namespace root
+PAGE = 4096
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("router")
+
+
+@pytest.fixture(scope="module")
+def two_nodes(logs: Path) -> Iterator[list[NodeProc]]:
+    nodes = [NodeProc(logs, "64mb", extra=["--node-id", f"node-{c}"]) for c in "ab"]
+    yield nodes
+    for n in nodes:
+        n.stop()
+
+
+def store(node: NodeProc, tokens: list[int]) -> int:
+    """Make ``node`` hold every full block of ``tokens`` in the fake engines' namespace."""
+    hashes = block_hashes(xxhash.xxh3_128_digest(ROOT.encode()), tokens, BS)
+    c = PegaClient(node.addr, map_pool=False)
+    try:
+        c.register({ROOT: PAGE})
+        r = c.reserve(ROOT, hashes)
+        return c.commit(r.reservation_id)
+    finally:
+        c.close()
+
+
+def tokens(seed: int, n: int = 10 * BS + 1) -> list[int]:
+    return [(seed * 131 + i) % 900 + 1 for i in range(n)]
+
+
+def completion(prompt: object, **kw: object) -> dict[str, object]:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": 3, **kw}
+
+
+def test_kv_aware_sends_a_prefix_to_the_engine_whose_node_holds_it(logs: Path, two_nodes: list[NodeProc]) -> None:
+    a, b = two_nodes
+    ea = FakeEngine(logs, "ea", "--node", "node-a", "--node-addr", a.addr, "--block-size", str(BS))
+    eb = FakeEngine(logs, "eb", "--node", "node-b", "--node-addr", b.addr, "--block-size", str(BS))
+    router = RouterProc(logs, "--engine", ea.url, eb.url, "--policy", "kv-aware", "--hint-timeout", "2")
+    try:
+        p_b, p_a = tokens(1), tokens(2)
+        assert store(b, p_b) == 10 and store(a, p_a) == 10
+        for _ in range(3):  # one at a time: no queue, so only the prefix decides
+            r = router.post("/v1/completions", completion(p_b))
+            assert r.status_code == 200, r.text
+            assert r.headers["x-pegaflow-engine"] == eb.url
+            assert router.post("/v1/completions", completion(p_a)).headers["x-pegaflow-engine"] == ea.url
+        assert len(eb.served()) == 3 and len(ea.served()) == 3
+        # Predicted hit: every loadable block (never the last token's) of every request.
+        assert router.metric("pegaflow_router_prefix_tokens_total") == 6 * 10 * BS
+        assert router.metric("pegaflow_router_hint_fallbacks_total") == 0
+        # Nothing the router asked changed the nodes: peeks take no lease and count no access.
+        for n in (a, b):
+            st = n.stats()
+            assert st.active_leases == 0 and st.hits == 0 and st.misses == 0
+    finally:
+        router.stop()
+        ea.stop()
+        eb.stop()
+
+
+def test_round_robin_ignores_the_prefix(logs: Path, two_nodes: list[NodeProc]) -> None:
+    a, b = two_nodes
+    ea = FakeEngine(logs, "rr-a", "--node", "node-a", "--node-addr", a.addr, "--block-size", str(BS))
+    eb = FakeEngine(logs, "rr-b", "--node", "node-b", "--node-addr", b.addr, "--block-size", str(BS))
+    router = RouterProc(logs, "--engine", f"{ea.url},{eb.url}", "--policy", "round-robin", name="router-rr")
+    try:
+        p = tokens(3)
+        store(b, p)
+        got = [router.post("/v1/completions", completion(p)).headers["x-pegaflow-engine"] for _ in range(4)]
+        assert sorted(got) == sorted([ea.url, eb.url] * 2)
+    finally:
+        router.stop()
+        ea.stop()
+        eb.stop()
+
+
+@pytest.fixture(scope="module")
+def good_and_bad(logs: Path) -> Iterator[tuple[FakeEngine, RouterProc, RouterProc]]:
+    """A good engine, and two routers that each also have a failing one: answering 500, or
+    crashing with the request unanswered."""
+    good = FakeEngine(logs, "good")
+    failing = FakeEngine(logs, "failing", "--fail", "500")
+    resetting = FakeEngine(logs, "crashing", "--fail", "crash")
+    r500 = RouterProc(logs, "--engine", good.url, failing.url, "--policy", "round-robin", name="router-500")
+    reset = RouterProc(logs, "--engine", good.url, resetting.url, "--policy", "round-robin", name="router-reset")
+    yield good, r500, reset
+    for p in (r500, reset, good, failing, resetting):
+        p.stop()
+
+
+@pytest.mark.parametrize("which", [1, 2], ids=["http-500", "engine-crash"])
+def test_a_request_that_fails_before_streaming_is_retried_on_another_engine(good_and_bad, which: int) -> None:  # noqa: ANN001
+    good, router = good_and_bad[0], good_and_bad[which]
+    for i in range(6):
+        r = router.post("/v1/completions", completion(f"hello {i}", stream=i % 2 == 1))
+        assert r.status_code == 200, r.text
+        assert r.headers["x-pegaflow-engine"] == good.url
+    assert router.metric("pegaflow_router_retries_total") >= 1
+    assert router.metric("pegaflow_router_requests_total", outcome="ok") == 6
+
+
+def test_a_streamed_answer_is_relayed_chunk_by_chunk(good_and_bad) -> None:  # noqa: ANN001
+    router = good_and_bad[1]
+    with httpx.stream("POST", router.url + "/v1/chat/completions", timeout=30,
+                      json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                            "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    words = [json.loads(e[6:])["choices"][0]["delta"]["content"] for e in events[:-1]]
+    assert words == [f"good-{i}" for i in range(4)]
+
+
+@pytest.mark.parametrize(("body", "status", "needle"), [
+    (b"{not json", 400, "invalid JSON"),
+    (json.dumps({"model": MODEL}).encode(), 400, "'prompt' is required"),
+    (json.dumps({"model": MODEL, "prompt": "x", "stream": "yes"}).encode(), 400, "'stream' must be a boolean"),
+    (json.dumps({"model": "no-such-model", "prompt": "x"}).encode(), 404, "does not exist"),
+])
+def test_bad_requests_get_the_openai_error_shape(good_and_bad, body: bytes, status: int, needle: str) -> None:  # noqa: ANN001
+    router = good_and_bad[1]
+    r = httpx.post(router.url + "/v1/completions", content=body, timeout=10,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert needle in err["message"] and err["code"] == status and "type" in err
+
+
+def test_models_and_metrics_are_served(good_and_bad) -> None:  # noqa: ANN001
+    router = good_and_bad[1]
+    models = httpx.get(router.url + "/v1/models", timeout=5).json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    text = httpx.get(router.url + "/metrics", timeout=5).text
+    assert "pegaflow_router_engine_up" in text and "pegaflow_router_ttft_seconds" in text
+
+
+def test_an_engine_that_stops_answering_leaves_rotation_and_returns(logs: Path) -> None:
+    e1, e2 = FakeEngine(logs, "k1"), FakeEngine(logs, "k2")
+    router = RouterProc(logs, "--engine", e1.url, e2.url, "--policy", "round-robin", "--backoff-max", "1",
+                        name="router-kill")
+    try:
+        e2.proc.kill()
+        e2.proc.wait()
+        for i in range(6):  # none fails: the dead engine's refusal is retried on e1
+            r = router.post("/v1/completions", completion(f"p{i}"))
+            assert r.status_code == 200 and r.headers["x-pegaflow-engine"] == e1.url
+        assert router.metric("pegaflow_router_engine_up", engine=e2.url) == 0
+    finally:
+        router.stop()
+        e1.stop()
+
+
+def test_disaggregation_sends_the_prompt_to_prefill_then_the_stored_count_to_decode(logs: Path) -> None:
+    p = FakeEngine(logs, "p0", "--block-size", str(BS))
+    d = FakeEngine(logs, "d0", "--block-size", str(BS))
+    router = RouterProc(logs, "--prefill", p.url, "--decode", d.url, name="router-pd")
+    try:
+        prompt = tokens(9)
+        r = router.post("/v1/completions", completion(prompt, max_tokens=5, stream=True))
+        assert r.status_code == 200 and r.headers["x-pegaflow-engine"] == d.url
+        (pre,) = p.served()
+        assert pre["max_tokens"] == 1 and pre["stream"] is False
+        assert pre["kv_transfer_params"] == {ROUTER_KEY: {"prefill": True}}
+        (dec,) = d.served()
+        assert dec["max_tokens"] == 5 and dec["stream"] is True and dec["prompt"] == prompt
+        assert dec["kv_transfer_params"] == {ROUTER_KEY: {"expect_blocks": len(prompt) // BS}}
+        assert [line for line in r.text.splitlines() if line.startswith("data:")][-1] == "data: [DONE]"
+    finally:
+        router.stop()
+        p.stop()
+        d.stop()
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    ([], "no engines"),
+    (["--prefill", "http://127.0.0.1:1"], "needs at least one --prefill and one --decode"),
+    (["--engine", "http://a:1", "--decode", "http://b:1", "--prefill", "http://c:1"], "not both"),
+    (["--engine", "ftp://a:1"], "is not http://HOST:PORT"),
+    (["--policy", "random", "--engine", "http://a:1"], "--policy"),
+])
+def test_bad_flags_exit_with_one_line(argv: list[str], needle: str) -> None:
+    r = subprocess.run([sys.executable, "-m", "pegaflow.cli", "router", *argv], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], r.stderr
+
+
+def test_no_engine_up_is_503_not_a_hang(logs: Path) -> None:
+    dead = "http://127.0.0.1:9"  # discard port: refused
+    router = RouterProc(logs, "--engine", dead, name="router-none", wait=False)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                r = httpx.get(router.url + "/health", timeout=2)
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        assert r.status_code == 503
+        r = router.post("/v1/completions", completion("x"))
+        assert r.status_code == 503 and r.json()["error"]["code"] == 503
+    finally:
+        router.stop()
