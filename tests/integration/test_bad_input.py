@@ -111,6 +111,8 @@ def test_requests_past_the_nodes_bounds_are_refused_and_change_nothing(node_fact
             (node_pb2.QueryRequest(session_id=sid, namespaces=["a", "a"], hashes=[b"\0" * 16]), "namespaces"),
             (node_pb2.QueryRequest(session_id=sid, namespaces=["a"], hashes=[b"\0" * 16], req_id="r" * (1 << 20)),
              "req_id"),
+            (node_pb2.QueryRequest(session_id=sid, namespaces=["a"], hashes=[b"\0" * 16], peek=True, lease=True),
+             "peek"),
         ):
             with pytest.raises(grpc.RpcError) as err:
                 stub.Query(q, timeout=10)
