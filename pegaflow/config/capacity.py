@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pegaflow.core.units import format_size, parse_size
 
 ROUND_ROBIN = "round-robin"
+KV_AWARE = "kv-aware"  # pegaflow router's policy with no queue: the pool holding the longest prefix
 # The automatic sweep: L1 from 1/64 of the distinct blocks to all of them, doubling.
 AUTO_SWEEP_PERCENT = (100 / 64, 100 / 32, 100 / 16, 100 / 8, 100 / 4, 100 / 2, 100.0)
 
@@ -91,11 +92,11 @@ def parse_sweep(text: str) -> list[Capacity]:
 
 def route_field(route: str) -> str | None:
     """The trace field a routing rule reads, or None for round-robin."""
-    if route == ROUND_ROBIN:
+    if route in (ROUND_ROBIN, KV_AWARE):
         return None
     if route.startswith("field:") and len(route) > 6:
         return route[6:]
-    raise ValueError(f"invalid route {route!r} (expected round-robin or field:NAME)")
+    raise ValueError(f"invalid route {route!r} (expected round-robin, kv-aware or field:NAME)")
 
 
 def parse_route(text: str) -> str:

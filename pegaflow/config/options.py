@@ -546,7 +546,9 @@ OPTIONS: list[Option] = [
     Option(
         "route",
         "round-robin",
-        "How requests reach instances: round-robin, or field:NAME (a stable hash of that trace field).",
+        "How requests reach instances: round-robin; kv-aware (pegaflow router's policy: the instance "
+        "whose pool holds the longest prefix in L1, ties in turn); or field:NAME (a stable hash of that "
+        "trace field).",
         parse_route,
         commands=(REPLAY,),
     ),

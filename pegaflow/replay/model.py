@@ -23,8 +23,12 @@ What is modelled, and how (also in ``docs/replay.md``):
   mix page sizes use the node's ``ExtentAllocator``.
 - **Instances**: with ``shared`` pools every instance uses one pool of the whole capacity
   (PegaFlow: one node per host); with ``isolated`` pools instance i has its own pool of
-  ``capacity / instances`` (the same memory, split). Requests go to instances round-robin
-  or by a stable hash of a trace field, so equal field values always land together.
+  ``capacity / instances`` (the same memory, split). Requests go to instances round-robin,
+  by a stable hash of a trace field (equal field values always land together), or
+  ``kv-aware``: as ``pegaflow router --policy kv-aware`` routes one request at a time (no
+  queue, so only the prefix counts), to the instance whose pool's L1 holds the longest
+  prefix of the request, asked without touching anything (the node's ``peek`` Query);
+  ties go in turn, as the router's rotation does.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from pegaflow.config.capacity import ROUND_ROBIN, Capacity, route_field
+from pegaflow.config.capacity import KV_AWARE, ROUND_ROBIN, Capacity, route_field
 from pegaflow.core.allocator import OutOfSpace
 from pegaflow.core.block_index import BlockIndex, IndexEvent, Namespace
 from pegaflow.core.tinylfu import TinyLFU
@@ -204,7 +208,7 @@ class Scenario:
     page_bytes: int = 64 << 20
     instances: int = 1
     pools: str = SHARED  # SHARED | ISOLATED
-    route: str = ROUND_ROBIN  # ROUND_ROBIN | "field:NAME"
+    route: str = ROUND_ROBIN  # ROUND_ROBIN | KV_AWARE | "field:NAME"
     tinylfu: bool = False
     ssd_writes: str = SSD_WRITES_EVICTIONS  # what L1 hands to the SSD tier (SSD_WRITES)
 
@@ -248,6 +252,8 @@ class Cluster:
             for _ in range(n_pools)
         ]
         self._field = route_field(scenario.route)
+        self.kv_aware = scenario.route == KV_AWARE and len(self.pools) > 1
+        self._turn = 0
 
     def pool_for(self, i: int, route: str | None) -> Pool:
         """The pool serving request number ``i`` whose routing field value is ``route``."""
@@ -257,6 +263,20 @@ class Cluster:
         if self._field is None:
             return self.pools[i % n]
         return self.pools[route_hash(route or "") % n]
+
+    def pool_holding(self, namespace: str, hashes: list[bytes]) -> Pool:
+        """kv-aware: the pool whose L1 holds the longest prefix of ``hashes`` (untouched);
+        ties in turn, starting one further each request (the router's rotation)."""
+        n = len(self.pools)
+        k = self._turn % n
+        self._turn += 1
+        best, best_len = self.pools[k], -1
+        for j in range(n):
+            p = self.pools[(k + j) % n]
+            got = len(p.l1.index.prefix(p.l1.ns[namespace], hashes, touch=False))
+            if got > best_len:
+                best, best_len = p, got
+        return best
 
     @property
     def l1_capacity_blocks(self) -> int:

@@ -127,9 +127,15 @@ def _drive(trace: Trace, cluster: Cluster, res: RunResult, progress: Progress | 
     append = res.request_hits.append
     pool_for = cluster.pool_for
     single = cluster.pools[0] if len(cluster.pools) == 1 else None
+    holding = cluster.pool_holding if cluster.kv_aware else None
     blocks = tokens = hit_tokens = ssd_blocks = ssd_tokens = 0
     for i, r in enumerate(trace.requests):
-        pool = single if single is not None else pool_for(i, r.route)
+        if single is not None:
+            pool = single
+        elif holding is not None:
+            pool = holding(r.namespace, r.hashes)
+        else:
+            pool = pool_for(i, r.route)
         h, runs = pool.serve(r.namespace, r.hashes, r.saved)
         append(h)
         bt = r.block_tokens

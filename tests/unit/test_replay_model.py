@@ -126,6 +126,16 @@ def test_routing_by_field_sends_equal_values_to_one_pool():
     assert r.request_hits == [0, 2, 2, 2]
 
 
+def test_kv_aware_routing_sends_a_prefix_to_the_pool_that_holds_it():
+    # A A B B over 2 isolated pools of 2 blocks: round-robin splits each pair and never hits;
+    # kv-aware (the router's policy, replayed) sends the second of each to its holder.
+    lines = mooncake([1, 2], [1, 2], [3, 4], [3, 4])
+    rr = run(lines, "4blocks", instances=2, pools=ISOLATED)
+    kv = run(lines, "4blocks", instances=2, pools=ISOLATED, route="kv-aware")
+    assert rr.request_hits == [0, 0, 0, 0]
+    assert kv.request_hits == [0, 2, 0, 2]
+
+
 def test_one_instance_isolated_equals_shared():
     a = run(TRACE_A, "3blocks", instances=1, pools=ISOLATED)
     b = run(TRACE_A, "3blocks", instances=1, pools=SHARED)
