@@ -177,6 +177,7 @@ class Router:
         self._engines = engines
         self.hints: MetaHints | NodeHints | None = None
         self._tasks: list[asyncio.Task[Any]] = []
+        self.tokenizer_state = "loaded" if self.prompts.tokenizer is not None else "none"
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -190,13 +191,9 @@ class Router:
         await self.pool.check_all()
         self._tasks.append(asyncio.create_task(self.pool.run()))
         if self.prompts.tokenizer is None and self.policy.wants_prefixes:
-            # Serving starts once the tokenizer is loaded (seconds) when its name is known by
-            # now; else once the first engine is up names it, in the background.
-            loading = asyncio.create_task(self._load_tokenizer())
-            if self._tokenizer_name():
-                await loading
-            else:
-                self._tasks.append(loading)
+            # In the background (seconds; a name that is not a local path may go to the Hub):
+            # until it is loaded, text prompts are routed by load. /health says which.
+            self._tasks.append(asyncio.create_task(self._load_tokenizer()))
         log.info("router_started", policy=self.cfg.policy, engines=len(self._engines),
                  up=sum(e.up for e in self._engines), metaserver=self.cfg.metaserver_addr or None,
                  disaggregated=self.cfg.disaggregated)
@@ -222,10 +219,13 @@ class Router:
         """The configured tokenizer, or the model path the first engine up reports."""
         while not (name := self._tokenizer_name()):
             await asyncio.sleep(0.5)
+        self.tokenizer_state = "loading"
         try:
             self.prompts.tokenizer = await asyncio.to_thread(Prompts.load, name)
+            self.tokenizer_state = "loaded"
             log.info("tokenizer_loaded", tokenizer=name)
         except Exception as exc:  # noqa: BLE001 - text prompts are then routed by load
+            self.tokenizer_state = "unavailable"
             log.warning("tokenizer_unavailable", tokenizer=name, error=str(exc)[:300],
                         consequence="text prompts are routed by load only")
 
@@ -476,7 +476,8 @@ class Router:
             ok = any(up.values()) if not self.cfg.disaggregated else (
                 any(e.up for e in self.pool.engines.values() if e.role == PREFILL)
                 and any(e.up for e in self.pool.engines.values() if e.role == DECODE))
-            return JSONResponse({"ok": ok, "engines": up}, status_code=200 if ok else 503)
+            return JSONResponse({"ok": ok, "engines": up, "tokenizer": self.tokenizer_state},
+                                status_code=200 if ok else 503)
 
         @app.get("/metrics")
         async def metrics() -> Response:

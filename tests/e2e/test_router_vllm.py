@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,10 @@ def servers(model_a: Path, e2e_logs: Path) -> Iterator[dict[str, Any]]:
 def pd_router(servers: dict[str, Any], e2e_logs: Path) -> Iterator[RouterProc]:
     r = RouterProc(e2e_logs, "--prefill", servers["prefill"].url, "--decode", servers["decode"].url,
                    "--policy", "kv-aware", "--hint-timeout", "2", name="router-pd-vllm")
+    deadline = time.monotonic() + 120  # text prompts are hashed once the tokenizer is loaded
+    while httpx.get(r.url + "/health", timeout=5).json()["tokenizer"] != "loaded":
+        assert time.monotonic() < deadline, "the router did not load the model's tokenizer"
+        time.sleep(0.2)
     yield r
     r.stop()
 
