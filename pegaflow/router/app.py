@@ -286,9 +286,7 @@ class Router:
         return self.pool.engines[d.url], d
 
     # -- forwarding ------------------------------------------------------------------------
-    def _headers(self, request: Request | None) -> dict[str, str]:
-        if request is None:
-            return {}
+    def _headers(self, request: Request) -> dict[str, str]:
         return {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
 
     async def _send(self, role: str, path: str, body: dict[str, Any], tokens: list[int] | None, stream: bool,
@@ -331,7 +329,6 @@ class Router:
                 finally:
                     await upstream.aclose()
                 load.done()
-                e.served += 1
                 return _Answer(e, upstream.status_code, data, upstream.headers.get("content-type", "application/json"))
             rest = upstream.aiter_raw()
             try:
@@ -341,14 +338,14 @@ class Router:
                 failure = self._broken(e, load, exc, "stream_start", "stream broken before its first byte")
                 continue
             load.first_token()
-            e.served += 1
             return _Stream(e, first, rest, upstream, load)
         return failure
 
     def _broken(self, e: Engine, load: _Load, exc: Exception, reason: str, what: str) -> _Answer:
         """An engine's connection failed before the client got a byte: out of rotation."""
         load.done()
-        self.pool.mark_down(e, f"{what}: {type(exc).__name__}")  # type: ignore[union-attr]
+        assert self.pool is not None
+        self.pool.mark_down(e, f"{what}: {type(exc).__name__}")
         self.metrics.retries.labels(reason).inc()
         return _Answer(e, 502, f"engine {e.url}: {what} ({type(exc).__name__})".encode(), "text/plain")
 
@@ -400,9 +397,11 @@ class Router:
         assert self.pool is not None
         model = body.get("model")
         if not any(e.serves(model) for e in self.pool.engines.values() if e.role != PREFILL and e.up):
-            self.metrics.requests.labels(endpoint, "client_error" if self._known(model) else "failed").inc()
+            # A model some engine serves (or might: none is up to say) is unavailable; else unknown.
             if self._known(model) or not any(e.up for e in self.pool.engines.values()):
+                self.metrics.requests.labels(endpoint, "failed").inc()
                 return openai_error(503, f"no engine serving {model or 'a model'} is up", "ServiceUnavailableError")
+            self.metrics.requests.labels(endpoint, "client_error").inc()
             return openai_error(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
         tokens = self.prompts.token_ids(kind, body)
         stream = bool(body.get("stream", False))

@@ -85,8 +85,6 @@ class Engine:
     in_flight: int = 0
     queued_tokens: int = 0
     engine_queue: int = 0
-    served: int = 0
-    errors: int = 0
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
 
     def candidate(self, prefix_tokens: int = 0) -> Candidate:
