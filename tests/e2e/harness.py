@@ -97,6 +97,10 @@ class NodeProc:
         self.wait_ready()
 
     def wait_ready(self, timeout: float = 30.0) -> None:
+        """Wait until the node answers Health and its pool is fully pre-faulted: it serves
+        while the pool pre-faults, handing out only faulted pages, so a test that saved at
+        once could find no pages free (a 64 MiB pool is one pre-fault chunk: nothing is
+        allocatable until it is done) and wait for commits that were never made."""
         from pegaflow.client import NodeUnavailable, PegaClient
 
         deadline = time.monotonic() + timeout
@@ -106,8 +110,10 @@ class NodeProc:
                 raise RuntimeError(f"pegaflow-node exited: {self.log_path.read_text()[-2000:]}")
             c = PegaClient(self.addr, timeout=1.0)
             try:
-                if c.health().ok:
+                h = c.health()
+                if h.ok and h.pool_prefaulted_bytes >= h.pool_bytes:
                     return
+                time.sleep(0.05)
             except NodeUnavailable:
                 time.sleep(0.1)
             finally:
