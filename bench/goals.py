@@ -52,6 +52,7 @@ RUNS: tuple[Run, ...] = (
     Run("concurrency", "concurrency.py", ("--rounds", "2"), default=False),
     Run("multiturn", "multiturn.py", (), default=False),
     Run("engine_start", "engine_start.py", ("--rounds", "1"), default=False),
+    Run("router", "router.py", (), default=False),
 )
 
 GOALS: tuple[Goal, ...] = (
@@ -114,4 +115,10 @@ GOALS: tuple[Goal, ...] = (
          None, "", 1.0, on="value", higher_is_better=False),
     Goal("multiturn", "token hit rate, |measured - replay| (prompt blocks only)", "prompt_only.hit_rate_error_pp",
          "pp", None, "", 1.0, on="value", higher_is_better=False),
+    # A trace slice through pegaflow router and four engines: where requests go decides what hits.
+    Goal("router", "block hit rate, kv-aware + shared / round-robin + isolated", "kv_shared_block_hit_rate", "",
+         "rr_isolated_block_hit_rate", "round-robin + isolated, same capacity", 3.0,
+         ratio="kv_shared_over_rr_isolated"),
+    Goal("router", "block hit rate, |measured - replay|, worst run", "max_gap_pp", "pp", None, "", 2.0, on="value",
+         higher_is_better=False),
 )

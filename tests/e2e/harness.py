@@ -77,11 +77,11 @@ class NodeProc:
     """A ``pegaflow-node`` daemon on a free loopback port."""
 
     def __init__(self, log_dir: Path, pool_size: str = "1gb", port: int | None = None,
-                 extra: list[str] | None = None) -> None:
+                 extra: list[str] | None = None, host: str = "127.0.0.1") -> None:
         self.extra = list(extra or [])
         self.port = port or free_port()
-        self.addr = f"127.0.0.1:{self.port}"
-        self.log_path = log_dir / f"node-{self.port}-{int(time.time() * 1000)}.log"
+        self.addr = f"{host}:{self.port}"
+        self.log_path = log_dir / f"node-{host}-{self.port}-{int(time.time() * 1000)}.log"
         self.pool_size = pool_size
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
@@ -327,47 +327,65 @@ class ApiServer:
 
     ``start`` returns at once (several servers start side by side); ``wait_ready`` waits,
     bounded, for its ``/health``. ``extra`` is the connector's ``kv_connector_extra_config``;
-    ``node`` None starts it without a KV connector."""
+    ``node`` (a NodeProc or an address) None starts it without a KV connector. ``host`` (a
+    ``tests.integration.netns.Host``) runs it in that host's network namespace, on its
+    address; it is then reached with ``curl`` run there (``post``). ``args``: more server flags."""
 
     START_TIMEOUT_S = 420.0
 
-    def __init__(self, model: Path, logs: Path, name: str, node: NodeProc | None,
-                 extra: dict[str, Any] | None = None, max_model_len: int = 2048) -> None:
+    def __init__(self, model: Path, logs: Path, name: str, node: NodeProc | str | None,
+                 extra: dict[str, Any] | None = None, max_model_len: int = 2048, host: Any = None,
+                 args: list[str] | None = None) -> None:
         self.name = name
         self.model = str(model)
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.host = host
+        ip = host.ip if host is not None else "127.0.0.1"
+        self.port = free_port()  # in a fresh namespace too: free there if free here
+        self.url = f"http://{ip}:{self.port}"
         self.log_path = logs / f"api-{name}-{self.port}.log"
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-               "--dtype", "float16", "--host", "127.0.0.1", "--port", str(self.port),
+               "--dtype", "float16", "--host", ip, "--port", str(self.port),
                "--max-model-len", str(max_model_len), "--enforce-eager", "--no-enable-prefix-caching",
-               "--enable-prompt-tokens-details", "--seed", "0"]
+               "--enable-prompt-tokens-details", "--seed", "0", *(args or [])]
         if node is not None:
+            addr = node if isinstance(node, str) else node.addr
             cfg = {"kv_connector": "PegaKVConnector", "kv_role": "kv_both",
                    "kv_connector_module_path": "pegaflow.connector",
-                   "kv_connector_extra_config": {"pegaflow.addr": node.addr, **(extra or {})}}
+                   "kv_connector_extra_config": {"pegaflow.addr": addr, **(extra or {})}}
             cmd += ["--kv-transfer-config", json.dumps(cfg)]
+        if host is not None:
+            cmd = host.argv(cmd)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
                                          env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
                                               "TOKENIZERS_PARALLELISM": "false"})
+
+    def _status(self, path: str) -> int:
+        if self.host is None:
+            try:
+                with urllib.request.urlopen(self.url + path, timeout=2) as r:
+                    return r.status
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                return 0
+        status, _ = ns_http(self.host, "GET", self.url + path, timeout=5)
+        return status
 
     def wait_ready(self) -> ApiServer:
         deadline = time.monotonic() + self.START_TIMEOUT_S
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited: {self.log_path.read_text(errors='replace')[-3000:]}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
+            if self._status("/health") == 200:
+                return self
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.name} did not start; log {self.log_path}")
             time.sleep(0.5)
 
     def post(self, path: str, body: dict[str, Any], timeout: float = 300) -> dict[str, Any]:
+        if self.host is not None:
+            status, text = ns_http(self.host, "POST", self.url + path, body, timeout)
+            assert status == 200, f"{self.name} answered {status}: {text[:500]}"
+            return json.loads(text)
         req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -375,3 +393,19 @@ class ApiServer:
 
     def stop(self) -> None:
         stop_group(self.proc, 30)
+
+
+def ns_http(host: Any, method: str, url: str, body: Any = None, timeout: float = 60,
+            headers: bool = False) -> tuple[int, str]:
+    """One HTTP request made with ``curl`` from ``host``'s network namespace (a
+    ``tests.integration.netns.Host``): (status, body), status 0 when it could not connect.
+    With ``headers``, the body is preceded by the response's header lines."""
+    cmd = ["curl", "-sS", "-X", method, "--max-time", str(timeout), "-w", "\n%{http_code}"]
+    if headers:
+        cmd.append("-i")
+    if body is not None:
+        # (no "Expect: 100-continue": its interim answer would precede the real one)
+        cmd += ["-H", "Content-Type: application/json", "-H", "Expect:", "--data-binary", "@-"]
+    r = host.run([*cmd, url], timeout=timeout + 10, input=None if body is None else json.dumps(body))
+    text, _, code = r.stdout.rpartition("\n")
+    return (int(code) if code.isdigit() else 0), text

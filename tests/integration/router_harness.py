@@ -76,3 +76,59 @@ class RouterProc(Proc):
                 if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
                     total += s.value
         return total
+
+
+class NsRouter:
+    """``pegaflow router`` in a host's network namespace (``tests.integration.netns.Host``),
+    reached with ``curl`` run there (the test process stays in the root namespace)."""
+
+    def __init__(self, host: Any, logs: Path, *args: str, name: str = "router") -> None:
+        from tests.e2e.harness import ns_http
+
+        self.host = host
+        self._http = ns_http
+        self.url = f"http://{host.ip}:{free_port()}"
+        self.log = logs / f"{name}.log"
+        port = self.url.rsplit(":", 1)[1]
+        with open(self.log, "ab") as f:
+            self.proc = subprocess.Popen(
+                host.argv([sys.executable, "-m", "pegaflow.cli", "router", "--host", host.ip, "--port", port,
+                           "--health-interval", "1", "--log-format", "json", *args]),
+                stdout=f, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+
+    def wait_ready(self, tokenizer: bool = True, timeout: float = 120.0) -> NsRouter:
+        """Until /health is 200 and (``tokenizer``: a kv-aware router) the tokenizer is
+        loaded, so text prompts are hashed."""
+        import json
+
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"router exited {self.proc.returncode}: {self.log.read_text()[-3000:]}")
+            status, text = self._http(self.host, "GET", self.url + "/health", timeout=5)
+            if status == 200 and (not tokenizer or json.loads(text).get("tokenizer") == "loaded"):
+                return self
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.url} not ready with its tokenizer; log {self.log}")
+            time.sleep(0.2)
+
+    def post(self, path: str, body: Any, timeout: float = 300) -> tuple[int, str, dict[str, str]]:
+        """(status, body, lower-cased headers)."""
+        status, text = self._http(self.host, "POST", self.url + path, body, timeout, headers=True)
+        head, _, payload = text.replace("\r\n", "\n").partition("\n\n")
+        headers = {}
+        for line in head.split("\n")[1:]:
+            k, _, v = line.partition(":")
+            headers[k.strip().lower()] = v.strip()
+        return status, payload, headers
+
+    def metric(self, name: str, **labels: str) -> float:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        status, text = self._http(self.host, "GET", self.url + "/metrics", timeout=10)
+        assert status == 200, text
+        return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+                   if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+    def stop(self) -> None:
+        stop_group(self.proc, 15)
