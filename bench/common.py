@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import time
 import urllib.request
 
 
@@ -23,3 +25,29 @@ def scrape(port: int) -> dict[str, float]:
         for s in fam.samples:
             out[s.name + "".join(f"|{k}={v}" for k, v in sorted(s.labels.items()))] = s.value
     return out
+
+
+class Streamed:
+    """Time to first token and cached prompt tokens of one OpenAI streamed completion, fed
+    its server-sent-event lines as they arrive (``stream_options.include_usage`` for the
+    cached tokens). Started when constructed: make it just before sending the request."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.first: float | None = None
+        self.cached = 0
+
+    def feed(self, line: str) -> None:
+        line = line.strip()
+        if not line.startswith("data:") or line == "data: [DONE]":
+            return
+        chunk = json.loads(line[5:])
+        if self.first is None and chunk.get("choices"):
+            self.first = time.perf_counter() - self.t0
+        details = (chunk.get("usage") or {}).get("prompt_tokens_details") or {}
+        self.cached = int(details.get("cached_tokens") or self.cached)
+
+    def ttft_s(self, who: str) -> float:
+        if self.first is None:
+            raise RuntimeError(f"{who}: no token streamed")
+        return self.first

@@ -44,6 +44,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.common import Streamed  # noqa: E402
 from bench.ttft import MODEL_SHAPE, bench_workload, percentile  # noqa: E402
 from tests.e2e.harness import NodeProc, free_port, stop_group  # noqa: E402
 
@@ -103,24 +104,13 @@ async def _one(session: Any, srv: Server, prompt: list[int], delay: float) -> di
     await asyncio.sleep(delay)
     body = {"model": srv.model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    first: float | None = None
-    cached = 0
+    st = Streamed()
     async with session.post(srv.base + "/v1/completions", json=body) as resp:
         if resp.status != 200:
             raise RuntimeError(f"{srv.name}: HTTP {resp.status}: {(await resp.text())[:500]}")
         async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[5:])
-            if first is None and chunk.get("choices"):
-                first = time.perf_counter() - t0
-            usage = chunk.get("usage") or {}
-            cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or cached)
-    if first is None:
-        raise RuntimeError(f"{srv.name}: no token streamed")
-    return {"ttft_s": first, "cached_tokens": cached}
+            st.feed(raw.decode())
+    return {"ttft_s": st.ttft_s(srv.name), "cached_tokens": st.cached}
 
 
 async def _load(srv: Server, prompts: list[list[int]], rate: float | None) -> list[dict[str, Any]]:

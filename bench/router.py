@@ -46,6 +46,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.common import Streamed  # noqa: E402
 from bench.ttft import percentile  # noqa: E402
 from pegaflow.client import PegaClient  # noqa: E402
 from pegaflow.config.capacity import KV_AWARE, ROUND_ROBIN, Capacity  # noqa: E402
@@ -139,24 +140,14 @@ class Nodes:
 async def one(client: Any, url: str, model: str, prompt: list[int], salt: str, max_tokens: int) -> dict[str, Any]:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "cache_salt": salt}
-    t0 = time.perf_counter()
-    first: float | None = None
-    cached = 0
+    st = Streamed()
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:500]!r}")
         engine = r.headers.get("x-pegaflow-engine", "")
         async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if first is None and chunk.get("choices"):
-                first = time.perf_counter() - t0
-            usage = chunk.get("usage") or {}
-            cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or cached)
-    if first is None:
-        raise RuntimeError("no token streamed")
-    return {"ttft_s": first, "cached": cached, "engine": engine, "seconds": time.perf_counter() - t0}
+            st.feed(line)
+    return {"ttft_s": st.ttft_s(engine or url), "cached": st.cached, "engine": engine}
 
 
 def wait(cond: Any, timeout: float, what: str) -> None:

@@ -20,6 +20,14 @@ WORDS = (
 ).split()
 
 
+# A chat template in the shape real ones have (a BOS, role headers, a generation prompt), so
+# /v1/chat/completions works on the tiny model and the router's rendering can be checked.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
 def make_text(n_words: int, seed: int) -> str:
     """Deterministic pseudo-random text over a fixed vocabulary of words."""
     rng = random.Random(seed)
@@ -61,6 +69,7 @@ def build_tiny_llama(
 
     tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
     real_vocab = tok.get_vocab_size()
 

@@ -9,7 +9,8 @@ prefill engine), on host 1 ``b1`` (``both``) and ``d1`` (``load_only``, the deco
 - prefill/decode across hosts gives the tokens of an engine that recomputed, and the decode
   engine loads every claimable block through a peer pull; on one host the router picks the
   decode engine beside the prefill;
-- the router hashes text prompts exactly as the engines do;
+- the router hashes text prompts and chat messages (the model's chat template) exactly as the
+  engines do;
 - with the metaserver down, kv-aware falls back to load and fails nothing;
 - killing an engine while streams are in flight fails only streams that had started on it.
 
@@ -178,6 +179,30 @@ def test_kv_aware_sends_a_repeated_prefix_to_the_host_that_holds_it(
         if engine != hosts.engines["p0"].url:  # the prefill engine saves only: it computes
             assert cached(resp) == claimable
     assert kv_router.metric("pegaflow_router_hint_fallbacks_total") == 0
+
+
+def test_kv_aware_hashes_chat_messages_as_the_engine_renders_them(hosts: Hosts, kv_router: NsRouter) -> None:
+    d = hosts.describe("b1")
+    bs = int(d["block_size"])
+    chat = {"model": hosts.model, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "messages": [{"role": "system", "content": make_text(300, 801)},
+                         {"role": "user", "content": make_text(300, 802)}]}
+    # The engine's own rendering and tokenization of the messages (its chat template).
+    tokens = hosts.engines["b1"].post("/tokenize", {"model": hosts.model, "messages": chat["messages"],
+                                                    "add_generation_prompt": True})["tokens"]
+    claimable = full_blocks_claimable(len(tokens), bs)
+    assert claimable >= 2 * bs
+    hosts.engines["b1"].post("/v1/chat/completions", {**chat, "max_tokens": 1})
+    node = hosts.cluster.nodes[1].name
+    wait_until(lambda: hosts.indexed(tokens, d).get(node) == claimable // bs, 30,
+               f"{node} holding the chat prompt in the index", every=0.2)
+    before = kv_router.metric("pegaflow_router_prefix_tokens_total")
+    resp, engine = ok(kv_router.post("/v1/chat/completions", chat))
+    assert hosts.host_of(engine) == 1, f"the chat prompt, held on host 1, went to {engine}"
+    # The router found the whole held prefix: it rendered and hashed what the engine did.
+    assert kv_router.metric("pegaflow_router_prefix_tokens_total") - before == claimable
+    assert cached(resp) == claimable
+    assert resp["choices"][0]["message"]["content"] is not None
 
 
 def test_disaggregated_across_hosts_equals_recomputing_and_pulls_from_the_peer(

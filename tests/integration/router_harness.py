@@ -32,6 +32,14 @@ def wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float
         time.sleep(0.1)
 
 
+
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """The sum of a Prometheus page's samples named ``name`` whose labels include ``labels``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
 class Proc:
     def __init__(self, cmd: list[str], log: Path, health: str | None) -> None:
         self.log = log
@@ -68,14 +76,7 @@ class RouterProc(Proc):
         return httpx.post(self.url + path, json=body, timeout=60, **kw)
 
     def metric(self, name: str, **labels: str) -> float:
-        from prometheus_client.parser import text_string_to_metric_families
-
-        total = 0.0
-        for fam in text_string_to_metric_families(httpx.get(self.url + "/metrics", timeout=5).text):
-            for s in fam.samples:
-                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                    total += s.value
-        return total
+        return metric_sum(httpx.get(self.url + "/metrics", timeout=5).text, name, **labels)
 
 
 class NsRouter:
@@ -123,12 +124,9 @@ class NsRouter:
         return status, payload, headers
 
     def metric(self, name: str, **labels: str) -> float:
-        from prometheus_client.parser import text_string_to_metric_families
-
         status, text = self._http(self.host, "GET", self.url + "/metrics", timeout=10)
         assert status == 200, text
-        return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-                   if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+        return metric_sum(text, name, **labels)
 
     def stop(self) -> None:
         stop_group(self.proc, 15)
