@@ -13,9 +13,11 @@ group has no block for this page (a sliding-window layer outside the window); lo
 those segments, saves refuse them (a page is written whole or not at all).
 
 One call moves a whole request. On CPU the (address, offset, length) triples are computed
-with numpy and copied by ``pegaflow.client._pagecopy`` in one GIL-free native call; on CUDA (or
-if the native module is missing) by one ``copy_`` per block and segment, which on CUDA
-is a DMA from pinned pool memory.
+with numpy and copied by ``pegaflow.client._pagecopy`` in one GIL-free native call (without
+the native module: one ``copy_`` per block and segment). A KV cache on an accelerator goes
+through ``pegaflow.client.batched``: one gather or scatter per segment into a staging buffer
+on the device and one DMA per run of consecutive pool pages, from pool memory registered
+with CUDA (``pegaflow.client.cuda``).
 
 Which native kernel copies is measured, not assumed: glibc memcpy, non-temporal stores,
 and each of them on two threads win or lose by host (on two machines of the same kind the
@@ -433,6 +435,8 @@ def _copy(segments: Sequence[torch.Tensor], block_ids: BlockIds, pool: torch.Ten
         if timed:
             choice.report(kernel, nbytes, time.perf_counter() - t0)
         return nbytes
+    if any(s.device.type != "cpu" for s in segments):
+        return _copy_batched(segments, block_ids, pool, offsets, to_pool, groups)
     ids, seg_group = _block_matrix(block_ids, groups, len(segments), to_pool)
     moved = 0
     for row, off in zip(ids.tolist(), offsets, strict=True):
@@ -449,6 +453,32 @@ def _copy(segments: Sequence[torch.Tensor], block_ids: BlockIds, pool: torch.Ten
                     part.reshape(-1).view(torch.uint8).copy_(dst, non_blocking=True)
                 moved += n
             pos += n
+    return moved
+
+
+def _copy_batched(segments: Sequence[torch.Tensor], block_ids: BlockIds, pool: torch.Tensor,
+                  offsets: Sequence[int], to_pool: bool, groups: Sequence[int] | None) -> int:
+    """A KV cache on an accelerator: the request in a few large copies through a staging
+    buffer on the device (``batched``), from pool memory registered with CUDA (``cuda``).
+    Returns once the copies are done (the stream is synchronized)."""
+    from pegaflow.client import batched
+
+    dev = segments[0].device
+    on_cuda = dev.type == "cuda" and pool.device.type == "cpu"
+    split = None
+    if on_cuda:
+        from pegaflow.client import cuda
+
+        split = cuda.CHUNK
+    p = batched.plan_for(segments, block_ids, offsets, pool, groups, to_pool, split=split)
+    if on_cuda:
+        reg = cuda.registration(pool)
+        for chunk in p.chunks:
+            for r in chunk.runs:
+                reg.ensure(r.pool_off, r.nbytes)
+    moved = batched.run_plan(p, segments, pool, to_pool)
+    if on_cuda:
+        torch.cuda.current_stream(dev).synchronize()
     return moved
 
 

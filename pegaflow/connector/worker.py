@@ -16,12 +16,14 @@ A worker never talks to the node except to register (which maps the pool). Per s
   groups every failure is reported so (vLLM maps no block id back to a request then); with
   one, failed blocks are load errors and vLLM recomputes from the first of them.
 
-Copies are torch copies on shared memory (they release the GIL and run near memcpy speed).
+Copies go through ``pegaflow.client`` (native on CPU; batched through a device staging buffer
+from CUDA-registered pool memory on a GPU; see ``pegaflow/client/pages.py``).
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -246,5 +248,8 @@ class WorkerSide:
         self.stats[key] = self.stats.get(key, 0.0) + v
 
     def close(self) -> None:
+        cuda = sys.modules.get("pegaflow.client.cuda")  # imported by a copy on CUDA, only then
+        if cuda is not None:
+            cuda.unregister_all()  # before the pool is unmapped
         if self.link is not None:
             self.link.close()

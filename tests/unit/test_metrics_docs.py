@@ -68,7 +68,11 @@ def client_families() -> dict[str, tuple[str, set[str]]]:
     m = CopyMetrics(CollectorRegistry())
     m.kernel.labels("save", "memcpy").set(1)
     m.calibration_gbps.labels("save", "memcpy").set(1.0)
-    return families(m.registry)
+    out = families(m.registry)
+    from pegaflow.client.cuda import PinMetrics
+
+    out.update(families(PinMetrics(CollectorRegistry()).registry))
+    return out
 
 
 def router_families() -> dict[str, tuple[str, set[str]]]:
