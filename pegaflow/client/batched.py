@@ -188,11 +188,13 @@ def _index(ids: np.ndarray, device: torch.device, cache: dict[int, torch.Tensor]
 
 
 def run_plan(p: BatchPlan, segments: Sequence[torch.Tensor], pool: torch.Tensor, to_pool: bool,
-             staging: torch.Tensor | None = None, after_segment: Callable[[int], None] | None = None) -> int:
+             staging: torch.Tensor | None = None, after_segment: Callable[[int], None] | None = None,
+             after_gather: Callable[[], None] | None = None) -> int:
     """Issue the plan's copies on the current stream (on CPU: run them); returns the bytes moved
     to or from the pool. ``staging``: a uint8 buffer on the segments' device of at least one
     chunk (made here if None). ``after_segment(s)`` is called once a load has issued every
-    write of segment ``s`` (per-layer events hang off it)."""
+    write of segment ``s`` (per-layer events hang off it); ``after_gather()`` once a save has
+    issued its last read of the KV cache (before its last DMAs)."""
     if not p.chunks:
         return 0
     device = segments[0].device
@@ -213,6 +215,8 @@ def run_plan(p: BatchPlan, segments: Sequence[torch.Tensor], pool: torch.Tensor,
             for sr in chunk.segments:
                 a, n = p.seg_start[sr.seg], p.seg_len[sr.seg]
                 rows[:, a:a + n] = segments[sr.seg].index_select(0, _index(sr.ids, device, cache))
+            if after_gather is not None and k == last:
+                after_gather()
             for r in chunk.runs:
                 pool[r.pool_off:r.pool_off + r.nbytes].copy_(stage[r.stage_off:r.stage_off + r.nbytes],
                                                              non_blocking=True)

@@ -130,3 +130,27 @@ def unregister_all() -> None:
         _registrations.clear()
     for _, reg in regs:
         reg.close()
+
+
+class CudaCopyStream:
+    """``pegaflow.connector.inflight.CopyStream`` on a CUDA side stream of ``device``."""
+
+    asynchronous = True
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+
+    def after_compute(self) -> None:
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def issuing(self) -> torch.cuda.StreamContext:
+        return torch.cuda.stream(self.stream)
+
+    def record(self) -> torch.cuda.Event:
+        ev = torch.cuda.Event()
+        ev.record(self.stream)
+        return ev
+
+    def compute_waits(self, event: torch.cuda.Event) -> None:
+        torch.cuda.current_stream(self.device).wait_event(event)

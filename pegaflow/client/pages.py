@@ -38,7 +38,7 @@ import statistics
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -456,15 +456,18 @@ def _copy(segments: Sequence[torch.Tensor], block_ids: BlockIds, pool: torch.Ten
     return moved
 
 
-def _copy_batched(segments: Sequence[torch.Tensor], block_ids: BlockIds, pool: torch.Tensor,
-                  offsets: Sequence[int], to_pool: bool, groups: Sequence[int] | None) -> int:
-    """A KV cache on an accelerator: the request in a few large copies through a staging
-    buffer on the device (``batched``), from pool memory registered with CUDA (``cuda``).
-    Returns once the copies are done (the stream is synchronized)."""
+def issue_pages(segments: Sequence[torch.Tensor], block_ids: BlockIds, pool: torch.Tensor,
+                offsets: Sequence[int], to_pool: bool, groups: Sequence[int] | None = None,
+                after_segment: Callable[[int], None] | None = None,
+                after_gather: Callable[[], None] | None = None) -> int:
+    """The batched copies (``batched``) of a KV cache on any device, queued on the current
+    stream and not waited for (on CPU they have run when this returns); returns the bytes.
+    The pool pages they touch are registered with CUDA first when the cache is on CUDA.
+    ``after_segment``/``after_gather``: see ``batched.run_plan``."""
     from pegaflow.client import batched
 
-    dev = segments[0].device
-    on_cuda = dev.type == "cuda" and pool.device.type == "cpu"
+    _check(segments, block_ids, pool, offsets)
+    on_cuda = segments[0].device.type == "cuda" and pool.device.type == "cpu"
     split = None
     if on_cuda:
         from pegaflow.client import cuda
@@ -476,9 +479,16 @@ def _copy_batched(segments: Sequence[torch.Tensor], block_ids: BlockIds, pool: t
         for chunk in p.chunks:
             for r in chunk.runs:
                 reg.ensure(r.pool_off, r.nbytes)
-    moved = batched.run_plan(p, segments, pool, to_pool)
-    if on_cuda:
-        torch.cuda.current_stream(dev).synchronize()
+    return batched.run_plan(p, segments, pool, to_pool, after_segment=after_segment, after_gather=after_gather)
+
+
+def _copy_batched(segments: Sequence[torch.Tensor], block_ids: BlockIds, pool: torch.Tensor,
+                  offsets: Sequence[int], to_pool: bool, groups: Sequence[int] | None) -> int:
+    """A KV cache on an accelerator, synchronously: ``issue_pages``, then the stream is
+    synchronized (the bytes are where they go when this returns)."""
+    moved = issue_pages(segments, block_ids, pool, offsets, to_pool, groups)
+    if segments[0].device.type == "cuda":
+        torch.cuda.current_stream(segments[0].device).synchronize()
     return moved
 
 

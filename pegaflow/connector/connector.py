@@ -325,13 +325,25 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
         m = self._connector_metadata
         return m if isinstance(m, PegaConnectorMetadata) else None
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        meta = self._meta()
+        if self._worker is not None and meta is not None:
+            self._worker.before_step(meta)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._meta()
         if self._worker is not None and meta is not None:
-            self._worker.start_load(meta)
+            # A forward replayed as one CUDA graph runs no Python between layers: then the
+            # compute stream waits for the whole load before it, not layer by layer.
+            mode = getattr(getattr(forward_context, "cudagraph_runtime_mode", None), "name", "NONE")
+            self._worker.start_load(meta, layerwise=mode != "FULL")
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv finished every copy before the forward began
+        # On CPU every copy finished in start_load_kv; on a GPU the compute stream waits for
+        # this layer's copies (device-side).
+        if self._worker is not None:
+            self._worker.wait_for_layer(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any

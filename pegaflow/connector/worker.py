@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from pegaflow.connector.inflight import CopyStream, Event, Immediate, InFlight
 from pegaflow.connector.intents import LoadIntent, PegaConnectorMetadata, PegaWorkerReport
 from pegaflow.connector.layout import PageLayout, build_page_layout
 from pegaflow.connector.link import LOGGER_NAME, NodeLink
@@ -44,11 +45,26 @@ def _copy_fns() -> tuple[Any, Any]:
     return load_pages, save_pages
 
 
+def _issue_fn() -> Any:
+    from pegaflow.client import issue_pages
+
+    return issue_pages
+
+
+def stream_for(device: torch.device) -> CopyStream:
+    """The copy stream for a KV cache on ``device``: a CUDA side stream, or ``Immediate``."""
+    if device.type == "cuda":
+        from pegaflow.client.cuda import CudaCopyStream
+
+        return CudaCopyStream(device)
+    return Immediate()
+
+
 class WorkerSide:
     """One TP rank's copy engine; see the module docstring for the contract."""
 
     def __init__(self, identity: KVIdentity, tp_rank: int, link_factory: Any, kv_groups: int = 1,
-                 state_groups: frozenset[int] = frozenset()) -> None:
+                 state_groups: frozenset[int] = frozenset(), stream: CopyStream | None = None) -> None:
         self.identity = identity
         self.kv_groups = kv_groups  # vLLM's KV cache groups (hybrid allocator: > 1)
         self.state_groups = state_groups  # of those, state-space (Mamba) groups: state pages
@@ -66,6 +82,12 @@ class WorkerSide:
         self._failed_recving: set[str] = set()  # of those, the ones that failed (several KV cache groups)
         self._failed_reservations: set[int] = set()
         self._load_pages, self._save_pages = _copy_fns()
+        # The copy stream (inflight.py): None until register_kv_caches sees the cache's device.
+        self.stream: CopyStream | None = stream
+        self.inflight = InFlight()
+        self._lost: set[int] = set()
+        self._layer_events: dict[str, Event] = {}  # this step's synchronous loads, per layer
+        self._load_event: Event | None = None  # after the newest asynchronous load issued
         self.stats: dict[str, float] = {}
         self._warned: set[str] = set()
 
@@ -97,6 +119,8 @@ class WorkerSide:
             return
         self.layout = layout
         self.state_layout = state_layout
+        if self.stream is None:
+            self.stream = stream_for(layout.segments[0].device)
         pages = {self.namespace: layout.page_bytes}
         if state_layout is not None:
             pages[self.state_namespace] = state_layout.page_bytes
@@ -154,12 +178,34 @@ class WorkerSide:
             else:
                 self._load_errors.update(ld.block_ids)  # type: ignore[arg-type]
 
-    def start_load(self, meta: PegaConnectorMetadata) -> None:
+    @property
+    def _async(self) -> bool:
+        return self.stream is not None and self.stream.asynchronous
+
+    def _begin(self, meta: PegaConnectorMetadata) -> None:
+        self._lost.update(self.inflight.begin(meta.step))
+
+    def before_step(self, meta: PegaConnectorMetadata) -> None:
+        """Before the step's forward is queued (vLLM binds the metadata): the forward starts
+        after the asynchronous loads issued in earlier steps, so a block of a request aborted
+        while its load was in flight is never reused under a copy still writing it."""
+        self._begin(meta)
+        ev, self._load_event = self._load_event, None
+        if ev is not None and self.stream is not None and not ev.query():
+            self.stream.compute_waits(ev)
+
+    def start_load(self, meta: PegaConnectorMetadata, layerwise: bool = True) -> None:
+        """The step's loads. Asynchronously (a GPU): queued on the copy stream, each layer's
+        event waited for by ``wait_for_layer`` (``layerwise``) or the whole load by the
+        compute stream at once (``layerwise=False``: a forward replayed as one CUDA graph)."""
+        self._layer_events.clear()
         if not meta.loads:
             return
+        self._begin(meta)
+        in_flight: set[str] = set()  # asynchronous loads' requests with a copy queued
+        is_async = {ld.req_id for ld in meta.loads if ld.is_async}
         for ld in meta.loads:
-            if ld.is_async:  # reported after this step's copies below, successful or not
-                self._finished_recving.add(ld.req_id)
+            if ld.is_async:
                 if ld.missing:
                     if self._request_level():
                         self._failed_recving.add(ld.req_id)
@@ -168,6 +214,7 @@ class WorkerSide:
                         self._load_errors.update(ld.missing)  # type: ignore[arg-type]
                 if self.tp_rank == 0 and not ld.state:  # a request, not a copy: counted once, not per rank
                     self._count("async_loads", 1)
+        issued = False
         for state, epoch in sorted({(ld.state, ld.epoch) for ld in meta.loads}):
             loads = [ld for ld in meta.loads
                      if ld.epoch == epoch and ld.state == state and ld.req_id not in self._failed_recving]
@@ -182,23 +229,64 @@ class WorkerSide:
                 continue
             t0 = time.perf_counter()
             try:
-                nbytes = self._load_pages(layout.segments, block_ids, pool, offsets, layout.groups)
+                if self._async:
+                    nbytes = self._issue_load(layout, block_ids, pool, offsets,
+                                              layerwise and any(not ld.is_async for ld in loads))
+                    in_flight |= {ld.req_id for ld in loads if ld.is_async}
+                    issued = True
+                else:
+                    nbytes = self._load_pages(layout.segments, block_ids, pool, offsets, layout.groups)
             except Exception:  # noqa: BLE001 - any copy failure means "recompute these blocks"
                 logger.exception(
                     "PegaFlow rank %d: load of %d blocks failed; vLLM recomputes them", self.tp_rank, len(block_ids)
                 )
                 self._fail_loads(loads)
                 continue
-            self._count("load_s", time.perf_counter() - t0)
+            if not self._async:  # queued, not done: the time would be the issuing's
+                self._count("load_s", time.perf_counter() - t0)
             self._count("loaded_states" if state else "loaded_blocks", len(block_ids))
             self._count("loaded_bytes", nbytes)
             if "first-load" not in self._warned:
                 self._warned.add("first-load")
                 logger.info("PegaFlow rank %d: first load, %d blocks from the node", self.tp_rank, len(block_ids))
+        if issued:
+            assert self.stream is not None
+            ev = self.stream.record()
+            self.inflight.add(meta.step, ev)  # its leases are released once it completed
+            if in_flight:
+                self.inflight.add_load(ev, in_flight)
+                self._load_event = ev
+            if not layerwise:
+                self.stream.compute_waits(ev)
+        # Reported now: the asynchronous loads that failed, or had nothing to copy. Those
+        # with a copy queued are reported by take_finished_recving once it completed.
+        self._finished_recving |= is_async - in_flight
+
+    def _issue_load(self, layout: PageLayout, block_ids: list[Any], pool: torch.Tensor, offsets: list[int],
+                    per_layer: bool) -> int:
+        stream = self.stream
+        assert stream is not None
+        last = layout.last_segments() if per_layer else {}
+
+        def after_segment(s: int) -> None:
+            if s in last:
+                self._layer_events[last[s]] = stream.record()
+
+        stream.after_compute()  # the blocks written may still be read by queued work
+        with stream.issuing():
+            return _issue_fn()(layout.segments, block_ids, pool, offsets, False, layout.groups,
+                               after_segment if per_layer else None)
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        """vLLM's ``wait_for_layer_load``: the compute stream waits for that layer's load."""
+        ev = self._layer_events.pop(layer_name, None)
+        if ev is not None and self.stream is not None:
+            self.stream.compute_waits(ev)
 
     def save(self, meta: PegaConnectorMetadata) -> None:
         if not meta.saves or not self.saves_shard:
             return
+        self._begin(meta)
         mine = [s for sv in meta.saves for s in sv.shards if s.shard == self.shard]
         for state, epoch in sorted({(s.state, s.epoch) for s in mine}):
             batch = [s for s in mine if s.epoch == epoch and s.state == state]
@@ -211,18 +299,39 @@ class WorkerSide:
             offsets = [o for s in batch for o in s.offsets]
             t0 = time.perf_counter()
             try:
-                nbytes = self._save_pages(layout.segments, block_ids, pool, offsets, layout.groups)
+                if self._async:
+                    nbytes = self._issue_save(layout, block_ids, pool, offsets, meta.step)
+                else:
+                    nbytes = self._save_pages(layout.segments, block_ids, pool, offsets, layout.groups)
             except Exception:  # noqa: BLE001 - a failed save is a future miss, never an error
                 logger.exception("PegaFlow rank %d: save of %d blocks failed", self.tp_rank, len(block_ids))
                 self._failed_reservations.update(s.reservation_id for s in batch)
                 continue
-            self._count("save_s", time.perf_counter() - t0)
+            if not self._async:
+                self._count("save_s", time.perf_counter() - t0)
             self._count("saved_states" if state else "saved_blocks", len(block_ids))
             self._count("saved_bytes", nbytes)
 
+    def _issue_save(self, layout: PageLayout, block_ids: list[Any], pool: torch.Tensor, offsets: list[int],
+                    step: int) -> int:
+        """Queue a save on the copy stream after the forward; the compute stream goes on once
+        the blocks were read (gathered), the DMA into the pool runs beside the next step, and
+        the step is done (its reservations committed) once its event completed."""
+        stream = self.stream
+        assert stream is not None
+        gathered: list[Event] = []
+        stream.after_compute()
+        with stream.issuing():
+            nbytes = _issue_fn()(layout.segments, block_ids, pool, offsets, True, layout.groups,
+                                 after_gather=lambda: gathered.append(stream.record()))
+        if gathered:
+            stream.compute_waits(gathered[-1])
+        self.inflight.add(step, stream.record())
+        return nbytes
+
     def take_finished_recving(self) -> set[str]:
         out, self._finished_recving = self._finished_recving, set()
-        return out
+        return out | self.inflight.finished_loads()
 
     def take_failed_recving(self) -> set[str]:
         out, self._failed_recving = self._failed_recving, set()
@@ -237,8 +346,11 @@ class WorkerSide:
     def report(self, meta: PegaConnectorMetadata | None) -> PegaWorkerReport | None:
         if meta is None:
             return None
+        self._begin(meta)
         failed, self._failed_reservations = frozenset(self._failed_reservations), set()
-        return PegaWorkerReport(steps=frozenset({meta.step}), failed_reservations=failed)
+        lost, self._lost = frozenset(self._lost), set()
+        return PegaWorkerReport(done_through=self.inflight.done_through(), failed_reservations=failed,
+                                lost_steps=lost)
 
     def take_stats(self) -> dict[str, float]:
         out, self.stats = self.stats, {}
@@ -248,6 +360,7 @@ class WorkerSide:
         self.stats[key] = self.stats.get(key, 0.0) + v
 
     def close(self) -> None:
+        self.inflight.drain()  # no copy may outlive the mapping it reads or writes
         cuda = sys.modules.get("pegaflow.client.cuda")  # imported by a copy on CUDA, only then
         if cuda is not None:
             cuda.unregister_all()  # before the pool is unmapped

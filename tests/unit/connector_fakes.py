@@ -216,7 +216,10 @@ class Engine:
         link_factory: Callable[[Mapping[str, int]], NodeLink] | None = None,
         settings: ConnectorSettings | None = None,
         events: KVEvents | None = None,
+        stream: Callable[[], Any] | None = None,
     ) -> None:
+        """``stream``: makes each rank's copy stream (``inflight.CopyStream``; default: the
+        device's, ``Immediate`` on CPU)."""
         self.node = node
         self.ident = ident
         if link_factory is None:
@@ -227,7 +230,7 @@ class Engine:
         self.workers = []
         self.caches = []
         for rank in range(ident.tp_size):
-            w = WorkerSide(ident, rank, link_factory)
+            w = WorkerSide(ident, rank, link_factory, stream=stream() if stream is not None else None)
             caches = make_caches(ident, num_blocks)
             w.register_kv_caches(caches, num_blocks)
             self.workers.append(w)
