@@ -53,6 +53,7 @@ RUNS: tuple[Run, ...] = (
     Run("multiturn", "multiturn.py", (), default=False),
     Run("engine_start", "engine_start.py", ("--rounds", "1"), default=False),
     Run("router", "router.py", (), default=False),
+    Run("gpu", "gpu.py", ("--rounds", "3", "--steps", "5"), default=False),  # needs CUDA
 )
 
 GOALS: tuple[Goal, ...] = (
@@ -121,4 +122,11 @@ GOALS: tuple[Goal, ...] = (
          ratio="kv_shared_over_rr_isolated"),
     Goal("router", "block hit rate, |measured - replay|, worst run", "max_gap_pp", "pp", None, "", 2.0, on="value",
          higher_is_better=False),
+    # The CUDA data path (a GPU host): DMAs against pinned cudaMemcpy, and what copies cost a step.
+    Goal("gpu", "save GB/s, 64 blocks (GPU -> pool)", "save_gbps", "GB/s", "pinned_d2h_gbps",
+         "pinned cudaMemcpy D2H", 0.8),
+    Goal("gpu", "load GB/s, 64 blocks (pool -> GPU)", "load_gbps", "GB/s", "pinned_h2d_gbps",
+         "pinned cudaMemcpy H2D", 0.8),
+    Goal("gpu", "10K-token step, + load and save beside it", "step_with_copies_ms", "ms", "step_ms",
+         "the step alone", 1.05, higher_is_better=False),
 )
