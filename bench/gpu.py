@@ -109,17 +109,20 @@ def main() -> None:
             client.close()
             node.stop()
     save_gbps, load_gbps = statistics.median(saves), statistics.median(loads)
-    pinned_gib = _pin_metrics().bytes._value.get() / 2**30  # noqa: SLF001 - our own gauge
+    pinned_gib = _pin_metrics().bytes._value.get() / 2**30  # noqa: SLF001 - our own gauges
+    pin_s = _pin_metrics().seconds._value.get()  # noqa: SLF001
     out = {
         "request_mib": nbytes >> 20, "page_bytes": page, "segments": len(layout.segments),
         "pinned_d2h_gbps": d2h, "pinned_h2d_gbps": h2d,
         "save_gbps": save_gbps, "load_gbps": load_gbps,
         "save_over_pinned": save_gbps / d2h, "load_over_pinned": load_gbps / h2d,
-        "first_save_s": first, "pinned_gib": pinned_gib, **overhead,
+        "first_save_s": first, "pinned_gib": pinned_gib, "pin_s_per_gib": pin_s / max(pinned_gib, 1e-9),
+        **overhead,
     }
     print(f"save {save_gbps:.1f} GB/s = {out['save_over_pinned']:.2f}x pinned D2H; load {load_gbps:.1f} GB/s = "
           f"{out['load_over_pinned']:.2f}x pinned H2D (goal >= 0.8x both); first save (registering "
-          f"{pinned_gib:.1f} GiB) {first * 1e3:.0f} ms", flush=True)
+          f"{pinned_gib:.1f} GiB) {first * 1e3:.0f} ms; cudaHostRegister {out['pin_s_per_gib'] * 1e3:.0f} ms/GiB",
+          flush=True)
     print(f"{args.prefill}-token step: {overhead['step_ms']:.1f} ms alone, {overhead['step_with_copies_ms']:.1f} ms "
           f"with a {args.blocks}-block load and save beside it: +{overhead['step_overhead'] * 100:.1f}% (goal <= 5%)",
           flush=True)
