@@ -135,6 +135,10 @@ class InFlight:
             out |= self._finished_loads.popleft()[1]
         return out
 
+    def loading(self) -> set[str]:
+        """Requests with an asynchronous load still in flight."""
+        return {r for _, ids in self._finished_loads for r in ids}
+
     def done_through(self) -> int:
         """The newest step such that it and every step before it completed every copy."""
         while self._steps and all(e.query() for e in self._steps[0].events):

@@ -334,7 +334,10 @@ class WorkerSide:
         return out | self.inflight.finished_loads()
 
     def take_failed_recving(self) -> set[str]:
-        out, self._failed_recving = self._failed_recving, set()
+        """Failed asynchronous loads, each reported with (not before) its finishing: a
+        request with another copy still in flight waits for it."""
+        out = self._failed_recving - self.inflight.loading()
+        self._failed_recving -= out
         return out
 
     def take_load_errors(self) -> set[int]:

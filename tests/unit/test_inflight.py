@@ -197,3 +197,17 @@ def test_the_slowest_rank_decides_and_a_step_a_rank_never_saw_is_aborted() -> No
     assert rep.lost_steps == frozenset({m1.step + 1})
     eng2.sched.update_connector_output(rep)
     assert node2.calls["abort"] == 1 and node2.calls["commit"] == 0
+
+
+def test_an_async_load_is_finished_only_once_its_copy_completed_and_failures_wait_with_it() -> None:
+    from pegaflow.connector.inflight import InFlight
+
+    f = InFlight()
+    f.begin(1)
+    ev = ManualEvent("load")
+    f.add(1, ev)
+    f.add_load(ev, ["r1", "r2"])
+    assert f.finished_loads() == set() and f.loading() == {"r1", "r2"} and f.done_through() == 0
+    ev.done = True
+    assert f.finished_loads() == {"r1", "r2"} and f.loading() == set() and f.done_through() == 1
+    assert f.finished_loads() == set(), "reported once"
