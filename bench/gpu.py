@@ -144,7 +144,7 @@ def step_overhead(torch, layout, client, args) -> dict[str, float]:  # noqa: ANN
     x0 = torch.randn(args.prefill, hidden, device="cuda", dtype=torch.bfloat16)
     stream = CudaCopyStream(torch.device("cuda"))
     names = layout.layer_names
-    last = layout.last_segments()
+    last = layout.last_segments
     hashes = [xxhash.xxh3_128_digest(f"step:{i}".encode()) for i in range(args.blocks)]
     res = client.reserve("bench-gpu", hashes)
     client.commit(res.reservation_id)

@@ -55,6 +55,7 @@ from pegaflow.replay.model import ISOLATED, SHARED, Scenario  # noqa: E402
 from pegaflow.replay.run import replay  # noqa: E402
 from tests.e2e.harness import ApiServer, NodeProc, free_port  # noqa: E402
 from tests.e2e.model import build_tiny_llama  # noqa: E402
+from tests.integration.netns import wait_until  # noqa: E402
 from tests.integration.router_harness import RouterProc  # noqa: E402
 
 ENGINES = 4
@@ -150,14 +151,6 @@ async def one(client: Any, url: str, model: str, prompt: list[int], salt: str, m
     return {"ttft_s": st.ttft_s(engine or url), "cached": st.cached, "engine": engine}
 
 
-def wait(cond: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.02)
-
-
 def run(router: RouterProc, nodes: Nodes, model: str, prompts: list[list[int]], salt: str, max_tokens: int,
         label: str) -> list[dict[str, Any]]:
     import httpx
@@ -169,7 +162,7 @@ def run(router: RouterProc, nodes: Nodes, model: str, prompts: list[list[int]], 
                 out.append(await one(client, router.url, model, p, salt, max_tokens))
                 # The saves are committed after the answer (wait=False): the next request
                 # must see them, as in replay's sequence.
-                await asyncio.to_thread(wait, nodes.settled, SETTLE_TIMEOUT_S, "the saves to be committed")
+                await asyncio.to_thread(wait_until, nodes.settled, SETTLE_TIMEOUT_S, "the saves to be committed", 0.02)
                 if (i + 1) % 100 == 0:
                     print(f"  {label}: {i + 1}/{len(prompts)}", flush=True)
         return out
@@ -278,7 +271,7 @@ def main() -> None:
                     layout = pools
                     nodes.start(pools, (total // ENGINES if pools == ISOLATED else total) * slot)
                     reconnect(engines, nodes, sessions, vocab, f"reconnect-{pools}")
-                    wait(nodes.settled, SETTLE_TIMEOUT_S, "the probes' saves")
+                    wait_until(nodes.settled, SETTLE_TIMEOUT_S, "the probes' saves", 0.02)
                     held = [n.stats().pool_bytes // slot for n in nodes.procs]
                     assert sum(held) == total, f"the nodes hold {held} pages, not {total}"
                 label = f"{route}+{pools}"

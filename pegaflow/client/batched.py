@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pegaflow.client.blocks import block_matrix, check_layout
+
 DEFAULT_STAGING_BYTES = 256 << 20  # per chunk: 128 pages of an 8B model's 2 MiB page
 
 
@@ -100,7 +102,8 @@ def plan(seg_len: Sequence[int], nblocks: Sequence[int], block_ids: np.ndarray, 
          split: int | None = None) -> BatchPlan:
     """The copies of one batch of pages. ``block_ids``: ``(pages,)`` with one KV cache group
     (``seg_group`` None), else ``(pages, groups)`` with ``seg_group[s]`` the group of segment
-    ``s``. Raises ``IndexError``/``ValueError`` as ``pages.py`` does, before anything moves."""
+    ``s`` (``-1``: that group has no block there). Raises ``IndexError``/``ValueError`` as
+    ``pages.py`` does, before anything moves."""
     lens = np.asarray(seg_len, dtype=np.int64)
     page = int(lens.sum())
     starts = np.concatenate(([0], np.cumsum(lens)[:-1])).astype(np.int64)
@@ -115,65 +118,45 @@ def plan(seg_len: Sequence[int], nblocks: Sequence[int], block_ids: np.ndarray, 
     if split is not None and split <= 0:
         raise ValueError("split must be positive")
     ids = np.asarray(block_ids, dtype=np.int64)
-    nb = np.asarray(nblocks, dtype=np.int64)
     if seg_group is None:
         if ids.ndim != 1:
             raise ValueError("block ids per KV cache group need the segments' groups")
-        if ids.size and (ids.min() < 0 or ids.max() >= nb.min()):
+        if ids.size and ids.min() < 0:
             raise IndexError("block id out of range of the KV cache")
-    else:
-        per_seg = ids[:, seg_group] if ids.size else ids.reshape(0, len(lens))
-        if per_seg.size and ((per_seg < -1).any() or (per_seg >= nb[None, :]).any()):
-            raise IndexError("block id out of range of the KV cache")
-        if to_pool and (per_seg == -1).any():
-            raise ValueError("a page with a group that has no block (-1) cannot be saved")
+        ids, seg_group = ids.reshape(-1, 1), np.zeros(len(lens), dtype=np.int64)
+    per_seg = ids[:, seg_group] if ids.size else ids.reshape(0, len(lens))
+    if per_seg.size and ((per_seg < -1).any() or (per_seg >= np.asarray(nblocks)[None, :]).any()):
+        raise IndexError("block id out of range of the KV cache")
+    if to_pool and (per_seg == -1).any():
+        raise ValueError("a page with a group that has no block (-1) cannot be saved")
     order = np.argsort(offs, kind="stable")
     offs_sorted, ids_sorted = offs[order], ids[order]
     rows_per_chunk = max(1, staging_bytes // max(page, 1))
     chunks = []
     for lo in range(0, offs_sorted.size, rows_per_chunk):
         c_offs, c_ids = offs_sorted[lo:lo + rows_per_chunk], ids_sorted[lo:lo + rows_per_chunk]
-        segs: list[SegmentRows] = []
-        for s in range(len(lens)):
-            if seg_group is None:
-                segs.append(SegmentRows(s, c_ids, None))
-                continue
-            col = c_ids[:, seg_group[s]]
+        # One (ids, rows) per group, shared by the group's segments: one index tensor each.
+        by_group: dict[int, tuple[np.ndarray, np.ndarray | None] | None] = {}
+        for g in np.unique(seg_group).tolist():
+            col = c_ids[:, g]
             keep = col != -1
-            if keep.all():
-                segs.append(SegmentRows(s, col, None))
-            elif keep.any():
-                segs.append(SegmentRows(s, col[keep], np.flatnonzero(keep)))
-        chunks.append(Chunk(int(c_offs.size), tuple(_runs(c_offs, page, split)), tuple(segs)))
+            by_group[g] = (col, None) if keep.all() else (col[keep], np.flatnonzero(keep)) if keep.any() else None
+        segs = tuple(SegmentRows(s, *sel) for s, g in enumerate(seg_group.tolist())
+                     if (sel := by_group[g]) is not None)
+        chunks.append(Chunk(int(c_offs.size), tuple(_runs(c_offs, page, split)), segs))
     return BatchPlan(page, tuple(int(x) for x in starts), tuple(int(x) for x in lens), tuple(chunks))
 
 
 def plan_for(segments: Sequence[torch.Tensor], block_ids: Sequence[int] | Sequence[Sequence[int]],
              offsets: Sequence[int], pool: torch.Tensor, groups: Sequence[int] | None, to_pool: bool,
              staging_bytes: int = DEFAULT_STAGING_BYTES, split: int | None = None) -> BatchPlan:
-    """``plan`` for a layout's segments (as ``save_pages``/``load_pages`` take them)."""
-    if not segments:
-        raise ValueError("empty layout")
-    if pool.dtype != torch.uint8 or pool.dim() != 1:
-        raise ValueError("pool must be a 1-D uint8 tensor")
+    """``plan`` for a layout's segments (as ``save_pages``/``load_pages`` take them; block ids
+    parsed and refused as they are there)."""
+    check_layout(segments, block_ids, pool, offsets)
     for seg in segments:
         if seg.dtype != torch.uint8 or seg.dim() != 2 or seg.stride(1) != 1:
             raise ValueError("each segment must be a (blocks, bytes) uint8 view with contiguous rows")
-    try:
-        ids = np.asarray(block_ids, dtype=np.int64)
-    except OverflowError:
-        raise IndexError("block id out of range") from None
-    seg_group = None
-    if groups is not None:
-        seg_group = np.asarray(groups, dtype=np.int64)
-        if ids.ndim == 1:
-            ids = ids.reshape(-1, 1)
-        if ids.ndim != 2 or seg_group.shape != (len(segments),):
-            raise ValueError("block ids per KV cache group need one group per segment")
-        if seg_group.size and ids.size and (seg_group.min() < 0 or seg_group.max() >= ids.shape[1]):
-            raise ValueError(f"segment group out of range of the {ids.shape[1]} block ids given per page")
-    elif ids.size and ids.min() < 0:
-        raise IndexError("block id out of range of the KV cache")
+    ids, seg_group = block_matrix(block_ids, groups, len(segments), to_pool)
     return plan([s.shape[1] for s in segments], [s.shape[0] for s in segments], ids, seg_group, offsets,
                 pool.numel(), to_pool, staging_bytes, split)
 

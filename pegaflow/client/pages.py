@@ -46,6 +46,7 @@ import structlog
 import torch
 from prometheus_client import REGISTRY, CollectorRegistry, Gauge
 
+from pegaflow.client.blocks import BlockIds, block_matrix, check_layout
 from pegaflow.common.memory import MADV_POPULATE_READ, PAGE_SIZE, madvise, resident
 
 log = structlog.get_logger("pegaflow.pages")
@@ -326,46 +327,6 @@ def page_bytes(segments: Sequence[torch.Tensor]) -> int:
     return sum(seg[0].numel() * seg.element_size() for seg in segments)
 
 
-BlockIds = Sequence[int] | Sequence[Sequence[int]]  # per page: one id, or one per KV cache group
-
-
-def _block_matrix(block_ids: BlockIds, groups: Sequence[int] | None, nseg: int,
-                  to_pool: bool) -> tuple[np.ndarray, np.ndarray]:
-    """``(ids, seg_group)``: ``ids[i, g]`` is page ``i``'s block in group ``g``, ``seg_group[s]``
-    the group of segment ``s``. A save refuses a ``-1`` (a page is written whole)."""
-    try:
-        ids = np.asarray(block_ids, dtype=np.int64)
-    except OverflowError:
-        raise IndexError("block id out of range") from None
-    if groups is None and ids.size and ids.min() < 0:
-        raise IndexError("block id out of range of the KV cache")  # -1 needs the segments' groups
-    if ids.ndim == 1:
-        ids = ids.reshape(-1, 1)
-    elif ids.ndim != 2:
-        raise ValueError("block_ids must give one id, or one per KV cache group, for each page")
-    seg_group = np.zeros(nseg, dtype=np.int64) if groups is None else np.asarray(groups, dtype=np.int64)
-    if seg_group.shape != (nseg,):
-        raise ValueError(f"{len(seg_group)} segment groups for {nseg} segments")
-    if nseg and (seg_group.min() < 0 or seg_group.max() >= ids.shape[1]) and ids.size:
-        raise ValueError(f"segment group out of range of the {ids.shape[1]} block ids given per page")
-    if to_pool and ids.size and (ids[:, np.unique(seg_group)] == -1).any():
-        raise ValueError("a page with a group that has no block (-1) cannot be saved")
-    return ids, seg_group
-
-
-def _check(segments: Sequence[torch.Tensor], block_ids: BlockIds, pool: torch.Tensor,
-           offsets: Sequence[int]) -> None:
-    if len(block_ids) != len(offsets):
-        raise ValueError(f"{len(block_ids)} block ids but {len(offsets)} offsets")
-    if not segments:
-        raise ValueError("empty layout")
-    for seg in segments:
-        if not seg[0].is_contiguous():
-            raise ValueError("each segment's per-block slice must be contiguous")
-    if pool.dtype != torch.uint8 or pool.dim() != 1:
-        raise ValueError("pool must be a 1-D uint8 tensor")
-
-
 def _plan(segments: Sequence[torch.Tensor], block_ids: BlockIds,
           offsets: Sequence[int], pool_bytes: int, groups: Sequence[int] | None = None,
           to_pool: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -398,7 +359,7 @@ def _plan(segments: Sequence[torch.Tensor], block_ids: BlockIds,
         pool_off = (offs[:, None] + seg_start[None, :]).ravel()
         lens = np.broadcast_to(seg_len, (bids.size, seg_len.size)).ravel().copy()
         return addrs, pool_off, lens
-    ids, seg_group = _block_matrix(block_ids, groups, len(segments), to_pool)
+    ids, seg_group = block_matrix(block_ids, groups, len(segments), to_pool)
     bids = ids[:, seg_group]  # (pages, segments): the block each segment copies
     skip = bids == -1
     if bids.size and ((bids[~skip] < 0).any() or (bids >= nblocks[None, :]).any()):
@@ -413,7 +374,9 @@ def _plan(segments: Sequence[torch.Tensor], block_ids: BlockIds,
 def _copy(segments: Sequence[torch.Tensor], block_ids: BlockIds, pool: torch.Tensor,
           offsets: Sequence[int], to_pool: bool, groups: Sequence[int] | None = None) -> int:
     """The copy; returns the bytes it moved."""
-    _check(segments, block_ids, pool, offsets)
+    if segments and segments[0].device.type != "cpu":  # a layout's segments share one device
+        return _copy_batched(segments, block_ids, pool, offsets, to_pool, groups)  # checked there
+    check_layout(segments, block_ids, pool, offsets)
     if not len(block_ids):
         return 0
     native = _native is not None and pool.device.type == "cpu" and all(s.device.type == "cpu" for s in segments)
@@ -435,9 +398,7 @@ def _copy(segments: Sequence[torch.Tensor], block_ids: BlockIds, pool: torch.Ten
         if timed:
             choice.report(kernel, nbytes, time.perf_counter() - t0)
         return nbytes
-    if any(s.device.type != "cpu" for s in segments):
-        return _copy_batched(segments, block_ids, pool, offsets, to_pool, groups)
-    ids, seg_group = _block_matrix(block_ids, groups, len(segments), to_pool)
+    ids, seg_group = block_matrix(block_ids, groups, len(segments), to_pool)
     moved = 0
     for row, off in zip(ids.tolist(), offsets, strict=True):
         pos = off
@@ -466,14 +427,10 @@ def issue_pages(segments: Sequence[torch.Tensor], block_ids: BlockIds, pool: tor
     ``after_segment``/``after_gather``: see ``batched.run_plan``."""
     from pegaflow.client import batched
 
-    _check(segments, block_ids, pool, offsets)
-    on_cuda = segments[0].device.type == "cuda" and pool.device.type == "cpu"
-    split = None
+    on_cuda = bool(segments) and segments[0].device.type == "cuda" and pool.device.type == "cpu"
     if on_cuda:
         from pegaflow.client import cuda
-
-        split = cuda.CHUNK
-    p = batched.plan_for(segments, block_ids, offsets, pool, groups, to_pool, split=split)
+    p = batched.plan_for(segments, block_ids, offsets, pool, groups, to_pool, split=cuda.CHUNK if on_cuda else None)
     if on_cuda:
         reg = cuda.registration(pool)
         for chunk in p.chunks:

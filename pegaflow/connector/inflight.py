@@ -96,7 +96,6 @@ class Immediate:
 class _Step:
     step: int
     events: list[Event] = field(default_factory=list)
-    finished: list[tuple[Event, frozenset[str]]] = field(default_factory=list)
 
 
 class InFlight:
@@ -146,9 +145,6 @@ class InFlight:
         if self._steps:
             return self._steps[0].step - 1
         return self._last_step
-
-    def pending(self) -> int:
-        return len(self._steps) + len(self._finished_loads)
 
     def drain(self) -> None:
         """Wait on the host for every copy (shutdown)."""

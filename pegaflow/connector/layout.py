@@ -36,6 +36,7 @@ be part of every block's page.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -68,6 +69,7 @@ class PageLayout:
     num_groups: int = 1
     segment_layers: tuple[int, ...] = ()  # index into layer_names of each segment's layer
 
+    @functools.cached_property
     def last_segments(self) -> dict[int, str]:
         """Each layer's last segment -> the layer's name (a load of the layer is issued once
         that segment is)."""

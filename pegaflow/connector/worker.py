@@ -39,16 +39,10 @@ from pegaflow.core.identity import KVIdentity
 logger = logging.getLogger(LOGGER_NAME)
 
 
-def _copy_fns() -> tuple[Any, Any]:
-    from pegaflow.client import load_pages, save_pages
+def _copy_fns() -> tuple[Any, Any, Any]:
+    from pegaflow.client import issue_pages, load_pages, save_pages
 
-    return load_pages, save_pages
-
-
-def _issue_fn() -> Any:
-    from pegaflow.client import issue_pages
-
-    return issue_pages
+    return load_pages, save_pages, issue_pages
 
 
 def stream_for(device: torch.device) -> CopyStream:
@@ -81,7 +75,7 @@ class WorkerSide:
         self._finished_recving: set[str] = set()  # asynchronous loads done (copied or failed)
         self._failed_recving: set[str] = set()  # of those, the ones that failed (several KV cache groups)
         self._failed_reservations: set[int] = set()
-        self._load_pages, self._save_pages = _copy_fns()
+        self._load_pages, self._save_pages, self._issue_pages = _copy_fns()
         # The copy stream (inflight.py): None until register_kv_caches sees the cache's device.
         self.stream: CopyStream | None = stream
         self.inflight = InFlight()
@@ -266,7 +260,7 @@ class WorkerSide:
                     per_layer: bool) -> int:
         stream = self.stream
         assert stream is not None
-        last = layout.last_segments() if per_layer else {}
+        last = layout.last_segments if per_layer else {}
 
         def after_segment(s: int) -> None:
             if s in last:
@@ -274,7 +268,7 @@ class WorkerSide:
 
         stream.after_compute()  # the blocks written may still be read by queued work
         with stream.issuing():
-            return _issue_fn()(layout.segments, block_ids, pool, offsets, False, layout.groups,
+            return self._issue_pages(layout.segments, block_ids, pool, offsets, False, layout.groups,
                                after_segment if per_layer else None)
 
     def wait_for_layer(self, layer_name: str) -> None:
@@ -322,7 +316,7 @@ class WorkerSide:
         gathered: list[Event] = []
         stream.after_compute()
         with stream.issuing():
-            nbytes = _issue_fn()(layout.segments, block_ids, pool, offsets, True, layout.groups,
+            nbytes = self._issue_pages(layout.segments, block_ids, pool, offsets, True, layout.groups,
                                  after_gather=lambda: gathered.append(stream.record()))
         if gathered:
             stream.compute_waits(gathered[-1])

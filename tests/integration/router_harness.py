@@ -32,13 +32,13 @@ def wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float
         time.sleep(0.1)
 
 
-
 def metric_sum(text: str, name: str, **labels: str) -> float:
     """The sum of a Prometheus page's samples named ``name`` whose labels include ``labels``."""
     from prometheus_client.parser import text_string_to_metric_families
 
     return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
 
 class Proc:
     def __init__(self, cmd: list[str], log: Path, health: str | None) -> None:
