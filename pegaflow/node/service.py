@@ -6,6 +6,14 @@ call it: gRPC through the ``PegaNode`` servicer methods below, and the local fas
 The :func:`rpc` wrapper is the one place that times a call (per transport) and turns
 :class:`PegaError` into a status code, so both transports answer alike.
 
+Handlers are plain functions, not coroutines: every RPC but a Query that must ask the
+metaserver completes without waiting for anything, so the local transport answers in the
+event-loop callback that read the request, without a task per frame (measured on a 2-core
+host: 10-15% less node CPU per Query+Release and Reserve+Commit pair than ``async def``
+handlers behind asyncio streams, three interleaved runs of 6,000 pairs). A handler that
+does have to wait returns an awaitable instead of the response (:data:`Answer`); the
+transport awaits it.
+
 Handlers run on the node's asyncio loop and are the only callers of :class:`BlockIndex`
 and :class:`Sessions`, so no locks are needed. Every handler validates its request before
 touching state: a bad request gets INVALID_ARGUMENT and changes nothing.
@@ -15,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeVar
@@ -32,7 +41,7 @@ from pegaflow.core.recent import RecentKeys
 from pegaflow.node.block_events import BlockEventFeed
 from pegaflow.node.metrics import NodeMetrics
 from pegaflow.node.requests import SEEN_REQUESTS
-from pegaflow.node.sessions import Sessions
+from pegaflow.node.sessions import Session, Sessions
 
 log = structlog.get_logger("pegaflow.node")
 # A client can send any number of bad requests: one line per method, transport and 10 s.
@@ -46,7 +55,8 @@ GRPC = "grpc"
 LOCAL = "local"
 
 Resp = TypeVar("Resp")
-Handler = Callable[[Any, str], Awaitable[Any]]  # (request, transport) -> response
+Answer = Any  # a response message, or an awaitable of one (a handler that had to wait)
+Handler = Callable[[Any, str], Answer]  # (request, transport) -> Answer
 
 
 class RpcStatus(Exception):
@@ -58,29 +68,62 @@ class RpcStatus(Exception):
         self.message = message
 
 
-def rpc(method: str) -> Callable[[Callable[[Any, Any], Awaitable[Resp]]], Callable[[Any, Any, str], Awaitable[Resp]]]:
-    """Time a call by method, status and transport, and turn :class:`PegaError` into its
-    status code (one place); the wrapped ``fn(self, request)`` raises ``RpcStatus`` on failure."""
+class _Timer:
+    """Per-(method, status, transport) histogram children, looked up once: ``labels()``
+    costs a lock and a tuple per call, on every RPC."""
 
-    def wrap(fn: Callable[[Any, Any], Awaitable[Resp]]) -> Callable[[Any, Any, str], Awaitable[Resp]]:
-        @functools.wraps(fn)
-        async def handler(self: NodeService, request: Any, transport: str) -> Resp:
-            t0 = time.perf_counter()
-            status = "OK"
-            try:
-                return await fn(self, request)
-            except PegaError as exc:
+    def __init__(self, metrics: NodeMetrics, method: str) -> None:
+        self.metrics = metrics
+        self.method = method
+        self.children: dict[tuple[str, str], Any] = {}
+
+    def observe(self, status: str, transport: str, seconds: float) -> None:
+        child = self.children.get((status, transport))
+        if child is None:
+            child = self.children[(status, transport)] = self.metrics.rpc_latency.labels(self.method, status, transport)
+        child.observe(seconds)
+
+
+def rpc(method: str) -> Callable[[Callable[[Any, Any], Answer]], Callable[[Any, Any, str], Answer]]:
+    """Time a call by method, status and transport, and turn :class:`PegaError` into its
+    status code (one place). The wrapped ``fn(self, request)`` returns the response, or an
+    awaitable of it when it has to wait; either way, failures become ``RpcStatus`` (raised
+    at once, or by the awaitable)."""
+
+    def wrap(fn: Callable[[Any, Any], Answer]) -> Callable[[Any, Any, str], Answer]:
+        def failed(self: NodeService, exc: Exception, transport: str) -> RpcStatus:
+            if isinstance(exc, PegaError):
                 code = grpc_code(exc)
-                status = code.name
                 if code is grpc.StatusCode.INVALID_ARGUMENT:
                     invalid_requests.note(method, transport, method=method, transport=transport, error=str(exc))
-                raise RpcStatus(code, str(exc)) from None
+                return RpcStatus(code, str(exc))
+            log.error("rpc_failed", method=method, transport=transport, exc_info=exc)
+            return RpcStatus(grpc.StatusCode.INTERNAL, f"internal error: {exc!r}")
+
+        async def finish(self: NodeService, answer: Awaitable[Resp], transport: str, t0: float) -> Resp:
+            status = "OK"
+            try:
+                return await answer
             except Exception as exc:
-                status = "INTERNAL"
-                log.exception("rpc_failed", method=method, transport=transport)
-                raise RpcStatus(grpc.StatusCode.INTERNAL, f"internal error: {exc!r}") from None
+                st = failed(self, exc, transport)
+                status = st.code.name
+                raise st from None
             finally:
-                self.metrics.rpc_latency.labels(method, status, transport).observe(time.perf_counter() - t0)
+                self._timer(method).observe(status, transport, time.perf_counter() - t0)
+
+        @functools.wraps(fn)
+        def handler(self: NodeService, request: Any, transport: str) -> Answer:
+            t0 = time.perf_counter()
+            try:
+                answer = fn(self, request)
+            except Exception as exc:
+                st = failed(self, exc, transport)
+                self._timer(method).observe(st.code.name, transport, time.perf_counter() - t0)
+                raise st from None
+            if inspect.isawaitable(answer):
+                return finish(self, answer, transport, t0)
+            self._timer(method).observe("OK", transport, time.perf_counter() - t0)
+            return answer
 
         return handler
 
@@ -89,7 +132,8 @@ def rpc(method: str) -> Callable[[Callable[[Any, Any], Awaitable[Resp]]], Callab
 
 async def _over_grpc(handler: Handler, request: Any, context: grpc.aio.ServicerContext) -> Any:
     try:
-        return await handler(request, GRPC)
+        answer = handler(request, GRPC)
+        return (await answer) if inspect.isawaitable(answer) else answer
     except RpcStatus as st:
         await context.abort(st.code, st.message)
 
@@ -186,10 +230,17 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         self.pool_prefaulted = pool_prefaulted or (lambda: pool_bytes)  # bytes pre-faulted so far
         self.block_events = block_events  # evictions etc. for sessions that watch them
         self.local_socket = ""  # path of the local fast path announced at Register (set once it listens)
+        self._timers: dict[str, _Timer] = {}
         # Wire method number -> (request type, handler) for pegaflow.node.transports.unix_socket.
         self.local_methods: dict[int, tuple[type, Handler]] = {
             mid: (req_type, getattr(self, name.lower())) for mid, (name, req_type, _) in LOCAL_METHODS.items()
         }
+
+    def _timer(self, method: str) -> _Timer:
+        t = self._timers.get(method)
+        if t is None:
+            t = self._timers[method] = _Timer(self.metrics, method)
+        return t
 
     # ---- gRPC servicer: every unary method is the transport-neutral one above/below -------
     async def Register(self, request: node_pb2.RegisterRequest, context: Any) -> node_pb2.RegisterResponse:
@@ -218,7 +269,7 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
 
     # ---- sessions ---------------------------------------------------------------------
     @rpc("Register")
-    async def register(self, request: node_pb2.RegisterRequest) -> node_pb2.RegisterResponse:
+    def register(self, request: node_pb2.RegisterRequest) -> node_pb2.RegisterResponse:
         if not request.namespaces:
             raise InvalidArgument("register needs at least one namespace")
         if len(request.instance_id.encode()) > MAX_NAME:
@@ -278,7 +329,7 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
 
     # ---- reads ------------------------------------------------------------------------
     @rpc("Query")
-    async def query(self, request: node_pb2.QueryRequest) -> node_pb2.QueryResponse:
+    def query(self, request: node_pb2.QueryRequest) -> Answer:
         s = self.sessions.get(request.session_id)
         if not request.namespaces:
             raise InvalidArgument("query needs at least one namespace")
@@ -311,16 +362,27 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
             return node_pb2.QueryResponse(status=node_pb2.LOADING, hit_blocks=hit,
                                           loading_from=node_pb2.LOADING_FROM_SSD, expected_blocks=expected)
         if self.remote is not None and hit < len(hashes):
-            if await self.remote.query(nss, hashes, hit):
-                self.metrics.queries.labels("loading").inc()
-                if self.accounting is not None:
-                    self.accounting.loading(_request_key(s.id, request.req_id), hit, "remote")
-                return node_pb2.QueryResponse(status=node_pb2.LOADING, hit_blocks=hit,
-                                              loading_from=node_pb2.LOADING_FROM_PEER,
-                                              expected_blocks=self.remote.expected(nss, hashes, hit))
-            # The metaserver lookup awaited: blocks may have come or gone meanwhile.
-            per_ns = [self.index.prefix(ns, hashes, touch=False) for ns in nss]
-            hit = min(len(p) for p in per_ns)
+            return self._query_peers(s, request, nss, hashes, hit)  # the one path that waits
+        return self._answer(s, request, nss, hashes, per_ns, hit)
+
+    async def _query_peers(self, s: Session, request: node_pb2.QueryRequest, nss: list[Namespace],
+                           hashes: list[bytes], hit: int) -> node_pb2.QueryResponse:
+        """A local miss on a node with peers: ask the metaserver (awaited), then answer."""
+        assert self.remote is not None
+        if await self.remote.query(nss, hashes, hit):
+            self.metrics.queries.labels("loading").inc()
+            if self.accounting is not None:
+                self.accounting.loading(_request_key(s.id, request.req_id), hit, "remote")
+            return node_pb2.QueryResponse(status=node_pb2.LOADING, hit_blocks=hit,
+                                          loading_from=node_pb2.LOADING_FROM_PEER,
+                                          expected_blocks=self.remote.expected(nss, hashes, hit))
+        # The metaserver lookup awaited: blocks may have come or gone meanwhile.
+        per_ns = [self.index.prefix(ns, hashes, touch=False) for ns in nss]
+        return self._answer(s, request, nss, hashes, per_ns, min(len(p) for p in per_ns))
+
+    def _answer(self, s: Session, request: node_pb2.QueryRequest, nss: list[Namespace], hashes: list[bytes],
+                per_ns: list[list[Block]], hit: int) -> node_pb2.QueryResponse:
+        """READY with the first ``hit`` blocks of each namespace (leased if asked), counted."""
         pages = [node_pb2.NamespaceOffsets(namespace=ns.name, offsets=[b.offset for b in p[:hit]])
                  for ns, p in zip(nss, per_ns, strict=True)]
         lease_id = 0
@@ -346,14 +408,14 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         return not key or not self._queried.seen(key)
 
     @rpc("Release")
-    async def release(self, request: node_pb2.ReleaseRequest) -> node_pb2.ReleaseResponse:
+    def release(self, request: node_pb2.ReleaseRequest) -> node_pb2.ReleaseResponse:
         s = self.sessions.get(request.session_id)
         self.sessions.release(s, request.lease_id)
         return node_pb2.ReleaseResponse()
 
     # ---- writes -----------------------------------------------------------------------
     @rpc("Reserve")
-    async def reserve(self, request: node_pb2.ReserveRequest) -> node_pb2.ReserveResponse:
+    def reserve(self, request: node_pb2.ReserveRequest) -> node_pb2.ReserveResponse:
         s = self.sessions.get(request.session_id)
         hashes = list(request.hashes)
         check_hashes(hashes, self.max_batch)
@@ -377,7 +439,7 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
             self.metrics.reserve_skipped.labels("no_space" if full else "in_flight").inc(other)
 
     @rpc("Commit")
-    async def commit(self, request: node_pb2.CommitRequest) -> node_pb2.CommitResponse:
+    def commit(self, request: node_pb2.CommitRequest) -> node_pb2.CommitResponse:
         s = self.sessions.get(request.session_id)
         res = s.reservations.get(request.reservation_id)
         page = res.ns.page_bytes if res is not None else 0
@@ -386,7 +448,7 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         return node_pb2.CommitResponse(committed=n)
 
     @rpc("Reset")
-    async def reset(self, request: node_pb2.ResetRequest) -> node_pb2.ResetResponse:
+    def reset(self, request: node_pb2.ResetRequest) -> node_pb2.ResetResponse:
         s = self.sessions.get(request.session_id)
         if not request.namespaces:
             raise InvalidArgument("reset needs at least one namespace")
@@ -405,12 +467,12 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
 
     # ---- introspection ----------------------------------------------------------------
     @rpc("Health")
-    async def health(self, request: node_pb2.HealthRequest) -> node_pb2.HealthResponse:
+    def health(self, request: node_pb2.HealthRequest) -> node_pb2.HealthResponse:
         return node_pb2.HealthResponse(ok=True, node_id=self.node_id, epoch=self.epoch, pool_bytes=self.pool_bytes,
                                        pool_prefaulted_bytes=self.pool_prefaulted())
 
     @rpc("Stats")
-    async def stats(self, request: node_pb2.StatsRequest) -> node_pb2.StatsResponse:
+    def stats(self, request: node_pb2.StatsRequest) -> node_pb2.StatsResponse:
         idx = self.index
         return node_pb2.StatsResponse(
             pool_bytes=self.pool_bytes,

@@ -10,6 +10,11 @@ Contracts:
 - The handlers are :class:`NodeService`'s own (``service.local_methods``), run on the
   node's loop like gRPC's: same validation, same status codes, same metrics (labelled
   ``transport="local"``). Frames of one connection are served one at a time, in order.
+- A connection is an ``asyncio.Protocol``: a frame is answered inside the callback that
+  received it, when its handler does not wait (all but a Query that asks the metaserver);
+  one that waits stops that connection's reading until its answer is sent. Replies past
+  the transport's high-water mark (a client that sends without reading) stop the reading
+  too, until the buffer drains.
 - The socket file has mode 0600 (like the pool) from the moment it appears: it is bound
   under a temporary name, chmod-ed, then renamed into place, which also replaces a stale
   socket left by a killed node. A path that a live process serves is a start-up error.
@@ -25,10 +30,12 @@ from __future__ import annotations
 import asyncio
 import errno
 import hmac
+import inspect
 import os
 import socket
 import stat
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
+from typing import Any
 
 import structlog
 from google.protobuf.message import DecodeError
@@ -94,7 +101,7 @@ class LocalServer:
         self.path = path
         self._server: asyncio.AbstractServer | None = None
         self._inode = 0
-        self._writers: set[asyncio.StreamWriter] = set()
+        self._connections: set[_Connection] = set()
 
     async def start(self) -> None:
         _claim(self.path)
@@ -117,15 +124,16 @@ class LocalServer:
                 pass
             raise LocalSocketError(f"cannot listen on --local-socket {self.path}: {exc.strerror}") from None
         self._inode = os.stat(self.path).st_ino
-        self._server = await asyncio.start_unix_server(self._serve, sock=sock, limit=1 << 20)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_unix_server(lambda: _Connection(self), sock=sock)
         log.info("local_socket_listening", path=self.path)
 
     async def close(self) -> None:
         if self._server is None:
             return
         self._server.close()
-        for w in list(self._writers):
-            w.close()
+        for c in list(self._connections):
+            c.close()
         await self._server.wait_closed()
         self._server = None
         try:
@@ -134,77 +142,144 @@ class LocalServer:
         except FileNotFoundError:
             pass
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._writers.add(writer)
-        methods = self.service.local_methods
-        authenticated = not self.token
+
+
+class _Connection(asyncio.Protocol):
+    """One engine connection: frames parsed from a buffer and answered in order."""
+
+    def __init__(self, server: LocalServer) -> None:
+        self.server = server
+        self.methods = server.service.local_methods
+        self.authenticated = not server.token
+        self.buf = bytearray()
+        self.transport: asyncio.Transport | None = None
+        self.waiting = False  # a handler's answer is being awaited: later frames wait
+        self.write_paused = False  # the reply buffer is past its high-water mark
+        self.eof = False  # the engine shut its sending side: close once what it sent is served
+
+    # ---- asyncio.Protocol --------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.server._connections.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        # The engine went away; its session stream tells the node.
+        self.server._connections.discard(self)
+        self.transport = None
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        self._serve()
+
+    def eof_received(self) -> bool:
+        self.eof = True
+        if self.waiting or self.write_paused:
+            return True  # keep the connection until the frames already received are served
+        self._end_of_input()
+        return False
+
+    def _end_of_input(self) -> None:
+        if self.buf:
+            rejected.note("truncated frame", reason="truncated frame", length=len(self.buf))
+        self.close()
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        if self.transport is not None and not self.waiting:
+            self.transport.resume_reading()
+            self._serve()
+            if self.eof and not self.waiting and not self.write_paused:
+                self._end_of_input()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    # ---- frames -------------------------------------------------------------------------
+    def _serve(self) -> None:
+        """Answer every complete frame in the buffer, unless a reply must be waited for."""
+        buf = self.buf
+        while not self.waiting and not self.write_paused and self.transport is not None:
+            if len(buf) < REQUEST_HEADER.size:
+                return
+            length, method, flags = REQUEST_HEADER.unpack_from(buf)
+            if length > MAX_FRAME:
+                return self._reject("too long", length=length, max=MAX_FRAME)
+            if method == HELLO and length > MAX_HELLO:
+                return self._reject("hello too long", length=length)
+            if method != HELLO:
+                if not self.authenticated:
+                    return self._refuse("no token presented")
+                if method not in self.methods:
+                    return self._reject("unknown method", method=method)
+            end = REQUEST_HEADER.size + length
+            if len(buf) < end:
+                return
+            payload = bytes(buf[REQUEST_HEADER.size:end])
+            del buf[:end]
+            if method == HELLO:
+                if self.server.token and not hmac.compare_digest(payload, self.server.token.encode()):
+                    return self._refuse("wrong token")
+                self.authenticated = True
+                self.transport.write(REPLY_HEADER.pack(0, 0))
+                continue
+            req_type, handler = self.methods[method]
+            try:
+                request = req_type.FromString(payload)
+            except DecodeError as exc:
+                return self._reject("undecodable payload", method=method, error=str(exc))
+            try:
+                answer = handler(request, LOCAL)
+            except RpcStatus as st:
+                self._failed(st, flags, req_type)
+                continue
+            if inspect.isawaitable(answer):
+                self.waiting = True
+                self.transport.pause_reading()
+                asyncio.ensure_future(self._finish(answer, flags, req_type))
+                return
+            self._reply(answer, flags)
+
+    async def _finish(self, answer: Awaitable[Any], flags: int, req_type: type) -> None:
         try:
-            while True:
-                try:
-                    header = await reader.readexactly(REQUEST_HEADER.size)
-                except asyncio.IncompleteReadError as exc:
-                    if exc.partial:
-                        rejected.note("truncated header", reason="truncated header")
-                    return
-                length, method, flags = REQUEST_HEADER.unpack(header)
-                if length > MAX_FRAME:
-                    rejected.note("too long", reason="too long", length=length, max=MAX_FRAME)
-                    return
-                if method == HELLO:
-                    if length > MAX_HELLO:
-                        rejected.note("hello too long", reason="hello too long", length=length)
-                        return
-                    try:
-                        presented = await reader.readexactly(length)
-                    except asyncio.IncompleteReadError:
-                        rejected.note("truncated hello", reason="truncated hello", length=length)
-                        return
-                    if self.token and not hmac.compare_digest(presented, self.token.encode()):
-                        await _refuse(writer, "wrong token")
-                        return
-                    authenticated = True
-                    writer.write(REPLY_HEADER.pack(0, 0))
-                    await writer.drain()
-                    continue
-                if not authenticated:
-                    await _refuse(writer, "no token presented")
-                    return
-                entry = methods.get(method)
-                if entry is None:
-                    rejected.note("unknown method", reason="unknown method", method=method)
-                    return
-                try:
-                    payload = await reader.readexactly(length)
-                except asyncio.IncompleteReadError:
-                    rejected.note("truncated payload", reason="truncated payload", length=length)
-                    return
-                req_type, handler = entry
-                try:
-                    request = req_type.FromString(payload)
-                except DecodeError as exc:
-                    rejected.note("undecodable payload", reason="undecodable payload", method=method, error=str(exc))
-                    return
-                try:
-                    body = (await handler(request, LOCAL)).SerializeToString()
-                    status = 0
-                except RpcStatus as st:
-                    if flags & NO_REPLY:  # nobody reads the answer: the log is the only trace
-                        log.warning("local_no_reply_call_failed", method=req_type.__name__,
-                                    code=st.code.name, error=st.message)
-                        continue
-                    body, status = st.message.encode(), st.code.value[0]
-                if not flags & NO_REPLY:
-                    writer.write(REPLY_HEADER.pack(len(body), status) + body)
-                    await writer.drain()  # immediate below the high-water mark
-        except (ConnectionError, OSError, asyncio.IncompleteReadError):
-            pass  # the engine went away; its session stream tells the node
+            self._reply(await answer, flags)
+        except RpcStatus as st:
+            self._failed(st, flags, req_type)
         finally:
-            self._writers.discard(writer)
-            writer.close()
+            self.waiting = False
+        if self.transport is not None and not self.write_paused:
+            self.transport.resume_reading()
+            self._serve()
+            if self.eof and not self.waiting:
+                self._end_of_input()
 
+    def _reply(self, response: Any, flags: int) -> None:
+        if flags & NO_REPLY or self.transport is None:
+            return
+        body = response.SerializeToString()
+        self.transport.write(REPLY_HEADER.pack(len(body), 0) + body)
 
-async def _refuse(writer: asyncio.StreamWriter, reason: str) -> None:
-    """Answer UNAUTHENTICATED (the caller then closes the connection)."""
-    rejected.note(reason, reason=reason)
-    writer.write(REPLY_HEADER.pack(len(UNAUTHENTICATED_MSG), UNAUTHENTICATED) + UNAUTHENTICATED_MSG)
-    await writer.drain()
+    def _failed(self, st: RpcStatus, flags: int, req_type: type) -> None:
+        if flags & NO_REPLY:  # nobody reads the answer: the log is the only trace
+            log.warning("local_no_reply_call_failed", method=req_type.__name__, code=st.code.name, error=st.message)
+            return
+        if self.transport is not None:
+            body = st.message.encode()
+            self.transport.write(REPLY_HEADER.pack(len(body), st.code.value[0]) + body)
+
+    def _reject(self, reason: str, **fields: Any) -> None:
+        """A malformed frame: one rate-limited log line, and the connection is closed."""
+        rejected.note(reason, reason=reason, **fields)
+        self.close()
+
+    def _refuse(self, reason: str) -> None:
+        """Answer UNAUTHENTICATED and close."""
+        rejected.note(reason, reason=reason)
+        if self.transport is not None:
+            self.transport.write(REPLY_HEADER.pack(len(UNAUTHENTICATED_MSG), UNAUTHENTICATED) + UNAUTHENTICATED_MSG)
+        self.close()
