@@ -22,10 +22,15 @@ with CUDA (``pegaflow.client.cuda``).
 Which native kernel copies is measured, not assumed: glibc memcpy, non-temporal stores,
 and each of them on two threads win or lose by host (on two machines of the same kind the
 winner differed). The first copies of at least ``CALIBRATE_MIN_BYTES`` in each direction
-rotate through the candidates (every candidate copies the same bytes correctly, so this
-costs nothing but the slower ones' time), and after ``CALIBRATE_SAMPLES`` each the one
-with the best median GB/s is kept for the life of the process. The choice is logged
-(``copy_kernel_chosen``) and exported as ``pegaflow_client_copy_kernel`` /
+rotate through the candidates, the likeliest winners first (every candidate copies the
+same bytes correctly, so this costs nothing but the slower ones' time). After one copy
+each, a candidate below ``PRUNE_BELOW`` of the best is dropped, and once the rest have
+``CALIBRATE_SAMPLES`` copies each, the one with the best median GB/s is kept for the life of
+the process: a short-lived engine (a restart, a benchmark) spends few of its copies on
+kernels that lose. Real copies are the samples because repeating one copy to measure
+would not do: its second pass reads from cache (measured: a one-thread kernel beat the
+two-thread one that way, and then ran the real loads at half the speed). The choice is
+logged (``copy_kernel_chosen``) and exported as ``pegaflow_client_copy_kernel`` /
 ``pegaflow_client_copy_calibration_gbps``; ``PEGAFLOW_COPY_KERNEL`` forces one.
 """
 
@@ -68,6 +73,7 @@ except (OSError, AttributeError):  # pragma: no cover - a build without a compil
 
 CALIBRATE_MIN_BYTES = 1 << 20  # smaller copies say more about call overhead than bandwidth
 CALIBRATE_SAMPLES = 3  # per candidate; the median of three survives one disturbed copy
+PRUNE_BELOW = 0.7  # after one copy each, candidates slower than this fraction of the best stop
 ENV_KERNEL = "PEGAFLOW_COPY_KERNEL"
 
 _KERNEL_MEMCPY, _KERNEL_NT = 0, 1  # pagecopy.c's PF_KERNEL_*
@@ -110,9 +116,17 @@ def candidates() -> list[Kernel]:
     return one + two
 
 
+def _likeliest_first(k: Kernel) -> tuple[bool, bool]:
+    """Rotation order: non-temporal before memcpy, two threads before one (what won on the
+    hosts measured so far, docs/benchmarks.md), so the first copies use the likely winners."""
+    return (k.code != _KERNEL_NT, k.threads == 1)
+
+
 @dataclass
 class KernelChoice:
-    """Measures the candidates on one direction's first large copies, then keeps the fastest."""
+    """Measures the candidates on one direction's first large copies, then keeps the fastest.
+    Copies too small to measure, and copies before a choice that are not measured, use
+    ``kernels[0]``."""
 
     direction: str
     kernels: list[Kernel]
@@ -120,10 +134,13 @@ class KernelChoice:
     forced: Kernel | None = None
     samples: dict[str, list[float]] = field(default_factory=dict)
     chosen: Kernel | None = None
+    _live: list[Kernel] = field(default_factory=list)  # still being measured, in rotation order
+    _pruned: bool = False
     _next: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
+        self._live = sorted(self.kernels, key=_likeliest_first)
         if self.forced is not None:
             self._choose(self.forced, forced=True)
 
@@ -137,22 +154,28 @@ class KernelChoice:
             # then (measured: 6.5 vs 15 GB/s for them) would hold for the process's life.
             return self.kernels[0], False
         with self._lock:
-            k = self.kernels[self._next % len(self.kernels)]
+            k = self._live[self._next % len(self._live)]
             self._next += 1
         return k, True
 
     def report(self, kernel: Kernel, nbytes: int, seconds: float) -> None:
         with self._lock:
-            if self.chosen is not None:
+            if self.chosen is not None or kernel not in self._live:
                 return
             self.samples.setdefault(kernel.name, []).append(nbytes / max(seconds, 1e-9) / 1e9)
-            if any(len(self.samples.get(k.name, ())) < CALIBRATE_SAMPLES for k in self.kernels):
+            taken = [len(self.samples.get(k.name, ())) for k in self._live]
+            if not self._pruned and min(taken) >= 1:
+                best = max(self.samples[k.name][0] for k in self._live)
+                self._live = [k for k in self._live if self.samples[k.name][0] >= PRUNE_BELOW * best]
+                self._pruned, self._next = True, 0
+                taken = [len(self.samples[k.name]) for k in self._live]
+            if min(taken) < CALIBRATE_SAMPLES:
                 return
-            medians = {k.name: statistics.median(self.samples[k.name]) for k in self.kernels}
-            best = max(self.kernels, key=lambda k: medians[k.name])
+            medians = {name: statistics.median(xs) for name, xs in self.samples.items()}
             for name, gbps in medians.items():
                 self.metrics.calibration_gbps.labels(self.direction, name).set(gbps)
-            self._choose(best, forced=False, gbps={n: round(g, 2) for n, g in medians.items()})
+            best_kernel = max(self._live, key=lambda k: medians[k.name])
+            self._choose(best_kernel, forced=False, gbps={n: round(g, 2) for n, g in medians.items()})
 
     def _choose(self, kernel: Kernel, forced: bool, gbps: dict[str, float] | None = None) -> None:
         self.chosen = kernel

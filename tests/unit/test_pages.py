@@ -145,9 +145,12 @@ def test_the_first_large_copies_measure_every_candidate_and_keep_one(fresh_choic
     pb = page_bytes(src)
     n = max(1, pages.CALIBRATE_MIN_BYTES // pb)
     pool = torch.zeros(pb * n, dtype=torch.uint8)
-    for _ in range(pages.CALIBRATE_SAMPLES * len(ks)):
-        assert pages.copy_kernels().get("save") is None  # still measuring
+    copies = 0
+    while pages.copy_kernels().get("save") is None:
+        assert copies < pages.CALIBRATE_SAMPLES * len(ks), "no kernel chosen after every candidate's samples"
         save_pages(src, list(range(n)), pool, [i * pb for i in range(n)])
+        copies += 1
+    assert copies >= len(ks)  # one copy each at least
     chosen = pages.copy_kernels()["save"]
     assert chosen in {k.name for k in ks}
     for k in ks:  # every candidate was measured and exported; exactly one is marked chosen
@@ -166,14 +169,35 @@ def test_choice_keeps_the_best_median_and_ignores_small_copies():
     c = pages.KernelChoice("save", [a, b], pages.CopyMetrics(CollectorRegistry()))
     assert c.pick(pages.CALIBRATE_MIN_BYTES - 1) == (a, False)  # not timed, nothing rotates
     order = [c.pick(pages.CALIBRATE_MIN_BYTES)[0] for _ in range(4)]
-    assert order == [a, b, a, b]
-    # a: 1, 1, 9 GB/s (one lucky copy); b: 2, 2, 2 -> b has the better median
-    for k, gbps in ((a, 1), (b, 2), (a, 1), (b, 2), (a, 9)):
+    assert order == [b, a, b, a]  # likeliest first: non-temporal (code 1) before memcpy
+    # a: 1.5, 1, 9 GB/s (one lucky copy); b: 2, 2, 2 -> b has the better median
+    for k, gbps in ((a, 1.5), (b, 2), (a, 1), (b, 2), (a, 9)):
         c.report(k, 10**9, 1 / gbps)
     assert c.chosen is None
     c.report(b, 10**9, 1 / 2)
     assert c.chosen == b
     assert c.pick(10**9) == (b, False)
+
+
+def test_candidates_far_behind_after_one_copy_are_not_tried_again():
+    from prometheus_client import CollectorRegistry
+
+    reg = CollectorRegistry()
+    fast, slow, close = pages.Kernel("nt-2t", 1, 2), pages.Kernel("memcpy", 0, 1), pages.Kernel("nt", 1, 1)
+    c = pages.KernelChoice("load", [slow, close, fast], pages.CopyMetrics(reg))
+    first = [c.pick(pages.CALIBRATE_MIN_BYTES)[0] for _ in range(3)]
+    assert first == [fast, close, slow]
+    speed = {fast: 10.0, close: 8.0, slow: 10.0 * pages.PRUNE_BELOW - 1}
+    for k in first:
+        c.report(k, 10**9, 1 / speed[k])
+    rest = [c.pick(pages.CALIBRATE_MIN_BYTES)[0] for _ in range(2 * (pages.CALIBRATE_SAMPLES - 1))]
+    assert slow not in rest and set(rest) == {fast, close}
+    for k in rest:
+        c.report(k, 10**9, 1 / speed[k])
+    assert c.chosen == fast
+    # the dropped candidate's one measurement is still exported
+    assert reg.get_sample_value("pegaflow_client_copy_calibration_gbps",
+                                {"direction": "load", "kernel": "memcpy"}) == pytest.approx(speed[slow])
 
 
 def test_an_unknown_forced_kernel_is_a_one_line_error(fresh_choice, monkeypatch):
