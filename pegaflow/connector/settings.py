@@ -54,7 +54,7 @@ SETTINGS: tuple[Setting, ...] = (
             "on different hosts.", default_is_value=False),
     Setting(None, "PEGAFLOW_COPY_KERNEL", "measured",
             "Force the page-copy kernel (`memcpy`, `nt-avx2`, `nt-sse2`, a `-2t` suffix for two "
-            "threads) instead of measuring the candidates on the first large copy.", default_is_value=False),
+            "threads) instead of measuring the candidates on the first large copies.", default_is_value=False),
 )
 
 _TRUE = {"1", "true", "yes", "on"}
