@@ -102,8 +102,9 @@ class Kernel:
     threads: int
 
 
-def candidates() -> list[Kernel]:
-    """The kernels this build and host can run (two-thread ones only with a second CPU)."""
+def kernels() -> list[Kernel]:
+    """Every kernel this build and host can run (two-thread ones only with a second CPU);
+    the first, glibc memcpy on one thread, copies what is too small to measure."""
     if _native is None:
         return []
     have = _native.pf_kernels()
@@ -116,6 +117,18 @@ def candidates() -> list[Kernel]:
     return one + two
 
 
+def candidates() -> list[Kernel]:
+    """The kernels a process measures. One-thread memcpy is left out beside a non-temporal
+    kernel and a second CPU: it lost to the one-thread non-temporal kernel on every host
+    measured (1.3-2.5x, docs/benchmarks.md) and to its own two-thread form, and measuring
+    it cost a short-lived engine one of its first large copies at half speed. It is still
+    there to force (``PEGAFLOW_COPY_KERNEL=memcpy``) and copies the small pieces."""
+    ks = kernels()
+    if len(ks) == 4:
+        return ks[1:]
+    return ks
+
+
 def _likeliest_first(k: Kernel) -> tuple[bool, bool]:
     """Rotation order: non-temporal before memcpy, two threads before one (what won on the
     hosts measured so far, docs/benchmarks.md), so the first copies use the likely winners."""
@@ -124,14 +137,15 @@ def _likeliest_first(k: Kernel) -> tuple[bool, bool]:
 
 @dataclass
 class KernelChoice:
-    """Measures the candidates on one direction's first large copies, then keeps the fastest.
-    Copies too small to measure, and copies before a choice that are not measured, use
-    ``kernels[0]``."""
+    """Measures the candidates (``kernels``) on one direction's first large copies, then keeps
+    the fastest. Copies too small to measure, and copies made before a choice that are not
+    measured, use ``default`` (the first of ``kernels`` if not given)."""
 
     direction: str
     kernels: list[Kernel]
     metrics: CopyMetrics
     forced: Kernel | None = None
+    default: Kernel | None = None
     samples: dict[str, list[float]] = field(default_factory=dict)
     chosen: Kernel | None = None
     _live: list[Kernel] = field(default_factory=list)  # still being measured, in rotation order
@@ -140,6 +154,8 @@ class KernelChoice:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
+        if self.default is None:
+            self.default = self.kernels[0]
         self._live = sorted(self.kernels, key=_likeliest_first)
         if self.forced is not None:
             self._choose(self.forced, forced=True)
@@ -152,7 +168,8 @@ class KernelChoice:
             # Not while this process populates its pool mapping in the background: that
             # thread takes the second core the two-thread kernels need, and a choice made
             # then (measured: 6.5 vs 15 GB/s for them) would hold for the process's life.
-            return self.kernels[0], False
+            assert self.default is not None
+            return self.default, False
         with self._lock:
             k = self._live[self._next % len(self._live)]
             self._next += 1
@@ -179,7 +196,7 @@ class KernelChoice:
 
     def _choose(self, kernel: Kernel, forced: bool, gbps: dict[str, float] | None = None) -> None:
         self.chosen = kernel
-        for k in self.kernels:
+        for k in {*self.kernels, kernel}:
             self.metrics.kernel.labels(self.direction, k.name).set(1 if k == kernel else 0)
         log.info("copy_kernel_chosen", direction=self.direction, kernel=kernel.name, forced=forced,
                  measured_gbps=gbps)
@@ -209,8 +226,9 @@ def _choice(to_pool: bool) -> KernelChoice:
             if c is None:
                 if _metrics is None:
                     _metrics = CopyMetrics()
-                ks = candidates()
-                c = _choices[to_pool] = KernelChoice("save" if to_pool else "load", ks, _metrics, _forced(ks))
+                every = kernels()
+                c = _choices[to_pool] = KernelChoice("save" if to_pool else "load", candidates(), _metrics,
+                                                     _forced(every), every[0])
     return c
 
 

@@ -121,8 +121,8 @@ def fresh_choice(monkeypatch):
     pages.reset_kernel_choice()
 
 
-@pytest.mark.parametrize("name", [k.name for k in pages.candidates()])
-def test_every_candidate_kernel_round_trips_a_request(name, fresh_choice, monkeypatch):
+@pytest.mark.parametrize("name", [k.name for k in pages.kernels()])
+def test_every_kernel_round_trips_a_request(name, fresh_choice, monkeypatch):
     monkeypatch.setenv(pages.ENV_KERNEL, name)
     src = cpu_layout(blocks=64, layers=4)
     pb = page_bytes(src)
@@ -177,6 +177,20 @@ def test_choice_keeps_the_best_median_and_ignores_small_copies():
     c.report(b, 10**9, 1 / 2)
     assert c.chosen == b
     assert c.pick(10**9) == (b, False)
+
+
+def test_one_thread_memcpy_is_measured_only_without_a_non_temporal_kernel_or_second_cpu():
+    every, measured = pages.kernels(), pages.candidates()
+    names = {k.name for k in every}
+    if len(every) == 4:  # non-temporal stores and a second CPU
+        assert "memcpy" not in {k.name for k in measured} and set(measured) == set(every) - {every[0]}
+    else:
+        assert measured == every
+    assert every[0].name == "memcpy" and every[0].threads == 1 and "memcpy" in names
+    from prometheus_client import CollectorRegistry
+
+    c = pages.KernelChoice("save", measured, pages.CopyMetrics(CollectorRegistry()), default=every[0])
+    assert c.pick(pages.CALIBRATE_MIN_BYTES - 1) == (every[0], False)  # small copies: glibc
 
 
 def test_candidates_far_behind_after_one_copy_are_not_tried_again():
