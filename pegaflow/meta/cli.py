@@ -122,6 +122,9 @@ def serve_forever(r: Client, opts: MetaConfig, security: Security) -> None:
     if warn:
         log.warning("metaserver_exposed_without_token", addr=opts.addr, detail=warn)
     log.info("metaserver started", addr=opts.addr, port=port, consumer=consumer.name)
+    from pegaflow.common.heap import freeze_startup_heap
+
+    freeze_startup_heap()
     stop.wait()
     server.stop(grace=1.0).wait()
     for t in threads:

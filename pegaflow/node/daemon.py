@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 from pegaflow._proto import node_pb2, node_pb2_grpc
 from pegaflow.common import otel
 from pegaflow.common.grpc_guard import AsyncGuard
+from pegaflow.common.heap import freeze_startup_heap
 from pegaflow.common.http import MetricsServer
 from pegaflow.common.security import Security, SecurityError
 from pegaflow.config.commands import NodeConfig
@@ -308,6 +309,8 @@ class Node:
     async def run(self) -> None:
         await self.start()
         assert self.server is not None
+        frozen = freeze_startup_heap()
+        log.debug("startup_heap_frozen", objects=frozen)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
