@@ -118,14 +118,15 @@ def kernels() -> list[Kernel]:
 
 
 def candidates() -> list[Kernel]:
-    """The kernels a process measures. One-thread memcpy is left out beside a non-temporal
-    kernel and a second CPU: it lost to the one-thread non-temporal kernel on every host
-    measured (1.3-2.5x, docs/benchmarks.md) and to its own two-thread form, and measuring
-    it cost a short-lived engine one of its first large copies at half speed. It is still
-    there to force (``PEGAFLOW_COPY_KERNEL=memcpy``) and copies the small pieces."""
+    """The kernels a process measures. One-thread memcpy is left out where a non-temporal
+    kernel exists: it lost to the one-thread non-temporal kernel on every host measured
+    (1.3-2.5x, docs/benchmarks.md; in a vLLM worker pinned to one CPU, 3.7 against 6.5
+    GB/s), and measuring it cost a short-lived engine one of its first large copies at half
+    speed. It is still there to force (``PEGAFLOW_COPY_KERNEL=memcpy``) and copies what is
+    too small to measure. With one candidate left, nothing is measured."""
     ks = kernels()
-    if len(ks) == 4:
-        return ks[1:]
+    if any(k.code == _KERNEL_NT for k in ks):
+        return [k for k in ks if not (k.code == _KERNEL_MEMCPY and k.threads == 1)]
     return ks
 
 
@@ -159,6 +160,8 @@ class KernelChoice:
         self._live = sorted(self.kernels, key=_likeliest_first)
         if self.forced is not None:
             self._choose(self.forced, forced=True)
+        elif len(self.kernels) == 1:
+            self._choose(self.kernels[0], forced=False)
 
     def pick(self, nbytes: int) -> tuple[Kernel, bool]:
         """The kernel for a copy of ``nbytes`` and whether its time should be reported."""
@@ -253,16 +256,20 @@ def reset_kernel_choice() -> None:
 # (MADV_POPULATE_READ, ~33 GB/s; the entries it makes are writable for a shared mapping),
 # while a background thread populates the chunks the node has allocated, front to back.
 POPULATE_CHUNK_SHIFT = 21
+# Copies populate what they touch in these units (256 KiB: a page of a small model; a
+# unit containing a page the node handed out is inside its pre-faulted front, which moves
+# in 64 MiB steps, so populating the whole unit touches nothing the node did not allocate).
+POPULATE_UNIT_SHIFT = 18
 BACKGROUND_CHUNKS = 64  # chunks per background madvise call (128 MiB, ~4 ms here)
 BACKGROUND_GIVE_UP_S = 600.0  # no chunk allocated by the node for this long: stop trying
 
 
 class _Populated:
-    """Which chunks of one lazily mapped pool this process has populated.
+    """Which parts of one lazily mapped pool this process has populated.
 
-    Copies populate the chunks they touch (``ensure``); a low-priority background thread
-    populates the rest, front to back, so that the first pass over the pool does not pay
-    it either (a save into fresh chunks ran ~1 ms slower per 16 MiB request). The thread
+    Copies populate the units they touch (``ensure``); a low-priority background thread
+    populates whole chunks, front to back, so that the first pass over the pool does not
+    pay it either (a save into fresh chunks ran ~1 ms slower per 16 MiB request). The thread
     populates only chunks the node has already allocated (``mincore`` of the chunk's last
     page: the node pre-faults front to back): a page this process faulted first would be
     charged to the engine's memory cgroup, not the node's.
@@ -273,6 +280,8 @@ class _Populated:
         chunks = (size + (1 << POPULATE_CHUNK_SHIFT) - 1) >> POPULATE_CHUNK_SHIFT
         self.done = np.zeros(chunks, dtype=bool)
         self.left = chunks
+        units = (size + (1 << POPULATE_UNIT_SHIFT) - 1) >> POPULATE_UNIT_SHIFT
+        self.units = np.zeros(units, dtype=bool)  # populated by a copy (chunks: ``done``)
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.busy = False
@@ -289,17 +298,28 @@ class _Populated:
             self.left -= int(fresh.size)
 
     def ensure(self, pool_off: np.ndarray, lens: np.ndarray) -> None:
+        """Populate what a copy of these pieces touches and nobody populated yet, by units
+        of ``POPULATE_UNIT_SHIFT``, not whole chunks (measured: 1.0 ms for 64 scattered
+        256 KiB pages against 5.1 ms for their 64 chunks of 2 MiB; a warm engine's first
+        load paid the latter on top of its copy)."""
         if not self.left:
             return
-        first = pool_off >> POPULATE_CHUNK_SHIFT
-        last = (pool_off + lens - 1) >> POPULATE_CHUNK_SHIFT
-        if int((last - first).max()) <= 1:
-            chunks = np.unique(np.concatenate((first, last)))
-        else:  # pieces larger than a chunk
-            chunks = np.unique(np.concatenate([np.arange(a, b + 1) for a, b in zip(first, last, strict=True)]))
-        todo = chunks[~self.done[chunks]]
-        for run in np.split(todo, np.flatnonzero(np.diff(todo) != 1) + 1) if todo.size else ():
-            self._populate(int(run[0]), len(run))
+        ends = pool_off + lens - 1
+        u0, u1 = pool_off >> POPULATE_UNIT_SHIFT, ends >> POPULATE_UNIT_SHIFT
+        c0, c1 = pool_off >> POPULATE_CHUNK_SHIFT, ends >> POPULATE_CHUNK_SHIFT
+        need = ~((self.done[c0] | self.units[u0]) & (self.done[c1] | self.units[u1]))
+        if not need.any():
+            return
+        first, count = u0[need], u1[need] - u0[need] + 1  # every unit of each piece
+        skip = np.repeat(np.cumsum(count) - count, count)
+        todo = np.unique(np.repeat(first, count) + (np.arange(int(count.sum())) - skip))
+        # Runs of adjacent units (a page's segments lie back to back) -> one call each.
+        for run in np.split(todo, np.flatnonzero(np.diff(todo) != 1) + 1):
+            start = int(run[0]) << POPULATE_UNIT_SHIFT
+            n = min(len(run) << POPULATE_UNIT_SHIFT, self.size - start)
+            # A failure (kernel < 5.14) only means the copy takes the page faults itself.
+            madvise(self.base + start, n, MADV_POPULATE_READ)
+            self.units[run] = True
 
     def _allocated(self, chunk_end: int) -> bool:
         """The node has allocated chunks ``[0, chunk_end)``: the last page is resident
