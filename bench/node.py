@@ -46,6 +46,28 @@ def memcpy_gbps(nbytes: int, rounds: int) -> float:
 
 
 
+IDLE_GAPS_MS = (0, 2, 10)  # the client busy (as while it copies) for this long before the call
+
+
+def wake_latency(c: PegaClient, ns: str, n: int = 200) -> dict[str, float]:
+    """p50 of a one-block Query without a lease right after the client kept its CPU busy
+    for each of ``IDLE_GAPS_MS`` (the node idle meanwhile): what an RPC after a copy costs
+    on this host beyond the node's own work (waking an idle CPU and a cold process)."""
+    out = {}
+    h = [os.urandom(16)]
+    for gap in IDLE_GAPS_MS:
+        lat = []
+        for _ in range(n):
+            t = time.perf_counter()
+            while time.perf_counter() - t < gap / 1e3:
+                pass
+            t = time.perf_counter()
+            c.query([ns], h, lease=False)
+            lat.append(time.perf_counter() - t)
+        out[f"{gap}ms"] = statistics.median(lat) * 1e6
+    return out
+
+
 def run(page_kib: int, layers: int, total_mb: int, rounds: int, node: NodeProcess, inflight: int) -> dict:
     page = page_kib << 10
     per_layer = page // layers
@@ -118,6 +140,7 @@ def run(page_kib: int, layers: int, total_mb: int, rounds: int, node: NodeProces
         c.release(q.lease_id)
         lat.append(t1 - t)
         lat_rel.append(time.perf_counter() - t)
+    wake = wake_latency(c, ns)
     c.close()
     if pool:
         pool.shutdown()
@@ -130,6 +153,7 @@ def run(page_kib: int, layers: int, total_mb: int, rounds: int, node: NodeProces
         "transport": c.transport,
         "kernels": copy_kernels(),
         "steps_us": {k: v / nreq * 1e6 for k, v in steps.items()},
+        "wake_us": wake,
     }
 
 
@@ -166,6 +190,7 @@ def main() -> None:
             summary[f"load_{tag}_gbps"] = r["load_gbps"]
             summary[f"query_p99_us_{tag}"] = r["query_p99_us"]
             summary[f"kernels_{tag}"] = r["kernels"]
+            summary[f"wake_us_{tag}"] = r["wake_us"]
         args.summary.write_text(json.dumps(summary))
     cpu = subprocess.run(["sh", "-c", "grep -m1 'model name' /proc/cpuinfo | cut -d: -f2"],
                          capture_output=True, text=True).stdout.strip()
@@ -181,6 +206,10 @@ def main() -> None:
     print("\nCopy kernel each row's process chose (pegaflow/client/pages.py measures the candidates on its "
           "first copies): " + "; ".join(f"{r['page_kib']} KiB x{r['inflight']}: save {r['kernels'].get('save')}, "
                                          f"load {r['kernels'].get('load')}" for r in rows))
+    print("\nA one-block Query (no lease) after the client was busy for a while, p50 µs (the cost of "
+          "waking the idle node, on top of its work): " + "; ".join(
+              f"{r['page_kib']} KiB row: " + ", ".join(f"{g} busy {v:.0f}" for g, v in r["wake_us"].items())
+              for r in rows))
     print(f"\nWhere a {BLOCKS_PER_REQUEST}-block request's time goes (µs per request, mean; with several in "
           f"flight, steps overlap; transport: {rows[0]['transport']}):")
     names = list(rows[0]["steps_us"])
