@@ -68,22 +68,6 @@ class RpcStatus(Exception):
         self.message = message
 
 
-class _Timer:
-    """Per-(method, status, transport) histogram children, looked up once: ``labels()``
-    costs a lock and a tuple per call, on every RPC."""
-
-    def __init__(self, metrics: NodeMetrics, method: str) -> None:
-        self.metrics = metrics
-        self.method = method
-        self.children: dict[tuple[str, str], Any] = {}
-
-    def observe(self, status: str, transport: str, seconds: float) -> None:
-        child = self.children.get((status, transport))
-        if child is None:
-            child = self.children[(status, transport)] = self.metrics.rpc_latency.labels(self.method, status, transport)
-        child.observe(seconds)
-
-
 def rpc(method: str) -> Callable[[Callable[[Any, Any], Answer]], Callable[[Any, Any, str], Answer]]:
     """Time a call by method, status and transport, and turn :class:`PegaError` into its
     status code (one place). The wrapped ``fn(self, request)`` returns the response, or an
@@ -109,7 +93,7 @@ def rpc(method: str) -> Callable[[Callable[[Any, Any], Answer]], Callable[[Any, 
                 status = st.code.name
                 raise st from None
             finally:
-                self._timer(method).observe(status, transport, time.perf_counter() - t0)
+                self._observe(method, status, transport, time.perf_counter() - t0)
 
         @functools.wraps(fn)
         def handler(self: NodeService, request: Any, transport: str) -> Answer:
@@ -118,11 +102,11 @@ def rpc(method: str) -> Callable[[Callable[[Any, Any], Answer]], Callable[[Any, 
                 answer = fn(self, request)
             except Exception as exc:
                 st = failed(self, exc, transport)
-                self._timer(method).observe(st.code.name, transport, time.perf_counter() - t0)
+                self._observe(method, st.code.name, transport, time.perf_counter() - t0)
                 raise st from None
             if inspect.isawaitable(answer):
                 return finish(self, answer, transport, t0)
-            self._timer(method).observe("OK", transport, time.perf_counter() - t0)
+            self._observe(method, "OK", transport, time.perf_counter() - t0)
             return answer
 
         return handler
@@ -230,17 +214,20 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         self.pool_prefaulted = pool_prefaulted or (lambda: pool_bytes)  # bytes pre-faulted so far
         self.block_events = block_events  # evictions etc. for sessions that watch them
         self.local_socket = ""  # path of the local fast path announced at Register (set once it listens)
-        self._timers: dict[str, _Timer] = {}
+        # Histogram children by (method, status, transport), looked up once: ``labels()``
+        # costs a lock and a tuple on every RPC.
+        self._latency: dict[tuple[str, str, str], Any] = {}
         # Wire method number -> (request type, handler) for pegaflow.node.transports.unix_socket.
         self.local_methods: dict[int, tuple[type, Handler]] = {
             mid: (req_type, getattr(self, name.lower())) for mid, (name, req_type, _) in LOCAL_METHODS.items()
         }
 
-    def _timer(self, method: str) -> _Timer:
-        t = self._timers.get(method)
-        if t is None:
-            t = self._timers[method] = _Timer(self.metrics, method)
-        return t
+    def _observe(self, method: str, status: str, transport: str, seconds: float) -> None:
+        key = (method, status, transport)
+        child = self._latency.get(key)
+        if child is None:
+            child = self._latency[key] = self.metrics.rpc_latency.labels(*key)
+        child.observe(seconds)
 
     # ---- gRPC servicer: every unary method is the transport-neutral one above/below -------
     async def Register(self, request: node_pb2.RegisterRequest, context: Any) -> node_pb2.RegisterResponse:

@@ -367,3 +367,20 @@ def test_a_timed_out_call_drops_its_socket_so_a_late_reply_is_never_read_as_the_
     assert (q.hit_blocks, q.offsets["m"]) == (0, [])
     assert c.query(["m"], hs, lease=False).hit_blocks == 2 and c.transport == "local"
     c.close()
+
+
+def test_frames_sent_back_to_back_in_one_write_are_answered_in_order(raw):
+    """A client may pipeline: several frames arrive in one read and each gets its answer,
+    in order (a Query that hits, a bad one, a Query that misses)."""
+    n, stub, sid, link = raw
+    frames = [
+        node_pb2.QueryRequest(session_id=sid, namespaces=["ns"], hashes=hashes("keep", 2), lease=False),
+        node_pb2.QueryRequest(session_id=sid, namespaces=["ns"], hashes=[b"short"], lease=False),
+        node_pb2.QueryRequest(session_id=sid, namespaces=["ns"], hashes=hashes("absent", 3), lease=False),
+    ]
+    link.s.sendall(b"".join(REQUEST_HEADER.pack(len(p), METHOD_IDS["Query"], 0) + p
+                            for p in (f.SerializeToString() for f in frames)))
+    replies = [link.reply() for _ in frames]
+    assert [code for code, _ in replies] == [grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OK]
+    assert [node_pb2.QueryResponse.FromString(replies[i][1]).hit_blocks for i in (0, 2)] == [2, 0]
+    assert_unchanged(stub, sid)

@@ -153,7 +153,7 @@ class _Connection(asyncio.Protocol):
         self.authenticated = not server.token
         self.buf = bytearray()
         self.transport: asyncio.Transport | None = None
-        self.waiting = False  # a handler's answer is being awaited: later frames wait
+        self.waiting: asyncio.Future[None] | None = None  # an answer being awaited: later frames wait
         self.write_paused = False  # the reply buffer is past its high-water mark
         self.eof = False  # the engine shut its sending side: close once what it sent is served
 
@@ -173,7 +173,7 @@ class _Connection(asyncio.Protocol):
 
     def eof_received(self) -> bool:
         self.eof = True
-        if self.waiting or self.write_paused:
+        if self.waiting is not None or self.write_paused:
             return True  # keep the connection until the frames already received are served
         self._end_of_input()
         return False
@@ -190,10 +190,10 @@ class _Connection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.write_paused = False
-        if self.transport is not None and not self.waiting:
+        if self.transport is not None and self.waiting is None:
             self.transport.resume_reading()
             self._serve()
-            if self.eof and not self.waiting and not self.write_paused:
+            if self.eof and self.waiting is None and not self.write_paused:
                 self._end_of_input()
 
     def close(self) -> None:
@@ -203,47 +203,49 @@ class _Connection(asyncio.Protocol):
     # ---- frames -------------------------------------------------------------------------
     def _serve(self) -> None:
         """Answer every complete frame in the buffer, unless a reply must be waited for."""
-        buf = self.buf
-        while not self.waiting and not self.write_paused and self.transport is not None:
-            if len(buf) < REQUEST_HEADER.size:
-                return
-            length, method, flags = REQUEST_HEADER.unpack_from(buf)
-            if length > MAX_FRAME:
-                return self._reject("too long", length=length, max=MAX_FRAME)
-            if method == HELLO and length > MAX_HELLO:
-                return self._reject("hello too long", length=length)
-            if method != HELLO:
-                if not self.authenticated:
-                    return self._refuse("no token presented")
-                if method not in self.methods:
-                    return self._reject("unknown method", method=method)
-            end = REQUEST_HEADER.size + length
-            if len(buf) < end:
-                return
-            payload = bytes(buf[REQUEST_HEADER.size:end])
-            del buf[:end]
-            if method == HELLO:
-                if self.server.token and not hmac.compare_digest(payload, self.server.token.encode()):
-                    return self._refuse("wrong token")
-                self.authenticated = True
-                self.transport.write(REPLY_HEADER.pack(0, 0))
-                continue
-            req_type, handler = self.methods[method]
-            try:
-                request = req_type.FromString(payload)
-            except DecodeError as exc:
-                return self._reject("undecodable payload", method=method, error=str(exc))
-            try:
-                answer = handler(request, LOCAL)
-            except RpcStatus as st:
-                self._failed(st, flags, req_type)
-                continue
-            if inspect.isawaitable(answer):
-                self.waiting = True
-                self.transport.pause_reading()
-                asyncio.ensure_future(self._finish(answer, flags, req_type))
-                return
-            self._reply(answer, flags)
+        buf, pos = self.buf, 0
+        try:
+            while self.waiting is None and not self.write_paused and self.transport is not None:
+                if len(buf) - pos < REQUEST_HEADER.size:
+                    return
+                length, method, flags = REQUEST_HEADER.unpack_from(buf, pos)
+                if length > MAX_FRAME:
+                    return self._reject("too long", length=length, max=MAX_FRAME)
+                if method == HELLO and length > MAX_HELLO:
+                    return self._reject("hello too long", length=length)
+                if method != HELLO:
+                    if not self.authenticated:
+                        return self._refuse("no token presented")
+                    if method not in self.methods:
+                        return self._reject("unknown method", method=method)
+                start = pos + REQUEST_HEADER.size
+                if len(buf) < start + length:
+                    return
+                payload = bytes(buf[start:start + length])
+                pos = start + length
+                if method == HELLO:
+                    if self.server.token and not hmac.compare_digest(payload, self.server.token.encode()):
+                        return self._refuse("wrong token")
+                    self.authenticated = True
+                    self.transport.write(REPLY_HEADER.pack(0, 0))
+                    continue
+                req_type, handler = self.methods[method]
+                try:
+                    request = req_type.FromString(payload)
+                except DecodeError as exc:
+                    return self._reject("undecodable payload", method=method, error=str(exc))
+                try:
+                    answer = handler(request, LOCAL)
+                except RpcStatus as st:
+                    self._failed(st, flags, req_type)
+                    continue
+                if inspect.isawaitable(answer):
+                    self.transport.pause_reading()
+                    self.waiting = asyncio.ensure_future(self._finish(answer, flags, req_type))
+                    return
+                self._reply(answer, flags)
+        finally:
+            del buf[:pos]  # once per read: frames sent back to back are not shifted one by one
 
     async def _finish(self, answer: Awaitable[Any], flags: int, req_type: type) -> None:
         try:
@@ -251,11 +253,11 @@ class _Connection(asyncio.Protocol):
         except RpcStatus as st:
             self._failed(st, flags, req_type)
         finally:
-            self.waiting = False
+            self.waiting = None
         if self.transport is not None and not self.write_paused:
             self.transport.resume_reading()
             self._serve()
-            if self.eof and not self.waiting:
+            if self.eof and self.waiting is None:
                 self._end_of_input()
 
     def _reply(self, response: Any, flags: int) -> None:
