@@ -43,10 +43,10 @@ import structlog
 
 from pegaflow.cluster import keys, registry
 from pegaflow.cluster.codec import MalformedEvent, decode_entry
-from pegaflow.cluster.redis_conn import Call, Client, Script, run_scripts
+from pegaflow.cluster.redis_conn import Client, Script
 from pegaflow.cluster.schema import Event, Op
 from pegaflow.cluster.streams import GROUP, stream_key
-from pegaflow.meta.index import Index
+from pegaflow.meta.index import Index, Update
 from pegaflow.meta.metrics import MetaMetrics
 
 log = structlog.get_logger("pegaflow.meta.consumer")
@@ -54,7 +54,6 @@ log = structlog.get_logger("pegaflow.meta.consumer")
 READ_ENTRIES = 256  # entries per step over all owned streams (~131k updates at 512/entry, ~1 s):
 # big enough to amortise round trips, small enough that a step stays well inside a lease
 CLAIM_COUNT = 256
-APPLY_ROUND_BLOCKS = 512  # block updates per Redis round trip while applying (see _apply)
 REFRESH_SECONDS = 1.0  # registry / lease / retired-set refresh period
 # Sleep when no stream had anything (cluster reads cannot block), doubling while idle:
 # polling every 5 ms held the GIL ~20% of the time in an idle metaserver and put its
@@ -105,11 +104,10 @@ class _Stream:
 
 
 class IndexWriter(Protocol):
-    """What ingest needs from the index: the script call that applies one batch of a node's
-    events (run in the same pipeline round trip as the stream acks). ``meta.index.Index`` is
-    the Redis one."""
+    """What ingest needs from the index: apply one node's updates in stream order (raising
+    on a Redis error). ``meta.index.Index`` is the Redis one."""
 
-    def apply_call(self, op: Op, namespace: str, nid: int, blob: bytes) -> Call: ...
+    def apply_many(self, updates: Sequence[Update]) -> int: ...
 
 
 class Consumer:
@@ -276,8 +274,7 @@ class Consumer:
         return out
 
     def _apply(self, st: _Stream, entries: Sequence[tuple[bytes, dict]]) -> None:
-        calls: list[Call] = []
-        counts: list[int] = []  # block updates per call
+        updates: list[Update] = []
         switches: list[Event] = []
         new_tags: dict[str, str] = {}
         ops: dict[str, int] = {}
@@ -310,8 +307,7 @@ class Consumer:
                 self.metrics.events_stale.inc()
                 continue
             if ev.blob:
-                calls.append(self.index.apply_call(ev.op, ev.namespace, ev.nid, ev.blob))
-                counts.append(ev.count)
+                updates.append(Update(ev.op, ev.namespace, ev.nid, ev.blob))
                 blocks += ev.count
                 tag = keys.ns_tag(ev.namespace)
                 if tag not in self._known_tags:
@@ -321,21 +317,11 @@ class Consumer:
         if new_tags:
             self.r.hset(keys.NAMESPACES, mapping=new_tags)
             self._known_tags.update(new_tags)
-        if calls:
+        if updates:
             if not self._still_owner(st):
                 self._to_ack.pop(st.key, None)
                 raise redis.ResponseError(f"lost the lease of {st.node} before applying")
-            # In rounds of at most APPLY_ROUND_BLOCKS updates: Redis runs one client's
-            # pipeline to its end before it serves anyone else, so one pipeline of a whole
-            # step (~130k updates, ~0.4 s of scripts) put every QueryPrefix behind it.
-            start, n = 0, 0
-            for k, count in enumerate(counts):
-                n += count
-                if n >= APPLY_ROUND_BLOCKS or k == len(counts) - 1:
-                    for res in run_scripts(self.r, calls[start:k + 1]):
-                        if isinstance(res, Exception):
-                            raise res
-                    start, n = k + 1, 0
+            self.index.apply_many(updates)
         for ev in switches:
             if registry.switch(self.r, ev.node, ev.nid):
                 self.stats.switches += 1

@@ -23,10 +23,10 @@ import structlog
 
 from pegaflow.cluster import keys, registry
 from pegaflow.cluster.codec import MalformedEvent, decode_entry
-from pegaflow.cluster.redis_conn import Client, run_scripts
+from pegaflow.cluster.redis_conn import Client
 from pegaflow.cluster.schema import Op
 from pegaflow.cluster.streams import stream_key
-from pegaflow.meta.index import Index
+from pegaflow.meta.index import Index, Update
 from pegaflow.meta.ingest import PAUSE_KEY
 
 log = structlog.get_logger("pegaflow.meta.rebuild")
@@ -66,7 +66,7 @@ def rebuild(r: Client, wait_leases: float = 30.0) -> RebuildReport:
                 chunk = r.xrange(stream_key(node), min=start, max="+", count=XRANGE_COUNT)
                 if not chunk:
                     break
-                calls = []
+                updates: list[Update] = []
                 for _eid, fields in chunk:
                     try:
                         ev = decode_entry(fields)
@@ -76,12 +76,10 @@ def rebuild(r: Client, wait_leases: float = 30.0) -> RebuildReport:
                     entries += 1
                     if ev.node != node or ev.nid not in allowed or not ev.blob or ev.op == Op.RESET:
                         continue
-                    calls.append(scratch.apply_call(ev.op, ev.namespace, ev.nid, ev.blob))
+                    updates.append(Update(ev.op, ev.namespace, ev.nid, ev.blob))
                     blocks += ev.count
                     new_tags.setdefault(keys.ns_tag(ev.namespace), ev.namespace)
-                for res in run_scripts(r, calls):
-                    if isinstance(res, Exception):
-                        raise res
+                scratch.apply_many(updates)
                 last = chunk[-1][0].decode()
                 ms, seq = last.split("-")
                 start = f"{ms}-{int(seq) + 1}"

@@ -257,27 +257,28 @@ def test_consumer_drops_events_of_an_incarnation_that_is_not_the_newest(r: faker
 
 
 def test_consumer_applies_in_bounded_rounds_so_queries_interleave(r: fakeredis.FakeRedis, monkeypatch) -> None:
-    """One step's events reach Redis in round trips of at most APPLY_ROUND_BLOCKS updates
-    (one pipeline of a whole step held Redis for ~0.4 s, and every QueryPrefix behind it),
-    in order, and the index ends up the same."""
-    from pegaflow.meta import ingest
+    """One step's script calls reach Redis in round trips of at most APPLY_ROUND_BLOCKS
+    updates (one pipeline of a whole step held Redis for ~0.4 s, and every QueryPrefix
+    behind it), in order, and the index ends up the same. (fakeredis has no socket, so
+    every update takes the script path here.)"""
+    from pegaflow.meta import index
 
     nid, epoch = registry.register(r, "n1", "h:1", 60_000, switch=True)
     r.xgroup_create(stream_key("n1"), "pf-meta", id="0", mkstream=True)
-    batches = [hashes(ingest.APPLY_ROUND_BLOCKS // 2, seed=100 + i) for i in range(9)]
+    batches = [hashes(index.APPLY_ROUND_BLOCKS // 2, seed=100 + i) for i in range(9)]
     for seq, hs in enumerate(batches, 1):
         r.xadd(stream_key("n1"), {FIELD: encode(Event.make("n1", nid, epoch, seq, Op.INSERT, NS, hs))})
     rounds: list[int] = []
-    real = ingest.run_scripts
+    real = index.run_scripts
 
     def counting(client, calls):  # type: ignore[no-untyped-def]
         rounds.append(sum(len(c[2][-1]) // 16 for c in calls))
         return real(client, calls)
 
-    monkeypatch.setattr(ingest, "run_scripts", counting)
+    monkeypatch.setattr(index, "run_scripts", counting)
     c = Consumer(r, "c1")
     assert c.wait_caught_up(10)
     assert sum(rounds) == sum(len(b) for b in batches)
-    assert len(rounds) >= 4 and max(rounds) <= ingest.APPLY_ROUND_BLOCKS
+    assert len(rounds) >= 4 and max(rounds) <= index.APPLY_ROUND_BLOCKS
     every = [h for b in batches for h in b]
     assert all(nids for nids in Index(r).holders(NS, every))
