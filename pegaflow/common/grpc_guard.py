@@ -113,6 +113,17 @@ class _Gate:
     def __init__(self, token: str) -> None:
         self.token = token
         self.refusals = _Refusals()
+        # method -> (the servicer's handler, its decoding wrapper): built once per method,
+        # not per call (the closures and the namedtuple copy were ~30 us of a ~0.5 ms call).
+        self._wrapped: dict[str, tuple[Any, Any]] = {}
+
+    def decoding(self, handler: Any, method: str, aio: bool) -> Any:
+        hit = self._wrapped.get(method)
+        if hit is not None and hit[0] is handler:
+            return hit[1]
+        wrapped = _decoding(handler, method, self.refusals, aio)
+        self._wrapped[method] = (handler, wrapped)
+        return wrapped
 
     def allowed(self, details: Any) -> bool:
         if not self.token or details.method.startswith(OPEN_SERVICES):
@@ -135,7 +146,7 @@ class AsyncGuard(grpc.aio.ServerInterceptor):
         if not gate.allowed(details):
             gate.refusals.note(method, "unauthenticated", "missing or wrong token")
             return _rejecting(handler, grpc.StatusCode.UNAUTHENTICATED, "a valid token is required", aio=True)
-        return _decoding(handler, method, gate.refusals, aio=True)
+        return gate.decoding(handler, method, aio=True)
 
 
 class SyncGuard(grpc.ServerInterceptor):
@@ -151,7 +162,7 @@ class SyncGuard(grpc.ServerInterceptor):
         if not self.gate.allowed(details):
             self.gate.refusals.note(details.method, "unauthenticated", "missing or wrong token")
             return _rejecting(handler, grpc.StatusCode.UNAUTHENTICATED, "a valid token is required", aio=False)
-        return _decoding(handler, details.method, self.gate.refusals, aio=False)
+        return self.gate.decoding(handler, details.method, aio=False)
 
 
 def _kind(handler: Any) -> str:

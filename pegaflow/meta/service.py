@@ -61,9 +61,10 @@ def check_request(namespace: str, hashes: Sequence[bytes], max_blocks: int) -> N
         raise InvalidArgument("namespace is empty")
     if len(hashes) > max_blocks:
         raise InvalidArgument(f"{len(hashes)} hashes exceed --query-max-blocks {max_blocks}")
-    for i, h in enumerate(hashes):
-        if len(h) != HASH_BYTES:
-            raise InvalidArgument(f"hash {i} has {len(h)} bytes, expected {HASH_BYTES}")
+    lengths = list(map(len, hashes))  # in C: a Python loop was ~15 us of a 128-block query
+    if lengths.count(HASH_BYTES) != len(lengths):
+        i = next(i for i, n in enumerate(lengths) if n != HASH_BYTES)
+        raise InvalidArgument(f"hash {i} has {lengths[i]} bytes, expected {HASH_BYTES}")
 
 
 def _pb(p: NodePrefix) -> meta_pb2.NodePrefix:
