@@ -66,7 +66,8 @@ def serve_forever(r: Client, opts: MetaConfig, security: Security) -> None:
     from prometheus_client import start_http_server
 
     from pegaflow.meta import sweeper
-    from pegaflow.meta.ingest import Consumer
+    from pegaflow.meta.apply_process import ConsumerProcess
+    from pegaflow.meta.ingest import default_consumer_name
     from pegaflow.meta.lookup import Lookup
     from pegaflow.meta.service import serve
 
@@ -79,8 +80,11 @@ def serve_forever(r: Client, opts: MetaConfig, security: Security) -> None:
     from pegaflow.meta.metrics import MetaMetrics
 
     metrics = MetaMetrics(REGISTRY)  # what --http-addr serves
-    consumer = Consumer(r, opts.consumer_name or None, lease_ms=int(opts.stream_lease_ttl * 1000), metrics=metrics)
-    threads = [threading.Thread(target=consumer.run, args=(stop,), name="pf-meta-consumer", daemon=True)]
+    # The consumer runs in a child process (pegaflow/meta/apply_process.py says why), under
+    # this replica's name.
+    consumer = ConsumerProcess(opts.redis_url, opts.redis_cluster, opts.consumer_name or default_consumer_name(),
+                               int(opts.stream_lease_ttl * 1000), metrics, opts.log_level, opts.log_format)
+    threads: list[threading.Thread] = []
     if opts.sweep_interval > 0:
         threads.append(
             threading.Thread(
@@ -116,6 +120,7 @@ def serve_forever(r: Client, opts: MetaConfig, security: Security) -> None:
     except (RuntimeError, OSError) as exc:
         sys.stderr.write(f"pegaflow-meta: error: cannot listen on {opts.addr}: {exc}\n")
         raise SystemExit(1) from None
+    consumer.start()
     for t in threads:
         t.start()
     warn = security.exposure_warning(opts.addr)
@@ -127,6 +132,7 @@ def serve_forever(r: Client, opts: MetaConfig, security: Security) -> None:
     freeze_startup_heap()
     stop.wait()
     server.stop(grace=1.0).wait()
+    consumer.stop()
     for t in threads:
         t.join(timeout=5)
     if export is not None:

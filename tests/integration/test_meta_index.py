@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import grpc
+import psutil
 import pytest
 
 from pegaflow._proto import meta_pb2
@@ -112,6 +113,55 @@ def test_metaserver_sigkilled_mid_stream_and_restarted_loses_no_event(
         for p in procs.values():
             p.kill()
         meta.stop()
+
+
+def consumer_children(meta: MetaProc) -> list[psutil.Process]:
+    """The metaserver's consumer process (multiprocessing's spawned child, not its tracker)."""
+    out = []
+    for c in psutil.Process(meta.proc.pid).children():
+        try:
+            if c.status() != psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(c.cmdline()):
+                out.append(c)
+        except psutil.Error:  # gone, or a zombie not yet reaped
+            pass
+    return out
+
+
+def test_a_crashed_consumer_process_is_restarted_and_the_index_converges(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """The consumer runs in a child of pegaflow-meta (apply_process.py): SIGKILLed mid-stream,
+    it is started again under the same name, takes its leases back and loses no event."""
+    procs = nodes(redis_server, tmp_path, ["n1", "n2"], "--ops", "9000", "--rate", "1500", "--hold")
+    meta = MetaProc(redis_server.url, False, "m1", tmp_path / "meta.log", lease_ttl=30)
+    r = client(redis_server.url, False)
+    try:
+        wait_until(lambda: len(consumer_children(meta)) == 1, 20, "the consumer process")
+        first = consumer_children(meta)[0]
+        wait_until(lambda: r.hlen(keys.NAMESPACES) > 0, 20, "the consumer to apply something")
+        first.kill()
+        assert not all(p.proc.poll() is not None for p in procs.values())  # still publishing
+        wait_until(lambda: [c.pid for c in consumer_children(meta)] not in ([], [first.pid]), 20,
+                   "a new consumer process")
+        for p in procs.values():
+            p.wait_done()
+        # The lease TTL (30 s) is longer than the test waits: only the same name's child can
+        # have taken the streams back.
+        wait_converged(r, states(procs), timeout=25)
+        assert "consumer_process_exited" in meta.log.read_text()
+    finally:
+        for p in procs.values():
+            p.kill()
+        meta.stop()
+
+
+def test_a_sigkilled_metaserver_leaves_no_consumer_process(redis_server: RedisServer, tmp_path: Path) -> None:
+    meta = MetaProc(redis_server.url, False, "m1", tmp_path / "meta.log")
+    wait_until(lambda: len(consumer_children(meta)) == 1, 20, "the consumer process")
+    child = consumer_children(meta)[0]
+    meta.kill()
+    wait_until(lambda: not child.is_running() or child.status() == psutil.STATUS_ZOMBIE, 10,
+               "the consumer process to end with its parent")
 
 
 def test_takeover_claims_a_dead_consumers_pending_entries(redis_server: RedisServer) -> None:
