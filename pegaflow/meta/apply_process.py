@@ -147,20 +147,13 @@ class ConsumerProcess:
         self._thread.start()
 
     def stop(self) -> None:
-        """Ask the child to finish (it releases its leases), wait for it, then for the
-        supervisor (whose end would kill a child it restarted: its death signal)."""
+        """Ask the child to finish (it releases its leases) and wait until the supervisor has
+        seen it end. Only the supervisor thread waits on the child: two threads polling one
+        multiprocessing child race on its exit status (the loser sees it alive forever)."""
         self._stopping.set()
         self._stop.set()
-        proc = self._proc
-        if proc is not None and proc.is_alive():
-            proc.join(timeout=STOP_TIMEOUT_S)
-            if proc.is_alive():
-                log.warning("consumer_process_killed", consumer=self.name, pid=proc.pid)
-                proc.kill()
-                proc.join(timeout=5)
         if self._thread is not None:
-            self._thread.join(timeout=2)
-        self._drain(0)
+            self._thread.join(timeout=STOP_TIMEOUT_S + 10)
 
     @property
     def pid(self) -> int | None:
@@ -179,6 +172,9 @@ class ConsumerProcess:
 
     def _drain(self, wait: float) -> None:
         conn = self._conn
+        if conn is None:  # the child closed its end (it is ending): wait, do not spin
+            self._stopping.wait(wait)
+            return
         try:
             while conn is not None and conn.poll(wait):
                 now = conn.recv()
@@ -193,11 +189,12 @@ class ConsumerProcess:
         started = time.monotonic()
         while True:
             self._drain(0.2)
+            if self._stopping.is_set():
+                self._end_child()
+                return
             if self._proc.is_alive():
                 continue
             self._drain(0)
-            if self._stopping.is_set():
-                return
             lived = time.monotonic() - started
             if lived >= RESTART_MAX_S:
                 delay = RESTART_MIN_S
@@ -209,3 +206,14 @@ class ConsumerProcess:
             self.restarts += 1
             started = time.monotonic()
             self._spawn()
+
+    def _end_child(self) -> None:
+        proc = self._proc
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while proc.is_alive() and time.monotonic() < deadline:
+            self._drain(0.1)  # its last report, and keep its pipe from filling
+        if proc.is_alive():
+            log.warning("consumer_process_killed", consumer=self.name, pid=proc.pid)
+            proc.kill()
+            proc.join(timeout=5)
+        self._drain(0)

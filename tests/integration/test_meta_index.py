@@ -132,7 +132,7 @@ def test_a_crashed_consumer_process_is_restarted_and_the_index_converges(
 ) -> None:
     """The consumer runs in a child of pegaflow-meta (apply_process.py): SIGKILLed mid-stream,
     it is started again under the same name, takes its leases back and loses no event."""
-    procs = nodes(redis_server, tmp_path, ["n1", "n2"], "--ops", "9000", "--rate", "1500", "--hold")
+    procs = nodes(redis_server, tmp_path, ["n1", "n2"], "--ops", "6000", "--rate", "2000", "--hold")
     meta = MetaProc(redis_server.url, False, "m1", tmp_path / "meta.log", lease_ttl=30)
     r = client(redis_server.url, False)
     try:
@@ -162,6 +162,26 @@ def test_a_sigkilled_metaserver_leaves_no_consumer_process(redis_server: RedisSe
     meta.kill()
     wait_until(lambda: not child.is_running() or child.status() == psutil.STATUS_ZOMBIE, 10,
                "the consumer process to end with its parent")
+
+
+def test_a_stopped_metaserver_releases_its_consumers_leases(redis_server: RedisServer, tmp_path: Path) -> None:
+    """SIGTERM: the consumer process finishes its step and gives its streams back (another
+    replica need not wait out the lease), and the metaserver exits 0 with no child left."""
+    procs = nodes(redis_server, tmp_path, ["n1"], "--ops", "200", "--rate", "1000", "--hold")
+    meta = MetaProc(redis_server.url, False, "m1", tmp_path / "meta.log", lease_ttl=60)
+    r = client(redis_server.url, False)
+    try:
+        wait_until(lambda: r.get(keys.owner_key("n1")) == b"m1", 20, "m1 to own n1's stream")
+        child = consumer_children(meta)[0]
+        meta.stop()
+        assert meta.proc.returncode == 0, meta.log.read_text()[-3000:]
+        assert r.get(keys.owner_key("n1")) is None
+        assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+        assert "consumer_process_killed" not in meta.log.read_text()
+    finally:
+        for p in procs.values():
+            p.kill()
+        meta.stop()
 
 
 def test_takeover_claims_a_dead_consumers_pending_entries(redis_server: RedisServer) -> None:
