@@ -23,15 +23,18 @@ Which native kernel copies is measured, not assumed: glibc memcpy, non-temporal 
 and each of them on two threads win or lose by host (on two machines of the same kind the
 winner differed). The first copies of at least ``CALIBRATE_MIN_BYTES`` in each direction
 rotate through the candidates, the likeliest winners first (every candidate copies the
-same bytes correctly, so this costs nothing but the slower ones' time). After one copy
-each, a candidate below ``PRUNE_BELOW`` of the best is dropped, and once the rest have
-``CALIBRATE_SAMPLES`` copies each, the one with the best median GB/s is kept for the life of
-the process: a short-lived engine (a restart, a benchmark) spends few of its copies on
-kernels that lose. Real copies are the samples because repeating one copy to measure
-would not do: its second pass reads from cache (measured: a one-thread kernel beat the
-two-thread one that way, and then ran the real loads at half the speed). The choice is
-logged (``copy_kernel_chosen``) and exported as ``pegaflow_client_copy_kernel`` /
-``pegaflow_client_copy_calibration_gbps``; ``PEGAFLOW_COPY_KERNEL`` forces one.
+same bytes correctly, so this costs nothing but the slower ones' time); once each has
+``CALIBRATE_SAMPLES`` copies, the one with the best median GB/s is kept for the life of
+the process. The first of those copies is not a sample (``CALIBRATE_WARMUP``): it pays
+what only a process's first large copy pays (measured: 8.7 GB/s for a kernel that then
+ran at 20), and one such sample once dropped the best candidate. Every candidate keeps
+its turns until the end for the same reason: on these hosts a copy's speed moves by 2x
+from one second to the next, so no single copy says a kernel loses. Real copies are the
+samples because repeating one copy to measure would not do: its second pass reads from
+cache (measured: a one-thread kernel beat the two-thread one that way, and then ran the
+real loads at half the speed). The choice is logged (``copy_kernel_chosen``) and exported
+as ``pegaflow_client_copy_kernel`` / ``pegaflow_client_copy_calibration_gbps``;
+``PEGAFLOW_COPY_KERNEL`` forces one.
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ except (OSError, AttributeError):  # pragma: no cover - a build without a compil
 
 CALIBRATE_MIN_BYTES = 1 << 20  # smaller copies say more about call overhead than bandwidth
 CALIBRATE_SAMPLES = 3  # per candidate; the median of three survives one disturbed copy
-PRUNE_BELOW = 0.7  # after one copy each, candidates slower than this fraction of the best stop
+CALIBRATE_WARMUP = 1  # first large copies per direction that are not samples (one-time costs)
 ENV_KERNEL = "PEGAFLOW_COPY_KERNEL"
 
 _KERNEL_MEMCPY, _KERNEL_NT = 0, 1  # pagecopy.c's PF_KERNEL_*
@@ -149,8 +152,8 @@ class KernelChoice:
     default: Kernel | None = None
     samples: dict[str, list[float]] = field(default_factory=dict)
     chosen: Kernel | None = None
-    _live: list[Kernel] = field(default_factory=list)  # still being measured, in rotation order
-    _pruned: bool = False
+    _live: list[Kernel] = field(default_factory=list)  # measured, in rotation order
+    _warmup: int = CALIBRATE_WARMUP
     _next: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -174,6 +177,9 @@ class KernelChoice:
             assert self.default is not None
             return self.default, False
         with self._lock:
+            if self._warmup > 0:  # a warm-up copy: the likeliest kernel, not a sample
+                self._warmup -= 1
+                return self._live[0], False
             k = self._live[self._next % len(self._live)]
             self._next += 1
         return k, True
@@ -183,13 +189,7 @@ class KernelChoice:
             if self.chosen is not None or kernel not in self._live:
                 return
             self.samples.setdefault(kernel.name, []).append(nbytes / max(seconds, 1e-9) / 1e9)
-            taken = [len(self.samples.get(k.name, ())) for k in self._live]
-            if not self._pruned and min(taken) >= 1:
-                best = max(self.samples[k.name][0] for k in self._live)
-                self._live = [k for k in self._live if self.samples[k.name][0] >= PRUNE_BELOW * best]
-                self._pruned, self._next = True, 0
-                taken = [len(self.samples[k.name]) for k in self._live]
-            if min(taken) < CALIBRATE_SAMPLES:
+            if min(len(self.samples.get(k.name, ())) for k in self._live) < CALIBRATE_SAMPLES:
                 return
             medians = {name: statistics.median(xs) for name, xs in self.samples.items()}
             for name, gbps in medians.items():

@@ -317,10 +317,11 @@ class BlockIndex:
         evicted: list[Block] = []  # victims whose page went to a new block, counted at the end
         dropped: list[Block] = []  # victims _allocate evicted (counted there), reported at the end
         full = False
-        if len(self._blocks) == 1 and not self._lru_reclaimable:
-            # The steady state (one namespace, no reclaimable copies) in C: it stops at the
-            # first hash that needs anything else (or that admission refused), and the loop
-            # below, the general case, takes it from there.
+        if not self._lru_reclaimable:
+            # The steady state (no reclaimable copies; victims of this namespace, as when
+            # one engine or the ranks of one TP engine fill the pool) in C: it stops at the
+            # first hash that needs anything else (a victim of another namespace, one that
+            # admission refused), and the loop below, the general case, takes it from there.
             if type(hashes) is not list:
                 hashes = list(hashes)
             done, refused = _native_place(

@@ -609,15 +609,15 @@ static inline int int_is(PyObject *v, long x) {
  * Runs BlockIndex._reserve's loop over hashes[start:] for as long as every step is one
  * of its common cases, and returns the index of the first hash it left to the Python
  * loop (len(hashes) when it did them all). The caller guarantees the rest of the case:
- * one namespace's table (blocks), no reclaimable LRU. The cases:
+ * blocks is ns's table, no reclaimable LRU. The cases:
  *
  * - the hash is in blocks: out gets None; a RESIDENT, unpinned, local block is moved to
  *   the newest end of lru (what touch() does). A pinned or reclaimable one stops here,
  *   and so does any RESIDENT one under admission (touch() records it there).
  * - it is not, and alloc.free_bytes >= need: the page is alloc.alloc(ns.page_bytes)
  *   (an exception stops here, cleared: the Python loop makes the same call and handles it);
- * - it is not, and the pool is full: the LRU head (a Block of ns's page size, else stop;
- *   none, stop) is judged by admission.admit(block_key(hash), block_key(head.hash)) if
+ * - it is not, and the pool is full: the LRU head (a Block of ns, else stop: another
+ *   namespace's victim is the Python loop's, it lives in another table; none, stop) is judged by admission.admit(block_key(hash), block_key(head.hash)) if
  *   admission is not None (refused: stop with refused=True, nothing popped: the Python
  *   loop counts the refusal and ends the request), then popped and dropped from blocks,
  *   appended to evicted, and its page taken.
@@ -730,7 +730,7 @@ static PyObject *place(PyObject *module, PyObject *const *args, Py_ssize_t nargs
         PyObject *head = lru->nodes[lru->head].key;
         if (Py_TYPE(head) != &BlockType) break;
         Block *victim = (Block *)head;
-        if (victim->size == NULL) break;
+        if (victim->ns != ns || victim->size == NULL) break;
         if (victim->size != size) {
             /* Not the same int object: the comparison may run Python code, which could drop the
              * head from the LRU (and free it) or replace its size: hold both across it. */

@@ -17,6 +17,7 @@
 #include <Python.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -120,18 +121,36 @@ static void copy_range(char *pool, const int64_t *offs, const uint64_t *addrs, c
 #endif
 }
 
+/*
+ * Two threads share one request by taking slices of PF_SLICE_BYTES from a shared cursor,
+ * not a half each. The helper is a new thread on the other CPU, and on VMs of this kind an
+ * idle CPU takes 0.05-0.7 ms to wake (docs/benchmarks.md): with fixed halves the caller
+ * finished its half and then waited for the late helper's whole half; with slices it goes
+ * on taking them, and the helper takes whatever is left when it starts.
+ */
+#define PF_SLICE_BYTES (1 << 20)
+
 struct pf_job {
     char *pool;
     const int64_t *offs;
     const uint64_t *addrs;
     const int64_t *lens;
-    int64_t lo, hi;
+    const int64_t *cuts; /* slice k is pieces [cuts[k], cuts[k + 1]) */
+    int64_t nslices;
+    int64_t next; /* the next slice to take (atomic) */
     int to_pool, nt;
 };
 
+static void pf_job_drain(struct pf_job *j) {
+    for (;;) {
+        int64_t k = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
+        if (k >= j->nslices) break;
+        copy_range(j->pool, j->offs, j->addrs, j->lens, j->cuts[k], j->cuts[k + 1], j->to_pool, j->nt);
+    }
+}
+
 static void *pf_job_run(void *arg) {
-    struct pf_job *j = (struct pf_job *)arg;
-    copy_range(j->pool, j->offs, j->addrs, j->lens, j->lo, j->hi, j->to_pool, j->nt);
+    pf_job_drain((struct pf_job *)arg);
     return NULL;
 }
 
@@ -156,10 +175,11 @@ int pf_nt_variant(void) {
 
 /*
  * For i in [0, n): if to_pool, copy lens[i] bytes from address addrs[i] to pool + offs[i];
- * otherwise the other way, with kernel PF_KERNEL_*. threads = 2 splits the pieces in two
- * halves of equal bytes, the second copied by a new thread (pthread_create costs ~20-50 us,
- * nothing against a request of megabytes; the caller asks for it only where it measured a
- * gain). Returns 0, or -1 when the second thread could not start (then all was copied here).
+ * otherwise the other way, with kernel PF_KERNEL_*. threads = 2 starts a second thread
+ * (pthread_create costs ~20-50 us, nothing against a request of megabytes; the caller asks
+ * for it only where it measured a gain) and both take slices of about PF_SLICE_BYTES until
+ * none is left. Returns 0, or -1 when the second thread could not start (then all was
+ * copied here).
  */
 int pf_copy_segments(char *pool, const int64_t *offs, const uint64_t *addrs, const int64_t *lens,
                      int64_t n, int to_pool, int kernel, int threads) {
@@ -175,19 +195,34 @@ int pf_copy_segments(char *pool, const int64_t *offs, const uint64_t *addrs, con
         copy_range(pool, offs, addrs, lens, 0, n, to_pool, nt);
         return 0;
     }
-    int64_t total = 0;
-    for (int64_t i = 0; i < n; i++) total += lens[i];
-    int64_t half = 0, mid = 0;
-    while (mid < n && half * 2 < total) half += lens[mid++];
-    struct pf_job job = {pool, offs, addrs, lens, mid, n, to_pool, nt};
-    pthread_t t;
-    if (pthread_create(&t, NULL, pf_job_run, &job) != 0) {
+    /* Slice boundaries at whole pieces: at most one per piece plus the end. */
+    int64_t stack_cuts[257];
+    int64_t *cuts = n < 256 ? stack_cuts : (int64_t *)malloc((size_t)(n + 1) * sizeof(int64_t));
+    if (cuts == NULL) {
         copy_range(pool, offs, addrs, lens, 0, n, to_pool, nt);
-        return -1;
+        return 0;
     }
-    copy_range(pool, offs, addrs, lens, 0, mid, to_pool, nt);
-    pthread_join(t, NULL);
-    return 0;
+    int64_t nslices = 0, acc = 0;
+    cuts[0] = 0;
+    for (int64_t i = 0; i < n; i++) {
+        acc += lens[i];
+        if (acc >= PF_SLICE_BYTES || i == n - 1) {
+            cuts[++nslices] = i + 1;
+            acc = 0;
+        }
+    }
+    struct pf_job job = {pool, offs, addrs, lens, cuts, nslices, 0, to_pool, nt};
+    int rc = 0;
+    pthread_t t;
+    if (nslices < 2 || pthread_create(&t, NULL, pf_job_run, &job) != 0) {
+        rc = nslices < 2 ? 0 : -1;
+        pf_job_drain(&job);
+    } else {
+        pf_job_drain(&job);
+        pthread_join(t, NULL);
+    }
+    if (cuts != stack_cuts) free(cuts);
+    return rc;
 }
 
 static struct PyModuleDef pagecopy_module = {PyModuleDef_HEAD_INIT, "_pagecopy",

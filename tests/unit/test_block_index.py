@@ -195,18 +195,20 @@ class SomeAdmitted(RejectAll):
 
 
 def _random_ops(seed: int, idx: BlockIndex, use_insert: bool, one_namespace: bool = False) -> list:
-    """A random mix of writes, lookups, pins, reclaimable copies and two page sizes."""
+    """A random mix of writes, lookups, pins, reclaimable copies and two page sizes (two
+    namespaces of the small one, like two TP ranks; ``one_namespace``: only one of them)."""
     import random
 
     rng = random.Random(seed)
     if seed % 2:
         idx.admission = SomeAdmitted()
-    small, big = idx.namespace("s", 4096), idx.namespace("b", 2 * 4096)
+    smalls, big = [idx.namespace("s", 4096), idx.namespace("s2", 4096)], idx.namespace("b", 2 * 4096)
     events: list = []
     idx.add_listener(lambda op, n, hs: events.append((op, n.name, hs)))
     pinned: list = []
     for _ in range(400):
-        ns = small if one_namespace or rng.random() < 0.7 else big
+        r = rng.random()
+        ns = smalls[0] if one_namespace else smalls[0] if r < 0.35 else smalls[1] if r < 0.7 else big
         keys = [h(rng.randrange(60)) for _ in range(rng.randint(1, 6))]
         r = rng.random()
         if r < 0.15 and pinned:
@@ -297,12 +299,13 @@ def test_native_placement_equals_the_python_loop(monkeypatch):
 
     for seed in range(6):
         for use_insert in (True, False):
-            monkeypatch.setattr(block_index, "_native_place", counting)
-            native = _random_ops(seed, BlockIndex(12 * 4096), use_insert, one_namespace=True)
-            monkeypatch.setattr(block_index, "_native_place", leave_everything_to_python)
-            python = _random_ops(seed, BlockIndex(12 * 4096), use_insert, one_namespace=True)
-            assert native == python
-            assert native[2][2] > 100
+            for one in (True, False):  # several namespaces: victims of another one are Python's
+                monkeypatch.setattr(block_index, "_native_place", counting)
+                native = _random_ops(seed, BlockIndex(12 * 4096), use_insert, one_namespace=one)
+                monkeypatch.setattr(block_index, "_native_place", leave_everything_to_python)
+                python = _random_ops(seed, BlockIndex(12 * 4096), use_insert, one_namespace=one)
+                assert native == python
+                assert native[2][2] > 100
     assert len(calls) > 500  # the C loop really ran
 
 
