@@ -19,9 +19,16 @@ Contracts:
   EVICTs always run ``_APPLY`` (a read-modify-write). Without a real socket (fakeredis)
   every update runs ``_APPLY``.
 - :meth:`Index.query` returns, for every nid holding block 0, the number of leading
-  blocks it holds, computed inside Redis by one script (one round trip). It knows
-  nothing of liveness: callers filter by the visible nids (``registry.py``).
-- Python never loops over blocks: hashes go to Redis as one blob, Lua slices it.
+  blocks it holds, in one round trip. It knows nothing of liveness: callers filter by the
+  visible nids (``registry.py``). How: one plain ``HGET`` per block, packed by numpy and
+  sent as one batch, the replies read by hiredis in C (``redis_conn.raw_round_trip``),
+  then :func:`prefix_holders`. Measured on 128-block queries at 1M indexed blocks: 314-381
+  against 461-477 us p50 for the ``_QUERY`` script, whose ``redis.call`` per block costs
+  ~2.6 us inside Redis against ~0.4 us for a plain ``HGET``; the script stops at the
+  first missing block, the batch always asks all (~50 us of Redis for 128). Without a
+  real socket (fakeredis) the script runs; tests hold the two equal.
+- Python loops over blocks only where holders change along the prefix (a second nid
+  holds part of it); the common run of one unchanged holder list is compared in C.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from pegaflow.cluster import keys
-from pegaflow.cluster.redis_conn import Call, Client, RawPipe, Script, run_scripts
+from pegaflow.cluster.redis_conn import Call, Client, RawPipe, Script, checked, raw_round_trip, run_scripts
 from pegaflow.cluster.schema import Op
 
 DUMP_CHUNK = 1024  # buckets per HGETALL pipeline when dumping / sweeping
@@ -224,6 +231,58 @@ def _hsetnx_batch(prefix: bytes, blob: bytes, nid: bytes) -> bytes:
     return out.tobytes()
 
 
+def _hget_batch(prefix: bytes, blob: bytes) -> bytes:
+    """RESP of ``HGET <bucket> <field>`` for each 16-byte hash of ``blob`` (as
+    :func:`_hsetnx_batch`)."""
+    head = np.frombuffer(b"*3\r\n$4\r\nHGET\r\n$%d\r\n%s" % (len(prefix) + 2, prefix), np.uint8)
+    mid = np.frombuffer(b"\r\n$14\r\n", np.uint8)
+    h = np.frombuffer(blob, np.uint8).reshape(-1, 16)
+    a = len(head)
+    b = a + 2 + len(mid)
+    out = np.empty((len(h), b + 16), np.uint8)
+    out[:, :a] = head
+    out[:, a : a + 2] = h[:, :2]
+    out[:, a + 2 : b] = mid
+    out[:, b : b + 14] = h[:, 2:]
+    out[:, b + 14 :] = (13, 10)
+    return out.tobytes()
+
+
+def prefix_holders(values: Sequence[bytes | None]) -> dict[int, int]:
+    """nid -> number of leading blocks it holds, from each block's holder list (``None``:
+    no holder), for the nids holding block 0: what ``_QUERY`` computes inside Redis."""
+    n = len(values)
+    cut = n
+    if None in values:  # list.index and count run in C
+        cut = values.index(None)
+    if cut == 0:
+        return {}
+    first = values[0]
+    assert first is not None
+    if values[:cut].count(first) == cut:  # one unchanged list (the common case)
+        return {nid: cut for nid in _nids(first)}
+    cand = [first[j : j + 4] for j in range(0, len(first), 4)]
+    out: dict[int, int] = {}
+    for i in range(1, cut):
+        v = values[i]
+        if v == first:
+            continue
+        assert v is not None
+        held = {v[j : j + 4] for j in range(0, len(v), 4)}
+        keep = []
+        for c in cand:
+            if c in held:
+                keep.append(c)
+            else:
+                out[int.from_bytes(c, "big")] = i
+        cand = keep
+        if not cand:
+            return out
+    for c in cand:
+        out[int.from_bytes(c, "big")] = cut
+    return out
+
+
 def _not_set(blob: bytes, replies: list[Any]) -> bytes:
     """The hashes of ``blob`` whose HSETNX reply is not 1 (the field existed, or an error)."""
     try:
@@ -346,8 +405,23 @@ class Index:
     def decode_query(reply: Sequence[Any]) -> dict[int, int]:
         return {int.from_bytes(reply[i], "big"): int(reply[i + 1]) for i in range(0, len(reply), 2)}
 
-    def query(self, namespace: str, hashes: Sequence[bytes]) -> dict[int, int]:
-        """nid -> number of leading blocks of ``hashes`` it holds (only nids holding block 0)."""
+    def query_batch(self, namespace: str, hashes: Sequence[bytes]) -> tuple[str, bytes, int]:
+        """(routing key, packed ``HGET`` per block, number of commands) of a prefix query,
+        for ``redis_conn.raw_round_trip``; its replies go to :func:`prefix_holders`."""
+        tag = keys.ns_tag(namespace)
+        return keys.anchor_key(tag), _hget_batch(keys.bucket_prefix(tag, self.prefix), b"".join(hashes)), len(hashes)
+
+    def query(self, namespace: str, hashes: Sequence[bytes], script: bool | None = None) -> dict[int, int]:
+        """nid -> number of leading blocks of ``hashes`` it holds (only nids holding block 0).
+        ``script``: force the ``_QUERY`` script (True) or the HGET batch (False)."""
+        if not hashes:
+            return {}
+        if not script:
+            got = raw_round_trip(self.r, [self.query_batch(namespace, hashes)])
+            if got is not None:
+                return prefix_holders(checked(got[0]))
+            if script is False:
+                raise TypeError("the HGET batch needs a client on a real socket")
         anchor, cmd = self.query_command(namespace, hashes)
         return self.decode_query(_QUERY(self.r, [anchor], cmd[4:]))
 

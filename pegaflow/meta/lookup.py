@@ -1,8 +1,10 @@
 """Read side: QueryPrefix and the routing hint, one Redis round trip each.
 
-A lookup sends, together, the prefix script (namespace slot) and ``MGET`` of every known
-node's liveness key plus ``GET`` of the registry version (``{pf}`` slot); on a cluster the
-two go to their shards in parallel (``redis_conn.parallel``). Nids not visible in that
+A lookup sends, together, the prefix query (a batch of ``HGET``, namespace slot; see
+``index.py``) and ``MGET`` of every known node's liveness key plus ``GET`` of the registry
+version (``{pf}`` slot); on a cluster the two go to their shards in parallel
+(``redis_conn.raw_round_trip``; without a real socket, the prefix script through
+``redis_conn.parallel``). Nids not visible in that
 same round trip are dropped, so a node whose TTL expired disappears from answers at once.
 The name/address cache is reloaded only when the registry version moved (then, and only
 then, a lookup costs a second round trip).
@@ -14,11 +16,11 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError
 
 from pegaflow.cluster import keys, registry
-from pegaflow.cluster.redis_conn import Client, parallel
-from pegaflow.meta.index import Index
+from pegaflow.cluster.redis_conn import Client, checked, is_cluster, pack, parallel, raw_round_trip
+from pegaflow.meta.index import Index, prefix_holders
 
 
 @dataclass(frozen=True)
@@ -52,27 +54,39 @@ class Lookup:
         """Live nodes holding a non-empty prefix of ``hashes``, longest first (ties by name)."""
         if not hashes:
             return []
-        anchor, qcmd = self.index.query_command(namespace, hashes)
+        batch = self.index.query_batch(namespace, hashes)
         for attempt in range(3):
             names = self._names
             reg_cmds = [["GET", keys.VERSION]]
             if names:
                 reg_cmds.append(["MGET", *(keys.live_key(n) for n in names)])
-            qrep, rrep = parallel(self.r, [(anchor, [qcmd]), (keys.VERSION, reg_cmds)])
-            if isinstance(qrep[0], Exception):
-                if isinstance(qrep[0], NoScriptError) and attempt < 2:
-                    self.index.ensure_scripts()
-                    continue
-                raise qrep[0]
-            for rep in rrep:
-                if isinstance(rep, Exception):
-                    raise rep
+            raw = raw_round_trip(self.r, [batch, (keys.VERSION, pack(*reg_cmds), len(reg_cmds))])
+            if raw is not None:
+                try:
+                    values, rrep = checked(raw[0]), checked(raw[1])
+                except ResponseError as exc:
+                    if is_cluster(self.r) and str(exc).startswith(("MOVED", "ASK")) and attempt < 2:
+                        self.r.nodes_manager.initialize()  # resharded: re-learn who owns the slot
+                        continue
+                    raise
+                held = prefix_holders(values)
+            else:  # no real socket (fakeredis): the prefix script
+                anchor, qcmd = self.index.query_command(namespace, hashes)
+                qrep, rrep = parallel(self.r, [(anchor, [qcmd]), (keys.VERSION, reg_cmds)])
+                if isinstance(qrep[0], Exception):
+                    if isinstance(qrep[0], NoScriptError) and attempt < 2:
+                        self.index.ensure_scripts()
+                        continue
+                    raise qrep[0]
+                for rep in rrep:
+                    if isinstance(rep, Exception):
+                        raise rep
+                held = Index.decode_query(qrep[0])
             if int(rrep[0] or 0) != self._version and attempt < 2:
                 self._reload()
                 continue
             live = rrep[1] if names else []
             visible = {int(v): n for n, v in zip(names, live, strict=True) if v is not None}
-            held = Index.decode_query(qrep[0])
             out = [
                 NodePrefix(visible[nid], self._addrs.get(visible[nid], ""), n)
                 for nid, n in held.items()

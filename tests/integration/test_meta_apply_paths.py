@@ -112,3 +112,69 @@ def test_a_pipe_whose_connection_is_killed_raises_and_the_client_recovers(redis_
     with RawPipe(r, keys.anchor_key(keys.ns_tag(NAMESPACES[0]))) as p:
         p.send("t", index_mod._hsetnx_batch(prefix, os.urandom(16 * 4), b"\0\0\0\1"), 4)
         assert p.drain() == [("t", [1, 1, 1, 1])]
+
+
+def check_queries_agree(r: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """QueryPrefix through plain HGET batches answers what the ``_QUERY`` script answers: an
+    index built from the random updates (blocks with one to four holders, holders that
+    drop out along a prefix, holes), queried with prefixes of the blocks it holds and of
+    blocks it does not."""
+    batches = []
+    real = index_mod._hget_batch
+
+    def counting(prefix: bytes, blob: bytes) -> bytes:
+        batches.append(len(blob) // 16)
+        return real(prefix, blob)
+
+    monkeypatch.setattr(index_mod, "_hget_batch", counting)
+    ix = Index(r)
+    ix.ensure_scripts()
+    for seed in range(4):
+        ix.clear(tags())
+        rng = random.Random(100 + seed)
+        ups = random_updates(seed)
+        ix.apply_many(ups)
+        several = 0
+        for u in ups[:120]:
+            hs = [u.blob[i : i + 16] for i in range(0, len(u.blob), 16)]
+            start = rng.randrange(len(hs))
+            for q in (hs, hs[start:], hs[:start] + [rng.randbytes(16)] + hs[start:], [rng.randbytes(16), *hs]):
+                got = ix.query(u.namespace, q, script=False)
+                assert got == ix.query(u.namespace, q, script=True), (seed, u)
+                several += len(set(got.values())) > 1
+        assert several > 20  # holders that drop out along a prefix were compared, not only runs of one
+    assert sum(batches) > 10_000  # the HGET path really ran
+
+
+def test_hget_batch_and_script_queries_agree_on_redis(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    check_queries_agree(connect(redis_server.url), monkeypatch)
+
+
+def test_hget_batch_and_script_queries_agree_on_a_cluster(
+    redis_cluster: RedisClusterProc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    redis_fixtures.flush_cluster(redis_cluster)
+    check_queries_agree(connect(redis_cluster.url, cluster=True), monkeypatch)
+
+
+def test_a_query_that_times_out_leaves_no_late_reply_for_the_next_one(redis_server: RedisServer) -> None:
+    """Redis stops answering (CLIENT PAUSE): the lookup raises TimeoutError, and the replies
+    that arrive after it never reach a later query (the connection was dropped, not pooled)."""
+    from pegaflow.meta.lookup import Lookup
+
+    r = connect(redis_server.url, socket_timeout=0.3)
+    ix = Index(r)
+    ix.clear(tags())
+    a, b = [os.urandom(16) for _ in range(32)], [os.urandom(16) for _ in range(8)]
+    ix.apply(Op.INSERT, NAMESPACES[0], 1, a)
+    ix.apply(Op.INSERT, NAMESPACES[0], 2, b)
+    lk = Lookup(r)
+    assert lk.query_prefix(NAMESPACES[0], a) == []  # nid 1 is not a live node: nothing visible
+    redis.Redis.from_url(redis_server.url).execute_command("CLIENT", "PAUSE", "1000", "ALL")
+    with pytest.raises(redis.TimeoutError):
+        ix.query(NAMESPACES[0], a, script=False)
+    redis.Redis.from_url(redis_server.url).execute_command("CLIENT", "UNPAUSE")
+    assert ix.query(NAMESPACES[0], b, script=False) == {2: 8}
+    assert ix.query(NAMESPACES[0], a, script=False) == {1: 32}

@@ -282,3 +282,42 @@ def test_consumer_applies_in_bounded_rounds_so_queries_interleave(r: fakeredis.F
     assert len(rounds) >= 4 and max(rounds) <= index.APPLY_ROUND_BLOCKS
     every = [h for b in batches for h in b]
     assert all(nids for nids in Index(r).holders(NS, every))
+
+
+def test_prefix_holders_equals_a_block_by_block_reading() -> None:
+    """``index.prefix_holders`` (the HGET batch's answer) against the definition: each nid
+    holding block 0 and the number of leading blocks it holds, on random holder lists
+    (aligned 4-byte nids, so a match across two nids must not count)."""
+    import random
+
+    from pegaflow.meta.index import nid_bytes, prefix_holders
+
+    rng = random.Random(5)
+
+    def definition(values):  # type: ignore[no-untyped-def]
+        if not values or values[0] is None:
+            return {}
+        out = {}
+        for nid in {int.from_bytes(values[0][j:j + 4], "big") for j in range(0, len(values[0]), 4)}:
+            n = 0
+            while n < len(values) and values[n] is not None and any(
+                    values[n][j:j + 4] == nid_bytes(nid) for j in range(0, len(values[n]), 4)):
+                n += 1
+            out[nid] = n
+        return out
+
+    # nids whose bytes straddle: 0x00000100 + 0x00020000 contains 0x01000002 across them
+    nids = [1, 2, 3, 0x00000100, 0x00020000, 0x01000002]
+    for _ in range(3000):
+        n = rng.randint(0, 12)
+        base = rng.sample(nids, rng.randint(1, 3))
+        values = []
+        for _i in range(n):
+            r = rng.random()
+            if r < 0.08:
+                values.append(None)
+                continue
+            if r < 0.3:
+                base = [x for x in base if rng.random() < 0.7] or rng.sample(nids, 1)
+            values.append(b"".join(nid_bytes(x) for x in rng.sample(base, len(base))))
+        assert prefix_holders(values) == definition(values), values
