@@ -106,7 +106,7 @@ def rpc(method: str) -> Callable[[Callable[[Any, Any], Answer]], Callable[[Any, 
                 raise st from None
             if inspect.isawaitable(answer):
                 return finish(self, answer, transport, t0)
-            self._observe(method, "OK", transport, time.perf_counter() - t0)
+            _after_answer(self._observe, method, "OK", transport, time.perf_counter() - t0)
             return answer
 
         return handler
@@ -126,6 +126,19 @@ def _request_key(session_id: int, req_id: str) -> str:
     """A request's identity for the ceiling: engines number their requests independently
     (vLLM's offline engine counts from 0), so the session tells two engines' "0" apart."""
     return f"{session_id}/{req_id}" if req_id else ""
+
+
+def _after_answer(fn: Callable[..., None], *args: Any) -> None:
+    """Run ``fn(*args)`` once the answer being built is written: on the event loop, after
+    the callback that serves the frame (the local socket writes its answers in that
+    callback), so the engine waiting for the answer does not wait for the bookkeeping.
+    In the same order as the answers; at once where no loop runs (tests calling handlers)."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        fn(*args)
+        return
+    loop.call_soon(fn, *args)
 
 
 def check_hashes(hashes: Sequence[bytes], max_batch: int) -> None:
@@ -381,14 +394,19 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
             self.metrics.load_bytes.inc(sum(b.size for b in blocks))
         self.hit_blocks += hit
         self.miss_blocks += len(hashes) - hit
+        _after_answer(self._count_query, nss[0], hashes, hit, _request_key(s.id, request.req_id), s.instance_id)
+        return node_pb2.QueryResponse(status=node_pb2.READY, hit_blocks=hit, lease_id=lease_id, pages=pages)
+
+    def _count_query(self, ns: Namespace, hashes: list[bytes], hit: int, key: str, instance: str) -> None:
+        """A READY answer's metrics, accounting (the hit-rate ceiling's sketches) and trace
+        record: ~15-25% of a Query's work on the node, done once the answer is written."""
         self.metrics.hits.labels("l1").inc(hit)
         self.metrics.misses.inc(len(hashes) - hit)
         self.metrics.queries.labels("hit" if hit else "miss").inc()
         if self.accounting is not None:
-            self.accounting.observe(nss[0].name, hashes, hit, _request_key(s.id, request.req_id))
+            self.accounting.observe(ns.name, hashes, hit, key)
         if self.query_trace is not None:
-            self.query_trace.record(nss[0].name, hashes, nss[0].page_bytes, s.instance_id)
-        return node_pb2.QueryResponse(status=node_pb2.READY, hit_blocks=hit, lease_id=lease_id, pages=pages)
+            self.query_trace.record(ns.name, hashes, ns.page_bytes, instance)
 
     def _first_query(self, key: str) -> bool:
         """True unless request ``key`` was queried recently (requests without an id: always)."""
