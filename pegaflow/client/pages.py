@@ -35,6 +35,16 @@ cache (measured: a one-thread kernel beat the two-thread one that way, and then 
 real loads at half the speed). The choice is logged (``copy_kernel_chosen``) and exported
 as ``pegaflow_client_copy_kernel`` / ``pegaflow_client_copy_calibration_gbps``;
 ``PEGAFLOW_COPY_KERNEL`` forces one.
+
+A choice is not for the life of the process either. The first copies are often the
+least representative: an engine's first saves write pool pages nobody touched for a while,
+which on VMs of this kind are slow to touch whatever the kernel (measured: all three
+candidates at 13.7-14.3 GB/s on those copies, then 13.3 GB/s for the one-thread kernel
+chosen against 18-20 for the two-thread one once the pool was warm). So after the choice
+every ``EXPLORE_EVERY``-th large copy uses another candidate, in turn, and the choice
+moves to one whose median over its last ``CALIBRATE_SAMPLES`` copies beats the chosen
+kernel's last ones by ``SWITCH_ABOVE`` (logged again; ``pegaflow_client_copy_kernel_switches_total``).
+That costs at most 1 in ``EXPLORE_EVERY`` copies at a slower kernel's speed.
 """
 
 from __future__ import annotations
@@ -46,13 +56,14 @@ import statistics
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import structlog
 import torch
-from prometheus_client import REGISTRY, CollectorRegistry, Gauge
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
 from pegaflow.client.blocks import BlockIds, block_matrix, check_layout
 from pegaflow.common.memory import MADV_POPULATE_READ, PAGE_SIZE, madvise, resident
@@ -77,6 +88,8 @@ except (OSError, AttributeError):  # pragma: no cover - a build without a compil
 CALIBRATE_MIN_BYTES = 1 << 20  # smaller copies say more about call overhead than bandwidth
 CALIBRATE_SAMPLES = 3  # per candidate; the median of three survives one disturbed copy
 CALIBRATE_WARMUP = 1  # first large copies per direction that are not samples (one-time costs)
+EXPLORE_EVERY = 16  # after a choice, one large copy in this many tries another candidate
+SWITCH_ABOVE = 1.05  # the choice moves to a candidate whose recent median beats it by this
 ENV_KERNEL = "PEGAFLOW_COPY_KERNEL"
 
 _KERNEL_MEMCPY, _KERNEL_NT = 0, 1  # pagecopy.c's PF_KERNEL_*
@@ -92,8 +105,11 @@ class CopyMetrics:
                             "(save: KV cache -> pool), 0 for the others it measured",
                             ["direction", "kernel"], registry=registry)
         self.calibration_gbps = Gauge("pegaflow_client_copy_calibration_gbps",
-                                      "Median GB/s each copy kernel reached while this process calibrated",
+                                      "Median GB/s of each copy kernel's last measured copies in this process",
                                       ["direction", "kernel"], registry=registry)
+        self.switches = Counter("pegaflow_client_copy_kernel_switches",
+                                "Times this process moved its choice of copy kernel after measuring another "
+                                "one faster on later copies", ["direction"], registry=registry)
 
 
 @dataclass(frozen=True)
@@ -155,6 +171,10 @@ class KernelChoice:
     _live: list[Kernel] = field(default_factory=list)  # measured, in rotation order
     _warmup: int = CALIBRATE_WARMUP
     _next: int = 0
+    _recent: dict[str, deque[float]] = field(default_factory=dict)  # after the choice: last GB/s per kernel
+    _large: int = 0  # large copies since the choice
+    _explored: int = 0
+    _forced: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
@@ -168,8 +188,17 @@ class KernelChoice:
 
     def pick(self, nbytes: int) -> tuple[Kernel, bool]:
         """The kernel for a copy of ``nbytes`` and whether its time should be reported."""
-        if self.chosen is not None:
-            return self.chosen, False
+        chosen = self.chosen
+        if chosen is not None:
+            if self._forced or len(self._live) < 2 or nbytes < CALIBRATE_MIN_BYTES or _populating():
+                return chosen, False
+            with self._lock:
+                self._large += 1
+                if self._large % EXPLORE_EVERY:
+                    return chosen, True
+                others = [k for k in self._live if k != chosen]
+                self._explored += 1
+                return others[self._explored % len(others)], True
         if nbytes < CALIBRATE_MIN_BYTES or _populating():
             # Not while this process populates its pool mapping in the background: that
             # thread takes the second core the two-thread kernels need, and a choice made
@@ -185,10 +214,14 @@ class KernelChoice:
         return k, True
 
     def report(self, kernel: Kernel, nbytes: int, seconds: float) -> None:
+        gbps = nbytes / max(seconds, 1e-9) / 1e9
         with self._lock:
-            if self.chosen is not None or kernel not in self._live:
+            if kernel not in self._live:
                 return
-            self.samples.setdefault(kernel.name, []).append(nbytes / max(seconds, 1e-9) / 1e9)
+            if self.chosen is not None:
+                self._after_choice(kernel, gbps)
+                return
+            self.samples.setdefault(kernel.name, []).append(gbps)
             if min(len(self.samples.get(k.name, ())) for k in self._live) < CALIBRATE_SAMPLES:
                 return
             medians = {name: statistics.median(xs) for name, xs in self.samples.items()}
@@ -197,8 +230,28 @@ class KernelChoice:
             best_kernel = max(self._live, key=lambda k: medians[k.name])
             self._choose(best_kernel, forced=False, gbps={n: round(g, 2) for n, g in medians.items()})
 
+    def _after_choice(self, kernel: Kernel, gbps: float) -> None:
+        """A copy measured after the choice (under the lock): switch if another kernel's
+        recent median beats the chosen one's by ``SWITCH_ABOVE``."""
+        recent = self._recent.setdefault(kernel.name, deque(maxlen=CALIBRATE_SAMPLES))
+        recent.append(gbps)
+        chosen = self.chosen
+        assert chosen is not None
+        mine = self._recent.get(chosen.name, ())
+        if kernel == chosen or len(recent) < CALIBRATE_SAMPLES or len(mine) < CALIBRATE_SAMPLES:
+            return
+        theirs, ours = statistics.median(recent), statistics.median(mine)
+        self.metrics.calibration_gbps.labels(self.direction, kernel.name).set(theirs)
+        self.metrics.calibration_gbps.labels(self.direction, chosen.name).set(ours)
+        if theirs > SWITCH_ABOVE * ours:
+            self.metrics.switches.labels(self.direction).inc()
+            log.info("copy_kernel_switched", direction=self.direction, previous=chosen.name,
+                     previous_gbps=round(ours, 2), kernel=kernel.name, gbps=round(theirs, 2))
+            self._choose(kernel, forced=False, gbps={chosen.name: round(ours, 2), kernel.name: round(theirs, 2)})
+
     def _choose(self, kernel: Kernel, forced: bool, gbps: dict[str, float] | None = None) -> None:
         self.chosen = kernel
+        self._forced = forced
         for k in {*self.kernels, kernel}:
             self.metrics.kernel.labels(self.direction, k.name).set(1 if k == kernel else 0)
         log.info("copy_kernel_chosen", direction=self.direction, kernel=kernel.name, forced=forced,

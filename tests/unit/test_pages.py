@@ -184,7 +184,73 @@ def test_choice_keeps_the_best_median_and_ignores_small_copies():
     assert c.chosen is None
     c.report(b, 10**9, 1 / 2)
     assert c.chosen == b
-    assert c.pick(10**9) == (b, False)
+    assert c.pick(10**9) == (b, True)  # still measured: a later copy may move the choice
+    assert c.pick(pages.CALIBRATE_MIN_BYTES - 1) == (b, False)
+
+
+def _chosen(kernels, first_gbps, reg=None):  # type: ignore[no-untyped-def]
+    """A KernelChoice that has chosen, every candidate measured at ``first_gbps[k]``."""
+    from prometheus_client import CollectorRegistry
+
+    c = pages.KernelChoice("save", kernels, pages.CopyMetrics(reg or CollectorRegistry()))
+    for _ in range(pages.CALIBRATE_WARMUP):
+        c.pick(pages.CALIBRATE_MIN_BYTES)
+    while c.chosen is None:
+        k, timed = c.pick(pages.CALIBRATE_MIN_BYTES)
+        assert timed
+        c.report(k, 10**9, 1 / first_gbps[k])
+    return c
+
+
+def test_after_the_choice_one_copy_in_explore_every_tries_each_other_candidate_in_turn():
+    a, b, c2 = pages.Kernel("nt-2t", 1, 2), pages.Kernel("nt", 1, 1), pages.Kernel("memcpy-2t", 0, 2)
+    c = _chosen([a, b, c2], {a: 10.0, b: 8.0, c2: 7.0})
+    assert c.chosen == a
+    picks = [c.pick(pages.CALIBRATE_MIN_BYTES)[0] for _ in range(4 * pages.EXPLORE_EVERY)]
+    others = [k for k in picks if k != a]
+    assert len(others) == 4 and set(others) == {b, c2}  # one in EXPLORE_EVERY, alternating
+    assert all(k == a for i, k in enumerate(picks) if (i + 1) % pages.EXPLORE_EVERY)
+
+
+def test_the_choice_moves_when_another_kernel_measures_faster_on_later_copies():
+    """Chosen on cold first copies (all alike), the one-thread kernel is left once the
+    two-thread one, tried now and then, keeps beating it by more than SWITCH_ABOVE."""
+    from prometheus_client import CollectorRegistry
+
+    reg = CollectorRegistry()
+    one, two = pages.Kernel("nt", 1, 1), pages.Kernel("nt-2t", 1, 2)
+    c = _chosen([one, two], {one: 14.3, two: 13.7}, reg)
+    assert c.chosen == one
+    speed = {one: 13.3, two: 19.0}
+    for _ in range(pages.CALIBRATE_SAMPLES * pages.EXPLORE_EVERY + 1):
+        k, timed = c.pick(pages.CALIBRATE_MIN_BYTES)
+        assert timed
+        c.report(k, 10**9, 1 / speed[k])
+        if c.chosen == two:
+            break
+    assert c.chosen == two
+    assert reg.get_sample_value("pegaflow_client_copy_kernel_switches_total", {"direction": "save"}) == 1
+    assert reg.get_sample_value("pegaflow_client_copy_kernel", {"direction": "save", "kernel": "nt-2t"}) == 1
+    assert reg.get_sample_value("pegaflow_client_copy_kernel", {"direction": "save", "kernel": "nt"}) == 0
+
+
+def test_the_choice_stays_when_the_others_are_not_clearly_faster():
+    one, two = pages.Kernel("nt", 1, 1), pages.Kernel("nt-2t", 1, 2)
+    c = _chosen([one, two], {one: 14.0, two: 13.0})
+    speed = {one: 14.0, two: 14.0 * pages.SWITCH_ABOVE * 0.99}  # faster, but within the margin
+    for _ in range(10 * pages.EXPLORE_EVERY):
+        k, _ = c.pick(pages.CALIBRATE_MIN_BYTES)
+        c.report(k, 10**9, 1 / speed[k])
+    assert c.chosen == one
+
+
+def test_a_forced_kernel_is_never_explored_away(monkeypatch):
+    from prometheus_client import CollectorRegistry
+
+    one, two = pages.Kernel("nt", 1, 1), pages.Kernel("nt-2t", 1, 2)
+    c = pages.KernelChoice("save", [one, two], pages.CopyMetrics(CollectorRegistry()), forced=one)
+    assert [c.pick(pages.CALIBRATE_MIN_BYTES) for _ in range(3 * pages.EXPLORE_EVERY)] == \
+        [(one, False)] * (3 * pages.EXPLORE_EVERY)
 
 
 def test_one_thread_memcpy_is_measured_only_without_a_non_temporal_kernel():
