@@ -39,7 +39,7 @@ class Goal:
 
 
 RUNS: tuple[Run, ...] = (
-    Run("node", "node.py", ("--rounds", "3", "--inflight", "1")),
+    Run("node", "node.py", ("--rounds", "5", "--inflight", "1")),  # the issue's own command
     Run("pool", "pool.py", ("--pool-gb", "4")),
     Run("spill", "spill.py", ("--seconds", "12")),
     Run("p2p", "p2p.py", ("--rounds", "3", "--latency-rounds", "2"), root=True),
