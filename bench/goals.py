@@ -47,7 +47,7 @@ RUNS: tuple[Run, ...] = (
     Run("ssd", "ssd.py", ("--size", "1gb", "--repeat", "2", "--engines", "uring")),
     Run("replay", "replay.py", ("--repeat", "5")),
     Run("policy", "policy.py", ("--blocks", "300000", "--repeat", "2")),
-    Run("ttft", "ttft.py", ("--connectors", "pega,example", "--prompts", "4", "--repeats", "3"), summary_flag="--out"),
+    Run("ttft", "ttft.py", ("--connectors", "pega,example", "--prompts", "4", "--repeats", "6"), summary_flag="--out"),
     # Five vLLM servers / four engines each: minutes, so only when asked for.
     Run("concurrency", "concurrency.py", ("--rounds", "2"), default=False),
     Run("multiturn", "multiturn.py", (), default=False),
