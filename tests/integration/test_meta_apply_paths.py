@@ -2,7 +2,8 @@
 ``_APPLY`` script leaves, on a real redis-server and a real Redis Cluster: the same random
 sequences of inserts, snapshots and evictions by several nids over a small set of blocks
 (so that blocks have several holders and updates collide), applied both ways under two key
-prefixes, must dump equal and report the same number of changes."""
+prefixes, must dump equal and report the same number of changes. Queries through plain
+HGET batches answer what the ``_QUERY`` script answers on the index they build."""
 
 from __future__ import annotations
 
@@ -70,17 +71,19 @@ def check_paths_agree(r: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
     assert sum(batches) > 1000  # the HSETNX path really ran
 
 
-def test_native_and_scripted_updates_agree_on_redis(
+def test_native_and_scripted_updates_and_queries_agree_on_redis(
     redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     check_paths_agree(connect(redis_server.url), monkeypatch)
+    check_queries_agree(connect(redis_server.url), monkeypatch)
 
 
-def test_native_and_scripted_updates_agree_on_a_cluster(
+def test_native_and_scripted_updates_and_queries_agree_on_a_cluster(
     redis_cluster: RedisClusterProc, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     redis_fixtures.flush_cluster(redis_cluster)
     check_paths_agree(connect(redis_cluster.url, cluster=True), monkeypatch)
+    check_queries_agree(connect(redis_cluster.url, cluster=True), monkeypatch)
 
 
 def test_an_evict_after_a_colliding_insert_is_not_undone(redis_server: RedisServer) -> None:
@@ -144,19 +147,6 @@ def check_queries_agree(r: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None
                 several += len(set(got.values())) > 1
         assert several > 20  # holders that drop out along a prefix were compared, not only runs of one
     assert sum(batches) > 10_000  # the HGET path really ran
-
-
-def test_hget_batch_and_script_queries_agree_on_redis(
-    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    check_queries_agree(connect(redis_server.url), monkeypatch)
-
-
-def test_hget_batch_and_script_queries_agree_on_a_cluster(
-    redis_cluster: RedisClusterProc, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    redis_fixtures.flush_cluster(redis_cluster)
-    check_queries_agree(connect(redis_cluster.url, cluster=True), monkeypatch)
 
 
 def test_a_query_that_times_out_leaves_no_late_reply_for_the_next_one(redis_server: RedisServer) -> None:
