@@ -157,9 +157,12 @@ def _likeliest_first(k: Kernel) -> tuple[bool, bool]:
 
 @dataclass
 class KernelChoice:
-    """Measures the candidates (``kernels``) on one direction's first large copies, then keeps
-    the fastest. Copies too small to measure, and copies made before a choice that are not
-    measured, use ``default`` (the first of ``kernels`` if not given)."""
+    """Measures the candidates (``kernels``) on one direction's first large copies (after
+    ``CALIBRATE_WARMUP``), chooses the fastest, then times every large copy and tries the
+    others on one in ``EXPLORE_EVERY``, moving the choice when one is faster by
+    ``SWITCH_ABOVE`` (the module's docstring says why). Copies too small to measure, and
+    copies made before a choice that are not measured, use ``default`` (the first of
+    ``kernels`` if not given). Thread-safe: several requests may copy at once."""
 
     direction: str
     kernels: list[Kernel]
