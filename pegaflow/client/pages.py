@@ -177,7 +177,6 @@ class KernelChoice:
     _recent: dict[str, deque[float]] = field(default_factory=dict)  # after the choice: last GB/s per kernel
     _large: int = 0  # large copies since the choice
     _explored: int = 0
-    _forced: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
@@ -193,7 +192,7 @@ class KernelChoice:
         """The kernel for a copy of ``nbytes`` and whether its time should be reported."""
         chosen = self.chosen
         if chosen is not None:
-            if self._forced or len(self._live) < 2 or nbytes < CALIBRATE_MIN_BYTES or _populating():
+            if self.forced is not None or len(self._live) < 2 or nbytes < CALIBRATE_MIN_BYTES or _populating():
                 return chosen, False
             with self._lock:
                 self._large += 1
@@ -254,7 +253,6 @@ class KernelChoice:
 
     def _choose(self, kernel: Kernel, forced: bool, gbps: dict[str, float] | None = None) -> None:
         self.chosen = kernel
-        self._forced = forced
         for k in {*self.kernels, kernel}:
             self.metrics.kernel.labels(self.direction, k.name).set(1 if k == kernel else 0)
         log.info("copy_kernel_chosen", direction=self.direction, kernel=kernel.name, forced=forced,

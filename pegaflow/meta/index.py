@@ -212,13 +212,16 @@ class Update:
         return self.op != Op.EVICT
 
 
-def _hsetnx_batch(prefix: bytes, blob: bytes, nid: bytes) -> bytes:
-    """RESP of ``HSETNX <bucket> <field> <nid>`` for each 16-byte hash of ``blob``: one row
-    per command, its constant parts broadcast and the hash's two slices copied in by numpy
-    (redis-py's packer costs ~2 us a command, a Python loop of joins ~0.8 us; see RawPipe)."""
-    head = np.frombuffer(b"*4\r\n$6\r\nHSETNX\r\n$%d\r\n%s" % (len(prefix) + 2, prefix), np.uint8)
+def _field_commands(command: bytes, prefix: bytes, blob: bytes, value: bytes | None = None) -> bytes:
+    """RESP of ``<command> <bucket> <field> [<value>]`` for each 16-byte hash of ``blob``:
+    one row per command, its constant parts broadcast and the hash's two slices copied in
+    by numpy (redis-py's packer costs ~2 us a command, a Python loop of joins ~0.8 us; see
+    RawPipe)."""
+    argc = 3 if value is None else 4
+    head = np.frombuffer(b"*%d\r\n$%d\r\n%s\r\n$%d\r\n%s" % (argc, len(command), command, len(prefix) + 2, prefix),
+                         np.uint8)
     mid = np.frombuffer(b"\r\n$14\r\n", np.uint8)
-    tail = np.frombuffer(b"\r\n$4\r\n" + nid + b"\r\n", np.uint8)
+    tail = np.frombuffer(b"\r\n" if value is None else b"\r\n$%d\r\n%s\r\n" % (len(value), value), np.uint8)
     h = np.frombuffer(blob, np.uint8).reshape(-1, 16)
     a = len(head)
     b = a + 2 + len(mid)
@@ -231,21 +234,14 @@ def _hsetnx_batch(prefix: bytes, blob: bytes, nid: bytes) -> bytes:
     return out.tobytes()
 
 
+def _hsetnx_batch(prefix: bytes, blob: bytes, nid: bytes) -> bytes:
+    """``HSETNX <bucket> <field> <nid>`` for each hash of ``blob`` (index updates)."""
+    return _field_commands(b"HSETNX", prefix, blob, nid)
+
+
 def _hget_batch(prefix: bytes, blob: bytes) -> bytes:
-    """RESP of ``HGET <bucket> <field>`` for each 16-byte hash of ``blob`` (as
-    :func:`_hsetnx_batch`)."""
-    head = np.frombuffer(b"*3\r\n$4\r\nHGET\r\n$%d\r\n%s" % (len(prefix) + 2, prefix), np.uint8)
-    mid = np.frombuffer(b"\r\n$14\r\n", np.uint8)
-    h = np.frombuffer(blob, np.uint8).reshape(-1, 16)
-    a = len(head)
-    b = a + 2 + len(mid)
-    out = np.empty((len(h), b + 16), np.uint8)
-    out[:, :a] = head
-    out[:, a : a + 2] = h[:, :2]
-    out[:, a + 2 : b] = mid
-    out[:, b : b + 14] = h[:, 2:]
-    out[:, b + 14 :] = (13, 10)
-    return out.tobytes()
+    """``HGET <bucket> <field>`` for each hash of ``blob`` (prefix queries)."""
+    return _field_commands(b"HGET", prefix, blob)
 
 
 def prefix_holders(values: Sequence[bytes | None]) -> dict[int, int]:

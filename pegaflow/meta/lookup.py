@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from redis.exceptions import NoScriptError, ResponseError
 
 from pegaflow.cluster import keys, registry
-from pegaflow.cluster.redis_conn import Client, checked, is_cluster, pack, parallel, raw_round_trip
+from pegaflow.cluster.redis_conn import Client, checked, is_cluster, parallel, raw_round_trip
 from pegaflow.meta.index import Index, prefix_holders
 
 
@@ -60,7 +60,7 @@ class Lookup:
             reg_cmds = [["GET", keys.VERSION]]
             if names:
                 reg_cmds.append(["MGET", *(keys.live_key(n) for n in names)])
-            raw = raw_round_trip(self.r, [batch, (keys.VERSION, pack(*reg_cmds), len(reg_cmds))])
+            raw = raw_round_trip(self.r, [batch, (keys.VERSION, reg_cmds, len(reg_cmds))])
             if raw is not None:
                 try:
                     values, rrep = checked(raw[0]), checked(raw[1])

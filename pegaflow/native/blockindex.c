@@ -617,8 +617,8 @@ static inline int int_is(PyObject *v, long x) {
  * - it is not, and alloc.free_bytes >= need: the page is alloc.alloc(ns.page_bytes)
  *   (an exception stops here, cleared: the Python loop makes the same call and handles it);
  * - it is not, and the pool is full: the LRU head (a Block of ns, else stop: another
- *   namespace's victim is the Python loop's, it lives in another table; none, stop) is judged by admission.admit(block_key(hash), block_key(head.hash)) if
- *   admission is not None (refused: stop with refused=True, nothing popped: the Python
+ *   namespace's victim lives in another table, the Python loop's; none, stop) is judged
+ *   by admission.admit(block_key(hash), block_key(head.hash)) if admission is not None (refused: stop with refused=True, nothing popped: the Python
  *   loop counts the refusal and ends the request), then popped and dropped from blocks,
  *   appended to evicted, and its page taken.
  * - either way a new PENDING Block(ns, hash, page, reclaimable) goes into blocks and is

@@ -321,3 +321,19 @@ def test_prefix_holders_equals_a_block_by_block_reading() -> None:
                 base = [x for x in base if rng.random() < 0.7] or rng.sample(nids, 1)
             values.append(b"".join(nid_bytes(x) for x in rng.sample(base, len(base))))
         assert prefix_holders(values) == definition(values), values
+
+
+def test_hand_packed_index_commands_are_the_bytes_redis_py_would_send() -> None:
+    import os
+
+    from redis.connection import Connection
+
+    from pegaflow.meta import index as index_mod
+
+    conn = Connection()
+    blob, prefix, nid = os.urandom(16 * 5), b"pf:b:{00ff00ff00ff00ff}", b"\0\0\0\x07"
+    hs = [blob[i : i + 16] for i in range(0, len(blob), 16)]
+    assert index_mod._hsetnx_batch(prefix, blob, nid) == b"".join(
+        b"".join(conn.pack_command("HSETNX", prefix + h[:2], h[2:], nid)) for h in hs)
+    assert index_mod._hget_batch(prefix, blob) == b"".join(
+        b"".join(conn.pack_command("HGET", prefix + h[:2], h[2:])) for h in hs)
