@@ -32,7 +32,7 @@ from pegaflow.core.units import parse_size
 from pegaflow.node import metrics as node_metrics
 from pegaflow.node.pool import SharedPool
 from pegaflow.node.tiers.ssd import open_tier, promote
-from pegaflow.node.tiers.ssd.store import record_bytes
+from pegaflow.node.tiers.ssd.records import record_bytes
 
 
 def fio(path: str, rw: str, size: int, bs: int, depth: int) -> dict[str, float]:

@@ -20,7 +20,7 @@ import torch
 import xxhash
 
 from pegaflow.client import NodeError, PegaClient
-from pegaflow.node.tiers.ssd.store import BLOCK, SB_MAGIC, TOMBSTONE, record_bytes, unpack_header
+from pegaflow.node.tiers.ssd.records import BLOCK, SB_MAGIC, TOMBSTONE, record_bytes, unpack_header
 from tests.integration.redis_fixtures import redis_server  # noqa: F401
 
 pytestmark = pytest.mark.integration

@@ -5,26 +5,21 @@ from __future__ import annotations
 
 import asyncio
 import os
+import struct
 from pathlib import Path
 
 import numpy as np
 import pytest
+import xxhash
 
 from pegaflow.config.commands import NodeConfig, node_config
 from pegaflow.core.block_index import BlockIndex
 from pegaflow.node.metrics import NodeMetrics
 from pegaflow.node.pool import SharedPool
 from pegaflow.node.tiers.ssd import SsdError, open_tier, promote
-from pegaflow.node.tiers.ssd.store import (
-    BLOCK,
-    CACHE_FILE_NAME,
-    SsdIndex,
-    aligned_buffer,
-    open_files,
-    pack_header,
-    record_bytes,
-    unpack_header,
-)
+from pegaflow.node.tiers.ssd.files import CACHE_FILE_NAME, open_files
+from pegaflow.node.tiers.ssd.records import BLOCK, aligned_buffer, pack_header, record_bytes, unpack_header
+from pegaflow.node.tiers.ssd.store import SsdIndex
 from pegaflow.node.tiers.ssd.uring import uring_unavailable_reason
 
 PAGE = 16 << 10
@@ -65,6 +60,38 @@ def test_files_are_allocated_in_full_and_reopened(tmp_path: Path):
     assert files[0].file_bytes == 1 << 20
     for f in files:
         os.close(f.fd)
+
+
+def test_a_file_in_the_format_v1_layout_opens_as_is_and_its_records_are_found(tmp_path: Path):
+    """The on-disk format is a contract with files already on disk: a file built here from
+    the documented v1 layout (struct + xxh3_64, none of the tier's code) must open without
+    being re-formatted, and a scan must find its block and honour its reset record."""
+    file_bytes, seg_bytes = 1 << 20, 31 * BLOCK  # segment = min(64 MiB, (file - 4 KiB) / 8), 4 KiB-rounded
+    data = bytearray(file_bytes)
+    struct.pack_into("<16sIIQQQ", data, 0, b"PEGAFLOW-SSDv1\x00\x00", 1, 0, file_bytes, seg_bytes, 1)
+    struct.pack_into("<Q", data, 48, xxhash.xxh3_64_intdigest(bytes(data[:48])))
+
+    def record(off: int, seq: int, name: bytes, hash_: bytes, payload: bytes) -> int:
+        struct.pack_into("<4sHHQQQQ16s", data, off, b"PFR1", 1, len(name), 5, seq, len(payload),
+                         xxhash.xxh3_64_intdigest(payload), hash_)
+        data[off + 56:off + 56 + len(name)] = name
+        struct.pack_into("<Q", data, off + 56 + len(name), xxhash.xxh3_64_intdigest(bytes(data[off:off + 56 + len(name)])))
+        data[off + BLOCK:off + BLOCK + len(payload)] = payload
+        return off + BLOCK + -(-len(payload) // BLOCK) * BLOCK
+
+    off = record(BLOCK, 1, b"gone", b"\x01" * 16, b"voided by the reset below")
+    off = record(off, 2, b"gone", b"\xff" * 16, b"")  # a reset record of namespace "gone"
+    record(off, 3, b"kept", b"\x02" * 16, b"p" * 5000)
+    path = tmp_path / CACHE_FILE_NAME
+    path.write_bytes(bytes(data))
+    files = open_files([str(tmp_path)], file_bytes)
+    assert (files[0].segment_bytes, len(files[0].segments)) == (seg_bytes, 8)
+    idx = SsdIndex(files, lambda name, pb: {"gone": 1, "kept": 2}[name])
+    assert idx.scan() == 1
+    e = idx.get((2, b"\x02" * 16))
+    assert e is not None and (e.gen, e.seq, e.ns_name, e.payload_len) == (5, 3, "kept", 5000)
+    idx.close()
+    assert path.read_bytes() == bytes(data), "a file of this format must be opened, never rewritten"
 
 
 def test_foreign_and_newer_files_are_refused_untouched(tmp_path: Path):

@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 
 from pegaflow.core.block_index import Block, Namespace
 from pegaflow.node.tiers.ssd.parts import TierParts
-from pegaflow.node.tiers.ssd.store import BLOCK, Entry, aligned_buffer, checksum, round_up, unpack_header
+from pegaflow.node.tiers.ssd.records import BLOCK, aligned_buffer, checksum, round_up, unpack_header
+from pegaflow.node.tiers.ssd.store import Entry
 from pegaflow.node.tiers.ssd.uring import MAX_IOV, IoOp
 
 HOLD_SECONDS = 2.0  # pin promoted blocks this long for the engine's next Query to lease them

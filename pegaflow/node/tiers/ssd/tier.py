@@ -1,6 +1,6 @@
-"""The L3 SSD tier of one node: cache files + index (store), I/O engine, write-behind,
-promotion. A block's path: commit into L1 -> :mod:`writer` -> disk; Query miss in L1 ->
-:mod:`promote` -> disk -> L1 page -> commit.
+"""The L3 SSD tier of one node: cache files (:mod:`files`, laid out as :mod:`records` says)
++ index (:mod:`store`), I/O engine, write-behind, promotion. A block's path: commit into
+L1 -> :mod:`writer` -> disk; Query miss in L1 -> :mod:`promote` -> disk -> L1 page -> commit.
 
 Lifecycle: :func:`open_tier` validates and scans at start-up, before the pool is used
 (bad paths and capacities fail with :class:`SsdError`, one line); :meth:`SsdTier.start`
@@ -22,9 +22,10 @@ import structlog
 from pegaflow.config.commands import NodeConfig
 from pegaflow.core.block_index import Block, BlockIndex, Namespace
 from pegaflow.node.metrics import NodeMetrics
+from pegaflow.node.tiers.ssd.files import SsdError, open_files
 from pegaflow.node.tiers.ssd.metrics import SsdMetrics
 from pegaflow.node.tiers.ssd.promote import Promoter
-from pegaflow.node.tiers.ssd.store import CacheFile, Entry, SsdError, SsdIndex, open_files
+from pegaflow.node.tiers.ssd.store import CacheFile, Entry, SsdIndex
 from pegaflow.node.tiers.ssd.uring import make_engine
 from pegaflow.node.tiers.ssd.writer import WriteBehind
 

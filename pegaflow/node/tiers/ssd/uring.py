@@ -36,6 +36,8 @@ from typing import Protocol
 
 import structlog
 
+from pegaflow.node.tiers.ssd.files import SsdError
+
 log = structlog.get_logger("pegaflow.ssd")
 
 IDLE_POLL_MS = 1000  # engine thread wake-up when idle (only to notice close())
@@ -262,8 +264,6 @@ def make_engine(kind: str, depth: int) -> Engine:
     if why is None:
         return UringEngine(depth)
     if kind == "uring":
-        from pegaflow.node.tiers.ssd.store import SsdError
-
         raise SsdError(f"--ssd-io-engine uring: {why}")
     log.warning("ssd_uring_unavailable", reason=why, fallback="threads")
     return ThreadEngine(depth)

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 from pegaflow.core.block_index import Block, IndexEvent, Namespace
 from pegaflow.node.tiers.ssd.parts import TierParts
-from pegaflow.node.tiers.ssd.store import BLOCK, Slot, aligned_buffer, checksum, pack_header, round_up
+from pegaflow.node.tiers.ssd.records import BLOCK, aligned_buffer, checksum, pack_header, round_up
+from pegaflow.node.tiers.ssd.store import Slot
 from pegaflow.node.tiers.ssd.uring import MAX_IOV, IoOp
 
 WRITE_COALESCE_BYTES = 4 << 20  # adjacent records go out in one writev up to this size
