@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pegaflow.client import PegaClient, load_pages, page_bytes, save_pages  # noqa: E402
-from pegaflow.client.pages import copy_kernels  # noqa: E402
+from pegaflow.client.kernels import copy_kernels  # noqa: E402
 from tests.conftest import NodeProcess  # noqa: E402
 
 BLOCKS_PER_REQUEST = 64
@@ -227,7 +227,7 @@ def main() -> None:
         f"{r['page_kib']} KiB x{r['inflight']}: warm-up {r['warmup_gbps'][0]:.1f} / {r['warmup_gbps'][1]:.1f}, "
         + ", ".join(f"{a:.1f} / {b:.1f}" for a, b in zip(r["save_rounds_gbps"], r["load_rounds_gbps"], strict=True))
         for r in rows))
-    print("\nCopy kernel each row's process chose (pegaflow/client/pages.py measures the candidates on its "
+    print("\nCopy kernel each row's process chose (pegaflow/client/kernels.py measures the candidates on its "
           "first copies): " + "; ".join(f"{r['page_kib']} KiB x{r['inflight']}: save {r['kernels'].get('save')}, "
                                          f"load {r['kernels'].get('load')}" for r in rows))
     print("\nA one-block Query (no lease) after the client was busy for a while, p50 µs (the cost of "

@@ -1,6 +1,6 @@
 """Batched page copies for KV caches on an accelerator: a request in a few large operations.
 
-The per-block path of ``pages.py`` (one ``copy_`` per block and segment) is ~4,000 small
+A per-block path (one ``copy_`` per block and segment) would be ~4,000 small
 copies for a 64-block request of an 8B model; on a GPU each is a launch and a DMA of a few
 KiB. Here a request moves through a *staging* buffer on the KV cache's device that holds
 its pages back to back, in pool order:

@@ -33,7 +33,7 @@ import structlog
 import torch
 
 from pegaflow._proto import node_pb2, node_pb2_grpc
-from pegaflow.client.pages import map_lazily
+from pegaflow.client.populate import map_lazily
 from pegaflow.common.local_wire import (
     HELLO,
     MAX_FRAME,
@@ -121,7 +121,7 @@ class _Mapping:
         fd = os.open(path, os.O_RDWR)
         try:
             # Not MAP_POPULATE: that maps the whole pool now (seconds per 100 GiB); copies
-            # populate the chunks they touch instead (pegaflow.client.pages.map_lazily).
+            # populate what they touch instead (pegaflow.client.populate.map_lazily).
             self.mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
         finally:
             os.close(fd)

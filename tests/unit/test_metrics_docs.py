@@ -63,7 +63,7 @@ def meta_families() -> dict[str, tuple[str, set[str]]]:
 
 
 def client_families() -> dict[str, tuple[str, set[str]]]:
-    from pegaflow.client.pages import CopyMetrics
+    from pegaflow.client.kernels import CopyMetrics
 
     m = CopyMetrics(CollectorRegistry())
     m.kernel.labels("save", "memcpy").set(1)
