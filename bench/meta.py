@@ -44,12 +44,14 @@ import grpc  # noqa: E402
 
 from pegaflow._proto import meta_pb2, meta_pb2_grpc  # noqa: E402
 from pegaflow.cluster import registry  # noqa: E402
-from pegaflow.cluster.codec import FIELD, encode  # noqa: E402
+from pegaflow.cluster.keys import stream_key  # noqa: E402
 from pegaflow.cluster.redis_conn import Client, connect, is_cluster  # noqa: E402
-from pegaflow.cluster.schema import Event, Op  # noqa: E402
-from pegaflow.cluster.streams import GROUP, stream_key  # noqa: E402
 from pegaflow.common.logging import configure_logging  # noqa: E402
-from pegaflow.meta.ingest import Consumer  # noqa: E402
+from pegaflow.meta.events.codec import FIELD, encode  # noqa: E402
+from pegaflow.meta.events.consumer import Consumer  # noqa: E402
+from pegaflow.meta.events.schema import Event, Op  # noqa: E402
+from pegaflow.meta.events.streams import GROUP  # noqa: E402
+from pegaflow.meta.index import Index  # noqa: E402
 from pegaflow.meta.lookup import Lookup  # noqa: E402
 
 INFRA = ROOT / "infra" / "redis"
@@ -217,7 +219,7 @@ def backlog(r: Client) -> int:
 
 
 def apply_all(r: Client, updates: int) -> tuple[float, float]:
-    c = Consumer(r, "bench-consumer", lease_ms=600_000)
+    c = Consumer(r, Index(r), "bench-consumer", lease_ms=600_000)
     t0 = time.perf_counter()
     while c.stats.blocks < updates:
         c.step()

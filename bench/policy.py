@@ -18,12 +18,16 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 
 import datasketches as ds
 import numpy as np
 
-from pegaflow.core.ceiling import CeilingEstimator, exact_ceiling
-from pegaflow.core.tinylfu import TinyLFU
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pegaflow.policy.ceiling import CeilingEstimator  # noqa: E402
+from pegaflow.policy.tinylfu import TinyLFU  # noqa: E402
+from tests.oracles.ceiling import exact_ceiling  # noqa: E402
 
 M64 = (1 << 64) - 1
 
@@ -127,7 +131,7 @@ def bench_hll(
 def bench_node_ceiling(n_blocks: int, repeat: int) -> list[tuple[str, float, str]]:
     """What the node pays: Query-path observe on 16-byte hashes, publication, cluster union."""
     from pegaflow.cluster.sketches import cluster_union
-    from pegaflow.node.requests import RequestAccounting
+    from pegaflow.node.accounting import RequestAccounting
 
     rows: list[tuple[str, float, str]] = []
     rng = random.Random(4)

@@ -27,6 +27,9 @@ NAMESPACES = "pf:{pf}:ns"  # HASH ns tag -> namespace string
 CONSUMERS = "pf:{pf}:consumers"  # ZSET consumer name -> heartbeat deadline ms
 SWEEP_LOCK = "pf:{pf}:sweep"
 SWEPT = "pf:{pf}:swept"  # SET of retired nids already swept once
+PAUSE = "pf:{pf}:pause"  # set by `pegaflow-meta rebuild`: replicas stop applying
+
+STREAM_PREFIX = "pf:ev:"  # + {<node>}: one event stream per node (pegaflow/meta/events/)
 
 BUCKET_PREFIX = "pf:b:"  # live index
 REBUILD_PREFIX = "pf:t:"  # index being rebuilt, renamed over the live one bucket by bucket
@@ -36,6 +39,14 @@ BUCKETS = 1 << 16
 def live_key(node: str) -> str:
     """STRING nid visible to readers for ``node``, with the node's liveness TTL."""
     return f"pf:{{pf}}:live:{node}"
+
+
+def stream_key(node: str) -> str:
+    """The node's event stream, in a slot of its own. Node names may not contain braces
+    (they would break the hash tag)."""
+    if not node or "{" in node or "}" in node:
+        raise ValueError(f"invalid node name {node!r}")
+    return f"{STREAM_PREFIX}{{{node}}}"
 
 
 def owner_key(node: str) -> str:

@@ -1,7 +1,7 @@
 """The cluster-wide hit-rate ceiling: nodes publish their sketches, the metaserver unites them.
 
 Node side: every ``--ceiling-publish-interval`` the node serializes its
-:class:`~pegaflow.core.ceiling.CeilingEstimator` (on its event loop) and
+:class:`~pegaflow.policy.ceiling.CeilingEstimator` (on its event loop) and
 :func:`publish_sketch` stores the bytes under ``pf:sk:{<node>}`` with a TTL of
 ``SKETCH_TTL_INTERVALS`` intervals, so a dead node's sketch disappears by itself. The key
 shares the slot of the node's event stream; in a Redis Cluster, sketches of different
@@ -33,7 +33,7 @@ from prometheus_client.registry import Collector
 
 from pegaflow.cluster import keys, registry
 from pegaflow.cluster.redis_conn import Client
-from pegaflow.core.ceiling import CeilingEstimator, WindowStats
+from pegaflow.policy.ceiling import CeilingEstimator, WindowStats
 
 log = structlog.get_logger("pegaflow.cluster.sketches")
 

@@ -1,13 +1,13 @@
-"""The core: what a block is and how a pool decides what to keep. No I/O, no other pegaflow package.
+"""The core: what a block is and how a pool indexes it. No I/O, no other pegaflow package.
 
 - :mod:`identity`: the namespace and block-hash functions (``HASH_BYTES``, ``KVIdentity``,
   ``block_hashes``, ``namespace_salt``, ``block_key``).
 - :mod:`block_index` + :mod:`allocator`: the node's block index over one pool's pages.
-- :mod:`tinylfu` (admission) and :mod:`ceiling` (the HyperLogLog hit-rate ceiling).
 - :mod:`trace`: the request-trace formats (``pegaflow`` query trace, Mooncake).
 - :mod:`units`, :mod:`durations`: sizes and durations as users write them.
 - :mod:`recent`: a bounded set of recently seen keys.
 
-Everything else in PegaFlow may import this package; it imports nothing of PegaFlow's
+What a pool decides to keep (admission, the hit-rate ceiling) is :mod:`pegaflow.policy`, one
+layer up. Everything else in PegaFlow may import this package; it imports nothing of PegaFlow's
 (enforced by the import-linter contracts in ``pyproject.toml``).
 """

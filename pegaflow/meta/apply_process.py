@@ -1,4 +1,4 @@
-"""The replica's consumer (``ingest.Consumer``) in a process of its own, beside the gRPC server.
+"""The replica's consumer (``events.consumer.Consumer``) in a process of its own, beside the gRPC server.
 
 Why: applying updates is Python work (decoding entries, packing ``HSETNX`` batches, reading
 replies) on the same interpreter lock as the gRPC handlers. With the consumer in the
@@ -10,13 +10,13 @@ bench/meta.py).
 Contracts:
 
 - The child consumes under the replica's name, so a child restarted after a crash takes
-  its own leases back at once (``ingest._ACQUIRE``); its entries were never acked, so
-  nothing is lost (the module contracts of ``ingest.py``).
+  its own leases back at once (``events.consumer._ACQUIRE``); its entries were never acked, so
+  nothing is lost (the module contracts of ``events/consumer.py``).
 - It stops when :meth:`ConsumerProcess.stop` asks (releasing its leases, as the in-process
   consumer did), and dies with its parent: ``PR_SET_PDEATHSIG`` and a check of the parent
   every second, so a SIGKILLed metaserver leaves no consumer behind.
-- Every ``REPORT_S`` it sends the values of its consumer series; the parent adds the
-  increments to its own ``MetaMetrics``, so ``--http-addr`` serves the same series as
+- Every ``REPORT_S`` it sends the values of its ``ConsumerMetrics``; the parent adds the
+  increments to its own (``MetaMetrics.consumer``), so ``--http-addr`` serves the same series as
   before (at most ``REPORT_S`` late).
 - A child that exits by itself is logged and started again after a delay that doubles up
   to ``RESTART_MAX_S`` (reset once a child lived ``RESTART_MAX_S``).
@@ -34,8 +34,9 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import structlog
+from prometheus_client import Counter, Gauge
 
-from pegaflow.meta.metrics import MetaMetrics
+from pegaflow.meta.events.consumer import ConsumerMetrics
 
 log = structlog.get_logger("pegaflow.meta.apply_process")
 
@@ -45,40 +46,42 @@ RESTART_MAX_S = 30.0
 STOP_TIMEOUT_S = 15.0  # the consumer finishes its step and releases its leases
 PR_SET_PDEATHSIG = 1
 
-# Sample name -> (MetaMetrics attribute, is a gauge): the series the consumer counts.
-SERIES: dict[str, tuple[str, bool]] = {
-    "pegaflow_meta_events_applied_total": ("events_applied", False),
-    "pegaflow_meta_blocks_applied_total": ("blocks_applied", False),
-    "pegaflow_meta_events_malformed_total": ("events_malformed", False),
-    "pegaflow_meta_events_stale_total": ("events_stale", False),
-    "pegaflow_meta_entries_claimed_total": ("entries_claimed", False),
-    "pegaflow_meta_streams_owned": ("streams_owned", True),
-}
-
 Snapshot = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
-def snapshot(metrics: MetaMetrics) -> Snapshot:
+def _series(metrics: ConsumerMetrics) -> dict[str, tuple[Any, bool]]:
+    """Sample name -> (the series, is a gauge), for every series ``ConsumerMetrics`` defines."""
+    out: dict[str, tuple[Any, bool]] = {}
+    for s in vars(metrics).values():
+        if isinstance(s, Counter | Gauge):
+            family = s.describe()[0]
+            gauge = family.type == "gauge"
+            out[family.name if gauge else family.name + "_total"] = (s, gauge)
+    return out
+
+
+def snapshot(metrics: ConsumerMetrics) -> Snapshot:
     """The consumer series' current values, keyed by (sample name, labels)."""
+    names = _series(metrics)
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for m in metrics.registry.collect()
         for s in m.samples
-        if s.name in SERIES
+        if s.name in names
     }
 
 
-def fold(into: MetaMetrics, now: Snapshot, before: Snapshot) -> None:
+def fold(into: ConsumerMetrics, now: Snapshot, before: Snapshot) -> None:
     """Add what a child counted between two snapshots to ``into`` (gauges: set)."""
+    series = _series(into)
     for (name, labels), value in now.items():
-        attr, gauge = SERIES[name]
-        series: Any = getattr(into, attr)
+        target, gauge = series[name]
         if labels:
-            series = series.labels(**dict(labels))
+            target = target.labels(**dict(labels))
         if gauge:
-            series.set(value)
+            target.set(value)
         elif value > before.get((name, labels), 0.0):
-            series.inc(value - before.get((name, labels), 0.0))
+            target.inc(value - before.get((name, labels), 0.0))
 
 
 def _die_with_parent() -> None:
@@ -94,11 +97,13 @@ def _child(conn: Connection, stop: Any, redis_url: str, cluster: bool, name: str
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us (a terminal's ^C reaches both)
     from pegaflow.cluster.redis_conn import connect
     from pegaflow.common.logging import configure_logging
-    from pegaflow.meta.ingest import Consumer
+    from pegaflow.meta.events.consumer import Consumer
+    from pegaflow.meta.index import Index
 
     configure_logging(log_level, log_format)
-    metrics = MetaMetrics()
-    consumer = Consumer(connect(redis_url, cluster), name, lease_ms=lease_ms, metrics=metrics)
+    metrics = ConsumerMetrics()
+    r = connect(redis_url, cluster)
+    consumer = Consumer(r, Index(r), name, lease_ms=lease_ms, metrics=metrics)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())  # a graceful end: the leases are released
 
@@ -125,7 +130,7 @@ def _child(conn: Connection, stop: Any, redis_url: str, cluster: bool, name: str
 class ConsumerProcess:
     """Starts, supervises and stops the child; folds its series into ``metrics``."""
 
-    def __init__(self, redis_url: str, cluster: bool, name: str, lease_ms: int, metrics: MetaMetrics,
+    def __init__(self, redis_url: str, cluster: bool, name: str, lease_ms: int, metrics: ConsumerMetrics,
                  log_level: str = "info", log_format: str = "console") -> None:
         self.args = (redis_url, cluster, name, lease_ms, log_level, log_format)
         self.name = name

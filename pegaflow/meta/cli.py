@@ -4,7 +4,7 @@
     pegaflow-meta rebuild [options]   recompute the index from the streams, print a JSON report
 
 Any number of replicas may run against one Redis or Redis Cluster; they share the node
-streams (see ``pegaflow/meta/ingest.py``). Options: ``pegaflow/config/options.py`` (META rows).
+streams (see ``pegaflow/meta/events/consumer.py``). Options: ``pegaflow/config/options.py`` (META rows).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def serve_forever(r: Client, opts: MetaConfig, security: Security) -> None:
 
     from pegaflow.meta import sweeper
     from pegaflow.meta.apply_process import ConsumerProcess
-    from pegaflow.meta.ingest import default_consumer_name
+    from pegaflow.meta.events.consumer import default_consumer_name
     from pegaflow.meta.lookup import Lookup
     from pegaflow.meta.service import serve
 
@@ -83,7 +83,7 @@ def serve_forever(r: Client, opts: MetaConfig, security: Security) -> None:
     # The consumer runs in a child process (pegaflow/meta/apply_process.py says why), under
     # this replica's name.
     consumer = ConsumerProcess(opts.redis_url, opts.redis_cluster, opts.consumer_name or default_consumer_name(),
-                               int(opts.stream_lease_ttl * 1000), metrics, opts.log_level, opts.log_format)
+                               int(opts.stream_lease_ttl * 1000), metrics.consumer, opts.log_level, opts.log_format)
     threads: list[threading.Thread] = []
     if opts.sweep_interval > 0:
         threads.append(

@@ -8,7 +8,7 @@ Contracts:
 - :meth:`Index.apply_many` applies a node's updates in order. Applying is idempotent
   and order-insensitive between nids: INSERT adds the nid if absent, EVICT removes it if
   present. Replaying any suffix of one node's events in order leaves the same state, which
-  is what makes re-delivery after a crash safe (see ``pegaflow/meta/ingest.py``).
+  is what makes re-delivery after a crash safe (see ``pegaflow/meta/events/consumer.py``).
 - How: a run of consecutive adds (INSERT, SNAPSHOT) goes as plain ``HSETNX`` commands
   streamed on one connection (``redis_conn.RawPipe``): a new block, the common case, is
   one native command, ~1.5 us of Redis against ~3.3 us for the same step inside a Lua
@@ -35,14 +35,13 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from pegaflow.cluster import keys
 from pegaflow.cluster.redis_conn import Call, Client, RawPipe, Script, checked, raw_round_trip, run_scripts
-from pegaflow.cluster.schema import Op
+from pegaflow.meta.events.schema import Op, Update
 
 DUMP_CHUNK = 1024  # buckets per HGETALL pipeline when dumping / sweeping
 SWEEP_CHUNK = 256  # buckets per sweep script call: bounds the time one call holds Redis
@@ -196,20 +195,6 @@ return removed
 
 def nid_bytes(nid: int) -> bytes:
     return struct.pack(">I", nid)
-
-
-@dataclass(frozen=True, slots=True)
-class Update:
-    """One event's change to the index: ``op`` of the 16-byte hashes in ``blob`` for ``nid``."""
-
-    op: Op
-    namespace: str
-    nid: int
-    blob: bytes
-
-    @property
-    def adds(self) -> bool:
-        return self.op != Op.EVICT
 
 
 def _field_commands(command: bytes, prefix: bytes, blob: bytes, value: bytes | None = None) -> bytes:

@@ -96,11 +96,6 @@ class Lookup:
             return out
         raise RuntimeError("registry kept changing during the lookup")
 
-    def route_hint(self, namespace: str, hashes: Sequence[bytes]) -> NodePrefix | None:
-        """The live node with the longest prefix, or None when no live node holds block 0."""
-        res = self.query_prefix(namespace, hashes)
-        return res[0] if res else None
-
     def nodes(self) -> list[tuple[str, str, int, bool]]:
         """(name, address, epoch, alive) of every registered node."""
         info = registry.nodes(self.r)

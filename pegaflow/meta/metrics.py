@@ -8,29 +8,16 @@ go to, passed to the parts that count. ``pegaflow-meta`` builds one on the defau
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from pegaflow.meta.events.consumer import ConsumerMetrics
 
 
 class MetaMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         reg = registry if registry is not None else CollectorRegistry()
         self.registry = reg
-        self.events_applied = Counter(
-            "pegaflow_meta_events_applied_total", "Node events applied to the index", ["op"], registry=reg
-        )
-        self.blocks_applied = Counter(
-            "pegaflow_meta_blocks_applied_total", "Block updates applied to the index", registry=reg
-        )
-        self.events_malformed = Counter(
-            "pegaflow_meta_events_malformed_total", "Stream entries skipped as malformed", registry=reg
-        )
-        self.events_stale = Counter(
-            "pegaflow_meta_events_stale_total", "Events of retired incarnations skipped", registry=reg
-        )
-        self.entries_claimed = Counter(
-            "pegaflow_meta_entries_claimed_total", "Pending entries claimed from other consumers", registry=reg
-        )
-        self.streams_owned = Gauge("pegaflow_meta_streams_owned", "Node streams this replica consumes", registry=reg)
+        self.consumer = ConsumerMetrics(reg)  # the stream consumer's series (events/consumer.py)
         self.swept = Counter(
             "pegaflow_meta_swept_entries_total", "Index entries of retired incarnations removed", registry=reg
         )

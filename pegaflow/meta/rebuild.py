@@ -22,12 +22,11 @@ from dataclasses import dataclass
 import structlog
 
 from pegaflow.cluster import keys, registry
-from pegaflow.cluster.codec import MalformedEvent, decode_entry
+from pegaflow.cluster.keys import stream_key
 from pegaflow.cluster.redis_conn import Client
-from pegaflow.cluster.schema import Op
-from pegaflow.cluster.streams import stream_key
+from pegaflow.meta.events.codec import MalformedEvent, decode_entry
+from pegaflow.meta.events.schema import Op
 from pegaflow.meta.index import Index, Update
-from pegaflow.meta.ingest import PAUSE_KEY
 
 log = structlog.get_logger("pegaflow.meta.rebuild")
 
@@ -46,7 +45,7 @@ class RebuildReport:
 def rebuild(r: Client, wait_leases: float = 30.0) -> RebuildReport:
     t0 = time.monotonic()
     token = f"rebuild-{time.time()}"
-    r.set(PAUSE_KEY, token, px=int((wait_leases + 600) * 1000))
+    r.set(keys.PAUSE, token, px=int((wait_leases + 600) * 1000))
     try:
         info = registry.nodes(r)
         deadline = time.monotonic() + wait_leases
@@ -90,5 +89,5 @@ def rebuild(r: Client, wait_leases: float = 30.0) -> RebuildReport:
         log.info("rebuilt index", **report.__dict__)
         return report
     finally:
-        if r.get(PAUSE_KEY) == token.encode():
-            r.delete(PAUSE_KEY)
+        if r.get(keys.PAUSE) == token.encode():
+            r.delete(keys.PAUSE)

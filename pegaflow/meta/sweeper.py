@@ -15,8 +15,8 @@ import time
 import structlog
 
 from pegaflow.cluster import keys, registry
+from pegaflow.cluster.keys import stream_key
 from pegaflow.cluster.redis_conn import Client
-from pegaflow.cluster.streams import stream_key
 from pegaflow.meta.index import Index
 from pegaflow.meta.metrics import MetaMetrics
 

@@ -1,4 +1,4 @@
-/* The per-key paths of pegaflow.core.tinylfu.TinyLFU in C: record, estimate, admit.
+/* The per-key paths of pegaflow.policy.tinylfu.TinyLFU in C: record, estimate, admit.
  *
  * TinyLFU owns the state (the count-min table and the doorkeeper are its bytearrays, the
  * sample count is its attribute); a Sketch only holds views of the two buffers and the

@@ -23,19 +23,19 @@ from pegaflow.common.security import Security, SecurityError
 from pegaflow.config.commands import NodeConfig
 from pegaflow.core.allocator import ExtentAllocator
 from pegaflow.core.block_index import BlockIndex, IndexEvent, Namespace
-from pegaflow.core.tinylfu import TinyLFU
 from pegaflow.node import discovery
+from pegaflow.node.accounting import RequestAccounting
 from pegaflow.node.block_events import BlockEventFeed
 from pegaflow.node.metrics import NodeMetrics
 from pegaflow.node.pool import SharedPool
 from pegaflow.node.query_trace import QueryTrace, QueryTraceError
-from pegaflow.node.requests import RequestAccounting
 from pegaflow.node.service import NodeService
 from pegaflow.node.sessions import Sessions
 from pegaflow.node.tiers.remote import wiring
 from pegaflow.node.tiers.remote.rdma import RdmaUnavailable
 from pegaflow.node.tiers.ssd import SsdError, open_tier
 from pegaflow.node.transports.unix_socket import LocalServer, LocalSocketError, default_socket_path
+from pegaflow.policy.tinylfu import TinyLFU
 
 log = structlog.get_logger("pegaflow.node")
 

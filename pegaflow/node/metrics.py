@@ -62,7 +62,7 @@ class NodeMetrics:
         self.leases = Gauge("pegaflow_node_active_leases", "Leases currently held.", registry=r)
         self.reservations = Gauge("pegaflow_node_active_reservations", "Uncommitted reservations.", registry=r)
         self.sessions = Gauge("pegaflow_node_sessions", "Registered engine sessions.", registry=r)
-        # Hit-rate ceiling per window (pegaflow/node/requests.py), refreshed by the node's loop.
+        # Hit-rate ceiling per window (pegaflow/node/accounting.py), refreshed by the node's loop.
         self.ceiling = Gauge(
             "pegaflow_node_ceiling_hit_ratio",
             "Hit-rate ceiling r* = (N - U) / N of the requests in the window.",

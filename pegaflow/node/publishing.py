@@ -42,14 +42,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from pegaflow.cluster import registry
-from pegaflow.cluster.codec import FIELD, encode
+from pegaflow.cluster.keys import stream_key
 from pegaflow.cluster.redis_conn import Client, connect
-from pegaflow.cluster.schema import FLAG_LAST, Event, Op
-from pegaflow.cluster.streams import GROUP, stream_key
 from pegaflow.common.hosts import advertised
 from pegaflow.config.commands import NodeConfig
 from pegaflow.core.block_index import BlockIndex, IndexEvent, Namespace
 from pegaflow.core.identity import HASH_BYTES
+from pegaflow.meta.events.codec import FIELD, encode
+from pegaflow.meta.events.schema import FLAG_LAST, Event, Op
+from pegaflow.meta.events.streams import GROUP
 
 _log = structlog.get_logger("pegaflow.meta.publisher")
 

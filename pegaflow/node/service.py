@@ -38,9 +38,9 @@ from pegaflow.common.logging import RateLimitedLog
 from pegaflow.core.block_index import Block, BlockIndex, Namespace
 from pegaflow.core.identity import HASH_BYTES
 from pegaflow.core.recent import RecentKeys
+from pegaflow.node.accounting import SEEN_REQUESTS
 from pegaflow.node.block_events import BlockEventFeed
 from pegaflow.node.metrics import NodeMetrics
-from pegaflow.node.requests import SEEN_REQUESTS
 from pegaflow.node.sessions import Session, Sessions
 
 log = structlog.get_logger("pegaflow.node")
@@ -182,7 +182,7 @@ class QueryRecorder(Protocol):
 
 
 class Accounting(Protocol):
-    """Per-request accounting (``pegaflow.node.requests.RequestAccounting``)."""
+    """Per-request accounting (``pegaflow.node.accounting.RequestAccounting``)."""
 
     def loading(self, req_id: str, hit: int, tier: str) -> None: ...
 

@@ -4,7 +4,7 @@ What is modelled, and how (also in ``docs/replay.md``):
 
 - **L1** is one :class:`~pegaflow.core.block_index.BlockIndex` per pool, with the node's
   LRU eviction and, when asked, the node's TinyLFU admission
-  (:class:`~pegaflow.core.tinylfu.TinyLFU`, sized to the L1 capacity in blocks). A
+  (:class:`~pegaflow.policy.tinylfu.TinyLFU`, sized to the L1 capacity in blocks). A
   request is served exactly as the node serves it: ``prefix`` (hits are touched and
   recorded), ``record_access`` for the rest, then ``reserve`` + ``commit`` of the blocks
   the engine computed (the node's Query, Reserve, Commit), in one pass
@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 from pegaflow.config.capacity import KV_AWARE, ROUND_ROBIN, Capacity, route_field
 from pegaflow.core.allocator import OutOfSpace
 from pegaflow.core.block_index import BlockIndex, IndexEvent, Namespace
-from pegaflow.core.tinylfu import TinyLFU
+from pegaflow.policy.tinylfu import TinyLFU
 
 # The node's default --page-align: O_DIRECT needs 4096-byte aligned pages.
 BYTES_ALIGN = 4096

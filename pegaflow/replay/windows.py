@@ -3,7 +3,7 @@
 Windows are tumbling and aligned to the first request: window j of length w holds the
 requests with ``j = floor(t' / (w / buckets)) // buckets`` where ``t' = t - t0``. That is
 bucket for bucket the window the node's
-:class:`~pegaflow.core.ceiling.CeilingEstimator` reads at the end of window j (its ring
+:class:`~pegaflow.policy.ceiling.CeilingEstimator` reads at the end of window j (its ring
 of ``buckets`` sub-windows then covers exactly window j), so the exact and the estimated
 columns describe the same requests. The estimator is the production one, fed exactly
 as the node feeds it: one ``observe(keys, hits, now)`` per request, in time order.
@@ -20,9 +20,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from pegaflow.core.ceiling import DEFAULT_BUCKETS, CeilingEstimator
 from pegaflow.core.durations import format_duration
 from pegaflow.core.trace import Trace
+from pegaflow.policy.ceiling import DEFAULT_BUCKETS, CeilingEstimator
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ prefill/decode disaggregation through PegaFlow. See docs/router.md.
 
 Modules, in the direction they depend on each other:
 
-* :mod:`.policy` — pure routing arithmetic (no I/O): candidates in, one engine out;
+* :mod:`.routing` — pure routing arithmetic (no I/O): candidates in, one engine out;
 * :mod:`.engines` — each engine's health, load and identity (what its connector reports);
 * :mod:`.hints` — who holds a prefix: the metaserver, or each engine's node directly;
 * :mod:`.prompts` — request bodies to token ids and block hashes (the connector's hash);

@@ -47,8 +47,8 @@ from pegaflow.config.commands import RouterConfig
 from pegaflow.core.router_protocol import ROUTER_KEY
 from pegaflow.router.engines import ANY, DECODE, PREFILL, Engine, EnginePool
 from pegaflow.router.hints import HintUnavailable, MetaHints, NodeHints
-from pegaflow.router.policy import Decision, Policy
 from pegaflow.router.prompts import CHAT, COMPLETIONS, BadRequest, Prompts, check_body, extra_keys, hashes_of
+from pegaflow.router.routing import Decision, Policy
 
 log = structlog.get_logger("pegaflow.router")
 

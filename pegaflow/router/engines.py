@@ -28,7 +28,7 @@ import xxhash
 from prometheus_client.parser import text_string_to_metric_families
 
 from pegaflow.core.router_protocol import DESCRIBE_VERSION, ROUTER_KEY
-from pegaflow.router.policy import Candidate
+from pegaflow.router.routing import Candidate
 
 log = structlog.get_logger("pegaflow.router")
 

@@ -18,11 +18,12 @@ from pegaflow.client import PegaClient
 from pegaflow.cluster import keys, registry
 from pegaflow.cluster.redis_conn import connect
 from pegaflow.cluster.sketches import ClusterCeilingCollector, publish_sketch
-from pegaflow.core.ceiling import CeilingEstimator, exact_ceiling
+from pegaflow.policy.ceiling import CeilingEstimator
 from tests.conftest import free_port
 from tests.integration import redis_fixtures
 from tests.integration.meta_harness import ENV, wait_until
 from tests.integration.redis_fixtures import RedisClusterProc, RedisServer
+from tests.oracles.ceiling import exact_ceiling
 
 pytestmark = pytest.mark.integration
 redis_server = redis_fixtures.redis_server

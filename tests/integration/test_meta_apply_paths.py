@@ -15,8 +15,8 @@ import redis
 
 from pegaflow.cluster import keys
 from pegaflow.cluster.redis_conn import RawPipe, connect
-from pegaflow.cluster.schema import Op
 from pegaflow.meta import index as index_mod
+from pegaflow.meta.events.schema import Op
 from pegaflow.meta.index import Index, Update
 from tests.integration import redis_fixtures
 from tests.integration.redis_fixtures import RedisClusterProc, RedisServer

@@ -17,11 +17,12 @@ import pytest
 
 from pegaflow._proto import meta_pb2
 from pegaflow.cluster import keys, registry
-from pegaflow.cluster.codec import FIELD, decode, encode
-from pegaflow.cluster.schema import Event, Op
-from pegaflow.cluster.streams import GROUP, stream_key
+from pegaflow.cluster.keys import stream_key
+from pegaflow.meta.events.codec import FIELD, decode, encode
+from pegaflow.meta.events.consumer import Consumer
+from pegaflow.meta.events.schema import Event, Op
+from pegaflow.meta.events.streams import GROUP
 from pegaflow.meta.index import Index
-from pegaflow.meta.ingest import Consumer
 from pegaflow.meta.lookup import Lookup
 from pegaflow.node.publishing import EventPublisher
 from tests.integration import redis_fixtures
@@ -194,13 +195,13 @@ def test_takeover_claims_a_dead_consumers_pending_entries(redis_server: RedisSer
         held.update(new)
         pub.on_insert("ns", new)
     assert pub.wait_idle(5)
-    a = Consumer(r, "a", lease_ms=500)
+    a = Consumer(r, Index(r), "a", lease_ms=500)
     a.refresh()
     a._claim(a.streams["n1"])
     read = a._read()  # a reads the entries, then dies before applying or acking them
     assert sum(len(e) for _s, e in read) > 0
     assert r.xpending(stream_key("n1"), GROUP)["pending"] > 0
-    b = Consumer(r, "b", lease_ms=500)
+    b = Consumer(r, Index(r), "b", lease_ms=500)
     wait_until(lambda: (b.refresh(), "n1" in b.streams)[1], 5, "b to take the stream over")
     assert b.wait_caught_up(10)
     assert b.stats.claimed > 0
@@ -364,12 +365,15 @@ def test_rebuild_equals_live_index_and_repairs_damage(redis_server: RedisServer,
 CONSUME = """
 import json, sys
 from pegaflow.common.logging import configure_logging
-from pegaflow.meta.ingest import Consumer
+from pegaflow.meta.events.consumer import Consumer
+from pegaflow.meta.index import Index
 from pegaflow.cluster.redis_conn import connect
 configure_logging("info")
-c = Consumer(connect(sys.argv[1]), "c")
+r = connect(sys.argv[1])
+c = Consumer(r, Index(r), "c")
 assert c.wait_caught_up(20)
-print(json.dumps({"malformed": c.stats.malformed, "metric": c.metrics.events_malformed._value.get()}))
+metric = c.metrics.registry.get_sample_value("pegaflow_meta_events_malformed_total")
+print(json.dumps({"malformed": c.stats.malformed, "metric": metric}))
 """
 
 
@@ -414,7 +418,7 @@ def test_dropped_updates_trigger_a_resync_and_the_index_converges(redis_server: 
         held.update(new)
         pub.on_insert("ns", new)
     assert pub.stats.dropped_blocks > 0
-    c = Consumer(r, "c")
+    c = Consumer(r, Index(r), "c")
     wait_until(lambda: pub.epoch > first_epoch and pub.wait_idle(0.1), 10, "a re-sync")
     assert c.wait_caught_up(10)
     (nid,) = registry.visible(r, ["n1"])
@@ -471,7 +475,7 @@ def test_long_running_node_compacts_its_stream_without_a_visibility_gap(
     rng = random.Random(9)
     held: list[bytes] = []
     pub = EventPublisher(r, "n1", "h:1", lambda: [("ns", list(held))], flush_interval=0.001).start(wait=5)
-    c = Consumer(r, "c")
+    c = Consumer(r, Index(r), "c")
     first = pub.epoch
     seen_visible: set[int] = set()
     for _ in range(30):  # 30 x 40 updates: past the compaction threshold at least once

@@ -10,7 +10,8 @@ import xxhash
 
 from pegaflow.client import PegaClient
 from pegaflow.cluster.redis_conn import connect
-from pegaflow.meta.ingest import Consumer
+from pegaflow.meta.events.consumer import Consumer
+from pegaflow.meta.index import Index
 from pegaflow.meta.lookup import Lookup
 from tests.integration import redis_fixtures
 from tests.integration.meta_harness import wait_until
@@ -36,7 +37,7 @@ def test_node_daemon_publishes_inserts_and_evictions(node_factory, redis_server:
     for i in range(0, 100, 10):  # ten requests, chained prefixes of 10 blocks each
         res = c.reserve("model-x", hs[i : i + 10])
         c.commit(res.reservation_id)
-    consumer = Consumer(r, "t")
+    consumer = Consumer(r, Index(r), "t")
     lookup = Lookup(r)
 
     def node_holds(h: bytes) -> bool:

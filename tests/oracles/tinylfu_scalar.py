@@ -7,7 +7,7 @@ bit for bit (tables, doorkeeper, agings, estimates, decisions).
 
 from __future__ import annotations
 
-from pegaflow.core.tinylfu import _C1, _C2, _M32, _M64, TinyLFU
+from pegaflow.policy.tinylfu import _C1, _C2, _M32, _M64, TinyLFU
 
 
 class ScalarTinyLFU(TinyLFU):

@@ -7,14 +7,9 @@ import random
 import numpy as np
 import pytest
 
-from pegaflow.core.ceiling import (
-    MAX_BYTES,
-    CeilingEstimator,
-    ExactCeiling,
-    choose_lg_k,
-    exact_ceiling,
-)
 from pegaflow.core.durations import format_duration, parse_duration, parse_windows
+from pegaflow.policy.ceiling import MAX_BYTES, CeilingEstimator, choose_lg_k
+from tests.oracles.ceiling import ExactCeiling, exact_ceiling
 
 
 class FakeClock:

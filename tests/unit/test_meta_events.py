@@ -8,11 +8,11 @@ import fakeredis
 import pytest
 
 from pegaflow.cluster import keys, registry
-from pegaflow.cluster.codec import FIELD, MalformedEvent, decode, encode
-from pegaflow.cluster.schema import FLAG_LAST, Event, Op
-from pegaflow.cluster.streams import stream_key
+from pegaflow.cluster.keys import stream_key
+from pegaflow.meta.events.codec import FIELD, MalformedEvent, decode, encode
+from pegaflow.meta.events.consumer import Consumer
+from pegaflow.meta.events.schema import FLAG_LAST, Event, Op
 from pegaflow.meta.index import Index
-from pegaflow.meta.ingest import Consumer
 from pegaflow.node.publishing import EventPublisher
 
 NS = "llama|fp16|bs16|tp1"
@@ -166,7 +166,7 @@ def test_publisher_and_consumer_converge_and_skip_malformed(r: fakeredis.FakeRed
     pub.on_insert(NS, last)
     assert pub.wait_idle(5)
     pub.stop()
-    c = Consumer(r, "c1")
+    c = Consumer(r, Index(r), "c1")
     assert c.wait_caught_up(10)
     assert c.stats.malformed == 3
     (live,) = registry.visible(r, ["n1"])
@@ -228,10 +228,10 @@ def test_a_redis_that_lost_its_data_never_reuses_an_incarnation(r: fakeredis.Fak
 
 
 def test_consumer_drops_events_of_an_incarnation_that_is_not_the_newest(r: fakeredis.FakeRedis) -> None:
-    from pegaflow.cluster.codec import FIELD, encode
-    from pegaflow.cluster.schema import Event
-    from pegaflow.cluster.streams import stream_key
-    from pegaflow.meta.ingest import Consumer
+    from pegaflow.cluster.keys import stream_key
+    from pegaflow.meta.events.codec import FIELD, encode
+    from pegaflow.meta.events.consumer import Consumer
+    from pegaflow.meta.events.schema import Event
 
     old_nid, old_epoch = registry.register(r, "a", "h:1", 10_000, switch=True)
     r.flushall()  # Redis lost everything; "a" has not noticed yet and keeps writing
@@ -246,7 +246,7 @@ def test_consumer_drops_events_of_an_incarnation_that_is_not_the_newest(r: faker
     nid_a, epoch_a = registry.register(r, "a", "h:1", 10_000, switch=True)
     mine = hashes(4, seed=5)
     r.xadd(stream_key("a"), {FIELD: encode(Event("a", nid_a, epoch_a, 0, Op.INSERT, NS, b"".join(mine)))})
-    c = Consumer(r, "c1", lease_ms=10_000)
+    c = Consumer(r, Index(r), "c1", lease_ms=10_000)
     for _ in range(5):
         c.step()
     ix = Index(r)
@@ -276,7 +276,7 @@ def test_consumer_applies_in_bounded_rounds_so_queries_interleave(r: fakeredis.F
         return real(client, calls)
 
     monkeypatch.setattr(index, "run_scripts", counting)
-    c = Consumer(r, "c1")
+    c = Consumer(r, Index(r), "c1")
     assert c.wait_caught_up(10)
     assert sum(rounds) == sum(len(b) for b in batches)
     assert len(rounds) >= 4 and max(rounds) <= index.APPLY_ROUND_BLOCKS

@@ -9,11 +9,12 @@ import xxhash
 from prometheus_client import CollectorRegistry, generate_latest
 
 from pegaflow.cluster.sketches import ClusterCeilingCollector, cluster_union
-from pegaflow.core.block_index import BlockIndex, block_key
-from pegaflow.core.ceiling import CeilingEstimator
-from pegaflow.core.tinylfu import TinyLFU
+from pegaflow.core.block_index import BlockIndex
+from pegaflow.core.identity import block_key, block_keys, namespace_salt
+from pegaflow.node.accounting import RequestAccounting
 from pegaflow.node.metrics import NodeMetrics
-from pegaflow.node.requests import RequestAccounting, ceiling_key, namespace_salt
+from pegaflow.policy.ceiling import CeilingEstimator
+from pegaflow.policy.tinylfu import TinyLFU
 
 PAGE = 4096
 
@@ -105,9 +106,10 @@ def test_ceiling_counts_each_request_once_however_often_it_is_queried() -> None:
 def test_ceiling_keys_depend_on_the_namespace_name_not_on_node_local_ids() -> None:
     h = hashes("k", 1)[0]
     # Same value in any process on any host (no salted hash(), no per-node namespace id).
-    assert ceiling_key("model-a", h) == int.from_bytes(h[:8], "little") ^ namespace_salt("model-a")
-    assert ceiling_key("model-a", h) != ceiling_key("model-b", h)
-    assert namespace_salt("model-a") == namespace_salt("model-a")
+    a, b = namespace_salt("model-a"), namespace_salt("model-b")
+    assert block_key(a, h) == int.from_bytes(h[:8], "little") ^ namespace_salt("model-a")
+    assert block_key(a, h) != block_key(b, h)
+    assert list(block_keys(a, [h])) == [block_key(a, h)]  # what RequestAccounting feeds the sketches
 
 
 def test_refresh_sets_the_window_gauges() -> None:

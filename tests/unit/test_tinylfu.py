@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import numpy as np
 import pytest
 
-from pegaflow.core.tinylfu import COUNTER_MAX, TinyLFU
+from pegaflow.policy.tinylfu import COUNTER_MAX, TinyLFU
 from tests.oracles.tinylfu_scalar import ScalarTinyLFU
 
 
@@ -247,7 +247,7 @@ def test_admit_in_order_matches_sequential_eviction_queue() -> None:
 
 _CHILD = """
 import sys
-from pegaflow.core.tinylfu import TinyLFU
+from pegaflow.policy.tinylfu import TinyLFU
 t = TinyLFU(1000, seed=3)
 t.record_many([2**127 + i % 50 for i in range(3000)] + [10**30 + i for i in range(40)])
 print(t.estimate_many([2**127 + i for i in range(60)] + [10**30 + i for i in range(40)]).tolist())

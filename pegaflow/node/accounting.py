@@ -35,20 +35,15 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from pegaflow.core.ceiling import CeilingEstimator, WindowStats
-from pegaflow.core.identity import block_key, block_keys, namespace_salt
+from pegaflow.core.identity import block_keys, namespace_salt
 from pegaflow.core.recent import RecentKeys
 from pegaflow.node.metrics import NodeMetrics
+from pegaflow.policy.ceiling import CeilingEstimator, WindowStats
 
 # Request ids remembered to skip repeated Queries of one request (here and in the service's
 # first-Query check). The connector re-asks within seconds, so this only needs to outlive
 # the scheduler's queue of waiting requests.
 SEEN_REQUESTS = 65536
-
-
-def ceiling_key(name: str, hash_: bytes) -> int:
-    """Cluster-wide 64-bit key of block ``hash_`` of namespace ``name`` for HLL sketches."""
-    return block_key(namespace_salt(name), hash_)
 
 
 class RequestAccounting:

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import struct
 
-from pegaflow.cluster.schema import SCHEMA_VERSION, Event, Op
 from pegaflow.core.identity import HASH_BYTES
+from pegaflow.meta.events.schema import SCHEMA_VERSION, Event, Op
 
 FIELD = b"e"  # the one field of a stream entry
 _HEADER = struct.Struct("<BBBxIQQHHI")

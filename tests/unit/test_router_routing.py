@@ -1,4 +1,4 @@
-"""The router's policies: pure arithmetic over candidates (pegaflow/router/policy.py)."""
+"""The router's policies: pure arithmetic over candidates (pegaflow/router/routing.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from pegaflow.router.policy import KV_AWARE, LEAST_LOADED, ROUND_ROBIN, Candidate, Policy
+from pegaflow.router.routing import KV_AWARE, LEAST_LOADED, ROUND_ROBIN, Candidate, Policy
 
 
 def test_round_robin_takes_every_engine_in_turn():

@@ -16,6 +16,9 @@ Contract (schema version 1):
 ``nid`` is the integer id of the incarnation ``(node, epoch)``, handed out by Redis when
 the node registers (``pegaflow.cluster.registry``); the index stores nids, never names,
 because small integers are what make the index compact.
+
+An applied event becomes an :class:`Update` of the index: INSERT and SNAPSHOT add ``nid``
+to each block's holders, EVICT removes it; RESET changes no block.
 """
 
 from __future__ import annotations
@@ -85,3 +88,17 @@ class Event:
             if len(h) != HASH_BYTES:
                 raise ValueError(f"block hash must be {HASH_BYTES} bytes, got {len(h)}")
         return cls(node, nid, epoch, seq, Op(op), namespace, b"".join(hashes), flags)
+
+
+@dataclass(frozen=True, slots=True)
+class Update:
+    """One event's change to the index: ``op`` of the 16-byte hashes in ``blob`` for ``nid``."""
+
+    op: Op
+    namespace: str
+    nid: int
+    blob: bytes
+
+    @property
+    def adds(self) -> bool:
+        return self.op != Op.EVICT

@@ -1,4 +1,5 @@
-"""Metaserver side: consume every node stream through one consumer group and apply it.
+"""Metaserver side: consume every node stream through one consumer group and apply it to an
+:class:`IndexWriter` (the metaserver's is ``pegaflow.meta.index.Index``).
 
 Work sharing: each node stream is consumed by exactly one replica at a time, the holder
 of a lease key ``pf:{pf}:own:<node>`` (TTL ``lease_ms``, renewed every step). Replicas
@@ -40,16 +41,16 @@ from typing import Any, Protocol
 
 import redis
 import structlog
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from pegaflow.cluster import keys, registry
-from pegaflow.cluster.codec import MalformedEvent, decode_entry
+from pegaflow.cluster.keys import stream_key
 from pegaflow.cluster.redis_conn import Client, Script
-from pegaflow.cluster.schema import Event, Op
-from pegaflow.cluster.streams import GROUP, stream_key
-from pegaflow.meta.index import Index, Update
-from pegaflow.meta.metrics import MetaMetrics
+from pegaflow.meta.events.codec import MalformedEvent, decode_entry
+from pegaflow.meta.events.schema import Event, Op, Update
+from pegaflow.meta.events.streams import GROUP
 
-log = structlog.get_logger("pegaflow.meta.consumer")
+log = structlog.get_logger("pegaflow.meta.events.consumer")
 
 READ_ENTRIES = 256  # entries per step over all owned streams (~131k updates at 512/entry, ~1 s):
 # big enough to amortise round trips, small enough that a step stays well inside a lease
@@ -61,7 +62,6 @@ REFRESH_SECONDS = 1.0  # registry / lease / retired-set refresh period
 # of delay before the first event after a quiet spell is applied.
 IDLE_SLEEP = 0.002
 IDLE_SLEEP_MAX = 0.05
-PAUSE_KEY = "pf:{pf}:pause"  # set by `pegaflow-meta rebuild`: replicas stop applying
 
 _RENEW = Script(
     "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0"
@@ -104,24 +104,53 @@ class _Stream:
 
 
 class IndexWriter(Protocol):
-    """What ingest needs from the index: apply one node's updates in stream order (raising
-    on a Redis error). ``meta.index.Index`` is the Redis one."""
+    """What the consumer needs from the index: apply one node's updates in stream order
+    (raising on a Redis error). ``pegaflow.meta.index.Index`` is the Redis one."""
 
     def apply_many(self, updates: Sequence[Update]) -> int: ...
+
+
+class ConsumerMetrics:
+    """The consumer's Prometheus series, on the registry given (a private one without).
+
+    The metaserver builds them on its registry (``MetaMetrics.consumer``); a consumer in a
+    child process counts into its own and the parent folds them in
+    (``pegaflow.meta.apply_process``), so every series here is one the parent serves.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        reg = registry if registry is not None else CollectorRegistry()
+        self.registry = reg
+        self.events_applied = Counter(
+            "pegaflow_meta_events_applied_total", "Node events applied to the index", ["op"], registry=reg
+        )
+        self.blocks_applied = Counter(
+            "pegaflow_meta_blocks_applied_total", "Block updates applied to the index", registry=reg
+        )
+        self.events_malformed = Counter(
+            "pegaflow_meta_events_malformed_total", "Stream entries skipped as malformed", registry=reg
+        )
+        self.events_stale = Counter(
+            "pegaflow_meta_events_stale_total", "Events of retired incarnations skipped", registry=reg
+        )
+        self.entries_claimed = Counter(
+            "pegaflow_meta_entries_claimed_total", "Pending entries claimed from other consumers", registry=reg
+        )
+        self.streams_owned = Gauge("pegaflow_meta_streams_owned", "Node streams this replica consumes", registry=reg)
 
 
 class Consumer:
     """One replica's consumer: call :meth:`step` in a loop, or :meth:`run` in a thread."""
 
     def __init__(
-        self, r: Client, name: str | None = None, *, lease_ms: int = 10_000, index: IndexWriter | None = None,
-        metrics: MetaMetrics | None = None,
+        self, r: Client, index: IndexWriter, name: str | None = None, *, lease_ms: int = 10_000,
+        metrics: ConsumerMetrics | None = None,
     ) -> None:
         self.r = r
         self.name = name or default_consumer_name()
         self.lease_ms = lease_ms
-        self.index: IndexWriter = index if index is not None else Index(r)
-        self.metrics = metrics if metrics is not None else MetaMetrics()
+        self.index = index
+        self.metrics = metrics if metrics is not None else ConsumerMetrics()
         self.stats = ConsumerStats()
         self.streams: dict[str, _Stream] = {}  # owned, by node name
         self._retired: set[int] = set()
@@ -134,7 +163,7 @@ class Consumer:
     def refresh(self) -> None:
         """Heartbeat, renew/acquire/release stream leases, reload the retired set."""
         now_ms = int(time.time() * 1000)
-        paused = self.r.get(PAUSE_KEY) is not None
+        paused = self.r.get(keys.PAUSE) is not None
         self.r.zadd(keys.CONSUMERS, {self.name: now_ms + self.lease_ms})
         self.r.zremrangebyscore(keys.CONSUMERS, "-inf", now_ms)
         n_consumers = max(1, self.r.zcard(keys.CONSUMERS))

@@ -82,16 +82,6 @@ def choose_lg_k(sketches: int, max_bytes: int = MAX_BYTES) -> int:
     raise ValueError(f"{sketches} sketches do not fit in {max_bytes} bytes even at lg_k={MIN_LG_K}")
 
 
-def exact_ceiling(keys: Iterable[int]) -> float:
-    """r* of one batch of requests, counted exactly: (N - distinct) / N; 0.0 when empty."""
-    n = 0
-    seen: set[int] = set()
-    for k in keys:
-        n += 1
-        seen.add(k)
-    return (n - len(seen)) / n if n else 0.0
-
-
 @dataclass(frozen=True)
 class WindowStats:
     """One window's numbers at one instant, ready to export as gauges."""
@@ -179,7 +169,7 @@ class CeilingEstimator:
         self._rings = [_Ring(w, self.buckets) for w in ws]
         self._fine = self._rings[0]  # same bucket count for all: shortest window = finest
 
-    # --- distinct-set backend (ExactCeiling swaps it for Python sets) ---------------------
+    # --- distinct-set backend (tests/oracles/ceiling.py swaps it for exact Python sets) ----
 
     def _new_distinct(self) -> Any:
         return ds.hll_sketch(self.lg_k, _HLL_TYPE)
@@ -413,37 +403,3 @@ class CeilingEstimator:
     def rel_error(self, num_std_dev: int = 2) -> float:
         """Bound on the relative error of U at ``num_std_dev`` (1..3) standard deviations."""
         return abs(float(ds.hll_sketch.get_rel_err(True, True, self.lg_k, num_std_dev)))
-
-
-class ExactCeiling(CeilingEstimator):
-    """The same windows and buckets with Python sets instead of sketches: exact U.
-
-    For tests and for checking the estimator on a trace; memory grows with the distinct
-    keys, so never in a daemon. ``serialize``/``merge`` are not supported.
-    """
-
-    def __init__(
-        self,
-        windows: Sequence[float] = DEFAULT_WINDOWS,
-        buckets: int = DEFAULT_BUCKETS,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        super().__init__(windows, buckets, lg_k=MIN_LG_K, clock=clock, max_bytes=1 << 62)
-
-    def _new_distinct(self) -> set[int]:
-        return set()
-
-    def _add_keys(self, d: set[int], keys: Sequence[int]) -> None:
-        d.update(keys)
-
-    def _union(self, parts: Sequence[set[int]]) -> set[int]:
-        return set().union(*parts)
-
-    def _count(self, parts: Sequence[set[int]]) -> float:
-        return float(len(self._union(parts)))
-
-    def _dump(self, d: Any) -> bytes:
-        raise TypeError("ExactCeiling cannot be serialized")
-
-    def _load(self, data: bytes) -> Any:
-        raise TypeError("ExactCeiling cannot be merged")
