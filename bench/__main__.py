@@ -153,7 +153,11 @@ def main() -> None:
         print("| " + " | ".join(row) + " |")
     for name, err in failures.items():
         print(f"\n{name} failed: {err} (see {out / (name + '.log')})")
-    kernels = {k: v for k, v in (summaries.get("node") or {}).items() if k.startswith("kernels_")}
+    node = summaries.get("node") or {}
+    if "best_copy_gbps" in node:
+        print(f"\nbest copy (the node rows' limit): {node['best_copy']}, one thread "
+              f"{fmt(node['copy_1t_gbps'], 'GB/s')}, two threads {fmt(node['copy_2t_gbps'], 'GB/s')}")
+    kernels = {k: v for k, v in node.items() if k.startswith("kernels_")}
     if kernels:
         print("\ncopy kernels chosen: " + "; ".join(f"{k[8:]}: {v}" for k, v in kernels.items()))
     (out / "table.json").write_text(json.dumps({"commit": commit(), "machine": machine(), "ok": ok,

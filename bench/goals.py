@@ -3,9 +3,10 @@
 A :class:`Run` is one benchmark script with the arguments of its short mode; it writes its
 figures as JSON to the file given by ``--summary`` (ttft: ``--out``). A :class:`Goal` reads
 one figure of one run (a dotted path into that JSON), the same-run peer or physical limit
-it is compared with, and the bound it must meet: on the ratio to the peer, or on the value
-itself where the goal is absolute (latencies, start-up time). docs/benchmarks.md keeps the
-full runs of each script.
+it is compared with (a limit is the best this machine does, e.g. its best copy, never a peer
+the product already beats), and the bound it must meet: on the ratio to the peer, or on the
+value itself where the goal is absolute (latencies, start-up time). docs/benchmarks.md keeps
+the current figures of each script.
 """
 
 from __future__ import annotations
@@ -57,11 +58,13 @@ RUNS: tuple[Run, ...] = (
 )
 
 GOALS: tuple[Goal, ...] = (
-    # Copies between an engine's KV cache and the pool, RPCs included, one request in flight.
-    Goal("node", "save 256 KiB pages, 1 in flight", "save_256k_x1_gbps", "GB/s", "memcpy_gbps", "memcpy", 0.7),
-    Goal("node", "load 256 KiB pages, 1 in flight", "load_256k_x1_gbps", "GB/s", "memcpy_gbps", "memcpy", 0.7),
-    Goal("node", "save 2 MiB pages, 1 in flight", "save_2048k_x1_gbps", "GB/s", "memcpy_gbps", "memcpy", 0.7),
-    Goal("node", "load 2 MiB pages, 1 in flight", "load_2048k_x1_gbps", "GB/s", "memcpy_gbps", "memcpy", 0.7),
+    # Copies between an engine's KV cache and the pool, RPCs included, one request in flight, against
+    # the best copy this machine does of the same bytes, warm, in the same run (numpy on one thread or
+    # two, the better: bench/common.py's best_copy). Small pages pay a round trip per 16 MiB, not 128.
+    Goal("node", "save 256 KiB pages, 1 in flight", "save_256k_x1_gbps", "GB/s", "best_copy_gbps", "best copy", 0.7),
+    Goal("node", "load 256 KiB pages, 1 in flight", "load_256k_x1_gbps", "GB/s", "best_copy_gbps", "best copy", 0.7),
+    Goal("node", "save 2 MiB pages, 1 in flight", "save_2048k_x1_gbps", "GB/s", "best_copy_gbps", "best copy", 0.8),
+    Goal("node", "load 2 MiB pages, 1 in flight", "load_2048k_x1_gbps", "GB/s", "best_copy_gbps", "best copy", 0.8),
     # Start-up: the pool is pre-faulted in the background.
     Goal("pool", "first Query after spawn, 4 GiB pool", "first_query_s", "s", "first_query_small_pool_s",
          "same with a 64 MiB pool", 1.0, on="value", higher_is_better=False),
