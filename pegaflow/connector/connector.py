@@ -83,25 +83,22 @@ def is_state_space(spec: Any) -> bool:
 def kv_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, model_id: str | None = None) -> KVIdentity:
     """The block identity of this engine, from its config alone (same in every process).
 
-    Several KV cache groups (vLLM's hybrid allocator) are stored when every attention group
-    is KV of one shape (full, sliding-window or chunked-local attention: e.g. Gemma-2/3,
-    Mistral-style or gpt-oss layer mixes), and state-space (Mamba) groups when vLLM keeps
-    their states at block boundaries (``mamba_cache_mode="align"``: hybrid models such as
-    Nemotron-H or Granite-4). One page then holds every attention layer's block ``i``; the
-    state-space layers' states go to state pages (``KVIdentity.state_page_bytes``). For
-    attention-only models the identity is the same as with the hybrid allocator off. Raises ``ValueError`` for cache
-    layouts PegaFlow does not store (cross-attention groups, attention groups of different
-    shapes, state-space groups without aligned states; pipeline parallelism).
+    Raises ``ValueError`` for a KV cache layout PegaFlow does not store (``check_kv_layout``).
     """
-    from vllm.platforms import current_platform
-    from vllm.v1.kv_cache_interface import (
-        AttentionSpec,
-        ChunkedLocalAttentionSpec,
-        FullAttentionSpec,
-        MLAAttentionSpec,
-        SlidingWindowSpec,
-    )
+    check_kv_layout(vllm_config, kv_cache_config)
+    return derive_kv_identity(vllm_config, kv_cache_config, model_id)
 
+
+def check_kv_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
+    """Raise ``ValueError``, saying why, unless PegaFlow stores this engine's KV cache layout.
+
+    Stored: attention groups all of one shape (with several groups, vLLM's hybrid allocator,
+    full, sliding-window or chunked-local attention only: e.g. Gemma-2/3, Mistral-style or
+    gpt-oss layer mixes), next to state-space (Mamba) groups whose states vLLM keeps at block
+    boundaries of the same size (``mamba_cache_mode="align"``: Nemotron-H, Granite-4). Not
+    stored: state-space layers only, cross-attention or other non-attention groups, groups
+    that opt out of KV transfer, pipeline parallelism.
+    """
     groups = kv_cache_config.kv_cache_groups
     if not groups:
         raise ValueError("the model has no KV cache groups")
@@ -110,66 +107,99 @@ def kv_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, model_i
         raise ValueError("PegaFlow stores attention KV; the model has state-space layers only")
     spec = attn[0].kv_cache_spec
     for g in groups:
-        gs = g.kv_cache_spec
         if not getattr(g, "enable_kv_transfer", True):
             raise ValueError(f"KV cache group of {g.layer_names[:1]} opts out of KV transfer")
-        if is_state_space(gs):
-            mode = getattr(gs, "mamba_cache_mode", "none")
-            if mode != "align":
-                raise ValueError("PegaFlow stores state-space (Mamba) layers only with their states at block "
-                                 f"boundaries (mamba_cache_mode='align', with prefix caching); got {mode!r}")
-            if gs.block_size != spec.block_size:
-                raise ValueError(f"state-space groups of block size {gs.block_size} next to attention blocks of "
-                                 f"{spec.block_size} tokens")
-            continue
-        if not isinstance(gs, AttentionSpec):
-            raise ValueError(f"PegaFlow stores attention KV; got {type(gs).__name__}")
-        if len(groups) > 1:
-            if not isinstance(gs, (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec)):
-                raise ValueError(f"PegaFlow does not store {type(gs).__name__} KV cache groups")
-            shape = (gs.block_size, gs.num_kv_heads, gs.head_size, gs.dtype, gs.real_page_size_bytes,
-                     isinstance(gs, MLAAttentionSpec))
-            if shape != (spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype, spec.real_page_size_bytes,
-                         isinstance(spec, MLAAttentionSpec)):
-                raise ValueError("PegaFlow stores KV cache groups of one shape; this model's groups differ "
-                                 f"({type(spec).__name__} and {type(gs).__name__})")
-    par = vllm_config.parallel_config
-    if par.pipeline_parallel_size > 1:
+        if is_state_space(g.kv_cache_spec):
+            _check_state_space_group(g.kv_cache_spec, spec)
+        else:
+            _check_attention_group(g.kv_cache_spec, spec, several=len(groups) > 1)
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise ValueError("PegaFlow does not support pipeline parallelism yet")
+
+
+def _check_state_space_group(gs: Any, spec: Any) -> None:
+    """A state-space group next to attention blocks shaped ``spec``: its states must sit at
+    the attention blocks' boundaries."""
+    mode = getattr(gs, "mamba_cache_mode", "none")
+    if mode != "align":
+        raise ValueError("PegaFlow stores state-space (Mamba) layers only with their states at block "
+                         f"boundaries (mamba_cache_mode='align', with prefix caching); got {mode!r}")
+    if gs.block_size != spec.block_size:
+        raise ValueError(f"state-space groups of block size {gs.block_size} next to attention blocks of "
+                         f"{spec.block_size} tokens")
+
+
+def _check_attention_group(gs: Any, spec: Any, several: bool) -> None:
+    """An attention group: KV, and with ``several`` groups one kind PegaFlow pages, shaped as ``spec``."""
+    from vllm.v1.kv_cache_interface import (
+        AttentionSpec,
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
+
+    if not isinstance(gs, AttentionSpec):
+        raise ValueError(f"PegaFlow stores attention KV; got {type(gs).__name__}")
+    if not several:
+        return
+    if not isinstance(gs, (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec)):
+        raise ValueError(f"PegaFlow does not store {type(gs).__name__} KV cache groups")
+
+    def shape(s: Any) -> tuple[Any, ...]:
+        return (s.block_size, s.num_kv_heads, s.head_size, s.dtype, s.real_page_size_bytes,
+                isinstance(s, MLAAttentionSpec))
+
+    if shape(gs) != shape(spec):
+        raise ValueError("PegaFlow stores KV cache groups of one shape; this model's groups differ "
+                         f"({type(spec).__name__} and {type(gs).__name__})")
+
+
+def derive_kv_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
+                       model_id: str | None = None) -> KVIdentity:
+    """The identity of a layout ``check_kv_layout`` accepts (what it names is in
+    ``KVIdentity``). A page holds one block of every attention layer, named by the first
+    attention group's spec (every attention group has its shape), and a state page every
+    state-space layer's state at one block boundary, unpadded. For attention-only models the
+    identity is the same as with the hybrid allocator off. MLA's latent is the same on every
+    TP rank: one shard."""
+    from vllm.platforms import current_platform
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    attn = [g for g in groups if not is_state_space(g.kv_cache_spec)]
+    spec = attn[0].kv_cache_spec
     mc = vllm_config.model_config
     model = model_id or str(mc.model)
     if getattr(mc, "revision", None):
         model += f"@{mc.revision}"
-    tp = int(par.tensor_parallel_size)
+    tp = int(vllm_config.parallel_config.tensor_parallel_size)
     mla = isinstance(spec, MLAAttentionSpec)
     replicas = max(1, int(getattr(kv_cache_config, "kv_tp_replicas", 1) or 1))
-    num_shards = 1 if mla else max(1, tp // replicas)
     layout_name = getattr(kv_cache_config, "kv_cache_layout", None) or getattr(
         vllm_config.cache_config, "kv_cache_layout", None
     )
-    platform = f"{current_platform.device_type}:{layout_name or 'default'}"
-    # A page is one block of every attention layer; a state page (hybrid state-space models)
-    # every state-space layer's state at one block boundary, unpadded.
-    num_layers = sum(len(g.layer_names) for g in attn)
-    page_bytes = sum(int(g.kv_cache_spec.real_page_size_bytes) * len(g.layer_names) for g in attn)
-    state_page_bytes = sum(int(g.kv_cache_spec.real_page_size_bytes) * len(g.layer_names)
-                           for g in groups if is_state_space(g.kv_cache_spec))
     return KVIdentity(
         model=model,
         config_hash=config_hash(mc.hf_config.to_dict()),
         model_dtype=_dtype_name(mc.dtype),
         kv_dtype=f"{_dtype_name(spec.dtype)}/{vllm_config.cache_config.cache_dtype}",
         block_size=int(spec.block_size),
-        num_layers=num_layers,
+        num_layers=sum(len(g.layer_names) for g in attn),
         num_kv_heads=int(spec.num_kv_heads),
         head_size=int(spec.head_size),
         tp_size=tp,
-        num_shards=num_shards,
+        num_shards=1 if mla else max(1, tp // replicas),
         mla=mla,
-        page_bytes=page_bytes,
-        platform=platform,
-        state_page_bytes=state_page_bytes,
+        page_bytes=_bytes_per_block(attn),
+        platform=f"{current_platform.device_type}:{layout_name or 'default'}",
+        state_page_bytes=_bytes_per_block([g for g in groups if is_state_space(g.kv_cache_spec)]),
     )
+
+
+def _bytes_per_block(groups: Iterable[Any]) -> int:
+    """Bytes of one block of every layer of ``groups`` (their real page sizes, unpadded)."""
+    return sum(int(g.kv_cache_spec.real_page_size_bytes) * len(g.layer_names) for g in groups)
 
 
 def _tp_rank(vllm_config: VllmConfig) -> int:
