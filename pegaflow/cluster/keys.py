@@ -8,9 +8,11 @@ Two kinds of slots (Redis Cluster hash tags):
   A QueryPrefix touches one namespace, so its Lua script runs in one slot. The price:
   one namespace lives on one cluster shard (namespaces, not blocks, spread the load).
 
-Block ``h`` (16 bytes) of namespace tag ``t`` is field ``h[2:]`` of hash
-``pf:b:{t}`` + ``h[:2]``; the value is the list of nids holding it, 4 bytes each
-(big-endian). With <= 128 fields per bucket Redis keeps the bucket as a listpack,
+Block ``h`` (``HASH_BYTES`` = 16 bytes) of namespace tag ``t`` is field
+``h[BUCKET_BYTES:]`` of hash ``pf:b:{t}`` + ``h[:BUCKET_BYTES]`` (:func:`bucket_key`,
+:func:`field`); the value is the list of nids holding it, ``NID_BYTES`` = 4 each
+(big-endian). The index's Lua scripts and its packed batches are built from these
+constants (``pegaflow/meta/index.py``), so this is the one place the split is defined. With <= 128 fields per bucket Redis keeps the bucket as a listpack,
 about 30 bytes per block instead of ~110 for one key per block.
 """
 
@@ -18,6 +20,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
+
+from pegaflow.core.identity import HASH_BYTES
 
 NODES = "pf:{pf}:nodes"  # HASH node name -> json {nid, epoch, addr} of its newest incarnation
 NEXT_NID = "pf:{pf}:nid"  # STRING counter; nids are never reused
@@ -33,7 +37,10 @@ STREAM_PREFIX = "pf:ev:"  # + {<node>}: one event stream per node (pegaflow/meta
 
 BUCKET_PREFIX = "pf:b:"  # live index
 REBUILD_PREFIX = "pf:t:"  # index being rebuilt, renamed over the live one bucket by bucket
-BUCKETS = 1 << 16
+BUCKET_BYTES = 2  # leading bytes of a block hash that name its bucket
+FIELD_BYTES = HASH_BYTES - BUCKET_BYTES  # the rest: its field in the bucket
+BUCKETS = 1 << (8 * BUCKET_BYTES)
+NID_BYTES = 4  # one holder in a block's holder list (big-endian nid)
 
 
 def live_key(node: str) -> str:
@@ -76,4 +83,9 @@ def bucket_prefix(tag: str, prefix: str = BUCKET_PREFIX) -> bytes:
 
 
 def bucket_key(tag: str, h: bytes, prefix: str = BUCKET_PREFIX) -> bytes:
-    return bucket_prefix(tag, prefix) + h[:2]
+    return bucket_prefix(tag, prefix) + h[:BUCKET_BYTES]
+
+
+def field(h: bytes) -> bytes:
+    """Block ``h``'s field in its bucket."""
+    return h[BUCKET_BYTES:]

@@ -84,13 +84,14 @@ return 2
 )
 
 # Retire the newest nid of nodes whose live key is gone; forget them in the registry.
+# KEYS[3 + i] is the live key of ARGV[i] (keys.live_key).
 _REAP = Script(
     _NOW
     + """
 local out = {}
 for i = 1, #ARGV do
   local name = ARGV[i]
-  if redis.call('EXISTS', 'pf:{pf}:live:' .. name) == 0 then
+  if redis.call('EXISTS', KEYS[3 + i]) == 0 then
     local cur = redis.call('HGET', KEYS[1], name)
     if cur then
       redis.call('ZADD', KEYS[2], now, cjson.decode(cur).nid)
@@ -141,7 +142,7 @@ def reap(r: Client, names: list[str]) -> list[str]:
     """Retire and unregister nodes among ``names`` whose liveness expired; returns them."""
     if not names:
         return []
-    return [n.decode() for n in _REAP(r, [keys.NODES, keys.RETIRED, keys.VERSION], names)]
+    return [n.decode() for n in _REAP(r, [keys.NODES, keys.RETIRED, keys.VERSION, *map(keys.live_key, names)], names)]
 
 
 def nodes(r: Client) -> dict[str, NodeInfo]:

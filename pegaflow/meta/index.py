@@ -1,7 +1,9 @@
 """The global prefix index in Redis: which node incarnations (nids) hold which blocks.
 
-Layout (see ``keys.py``): block ``h`` of a namespace is field ``h[2:]`` of bucket
-``pf:b:{tag}`` + ``h[:2]``; the value lists the nids holding it, 4 bytes each.
+Layout (``pegaflow/cluster/keys.py``, where the widths are defined once): block ``h`` of a
+namespace is field ``keys.field(h)`` of bucket ``keys.bucket_key(tag, h)``; the value lists
+the nids holding it, ``keys.NID_BYTES`` each. The Lua scripts below are templates filled
+with those widths (:func:`_script`).
 
 Contracts:
 
@@ -33,7 +35,7 @@ Contracts:
 
 from __future__ import annotations
 
-import struct
+import string
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -41,6 +43,7 @@ import numpy as np
 
 from pegaflow.cluster import keys
 from pegaflow.cluster.redis_conn import Call, Client, RawPipe, Script, checked, raw_round_trip, run_scripts
+from pegaflow.core.identity import HASH_BYTES
 from pegaflow.meta.events.schema import Op, Update
 
 DUMP_CHUNK = 1024  # buckets per HGETALL pipeline when dumping / sweeping
@@ -51,16 +54,24 @@ SWEEP_CHUNK = 256  # buckets per sweep script call: bounds the time one call hol
 # Redis reads a client's pipeline 16 KiB at a time and serves others in between.
 APPLY_ROUND_BLOCKS = 512
 
-_APPLY = Script(
+
+def _script(template: str) -> Script:
+    """A Lua script of the index with the layout's widths (``keys.py``) filled in:
+    ``$HASH`` (bytes of a block hash), ``$BUCKET`` (its leading bytes naming the bucket),
+    ``$NID`` (bytes of one holder)."""
+    return Script(string.Template(template).substitute(HASH=HASH_BYTES, BUCKET=keys.BUCKET_BYTES, NID=keys.NID_BYTES))
+
+
+_APPLY = _script(
     """
 local pre = ARGV[1]
 local add = ARGV[2] == '1'
 local nid = ARGV[3]
 local blob = ARGV[4]
 local changed = 0
-for off = 1, #blob, 16 do
-  local k = pre .. string.sub(blob, off, off + 1)
-  local f = string.sub(blob, off + 2, off + 15)
+for off = 1, #blob, $HASH do
+  local k = pre .. string.sub(blob, off, off + $BUCKET - 1)
+  local f = string.sub(blob, off + $BUCKET, off + $HASH - 1)
   if add then
     -- A new block (the common case) costs one call.
     if redis.call('HSETNX', k, f, nid) == 1 then
@@ -68,8 +79,8 @@ for off = 1, #blob, 16 do
     else
       local v = redis.call('HGET', k, f)
       local found = false
-      for j = 1, #v, 4 do
-        if string.sub(v, j, j + 3) == nid then found = true break end
+      for j = 1, #v, $NID do
+        if string.sub(v, j, j + $NID - 1) == nid then found = true break end
       end
       if not found then
         redis.call('HSET', k, f, v .. nid)
@@ -81,8 +92,8 @@ for off = 1, #blob, 16 do
     if v then
     local keep = {}
     local found = false
-    for j = 1, #v, 4 do
-      local c = string.sub(v, j, j + 3)
+    for j = 1, #v, $NID do
+      local c = string.sub(v, j, j + $NID - 1)
       if c == nid then found = true else keep[#keep + 1] = c end
     end
     if found then
@@ -96,29 +107,29 @@ return changed
 """
 )
 
-_QUERY = Script(
+_QUERY = _script(
     """
 local pre = ARGV[1]
 local blob = ARGV[2]
 local cand = nil
 local out = {}
 local n = 0
--- nid c (4 bytes) is in v (4-byte aligned list); a plain find could match across two nids.
+-- nid c ($NID bytes) is in v (a $NID-byte aligned list); a plain find could match across two nids.
 local function holds(v, c)
   local i = 1
   while true do
     local p = string.find(v, c, i, true)
     if not p then return false end
-    if (p - 1) % 4 == 0 then return true end
+    if (p - 1) % $NID == 0 then return true end
     i = p + 1
   end
 end
-for off = 1, #blob, 16 do
-  local v = redis.call('HGET', pre .. string.sub(blob, off, off + 1), string.sub(blob, off + 2, off + 15))
+for off = 1, #blob, $HASH do
+  local v = redis.call('HGET', pre .. string.sub(blob, off, off + $BUCKET - 1), string.sub(blob, off + $BUCKET, off + $HASH - 1))
   if not v then break end
   if cand == nil then
     cand = {}
-    for j = 1, #v, 4 do cand[#cand + 1] = string.sub(v, j, j + 3) end
+    for j = 1, #v, $NID do cand[#cand + 1] = string.sub(v, j, j + $NID - 1) end
   elseif not (#cand == 1 and v == cand[1]) then  -- else: one holder that still holds (common)
     local keep = nil  -- built only once a candidate drops out
     for idx, c in ipairs(cand) do
@@ -148,25 +159,25 @@ return out
 """
 )
 
-_SWEEP = Script(
+_SWEEP = _script(
     """
 local pre = ARGV[1]
 local first = tonumber(ARGV[2])
 local last = tonumber(ARGV[3])
 local dead = {}
-for j = 1, #ARGV[4], 4 do dead[string.sub(ARGV[4], j, j + 3)] = true end
+for j = 1, #ARGV[4], $NID do dead[string.sub(ARGV[4], j, j + $NID - 1)] = true end
 local removed = 0
 for b = first, last do
-  local k = pre .. string.char(math.floor(b / 256), b % 256)
+  local k = pre .. struct.pack('>I$BUCKET', b)
   local all = redis.call('HGETALL', k)
   for i = 1, #all, 2 do
     local v = all[i + 1]
     local keep = {}
-    for j = 1, #v, 4 do
-      local c = string.sub(v, j, j + 3)
+    for j = 1, #v, $NID do
+      local c = string.sub(v, j, j + $NID - 1)
       if dead[c] then removed = removed + 1 else keep[#keep + 1] = c end
     end
-    if #keep * 4 ~= #v then
+    if #keep * $NID ~= #v then
       if #keep == 0 then redis.call('HDEL', k, all[i]) else redis.call('HSET', k, all[i], table.concat(keep)) end
     end
   end
@@ -175,11 +186,11 @@ return removed
 """
 )
 
-_SWAP = Script(
+_SWAP = _script(
     """
 local removed = 0
 for b = tonumber(ARGV[3]), tonumber(ARGV[4]) do
-  local s = string.char(math.floor(b / 256), b % 256)
+  local s = struct.pack('>I$BUCKET', b)
   local src = ARGV[2] .. s
   local dst = ARGV[1] .. s
   if redis.call('EXISTS', src) == 1 then
@@ -194,7 +205,7 @@ return removed
 
 
 def nid_bytes(nid: int) -> bytes:
-    return struct.pack(">I", nid)
+    return nid.to_bytes(keys.NID_BYTES, "big")
 
 
 def _field_commands(command: bytes, prefix: bytes, blob: bytes, value: bytes | None = None) -> bytes:
@@ -203,19 +214,20 @@ def _field_commands(command: bytes, prefix: bytes, blob: bytes, value: bytes | N
     by numpy (redis-py's packer costs ~2 us a command, a Python loop of joins ~0.8 us; see
     RawPipe)."""
     argc = 3 if value is None else 4
-    head = np.frombuffer(b"*%d\r\n$%d\r\n%s\r\n$%d\r\n%s" % (argc, len(command), command, len(prefix) + 2, prefix),
+    bucket = keys.BUCKET_BYTES
+    head = np.frombuffer(b"*%d\r\n$%d\r\n%s\r\n$%d\r\n%s" % (argc, len(command), command, len(prefix) + bucket, prefix),
                          np.uint8)
-    mid = np.frombuffer(b"\r\n$14\r\n", np.uint8)
+    mid = np.frombuffer(b"\r\n$%d\r\n" % keys.FIELD_BYTES, np.uint8)
     tail = np.frombuffer(b"\r\n" if value is None else b"\r\n$%d\r\n%s\r\n" % (len(value), value), np.uint8)
-    h = np.frombuffer(blob, np.uint8).reshape(-1, 16)
+    h = np.frombuffer(blob, np.uint8).reshape(-1, HASH_BYTES)
     a = len(head)
-    b = a + 2 + len(mid)
-    out = np.empty((len(h), b + 14 + len(tail)), np.uint8)
+    b = a + bucket + len(mid)
+    out = np.empty((len(h), b + keys.FIELD_BYTES + len(tail)), np.uint8)
     out[:, :a] = head
-    out[:, a : a + 2] = h[:, :2]
-    out[:, a + 2 : b] = mid
-    out[:, b : b + 14] = h[:, 2:]
-    out[:, b + 14 :] = tail
+    out[:, a : a + bucket] = h[:, :bucket]
+    out[:, a + bucket : b] = mid
+    out[:, b : b + keys.FIELD_BYTES] = h[:, bucket:]
+    out[:, b + keys.FIELD_BYTES :] = tail
     return out.tobytes()
 
 
@@ -242,14 +254,15 @@ def prefix_holders(values: Sequence[bytes | None]) -> dict[int, int]:
     assert first is not None
     if values[:cut].count(first) == cut:  # one unchanged list (the common case)
         return {nid: cut for nid in _nids(first)}
-    cand = [first[j : j + 4] for j in range(0, len(first), 4)]
+    w = keys.NID_BYTES
+    cand = [first[j : j + w] for j in range(0, len(first), w)]
     out: dict[int, int] = {}
     for i in range(1, cut):
         v = values[i]
         if v == first:
             continue
         assert v is not None
-        held = {v[j : j + 4] for j in range(0, len(v), 4)}
+        held = {v[j : j + w] for j in range(0, len(v), w)}
         keep = []
         for c in cand:
             if c in held:
@@ -270,11 +283,12 @@ def _not_set(blob: bytes, replies: list[Any]) -> bytes:
         miss = np.flatnonzero(np.array(replies, dtype=np.int64) != 1)
     except (TypeError, ValueError):  # an error reply among them
         miss = np.array([k for k, v in enumerate(replies) if v != 1], dtype=np.int64)
-    return np.frombuffer(blob, np.uint8).reshape(-1, 16)[miss].tobytes()
+    return np.frombuffer(blob, np.uint8).reshape(-1, HASH_BYTES)[miss].tobytes()
 
 
 def _nids(v: bytes) -> list[int]:
-    return [int.from_bytes(v[j : j + 4], "big") for j in range(0, len(v), 4)]
+    n = keys.NID_BYTES
+    return [int.from_bytes(v[j : j + n], "big") for j in range(0, len(v), n)]
 
 
 class Index:
@@ -326,7 +340,7 @@ class Index:
         n = 0
         for k, u in enumerate(updates):
             calls.append(self.apply_call(u.op, u.namespace, u.nid, u.blob))
-            n += len(u.blob) // 16
+            n += len(u.blob) // HASH_BYTES
             if n >= APPLY_ROUND_BLOCKS or k == len(updates) - 1:
                 for res in run_scripts(self.r, calls):
                     if isinstance(res, Exception):
@@ -349,7 +363,7 @@ class Index:
                     changed += len(replies)
                     continue
                 rest = _not_set(u.blob, replies)
-                changed += len(replies) - len(rest) // 16
+                changed += len(replies) - len(rest) // HASH_BYTES
                 merge.append(Update(u.op, u.namespace, u.nid, rest))
 
         try:
@@ -361,7 +375,7 @@ class Index:
                 pipe = pipes.get(prefix)
                 if pipe is None:
                     pipe = pipes[prefix] = RawPipe(self.r, keys.anchor_key(tag))
-                settle(pipe.send(u, _hsetnx_batch(prefix, u.blob, nid_bytes(u.nid)), len(u.blob) // 16))
+                settle(pipe.send(u, _hsetnx_batch(prefix, u.blob, nid_bytes(u.nid)), len(u.blob) // HASH_BYTES))
             for pipe in pipes.values():
                 settle(pipe.drain())
         finally:
@@ -416,7 +430,7 @@ class Index:
         tag = keys.ns_tag(namespace)
         p = self.r.pipeline(transaction=False)
         for h in hashes:
-            p.hget(keys.bucket_key(tag, h, self.prefix), h[2:])
+            p.hget(keys.bucket_key(tag, h, self.prefix), keys.field(h))
         return [frozenset(_nids(v)) if v else frozenset() for v in p.execute()]
 
     # --- whole-index operations (rebuild, sweep, tests) -----------------------------------

@@ -9,6 +9,7 @@ import pytest
 
 from pegaflow.cluster import keys, registry
 from pegaflow.cluster.keys import stream_key
+from pegaflow.core.identity import HASH_BYTES
 from pegaflow.meta.events.codec import FIELD, MalformedEvent, decode, encode
 from pegaflow.meta.events.consumer import Consumer
 from pegaflow.meta.events.schema import FLAG_LAST, Event, Op
@@ -331,9 +332,10 @@ def test_hand_packed_index_commands_are_the_bytes_redis_py_would_send() -> None:
     from pegaflow.meta import index as index_mod
 
     conn = Connection()
-    blob, prefix, nid = os.urandom(16 * 5), b"pf:b:{00ff00ff00ff00ff}", b"\0\0\0\x07"
-    hs = [blob[i : i + 16] for i in range(0, len(blob), 16)]
+    tag = "00ff00ff00ff00ff"
+    blob, prefix, nid = os.urandom(HASH_BYTES * 5), keys.bucket_prefix(tag), index_mod.nid_bytes(7)
+    hs = [blob[i : i + HASH_BYTES] for i in range(0, len(blob), HASH_BYTES)]
     assert index_mod._hsetnx_batch(prefix, blob, nid) == b"".join(
-        b"".join(conn.pack_command("HSETNX", prefix + h[:2], h[2:], nid)) for h in hs)
+        b"".join(conn.pack_command("HSETNX", keys.bucket_key(tag, h), keys.field(h), nid)) for h in hs)
     assert index_mod._hget_batch(prefix, blob) == b"".join(
-        b"".join(conn.pack_command("HGET", prefix + h[:2], h[2:])) for h in hs)
+        b"".join(conn.pack_command("HGET", keys.bucket_key(tag, h), keys.field(h))) for h in hs)
