@@ -1,8 +1,9 @@
 """vLLM connector for PegaFlow.
 
 ``kv_connector_module_path: "pegaflow.connector"`` makes vLLM load ``PegaKVConnector``
-from here. The vLLM-facing class is imported lazily so that the pure parts (block
-identity in ``hashing``, page layout in ``layout``) import without vLLM.
+from here. The vLLM-facing class is imported lazily so that the parts that need no vLLM
+(page layout in ``layout``, ``settings``, the node ``link``, ``inflight``) import without
+it; block identity is ``pegaflow.core.identity``.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from pegaflow.connector.link import NodeLink
 
@@ -52,11 +53,10 @@ def test_calls_do_not_wait_on_a_reconnect_to_a_hung_node():
     try:
         assert link.ready
         hung.set()
-        threads = [threading.Thread(target=run, args=(f, n)) for f, n in ((first, "first"), (second, "second"))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(10)
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            calls = [pool.submit(run, f, n) for f, n in ((first, "first"), (second, "second"))]
+            for c in calls:
+                c.result(timeout=10)  # raises here what failed in its thread
         assert registering.is_set() and "second" in waits
         t0 = time.monotonic()
         link.reconnect()  # e.g. a stale pool epoch, while the node hangs
