@@ -35,8 +35,8 @@ from pegaflow._proto import node_pb2, node_pb2_grpc
 from pegaflow.common.errors import InvalidArgument, PegaError, grpc_code
 from pegaflow.common.local_wire import METHODS as LOCAL_METHODS
 from pegaflow.common.logging import RateLimitedLog
+from pegaflow.common.validate import check_hashes
 from pegaflow.core.block_index import Block, BlockIndex, Namespace
-from pegaflow.core.identity import HASH_BYTES
 from pegaflow.core.recent import RecentKeys
 from pegaflow.node.accounting import SEEN_REQUESTS
 from pegaflow.node.block_events import BlockEventFeed
@@ -139,15 +139,6 @@ def _after_answer(fn: Callable[..., None], *args: Any) -> None:
         fn(*args)
         return
     loop.call_soon(fn, *args)
-
-
-def check_hashes(hashes: Sequence[bytes], max_batch: int) -> None:
-    if len(hashes) > max_batch:
-        raise InvalidArgument(f"batch of {len(hashes)} hashes exceeds --max-batch {max_batch}")
-    lengths = set(map(len, hashes))  # in C; find the culprit only when something is wrong
-    if lengths and lengths != {HASH_BYTES}:
-        i, h = next((i, h) for i, h in enumerate(hashes) if len(h) != HASH_BYTES)
-        raise InvalidArgument(f"hash {i} has {len(h)} bytes, expected {HASH_BYTES}")
 
 
 class PromotingTier(Protocol):
@@ -339,7 +330,7 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         if len(request.req_id) > MAX_NAME:  # kept per request (counted once): bounded
             raise InvalidArgument(f"req_id longer than {MAX_NAME} characters")
         hashes = list(request.hashes)
-        check_hashes(hashes, self.max_batch)
+        check_hashes(hashes, self.max_batch, "--max-batch")
         nss = [self.sessions.namespace(s, n) for n in request.namespaces]
         if request.peek:  # a router asking where to send a request: changes nothing here
             if request.lease:
@@ -423,7 +414,7 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
     def reserve(self, request: node_pb2.ReserveRequest) -> node_pb2.ReserveResponse:
         s = self.sessions.get(request.session_id)
         hashes = list(request.hashes)
-        check_hashes(hashes, self.max_batch)
+        check_hashes(hashes, self.max_batch, "--max-batch")
         ns = self.sessions.namespace(s, request.namespace)
         no_space_before = self.index.no_space
         res = self.sessions.reserve(s, ns, hashes)

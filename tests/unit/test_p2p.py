@@ -715,3 +715,25 @@ def test_a_huge_page_pool_cannot_be_spliced_and_its_pages_are_sent_from_the_mapp
     pull(a, b, puller, hs, 0)
     assert all(b.page(h) == want[h] for h in hs)
     assert pulls(b, "ok") == 1
+
+
+def test_a_pin_request_with_a_bad_batch_is_refused_and_pins_nothing():
+    a = Side("v")
+    try:
+        hs = hashes("v", 4)
+        a.store(hs)
+
+        async def refused(req: peer_pb2.PinRequest) -> str:
+            a.table.loop = asyncio.get_running_loop()
+            with pytest.raises(Aborted) as err:
+                await a.service.PinForTransfer(req, Ctx())
+            return str(err.value)
+
+        short = asyncio.run(refused(peer_pb2.PinRequest(namespace=NS, hashes=[hs[0], b"short"])))
+        assert short.startswith("INVALID_ARGUMENT") and "hash 1 has 5 bytes" in short
+        a.service.max_batch = 2
+        many = asyncio.run(refused(peer_pb2.PinRequest(namespace=NS, hashes=hs)))
+        assert many.startswith("INVALID_ARGUMENT") and "exceeds --max-batch 2" in many
+        assert not a.table.pins and all(blk.pins == 0 for blk in a.index.resident(a.ns))
+    finally:
+        a.close()

@@ -27,8 +27,9 @@ import grpc
 import structlog
 
 from pegaflow._proto import peer_pb2, peer_pb2_grpc
+from pegaflow.common.errors import InvalidArgument
+from pegaflow.common.validate import check_hashes
 from pegaflow.core.block_index import Block, BlockIndex
-from pegaflow.core.identity import HASH_BYTES
 from pegaflow.node.tiers.remote import TCP
 from pegaflow.node.tiers.remote.checksums import PageChecksums
 from pegaflow.node.tiers.remote.metrics import PeerMetrics
@@ -168,9 +169,10 @@ class PeerService(peer_pb2_grpc.PegaPeerServicer):
 
     async def PinForTransfer(self, request: peer_pb2.PinRequest, context: Any) -> peer_pb2.PinResponse:  # noqa: N802
         hashes = list(request.hashes)
-        if len(hashes) > self.max_batch or any(len(h) != HASH_BYTES for h in hashes):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"need at most {self.max_batch} hashes of {HASH_BYTES} bytes")
+        try:
+            check_hashes(hashes, self.max_batch, "--max-batch")
+        except InvalidArgument as exc:
+            await context.abort(exc.code, str(exc))
         p = self.table.pin(request.namespace, hashes, request.ttl_seconds, request.puller)
         if p is None:
             return peer_pb2.PinResponse()
