@@ -1,60 +1,99 @@
-"""A minimal asyncio HTTP endpoint for ``/metrics`` (Prometheus) and ``/health``.
+"""The HTTP side of every PegaFlow daemon: ``/metrics``, ``/health`` and the routes a daemon adds.
 
-Loopback by default; no framework, because two read-only routes do not need one.
+One way for all of them. The routes are Starlette routes (the stack the router's FastAPI app
+and vLLM's own server use); :func:`metrics_route` and :func:`health_route` are the same
+routes in each daemon, so ``pegaflow router`` mounts them on its app, and the node and the
+metaserver serve them with :class:`HttpEndpoint`:
+
+- The endpoint runs uvicorn on a thread of its own with its own event loop. The node's
+  event loop serves engines; a scrape never waits in that loop's queue, and nothing here
+  waits for it. A route that must act on a daemon's loop-owned state hands a coroutine to
+  that loop (``asyncio.run_coroutine_threadsafe``); reading counters and gauges needs no
+  hand-off (prometheus_client's values are thread-safe).
+- The listening socket is bound by :meth:`HttpEndpoint.start` in the caller's thread, so a
+  taken port is an ``OSError`` there (a one-line start-up error), and port 0 gives the
+  bound port in :attr:`HttpEndpoint.port`.
+- ``/health`` answers 200 with the daemon's JSON when its ``ok`` is true, else 503.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-from collections.abc import Callable
+import contextlib
+import socket
+import threading
+from collections.abc import Callable, Sequence
 
 import structlog
+import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route
+
+from pegaflow.core.hosts import join_host_port, split_host_port
 
 log = structlog.get_logger("pegaflow.http")
 
+STOP_TIMEOUT_S = 5.0  # uvicorn's graceful end: open scrapes finish, then the thread ends
 
-class MetricsServer:
-    def __init__(self, addr: str, registry: CollectorRegistry, health: Callable[[], dict]) -> None:
-        host, _, port = addr.rpartition(":")
-        self.host, self.port = host, int(port)
-        self.registry = registry
-        self.health = health
-        self._server: asyncio.base_events.Server | None = None
 
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._handle, self.host, self.port)
-        self.port = self._server.sockets[0].getsockname()[1]
-        log.info("http_listening", addr=f"{self.host}:{self.port}")
+def metrics_route(registry: CollectorRegistry) -> Route:
+    """``GET /metrics``: the registry in Prometheus text format."""
 
-    async def stop(self) -> None:
+    async def metrics(_: Request) -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return Route("/metrics", metrics, methods=["GET"])
+
+
+def health_route(health: Callable[[], dict]) -> Route:
+    """``GET /health``: ``health()`` as JSON, 200 when its ``ok`` is true, else 503."""
+
+    async def answer(_: Request) -> Response:
+        h = health()
+        return JSONResponse(h, status_code=200 if h.get("ok") else 503)
+
+    return Route("/health", answer, methods=["GET"])
+
+
+class HttpEndpoint:
+    """A daemon's HTTP listener on ``addr`` (``HOST:PORT``) with ``/metrics`` of ``registry``,
+    ``/health`` when ``health`` is given, and ``routes``; see the module's contracts."""
+
+    def __init__(self, addr: str, registry: CollectorRegistry, health: Callable[[], dict] | None = None,
+                 routes: Sequence[BaseRoute] = ()) -> None:
+        self.host, self.port = split_host_port(addr)
+        all_routes: list[BaseRoute] = [metrics_route(registry)]
+        if health is not None:
+            all_routes.append(health_route(health))
+        all_routes.extend(routes)
+        self.app = Starlette(routes=all_routes)
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Bind (``OSError`` when the address cannot be had) and serve on a thread of its own."""
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.create_server((self.host, self.port), family=family, reuse_port=False)
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=STOP_TIMEOUT_S)
+        self._server = server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._serve, args=(server, sock), name="pf-http", daemon=True)
+        self._thread.start()
+        log.info("http_listening", addr=join_host_port(self.host, self.port))
+
+    @staticmethod
+    def _serve(server: uvicorn.Server, sock: socket.socket) -> None:
+        with contextlib.closing(sock):
+            asyncio.run(server.serve(sockets=[sock]))
+
+    def stop(self) -> None:
+        """Stop listening and wait (bounded) for the thread to end."""
         if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            line = await asyncio.wait_for(reader.readline(), 5)
-            while (await asyncio.wait_for(reader.readline(), 5)) not in (b"\r\n", b"\n", b""):
-                pass
-            parts = line.decode("latin-1").split()
-            path = parts[1].split("?")[0] if len(parts) >= 2 else ""
-            if path == "/metrics":
-                status, ctype, body = "200 OK", CONTENT_TYPE_LATEST, generate_latest(self.registry)
-            elif path == "/health":
-                h = self.health()
-                status = "200 OK" if h.get("ok") else "503 Service Unavailable"
-                ctype, body = "application/json", json.dumps(h).encode()
-            else:
-                status, ctype, body = "404 Not Found", "text/plain", b"not found\n"
-            writer.write(
-                f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
-                f"Connection: close\r\n\r\n".encode()
-                + body
-            )
-            await writer.drain()
-        except (TimeoutError, ConnectionError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            writer.close()
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=STOP_TIMEOUT_S + 1)
+            self._thread = None

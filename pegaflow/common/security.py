@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import grpc
 
 from pegaflow.common.grpc_guard import AUTH_HEADER, ENV_TOKEN, TokenError, read_token
-from pegaflow.common.hosts import LOOPBACK, host_of
+from pegaflow.core.hosts import LOOPBACK, host_of
 
 ENV_TLS_CA = "PEGAFLOW_TLS_CA"
 

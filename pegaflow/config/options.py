@@ -19,6 +19,7 @@ from typing import Any
 
 from pegaflow.config.capacity import parse_capacity, parse_route, parse_sweep
 from pegaflow.core.durations import parse_windows
+from pegaflow.core.hosts import split_host_port
 from pegaflow.core.units import parse_size
 
 NODE = "node"
@@ -30,8 +31,8 @@ DEFAULT_META_REDIS = "redis://127.0.0.1:6379/0"
 
 
 def _host_port(text: str) -> str:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+    host, _port = split_host_port(text)
+    if not host:
         raise ValueError(f"invalid address {text!r} (expected HOST:PORT)")
     return text
 

@@ -63,8 +63,7 @@ def unreachable_redis(url: str, exc: BaseException) -> str:
 
 
 def serve_forever(r: Client, opts: MetaConfig, security: Security) -> None:
-    from prometheus_client import start_http_server
-
+    from pegaflow.common.http import HttpEndpoint
     from pegaflow.meta import sweeper
     from pegaflow.meta.apply_process import ConsumerProcess
     from pegaflow.meta.events.consumer import default_consumer_name
@@ -97,10 +96,11 @@ def serve_forever(r: Client, opts: MetaConfig, security: Security) -> None:
     from pegaflow.cluster.sketches import ClusterCeilingCollector
 
     REGISTRY.register(ClusterCeilingCollector(r, opts.ceiling_windows))
+    http = None
     if opts.http_addr:
-        host, _, port = opts.http_addr.rpartition(":")
+        http = HttpEndpoint(opts.http_addr, REGISTRY)
         try:
-            start_http_server(int(port), addr=host)
+            http.start()
         except OSError as exc:
             sys.stderr.write(f"pegaflow-meta: error: cannot listen on --http-addr {opts.http_addr}: "
                              f"{exc.strerror or exc}\n")
@@ -137,6 +137,8 @@ def serve_forever(r: Client, opts: MetaConfig, security: Security) -> None:
         t.join(timeout=5)
     if export is not None:
         export.stop()
+    if http is not None:
+        http.stop()
     log.info("metaserver stopped", consumer=consumer.name)
 
 

@@ -18,11 +18,12 @@ from pegaflow._proto import node_pb2, node_pb2_grpc
 from pegaflow.common import otel
 from pegaflow.common.grpc_guard import AsyncGuard
 from pegaflow.common.heap import freeze_startup_heap
-from pegaflow.common.http import MetricsServer
+from pegaflow.common.http import HttpEndpoint
 from pegaflow.common.security import Security, SecurityError
 from pegaflow.config.commands import NodeConfig
 from pegaflow.core.allocator import ExtentAllocator
 from pegaflow.core.block_index import BlockIndex, IndexEvent, Namespace
+from pegaflow.core.hosts import host_of
 from pegaflow.node import discovery
 from pegaflow.node.accounting import RequestAccounting
 from pegaflow.node.block_events import BlockEventFeed
@@ -129,7 +130,7 @@ class Node:
         )
         self.server: grpc.aio.Server | None = None
         self.local: LocalServer | None = None  # the Unix-socket fast path (--local-socket)
-        self.http: MetricsServer | None = None
+        self.http: HttpEndpoint | None = None
         self.publisher = None  # global-index event publisher (pegaflow.meta.events), with --redis-url
         self.otel: otel.OtelExport | None = None
         self._sketches: asyncio.Task[None] | None = None
@@ -202,9 +203,9 @@ class Node:
             await r
         self.server = server
         if self.config.http_addr:
-            self.http = MetricsServer(self.config.http_addr, self.metrics.registry, self.health)
+            self.http = HttpEndpoint(self.config.http_addr, self.metrics.registry, self.health)
             try:
-                await self.http.start()
+                self.http.start()
             except OSError as exc:
                 raise StartupError(f"cannot listen on --http-addr {self.config.http_addr}: {exc.strerror}") from None
         if self.config.redis_url:
@@ -239,7 +240,7 @@ class Node:
     def _start_local(self, grpc_port: int) -> None:
         path = self.config.local_socket
         if path == "auto":
-            path = default_socket_path(self.config.addr.rpartition(":")[0], grpc_port)
+            path = default_socket_path(host_of(self.config.addr), grpc_port)
         if path:
             try:
                 self.local = LocalServer(self.service, path, self.security.token)
@@ -334,7 +335,7 @@ class Node:
             await self.local.close()
         await self.server.stop(grace=1.0)
         if self.http:
-            await self.http.stop()
+            await asyncio.get_running_loop().run_in_executor(None, self.http.stop)
         if self.p2p is not None:
             await self.p2p.close()  # before the pool: pulls write and the data port reads pool pages
         if self.ssd is not None:

@@ -25,12 +25,13 @@ from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
 from pegaflow._proto import meta_pb2, meta_pb2_grpc
 from pegaflow.common.security import Security, aio_channel
+from pegaflow.core.hosts import LOOPBACK, WILDCARD, bracketed, host_of
 
 log = structlog.get_logger("pegaflow.node.discovery")
 
 ASK_TIMEOUT = 2.0  # seconds per GetClusterConfig call
 RETRY_MAX = 10.0  # seconds between attempts at most while the metaserver is unreachable
-LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "0.0.0.0", "::", "")
+LOCAL_HOSTS = LOOPBACK | WILDCARD
 
 
 @dataclass(frozen=True)
@@ -44,12 +45,11 @@ def as_seen_from(url: str, metaserver_addr: str) -> str:
     parts = urlsplit(url)
     if parts.scheme not in ("redis", "rediss") or (parts.hostname or "") not in LOCAL_HOSTS:
         return url
-    host = metaserver_addr.rpartition(":")[0].strip("[]")
+    host = host_of(metaserver_addr)
     if host in LOCAL_HOSTS:
         return url
-    netloc_host = f"[{host}]" if ":" in host else host
     userinfo = parts.netloc.rpartition("@")[0]
-    netloc = (f"{userinfo}@" if userinfo else "") + netloc_host + (f":{parts.port}" if parts.port else "")
+    netloc = (f"{userinfo}@" if userinfo else "") + bracketed(host) + (f":{parts.port}" if parts.port else "")
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 

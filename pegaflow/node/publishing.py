@@ -44,9 +44,9 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_e
 from pegaflow.cluster import registry
 from pegaflow.cluster.keys import stream_key
 from pegaflow.cluster.redis_conn import Client, connect
-from pegaflow.common.hosts import advertised
 from pegaflow.config.commands import NodeConfig
 from pegaflow.core.block_index import BlockIndex, IndexEvent, Namespace
+from pegaflow.core.hosts import advertised
 from pegaflow.core.identity import HASH_BYTES
 from pegaflow.meta.events.codec import FIELD, encode
 from pegaflow.meta.events.schema import FLAG_LAST, Event, Op
@@ -406,7 +406,7 @@ def publish_block_index(
 ) -> EventPublisher:
     """Hook a node's block index to its stream: one call from the node, on its event loop.
 
-    Publishes to ``config.redis_url`` as :func:`pegaflow.common.hosts.advertised` (the address
+    Publishes to ``config.redis_url`` as :func:`pegaflow.core.hosts.advertised` (the address
     peers pull from). Returns the started publisher; call ``stop()`` on shutdown.
     """
     addr = advertised(config.addr, config.advertise_addr)

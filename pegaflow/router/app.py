@@ -33,15 +33,9 @@ import httpx
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from pegaflow.common.http import health_route, metrics_route
 from pegaflow.common.security import Security
 from pegaflow.config.commands import RouterConfig
 from pegaflow.core.router_protocol import ROUTER_KEY
@@ -468,18 +462,15 @@ class Router:
             assert self.pool is not None
             return JSONResponse({"object": "list", "data": self.pool.models()})
 
-        @app.get("/health")
-        async def health() -> Response:
-            assert self.pool is not None
-            up = {e.url: e.up for e in self.pool.engines.values()}
-            ok = any(up.values()) if not self.cfg.disaggregated else (
-                any(e.up for e in self.pool.engines.values() if e.role == PREFILL)
-                and any(e.up for e in self.pool.engines.values() if e.role == DECODE))
-            return JSONResponse({"ok": ok, "engines": up, "tokenizer": self.tokenizer_state},
-                                status_code=200 if ok else 503)
-
-        @app.get("/metrics")
-        async def metrics() -> Response:
-            return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
-
+        app.router.routes.extend([health_route(self.health), metrics_route(self.registry)])
         return app
+
+    def health(self) -> dict:
+        """What ``/health`` answers: ok while an engine is up (with disaggregation: a prefill
+        and a decode engine)."""
+        assert self.pool is not None
+        up = {e.url: e.up for e in self.pool.engines.values()}
+        ok = any(up.values()) if not self.cfg.disaggregated else (
+            any(e.up for e in self.pool.engines.values() if e.role == PREFILL)
+            and any(e.up for e in self.pool.engines.values() if e.role == DECODE))
+        return {"ok": ok, "engines": up, "tokenizer": self.tokenizer_state}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -380,6 +381,6 @@ def test_node_serves_before_its_pool_is_prefaulted_and_hands_out_only_faulted_pa
 
     values = {s.name: s.value for f in text_string_to_metric_families(body) for s in f.samples}
     assert values["pegaflow_node_pool_prefaulted_bytes"] == values["pegaflow_node_pool_capacity_bytes"] == h.pool_bytes
-    health = urllib.request.urlopen(f"http://127.0.0.1:{big.http_port}/health", timeout=5).read().decode()
-    assert '"pool_ready": true' in health
+    health = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{big.http_port}/health", timeout=5).read())
+    assert health["pool_ready"] is True
     assert "pool_ready" in big.log()

@@ -20,8 +20,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from pegaflow._proto import peer_pb2
-from pegaflow.common.hosts import routability_warning
 from pegaflow.core.block_index import RESIDENT, BlockIndex, Namespace
+from pegaflow.core.hosts import routability_warning
 from pegaflow.node.pool import SharedPool
 from pegaflow.node.tiers.remote import RemotePages, TransferError, page_checksum
 from pegaflow.node.tiers.remote.checksums import PageChecksums

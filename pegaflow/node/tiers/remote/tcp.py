@@ -35,7 +35,7 @@ from typing import Protocol
 
 import structlog
 
-from pegaflow.common.hosts import split_host_port
+from pegaflow.core.hosts import split_host_port
 from pegaflow.node.tiers.remote import TCP, RemotePages, TransferError, page_checksum
 
 log = structlog.get_logger("pegaflow.p2p")

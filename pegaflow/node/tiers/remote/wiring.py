@@ -15,10 +15,10 @@ import grpc
 import structlog
 
 from pegaflow._proto import peer_pb2, peer_pb2_grpc
-from pegaflow.common.hosts import WILDCARD, advertised, routability_warning, split_host_port
 from pegaflow.common.security import Security, sync_channel
 from pegaflow.config.commands import NodeConfig
 from pegaflow.core.block_index import BlockIndex
+from pegaflow.core.hosts import WILDCARD, advertised, join_host_port, routability_warning, split_host_port
 from pegaflow.node.pool import SharedPool
 from pegaflow.node.tiers.remote import Transport
 from pegaflow.node.tiers.remote.checksums import PageChecksums
@@ -48,13 +48,13 @@ class P2P:
         self.checksums = PageChecksums(index, pool.view, self.metrics, background=True)
         self.table = PinTable(index, pool.view, config.pin_ttl, self.metrics, self.checksums)
         bind_host, _ = split_host_port(config.addr)
-        taddr = config.transfer_addr or f"{bind_host}:0"
+        taddr = config.transfer_addr or join_host_port(bind_host, 0)
         self.data = TcpDataServer(taddr, pool.fd, pool.view, self.table.acquire, self.table.release_send,
                                   self.metrics.served_bytes.inc, self.checksums.of)
         thost, _ = split_host_port(taddr)
         if thost in WILDCARD:
             thost, _ = split_host_port(adv)
-        self.data_addr = f"{thost}:{self.data.port}"
+        self.data_addr = join_host_port(thost, self.data.port)
         self.engine = None
         rdma = None
         if config.nics:
