@@ -21,6 +21,8 @@ from urllib.parse import urlsplit
 
 import tenacity
 
+from pegaflow.core.hosts import join_host_port
+
 # A child of vLLM's logger: connector messages go where vLLM's go, in its format and level.
 LOGGER_NAME = "vllm.pegaflow"
 logger = logging.getLogger(LOGGER_NAME)
@@ -58,7 +60,7 @@ def node_address(env: Mapping[str, str] | None = None, extra: Mapping[str, Any] 
         host, port = _split(str(extra[EXTRA_ADDR]))
         if port is None:
             raise ValueError(f"{EXTRA_ADDR}={extra[EXTRA_ADDR]!r} has no port (expected HOST:PORT)")
-        return _join(host, port)
+        return join_host_port(host, port)
     host, host_port = _split(str(env.get(ENV_HOST) or extra.get(EXTRA_HOST) or DEFAULT_HOST))
     raw_port = env.get(ENV_PORT) or extra.get(EXTRA_PORT)
     try:
@@ -67,7 +69,7 @@ def node_address(env: Mapping[str, str] | None = None, extra: Mapping[str, Any] 
         raise ValueError(f"invalid PegaFlow port {raw_port!r}") from None
     if not 0 < port < 65536:
         raise ValueError(f"invalid PegaFlow port {port}")
-    return _join(host, port)
+    return join_host_port(host, port)
 
 
 def _split(text: str) -> tuple[str, int | None]:
@@ -83,10 +85,6 @@ def _split(text: str) -> tuple[str, int | None]:
     if not parts.hostname:
         raise ValueError(f"invalid PegaFlow address {text!r}")
     return parts.hostname, port
-
-
-def _join(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _client_errors() -> tuple[type[Exception], type[Exception]]:
