@@ -11,7 +11,7 @@ includes its RPCs (Reserve+Commit for a save, Query+Release for a load).
 The limit is the best copy of a round's bytes this machine does, warm, without PegaFlow's
 copy code (``bench.common.best_copy``: numpy on one thread and on two, the better; measured
 before and after the rows, each way's better figure). The product's two-thread kernels beat
-a one-thread memcpy by 1.2-1.6x on these hosts, so a one-thread memcpy is no limit.
+a one-thread memcpy (2 MiB rows at 1.3-1.4x of it on two hosts), so that is no limit.
 
 The figures are the steady state of an engine that has been saving and loading for a
 while, like the limit's warm copies. So each row first runs one round that is not timed
