@@ -27,6 +27,7 @@ import structlog
 import xxhash
 from prometheus_client.parser import text_string_to_metric_families
 
+from pegaflow.common.backoff import Backoff
 from pegaflow.core.router_protocol import DESCRIBE_VERSION, ROUTER_KEY
 from pegaflow.router.routing import Candidate
 
@@ -74,7 +75,6 @@ class Engine:
     url: str
     role: str = ANY
     up: bool = False
-    failures: int = 0
     next_check: float = 0.0
     model: str = ""  # the served model id
     model_root: str = ""  # where the engine loaded it from (the tokenizer's default)
@@ -102,14 +102,13 @@ class EnginePool:
         self.engines = {e.url: e for e in engines}
         self.client = client
         self.health_interval = health_interval
-        self.backoff_max = backoff_max
+        self.backoff = Backoff(BACKOFF_START_S, backoff_max)
         self.on_change = on_change  # on_change(engine): called when an engine goes up or down
 
     # -- state changes ---------------------------------------------------------------------
     def mark_down(self, e: Engine, reason: str) -> None:
         """Out of rotation; checked again after a backoff that doubles with each failure."""
-        e.failures += 1
-        wait = min(self.backoff_max, BACKOFF_START_S * 2 ** (e.failures - 1))
+        wait = self.backoff.fail(e.url)
         e.next_check = time.monotonic() + wait
         if e.up:
             e.up = False
@@ -119,7 +118,7 @@ class EnginePool:
                 self.on_change(e)
 
     def _mark_up(self, e: Engine) -> None:
-        e.failures = 0
+        self.backoff.ok(e.url)
         e.next_check = time.monotonic() + self.health_interval
         if not e.up:
             e.up = True

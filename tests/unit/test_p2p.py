@@ -27,7 +27,7 @@ from pegaflow.node.tiers.remote import RemotePages, TransferError, page_checksum
 from pegaflow.node.tiers.remote.checksums import PageChecksums
 from pegaflow.node.tiers.remote.metrics import PeerMetrics
 from pegaflow.node.tiers.remote.pins import BUSY_RECHECK, PeerService, PinTable
-from pegaflow.node.tiers.remote.puller import META_KEY, Backoff, Holder, Puller
+from pegaflow.node.tiers.remote.puller import META_KEY, Holder, Puller
 from pegaflow.node.tiers.remote.tcp import TcpDataServer, TcpTransport, sendfile_works
 from tests.unit import fake_verbs
 
@@ -390,18 +390,6 @@ def test_pin_is_not_released_while_its_pages_are_being_sent():
         asyncio.run(run())
     finally:
         a.close()
-
-
-def test_backoff_doubles_while_failing_and_clears_on_success():
-    now = [0.0]
-    bo = Backoff(1.0, 4.0, clock=lambda: now[0])
-    assert bo.fail("p") == 1.0 and bo.skip("p")
-    now[0] = 1.5
-    assert not bo.skip("p")
-    assert bo.fail("p") == 2.0 and bo.fail("p") == 4.0 and bo.fail("p") == 4.0
-    assert bo.active() == 1
-    bo.ok("p")
-    assert not bo.skip("p") and bo.active() == 0
 
 
 def test_routability_warning_for_wildcard_and_loopback_only():

@@ -37,6 +37,7 @@ import grpc
 import structlog
 
 from pegaflow._proto import meta_pb2, meta_pb2_grpc, peer_pb2, peer_pb2_grpc
+from pegaflow.common.backoff import Backoff
 from pegaflow.common.security import Security, aio_channel
 from pegaflow.core.block_index import Block, BlockIndex, Namespace
 from pegaflow.node.tiers.remote import TCP, RemotePages, TransferError, Transport
@@ -74,33 +75,6 @@ class Peers(Protocol):
 
     async def pin(self, address: str, request: peer_pb2.PinRequest) -> peer_pb2.PinResponse: ...
     async def unpin(self, address: str, pin_id: int) -> None: ...
-
-
-class Backoff:
-    """Keys (peer addresses, the metaserver) skipped after failures; thread-unsafe, loop only."""
-
-    def __init__(self, base: float = BACKOFF_MIN, cap: float = BACKOFF_MAX,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.base, self.cap, self.clock = base, cap, clock
-        self._until: dict[str, tuple[float, float]] = {}  # key -> (skip until, current period)
-
-    def skip(self, key: str) -> bool:
-        e = self._until.get(key)
-        return e is not None and self.clock() < e[0]
-
-    def fail(self, key: str) -> float:
-        """Record a failure; returns how long ``key`` is skipped now."""
-        e = self._until.get(key)
-        period = self.base if e is None else min(self.cap, e[1] * 2)
-        self._until[key] = (self.clock() + period, period)
-        return period
-
-    def ok(self, key: str) -> None:
-        self._until.pop(key, None)
-
-    def active(self) -> int:
-        now = self.clock()
-        return sum(1 for until, _ in self._until.values() if until > now)
 
 
 class MetaLookup:
