@@ -245,14 +245,8 @@ class RawPipe:
         tag, n = self._inflight.popleft()
         out: list[Any] = self._early
         self._early = []
-        reader = self._reader
         try:
-            while len(out) < n:
-                got = self._sock.recv_into(self._buf)
-                if got == 0:
-                    raise ConnectionResetError("Redis closed the connection")
-                reader.feed(self._buf, 0, got)
-                out.extend(iter(reader.gets, _MORE))  # every complete reply, in C
+            _read_replies(self._sock, self._reader, self._buf, n, out)
         except (OSError, hiredis.ProtocolError) as exc:
             self._fail(exc)
         if len(out) > n:  # replies of the next batch came in the same read
@@ -272,9 +266,27 @@ class RawPipe:
 
 
 def _raw_socket(conn: Any) -> socket.socket | None:
-    """The connected socket under a redis-py connection, or None (not a real socket)."""
-    sock = getattr(conn, "_sock", None)  # redis-py keeps it there once connected
+    """The connected socket under a redis-py connection, or None (not a real socket).
+
+    redis-py keeps it in the private ``_sock`` once connected; the raw paths depend on that
+    and nothing else of its internals. tests/integration/test_meta_apply_paths.py fails
+    loudly if a redis-py upgrade moves it (the raw paths would then quietly fall back to
+    the slower script paths)."""
+    sock = getattr(conn, "_sock", None)
     return sock if isinstance(sock, socket.socket) else None
+
+
+def _read_replies(sock: socket.socket, reader: Any, buf: bytearray, want: int, out: list[Any]) -> None:
+    """Read from ``sock`` until ``out`` holds at least ``want`` replies: every complete reply
+    of each ``recv`` is parsed by hiredis in C and appended (a Python loop over ``gets()``
+    was ~1.2 us a reply). More than ``want`` may arrive (replies of a later batch); the
+    caller keeps them. ``OSError``/``hiredis.ProtocolError`` on a broken connection."""
+    while len(out) < want:
+        got = sock.recv_into(buf)
+        if got == 0:
+            raise ConnectionResetError("Redis closed the connection")
+        reader.feed(buf, 0, got)
+        out.extend(iter(reader.gets, _MORE))
 
 
 RawGroup = tuple[Any, bytes | Sequence[Sequence[Any]], int]
@@ -315,16 +327,9 @@ def raw_round_trip(r: Client, groups: Sequence[RawGroup]) -> list[list[Any]] | N
         out: list[list[Any]] = [[] for _ in groups]
         buf = bytearray(RAW_READ_BYTES)
         for _pool, conn, idx in shards.values():
-            sock = _raw_socket(conn)
-            reader = hiredis.Reader(notEnoughData=_MORE)
-            want = sum(groups[i][2] for i in idx)
             got_replies: list[Any] = []
-            while len(got_replies) < want:
-                n = sock.recv_into(buf)  # type: ignore[union-attr]
-                if n == 0:
-                    raise ConnectionResetError("Redis closed the connection")
-                reader.feed(buf, 0, n)
-                got_replies.extend(iter(reader.gets, _MORE))
+            _read_replies(_raw_socket(conn), hiredis.Reader(notEnoughData=_MORE), buf,  # type: ignore[arg-type]
+                          sum(groups[i][2] for i in idx), got_replies)
             pos = 0
             for i in idx:
                 out[i] = got_replies[pos : pos + groups[i][2]]

@@ -16,8 +16,8 @@ import redis
 from pegaflow.cluster import keys
 from pegaflow.cluster.redis_conn import RawPipe, connect
 from pegaflow.meta import index as index_mod
-from pegaflow.meta.events.schema import Op
-from pegaflow.meta.index import Index, Update
+from pegaflow.meta.events.schema import Op, Update
+from pegaflow.meta.index import Index
 from tests.integration import redis_fixtures
 from tests.integration.redis_fixtures import RedisClusterProc, RedisServer
 
@@ -26,6 +26,29 @@ redis_server = redis_fixtures.redis_server
 redis_cluster = redis_fixtures.redis_cluster
 
 NAMESPACES = ("paths-a|fp16|bs16|tp1", "paths-b|fp16|bs16|tp1")
+
+
+def test_redis_py_still_exposes_the_socket_the_raw_paths_read(redis_server: RedisServer) -> None:
+    """RawPipe and raw_round_trip read replies straight from the socket redis-py keeps in a
+    private attribute (``redis_conn._raw_socket``). Without it they fall back, silently and
+    ~2x slower, to the script paths: this fails loudly instead when a redis-py upgrade moves
+    it."""
+    import socket
+
+    from pegaflow.cluster.redis_conn import _raw_socket, raw_round_trip
+
+    r = connect(redis_server.url)
+    pool = r.connection_pool
+    conn = pool.get_connection()
+    try:
+        conn.connect()
+        assert isinstance(_raw_socket(conn), socket.socket), (
+            f"redis-py {redis.__version__} no longer keeps its socket in Connection._sock: "
+            "pegaflow/cluster/redis_conn.py's raw paths need another way to reach it")
+    finally:
+        pool.release(conn)
+    assert RawPipe.supported(r)
+    assert raw_round_trip(r, [("k", [("PING",), ("ECHO", "x")], 2)]) == [[b"PONG", b"x"]]
 
 
 def random_updates(seed: int, n: int = 300) -> list[Update]:
