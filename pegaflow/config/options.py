@@ -5,6 +5,11 @@ the command-line flags (``--pool-size``), the environment variables (``PEGAFLOW_
 and the reference page ``docs/options.md`` (``python -m pegaflow.config.options``; a unit
 test fails when the page is stale). Precedence: flag > environment > default.
 
+Every value goes through the option's parser, whatever its source (a default written as
+text too). An empty value, a flag's (``--redis-url=``) or a variable's
+(``PEGAFLOW_REDIS_URL=``), counts as not given, for every option: the next source applies.
+So an empty variable left by a template never turns into an empty address deep in a daemon.
+
 Later features add their rows to ``OPTIONS``; nothing else parses options.
 """
 
@@ -723,8 +728,21 @@ class _OneLineParser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+class _NotGiven:
+    """What an empty flag value parses to: the flag counts as not given (module docstring)."""
+
+
+NOT_GIVEN = _NotGiven()
+
+
+def _blank(text: str) -> bool:
+    return not text.strip()
+
+
 def _wrap(opt: Option) -> Callable[[str], Any]:
     def parse(text: str) -> Any:
+        if _blank(text):
+            return NOT_GIVEN
         try:
             return opt.parse(text)
         except (ValueError, TypeError) as exc:
@@ -764,7 +782,12 @@ def fill_defaults(
     for opt in options_for(command):
         given = getattr(ns, opt.dest, None)
         if opt.positional:
+            if given is NOT_GIVEN:
+                sys.stderr.write(f"{prog}: error: argument {opt.metavar}: empty value\n")
+                raise SystemExit(2)
             continue
+        if given is NOT_GIVEN or (opt.repeatable and given is not None and all(map(_blank, given))):
+            given = None
         if given is not None:
             if opt.repeatable:
                 try:
@@ -773,7 +796,7 @@ def fill_defaults(
                     sys.stderr.write(f"{prog}: error: argument --{opt.name}: {exc}\n")
                     raise SystemExit(2) from None
             continue
-        var = next((v for v in opt.envs if v in env), None)
+        var = next((v for v in opt.envs if v in env and not _blank(env[v])), None)
         if var is not None:
             raw = env[var]
             try:
@@ -794,7 +817,8 @@ def render_markdown() -> str:
         "",
         "Generated from `pegaflow/config/options.py` by `python -m pegaflow.config.options`;",
         "do not edit by hand. Every option is a flag and a `PEGAFLOW_*` environment variable;",
-        "a flag wins over the environment, which wins over the default.",
+        "a flag wins over the environment, which wins over the default. An empty value",
+        "(`--redis-url=` or `PEGAFLOW_REDIS_URL=`) counts as not given: the next source applies.",
         "",
     ]
     for command, title in ((NODE, "pegaflow-node"), (META, "pegaflow-meta"), (REPLAY, "pegaflow replay"),

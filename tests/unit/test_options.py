@@ -159,3 +159,53 @@ def test_config_is_typed_and_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.addr = "x:1"  # type: ignore[misc]
     assert node_config(pool_size=1 << 20).pool_size == 1 << 20
+
+
+def _required(opts: list) -> list[str]:
+    """Values for the command's positional arguments (``pegaflow replay TRACE``)."""
+    return ["trace.jsonl" for o in opts if o.positional]
+
+
+@pytest.mark.parametrize("command", sorted(CONFIGS))
+def test_an_empty_value_counts_as_not_given_for_every_option(command: str):
+    from pegaflow.config.options import options_for
+
+    opts = options_for(command)
+    args = _required(opts)
+    base = load(command, command, args, env={})
+    checked = 0
+    for o in opts:
+        if o.positional:
+            continue
+        for var in o.envs:  # the variable and its aliases'
+            assert load(command, command, args, env={var: ""}) == base, var
+            assert load(command, command, args, env={var: "  "}) == base, var
+        if not o.flag:  # a switch takes no value
+            for name in (o.name, *o.aliases):
+                assert load(command, command, [*args, f"--{name}="], env={}) == base, name
+        checked += 1
+    assert checked == len([o for o in opts if not o.positional]) > 0
+
+
+def test_an_empty_flag_lets_the_environment_apply():
+    o = load(NODE, "pegaflow-node", ["--pool-size="], env={"PEGAFLOW_POOL_SIZE": "2gb"})
+    assert o.pool_size == 2 << 30
+
+
+def test_an_empty_positional_argument_is_a_one_line_error():
+    p = subprocess.run([sys.executable, "-m", "pegaflow.cli", "replay", ""], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "empty" in p.stderr, p.stderr
+
+
+def test_metaserver_with_an_empty_redis_url_flag_uses_the_environment_and_says_one_line():
+    # PEGAFLOW_REDIS_URL= used to end in a traceback (redis-py: "Redis URL must specify one of
+    # the following schemes"); now an empty value is not given, so the next source applies.
+    p = subprocess.run(
+        [sys.executable, "-m", "pegaflow.meta.cli", "--redis-url=", "--addr", "127.0.0.1:0", "--http-addr", "off"],
+        capture_output=True, text=True, timeout=60,
+        env={"PEGAFLOW_REDIS_URL": "redis://127.0.0.1:1/0", "PATH": "/usr/bin:/bin"},
+    )
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr
+    assert len(lines) == 1 and "redis://127.0.0.1:1/0" in lines[0], p.stderr
