@@ -131,7 +131,7 @@ class Node:
         self.server: grpc.aio.Server | None = None
         self.local: LocalServer | None = None  # the Unix-socket fast path (--local-socket)
         self.http: HttpEndpoint | None = None
-        self.publisher = None  # global-index event publisher (pegaflow.meta.events), with --redis-url
+        self.publisher = None  # global-index event publisher (node/publishing.py, in the pegaflow.meta.events contract), with --redis-url
         self.otel: otel.OtelExport | None = None
         self._sketches: asyncio.Task[None] | None = None
         self._joining: asyncio.Task[None] | None = None  # asking the metaserver for its Redis
