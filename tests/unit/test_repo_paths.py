@@ -59,3 +59,19 @@ def test_the_checker_sees_a_climb_out_of_the_repository(tmp_path):
     assert CLIMB.findall(f'x = "{out}"') == [out]
     assert outside(ROOT / "tests" / "unit", out)
     assert not outside(ROOT / "docs", "../traces/README.md")
+
+
+REPO_PATH = re.compile(r"(?<![\w/.-])((?:pegaflow|tests|bench|scripts|infra|docs|proto)/[\w./-]*[\w/])")
+
+
+def test_every_repository_path_the_docs_name_exists():
+    # Modules move (pegaflow/meta/events/, pegaflow/policy/); a doc that names the old place
+    # sends a reader nowhere.
+    missing = []
+    for f in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for n, line in enumerate(f.read_text().splitlines(), 1):
+            for m in REPO_PATH.finditer(line):
+                path = m.group(1)  # not after a "/": /var/log/pegaflow/... is not the repo's
+                if not (ROOT / path).exists():
+                    missing.append(f"{f.relative_to(ROOT)}:{n}: {path}")
+    assert not missing, "docs name paths that do not exist:\n" + "\n".join(missing)
