@@ -46,7 +46,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.common import Streamed  # noqa: E402
 from bench.ttft import MODEL_SHAPE, bench_workload, percentile  # noqa: E402
-from tests.e2e.harness import NodeProc, free_port, stop_group  # noqa: E402
+from tests.e2e.harness import NodeDaemon, free_port, stop_group  # noqa: E402
 
 SERVER_START_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 600.0
@@ -155,7 +155,7 @@ def main() -> None:
     max_len = args.prompt_tokens + 256
     patterns = {f"{args.rate:g} rps": args.rate, f"{args.prompts} concurrent": None}
 
-    node = NodeProc(logs, pool_size="2gb")
+    node = NodeDaemon(logs, pool_size="2gb")
     node_host, node_port = node.addr.rsplit(":", 1)
     configs: dict[str, tuple[dict[str, Any] | None, bool, dict[str, str]]] = {
         "prefix": (None, True, {}),

@@ -54,7 +54,7 @@ def main() -> None:
     from pegaflow.client import PegaClient, load_pages, save_pages
     from pegaflow.client.cuda import _pin_metrics
     from pegaflow.connector.layout import build_page_layout
-    from tests.e2e.harness import NodeProc
+    from tests.e2e.harness import NodeDaemon
 
     nb = 4 * args.blocks
     caches = {f"model.layers.{i}.self_attn.attn":
@@ -83,7 +83,7 @@ def main() -> None:
     print(f"pinned bulk copy of {nbytes >> 20} MiB: D2H {d2h:.1f} GB/s, H2D {h2d:.1f} GB/s", flush=True)
 
     with tempfile.TemporaryDirectory(prefix="pf-bench-gpu-") as tmp:
-        node = NodeProc(Path(tmp), pool_size=str(pool_bytes))
+        node = NodeDaemon(Path(tmp), pool_size=str(pool_bytes))
         client = PegaClient(node.addr)
         try:
             client.register({"bench-gpu": page})

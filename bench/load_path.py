@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.ttft import MAX_MODEL_LEN, MODEL_SHAPE, PAUSE_S, percentile, ttft  # noqa: E402
-from tests.e2e.harness import EngineProc, NodeProc  # noqa: E402
+from tests.e2e.harness import EngineProc, NodeDaemon  # noqa: E402
 from tests.e2e.model import build_tiny_llama, make_text  # noqa: E402
 
 
@@ -53,7 +53,7 @@ def main() -> None:
     warmup = list(tok(make_text(200, 6999))["input_ids"])
     common = ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", str(MAX_MODEL_LEN)]
     variants = {"sync (1 group)": ["--no-hybrid-kv-cache"], "async (2 groups)": []}
-    node = NodeProc(logs, pool_size="2gb")
+    node = NodeDaemon(logs, pool_size="2gb")
     engines: dict[str, EngineProc] = {}
     results: dict[str, object] = {"prompts": args.prompts, "prompt_tokens": args.prompt_tokens,
                                   "window": args.window}

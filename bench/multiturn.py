@@ -38,7 +38,7 @@ from pegaflow.core.identity import block_hashes  # noqa: E402
 from pegaflow.core.trace import encode_query, read_trace  # noqa: E402
 from pegaflow.replay.model import Scenario  # noqa: E402
 from pegaflow.replay.run import replay  # noqa: E402
-from tests.e2e.harness import EngineProc, NodeProc, namespace_page_bytes  # noqa: E402
+from tests.e2e.harness import EngineProc, NodeDaemon, namespace_page_bytes  # noqa: E402
 from tests.e2e.model import build_tiny_llama, make_text  # noqa: E402
 
 POOL = "1gb"
@@ -54,7 +54,7 @@ def kv_config(model_id: str, decode_saves: bool) -> str:
     })
 
 
-def run_config(model: Path, logs: Path, node: NodeProc, decode_saves: bool, args: argparse.Namespace,
+def run_config(model: Path, logs: Path, node: NodeDaemon, decode_saves: bool, args: argparse.Namespace,
                firsts: list[list[int]], messages: list[list[list[int]]], warmup: list[list[int]]) -> dict[str, Any]:
     name = "decode-saves" if decode_saves else "prompt-only"
     extra = ["--connector", "custom", "--kv-transfer-config", kv_config(f"multiturn-{name}", decode_saves),
@@ -132,7 +132,7 @@ def main() -> None:
     firsts = [text(FIRST_TOKENS, 5000 + c) for c in range(args.conversations)]
     warmup = [text(FIRST_TOKENS, 4000 + c) for c in range(8)]  # prompts no conversation shares
     messages = [[text(MESSAGE_TOKENS, 9000 + 100 * c + k) for k in range(args.turns)] for c in range(args.conversations)]
-    node = NodeProc(logs, pool_size=POOL)
+    node = NodeDaemon(logs, pool_size=POOL)
     try:
         results = {"conversations": args.conversations, "turns": args.turns, "answer_tokens": args.answer_tokens,
                    "pool": POOL}

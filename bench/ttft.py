@@ -49,7 +49,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.e2e.harness import EngineProc, NodeProc, free_port, stop_group  # noqa: E402
+from tests.e2e.harness import EngineProc, NodeDaemon, free_port, stop_group  # noqa: E402
 from tests.e2e.model import build_tiny_llama, make_text  # noqa: E402
 
 # Sized so that a cold ~8K-token prefill takes >= 2 s on a 2-core CPU (float16 on CPU is slow:
@@ -93,7 +93,7 @@ class Peer:
         if name == "none":
             self.args = ["--connector", "none"]
         elif name == "pega":
-            self.node = NodeProc(logs, pool_size="2gb")
+            self.node = NodeDaemon(logs, pool_size="2gb")
             self.args = ["--connector", "pega"]
         elif name == "example":
             self.args = custom({

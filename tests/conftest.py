@@ -8,13 +8,14 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
+
+from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,25 +56,22 @@ class NodeProcess:
         from pegaflow._proto import node_pb2, node_pb2_grpc
         from pegaflow.common.security import Security, sync_channel
 
-        deadline = time.monotonic() + timeout
         # Reconnect fast: gRPC's default first backoff (~1 s) made every start wait ~0.5 s
         # after the node was already listening.
         fast = [("grpc.initial_reconnect_backoff_ms", 20), ("grpc.min_reconnect_backoff_ms", 20),
                 ("grpc.max_reconnect_backoff_ms", 100)]
         with sync_channel(self.addr, Security.load(env={**os.environ, **self.env}), fast) as ch:
             stub = node_pb2_grpc.PegaNodeStub(ch)
-            while time.monotonic() < deadline:
+
+            def ready() -> bool:
                 assert self.proc is not None
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"node exited {self.proc.returncode}: {self.log_path.read_text()[-2000:]}")
-                try:
-                    h = stub.Health(node_pb2.HealthRequest(), timeout=1)
-                    if not wait_pool or h.pool_prefaulted_bytes >= h.pool_bytes:
-                        return
-                except grpc.RpcError:
-                    pass
-                time.sleep(0.05)
-        raise TimeoutError(f"node {self.addr} not ready: {self.log_path.read_text()[-2000:]}")
+                h = stub.Health(node_pb2.HealthRequest(), timeout=1)
+                return not wait_pool or h.pool_prefaulted_bytes >= h.pool_bytes
+
+            wait_until(ready, timeout, lambda: f"node {self.addr} to be ready: {self.log_path.read_text()[-2000:]}",
+                       every=0.05, ignore=grpc.RpcError)
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.proc and self.proc.poll() is None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.harness import NodeProc
+from tests.e2e.harness import NodeDaemon
 from tests.e2e.model import build_tiny_llama, make_text
 
 
@@ -58,9 +58,9 @@ def long_prompts(tokenize) -> list[list[int]]:  # noqa: ANN001
 
 
 @pytest.fixture(scope="module")
-def node(e2e_logs: Path) -> Iterator[NodeProc]:
+def node(e2e_logs: Path) -> Iterator[NodeDaemon]:
     """One node per test module (a 256 MiB pool); modules that need another define their own."""
-    n = NodeProc(e2e_logs, pool_size="256mb")
+    n = NodeDaemon(e2e_logs, pool_size="256mb")
     yield n
     n.stop()
 
@@ -68,10 +68,10 @@ def node(e2e_logs: Path) -> Iterator[NodeProc]:
 @pytest.fixture
 def node_factory(e2e_logs: Path) -> Iterator:
     """Start ``pegaflow-node`` daemons; all are stopped at the end of the test."""
-    nodes: list[NodeProc] = []
+    nodes: list[NodeDaemon] = []
 
-    def start(**kw: object) -> NodeProc:
-        n = NodeProc(e2e_logs, **kw)  # type: ignore[arg-type]
+    def start(**kw: object) -> NodeDaemon:
+        n = NodeDaemon(e2e_logs, **kw)  # type: ignore[arg-type]
         nodes.append(n)
         return n
 

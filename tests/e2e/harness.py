@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
-import select
 import shutil
 import signal
 import socket
@@ -16,6 +16,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from tests.waiting import next_line, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 ENGINE_START_TIMEOUT_S = 240.0
@@ -68,9 +70,8 @@ def stop_group(proc: subprocess.Popen, timeout: float, term: bool = True) -> Non
     except subprocess.TimeoutExpired:
         _killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    deadline = time.monotonic() + timeout
-    while _killpg(proc.pid, 0) and time.monotonic() < deadline:  # the rest of the group
-        time.sleep(0.1)
+    with contextlib.suppress(AssertionError):  # a grace period: what outlives it is killed below
+        wait_until(lambda: not _killpg(proc.pid, 0), timeout, "the rest of the group to exit")
     _killpg(proc.pid, signal.SIGKILL)
 
 
@@ -88,7 +89,7 @@ def node_command() -> list[str]:
     return [exe] if exe else [sys.executable, "-m", "pegaflow.node.cli"]
 
 
-class NodeProc:
+class NodeDaemon:
     """A ``pegaflow-node`` daemon on a free loopback port."""
 
     def __init__(self, log_dir: Path, pool_size: str = "1gb", port: int | None = None,
@@ -118,22 +119,18 @@ class NodeProc:
         allocatable until it is done) and wait for commits that were never made."""
         from pegaflow.client import NodeUnavailable, PegaClient
 
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def ready() -> bool:
             assert self.proc is not None
             if self.proc.poll() is not None:
                 raise RuntimeError(f"pegaflow-node exited: {self.log_path.read_text()[-2000:]}")
             c = PegaClient(self.addr, timeout=1.0)
             try:
                 h = c.health()
-                if h.ok and h.pool_prefaulted_bytes >= h.pool_bytes:
-                    return
-                time.sleep(0.05)
-            except NodeUnavailable:
-                time.sleep(0.1)
+                return h.ok and h.pool_prefaulted_bytes >= h.pool_bytes
             finally:
                 c.close()
-        raise TimeoutError(f"pegaflow-node on {self.addr} not ready")
+
+        wait_until(ready, timeout, f"pegaflow-node on {self.addr} to be ready", every=0.05, ignore=NodeUnavailable)
 
     def stats(self) -> Any:
         from pegaflow.client import PegaClient
@@ -160,7 +157,7 @@ class NodeProc:
                 self.proc.wait()
 
 
-def corrupt_pool(node: NodeProc) -> None:
+def corrupt_pool(node: NodeDaemon) -> None:
     """Overwrite the node's whole pool with random bytes (negative controls: loaded KV is used)."""
     from pegaflow.client import PegaClient
 
@@ -180,7 +177,7 @@ class EngineProc:
         model: Path,
         log_dir: Path,
         *,
-        node: NodeProc | None = None,
+        node: NodeDaemon | None = None,
         connector: str = "pega",
         tp: int = 1,
         env: dict[str, str] | None = None,
@@ -228,19 +225,7 @@ class EngineProc:
         self.hybrid_kv_cache: bool = bool(first.get("hybrid_kv_cache"))  # vLLM's hybrid KV cache manager is on
 
     def _read(self, timeout: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"engine did not answer; log: {self.log_tail()}")
-            ready, _, _ = select.select([self._r], [], [], min(left, 1.0))
-            if ready:
-                line = self._r.readline()
-                if not line:
-                    raise RuntimeError(f"engine exited (rc={self.proc.poll()}); log: {self.log_tail()}")
-                return json.loads(line)
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"engine exited (rc={self.proc.returncode}); log: {self.log_tail()}")
+        return json.loads(next_line(self._r, self.proc, timeout, "the engine's answer", tail=self.log_tail))
 
     def log_tail(self, n: int = 4000) -> str:
         try:
@@ -342,13 +327,13 @@ class ApiServer:
 
     ``start`` returns at once (several servers start side by side); ``wait_ready`` waits,
     bounded, for its ``/health``. ``extra`` is the connector's ``kv_connector_extra_config``;
-    ``node`` (a NodeProc or an address) None starts it without a KV connector. ``host`` (a
+    ``node`` (a NodeDaemon or an address) None starts it without a KV connector. ``host`` (a
     ``tests.integration.netns.Host``) runs it in that host's network namespace, on its
     address; it is then reached with ``curl`` run there (``post``). ``args``: more server flags; ``env``: more environment."""
 
     START_TIMEOUT_S = 420.0
 
-    def __init__(self, model: Path, logs: Path, name: str, node: NodeProc | str | None,
+    def __init__(self, model: Path, logs: Path, name: str, node: NodeDaemon | str | None,
                  extra: dict[str, Any] | None = None, max_model_len: int = 2048, host: Any = None,
                  args: list[str] | None = None, env: dict[str, str] | None = None) -> None:
         self.name = name
@@ -386,15 +371,13 @@ class ApiServer:
         return status
 
     def wait_ready(self) -> ApiServer:
-        deadline = time.monotonic() + self.START_TIMEOUT_S
-        while True:
+        def healthy() -> bool:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited: {self.log_path.read_text(errors='replace')[-3000:]}")
-            if self._status("/health") == 200:
-                return self
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.name} did not start; log {self.log_path}")
-            time.sleep(0.5)
+            return self._status("/health") == 200
+
+        wait_until(healthy, self.START_TIMEOUT_S, f"{self.name} to start (log {self.log_path})", every=0.5)
+        return self
 
     def post(self, path: str, body: dict[str, Any], timeout: float = 300) -> dict[str, Any]:
         if self.host is not None:

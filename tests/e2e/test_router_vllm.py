@@ -34,9 +34,9 @@ import xxhash
 from pegaflow.core.identity import block_hashes
 from tests.e2e.harness import ApiServer, full_blocks_claimable
 from tests.e2e.model import make_text
-from tests.integration.netns import wait_until
 from tests.integration.p2p_harness import P2PCluster
 from tests.integration.router_harness import NsRouter
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.e2e
 

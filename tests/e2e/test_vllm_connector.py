@@ -21,7 +21,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -33,7 +32,7 @@ import pytest
 from tests.e2e.harness import (
     REPO,
     EngineProc,
-    NodeProc,
+    NodeDaemon,
     corrupt_pool,
     free_port,
     full_blocks_claimable,
@@ -41,6 +40,7 @@ from tests.e2e.harness import (
     stop_group,
 )
 from tests.e2e.model import make_text
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.e2e]
 
@@ -86,7 +86,7 @@ def logprob_tol(reference: dict[str, Any]) -> float:
 
 
 @pytest.fixture(scope="module")
-def cold_a(model_a: Path, e2e_logs: Path, node: NodeProc, long_prompts) -> list[dict[str, Any]]:  # noqa: ANN001
+def cold_a(model_a: Path, e2e_logs: Path, node: NodeDaemon, long_prompts) -> list[dict[str, Any]]:  # noqa: ANN001
     """Engine A1 (PYTHONHASHSEED=1) computes the long prompts and saves them to the node."""
     with EngineProc(model_a, e2e_logs, node=node, name="A1-cold", env={"PYTHONHASHSEED": "1"},
                     multiprocess=True) as eng:
@@ -94,7 +94,7 @@ def cold_a(model_a: Path, e2e_logs: Path, node: NodeProc, long_prompts) -> list[
 
 
 @pytest.fixture(scope="module")
-def runs_b(model_b: Path, e2e_logs: Path, node: NodeProc, cold_a, long_prompts) -> dict[str, Any]:  # noqa: ANN001
+def runs_b(model_b: Path, e2e_logs: Path, node: NodeDaemon, cold_a, long_prompts) -> dict[str, Any]:  # noqa: ANN001
     """Engine B (another model, same page size) runs the same prompts twice on the same node."""
     before = {k: v for k, v in node.stats().blocks_by_namespace.items()}
     with EngineProc(model_b, e2e_logs, node=node, name="B") as eng:
@@ -105,7 +105,7 @@ def runs_b(model_b: Path, e2e_logs: Path, node: NodeProc, cold_a, long_prompts) 
 
 
 @pytest.fixture(scope="module")
-def engine_a(model_a: Path, e2e_logs: Path, node: NodeProc, runs_b, long_prompts) -> Iterator[EngineProc]:  # noqa: ANN001
+def engine_a(model_a: Path, e2e_logs: Path, node: NodeDaemon, runs_b, long_prompts) -> Iterator[EngineProc]:  # noqa: ANN001
     """Engine A2: model A restarted (PYTHONHASHSEED=2); its first run is kept as ``warm``."""
     with EngineProc(model_a, e2e_logs, node=node, name="A2-warm", env={"PYTHONHASHSEED": "2"}) as eng:
         eng.warm = eng.generate(long_prompts, MAX_TOKENS)  # type: ignore[attr-defined]
@@ -159,16 +159,14 @@ def test_two_models_on_one_node_never_cross_hit(runs_b, reference, engine_a: Eng
 
 
 def test_node_killed_while_serving_no_request_fails_and_hits_resume(
-    engine_a: EngineProc, node: NodeProc, reference, extra_prompts  # noqa: ANN001
+    engine_a: EngineProc, node: NodeDaemon, reference, extra_prompts  # noqa: ANN001
 ) -> None:
     ref = tokens(reference["extra"])
     before = node.stats().resident_blocks
     engine_a.send("generate", prompts=extra_prompts, max_tokens=32)
     # Kill the node while the engine works on these prompts: once it has saved some of them.
-    deadline = time.monotonic() + 60
-    while node.stats().resident_blocks <= before:
-        assert time.monotonic() < deadline, "the engine saved nothing of the new prompts"
-        time.sleep(0.01)
+    wait_until(lambda: node.stats().resident_blocks > before, 60, "the engine to save some of the new prompts",
+               every=0.01)
     node.kill()
     during = engine_a.recv()["outputs"]
     assert [o["tokens"][:MAX_TOKENS] for o in during] == ref
@@ -178,20 +176,17 @@ def test_node_killed_while_serving_no_request_fails_and_hits_resume(
     assert all(o["num_cached_tokens"] == 0 for o in down)
 
     node.start()  # same port, empty pool, new epoch
-    deadline = time.monotonic() + 60
-    hit = None
-    while time.monotonic() < deadline:
+
+    def hit() -> bool:
         out = engine_a.generate([extra_prompts[3]], MAX_TOKENS)[0]
         assert out["tokens"] == ref[3]
-        if out["num_cached_tokens"] > 0:
-            hit = out
-            break
-        time.sleep(1.0)
-    assert hit is not None, "hits did not resume after the node came back"
+        return out["num_cached_tokens"] > 0
+
+    wait_until(hit, 60, "hits to resume after the node came back", every=1.0)
 
 
 def test_corrupted_pages_change_the_output(
-    engine_a: EngineProc, node: NodeProc, reference, long_prompts  # noqa: ANN001
+    engine_a: EngineProc, node: NodeDaemon, reference, long_prompts  # noqa: ANN001
 ) -> None:
     """Negative control: the loaded KV is really used."""
     ref = tokens(reference["long"])[0]
@@ -243,31 +238,26 @@ def test_openai_server_with_the_documented_config_reports_cached_tokens(
         )
     base = f"http://127.0.0.1:{http_port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
+
+        def healthy() -> bool:
             assert proc.poll() is None, log_path.read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            assert time.monotonic() < deadline, "api server did not start"
-            time.sleep(1)
+            with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                return r.status == 200
+
+        wait_until(healthy, 300, "the api server to start", every=1.0,
+                   ignore=(urllib.error.URLError, ConnectionError, TimeoutError))
         body = {"model": str(model_a), "prompt": long_prompts[1], "max_tokens": MAX_TOKENS, "temperature": 0}
         # the node is not running yet: served by recomputation
         first = _post(base + "/v1/completions", body)
         assert _cached(first) == 0
         srv = node_factory(port=node_port)
-        hit = None
-        for _ in range(30):
+
+        def cached() -> dict[str, Any] | None:
             resp = _post(base + "/v1/completions", body)
             assert resp["choices"][0]["text"] == first["choices"][0]["text"]
-            if _cached(resp) > 0:
-                hit = resp
-                break
-            time.sleep(1)
-        assert hit is not None, "no cached tokens reported after the node came up"
+            return resp if _cached(resp) > 0 else None
+
+        hit = wait_until(cached, 30, "cached tokens reported after the node came up", every=1.0)
         (ns,) = (n for n in srv.stats().blocks_by_namespace if str(model_a) in n)
         assert _cached(hit) == full_blocks_claimable(len(long_prompts[1]), namespace_block_size(ns))
         with urllib.request.urlopen(base + "/metrics", timeout=10) as r:

@@ -20,15 +20,15 @@ from the node (a local reset does not).
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.e2e.harness import EngineProc, KVEventSubscriber, NodeProc, free_port, full_blocks_claimable
+from tests.e2e.harness import EngineProc, KVEventSubscriber, NodeDaemon, free_port, full_blocks_claimable
 from tests.e2e.model import make_text
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.e2e]
 
@@ -41,11 +41,11 @@ def answer_tokens(block_size: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def node(e2e_logs: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProc]:
+def node(e2e_logs: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeDaemon]:
     """A small DRAM pool over an SSD tier: what turn 1 saved is evicted from DRAM by the
     prompts after it and comes back from SSD for turn 2."""
     ssd = tmp_path_factory.mktemp("ssd-tier")
-    n = NodeProc(e2e_logs, pool_size="4mb", extra=["--ssd-cache-path", str(ssd), "--ssd-cache-capacity", "256mb"])
+    n = NodeDaemon(e2e_logs, pool_size="4mb", extra=["--ssd-cache-path", str(ssd), "--ssd-cache-capacity", "256mb"])
     yield n
     n.stop()
 
@@ -85,7 +85,7 @@ def example_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def turn1(model_a: Path, e2e_logs: Path, node: NodeProc, conversation: dict[str, Any], example_dir: Path,
+def turn1(model_a: Path, e2e_logs: Path, node: NodeDaemon, conversation: dict[str, Any], example_dir: Path,
           tokenize) -> dict[str, Any]:  # noqa: ANN001
     """An engine with PegaFlow and ExampleConnector in a MultiConnector runs turn 1 (PegaFlow
     saves the prompt's and the answer's blocks)."""
@@ -111,7 +111,7 @@ def kv_events() -> Iterator[KVEventSubscriber]:
 
 
 @pytest.fixture(scope="module")
-def turn2_engine(model_a: Path, e2e_logs: Path, node: NodeProc, turn1, conversation, example_dir,  # noqa: ANN001
+def turn2_engine(model_a: Path, e2e_logs: Path, node: NodeDaemon, turn1, conversation, example_dir,  # noqa: ANN001
                  kv_events: KVEventSubscriber) -> Iterator[EngineProc]:
     """A restarted engine, same MultiConnector, publishing vLLM KV events over ZMQ; its
     turn-2 run is kept as ``turn2``."""
@@ -156,7 +156,7 @@ def test_vllm_counts_the_hit_by_the_tier_it_came_from(turn2_engine: EngineProc) 
 
 
 def test_inside_multiconnector_both_connectors_save_and_pegaflow_loads(
-    turn2_engine: EngineProc, example_dir: Path, node: NodeProc
+    turn2_engine: EngineProc, example_dir: Path, node: NodeDaemon
 ) -> None:
     # The turn-2 hit above came through MultiConnector (ExampleConnector cannot hit it: it
     # names a whole prompt, and turn 2's prompt is new); ExampleConnector saved too.
@@ -174,13 +174,14 @@ def wait_events(sub: KVEventSubscriber, kind: str, medium: str, engine: EnginePr
                 timeout: float = 60.0) -> list[Any]:
     """Events of ``kind`` in ``medium``, once there are some (``engine``: keep it stepping:
     the connector's events go out with a scheduler step)."""
-    deadline = time.monotonic() + timeout
-    while not (got := pega_events(sub, kind, medium)):
-        assert time.monotonic() < deadline, f"no {kind} ({medium}) event; got {sub.snapshot()[-5:]}"
-        if engine is not None:
+
+    def some() -> list[Any]:
+        got = pega_events(sub, kind, medium)
+        if not got and engine is not None:
             engine.generate([[1, 2, 3]], 1)
-        time.sleep(0.05)
-    return got
+        return got
+
+    return wait_until(some, timeout, lambda: f"a {kind} ({medium}) event; got {sub.snapshot()[-5:]}", every=0.05)
 
 
 def test_kv_events_tell_a_subscriber_what_pegaflow_stored(
@@ -202,7 +203,7 @@ def test_kv_events_tell_a_subscriber_what_pegaflow_stored(
 
 
 def test_reset_prefix_cache_with_the_connector_drops_the_namespace_on_the_node(
-    turn2_engine: EngineProc, node: NodeProc, conversation: dict[str, Any], kv_events: KVEventSubscriber
+    turn2_engine: EngineProc, node: NodeDaemon, conversation: dict[str, Any], kv_events: KVEventSubscriber
 ) -> None:
     namespaces = [ns for ns, n in node.stats().blocks_by_namespace.items() if n > 0]
     assert len(namespaces) == 1, node.stats().blocks_by_namespace

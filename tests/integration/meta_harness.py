@@ -7,8 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -18,18 +16,10 @@ from pegaflow.cluster import keys, registry
 from pegaflow.cluster.redis_conn import Client, connect
 from pegaflow.meta.index import Index
 from tests.integration.redis_fixtures import free_port_range
+from tests.waiting import next_line, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
-
-
-def wait_until(cond: Callable[[], bool], timeout: float, what: str, every: float = 0.1) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 class MetaProc:
@@ -98,8 +88,9 @@ def run_rebuild(url: str, cluster: bool) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-class NodeProc:
-    """A node-like publisher process (tests/integration/meta_nodeproc.py)."""
+class PublisherProc:
+    """A node-like publisher process (tests/integration/meta_nodeproc.py): a node's
+    ``EventPublisher`` driven by a random workload, with its ground truth in a state file."""
 
     def __init__(self, url: str, cluster: bool, node: str, state: Path, log: Path, *extra: str) -> None:
         self.node = node
@@ -114,20 +105,11 @@ class NodeProc:
 
     def wait_done(self, timeout: float = 60) -> dict:
         """Wait until the workload is published (the process prints one JSON line)."""
-        import selectors
-
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)  # type: ignore[arg-type]
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if sel.select(timeout=0.5):
-                line = self.proc.stdout.readline()  # type: ignore[union-attr]
-                if line:
-                    self.result = json.loads(line)
-                    return self.result
-            if self.proc.poll() is not None:
-                break
-        raise AssertionError(f"node {self.node} did not finish:\n{self.log.read_text()[-3000:]}")
+        assert self.proc.stdout is not None
+        line = next_line(self.proc.stdout, self.proc, timeout, f"publisher {self.node} to finish",
+                         tail=lambda: self.log.read_text()[-3000:])
+        self.result = json.loads(line)
+        return self.result
 
     def kill(self) -> None:
         if self.proc.poll() is None:

@@ -20,8 +20,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -145,12 +143,3 @@ def _netns_cluster(n: int) -> Cluster:
         c.close()
         raise
     return c
-
-
-def wait_until(cond: Callable[[], bool], timeout: float, what: str, every: float = 0.1) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")

@@ -9,11 +9,11 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.integration.netns import Cluster, Host, make_cluster, wait_until
+from tests.integration.netns import Cluster, Host, make_cluster
+from tests.waiting import next_line, wait_until
 
 NODE_PORT, HTTP_PORT, META_PORT, REDIS_PORT = 50055, 9091, 50056, 6379
 
@@ -150,15 +150,5 @@ class P2PCluster:
 
 def wait_line(proc: subprocess.Popen, timeout: float) -> dict:
     """Next JSON line of a client_proc (blocking up to ``timeout``)."""
-    import selectors
-
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)  # type: ignore[arg-type]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if sel.select(timeout=0.2):
-            line = proc.stdout.readline()  # type: ignore[union-attr]
-            if line:
-                return json.loads(line)
-            raise AssertionError(f"client exited ({proc.poll()}) without output")
-    raise AssertionError("no line from the client in time")
+    assert proc.stdout is not None
+    return json.loads(next_line(proc.stdout, proc, timeout, "a line from the client"))

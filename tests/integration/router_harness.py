@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from tests.e2e.harness import REPO, free_port, stop_group
+from tests.waiting import wait_until
 
 START_TIMEOUT_S = 60.0
 
@@ -18,18 +18,13 @@ START_TIMEOUT_S = 60.0
 def wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = START_TIMEOUT_S,
               status: int = 200) -> None:
     """Until ``url`` answers ``status`` (bounded), failing early if the process exits."""
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def answers() -> bool:
         if proc.poll() is not None:
             raise RuntimeError(f"exited {proc.returncode}: {log.read_text(errors='replace')[-3000:]}")
-        try:
-            if httpx.get(url, timeout=2).status_code == status:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{url} did not answer {status}; log {log}")
-        time.sleep(0.1)
+        return httpx.get(url, timeout=2).status_code == status
+
+    wait_until(answers, timeout, f"{url} to answer {status} (log {log})", ignore=httpx.HTTPError)
 
 
 def metric_sum(text: str, name: str, **labels: str) -> float:
@@ -102,16 +97,14 @@ class NsRouter:
         loaded, so text prompts are hashed."""
         import json
 
-        deadline = time.monotonic() + timeout
-        while True:
+        def ready() -> bool:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"router exited {self.proc.returncode}: {self.log.read_text()[-3000:]}")
             status, text = self._http(self.host, "GET", self.url + "/health", timeout=5)
-            if status == 200 and (not tokenizer or json.loads(text).get("tokenizer") == "loaded"):
-                return self
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.url} not ready with its tokenizer; log {self.log}")
-            time.sleep(0.2)
+            return status == 200 and (not tokenizer or json.loads(text).get("tokenizer") == "loaded")
+
+        wait_until(ready, timeout, f"{self.url} to be ready with its tokenizer (log {self.log})", every=0.2)
+        return self
 
     def post(self, path: str, body: Any, timeout: float = 300) -> tuple[int, str, dict[str, str]]:
         """(status, body, lower-cased headers)."""

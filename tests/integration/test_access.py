@@ -25,9 +25,9 @@ from pegaflow.client import NodeError, PegaClient
 from pegaflow.common.local_wire import HELLO, METHOD_IDS, REPLY_HEADER, REQUEST_HEADER
 from pegaflow.common.security import Security
 from pegaflow.node.tiers.remote.tcp import REQ, REQ_MAGIC, RESP, UNKNOWN_PIN
-from tests.conftest import free_port
-from tests.integration.meta_harness import wait_until
+from tests.conftest import ROOT, free_port
 from tests.integration.redis_fixtures import redis_server  # noqa: F401
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -192,16 +192,17 @@ CLUSTER_CLIENT = textwrap.dedent('''
             c.pool[off:off + 8192] = i + 1
         print(c.commit(r.reservation_id))
     else:
-        import time
-        deadline = time.monotonic() + 60
-        while True:
+        from tests.waiting import wait_until
+
+        def pulled():
             q = c.query(["ns"], hs, req_id="pull")
             if q.status == "READY" and q.hit_blocks == 6:
-                break
-            assert time.monotonic() < deadline, (q.status, q.hit_blocks)
+                return q
             if q.lease_id:
                 c.release(q.lease_id)
-            time.sleep(0.02)
+            return None
+
+        q = wait_until(pulled, 60, "all 6 blocks pulled from the other node", every=0.02)
         ok = all(int(q.pool[off:off + 8192].float().mean()) == i + 1 for i, off in enumerate(q.offsets["ns"]))
         print("identical" if ok else "different")
 ''')
@@ -235,7 +236,7 @@ def test_a_cluster_with_a_token_and_tls_works_and_refuses_strangers(tmp_path, no
         nodes = [node_factory(extra=[*tls, "--metaserver-addr", f"127.0.0.1:{meta_port}", "--node-id", name],
                               env=env) for name in ("a", "b")]
         run = lambda addr, cmd: subprocess.run(  # noqa: E731
-            [sys.executable, "-c", CLUSTER_CLIENT, addr, cmd], capture_output=True, text=True, timeout=120,
+            [sys.executable, "-c", CLUSTER_CLIENT, addr, cmd], capture_output=True, text=True, timeout=120, cwd=ROOT,
             env={**os.environ, "PEGAFLOW_AUTH_TOKEN": TOKEN, "PEGAFLOW_TLS_CA": str(cert)})
         saved = run(nodes[0].addr, "save")
         assert saved.returncode == 0 and saved.stdout.strip() == "6", saved.stderr[-2000:]

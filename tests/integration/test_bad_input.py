@@ -13,8 +13,8 @@ import pytest
 
 from pegaflow._proto import meta_pb2, node_pb2, peer_pb2
 from tests.conftest import free_port
-from tests.integration.meta_harness import wait_until
 from tests.integration.redis_fixtures import redis_server  # noqa: F401
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -127,7 +127,6 @@ def test_requests_past_the_nodes_bounds_are_refused_and_change_nothing(node_fact
 
 def test_empty_namespaces_no_session_uses_are_forgotten(node_factory):  # type: ignore[no-untyped-def]
     from pegaflow.client import PegaClient
-    from tests.integration.meta_harness import wait_until
 
     node = node_factory(extra=["--max-namespaces", "3"])
     with PegaClient(node.addr) as c:  # holds a block: its namespace stays

@@ -21,9 +21,10 @@ from pegaflow.cluster.sketches import ClusterCeilingCollector, publish_sketch
 from pegaflow.policy.ceiling import CeilingEstimator
 from tests.conftest import free_port
 from tests.integration import redis_fixtures
-from tests.integration.meta_harness import ENV, wait_until
+from tests.integration.meta_harness import ENV
 from tests.integration.redis_fixtures import RedisClusterProc, RedisServer
 from tests.oracles.ceiling import exact_ceiling
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 redis_server = redis_fixtures.redis_server

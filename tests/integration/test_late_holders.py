@@ -10,13 +10,12 @@ copied the other engine's bytes.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 import xxhash
 
 from pegaflow.client import PegaClient
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -41,10 +40,8 @@ def write(c: PegaClient, tag: str, offsets: list[int]) -> None:
 
 
 def wait_metric(node, kind: str, timeout: float = 20.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while node.metric("pegaflow_node_expired_total", f'kind="{kind}"') < 1:
-        assert time.monotonic() < deadline, f"the node never reported a late {kind}"
-        time.sleep(0.02)
+    wait_until(lambda: node.metric("pegaflow_node_expired_total", f'kind="{kind}"') >= 1, timeout,
+               f"the node to report a late {kind}", every=0.02)
 
 
 @pytest.fixture

@@ -16,14 +16,14 @@ from pegaflow.meta.lookup import Lookup
 from tests.integration import redis_fixtures
 from tests.integration.meta_harness import (
     MetaProc,
-    NodeProc,
+    PublisherProc,
     client,
     index_view,
     run_rebuild,
     wait_converged,
-    wait_until,
 )
 from tests.integration.redis_fixtures import RedisClusterProc
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 redis_cluster = redis_fixtures.redis_cluster
@@ -40,7 +40,7 @@ def test_cluster_several_nodes_two_replicas_equal_truth_and_rebuild(
 ) -> None:
     names = ["n1", "n2", "n3", "n4"]
     procs = {
-        n: NodeProc(
+        n: PublisherProc(
             cluster.url,
             True,
             n,
@@ -91,7 +91,7 @@ def test_cluster_dead_node_invisible_and_swept(cluster: RedisClusterProc, tmp_pa
     meta = MetaProc(cluster.url, True, "m1", tmp_path / "m.log", sweep=1.0)
     r = client(cluster.url, True)
     procs = {
-        n: NodeProc(
+        n: PublisherProc(
             cluster.url,
             True,
             n,

@@ -29,29 +29,29 @@ from tests.integration import redis_fixtures
 from tests.integration.meta_harness import (
     ENV,
     MetaProc,
-    NodeProc,
+    PublisherProc,
     client,
     index_view,
     load_truth,
     run_rebuild,
     wait_converged,
-    wait_until,
 )
 from tests.integration.redis_fixtures import RedisServer
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 redis_server = redis_fixtures.redis_server
 redis_server_aof = redis_fixtures.redis_server_aof
 
 
-def nodes(srv: RedisServer, tmp: Path, names: list[str], *extra: str, seed: int = 0) -> dict[str, NodeProc]:
+def nodes(srv: RedisServer, tmp: Path, names: list[str], *extra: str, seed: int = 0) -> dict[str, PublisherProc]:
     return {
-        n: NodeProc(srv.url, False, n, tmp / f"{n}.json", tmp / f"{n}.log", "--seed", str(seed + i), *extra)
+        n: PublisherProc(srv.url, False, n, tmp / f"{n}.json", tmp / f"{n}.log", "--seed", str(seed + i), *extra)
         for i, n in enumerate(names)
     }
 
 
-def states(procs: dict[str, NodeProc]) -> dict[str, Path]:
+def states(procs: dict[str, PublisherProc]) -> dict[str, Path]:
     return {n: p.state for n, p in procs.items()}
 
 
@@ -244,7 +244,7 @@ def test_two_replicas_share_streams_and_one_takes_over_when_the_other_dies(
         m2.stop()
 
 
-def noticed_redis_down(p: NodeProc) -> bool:
+def noticed_redis_down(p: PublisherProc) -> bool:
     text = p.log.read_text(errors="replace")
     return "publish failed" in text or "redis unreachable" in text
 
@@ -284,14 +284,14 @@ def test_node_restarted_with_new_epoch_replaces_stale_entries(
     meta = MetaProc(redis_server.url, False, "m1", tmp_path / "meta.log")
     r = client(redis_server.url, False)
     state = tmp_path / "n1.json"
-    p = NodeProc(redis_server.url, False, "n1", state, tmp_path / "n1.log", "--ops", "300", "--hold")
+    p = PublisherProc(redis_server.url, False, "n1", state, tmp_path / "n1.log", "--ops", "300", "--hold")
     try:
         first = p.wait_done()
         wait_converged(r, {"n1": state})
         before = set(load_truth({"n1": state}))
         p.kill()  # SIGKILL; on restart it keeps only 100 blocks (the rest were in lost DRAM)
-        p = NodeProc(redis_server.url, False, "n1", state, tmp_path / "n1.log", "--ops", "50", "--keep", "100",
-                     "--seed", "7", "--hold")  # fmt: skip
+        p = PublisherProc(redis_server.url, False, "n1", state, tmp_path / "n1.log", "--ops", "50", "--keep", "100",
+                          "--seed", "7", "--hold")  # fmt: skip
         second = p.wait_done()
         assert second["epoch"] == first["epoch"] + 1 and second["nid"] != first["nid"]
         wait_converged(r, {"n1": state})

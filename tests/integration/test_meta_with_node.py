@@ -14,8 +14,8 @@ from pegaflow.meta.events.consumer import Consumer
 from pegaflow.meta.index import Index
 from pegaflow.meta.lookup import Lookup
 from tests.integration import redis_fixtures
-from tests.integration.meta_harness import wait_until
 from tests.integration.redis_fixtures import RedisServer
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 redis_server = redis_fixtures.redis_server

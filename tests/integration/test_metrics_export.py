@@ -8,7 +8,6 @@ import gzip
 import subprocess
 import sys
 import threading
-import time
 import zlib
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -23,6 +22,7 @@ from tests.conftest import free_port
 from tests.integration import redis_fixtures
 from tests.integration.meta_harness import ENV
 from tests.integration.redis_fixtures import RedisServer
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 redis_server = redis_fixtures.redis_server
@@ -111,15 +111,13 @@ def test_node_pushes_its_metrics_to_an_otlp_http_receiver(node_factory, receiver
 
     want_hits = ("pegaflow_node_hit_blocks_total", (("tier", "l1"),))
     want_miss = ("pegaflow_node_miss_blocks_total", ())
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+
+    def counted() -> dict[tuple[str, tuple[tuple[str, str], ...]], float] | None:
         pts = receiver.points()
-        if pts.get(want_hits) == 3 and pts.get(want_miss) == 2:
-            break
-        time.sleep(0.2)
-    pts = receiver.points()
-    assert pts.get(want_hits) == 3, sorted(k for k in pts if "hit" in k[0])
-    assert pts.get(want_miss) == 2
+        return pts if pts.get(want_hits) == 3 and pts.get(want_miss) == 2 else None
+
+    pts = wait_until(counted, 30, lambda: "3 hits and 2 misses pushed; hit series: "
+                     f"{sorted(k for k in receiver.points() if 'hit' in k[0])}", every=0.2)
     assert pts[("pegaflow_node_pool_capacity_bytes", ())] == 64 << 20
     assert pts[("pegaflow_node_resident_blocks", ())] == 3
     # Histograms travel as cumulative _count/_sum/_bucket series with the Prometheus labels.
@@ -141,10 +139,12 @@ def test_metaserver_pushes_its_metrics_and_the_cluster_view(redis_server: RedisS
         env={**ENV, "OTEL_METRIC_EXPORT_INTERVAL": "300"}, stdout=open(log, "ab"), stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and ("pegaflow_meta_cluster_sketch_nodes", ()) not in receiver.points():
+
+        def pushed() -> bool:
             assert meta.poll() is None, log.read_text()[-2000:]
-            time.sleep(0.2)
+            return ("pegaflow_meta_cluster_sketch_nodes", ()) in receiver.points()
+
+        wait_until(pushed, 30, "the metaserver's cluster view pushed", every=0.2)
         pts = receiver.points()
         assert pts.get(("pegaflow_meta_cluster_sketch_nodes", ())) == 0, log.read_text()[-2000:]
         assert ("pegaflow_meta_streams_owned", ()) in pts

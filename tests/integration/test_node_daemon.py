@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pegaflow._proto import node_pb2, node_pb2_grpc
 from pegaflow.client import NodeError, NodeUnavailable, PegaClient, load_pages, page_bytes, save_pages
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -123,9 +124,8 @@ def test_client_killed_mid_write_leaves_no_visible_page_and_pages_are_reclaimed(
             assert c.stats().used_bytes > 0
             p.kill()
             p.wait()
-            deadline = time.monotonic() + 10
-            while c.stats().active_reservations and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_until(lambda: c.stats().active_reservations == 0, 10, "the killed writer's reservation freed",
+                       every=0.05)
             st = c.stats()
             assert st.active_reservations == 0 and st.used_bytes == 0 and st.resident_blocks == 0
             assert c.query(["model-a"], hashes("killed", 16)).hit_blocks == 0
@@ -361,18 +361,20 @@ def test_node_serves_before_its_pool_is_prefaulted_and_hands_out_only_faulted_pa
     with PegaClient(big.addr) as c:
         c.register({"big": page})
         seen_partial = False
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+        pool_bytes = c.health().pool_bytes
+
+        def prefaulted() -> bool:
+            nonlocal seen_partial
             r = c.reserve("big", hashes(f"fill-{time.monotonic()}", 64))
             frontier = c.health().pool_prefaulted_bytes  # read after the Reserve: it only grows
             got = [o for o in r.offsets if o >= 0]
             assert all(o + page <= frontier for o in got), (got, frontier)
             if r.reservation_id:
                 c.commit(r.reservation_id)
-            if frontier < c.health().pool_bytes:
-                seen_partial = True
-            else:
-                break
+            seen_partial |= frontier < pool_bytes
+            return frontier >= pool_bytes
+
+        wait_until(prefaulted, 60, "the pre-fault to finish while Reserves are served", every=0)
         assert seen_partial
         h = c.health()
         assert h.pool_prefaulted_bytes == h.pool_bytes, "pre-fault did not finish in 60 s"

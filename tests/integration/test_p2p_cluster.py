@@ -16,9 +16,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.integration.netns import wait_until
 from tests.integration.p2p_client import NS, namespace
 from tests.integration.p2p_harness import P2PCluster, wait_line
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 

@@ -26,8 +26,8 @@ import pytest
 
 from pegaflow._proto import meta_pb2, meta_pb2_grpc, node_pb2, node_pb2_grpc
 from tests.conftest import free_port
-from tests.integration.meta_harness import wait_until
 from tests.integration.redis_fixtures import redis_server  # noqa: F401
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -118,8 +118,8 @@ def test_the_originals_p2p_quick_start_builds_a_cluster(tmp_path: Path, procs: l
     meta = f"http://127.0.0.1:{meta_port}"
     redis_env = {"PEGAFLOW_REDIS_URL": redis_server.url}  # the default, 127.0.0.1:6379, is not ours to take
     # "1. Start MetaServer": pegaflow-metaserver --addr 0.0.0.0:50056
-    # Its metrics port (127.0.0.1:9097) is not the node's (9091): both run on one host.
-    assert port_is_free(9097), "the metaserver's default metrics port is taken on this host"
+    # Its metrics port (127.0.0.1:9092, the original's) is not the node's (9091): both run on one host.
+    assert port_is_free(9092), "the metaserver's default metrics port is taken on this host"
     m = Proc([console("pegaflow-metaserver"), "--addr", f"127.0.0.1:{meta_port}"], tmp_path / "meta.log", redis_env)
     procs.append(m)
     channel = grpc.insecure_channel(f"127.0.0.1:{meta_port}")

@@ -4,27 +4,20 @@ them), blocks already in L1 as `l1`, the rest as `miss`; the ceiling sees each r
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from pegaflow.client import PegaClient
-from tests.integration.test_ssd_tier import NS, PAGE, POOL, hashes, save, ssd_args, wait_for
+from tests.integration.test_ssd_tier import NS, PAGE, POOL, SSD_WAIT_S, hashes, save, ssd_args
+from tests.integration.test_ssd_tier import ask_until_ready as ask_ssd_until_ready
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
 
-def ask_until_ready(c: PegaClient, hs: list[bytes], req_id: str, timeout: float = 20.0) -> tuple[int, int]:
+def ask_until_ready(c: PegaClient, hs: list[bytes], req_id: str) -> tuple[int, int]:
     """Query as the connector does (same req_id until READY); returns (hit blocks, LOADING answers)."""
-    loading = 0
-    deadline = time.monotonic() + timeout
-    while True:
-        q = c.query([NS], hs, req_id=req_id, lease=False)
-        if q.status == "READY":
-            return q.hit_blocks, loading
-        loading += 1
-        assert time.monotonic() < deadline, "promotion never finished"
-        time.sleep(0.005)
+    q, loading = ask_ssd_until_ready(c, hs, req_id=req_id, lease=False)
+    return q.hit_blocks, loading
 
 
 def test_each_block_of_a_request_has_one_outcome(node_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -33,7 +26,7 @@ def test_each_block_of_a_request_has_one_outcome(node_factory, tmp_path) -> None
     with PegaClient(node.addr) as c:
         c.register({NS: PAGE})
         save(c, hs, node=node)
-        wait_for(lambda: node.metric("pegaflow_node_ssd_blocks") >= 48, what="48 blocks on SSD")
+        wait_until(lambda: node.metric("pegaflow_node_ssd_blocks") >= 48, SSD_WAIT_S, "48 blocks on SSD")
         before = {o: node.metric("pegaflow_node_request_blocks_total", f'outcome="{o}"')
                   for o in ("l1", "ssd", "remote", "miss")}
         hit, loading = ask_until_ready(c, hs[:12], "r1")  # only on SSD: LOADING, then READY

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,8 +17,9 @@ import xxhash
 from pegaflow.client import PegaClient
 from pegaflow.core.identity import block_hashes
 from pegaflow.core.router_protocol import ROUTER_KEY
-from tests.e2e.harness import NodeProc
+from tests.e2e.harness import NodeDaemon
 from tests.integration.router_harness import FakeEngine, RouterProc
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -35,14 +35,14 @@ def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def two_nodes(logs: Path) -> Iterator[list[NodeProc]]:
-    nodes = [NodeProc(logs, "64mb", extra=["--node-id", f"node-{c}"]) for c in "ab"]
+def two_nodes(logs: Path) -> Iterator[list[NodeDaemon]]:
+    nodes = [NodeDaemon(logs, "64mb", extra=["--node-id", f"node-{c}"]) for c in "ab"]
     yield nodes
     for n in nodes:
         n.stop()
 
 
-def store(node: NodeProc, tokens: list[int]) -> int:
+def store(node: NodeDaemon, tokens: list[int]) -> int:
     """Make ``node`` hold every full block of ``tokens`` in the fake engines' namespace."""
     hashes = block_hashes(xxhash.xxh3_128_digest(ROOT.encode()), tokens, BS)
     c = PegaClient(node.addr, map_pool=False)
@@ -62,7 +62,7 @@ def completion(prompt: object, **kw: object) -> dict[str, object]:
     return {"model": MODEL, "prompt": prompt, "max_tokens": 3, **kw}
 
 
-def test_kv_aware_sends_a_prefix_to_the_engine_whose_node_holds_it(logs: Path, two_nodes: list[NodeProc]) -> None:
+def test_kv_aware_sends_a_prefix_to_the_engine_whose_node_holds_it(logs: Path, two_nodes: list[NodeDaemon]) -> None:
     a, b = two_nodes
     ea = FakeEngine(logs, "ea", "--node", "node-a", "--node-addr", a.addr, "--block-size", str(BS))
     eb = FakeEngine(logs, "eb", "--node", "node-b", "--node-addr", b.addr, "--block-size", str(BS))
@@ -89,7 +89,7 @@ def test_kv_aware_sends_a_prefix_to_the_engine_whose_node_holds_it(logs: Path, t
         eb.stop()
 
 
-def test_round_robin_ignores_the_prefix(logs: Path, two_nodes: list[NodeProc]) -> None:
+def test_round_robin_ignores_the_prefix(logs: Path, two_nodes: list[NodeDaemon]) -> None:
     a, b = two_nodes
     ea = FakeEngine(logs, "rr-a", "--node", "node-a", "--node-addr", a.addr, "--block-size", str(BS))
     eb = FakeEngine(logs, "rr-b", "--node", "node-b", "--node-addr", b.addr, "--block-size", str(BS))
@@ -221,14 +221,8 @@ def test_no_engine_up_is_503_not_a_hang(logs: Path) -> None:
     dead = "http://127.0.0.1:9"  # discard port: refused
     router = RouterProc(logs, "--engine", dead, name="router-none", wait=False)
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                r = httpx.get(router.url + "/health", timeout=2)
-                break
-            except httpx.HTTPError:
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
+        r = wait_until(lambda: httpx.get(router.url + "/health", timeout=2), 30, "the router to answer /health",
+                       ignore=httpx.HTTPError)
         assert r.status_code == 503
         r = router.post("/v1/completions", completion("x"))
         assert r.status_code == 503 and r.json()["error"]["code"] == 503

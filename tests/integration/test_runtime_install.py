@@ -24,8 +24,8 @@ import pytest
 
 from pegaflow._proto import meta_pb2, meta_pb2_grpc, node_pb2, node_pb2_grpc
 from tests.conftest import free_port
-from tests.integration.meta_harness import wait_until
 from tests.integration.redis_fixtures import redis_server  # noqa: F401
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 

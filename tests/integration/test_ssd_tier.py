@@ -11,23 +11,25 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 import xxhash
 
-from pegaflow.client import NodeError, PegaClient
+from pegaflow.client import NodeError, PegaClient, QueryResult
 from pegaflow.node.tiers.ssd.records import BLOCK, SB_MAGIC, TOMBSTONE, record_bytes, unpack_header
 from tests.integration.redis_fixtures import redis_server  # noqa: F401
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
 NS = "ssd-model"
 PAGE = 64 << 10
 POOL = "1mb"  # 16 pages: anything older than the last ~16 blocks is only on SSD
+SSD_WAIT_S = 20.0  # bound of every wait for the tier (writes, promotions) on a loaded 2-core machine
 
 
 def hashes(tag: str, n: int) -> list[bytes]:
@@ -38,23 +40,14 @@ def page_of(h: bytes) -> bytes:
     return np.random.default_rng(int.from_bytes(h[:8], "little")).bytes(PAGE)
 
 
-def wait_for(cond, timeout: float = 20.0, what: str = "condition"):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = cond()
-        if v:
-            return v
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def save(c: PegaClient, hs: list[bytes], batch: int = 4, node=None) -> None:  # type: ignore[no-untyped-def]
     """Save blocks in small batches (as an engine does per step). With ``node``, wait after
     each batch until the write-behind queue is empty, so no save is skipped for lack of
     unpinned pages in the tiny pool."""
     for i in range(0, len(hs), batch):
         if node is not None and i:
-            wait_for(lambda: node.metric("pegaflow_node_ssd_write_queue_blocks") == 0, what="write queue drained")
+            wait_until(lambda: node.metric("pegaflow_node_ssd_write_queue_blocks") == 0, SSD_WAIT_S,
+                       "write queue drained")
         part = hs[i:i + batch]
         r = c.reserve(NS, part)
         for h, off in zip(part, r.offsets, strict=True):
@@ -64,18 +57,27 @@ def save(c: PegaClient, hs: list[bytes], batch: int = 4, node=None) -> None:  # 
             c.commit(r.reservation_id)
 
 
-def load(c: PegaClient, hs: list[bytes], timeout: float = 20.0) -> tuple[int, int]:
-    """Query until READY; returns (hit blocks, LOADING answers seen) after checking every hit's bytes."""
+def ask_until_ready(c: PegaClient, hs: list[bytes], timeout: float = SSD_WAIT_S,
+                    **query: Any) -> tuple[QueryResult, int]:
+    """Query as the connector does until READY; returns the answer and the LOADING answers seen
+    before it (each one saying the blocks come from SSD)."""
     loading = 0
-    deadline = time.monotonic() + timeout
-    while True:
-        q = c.query([NS], hs)
+
+    def ready() -> QueryResult | None:
+        nonlocal loading
+        q = c.query([NS], hs, **query)
         if q.status == "READY":
-            break
+            return q
         assert q.loading_from == "ssd", q
         loading += 1
-        assert time.monotonic() < deadline, "promotion never finished"
-        time.sleep(0.005)
+        return None
+
+    return wait_until(ready, timeout, "the promotion to finish", every=0.005), loading
+
+
+def load(c: PegaClient, hs: list[bytes], timeout: float = SSD_WAIT_S) -> tuple[int, int]:
+    """Query until READY; returns (hit blocks, LOADING answers seen) after checking every hit's bytes."""
+    q, loading = ask_until_ready(c, hs, timeout)
     try:
         for h, off in zip(hs, q.offsets[NS], strict=False):
             got = q.pool[off:off + PAGE].numpy().tobytes()
@@ -110,7 +112,7 @@ def test_evicted_blocks_come_back_from_ssd_with_identical_bytes(node_factory, tm
     with PegaClient(node.addr) as c:
         c.register({NS: PAGE})
         save(c, hs, node=node)
-        wait_for(lambda: node.metric("pegaflow_node_ssd_blocks") >= 48, what="48 blocks on SSD")
+        wait_until(lambda: node.metric("pegaflow_node_ssd_blocks") >= 48, SSD_WAIT_S, "48 blocks on SSD")
         assert node.metric("pegaflow_node_evictions_total") > 0, "the pool must have evicted blocks"
         hit, loading = load(c, hs[:12])
         assert hit == 12
@@ -137,7 +139,7 @@ def test_a_node_serving_peers_shares_page_checksums_with_its_ssd_records(node_fa
     with PegaClient(node.addr) as c:
         c.register({NS: PAGE})
         save(c, hs, node=node)
-        wait_for(lambda: node.metric("pegaflow_node_ssd_blocks") >= 48, what="48 blocks on SSD")
+        wait_until(lambda: node.metric("pegaflow_node_ssd_blocks") >= 48, SSD_WAIT_S, "48 blocks on SSD")
         hit, _ = load(c, hs[:12])  # load() compares every page's bytes
         assert hit == 12
         assert node.metric("pegaflow_node_ssd_promoted_blocks_total") >= 12
@@ -150,9 +152,9 @@ def test_sigkill_mid_write_then_restart_serves_only_intact_pages(node_factory, t
     with PegaClient(node.addr) as c:
         c.register({NS: PAGE})
         save(c, early, node=node)
-        wait_for(lambda: node.metric("pegaflow_node_ssd_blocks") >= 24, what="early blocks on SSD")
+        wait_until(lambda: node.metric("pegaflow_node_ssd_blocks") >= 24, SSD_WAIT_S, "early blocks on SSD")
         save(c, burst, batch=16)
-        wait_for(lambda: node.metric("pegaflow_node_ssd_written_blocks_total") >= 25, what="a burst write")
+        wait_until(lambda: node.metric("pegaflow_node_ssd_written_blocks_total") >= 25, SSD_WAIT_S, "a burst write")
         node.kill(signal.SIGKILL)  # other writes of the burst are in flight or queued
     # A torn write leaves a valid header over a half-written page: make one for certain.
     path = tmp_path / "pegaflow-ssd.cache"
@@ -183,7 +185,7 @@ def test_flipped_bytes_on_disk_are_detected_and_never_served(node_factory, tmp_p
     with PegaClient(node.addr) as c:
         c.register({NS: PAGE})
         save(c, hs, node=node)
-        wait_for(lambda: node.metric("pegaflow_node_ssd_blocks") >= 24, what="blocks on SSD")
+        wait_until(lambda: node.metric("pegaflow_node_ssd_blocks") >= 24, SSD_WAIT_S, "blocks on SSD")
     node.stop()
     path = tmp_path / "pegaflow-ssd.cache"
     recs = {h.hash: off for off, h in records(path)}
@@ -212,7 +214,7 @@ def test_requests_promoted_one_after_another_on_a_small_pool_all_hit(node_factor
     with PegaClient(node.addr) as c:
         c.register({NS: PAGE})
         save(c, hs, node=node)
-        wait_for(lambda: node.metric("pegaflow_node_ssd_blocks") >= 48, what="blocks on SSD")
+        wait_until(lambda: node.metric("pegaflow_node_ssd_blocks") >= 48, SSD_WAIT_S, "blocks on SSD")
     node.stop()
     node.start()  # L1 empty: every block comes from SSD
     with PegaClient(node.addr) as c:
@@ -229,7 +231,7 @@ def test_a_damaged_record_header_loses_only_its_own_block_after_a_restart(node_f
     with PegaClient(node.addr) as c:
         c.register({NS: PAGE})
         save(c, hs, node=node)
-        wait_for(lambda: node.metric("pegaflow_node_ssd_blocks") >= 48, what="blocks on SSD")
+        wait_until(lambda: node.metric("pegaflow_node_ssd_blocks") >= 48, SSD_WAIT_S, "blocks on SSD")
     node.stop()
     path = tmp_path / "pegaflow-ssd.cache"
     recs = {h.hash: off for off, h in records(path)}
@@ -259,7 +261,7 @@ def test_two_paths_stripe_pages_across_both_files(node_factory, tmp_path):
     with PegaClient(node.addr) as c:
         c.register({NS: PAGE})
         save(c, hs, node=node)
-        wait_for(lambda: node.metric("pegaflow_node_ssd_blocks") >= 32, what="blocks on SSD")
+        wait_until(lambda: node.metric("pegaflow_node_ssd_blocks") >= 32, SSD_WAIT_S, "blocks on SSD")
         hit, _ = load(c, hs[:8])
         assert hit == 8
     node.stop()
@@ -276,8 +278,8 @@ def test_capacity_is_never_exceeded_and_oldest_blocks_go_first(node_factory, tmp
         c.register({NS: PAGE})
         for i in range(0, 80, 8):
             save(c, hs[i:i + 8], node=node)
-            wait_for(lambda i=i: node.metric("pegaflow_node_ssd_written_blocks_total") >= i + 8,
-                     what="writes")
+            wait_until(lambda i=i: node.metric("pegaflow_node_ssd_written_blocks_total") >= i + 8, SSD_WAIT_S,
+                       "writes")
             assert node.metric("pegaflow_node_ssd_used_bytes") <= cap
         path = tmp_path / "pegaflow-ssd.cache"
         assert path.stat().st_size <= cap  # allocated in full at start-up, never grown
@@ -332,7 +334,7 @@ def test_reset_drops_a_namespace_from_dram_and_ssd_and_keeps_the_others(node_fac
         save(c, hs, node=node)
         r = d.reserve("other-model", other)
         d.commit(r.reservation_id)
-        wait_for(lambda: node.metric("pegaflow_node_ssd_blocks") >= 28, what="28 blocks on SSD")
+        wait_until(lambda: node.metric("pegaflow_node_ssd_blocks") >= 28, SSD_WAIT_S, "28 blocks on SSD")
         q = c.query([NS], hs[-2:])  # a lease held across the reset
         assert q.hit_blocks == 2
         with pytest.raises(NodeError) as exc:
@@ -348,14 +350,14 @@ def test_reset_drops_a_namespace_from_dram_and_ssd_and_keeps_the_others(node_fac
         for part in (hs[:12], hs[12:]):
             assert load(c, part)[0] == 0, "nothing of the namespace is served, from DRAM or SSD"
         c.release(q.lease_id)
-        wait_for(lambda: c.stats().used_bytes == PAGE * len(other), what="the leased pages freed")
+        wait_until(lambda: c.stats().used_bytes == PAGE * len(other), SSD_WAIT_S, "the leased pages freed")
         q = d.query(["other-model"], other)
         assert q.hit_blocks == 4, "another namespace keeps its blocks"
         d.release(q.lease_id)
         assert "namespaces_reset" in node.log()
         after = hashes("after-reset", 4)  # saved after the reset: must survive it
         save(c, after, node=node)
-        wait_for(lambda: node.metric("pegaflow_node_ssd_blocks") >= 8, what="the new blocks on SSD")
+        wait_until(lambda: node.metric("pegaflow_node_ssd_blocks") >= 8, SSD_WAIT_S, "the new blocks on SSD")
 
     # The reset is durable: the records stay on disk, but a restarted node (even after a
     # crash right after the reset) finds a reset record newer than them and skips them.
@@ -368,8 +370,8 @@ def test_reset_drops_a_namespace_from_dram_and_ssd_and_keeps_the_others(node_fac
         d.register({"other-model": PAGE})
         assert load(c, hs[:12])[0] == 0 and load(c, hs[12:])[0] == 0, "reset blocks came back after a restart"
         assert load(c, after)[0] == 4, "blocks saved after the reset were lost"
-        assert wait_for(lambda: d.query(["other-model"], other, lease=False).hit_blocks == 4 or None,
-                        what="the other namespace back from SSD") is True
+        wait_until(lambda: d.query(["other-model"], other, lease=False).hit_blocks == 4, SSD_WAIT_S,
+                   "the other namespace back from SSD")
     voided = re.findall(r'"voided_by_reset": (\d+)', node.log())
     assert voided and int(voided[-1]) == len(hs), voided  # the restarted node's scan
 
@@ -399,10 +401,10 @@ def test_a_watching_session_gets_its_namespaces_block_events(node_factory, tmp_p
         save(c, hs, node=node)
         r = other.reserve("unwatched", hashes("u", 2))
         other.commit(r.reservation_id)
-        wait_for(lambda: seen("ssd", True) == set(hs), what="every SSD write reported")
-        wait_for(lambda: len(seen("dram", False)) >= 8, what="DRAM evictions reported")
+        wait_until(lambda: seen("ssd", True) == set(hs), SSD_WAIT_S, "every SSD write reported")
+        wait_until(lambda: len(seen("dram", False)) >= 8, SSD_WAIT_S, "DRAM evictions reported")
         assert seen("dram", False) <= set(hs)
         c.reset([NS])
-        wait_for(lambda: seen("ssd", False) == set(hs), what="the reset's SSD removals reported")
+        wait_until(lambda: seen("ssd", False) == set(hs), SSD_WAIT_S, "the reset's SSD removals reported")
         with lock:
             assert all(e.namespace == NS for e in got), "events of a namespace this session did not register"

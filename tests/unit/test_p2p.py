@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import os
 import select
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +29,7 @@ from pegaflow.node.tiers.remote.pins import BUSY_RECHECK, PeerService, PinTable
 from pegaflow.node.tiers.remote.puller import META_KEY, Holder, Puller
 from pegaflow.node.tiers.remote.tcp import TcpDataServer, TcpTransport, sendfile_works
 from tests.unit import fake_verbs
+from tests.waiting import wait_until, wait_until_async
 
 PAGE = 64 << 10
 POOL = 8 << 20
@@ -59,7 +59,8 @@ class Side:
         self.pool = SharedPool(POOL, name=f"test-{name}")
         self.index = BlockIndex(POOL, align=4096)
         self.ns = self.index.namespace(NS, PAGE)
-        self.metrics = PeerMetrics(CollectorRegistry())
+        self.registry = CollectorRegistry()
+        self.metrics = PeerMetrics(self.registry)
         self.checksums = PageChecksums(self.index, self.pool.view, self.metrics, background=background)
         self.table = PinTable(self.index, self.pool.view, 30.0, self.metrics, self.checksums)
         self.data = TcpDataServer("127.0.0.1:0", self.pool.fd, self.pool.view, self.table.acquire, self.table.release_send,
@@ -67,6 +68,12 @@ class Side:
         self.data.start()
         self.service = PeerService(self.table, f"127.0.0.1:{self.data.port}", 16384)
         self.address = f"{name}:50055"
+
+    def sample(self, name: str, **labels: str) -> float:
+        """A sample of this side's metrics, as its registry exports it."""
+        got = self.registry.get_sample_value(name, labels)
+        assert got is not None, f"{name}{labels} is not exported"
+        return got
 
     def store(self, hs: Sequence[bytes]) -> dict[bytes, bytes]:
         """Commit pages of random bytes for ``hs``; returns hash -> page bytes."""
@@ -153,24 +160,14 @@ def pull(a: Side, b: Side, puller: Puller, hs: list[bytes], hit: int) -> None:
     asyncio.run(run())
 
 
-async def until(cond, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    """Wait (bounded) on the running loop until ``cond()`` holds."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
-        await asyncio.sleep(0.002)
-
-
 async def drained(side: Side, timeout: float = 5.0) -> None:
     """Wait (bounded) until the side's pins are gone: a data thread may release its send
     just after the puller has every byte and has unpinned."""
-    deadline = time.monotonic() + timeout
-    while side.table.pins and time.monotonic() < deadline:
-        await asyncio.sleep(0.005)
+    await wait_until_async(lambda: not side.table.pins, timeout, f"{side.name}'s pins to be released")
 
 
 def pulls(side: Side, status: str) -> float:
-    return side.metrics.pulls.labels(status)._value.get()
+    return side.sample("pegaflow_node_p2p_pulls_total", status=status)
 
 
 def test_prefix_pulled_from_peer_is_byte_identical_reclaimable_and_unpinned(pair):
@@ -195,13 +192,12 @@ def test_prefix_pulled_from_peer_is_byte_identical_reclaimable_and_unpinned(pair
         assert blk is not None and blk.state == RESIDENT and blk.reclaimable
         assert b.page(h) == want[h]
     assert pulls(b, "ok") == 1
-    assert b.metrics.pull_bytes._value.get() == 24 * PAGE
+    assert b.sample("pegaflow_node_p2p_pull_bytes_total") == 24 * PAGE
     # The sender counts its bytes on its own thread once the last send returns, which can
     # be just after the receiver has every byte: wait for it (bounded).
-    deadline = time.monotonic() + 5
-    while a.metrics.served_bytes._value.get() < 24 * PAGE and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert a.metrics.served_bytes._value.get() == 24 * PAGE
+    wait_until(lambda: a.sample("pegaflow_node_p2p_served_bytes_total") >= 24 * PAGE, 5, "the sender's byte count",
+               every=0.01)
+    assert a.sample("pegaflow_node_p2p_served_bytes_total") == 24 * PAGE
     assert len(peers.unpinned) == 1 and not a.table.pins  # pin released after the pull
     assert all(blk.pins == 0 for blk in a.index.resident(a.ns))
 
@@ -216,7 +212,7 @@ def test_pull_continues_after_local_prefix_and_only_fetches_missing_blocks(pair)
     pull(a, b, puller, hs, 5)
     assert [b.page(h) for h in hs[:5]] == [local[h] for h in hs[:5]]
     assert [b.page(h) for h in hs[5:]] == [want[h] for h in hs[5:]]
-    assert a.metrics.served_bytes._value.get() == 11 * PAGE
+    assert a.sample("pegaflow_node_p2p_served_bytes_total") == 11 * PAGE
 
 
 def test_no_holder_beyond_local_prefix_answers_ready_without_reserving(pair):
@@ -319,7 +315,7 @@ def test_metaserver_failure_serves_local_hits_and_is_skipped_for_a_while(pair):
 
     assert asyncio.run(run()) == (False, False)
     assert meta.calls == 1 and puller.backoff.skip(META_KEY)
-    assert b.metrics.lookups.labels("error")._value.get() == 1
+    assert b.sample("pegaflow_node_p2p_lookups_total", result="error") == 1
 
 
 def test_pins_expire_without_unpin_and_unpin_their_blocks():
@@ -335,11 +331,11 @@ def test_pins_expire_without_unpin_and_unpin_their_blocks():
             assert resp.count == 4 and 0 < resp.expires_in <= 0.2
             assert all(blk.pins == 1 for blk in a.index.resident(a.ns))
             assert a.index.lru_order() == []  # pinned: not evictable
-            await until(lambda: not a.table.pins, 5.0, "the pin's TTL to end it")
+            await wait_until_async(lambda: not a.table.pins, 5.0, "the pin's TTL to end it")
 
         asyncio.run(run())
         assert not a.table.pins
-        assert a.metrics.pins_expired._value.get() == 1
+        assert a.sample("pegaflow_node_p2p_pins_expired_total") == 1
         assert all(blk.pins == 0 for blk in a.index.resident(a.ns))
         assert len(a.index.lru_order()) == 4
     finally:
@@ -379,12 +375,12 @@ def test_pin_is_not_released_while_its_pages_are_being_sent():
             p = a.table.pin(NS, hs, 0.05)
             assert p is not None
             assert a.table.acquire(p.id, 0, 2) == p.blocks  # a data thread starts sending
-            await until(lambda: p.ended, 5.0, "the TTL to end the pin")
+            await wait_until_async(lambda: p.ended, 5.0, "the TTL to end the pin")
             assert p.id in a.table.pins and all(blk.pins == 1 for blk in p.blocks)
             assert a.table.acquire(p.id, 0, 1) != p.blocks[:1]  # but no new sends start
             a.table.release_send(p.id)
             # The last send's end unpins at once, not at the next recheck (BUSY_RECHECK later).
-            await until(lambda: p.id not in a.table.pins, BUSY_RECHECK * 0.8, "the unpin at the send's end")
+            await wait_until_async(lambda: p.id not in a.table.pins, BUSY_RECHECK * 0.8, "the unpin at the send's end")
             assert all(blk.pins == 0 for blk in p.blocks)
 
         asyncio.run(run())
@@ -448,7 +444,7 @@ def test_rdma_pull_reads_pages_one_sided_over_every_nic():
         assert all(r.b.page(h) == want[h] for h in hs)
         assert r.fabric.reads == 40 and r.fabric.read_bytes == 40 * PAGE
         assert r.handshakes == 2  # one RC QP per NIC, striped
-        assert r.a.metrics.served_bytes._value.get() == 0  # the peer's CPU did not send
+        assert r.a.sample("pegaflow_node_p2p_served_bytes_total") == 0  # the peer's CPU did not send
         assert pulls(r.b, "ok") == 1 and not r.a.table.pins
     finally:
         r.close()
@@ -616,7 +612,7 @@ def test_a_prefix_nobody_holds_is_not_looked_up_again_for_a_moment(pair, monkeyp
 
 
 def hashed(side: Side, when: str) -> float:
-    return side.metrics.hashed_bytes.labels(when)._value.get()
+    return side.sample("pegaflow_node_p2p_hashed_bytes_total", when=when)
 
 
 def test_a_published_node_hashes_each_committed_page_once_and_every_pull_reuses_it():
@@ -634,17 +630,15 @@ def test_a_published_node_hashes_each_committed_page_once_and_every_pull_reuses_
             a.checksums.start()
             b.checksums.start()
             want = a.store(hs)
-            deadline = time.monotonic() + 10
-            while len(a.checksums) < 12 and time.monotonic() < deadline:
-                await asyncio.sleep(0.005)
+            await wait_until_async(lambda: len(a.checksums) >= 12, 10, "a's hasher to know every stored page")
             assert await puller.query([b.ns], hs, 0)
             await settle(puller)
             await drained(a)
             pin = await a.service.PinForTransfer(peer_pb2.PinRequest(namespace=NS, hashes=hs, transport="rdma"), Ctx())
             a.table.unpin(pin.pin_id)
             # b's hasher has seen the pulled pages' inserts: its queue is empty and it pins nothing.
-            await until(lambda: not b.checksums._queue and all(blk.pins == 0 for blk in b.index.resident(b.ns)),
-                        5.0, "b's hasher to be idle")
+            await wait_until_async(lambda: not b.checksums._queue and all(blk.pins == 0 for blk in b.index.resident(b.ns)),
+                                   5.0, "b's hasher to be idle")
             await a.checksums.close()
             await b.checksums.close()
             return want, pin

@@ -4,6 +4,7 @@ copies where they touch it."""
 import torch
 
 from pegaflow.client import populate
+from tests.waiting import wait_until
 
 
 def _memfd_pool(nbytes: int):  # type: ignore[no-untyped-def]
@@ -13,17 +14,6 @@ def _memfd_pool(nbytes: int):  # type: ignore[no-untyped-def]
     fd = os.memfd_create("pf-test-pool")
     os.ftruncate(fd, nbytes)
     return fd, mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
-
-
-def _wait(cond, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
-    import time
-
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
 
 
 def test_a_lazily_mapped_pool_is_populated_in_the_background_only_where_the_node_allocated():
@@ -41,11 +31,11 @@ def test_a_lazily_mapped_pool_is_populated_in_the_background_only_where_the_node
         t = torch.frombuffer(engine, dtype=torch.uint8)
         populate.map_lazily(t)
         p = populate.lazy_pools[t.data_ptr()]
-        assert _wait(lambda: p.done[:3].all()), "allocated chunks were not populated in the background"
+        wait_until(lambda: p.done[:3].all(), 10, "the allocated chunks populated in the background", every=0.01)
         allocated = os.fstat(fd).st_blocks * 512
         assert not p.done[3:].any() and allocated == 3 * chunk, (p.done, allocated)
         node_view[3 * chunk:] = b"\x02" * (5 * chunk)  # the pre-fault goes on
-        assert _wait(lambda: p.left == 0)
+        wait_until(lambda: p.left == 0, 10, "every chunk populated", every=0.01)
         assert bytes(engine[5 * chunk: 5 * chunk + 4]) == b"\x02" * 4
         p.stop.set()
         t = None  # type: ignore[assignment]  # releases the buffer export so the mapping can close

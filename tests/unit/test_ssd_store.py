@@ -21,9 +21,11 @@ from pegaflow.node.tiers.ssd.files import CACHE_FILE_NAME, open_files
 from pegaflow.node.tiers.ssd.records import BLOCK, aligned_buffer, pack_header, record_bytes, unpack_header
 from pegaflow.node.tiers.ssd.store import SsdIndex
 from pegaflow.node.tiers.ssd.uring import uring_unavailable_reason
+from tests.waiting import wait_until_async
 
 PAGE = 16 << 10
 ENGINES = ["threads", "uring"]
+WAIT_S = 10.0  # bound of a wait for the tier's own threads (writes, promotions)
 
 
 def test_header_round_trip_and_any_flipped_byte_is_rejected():
@@ -172,14 +174,6 @@ def _engine_or_skip(engine: str) -> None:
             pytest.skip(f"io_uring engine unavailable here: {why}")
 
 
-async def _until(cond, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not cond():
-        assert loop.time() < end, "timed out"
-        await asyncio.sleep(0.002)
-
-
 class _Node:
     """Pool + index + tier, as the daemon assembles them."""
 
@@ -191,6 +185,10 @@ class _Node:
         self.tier.attach(self.index, self.pool.view, NodeMetrics())
         self.tier.start(asyncio.get_running_loop())
         self.ns = self.index.namespace("m", PAGE)
+
+    async def written(self) -> None:
+        """Wait (bounded) until the write-behind has written everything it queued."""
+        await wait_until_async(self.tier.writer.idle, WAIT_S, "the write-behind to drain")
 
     def save(self, hashes: list[bytes]) -> list:  # type: ignore[type-arg]
         blocks = [b for b in self.index.reserve(self.ns, hashes) if b is not None]
@@ -218,7 +216,7 @@ def test_write_behind_pins_until_written_and_scan_recovers_after_restart(tmp_pat
         n = _Node(tmp_path, engine)
         blocks = n.save(hashes)
         assert all(b.pins == 1 for b in blocks), "queued blocks must be pinned until written"
-        await _until(lambda: n.tier.writer.idle())
+        await n.written()
         assert all(b.pins == 0 for b in blocks)
         assert len(n.tier.store.entries) == 40
         await n.close()
@@ -227,7 +225,8 @@ def test_write_behind_pins_until_written_and_scan_recovers_after_restart(tmp_pat
         n = _Node(tmp_path, engine)
         assert len(n.tier.store.entries) == 40, "scan must find every record"
         assert n.tier.promote([n.ns], hashes, 0) == len(hashes)  # LOADING, up to the whole prefix
-        await _until(lambda: all(n.index.get(n.ns, h) is not None for h in hashes))
+        await wait_until_async(lambda: all(n.index.get(n.ns, h) is not None for h in hashes), WAIT_S,
+                               "every block promoted")
         for h in hashes:
             b = n.index.get(n.ns, h)
             assert bytes(n.pool.view[b.offset:b.offset + PAGE]) == _page(h)
@@ -243,9 +242,10 @@ def test_full_write_queue_skips_and_counts_without_waiting(tmp_path: Path):
         n = _Node(tmp_path, "threads", queue=2 * PAGE)
         assert n.tier.writer.limit_bytes == 2 * PAGE
         n.save([i.to_bytes(16, "little") for i in range(1, 9)])
-        m = n.tier.metrics
-        assert m.skipped.labels("queue_full")._value.get() == 6  # noqa: SLF001
-        await _until(lambda: n.tier.writer.idle())
+        skipped = n.tier.node_metrics.registry.get_sample_value("pegaflow_node_ssd_skipped_writes_total",
+                                                                {"reason": "queue_full"})
+        assert skipped == 6
+        await n.written()
         assert len(n.tier.store.entries) == 2
         await n.close()
 
@@ -262,7 +262,7 @@ def test_promoted_block_near_the_log_tail_is_written_again_and_a_young_one_is_no
         old, *rest = [i.to_bytes(16, "little") for i in range(1, 42)]
         for h in [old, *rest]:
             n.save([h])
-            await _until(lambda: n.tier.writer.idle())
+            await n.written()
         young = rest[-1]
         e_old, e_young = store.get((n.ns.id, old)), store.get((n.ns.id, young))
         assert e_old is not None and store.age(e_old) >= 0.75, "the first block must be near the tail"
@@ -270,8 +270,8 @@ def test_promoted_block_near_the_log_tail_is_written_again_and_a_young_one_is_no
         for h in (old, young):
             index.remove([index.get(n.ns, h)])
             assert n.tier.promote([n.ns], [h], 0)
-            await _until(lambda h=h: index.get(n.ns, h) is not None)
-            await _until(lambda: n.tier.writer.idle())
+            await wait_until_async(lambda h=h: index.get(n.ns, h) is not None, WAIT_S, "the block promoted")
+            await n.written()
         assert store.get((n.ns.id, old)).seq > e_old.seq, "an aging promoted block goes back to the head"
         assert store.get((n.ns.id, young)) is e_young, "a young one is not written twice"
         await n.close()
@@ -293,10 +293,10 @@ def test_tp_shards_promote_together_and_loading_needs_every_shard(tmp_path: Path
         for b in b1:
             n.pool.view[b.offset:b.offset + PAGE] = _page(b"\x01" + b.hash[1:])
         index.commit(b1)
-        await _until(lambda: n.tier.writer.idle())
+        await n.written()
         index.remove(index.resident())
         assert n.tier.promote([n.ns, tp1], hs, 0) == 3, "shard 1 lacks block 3: the prefix stops there"
-        await _until(lambda: not n.tier.promoter.inflight)
+        await wait_until_async(lambda: not n.tier.promoter.inflight, WAIT_S, "the promotions to end")
         assert [len(index.prefix(ns, hs, touch=False)) for ns in (n.ns, tp1)] == [3, 3], (
             "only the prefix both shards hold is promoted")
         for b in index.prefix(tp1, hs, touch=False):
@@ -354,7 +354,7 @@ def test_completion_drain_yields_to_the_loop_and_keeps_call_order(tmp_path: Path
         for i in range(20):
             n.tier.call_soon(slow, i)
         asyncio.get_running_loop().call_soon(order.append, "query")  # waiting behind the drain
-        await _until(lambda: len(order) == 21)
+        await wait_until_async(lambda: len(order) == 21, WAIT_S, "the 20 slow calls and the query")
         await n.close()
         return order
 
