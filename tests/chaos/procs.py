@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
+
+from tests.waiting import next_line
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,18 +27,10 @@ class Worker:
 
     def _line(self, timeout: float) -> str:
         assert self.p.stdout is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            r, _, _ = select.select([self.p.stdout], [], [], 0.5)
-            if r:
-                line = self.p.stdout.readline()
-                if line:
-                    return line
-                break
-            if self.p.poll() is not None:
-                break
-        err = self.p.stderr.read() if self.p.stderr and self.p.poll() is not None else ""
-        raise AssertionError(f"worker gave no line (rc={self.p.poll()}): {err[-2000:]}")
+        return next_line(self.p.stdout, self.p, timeout, "a line from the worker", tail=self._stderr_if_done)
+
+    def _stderr_if_done(self) -> str:
+        return self.p.stderr.read()[-2000:] if self.p.stderr and self.p.poll() is not None else ""
 
     def kill(self) -> None:
         if self.p.poll() is None:

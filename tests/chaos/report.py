@@ -1,5 +1,8 @@
 """Render chaos figures (JSON lines from ``PEGAFLOW_CHAOS_REPORT``) as the table of docs/reliability.md.
 
+A figure a scenario did not compute (``lost`` where it cannot tell a lost block from an
+evicted one) is rendered "—", never as a number.
+
     python -m tests.chaos.report FILE
 """
 
@@ -16,7 +19,7 @@ def main(path: str) -> int:
     print("|" + "---|" * (len(cols) + 1))
     for r in rows:
         notes = ", ".join(f"{k} {v}" for k, v in r.get("notes", {}).items())
-        print("| " + " | ".join(str(r[c]) for c in cols) + f" | {notes} |")
+        print("| " + " | ".join("—" if r[c] is None else str(r[c]) for c in cols) + f" | {notes} |")
     return 0
 
 

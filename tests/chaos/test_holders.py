@@ -4,6 +4,10 @@
   an observer reads and verifies every page it is served.
 * Slow holders: writers and readers that sleep past ``--reservation-ttl`` / ``--lease-ttl``
   between taking pages and using them, on a pool small enough that others want the pages.
+
+Neither kills nor TTLs make a client's call fail, so no operation may fail. ``lost`` is not
+defined here: both pools are kept full on purpose, and an evicted block is not told apart
+from a lost one.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import time
 
 from tests.chaos.common import PAGE, Report, pick, tracebacks_in
 from tests.chaos.procs import Worker, node_stats, nothing_held
-from tests.integration.meta_harness import wait_until
+from tests.waiting import wait_until
 
 
 def test_killed_writers_and_readers_expose_nothing_and_leak_nothing(node_factory):  # type: ignore[no-untyped-def]
@@ -50,9 +54,9 @@ def test_killed_writers_and_readers_expose_nothing_and_leak_nothing(node_factory
     f.leaked = st.active_reservations + st.active_leases + max(0, st.sessions)
     f.crashes = int(node.proc.poll() is not None)
     f.tracebacks = tracebacks_in(node.log())
-    f.notes.update(kills=kills, observer_blocks_verified=totals["blocks"], resident_blocks=st.resident_blocks)
+    f.notes.update(kills=kills, observer_blocks_verified=totals["verified"], resident_blocks=st.resident_blocks)
     rep.done()
-    assert not f.bad() and totals["blocks"] > 0, f
+    assert not f.bad() and totals["verified"] > 0, (f, totals.get("first_error"))
 
 
 def test_holders_slower_than_every_ttl_never_see_or_write_anothers_bytes(node_factory):  # type: ignore[no-untyped-def]
@@ -75,7 +79,6 @@ def test_holders_slower_than_every_ttl_never_see_or_write_anothers_bytes(node_fa
     f.crashes = int(node.proc.poll() is not None)
     f.tracebacks = tracebacks_in(node.log())
     f.notes.update(late_holdings=int(node.metric("pegaflow_node_expired_total")),
-                   blocks_verified=sum(t["blocks"] for t in totals if "wrong" in t))
+                   blocks_verified=sum(t["verified"] for t in totals))
     rep.done()
-    assert not f.bad(), f
-    assert f.failed == 0, [t.get("first_error") for t in totals if t["errors"]]
+    assert not f.bad() and f.notes["blocks_verified"], (f, [t.get("first_error") for t in totals if t["errors"]])

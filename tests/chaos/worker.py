@@ -4,11 +4,13 @@
     python -m tests.chaos.worker reader ADDR SEED UNIVERSE   # load and verify, forever
 
 Both print one JSON line of totals when they get SIGTERM (a SIGKILLed one prints nothing:
-what it held is the node's to clean up). A reader checks every page it is served against
-:func:`tests.chaos.common.page`; a writer writes exactly that content, so a wrong page
-anywhere is a wrong byte the node served. With ``--slow S`` a holder sleeps S seconds
-between taking pages and using them (a writer between Reserve and its copy, a reader
-between Query and its copy): longer than the node's TTLs.
+what it held is the node's to clean up): operations, blocks ``committed`` (a writer's, as
+the node acknowledged them), blocks ``verified`` (a reader's: every page of every READY
+answer), the ``wrong`` pages among those, ``misses`` and ``errors``. A reader checks every
+page it is served against :func:`tests.chaos.common.page`; a writer writes exactly that
+content, so a wrong page anywhere is a wrong byte the node served. With ``--slow S`` a
+holder sleeps S seconds between taking pages and using them (a writer between Reserve and
+its copy, a reader between Query and its copy): longer than the node's TTLs.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def main() -> None:
                    help="cycle through this many request ids (0: every query its own, as vLLM does)")
     a = p.parse_args()
     rng = random.Random(a.seed)
-    totals = {"ops": 0, "blocks": 0, "wrong": 0, "misses": 0, "errors": 0}
+    totals = {"ops": 0, "committed": 0, "verified": 0, "wrong": 0, "misses": 0, "errors": 0}
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     c = PegaClient(a.addr, timeout=10)
@@ -58,7 +60,7 @@ def main() -> None:
                     if off >= 0:
                         c.pool[off:off + PAGE].numpy()[:] = page(h)
                 if r.reservation_id:
-                    totals["blocks"] += c.commit(r.reservation_id)
+                    totals["committed"] += c.commit(r.reservation_id)
             else:
                 n = totals["ops"] % a.req_ids if a.req_ids else totals["ops"]
                 q = c.query([NS], hs, req_id=f"r{a.seed}-{n}")
@@ -67,7 +69,7 @@ def main() -> None:
                         time.sleep(a.slow)
                     for h, off in zip(hs, q.offsets[NS], strict=False):
                         got = q.pool[off:off + PAGE].numpy()
-                        totals["blocks"] += 1
+                        totals["verified"] += 1
                         if not np.array_equal(got, page(h)):
                             totals["wrong"] += 1
                     totals["misses"] += len(hs) - q.hit_blocks
