@@ -31,20 +31,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-    KVConnectorRole,
-    KVConnectorTransferResults,
-    SupportsHMA,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
-    KVConnectorPromMetrics,
-    KVConnectorStats,
-    PromMetric,
-    PromMetricT,
-)
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from pegaflow.common.security import Security
 from pegaflow.connector.events import KVEvents
@@ -52,6 +38,19 @@ from pegaflow.connector.intents import PegaConnectorMetadata, PegaWorkerReport
 from pegaflow.connector.link import LOGGER_NAME, NodeLink, query_only_client_factory
 from pegaflow.connector.scheduler import SchedulerSide
 from pegaflow.connector.settings import load_settings
+from pegaflow.connector.vllm_compat import (
+    FEATURES,
+    CacheHitSource,
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorPromMetrics,
+    KVConnectorRole,
+    KVConnectorStats,
+    KVConnectorTransferResults,
+    PromMetric,
+    PromMetricT,
+    SupportsHMA,
+)
 from pegaflow.connector.worker import WorkerSide
 from pegaflow.core.identity import KVIdentity, config_hash
 
@@ -97,11 +96,14 @@ def check_kv_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> 
     gpt-oss layer mixes), next to state-space (Mamba) groups whose states vLLM keeps at block
     boundaries of the same size (``mamba_cache_mode="align"``: Nemotron-H, Granite-4). Not
     stored: state-space layers only, cross-attention or other non-attention groups, groups
-    that opt out of KV transfer, pipeline parallelism.
+    that opt out of KV transfer, pipeline parallelism; several groups on a vLLM without
+    ``transfer_results``, state-space groups on one without ``block_state`` (``vllm_compat``).
     """
     groups = kv_cache_config.kv_cache_groups
     if not groups:
         raise ValueError("the model has no KV cache groups")
+    if len(groups) > 1:  # a failed load then fails its whole request (failed_recving)
+        FEATURES.need("transfer_results", "a model with several KV cache groups (hybrid KV cache manager)")
     attn = [g for g in groups if not is_state_space(g.kv_cache_spec)]
     if not attn:
         raise ValueError("PegaFlow stores attention KV; the model has state-space layers only")
@@ -120,6 +122,7 @@ def check_kv_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> 
 def _check_state_space_group(gs: Any, spec: Any) -> None:
     """A state-space group next to attention blocks shaped ``spec``: its states must sit at
     the attention blocks' boundaries."""
+    FEATURES.need("block_state", "state-space (Mamba) layers")
     mode = getattr(gs, "mamba_cache_mode", "none")
     if mode != "align":
         raise ValueError("PegaFlow stores state-space (Mamba) layers only with their states at block "
@@ -279,7 +282,8 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector for PegaFlow; scheduler and worker contracts live in
     ``pegaflow.connector.scheduler`` and ``pegaflow.connector.worker``."""
 
-    _cache_hit_source = CacheHitSource.HOST
+    if FEATURES.hit_sources:
+        _cache_hit_source = CacheHitSource.HOST
 
     def __init__(
         self,
@@ -386,11 +390,14 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.save(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        # vLLM 0.32 asks get_transfer_results (which also says which loads failed).
-        done = self.get_transfer_results(finished_req_ids).finished_recving
+        # What a vLLM without ``transfer_results`` asks. It cannot say that a whole request
+        # failed, which only engines with several KV cache groups need: those are not stored
+        # on such a vLLM (check_kv_layout), so every failure here is a load error.
+        done = self._worker.take_finished_recving() if self._worker is not None else None
         return None, (done or None)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        # Asked instead of get_finished by a vLLM with ``transfer_results`` (only there).
         if self._worker is None:
             return KVConnectorTransferResults()
         return KVConnectorTransferResults(

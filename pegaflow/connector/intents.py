@@ -35,10 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TypeAlias
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorMetadata,
-    KVConnectorWorkerMetadata,
-)
+from pegaflow.connector.vllm_compat import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 PageBlock: TypeAlias = int | tuple[int, ...]  # one block id, or one per KV cache group
 
