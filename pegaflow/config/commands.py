@@ -29,6 +29,11 @@ class NodeConfig:
     addr: str
     pool_size: int
     use_hugepages: bool
+    devices: tuple[int, ...]
+    hint_value_size: int
+    disable_numa_affinity: bool
+    pool_shards: int
+    blockwise_alloc: bool
     http_addr: str
     log_level: str
     log_format: str
@@ -38,12 +43,19 @@ class NodeConfig:
     max_namespaces: int
     local_socket: str
     query_trace: str
+    trace_sample_rate: float
     page_align: int
     ssd_cache_path: tuple[str, ...]
     ssd_cache_capacity: int
     ssd_queue_depth: int
     ssd_write_queue_size: int
     ssd_io_engine: str
+    ssd_cache_shards: int
+    ssd_write_queue_depth: int
+    ssd_prefetch_queue_depth: int
+    ssd_write_inflight: int
+    ssd_prefetch_inflight: int
+    max_prefetch_blocks: int
     redis_url: str
     redis_cluster: bool
     node_id: str
@@ -51,18 +63,23 @@ class NodeConfig:
     metaserver_addr: str
     transfer_addr: str
     nics: tuple[str, ...]
+    qps_per_peer: int
     pin_ttl: float
     peer_backoff: float
     liveness_ttl: float
     event_buffer: int
+    metaserver_queue_depth: int
     auth_token_file: str
     tls_cert: str
     tls_key: str
     tls_ca: str
     enable_lfu_admission: bool
     ceiling_windows: tuple[float, ...]
+    metric_hll_bucket_bits: int
     ceiling_publish_interval: float
     metrics_otel_endpoint: str
+    metrics_period_secs: int
+    enable_prometheus: bool
 
     @property
     def joins_cluster(self) -> bool:
@@ -83,12 +100,21 @@ class MetaConfig:
     consumer_name: str
     stream_lease_ttl: float
     sweep_interval: float
+    node_stale_secs: int
+    ttl_minutes: int
     query_max_blocks: int
     auth_token_file: str
     tls_cert: str
     tls_key: str
     ceiling_windows: tuple[float, ...]
     metrics_otel_endpoint: str
+    metrics_period_secs: int
+
+    def check(self) -> None:
+        """The combination one flag cannot check (ValueError, one line), as the original's."""
+        if self.ttl_minutes * 60 < self.node_stale_secs:
+            raise ValueError(f"--ttl-minutes ({self.ttl_minutes}) must cover --node-stale-secs "
+                             f"({self.node_stale_secs})")
 
 
 @dataclass(frozen=True, slots=True)

@@ -93,6 +93,38 @@ def _positive_float(text: str) -> float:
     return v
 
 
+def _device_id(text: str) -> int:
+    """A CUDA device ordinal (the original's ``--devices 0,1``)."""
+    v = int(text.strip())
+    if v < 0:
+        raise ValueError(f"device ids are >= 0, got {v}")
+    return v
+
+
+def _fraction(text: str) -> float:
+    v = float(text)
+    if not 0.0 <= v <= 1.0:
+        raise ValueError(f"sample rate must be between 0.0 and 1.0, got {v}")
+    return v
+
+
+def _hll_bucket_bits(text: str) -> int:
+    v = int(text)
+    if not 4 <= v <= 18:
+        raise ValueError(f"HLL bucket_bits must be in 4..=18, got {v}")
+    return v
+
+
+def _optional_size(text: str) -> int:
+    """A size (as ``--pool-size``) that must be > 0 when given; 0 is 'not set'."""
+    if text.strip() in ("0", "none", "off"):
+        return 0
+    v = parse_size(text)
+    if v <= 0:
+        raise ValueError("must be greater than zero when set")
+    return v
+
+
 def _port(text: str | int) -> int:
     n = int(text)
     if not 0 < n < 65536:
@@ -173,6 +205,9 @@ class Option:
     aliases: tuple[str, ...] = field(default=())
     positional: bool = False  # an argument, not a flag (``pegaflow replay TRACE``); required
     env_var: str | None = None  # the variable's name when not PEGAFLOW_<FLAG> (a name taken elsewhere)
+    # Accepted for the original's command lines, but it changes nothing on this build or host:
+    # the reason is logged once at start when the option is given (see ``no_effect``).
+    no_effect: str = ""
 
     @property
     def dest(self) -> str:
@@ -212,6 +247,51 @@ OPTIONS: list[Option] = [
         flag=True,
     ),
     Option(
+        "devices",
+        [],
+        "CUDA devices the original initialises (--devices 0,1 or the flag repeated; unset: all).",
+        _device_id,
+        repeatable=True,
+        commas=True,
+        metavar="ID",
+        no_effect="the node never touches GPU memory: the engines' connectors copy KV pages "
+        "(docs/architecture.md), so it creates no CUDA context",
+    ),
+    Option(
+        "hint-value-size",
+        0,
+        "Typical size of one block's page (kb/mb/gb/tb; 0: no hint): sizes the TinyLFU admission "
+        "sketch (--enable-lfu-admission) in blocks of this size instead of a 128 KiB guess.",
+        _optional_size,
+        metavar="SIZE",
+    ),
+    Option(
+        "disable-numa-affinity",
+        False,
+        "The original's per-NUMA-node pools off (accepted for compatibility; no effect here).",
+        _bool,
+        flag=True,
+        no_effect="the pool is one shared-memory region that every engine on the host maps; there "
+        "are no per-NUMA-node pools to turn off",
+    ),
+    Option(
+        "pool-shards",
+        1,
+        "Sub-pools of the original's pinned pool, against allocator lock contention (accepted for "
+        "compatibility; no effect here).",
+        _positive_int,
+        no_effect="the allocator runs on the node's event loop, one caller at a time: there is no "
+        "lock to split, so shards would only fragment the pool",
+    ),
+    Option(
+        "blockwise-alloc",
+        False,
+        "Allocate each block separately (accepted for compatibility; this allocator always does).",
+        _bool,
+        flag=True,
+        no_effect="every block is already its own extent of the pool (core/allocator.py)",
+    ),
+    Option(
         "http-addr",
         "127.0.0.1:9091",
         "HTTP address for Prometheus /metrics and /health ('off' disables).",
@@ -219,8 +299,9 @@ OPTIONS: list[Option] = [
     ),
     Option(
         "http-addr",
-        "127.0.0.1:9097",
-        "HTTP address for Prometheus /metrics ('off' disables); not the node's 9091, so both run on one host.",
+        "127.0.0.1:9092",
+        "HTTP address for Prometheus /metrics ('off' disables): the original's port 9092, not the "
+        "node's 9091, so both run on one host; loopback like the node's (0.0.0.0:9092 to serve others).",
         _optional_host_port,
         commands=(META,),
     ),
@@ -284,6 +365,12 @@ OPTIONS: list[Option] = [
         str,
     ),
     Option(
+        "trace-sample-rate",
+        1.0,
+        "Fraction (0.0-1.0) of answered Queries written to --query-trace (0.01: 1%).",
+        _fraction,
+    ),
+    Option(
         "page-align",
         4096,
         "Alignment in bytes of every page in the pool (O_DIRECT needs 4096).",
@@ -316,6 +403,52 @@ OPTIONS: list[Option] = [
         "auto",
         "SSD I/O engine: io_uring via liburing, a thread pool of preadv/pwritev, or auto (io_uring if usable).",
         _choice("auto", "uring", "threads"),
+    ),
+    Option(
+        "ssd-cache-shards",
+        1,
+        "Cache files per --ssd-cache-path (NAME.0, NAME.1, ...; 1: NAME itself), for parallel "
+        "filesystems such as GPFS; --ssd-cache-capacity is split evenly across all of them.",
+        _positive_int,
+    ),
+    Option(
+        "ssd-write-queue-depth",
+        8,
+        "The original's pending SSD write batches (accepted for compatibility; no effect yet: "
+        "--ssd-write-queue-size bounds queued writes in bytes).",
+        _positive_int,
+        no_effect="queued SSD writes are bounded in bytes by --ssd-write-queue-size",
+    ),
+    Option(
+        "ssd-prefetch-queue-depth",
+        2,
+        "The original's pending SSD prefetch batches (accepted for compatibility; no effect yet: "
+        "--max-prefetch-blocks bounds reads).",
+        _positive_int,
+        no_effect="SSD reads are bounded by --max-prefetch-blocks and --ssd-queue-depth",
+    ),
+    Option(
+        "ssd-write-inflight",
+        2,
+        "The original's concurrent SSD block writes (accepted for compatibility; no effect yet: "
+        "--ssd-queue-depth bounds I/Os in flight).",
+        _positive_int,
+        no_effect="reads and writes share one I/O queue of --ssd-queue-depth entries",
+    ),
+    Option(
+        "ssd-prefetch-inflight",
+        16,
+        "The original's concurrent SSD block reads (accepted for compatibility; no effect yet: "
+        "--ssd-queue-depth bounds I/Os in flight).",
+        _positive_int,
+        no_effect="reads and writes share one I/O queue of --ssd-queue-depth entries",
+    ),
+    Option(
+        "max-prefetch-blocks",
+        800,
+        "Blocks being read back from SSD at most (back-pressure): a Query finding more on SSD "
+        "promotes only up to this and answers with what is on its way.",
+        _positive_int,
     ),
     # --- global index: node publisher and pegaflow-meta (issue 5) --------------------------
     Option(
@@ -383,6 +516,14 @@ OPTIONS: list[Option] = [
         metavar="DEVICE",
     ),
     Option(
+        "qps-per-peer",
+        2,
+        "RC QPs per (local NIC, remote NIC) pair (accepted for compatibility; no effect yet: one "
+        "QP per peer connection).",
+        _positive_int,
+        no_effect="the RDMA path opens one QP per peer connection",
+    ),
+    Option(
         "pin-ttl",
         30.0,
         "Seconds a peer's pin holds pages at most for a puller (expires even if the puller dies).",
@@ -408,6 +549,14 @@ OPTIONS: list[Option] = [
         _positive_int,
     ),
     Option(
+        "metaserver-queue-depth",
+        4096,
+        "The original's pending metaserver insert/remove commands (accepted for compatibility; "
+        "no effect: --event-buffer bounds the updates buffered for the index).",
+        _positive_int,
+        no_effect="block updates go to Redis Streams, buffered up to --event-buffer",
+    ),
+    Option(
         "consumer-name",
         "",
         "Name of this metaserver replica in the consumer group (default: HOST-PID).",
@@ -424,8 +573,27 @@ OPTIONS: list[Option] = [
     Option(
         "sweep-interval",
         30.0,
-        "Seconds between sweeps removing dead nodes' entries from the index (0: never).",
+        "Seconds between sweeps removing dead nodes' entries from the index (0: never). The "
+        "original sweeps every 600 s; a pass here costs nothing while no node died.",
         _non_negative_float,
+        commands=(META,),
+        aliases=("sweep-interval-secs",),  # the original's name
+    ),
+    Option(
+        "node-stale-secs",
+        30,
+        "The original's seconds without heartbeat before a node is hidden (accepted for "
+        "compatibility; no effect: each node's --liveness-ttl sets it here).",
+        _non_negative_int,
+        commands=(META,),
+        no_effect="a node is hidden when its heartbeat key expires, after the node's own --liveness-ttl",
+    ),
+    Option(
+        "ttl-minutes",
+        120,
+        "Minutes after a node died (or restarted) before its old entries get their last sweep and "
+        "its incarnation is forgotten; must cover --node-stale-secs.",
+        _positive_int,
         commands=(META,),
     ),
     Option(
@@ -480,6 +648,15 @@ OPTIONS: list[Option] = [
         aliases=("metric-hll-windows",),  # the original's name
     ),
     Option(
+        "metric-hll-bucket-bits",
+        16,
+        "HLL bucket index bits 4-18 of the hit-rate ceiling's sketches (accepted for "
+        "compatibility; no effect yet: lg_k is chosen from the sketches' memory budget, 16 "
+        "for the default windows).",
+        _hll_bucket_bits,
+        no_effect="the ceiling's HLL lg_k is chosen from its memory budget (16 for the default windows)",
+    ),
+    Option(
         "ceiling-publish-interval",
         10.0,
         "Seconds between publications of the node's ceiling sketch to Redis (with --redis-url), "
@@ -495,6 +672,21 @@ OPTIONS: list[Option] = [
         str,
         commands=(NODE, META),
         metavar="URL",
+    ),
+    Option(
+        "metrics-period-secs",
+        10,
+        "Seconds between OTLP exports (with --metrics-otel-endpoint).",
+        _positive_int,
+        commands=(NODE, META),
+    ),
+    Option(
+        "enable-prometheus",
+        True,
+        "Serve the metrics on --http-addr's /metrics (on by default, as in the original; "
+        "PEGAFLOW_ENABLE_PROMETHEUS=false leaves /metrics empty, /health still answers).",
+        _bool,
+        flag=True,
     ),
     # --- replay: offline trace analysis (pegaflow/replay/, docs/replay.md) --------------
     Option("trace", None, "Trace file (JSON lines; .gz is decompressed).", str, commands=(REPLAY,),
@@ -805,10 +997,28 @@ def fill_defaults(
                 sys.stderr.write(f"{prog}: error: {var}={raw!r}: {exc}\n")
                 raise SystemExit(2) from None
         else:
-            d = opt.default
-            value = list(d) if opt.repeatable else (opt.parse(d) if isinstance(d, str) and opt.parse is not str else d)
+            value = default_of(opt)
         setattr(ns, opt.dest, value)
     return ns
+
+
+def default_of(opt: Option) -> Any:
+    """The option's default, parsed as a given value would be."""
+    d = opt.default
+    return list(d) if opt.repeatable else (opt.parse(d) if isinstance(d, str) and opt.parse is not str else d)
+
+
+def without_effect(command: str, config: Any) -> list[tuple[str, str]]:
+    """``(flag, reason)`` for each option of ``command`` that ``config`` sets away from its
+    default although it has no effect here (``Option.no_effect``): the daemon logs each once."""
+    out = []
+    for opt in options_for(command):
+        if opt.no_effect:
+            value = getattr(config, opt.dest)
+            default = default_of(opt)
+            if (list(value) if opt.repeatable else value) != default:
+                out.append((f"--{opt.name}", opt.no_effect))
+    return out
 
 
 def render_markdown() -> str:

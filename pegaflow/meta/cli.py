@@ -22,7 +22,7 @@ from pegaflow.cluster.redis_conn import Client
 from pegaflow.common.logging import configure_logging
 from pegaflow.common.security import Security, SecurityError
 from pegaflow.config.commands import MetaConfig, load
-from pegaflow.config.options import META
+from pegaflow.config.options import META, without_effect
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -30,6 +30,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     rebuild = bool(args) and args[0] == "rebuild"
     prog = "pegaflow-meta rebuild" if rebuild else "pegaflow-meta"
     opts = load(META, prog, args[1:] if rebuild else args)
+    try:
+        opts.check()
+    except ValueError as exc:
+        sys.stderr.write(f"{prog}: error: {exc}\n")
+        raise SystemExit(2) from None
     configure_logging(opts.log_level, opts.log_format)
     try:
         security = Security.from_options(opts)
@@ -71,6 +76,8 @@ def serve_forever(r: Client, opts: MetaConfig, security: Security) -> None:
     from pegaflow.meta.service import serve
 
     log = structlog.get_logger("pegaflow.meta")
+    for flag, reason in without_effect(META, opts):  # the original's flags, once each
+        log.info("option_without_effect", flag=flag, reason=reason)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -88,7 +95,7 @@ def serve_forever(r: Client, opts: MetaConfig, security: Security) -> None:
         threads.append(
             threading.Thread(
                 target=sweeper.run,
-                args=(r, stop, opts.sweep_interval, consumer.name, metrics),
+                args=(r, stop, opts.sweep_interval, consumer.name, metrics, opts.ttl_minutes * 60_000),
                 name="pf-meta-sweeper",
                 daemon=True,
             )
@@ -110,7 +117,8 @@ def serve_forever(r: Client, opts: MetaConfig, security: Security) -> None:
         from pegaflow.common import otel
 
         try:
-            export = otel.start_otel_export(opts.metrics_otel_endpoint, REGISTRY, "pegaflow-meta")
+            export = otel.start_otel_export(opts.metrics_otel_endpoint, REGISTRY, "pegaflow-meta",
+                                            opts.metrics_period_secs)
         except otel.OtelUnavailable as exc:
             sys.stderr.write(f"pegaflow-meta: error: {exc}\n")
             raise SystemExit(1) from None

@@ -3,8 +3,9 @@
 Readers never see these entries (lookups filter by the visible nids), so sweeping is
 about memory, not correctness, and may lag. One replica sweeps at a time (``SWEEP_LOCK``).
 A retired nid is swept once soon after it retires and once more when it is forgotten,
-``RETIRED_GRACE_MS`` later; by then no consumer still applies its events (they skip
-retired nids), so a pass costs nothing while nothing retires.
+the grace later (``--ttl-minutes``, the original's TTL of a dead node's records; ``RETIRED_GRACE_MS``
+when called without one); by then no consumer still applies its events (they skip retired
+nids), so a pass costs nothing while nothing retires.
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ RETIRED_GRACE_MS = 600_000
 
 
 def sweep_once(
-    r: Client, owner: str = "sweeper", lock_ms: int = 60_000, metrics: MetaMetrics | None = None
+    r: Client, owner: str = "sweeper", lock_ms: int = 60_000, metrics: MetaMetrics | None = None,
+    grace_ms: int | None = None,
 ) -> tuple[int, int] | None:
     """One pass; returns (nodes reaped, entries removed), or None if another replica sweeps."""
     if not r.set(keys.SWEEP_LOCK, owner, nx=True, px=lock_ms):
         return None
+    grace = RETIRED_GRACE_MS if grace_ms is None else grace_ms
     try:
         t0_ms = int(time.time() * 1000)
         gone = registry.reap(r, sorted(registry.nodes(r)))
@@ -44,7 +47,7 @@ def sweep_once(
         # forgotten (a lagging consumer may have applied a late event of it in between).
         retired = {int(m): int(sc) for m, sc in r.zrange(keys.RETIRED, 0, -1, withscores=True)}
         swept = {int(m) for m in r.smembers(keys.SWEPT)}
-        old = {n for n, t in retired.items() if t < t0_ms - RETIRED_GRACE_MS}
+        old = {n for n, t in retired.items() if t < t0_ms - grace}
         todo = {n for n in retired if n not in swept} | old
         tags = sorted(t.decode() for t in r.hkeys(keys.NAMESPACES))
         removed = Index(r).sweep(tags, todo) if todo else 0
@@ -65,9 +68,10 @@ def sweep_once(
             r.delete(keys.SWEEP_LOCK)
 
 
-def run(r: Client, stop: threading.Event, interval: float, owner: str, metrics: MetaMetrics | None = None) -> None:
+def run(r: Client, stop: threading.Event, interval: float, owner: str, metrics: MetaMetrics | None = None,
+        grace_ms: int | None = None) -> None:
     while not stop.wait(interval):
         try:
-            sweep_once(r, owner, metrics=metrics)
+            sweep_once(r, owner, metrics=metrics, grace_ms=grace_ms)
         except Exception as exc:  # a failed pass is retried next interval
             log.warning("sweep failed", error=repr(exc))

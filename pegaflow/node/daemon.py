@@ -13,6 +13,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
 
 from pegaflow._proto import node_pb2, node_pb2_grpc
 from pegaflow.common import otel
@@ -21,6 +22,7 @@ from pegaflow.common.heap import freeze_startup_heap
 from pegaflow.common.http import HttpEndpoint
 from pegaflow.common.security import Security, SecurityError
 from pegaflow.config.commands import NodeConfig
+from pegaflow.config.options import NODE, without_effect
 from pegaflow.core.allocator import ExtentAllocator
 from pegaflow.core.block_index import BlockIndex, IndexEvent, Namespace
 from pegaflow.core.hosts import host_of
@@ -75,14 +77,14 @@ class Node:
         self.query_trace: QueryTrace | None = None
         if config.query_trace:
             try:
-                self.query_trace = QueryTrace(config.query_trace)
+                self.query_trace = QueryTrace(config.query_trace, config.trace_sample_rate)
             except QueryTraceError as exc:
                 raise StartupError(str(exc)) from None
         self.pool = SharedPool(config.pool_size, config.use_hugepages)
         self.metrics = NodeMetrics()
         admission = None
         if config.enable_lfu_admission:
-            admission = TinyLFU(max(1, self.pool.size // ADMISSION_PAGE_GUESS))
+            admission = TinyLFU(max(1, self.pool.size // (config.hint_value_size or ADMISSION_PAGE_GUESS)))
         # Pages become allocatable as the background pre-fault reaches them (start()).
         self.index = BlockIndex(self.pool.size, admission=admission,
                                 allocator=ExtentAllocator(self.pool.size, config.page_align, usable=0))
@@ -160,6 +162,8 @@ class Node:
         self.pool.start_prefault(grew)
 
     async def start(self) -> None:
+        for flag, reason in without_effect(NODE, self.config):  # the original's flags, once each
+            log.info("option_without_effect", flag=flag, reason=reason)
         self._start_prefault()
         server = grpc.aio.server(interceptors=[AsyncGuard(self.security.token)], options=[
             ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE),
@@ -203,7 +207,9 @@ class Node:
             await r
         self.server = server
         if self.config.http_addr:
-            self.http = HttpEndpoint(self.config.http_addr, self.metrics.registry, self.health)
+            # --enable-prometheus (the original's; on by default): off, /metrics serves nothing.
+            served = self.metrics.registry if self.config.enable_prometheus else CollectorRegistry()
+            self.http = HttpEndpoint(self.config.http_addr, served, self.health)
             try:
                 self.http.start()
             except OSError as exc:
@@ -215,7 +221,7 @@ class Node:
         if self.config.metrics_otel_endpoint:
             # Last: every metric family exists now (the publisher's too), so all are mirrored.
             self.otel = otel.start_otel_export(self.config.metrics_otel_endpoint, self.metrics.registry,
-                                               "pegaflow-node")
+                                               "pegaflow-node", self.config.metrics_period_secs)
         log.info("node_started", addr=self.config.addr, node_id=self.node_id, epoch=self.epoch,
                  pool_bytes=self.pool.size, pool_prefaulted_bytes=self.pool.prefaulted, pool_path=self.pool.path,
                  local_socket=self.service.local_socket, pid=os.getpid())

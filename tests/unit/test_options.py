@@ -209,3 +209,94 @@ def test_metaserver_with_an_empty_redis_url_flag_uses_the_environment_and_says_o
     lines = p.stderr.strip().splitlines()
     assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr
     assert len(lines) == 1 and "redis://127.0.0.1:1/0" in lines[0], p.stderr
+
+
+# --- the original's complete flag lists (tests/original_flags.py) -----------------------------
+
+def test_the_transcription_has_every_flag_of_the_originals_two_daemons_once():
+    from tests.original_flags import ORIGINAL_METASERVER_FLAGS, ORIGINAL_SERVER_FLAGS
+
+    server = [f for f, _ in ORIGINAL_SERVER_FLAGS]
+    meta = [f for f, _ in ORIGINAL_METASERVER_FLAGS]
+    assert len(server) == len(set(server)) == 30 and len(meta) == len(set(meta)) == 6
+
+
+@pytest.mark.parametrize("command", ["node", "meta"])
+def test_every_flag_of_the_original_is_accepted_by_the_parser(command: str):
+    from pegaflow.config.options import META, build_parser
+    from tests.original_flags import ORIGINAL_METASERVER_FLAGS, ORIGINAL_SERVER_FLAGS, PARSE_ONLY, argv
+
+    flags = ORIGINAL_SERVER_FLAGS if command == NODE else ORIGINAL_METASERVER_FLAGS
+    known = build_parser(command, command)._option_string_actions  # noqa: SLF001
+    assert [f for f, _ in flags if f not in known] == []
+    for flag, values in flags:  # each alone, with the original's syntax
+        load(command, command, [flag, *(v.format(**PARSE_ONLY) for v in values)], env={})
+    o = load(command, command, argv(flags, **PARSE_ONLY), env={})  # and all at once
+    if command == META:
+        assert (o.http_addr, o.node_stale_secs, o.ttl_minutes, o.sweep_interval) == ("127.0.0.1:9092", 20, 60, 600.0)
+        return
+    assert o.devices == (0,) and o.hint_value_size == 256 << 10 and o.use_hugepages and o.enable_prometheus
+    assert o.disable_numa_affinity and o.blockwise_alloc and o.enable_lfu_admission
+    assert (o.ssd_cache_shards, o.ssd_write_queue_depth, o.ssd_prefetch_queue_depth) == (2, 4, 4)
+    assert (o.ssd_write_inflight, o.ssd_prefetch_inflight, o.max_prefetch_blocks) == (4, 8, 100)
+    assert (o.trace_sample_rate, o.pool_shards, o.qps_per_peer, o.metaserver_queue_depth) == (0.5, 2, 4, 1024)
+    assert (o.metric_hll_bucket_bits, o.metrics_period_secs, o.pin_ttl) == (14, 1, 120.0)
+    assert o.nics == ("mlx5_0", "mlx5_1") and o.metaserver_addr == "127.0.0.1:50056"
+
+
+def test_the_new_flags_default_to_the_originals_values():
+    from pegaflow.config.options import META
+
+    o = load(NODE, "pegaflow-server", [], env={})
+    assert o.devices == () and o.hint_value_size == 0 and o.enable_prometheus is True
+    assert (o.ssd_cache_shards, o.ssd_write_queue_depth, o.ssd_prefetch_queue_depth) == (1, 8, 2)
+    assert (o.ssd_write_inflight, o.ssd_prefetch_inflight, o.max_prefetch_blocks) == (2, 16, 800)
+    assert (o.trace_sample_rate, o.pool_shards, o.blockwise_alloc, o.qps_per_peer) == (1.0, 1, False, 2)
+    assert (o.metaserver_queue_depth, o.metric_hll_bucket_bits, o.metrics_period_secs) == (4096, 16, 10)
+    m = load(META, "pegaflow-metaserver", [], env={})
+    assert (m.http_addr, m.node_stale_secs, m.ttl_minutes) == ("127.0.0.1:9092", 30, 120)
+
+
+@pytest.mark.parametrize("argv, want", [(["--devices", "0,1,3"], (0, 1, 3)), (["--devices", "0", "--devices", "2"], (0, 2))])
+def test_devices_take_the_originals_comma_list_or_the_flag_repeated(argv, want):
+    assert load(NODE, "n", argv, env={}).devices == want
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--devices", "-1"], "--devices"),
+        (["--trace-sample-rate", "1.5"], "between 0.0 and 1.0"),
+        (["--metric-hll-bucket-bits", "19"], "4..=18"),
+        (["--metric-hll-bucket-bits", "3"], "4..=18"),
+        (["--ssd-cache-shards", "0"], "--ssd-cache-shards"),
+        (["--hint-value-size", "-5"], "--hint-value-size"),
+        (["--enable-prometheus", "false"], "unrecognized arguments: false"),  # a clap switch takes no value
+    ],
+)
+def test_the_originals_flags_reject_what_the_original_rejects_in_one_line(argv, needle):
+    p = subprocess.run([sys.executable, "-m", "pegaflow.node.cli", *argv], capture_output=True, text=True, timeout=60)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and needle in lines[0] and "Traceback" not in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("argv, needle", [(["--ttl-minutes", "0"], "--ttl-minutes"),
+                                          (["--ttl-minutes", "1", "--node-stale-secs", "61"], "must cover")])
+def test_metaserver_lifecycle_flags_are_checked_like_the_originals(argv, needle):
+    p = subprocess.run([sys.executable, "-m", "pegaflow.meta.cli", *argv], capture_output=True, text=True, timeout=60)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and needle in lines[0] and "Traceback" not in p.stderr, p.stderr
+
+
+def test_only_options_without_effect_set_away_from_their_defaults_are_reported():
+    from pegaflow.config.options import META, options_for, without_effect
+    from tests.original_flags import ORIGINAL_METASERVER_FLAGS, ORIGINAL_SERVER_FLAGS, PARSE_ONLY, argv
+
+    assert without_effect(NODE, load(NODE, "n", [], env={})) == []
+    for command, flags in ((NODE, ORIGINAL_SERVER_FLAGS), (META, ORIGINAL_METASERVER_FLAGS)):
+        got = [f for f, _ in without_effect(command, load(command, "n", argv(flags, **PARSE_ONLY), env={}))]
+        assert got == [f"--{o.name}" for o in options_for(command) if o.no_effect], command
+    # the implemented ones are never reported
+    implemented = {"--max-prefetch-blocks", "--trace-sample-rate", "--hint-value-size", "--metrics-period-secs",
+                   "--enable-prometheus", "--ttl-minutes", "--ssd-cache-shards"}
+    assert not implemented & {f"--{o.name}" for o in options_for(NODE) + options_for(META) if o.no_effect}

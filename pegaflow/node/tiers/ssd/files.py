@@ -1,5 +1,6 @@
 """The SSD tier's cache files at start-up: validate the configured paths, then open or
-create one file per path, laid out as :mod:`records` says.
+create one file per path (``--ssd-cache-shards`` N > 1: N files per path, ``NAME.0`` ..
+``NAME.N-1``, for parallel filesystems), laid out as :mod:`records` says.
 
 Contracts:
 - Everything is validated before anything is written (:func:`check_paths`), so a bad path
@@ -45,32 +46,32 @@ class SsdError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """What :func:`check_paths` found usable: one file of ``file_bytes`` per path."""
+    """What :func:`check_paths` found usable: one file of ``file_bytes`` per path and shard."""
 
     paths: list[str]  # the cache files themselves (a directory's resolved to its file)
     existed: list[bool]  # per path: the file was there at validation
     file_bytes: int
 
 
-def open_files(paths: Iterable[str], capacity: int) -> list[CacheFile]:
+def open_files(paths: Iterable[str], capacity: int, shards: int = 1) -> list[CacheFile]:
     """Open or create the cache files, validating everything before touching anything.
 
     Raises SsdError (one line) for: an unusable path, a foreign or newer file, a capacity
     the filesystem cannot hold, or a capacity too small for the layout.
     """
-    return create_files(check_paths(paths, capacity))
+    return create_files(check_paths(paths, capacity, shards))
 
 
 # ---- validation (writes nothing) ------------------------------------------------------
-def check_paths(paths: Iterable[str], capacity: int) -> Plan:
+def check_paths(paths: Iterable[str], capacity: int, shards: int = 1) -> Plan:
     """Validate every path and the free space for ``capacity``; raises SsdError."""
     paths = list(paths)
     if not paths:
         raise SsdError("no --ssd-cache-path given")
-    resolved = [_cache_file_path(p) for p in paths]
+    resolved = [f for p in paths for f in _shard_paths(_cache_file_path(p), shards)]
     if len({os.path.realpath(p) for p in resolved}) != len(resolved):
         raise SsdError("the same --ssd-cache-path is given twice")
-    per_file = capacity // len(paths) // BLOCK * BLOCK
+    per_file = capacity // len(resolved) // BLOCK * BLOCK
     _geometry(per_file)
     existed: list[bool] = []
     need_by_dev: dict[int, int] = {}  # bytes still to allocate, per filesystem
@@ -91,6 +92,11 @@ def check_paths(paths: Iterable[str], capacity: int) -> Plan:
 
 def _cache_file_path(path: str) -> str:
     return os.path.join(path, CACHE_FILE_NAME) if os.path.isdir(path) else path
+
+
+def _shard_paths(path: str, shards: int) -> list[str]:
+    """The cache files of one path: itself, or ``path.0`` .. ``path.N-1`` for N shards."""
+    return [path] if shards == 1 else [f"{path}.{i}" for i in range(shards)]
 
 
 def _parent(p: str) -> str:

@@ -13,6 +13,8 @@ Contracts:
   entry (namespace, hash, generation, sequence, length) and its payload checksum
   matches; otherwise the page is discarded, the SSD entry dropped and the failure
   counted. Corrupt bytes are a miss, never served.
+- At most ``--max-prefetch-blocks`` blocks are read at once; a Query finding more on SSD
+  promotes the front of its continuation only (LOADING for that part, as above).
 - While a promotion runs, what L1 holds of the query's blocks is pinned, and every
   block of the batch stays pinned after it completed until a Query leases all of them
   (:meth:`Promoter.leased`: the lease pins them from then on) or ``HOLD_SECONDS`` pass,
@@ -78,8 +80,9 @@ def _runs(recs: list[_Rec]) -> list[list[_Rec]]:
 
 
 class Promoter:
-    def __init__(self, tier: TierParts) -> None:
+    def __init__(self, tier: TierParts, max_blocks: int) -> None:
         self.tier = tier
+        self.max_blocks = max_blocks  # --max-prefetch-blocks: reads in flight at most (back-pressure)
         self.inflight: dict[tuple[int, bytes], Block] = {}
         self._hdrs: list[bytearray] = []  # free 4 KiB header buffers (aligned)
         self._holding: dict[int, list[_Batch]] = {}  # id(block) -> completed batches that hold it
@@ -110,6 +113,9 @@ class Promoter:
         for ns in nss:
             need = [h for h in hashes[hit:j]
                     if index.get(ns, h) is None and (ns.id, h) not in inflight and (ns.id, h) in store.entries]
+            # Back-pressure: beyond the limit the rest is not promoted now; _loading then answers
+            # with the prefix that is on its way, and the engine's next Query promotes more.
+            need = need[:max(0, self.max_blocks - len(inflight))]
             if not need:
                 continue
             for h, b in zip(need, index.reserve(ns, need), strict=True):

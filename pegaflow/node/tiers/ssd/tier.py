@@ -64,7 +64,7 @@ class SsdTier:
         self.engine = make_engine(self.config.ssd_io_engine, self.config.ssd_queue_depth)
         # Queued writes pin their L1 pages: never let them hold more than half the pool.
         self.writer = WriteBehind(self, min(self.config.ssd_write_queue_size, index.alloc.capacity // 2))
-        self.promoter = Promoter(self)
+        self.promoter = Promoter(self, self.config.max_prefetch_blocks)
         # A node serving peers keeps each resident page's checksum once (PageChecksums in
         # pegaflow/node/tiers/remote/checksums.py); the writer uses and adds to it (set by the node).
         self.checksums: Any = None
@@ -224,4 +224,5 @@ def open_tier(config: NodeConfig) -> SsdTier | None:
     """
     if not config.ssd_cache_path:
         return None
-    return SsdTier(open_files(list(config.ssd_cache_path), config.ssd_cache_capacity), config)
+    return SsdTier(open_files(list(config.ssd_cache_path), config.ssd_cache_capacity, config.ssd_cache_shards),
+                   config)

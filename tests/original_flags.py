@@ -1,0 +1,69 @@
+"""Every flag of the Rust original's two daemons, transcribed once, with values valid here.
+
+Source: novitalabs/pegaflow, ``pegaflow-server/src/lib.rs`` (``struct Cli``, 30 flags) and
+``pegaflow-metaserver/src/lib.rs`` (``struct Cli``, 6 flags), in their order. A flag with
+``()`` is a clap switch (a ``bool`` field: ``ArgAction::SetTrue``, so it takes no value, even
+``--enable-prometheus`` whose default is true). The values are what a test host can give:
+``{name}`` fields are filled by :func:`argv` (ports, the SSD directory). Flags that have no
+effect here are set away from their defaults, so the daemons log them.
+
+``tests/unit/test_options.py`` checks that the parser accepts each of them;
+``tests/integration/test_original_flags.py`` starts both daemons with the complete lists.
+"""
+
+from __future__ import annotations
+
+ORIGINAL_SERVER_FLAGS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("--addr", ("127.0.0.1:{node_port}",)),
+    ("--devices", ("0",)),
+    ("--pool-size", ("64mb",)),
+    ("--hint-value-size", ("256kb",)),
+    ("--use-hugepages", ()),
+    ("--enable-lfu-admission", ()),
+    ("--disable-numa-affinity", ()),
+    ("--http-addr", ("127.0.0.1:{node_http_port}",)),
+    ("--enable-prometheus", ()),
+    ("--metrics-otel-endpoint", ("http://127.0.0.1:{otel_port}",)),
+    ("--metrics-period-secs", ("1",)),
+    ("--log-level", ("info",)),
+    ("--ssd-cache-path", ("{ssd}",)),
+    ("--ssd-cache-capacity", ("64mb",)),
+    ("--ssd-cache-shards", ("2",)),
+    ("--ssd-write-queue-depth", ("4",)),
+    ("--ssd-prefetch-queue-depth", ("4",)),
+    ("--ssd-write-inflight", ("4",)),
+    ("--ssd-prefetch-inflight", ("8",)),
+    ("--max-prefetch-blocks", ("100",)),
+    ("--trace-sample-rate", ("0.5",)),
+    ("--pool-shards", ("2",)),
+    ("--blockwise-alloc", ()),
+    ("--nics", ("mlx5_0", "mlx5_1")),
+    ("--qps-per-peer", ("4",)),
+    ("--metaserver-addr", ("http://127.0.0.1:{meta_port}",)),
+    ("--metaserver-queue-depth", ("1024",)),
+    ("--metric-hll-windows", ("15m,1h,1d",)),
+    ("--metric-hll-bucket-bits", ("14",)),
+    ("--transfer-lock-timeout-secs", ("120",)),
+)
+
+ORIGINAL_METASERVER_FLAGS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("--addr", ("127.0.0.1:{meta_port}",)),
+    ("--http-addr", ("127.0.0.1:{meta_http_port}",)),
+    ("--log-level", ("info",)),
+    ("--node-stale-secs", ("20",)),
+    ("--ttl-minutes", ("60",)),
+    ("--sweep-interval-secs", ("600",)),
+)
+
+# Placeholder values for a parse-only check (no daemon starts).
+PARSE_ONLY = {"node_port": "50055", "node_http_port": "9091", "otel_port": "4318", "ssd": "/mnt/nvme0",
+              "meta_port": "50056", "meta_http_port": "9092"}
+
+
+def argv(flags: tuple[tuple[str, tuple[str, ...]], ...], skip: tuple[str, ...] = (), **values: str) -> list[str]:
+    """The command line of ``flags`` (each once, in order) with the ``{name}`` fields filled."""
+    out: list[str] = []
+    for flag, args in flags:
+        if flag not in skip:
+            out += [flag, *(a.format(**values) for a in args)]
+    return out
