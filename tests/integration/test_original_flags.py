@@ -142,3 +142,17 @@ def test_both_daemons_start_and_serve_with_the_originals_complete_flag_lists(
     stop_cleanly(n, "node_stopped")
     stop_cleanly(m, "metaserver stopped")
     receiver.close()
+
+
+def test_prometheus_off_leaves_metrics_empty_and_health_answering(tmp_path: Path, procs: list[Proc]):  # noqa: F811
+    # The original's --enable-prometheus is a switch that is on by default (clap SetTrue), so
+    # only the environment can turn it off.
+    port, http = free_port(), free_port()
+    n = Proc([console("pegaflow-server"), "--addr", f"127.0.0.1:{port}", "--pool-size", "64mb",
+              "--http-addr", f"127.0.0.1:{http}"], tmp_path / "node.log", {"PEGAFLOW_ENABLE_PROMETHEUS": "false"})
+    procs.append(n)
+    wait_until(lambda: node_serves(f"127.0.0.1:{port}", n), 60, "pegaflow-server")
+    assert "pegaflow_" not in metrics_text(http)
+    with urllib.request.urlopen(f"http://127.0.0.1:{http}/health", timeout=5) as r:
+        assert json.loads(r.read())["ok"] is True
+    stop_cleanly(n, "node_stopped")

@@ -84,3 +84,31 @@ def test_sweeper_uses_the_configured_grace(monkeypatch):
     monkeypatch.setattr(sweeper, "sweep_once", once)
     sweeper.run(None, stop, 0.01, "me", None, 60 * 60_000)  # type: ignore[arg-type]
     assert seen == [3_600_000]
+
+
+def test_max_prefetch_blocks_promotes_the_front_and_answers_with_what_is_on_its_way(
+    tmp_path: Path, monkeypatch
+):
+    from pegaflow.node.tiers.ssd import promote
+    from tests.unit.test_ssd_store import WAIT_S, _Node
+    from tests.waiting import wait_until_async
+
+    monkeypatch.setattr(promote, "HOLD_SECONDS", 0.0)
+
+    async def run() -> None:
+        n = _Node(tmp_path, "threads")
+        n.tier.promoter.max_blocks = 2  # --max-prefetch-blocks 2 (its wiring: test_node_options_reach...)
+        hs = [i.to_bytes(16, "little") for i in range(1, 6)]
+        n.save(hs)
+        await n.written()
+        n.index.remove(n.index.resident())
+        assert n.tier.promote([n.ns], hs, 0) == 2, "two reads at most: LOADING for the first two"
+        assert len(n.tier.promoter.inflight) == 2
+        await wait_until_async(lambda: not n.tier.promoter.inflight, WAIT_S, "the promotions to end")
+        assert len(n.index.prefix(n.ns, hs, touch=False)) == 2
+        assert n.tier.promote([n.ns], hs, 2) == 4, "the next Query promotes the next two"
+        await wait_until_async(lambda: not n.tier.promoter.inflight, WAIT_S, "the promotions to end")
+        assert len(n.index.prefix(n.ns, hs, touch=False)) == 4
+        await n.close()
+
+    asyncio.run(run())
