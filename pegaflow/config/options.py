@@ -249,7 +249,8 @@ OPTIONS: list[Option] = [
     Option(
         "devices",
         [],
-        "CUDA devices the original initialises (--devices 0,1 or the flag repeated; unset: all).",
+        "CUDA devices the original initialises (--devices 0,1 or the flag repeated; unset: all); "
+        "accepted for compatibility, no effect here: the node holds no GPU memory.",
         _device_id,
         repeatable=True,
         commas=True,

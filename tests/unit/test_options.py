@@ -300,3 +300,10 @@ def test_only_options_without_effect_set_away_from_their_defaults_are_reported()
     implemented = {"--max-prefetch-blocks", "--trace-sample-rate", "--hint-value-size", "--metrics-period-secs",
                    "--enable-prometheus", "--ttl-minutes", "--ssd-cache-shards"}
     assert not implemented & {f"--{o.name}" for o in options_for(NODE) + options_for(META) if o.no_effect}
+
+
+def test_options_without_effect_say_so_in_their_help_and_only_they():
+    from pegaflow.config.options import OPTIONS
+
+    for o in OPTIONS:
+        assert bool(o.no_effect) == ("accepted for compatibility" in o.help), o.name
