@@ -16,7 +16,6 @@ from pegaflow.common import otel
 from pegaflow.config.commands import node_config
 from pegaflow.meta import sweeper
 from pegaflow.node.query_trace import QueryTrace
-from tests.integration.test_metrics_export import Receiver
 
 
 def _lines(path: Path) -> int:
@@ -58,6 +57,8 @@ def test_node_options_reach_their_components(tmp_path: Path):
 
 def test_otlp_exports_come_every_configured_period():
     from prometheus_client import CollectorRegistry, Counter
+
+    from tests.integration.test_metrics_export import Receiver  # skips without the otel extra
 
     reg = CollectorRegistry()
     Counter("pf_test", "a metric to export", registry=reg).inc()
