@@ -27,7 +27,7 @@ import logging
 import os
 import socket
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -231,6 +231,14 @@ class PegaConnectorStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not self.data
+
+    def __getitem__(self, key: str) -> Any:
+        """A field by name, as in the dict these stats are sent as between processes: vLLM's
+        MultiConnector before 0.30 reads ``stats["data"]``, which an engine core running in
+        the engine's own process hands it as this object."""
+        if key not in {f.name for f in fields(self)}:
+            raise KeyError(key)
+        return getattr(self, key)
 
 
 # Worker stats key -> (Prometheus counter name, help). One counter per key, labelled per engine.

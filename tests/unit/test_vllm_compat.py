@@ -296,3 +296,14 @@ def test_several_kv_cache_groups_are_not_stored_without_transfer_results(monkeyp
         connector_mod.kv_identity(_vllm_config(), two)
     monkeypatch.setattr(connector_mod, "FEATURES", dataclasses.replace(old, transfer_results=True))
     connector_mod.kv_identity(_vllm_config(), two)
+
+
+def test_connector_stats_read_as_the_dict_they_are_sent_as() -> None:
+    """vLLM < 0.30's MultiConnector reads each connector's stats as ``stats["data"]`` (the
+    dict msgspec makes of them): with the engine core in-process it gets the object."""
+    from pegaflow.connector.connector import PegaConnectorStats
+
+    stats = PegaConnectorStats(data={"loaded_blocks": 3})
+    assert stats["data"] == {"loaded_blocks": 3} == dataclasses.asdict(stats)["data"]
+    with pytest.raises(KeyError):
+        stats["loaded_blocks"]
