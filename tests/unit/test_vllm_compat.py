@@ -19,6 +19,7 @@ import importlib.util
 import inspect
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -264,6 +265,12 @@ def test_a_release_too_old_is_refused_in_one_line() -> None:
     line = vllm_compat.refusal(vllm_compat.detect("0.19.1", snapshot_has(snap)))
     assert line is not None and "\n" not in line
     assert "0.19.1" in line and vllm_compat.OLDEST_SUPPORTED in line
+    # What vLLM shows when it imports the connector on such a release: that line, last.
+    run = subprocess.run([sys.executable, "-c", "import vllm; vllm.__version__ = '0.19.1'; "
+                          "from pegaflow.connector import PegaKVConnector"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode != 0
+    assert run.stderr.strip().splitlines()[-1] == f"pegaflow.connector.vllm_compat.UnsupportedVLLM: {line}"
     lacking = json.loads(json.dumps(snap))
     lacking["modules"][vllm_compat.BASE]["names"].remove("KVConnectorWorkerMetadata")
     line = vllm_compat.refusal(features(lacking))
