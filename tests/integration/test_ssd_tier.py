@@ -223,9 +223,11 @@ def test_requests_promoted_one_after_another_on_a_small_pool_all_hit(node_factor
     assert not missed, f"blocks on SSD that missed: {missed}"
 
 
-def test_a_damaged_record_header_loses_only_its_own_block_after_a_restart(node_factory, tmp_path):
+@pytest.mark.parametrize("where", ["mid-segment", "segment-start"])
+def test_a_damaged_record_header_loses_only_its_own_block_after_a_restart(node_factory, tmp_path, where):
     # The scan used to stop at the first bad header of a segment: every later record of it
-    # was lost at the restart. It now resynchronises at the next header of the segment.
+    # was lost at the restart. It now resynchronises at the next header of the segment,
+    # also when the damaged header is the segment's first (only zeros there mean "empty").
     node = node_factory(POOL, ssd_args(tmp_path))
     hs = hashes("hdr", 48)
     with PegaClient(node.addr) as c:
@@ -236,7 +238,7 @@ def test_a_damaged_record_header_loses_only_its_own_block_after_a_restart(node_f
     path = tmp_path / "pegaflow-ssd.cache"
     recs = {h.hash: off for off, h in records(path)}
     assert set(hs) <= set(recs)
-    victim = hs[5]
+    victim = hs[5] if where == "mid-segment" else min(hs, key=recs.__getitem__)  # the first record on disk
     same_segment_after = [h for h in hs if h != victim and recs[victim] < recs[h] < recs[victim] + (1 << 20)]
     assert same_segment_after, "the test needs records after the damaged one in its segment"
     with open(path, "r+b") as f:

@@ -44,6 +44,7 @@ log = structlog.get_logger("pegaflow.ssd")
 
 SCAN_THREADS = 32  # parallel header reads at start-up (one chain per segment; I/O-bound)
 SCAN_WINDOW = 256 << 10  # start-up reads of small records: many headers per I/O
+_ZERO_BLOCK = bytes(BLOCK)
 
 
 # ---- the logs' state ------------------------------------------------------------------
@@ -302,6 +303,9 @@ def _walk(f: CacheFile, seg: Segment) -> list[tuple[int, Header]]:
     holds a valid header (records are 4 KiB aligned). One of the segment's generation
     resumes the chain, so a damaged record loses only itself; one of an older generation
     (the stale tail of the segment's previous use) or the segment's end ends the walk.
+    The segment's first record is no exception: only a first block of zeros (never
+    written) ends the walk at once; a damaged first header makes the first valid header
+    found the start of the chain.
     Cost: at most the rest of the segment, read in ``SCAN_WINDOW`` chunks, and only where
     the chain broke (a full segment's tail is shorter than one record).
     """
@@ -324,10 +328,11 @@ def _walk(f: CacheFile, seg: Segment) -> list[tuple[int, Header]]:
             win_start, win_len = pos, n
             if n < BLOCK:
                 break
-        h = unpack_header(mv[pos - win_start:pos - win_start + BLOCK])
+        block = mv[pos - win_start:pos - win_start + BLOCK]
+        h = unpack_header(block)
         if h is None:
-            if gen is None:
-                break  # nothing valid at the segment's start: empty or never written
+            if gen is None and not resyncing and block == _ZERO_BLOCK:
+                break  # zeros at the segment's start: never written (a sparse file's holes)
             if not resyncing:
                 resyncing = True
                 damaged_at = pos
