@@ -34,6 +34,7 @@ from tests.integration.test_quickstart import (  # noqa: F401
     Proc,
     client,
     console,
+    metaserver_serves,
     node_serves,
     procs,
     wait_until,
@@ -85,18 +86,10 @@ def test_both_daemons_start_and_serve_with_the_originals_complete_flag_lists(
     m = Proc([console("pegaflow-metaserver"), *argv(ORIGINAL_METASERVER_FLAGS, **values)], tmp_path / "meta.log",
              {**json_logs, "PEGAFLOW_REDIS_URL": redis_server.url})
     procs.append(m)
-    channel = grpc.insecure_channel(f"127.0.0.1:{ports['meta_port']}")
+    meta_addr = f"127.0.0.1:{ports['meta_port']}"
+    wait_until(lambda: metaserver_serves(meta_addr, m), 30, "pegaflow-metaserver with the original's flags")
+    channel = grpc.insecure_channel(meta_addr)
     stub = meta_pb2_grpc.MetaServiceStub(channel)
-
-    def meta_serves() -> bool:
-        m.alive()
-        try:
-            stub.ListNodes(meta_pb2.ListNodesRequest(), timeout=1)
-            return True
-        except grpc.RpcError:
-            return False
-
-    wait_until(meta_serves, 30, "pegaflow-metaserver with the original's flags")
 
     node_env = {**json_logs, "PEGAFLOW_NODE_ID": "orig-flags", "PEGAFLOW_FAKE_RDMA_DEVICES": "mlx5_0,mlx5_1",
                 "PYTHONPATH": os.pathsep.join([str(FAKES), str(ROOT)])}

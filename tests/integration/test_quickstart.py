@@ -82,6 +82,16 @@ def node_serves(addr: str, proc: Proc) -> bool:
             return False
 
 
+def metaserver_serves(addr: str, proc: Proc) -> bool:
+    proc.alive()
+    with grpc.insecure_channel(addr) as ch:
+        try:
+            meta_pb2_grpc.MetaServiceStub(ch).ListNodes(meta_pb2.ListNodesRequest(), timeout=1)
+            return True
+        except grpc.RpcError:
+            return False
+
+
 def port_is_free(port: int) -> bool:
     with socket.socket() as s:
         try:
@@ -122,18 +132,9 @@ def test_the_originals_p2p_quick_start_builds_a_cluster(tmp_path: Path, procs: l
     assert port_is_free(9092), "the metaserver's default metrics port is taken on this host"
     m = Proc([console("pegaflow-metaserver"), "--addr", f"127.0.0.1:{meta_port}"], tmp_path / "meta.log", redis_env)
     procs.append(m)
+    wait_until(lambda: metaserver_serves(f"127.0.0.1:{meta_port}", m), 30, "pegaflow-metaserver")
     channel = grpc.insecure_channel(f"127.0.0.1:{meta_port}")
     stub = meta_pb2_grpc.MetaServiceStub(channel)
-
-    def meta_serves() -> bool:
-        m.alive()
-        try:
-            stub.ListNodes(meta_pb2.ListNodesRequest(), timeout=1)
-            return True
-        except grpc.RpcError:
-            return False
-
-    wait_until(meta_serves, 30, "pegaflow-metaserver")
     # "2. Start PegaFlow nodes", node A as the issue quotes it:
     #   pegaflow-server --addr 10.0.0.11:50055 --pool-size 30gb --ssd-cache-path P --nics mlx5_0 mlx5_1
     #                   --metaserver-addr http://metaserver-host:50056
