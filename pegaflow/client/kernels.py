@@ -134,8 +134,8 @@ def kernels() -> list[Kernel]:
 def candidates() -> list[Kernel]:
     """The kernels a process measures. One-thread memcpy is left out where a non-temporal
     kernel exists: it lost to the one-thread non-temporal kernel on every host measured
-    (1.3-2.5x, docs/benchmarks.md; in a vLLM worker pinned to one CPU, 3.7 against 6.5
-    GB/s), and measuring it cost a short-lived engine one of its first large copies at half
+    (host B: 5.2-6.3 against 6.8-7.9 GB/s, D: 3.6-6.7 against 5.8-11.7; in a vLLM worker
+    pinned to one CPU, 3.7 against 6.5; docs/benchmarks.md, "node"), and measuring it cost a short-lived engine one of its first large copies at half
     speed. It is still there to force (``PEGAFLOW_COPY_KERNEL=memcpy``) and copies what is
     too small to measure. With one candidate left, nothing is measured."""
     ks = kernels()
