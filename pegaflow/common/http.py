@@ -78,7 +78,9 @@ class HttpEndpoint:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         sock = socket.create_server((self.host, self.port), family=family, reuse_port=False)
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off",
+        # uvicorn's own lines ("Started server process", ...) are not structured: only its
+        # warnings and errors reach the daemon's log; http_listening says what matters.
+        config = uvicorn.Config(self.app, log_config=None, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=STOP_TIMEOUT_S)
         self._server = server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._serve, args=(server, sock), name="pf-http", daemon=True)
