@@ -15,9 +15,13 @@ its measured hit rate, N, hits and U as ``pegaflow_meta_cluster_*`` gauges. The 
 cached for ``min_interval`` seconds so several scrapers (or replicas' scrapes) do not
 multiply the Redis reads. Every replica computes the same numbers from the same keys.
 
-Sketches whose windows differ from the metaserver's ``--ceiling-windows`` (or that do not
-parse) are left out and counted in ``pegaflow_meta_cluster_sketches_skipped``: the union
-of different windows has no meaning.
+Sketches whose windows differ from the metaserver's ``--ceiling-windows``, whose HLL
+bucket bits (``lg_k``) differ from its ``--metric-hll-bucket-bits``, or that do not parse
+are left out, logged once per node and reason (``ceiling_sketch_skipped``), and counted in
+``pegaflow_meta_cluster_sketches_skipped``: the union of different windows has no
+meaning, and HLLs of different register counts cannot be merged register by register (the
+original refuses such a merge too). The union never takes the first node's settings as
+the reference: a misconfigured node is what gets left out, not the rest of the cluster.
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ from prometheus_client.registry import Collector
 from pegaflow.cluster import keys, registry
 from pegaflow.cluster.redis_conn import Client
 from pegaflow.policy.ceiling import CeilingEstimator, WindowStats
+
+# The original's --metric-hll-bucket-bits default: 2^16 registers per sketch.
+DEFAULT_BUCKET_BITS = 16
 
 log = structlog.get_logger("pegaflow.cluster.sketches")
 
@@ -58,38 +65,50 @@ def latest_sketches(r: Client, nodes: Iterable[str] | None = None) -> dict[str, 
 
 
 def cluster_union(
-    blobs: dict[str, bytes], windows: Sequence[float]
-) -> tuple[CeilingEstimator | None, list[str], list[str]]:
-    """A fresh union of the sketches whose windows equal ``windows``.
+    blobs: dict[str, bytes], windows: Sequence[float], lg_k: int = DEFAULT_BUCKET_BITS
+) -> tuple[CeilingEstimator | None, list[str], dict[str, str]]:
+    """A fresh union of the sketches whose windows equal ``windows`` and whose HLL bucket
+    bits equal ``lg_k``.
 
-    Returns ``(estimator or None when none fit, nodes merged, nodes skipped)``.
+    Returns ``(estimator or None when none fit, nodes merged, {node skipped: why})``.
     """
     est: CeilingEstimator | None = None
     merged: list[str] = []
-    skipped: list[str] = []
+    skipped: dict[str, str] = {}
     want = tuple(sorted(windows))
     for node, blob in sorted(blobs.items()):
         try:
             if est is None:
                 cand = CeilingEstimator.deserialize(blob, clock=time.time)
+                if cand.lg_k != lg_k:
+                    raise ValueError(
+                        f"HLL bucket bits {cand.lg_k} != this metaserver's --metric-hll-bucket-bits {lg_k}"
+                    )
                 if cand.windows != want:
-                    raise ValueError(f"windows {cand.windows} != {want}")
+                    raise ValueError(f"windows {cand.windows} != this metaserver's --ceiling-windows {want}")
                 est = cand
             else:
-                est.merge(blob)
+                est.merge(blob)  # raises on other windows, buckets or lg_k than the first's (= ours)
             merged.append(node)
         except ValueError as exc:
-            skipped.append(node)
-            log.warning("ceiling sketch skipped", node=node, error=str(exc))
+            skipped[node] = str(exc)
     return est, merged, skipped
 
 
 class ClusterCeilingCollector(Collector):
     """Prometheus collector of the cluster's ceiling, computed from Redis at scrape time."""
 
-    def __init__(self, r: Client, windows: Sequence[float], min_interval: float = MIN_SCRAPE_INTERVAL) -> None:
+    def __init__(
+        self,
+        r: Client,
+        windows: Sequence[float],
+        min_interval: float = MIN_SCRAPE_INTERVAL,
+        lg_k: int = DEFAULT_BUCKET_BITS,
+    ) -> None:
         self.r = r
         self.windows = tuple(sorted(windows))
+        self.lg_k = lg_k
+        self._warned: dict[str, str] = {}  # node -> the reason last logged for skipping it
         self.min_interval = min_interval
         self._lock = threading.Lock()
         self._at = -1e18
@@ -97,7 +116,11 @@ class ClusterCeilingCollector(Collector):
 
     def compute(self) -> tuple[list[WindowStats], int, int]:
         """(stats per window, nodes merged, nodes skipped), fresh from Redis."""
-        est, merged, skipped = cluster_union(latest_sketches(self.r), self.windows)
+        est, merged, skipped = cluster_union(latest_sketches(self.r), self.windows, self.lg_k)
+        for node, why in skipped.items():
+            if self._warned.get(node) != why:  # once per node and reason, not on every scrape
+                log.warning("ceiling_sketch_skipped", node=node, error=why)
+        self._warned = dict(skipped)
         stats = est.snapshot() if est is not None else []
         return stats, len(merged), len(skipped)
 
@@ -149,7 +172,7 @@ class ClusterCeilingCollector(Collector):
         )
         bad = GaugeMetricFamily(
             "pegaflow_meta_cluster_sketches_skipped",
-            "Node sketches left out of the union (other windows, or unreadable).",
+            "Node sketches left out of the union (other windows or HLL bucket bits, or unreadable).",
             value=skipped,
         )
         return [*fams.values(), nodes, bad]

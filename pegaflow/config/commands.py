@@ -107,6 +107,7 @@ class MetaConfig:
     tls_cert: str
     tls_key: str
     ceiling_windows: tuple[float, ...]
+    metric_hll_bucket_bits: int
     metrics_otel_endpoint: str
     metrics_period_secs: int
 

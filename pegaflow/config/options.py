@@ -651,11 +651,14 @@ OPTIONS: list[Option] = [
     Option(
         "metric-hll-bucket-bits",
         16,
-        "HLL bucket index bits 4-18 of the hit-rate ceiling's sketches (accepted for "
-        "compatibility; no effect yet: lg_k is chosen from the sketches' memory budget, 16 "
-        "for the default windows).",
+        "HLL bucket index bits (4-18) of the hit-rate ceiling's sketches: 2^BITS registers each, "
+        "relative error ~1.04/sqrt(2^BITS) (16: 0.4%; the ceiling keeps 10 sub-window sketches per "
+        "window, 1 MiB for 3 windows at 16). The metaserver's must equal its nodes': sketches of "
+        "other bits are left out of the cluster union, logged (ceiling_sketch_skipped) and counted "
+        "in pegaflow_meta_cluster_sketches_skipped.",
         _hll_bucket_bits,
-        no_effect="the ceiling's HLL lg_k is chosen from its memory budget (16 for the default windows)",
+        commands=(NODE, META),
+        metavar="BITS",
     ),
     Option(
         "ceiling-publish-interval",

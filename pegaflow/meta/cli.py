@@ -102,7 +102,7 @@ def serve_forever(r: Client, opts: MetaConfig, security: Security) -> None:
         )
     from pegaflow.cluster.sketches import ClusterCeilingCollector
 
-    REGISTRY.register(ClusterCeilingCollector(r, opts.ceiling_windows))
+    REGISTRY.register(ClusterCeilingCollector(r, opts.ceiling_windows, lg_k=opts.metric_hll_bucket_bits))
     http = None
     if opts.http_addr:
         http = HttpEndpoint(opts.http_addr, REGISTRY)

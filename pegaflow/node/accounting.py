@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from pegaflow.core.identity import block_keys, namespace_salt
 from pegaflow.core.recent import RecentKeys
 from pegaflow.node.metrics import NodeMetrics
-from pegaflow.policy.ceiling import CeilingEstimator, WindowStats
+from pegaflow.policy.ceiling import DEFAULT_BUCKETS, MAX_BYTES, CeilingEstimator, WindowStats, sketch_bytes
 
 # Request ids remembered to skip repeated Queries of one request (here and in the service's
 # first-Query check). The connector re-asks within seconds, so this only needs to outlive
@@ -49,8 +49,14 @@ SEEN_REQUESTS = 65536
 class RequestAccounting:
     """A node's CeilingEstimator plus request de-duplication and its Prometheus gauges."""
 
-    def __init__(self, windows: Sequence[float], metrics: NodeMetrics | None = None) -> None:
-        self.estimator = CeilingEstimator(windows, clock=time.time)
+    def __init__(
+        self, windows: Sequence[float], metrics: NodeMetrics | None = None, lg_k: int | None = None
+    ) -> None:
+        # lg_k: the HLL bucket bits (--metric-hll-bucket-bits). Given, it is used whatever the
+        # sketches then weigh (the operator chose the accuracy; 3 windows at 18 bits: ~4 MiB);
+        # None: the largest that fits the estimator's 1 MiB budget.
+        budget = MAX_BYTES if lg_k is None else max(MAX_BYTES, len(windows) * DEFAULT_BUCKETS * sketch_bytes(lg_k))
+        self.estimator = CeilingEstimator(windows, lg_k=lg_k, clock=time.time, max_bytes=budget)
         self.metrics = metrics
         self._seen = RecentKeys(SEEN_REQUESTS)  # requests whose READY answer was counted
         # req_id -> [(prefix length at a LOADING answer, tier loading the blocks after it)]

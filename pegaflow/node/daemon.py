@@ -88,7 +88,7 @@ class Node:
         # Pages become allocatable as the background pre-fault reaches them (start()).
         self.index = BlockIndex(self.pool.size, admission=admission,
                                 allocator=ExtentAllocator(self.pool.size, config.page_align, usable=0))
-        self.ceiling = RequestAccounting(config.ceiling_windows, self.metrics)
+        self.ceiling = RequestAccounting(config.ceiling_windows, self.metrics, config.metric_hll_bucket_bits)
         self.sessions = Sessions(self.index, config.reservation_ttl, config.lease_ttl,
                                  max_namespaces=config.max_namespaces)
         self.index.add_listener(self._on_index_event)

@@ -20,8 +20,9 @@ How it is kept, and why:
   folded as deltas (``n - n_folded``), so they are never added twice. A finest bucket is
   filed under the coarser bucket that contains its start, so a coarse edge may be off by
   one finest bucket when the lengths do not divide.
-- ``lg_k`` defaults to the largest value (at most 16) whose sketches, at their maximum
-  size, all fit in ``max_bytes`` (1 MiB). The default 3 windows x 10 buckets get
+- ``lg_k`` (the HLL bucket bits; the node passes its ``--metric-hll-bucket-bits``, the
+  original's default 16) defaults to the largest value (at most 16) whose sketches, at
+  their maximum size, all fit in ``max_bytes`` (1 MiB). The default 3 windows x 10 buckets get
   lg_k = 16: 30 x 33 KiB; relative standard error of a union 0.41%, so U is within 1% at
   ~2.4 sigma. 15 buckets would force lg_k = 15 (0.57%, 1% only at 1.7 sigma): the
   accuracy bought is worth the coarser roll-off.

@@ -172,7 +172,7 @@ def test_cluster_union_counts_shared_blocks_once_and_sums_requests() -> None:
     a.observe(list(range(0, 2000)) * 2, hits=1000, now=now)  # 2000 distinct, asked twice
     b.observe(list(range(1000, 3000)), hits=100, now=now)  # 1000 of them shared with a
     est, merged, skipped = cluster_union({"a": a.serialize(), "b": b.serialize()}, (900.0,))
-    assert est is not None and merged == ["a", "b"] and skipped == []
+    assert est is not None and merged == ["a", "b"] and skipped == {}
     s = est.stats(900.0, now)
     assert (s.requests, s.hits) == (6000, 1100)
     assert abs(s.distinct - 3000) / 3000 < 0.01
