@@ -16,6 +16,10 @@ States and who moves a block between them:
   (copies pulled from peers) are evicted before locally produced ones.
 - With an admission policy (TinyLFU), a new block that would need evictions is admitted
   only if the policy prefers it to the LRU victim; otherwise it is not stored.
+- With namespace quotas (``pegaflow.policy.quota``, ``--namespace-quota``), namespaces
+  are grouped and each group's held bytes are counted: the victim is the LRU block among
+  the groups above their guarantee, the namespaces without a quota and the inserting
+  group; a group at its maximum evicts its own LRU block. Pinned blocks stay out of it.
 
 This class does no I/O and holds no pool memory: the node wraps it around a shared
 memory pool, ``pegaflow replay`` runs it on offsets alone. It is not thread-safe; the
@@ -44,7 +48,8 @@ import itertools
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from operator import attrgetter
+from itertools import compress
+from operator import attrgetter, not_
 from typing import Protocol
 
 # Built by the install from pegaflow/native/blockindex.c: the Block type, the LRU eviction
@@ -59,6 +64,13 @@ from pegaflow.core.identity import block_key, block_keys, namespace_salt
 
 PENDING = 0
 RESIDENT = 1
+
+
+class Shares(Protocol):
+    """What the index needs from namespace quotas (``pegaflow.policy.quota.Quotas``)."""
+
+    def group(self, namespace: str) -> int | None: ...  # the quota covering it, or None
+    def limits(self, capacity: int) -> list[tuple[int, int]]: ...  # per group: (min, max) bytes
 
 
 class Admission(Protocol):
@@ -92,6 +104,7 @@ Listener = Callable[[IndexEvent, Namespace, list[bytes]], None]  # (event, names
 # Attribute reads mapped over a batch of blocks in C (``map(_HASH, blocks)``).
 _HASH = attrgetter("hash")
 _NS = attrgetter("ns")
+_NS_ID = attrgetter("ns.id")
 
 
 class PageAllocator(Protocol):
@@ -114,6 +127,7 @@ class BlockIndex:
         align: int = 4096,
         admission: Admission | None = None,
         allocator: PageAllocator | None = None,
+        quotas: Shares | None = None,
     ) -> None:
         """``capacity`` bytes of pages aligned to ``align``, carved by an :class:`ExtentAllocator`.
 
@@ -121,6 +135,9 @@ class BlockIndex:
         replay passes a constant-time one when every page has the same size, where any
         allocator that never fragments holds exactly ``capacity // page`` pages, so which
         blocks are evicted is unchanged.
+
+        ``quotas`` (namespace shares, see the module docstring) are sized on the
+        allocator's ``capacity``; empty or None: one global LRU, the code paths unchanged.
         """
         self.alloc: PageAllocator = allocator if allocator is not None else ExtentAllocator(capacity, align)
         self.admission = admission
@@ -144,6 +161,16 @@ class BlockIndex:
         self._pending = 0  # PENDING blocks held; when 0, prefix() need not check states
         self._detached: set[Block] = set()  # dropped while pinned: page freed at the last unpin
         self._voided: set[Block] = set()  # PENDING when their namespace was cleared: freed at commit/discard
+        # Namespace quotas: group of each grouped namespace id, bytes each group holds in the
+        # table (PENDING + RESIDENT), its (min, max) bytes, and its namespaces' ids.
+        self._shares: Shares | None = quotas if quotas else None
+        self._quota_group: dict[int, int] = {}
+        self._limits: list[tuple[int, int]] = []
+        if self._shares is not None:
+            self._limits = self._shares.limits(self.alloc.capacity)
+        self.held: list[int] = [0] * len(self._limits)
+        self._members: list[set[int]] = [set() for _ in self._limits]
+        self.quota_evictions = 0  # victims taken by a group at its maximum from itself
 
     # ---- namespaces -------------------------------------------------------------------
     def namespace(self, name: str, page_bytes: int) -> Namespace:
@@ -153,6 +180,11 @@ class BlockIndex:
             ns = Namespace(next(self._ns_ids), name, page_bytes, namespace_salt(name))
             self._namespaces[name] = ns
             self._ns_by_id[ns.id] = ns
+            if self._shares is not None:
+                g = self._shares.group(name)
+                if g is not None:
+                    self._quota_group[ns.id] = g
+                    self._members[g].add(ns.id)
         elif ns.page_bytes != page_bytes:
             raise ValueError(
                 f"namespace {name!r} has page_bytes={ns.page_bytes}, registration asked for {page_bytes}"
@@ -174,6 +206,9 @@ class BlockIndex:
         del self._namespaces[name]
         self._ns_by_id.pop(ns.id, None)
         self._blocks.pop(ns.id, None)
+        g = self._quota_group.pop(ns.id, None)
+        if g is not None:
+            self._members[g].discard(ns.id)
         return True
 
     def namespaces(self) -> list[Namespace]:
@@ -317,7 +352,8 @@ class BlockIndex:
         evicted: list[Block] = []  # victims whose page went to a new block, counted at the end
         dropped: list[Block] = []  # victims _allocate evicted (counted there), reported at the end
         full = False
-        if not self._lru_reclaimable:
+        group = self._quota_group.get(ns.id) if self._quota_group else None
+        if not self._lru_reclaimable and (group is None or self._limits[group][1] >= self.alloc.capacity):
             # The steady state (no reclaimable copies; victims of this namespace, as when
             # one engine or the ranks of one TP engine fill the pool) in C: it stops at the
             # first hash that needs anything else (a victim of another namespace, one that
@@ -336,6 +372,9 @@ class BlockIndex:
                     out.append(None)
                 done += 1
             hashes = hashes[done:] if done else hashes
+            if group is not None:  # place() evicts only this namespace's own blocks
+                self.held[group] += (len(made) - len(evicted)) * size
+        allocate = self._allocate if not self._quota_group else self._allocate_shared
         for h in hashes:
             existing = blocks.get(h)
             if full or existing is not None:
@@ -347,7 +386,7 @@ class BlockIndex:
                 if not commit:
                     out.append(None)
                 continue
-            offset = self._allocate(ns, h, dropped)
+            offset = allocate(ns, h, dropped)
             if offset is None:
                 full = True
                 self.no_space += 1
@@ -357,6 +396,8 @@ class BlockIndex:
             b = Block(ns, h, offset, reclaimable)
             blocks[h] = b
             made.append(b)
+            if group is not None:
+                self.held[group] += size
             if not commit:
                 out.append(b)
         if evicted:
@@ -411,6 +452,7 @@ class BlockIndex:
             if b.state == PENDING and self._current(b):
                 del self._blocks[b.ns.id][b.hash]
                 self.alloc.free(b.offset, b.size)
+                self._uncharge(b)
                 n += 1
             elif b in self._voided:
                 self._voided.discard(b)
@@ -445,6 +487,7 @@ class BlockIndex:
         for b in pending:
             del t[b.hash]
             self._voided.add(b)
+            self._uncharge(b)
         self._pending -= len(pending)
         busy = len(pending)
         for b in gone:
@@ -454,6 +497,7 @@ class BlockIndex:
                 del t[b.hash]
                 self.resident_blocks -= 1
                 self.resident_bytes -= b.size
+                self._uncharge(b)
                 self._detached.add(b)
                 busy += 1
         hashes = [b.hash for b in gone]
@@ -521,8 +565,96 @@ class BlockIndex:
         self.alloc.free(b.offset, b.size)
         self.resident_blocks -= 1
         self.resident_bytes -= b.size
+        if self._quota_group:
+            self._uncharge(b)
+
+    def _uncharge(self, b: Block) -> None:
+        """``b`` left the table: its group (if any) holds its page no more."""
+        g = self._quota_group.get(b.ns.id)
+        if g is not None:
+            self.held[g] -= b.size
+
+    # ---- eviction with namespace quotas -----------------------------------------------
+    def _allocate_shared(self, ns: Namespace, h: bytes, dropped: list[Block]) -> int | None:
+        """``_allocate`` under namespace quotas (module docstring): a group at its maximum
+        takes its own LRU block, anyone else the LRU block of a namespace that may lose
+        one; free space is used first unless the group is at its maximum. Admission, when
+        set, is asked once, about the first victim."""
+        size = ns.page_bytes
+        alloc = self.alloc
+        need = alloc.round(size)
+        g = self._quota_group.get(ns.id)
+        asked = self.admission is None
+        carving = False  # once a victim is freed, carve (as _allocate's loop): no hand-over
+        while True:
+            capped = g is not None and self.held[g] + size > self._limits[g][1]
+            if not capped and alloc.free_bytes >= need:
+                try:
+                    return alloc.alloc(size)
+                except OutOfSpace:
+                    pass
+            victim = self._shared_victim(g, capped)
+            if victim is None:
+                return None
+            if not asked:
+                asked = True
+                if not self.admission.admit(  # type: ignore[union-attr]
+                    block_key(ns.salt, h), block_key(victim.ns.salt, victim.hash)
+                ):
+                    self.admission_rejections += 1
+                    return None
+            if capped:
+                self.quota_evictions += 1
+            vsize = victim.size
+            if not carving and (vsize == size or alloc.round(vsize) == need):  # hand its page over
+                (self._lru_reclaimable if victim.reclaimable else self._lru).pop(victim)
+                del self._blocks[victim.ns.id][victim.hash]
+                self.resident_blocks -= 1
+                self.resident_bytes -= vsize
+                self._uncharge(victim)
+                self.evictions += 1
+                self.evicted_bytes += vsize
+                dropped.append(victim)
+                return victim.offset
+            self._drop(victim)
+            self.evictions += 1
+            self.evicted_bytes += vsize
+            dropped.append(victim)
+            carving = True
+
+    def _shared_victim(self, g: int | None, capped: bool) -> Block | None:
+        """The least recently used block the inserting group ``g`` may evict (reclaimable
+        copies first): with ``capped``, one of its own; else one of a namespace that is not
+        in another group at or under its guarantee. The scan runs in C (mapped getters)."""
+        if capped:
+            assert g is not None
+            mine = self._members[g]
+            for lru in (self._lru_reclaimable, self._lru):
+                if lru:
+                    b = next(compress(lru, map(mine.__contains__, map(_NS_ID, lru))), None)
+                    if b is not None:
+                        return b
+            return None
+        held, limits = self.held, self._limits
+        protected: set[int] = set()
+        for i, members in enumerate(self._members):
+            if i != g and members and held[i] <= limits[i][0] and limits[i][0]:
+                protected |= members
+        for lru in (self._lru_reclaimable, self._lru):
+            if not lru:
+                continue
+            if not protected:
+                return next(iter(lru))
+            b = next(compress(lru, map(not_, map(protected.__contains__, map(_NS_ID, lru)))), None)
+            if b is not None:
+                return b
+        return None
 
     # ---- inspection -------------------------------------------------------------------
+    def quota_usage(self) -> list[tuple[int, int, int]]:
+        """Per quota group (``Quotas`` order): (held bytes, guaranteed bytes, maximum bytes)."""
+        return [(held, lo, hi) for held, (lo, hi) in zip(self.held, self._limits, strict=True)]
+
     def resident(self, ns: Namespace | None = None) -> list[Block]:
         return [
             b for t in self._blocks.values() for b in t.values() if b.state == RESIDENT and (ns is None or b.ns is ns)
