@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pegaflow.config.capacity import Capacity
-from pegaflow.config.options import META, NODE, REPLAY, ROUTER, build_parser, fill_defaults, options_for
+from pegaflow.config.options import META, NODE, REPLAY, ROUTER, STATUS, build_parser, fill_defaults, options_for
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +41,7 @@ class NodeConfig:
     lease_ttl: float
     max_batch: int
     max_namespaces: int
+    max_pinned_share: float
     local_socket: str
     query_trace: str
     trace_sample_rate: float
@@ -73,6 +74,8 @@ class NodeConfig:
     tls_cert: str
     tls_key: str
     tls_ca: str
+    no_auth: bool
+    access_group: str
     enable_lfu_admission: bool
     ceiling_windows: tuple[float, ...]
     metric_hll_bucket_bits: int
@@ -182,8 +185,22 @@ class RouterConfig:
             raise ValueError("an engine URL is given twice")
 
 
-CONFIGS: dict[str, type] = {NODE: NodeConfig, META: MetaConfig, REPLAY: ReplayConfig, ROUTER: RouterConfig}
-C = TypeVar("C", NodeConfig, MetaConfig, ReplayConfig, RouterConfig)
+@dataclass(frozen=True, slots=True)
+class StatusConfig:
+    """``pegaflow status`` (the STATUS rows)."""
+
+    auth_token_file: str
+    tls_ca: str
+    addr: str
+    metaserver: str
+    watch: float
+    json: bool
+    timeout: float
+
+
+CONFIGS: dict[str, type] = {NODE: NodeConfig, META: MetaConfig, REPLAY: ReplayConfig, ROUTER: RouterConfig,
+                            STATUS: StatusConfig}
+C = TypeVar("C", NodeConfig, MetaConfig, ReplayConfig, RouterConfig, StatusConfig)
 
 
 def _frozen(value: Any) -> Any:

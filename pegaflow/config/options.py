@@ -31,6 +31,7 @@ NODE = "node"
 META = "meta"
 REPLAY = "replay"
 ROUTER = "router"
+STATUS = "status"
 
 DEFAULT_META_REDIS = "redis://127.0.0.1:6379/0"
 
@@ -610,7 +611,7 @@ OPTIONS: list[Option] = [
         "",
         "File (mode 0600) holding the shared token every gRPC call, local-socket connection and "
         "peer must present; PEGAFLOW_AUTH_TOKEN may hold the token itself. Empty: no token.",
-        commands=(NODE, META),
+        commands=(NODE, META, STATUS),
         metavar="PATH",
     ),
     Option(
@@ -626,6 +627,7 @@ OPTIONS: list[Option] = [
         "",
         "PEM roots to verify the metaserver and peers against: call them over TLS "
         "(PEGAFLOW_TLS_CA for engines' connectors).",
+        commands=(NODE, STATUS),
         metavar="PATH",
     ),
     # --- policy: admission and the hit-rate ceiling -----------------------------------
@@ -909,6 +911,30 @@ OPTIONS: list[Option] = [
         commands=(ROUTER,),
         env_var="PEGAFLOW_ROUTER_REQUEST_TIMEOUT",
     ),
+    # --- status: one screen of a node or the cluster (pegaflow/ops/status.py) ---------------
+    Option("addr", "127.0.0.1:50055", "The node to show: its gRPC address (HOST:PORT).", _grpc_target,
+           commands=(STATUS,), metavar="HOST:PORT"),
+    Option(
+        "metaserver",
+        "",
+        "Show the cluster instead: every node this metaserver (HOST:PORT or http://HOST:PORT) "
+        "knows, one row each.",
+        _grpc_target,
+        commands=(STATUS,),
+        metavar="HOST:PORT",
+    ),
+    Option(
+        "watch",
+        0.0,
+        "Redraw the screen in place every SECS seconds (--watch alone: 2) until Ctrl-C; 0: print once.",
+        _non_negative_float,
+        commands=(STATUS,),
+        metavar="SECS",
+    ),
+    Option("json", False, "Print one JSON object for scripts instead of the screen.", _bool, commands=(STATUS,),
+           flag=True),
+    Option("timeout", 3.0, "Seconds to wait for each node's (and the metaserver's) answer.", _positive_float,
+           commands=(STATUS,)),
 ]
 
 
@@ -1036,7 +1062,7 @@ def render_markdown() -> str:
         "",
     ]
     for command, title in ((NODE, "pegaflow-node"), (META, "pegaflow-meta"), (REPLAY, "pegaflow replay"),
-                           (ROUTER, "pegaflow router")):
+                           (ROUTER, "pegaflow router"), (STATUS, "pegaflow status")):
         opts = options_for(command)
         if not opts:
             continue

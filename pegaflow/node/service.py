@@ -179,6 +179,9 @@ class Accounting(Protocol):
 
     def observe(self, namespace: str, hashes: Sequence[bytes], hit: int, req_id: str = "") -> bool: ...
 
+    def refresh(self) -> Sequence[Any]:  # the windows now (``WindowStats``), gauges updated
+        ...
+
 
 class NodeService(node_pb2_grpc.PegaNodeServicer):
     def __init__(
@@ -470,6 +473,8 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
     @rpc("Stats")
     def stats(self, request: node_pb2.StatsRequest) -> node_pb2.StatsResponse:
         idx = self.index
+        by_ns = idx.blocks_by_namespace()
+        m = self._metric_values()
         return node_pb2.StatsResponse(
             pool_bytes=self.pool_bytes,
             used_bytes=idx.alloc.used_bytes,
@@ -480,6 +485,104 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
             active_leases=len(self.sessions.leases),
             active_reservations=len(self.sessions.reservations),
             sessions=len(self.sessions.sessions),
-            blocks_by_namespace=idx.blocks_by_namespace(),
+            blocks_by_namespace=by_ns,
             pool_prefaulted_bytes=self.pool_prefaulted(),
+            node_id=self.node_id,
+            epoch=self.epoch,
+            uptime_seconds=max(0.0, time.time() - self.epoch / 1000),
+            resident_bytes=idx.resident_bytes,
+            windows=[node_pb2.CeilingWindow(window=w.label, requested_blocks=w.requests, hit_blocks=w.hits,
+                                            distinct_blocks=w.distinct, hit_ratio=w.hit_rate,
+                                            ceiling_ratio=w.ceiling)
+                     for w in (self.accounting.refresh() if self.accounting is not None else ())],
+            request_blocks=node_pb2.TierBlocks(**{k: _int(v) for k, v in m.get("request_blocks", {}).items()
+                                                  if k in _TIERS}),
+            hit_blocks=node_pb2.TierBlocks(miss=_int(m.get("miss", 0)),
+                                           **{k: _int(v) for k, v in m.get("hits", {}).items() if k in _TIERS}),
+            ssd=self._ssd_stats(m) if self.ssd is not None else None,
+            peers=self._peer_stats(m) if self.remote is not None else None,
+            engines=self._engine_stats(),
+            namespaces=[node_pb2.NamespaceStats(name=ns.name, page_bytes=ns.page_bytes, blocks=by_ns.get(ns.name, 0),
+                                                bytes=by_ns.get(ns.name, 0) * ns.page_bytes)
+                        for ns in idx.namespaces()],
+            save_bytes=_int(m.get("save_bytes", 0)),
+            load_bytes=_int(m.get("load_bytes", 0)),
         )
+
+    def _metric_values(self) -> dict[str, Any]:
+        """The node's Prometheus metrics that Stats reports, read in one pass over the
+        registry (the SSD and peer tiers register theirs there): ``name -> value`` or, for a
+        labelled counter, ``name -> {label value: value}``."""
+        out: dict[str, Any] = {}
+        for family in self.metrics.registry.collect():
+            key = _STATS_METRICS.get(family.name)
+            if key is None:
+                continue
+            for sample in family.samples:
+                if sample.name.endswith("_created"):
+                    continue
+                if sample.labels:
+                    out.setdefault(key, {})[next(iter(sample.labels.values()))] = sample.value
+                else:
+                    out[key] = sample.value
+        return out
+
+    def _ssd_stats(self, m: dict[str, Any]) -> node_pb2.SsdStats:
+        return node_pb2.SsdStats(
+            capacity_bytes=_int(m.get("ssd_capacity", 0)), used_bytes=_int(m.get("ssd_used", 0)),
+            blocks=_int(m.get("ssd_blocks", 0)), write_bytes=_int(m.get("ssd_write_bytes", 0)),
+            read_bytes=_int(m.get("ssd_read_bytes", 0)),
+            write_bytes_per_second=float(m.get("ssd_write_bps", 0.0)),
+            read_bytes_per_second=float(m.get("ssd_read_bps", 0.0)),
+            write_queue_blocks=_int(m.get("ssd_queue_blocks", 0)), promoted_blocks=_int(m.get("ssd_promoted", 0)),
+        )
+
+    def _peer_stats(self, m: dict[str, Any]) -> node_pb2.PeerStats:
+        return node_pb2.PeerStats(
+            pulls={k: _int(v) for k, v in m.get("p2p_pulls", {}).items()},
+            pull_bytes=_int(m.get("p2p_pull_bytes", 0)), served_bytes=_int(m.get("p2p_served_bytes", 0)),
+            active_pins=_int(m.get("p2p_pins", 0)), backed_off_peers=_int(m.get("p2p_backed_off", 0)),
+            lookups={k: _int(v) for k, v in m.get("p2p_lookups", {}).items()},
+        )
+
+    def _engine_stats(self) -> list[node_pb2.EngineStats]:
+        engines: dict[str, node_pb2.EngineStats] = {}
+        for s in self.sessions.sessions.values():
+            e = engines.get(s.instance_id)
+            if e is None:
+                e = engines[s.instance_id] = node_pb2.EngineStats(instance_id=s.instance_id)
+            e.sessions += 1
+            e.leases += len(s.leases)
+            e.reservations += len(s.reservations)
+            e.namespaces.extend(n for n in s.namespaces if n not in e.namespaces)
+        return list(engines.values())
+
+
+_TIERS = ("l1", "ssd", "remote", "miss")
+# Prometheus family name (without _total) -> key in NodeService._metric_values
+_STATS_METRICS = {
+    "pegaflow_node_request_blocks": "request_blocks",
+    "pegaflow_node_hit_blocks": "hits",
+    "pegaflow_node_miss_blocks": "miss",
+    "pegaflow_node_save_bytes": "save_bytes",
+    "pegaflow_node_load_bytes": "load_bytes",
+    "pegaflow_node_ssd_capacity_bytes": "ssd_capacity",
+    "pegaflow_node_ssd_used_bytes": "ssd_used",
+    "pegaflow_node_ssd_blocks": "ssd_blocks",
+    "pegaflow_node_ssd_write_bytes": "ssd_write_bytes",
+    "pegaflow_node_ssd_read_bytes": "ssd_read_bytes",
+    "pegaflow_node_ssd_write_bytes_per_second": "ssd_write_bps",
+    "pegaflow_node_ssd_read_bytes_per_second": "ssd_read_bps",
+    "pegaflow_node_ssd_write_queue_blocks": "ssd_queue_blocks",
+    "pegaflow_node_ssd_promoted_blocks": "ssd_promoted",
+    "pegaflow_node_p2p_pulls": "p2p_pulls",
+    "pegaflow_node_p2p_pull_bytes": "p2p_pull_bytes",
+    "pegaflow_node_p2p_served_bytes": "p2p_served_bytes",
+    "pegaflow_node_p2p_active_pins": "p2p_pins",
+    "pegaflow_node_p2p_backed_off_peers": "p2p_backed_off",
+    "pegaflow_node_p2p_lookups": "p2p_lookups",
+}
+
+
+def _int(v: float) -> int:
+    return max(0, int(v))

@@ -1,0 +1,239 @@
+"""The screens of ``pegaflow status``: a node's or the cluster's figures as lines of at most
+80 columns (docs/operations.md, "pegaflow status").
+
+Pure functions of a snapshot (the dicts :mod:`pegaflow.ops.status` builds from the nodes'
+Stats answers, the same objects ``--json`` prints), so they are tested without a node.
+Every line is cut to ``width``; names too long for their column lose their middle.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+WIDTH = 80
+MAX_ROWS = 6  # engines and namespaces listed on a screen; the rest are counted
+NONE = "-"  # a ratio of nothing (no request in the window)
+
+Snapshot = Mapping[str, Any]
+
+
+# ---- numbers --------------------------------------------------------------------------
+def fmt_bytes(n: float) -> str:
+    """Binary units, three significant figures: ``0 B``, ``512 B``, ``1.5 KiB``, ``30.0 GiB``, ``120 GiB``."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
+            if unit == "B":
+                return f"{int(n)} B"
+            return f"{n:.0f} {unit}" if abs(n) >= 99.95 else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def fmt_short_bytes(n: float) -> str:
+    """``fmt_bytes`` without the space and the ``iB`` (``1.5G``): for table columns."""
+    text = fmt_bytes(n)
+    return text.replace(" B", "B").replace(" ", "").replace("iB", "")
+
+
+def fmt_rate(bytes_per_second: float) -> str:
+    return fmt_bytes(bytes_per_second) + "/s"
+
+
+def fmt_count(n: float) -> str:
+    """Exact with thousands separators below 100,000; then ``123.5k``, ``1.2M``, ``3.4G``."""
+    n = int(n)
+    if abs(n) < 100_000:
+        return f"{n:,}"
+    for div, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= div:
+            v = n / div
+            return f"{v:.0f}{unit}" if abs(v) >= 999.95 else f"{v:.1f}{unit}"
+    raise AssertionError("unreachable")
+
+
+def fmt_pct(ratio: float | None, digits: int = 1) -> str:
+    return NONE if ratio is None else f"{100 * ratio:.{digits}f}%"
+
+
+def share(part: float, whole: float) -> float | None:
+    return part / whole if whole else None
+
+
+def fmt_duration(seconds: float) -> str:
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def clip(text: str, n: int) -> str:
+    """``text`` in at most ``n`` columns: the middle gives way (``Qwen/Qw..-tp1``)."""
+    if len(text) <= n:
+        return text
+    if n <= 2:
+        return text[:n]
+    head = (n - 2 + 1) // 2
+    return text[:head] + ".." + text[len(text) - (n - 2 - head):]
+
+
+def fit(lines: Sequence[str], width: int = WIDTH) -> list[str]:
+    """Every line cut to ``width`` columns (trailing blanks dropped)."""
+    return [(ln if len(ln) <= width else ln[: width - 3] + "...").rstrip() for ln in lines]
+
+
+def _ratio_of_window(w: Mapping[str, Any]) -> tuple[float | None, float | None]:
+    n = w.get("requested_blocks", 0)
+    if not n:
+        return None, None
+    return w.get("hit_ratio", 0.0), w.get("ceiling_ratio", 0.0)
+
+
+# ---- one node -------------------------------------------------------------------------
+def unreachable_line(what: str, addr: str, error: str) -> str:
+    return f"{what} {addr} unreachable: {error}"
+
+
+def node_lines(s: Snapshot, now: float | None = None, width: int = WIDTH) -> list[str]:
+    """The node screen of snapshot ``s`` (see :func:`pegaflow.ops.status.node_snapshot`)."""
+    if not s.get("reachable", False):
+        return fit([unreachable_line("node", s.get("addr", "?"), s.get("error", ""))], width)
+    clock = time.strftime("%H:%M:%S", time.localtime(now if now is not None else time.time()))
+    head = f"node {s['node_id']} at {s['addr']}  up {fmt_duration(s['uptime_seconds'])}"
+    lines = [head.ljust(width - len(clock) - 1)[: width - len(clock) - 1] + " " + clock]
+    p = s["pool"]
+    used = share(p["used_bytes"], p["capacity_bytes"])
+    prefault = share(p["prefaulted_bytes"], p["capacity_bytes"])
+    lines.append(f"pool      {fmt_bytes(p['used_bytes'])} of {fmt_bytes(p['capacity_bytes'])} used "
+                 f"({fmt_pct(used)})  {fmt_count(p['resident_blocks'])} blocks  "
+                 f"pre-fault {fmt_pct(prefault, 0)}")
+    lines.append(f"traffic   saved {fmt_bytes(s['save_bytes'])}  loaded {fmt_bytes(s['load_bytes'])}  "
+                 f"evicted {fmt_count(p['evictions'])} blocks")
+    lines.append("")
+    lines.append(f"{'hit rate':<10}{'window':<8}{'requested':>11}{'hit rate':>11}{'ceiling':>10}"
+                 f"{'of ceiling':>12}")
+    for w in s["windows"]:
+        hit, ceil = _ratio_of_window(w)
+        of = share(hit, ceil) if hit is not None and ceil else None
+        lines.append(f"{'':<10}{w['window']:<8}{fmt_count(w['requested_blocks']):>11}{fmt_pct(hit):>11}"
+                     f"{fmt_pct(ceil):>10}{fmt_pct(of, 0):>12}")
+    if not s["windows"]:
+        lines.append(f"{'':<10}no window (the node keeps no request accounting)")
+    lines.append(tier_line("blocks", s["requests"]))
+    lines.append("")
+    lines.append(ssd_line(s.get("ssd")))
+    lines.append(peers_line(s.get("peers")))
+    lines += engine_lines(s)
+    lines += namespace_lines(s["namespaces"])
+    return fit(lines, width)
+
+
+def tier_line(label: str, t: Mapping[str, int]) -> str:
+    """Blocks of requests by where they were found, with their shares."""
+    total = sum(t.get(k, 0) for k in ("l1", "ssd", "remote", "miss"))
+    parts = [f"{name} {fmt_count(t.get(k, 0))} {fmt_pct(share(t.get(k, 0), total))}"
+             for k, name in (("l1", "L1"), ("ssd", "SSD"), ("remote", "peer"), ("miss", "miss"))]
+    return f"{label:<10}" + "  ".join(parts)
+
+
+def ssd_line(ssd: Mapping[str, Any] | None) -> str:
+    if not ssd:
+        return f"{'SSD':<10}off (no --ssd-cache-path)"
+    return (f"{'SSD':<10}{fmt_bytes(ssd['used_bytes'])} of {fmt_bytes(ssd['capacity_bytes'])} "
+            f"({fmt_pct(share(ssd['used_bytes'], ssd['capacity_bytes']))})  {fmt_count(ssd['blocks'])} blocks  "
+            f"w {fmt_rate(ssd['write_bytes_per_second'])}  r {fmt_rate(ssd['read_bytes_per_second'])}")
+
+
+def peers_line(peers: Mapping[str, Any] | None) -> str:
+    if peers is None:
+        return f"{'peers':<10}none (not in a cluster: no --metaserver-addr or --redis-url)"
+    pulls = peers.get("pulls", {})
+    ok = pulls.get("ok", 0)
+    failed = sum(v for k, v in pulls.items() if k != "ok")
+    return (f"{'peers':<10}pulls {fmt_count(ok)} ok {fmt_count(failed)} failed  "
+            f"pulled {fmt_bytes(peers['pull_bytes'])}  served {fmt_bytes(peers['served_bytes'])}  "
+            f"backed off {peers['backed_off_peers']}")
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{fmt_count(n)} {word}{'' if n == 1 else 's'}"
+
+
+def engine_lines(s: Snapshot) -> list[str]:
+    engines = s["engines"]
+    out = [f"{'engines':<10}{_plural(len(engines), 'engine')}  {_plural(s['sessions'], 'session')}  "
+           f"{_plural(s['leases'], 'lease')}  {_plural(s['reservations'], 'reservation')}"]
+    if engines:
+        out.append(f"  {'instance':<34}{'sessions':>9}{'leases':>8}  namespaces")
+        for e in engines[:MAX_ROWS]:
+            out.append(f"  {clip(e['instance_id'], 34):<34}{e['sessions']:>9}{e['leases']:>8}  "
+                       + clip(", ".join(e["namespaces"]), WIDTH - 55))
+        if len(engines) > MAX_ROWS:
+            out.append(f"  ... and {len(engines) - MAX_ROWS} more")
+    return out
+
+
+def namespace_lines(namespaces: Sequence[Mapping[str, Any]]) -> list[str]:
+    total = sum(n["bytes"] for n in namespaces)
+    out = [f"{'namespaces':<11}{len(namespaces)} holding {fmt_bytes(total)}"]
+    if namespaces:
+        out.append(f"  {'name':<40}{'page':>10}{'blocks':>12}{'bytes':>12}")
+        for n in sorted(namespaces, key=lambda n: (-n["bytes"], n["name"]))[:MAX_ROWS]:
+            out.append(f"  {clip(n['name'], 40):<40}{fmt_bytes(n['page_bytes']):>10}"
+                       f"{fmt_count(n['blocks']):>12}{fmt_bytes(n['bytes']):>12}")
+        if len(namespaces) > MAX_ROWS:
+            out.append(f"  ... and {len(namespaces) - MAX_ROWS} more")
+    return out
+
+
+# ---- the cluster ----------------------------------------------------------------------
+_ROW = "{:<14} {:>10} {:>4} {:>6} {:>6} {:>7} {:>7} {:>6} {:>7}"
+
+
+def cluster_lines(c: Snapshot, now: float | None = None, width: int = WIDTH) -> list[str]:
+    """The cluster screen of ``c`` (see :func:`pegaflow.ops.status.cluster_snapshot`)."""
+    if not c.get("reachable", False):
+        return fit([unreachable_line("metaserver", c.get("metaserver", "?"), c.get("error", ""))], width)
+    clock = time.strftime("%H:%M:%S", time.localtime(now if now is not None else time.time()))
+    nodes = c["nodes"]
+    up = sum(1 for n in nodes if n["status"].get("reachable"))
+    head = f"cluster of metaserver {c['metaserver']}: {_plural(len(nodes), 'node')}, {up} reachable"
+    lines = [head.ljust(width - len(clock) - 1)[: width - len(clock) - 1] + " " + clock]
+    t = c["totals"]
+    window = t["window"] or NONE
+    lines.append("")
+    lines.append(_ROW.format("node", "pool used", "", f"hit {window}"[:6], "ceil", "L1", "SSD", "peer", "engines"))
+    for n in nodes:
+        s = n["status"]
+        name = clip(n["node"], 14)
+        if not s.get("reachable"):
+            why = "no heartbeat (not alive)" if not n["alive"] else f"unreachable: {s.get('error', '')}"
+            lines.append(f"{name:<14} {clip(n['address'], 21):<21} {why}")
+            continue
+        p = s["pool"]
+        hit, ceil = _ratio_of_window(s["windows"][0]) if s["windows"] else (None, None)
+        r = s["requests"]
+        lines.append(_ROW.format(
+            name, f"{fmt_short_bytes(p['used_bytes'])}/{fmt_short_bytes(p['capacity_bytes'])}",
+            fmt_pct(share(p["used_bytes"], p["capacity_bytes"]), 0), fmt_pct(hit), fmt_pct(ceil),
+            fmt_count(r["l1"]), fmt_count(r["ssd"]), fmt_count(r["remote"]), fmt_count(len(s["engines"])),
+        ))
+    lines.append(_ROW.format(
+        "total", f"{fmt_short_bytes(t['used_bytes'])}/{fmt_short_bytes(t['capacity_bytes'])}",
+        fmt_pct(share(t["used_bytes"], t["capacity_bytes"]), 0), fmt_pct(share(t["hit_blocks"], t["requested_blocks"])),
+        NONE, fmt_count(t["requests"]["l1"]), fmt_count(t["requests"]["ssd"]), fmt_count(t["requests"]["remote"]),
+        fmt_count(t["engines"]),
+    ))
+    lines.append("")
+    lines.append(tier_line("blocks", t["requests"]))
+    lines.append(ssd_line(t["ssd"]) if t["ssd"] else f"{'SSD':<10}none on any reachable node")
+    lines.append(peers_line(t["peers"]) if t["peers"] else f"{'peers':<10}no reachable node pulls from peers")
+    lines.append(f"{'engines':<10}{_plural(t['engines'], 'engine')}  {_plural(t['sessions'], 'session')}")
+    lines += namespace_lines(t["namespaces"])
+    return fit(lines, width)
