@@ -3,7 +3,8 @@
 One server interceptor (``grpc.aio`` for the node, plain ``grpc`` for the metaserver) does,
 for every call, before any servicer code runs:
 
-1. **Token.** When the process has a token (``--auth-token-file`` / ``PEGAFLOW_AUTH_TOKEN``),
+1. **Token.** When the process has a token (``--auth-token-file`` / ``PEGAFLOW_AUTH_TOKEN``, or
+   a node's own token, ``pegaflow.common.security.OwnToken``),
    a call must carry ``authorization: Bearer <token>`` metadata; anything else answers
    UNAUTHENTICATED. The comparison is constant-time (``hmac.compare_digest``). Health
    checks stay open (``OPEN_SERVICES``) so that probes need no secret.
@@ -131,11 +132,16 @@ class _Gate:
         return token_matches(self.token, _metadata_value(details, AUTH_HEADER))
 
 
-class AsyncGuard(grpc.aio.ServerInterceptor):
-    """For ``grpc.aio.server(interceptors=[AsyncGuard(token)])`` (the node)."""
+UNAUTHENTICATED_MSG = "a valid token is required"
 
-    def __init__(self, token: str = "") -> None:
+
+class AsyncGuard(grpc.aio.ServerInterceptor):
+    """For ``grpc.aio.server(interceptors=[AsyncGuard(token)])`` (the node). ``message``: what
+    a refused caller reads (the node names its own token's file there)."""
+
+    def __init__(self, token: str = "", message: str = UNAUTHENTICATED_MSG) -> None:
         self.gate = _Gate(token)
+        self.message = message
 
     async def intercept_service(self, continuation: Callable[..., Any], details: Any) -> Any:
         handler = await continuation(details)
@@ -145,7 +151,7 @@ class AsyncGuard(grpc.aio.ServerInterceptor):
         gate = self.gate
         if not gate.allowed(details):
             gate.refusals.note(method, "unauthenticated", "missing or wrong token")
-            return _rejecting(handler, grpc.StatusCode.UNAUTHENTICATED, "a valid token is required", aio=True)
+            return _rejecting(handler, grpc.StatusCode.UNAUTHENTICATED, self.message, aio=True)
         return gate.decoding(handler, method, aio=True)
 
 
@@ -161,7 +167,7 @@ class SyncGuard(grpc.ServerInterceptor):
             return None
         if not self.gate.allowed(details):
             self.gate.refusals.note(details.method, "unauthenticated", "missing or wrong token")
-            return _rejecting(handler, grpc.StatusCode.UNAUTHENTICATED, "a valid token is required", aio=False)
+            return _rejecting(handler, grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MSG, aio=False)
         return self.gate.decoding(handler, details.method, aio=False)
 
 

@@ -14,6 +14,17 @@ Threat model and the rules (docs/security.md has the operator's view):
   client) encrypts and authenticates gRPC between hosts with grpc's own credentials. The
   token still decides who may call; TLS keeps it (and the pages' metadata) off the wire.
   Pages on the TCP data port travel in clear: run it on a trusted network.
+- **A node's own token** (safe by default on a shared host). A node with no token configured
+  and every listener on loopback (``--addr``, and ``--transfer-addr`` in a cluster; the
+  read-only HTTP port does not count) creates a random one and writes it to
+  ``<local socket path>.token`` (:func:`token_path`), mode 0600 (0640 with
+  ``--access-group``, for that group) from its creation, removed at clean exit. Clients of
+  a loopback address find it there with no setting (:func:`node_token_paths`: the default
+  socket paths of that address, under ``$XDG_RUNTIME_DIR`` and ``/tmp``), so the node's own
+  user (and its group) gets in and any other user gets UNAUTHENTICATED. ``--no-auth`` turns
+  it off; a node listening beyond loopback without a token keeps no token (and warns).
+  Every channel of :func:`sync_channel`/:func:`aio_channel` without a configured token
+  looks the file up, re-read when it changes (a restarted node has a new token).
 - Files: the pool memfd, the local socket, SSD cache files and the query trace are 0600.
 
 Processes of the same node (peers, the connector) read the same token from the same
@@ -22,8 +33,10 @@ places, so one secret configures a cluster.
 
 from __future__ import annotations
 
+import grp
 import os
-from collections.abc import Mapping, Sequence
+import secrets
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -31,11 +44,157 @@ from typing import Any, Protocol
 import grpc
 
 from pegaflow.common.grpc_guard import AUTH_HEADER, ENV_TOKEN, TokenError, read_token
-from pegaflow.core.hosts import LOOPBACK, host_of
+from pegaflow.core.hosts import LOOPBACK, WILDCARD, host_of, split_host_port
 
 ENV_TLS_CA = "PEGAFLOW_TLS_CA"
+SOCKET_NAME = "pegaflow-node-{host}-{port}.sock"  # a node's default local socket (--local-socket auto)
+SHARED_DIR = "/tmp"  # where a socket shared with a group lives (per-user $XDG_RUNTIME_DIR is 0700)
+TOKEN_SUFFIX = ".token"  # a node's own token: beside its local socket
+TOKEN_MODE = 0o600
+GROUP_TOKEN_MODE = 0o640  # --access-group: the group reads it
 
-__all__ = ["ENV_TOKEN", "Security", "SecurityError", "TokenError", "aio_channel", "sync_channel"]
+__all__ = ["ENV_TOKEN", "OwnToken", "Security", "SecurityError", "TokenError", "aio_channel", "default_socket_path",
+           "node_token_paths", "own_token_wanted", "sync_channel", "token_for_node", "token_for_socket",
+           "token_path"]
+
+
+def default_socket_path(host: str, port: int, env: Mapping[str, str] | None = None, shared: bool = False) -> str:
+    """``$XDG_RUNTIME_DIR`` (per user, private) or ``/tmp`` (``shared``: always ``/tmp``, for
+    ``--access-group``), named after the gRPC address so several nodes on one host (tests,
+    network namespaces sharing /tmp) never collide."""
+    base = SHARED_DIR if shared else ((os.environ if env is None else env).get("XDG_RUNTIME_DIR") or SHARED_DIR)
+    return os.path.join(base, SOCKET_NAME.format(host=host.strip("[]") or "any", port=port))
+
+
+def token_path(socket_path: str) -> str:
+    """Where a node keeps its own token: ``<socket path>.token``."""
+    return socket_path + TOKEN_SUFFIX
+
+
+def token_for_socket(socket_path: str) -> str:
+    """The token a node wrote beside its local socket ``socket_path``; '' when there is none
+    or this user may not read it (the node then refuses this user)."""
+    try:
+        return Path(token_path(socket_path)).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return ""
+
+
+def node_token_paths(addr: str, env: Mapping[str, str] | None = None) -> list[str]:
+    """Where a node at ``addr`` keeps its own token, most likely first: the token files of
+    its default socket paths (each loopback name of the host, under ``$XDG_RUNTIME_DIR`` and
+    ``/tmp``). Empty for an address that is not loopback (such a node has no own token)."""
+    try:
+        host, port = split_host_port(addr)
+    except ValueError:
+        return []
+    if host not in LOOPBACK:
+        return []
+    env = os.environ if env is None else env
+    bases = [b for b in dict.fromkeys((env.get("XDG_RUNTIME_DIR", ""), SHARED_DIR)) if b]
+    hosts = [host, *sorted(LOOPBACK - {host})]
+    return [token_path(os.path.join(b, SOCKET_NAME.format(host=h, port=port))) for b in bases for h in hosts]
+
+
+def token_for_node(addr: str, env: Mapping[str, str] | None = None) -> str:
+    """The own token of the node at ``addr`` that this user can read; '' when none."""
+    for path in node_token_paths(addr, env):
+        token = token_for_socket(path[: -len(TOKEN_SUFFIX)])
+        if token:
+            return token
+    return ""
+
+
+class _NodeToken:
+    """The own token of the node at one address, re-read when its file changes (a restarted
+    node writes a new one); ``get`` costs a ``stat`` while the file is unchanged."""
+
+    def __init__(self, addr: str) -> None:
+        self.paths = node_token_paths(addr)
+        self._state: tuple[str, tuple[int, int], str] | None = None  # path, (inode, mtime), token
+
+    def get(self) -> str:
+        st = self._state
+        if st is not None:
+            try:
+                s = os.stat(st[0])
+                if (s.st_ino, s.st_mtime_ns) == st[1]:
+                    return st[2]
+            except OSError:
+                pass
+        for path in self.paths:
+            try:
+                s = os.stat(path)
+                token = Path(path).read_text().strip()
+            except (OSError, UnicodeDecodeError):
+                continue
+            if token:
+                self._state = (path, (s.st_ino, s.st_mtime_ns), token)
+                return token
+        self._state = None
+        return ""
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        token = self.get()
+        return ((AUTH_HEADER, f"Bearer {token}"),) if token else ()
+
+
+def own_token_wanted(configured: str, no_auth: bool, listeners: Sequence[str]) -> bool:
+    """Whether a node creates its own token: none configured, not ``--no-auth``, and every
+    listener (gRPC, data port) on loopback, so that only this host's users can call it."""
+    if configured or no_auth:
+        return False
+    hosts = [host_of(a) for a in listeners]
+    return bool(hosts) and all(h in LOOPBACK and h not in WILDCARD for h in hosts)
+
+
+def group_id(name: str) -> int:
+    """The id of group ``name`` (``--access-group``); SecurityError when there is none."""
+    try:
+        return grp.getgrgid(int(name)).gr_gid if name.isdigit() else grp.getgrnam(name).gr_gid
+    except KeyError:
+        raise SecurityError(f"--access-group {name}: no such group") from None
+
+
+class OwnToken:
+    """A node's own random token in ``path``: created mode 0600 (``gid``: 0640 for that group)
+    under a temporary name opened with O_EXCL, then renamed into place, so it is never
+    readable by anyone else, even briefly; :meth:`remove` at clean exit."""
+
+    def __init__(self, path: str, gid: int | None = None, token: str | None = None) -> None:
+        self.path = path
+        self.token = token or secrets.token_urlsafe(32)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, TOKEN_MODE)
+            try:
+                if gid is not None:
+                    os.fchown(fd, -1, gid)
+                    os.fchmod(fd, GROUP_TOKEN_MODE)
+                os.write(fd, (self.token + "\n").encode())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, path)
+        except OSError as exc:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise SecurityError(f"cannot write the node's token file {path}: {exc.strerror or exc}") from None
+        self._inode = os.stat(path).st_ino
+
+    def remove(self) -> None:
+        """Delete the file, unless another node has replaced it meanwhile."""
+        try:
+            if os.stat(self.path).st_ino == self._inode:
+                os.unlink(self.path)
+        except OSError:
+            pass
 
 
 class SecurityOptions(Protocol):
@@ -94,6 +253,18 @@ class Security:
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return ((AUTH_HEADER, f"Bearer {self.token}"),) if self.token else ()
 
+    def token_for(self, addr: str) -> str:
+        """The token to present to the node at ``addr``: the configured one, else the node's
+        own token when this user can read it (:func:`token_for_node`), else ''."""
+        return self.token or token_for_node(addr)
+
+    def _metadata_source(self, addr: str) -> Callable[[], tuple[tuple[str, str], ...]] | None:
+        if self.token:
+            md = self.metadata
+            return lambda: md
+        node = _NodeToken(addr)
+        return node.metadata if node.paths else None
+
     def server_credentials(self) -> grpc.ServerCredentials | None:
         if not self.tls_cert:
             return None
@@ -122,12 +293,15 @@ class _Details(grpc.ClientCallDetails):
         self.metadata = metadata
 
 
+_Source = Callable[[], tuple[tuple[str, str], ...]]
+
+
 class _SyncToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
-    def __init__(self, md: tuple[tuple[str, str], ...]) -> None:
+    def __init__(self, md: _Source) -> None:
         self.md = md
 
     def _with(self, d: Any) -> _Details:
-        return _Details(d, (*tuple(d.metadata or ()), *self.md))
+        return _Details(d, (*tuple(d.metadata or ()), *self.md()))
 
     def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
         return continuation(self._with(details), request)
@@ -136,13 +310,13 @@ class _SyncToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterce
         return continuation(self._with(details), request)
 
 
-def _aio_with(d: Any, md: tuple[tuple[str, str], ...]) -> Any:
-    return grpc.aio.ClientCallDetails(d.method, d.timeout, grpc.aio.Metadata(*tuple(d.metadata or ()), *md),
+def _aio_with(d: Any, md: _Source) -> Any:
+    return grpc.aio.ClientCallDetails(d.method, d.timeout, grpc.aio.Metadata(*tuple(d.metadata or ()), *md()),
                                       d.credentials, d.wait_for_ready)
 
 
 class _AioTokenUnary(grpc.aio.UnaryUnaryClientInterceptor):
-    def __init__(self, md: tuple[tuple[str, str], ...]) -> None:
+    def __init__(self, md: _Source) -> None:
         self.md = md
 
     async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
@@ -150,7 +324,7 @@ class _AioTokenUnary(grpc.aio.UnaryUnaryClientInterceptor):
 
 
 class _AioTokenStream(grpc.aio.UnaryStreamClientInterceptor):
-    def __init__(self, md: tuple[tuple[str, str], ...]) -> None:
+    def __init__(self, md: _Source) -> None:
         self.md = md
 
     async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
@@ -158,16 +332,19 @@ class _AioTokenStream(grpc.aio.UnaryStreamClientInterceptor):
 
 
 def sync_channel(addr: str, sec: Security, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
-    """A blocking channel to ``addr`` that sends ``sec``'s token and speaks TLS when it has a CA."""
+    """A blocking channel to ``addr`` that sends ``sec``'s token (none configured: the node's
+    own token at a loopback ``addr``, see :class:`OwnToken`) and speaks TLS when it has a CA."""
     creds = sec.channel_credentials()
     ch = (grpc.secure_channel(addr, creds, options=list(options)) if creds is not None
           else grpc.insecure_channel(addr, options=list(options)))
-    return grpc.intercept_channel(ch, _SyncToken(sec.metadata)) if sec.token else ch
+    md = sec._metadata_source(addr)
+    return grpc.intercept_channel(ch, _SyncToken(md)) if md is not None else ch
 
 
 def aio_channel(addr: str, sec: Security, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
     """The asyncio counterpart of :func:`sync_channel` (create it on the loop that uses it)."""
-    interceptors = [_AioTokenUnary(sec.metadata), _AioTokenStream(sec.metadata)] if sec.token else None
+    md = sec._metadata_source(addr)
+    interceptors = [_AioTokenUnary(md), _AioTokenStream(md)] if md is not None else None
     creds = sec.channel_credentials()
     if creds is not None:
         return grpc.aio.secure_channel(addr, creds, options=list(options), interceptors=interceptors)
