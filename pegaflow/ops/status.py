@@ -228,10 +228,21 @@ def screen(snap: dict[str, Any], width: int = WIDTH) -> list[str]:
     return cluster_lines(snap, width=width) if "metaserver" in snap else node_lines(snap, width=width)
 
 
-def _width(out: TextIO) -> int:
+def _size(out: TextIO) -> tuple[int, int]:
+    """Columns (at most 80) and rows of the terminal ``out`` is; 80 x 24 when it is none."""
     if not out.isatty():
-        return WIDTH
-    return max(20, min(WIDTH, shutil.get_terminal_size((WIDTH, 24)).columns))
+        return WIDTH, 24
+    cols, rows = shutil.get_terminal_size((WIDTH, 24))
+    return max(20, min(WIDTH, cols)), max(5, rows)
+
+
+def frame(lines: list[str], rows: int, footer: str) -> list[str]:
+    """A --watch frame: ``lines`` and ``footer`` in ``rows`` rows (no scrolling: a long list
+    is cut, saying how much)."""
+    if len(lines) + 1 > rows:
+        keep = rows - 2
+        lines = [*lines[:keep], f"... {len(lines) - keep} more lines: a taller terminal shows them"]
+    return [*lines, footer]
 
 
 def run(cfg: StatusConfig, sec: Security, out: TextIO = sys.stdout) -> int:
@@ -247,13 +258,13 @@ def run(cfg: StatusConfig, sec: Security, out: TextIO = sys.stdout) -> int:
         return 0 if snap["reachable"] else 1
     if not cfg.watch:
         snap = snapshot(cfg, sec)
-        out.write("\n".join(screen(snap, _width(out))) + "\n")
+        out.write("\n".join(screen(snap, _size(out)[0])) + "\n")
         return 0 if snap["reachable"] else 1
     while True:
         snap = snapshot(cfg, sec)
-        lines = screen(snap, _width(out))
-        lines.append(f"every {cfg.watch:g}s, Ctrl-C quits")
-        out.write(CLEAR + "\n".join(lines) + "\n")
+        width, rows = _size(out)
+        lines = frame(screen(snap, width), rows, f"every {cfg.watch:g}s, Ctrl-C quits")
+        out.write(CLEAR + "\n".join(lines))  # no newline after the last row: the screen never scrolls
         out.flush()
         time.sleep(cfg.watch)
 

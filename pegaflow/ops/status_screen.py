@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 WIDTH = 80
-MAX_ROWS = 6  # engines and namespaces listed on a screen; the rest are counted
+MAX_ROWS = 4  # engines and namespaces listed on a screen; the rest are counted
 NONE = "-"  # a ratio of nothing (no request in the window)
 
 Snapshot = Mapping[str, Any]
@@ -88,6 +88,12 @@ def fit(lines: Sequence[str], width: int = WIDTH) -> list[str]:
     return [(ln if len(ln) <= width else ln[: width - 3] + "...").rstrip() for ln in lines]
 
 
+def _with_clock(head: str, clock: str, width: int) -> str:
+    """``head`` left, the time right; ``head`` is cut first."""
+    room = width - len(clock) - 1
+    return (head if len(head) <= room else head[: room - 3] + "...").ljust(room) + " " + clock
+
+
 def _ratio_of_window(w: Mapping[str, Any]) -> tuple[float | None, float | None]:
     n = w.get("requested_blocks", 0)
     if not n:
@@ -105,8 +111,9 @@ def node_lines(s: Snapshot, now: float | None = None, width: int = WIDTH) -> lis
     if not s.get("reachable", False):
         return fit([unreachable_line("node", s.get("addr", "?"), s.get("error", ""))], width)
     clock = time.strftime("%H:%M:%S", time.localtime(now if now is not None else time.time()))
-    head = f"node {s['node_id']} at {s['addr']}  up {fmt_duration(s['uptime_seconds'])}"
-    lines = [head.ljust(width - len(clock) - 1)[: width - len(clock) - 1] + " " + clock]
+    tail = f" at {s['addr']}  up {fmt_duration(s['uptime_seconds'])}"
+    room = width - len(clock) - 1 - len("node ") - len(tail)
+    lines = [_with_clock(f"node {clip(s['node_id'], max(8, room))}{tail}", clock, width)]
     p = s["pool"]
     used = share(p["used_bytes"], p["capacity_bytes"])
     prefault = share(p["prefaulted_bytes"], p["capacity_bytes"])
@@ -173,10 +180,18 @@ def engine_lines(s: Snapshot) -> list[str]:
         out.append(f"  {'instance':<34}{'sessions':>9}{'leases':>8}  namespaces")
         for e in engines[:MAX_ROWS]:
             out.append(f"  {clip(e['instance_id'], 34):<34}{e['sessions']:>9}{e['leases']:>8}  "
-                       + clip(", ".join(e["namespaces"]), WIDTH - 55))
+                       + _first_and_count(e["namespaces"], WIDTH - 55))
         if len(engines) > MAX_ROWS:
             out.append(f"  ... and {len(engines) - MAX_ROWS} more")
     return out
+
+
+def _first_and_count(names: Sequence[str], n: int) -> str:
+    """The first name and how many others (``llama-tp0 +3``) in ``n`` columns."""
+    if not names:
+        return NONE
+    more = f" +{len(names) - 1}" if len(names) > 1 else ""
+    return clip(names[0], n - len(more)) + more
 
 
 def namespace_lines(namespaces: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -193,22 +208,23 @@ def namespace_lines(namespaces: Sequence[Mapping[str, Any]]) -> list[str]:
 
 
 # ---- the cluster ----------------------------------------------------------------------
-_ROW = "{:<14} {:>10} {:>4} {:>6} {:>6} {:>7} {:>7} {:>6} {:>7}"
+_ROW = "{:<14} {:>11} {:>4} {:>6} {:>6} {:>7} {:>7} {:>6} {:>7}"
 
 
 def cluster_lines(c: Snapshot, now: float | None = None, width: int = WIDTH) -> list[str]:
-    """The cluster screen of ``c`` (see :func:`pegaflow.ops.status.cluster_snapshot`)."""
+    """The cluster screen of ``c`` (see :func:`pegaflow.ops.status.cluster_status`)."""
     if not c.get("reachable", False):
         return fit([unreachable_line("metaserver", c.get("metaserver", "?"), c.get("error", ""))], width)
     clock = time.strftime("%H:%M:%S", time.localtime(now if now is not None else time.time()))
     nodes = c["nodes"]
     up = sum(1 for n in nodes if n["status"].get("reachable"))
     head = f"cluster of metaserver {c['metaserver']}: {_plural(len(nodes), 'node')}, {up} reachable"
-    lines = [head.ljust(width - len(clock) - 1)[: width - len(clock) - 1] + " " + clock]
+    lines = [_with_clock(head, clock, width)]
     t = c["totals"]
     window = t["window"] or NONE
     lines.append("")
-    lines.append(_ROW.format("node", "pool used", "", f"hit {window}"[:6], "ceil", "L1", "SSD", "peer", "engines"))
+    lines.append(clip(f"hit and ceil(ing): the last {window}; L1, SSD, peer: blocks found there", width))
+    lines.append(_ROW.format("node", "pool used", "", "hit", "ceil", "L1", "SSD", "peer", "engines"))
     for n in nodes:
         s = n["status"]
         name = clip(n["node"], 14)
