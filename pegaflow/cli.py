@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("pegaflow.replay.command", "offline trace analysis on the node's own cache code"),
     "router": ("pegaflow.router.cli", "KV-aware HTTP router and prefill/decode disaggregation in front of vLLM"),
     "status": ("pegaflow.ops.status", "one screen of a node or the cluster: pool, hit rate and ceiling, tiers"),
+    "cache": ("pegaflow.ops.cache", "inspect, clear and pin a node's cache (one line per answer)"),
 }
 
 

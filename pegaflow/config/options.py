@@ -109,6 +109,13 @@ def _fraction(text: str) -> float:
     return v
 
 
+def _share(text: str) -> float:
+    v = float(text)
+    if not 0.0 <= v <= 1.0:
+        raise ValueError(f"a share of the pool is between 0.0 and 1.0, got {v}")
+    return v
+
+
 def _hll_bucket_bits(text: str) -> int:
     v = int(text)
     if not 4 <= v <= 18:
@@ -350,6 +357,13 @@ OPTIONS: list[Option] = [
         "Query's namespaces only the session's own, once each; a session that opens no Session "
         "stream within 30 s is ended.",
         _positive_int,
+    ),
+    Option(
+        "max-pinned-share",
+        0.25,
+        "Largest share of the pool (0.0-1.0) that operators' pins (`pegaflow cache pin`) may ask "
+        "for together; a pin past it answers RESOURCE_EXHAUSTED. Pinned blocks are never evicted.",
+        _share,
     ),
     Option(
         "local-socket",

@@ -28,6 +28,7 @@ from pegaflow.core.block_index import BlockIndex, IndexEvent, Namespace
 from pegaflow.core.hosts import host_of
 from pegaflow.node import discovery
 from pegaflow.node.accounting import RequestAccounting
+from pegaflow.node.admin import NodeAdmin
 from pegaflow.node.block_events import BlockEventFeed
 from pegaflow.node.metrics import NodeMetrics
 from pegaflow.node.pool import SharedPool
@@ -118,6 +119,10 @@ class Node:
             pool_prefaulted=lambda: self.pool.prefaulted,
             block_events=self.block_events,
         )
+        # The operator's side: `pegaflow cache` RPCs and the original's HTTP endpoints.
+        self.admin = NodeAdmin(self.index, self.sessions, self.metrics, self.node_id, config.max_pinned_share,
+                               config.max_batch, ssd=self.ssd)
+        self.service.admin = self.admin
         m = self.metrics
         m.pool_capacity.set(self.index.alloc.capacity)
         m.bind(
@@ -165,6 +170,7 @@ class Node:
         for flag, reason in without_effect(NODE, self.config):  # the original's flags, once each
             log.info("option_without_effect", flag=flag, reason=reason)
         self._start_prefault()
+        self.admin.start(asyncio.get_running_loop())
         server = grpc.aio.server(interceptors=[AsyncGuard(self.security.token)], options=[
             ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE),
             ("grpc.max_send_message_length", GRPC_MAX_MESSAGE),
@@ -209,7 +215,8 @@ class Node:
         if self.config.http_addr:
             # --enable-prometheus (the original's; on by default): off, /metrics serves nothing.
             served = self.metrics.registry if self.config.enable_prometheus else CollectorRegistry()
-            self.http = HttpEndpoint(self.config.http_addr, served, self.health)
+            self.http = HttpEndpoint(self.config.http_addr, served, self.health,
+                                     routes=self.admin.routes(self._http_token))
             try:
                 self.http.start()
             except OSError as exc:
@@ -225,6 +232,12 @@ class Node:
         log.info("node_started", addr=self.config.addr, node_id=self.node_id, epoch=self.epoch,
                  pool_bytes=self.pool.size, pool_prefaulted_bytes=self.pool.prefaulted, pool_path=self.pool.path,
                  local_socket=self.service.local_socket, pid=os.getpid())
+
+    def _http_token(self) -> str:
+        """The token the HTTP endpoints of pegaflow/node/admin.py ask for ('' = open): the
+        node's own when it made one, else the configured one."""
+        own = getattr(self, "own_token", None)
+        return own.token if own is not None else self.security.token
 
     def _start_publishing(self) -> None:
         from pegaflow.node.publishing import publish_block_index

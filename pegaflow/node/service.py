@@ -221,6 +221,7 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         self.pool_prefaulted = pool_prefaulted or (lambda: pool_bytes)  # bytes pre-faulted so far
         self.block_events = block_events  # evictions etc. for sessions that watch them
         self.local_socket = ""  # path of the local fast path announced at Register (set once it listens)
+        self.admin: Any = None  # the operator's cache RPCs: pegaflow.node.admin.NodeAdmin, set by the node
         # Histogram children by (method, status, transport), looked up once: ``labels()``
         # costs a lock and a tuple on every RPC.
         self._latency: dict[tuple[str, str, str], Any] = {}
@@ -261,6 +262,42 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
     async def Stats(self, request: node_pb2.StatsRequest, context: Any) -> node_pb2.StatsResponse:
         return await _over_grpc(self.stats, request, context)
 
+    # The operator's `pegaflow cache` (pegaflow/node/admin.py).
+    async def CacheInspect(self, request: Any, context: Any) -> node_pb2.CacheInspectResponse:
+        return await _over_grpc(self.cache_inspect, request, context)
+
+    async def CacheClear(self, request: Any, context: Any) -> node_pb2.CacheClearResponse:
+        return await _over_grpc(self.cache_clear, request, context)
+
+    async def CachePin(self, request: Any, context: Any) -> node_pb2.CachePinResponse:
+        return await _over_grpc(self.cache_pin, request, context)
+
+    async def CacheUnpin(self, request: Any, context: Any) -> node_pb2.CacheUnpinResponse:
+        return await _over_grpc(self.cache_unpin, request, context)
+
+    async def CachePins(self, request: Any, context: Any) -> node_pb2.CachePinsResponse:
+        return await _over_grpc(self.cache_pins, request, context)
+
+    @rpc("CacheInspect")
+    def cache_inspect(self, request: Any) -> Answer:
+        return self.admin.inspect(request)
+
+    @rpc("CacheClear")
+    def cache_clear(self, request: Any) -> Answer:
+        return self.admin.clear(request)
+
+    @rpc("CachePin")
+    def cache_pin(self, request: Any) -> Answer:
+        return self.admin.pin(request)
+
+    @rpc("CacheUnpin")
+    def cache_unpin(self, request: Any) -> Answer:
+        return self.admin.unpin(request)
+
+    @rpc("CachePins")
+    def cache_pins(self, request: Any) -> Answer:
+        return self.admin.list_pins(request)
+
     # ---- sessions ---------------------------------------------------------------------
     @rpc("Register")
     def register(self, request: node_pb2.RegisterRequest) -> node_pb2.RegisterResponse:
@@ -296,7 +333,8 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         feed = self.block_events if s.watch_blocks else None
         watcher = feed.watch(s.id, s.namespaces.values()) if feed is not None else None
         try:
-            while not self.stopping.is_set():
+            # A session ended by the node (POST /instances/cleanup) ends its stream too.
+            while not self.stopping.is_set() and s.id in self.sessions.sessions:
                 if watcher is None:
                     yield node_pb2.SessionEvent(session_id=s.id, epoch=self.epoch)
                     try:
