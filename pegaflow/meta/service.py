@@ -36,6 +36,8 @@ def _rpc(method: str) -> Callable[[Callable[..., Resp]], Callable[..., Resp]]:
     def wrap(fn: Callable[..., Resp]) -> Callable[..., Resp]:
         @functools.wraps(fn)
         def handler(self: MetaServicer, request: Any, context: grpc.ServicerContext) -> Resp:
+            t0 = time.perf_counter()
+            status = "OK"
             try:
                 try:
                     return fn(self, request, context)
@@ -43,6 +45,7 @@ def _rpc(method: str) -> Callable[[Callable[..., Resp]], Callable[..., Resp]]:
                     raise Unavailable(f"redis: {exc}") from exc
             except PegaError as exc:
                 code = grpc_code(exc)
+                status = code.name
                 self.metrics.query_errors.labels(code.name).inc()
                 if code is grpc.StatusCode.INVALID_ARGUMENT:
                     log.info("invalid_request", method=method, error=str(exc))
@@ -50,6 +53,11 @@ def _rpc(method: str) -> Callable[[Callable[..., Resp]], Callable[..., Resp]]:
                     log.warning("rpc_failed", method=method, error=str(exc))
                 context.abort(code, str(exc))
                 raise  # unreachable: abort raises
+            except Exception:
+                status = "UNKNOWN"
+                raise
+            finally:
+                self.metrics.rpc_seconds.labels(method, status).observe(time.perf_counter() - t0)
 
         return handler
 
@@ -116,6 +124,7 @@ def serve(
     sec = security or Security()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=GRPC_THREADS), interceptors=[SyncGuard(sec.token)])
     servicer = MetaServicer(lookup, max_blocks, redis_url, redis_cluster, metrics)
+    servicer.metrics.bind_nodes(lookup.nodes)  # pegaflow_metaserver_nodes{state}, at scrape time
     meta_pb2_grpc.add_MetaServiceServicer_to_server(servicer, server)
     port = sec.add_port(server, addr)
     if port == 0:

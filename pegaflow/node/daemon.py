@@ -146,6 +146,8 @@ class Node:
     def _on_index_event(self, op: IndexEvent, ns: Namespace, hashes: list[bytes]) -> None:
         if op is IndexEvent.EVICT:
             self.metrics.evictions.labels("l1").inc(len(hashes))
+        elif op is IndexEvent.INSERT:
+            self.metrics.inserted.inc(len(hashes))
 
     def health(self) -> dict:
         return {"ok": True, "node_id": self.node_id, "epoch": self.epoch, "pool_bytes": self.pool.size,

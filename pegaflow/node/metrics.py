@@ -12,6 +12,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from pegaflow.common.metric_alias import Alias, OriginalNames, ValueAlias, rpc_labels
+
 RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
@@ -107,6 +109,12 @@ class NodeMetrics:
         for tier in ("l1", "ssd", "remote"):  # export zeros, so dashboards see every tier
             self.hits.labels(tier)
         self.evictions.labels("l1")
+        self.inserted = Counter(
+            "pegaflow_node_inserted_blocks_total",
+            "Blocks that became resident in L1 (committed by engines, promoted from SSD, pulled from peers).",
+            registry=r,
+        )
+        OriginalNames(r, original_aliases(self))
 
     def bind(self, **sources: Callable[[], float]) -> None:
         """Compute state gauges (and ``admission_rejections``) at scrape time: ``bind(pool_used=lambda: ...)``."""
@@ -128,3 +136,153 @@ class _FnCounter(Collector):
 
     def collect(self) -> list[CounterMetricFamily]:
         return [CounterMetricFamily(self.name, self.doc, value=float(self.fn()))]
+
+
+def _value(gauge: Gauge) -> float:
+    """A gauge's current value (its ``set_function`` is called)."""
+    return next(iter(gauge.collect())).samples[0].value
+
+
+def _only(**want: str):  # noqa: ANN202 - a Relabel
+    """Keep the samples whose labels match ``want``; the original's series has no label."""
+    def relabel(labels):  # noqa: ANN001, ANN202
+        return {} if all(labels.get(k) == v for k, v in want.items()) else None
+    return relabel
+
+
+def _one_of(label: str, values: tuple[str, ...]):  # noqa: ANN202 - a Relabel
+    def relabel(labels):  # noqa: ANN001, ANN202
+        return {} if labels.get(label) in values else None
+    return relabel
+
+
+_TIER = {"l1": "ram", "remote": "rdma", "ssd": "ssd", "miss": "miss"}
+
+
+def original_aliases(m: NodeMetrics) -> list[Alias | ValueAlias]:
+    """The Rust original's node metrics (its docs/metrics.md, pegaflow-core/src/metrics.rs,
+    pegaflow-server/src/metric.rs) that mean something here, each read from our series.
+    docs/metrics.md, "The original's names", has the table, and those left out and why."""
+    window = ("window",)
+
+    def same(labels):  # noqa: ANN001, ANN202
+        return dict(labels)
+
+    return [
+        # Pool
+        Alias("pegaflow_pool_used_bytes", "gauge", "Pool bytes in use (pegaflow_node_pool_used_bytes).",
+              ("pegaflow_node_pool_used_bytes",)),
+        Alias("pegaflow_pool_capacity_bytes", "gauge", "Pool size (pegaflow_node_pool_capacity_bytes).",
+              ("pegaflow_node_pool_capacity_bytes",)),
+        Alias("pegaflow_pool_alloc_failures", "counter",
+              "Blocks Reserve gave no page because every page was pinned or admission refused "
+              "(pegaflow_node_reserve_skipped_blocks_total{reason=\"no_space\"}).",
+              ("pegaflow_node_reserve_skipped_blocks",), relabel=_only(reason="no_space")),
+        ValueAlias("pegaflow_inflight_bytes", "gauge",
+                   "Bytes of pages reserved and not yet committed (pool used - resident).",
+                   lambda: [((), max(0.0, _value(m.pool_used) - _value(m.resident_bytes)))]),
+        # Cache
+        Alias("pegaflow_cache_block_hits", "counter",
+              "Blocks found in L1 by Query answers (pegaflow_node_hit_blocks_total{tier=\"l1\"}).",
+              ("pegaflow_node_hit_blocks",), relabel=_only(tier="l1")),
+        Alias("pegaflow_cache_block_misses", "counter",
+              "Blocks of READY Query answers past the hit prefix (pegaflow_node_miss_blocks_total).",
+              ("pegaflow_node_miss_blocks",)),
+        Alias("pegaflow_cache_tier_block_requests", "counter",
+              "Blocks of each request by the tier that served them: ram, rdma (a peer), ssd, miss "
+              "(pegaflow_node_request_blocks_total{outcome}).",
+              ("pegaflow_node_request_blocks",), ("tier",),
+              relabel=lambda lb: {"tier": _TIER[lb["outcome"]]} if lb.get("outcome") in _TIER else None,
+              fixed=(("ram",), ("rdma",), ("ssd",), ("miss",))),
+        Alias("pegaflow_cache_block_insertions", "counter",
+              "Blocks that became resident in L1 (pegaflow_node_inserted_blocks_total).",
+              ("pegaflow_node_inserted_blocks",)),
+        Alias("pegaflow_cache_block_admission_rejections", "counter",
+              "Admission (TinyLFU) refusals (pegaflow_node_admission_rejections_total).",
+              ("pegaflow_node_admission_rejections",)),
+        Alias("pegaflow_cache_block_evictions", "counter",
+              "Blocks evicted from L1 (pegaflow_node_evictions_total{tier=\"l1\"}).",
+              ("pegaflow_node_evictions",), relabel=_only(tier="l1")),
+        Alias("pegaflow_cache_resident_blocks", "gauge", "Committed blocks in L1 (pegaflow_node_resident_blocks).",
+              ("pegaflow_node_resident_blocks",)),
+        Alias("pegaflow_cache_resident_bytes", "gauge", "Bytes of committed blocks in L1 (pegaflow_node_resident_bytes).",
+              ("pegaflow_node_resident_bytes",)),
+        # HyperLogLog reuse (the hit-rate ceiling, pegaflow/node/accounting.py)
+        Alias("pegaflow_hll_cardinality", "gauge",
+              "Distinct blocks requested in the window, HyperLogLog (pegaflow_node_window_distinct_blocks).",
+              ("pegaflow_node_window_distinct_blocks",), window, relabel=same),
+        Alias("pegaflow_hll_total_requests", "gauge",
+              "Blocks requested in the window (pegaflow_node_window_requested_blocks).",
+              ("pegaflow_node_window_requested_blocks",), window, relabel=same),
+        Alias("pegaflow_hll_estimated_hit_rate", "gauge",
+              "Infinite-cache hit rate 1 - distinct/requested in the window (pegaflow_node_ceiling_hit_ratio).",
+              ("pegaflow_node_ceiling_hit_ratio",), window, relabel=same),
+        # Engine <-> pool
+        Alias("pegaflow_save_bytes", "counter", "Bytes committed into L1 by engines (pegaflow_node_save_bytes_total).",
+              ("pegaflow_node_save_bytes",)),
+        Alias("pegaflow_load_bytes", "counter", "Bytes leased to engines for loading (pegaflow_node_load_bytes_total).",
+              ("pegaflow_node_load_bytes",)),
+        # SSD
+        Alias("pegaflow_ssd_write_bytes", "counter", "Page bytes written to SSD (pegaflow_node_ssd_write_bytes_total).",
+              ("pegaflow_node_ssd_write_bytes",)),
+        Alias("pegaflow_ssd_write_failures", "counter",
+              "SSD writes that failed (pegaflow_node_ssd_skipped_writes_total{reason=\"io_error\"}).",
+              ("pegaflow_node_ssd_skipped_writes",), relabel=_only(reason="io_error")),
+        Alias("pegaflow_ssd_write_queue_pending", "gauge",
+              "Blocks waiting for their SSD write (pegaflow_node_ssd_write_queue_blocks).",
+              ("pegaflow_node_ssd_write_queue_blocks",)),
+        Alias("pegaflow_ssd_write_queue_full", "counter",
+              "Blocks not written to SSD because the write queue was full "
+              "(pegaflow_node_ssd_skipped_writes_total{reason=\"queue_full\"}).",
+              ("pegaflow_node_ssd_skipped_writes",), relabel=_only(reason="queue_full")),
+        Alias("pegaflow_ssd_prefetch_bytes", "counter", "Page bytes read from SSD (pegaflow_node_ssd_read_bytes_total).",
+              ("pegaflow_node_ssd_read_bytes",)),
+        Alias("pegaflow_ssd_prefetch_success", "counter",
+              "Blocks promoted from SSD into L1 (pegaflow_node_ssd_promoted_blocks_total).",
+              ("pegaflow_node_ssd_promoted_blocks",)),
+        Alias("pegaflow_ssd_prefetch_failures", "counter",
+              "SSD reads that failed: I/O error or checksum mismatch "
+              "(pegaflow_node_ssd_read_errors_total + pegaflow_node_ssd_checksum_failures_total).",
+              ("pegaflow_node_ssd_read_errors", "pegaflow_node_ssd_checksum_failures")),
+        Alias("pegaflow_ssd_prefetch_duration_seconds", "histogram",
+              "From the Query that found blocks on SSD until they are in L1 (pegaflow_node_ssd_promotion_seconds).",
+              ("pegaflow_node_ssd_promotion_seconds",)),
+        # Global index publication (the original registers blocks with its metaserver)
+        Alias("pegaflow_metaserver_registration_blocks", "counter",
+              "Block updates published for the global index: inserts and snapshots "
+              "(pegaflow_node_events_published_blocks_total{op=~\"insert|snapshot\"}).",
+              ("pegaflow_node_events_published_blocks",), relabel=_one_of("op", ("insert", "snapshot"))),
+        Alias("pegaflow_metaserver_removal_blocks", "counter",
+              "Block removals published for the global index "
+              "(pegaflow_node_events_published_blocks_total{op=\"evict\"}).",
+              ("pegaflow_node_events_published_blocks",), relabel=_only(op="evict")),
+        Alias("pegaflow_metaserver_registration_queue_full", "counter",
+              "Block updates dropped: buffer full or Redis unreachable (pegaflow_node_events_dropped_blocks_total).",
+              ("pegaflow_node_events_dropped_blocks",)),
+        Alias("pegaflow_metaserver_registration_failures", "counter",
+              "Redis errors of the event publisher (pegaflow_node_events_publish_errors_total).",
+              ("pegaflow_node_events_publish_errors",)),
+        # Serving peers (the original's RDMA transfer lock) and pulling from them
+        Alias("pegaflow_transfer_lock_active", "gauge", "Pins held for pullers (pegaflow_node_p2p_active_pins).",
+              ("pegaflow_node_p2p_active_pins",)),
+        Alias("pegaflow_transfer_lock_timeouts", "counter",
+              "Pins that reached their TTL without Unpin (pegaflow_node_p2p_pins_expired_total).",
+              ("pegaflow_node_p2p_pins_expired",)),
+        Alias("pegaflow_rdma_fetch", "counter",
+              "Pulls from peers: ok (ok, partial) or error (pegaflow_node_p2p_pulls_total{status}).",
+              ("pegaflow_node_p2p_pulls",), ("status",),
+              relabel=lambda lb: {"status": "ok" if lb.get("status") in ("ok", "partial") else "error"}),
+        Alias("pegaflow_rdma_fetch_duration_seconds", "histogram",
+              "From the Query that started a pull until its pages are committed (pegaflow_node_p2p_pull_seconds).",
+              ("pegaflow_node_p2p_pull_seconds",)),
+        Alias("pegaflow_rdma_fetch_bytes", "counter",
+              "Page bytes pulled from peers (pegaflow_node_p2p_pull_bytes_total).",
+              ("pegaflow_node_p2p_pull_bytes",)),
+        # RPCs (both transports)
+        Alias("pegaflow_rpc_requests", "counter",
+              "Node RPCs by method and status (the count of pegaflow_node_rpc_duration_seconds).",
+              ("pegaflow_node_rpc_duration_seconds",), ("method", "status"), relabel=rpc_labels, from_count=True),
+        Alias("pegaflow_rpc_duration_seconds", "histogram",
+              "Node RPC latency by method and status (pegaflow_node_rpc_duration_seconds, transports summed).",
+              ("pegaflow_node_rpc_duration_seconds",), ("method", "status"), relabel=rpc_labels),
+    ]

@@ -82,6 +82,10 @@ def router_families() -> dict[str, tuple[str, set[str]]]:
 
 
 def families(reg: CollectorRegistry, describe: bool = False) -> dict[str, tuple[str, set[str]]]:
+    """Our families (the original's names, derived from ours, have their own table: see
+    tests/integration/test_original_metrics.py)."""
+    from tests.original_metrics import ORIGINAL_NAMES
+
     out: dict[str, tuple[str, set[str]]] = {}
     collectors = list(reg._collector_to_names) if describe else [reg]  # noqa: SLF001
     for c in collectors:
@@ -90,7 +94,9 @@ def families(reg: CollectorRegistry, describe: bool = False) -> dict[str, tuple[
             for s in fam.samples:
                 labels |= set(s.labels) - {"le", "quantile"}
             labels |= set(getattr(fam, "_labelnames", ()) or ())
-            out[exported_name(fam.name, fam.type)] = (fam.type, labels)
+            name = exported_name(fam.name, fam.type)
+            if name not in ORIGINAL_NAMES:
+                out[name] = (fam.type, labels)
     return out
 
 

@@ -1,0 +1,168 @@
+"""A small live stack for the metrics tests: redis-server, a `pegaflow-meta` with its HTTP
+endpoint, and a node with an SSD tier publishing to that Redis; plus traffic that moves
+the counters (saves that evict to SSD, an L1 hit, an SSD promotion, a miss, metaserver
+lookups good and bad) and a Prometheus text scraper."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+import torch
+import xxhash
+from prometheus_client.parser import text_string_to_metric_families
+
+from pegaflow._proto import meta_pb2, meta_pb2_grpc
+from pegaflow.client import PegaClient
+from tests.conftest import free_port
+from tests.integration.meta_harness import ENV
+from tests.waiting import wait_until
+
+NS = "metrics-model"
+PAGE = 64 << 10
+POOL = "1mb"  # 16 pages: the first of 24 saved blocks are evicted to SSD
+SAVED = 24
+WAIT_S = 20.0  # bound of every wait on a loaded 2-core machine
+
+
+def hashes(tag: str, n: int) -> list[bytes]:
+    return [xxhash.xxh3_128_digest(f"{tag}:{i}".encode()) for i in range(n)]
+
+
+Samples = dict[str, list[tuple[dict[str, str], float]]]  # series name -> [(labels, value)]
+Types = dict[str, str]  # exported family name (counters with _total) -> type
+
+
+def scrape(port: int) -> tuple[Types, Samples]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    types: Types = {}
+    samples: Samples = {}
+    for fam in text_string_to_metric_families(text):
+        types[fam.name + "_total" if fam.type == "counter" else fam.name] = fam.type
+        for s in fam.samples:
+            samples.setdefault(s.name, []).append((dict(s.labels), s.value))
+    return types, samples
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    """Sum of the series ``name`` whose labels include ``labels``."""
+    return sum(v for lb, v in samples.get(name, []) if all(lb.get(k) == x for k, x in labels.items()))
+
+
+@dataclass
+class MetaServer:
+    proc: subprocess.Popen
+    port: int
+    http_port: int
+    log: Path
+
+    @property
+    def addr(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+def start_metaserver(tmp: Path, redis_url: str) -> MetaServer:
+    port, http_port = free_port(), free_port()
+    log = tmp / "meta.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pegaflow.meta.cli", "--redis-url", redis_url, "--addr", f"127.0.0.1:{port}",
+         "--http-addr", f"127.0.0.1:{http_port}", "--log-level", "info"],
+        env=ENV, stdout=open(log, "ab"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    m = MetaServer(proc, port, http_port, log)
+
+    def up() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"pegaflow-meta exited {proc.returncode}: {log.read_text()[-2000:]}")
+        with grpc.insecure_channel(m.addr) as ch:
+            meta_pb2_grpc.MetaServiceStub(ch).ListNodes(meta_pb2.ListNodesRequest(), timeout=1)
+        scrape(http_port)
+        return True
+
+    wait_until(up, 30, lambda: f"pegaflow-meta to serve: {log.read_text()[-2000:]}", ignore=(grpc.RpcError, OSError))
+    return m
+
+
+def node_args(tmp: Path, redis_url: str, node_id: str = "metrics-node") -> list[str]:
+    return ["--redis-url", redis_url, "--node-id", node_id, "--ssd-cache-path", str(tmp / "ssd.cache"),
+            "--ssd-cache-capacity", "16mb", "--ssd-queue-depth", "8"]
+
+
+@dataclass
+class Traffic:
+    saved: list[bytes]
+    l1_hits: int  # blocks a READY answer found in L1 (request "hit")
+    ssd_blocks: int  # blocks of the request "ssd", promoted from SSD for it
+    missed: int  # blocks of the request "miss"
+    queries: int  # Query RPCs sent
+    meta_ok: int  # good QueryPrefix calls
+    meta_bad: int  # QueryPrefix calls answered INVALID_ARGUMENT
+
+
+def drive(node, meta: MetaServer) -> Traffic:  # type: ignore[no-untyped-def]
+    """Saves that overflow the 16-page pool into SSD, then three requests: an L1 hit, an SSD
+    promotion and a miss; and metaserver lookups, good and bad."""
+    c = PegaClient(node.addr)
+    try:
+        c.register({NS: PAGE})
+        hs = hashes("saved", SAVED)
+        for i in range(0, SAVED, 4):
+            if i:
+                wait_until(lambda: node.metric("pegaflow_node_ssd_write_queue_blocks") == 0, WAIT_S,
+                           "the SSD write queue to drain")
+            part = hs[i:i + 4]
+            r = c.reserve(NS, part)
+            for h, off in zip(part, r.offsets, strict=True):
+                if off >= 0:
+                    page = np.random.default_rng(int.from_bytes(h[:8], "little")).bytes(PAGE)
+                    r.pool[off:off + PAGE] = torch.frombuffer(bytearray(page), dtype=torch.uint8)
+            c.commit(r.reservation_id)
+        wait_until(lambda: node.metric("pegaflow_node_ssd_blocks") >= SAVED, WAIT_S, "every block on SSD")
+        queries = 0
+        q = c.query([NS], hs[-4:], req_id="hit")
+        queries += 1
+        assert q.status == "READY" and q.hit_blocks == 4, q
+        c.release(q.lease_id)
+
+        def promoted():  # type: ignore[no-untyped-def]
+            nonlocal queries
+            queries += 1
+            a = c.query([NS], hs[:4], req_id="ssd")
+            return a if a.status == "READY" else None
+
+        q = wait_until(promoted, WAIT_S, "the SSD promotion", every=0.01)
+        assert q.hit_blocks == 4, q
+        c.release(q.lease_id)
+        q = c.query([NS], hashes("never-saved", 4), req_id="miss")
+        queries += 1
+        assert q.status == "READY" and q.hit_blocks == 0, q
+    finally:
+        c.close()
+    with grpc.insecure_channel(meta.addr) as ch:
+        stub = meta_pb2_grpc.MetaServiceStub(ch)
+        for _ in range(3):
+            stub.QueryPrefix(meta_pb2.QueryPrefixRequest(namespace=NS, hashes=hs[-4:]), timeout=5)
+        try:
+            stub.QueryPrefix(meta_pb2.QueryPrefixRequest(namespace="", hashes=hs[:1]), timeout=5)
+            raise AssertionError("an empty namespace was accepted")
+        except grpc.RpcError as exc:
+            assert exc.code() is grpc.StatusCode.INVALID_ARGUMENT, exc
+    return Traffic(hs, 4, 4, 4, queries, 3, 1)
+
+
+__all__ = ["MetaServer", "Traffic", "drive", "free_port", "node_args", "scrape", "start_metaserver", "value"]

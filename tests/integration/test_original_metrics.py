@@ -1,0 +1,141 @@
+"""The Rust original's metric names (tests/original_metrics.py) on a live node's and a live
+metaserver's /metrics, with the original's types and labels, beside ours, and with values
+that mean what they should after real traffic (an L1 hit, an SSD promotion, a miss,
+metaserver lookups good and bad): each equals the series of ours it is derived from."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from pegaflow.common.metric_alias import TONIC_STATUS
+from tests.integration import redis_fixtures
+from tests.integration.metrics_stack import (
+    PAGE,
+    SAVED,
+    WAIT_S,
+    drive,
+    node_args,
+    scrape,
+    start_metaserver,
+    value,
+)
+from tests.integration.redis_fixtures import RedisServer
+from tests.original_metrics import EXPORTED, NOT_EXPORTED, ORIGINAL_NAMES, OriginalMetric
+from tests.waiting import wait_until
+
+pytestmark = pytest.mark.integration
+redis_server = redis_fixtures.redis_server
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
+
+
+def check_declared(types: dict[str, str], samples: dict, wanted: list[OriginalMetric]) -> None:
+    """Every name is exported with the original's type, and its series carry exactly its labels."""
+    missing = [m.name for m in wanted if m.name not in types]
+    assert not missing, f"the original's metrics missing from /metrics: {missing}"
+    wrong = {m.name: (m.kind, types[m.name]) for m in wanted if types[m.name] != m.kind}
+    assert not wrong, f"type differs from the original's (want, got): {wrong}"
+    for m in wanted:
+        series = m.name if m.kind != "histogram" else m.name + "_count"
+        for labels, _ in samples.get(series, []):
+            assert set(labels) == set(m.labels), f"{series}{labels}: the original's labels are {m.labels}"
+
+
+def test_every_original_name_is_in_the_docs_mapping_table() -> None:
+    text = DOC.read_text()
+    section = text[text.index("## The original's names"):text.index("## OTLP export")]
+    rows = {n for line in section.splitlines() if line.startswith("| `pegaflow_")
+            for n in re.findall(r"`(pegaflow_[a-z_]+)`", line.split("|")[1])}
+    assert not sorted(ORIGINAL_NAMES - rows), f"not in docs/metrics.md's table: {sorted(ORIGINAL_NAMES - rows)}"
+    assert not set(NOT_EXPORTED) & {m.name for m in EXPORTED}
+
+
+def test_a_live_node_and_metaserver_serve_the_originals_names(node_factory, redis_server: RedisServer,
+                                                              tmp_path: Path) -> None:
+    meta = start_metaserver(tmp_path, redis_server.url)
+    try:
+        node = node_factory(pool_size="1mb", extra=node_args(tmp_path, redis_server.url))
+        t = drive(node, meta)
+
+        # The node's loop refreshes the window gauges every 5 s; the publisher flushes on its own.
+        def settled():  # type: ignore[no-untyped-def]
+            types, s = scrape(node.http_port)
+            ok = (value(s, "pegaflow_hll_total_requests", window="15m") >= t.l1_hits + t.ssd_blocks + t.missed
+                  and value(s, "pegaflow_metaserver_registration_blocks_total") >= SAVED
+                  and value(s, "pegaflow_metaserver_removal_blocks_total") > 0)
+            return (types, s) if ok else None
+
+        types, s = wait_until(settled, WAIT_S, "the window gauges and the publisher to catch up")
+        check_declared(types, s, [m for m in EXPORTED if m.process == "node"])
+
+        def same(orig: str, ours: str, **labels: str) -> float:
+            a, b = value(s, orig), value(s, ours, **labels)
+            assert a == b, f"{orig} = {a}, but {ours}{labels or ''} = {b}"
+            return a
+
+        # Pool and residency: the same scrape, the same numbers.
+        assert same("pegaflow_pool_capacity_bytes", "pegaflow_node_pool_capacity_bytes") == 1 << 20
+        same("pegaflow_pool_used_bytes", "pegaflow_node_pool_used_bytes")
+        same("pegaflow_cache_resident_bytes", "pegaflow_node_resident_bytes")
+        assert same("pegaflow_cache_resident_blocks", "pegaflow_node_resident_blocks") > 0
+        assert value(s, "pegaflow_inflight_bytes") == 0  # every reservation was committed
+        # Hits, misses, tiers: after one L1 hit, one SSD promotion and one miss.
+        assert same("pegaflow_cache_block_hits_total", "pegaflow_node_hit_blocks_total", tier="l1") >= t.l1_hits
+        assert same("pegaflow_cache_block_misses_total", "pegaflow_node_miss_blocks_total") >= t.missed
+        tiers = {lb["tier"]: v for lb, v in s["pegaflow_cache_tier_block_requests_total"]}
+        assert tiers == {"ram": t.l1_hits, "ssd": t.ssd_blocks, "rdma": 0, "miss": t.missed}, tiers
+        assert sum(tiers.values()) == value(s, "pegaflow_node_request_blocks_total")
+        inserted = same("pegaflow_cache_block_insertions_total", "pegaflow_node_inserted_blocks_total")
+        assert inserted == SAVED + t.ssd_blocks  # the saves, then the promoted copies
+        assert same("pegaflow_cache_block_evictions_total", "pegaflow_node_evictions_total", tier="l1") > 0
+        assert same("pegaflow_save_bytes_total", "pegaflow_node_save_bytes_total") == SAVED * PAGE
+        assert same("pegaflow_load_bytes_total", "pegaflow_node_load_bytes_total") >= (t.l1_hits + t.ssd_blocks) * PAGE
+        same("pegaflow_pool_alloc_failures_total", "pegaflow_node_reserve_skipped_blocks_total", reason="no_space")
+        same("pegaflow_cache_block_admission_rejections_total", "pegaflow_node_admission_rejections_total")
+        # The ceiling per window: the same gauges under the original's names.
+        for w in ("15m", "1h", "24h"):
+            assert value(s, "pegaflow_hll_total_requests", window=w) == value(
+                s, "pegaflow_node_window_requested_blocks", window=w)
+            assert value(s, "pegaflow_hll_cardinality", window=w) == value(
+                s, "pegaflow_node_window_distinct_blocks", window=w)
+            rate = value(s, "pegaflow_hll_estimated_hit_rate", window=w)
+            assert rate == value(s, "pegaflow_node_ceiling_hit_ratio", window=w) and 0 <= rate <= 1
+        # SSD: written, then promoted once.
+        assert same("pegaflow_ssd_write_bytes_total", "pegaflow_node_ssd_write_bytes_total") >= SAVED * PAGE
+        assert same("pegaflow_ssd_prefetch_success_total", "pegaflow_node_ssd_promoted_blocks_total") >= t.ssd_blocks
+        assert same("pegaflow_ssd_prefetch_bytes_total", "pegaflow_node_ssd_read_bytes_total") >= t.ssd_blocks * PAGE
+        assert value(s, "pegaflow_ssd_prefetch_failures_total") == 0
+        assert value(s, "pegaflow_ssd_prefetch_duration_seconds_count") == value(
+            s, "pegaflow_node_ssd_promotion_seconds_count") >= 1
+        same("pegaflow_ssd_write_queue_pending", "pegaflow_node_ssd_write_queue_blocks")
+        # The global index: the saves were published, and the evictions.
+        assert value(s, "pegaflow_metaserver_registration_blocks_total") == value(
+            s, "pegaflow_node_events_published_blocks_total", op="insert") + value(
+            s, "pegaflow_node_events_published_blocks_total", op="snapshot")
+        same("pegaflow_metaserver_removal_blocks_total", "pegaflow_node_events_published_blocks_total", op="evict")
+        # RPCs: every Query we sent, under the original's method/status labels.
+        assert value(s, "pegaflow_rpc_requests_total", method="query", status="ok") >= t.queries
+        assert value(s, "pegaflow_rpc_requests_total") == value(s, "pegaflow_node_rpc_duration_seconds_count")
+        assert value(s, "pegaflow_rpc_duration_seconds_count", method="query") == value(
+            s, "pegaflow_node_rpc_duration_seconds_count", method="Query")
+        assert {lb["method"] for lb, _ in s["pegaflow_rpc_requests_total"]} >= {"register", "reserve", "commit",
+                                                                                 "query", "release"}
+
+        # The metaserver.
+        types, s = wait_until(lambda: (r := scrape(meta.http_port)) and
+                              value(r[1], "pegaflow_metaserver_nodes", state="active") == 1 and r,
+                              WAIT_S, "the metaserver to see the node")
+        check_declared(types, s, [m for m in EXPORTED if m.process == "meta"])
+        assert value(s, "pegaflow_metaserver_rpc_requests_total", method="query_prefix", status="ok") == t.meta_ok
+        bad = TONIC_STATUS["INVALID_ARGUMENT"]
+        assert value(s, "pegaflow_metaserver_rpc_requests_total", method="query_prefix", status=bad) == t.meta_bad
+        assert value(s, "pegaflow_metaserver_rpc_duration_seconds_count", method="query_prefix") == t.meta_ok + t.meta_bad
+        assert value(s, "pegaflow_meta_rpc_duration_seconds_count", method="QueryPrefix",
+                     status="INVALID_ARGUMENT") == t.meta_bad
+        assert value(s, "pegaflow_metaserver_nodes", state="stale") == 0
+        assert value(s, "pegaflow_metaserver_sweep_removed_nodes_total") == value(s, "pegaflow_meta_nodes_reaped_total")
+    finally:
+        meta.stop()
