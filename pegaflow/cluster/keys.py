@@ -26,6 +26,7 @@ from pegaflow.core.identity import HASH_BYTES
 NODES = "pf:{pf}:nodes"  # HASH node name -> json {nid, epoch, addr} of its newest incarnation
 NEXT_NID = "pf:{pf}:nid"  # STRING counter; nids are never reused
 VERSION = "pf:{pf}:ver"  # STRING counter bumped whenever the visible set of incarnations changes
+SEEN = "pf:{pf}:seen"  # HASH node name -> ms (Redis clock) of its last registration or heartbeat
 RETIRED = "pf:{pf}:retired"  # ZSET nid -> ms when retired; the sweeper removes their entries
 NAMESPACES = "pf:{pf}:ns"  # HASH ns tag -> namespace string
 CONSUMERS = "pf:{pf}:consumers"  # ZSET consumer name -> heartbeat deadline ms

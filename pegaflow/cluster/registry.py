@@ -13,16 +13,26 @@ the node refreshes. Hence:
   with ``switch=False``: readers keep the old nid until the consumer applies the new
   epoch's last snapshot chunk and calls :func:`switch`.
 - Every change of the visible set bumps ``pf:{pf}:ver`` so readers refresh their cache.
+- Registration and every heartbeat also stamp the node's entry of ``pf:{pf}:seen`` with
+  Redis's clock (one clock for every host). A metaserver's ``--node-stale-secs`` (the
+  original's: a node is hidden from answers after that long without a heartbeat) is
+  applied by readers against it (:func:`fresh`), in the same round trip as the live keys:
+  a node is visible while its live key exists **and** its last heartbeat is at most that
+  old. So the earlier of the two hides it: the node's own ``--liveness-ttl`` (after which
+  the sweeper also reaps it) or the metaserver's staleness. A stale node that heartbeats
+  again is visible again at once; nothing of it is removed until its live key expires.
 """
 
 from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from pegaflow.cluster import keys
-from pegaflow.cluster.redis_conn import Client, Script
+from pegaflow.cluster.redis_conn import Client, Script, parallel
 
 _NOW = "local t = redis.call('TIME') local now = t[1] * 1000 + math.floor(t[2] / 1000)\n"
 
@@ -43,7 +53,8 @@ end
 -- node's new one, and the consumer drops them.
 redis.call('SET', KEYS[2], ARGV[6], 'NX')
 local nid = redis.call('INCR', KEYS[2])
-redis.call('HSET', KEYS[1], ARGV[1], cjson.encode({nid = nid, epoch = epoch, addr = ARGV[2]}))
+redis.call('HSET', KEYS[1], ARGV[1], cjson.encode({nid = nid, epoch = epoch, addr = ARGV[2], ttl = tonumber(ARGV[3])}))
+redis.call('HSET', KEYS[6], ARGV[1], now)
 local vis = redis.call('GET', KEYS[5])
 if ARGV[4] == '1' or not vis then
   if vis then redis.call('ZADD', KEYS[4], now, vis) end
@@ -61,10 +72,13 @@ return {nid, epoch}
 )
 
 _HEARTBEAT = Script(
-    """
+    _NOW
+    + """
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
 if not cur or cjson.decode(cur).nid ~= tonumber(ARGV[2]) then return 0 end
-return redis.call('PEXPIRE', KEYS[2], ARGV[3])
+local ok = redis.call('PEXPIRE', KEYS[2], ARGV[3])
+if ok == 1 then redis.call('HSET', KEYS[3], ARGV[1], now) end
+return ok
 """
 )
 
@@ -84,18 +98,19 @@ return 2
 )
 
 # Retire the newest nid of nodes whose live key is gone; forget them in the registry.
-# KEYS[3 + i] is the live key of ARGV[i] (keys.live_key).
+# KEYS[4 + i] is the live key of ARGV[i] (keys.live_key).
 _REAP = Script(
     _NOW
     + """
 local out = {}
 for i = 1, #ARGV do
   local name = ARGV[i]
-  if redis.call('EXISTS', KEYS[3 + i]) == 0 then
+  if redis.call('EXISTS', KEYS[4 + i]) == 0 then
     local cur = redis.call('HGET', KEYS[1], name)
     if cur then
       redis.call('ZADD', KEYS[2], now, cjson.decode(cur).nid)
       redis.call('HDEL', KEYS[1], name)
+      redis.call('HDEL', KEYS[4], name)
       out[#out + 1] = name
     end
   end
@@ -112,13 +127,14 @@ class NodeInfo:
     nid: int  # newest incarnation (may not be visible yet)
     epoch: int
     addr: str
+    ttl_ms: int = 0  # the node's --liveness-ttl (0: registered by a version that did not say)
 
 
 def register(r: Client, node: str, addr: str, ttl_ms: int, switch: bool) -> tuple[int, int]:
     """Start a new incarnation of ``node``; returns ``(nid, epoch)``."""
     nid, epoch = _REGISTER(
         r,
-        [keys.NODES, keys.NEXT_NID, keys.VERSION, keys.RETIRED, keys.live_key(node)],
+        [keys.NODES, keys.NEXT_NID, keys.VERSION, keys.RETIRED, keys.live_key(node), keys.SEEN],
         [node, addr, ttl_ms, "1" if switch else "0", random.randrange(1 << 40), random.randrange(1 << 20, 1 << 30),
          random.randrange(1, 1 << 40)],
     )
@@ -127,7 +143,7 @@ def register(r: Client, node: str, addr: str, ttl_ms: int, switch: bool) -> tupl
 
 def heartbeat(r: Client, node: str, nid: int, ttl_ms: int) -> bool:
     """Refresh liveness; False when the registration is gone (expired, Redis lost data): re-register."""
-    return bool(_HEARTBEAT(r, [keys.NODES, keys.live_key(node)], [node, nid, ttl_ms]))
+    return bool(_HEARTBEAT(r, [keys.NODES, keys.live_key(node), keys.SEEN], [node, nid, ttl_ms]))
 
 
 def switch(r: Client, node: str, nid: int) -> int:
@@ -142,7 +158,8 @@ def reap(r: Client, names: list[str]) -> list[str]:
     """Retire and unregister nodes among ``names`` whose liveness expired; returns them."""
     if not names:
         return []
-    return [n.decode() for n in _REAP(r, [keys.NODES, keys.RETIRED, keys.VERSION, *map(keys.live_key, names)], names)]
+    got = _REAP(r, [keys.NODES, keys.RETIRED, keys.VERSION, keys.SEEN, *map(keys.live_key, names)], names)
+    return [n.decode() for n in got]
 
 
 def nodes(r: Client) -> dict[str, NodeInfo]:
@@ -150,16 +167,53 @@ def nodes(r: Client) -> dict[str, NodeInfo]:
     for k, v in r.hgetall(keys.NODES).items():
         name = k.decode()
         d = json.loads(v)
-        out[name] = NodeInfo(name, int(d["nid"]), int(d["epoch"]), str(d["addr"]))
+        out[name] = NodeInfo(name, int(d["nid"]), int(d["epoch"]), str(d["addr"]), int(d.get("ttl", 0)))
     return out
 
 
-def visible(r: Client, names: list[str]) -> dict[int, str]:
-    """nid -> node name for the live nodes among ``names``."""
+def redis_ms(time_reply: Sequence[Any]) -> int:
+    """Milliseconds of a Redis ``TIME`` reply (``[seconds, microseconds]``)."""
+    return int(time_reply[0]) * 1000 + int(time_reply[1]) // 1000
+
+
+def fresh(
+    names: Sequence[str], live: Sequence[Any], seen: Sequence[Any], now_ms: int, stale_ms: int | None
+) -> dict[int, str]:
+    """nid -> name of the visible nodes among ``names``: a live key (``live``, the ``MGET``
+    of their live keys) and, with ``stale_ms``, a last heartbeat (``seen``, the ``HMGET``
+    of ``SEEN``) at most ``stale_ms`` before ``now_ms`` (Redis's clock). A node without a
+    stamp (registered by an older version) is judged by its live key alone."""
+    out = {}
+    for i, (n, v) in enumerate(zip(names, live, strict=True)):
+        if v is None:
+            continue
+        if stale_ms is not None and seen[i] is not None and now_ms - int(seen[i]) > stale_ms:
+            continue
+        out[int(v)] = n
+    return out
+
+
+def visible(r: Client, names: list[str], stale_ms: int | None = None) -> dict[int, str]:
+    """nid -> node name for the live nodes among ``names`` (with ``stale_ms``: those that
+    also heartbeat within it)."""
     if not names:
         return {}
-    vals = r.mget([keys.live_key(n) for n in names])
-    return {int(v): n for n, v in zip(names, vals, strict=True) if v is not None}
+    if stale_ms is None:
+        return fresh(names, r.mget([keys.live_key(n) for n in names]), [None] * len(names), 0, None)
+    # One connection to the registry's shard: TIME is that server's clock (a cluster
+    # pipeline would send the keyless TIME to any node).
+    (replies,) = parallel(r, [(keys.VERSION, visibility_commands(names))])
+    for rep in replies:
+        if isinstance(rep, Exception):
+            raise rep
+    live, seen, now = replies
+    return fresh(names, live, seen, redis_ms(now), stale_ms)
+
+
+def visibility_commands(names: Sequence[str]) -> list[list[Any]]:
+    """The registry-shard commands whose replies :func:`fresh` reads: the live keys, the
+    heartbeat stamps and the server's clock (route them by ``keys.VERSION``)."""
+    return [["MGET", *(keys.live_key(n) for n in names)], ["HMGET", keys.SEEN, *names], ["TIME"]]
 
 
 def retired(r: Client) -> set[int]:

@@ -598,11 +598,13 @@ OPTIONS: list[Option] = [
     Option(
         "node-stale-secs",
         30,
-        "The original's seconds without heartbeat before a node is hidden (accepted for "
-        "compatibility; no effect: each node's --liveness-ttl sets it here).",
+        "Seconds without a heartbeat after which a node is hidden from lookups and from ListNodes' "
+        "alive nodes (the original's stale filtering; Redis's clock). A node's own --liveness-ttl "
+        "hides it too when shorter, and only its expiry reaps the node. Nodes heartbeat every third "
+        "of their --liveness-ttl, so keep this above that (the metaserver warns otherwise).",
         _non_negative_int,
         commands=(META,),
-        no_effect="a node is hidden when its heartbeat key expires, after the node's own --liveness-ttl",
+        metavar="SECONDS",
     ),
     Option(
         "ttl-minutes",

@@ -123,7 +123,8 @@ def serve_forever(r: Client, opts: MetaConfig, security: Security) -> None:
             sys.stderr.write(f"pegaflow-meta: error: {exc}\n")
             raise SystemExit(1) from None
     try:
-        server, port = serve(Lookup(r), opts.addr, opts.query_max_blocks, opts.redis_url, opts.redis_cluster,
+        lookup = Lookup(r, stale_ms=opts.node_stale_secs * 1000)  # --node-stale-secs hides silent nodes
+        server, port = serve(lookup, opts.addr, opts.query_max_blocks, opts.redis_url, opts.redis_cluster,
                              security, metrics)
     except (RuntimeError, OSError) as exc:
         sys.stderr.write(f"pegaflow-meta: error: cannot listen on {opts.addr}: {exc}\n")

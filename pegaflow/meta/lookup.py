@@ -6,6 +6,9 @@ version (``{pf}`` slot); on a cluster the two go to their shards in parallel
 (``redis_conn.raw_round_trip``; without a real socket, the prefix script through
 ``redis_conn.parallel``). Nids not visible in that
 same round trip are dropped, so a node whose TTL expired disappears from answers at once.
+With ``stale_ms`` (the metaserver's ``--node-stale-secs``) the same round trip also reads
+the nodes' last heartbeat stamps and Redis's clock, and a node whose last heartbeat is
+older is dropped too (``registry.fresh``), the original's stale filtering.
 The name/address cache is reloaded only when the registry version moved (then, and only
 then, a lookup costs a second round trip).
 """
@@ -16,11 +19,14 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import structlog
 from redis.exceptions import NoScriptError, ResponseError
 
 from pegaflow.cluster import keys, registry
 from pegaflow.cluster.redis_conn import Client, checked, is_cluster, parallel, raw_round_trip
 from pegaflow.meta.index import Index, prefix_holders
+
+log = structlog.get_logger("pegaflow.meta.lookup")
 
 
 @dataclass(frozen=True)
@@ -33,8 +39,10 @@ class NodePrefix:
 class Lookup:
     """Thread-safe; one instance per process serves every gRPC handler thread."""
 
-    def __init__(self, r: Client) -> None:
+    def __init__(self, r: Client, stale_ms: int | None = None) -> None:
         self.r = r
+        self.stale_ms = stale_ms
+        self._warned_slow: set[str] = set()
         self.index = Index(r)
         self._lock = threading.Lock()
         self._version = -1
@@ -45,6 +53,14 @@ class Lookup:
     def _reload(self) -> None:
         ver = registry.version(self.r)
         nodes = registry.nodes(self.r)
+        if self.stale_ms is not None:
+            for n, i in nodes.items():
+                # A node refreshes its liveness every third of its --liveness-ttl: slower than
+                # the staleness bound, it would drop out of answers between heartbeats.
+                if i.ttl_ms / 3 >= self.stale_ms and n not in self._warned_slow:
+                    self._warned_slow.add(n)
+                    log.warning("node_heartbeats_slower_than_stale", node=n, heartbeat_every_s=i.ttl_ms / 3000,
+                                node_stale_secs=self.stale_ms / 1000)
         with self._lock:
             self._names = sorted(nodes)
             self._addrs = {n: i.addr for n, i in nodes.items()}
@@ -59,7 +75,7 @@ class Lookup:
             names = self._names
             reg_cmds = [["GET", keys.VERSION]]
             if names:
-                reg_cmds.append(["MGET", *(keys.live_key(n) for n in names)])
+                reg_cmds += registry.visibility_commands(names)
             raw = raw_round_trip(self.r, [batch, (keys.VERSION, reg_cmds, len(reg_cmds))])
             if raw is not None:
                 try:
@@ -85,8 +101,7 @@ class Lookup:
             if int(rrep[0] or 0) != self._version and attempt < 2:
                 self._reload()
                 continue
-            live = rrep[1] if names else []
-            visible = {int(v): n for n, v in zip(names, live, strict=True) if v is not None}
+            visible = registry.fresh(names, rrep[1], rrep[2], registry.redis_ms(rrep[3]), self.stale_ms) if names else {}
             out = [
                 NodePrefix(visible[nid], self._addrs.get(visible[nid], ""), n)
                 for nid, n in held.items()
@@ -99,5 +114,5 @@ class Lookup:
     def nodes(self) -> list[tuple[str, str, int, bool]]:
         """(name, address, epoch, alive) of every registered node."""
         info = registry.nodes(self.r)
-        vis = set(registry.visible(self.r, sorted(info)).values())
+        vis = set(registry.visible(self.r, sorted(info), self.stale_ms).values())
         return [(n, i.addr, i.epoch, n in vis) for n, i in sorted(info.items())]
