@@ -107,11 +107,11 @@ def describe_error(exc: grpc.RpcError) -> str:
     """One short phrase for a failed call."""
     code = exc.code() if hasattr(exc, "code") else None
     if code == grpc.StatusCode.UNAUTHENTICATED:
-        return "refused our token (--auth-token-file or PEGAFLOW_AUTH_TOKEN)"
+        return "token refused (set --auth-token-file)"
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return "no answer in time (--timeout)"
     if code == grpc.StatusCode.UNAVAILABLE:
-        return "not answering (connection refused or no route)"
+        return "not answering (refused or no route)"
     detail = exc.details() if hasattr(exc, "details") else str(exc)
     return f"{code.name if code is not None else 'error'}: {detail}"
 

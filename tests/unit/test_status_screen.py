@@ -120,8 +120,8 @@ def test_node_screen_without_ssd_peers_engines_or_windows() -> None:
 
 
 def test_unreachable_node_is_one_line() -> None:
-    lines = node_lines(unreachable("127.0.0.1:9", "not answering (connection refused or no route)"))
-    assert lines == ["node 127.0.0.1:9 unreachable: not answering (connection refused or no route)"]
+    lines = node_lines(unreachable("127.0.0.1:9", "not answering (refused or no route)"))
+    assert lines == ["node 127.0.0.1:9 unreachable: not answering (refused or no route)"]
 
 
 @pytest.mark.parametrize("width", [80, 60])
