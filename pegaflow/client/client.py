@@ -264,7 +264,9 @@ class PegaClient:
         namespaces (evictions, SSD writes; ``pegaflow.node.block_events``), called from the
         session thread; it must not block.
         ``security``: the token and TLS roots to use; default from the environment
-        (``PEGAFLOW_AUTH_TOKEN[_FILE]``, ``PEGAFLOW_TLS_CA``; see ``pegaflow.common.security``)."""
+        (``PEGAFLOW_AUTH_TOKEN[_FILE]``, ``PEGAFLOW_TLS_CA``; see ``pegaflow.common.security``).
+        With no token configured, a node on loopback is called with its own token when this
+        user can read it (``<local socket>.token``; docs/security.md)."""
         self.addr = addr
         self.security = security if security is not None else Security.load()
         self.map_pool = map_pool
@@ -321,7 +323,7 @@ class PegaClient:
             self._bound.local.close()
         local = None
         if resp.local_socket:
-            local = _LocalLink(resp.local_socket, self.timeout, self.security.token)
+            local = _LocalLink(resp.local_socket, self.timeout, self.security.token_for(self.addr))
             try:
                 local.connect()
             except OSError as exc:  # not on the node's host, or no access: gRPC does it all

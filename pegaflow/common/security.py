@@ -54,7 +54,7 @@ TOKEN_MODE = 0o600
 GROUP_TOKEN_MODE = 0o640  # --access-group: the group reads it
 
 __all__ = ["ENV_TOKEN", "OwnToken", "Security", "SecurityError", "TokenError", "aio_channel", "default_socket_path",
-           "node_token_paths", "own_token_wanted", "sync_channel", "token_for_node", "token_for_socket",
+           "new_token", "node_token_paths", "own_token_wanted", "sync_channel", "token_for_node", "token_for_socket",
            "token_path"]
 
 
@@ -156,6 +156,11 @@ def group_id(name: str) -> int:
         raise SecurityError(f"--access-group {name}: no such group") from None
 
 
+def new_token() -> str:
+    """A random token for a node's own use (256 bits, URL-safe text)."""
+    return secrets.token_urlsafe(32)
+
+
 class OwnToken:
     """A node's own random token in ``path``: created mode 0600 (``gid``: 0640 for that group)
     under a temporary name opened with O_EXCL, then renamed into place, so it is never
@@ -163,7 +168,7 @@ class OwnToken:
 
     def __init__(self, path: str, gid: int | None = None, token: str | None = None) -> None:
         self.path = path
-        self.token = token or secrets.token_urlsafe(32)
+        self.token = token or new_token()
         tmp = f"{path}.{os.getpid()}.tmp"
         try:
             try:
@@ -296,7 +301,8 @@ class _Details(grpc.ClientCallDetails):
 _Source = Callable[[], tuple[tuple[str, str], ...]]
 
 
-class _SyncToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+class _SyncToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                 grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
     def __init__(self, md: _Source) -> None:
         self.md = md
 
@@ -308,6 +314,12 @@ class _SyncToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterce
 
     def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
         return continuation(self._with(details), request)
+
+    def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._with(details), requests)
+
+    def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._with(details), requests)
 
 
 def _aio_with(d: Any, md: _Source) -> Any:

@@ -172,6 +172,23 @@ def _local_socket(text: str) -> str:
     return text
 
 
+def _group(text: str) -> str:
+    """An existing group's name (``--access-group``); empty: none."""
+    import grp
+
+    if text and not text.isdigit():
+        try:
+            grp.getgrnam(text)
+        except KeyError:
+            raise ValueError(f"no such group {text!r}") from None
+    elif text:
+        try:
+            grp.getgrgid(int(text))
+        except KeyError:
+            raise ValueError(f"no such group id {text}") from None
+    return text
+
+
 def _redis_url(text: str) -> str:
     if text and not text.startswith(("redis://", "rediss://", "unix://")):
         raise ValueError(f"invalid Redis URL {text!r} (expected redis://HOST:PORT[/DB], rediss:// or unix://)")
@@ -638,6 +655,23 @@ OPTIONS: list[Option] = [
         metavar="PATH",
     ),
     Option("tls-key", "", "PEM private key of --tls-cert.", commands=(NODE, META), metavar="PATH"),
+    Option(
+        "no-auth",
+        False,
+        "Without a token, accept any caller (the behaviour before own tokens): no token file. By "
+        "default a node with no token whose listeners are all on loopback creates its own token in "
+        "<local socket>.token (mode 0600), which its user's clients find with no setting.",
+        _bool,
+        flag=True,
+    ),
+    Option(
+        "access-group",
+        "",
+        "Group whose members may use the node as its own user does: the local socket (mode 0660, "
+        "under /tmp with --local-socket auto) and the node's own token file (0640) belong to it.",
+        _group,
+        metavar="GROUP",
+    ),
     Option(
         "tls-ca",
         "",

@@ -20,7 +20,16 @@ from pegaflow.common import otel
 from pegaflow.common.grpc_guard import AsyncGuard
 from pegaflow.common.heap import freeze_startup_heap
 from pegaflow.common.http import HttpEndpoint
-from pegaflow.common.security import Security, SecurityError
+from pegaflow.common.security import (
+    OwnToken,
+    Security,
+    SecurityError,
+    default_socket_path,
+    group_id,
+    new_token,
+    own_token_wanted,
+    token_path,
+)
 from pegaflow.config.commands import NodeConfig
 from pegaflow.config.options import NODE, without_effect
 from pegaflow.core.allocator import ExtentAllocator
@@ -38,7 +47,7 @@ from pegaflow.node.sessions import Sessions
 from pegaflow.node.tiers.remote import wiring
 from pegaflow.node.tiers.remote.rdma import RdmaUnavailable
 from pegaflow.node.tiers.ssd import SsdError, open_tier
-from pegaflow.node.transports.unix_socket import LocalServer, LocalSocketError, default_socket_path
+from pegaflow.node.transports.unix_socket import LocalServer, LocalSocketError
 from pegaflow.policy.tinylfu import TinyLFU
 
 log = structlog.get_logger("pegaflow.node")
@@ -73,8 +82,18 @@ class Node:
                 raise StartupError(str(exc)) from None
         try:
             self.security = Security.from_options(config, config.tls_ca)
+            self.group = group_id(config.access_group) if config.access_group else None
         except SecurityError as exc:
             raise StartupError(str(exc)) from None
+        if config.no_auth and self.security.token:
+            raise StartupError("--no-auth and a token (--auth-token-file, PEGAFLOW_AUTH_TOKEN) exclude each other")
+        # Safe by default on a shared host (docs/security.md): with no token and every listener
+        # on loopback, the node makes its own, readable by its user (and --access-group) only.
+        listeners = [config.addr]
+        if config.joins_cluster:
+            listeners.append(config.transfer_addr or config.addr)
+        self.wants_own_token = own_token_wanted(self.security.token, config.no_auth, listeners)
+        self.own_token: OwnToken | None = None
         self.query_trace: QueryTrace | None = None
         if config.query_trace:
             try:
@@ -173,7 +192,8 @@ class Node:
             log.info("option_without_effect", flag=flag, reason=reason)
         self._start_prefault()
         self.admin.start(asyncio.get_running_loop())
-        server = grpc.aio.server(interceptors=[AsyncGuard(self.security.token)], options=[
+        guard = AsyncGuard(self.security.token)
+        server = grpc.aio.server(interceptors=[guard], options=[
             ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE),
             ("grpc.max_send_message_length", GRPC_MAX_MESSAGE),
             ("grpc.so_reuseport", 0),
@@ -195,13 +215,16 @@ class Node:
         warn = self.security.exposure_warning(self.config.addr)
         if warn:
             log.warning("node_exposed_without_token", addr=self.config.addr, detail=warn)
-        self._start_local(port)
+        own = new_token() if self.wants_own_token else ""
+        self._start_local(port, own)
         if self.local is not None:
             try:
                 await self.local.start()
             except LocalSocketError as exc:
                 raise StartupError(str(exc)) from None
             self.service.local_socket = self.local.path
+        if own:  # once the socket is ours, before gRPC serves: no call is ever served without it
+            self._write_own_token(guard, port, own)
         if self.ssd is not None:
             self.ssd.start(asyncio.get_running_loop())
         if self.p2p is not None:
@@ -258,13 +281,35 @@ class Node:
                  redis_url=discovery.redacted(target.url), redis_cluster=target.cluster)
         self._start_publishing()
 
-    def _start_local(self, grpc_port: int) -> None:
+    def _socket_path(self, grpc_port: int) -> str:
+        """The local socket's path ('' for none); 'auto' names it after --addr, under /tmp
+        with --access-group (the group cannot enter a per-user $XDG_RUNTIME_DIR)."""
         path = self.config.local_socket
         if path == "auto":
-            path = default_socket_path(host_of(self.config.addr), grpc_port)
+            path = default_socket_path(host_of(self.config.addr), grpc_port, shared=self.group is not None)
+        return path
+
+    def _write_own_token(self, guard: AsyncGuard, grpc_port: int, token: str) -> None:
+        # Beside the socket; with no socket, where the default one would be (clients look there).
+        path = token_path(self._socket_path(grpc_port)
+                          or default_socket_path(host_of(self.config.addr), grpc_port, shared=self.group is not None))
+        try:
+            self.own_token = OwnToken(path, self.group, token)
+        except SecurityError as exc:
+            raise StartupError(str(exc)) from None
+        guard.gate.token = self.own_token.token
+        guard.message = (f"a valid token is required: this node's own token is in {path}, readable by "
+                         "its user" + (f" and group {self.config.access_group}" if self.group is not None else "")
+                         + " (docs/security.md)")
+        log.info("node_own_token", path=path, group=self.config.access_group or None,
+                 detail="callers of other users are refused; --no-auth to accept anyone")
+
+    def _start_local(self, grpc_port: int, own_token: str) -> None:
+        path = self._socket_path(grpc_port)
         if path:
+            token = own_token or self.security.token
             try:
-                self.local = LocalServer(self.service, path, self.security.token)
+                self.local = LocalServer(self.service, path, token, group=self.group)
             except LocalSocketError as exc:
                 raise StartupError(str(exc)) from None
 
@@ -362,4 +407,6 @@ class Node:
         if self.ssd is not None:
             await self.ssd.close()  # before the pool: I/O reads and writes pool pages
         self.pool.close()
+        if self.own_token is not None:
+            self.own_token.remove()
         log.info("node_stopped")

@@ -25,7 +25,8 @@ from hypothesis import strategies as st
 
 from pegaflow._proto import node_pb2, node_pb2_grpc
 from pegaflow.client import PegaClient
-from pegaflow.common.local_wire import REPLY_HEADER, REQUEST_HEADER
+from pegaflow.common.local_wire import HELLO, REPLY_HEADER, REQUEST_HEADER
+from pegaflow.common.security import Security, sync_channel, token_for_socket
 from tests.chaos.common import NS, PAGE, Report, block_hash, pick, read_back, store, tracebacks_in
 
 EXAMPLES = int(pick(150, 3000))
@@ -80,7 +81,7 @@ def test_fuzzed_grpc_requests_get_a_deserved_status_and_break_nothing(target):  
     node, victim, fuzzer, hs = target
     codes: Counter[str] = Counter()
     bad: list[str] = []
-    with grpc.insecure_channel(node.addr) as ch:
+    with sync_channel(node.addr, Security()) as ch:  # the node's own token, as its engines send it
         stub = node_pb2_grpc.PegaNodeStub(ch)
         methods = [m.name for m in node_pb2.DESCRIPTOR.services_by_name["PegaNode"].methods if m.name != "Session"]
 
@@ -134,7 +135,12 @@ def test_fuzzed_local_socket_frames_close_only_their_connection(target):  # type
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.settimeout(10)
         s.connect(node.local_socket)
+        token = token_for_socket(node.local_socket).encode()  # fuzz past the door, as an engine
         try:
+            if token:
+                s.sendall(REQUEST_HEADER.pack(len(token), HELLO, 0) + token)
+                hn, _ok = REPLY_HEADER.unpack(s.recv(REPLY_HEADER.size, socket.MSG_WAITALL))
+                s.recv(hn, socket.MSG_WAITALL) if hn else None
             n = len(payload) if length is None or length > 1 << 20 else length
             s.sendall(REQUEST_HEADER.pack(n, method, flags) + payload[:n])
             s.shutdown(socket.SHUT_WR)  # one frame (maybe truncated): the node answers or closes

@@ -12,6 +12,7 @@ import grpc
 import pytest
 
 from pegaflow._proto import meta_pb2, node_pb2, peer_pb2
+from pegaflow.common.security import Security, sync_channel
 from tests.conftest import free_port
 from tests.integration.redis_fixtures import redis_server  # noqa: F401
 from tests.waiting import wait_until
@@ -28,7 +29,7 @@ def methods(desc) -> list[str]:  # type: ignore[no-untyped-def]
 
 def send_garbage(addr: str, paths: list[str]) -> dict[str, set[grpc.StatusCode]]:
     seen: dict[str, set[grpc.StatusCode]] = {}
-    with grpc.insecure_channel(addr) as ch:
+    with sync_channel(addr, Security()) as ch:  # a node's own token, when it has one
         for path in paths:
             unary = ch.unary_unary(path, request_serializer=lambda b: b, response_deserializer=lambda b: b)
             stream = ch.unary_stream(path, request_serializer=lambda b: b, response_deserializer=lambda b: b)
@@ -97,7 +98,7 @@ def test_requests_past_the_nodes_bounds_are_refused_and_change_nothing(node_fact
     from pegaflow._proto import node_pb2_grpc
 
     node = node_factory(extra=["--max-namespaces", "4"])
-    with grpc.insecure_channel(node.addr) as ch:
+    with sync_channel(node.addr, Security()) as ch:
         stub = node_pb2_grpc.PegaNodeStub(ch)
 
         def register(*names: str) -> node_pb2.RegisterResponse:

@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pegaflow._proto import node_pb2, node_pb2_grpc
 from pegaflow.client import NodeError, NodeUnavailable, PegaClient, load_pages, page_bytes, save_pages
+from pegaflow.common.security import Security, sync_channel
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -186,7 +187,7 @@ def test_namespace_isolation(node):
 @pytest.fixture
 def raw(node_factory):
     n = node_factory(extra=["--max-batch", "64"])
-    ch = grpc.insecure_channel(n.addr)
+    ch = sync_channel(n.addr, Security())
     stub = node_pb2_grpc.PegaNodeStub(ch)
     sid = stub.Register(node_pb2.RegisterRequest(
         instance_id="raw", namespaces=[node_pb2.NamespaceSpec(name="ns", page_bytes=8192)])).session_id
@@ -264,7 +265,7 @@ def test_metrics_health_service_and_reflection(raw):
     assert metrics["pegaflow_node_miss_blocks_total"] == 1
     assert metrics['pegaflow_node_rpc_duration_seconds_count{method="Query",status="OK",transport="grpc"}'] >= 1
     assert urllib.request.urlopen(f"http://127.0.0.1:{n.http_port}/health", timeout=5).status == 200
-    with grpc.insecure_channel(n.addr) as ch:
+    with sync_channel(n.addr, Security()) as ch:
         st = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="pegaflow.v1.PegaNode"))
         assert st.status == health_pb2.HealthCheckResponse.SERVING
         from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc

@@ -17,7 +17,8 @@ import pytest
 
 from pegaflow._proto import node_pb2, node_pb2_grpc
 from pegaflow.client import NodeError, NodeUnavailable, PegaClient
-from pegaflow.common.local_wire import METHOD_IDS, NO_REPLY, REPLY_HEADER, REQUEST_HEADER
+from pegaflow.common.local_wire import HELLO, METHOD_IDS, NO_REPLY, REPLY_HEADER, REQUEST_HEADER
+from pegaflow.common.security import Security, sync_channel, token_for_socket
 
 pytestmark = pytest.mark.integration
 
@@ -48,6 +49,10 @@ class RawLocal:
         self.s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.s.settimeout(10)
         self.s.connect(path)
+        token = token_for_socket(path).encode()  # the node's own token: the first frame
+        if token:
+            self.send(HELLO, token)
+            assert self.reply()[0] == grpc.StatusCode.OK
 
     def send(self, method: str | int, payload: bytes, flags: int = 0, length: int | None = None) -> None:
         mid = METHOD_IDS[method] if isinstance(method, str) else method
@@ -81,7 +86,7 @@ class RawLocal:
 def raw(node_factory):
     """A node with --max-batch 64, a gRPC session holding two committed blocks, and a raw socket."""
     n = node_factory(extra=["--max-batch", "64"])
-    ch = grpc.insecure_channel(n.addr)
+    ch = sync_channel(n.addr, Security())
     stub = node_pb2_grpc.PegaNodeStub(ch)
     reg = stub.Register(node_pb2.RegisterRequest(
         instance_id="raw", namespaces=[node_pb2.NamespaceSpec(name="ns", page_bytes=PAGE)]))

@@ -15,7 +15,7 @@ Contracts:
   one that waits stops that connection's reading until its answer is sent. Replies past
   the transport's high-water mark (a client that sends without reading) stop the reading
   too, until the buffer drains.
-- The socket file has mode 0600 (like the pool) from the moment it appears: it is bound
+- The socket file has mode 0600 (like the pool; 0660 for ``--access-group``) from the moment it appears: it is bound
   under a temporary name, chmod-ed, then renamed into place, which also replaces a stale
   socket left by a killed node. A path that a live process serves is a start-up error.
   The file is removed on clean shutdown, unless another node has replaced it meanwhile.
@@ -34,7 +34,7 @@ import inspect
 import os
 import socket
 import stat
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable
 from typing import Any
 
 import structlog
@@ -42,6 +42,7 @@ from google.protobuf.message import DecodeError
 
 from pegaflow.common.local_wire import HELLO, MAX_FRAME, NO_REPLY, REPLY_HEADER, REQUEST_HEADER
 from pegaflow.common.logging import RateLimitedLog
+from pegaflow.common.security import SOCKET_NAME, default_socket_path  # noqa: F401 - the naming rule's home
 from pegaflow.node.service import LOCAL, NodeService, RpcStatus
 
 log = structlog.get_logger("pegaflow.node")
@@ -49,7 +50,7 @@ log = structlog.get_logger("pegaflow.node")
 rejected = RateLimitedLog(log, "local_frame_rejected")
 
 SOCKET_MODE = 0o600
-SOCKET_NAME = "pegaflow-node-{host}-{port}.sock"
+GROUP_SOCKET_MODE = 0o660  # --access-group
 MAX_SUN_PATH = 107  # bytes of a Unix socket path (sun_path is 108 with the NUL)
 MAX_HELLO = 4096  # bytes of a token
 UNAUTHENTICATED = 16  # gRPC's code number
@@ -58,13 +59,6 @@ UNAUTHENTICATED_MSG = b"a valid token is required"
 
 class LocalSocketError(Exception):
     """The local socket cannot be served (one line for the operator)."""
-
-
-def default_socket_path(host: str, port: int, env: Mapping[str, str] | None = None) -> str:
-    """``$XDG_RUNTIME_DIR`` (per user, private) or ``/tmp``, named after the gRPC address so
-    several nodes on one host (tests, network namespaces sharing /tmp) never collide."""
-    base = (os.environ if env is None else env).get("XDG_RUNTIME_DIR") or "/tmp"
-    return os.path.join(base, SOCKET_NAME.format(host=host.strip("[]") or "any", port=port))
 
 
 def _claim(path: str) -> None:
@@ -93,8 +87,9 @@ def _claim(path: str) -> None:
 class LocalServer:
     """Serves ``service.local_methods`` on a Unix socket, on the running loop."""
 
-    def __init__(self, service: NodeService, path: str, token: str = "") -> None:
+    def __init__(self, service: NodeService, path: str, token: str = "", group: int | None = None) -> None:
         self.token = token
+        self.group = group  # --access-group: the socket is 0660 for this group
         if len(os.fsencode(path)) > MAX_SUN_PATH:
             raise LocalSocketError(f"--local-socket {path} is longer than {MAX_SUN_PATH} bytes")
         self.service = service
@@ -114,6 +109,9 @@ class LocalServer:
                 pass
             sock.bind(tmp)
             os.chmod(tmp, SOCKET_MODE)
+            if self.group is not None:
+                os.chown(tmp, -1, self.group)
+                os.chmod(tmp, GROUP_SOCKET_MODE)
             sock.listen(128)
             os.rename(tmp, self.path)
         except OSError as exc:
