@@ -48,6 +48,7 @@ RUNS: tuple[Run, ...] = (
     Run("ssd", "ssd.py", ("--size", "1gb", "--repeat", "2", "--engines", "uring")),
     Run("replay", "replay.py", ("--repeat", "5")),
     Run("policy", "policy.py", ("--blocks", "300000", "--repeat", "2")),
+    Run("quota", "quota.py", ("--steps", "400")),  # hit rates, not timings: a busy machine is fine
     Run("ttft", "ttft.py", ("--connectors", "pega,example", "--prompts", "4", "--repeats", "6"), summary_flag="--out"),
     # Five vLLM servers / four engines each: minutes, so only when asked for.
     Run("concurrency", "concurrency.py", ("--rounds", "2"), default=False),
@@ -93,6 +94,15 @@ GOALS: tuple[Goal, ...] = (
          "1M/s target", 1_000_000, on="value"),
     Goal("policy", "HLL distinct-count error, worst size", "hll_u_error_max_abs", "", None, "", 0.01, on="value",
          higher_is_better=False),
+    # Namespace quotas: one namespace scans at 8x the other's request rate; the other's hit rate with a
+    # quota covering its working set, against its hit rate alone in the same pool (a real node, and replay).
+    # The last row keeps the case honest: without the quota the scan must cost the hot namespace much.
+    Goal("quota", "hot namespace hit rate gap, alone vs with quota, real node", "node.quota_gap_pp", "pp", None, "",
+         1.0, on="value", higher_is_better=False),
+    Goal("quota", "hot namespace hit rate gap, alone vs with quota, replay", "replay.quota_gap_pp", "pp", None, "",
+         1.0, on="value", higher_is_better=False),
+    Goal("quota", "hot namespace hit rate gap, alone vs no quota (the problem), real node", "node.shared_gap_pp",
+         "pp", None, "", 20.0, on="value"),
     # Time to first token through a real vLLM engine.
     Goal("ttft", "cold / warm TTFT (PegaFlow)", "connectors.pega.cold_mean_ms", "ms",
          "connectors.pega.warm_mean_ms", "PegaFlow warm", 10.0),

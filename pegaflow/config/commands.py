@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 from pegaflow.config.capacity import Capacity
 from pegaflow.config.options import META, NODE, REPLAY, ROUTER, STATUS, build_parser, fill_defaults, options_for
+from pegaflow.policy.quota import Quota
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +78,7 @@ class NodeConfig:
     no_auth: bool
     access_group: str
     enable_lfu_admission: bool
+    namespace_quota: tuple[Quota, ...]
     ceiling_windows: tuple[float, ...]
     metric_hll_bucket_bits: int
     ceiling_publish_interval: float
@@ -128,6 +130,7 @@ class ReplayConfig:
     log_level: str
     log_format: str
     enable_lfu_admission: bool
+    namespace_quota: tuple[Quota, ...]
     ceiling_windows: tuple[float, ...]
     trace: str
     trace_format: str

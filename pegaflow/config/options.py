@@ -26,6 +26,7 @@ from pegaflow.config.capacity import parse_capacity, parse_route, parse_sweep
 from pegaflow.core.durations import parse_windows
 from pegaflow.core.hosts import split_host_port
 from pegaflow.core.units import parse_size
+from pegaflow.policy.quota import parse_quota
 
 NODE = "node"
 META = "meta"
@@ -689,6 +690,21 @@ OPTIONS: list[Option] = [
         _bool,
         commands=(NODE, REPLAY),
         flag=True,
+    ),
+    Option(
+        "namespace-quota",
+        [],
+        "A guaranteed and/or maximum share of the L1 pool for a namespace, so that one model's "
+        "scan cannot flush another's working set: NAME=SHARE (guaranteed), NAME=min:SHARE, "
+        "NAME=max:SHARE or NAME=min:SHARE/max:SHARE; SHARE is a decimal in (0, 1] or a percentage. "
+        "NAME is a namespace or a model (every namespace of it). A namespace at or under its "
+        "guarantee is never another's victim; one at its maximum evicts its own LRU block. "
+        "Repeat the flag per namespace; guarantees may sum to at most 1 (docs/replay.md, "
+        "\"Namespace quotas\").",
+        parse_quota,
+        commands=(NODE, REPLAY),
+        repeatable=True,
+        metavar="NAME=SHARE",
     ),
     Option(
         "ceiling-windows",

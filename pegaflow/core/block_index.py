@@ -19,7 +19,8 @@ States and who moves a block between them:
 - With namespace quotas (``pegaflow.policy.quota``, ``--namespace-quota``), namespaces
   are grouped and each group's held bytes are counted: the victim is the LRU block among
   the groups above their guarantee, the namespaces without a quota and the inserting
-  group; a group at its maximum evicts its own LRU block. Pinned blocks stay out of it.
+  group (which, while under its own guarantee, takes others' blocks first); a group at its
+  maximum evicts its own LRU block. Pinned blocks stay out of it.
 
 This class does no I/O and holds no pool memory: the node wraps it around a shared
 memory pool, ``pegaflow replay`` runs it on offsets alone. It is not thread-safe; the
@@ -353,7 +354,12 @@ class BlockIndex:
         dropped: list[Block] = []  # victims _allocate evicted (counted there), reported at the end
         full = False
         group = self._quota_group.get(ns.id) if self._quota_group else None
-        if not self._lru_reclaimable and (group is None or self._limits[group][1] >= self.alloc.capacity):
+        # place() takes free pages or this namespace's own LRU head: the quota rule's choice too,
+        # unless the namespace's group has a maximum (own block though pages are free) or a
+        # guarantee (under it, others' blocks go first).
+        if not self._lru_reclaimable and (
+            group is None or (not self._limits[group][0] and self._limits[group][1] >= self.alloc.capacity)
+        ):
             # The steady state (no reclaimable copies; victims of this namespace, as when
             # one engine or the ranks of one TP engine fill the pool) in C: it stops at the
             # first hash that needs anything else (a victim of another namespace, one that
@@ -593,7 +599,7 @@ class BlockIndex:
                     return alloc.alloc(size)
                 except OutOfSpace:
                     pass
-            victim = self._shared_victim(g, capped)
+            victim = self._shared_victim(g, capped, g is not None and self.held[g] + size <= self._limits[g][0])
             if victim is None:
                 return None
             if not asked:
@@ -622,30 +628,36 @@ class BlockIndex:
             dropped.append(victim)
             carving = True
 
-    def _shared_victim(self, g: int | None, capped: bool) -> Block | None:
+    def _shared_victim(self, g: int | None, capped: bool, claiming: bool) -> Block | None:
         """The least recently used block the inserting group ``g`` may evict (reclaimable
         copies first): with ``capped``, one of its own; else one of a namespace that is not
-        in another group at or under its guarantee. The scan runs in C (mapped getters)."""
+        in another group at or under its guarantee. ``claiming`` (the new block still fits
+        in ``g``'s guarantee): others' blocks first, its own only when nobody else has one
+        to give, so a group always grows to its guarantee. The scans run in C (mapped
+        getters), past the protected blocks only."""
         if capped:
             assert g is not None
-            mine = self._members[g]
-            for lru in (self._lru_reclaimable, self._lru):
-                if lru:
-                    b = next(compress(lru, map(mine.__contains__, map(_NS_ID, lru))), None)
-                    if b is not None:
-                        return b
-            return None
+            return self._first_of(self._members[g], True)
         held, limits = self.held, self._limits
         protected: set[int] = set()
         for i, members in enumerate(self._members):
             if i != g and members and held[i] <= limits[i][0] and limits[i][0]:
                 protected |= members
+        if claiming:
+            assert g is not None
+            victim = self._first_of(protected | self._members[g], False)
+            return victim if victim is not None else self._first_of(self._members[g], True)
+        return self._first_of(protected, False)
+
+    def _first_of(self, ids: set[int], inside: bool) -> Block | None:
+        """The first block in eviction order whose namespace id is (``inside``) or is not in ``ids``."""
         for lru in (self._lru_reclaimable, self._lru):
             if not lru:
                 continue
-            if not protected:
+            if not ids and not inside:
                 return next(iter(lru))
-            b = next(compress(lru, map(not_, map(protected.__contains__, map(_NS_ID, lru)))), None)
+            hits = map(ids.__contains__, map(_NS_ID, lru))
+            b = next(compress(lru, hits if inside else map(not_, hits)), None)
             if b is not None:
                 return b
         return None

@@ -48,6 +48,7 @@ from pegaflow.node.tiers.remote import wiring
 from pegaflow.node.tiers.remote.rdma import RdmaUnavailable
 from pegaflow.node.tiers.ssd import SsdError, open_tier
 from pegaflow.node.transports.unix_socket import LocalServer, LocalSocketError
+from pegaflow.policy.quota import Quotas
 from pegaflow.policy.tinylfu import TinyLFU
 
 log = structlog.get_logger("pegaflow.node")
@@ -100,6 +101,10 @@ class Node:
                 self.query_trace = QueryTrace(config.query_trace, config.trace_sample_rate)
             except QueryTraceError as exc:
                 raise StartupError(str(exc)) from None
+        try:  # guarantees over the whole pool, a name given twice: one line, before the pool
+            quotas = Quotas(config.namespace_quota)
+        except ValueError as exc:
+            raise StartupError(f"--namespace-quota: {exc}") from None
         self.pool = SharedPool(config.pool_size, config.use_hugepages)
         self.metrics = NodeMetrics()
         admission = None
@@ -107,7 +112,8 @@ class Node:
             admission = TinyLFU(max(1, self.pool.size // (config.hint_value_size or ADMISSION_PAGE_GUESS)))
         # Pages become allocatable as the background pre-fault reaches them (start()).
         self.index = BlockIndex(self.pool.size, admission=admission,
-                                allocator=ExtentAllocator(self.pool.size, config.page_align, usable=0))
+                                allocator=ExtentAllocator(self.pool.size, config.page_align, usable=0),
+                                quotas=quotas)
         self.ceiling = RequestAccounting(config.ceiling_windows, self.metrics, config.metric_hll_bucket_bits)
         self.sessions = Sessions(self.index, config.reservation_ttl, config.lease_ttl,
                                  max_namespaces=config.max_namespaces)

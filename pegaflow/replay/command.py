@@ -19,6 +19,7 @@ from pegaflow.config.capacity import route_field
 from pegaflow.config.commands import ReplayConfig, load
 from pegaflow.config.options import REPLAY
 from pegaflow.core.trace import TraceError, read_trace
+from pegaflow.policy.quota import Quotas
 from pegaflow.replay.files import iter_lines
 from pegaflow.replay.model import ISOLATED, SHARED, Scenario, scenario_grid
 from pegaflow.replay.report import Report, plot, render_table
@@ -119,6 +120,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "pegaflow replay") -> in
             f"{opts.trace}: no requests" + (f" ({trace.skipped} bad lines skipped)" if trace.skipped else "")
         )
 
+    try:  # what one flag cannot check: guarantees over the whole pool, a name given twice
+        Quotas(opts.namespace_quota)
+    except ValueError as exc:
+        return fail(f"--namespace-quota: {exc}")
     base = Scenario(
         l1=opts.l1_capacity,
         ssd=opts.ssd_capacity,
@@ -127,6 +132,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "pegaflow replay") -> in
         route=opts.route,
         tinylfu=opts.enable_lfu_admission,
         ssd_writes=opts.ssd_writes,
+        quotas=opts.namespace_quota,
     )
     if opts.instances == 1:
         pools = [SHARED]

@@ -21,6 +21,10 @@ What is modelled, and how (also in ``docs/replay.md``):
   namespace's size, 4096-aligned as in the node) or a percentage of the trace's distinct
   blocks. Pools whose pages all have one size use :class:`UniformAllocator`; pools that
   mix page sizes use the node's ``ExtentAllocator``.
+- **Namespace quotas** (``--namespace-quota``): L1's ``BlockIndex`` gets the node's
+  :class:`~pegaflow.policy.quota.Quotas`, sized on each pool's L1 capacity (in blocks or
+  bytes, as the capacity is), so the victim rule is the node's. The SSD tier has none (the
+  node's SSD tier has none either).
 - **Instances**: with ``shared`` pools every instance uses one pool of the whole capacity
   (PegaFlow: one node per host); with ``isolated`` pools instance i has its own pool of
   ``capacity / instances`` (the same memory, split). Requests go to instances round-robin,
@@ -40,6 +44,7 @@ from dataclasses import dataclass, replace
 from pegaflow.config.capacity import KV_AWARE, ROUND_ROBIN, Capacity, route_field
 from pegaflow.core.allocator import OutOfSpace
 from pegaflow.core.block_index import BlockIndex, IndexEvent, Namespace
+from pegaflow.policy.quota import Quota, Quotas
 from pegaflow.policy.tinylfu import TinyLFU
 
 # The node's default --page-align: O_DIRECT needs 4096-byte aligned pages.
@@ -103,7 +108,8 @@ class Tier:
     """
 
     def __init__(
-        self, amount: int, in_blocks: bool, page_bytes: dict[str, int], admission: bool = False
+        self, amount: int, in_blocks: bool, page_bytes: dict[str, int], admission: bool = False,
+        quotas: Quotas | None = None,
     ) -> None:
         sizes = {1} if in_blocks else set(page_bytes.values())
         align = 1 if in_blocks else BYTES_ALIGN
@@ -111,11 +117,11 @@ class Tier:
             page = next(iter(sizes), 1)
             alloc = UniformAllocator(amount, page, align)
             entries = amount // alloc.page
-            self.index = BlockIndex(amount, align, allocator=alloc)
+            self.index = BlockIndex(amount, align, allocator=alloc, quotas=quotas)
         else:
             mean = sum(sizes) / len(sizes)
             entries = int(amount // mean)
-            self.index = BlockIndex(amount, align)
+            self.index = BlockIndex(amount, align, quotas=quotas)
         self.capacity_blocks = entries
         self.admission: TinyLFU | None = TinyLFU(max(1, entries)) if admission else None
         self.index.admission = self.admission
@@ -134,10 +140,11 @@ class Pool:
         page_bytes: dict[str, int],
         tinylfu: bool,
         ssd_writes: str = SSD_WRITES_EVICTIONS,
+        quotas: Quotas | None = None,
     ) -> None:
         if ssd_writes not in SSD_WRITES:
             raise ValueError(f"ssd_writes must be one of {SSD_WRITES}, got {ssd_writes!r}")
-        self.l1 = Tier(*l1, page_bytes, admission=tinylfu)
+        self.l1 = Tier(*l1, page_bytes, admission=tinylfu, quotas=quotas)
         self.ssd: Tier | None = None
         self._to_ssd: list[tuple[str, list[bytes]]] = []
         self._ssd_op = IndexEvent.EVICT if ssd_writes == SSD_WRITES_EVICTIONS else IndexEvent.INSERT
@@ -211,6 +218,7 @@ class Scenario:
     route: str = ROUND_ROBIN  # ROUND_ROBIN | KV_AWARE | "field:NAME"
     tinylfu: bool = False
     ssd_writes: str = SSD_WRITES_EVICTIONS  # what L1 hands to the SSD tier (SSD_WRITES)
+    quotas: tuple[Quota, ...] = ()  # namespace shares of each pool's L1 (--namespace-quota)
 
     @property
     def admission(self) -> str:
@@ -219,7 +227,7 @@ class Scenario:
     @property
     def label(self) -> str:
         pools = f"{self.pools} x{self.instances}" if self.instances > 1 else "1 pool"
-        return f"{pools}, {self.admission}"
+        return f"{pools}, {self.admission}" + (", quotas" if self.quotas else "")
 
 def route_hash(value: str) -> int:
     """A stable, well-mixed 64-bit hash of a routing value (the same on every run and host).
@@ -248,6 +256,7 @@ class Cluster:
                 page_bytes,
                 scenario.tinylfu,
                 scenario.ssd_writes,
+                Quotas(scenario.quotas) if scenario.quotas else None,
             )
             for _ in range(n_pools)
         ]

@@ -157,6 +157,11 @@ def _bytes(n: int) -> str:
     return f"{n} B"
 
 
+def _short(name: str, width: int = 40) -> str:
+    """A namespace for a table cell: connector namespaces are long; the JSON has them whole."""
+    return name if len(name) <= width else name[: width - 3] + "..."
+
+
 def render_table(rep: Report) -> str:
     """The human-readable report (what ``pegaflow replay`` prints without ``--json``)."""
     t = rep.trace
@@ -232,6 +237,19 @@ def render_table(rep: Report) -> str:
                 "rejected",
             ),
             rows,
+        )
+    names = sorted({n for r in rep.runs for n in r.namespaces})
+    if len(names) > 1:
+        sc = rep.runs[0].scenario
+        out += ["", "per namespace (prefix hit rate in blocks)"
+                + (f"; quotas {' '.join(map(str, sc.quotas))}" if sc.quotas else "")]
+        out += _table(
+            ("namespace", "accesses", *[r.scenario.label for r in rep.runs]),
+            [
+                (_short(n), f"{rep.runs[0].namespaces.get(n, (0, 0))[0]:,}",
+                 *[_pct(r.namespace_hit_rate(n)) for r in rep.runs])
+                for n in names
+            ],
         )
     comps = rep.comparisons()
     if comps:

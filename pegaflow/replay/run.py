@@ -50,6 +50,8 @@ class RunResult:
     seconds: float = 0.0  # wall time of the replay loop
     cpu_seconds: float = 0.0  # CPU time of this process in it (steadier on a busy machine)
     request_hits: list[int] = field(default_factory=list, repr=False)  # per request, trace order
+    # Per namespace: [block accesses, prefix hit blocks] (from request_hits, after the run).
+    namespaces: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:
@@ -75,6 +77,7 @@ class RunResult:
         sc = asdict(self.scenario)
         sc["l1"] = str(self.scenario.l1)
         sc["ssd"] = str(self.scenario.ssd)
+        sc["quotas"] = [str(q) for q in self.scenario.quotas]
         return {
             "scenario": sc,
             "label": self.scenario.label,
@@ -95,7 +98,15 @@ class RunResult:
             "seconds": self.seconds,
             "cpu_seconds": self.cpu_seconds,
             "accesses_per_second": self.accesses_per_second,
+            "namespaces": {
+                name: {"blocks": n, "hit_blocks": hit, "hit_rate": hit / n if n else 0.0}
+                for name, (n, hit) in self.namespaces.items()
+            },
         }
+
+    def namespace_hit_rate(self, name: str) -> float:
+        n, hit = self.namespaces.get(name, (0, 0))
+        return hit / n if n else 0.0
 
 
 def replay(trace: Trace, scenario: Scenario, progress: Progress | None = None) -> RunResult:
@@ -116,6 +127,12 @@ def replay(trace: Trace, scenario: Scenario, progress: Progress | None = None) -
         if gc_was_enabled:
             gc.enable()
     res.hit_blocks = sum(res.request_hits)
+    for r, hit in zip(trace.requests, res.request_hits, strict=True):
+        acc = res.namespaces.get(r.namespace)
+        if acc is None:
+            acc = res.namespaces[r.namespace] = [0, 0]
+        acc[0] += len(r.hashes)
+        acc[1] += hit
     res.evictions = cluster.counter("evictions")
     res.ssd_evictions = cluster.counter("evictions", "ssd")
     res.admission_rejections = cluster.counter("admission_rejections")

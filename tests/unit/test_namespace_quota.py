@@ -198,3 +198,16 @@ def test_held_bytes_follow_every_way_a_block_leaves() -> None:
         assert held["b"] <= hi
         assert idx.evictions > 0 or _ < 50
     assert idx.quota_evictions > 0 and lo > 0
+
+
+def test_under_its_guarantee_a_namespace_takes_others_blocks_before_its_own() -> None:
+    """Its own blocks are the oldest, yet it grows to its guarantee at the scan's expense."""
+    idx = _pool(8, "hot=0.5")
+    hot, scan = idx.namespace("hot", 4096), idx.namespace("scan", 4096)
+    fill(idx, hot, [1, 2])
+    for k in range(100, 106):
+        idx.insert(scan, [h(k)])  # full: hot's two are the LRU head
+    fill(idx, hot, [3, 4])
+    assert idx.blocks_by_namespace() == {"hot": 4, "scan": 4}
+    fill(idx, hot, [5])  # at its guarantee now: the global LRU (its own) goes
+    assert idx.get(hot, h(1)) is None and idx.blocks_by_namespace() == {"hot": 4, "scan": 4}
