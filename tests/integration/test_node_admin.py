@@ -347,3 +347,39 @@ def test_bad_input_is_one_line_and_invalid_argument(node):
         assert cache_json(node, "pins")["pins"] == []
     finally:
         c.close()
+
+
+def test_inspect_with_the_metaserver_names_every_node_holding_each_block(node_factory, tmp_path):
+    from tests.integration import redis_fixtures
+    from tests.integration.meta_harness import MetaProc
+
+    redis = redis_fixtures.start_server(tmp_path)
+    meta = None
+    try:
+        meta = MetaProc(redis.url, False, "m1", tmp_path / "meta.log")
+        nodes = [node_factory(POOL, ["--redis-url", redis.url, "--node-id", name], env=ENV)
+                 for name in ("host-a", "host-b")]
+        hs = hashes("shared", 5)
+        for n, held in zip(nodes, (5, 3), strict=True):
+            c = client(n, f"engine-{n.port}")
+            try:
+                assert store(c, NS, hs[:held]) == held
+            finally:
+                c.close()
+        args = ("inspect", "-n", NS, "--hashes", *(h.hex() for h in hs), "--metaserver", f"127.0.0.1:{meta.port}")
+
+        def answered() -> str | None:
+            p = cache(nodes[1], *args)
+            assert p.returncode == 0, p.stderr
+            line = one_line(p)
+            return line if "host-a 5 leading, host-b 3 leading" in line else None
+
+        line = wait_until(answered, 30, "the metaserver to know both nodes' blocks")
+        assert line.startswith("node host-b: 5 blocks: 3 in L1"), line
+        doc = cache_json(nodes[1], *args)
+        assert [b["nodes"] for b in doc["blocks"]] == [["host-a", "host-b"]] * 3 + [["host-a"]] * 2
+        assert {x["node"]: x["prefix_blocks"] for x in doc["cluster"]} == {"host-a": 5, "host-b": 3}
+    finally:
+        if meta is not None:
+            meta.stop()
+        redis.stop()
