@@ -109,6 +109,8 @@ class NodeMetrics:
         for tier in ("l1", "ssd", "remote"):  # export zeros, so dashboards see every tier
             self.hits.labels(tier)
         self.evictions.labels("l1")
+        for kind in ("reservation", "lease", "session"):  # 0 until one expires, so a panel has series
+            self.expired.labels(kind)
         self.inserted = Counter(
             "pegaflow_node_inserted_blocks_total",
             "Blocks that became resident in L1 (committed by engines, promoted from SSD, pulled from peers).",

@@ -1,0 +1,155 @@
+"""docs/grafana/pegaflow.json against a real Prometheus (Debian's ``prometheus``): it scrapes
+a live node (SSD tier, publishing to Redis), a metaserver and a router in front of a
+stand-in engine, every second; after some traffic, every target expression of every panel
+is evaluated through Prometheus's HTTP API, and a panel whose query returns no series fails
+the test, named."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import free_port
+from tests.integration import redis_fixtures
+from tests.integration.metrics_stack import MetaServer, drive, node_args, start_metaserver
+from tests.integration.redis_fixtures import RedisServer
+from tests.integration.router_harness import FakeEngine, RouterProc
+from tests.waiting import wait_until
+
+pytestmark = pytest.mark.integration
+redis_server = redis_fixtures.redis_server
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana" / "pegaflow.json"
+SCRAPE_S = 1
+START_S = 30.0  # Prometheus's start, and its first scrape of every target
+# Grafana's variables, as Grafana would set them for a short range: $__rate_interval is at
+# least four scrape intervals; the dashboard's own variables (node, window) select all.
+VARIABLES = {
+    "$__rate_interval": "10s",
+    "$__interval": "2s",
+    "$__range": "1m",
+    "$instance": ".*",
+    "$window": ".*",
+}
+
+
+def panel_queries(dash: dict) -> list[tuple[str, str, str]]:
+    """(panel title, refId, expr) of every target of every panel, rows' panels included."""
+    out = []
+
+    def walk(panels: list[dict]) -> None:
+        for p in panels:
+            for t in p.get("targets", []):
+                if t.get("expr"):
+                    out.append((p.get("title", "?"), t.get("refId", "?"), t["expr"]))
+            walk(p.get("panels", []))
+
+    walk(dash["panels"])
+    return out
+
+
+def substitute(expr: str) -> str:
+    for var, value in sorted(VARIABLES.items(), key=lambda kv: -len(kv[0])):
+        expr = expr.replace("${" + var[1:] + "}", value).replace(var, value)
+    left = re.findall(r"\$\{?\w+", expr)
+    assert not left, f"a Grafana variable the test does not know: {left} in {expr}"
+    return expr
+
+
+class Prometheus:
+    def __init__(self, tmp: Path, targets: dict[str, str]) -> None:
+        exe = shutil.which("prometheus")
+        if exe is None:
+            pytest.fail("prometheus is not installed (scripts/install.sh test installs Debian's)")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = tmp / "prometheus.yml"
+        jobs = [{"job_name": job, "scrape_interval": f"{SCRAPE_S}s", "scrape_timeout": f"{SCRAPE_S}s",
+                 "static_configs": [{"targets": [addr]}]} for job, addr in targets.items()]
+        config.write_text(json.dumps({"global": {"scrape_interval": f"{SCRAPE_S}s",
+                                                 "evaluation_interval": f"{SCRAPE_S}s"},
+                                      "scrape_configs": jobs}))  # JSON is YAML
+        self.log = tmp / "prometheus.log"
+        self.proc = subprocess.Popen(
+            [exe, f"--config.file={config}", f"--storage.tsdb.path={tmp / 'prometheus-data'}",
+             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
+            stdout=open(self.log, "ab"), stderr=subprocess.STDOUT,
+        )  # fmt: skip
+
+    def query(self, expr: str) -> list[dict]:
+        r = httpx.get(self.url + "/api/v1/query", params={"query": expr}, timeout=10)
+        body = r.json()
+        assert body.get("status") == "success", f"{expr}: {body.get('error') or r.text}"
+        return body["data"]["result"]
+
+    def all_up(self, jobs: set[str]) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"prometheus exited {self.proc.returncode}: {self.log.read_text()[-2000:]}")
+        up = {s["metric"]["job"]: s["value"][1] for s in self.query("up")}
+        return set(up) == jobs and all(v == "1" for v in up.values())
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+@pytest.fixture
+def metaserver(tmp_path: Path, redis_server: RedisServer) -> Iterator[MetaServer]:
+    m = start_metaserver(tmp_path, redis_server.url)
+    yield m
+    m.stop()
+
+
+def test_every_dashboard_panel_returns_series_from_a_real_prometheus(
+    node_factory, metaserver: MetaServer, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    node = node_factory(pool_size="1mb", extra=node_args(tmp_path, redis_server.url))
+    engine = FakeEngine(tmp_path, "e0", "--node", "metrics-node", "--node-addr", node.addr)
+    router = RouterProc(tmp_path, "--engine", engine.url, "--policy", "kv-aware", "--hint-timeout", "2")
+    prom = Prometheus(tmp_path, {"node": f"127.0.0.1:{node.http_port}",
+                                 "meta": f"127.0.0.1:{metaserver.http_port}",
+                                 "router": f"127.0.0.1:{router.port}"})
+    try:
+        wait_until(lambda: prom.all_up({"node", "meta", "router"}), START_S,
+                   lambda: f"Prometheus to scrape node, meta and router (up == 1): {prom.log.read_text()[-2000:]}",
+                   every=0.2, ignore=httpx.HTTPError)
+        drive(node, metaserver)
+        for i in range(4):
+            r = router.post("/v1/completions", {"model": "fake-model", "prompt": f"hello {i}", "max_tokens": 2,
+                                                "stream": i % 2 == 1})
+            assert r.status_code == 200, r.text
+        queries = [(title, ref, substitute(expr)) for title, ref, expr in panel_queries(json.loads(DASHBOARD.read_text()))]
+        assert len(queries) >= 30, "the dashboard's panels were not all read"
+
+        def empty() -> list[str]:
+            return [f"{title} [{ref}]: {expr}" for title, ref, expr in queries if not prom.query(expr)]
+
+        # Two scrapes after the traffic are enough for rate() over $__rate_interval; the
+        # node refreshes its window gauges every 5 s. Bounded: what stays empty fails.
+        left: list[str] = []
+
+        def all_have_series() -> bool:
+            nonlocal left
+            left = empty()
+            return not left
+
+        try:
+            wait_until(all_have_series, 20, "every panel to return series", every=1.0)
+        except AssertionError:
+            pytest.fail("panels whose query returns no series:\n  " + "\n  ".join(left))
+    finally:
+        prom.stop()
+        router.stop()
+        engine.stop()
