@@ -49,8 +49,7 @@ import itertools
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from itertools import compress
-from operator import attrgetter, not_
+from operator import attrgetter
 from typing import Protocol
 
 # Built by the install from pegaflow/native/blockindex.c: the Block type, the LRU eviction
@@ -105,7 +104,6 @@ Listener = Callable[[IndexEvent, Namespace, list[bytes]], None]  # (event, names
 # Attribute reads mapped over a batch of blocks in C (``map(_HASH, blocks)``).
 _HASH = attrgetter("hash")
 _NS = attrgetter("ns")
-_NS_ID = attrgetter("ns.id")
 
 
 class PageAllocator(Protocol):
@@ -172,6 +170,13 @@ class BlockIndex:
         self.held: list[int] = [0] * len(self._limits)
         self._members: list[set[int]] = [set() for _ in self._limits]
         self.quota_evictions = 0  # victims taken by a group at its maximum from itself
+        # Parked: blocks a victim search skipped at the head of ``_lru`` (not evictable for
+        # that insert), moved out of it so the next search does not walk them again. Each is
+        # older than every block in ``_lru``; ``_park_seq`` orders them (parking order is
+        # age order), ``_parked`` holds them per class (quota group, -1: no quota).
+        self._parked: dict[int, LRU] = {}
+        self._park_seq: dict[Block, int] = {}
+        self._park_next = 0
 
     # ---- namespaces -------------------------------------------------------------------
     def namespace(self, name: str, page_bytes: int) -> Namespace:
@@ -280,6 +285,8 @@ class BlockIndex:
                 lru = self._lru_reclaimable if b.reclaimable else self._lru
                 if b in lru:
                     lru.move_to_end(b)
+                elif self._park_seq and self._unpark(b):
+                    lru[b] = None
         if self.admission is not None and blocks:
             ns = blocks[0].ns
             if list(map(_NS, blocks)).count(ns) == len(blocks):  # one namespace: keys in C
@@ -309,6 +316,8 @@ class BlockIndex:
         for b in blocks:
             if b.pins == 0 and b.state == RESIDENT:
                 (self._lru_reclaimable if b.reclaimable else self._lru).pop(b, None)
+                if self._park_seq:
+                    self._unpark(b)
             b.pins += 1
 
     def unpin(self, blocks: Iterable[Block]) -> None:
@@ -357,7 +366,7 @@ class BlockIndex:
         # place() takes free pages or this namespace's own LRU head: the quota rule's choice too,
         # unless the namespace's group has a maximum (own block though pages are free) or a
         # guarantee (under it, others' blocks go first).
-        if not self._lru_reclaimable and (
+        if not self._lru_reclaimable and not self._park_seq and (
             group is None or (not self._limits[group][0] and self._limits[group][1] >= self.alloc.capacity)
         ):
             # The steady state (no reclaimable copies; victims of this namespace, as when
@@ -385,7 +394,7 @@ class BlockIndex:
             existing = blocks.get(h)
             if full or existing is not None:
                 if existing is not None and existing.state == RESIDENT:
-                    if adm is None and not existing.pins and not existing.reclaimable:
+                    if adm is None and not existing.pins and not existing.reclaimable and not self._park_seq:
                         lru.move_to_end(existing)  # what touch() does for it, minus the call
                     else:
                         self.touch((existing,))
@@ -573,6 +582,8 @@ class BlockIndex:
         self.resident_bytes -= b.size
         if self._quota_group:
             self._uncharge(b)
+            if self._park_seq:
+                self._unpark(b)
 
     def _uncharge(self, b: Block) -> None:
         """``b`` left the table: its group (if any) holds its page no more."""
@@ -613,7 +624,8 @@ class BlockIndex:
                 self.quota_evictions += 1
             vsize = victim.size
             if not carving and (vsize == size or alloc.round(vsize) == need):  # hand its page over
-                (self._lru_reclaimable if victim.reclaimable else self._lru).pop(victim)
+                if not self._unpark(victim):
+                    (self._lru_reclaimable if victim.reclaimable else self._lru).pop(victim)
                 del self._blocks[victim.ns.id][victim.hash]
                 self.resident_blocks -= 1
                 self.resident_bytes -= vsize
@@ -633,34 +645,58 @@ class BlockIndex:
         copies first): with ``capped``, one of its own; else one of a namespace that is not
         in another group at or under its guarantee. ``claiming`` (the new block still fits
         in ``g``'s guarantee): others' blocks first, its own only when nobody else has one
-        to give, so a group always grows to its guarantee. The scans run in C (mapped
-        getters), past the protected blocks only."""
+        to give, so a group always grows to its guarantee."""
         if capped:
-            assert g is not None
-            return self._first_of(self._members[g], True)
+            return self._oldest(lambda c: c == g)
         held, limits = self.held, self._limits
-        protected: set[int] = set()
-        for i, members in enumerate(self._members):
-            if i != g and members and held[i] <= limits[i][0] and limits[i][0]:
-                protected |= members
+        blocked = {i for i, (lo, _) in enumerate(limits) if i != g and lo and held[i] <= lo}
         if claiming:
-            assert g is not None
-            victim = self._first_of(protected | self._members[g], False)
-            return victim if victim is not None else self._first_of(self._members[g], True)
-        return self._first_of(protected, False)
+            victim = self._oldest(lambda c: c != g and c not in blocked)
+            return victim if victim is not None else self._oldest(lambda c: c == g)
+        if not blocked:
+            return self._oldest(None)
+        return self._oldest(lambda c: c not in blocked)
 
-    def _first_of(self, ids: set[int], inside: bool) -> Block | None:
-        """The first block in eviction order whose namespace id is (``inside``) or is not in ``ids``."""
-        for lru in (self._lru_reclaimable, self._lru):
-            if not lru:
-                continue
-            if not ids and not inside:
-                return next(iter(lru))
-            hits = map(ids.__contains__, map(_NS_ID, lru))
-            b = next(compress(lru, hits if inside else map(not_, hits)), None)
-            if b is not None:
+    def _oldest(self, ok: Callable[[int], bool] | None) -> Block | None:
+        """The oldest evictable block whose class (quota group, -1: none) is ``ok`` (None: any):
+        reclaimable copies first, then parked blocks (older than all of ``_lru``), then
+        ``_lru`` from its head, parking what it skips. Each block is parked at most once
+        until it is used again, so the walk is amortised O(1) per eviction."""
+        cls = self._quota_group.get
+        for b in self._lru_reclaimable:  # copies pulled from peers: few, not parked
+            if ok is None or ok(cls(b.ns.id, -1)):
                 return b
+        if self._park_seq:
+            seq = self._park_seq
+            best: Block | None = None
+            for c, plru in self._parked.items():
+                if plru and (ok is None or ok(c)):
+                    head = next(iter(plru))
+                    if best is None or seq[head] < seq[best]:
+                        best = head
+            if best is not None:
+                return best
+        lru = self._lru
+        while lru:
+            b = next(iter(lru))
+            c = cls(b.ns.id, -1)
+            if ok is None or ok(c):
+                return b
+            lru.popitem(last=False)  # park it: older than every block left in _lru
+            plru = self._parked.get(c)
+            if plru is None:
+                plru = self._parked[c] = LRU()
+            plru[b] = None
+            self._park_seq[b] = self._park_next
+            self._park_next += 1
         return None
+
+    def _unpark(self, b: Block) -> bool:
+        """Take ``b`` out of the parked blocks; False if it was not parked."""
+        if self._park_seq.pop(b, None) is None:
+            return False
+        self._parked[self._quota_group.get(b.ns.id, -1)].pop(b)
+        return True
 
     # ---- inspection -------------------------------------------------------------------
     def quota_usage(self) -> list[tuple[int, int, int]]:
@@ -682,7 +718,8 @@ class BlockIndex:
 
     def lru_order(self) -> list[Block]:
         """Eviction order (first evicted first); pinned blocks excluded."""
-        return [*self._lru_reclaimable, *self._lru]
+        parked = sorted(self._park_seq, key=self._park_seq.__getitem__)
+        return [*self._lru_reclaimable, *parked, *self._lru]
 
 
 def _group(blocks: Iterable[Block]) -> dict[Namespace, list[bytes]]:

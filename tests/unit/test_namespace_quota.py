@@ -211,3 +211,64 @@ def test_under_its_guarantee_a_namespace_takes_others_blocks_before_its_own() ->
     assert idx.blocks_by_namespace() == {"hot": 4, "scan": 4}
     fill(idx, hot, [5])  # at its guarantee now: the global LRU (its own) goes
     assert idx.get(hot, h(1)) is None and idx.blocks_by_namespace() == {"hot": 4, "scan": 4}
+
+
+def test_every_victim_is_the_oldest_block_the_rule_allows() -> None:
+    """Random single-block inserts, lookups and pins in four namespaces (two with quotas):
+    each victim is the first block of the eviction order (``lru_order``, parked blocks
+    included) that the rule allows, computed here from the order and the held bytes."""
+    rng = random.Random(11)
+    idx = _pool(16, "a=min:0.25", "b=min:0.25/max:0.5", "c=max:0.25")
+    spaces = {n: idx.namespace(n, 4096) for n in ("a", "b", "c", "d")}
+    group = {"a": 0, "b": 1, "c": 2}
+    lo = [4 * 4096, 4 * 4096, 0]
+    hi = [16 * 4096, 8 * 4096, 4 * 4096]
+    gone: list = []
+    idx.add_listener(lambda op, ns, hs: gone.extend((ns.name, x) for x in hs) if op.value == "evict" else None)
+    pinned: list = []
+    checked = parked = 0
+    for step in range(3000):
+        parked = max(parked, len(idx._park_seq))
+        name = rng.choice("aabcdd")
+        ns = spaces[name]
+        key = h(rng.randrange(40 if name in "ab" else 400))
+        r = rng.random()
+        if r < 0.05 and pinned:
+            idx.unpin([pinned.pop(rng.randrange(len(pinned)))])
+            continue
+        if r < 0.1:
+            got = idx.prefix(ns, [key])
+            if got and len(pinned) < 4:
+                idx.pin(got)
+                pinned += got
+            continue
+        if r < 0.4:
+            idx.prefix(ns, [key])
+            continue
+        if idx.get(ns, key) is not None:
+            continue
+        order = idx.lru_order()
+        assert len(order) == len(set(order)) == idx.resident_blocks - len(set(pinned))
+        g = group.get(name)
+        held = list(idx.held)
+        full = idx.alloc.free_bytes < 4096
+        capped = g is not None and held[g] + 4096 > hi[g]
+        def cls(b):  # noqa: ANN001, ANN202
+            return group.get(b.ns.name, -1)
+        if capped:
+            allowed = [b for b in order if cls(b) == g]
+        else:
+            blocked = {i for i in range(3) if i != g and lo[i] and held[i] <= lo[i]}
+            allowed = [b for b in order if cls(b) not in blocked and cls(b) != g] if (
+                g is not None and held[g] + 4096 <= lo[g]) else [b for b in order if cls(b) not in blocked]
+            if not allowed and g is not None and held[g] + 4096 <= lo[g]:
+                allowed = [b for b in order if cls(b) == g]
+        gone.clear()
+        idx.insert(ns, [key])
+        if capped or full:
+            want = [(allowed[0].ns.name, allowed[0].hash)] if allowed else []
+            assert gone == want, (step, name, held)
+            checked += bool(want)
+        else:
+            assert gone == []
+    assert checked > 500 and parked > 5  # the rule was exercised, parked blocks included
