@@ -448,34 +448,32 @@ OPTIONS: list[Option] = [
     Option(
         "ssd-write-queue-depth",
         8,
-        "The original's pending SSD write batches (accepted for compatibility; no effect yet: "
-        "--ssd-write-queue-size bounds queued writes in bytes).",
+        "SSD write batches (the blocks of one commit) that may wait for a write slot "
+        "(--ssd-write-inflight); a batch beyond it is not written to SSD (counted as "
+        "skipped{reason=queue_full}), never waited for. --ssd-write-queue-size also bounds them in bytes.",
         _positive_int,
-        no_effect="queued SSD writes are bounded in bytes by --ssd-write-queue-size",
     ),
     Option(
         "ssd-prefetch-queue-depth",
         2,
-        "The original's pending SSD prefetch batches (accepted for compatibility; no effect yet: "
-        "--max-prefetch-blocks bounds reads).",
+        "SSD prefetch batches (the SSD blocks one Query promotes) that may wait for a read slot "
+        "(--ssd-prefetch-inflight); beyond it a Query promotes nothing new and answers with what is "
+        "already on its way (pegaflow_node_ssd_prefetch_dropped_blocks_total).",
         _positive_int,
-        no_effect="SSD reads are bounded by --max-prefetch-blocks and --ssd-queue-depth",
     ),
     Option(
         "ssd-write-inflight",
         2,
-        "The original's concurrent SSD block writes (accepted for compatibility; no effect yet: "
-        "--ssd-queue-depth bounds I/Os in flight).",
+        "SSD write I/Os in flight at most (one writev of adjacent blocks, up to 4 MiB); "
+        "--ssd-queue-depth bounds reads and writes together.",
         _positive_int,
-        no_effect="reads and writes share one I/O queue of --ssd-queue-depth entries",
     ),
     Option(
         "ssd-prefetch-inflight",
         16,
-        "The original's concurrent SSD block reads (accepted for compatibility; no effect yet: "
-        "--ssd-queue-depth bounds I/Os in flight).",
+        "SSD read I/Os (promotions) in flight at most (one readv of adjacent blocks, up to 4 MiB); "
+        "--ssd-queue-depth bounds reads and writes together.",
         _positive_int,
-        no_effect="reads and writes share one I/O queue of --ssd-queue-depth entries",
     ),
     Option(
         "max-prefetch-blocks",

@@ -27,6 +27,18 @@ class SsdMetrics:
                                  "Bytes pinned in L1 waiting for their SSD write.", registry=r)
         self.inflight = Gauge("pegaflow_node_ssd_inflight_ios", "SSD I/Os submitted and not completed.",
                               registry=r)
+        d = ["direction"]  # write | prefetch: the per-direction bounds of gate.py
+        self.dir_inflight = Gauge("pegaflow_node_ssd_direction_inflight_ios",
+                                  "SSD I/Os of one direction submitted and not completed "
+                                  "(at most --ssd-write-inflight / --ssd-prefetch-inflight).", d, registry=r)
+        self.dir_peak = Gauge("pegaflow_node_ssd_direction_inflight_ios_peak",
+                              "Most SSD I/Os of one direction in flight at once since start.", d, registry=r)
+        self.dir_waiting = Gauge("pegaflow_node_ssd_direction_waiting_batches",
+                                 "Batches of one direction waiting for an in-flight slot "
+                                 "(at most --ssd-write-queue-depth / --ssd-prefetch-queue-depth).", d, registry=r)
+        self.prefetch_dropped = Counter("pegaflow_node_ssd_prefetch_dropped_blocks_total",
+                                        "Blocks on SSD not promoted because --ssd-prefetch-queue-depth "
+                                        "batches were already waiting.", registry=r)
         self.skipped = Counter("pegaflow_node_ssd_skipped_writes_total",
                                "Blocks not written to SSD, by reason (queue_full, too_large, io_error).",
                                ["reason"], registry=r)

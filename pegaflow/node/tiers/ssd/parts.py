@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from pegaflow.core.block_index import BlockIndex, Namespace
+from pegaflow.node.tiers.ssd.gate import IoGate
 from pegaflow.node.tiers.ssd.metrics import SsdMetrics
 from pegaflow.node.tiers.ssd.store import Entry, SsdIndex
 from pegaflow.node.tiers.ssd.uring import Engine
@@ -20,6 +21,8 @@ class TierParts(Protocol):
     index: BlockIndex
     store: SsdIndex
     engine: Engine
+    writes: IoGate  # --ssd-write-inflight / --ssd-write-queue-depth in front of the engine
+    reads: IoGate  # --ssd-prefetch-inflight / --ssd-prefetch-queue-depth
     metrics: SsdMetrics
     pool_view: memoryview
     loop: asyncio.AbstractEventLoop | None

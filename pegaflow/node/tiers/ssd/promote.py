@@ -15,6 +15,12 @@ Contracts:
   counted. Corrupt bytes are a miss, never served.
 - At most ``--max-prefetch-blocks`` blocks are read at once; a Query finding more on SSD
   promotes the front of its continuation only (LOADING for that part, as above).
+- One Query's reads are one batch for the read gate (``gate.py``): at most
+  ``--ssd-prefetch-inflight`` read I/Os in flight; when ``--ssd-prefetch-queue-depth``
+  batches already wait for a slot, the Query promotes nothing new (as the original drops
+  a prefetch batch offered to its full channel) and the blocks are counted in
+  ``pegaflow_node_ssd_prefetch_dropped_blocks_total``; it answers with what is already on
+  its way, or READY with the L1 prefix.
 - While a promotion runs, what L1 holds of the query's blocks is pinned, and every
   block of the batch stays pinned after it completed until a Query leases all of them
   (:meth:`Promoter.leased`: the lease pins them from then on) or ``HOLD_SECONDS`` pass,
@@ -110,12 +116,16 @@ class Promoter:
         index.pin(held)
         batch.pinned.extend(held)
         recs: list[_Rec] = []
+        dropping = t.reads.full()
         for ns in nss:
             need = [h for h in hashes[hit:j]
                     if index.get(ns, h) is None and (ns.id, h) not in inflight and (ns.id, h) in store.entries]
             # Back-pressure: beyond the limit the rest is not promoted now; _loading then answers
             # with the prefix that is on its way, and the engine's next Query promotes more.
             need = need[:max(0, self.max_blocks - len(inflight))]
+            if need and dropping:
+                t.metrics.prefetch_dropped.inc(len(need))
+                continue
             if not need:
                 continue
             for h, b in zip(need, index.reserve(ns, need), strict=True):
@@ -127,7 +137,8 @@ class Promoter:
         if recs:
             batch.remaining = len(recs)
             t.metrics_node_hits(len(recs))
-            t.engine.submit([self._read(run, batch) for run in _runs(recs)])
+            accepted = t.reads.offer([self._read(run, batch) for run in _runs(recs)])
+            assert accepted, "checked above: at most queue_depth batches wait"
         else:
             self._unpin(batch)
         return self._loading(nss, hashes, hit, j)

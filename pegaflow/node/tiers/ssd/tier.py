@@ -23,6 +23,7 @@ from pegaflow.config.commands import NodeConfig
 from pegaflow.core.block_index import Block, BlockIndex, Namespace
 from pegaflow.node.metrics import NodeMetrics
 from pegaflow.node.tiers.ssd.files import SsdError, open_files
+from pegaflow.node.tiers.ssd.gate import IoGate
 from pegaflow.node.tiers.ssd.metrics import SsdMetrics
 from pegaflow.node.tiers.ssd.promote import Promoter
 from pegaflow.node.tiers.ssd.store import CacheFile, Entry, SsdIndex
@@ -62,6 +63,15 @@ class SsdTier:
         self.store = SsdIndex(self.files, self._ns_id)
         self.store.scan()
         self.engine = make_engine(self.config.ssd_io_engine, self.config.ssd_queue_depth)
+        c = self.config
+        self.metrics.dir_inflight.labels("write").set_function(lambda: self.writes.inflight)
+        self.metrics.dir_inflight.labels("prefetch").set_function(lambda: self.reads.inflight)
+        self.metrics.dir_waiting.labels("write").set_function(lambda: self.writes.waiting())
+        self.metrics.dir_waiting.labels("prefetch").set_function(lambda: self.reads.waiting())
+        self.writes = IoGate(self.engine, self.call_soon, c.ssd_write_inflight, c.ssd_write_queue_depth,
+                             self._gate_peak("write"))
+        self.reads = IoGate(self.engine, self.call_soon, c.ssd_prefetch_inflight, c.ssd_prefetch_queue_depth,
+                            self._gate_peak("prefetch"))
         # Queued writes pin their L1 pages: never let them hold more than half the pool.
         self.writer = WriteBehind(self, min(self.config.ssd_write_queue_size, index.alloc.capacity // 2))
         self.promoter = Promoter(self, self.config.max_prefetch_blocks)
@@ -77,7 +87,13 @@ class SsdTier:
         m.queue_bytes.set_function(lambda: self.writer.queued_bytes)
         m.inflight.set_function(lambda: self.engine.inflight())
         log.info("ssd_tier_ready", files=[f.path for f in self.files], capacity=self.store.capacity,
-                 blocks=len(self.store.entries), engine=self.engine.name, queue_depth=self.engine.depth)
+                 blocks=len(self.store.entries), engine=self.engine.name, queue_depth=self.engine.depth,
+                 write_inflight=self.writes.limit, write_queue_depth=self.writes.queue_depth,
+                 prefetch_inflight=self.reads.limit, prefetch_queue_depth=self.reads.queue_depth)
+
+    def _gate_peak(self, direction: str) -> Callable[[IoGate], None]:
+        peak = self.metrics.dir_peak.labels(direction)
+        return lambda gate: peak.set(gate.peak)
 
     def _ns_id(self, name: str, page_bytes: int) -> int | None:
         try:

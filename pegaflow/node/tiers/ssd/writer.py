@@ -4,7 +4,11 @@ blocking a save.
 Contracts:
 - Called from the block index's ``insert`` listener (the node's event loop). A block is
   queued only if it fits the bounded queue (``--ssd-write-queue-size`` bytes); otherwise
-  the write is skipped and counted. Nothing here waits.
+  the write is skipped and counted. The blocks one insert adds are one batch for the
+  write gate (``gate.py``): when ``--ssd-write-queue-depth`` batches already wait for a
+  free write slot (``--ssd-write-inflight`` I/Os in flight), the whole batch is skipped
+  (``queue_full``), as the original drops a batch offered to its full write channel.
+  Nothing here waits.
 - A queued block is **pinned** in L1 until its write completed: the kernel reads the
   page straight from the pool (O_DIRECT), so the page must not be evicted and reused
   meanwhile, else another block's bytes would reach disk under this block's checksum.
@@ -48,6 +52,7 @@ class WriteBehind:
         self.queued_bytes = 0
         self.closing = False
         self._hdrs: list[bytearray] = []
+        self._scheduled = 0  # batches accepted whose _issue has not run yet (they count as waiting)
 
     def on_index_event(self, op: IndexEvent, ns: Namespace, hashes: list[bytes]) -> None:
         """Block-index listener: queue newly committed blocks for SSD."""
@@ -56,6 +61,9 @@ class WriteBehind:
         t = self.tier
         store, index, m = t.store, t.index, t.metrics
         size = round_up(ns.page_bytes)
+        if t.writes.waiting() + self._scheduled >= t.writes.queue_depth:
+            m.skipped.labels("queue_full").inc(sum(1 for h in hashes if (ns.id, h) not in self.pending))
+            return
         batch: list[Block] = []
         for h in hashes:
             key = (ns.id, h)
@@ -79,11 +87,13 @@ class WriteBehind:
             batch.append(b)
         if batch:
             # Not inline: this runs inside a Commit; the loop answers what is waiting first.
+            self._scheduled += 1
             t.call_soon(self._issue, batch)
 
     # ---- issue ------------------------------------------------------------------------
     def _issue(self, blocks: list[Block]) -> None:
         t = self.tier
+        self._scheduled -= 1
         runs: list[list[_Rec]] = []
         run_bytes = 0
         for b in blocks:
@@ -102,7 +112,8 @@ class WriteBehind:
                 runs.append([rec])
                 run_bytes = size
         ops = [self._op(run) for run in runs]
-        t.engine.submit(ops)
+        accepted = t.writes.offer(ops)
+        assert accepted, "checked in on_index_event: at most queue_depth batches wait"
 
     def _op(self, run: list[_Rec]) -> IoOp:
         t = self.tier
