@@ -102,6 +102,7 @@ class NodeAdmin:
         self.max_batch = max_batch
         self.ssd = ssd
         self.pins: dict[str, Pin] = {}
+        self.pinned_bytes = 0  # what all pins ask for (an int: the metrics' scrape thread reads it)
         self._by_ns: dict[str, list[Pin]] = {}  # namespace name -> its pins
         self._ids = itertools.count(1)
         self._scheduled: set[str] = set()  # namespaces with a catch-up pending on the loop
@@ -115,10 +116,6 @@ class NodeAdmin:
     @property
     def max_pinned_bytes(self) -> int:
         return int(self.index.alloc.capacity * self.max_pinned_share)
-
-    @property
-    def pinned_bytes(self) -> int:
-        return sum(p.bytes for p in self.pins.values())
 
     def _on_index_event(self, op: IndexEvent, ns: Namespace, hashes: list[bytes]) -> None:
         # Called inside the index's own calls: only note the namespace, act once they return.
@@ -179,6 +176,7 @@ class NodeAdmin:
                 f"pinning {pin.bytes} bytes would pass --max-pinned-share {self.max_pinned_share:g} of the pool "
                 f"({self.pinned_bytes} of {self.max_pinned_bytes} bytes pinned)")
         self.pins[pin.id] = pin
+        self.pinned_bytes += pin.bytes
         self._by_ns.setdefault(ns.name, []).append(pin)
         self._sync(pin)
         log.info("cache_pinned", pin=pin.id, namespace=ns.name, blocks=len(hashes), resident=len(pin.held))
@@ -195,6 +193,7 @@ class NodeAdmin:
         pin = self.pins.pop(request.id, None)
         if pin is None:
             raise NotFound(f"no pin {request.id!r} on this node")
+        self.pinned_bytes -= pin.bytes
         self._by_ns[pin.namespace].remove(pin)
         if not self._by_ns[pin.namespace]:
             del self._by_ns[pin.namespace]

@@ -158,6 +158,8 @@ class Node:
             leases=lambda: len(self.sessions.leases),
             reservations=lambda: len(self.sessions.reservations),
             sessions=lambda: len(self.sessions.sessions),
+            pinned_bytes=lambda: self.admin.pinned_bytes,
+            pins=lambda: len(self.admin.pins),
             admission_rejections=lambda: self.index.admission_rejections,
         )
         self.server: grpc.aio.Server | None = None

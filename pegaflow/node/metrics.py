@@ -64,6 +64,9 @@ class NodeMetrics:
         self.leases = Gauge("pegaflow_node_active_leases", "Leases currently held.", registry=r)
         self.reservations = Gauge("pegaflow_node_active_reservations", "Uncommitted reservations.", registry=r)
         self.sessions = Gauge("pegaflow_node_sessions", "Registered engine sessions.", registry=r)
+        self.pinned_bytes = Gauge("pegaflow_node_pinned_bytes",
+                                  "Bytes the operators' pins ask for (pegaflow cache pin).", registry=r)
+        self.pins = Gauge("pegaflow_node_pins", "Operators' pins (pegaflow cache pins).", registry=r)
         # Hit-rate ceiling per window (pegaflow/node/accounting.py), refreshed by the node's loop.
         self.ceiling = Gauge(
             "pegaflow_node_ceiling_hit_ratio",

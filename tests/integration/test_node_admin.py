@@ -267,9 +267,11 @@ def test_a_pinned_prefix_survives_filling_the_pool_past_capacity_until_unpinned(
         line = one_line(cache(node, "pins"))
         assert line.startswith("1 pin(s), 512.0 KiB of 1.0 MiB pinnable: sys 8/8 resident"), line
         assert cache_json(node, "inspect", "-n", NS, "--hashes", *(h.hex() for h in system))["pinned"] == 8
+        assert (node.metric("pegaflow_node_pinned_bytes"), node.metric("pegaflow_node_pins")) == (8 * PAGE, 1)
         p = cache(node, "unpin", "sys")
         assert one_line(p) == "unpinned sys: 8 blocks evictable again"
         assert cache_json(node, "pins")["pins"] == []
+        assert (node.metric("pegaflow_node_pinned_bytes"), node.metric("pegaflow_node_pins")) == (0, 0)
         fill(c, "again", 128)
         assert c.query([NS], system, lease=False).hit_blocks == 0
     finally:
