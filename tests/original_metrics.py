@@ -32,6 +32,7 @@ def _m(name: str, kind: str, labels: tuple[str, ...] = ()) -> OriginalMetric:
 EXPORTED: tuple[OriginalMetric, ...] = (
     _n("pegaflow_pool_used_bytes", "gauge"),
     _n("pegaflow_pool_capacity_bytes", "gauge"),
+    _n("pegaflow_pool_largest_free_bytes", "gauge"),
     _n("pegaflow_pool_alloc_failures_total", "counter"),
     _n("pegaflow_inflight_bytes", "gauge"),
     _n("pegaflow_cache_block_hits_total", "counter"),
@@ -74,7 +75,6 @@ EXPORTED: tuple[OriginalMetric, ...] = (
 )
 
 NOT_EXPORTED: tuple[str, ...] = (
-    "pegaflow_pool_largest_free_bytes",
     "pegaflow_cache_block_evictions_by_class_total",
     "pegaflow_cache_block_evictions_still_referenced_total",
     "pegaflow_cache_eviction_reclaimed_bytes_total",
@@ -88,8 +88,10 @@ NOT_EXPORTED: tuple[str, ...] = (
     "pegaflow_load_failures_total",
     "pegaflow_ssd_write_duration_seconds",
     "pegaflow_ssd_write_throughput_per_second",
+    "pegaflow_ssd_write_throughput_bytes_per_second_per_second",
     "pegaflow_ssd_write_inflight",
     "pegaflow_ssd_prefetch_throughput_per_second",
+    "pegaflow_ssd_prefetch_throughput_bytes_per_second_per_second",
     "pegaflow_ssd_prefetch_inflight",
     "pegaflow_ssd_prefetch_queue_full_total",
     "pegaflow_ssd_prefetch_backpressure_blocks_total",

@@ -349,6 +349,8 @@ class Node:
             if time.monotonic() >= next_ceiling:
                 self.ceiling.refresh()
                 next_ceiling = time.monotonic() + CEILING_REFRESH
+            if isinstance(self.index.alloc, ExtentAllocator):  # read here, on the allocator's loop
+                self.metrics.pool_largest_free.set(self.index.alloc.largest_free())
             if self.query_trace is not None:
                 self.query_trace.flush()
             self._drop_unused_namespaces()

@@ -58,6 +58,12 @@ class NodeMetrics:
         self.pool_prefaulted = Gauge("pegaflow_node_pool_prefaulted_bytes",
                                      "Bytes of the pool pre-faulted so far (only these are handed out; "
                                      "equal to the capacity once the background pre-fault is done).", registry=r)
+        self.pool_largest_free = Gauge(
+            "pegaflow_node_pool_largest_free_bytes",
+            "Largest free extent of the pool: the biggest page that can be allocated without evicting "
+            "(fragmentation when much smaller than capacity - used). Sampled every second.",
+            registry=r,
+        )
         self.pool_used = Gauge("pegaflow_node_pool_used_bytes", "Bytes of the pool in use (resident + pending).", registry=r)
         self.resident_blocks = Gauge("pegaflow_node_resident_blocks", "Committed blocks in L1.", registry=r)
         self.resident_bytes = Gauge("pegaflow_node_resident_bytes", "Bytes of committed blocks in L1.", registry=r)
@@ -179,6 +185,9 @@ def original_aliases(m: NodeMetrics) -> list[Alias | ValueAlias]:
               ("pegaflow_node_pool_used_bytes",)),
         Alias("pegaflow_pool_capacity_bytes", "gauge", "Pool size (pegaflow_node_pool_capacity_bytes).",
               ("pegaflow_node_pool_capacity_bytes",)),
+        Alias("pegaflow_pool_largest_free_bytes", "gauge",
+              "Largest free extent of the pool (pegaflow_node_pool_largest_free_bytes).",
+              ("pegaflow_node_pool_largest_free_bytes",)),
         Alias("pegaflow_pool_alloc_failures", "counter",
               "Blocks Reserve gave no page because every page was pinned or admission refused "
               "(pegaflow_node_reserve_skipped_blocks_total{reason=\"no_space\"}).",

@@ -58,6 +58,9 @@ def test_a_live_node_and_metaserver_serve_the_originals_names(node_factory, redi
     meta = start_metaserver(tmp_path, redis_server.url)
     try:
         node = node_factory(pool_size="1mb", extra=node_args(tmp_path, redis_server.url))
+        # A fresh pool is one free extent (sampled every second).
+        wait_until(lambda: node.metric("pegaflow_pool_largest_free_bytes") == 1 << 20, WAIT_S,
+                   "the largest free extent to be the whole pool")
         t = drive(node, meta)
 
         # The node's loop refreshes the window gauges every 5 s; the publisher flushes on its own.
@@ -78,7 +81,8 @@ def test_a_live_node_and_metaserver_serve_the_originals_names(node_factory, redi
 
         # Pool and residency: the same scrape, the same numbers.
         assert same("pegaflow_pool_capacity_bytes", "pegaflow_node_pool_capacity_bytes") == 1 << 20
-        same("pegaflow_pool_used_bytes", "pegaflow_node_pool_used_bytes")
+        used = same("pegaflow_pool_used_bytes", "pegaflow_node_pool_used_bytes")
+        assert 0 <= same("pegaflow_pool_largest_free_bytes", "pegaflow_node_pool_largest_free_bytes") <= (1 << 20) - used
         same("pegaflow_cache_resident_bytes", "pegaflow_node_resident_bytes")
         assert same("pegaflow_cache_resident_blocks", "pegaflow_node_resident_blocks") > 0
         assert value(s, "pegaflow_inflight_bytes") == 0  # every reservation was committed
