@@ -550,10 +550,10 @@ OPTIONS: list[Option] = [
     Option(
         "qps-per-peer",
         2,
-        "RC QPs per (local NIC, remote NIC) pair (accepted for compatibility; no effect yet: one "
-        "QP per peer connection).",
+        "RC queue pairs per (local NIC, remote NIC) pair of an RDMA pull (--nics with "
+        "--metaserver-addr): a pull's pages are dealt over them, each with up to 64 READs in "
+        "flight. No effect on TCP pulls (logged once at start when set there).",
         _positive_int,
-        no_effect="the RDMA path opens one QP per peer connection",
     ),
     Option(
         "pin-ttl",

@@ -31,7 +31,7 @@ from pegaflow.common.security import (
     token_path,
 )
 from pegaflow.config.commands import NodeConfig
-from pegaflow.config.options import NODE, without_effect
+from pegaflow.config.options import NODE, default_of, options_for, without_effect
 from pegaflow.core.allocator import ExtentAllocator
 from pegaflow.core.block_index import BlockIndex, IndexEvent, Namespace
 from pegaflow.core.hosts import host_of
@@ -198,6 +198,10 @@ class Node:
     async def start(self) -> None:
         for flag, reason in without_effect(NODE, self.config):  # the original's flags, once each
             log.info("option_without_effect", flag=flag, reason=reason)
+        qps = next(o for o in options_for(NODE) if o.name == "qps-per-peer")
+        if self.config.qps_per_peer != default_of(qps) and not (self.config.nics and self.config.metaserver_addr):
+            log.info("option_without_effect", flag="--qps-per-peer",
+                     reason="pages are pulled over TCP here (RDMA pulls need --nics and --metaserver-addr)")
         self._start_prefault()
         self.admin.start(asyncio.get_running_loop())
         guard = AsyncGuard(self.security.token)

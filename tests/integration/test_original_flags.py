@@ -149,3 +149,15 @@ def test_prometheus_off_leaves_metrics_empty_and_health_answering(tmp_path: Path
     with urllib.request.urlopen(f"http://127.0.0.1:{http}/health", timeout=5) as r:
         assert json.loads(r.read())["ok"] is True
     stop_cleanly(n, "node_stopped")
+
+
+def test_qps_per_peer_is_logged_without_effect_on_a_tcp_node(tmp_path: Path, procs: list[Proc]):  # noqa: F811
+    # --qps-per-peer only shapes RDMA pulls (--nics with --metaserver-addr); with the full
+    # flag list above it is used (not logged), without --nics it is said to do nothing.
+    port = free_port()
+    n = Proc([console("pegaflow-server"), "--addr", f"127.0.0.1:{port}", "--pool-size", "64mb", "--http-addr", "off",
+              "--qps-per-peer", "4"], tmp_path / "node.log", {"PEGAFLOW_LOG_FORMAT": "json"})
+    procs.append(n)
+    wait_until(lambda: node_serves(f"127.0.0.1:{port}", n), 60, "pegaflow-server")
+    assert without_effect_logged(n.log())["--qps-per-peer"] == 1
+    stop_cleanly(n, "node_stopped")

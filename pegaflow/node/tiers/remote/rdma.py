@@ -3,11 +3,13 @@
 Shape (as the Rust original): every node opens the devices named by ``--nics`` and
 registers its whole pool as one memory region per device (remote read + local write),
 so a pin only needs to return offsets, the pool's base virtual address and the MR's
-rkey per NIC. The puller keeps one RC queue pair per (peer, NIC), set up lazily with a
-gRPC handshake (``PegaPeer.RdmaConnect``: QP number, LID, GID, PSN each way); a pull
-posts one signaled READ work request per page, striped over the NICs, at most
-``MAX_OUTSTANDING`` in flight per QP, and polls the send CQ until every page completed.
-The peer's CPU takes no part in the copy.
+rkey per NIC. The puller keeps ``--qps-per-peer`` RC queue pairs per (peer, NIC) (the
+original's "RC QPs per (local NIC, remote NIC) pair", default 2), each set up lazily with
+a gRPC handshake (``PegaPeer.RdmaConnect``: QP number, LID, GID, PSN each way; the
+responder opens one QP per puller QP, so the two sides need not agree on the number); a
+pull posts one signaled READ work request per page, striped over the NICs and, within a
+NIC, over its QPs, at most ``MAX_OUTSTANDING`` in flight per QP, and polls the QPs' CQs
+until every page completed. The peer's CPU takes no part in the copy.
 
 A failed completion (peer died, keys revoked) or a poll timeout raises
 :class:`TransferError`; the QP is then in the error state and is dropped, so the next
@@ -222,15 +224,23 @@ class RdmaTransport:
 
     name = RDMA
 
-    def __init__(self, engine: RdmaEngine, handshake: Handshake, node_id: str = "") -> None:
+    def __init__(self, engine: RdmaEngine, handshake: Handshake, node_id: str = "", qps_per_peer: int = 1) -> None:
+        if qps_per_peer < 1:
+            raise ValueError(f"qps_per_peer must be > 0, got {qps_per_peer}")
         self.engine = engine
         self.handshake = handshake
         self.node_id = node_id
-        self._conns: dict[tuple[str, int], _Conn] = {}
+        self.qps_per_peer = qps_per_peer
+        self._conns: dict[tuple[str, int, int], _Conn] = {}  # (peer, our NIC, QP index)
         self._lock = threading.Lock()
 
-    def _conn(self, peer: str, i: int, peer_nics: int) -> _Conn:
-        key = (peer, i)
+    def qps(self, peer: str | None = None) -> int:
+        """Queue pairs open (to ``peer``, or to every peer)."""
+        with self._lock:
+            return sum(1 for k in self._conns if peer is None or k[0] == peer)
+
+    def _conn(self, peer: str, i: int, j: int, peer_nics: int) -> _Conn:
+        key = (peer, i, j)
         with self._lock:
             c = self._conns.get(key)
         if c is not None:
@@ -276,43 +286,72 @@ class RdmaTransport:
                 for o, c in zip(dests, remote.checksums, strict=True)]
 
     def _read_stripe(self, remote: RemotePages, dests: Sequence[int], nic_i: int, pages: list[int]) -> None:
-        c = self._conn(remote.peer, nic_i, len(remote.rkeys))
+        """The pages of one NIC, dealt round-robin over its QPs to the peer, posted and
+        polled together (each QP keeps up to ``MAX_OUTSTANDING`` READs in flight)."""
+        q = min(self.qps_per_peer, len(pages))
+        parts = [pages[j::q] for j in range(q)]
+        conns: list[_Conn] = []
+        try:
+            for j in range(q):
+                conns.append(self._conn(remote.peer, nic_i, j, len(remote.rkeys)))
+        except TransferError:
+            for j in range(len(conns)):
+                self._drop(remote.peer, nic_i, j)
+            raise
         v, e = self.engine.verbs, self.engine.verbs.e
-        rkey = remote.rkeys[c.peer_nic]
-        lkey = c.nic.mr.lkey
         base, size = self.engine.base, remote.page_bytes
-        with c.lock:
-            posted = done = 0
+        for c in conns:  # always in QP order: two pulls cannot deadlock
+            c.lock.acquire()
+        try:
+            posted = [0] * q
+            done = [0] * q
             last = time.monotonic()
-            try:
-                while done < len(pages):
-                    while posted < len(pages) and posted - done < MAX_OUTSTANDING:
-                        i = pages[posted]
+            while any(done[j] < len(parts[j]) for j in range(q)):
+                progress = False
+                for j, c in enumerate(conns):
+                    part = parts[j]
+                    rkey = remote.rkeys[c.peer_nic]
+                    lkey = c.nic.mr.lkey
+                    while posted[j] < len(part) and posted[j] - done[j] < MAX_OUTSTANDING:
+                        i = part[posted[j]]
                         sge = v.SGE(base + dests[i], size, lkey)
                         wr = v.SendWR(wr_id=i, opcode=e.IBV_WR_RDMA_READ, num_sge=1, sg=[sge],
                                       send_flags=e.IBV_SEND_SIGNALED)
                         wr.set_wr_rdma(rkey, remote.rdma_base + remote.offsets[i])
                         c.qp.post_send(wr)
-                        posted += 1
+                        posted[j] += 1
+                    if done[j] == len(part):
+                        continue
                     npolled, wcs = c.cq.poll(CQ_BATCH)
                     if npolled:
                         for wc in wcs[:npolled]:
                             if wc.status != e.IBV_WC_SUCCESS:
                                 raise TransferError(f"RDMA READ of page {wc.wr_id} failed: status {wc.status}")
-                        done += npolled
-                        last = time.monotonic()
-                    elif time.monotonic() - last > POLL_TIMEOUT:
-                        raise TransferError(f"no RDMA completion for {POLL_TIMEOUT}s ({done}/{len(pages)})")
-            except TransferError:
-                self._drop(remote.peer, nic_i)
-                raise
-            except Exception as exc:  # a verbs error (QP in error state, ...)
-                self._drop(remote.peer, nic_i)
-                raise TransferError(f"RDMA READ from {remote.peer}: {exc}") from exc
+                        done[j] += npolled
+                        progress = True
+                if progress:
+                    last = time.monotonic()
+                elif time.monotonic() - last > POLL_TIMEOUT:
+                    raise TransferError(f"no RDMA completion for {POLL_TIMEOUT}s ({sum(done)}/{len(pages)})")
+        except TransferError:
+            self._drop_nic(remote.peer, nic_i)
+            raise
+        except Exception as exc:  # a verbs error (QP in error state, ...)
+            self._drop_nic(remote.peer, nic_i)
+            raise TransferError(f"RDMA READ from {remote.peer}: {exc}") from exc
+        finally:
+            for c in conns:
+                c.lock.release()
 
-    def _drop(self, peer: str, i: int) -> None:
+    def _drop_nic(self, peer: str, i: int) -> None:
         with self._lock:
-            c = self._conns.pop((peer, i), None)
+            keys = [k for k in self._conns if k[0] == peer and k[1] == i]
+        for k in keys:
+            self._drop(*k)
+
+    def _drop(self, peer: str, i: int, j: int) -> None:
+        with self._lock:
+            c = self._conns.pop((peer, i, j), None)
         if c is not None:
             for o in (c.qp, c.cq):
                 try:

@@ -76,7 +76,7 @@ class P2P:
             if self.engine is not None:
                 from pegaflow.node.tiers.remote.rdma import RdmaTransport
 
-                transport = RdmaTransport(self.engine, self._handshake, node_id)
+                transport = RdmaTransport(self.engine, self._handshake, node_id, config.qps_per_peer)
             else:
                 transport = TcpTransport(pool.view)
             self._peers = GrpcPeers(security)

@@ -1,0 +1,66 @@
+"""--qps-per-peer: an RDMA pull opens that many RC queue pairs per (our NIC, peer NIC) pair,
+deals each NIC's pages over them, reuses them on the next pull, and drops them all when the
+peer fails. Over the fake verbs layer (tests/unit/fake_verbs.py, the one tests/fakes/pyverbs
+gives node processes): everything above the hardware edge is the code that runs on NICs."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+
+import pytest
+
+from pegaflow.node.tiers.remote.rdma import RdmaTransport
+from tests.unit import fake_verbs
+from tests.unit.test_p2p import Holder, RdmaPair, hashes, pulls, settle
+
+
+def test_transport_refuses_zero_qps() -> None:
+    with pytest.raises(ValueError):
+        RdmaTransport(None, lambda p, r: None, "x", qps_per_peer=0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("qps", [1, 3])
+def test_a_pull_spreads_each_nics_pages_over_qps_per_peer_queue_pairs(qps: int, monkeypatch) -> None:
+    per_qp: collections.Counter[int] = collections.Counter()
+    post = fake_verbs.QP.post_send
+
+    def counted(self: fake_verbs.QP, wr: object) -> None:
+        per_qp[self.qp_num] += 1
+        post(self, wr)
+
+    monkeypatch.setattr(fake_verbs.QP, "post_send", counted)
+    r = RdmaPair()
+    r.transport.qps_per_peer = qps  # as RdmaTransport(..., qps_per_peer) from --qps-per-peer (wiring.py)
+    try:
+        hs = hashes("qp", 60)
+        want = r.a.store(hs)
+        r.meta.holders = [Holder("ra", r.a.address, 60)]
+
+        async def pull() -> None:
+            r.a.table.loop = asyncio.get_running_loop()
+            assert await r.puller.query([r.b.ns], hs, 0)
+            await settle(r.puller)
+
+        asyncio.run(pull())
+        assert all(r.b.page(h) == want[h] for h in hs)
+        assert r.handshakes == 2 * qps  # 2 NICs x qps queue pairs, each with its handshake
+        assert r.transport.qps() == r.transport.qps(r.a.address) == 2 * qps
+        assert len(r.responder.qps) == 2 * qps  # the peer answered each with a QP of its own
+        assert len(per_qp) == 2 * qps and sum(per_qp.values()) == 60
+        assert set(per_qp.values()) == {60 // (2 * qps)}  # dealt evenly
+        # The next pull reuses them.
+        r.b.index.remove(r.b.index.resident(r.b.ns))
+        asyncio.run(pull())
+        assert r.handshakes == 2 * qps and r.transport.qps() == 2 * qps
+        assert pulls(r.b, "ok") == 2
+        # The peer dies (its QPs stop answering): the pull fails and every QP to it is dropped.
+        for n in list(r.fabric.qps):
+            if r.fabric.qps[n] in [q for q, _ in r.responder.qps]:
+                r.fabric.kill_qp(n)
+        r.b.index.remove(r.b.index.resident(r.b.ns))
+        asyncio.run(pull())
+        assert r.transport.qps() == 0
+        assert pulls(r.b, "ok") == 2
+    finally:
+        r.close()
