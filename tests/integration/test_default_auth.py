@@ -70,6 +70,7 @@ c = PegaClient(addr, map_pool=False, timeout=5)
 try:
     c.register({"victim": PAGE})
     out["register"] = "OK"
+    out["transport"] = c.transport  # "local": it could open the socket and present the token
 except (NodeError, grpc.RpcError) as exc:
     out["register"] = code(exc)
 # 2. Query the victim's blocks: hits = what this process learns of them.
@@ -180,7 +181,7 @@ def test_the_same_attacker_succeeds_against_a_no_auth_node(node_factory, tmp_pat
     assert not os.path.exists(token_path(node.local_socket))
     owner = victim(node.addr)
     got = attack(tmp_path, node.addr, owner.session_id)
-    assert got["register"] == "OK", got
+    assert got["register"] == "OK" and got["transport"] == "grpc", got  # the socket stays 0600 to it
     assert got["query_hits"] == N, got
     assert got["raw_query"] == "OK", got
     assert got["poisoned"] == N and poisoned_hits(owner) == N, got
@@ -207,7 +208,7 @@ def test_access_group_lets_its_members_in_and_nobody_else(node_factory, tmp_path
     owner = victim(node.addr)
     assert owner.transport == "local"
     member = attack(tmp_path, node.addr, owner.session_id, groups=(g.gr_gid,))
-    assert member["register"] == "OK" and member["query_hits"] == N, member
+    assert member["register"] == "OK" and member["query_hits"] == N and member["transport"] == "local", member
     stranger = attack(tmp_path, node.addr, owner.session_id)
     assert stranger["register"] == "UNAUTHENTICATED" and stranger.get("query_hits", 0) == 0, stranger
     owner.close()
