@@ -39,14 +39,13 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-import grpc
 import structlog
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from pegaflow._proto import node_pb2
-from pegaflow.common.errors import InvalidArgument, PegaError, ResourceExhausted
+from pegaflow.common.errors import InvalidArgument, ResourceExhausted
 from pegaflow.common.grpc_guard import token_matches
 from pegaflow.common.validate import check_hashes
 from pegaflow.core.block_index import Block, BlockIndex, IndexEvent, Namespace
@@ -58,12 +57,6 @@ log = structlog.get_logger("pegaflow.node.admin")
 T = TypeVar("T")
 HTTP_TIMEOUT_S = 30.0  # an HTTP call waits at most this long for the node's loop
 MAX_PIN_NAME = 128
-
-
-class NotFound(PegaError):
-    """An unknown pin id (NOT_FOUND)."""
-
-    code = grpc.StatusCode.NOT_FOUND
 
 
 class SsdLookup(Protocol):
@@ -192,7 +185,7 @@ class NodeAdmin:
     def unpin(self, request: node_pb2.CacheUnpinRequest) -> node_pb2.CacheUnpinResponse:
         pin = self.pins.pop(request.id, None)
         if pin is None:
-            raise NotFound(f"no pin {request.id!r} on this node")
+            raise InvalidArgument(f"no pin {request.id!r} on this node")
         self.pinned_bytes -= pin.bytes
         self._by_ns[pin.namespace].remove(pin)
         if not self._by_ns[pin.namespace]:

@@ -326,7 +326,7 @@ def test_bad_input_is_one_line_and_invalid_argument(node):
             assert p.returncode == 2, (args, p.stdout, p.stderr)
             assert want in one_line(p, "stderr"), (args, p.stderr)
         p = cache(node, "unpin", "nope")
-        assert p.returncode == 1 and "NOT_FOUND" in one_line(p, "stderr")
+        assert p.returncode == 1 and "INVALID_ARGUMENT: no pin 'nope'" in one_line(p, "stderr")
         p = cache(node, "pin", "-n", "never-registered", "--hashes", hashes("a", 1)[0].hex())
         assert p.returncode == 1 and "INVALID_ARGUMENT" in one_line(p, "stderr")
         p = cache(node, "pins", env={})  # no token
