@@ -1,18 +1,20 @@
 """Prometheus metrics of the node. Names: ``pegaflow_node_<what>[_<unit>][_total]``.
 
 Gauges that mirror state (pool usage, resident blocks, leases) are computed at scrape
-time from the live objects, so they can never drift from the truth.
+time from the live objects, so they can never drift from the truth. The Rust original's
+names (``pegaflow_pool_used_bytes``, ``pegaflow_rpc_duration_seconds``, ...) are derived from
+these at scrape time: :func:`original_aliases`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from pegaflow.common.metric_alias import Alias, OriginalNames, ValueAlias, rpc_labels
+from pegaflow.common.metric_alias import Alias, OriginalNames, Relabel, ValueAlias, rpc_labels
 
 RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
@@ -154,17 +156,21 @@ def _value(gauge: Gauge) -> float:
     return next(iter(gauge.collect())).samples[0].value
 
 
-def _only(**want: str):  # noqa: ANN202 - a Relabel
+def _only(**want: str) -> Relabel:
     """Keep the samples whose labels match ``want``; the original's series has no label."""
-    def relabel(labels):  # noqa: ANN001, ANN202
+    def relabel(labels: Mapping[str, str]) -> dict[str, str] | None:
         return {} if all(labels.get(k) == v for k, v in want.items()) else None
     return relabel
 
 
-def _one_of(label: str, values: tuple[str, ...]):  # noqa: ANN202 - a Relabel
-    def relabel(labels):  # noqa: ANN001, ANN202
+def _one_of(label: str, values: tuple[str, ...]) -> Relabel:
+    def relabel(labels: Mapping[str, str]) -> dict[str, str] | None:
         return {} if labels.get(label) in values else None
     return relabel
+
+
+def _same(labels: Mapping[str, str]) -> dict[str, str]:
+    return dict(labels)
 
 
 _TIER = {"l1": "ram", "remote": "rdma", "ssd": "ssd", "miss": "miss"}
@@ -175,10 +181,6 @@ def original_aliases(m: NodeMetrics) -> list[Alias | ValueAlias]:
     pegaflow-server/src/metric.rs) that mean something here, each read from our series.
     docs/metrics.md, "The original's names", has the table, and those left out and why."""
     window = ("window",)
-
-    def same(labels):  # noqa: ANN001, ANN202
-        return dict(labels)
-
     return [
         # Pool
         Alias("pegaflow_pool_used_bytes", "gauge", "Pool bytes in use (pegaflow_node_pool_used_bytes).",
@@ -224,13 +226,13 @@ def original_aliases(m: NodeMetrics) -> list[Alias | ValueAlias]:
         # HyperLogLog reuse (the hit-rate ceiling, pegaflow/node/accounting.py)
         Alias("pegaflow_hll_cardinality", "gauge",
               "Distinct blocks requested in the window, HyperLogLog (pegaflow_node_window_distinct_blocks).",
-              ("pegaflow_node_window_distinct_blocks",), window, relabel=same),
+              ("pegaflow_node_window_distinct_blocks",), window, relabel=_same),
         Alias("pegaflow_hll_total_requests", "gauge",
               "Blocks requested in the window (pegaflow_node_window_requested_blocks).",
-              ("pegaflow_node_window_requested_blocks",), window, relabel=same),
+              ("pegaflow_node_window_requested_blocks",), window, relabel=_same),
         Alias("pegaflow_hll_estimated_hit_rate", "gauge",
               "Infinite-cache hit rate 1 - distinct/requested in the window (pegaflow_node_ceiling_hit_ratio).",
-              ("pegaflow_node_ceiling_hit_ratio",), window, relabel=same),
+              ("pegaflow_node_ceiling_hit_ratio",), window, relabel=_same),
         # Engine <-> pool
         Alias("pegaflow_save_bytes", "counter", "Bytes committed into L1 by engines (pegaflow_node_save_bytes_total).",
               ("pegaflow_node_save_bytes",)),

@@ -1,0 +1,71 @@
+"""pegaflow.common.metric_alias: the original's names read from ours at scrape time, each
+event counted once (relabelled, summed; histograms merged bucket by bucket)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pegaflow.common.metric_alias import Alias, OriginalNames, ValueAlias, rpc_labels, snake
+
+
+def series(reg: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = generate_latest(reg).decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_histograms_of_two_transports_merge_into_the_originals_labels() -> None:
+    reg = CollectorRegistry()
+    h = Histogram("pegaflow_x_rpc_duration_seconds", "x", ["method", "status", "transport"],
+                  buckets=(0.001, 0.01), registry=reg)
+    h.labels("QueryPrefix", "OK", "grpc").observe(0.0005)
+    h.labels("QueryPrefix", "OK", "local").observe(0.005)
+    h.labels("QueryPrefix", "INVALID_ARGUMENT", "grpc").observe(0.5)
+    OriginalNames(reg, [
+        Alias("pegaflow_rpc_requests", "counter", "n", ("pegaflow_x_rpc_duration_seconds",), ("method", "status"),
+              relabel=rpc_labels, from_count=True),
+        Alias("pegaflow_rpc_duration_seconds", "histogram", "s", ("pegaflow_x_rpc_duration_seconds",),
+              ("method", "status"), relabel=rpc_labels),
+    ])
+    s = series(reg)
+    ok = (("method", "query_prefix"), ("status", "ok"))
+    bad = (("method", "query_prefix"), ("status", "Client specified an invalid argument"))
+    assert s[("pegaflow_rpc_requests_total", ok)] == 2
+    assert s[("pegaflow_rpc_requests_total", bad)] == 1
+    assert s[("pegaflow_rpc_duration_seconds_bucket", (("le", "0.001"), *ok))] == 1
+    assert s[("pegaflow_rpc_duration_seconds_bucket", (("le", "0.01"), *ok))] == 2
+    assert s[("pegaflow_rpc_duration_seconds_bucket", (("le", "+Inf"), *bad))] == 1
+    assert s[("pegaflow_rpc_duration_seconds_sum", ok)] == 0.0055
+
+
+def test_sources_are_summed_and_an_absent_source_exports_nothing() -> None:
+    reg = CollectorRegistry()
+    a = Counter("pegaflow_x_a_total", "a", registry=reg)
+    b = Counter("pegaflow_x_b_total", "b", ["reason"], registry=reg)
+    a.inc(2)
+    b.labels("io").inc(3)
+    b.labels("full").inc(5)
+    OriginalNames(reg, [
+        Alias("pegaflow_sum", "counter", "a + b{io}", ("pegaflow_x_a", "pegaflow_x_b"),
+              relabel=lambda lb: None if lb.get("reason") == "full" else {}),
+        Alias("pegaflow_none", "counter", "no source", ("pegaflow_x_missing",)),
+        ValueAlias("pegaflow_value", "gauge", "v", lambda: [(("x",), 7.0)], ("k",)),
+    ])
+    s = series(reg)
+    assert s[("pegaflow_sum_total", ())] == 5
+    assert not [k for k in s if k[0].startswith("pegaflow_none")]
+    assert s[("pegaflow_value", (("k", "x"),))] == 7
+
+
+def test_a_registered_labelled_source_without_children_is_zero() -> None:
+    reg = CollectorRegistry()
+    Counter("pegaflow_x_skipped_total", "s", ["reason"], registry=reg)
+    OriginalNames(reg, [Alias("pegaflow_failures", "counter", "f", ("pegaflow_x_skipped",),
+                              relabel=lambda lb: {} if lb.get("reason") == "io" else None)])
+    assert series(reg)[("pegaflow_failures_total", ())] == 0
+
+
+def test_snake_case_methods() -> None:
+    assert [snake(m) for m in ("Query", "QueryPrefix", "GetClusterConfig")] == [
+        "query", "query_prefix", "get_cluster_config"]
