@@ -385,3 +385,19 @@ def test_inspect_with_the_metaserver_names_every_node_holding_each_block(node_fa
         if meta is not None:
             meta.stop()
         redis.stop()
+
+
+def test_an_engines_reset_frees_pinned_pages_and_the_pin_holds_them_again_when_stored(node):
+    hs = hashes("sys", 4)
+    c = client(node, "engine-a")
+    try:
+        store(c, NS, hs)
+        assert cache_json(node, "pin", "-n", NS, "--hashes", *(h.hex() for h in hs))["pin"]["resident"] == 4
+        r = c.reset([NS])
+        assert (r.dropped_blocks, r.busy_blocks) == (4, 4)  # pinned: out of the index, pages held
+        wait_until(lambda: stats(node).used_bytes == 0, 10, "the pin to let go of the dropped pages")
+        assert cache_json(node, "pins")["pins"][0]["resident"] == 0
+        store(c, NS, hs)
+        wait_until(lambda: cache_json(node, "pins")["pins"][0]["resident"] == 4, 10, "the pin to hold them again")
+    finally:
+        c.close()
