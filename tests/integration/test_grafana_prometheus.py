@@ -55,6 +55,19 @@ def panel_queries(dash: dict) -> list[tuple[str, str, str]]:
     return out
 
 
+def variable_queries(dash: dict) -> list[tuple[str, str, str]]:
+    """(variable, metric, label) of every ``label_values(metric, label)`` variable."""
+    out = []
+    for v in dash.get("templating", {}).get("list", []):
+        q = v.get("query")
+        q = q.get("query", "") if isinstance(q, dict) else q or ""
+        m = re.fullmatch(r"\s*label_values\(\s*([a-zA-Z_:][\w:]*)\s*,\s*(\w+)\s*\)\s*", q)
+        if v.get("type") == "query":
+            assert m, f"variable {v.get('name')}: a query the test does not know: {q!r}"
+            out.append((v["name"], m.group(1), m.group(2)))
+    return out
+
+
 def substitute(expr: str) -> str:
     for var, value in sorted(VARIABLES.items(), key=lambda kv: -len(kv[0])):
         expr = expr.replace("${" + var[1:] + "}", value).replace(var, value)
@@ -88,6 +101,13 @@ class Prometheus:
         body = r.json()
         assert body.get("status") == "success", f"{expr}: {body.get('error') or r.text}"
         return body["data"]["result"]
+
+    def label_values(self, metric: str, label: str) -> set[str]:
+        """What Grafana's ``label_values(metric, label)`` lists."""
+        r = httpx.get(self.url + f"/api/v1/label/{label}/values", params={"match[]": metric}, timeout=10)
+        body = r.json()
+        assert body.get("status") == "success", f"label_values({metric}, {label}): {r.text}"
+        return set(body["data"])
 
     def all_up(self, jobs: set[str]) -> bool:
         if self.proc.poll() is not None:
@@ -130,7 +150,8 @@ def test_every_dashboard_panel_returns_series_from_a_real_prometheus(
             r = router.post("/v1/completions", {"model": "fake-model", "prompt": f"hello {i}", "max_tokens": 2,
                                                 "stream": i % 2 == 1})
             assert r.status_code == 200, r.text
-        queries = [(title, ref, substitute(expr)) for title, ref, expr in panel_queries(json.loads(DASHBOARD.read_text()))]
+        dash = json.loads(DASHBOARD.read_text())
+        queries = [(title, ref, substitute(expr)) for title, ref, expr in panel_queries(dash)]
         assert len(queries) >= 30, "the dashboard's panels were not all read"
 
         def empty() -> list[str]:
@@ -149,6 +170,12 @@ def test_every_dashboard_panel_returns_series_from_a_real_prometheus(
             wait_until(all_have_series, 20, "every panel to return series", every=1.0)
         except AssertionError:
             pytest.fail("panels whose query returns no series:\n  " + "\n  ".join(left))
+        # The dashboard's variables (node, window) list values, or every panel would be empty.
+        variables = variable_queries(dash)
+        assert {name for name, _, _ in variables} >= {"instance", "window"}
+        for name, metric, label in variables:
+            assert prom.label_values(metric, label), f"variable ${name}: label_values({metric}, {label}) is empty"
+        assert prom.label_values("pegaflow_node_pool_capacity_bytes", "instance") == {f"127.0.0.1:{node.http_port}"}
     finally:
         prom.stop()
         router.stop()
