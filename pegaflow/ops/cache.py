@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -51,7 +52,8 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser(prog: str) -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--addr", default=DEFAULT_ADDR, help=f"the node's gRPC address (default {DEFAULT_ADDR})")
+    common.add_argument("--addr", default=os.environ.get("PEGAFLOW_ADDR") or DEFAULT_ADDR,
+                        help=f"the node's gRPC address (default $PEGAFLOW_ADDR, else {DEFAULT_ADDR})")
     common.add_argument("--auth-token-file", default="",
                         help="the node's token (else PEGAFLOW_AUTH_TOKEN[_FILE], or the node's own token file)")
     common.add_argument("--tls-ca", default="", help="PEM roots to verify the node's TLS certificate")
@@ -61,10 +63,13 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     blocks = argparse.ArgumentParser(add_help=False)
     blocks.add_argument("--namespace", "-n", required=True, help="the namespace (as /instances or status list it)")
     src = blocks.add_mutually_exclusive_group(required=True)
-    src.add_argument("--tokens", help="a prompt's token ids, comma- or space-separated")
+    src.add_argument("--tokens", help="a prompt's token ids, comma- or space-separated; hashed as the connector "
+                     "does (the namespace's root seeds the chain, its bs= cuts the blocks)")
     src.add_argument("--tokens-file", help="a file of token ids: a JSON list, or comma/space-separated")
     src.add_argument("--hashes", nargs="+", metavar="HEX",
-                     help=f"block hashes ({HASH_BYTES * 2} hex digits each), in prefix order")
+                     help=f"block hashes ({HASH_BYTES * 2} hex digits each), in prefix order: for multimodal "
+                     "prompts (their items' identifiers come from vLLM's processor, so tokens alone do not "
+                     "name their blocks) and namespaces that are not a connector's")
     blocks.add_argument("--block-size", type=int, default=0,
                         help="tokens per block, for a namespace whose name does not carry bs=")
     blocks.add_argument("--lora-name", default="", help="the LoRA adapter the prompt ran with (it enters every hash)")
