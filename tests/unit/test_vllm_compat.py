@@ -32,12 +32,11 @@ from packaging.version import Version
 from pegaflow.connector import connector as connector_mod
 from pegaflow.connector import vllm_compat
 from pegaflow.connector.connector import PegaKVConnector
+from scripts.compat import MATRIX  # the releases `make compat` runs (docs/connector.md, "vLLM versions")
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "tests" / "data" / "vllm_api"
 CONNECTOR_SRC = ROOT / "pegaflow" / "connector"
-# The compatibility matrix of issue #37 (docs/connector.md, "vLLM versions").
-MATRIX = ("0.20.0", "0.24.0", "0.28.0", "0.30.0", "0.32.0")
 # Runtime imports of the connector from modules the snapshots do not record: names that
 # have not moved since before the oldest supported release.
 UNRECORDED = {("vllm.platforms", "current_platform"),
@@ -142,6 +141,15 @@ def _incompatible(base: list[tuple[str, str, bool]], ours: list[tuple[str, str, 
             return f"the base class takes {'*' if kind == 'VAR_POSITIONAL' else '**'}{name}"
     extra = [n for n, k, d in ours if n not in used and not d and k not in ("VAR_POSITIONAL", "VAR_KEYWORD")]
     return f"{extra} are required here, unknown to the base class" if extra else None
+
+
+def decided_hook_problems(snap: dict[str, Any]) -> list[str]:
+    """Every hook of ``vllm_compat.DECIDED_HOOKS`` whose signature in the snapshot is not
+    the one PegaFlow's answer was decided for."""
+    members = snap["modules"][vllm_compat.BASE]["classes"]["KVConnectorBase_V1"]["members"]
+    return [f"KVConnectorBase_V1.{name} is {members[name]!r} in vLLM {snap['vllm']}; PegaFlow's "
+            f"answer was decided for {spec!r}: decide again (vllm_compat.DECIDED_HOOKS)"
+            for name, (spec, _) in vllm_compat.DECIDED_HOOKS.items() if name in members and members[name] != spec]
 
 
 def hook_problems(snap: dict[str, Any]) -> list[str]:
@@ -258,6 +266,39 @@ def test_a_changed_hook_signature_fails() -> None:
     assert any("requires_kv_delivery" in p and "property" in p for p in problems), problems
     members["get_finished"] = "abstract method (self, finished_req_ids: set[str], *, now: float) -> X"
     assert any("'now'" in p for p in hook_problems(snap))
+
+
+@pytest.mark.parametrize("name", sorted(SNAPSHOTS))
+def test_hooks_whose_answer_was_decided_keep_the_signature_it_was_decided_for(name: str) -> None:
+    assert decided_hook_problems(SNAPSHOTS[name]) == []
+
+
+def test_the_decided_hooks_are_answered_as_decided_and_the_newest_release_has_them() -> None:
+    from vllm.config import KVTransferConfig
+
+    newest = max(SNAPSHOTS.values(), key=lambda s: Version(s["vllm"]))
+    members = newest["modules"][vllm_compat.BASE]["classes"]["KVConnectorBase_V1"]["members"]
+    for name, (_, how) in vllm_compat.DECIDED_HOOKS.items():
+        assert name in members, f"vLLM {newest['vllm']} has no {name} any more: drop or re-decide it"
+        assert (_override(name) is not None) == (how == "overridden"), name
+    # The engine calls them (with sleep mode, and with --max-num-inflight-kv-loads).
+    assert {"unregister_kv_caches", "restore_kv_caches", "may_load_async"} <= set(newest["calls"])
+    # Sleep mode is accepted whatever vLLM's own default.
+    cfg = KVTransferConfig(kv_connector="PegaKVConnector", kv_role="kv_both")
+    assert PegaKVConnector.supports_sleep_mode(cfg) is True
+
+
+def test_a_changed_decided_hook_fails() -> None:
+    snap = json.loads(json.dumps(SNAPSHOTS["cuda-0.34.0"]))
+    members = snap["modules"][vllm_compat.BASE]["classes"]["KVConnectorBase_V1"]["members"]
+    assert decided_hook_problems(snap) == []
+    members["may_load_async"] = "method (self, request: 'Request', num_computed_tokens: int) -> bool"
+    members["supports_sleep_mode"] = "method (self) -> bool"
+    problems = decided_hook_problems(snap)
+    assert any("may_load_async" in p and "num_computed_tokens" in p for p in problems), problems
+    assert any("supports_sleep_mode" in p for p in problems), problems
+    # The override itself no longer matches vLLM's kind either.
+    assert any("supports_sleep_mode" in p and "classmethod here" in p for p in hook_problems(snap)), hook_problems(snap)
 
 
 def test_a_release_too_old_is_refused_in_one_line() -> None:
