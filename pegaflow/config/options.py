@@ -295,11 +295,13 @@ OPTIONS: list[Option] = [
     Option(
         "disable-numa-affinity",
         False,
-        "The original's per-NUMA-node pools off (accepted for compatibility; no effect here).",
+        "Turn off NUMA placement of the pool. By default the pool is split into one part per NUMA "
+        "node with memory, each bound to its node (mbind MPOL_BIND, before the pre-fault; one node: "
+        "the whole pool bound to it); an engine's pages come from its own node's part, then the "
+        "nearest, when its node is known (pegaflow/node/numa.py). Off: one part, the kernel's "
+        "default policy.",
         _bool,
         flag=True,
-        no_effect="the pool is one shared-memory region that every engine on the host maps; there "
-        "are no per-NUMA-node pools to turn off",
     ),
     Option(
         "pool-shards",

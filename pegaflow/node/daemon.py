@@ -40,6 +40,7 @@ from pegaflow.node.accounting import RequestAccounting
 from pegaflow.node.admin import NodeAdmin
 from pegaflow.node.block_events import BlockEventFeed
 from pegaflow.node.metrics import NodeMetrics
+from pegaflow.node.numa import NumaAllocator, place_pool
 from pegaflow.node.pool import SharedPool
 from pegaflow.node.query_trace import QueryTrace, QueryTraceError
 from pegaflow.node.service import NodeService
@@ -106,13 +107,15 @@ class Node:
         except ValueError as exc:
             raise StartupError(f"--namespace-quota: {exc}") from None
         self.pool = SharedPool(config.pool_size, config.use_hugepages)
+        # One part per NUMA node, bound to it before the pre-fault (pegaflow/node/numa.py).
+        self.numa = place_pool(self.pool, config.disable_numa_affinity, config.page_align)
         self.metrics = NodeMetrics()
         admission = None
         if config.enable_lfu_admission:
             admission = TinyLFU(max(1, self.pool.size // (config.hint_value_size or ADMISSION_PAGE_GUESS)))
         # Pages become allocatable as the background pre-fault reaches them (start()).
         self.index = BlockIndex(self.pool.size, admission=admission,
-                                allocator=ExtentAllocator(self.pool.size, config.page_align, usable=0),
+                                allocator=self.numa.allocator(self.pool.size, config.page_align, usable=0),
                                 quotas=quotas)
         self.ceiling = RequestAccounting(config.ceiling_windows, self.metrics, config.metric_hll_bucket_bits)
         self.sessions = Sessions(self.index, config.reservation_ttl, config.lease_ttl,
@@ -353,7 +356,7 @@ class Node:
             if time.monotonic() >= next_ceiling:
                 self.ceiling.refresh()
                 next_ceiling = time.monotonic() + CEILING_REFRESH
-            if isinstance(self.index.alloc, ExtentAllocator):  # read here, on the allocator's loop
+            if isinstance(self.index.alloc, ExtentAllocator | NumaAllocator):  # read here, on the allocator's loop
                 self.metrics.pool_largest_free.set(self.index.alloc.largest_free())
             if self.query_trace is not None:
                 self.query_trace.flush()

@@ -20,13 +20,14 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import structlog
 import xxhash
 
 from pegaflow.common.memory import MADV_POPULATE_WRITE, madvise
+from pegaflow.node.numa import Part, mbind
 
 
 def page_checksum(data: memoryview | bytes | bytearray) -> int:
@@ -102,8 +103,16 @@ class SharedPool:
         self.base = ctypes.addressof(self._anchor)
         self.prefaulted = 0  # [0, prefaulted) is allocated and mapped
         self.prefault_error: str | None = None
+        self.numa_parts: list[Part] = []  # as bound by bind_numa (empty: the kernel's default policy)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    def bind_numa(self, parts: Sequence[Part]) -> None:
+        """Bind each part of the pool to its NUMA node (``mbind``, pegaflow/node/numa.py),
+        before the pre-fault touches it. Raises NumaError (the caller decides)."""
+        for p in parts:
+            mbind(self.base + p.start, p.size, p.node)
+        self.numa_parts = list(parts)
 
     @property
     def ready(self) -> bool:

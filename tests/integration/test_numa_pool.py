@@ -1,0 +1,82 @@
+"""The real mbind(2) on this host (one NUMA node): a node binds its pool's one part to
+node 0 before the pre-fault, which the kernel then reports in /proc/<pid>/numa_maps
+(``bind:0``, the pages on N0); with --disable-numa-affinity it binds nothing. The placement
+logic for several nodes is tested against fake topologies in tests/unit/test_numa.py."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from pegaflow.node import numa
+from pegaflow.node.pool import SharedPool
+
+pytestmark = pytest.mark.integration
+
+MB = 1 << 20
+
+
+def pool_mapping(pid: int) -> str:
+    """The numa_maps line of the node's pool (its memfd ``pegaflow-pool``)."""
+    lines = [ln for ln in Path(f"/proc/{pid}/numa_maps").read_text().splitlines() if "memfd:pegaflow-pool" in ln]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def events(log: Path, name: str) -> list[dict]:
+    out = []
+    for line in log.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if rec.get("event") == name:
+            out.append(rec)
+    return out
+
+
+def test_a_pool_part_bound_in_process_reads_back_through_get_mempolicy() -> None:
+    topo = numa.read_topology()
+    node = topo.nodes[0]
+    pool = SharedPool(8 * MB)
+    try:
+        pl = numa.place_pool(pool, False, 4096, topo)
+        if not pl.parts:
+            pytest.fail("mbind failed on this host (see the pool_numa_bind_failed log line)")
+        assert pool.numa_parts == [numa.Part(node, 0, 8 * MB)] == list(pl.parts)
+        mode, nodes = numa.get_mempolicy(pool.base + 4 * MB)
+        assert (mode, nodes) == (numa.MPOL_BIND, [node])
+        pool.prefault()
+        assert f"bind:{node}" in pool_mapping_of_self()
+    finally:
+        pool.close()
+    # Unbound: the default policy.
+    pool = SharedPool(8 * MB)
+    try:
+        assert numa.get_mempolicy(pool.base)[0] == 0  # MPOL_DEFAULT
+    finally:
+        pool.close()
+
+
+def pool_mapping_of_self() -> str:
+    return pool_mapping(os.getpid())
+
+
+def test_node_binds_its_pool_to_its_numa_node_unless_disabled(node_factory) -> None:
+    node = numa.read_topology().nodes[0]
+    n = node_factory(pool_size="64mb")
+    line = pool_mapping(n.proc.pid)
+    assert f"bind:{node}" in line, line
+    # Every pre-faulted page is on that node (N<node>=<pages>, nothing elsewhere).
+    counts = {f: int(v) for f, v in (x.split("=") for x in line.split() if x[:1] == "N" and "=" in x)}
+    assert set(counts) == {f"N{node}"} and counts[f"N{node}"] * 4096 >= 64 * MB, line
+    (ev,) = events(n.log_path, "pool_numa_parts")
+    assert ev["parts"] == [{"node": node, "start": 0, "bytes": 64 * MB}]
+
+    off = node_factory(pool_size="64mb", extra=["--disable-numa-affinity"])
+    line = pool_mapping(off.proc.pid)
+    assert "bind:" not in line and "default" in line, line
+    assert events(off.log_path, "pool_numa_affinity_off") and not events(off.log_path, "pool_numa_parts")
