@@ -365,10 +365,11 @@ class BlockIndex:
         group = self._quota_group.get(ns.id) if self._quota_group else None
         # place() takes free pages or this namespace's own LRU head: the quota rule's choice too,
         # unless the namespace's group has a maximum (own block though pages are free) or a
-        # guarantee (under it, others' blocks go first).
-        if not self._lru_reclaimable and not self._park_seq and (
+        # guarantee (under it, others' blocks go first), or a parked block it may evict is
+        # older than that head.
+        if not self._lru_reclaimable and (
             group is None or (not self._limits[group][0] and self._limits[group][1] >= self.alloc.capacity)
-        ):
+        ) and (not self._park_seq or self._parked_out_of_reach(group)):
             # The steady state (no reclaimable copies; victims of this namespace, as when
             # one engine or the ranks of one TP engine fill the pool) in C: it stops at the
             # first hash that needs anything else (a victim of another namespace, one that
@@ -690,6 +691,17 @@ class BlockIndex:
             self._park_seq[b] = self._park_next
             self._park_next += 1
         return None
+
+    def _parked_out_of_reach(self, g: int | None) -> bool:
+        """No parked block may be evicted by group ``g`` now: each is in another group at or
+        under its guarantee. (place() only evicts ``g``'s own blocks, so this holds for a
+        whole request.)"""
+        held, limits = self.held, self._limits
+        return all(
+            c >= 0 and c != g and limits[c][0] and held[c] <= limits[c][0]
+            for c, plru in self._parked.items()
+            if plru
+        )
 
     def _unpark(self, b: Block) -> bool:
         """Take ``b`` out of the parked blocks; False if it was not parked."""
