@@ -1000,7 +1000,7 @@ OPTIONS: list[Option] = [
     Option("json", False, "Print one JSON object for scripts instead of the screen.", _bool, commands=(STATUS,),
            flag=True),
     Option("timeout", 3.0, "Seconds to wait for each node's (and the metaserver's) answer.", _positive_float,
-           commands=(STATUS,)),
+           commands=(STATUS,), metavar="SECS"),
 ]
 
 
