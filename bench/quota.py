@@ -164,7 +164,7 @@ def main() -> None:
     res["seconds"] = time.monotonic() - t0
     print(f"# namespace quotas: {len(reqs)} requests, hot working set {res['hot_working_set_blocks']} of "
           f"{a.pool_blocks} blocks, scan {a.scan_per_step}x hot's requests of new blocks; quota {res['quota']}")
-    print("| where | hot alone | hot shared, no quota | hot shared, quota | |alone - quota| | scan hit, quota |")
+    print("| where | hot alone | hot shared, no quota | hot shared, quota | gap alone vs quota | scan hit, quota |")
     print("|---|---|---|---|---|---|")
     for where in ("node", "replay"):
         m = res.get(where)
