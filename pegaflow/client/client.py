@@ -271,6 +271,9 @@ class PegaClient:
         self.security = security if security is not None else Security.load()
         self.map_pool = map_pool
         self.instance_id = instance_id or f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        # Where this engine runs, sent at Register for the pool's NUMA placement: its GPU's PCI
+        # address (set it before register(): CUDA's pci_bus_id) and the CPUs it may run on.
+        self.pci_bus_id = ""
         self.timeout = timeout
         self._channel: grpc.Channel | None = None
         self._connect()
@@ -315,6 +318,8 @@ class PegaClient:
             instance_id=self.instance_id,
             namespaces=[node_pb2.NamespaceSpec(name=n, page_bytes=p) for n, p in self._namespaces.items()],
             watch_blocks=self.on_blocks is not None,
+            cpu_affinity=sorted(os.sched_getaffinity(0)),
+            pci_bus_id=self.pci_bus_id,
         )
         resp = self._call("Register", req, None, retry_session=False)
         if self.map_pool and (self._mapping is None or resp.epoch != self.epoch):

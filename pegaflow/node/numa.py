@@ -343,3 +343,22 @@ def place_pool(pool: _Bindable, disabled: bool, align: int, topo: Topology | Non
         return Placement(topo, ())
     log.info("pool_numa_parts", parts=[{"node": p.node, "start": p.start, "bytes": p.size} for p in parts])
     return Placement(topo, tuple(parts))
+
+
+def engine_node(alloc: object, pci_bus_id: str, cpus: Sequence[int]) -> int | None:
+    """An engine's NUMA node from what it sent at Register (``pci_bus_id``, ``cpu_affinity``):
+    its GPU's node when the PCI device says, else the node of its CPUs; None when the pool
+    is not split (nothing to choose) or neither tells."""
+    if not isinstance(alloc, NumaAllocator):
+        return None
+    node = node_of_pci(pci_bus_id) if pci_bus_id else None
+    if node is None and cpus:
+        node = alloc.topo.node_of_cpus(cpus)
+    return node if node in alloc.topo.nodes else None
+
+
+def prefer_node(alloc: object, node: int | None) -> contextlib.AbstractContextManager[None]:
+    """``alloc.prefer(node)`` for a split pool; nothing otherwise."""
+    if node is None or not isinstance(alloc, NumaAllocator):
+        return contextlib.nullcontext()
+    return alloc.prefer(node)

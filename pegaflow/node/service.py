@@ -41,6 +41,7 @@ from pegaflow.core.recent import RecentKeys
 from pegaflow.node.accounting import SEEN_REQUESTS
 from pegaflow.node.block_events import BlockEventFeed
 from pegaflow.node.metrics import NodeMetrics
+from pegaflow.node.numa import engine_node
 from pegaflow.node.sessions import Session, Sessions
 
 log = structlog.get_logger("pegaflow.node")
@@ -316,7 +317,9 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
             specs.append((ns.name, ns.page_bytes))
         s = self.sessions.open(request.instance_id, specs)
         s.watch_blocks = request.watch_blocks
-        log.info("session_registered", session=s.id, instance=request.instance_id, namespaces=[n for n, _ in specs])
+        s.numa_node = engine_node(self.sessions.index.alloc, request.pci_bus_id, request.cpu_affinity)
+        log.info("session_registered", session=s.id, instance=request.instance_id, namespaces=[n for n, _ in specs],
+                 numa_node=s.numa_node)
         return node_pb2.RegisterResponse(
             session_id=s.id, pool_path=self.pool_path, pool_bytes=self.pool_bytes, node_id=self.node_id,
             epoch=self.epoch, local_socket=self.local_socket,

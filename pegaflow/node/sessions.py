@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from pegaflow.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from pegaflow.core.block_index import PENDING, Block, BlockIndex, Namespace
+from pegaflow.node.numa import prefer_node
 
 IDS_PER_READ = 512  # random ids fetched per system call
 SESSION_OPEN_TIMEOUT = 30.0  # seconds from Register to the Session stream (PegaClient opens it at once)
@@ -69,6 +70,7 @@ class Session:
     streamed: bool = False  # a Session stream was opened at least once
     created: float = 0.0
     watch_blocks: bool = False  # send block events on the Session stream (RegisterRequest.watch_blocks)
+    numa_node: int | None = None  # the engine's NUMA node: its pages come from that part (node/numa.py)
 
 
 @dataclass(frozen=True)
@@ -214,7 +216,8 @@ class Sessions:
 
     # ---- reservations -----------------------------------------------------------------
     def reserve(self, s: Session, ns: Namespace, hashes: Sequence[bytes]) -> Reservation:
-        blocks = self.index.reserve(ns, hashes)
+        with prefer_node(self.index.alloc, s.numa_node):
+            blocks = self.index.reserve(ns, hashes)
         res = Reservation(self._new_id(self.reservations), s.id, ns, blocks, self.clock() + self.reservation_ttl)
         if any(b is not None for b in blocks):
             s.reservations[res.id] = res

@@ -185,3 +185,33 @@ def test_placement_binds_each_part_and_falls_back_when_binding_fails() -> None:
     p = Pool()
     pl = numa.place_pool(p, False, 4096, Topology((0,)))
     assert p.bound == [Part(0, 0, 64 * MB)] and isinstance(pl.allocator(p.size, 4096), ExtentAllocator)
+
+
+def test_sessions_reserve_an_engines_pages_on_the_node_it_registered_from(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pegaflow.core.block_index import BlockIndex
+    from pegaflow.node.sessions import Sessions
+
+    topo = numa.read_topology(str(fake_sysfs(tmp_path / "node", FOUR, FOUR_DIST)))
+    pci = tmp_path / "pci"
+    (pci / "0000:3b:00.0").mkdir(parents=True)
+    (pci / "0000:3b:00.0" / "numa_node").write_text("3\n")
+    alloc = NumaAllocator(plan_parts(32 * MB, topo.nodes, 2 * MB), topo, 4096)
+    index = BlockIndex(alloc.capacity, allocator=alloc)
+    sessions = Sessions(index, 30.0, 30.0)
+    # What Register carries: the CPUs (taskset -c 16-23: node 2), or the GPU's PCI address.
+    assert numa.engine_node(alloc, "", list(range(16, 24))) == 2
+    assert numa.engine_node(alloc, "", list(range(64))) is None  # every CPU: no node
+    assert numa.engine_node(ExtentAllocator(MB), "", [0]) is None  # an unsplit pool: nothing to choose
+    orig = numa.node_of_pci
+    monkeypatch.setattr(numa, "node_of_pci", lambda bdf, root=str(pci): orig(bdf, root))
+    assert numa.engine_node(alloc, "0000:3b:00.0", list(range(16, 24))) == 3  # the GPU wins
+    for node in (2, 3, None):
+        s = sessions.open(f"engine-{node}", [("m", 64 << 10)])
+        s.numa_node = node
+        ns = s.namespaces["m"]
+        res = sessions.reserve(s, ns, [bytes([node or 0, i]) * 8 for i in range(8)])
+        got = {alloc.part_of(b.offset).node for b in res.blocks if b is not None}
+        assert got == ({node} if node is not None else {0}), (node, got)
+    assert alloc.preferred is None  # the preference ends with the reservation
