@@ -307,7 +307,8 @@ OPTIONS: list[Option] = [
         "pool-shards",
         1,
         "Sub-pools of the original's pinned pool, against allocator lock contention (accepted for "
-        "compatibility; no effect here).",
+        "compatibility; no effect here: one event loop allocates, so there is no lock to split, "
+        "and shards would only fragment the pool; NUMA parts split it per node instead).",
         _positive_int,
         no_effect="the allocator runs on the node's event loop, one caller at a time: there is no "
         "lock to split, so shards would only fragment the pool",
@@ -315,7 +316,8 @@ OPTIONS: list[Option] = [
     Option(
         "blockwise-alloc",
         False,
-        "Allocate each block separately (accepted for compatibility; this allocator always does).",
+        "Allocate each block separately (accepted for compatibility; no effect: every block is "
+        "already its own extent of the pool, freed and coalesced on its own).",
         _bool,
         flag=True,
         no_effect="every block is already its own extent of the pool (core/allocator.py)",
