@@ -659,6 +659,14 @@ OPTIONS: list[Option] = [
     ),
     Option("tls-key", "", "PEM private key of --tls-cert.", commands=(NODE, META), metavar="PATH"),
     Option(
+        "tls-ca",
+        "",
+        "PEM roots to verify the metaserver and peers against: call them over TLS "
+        "(PEGAFLOW_TLS_CA for engines' connectors).",
+        commands=(NODE, STATUS),
+        metavar="PATH",
+    ),
+    Option(
         "no-auth",
         False,
         "Without a token, accept any caller (the behaviour before own tokens): no token file. By "
@@ -674,14 +682,6 @@ OPTIONS: list[Option] = [
         "under /tmp with --local-socket auto) and the node's own token file (0640) belong to it.",
         _group,
         metavar="GROUP",
-    ),
-    Option(
-        "tls-ca",
-        "",
-        "PEM roots to verify the metaserver and peers against: call them over TLS "
-        "(PEGAFLOW_TLS_CA for engines' connectors).",
-        commands=(NODE, STATUS),
-        metavar="PATH",
     ),
     # --- policy: admission and the hit-rate ceiling -----------------------------------
     Option(
