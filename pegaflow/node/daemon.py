@@ -43,6 +43,7 @@ from pegaflow.node.metrics import NodeMetrics
 from pegaflow.node.numa import NumaAllocator, place_pool
 from pegaflow.node.pool import SharedPool
 from pegaflow.node.query_trace import QueryTrace, QueryTraceError
+from pegaflow.node.quota_metrics import register as register_quota_metrics
 from pegaflow.node.service import NodeService
 from pegaflow.node.sessions import Sessions
 from pegaflow.node.tiers.remote import wiring
@@ -117,6 +118,7 @@ class Node:
         self.index = BlockIndex(self.pool.size, admission=admission,
                                 allocator=self.numa.allocator(self.pool.size, config.page_align, usable=0),
                                 quotas=quotas)
+        register_quota_metrics(self.metrics.registry, self.index, quotas)
         self.ceiling = RequestAccounting(config.ceiling_windows, self.metrics, config.metric_hll_bucket_bits)
         self.sessions = Sessions(self.index, config.reservation_ttl, config.lease_ttl,
                                  max_namespaces=config.max_namespaces)

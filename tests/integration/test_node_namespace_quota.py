@@ -56,6 +56,8 @@ def test_a_guaranteed_namespace_keeps_its_working_set_while_another_scans(node_f
     hot_left, scan_left = left_after_scan(node)
     assert hot_left == 16  # its 16 pages are exactly its quarter of the pool
     assert scan_left == 64 - 16  # the scan had the rest, and only the rest
+    for kind, want in (("held", 16), ("min", 16), ("max", 64)):
+        assert node.metric("pegaflow_node_namespace_quota_bytes", f'kind="{kind}",quota="hot"') == want * PAGE
 
 
 def test_without_a_quota_the_same_scan_flushes_it(node_factory) -> None:
@@ -67,6 +69,7 @@ def test_a_namespace_at_its_maximum_evicts_its_own_blocks(node_factory) -> None:
     node = node_factory(pool_size="4mb", extra=["--namespace-quota", "scan=max:0.5"])
     hot_left, scan_left = left_after_scan(node)
     assert hot_left == 16 and scan_left == 32  # half the pool, though a quarter stays free
+    assert node.metric("pegaflow_node_namespace_quota_evictions_total") == 400 - 32
 
 
 @pytest.mark.parametrize(

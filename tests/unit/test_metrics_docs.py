@@ -39,15 +39,20 @@ def exported_name(fam_name: str, kind: str) -> str:
 
 
 def node_families() -> dict[str, tuple[str, set[str]]]:
+    from pegaflow.core.block_index import BlockIndex
     from pegaflow.node.metrics import NodeMetrics
     from pegaflow.node.publishing import PublisherMetrics
+    from pegaflow.node.quota_metrics import register as register_quota_metrics
     from pegaflow.node.tiers.remote.metrics import PeerMetrics
     from pegaflow.node.tiers.ssd.metrics import SsdMetrics
+    from pegaflow.policy.quota import Quotas
 
     m = NodeMetrics(CollectorRegistry())
     SsdMetrics(m.registry)
     PeerMetrics(m.registry)
     PublisherMetrics(m.registry)
+    quotas = Quotas.parse(["doc=0.5"])  # --namespace-quota's collector (registered only with quotas)
+    register_quota_metrics(m.registry, BlockIndex(1 << 20, quotas=quotas), quotas)
     return families(m.registry)
 
 
