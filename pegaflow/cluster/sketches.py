@@ -135,6 +135,11 @@ class ClusterCeilingCollector(Collector):
                 self._at = time.monotonic()
             return self._cached
 
+    def current(self) -> tuple[list[WindowStats], int, int] | None:
+        """(stats per window, nodes merged, nodes skipped) as the last scrape saw them (at most
+        ``min_interval`` old); None when Redis cannot be read. For the metaserver's RPC."""
+        return self._current()
+
     def describe(self) -> list[GaugeMetricFamily]:
         return self._families([], 0, 0)
 

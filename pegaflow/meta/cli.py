@@ -102,7 +102,8 @@ def serve_forever(r: Client, opts: MetaConfig, security: Security) -> None:
         )
     from pegaflow.cluster.sketches import ClusterCeilingCollector
 
-    REGISTRY.register(ClusterCeilingCollector(r, opts.ceiling_windows, lg_k=opts.metric_hll_bucket_bits))
+    ceiling = ClusterCeilingCollector(r, opts.ceiling_windows, lg_k=opts.metric_hll_bucket_bits)
+    REGISTRY.register(ceiling)
     http = None
     if opts.http_addr:
         http = HttpEndpoint(opts.http_addr, REGISTRY)
@@ -125,7 +126,7 @@ def serve_forever(r: Client, opts: MetaConfig, security: Security) -> None:
     try:
         lookup = Lookup(r, stale_ms=opts.node_stale_secs * 1000)  # --node-stale-secs hides silent nodes
         server, port = serve(lookup, opts.addr, opts.query_max_blocks, opts.redis_url, opts.redis_cluster,
-                             security, metrics)
+                             security, metrics, ceiling=ceiling.current)
     except (RuntimeError, OSError) as exc:
         sys.stderr.write(f"pegaflow-meta: error: cannot listen on {opts.addr}: {exc}\n")
         raise SystemExit(1) from None

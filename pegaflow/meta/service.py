@@ -64,6 +64,10 @@ def _rpc(method: str) -> Callable[[Callable[..., Resp]], Callable[..., Resp]]:
     return wrap
 
 
+# () -> ([WindowStats], nodes merged, nodes skipped), or None when the sketches cannot be read
+CeilingSource = Callable[[], "tuple[list[Any], int, int] | None"]
+
+
 def check_request(namespace: str, hashes: Sequence[bytes], max_blocks: int) -> None:
     if not namespace:
         raise InvalidArgument("namespace is empty")
@@ -81,6 +85,8 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         self.metrics = metrics if metrics is not None else MetaMetrics()
         self.max_blocks = max_blocks
         self.cluster_config = meta_pb2.ClusterConfigResponse(redis_url=redis_url, redis_cluster=redis_cluster)
+        # The cluster's ceiling per window (ClusterCeilingCollector.current), or None: not served.
+        self.ceiling: CeilingSource | None = None
 
     def _query(self, request: meta_pb2.QueryPrefixRequest) -> list[NodePrefix]:
         check_request(request.namespace, request.hashes, self.max_blocks)
@@ -114,16 +120,30 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
     def GetClusterConfig(self, request: meta_pb2.ClusterConfigRequest, context: grpc.ServicerContext) -> Any:  # noqa: N802
         return self.cluster_config
 
+    @_rpc("ClusterCeiling")
+    def ClusterCeiling(self, request: meta_pb2.ClusterCeilingRequest, context: grpc.ServicerContext) -> Any:  # noqa: N802
+        cur = self.ceiling() if self.ceiling is not None else None
+        if cur is None:
+            return meta_pb2.ClusterCeilingResponse(available=False)
+        stats, merged, skipped = cur
+        return meta_pb2.ClusterCeilingResponse(
+            available=True, nodes_merged=merged, nodes_skipped=skipped,
+            windows=[meta_pb2.ClusterWindow(window=s.label, requested_blocks=s.requests, hit_blocks=s.hits,
+                                            distinct_blocks=s.distinct, hit_ratio=s.hit_rate, ceiling_ratio=s.ceiling)
+                     for s in stats],
+        )
+
 
 def serve(
     lookup: Lookup, addr: str, max_blocks: int, redis_url: str = "", redis_cluster: bool = False,
-    security: Security | None = None, metrics: MetaMetrics | None = None,
+    security: Security | None = None, metrics: MetaMetrics | None = None, ceiling: CeilingSource | None = None,
 ) -> tuple[grpc.Server, int]:
     """Start the gRPC server; returns it and the bound port (``addr`` may use port 0).
     ``security``: the token every call must carry and the TLS certificate (none: open, plaintext)."""
     sec = security or Security()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=GRPC_THREADS), interceptors=[SyncGuard(sec.token)])
     servicer = MetaServicer(lookup, max_blocks, redis_url, redis_cluster, metrics)
+    servicer.ceiling = ceiling
     servicer.metrics.bind_nodes(lookup.nodes)  # pegaflow_metaserver_nodes{state}, at scrape time
     meta_pb2_grpc.add_MetaServiceServicer_to_server(servicer, server)
     port = sec.add_port(server, addr)

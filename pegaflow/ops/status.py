@@ -133,10 +133,12 @@ def node_status(addr: str, sec: Security, timeout: float) -> dict[str, Any]:
 def cluster_status(metaserver: str, sec: Security, timeout: float) -> dict[str, Any]:
     """Every node the metaserver knows, each asked for its Stats concurrently."""
     with _channel(metaserver, sec) as ch:
+        stub = meta_pb2_grpc.MetaServiceStub(ch)
         try:
-            listed = meta_pb2_grpc.MetaServiceStub(ch).ListNodes(meta_pb2.ListNodesRequest(), timeout=timeout)
+            listed = stub.ListNodes(meta_pb2.ListNodesRequest(), timeout=timeout)
         except grpc.RpcError as exc:
             return {"metaserver": metaserver, "reachable": False, "error": describe_error(exc)}
+        ceiling = cluster_ceiling(stub, timeout)
     entries = sorted(listed.nodes, key=lambda n: n.node)
     channels = [_channel(n.address, sec) for n in entries]
     try:
@@ -156,13 +158,35 @@ def cluster_status(metaserver: str, sec: Security, timeout: float) -> dict[str, 
     finally:
         for ch in channels:
             ch.close()
-    return {"metaserver": metaserver, "reachable": True, "error": "", "nodes": nodes, "totals": totals(nodes)}
+    return {"metaserver": metaserver, "reachable": True, "error": "", "nodes": nodes, "totals": totals(nodes),
+            "ceiling": ceiling}
+
+
+def cluster_ceiling(stub: meta_pb2_grpc.MetaServiceStub, timeout: float) -> dict[str, Any] | None:
+    """The metaserver's union of the nodes' ceiling sketches; None when it cannot say (Redis
+    unreadable, or a metaserver without the RPC)."""
+    try:
+        r = stub.ClusterCeiling(meta_pb2.ClusterCeilingRequest(), timeout=timeout)
+    except grpc.RpcError:
+        return None
+    if not r.available:
+        return None
+    return {
+        "nodes_merged": r.nodes_merged,
+        "nodes_skipped": r.nodes_skipped,
+        "windows": [
+            {"window": w.window, "requested_blocks": w.requested_blocks, "hit_blocks": w.hit_blocks,
+             "distinct_blocks": round(w.distinct_blocks, 1), "hit_ratio": w.hit_ratio,
+             "ceiling_ratio": w.ceiling_ratio}
+            for w in r.windows
+        ],
+    }
 
 
 def totals(nodes: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Sums over the reachable nodes. Hit rates add up (sum of hits over sum of requests in
-    the shortest window); ceilings do not (blocks repeat across nodes): the metaserver
-    exports the cluster's own (docs/metrics.md)."""
+    the shortest window); ceilings do not (blocks repeat across nodes): the cluster's comes
+    from the metaserver (:func:`cluster_ceiling`)."""
     up = [n["status"] for n in nodes if n["status"].get("reachable")]
     window = next((s["windows"][0]["window"] for s in up if s["windows"]), "")
     first = [s["windows"][0] for s in up if s["windows"] and s["windows"][0]["window"] == window]

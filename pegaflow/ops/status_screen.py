@@ -123,13 +123,7 @@ def node_lines(s: Snapshot, now: float | None = None, width: int = WIDTH) -> lis
     lines.append(f"traffic   saved {fmt_bytes(s['save_bytes'])}  loaded {fmt_bytes(s['load_bytes'])}  "
                  f"evicted {fmt_count(p['evictions'])} blocks")
     lines.append("")
-    lines.append(f"{'hit rate':<10}{'window':<8}{'requested':>11}{'hit rate':>11}{'ceiling':>10}"
-                 f"{'of ceiling':>12}")
-    for w in s["windows"]:
-        hit, ceil = _ratio_of_window(w)
-        of = share(hit, ceil) if hit is not None and ceil else None
-        lines.append(f"{'':<10}{w['window']:<8}{fmt_count(w['requested_blocks']):>11}{fmt_pct(hit):>11}"
-                     f"{fmt_pct(ceil):>10}{fmt_pct(of, 0):>12}")
+    lines += window_lines(s["windows"])
     if not s["windows"]:
         lines.append(f"{'':<10}no window (the node keeps no request accounting)")
     lines.append(tier_line("blocks", s["requests"]))
@@ -139,6 +133,17 @@ def node_lines(s: Snapshot, now: float | None = None, width: int = WIDTH) -> lis
     lines += engine_lines(s)
     lines += namespace_lines(s["namespaces"])
     return fit(lines, width)
+
+
+def window_lines(windows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Per window: blocks requested, the hit rate, the ceiling and the hit rate's share of it."""
+    out = [f"{'hit rate':<10}{'window':<8}{'requested':>11}{'hit rate':>11}{'ceiling':>10}{'of ceiling':>12}"]
+    for w in windows:
+        hit, ceil = _ratio_of_window(w)
+        of = share(hit, ceil) if hit is not None and ceil else None
+        out.append(f"{'':<10}{w['window']:<8}{fmt_count(w['requested_blocks']):>11}{fmt_pct(hit):>11}"
+                   f"{fmt_pct(ceil):>10}{fmt_pct(of, 0):>12}")
+    return out
 
 
 def tier_line(label: str, t: Mapping[str, int]) -> str:
@@ -224,7 +229,7 @@ def cluster_lines(c: Snapshot, now: float | None = None, width: int = WIDTH) -> 
     window = t["window"] or NONE
     lines.append("")
     lines.append(clip(f"hit and ceil(ing): the last {window}; L1, SSD, peer: blocks found there", width))
-    lines.append(_ROW.format("node", "pool used", "", "hit", "ceil", "L1", "SSD", "peer", "engines"))
+    lines.append(_ROW.format("node", "pool", "used", "hit", "ceil", "L1", "SSD", "peer", "engines"))
     for n in nodes:
         s = n["status"]
         name = clip(n["node"], 14)
@@ -240,12 +245,20 @@ def cluster_lines(c: Snapshot, now: float | None = None, width: int = WIDTH) -> 
             fmt_pct(share(p["used_bytes"], p["capacity_bytes"]), 0), fmt_pct(hit), fmt_pct(ceil),
             fmt_count(r["l1"]), fmt_count(r["ssd"]), fmt_count(r["remote"]), fmt_count(len(s["engines"])),
         ))
+    ceiling = c.get("ceiling")
+    union = next((w for w in ceiling["windows"] if w["window"] == t["window"]), None) if ceiling else None
     lines.append(_ROW.format(
         "total", f"{fmt_short_bytes(t['used_bytes'])}/{fmt_short_bytes(t['capacity_bytes'])}",
         fmt_pct(share(t["used_bytes"], t["capacity_bytes"]), 0), fmt_pct(share(t["hit_blocks"], t["requested_blocks"])),
-        NONE, fmt_count(t["requests"]["l1"]), fmt_count(t["requests"]["ssd"]), fmt_count(t["requests"]["remote"]),
-        fmt_count(t["engines"]),
+        fmt_pct(_ratio_of_window(union)[1]) if union else NONE, fmt_count(t["requests"]["l1"]),
+        fmt_count(t["requests"]["ssd"]), fmt_count(t["requests"]["remote"]), fmt_count(t["engines"]),
     ))
+    lines.append("")
+    if ceiling:
+        lines += window_lines(ceiling["windows"])
+        lines.append(f"{'':<10}(the metaserver's union of the sketches of {_plural(ceiling['nodes_merged'], 'node')})")
+    else:
+        lines.append(f"{'hit rate':<10}no cluster ceiling: the metaserver has no node's ceiling sketch")
     lines.append("")
     lines.append(tier_line("blocks", t["requests"]))
     lines.append(ssd_line(t["ssd"]) if t["ssd"] else f"{'SSD':<10}none on any reachable node")

@@ -25,8 +25,9 @@ def test_cluster_view_lists_every_node_and_survives_a_dead_one(node_factory, red
     meta = MetaProc(redis_server.url, False, "m1", tmp_path / "meta.log")
     metaserver = f"127.0.0.1:{meta.port}"
     try:
-        a = node_factory("4mb", ["--metaserver-addr", metaserver, "--node-id", "node-a"])
-        b = node_factory("8mb", ["--metaserver-addr", metaserver, "--node-id", "node-b"])
+        fast = ["--ceiling-publish-interval", "1"]  # the cluster ceiling's sketches, every second
+        a = node_factory("4mb", ["--metaserver-addr", metaserver, "--node-id", "node-a", *fast])
+        b = node_factory("8mb", ["--metaserver-addr", metaserver, "--node-id", "node-b", *fast])
         with PegaClient(a.addr) as c:
             c.register({NS: PAGE})
             save(c, hashes("cluster", 4))
@@ -34,9 +35,13 @@ def test_cluster_view_lists_every_node_and_survives_a_dead_one(node_factory, red
 
         def listed() -> dict:
             s = status_json("--metaserver", metaserver)
-            return s if [n["node"] for n in s["nodes"]] == ["node-a", "node-b"] else {}
+            ready = [n["node"] for n in s["nodes"]] == ["node-a", "node-b"] and s["ceiling"] is not None and \
+                s["ceiling"]["nodes_merged"] == 2 and s["ceiling"]["windows"][0]["requested_blocks"] == 4
+            return s if ready else {}
 
-        s = wait_until(listed, 30, "both nodes registered with the metaserver", every=0.2)
+        # Both nodes registered, and their sketches (published every second, united by the
+        # metaserver at most every 5 s) hold node-a's request.
+        s = wait_until(listed, 40, "both nodes and their ceiling sketches at the metaserver", every=0.5)
         assert s["reachable"] and s["metaserver"] == metaserver
         na, nb = s["nodes"]
         assert (na["address"], nb["address"]) == (a.addr, b.addr) and na["alive"] and nb["alive"]
@@ -46,6 +51,9 @@ def test_cluster_view_lists_every_node_and_survives_a_dead_one(node_factory, red
         t = s["totals"]
         assert (t["nodes"], t["reachable"], t["capacity_bytes"], t["used_bytes"]) == (2, 2, 12 << 20, 4 * PAGE)
         assert (t["requested_blocks"], t["hit_blocks"]) == (4, 4)
+        # the cluster's windows are the metaserver's union: the same request, its 4 distinct blocks
+        assert [(w["window"], w["requested_blocks"], w["hit_blocks"], w["ceiling_ratio"])
+                for w in s["ceiling"]["windows"]] == [("15m", 4, 4, 0.0), ("1h", 4, 4, 0.0), ("24h", 4, 4, 0.0)]
 
         r = status("--metaserver", metaserver)
         assert r.returncode == 0, r.stderr
@@ -54,7 +62,8 @@ def test_cluster_view_lists_every_node_and_survives_a_dead_one(node_factory, red
         rows = {ln.split()[0]: ln.split() for ln in lines if ln.split()}
         assert rows["node-a"][1:6] == ["256K/4.0M", "6%", "100.0%", "0.0%", "4"]
         assert rows["node-b"][1:6] == ["0B/8.0M", "0%", "-", "-", "0"]
-        assert rows["total"][1:4] == ["256K/12.0M", "2%", "100.0%"]
+        assert rows["total"][1:5] == ["256K/12.0M", "2%", "100.0%", "0.0%"]
+        assert rows["15m"] == ["15m", "4", "100.0%", "0.0%", "-"]
 
         b.kill()  # its heartbeat has not expired yet: listed, alive, and not answering
         r = status("--metaserver", metaserver, "--timeout", "2")

@@ -136,7 +136,12 @@ def test_cluster_screen_with_an_unreachable_and_a_dead_node(width: int) -> None:
         {"node": "node-d", "address": "10.0.0.4:50055", "epoch": 1, "alive": False,
          "status": unreachable("10.0.0.4:50055", "no heartbeat (not alive)")},
     ]
-    c = {"metaserver": "10.0.0.9:50056", "reachable": True, "error": "", "nodes": nodes, "totals": totals(nodes)}
+    union = [{"window": "15m", "requested_blocks": 24_690, "hit_blocks": 10_172, "distinct_blocks": 5000.0,
+              "hit_ratio": 10_172 / 24_690, "ceiling_ratio": (24_690 - 5000) / 24_690},
+             {"window": "1h", "requested_blocks": 0, "hit_blocks": 0, "distinct_blocks": 0.0, "hit_ratio": 0.0,
+              "ceiling_ratio": 0.0}]
+    c = {"metaserver": "10.0.0.9:50056", "reachable": True, "error": "", "nodes": nodes, "totals": totals(nodes),
+         "ceiling": {"nodes_merged": 2, "nodes_skipped": 0, "windows": union}}
     json.dumps(c)  # what --json prints
     lines = cluster_lines(c, now=0, width=width)
     assert all(len(ln) <= width for ln in lines), lines
@@ -148,11 +153,19 @@ def test_cluster_screen_with_an_unreachable_and_a_dead_node(width: int) -> None:
     t = c["totals"]
     assert (t["nodes"], t["reachable"], t["capacity_bytes"], t["engines"]) == (4, 2, 60 * GiB, 10)
     assert t["requested_blocks"] == 2 * 12_345 and t["hit_blocks"] == 2 * 5_086
-    assert row["total"].split()[1:4] == ["24.6G/60.0G", "41%", "41.2%"]
+    # the total's ceiling is the metaserver's union, not a sum; so are the window rows
+    assert row["total"].split()[1:5] == ["24.6G/60.0G", "41%", "41.2%", "79.7%"]
+    assert row["15m"].split()[:4] == ["15m", "24,690", "41.2%", "79.7%"]
+    assert row["1h"].split()[:4] == ["1h", "0", "-", "-"]
+    assert "union of the sketches of 2 nodes" in "\n".join(lines) or width < WIDTH
+    no_union = cluster_lines({**c, "ceiling": None}, now=0, width=width)
+    assert [ln.split()[4] for ln in no_union if ln.startswith("total")] == ["-"]
+    assert any(ln.startswith("hit rate  no cluster ceiling") for ln in no_union)
     assert t["peers"]["pulls"] == {"checksum": 2, "error": 10, "ok": 2_468}
     assert {n["name"]: n["blocks"] for n in t["namespaces"]}[f"{LONG}-0"] == 2000
     if width == WIDTH:
         assert "4 nodes, 2 reachable" in lines[0]
+        assert row["15m"].split()[4] == "52%"
 
 
 def test_unreachable_metaserver_is_one_line() -> None:
