@@ -134,6 +134,7 @@ class ReplayConfig:
     ceiling_windows: tuple[float, ...]
     trace: str
     trace_format: str
+    namespace_field: str
     l1_capacity: Capacity
     ssd_capacity: Capacity
     ssd_writes: str

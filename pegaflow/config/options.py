@@ -782,6 +782,15 @@ OPTIONS: list[Option] = [
         metavar="SIZE",
     ),
     Option(
+        "namespace-field",
+        "",
+        "Mooncake traces: the top-level field whose value is each request's namespace (e.g. model), "
+        "for several models in one file and --namespace-quota; empty: every request in 'mooncake'. "
+        "The node's query trace carries its namespace.",
+        commands=(REPLAY,),
+        metavar="NAME",
+    ),
+    Option(
         "ssd-capacity",
         "0",
         "SSD tier capacity (units as --l1-capacity; 0: no SSD tier). It receives L1's evictions.",

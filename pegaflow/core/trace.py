@@ -5,7 +5,9 @@ Two JSON-lines formats, one request per line (both documented in ``docs/replay.m
 - ``mooncake``: ``{"timestamp": ms, "input_length": tokens, "output_length": tokens,
   "hash_ids": [int, ...]}``. One id per ``block_tokens`` (512) tokens of the prompt;
   ids name a whole prefix (equal ids mean equal prefixes), as in the Mooncake traces.
-  Every request is in one namespace, ``mooncake``.
+  Every request is in one namespace, ``mooncake``, unless ``namespace_field`` names a
+  top-level field whose value is the request's namespace (``--namespace-field model``:
+  several models' requests in one file); ids then name prefixes within a namespace.
 - ``pegaflow``: the node's own query trace, ``{"time": seconds, "namespace": str,
   "hashes": [32 hex digits, ...]}`` plus optional ``page_bytes``, ``block_tokens``,
   ``tokens``, ``instance`` and ``saved``. :func:`encode_query` writes it; it is the one definition.
@@ -174,11 +176,11 @@ def _count(
     return v
 
 
-def _route(d: dict[str, Any], route_field: str | None, line: int) -> str | None:
+def _route(d: dict[str, Any], route_field: str | None, line: int, what: str = "routing") -> str | None:
     if route_field is None:
         return None
     if route_field not in d:
-        raise TraceError(line, f"missing routing field {route_field!r}")
+        raise TraceError(line, f"missing {what} field {route_field!r}")
     v = d[route_field]
     return v if isinstance(v, str) else json.dumps(v, sort_keys=True)
 
@@ -186,9 +188,10 @@ def _route(d: dict[str, Any], route_field: str | None, line: int) -> str | None:
 class _Reader:
     """Turns parsed lines into Requests; keeps the dense-id and hash tables."""
 
-    def __init__(self, block_tokens: int, route_field: str | None) -> None:
+    def __init__(self, block_tokens: int, route_field: str | None, namespace_field: str | None = None) -> None:
         self.block_tokens = block_tokens
         self.route_field = route_field
+        self.namespace_field = namespace_field
         self.ids: dict[Any, int] = {}  # mooncake: raw int id; pegaflow: (namespace, hash)
         self.hashes: list[bytes] = []  # dense id -> 16-byte hash
         self.namespaces: dict[str, int | None] = {}
@@ -206,17 +209,23 @@ class _Reader:
             bad = next(x for x in raw if type(x) is not int or not 0 <= x < _ID_LIMIT)
             raise TraceError(line, f"hash id {bad!r} is not an integer in [0, 2**128)")
         route = _route(d, self.route_field, line)
+        ns = MOONCAKE_NAMESPACE
+        if self.namespace_field is not None:
+            ns = _route(d, self.namespace_field, line, "namespace") or ""
+            if not ns:
+                raise TraceError(line, f"namespace field {self.namespace_field!r} is empty")
+            raw = [(ns, x) for x in raw]  # an id names a prefix within its namespace
         table = self.ids
         new = list(dict.fromkeys(filterfalse(table.__contains__, raw)))
         if new:
             n0 = len(self.hashes)
             table.update(zip(new, range(n0, n0 + len(new)), strict=True))
-            self.hashes.extend(map(_TO_HASH, new))
+            self.hashes.extend(map(_TO_HASH, new) if self.namespace_field is None else (_TO_HASH(x) for _, x in new))
         ids = list(map(table.__getitem__, raw))
-        self.namespaces.setdefault(MOONCAKE_NAMESPACE, None)
+        self.namespaces.setdefault(ns, None)
         return Request(
             time=ts,
-            namespace=MOONCAKE_NAMESPACE,
+            namespace=ns,
             hashes=list(map(self.hashes.__getitem__, ids)),
             ids=ids,
             tokens=n_in,  # type: ignore[arg-type]
@@ -294,16 +303,19 @@ def read_trace(
     block_tokens: int = MOONCAKE_BLOCK_TOKENS,
     route_field: str | None = None,
     skip_bad: bool = False,
+    namespace_field: str | None = None,
 ) -> Trace:
     """Read every request of a trace; see the module docstring for the contracts.
 
     ``fmt`` is ``auto`` (decided by the first line that parses as a JSON object of a known
     format), ``mooncake`` or ``pegaflow``. ``route_field`` names a top-level field whose
-    value every request must carry (used for routing). Raises :class:`TraceError`.
+    value every request must carry (used for routing); ``namespace_field`` one whose value is
+    a Mooncake request's namespace (default: every request in ``mooncake``). Raises
+    :class:`TraceError`.
     """
     if fmt not in ("auto", *FORMATS):
         raise TraceError(0, f"unknown trace format {fmt!r} (choose from auto, {', '.join(FORMATS)})")
-    reader = _Reader(block_tokens, route_field)
+    reader = _Reader(block_tokens, route_field, namespace_field)
     requests: list[Request] = []
     skipped = 0
     first_bad = ""

@@ -106,6 +106,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "pegaflow replay") -> in
             block_tokens=opts.block_tokens,
             route_field=route_field(opts.route) if opts.instances > 1 else None,
             skip_bad=opts.skip_bad,
+            namespace_field=opts.namespace_field or None,
         )
     except TraceError as exc:
         where = f"{opts.trace}:{exc.line}" if exc.line else opts.trace

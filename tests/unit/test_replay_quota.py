@@ -66,3 +66,33 @@ def test_bad_quotas_are_one_line_errors(tmp_path: Path) -> None:
         out = pegaflow("replay", str(both), *[x for f in flags for x in ("--namespace-quota", f)])
         assert out.returncode == 2
         assert says in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def mooncake_two_models(tmp_path: Path) -> Path:
+    """A Mooncake trace whose lines carry a `model`: `hot` reuses 4 prefixes of 4 ids, `scan`
+    never repeats; both use the same small ids, which name different blocks per model."""
+    rng = random.Random(4)
+    lines = []
+    nxt = 1000
+    for i in range(120):
+        doc = rng.randrange(4)
+        lines.append({"timestamp": i, "input_length": 2048, "output_length": 1, "model": "hot",
+                      "hash_ids": [doc * 4 + k for k in range(4)]})
+        for _ in range(6):
+            lines.append({"timestamp": i, "input_length": 2048, "output_length": 1, "model": "scan",
+                          "hash_ids": list(range(nxt, nxt + 4))})
+            nxt += 4
+    lines.append({"timestamp": 121, "input_length": 2048, "output_length": 1, "model": "scan",
+                  "hash_ids": [0, 1, 2, 3]})  # hot's ids, another model: a miss
+    p = tmp_path / "mc.jsonl"
+    p.write_text("".join(json.dumps(d) + "\n" for d in lines))
+    return p
+
+
+def test_a_mooncake_field_maps_requests_to_namespaces(tmp_path: Path) -> None:
+    trace = mooncake_two_models(tmp_path)
+    rates = hit_rates(trace, "--namespace-field", "model", "--namespace-quota", "hot=0.25")
+    assert rates["hot"] == 1 - 16 / (120 * 4) and rates["scan"] == 0.0
+    assert set(hit_rates(trace)) == {"mooncake"}  # without the flag: one namespace
+    out = pegaflow("replay", str(trace), "--namespace-field", "tenant", "--sweep", "none")
+    assert out.returncode == 2 and "missing namespace field 'tenant'" in out.stderr
