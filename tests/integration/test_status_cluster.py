@@ -65,6 +65,24 @@ def test_cluster_view_lists_every_node_and_survives_a_dead_one(node_factory, red
         assert rows["total"][1:5] == ["256K/12.0M", "2%", "100.0%", "0.0%"]
         assert rows["15m"] == ["15m", "4", "100.0%", "0.0%", "-"]
 
+        # node-b misses node-a's blocks and pulls them from it (LOADING, then READY): a peer hit
+        # on node-b, a pull on node-b and bytes served on node-a.
+        hs = hashes("cluster", 4)
+        with PegaClient(b.addr) as c:
+            c.register({NS: PAGE})
+            wait_until(lambda: c.query([NS], hs, req_id="pull", lease=False).hit_blocks == 4, 30,
+                       "node-b to pull node-a's blocks", every=0.1)
+        s = status_json("--metaserver", metaserver)
+        na, nb = (n["status"] for n in s["nodes"])
+        assert nb["requests"] == {"l1": 0, "ssd": 0, "remote": 4, "miss": 0}
+        assert nb["peers"]["pulls"]["ok"] == 1 and nb["peers"]["pull_bytes"] == 4 * PAGE
+        assert nb["peers"]["lookups"]["found"] >= 1
+        assert na["peers"]["served_bytes"] == 4 * PAGE
+        assert s["totals"]["requests"]["remote"] == 4 and s["totals"]["peers"]["pull_bytes"] == 4 * PAGE
+        rows = {ln.split()[0]: ln.split() for ln in status("--metaserver", metaserver).stdout.splitlines() if ln.split()}
+        assert rows["node-b"][5:8] == ["0", "0", "4"]  # L1, SSD, peer
+        assert rows["peers"][:5] == ["peers", "pulls", "1", "ok", "0"]
+
         b.kill()  # its heartbeat has not expired yet: listed, alive, and not answering
         r = status("--metaserver", metaserver, "--timeout", "2")
         assert r.returncode == 0, r.stderr
