@@ -17,7 +17,16 @@ import pytest
 
 from pegaflow.client import PegaClient
 from tests.conftest import free_port
-from tests.integration.test_ssd_tier import NS, PAGE, SSD_WAIT_S, hashes, save, ssd_args
+from tests.integration.test_ssd_tier import (
+    NS,
+    PAGE,
+    POOL,
+    SSD_WAIT_S,
+    ask_until_ready,
+    hashes,
+    save,
+    ssd_args,
+)
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -75,6 +84,23 @@ def test_json_reports_what_the_node_did(node_factory, tmp_path: Path) -> None:  
         assert all(len(ln) <= 80 for ln in lines), lines
         assert "blocks    L1 8 80.0%  SSD 0 0.0%  peer 0 0.0%  miss 2 20.0%" in lines
         assert any(ln.split()[:4] == ["15m", "10", "80.0%", "0.0%"] for ln in lines), lines
+
+
+def test_blocks_promoted_from_ssd_count_under_ssd(node_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    node = node_factory(POOL, ssd_args(tmp_path))  # 16 pages: the first of 48 blocks are only on SSD
+    hs = hashes("status-ssd", 48)
+    with PegaClient(node.addr) as c:
+        c.register({NS: PAGE})
+        save(c, hs, node=node)
+        wait_until(lambda: node.metric("pegaflow_node_ssd_blocks") >= 48, SSD_WAIT_S, "48 blocks on SSD")
+        q, loading = ask_until_ready(c, hs[:12], req_id="from-ssd", lease=False)
+        assert (q.hit_blocks, loading >= 1) == (12, True)
+        s = status_json("--addr", node.addr)
+        assert s["requests"] == {"l1": 0, "ssd": 12, "remote": 0, "miss": 0}
+        assert s["ssd"]["promoted_blocks"] == 12 and s["ssd"]["read_bytes"] >= 12 * PAGE
+        assert s["pool"]["evictions"] == int(node.metric("pegaflow_node_evictions_total")) > 0
+        lines = status("--addr", node.addr).stdout.splitlines()
+        assert "blocks    L1 0 0.0%  SSD 12 100.0%  peer 0 0.0%  miss 0 0.0%" in lines
 
 
 def test_unreachable_node_is_one_line() -> None:
