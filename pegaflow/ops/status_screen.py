@@ -228,6 +228,8 @@ def cluster_lines(c: Snapshot, now: float | None = None, width: int = WIDTH) -> 
     t = c["totals"]
     window = t["window"] or NONE
     lines.append("")
+    if not nodes:
+        lines.append("no node has registered with this metaserver (nodes join with --metaserver-addr)")
     lines.append(clip(f"hit and ceil(ing): the last {window}; L1, SSD, peer: blocks found there", width))
     lines.append(_ROW.format("node", "pool", "used", "hit", "ceil", "L1", "SSD", "peer", "engines"))
     for n in nodes:

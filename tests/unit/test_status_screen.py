@@ -184,3 +184,10 @@ def test_a_watch_frame_never_scrolls() -> None:
     f = frame(lines, 30, "every 1s, Ctrl-C quits")
     assert len(f) == 30 and f[-1] == "every 1s, Ctrl-C quits" and f[-2] == "... 12 more lines: a taller terminal shows them"
     assert frame(lines[:5], 30, "x") == [*lines[:5], "x"]
+
+
+def test_cluster_without_nodes() -> None:
+    lines = cluster_lines({"metaserver": "m:1", "reachable": True, "nodes": [], "totals": totals([]),
+                           "ceiling": None}, now=0)
+    assert_fits(lines)
+    assert "0 nodes, 0 reachable" in lines[0] and lines[2].startswith("no node has registered")
