@@ -11,7 +11,8 @@ Two kinds of slots (Redis Cluster hash tags):
 Block ``h`` (``HASH_BYTES`` = 16 bytes) of namespace tag ``t`` is field
 ``h[BUCKET_BYTES:]`` of hash ``pf:b:{t}`` + ``h[:BUCKET_BYTES]`` (:func:`bucket_key`,
 :func:`field`); the value is the list of nids holding it, ``NID_BYTES`` = 4 each
-(big-endian). The index's Lua scripts and its packed batches are built from these
+(big-endian), the top bit (``TIER_BIT``) set when that holder has the block only on its SSD
+tier. The index's Lua scripts and its packed batches are built from these
 constants (``pegaflow/meta/index.py``), so this is the one place the split is defined. With <= 128 fields per bucket Redis keeps the bucket as a listpack,
 about 30 bytes per block instead of ~110 for one key per block.
 """
@@ -42,6 +43,7 @@ BUCKET_BYTES = 2  # leading bytes of a block hash that name its bucket
 FIELD_BYTES = HASH_BYTES - BUCKET_BYTES  # the rest: its field in the bucket
 BUCKETS = 1 << (8 * BUCKET_BYTES)
 NID_BYTES = 4  # one holder in a block's holder list (big-endian nid)
+TIER_BIT = 1 << (8 * NID_BYTES - 1)  # set in a holder entry: that nid holds the block only on its SSD
 
 
 def live_key(node: str) -> str:

@@ -2,14 +2,15 @@
 
 Layout (``pegaflow/cluster/keys.py``, where the widths are defined once): block ``h`` of a
 namespace is field ``keys.field(h)`` of bucket ``keys.bucket_key(tag, h)``; the value lists
-the nids holding it, ``keys.NID_BYTES`` each. The Lua scripts below are templates filled
-with those widths (:func:`_script`).
+the nids holding it, ``keys.NID_BYTES`` each (a holder entry), the top bit of an entry
+(``keys.TIER_BIT``) set when that nid holds the block only on its SSD tier. The Lua
+scripts below are templates filled with those widths (:func:`_script`).
 
 Contracts:
 
 - :meth:`Index.apply_many` applies a node's updates in order. Applying is idempotent
-  and order-insensitive between nids: INSERT adds the nid if absent, EVICT removes it if
-  present. Replaying any suffix of one node's events in order leaves the same state, which
+  and order-insensitive between nids: INSERT adds the nid if absent (or sets its tier
+  bit to the update's tier), EVICT removes it if present, whatever its tier. Replaying any suffix of one node's events in order leaves the same state, which
   is what makes re-delivery after a crash safe (see ``pegaflow/meta/events/consumer.py``).
 - How: a run of consecutive adds (INSERT, SNAPSHOT) goes as plain ``HSETNX`` commands
   streamed on one connection (``redis_conn.RawPipe``): a new block, the common case, is
@@ -21,14 +22,15 @@ Contracts:
   EVICTs always run ``_APPLY`` (a read-modify-write). Without a real socket (fakeredis)
   every update runs ``_APPLY``.
 - :meth:`Index.query` returns, for every nid holding block 0, the number of leading
-  blocks it holds, in one round trip. It knows nothing of liveness: callers filter by the
+  blocks it holds, in one round trip (:meth:`Index.query_tiers`: and how many of them it
+  holds only on SSD). It knows nothing of liveness: callers filter by the
   visible nids (``registry.py``). How: one plain ``HGET`` per block, packed by numpy and
   sent as one batch, the replies read by hiredis in C (``redis_conn.raw_round_trip``),
-  then :func:`prefix_holders`. Measured on 128-block queries at 1M indexed blocks: 314-381
-  against 461-477 us p50 for the ``_QUERY`` script, whose ``redis.call`` per block costs
-  ~2.6 us inside Redis against ~0.4 us for a plain ``HGET``; the script stops at the
-  first missing block, the batch always asks all (~50 us of Redis for 128). Without a
-  real socket (fakeredis) the script runs; tests hold the two equal.
+  then :func:`prefix_tiers`. Measured on 128-block queries at 1M indexed blocks: 314-381
+  against 461-477 us p50 for a Lua script, whose ``redis.call`` per block costs ~2.6 us
+  inside Redis against ~0.4 us for a plain ``HGET``. Without a real socket (fakeredis)
+  the ``_QUERY`` script reads the holder lists up to the first missing block and the same
+  :func:`prefix_tiers` runs on them; tests hold the two equal.
 - Python loops over blocks only where holders change along the prefix (a second nid
   holds part of it); the common run of one unchanged holder list is compared in C.
 """
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import string
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -44,7 +47,7 @@ import numpy as np
 from pegaflow.cluster import keys
 from pegaflow.cluster.redis_conn import Call, Client, RawPipe, Script, checked, raw_round_trip, run_scripts
 from pegaflow.core.identity import HASH_BYTES
-from pegaflow.meta.events.schema import Op, Update
+from pegaflow.meta.events.schema import Op, Tier, Update
 
 DUMP_CHUNK = 1024  # buckets per HGETALL pipeline when dumping / sweeping
 SWEEP_CHUNK = 256  # buckets per sweep script call: bounds the time one call holds Redis
@@ -58,17 +61,23 @@ APPLY_ROUND_BLOCKS = 512
 def _script(template: str) -> Script:
     """A Lua script of the index with the layout's widths (``keys.py``) filled in:
     ``$HASH`` (bytes of a block hash), ``$BUCKET`` (its leading bytes naming the bucket),
-    ``$NID`` (bytes of one holder)."""
-    return Script(string.Template(template).substitute(HASH=HASH_BYTES, BUCKET=keys.BUCKET_BYTES, NID=keys.NID_BYTES))
+    ``$NID`` (bytes of one holder), ``$TOP`` (the tier bit's value in the entry's first byte)."""
+    top = keys.TIER_BIT >> (8 * (keys.NID_BYTES - 1))
+    return Script(string.Template(template).substitute(HASH=HASH_BYTES, BUCKET=keys.BUCKET_BYTES, NID=keys.NID_BYTES,
+                                                       TOP=top))
 
 
 _APPLY = _script(
     """
 local pre = ARGV[1]
 local add = ARGV[2] == '1'
-local nid = ARGV[3]
+local nid = ARGV[3]  -- the holder entry: nid, tier bit set for SSD
 local blob = ARGV[4]
 local changed = 0
+local b1 = string.byte(nid, 1) % $TOP
+local rest = string.sub(nid, 2)
+-- entry c is this nid's, whatever its tier bit
+local function same(c) return string.sub(c, 2) == rest and string.byte(c, 1) % $TOP == b1 end
 for off = 1, #blob, $HASH do
   local k = pre .. string.sub(blob, off, off + $BUCKET - 1)
   local f = string.sub(blob, off + $BUCKET, off + $HASH - 1)
@@ -78,12 +87,15 @@ for off = 1, #blob, $HASH do
       changed = changed + 1
     else
       local v = redis.call('HGET', k, f)
-      local found = false
+      local at = nil
       for j = 1, #v, $NID do
-        if string.sub(v, j, j + $NID - 1) == nid then found = true break end
+        if same(string.sub(v, j, j + $NID - 1)) then at = j break end
       end
-      if not found then
+      if not at then
         redis.call('HSET', k, f, v .. nid)
+        changed = changed + 1
+      elseif string.sub(v, at, at + $NID - 1) ~= nid then  -- a tier change
+        redis.call('HSET', k, f, string.sub(v, 1, at - 1) .. nid .. string.sub(v, at + $NID))
         changed = changed + 1
       end
     end
@@ -94,7 +106,7 @@ for off = 1, #blob, $HASH do
     local found = false
     for j = 1, #v, $NID do
       local c = string.sub(v, j, j + $NID - 1)
-      if c == nid then found = true else keep[#keep + 1] = c end
+      if same(c) then found = true else keep[#keep + 1] = c end
     end
     if found then
       changed = changed + 1
@@ -107,53 +119,17 @@ return changed
 """
 )
 
+# The holder lists of the leading blocks, up to the first block nobody holds; the prefix
+# per holder is computed from them by prefix_tiers, as for the HGET batch.
 _QUERY = _script(
     """
 local pre = ARGV[1]
 local blob = ARGV[2]
-local cand = nil
 local out = {}
-local n = 0
--- nid c ($NID bytes) is in v (a $NID-byte aligned list); a plain find could match across two nids.
-local function holds(v, c)
-  local i = 1
-  while true do
-    local p = string.find(v, c, i, true)
-    if not p then return false end
-    if (p - 1) % $NID == 0 then return true end
-    i = p + 1
-  end
-end
 for off = 1, #blob, $HASH do
   local v = redis.call('HGET', pre .. string.sub(blob, off, off + $BUCKET - 1), string.sub(blob, off + $BUCKET, off + $HASH - 1))
   if not v then break end
-  if cand == nil then
-    cand = {}
-    for j = 1, #v, $NID do cand[#cand + 1] = string.sub(v, j, j + $NID - 1) end
-  elseif not (#cand == 1 and v == cand[1]) then  -- else: one holder that still holds (common)
-    local keep = nil  -- built only once a candidate drops out
-    for idx, c in ipairs(cand) do
-      if holds(v, c) then
-        if keep then keep[#keep + 1] = c end
-      else
-        if not keep then
-          keep = {}
-          for j = 1, idx - 1 do keep[j] = cand[j] end
-        end
-        out[#out + 1] = c
-        out[#out + 1] = n
-      end
-    end
-    if keep then cand = keep end
-  end
-  n = n + 1
-  if #cand == 0 then break end
-end
-if cand then
-  for _, c in ipairs(cand) do
-    out[#out + 1] = c
-    out[#out + 1] = n
-  end
+  out[#out + 1] = v
 end
 return out
 """
@@ -166,6 +142,7 @@ local first = tonumber(ARGV[2])
 local last = tonumber(ARGV[3])
 local dead = {}
 for j = 1, #ARGV[4], $NID do dead[string.sub(ARGV[4], j, j + $NID - 1)] = true end
+local function id(c) return string.char(string.byte(c, 1) % $TOP) .. string.sub(c, 2) end
 local removed = 0
 for b = first, last do
   local k = pre .. struct.pack('>I$BUCKET', b)
@@ -175,7 +152,7 @@ for b = first, last do
     local keep = {}
     for j = 1, #v, $NID do
       local c = string.sub(v, j, j + $NID - 1)
-      if dead[c] then removed = removed + 1 else keep[#keep + 1] = c end
+      if dead[id(c)] then removed = removed + 1 else keep[#keep + 1] = c end
     end
     if #keep * $NID ~= #v then
       if #keep == 0 then redis.call('HDEL', k, all[i]) else redis.call('HSET', k, all[i], table.concat(keep)) end
@@ -204,8 +181,25 @@ return removed
 )
 
 
-def nid_bytes(nid: int) -> bytes:
-    return nid.to_bytes(keys.NID_BYTES, "big")
+def nid_bytes(nid: int, tier: Tier = Tier.L1) -> bytes:
+    """The holder entry of ``nid`` holding a block in ``tier``."""
+    if not 0 <= nid < keys.TIER_BIT:
+        raise ValueError(f"nid {nid} out of range")
+    return (nid | keys.TIER_BIT if tier == Tier.SSD else nid).to_bytes(keys.NID_BYTES, "big")
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """What one holder has of a queried prefix: ``prefix_len`` leading blocks, of which
+    ``ssd_blocks`` only on its SSD tier (the rest in DRAM)."""
+
+    prefix_len: int
+    ssd_blocks: int = 0
+
+    @property
+    def tier(self) -> Tier:
+        """The slowest tier the holder would read the prefix from."""
+        return Tier.SSD if self.ssd_blocks else Tier.L1
 
 
 def _field_commands(command: bytes, prefix: bytes, blob: bytes, value: bytes | None = None) -> bytes:
@@ -243,7 +237,23 @@ def _hget_batch(prefix: bytes, blob: bytes) -> bytes:
 
 def prefix_holders(values: Sequence[bytes | None]) -> dict[int, int]:
     """nid -> number of leading blocks it holds, from each block's holder list (``None``:
-    no holder), for the nids holding block 0: what ``_QUERY`` computes inside Redis."""
+    no holder), for the nids holding block 0 (any tier)."""
+    return {nid: h.prefix_len for nid, h in prefix_tiers(values).items()}
+
+
+def _entries(v: bytes) -> dict[int, bool]:
+    """nid -> held only on SSD, of one holder list."""
+    n, top = keys.NID_BYTES, keys.TIER_BIT
+    out = {}
+    for j in range(0, len(v), n):
+        e = int.from_bytes(v[j : j + n], "big")
+        out[e & ~top] = bool(e & top)
+    return out
+
+
+def prefix_tiers(values: Sequence[bytes | None]) -> dict[int, Held]:
+    """nid -> :class:`Held` (leading blocks it holds, how many of them only on SSD), from
+    each block's holder list (``None``: no holder), for the nids holding block 0."""
     n = len(values)
     cut = n
     if None in values:  # list.index and count run in C
@@ -253,27 +263,36 @@ def prefix_holders(values: Sequence[bytes | None]) -> dict[int, int]:
     first = values[0]
     assert first is not None
     if values[:cut].count(first) == cut:  # one unchanged list (the common case)
-        return {nid: cut for nid in _nids(first)}
-    w = keys.NID_BYTES
-    cand = [first[j : j + w] for j in range(0, len(first), w)]
-    out: dict[int, int] = {}
+        return {nid: Held(cut, cut if ssd else 0) for nid, ssd in _entries(first).items()}
+    # Per candidate: the tier of its current run of blocks, where that run began, and the
+    # SSD blocks of its finished runs. Python work only where a holder list changes.
+    tier = _entries(first)
+    since = dict.fromkeys(tier, 0)
+    ssd = dict.fromkeys(tier, 0)
+    out: dict[int, Held] = {}
+    prev = first
     for i in range(1, cut):
         v = values[i]
-        if v == first:
+        if v == prev:
             continue
         assert v is not None
-        held = {v[j : j + w] for j in range(0, len(v), w)}
-        keep = []
-        for c in cand:
-            if c in held:
-                keep.append(c)
+        prev = v
+        now = _entries(v)
+        for c in list(tier):
+            t = now.get(c)
+            if t is not None and t == tier[c]:
+                continue
+            if tier[c]:
+                ssd[c] += i - since[c]
+            if t is None:
+                out[c] = Held(i, ssd[c])
+                del tier[c]
             else:
-                out[int.from_bytes(c, "big")] = i
-        cand = keep
-        if not cand:
+                tier[c], since[c] = t, i
+        if not tier:
             return out
-    for c in cand:
-        out[int.from_bytes(c, "big")] = cut
+    for c, t in tier.items():
+        out[c] = Held(cut, ssd[c] + (cut - since[c] if t else 0))
     return out
 
 
@@ -287,8 +306,9 @@ def _not_set(blob: bytes, replies: list[Any]) -> bytes:
 
 
 def _nids(v: bytes) -> list[int]:
-    n = keys.NID_BYTES
-    return [int.from_bytes(v[j : j + n], "big") for j in range(0, len(v), n)]
+    """The nids of a holder list, whatever their tier."""
+    n, mask = keys.NID_BYTES, keys.TIER_BIT - 1
+    return [int.from_bytes(v[j : j + n], "big") & mask for j in range(0, len(v), n)]
 
 
 class Index:
@@ -299,20 +319,21 @@ class Index:
         self.prefix = prefix
         self._native: bool | None = None  # RawPipe.supported(r), asked once
 
-    def apply_call(self, op: Op, namespace: str, nid: int, blob: bytes) -> Call:
-        """The script call applying one INSERT/SNAPSHOT/EVICT batch (``blob`` = 16-byte hashes)."""
+    def apply_call(self, op: Op, namespace: str, nid: int, blob: bytes, tier: Tier = Tier.L1) -> Call:
+        """The script call applying one INSERT/SNAPSHOT/EVICT batch (``blob`` = 16-byte hashes;
+        ``tier``: where an add says the nid holds them)."""
         tag = keys.ns_tag(namespace)
         add = "0" if op == Op.EVICT else "1"
         return (
             _APPLY,
             [keys.anchor_key(tag)],
-            [keys.bucket_prefix(tag, self.prefix), add, nid_bytes(nid), blob],
+            [keys.bucket_prefix(tag, self.prefix), add, nid_bytes(nid, tier if op != Op.EVICT else Tier.L1), blob],
         )
 
-    def apply(self, op: Op, namespace: str, nid: int, hashes: Sequence[bytes] | bytes) -> int:
-        """Apply one batch now; returns how many (block, nid) pairs changed."""
+    def apply(self, op: Op, namespace: str, nid: int, hashes: Sequence[bytes] | bytes, tier: Tier = Tier.L1) -> int:
+        """Apply one batch now; returns how many (block, nid) pairs changed (or changed tier)."""
         blob = hashes if isinstance(hashes, bytes) else b"".join(hashes)
-        return self.apply_many([Update(op, namespace, nid, blob)])
+        return self.apply_many([Update(op, namespace, nid, blob, tier)])
 
     def apply_many(self, updates: Sequence[Update], native: bool | None = None) -> int:
         """Apply ``updates`` in order (the module's contracts); returns how many (block, nid)
@@ -339,7 +360,7 @@ class Index:
         calls: list[Call] = []
         n = 0
         for k, u in enumerate(updates):
-            calls.append(self.apply_call(u.op, u.namespace, u.nid, u.blob))
+            calls.append(self.apply_call(u.op, u.namespace, u.nid, u.blob, u.tier))
             n += len(u.blob) // HASH_BYTES
             if n >= APPLY_ROUND_BLOCKS or k == len(updates) - 1:
                 for res in run_scripts(self.r, calls):
@@ -364,7 +385,7 @@ class Index:
                     continue
                 rest = _not_set(u.blob, replies)
                 changed += len(replies) - len(rest) // HASH_BYTES
-                merge.append(Update(u.op, u.namespace, u.nid, rest))
+                merge.append(Update(u.op, u.namespace, u.nid, rest, u.tier))
 
         try:
             for u in updates:
@@ -375,7 +396,7 @@ class Index:
                 pipe = pipes.get(prefix)
                 if pipe is None:
                     pipe = pipes[prefix] = RawPipe(self.r, keys.anchor_key(tag))
-                settle(pipe.send(u, _hsetnx_batch(prefix, u.blob, nid_bytes(u.nid)), len(u.blob) // HASH_BYTES))
+                settle(pipe.send(u, _hsetnx_batch(prefix, u.blob, nid_bytes(u.nid, u.tier)), len(u.blob) // HASH_BYTES))
             for pipe in pipes.values():
                 settle(pipe.drain())
         finally:
@@ -398,7 +419,11 @@ class Index:
 
     @staticmethod
     def decode_query(reply: Sequence[Any]) -> dict[int, int]:
-        return {int.from_bytes(reply[i], "big"): int(reply[i + 1]) for i in range(0, len(reply), 2)}
+        return prefix_holders(list(reply))
+
+    @staticmethod
+    def decode_query_tiers(reply: Sequence[Any]) -> dict[int, Held]:
+        return prefix_tiers(list(reply))
 
     def query_batch(self, namespace: str, hashes: Sequence[bytes]) -> tuple[str, bytes, int]:
         """(routing key, packed ``HGET`` per block, number of commands) of a prefix query,
@@ -409,16 +434,20 @@ class Index:
     def query(self, namespace: str, hashes: Sequence[bytes], script: bool | None = None) -> dict[int, int]:
         """nid -> number of leading blocks of ``hashes`` it holds (only nids holding block 0).
         ``script``: force the ``_QUERY`` script (True) or the HGET batch (False)."""
+        return {nid: h.prefix_len for nid, h in self.query_tiers(namespace, hashes, script).items()}
+
+    def query_tiers(self, namespace: str, hashes: Sequence[bytes], script: bool | None = None) -> dict[int, Held]:
+        """nid -> :class:`Held` of ``hashes`` (only nids holding block 0); ``script`` as in :meth:`query`."""
         if not hashes:
             return {}
         if not script:
             got = raw_round_trip(self.r, [self.query_batch(namespace, hashes)])
             if got is not None:
-                return prefix_holders(checked(got[0]))
+                return prefix_tiers(checked(got[0]))
             if script is False:
                 raise TypeError("the HGET batch needs a client on a real socket")
         anchor, cmd = self.query_command(namespace, hashes)
-        return self.decode_query(_QUERY(self.r, [anchor], cmd[4:]))
+        return self.decode_query_tiers(_QUERY(self.r, [anchor], cmd[4:]))
 
     def ensure_scripts(self) -> None:
         """Load every script on every shard (a query batch cannot load scripts on its own)."""
@@ -432,6 +461,14 @@ class Index:
         for h in hashes:
             p.hget(keys.bucket_key(tag, h, self.prefix), keys.field(h))
         return [frozenset(_nids(v)) if v else frozenset() for v in p.execute()]
+
+    def holder_tiers(self, namespace: str, hashes: Sequence[bytes]) -> list[dict[int, Tier]]:
+        """nid -> tier, per block (one pipelined HGET per block; for tests and tools)."""
+        tag = keys.ns_tag(namespace)
+        p = self.r.pipeline(transaction=False)
+        for h in hashes:
+            p.hget(keys.bucket_key(tag, h, self.prefix), keys.field(h))
+        return [{n: Tier.SSD if s else Tier.L1 for n, s in _entries(v).items()} if v else {} for v in p.execute()]
 
     # --- whole-index operations (rebuild, sweep, tests) -----------------------------------
 

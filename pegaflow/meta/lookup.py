@@ -24,7 +24,8 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from pegaflow.cluster import keys, registry
 from pegaflow.cluster.redis_conn import Client, checked, is_cluster, parallel, raw_round_trip
-from pegaflow.meta.index import Index, prefix_holders
+from pegaflow.meta.events.schema import Tier
+from pegaflow.meta.index import Index, prefix_tiers
 
 log = structlog.get_logger("pegaflow.meta.lookup")
 
@@ -34,6 +35,11 @@ class NodePrefix:
     node: str
     address: str
     prefix_len: int
+    ssd_blocks: int = 0  # of prefix_len, held only on the node's SSD tier
+
+    @property
+    def tier(self) -> Tier:
+        return Tier.SSD if self.ssd_blocks else Tier.L1
 
 
 class Lookup:
@@ -67,7 +73,8 @@ class Lookup:
             self._version = ver
 
     def query_prefix(self, namespace: str, hashes: Sequence[bytes]) -> list[NodePrefix]:
-        """Live nodes holding a non-empty prefix of ``hashes``, longest first (ties by name)."""
+        """Live nodes holding a non-empty prefix of ``hashes``, longest first (ties: fewer
+        blocks only on SSD first, then by name)."""
         if not hashes:
             return []
         batch = self.index.query_batch(namespace, hashes)
@@ -85,7 +92,7 @@ class Lookup:
                         self.r.nodes_manager.initialize()  # resharded: re-learn who owns the slot
                         continue
                     raise
-                held = prefix_holders(values)
+                held = prefix_tiers(values)
             else:  # no real socket (fakeredis): the prefix script
                 anchor, qcmd = self.index.query_command(namespace, hashes)
                 qrep, rrep = parallel(self.r, [(anchor, [qcmd]), (keys.VERSION, reg_cmds)])
@@ -97,17 +104,17 @@ class Lookup:
                 for rep in rrep:
                     if isinstance(rep, Exception):
                         raise rep
-                held = Index.decode_query(qrep[0])
+                held = Index.decode_query_tiers(qrep[0])
             if int(rrep[0] or 0) != self._version and attempt < 2:
                 self._reload()
                 continue
             visible = registry.fresh(names, rrep[1], rrep[2], registry.redis_ms(rrep[3]), self.stale_ms) if names else {}
             out = [
-                NodePrefix(visible[nid], self._addrs.get(visible[nid], ""), n)
-                for nid, n in held.items()
-                if nid in visible and n > 0
+                NodePrefix(visible[nid], self._addrs.get(visible[nid], ""), h.prefix_len, h.ssd_blocks)
+                for nid, h in held.items()
+                if nid in visible and h.prefix_len > 0
             ]
-            out.sort(key=lambda p: (-p.prefix_len, p.node))
+            out.sort(key=lambda p: (-p.prefix_len, p.ssd_blocks, p.node))
             return out
         raise RuntimeError("registry kept changing during the lookup")
 

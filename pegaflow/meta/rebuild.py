@@ -75,7 +75,7 @@ def rebuild(r: Client, wait_leases: float = 30.0) -> RebuildReport:
                     entries += 1
                     if ev.node != node or ev.nid not in allowed or not ev.blob or ev.op == Op.RESET:
                         continue
-                    updates.append(Update(ev.op, ev.namespace, ev.nid, ev.blob))
+                    updates.append(Update.of(ev))
                     blocks += ev.count
                     new_tags.setdefault(keys.ns_tag(ev.namespace), ev.namespace)
                 scratch.apply_many(updates)

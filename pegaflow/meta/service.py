@@ -75,7 +75,8 @@ def check_request(namespace: str, hashes: Sequence[bytes], max_blocks: int) -> N
 
 
 def _pb(p: NodePrefix) -> meta_pb2.NodePrefix:
-    return meta_pb2.NodePrefix(node=p.node, address=p.address, prefix_len=p.prefix_len)
+    return meta_pb2.NodePrefix(node=p.node, address=p.address, prefix_len=p.prefix_len, tier=int(p.tier),
+                               ssd_blocks=p.ssd_blocks)
 
 
 class MetaServicer(meta_pb2_grpc.MetaServiceServicer):

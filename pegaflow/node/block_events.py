@@ -6,6 +6,9 @@ stream (``SessionEvent.blocks``), so its connector can tell vLLM's KV-event publ
 the external tier no longer holds (``BlockRemoved``) and what moved to SSD. Inserts into
 DRAM are not sent: the engine that stored a block knows it did.
 
+The same SSD stores and removals also go to tier listeners (:meth:`BlockEventFeed.add_tier_listener`):
+the cluster publisher, which tells the global index which blocks the node holds on SSD.
+
 Events are produced on the node's event loop (block-index listener, SSD completions) and
 buffered per watching session until its stream sends them. A session that does not read
 loses the oldest batches beyond ``MAX_BUFFERED_HASHES`` and is told how many hashes it
@@ -18,6 +21,7 @@ import asyncio
 import collections
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from pegaflow._proto import node_pb2
 from pegaflow.core.block_index import IndexEvent, Namespace
@@ -25,6 +29,11 @@ from pegaflow.core.block_index import IndexEvent, Namespace
 MAX_BUFFERED_HASHES = 1 << 18  # per session: 4 MiB of hashes
 DRAM = node_pb2.MEDIUM_DRAM
 SSD = node_pb2.MEDIUM_SSD
+
+
+class TierListener(Protocol):
+    def ssd_stored(self, ns: Namespace, hashes: Sequence[bytes]) -> None: ...
+    def ssd_removed(self, ns: Namespace, hashes: Sequence[bytes]) -> None: ...
 
 
 @dataclass(eq=False)
@@ -48,6 +57,12 @@ class BlockEventFeed:
     def __init__(self, max_buffered: int = MAX_BUFFERED_HASHES) -> None:
         self.max_buffered = max_buffered
         self._by_ns: dict[int, set[Watcher]] = {}
+        self._tier_listeners: list[TierListener] = []
+
+    def add_tier_listener(self, listener: TierListener) -> None:
+        """Also hand every SSD store / removal to ``listener`` (the node's cluster publisher,
+        ``pegaflow.node.publishing.HolderTiers``), watched or not."""
+        self._tier_listeners.append(listener)
 
     def watch(self, session_id: int, nss: Iterable[Namespace]) -> Watcher:
         w = Watcher(session_id, frozenset(ns.id for ns in nss))
@@ -64,15 +79,19 @@ class BlockEventFeed:
                     del self._by_ns[nid]
 
     def on_index_event(self, op: IndexEvent, ns: Namespace, hashes: list[bytes]) -> None:
-        """Block-index listener: DRAM evictions (and resets) of watched namespaces."""
-        if op is IndexEvent.EVICT and ns.id in self._by_ns:
+        """Block-index listener: DRAM evictions and removals (resets, clears) of watched namespaces."""
+        if op is not IndexEvent.INSERT and ns.id in self._by_ns:
             self._push(ns, DRAM, False, hashes)
 
     def ssd_stored(self, ns: Namespace, hashes: Sequence[bytes]) -> None:
+        for t in self._tier_listeners:
+            t.ssd_stored(ns, hashes)
         if ns.id in self._by_ns:
             self._push(ns, SSD, True, hashes)
 
     def ssd_removed(self, ns: Namespace, hashes: Sequence[bytes]) -> None:
+        for t in self._tier_listeners:
+            t.ssd_removed(ns, hashes)
         if ns.id in self._by_ns:
             self._push(ns, SSD, False, hashes)
 

@@ -285,7 +285,8 @@ class Node:
         from pegaflow.node.publishing import publish_block_index
 
         self.publisher = publish_block_index(
-            self.config, self.index, self.node_id, asyncio.get_running_loop(), self.metrics.registry
+            self.config, self.index, self.node_id, asyncio.get_running_loop(), self.metrics.registry,
+            ssd=self.ssd, feed=self.block_events,
         )
         self._sketches = asyncio.create_task(self.publish_sketches())
 

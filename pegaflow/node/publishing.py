@@ -5,6 +5,17 @@ Hook-up is one call: the node's block index calls :meth:`EventPublisher.on_inser
 changed its own index, from the thread that changed it. Those calls only append to a
 bounded in-memory buffer under a lock: they never wait on Redis.
 
+With an SSD tier, :class:`HolderTiers` stands between the node and the publisher: it
+hears the block index (DRAM) and the SSD tier (through the node's ``BlockEventFeed``)
+and publishes the tier the node holds each block in, the best one (``schema.py``):
+
+- DRAM insert: ``INSERT`` (L1). DRAM eviction of a block the SSD holds: ``INSERT`` with
+  ``FLAG_SSD`` (a tier change, peers can still pull it); of one it does not: ``EVICT``.
+- SSD store of a block not in DRAM: ``INSERT`` SSD (in DRAM: nothing, L1 is better).
+- SSD eviction of a block not in DRAM: ``EVICT`` (in DRAM: nothing).
+- Snapshots (start, re-sync, restart with the SSD intact): DRAM blocks as L1, blocks only
+  on SSD as SSD chunks.
+
 Contracts:
 
 - Order: events are published in the order the listener was called. Per block, that
@@ -32,7 +43,7 @@ import contextlib
 import enum
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +60,7 @@ from pegaflow.core.block_index import BlockIndex, IndexEvent, Namespace
 from pegaflow.core.hosts import advertised
 from pegaflow.core.identity import HASH_BYTES
 from pegaflow.meta.events.codec import FIELD, encode
-from pegaflow.meta.events.schema import FLAG_LAST, Event, Op
+from pegaflow.meta.events.schema import FLAG_LAST, FLAG_SSD, Event, Op, Tier
 from pegaflow.meta.events.streams import GROUP
 
 _log = structlog.get_logger("pegaflow.meta.publisher")
@@ -74,7 +85,9 @@ FLUSH_INTERVAL = 0.02  # seconds a partial batch may wait: index lag vs. entry c
 COMPACT_MIN_BLOCKS = 4_000_000  # re-snapshot (and trim) once the stream carries this many updates...
 COMPACT_FACTOR = 4  # ...and more than this many times the snapshot size
 
-SnapshotFn = Callable[[], Iterable[tuple[str, Sequence[bytes]]]]
+# (namespace, hashes) held in DRAM, or (namespace, hashes, tier)
+SnapshotItem = tuple[str, Sequence[bytes]] | tuple[str, Sequence[bytes], Tier]
+SnapshotFn = Callable[[], Iterable[SnapshotItem]]
 
 
 class PublisherMetrics:
@@ -159,7 +172,7 @@ class EventPublisher:
         self.metrics = PublisherMetrics(registry if registry is not None else CollectorRegistry())
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._buf: list[tuple[Op, str, Sequence[bytes]]] = []
+        self._buf: list[tuple[Op, str, Sequence[bytes], Tier]] = []
         self._buf_blocks = 0
         self._dropping = False  # set on the first drop; everything until the next cut is void
         self._need: Resync | None = Resync.START  # the pending re-sync, if any
@@ -178,11 +191,15 @@ class EventPublisher:
     def on_evict(self, namespace: str, hashes: Sequence[bytes]) -> None:
         self._push(Op.EVICT, namespace, hashes)
 
+    def on_tier(self, namespace: str, hashes: Sequence[bytes], tier: Tier) -> None:
+        """The node now holds these blocks in ``tier`` (an add, or a tier change)."""
+        self._push(Op.INSERT, namespace, hashes, tier)
+
     def listener(self, op: IndexEvent, namespace: Namespace, hashes: Sequence[bytes]) -> None:
         """The block-index hook (``BlockIndex.add_listener``)."""
-        self._push(Op.EVICT if op is IndexEvent.EVICT else Op.INSERT, namespace.name, hashes)
+        self._push(Op.INSERT if op is IndexEvent.INSERT else Op.EVICT, namespace.name, hashes)
 
-    def _push(self, op: Op, namespace: str, hashes: Sequence[bytes]) -> None:
+    def _push(self, op: Op, namespace: str, hashes: Sequence[bytes], tier: Tier = Tier.L1) -> None:
         n = len(hashes)
         if not n:
             return
@@ -190,7 +207,7 @@ class EventPublisher:
             if self._dropping or self._buf_blocks + n > self.buffer_blocks:
                 self._drop(n)
                 return
-            self._buf.append((op, namespace, hashes))
+            self._buf.append((op, namespace, hashes, tier))
             self._buf_blocks += n
             if self._buf_blocks >= self.batch_blocks * XADD_PIPELINE:
                 self._wake.notify()
@@ -274,7 +291,7 @@ class EventPublisher:
                     self._wake.wait(self.flush_interval)
                 self.metrics.buffered.set(self._buf_blocks)
 
-    def _take(self) -> list[tuple[Op, str, Sequence[bytes]]]:
+    def _take(self) -> list[tuple[Op, str, Sequence[bytes], Tier]]:
         with self._lock:
             buf, self._buf, self._buf_blocks = self._buf, [], 0
             self._busy = bool(buf)
@@ -287,21 +304,22 @@ class EventPublisher:
         try:
             entries: list[Event] = []
             counts: dict[Op, int] = {}
-            # Merge runs of the same (op, namespace) into entries of at most batch_blocks hashes.
+            # Merge runs of the same (op, namespace, tier) into entries of at most batch_blocks hashes.
             i = 0
             while i < len(buf):
-                op, ns, _ = buf[i]
+                op, ns, _, tier = buf[i]
                 parts: list[bytes] = []
-                while i < len(buf) and buf[i][0] == op and buf[i][1] == ns:
+                while i < len(buf) and buf[i][0] == op and buf[i][1] == ns and buf[i][3] == tier:
                     parts.extend(buf[i][2])
                     i += 1
+                flags = FLAG_SSD if tier == Tier.SSD else 0
                 counts[op] = counts.get(op, 0) + len(parts)
                 for j in range(0, len(parts), self.batch_blocks):
                     chunk = parts[j : j + self.batch_blocks]
                     blob = b"".join(chunk)
                     if len(blob) != len(chunk) * HASH_BYTES:
                         raise ValueError("block hash of wrong length passed to the publisher")
-                    entries.append(self._event(op, ns, blob))
+                    entries.append(self._event(op, ns, blob, flags))
             self._xadd(entries)
             for op, n in counts.items():
                 self.metrics.published.labels(op.name.lower()).inc(n)
@@ -348,18 +366,18 @@ class EventPublisher:
                 self._need = Resync.START
         return ok
 
-    def _cut(self) -> list[tuple[str, Sequence[bytes]]]:
+    def _cut(self) -> list[SnapshotItem]:
         with self._lock:
             self._buf.clear()
             self._buf_blocks = 0
             self._dropping = False
             return list(self._snapshot())
 
-    def _take_snapshot(self) -> list[tuple[str, Sequence[bytes]]]:
+    def _take_snapshot(self) -> list[SnapshotItem]:
         if self._loop is None:
             return self._cut()
 
-        async def cut() -> list[tuple[str, Sequence[bytes]]]:
+        async def cut() -> list[SnapshotItem]:
             return self._cut()
 
         return asyncio.run_coroutine_threadsafe(cut(), self._loop).result(timeout=60)
@@ -376,10 +394,12 @@ class EventPublisher:
         snap = self._take_snapshot()
         entries = [self._event(Op.RESET, "", b"")]
         total = 0
-        for ns, hashes in snap:
+        for item in snap:
+            ns, hashes = item[0], item[1]
+            flags = FLAG_SSD if len(item) > 2 and item[2] == Tier.SSD else 0  # type: ignore[misc]
             for j in range(0, len(hashes), self.batch_blocks):
                 chunk = hashes[j : j + self.batch_blocks]
-                entries.append(self._event(Op.SNAPSHOT, ns, b"".join(chunk)))
+                entries.append(self._event(Op.SNAPSHOT, ns, b"".join(chunk), flags))
                 total += len(chunk)
         entries.append(self._event(Op.SNAPSHOT, "", b"", FLAG_LAST))
         ids = self._xadd(entries)
@@ -397,30 +417,98 @@ class EventPublisher:
         )
 
 
+class HolderTiers:
+    """Publishes the best tier this node holds each block in (the module docstring's rules).
+
+    ``ssd_entries`` is the SSD tier's record map, keyed ``(namespace id, hash)`` (None: no
+    SSD tier). Every call runs on the node's event loop, where the block index and the SSD
+    tier change, so "is it in DRAM / on SSD" is asked of the state the change left.
+    """
+
+    def __init__(self, pub: EventPublisher, index: BlockIndex,
+                 ssd_entries: Mapping[tuple[int, bytes], Any] | None = None) -> None:
+        self.pub = pub
+        self.index = index
+        self.ssd = ssd_entries
+
+    def on_index_event(self, op: IndexEvent, ns: Namespace, hashes: Sequence[bytes]) -> None:
+        """Block-index listener (DRAM)."""
+        if op is IndexEvent.INSERT:
+            self.pub.on_tier(ns.name, hashes, Tier.L1)
+            return
+        ssd = self.ssd
+        if not ssd:
+            self.pub.on_evict(ns.name, hashes)
+            return
+        moved = [h for h in hashes if (ns.id, h) in ssd]
+        if len(moved) < len(hashes):
+            kept = set(moved)
+            self.pub.on_evict(ns.name, [h for h in hashes if h not in kept])
+        if moved:
+            self.pub.on_tier(ns.name, moved, Tier.SSD)
+
+    def ssd_stored(self, ns: Namespace, hashes: Sequence[bytes]) -> None:
+        only = [h for h in hashes if not self.index.contains(ns, h)]
+        if only:
+            self.pub.on_tier(ns.name, only, Tier.SSD)
+
+    def ssd_removed(self, ns: Namespace, hashes: Sequence[bytes]) -> None:
+        gone = [h for h in hashes if not self.index.contains(ns, h)]
+        if gone:
+            self.pub.on_evict(ns.name, gone)
+
+    def snapshot(self) -> list[SnapshotItem]:
+        """DRAM blocks as L1, blocks only on SSD as SSD, per namespace."""
+        index = self.index
+        out: list[SnapshotItem] = []
+        by_ns: dict[str, list[bytes]] = {}
+        for b in index.resident():
+            by_ns.setdefault(b.ns.name, []).append(b.hash)
+        out.extend(by_ns.items())
+        if self.ssd:
+            ssd: dict[int, list[bytes]] = {}
+            for ns_id, h in self.ssd:
+                ssd.setdefault(ns_id, []).append(h)
+            for ns_id, hs in ssd.items():
+                ns = index.namespace_by_id(ns_id)
+                if ns is not None:
+                    only = [h for h in hs if not index.contains(ns, h)]
+                    if only:
+                        out.append((ns.name, only, Tier.SSD))
+        return out
+
+
 def publish_block_index(
     config: NodeConfig,
     index: BlockIndex,
     node_id: str,
     loop: asyncio.AbstractEventLoop,
     registry: CollectorRegistry | None = None,
+    ssd: Any = None,
+    feed: Any = None,
 ) -> EventPublisher:
-    """Hook a node's block index to its stream: one call from the node, on its event loop.
+    """Hook a node's block index (and SSD tier) to its stream: one call from the node, on
+    its event loop.
 
     Publishes to ``config.redis_url`` as :func:`pegaflow.core.hosts.advertised` (the address
-    peers pull from). Returns the started publisher; call ``stop()`` on shutdown.
+    peers pull from). ``ssd``: the node's SSD tier (its ``store.entries``), whose stores and
+    evictions ``feed`` (the node's ``BlockEventFeed``, which the tier reports them to) hands
+    to :class:`HolderTiers`. Returns the started publisher; call ``stop()`` on shutdown.
     """
     addr = advertised(config.addr, config.advertise_addr)
+    tiers: HolderTiers | None = None
 
-    def snapshot() -> list[tuple[str, list[bytes]]]:
-        by_ns: dict[str, list[bytes]] = {}
-        for b in index.resident():
-            by_ns.setdefault(b.ns.name, []).append(b.hash)
-        return list(by_ns.items())
+    def snapshot() -> list[SnapshotItem]:
+        assert tiers is not None
+        return tiers.snapshot()
 
     r = connect(config.redis_url, config.redis_cluster)
     pub = EventPublisher(
         r, node_id, addr, snapshot, loop=loop, ttl_seconds=config.liveness_ttl,
         buffer_blocks=config.event_buffer, registry=registry,
     )  # fmt: skip
-    index.add_listener(pub.listener)
+    tiers = HolderTiers(pub, index, ssd.store.entries if ssd is not None else None)
+    index.add_listener(tiers.on_index_event)
+    if ssd is not None and feed is not None:
+        feed.add_tier_listener(tiers)
     return pub.start()

@@ -6,7 +6,8 @@ Layout, little-endian (schema version 1)::
     | u16 len(node) | u16 len(namespace) | u32 count | node utf-8 | namespace utf-8
     | count * 16 bytes of block hashes
 
-A 512-block entry is ~8.2 KB, 16.05 bytes per block. Decoding checks every length and
+``flags``: ``FLAG_LAST`` (a snapshot's last chunk), ``FLAG_SSD`` (an add of blocks held only
+on the node's SSD tier; schema.py). A 512-block entry is ~8.2 KB, 16.05 bytes per block. Decoding checks every length and
 raises :class:`MalformedEvent`; it never returns a partial event.
 """
 

@@ -336,7 +336,7 @@ class Consumer:
                 self.metrics.events_stale.inc()
                 continue
             if ev.blob:
-                updates.append(Update(ev.op, ev.namespace, ev.nid, ev.blob))
+                updates.append(Update.of(ev))
                 blocks += ev.count
                 tag = keys.ns_tag(ev.namespace)
                 if tag not in self._known_tags:

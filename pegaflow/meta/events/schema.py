@@ -6,6 +6,13 @@ node are totally ordered by ``(epoch, seq)``; ``seq`` restarts at 0 in every epo
 Contract (schema version 1):
 
 - ``INSERT`` / ``EVICT``: the node now holds / no longer holds these blocks of ``namespace``.
+- Tier: an ``INSERT`` or ``SNAPSHOT`` carrying ``FLAG_SSD`` says the node holds these
+  blocks only on its SSD tier (not in DRAM); without it (every event of older nodes) they
+  are in DRAM (L1). A block's newest add sets its tier: a block leaving DRAM for the SSD
+  is an ``INSERT`` with ``FLAG_SSD`` (a tier change, not an ``EVICT``), one promoted back
+  an ``INSERT`` without it. ``EVICT`` means gone from every tier. Readers that predate the
+  flag ignore it (it is a bit of ``flags``; the layout is unchanged), seeing SSD copies as
+  DRAM ones.
 - ``RESET``: first event of an epoch (``seq == 0``, no namespace, no hashes). Everything
   the node said in older epochs is void; what it holds is what follows.
 - ``SNAPSHOT``: blocks held at the start of the epoch, in chunks, applied like ``INSERT``.
@@ -18,7 +25,7 @@ the node registers (``pegaflow.cluster.registry``); the index stores nids, never
 because small integers are what make the index compact.
 
 An applied event becomes an :class:`Update` of the index: INSERT and SNAPSHOT add ``nid``
-to each block's holders, EVICT removes it; RESET changes no block.
+to each block's holders (or change its tier), EVICT removes it; RESET changes no block.
 """
 
 from __future__ import annotations
@@ -32,6 +39,14 @@ from pegaflow.core.identity import HASH_BYTES
 SCHEMA_VERSION = 1
 
 FLAG_LAST = 0x01  # last chunk of a snapshot
+FLAG_SSD = 0x02  # INSERT/SNAPSHOT: held on the node's SSD tier only (else in DRAM)
+
+
+class Tier(enum.IntEnum):
+    """Where a holder keeps a block: its DRAM pool (L1) or only its SSD tier."""
+
+    L1 = 0
+    SSD = 1
 
 
 class Op(enum.IntEnum):
@@ -71,6 +86,10 @@ class Event:
     def last(self) -> bool:
         return bool(self.flags & FLAG_LAST)
 
+    @property
+    def tier(self) -> Tier:
+        return Tier.SSD if self.flags & FLAG_SSD and self.op in (Op.INSERT, Op.SNAPSHOT) else Tier.L1
+
     @classmethod
     def make(
         cls,
@@ -92,12 +111,18 @@ class Event:
 
 @dataclass(frozen=True, slots=True)
 class Update:
-    """One event's change to the index: ``op`` of the 16-byte hashes in ``blob`` for ``nid``."""
+    """One event's change to the index: ``op`` of the 16-byte hashes in ``blob`` for ``nid``,
+    held in ``tier`` (adds only)."""
 
     op: Op
     namespace: str
     nid: int
     blob: bytes
+    tier: Tier = Tier.L1
+
+    @classmethod
+    def of(cls, ev: Event) -> Update:
+        return cls(ev.op, ev.namespace, ev.nid, ev.blob, ev.tier)
 
     @property
     def adds(self) -> bool:
