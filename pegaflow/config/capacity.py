@@ -100,6 +100,19 @@ def route_field(route: str) -> str | None:
 
 
 def parse_route(text: str) -> str:
-    """Validate a routing rule for the option table."""
-    route_field(text)
-    return text
+    """Validate a routing rule, or a comma-separated list of them (replay runs each), for
+    the option table; at most one ``field:NAME`` (the trace is read once)."""
+    routes = split_routes(text)
+    if sum(route_field(r) is not None for r in routes) > 1:
+        raise ValueError("at most one field:NAME route")
+    return ",".join(routes)
+
+
+def split_routes(text: str) -> list[str]:
+    """The routing rules of a comma-separated list, each validated, duplicates dropped."""
+    routes = list(dict.fromkeys(r.strip() for r in text.split(",") if r.strip()))
+    if not routes:
+        raise ValueError("no route given")
+    for r in routes:
+        route_field(r)
+    return routes

@@ -150,6 +150,11 @@ class ReplayConfig:
     skip_bad: bool
     quiet: bool
     jobs: int
+    prefill_us_per_token: float
+    decode_seconds: float
+    load_bound: float
+    load_window: float
+    ssd_hit_cost: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +171,10 @@ class RouterConfig:
     policy: str
     metaserver_addr: str
     tokenizer: str
-    overlap_weight: float
+    load_bound: float
+    load_window: float
+    ssd_hit_cost: float
+    peer_hit_cost: float
     hint_timeout: float
     health_interval: float
     backoff_max: float

@@ -88,6 +88,13 @@ def _non_negative_float(text: str) -> float:
     return v
 
 
+def _fraction(text: str) -> float:
+    v = float(text)
+    if not 0.0 <= v <= 1.0:
+        raise ValueError(f"must be in [0, 1], got {v}")
+    return v
+
+
 def _positive_float(text: str) -> float:
     v = float(text)
     if v <= 0:
@@ -827,9 +834,9 @@ OPTIONS: list[Option] = [
     Option(
         "route",
         "round-robin",
-        "How requests reach instances: round-robin; kv-aware (pegaflow router's policy: the instance "
-        "whose pool holds the longest prefix in L1, ties in turn); or field:NAME (a stable hash of that "
-        "trace field).",
+        "How requests reach instances: round-robin; kv-aware (pegaflow router's own decision: the "
+        "longest prefix held, by tier, among the instances whose load is within --load-bound of the "
+        "mean; ties in turn); or field:NAME (a stable hash of that trace field).",
         parse_route,
         commands=(REPLAY,),
     ),
@@ -871,6 +878,22 @@ OPTIONS: list[Option] = [
         1,
         "Replays run at once, in forked processes (0: one per CPU); results do not depend on it.",
         _non_negative_int,
+        commands=(REPLAY,),
+    ),
+    Option(
+        "prefill-us-per-token",
+        50.0,
+        "Replay's time model: microseconds an instance spends prefilling one prompt token its pool "
+        "does not hold (requests queue per instance; docs/replay.md).",
+        _non_negative_float,
+        commands=(REPLAY,),
+    ),
+    Option(
+        "decode-seconds",
+        1.0,
+        "Replay's time model: seconds a request stays in flight after its first token (decode; "
+        "batched, so it does not hold up the next prefill).",
+        _non_negative_float,
         commands=(REPLAY,),
     ),
 
@@ -921,8 +944,8 @@ OPTIONS: list[Option] = [
         "policy",
         "kv-aware",
         "round-robin; least-loaded (fewest requests in flight, vLLM's queue from /metrics); "
-        "kv-aware (least estimated prefill work: the prompt tokens the engine's node does not hold "
-        "plus those queued ahead; docs/router.md).",
+        "kv-aware (the longest prefix held, by tier, among the engines whose load is within "
+        "--load-bound of the mean; ties in turn; docs/router.md).",
         _choice("kv-aware", "least-loaded", "round-robin"),
         commands=(ROUTER,),
         env_var="PEGAFLOW_ROUTER_POLICY",
@@ -946,13 +969,36 @@ OPTIONS: list[Option] = [
         env_var="PEGAFLOW_ROUTER_TOKENIZER",
     ),
     Option(
-        "overlap-weight",
-        1.0,
-        "kv-aware: weight of a prompt token to compute against one queued ahead (1: both cost "
-        "the same prefill time; higher favours cache hits over balance).",
+        "load-bound",
+        0.2,
+        "kv-aware: an engine whose load is above (1 + this) x the mean (this request counted) is not "
+        "chosen for its prefix (bounded-load affinity; default measured in docs/router.md).",
         _non_negative_float,
+        commands=(ROUTER, REPLAY),
+    ),
+    Option(
+        "load-window",
+        60.0,
+        "kv-aware: an engine's load is the larger of its requests in flight and the requests routed "
+        "to it in this many seconds (0: in flight only).",
+        _non_negative_float,
+        commands=(ROUTER, REPLAY),
+    ),
+    Option(
+        "ssd-hit-cost",
+        0.25,
+        "kv-aware: the time of a prompt token read from a node's SSD tier, as a fraction of computing "
+        "it (an L1 hit costs 0); weighs SSD-held prefixes against DRAM-held ones.",
+        _fraction,
+        commands=(ROUTER, REPLAY),
+    ),
+    Option(
+        "peer-hit-cost",
+        0.5,
+        "kv-aware: the time of a prompt token pulled from another node, as a fraction of computing it.",
+        _fraction,
         commands=(ROUTER,),
-        env_var="PEGAFLOW_ROUTER_OVERLAP_WEIGHT",
+        env_var="PEGAFLOW_ROUTER_PEER_HIT_COST",
     ),
     Option(
         "hint-timeout",

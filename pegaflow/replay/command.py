@@ -15,13 +15,13 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
-from pegaflow.config.capacity import route_field
+from pegaflow.config.capacity import route_field, split_routes
 from pegaflow.config.commands import ReplayConfig, load
 from pegaflow.config.options import REPLAY
 from pegaflow.core.trace import TraceError, read_trace
 from pegaflow.policy.quota import Quotas
 from pegaflow.replay.files import iter_lines
-from pegaflow.replay.model import ISOLATED, SHARED, Scenario, scenario_grid
+from pegaflow.replay.model import ISOLATED, SHARED, Scenario, TimeModel, scenario_grid
 from pegaflow.replay.report import Report, plot, render_table
 from pegaflow.replay.run import replay_many
 from pegaflow.replay.windows import ceiling_report
@@ -94,6 +94,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "pegaflow replay") -> in
     if opts.plot and importlib.util.find_spec("matplotlib") is None:  # before a long replay, not after
         return fail("--plot needs matplotlib: pip install 'pegaflow[plot]'")
     started = time.perf_counter()
+    routes = split_routes(opts.route) if opts.instances > 1 else [opts.route]
     try:
         size = os.path.getsize(opts.trace) if not opts.trace.endswith(".gz") else 0
     except OSError:
@@ -104,7 +105,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "pegaflow replay") -> in
             _counted(iter_lines(opts.trace), reading),
             opts.trace_format,
             block_tokens=opts.block_tokens,
-            route_field=route_field(opts.route) if opts.instances > 1 else None,
+            route_field=next(filter(None, map(route_field, routes)), None) if opts.instances > 1 else None,
             skip_bad=opts.skip_bad,
             namespace_field=opts.namespace_field or None,
         )
@@ -134,6 +135,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "pegaflow replay") -> in
         tinylfu=opts.enable_lfu_admission,
         ssd_writes=opts.ssd_writes,
         quotas=opts.namespace_quota,
+        time=TimeModel(opts.prefill_us_per_token, opts.decode_seconds, opts.load_bound, opts.load_window,
+                       opts.ssd_hit_cost),
     )
     if opts.instances == 1:
         pools = [SHARED]
@@ -142,7 +145,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "pegaflow replay") -> in
     admission = [opts.enable_lfu_admission]
     if opts.compare_admission:
         admission = [False, True]
-    scenarios = scenario_grid(base, pools, admission)
+    scenarios = [replace(sc, route=r) for r in routes for sc in scenario_grid(base, pools, admission)]
     points = opts.sweep if trace.unique else []  # no blocks: no curve to draw
     total = len(trace.requests) * len(scenarios) * (1 + len(points))
     bar = _Progress(total, not opts.quiet, "replay")

@@ -29,10 +29,18 @@ What is modelled, and how (also in ``docs/replay.md``):
   (PegaFlow: one node per host); with ``isolated`` pools instance i has its own pool of
   ``capacity / instances`` (the same memory, split). Requests go to instances round-robin,
   by a stable hash of a trace field (equal field values always land together), or
-  ``kv-aware``: as ``pegaflow router --policy kv-aware`` routes one request at a time (no
-  queue, so only the prefix counts), to the instance whose pool's L1 holds the longest
-  prefix of the request, asked without touching anything (the node's ``peek`` Query);
-  ties go in turn, as the router's rotation does.
+  ``kv-aware``: ``pegaflow router``'s own decision
+  (:class:`~pegaflow.policy.routing.BoundedLoadKV`), fed what the router would see: each
+  instance's load (:class:`~pegaflow.policy.routing.RecentLoad` over the time model below)
+  and the prefix each instance's pool holds, asked without touching anything (the node's
+  ``peek`` Query), L1 then SSD, weighted by the tier costs.
+- **Time** (:class:`TimeModel`): a request arrives at its trace timestamp. Each instance
+  prefills one request at a time, in arrival order: ``prefill_us_per_token`` for each prompt
+  token its pool did not hold, and ``ssd_cost`` of that for each token read from the SSD
+  tier (L1 hits cost nothing). A request waits in its instance's queue until the previous
+  prefill ends (its queueing delay), holds its first token after its own prefill, and is in
+  flight ``decode_s`` longer (decode is batched: it does not hold up the next prefill). The
+  cache is looked up and filled when the request is routed, in trace order.
 """
 
 from __future__ import annotations
@@ -45,6 +53,13 @@ from pegaflow.config.capacity import KV_AWARE, ROUND_ROBIN, Capacity, route_fiel
 from pegaflow.core.allocator import OutOfSpace
 from pegaflow.core.block_index import BlockIndex, IndexEvent, Namespace
 from pegaflow.policy.quota import Quota, Quotas
+from pegaflow.policy.routing import (
+    DEFAULT_LOAD_BOUND,
+    DEFAULT_LOAD_WINDOW_S,
+    BoundedLoadKV,
+    RecentLoad,
+    TierCosts,
+)
 from pegaflow.policy.tinylfu import TinyLFU
 
 # The node's default --page-align: O_DIRECT needs 4096-byte aligned pages.
@@ -207,6 +222,17 @@ class Pool:
 
 
 @dataclass(frozen=True)
+class TimeModel:
+    """Service times and the routing policy's knobs (the module docstring; docs/replay.md)."""
+
+    prefill_us_per_token: float = 50.0  # prefill of a prompt token not held
+    decode_s: float = 1.0  # after the first token, the request stays in flight this long
+    load_bound: float = DEFAULT_LOAD_BOUND  # kv-aware's eps
+    load_window: float = DEFAULT_LOAD_WINDOW_S  # kv-aware's recent-load window, seconds
+    ssd_cost: float = TierCosts().ssd  # an SSD hit's time, as a fraction of a token's prefill
+
+
+@dataclass(frozen=True)
 class Scenario:
     """One what-if: tier sizes, pools, routing, admission."""
 
@@ -219,6 +245,7 @@ class Scenario:
     tinylfu: bool = False
     ssd_writes: str = SSD_WRITES_EVICTIONS  # what L1 hands to the SSD tier (SSD_WRITES)
     quotas: tuple[Quota, ...] = ()  # namespace shares of each pool's L1 (--namespace-quota)
+    time: TimeModel = TimeModel()  # the time model and kv-aware's knobs
 
     @property
     def admission(self) -> str:
@@ -227,6 +254,8 @@ class Scenario:
     @property
     def label(self) -> str:
         pools = f"{self.pools} x{self.instances}" if self.instances > 1 else "1 pool"
+        if self.instances > 1 and self.route != ROUND_ROBIN:
+            pools += f" {self.route}"
         return f"{pools}, {self.admission}" + (", quotas" if self.quotas else "")
 
 def route_hash(value: str) -> int:
@@ -261,31 +290,64 @@ class Cluster:
             for _ in range(n_pools)
         ]
         self._field = route_field(scenario.route)
-        self.kv_aware = scenario.route == KV_AWARE and len(self.pools) > 1
+        self.instances = scenario.instances
+        # Instance i's pool (shared: all the same one).
+        self.pool_of: list[Pool] = (
+            self.pools if len(self.pools) == self.instances else [self.pools[0]] * self.instances
+        )
+        self.kv_aware = scenario.route == KV_AWARE and self.instances > 1
+        tm = scenario.time
+        self.policy = BoundedLoadKV(tm.load_bound, TierCosts(ssd=tm.ssd_cost))
+        self.load = RecentLoad(tm.load_window)
+        self._keys = list(range(self.instances))
+        self._zeros = [0.0] * self.instances
+        self._w_l1 = 1.0 - self.policy.costs.l1
         self._turn = 0
 
-    def pool_for(self, i: int, route: str | None) -> Pool:
-        """The pool serving request number ``i`` whose routing field value is ``route``."""
-        n = len(self.pools)
+    def instance_for(self, i: int, route: str | None) -> int:
+        """round-robin or field:NAME: the instance serving request number ``i`` whose routing
+        field value is ``route``."""
+        n = self.instances
         if n == 1:
-            return self.pools[0]
+            return 0
         if self._field is None:
-            return self.pools[i % n]
-        return self.pools[route_hash(route or "") % n]
+            return i % n
+        return route_hash(route or "") % n
 
-    def pool_holding(self, namespace: str, hashes: list[bytes]) -> Pool:
-        """kv-aware: the pool whose L1 holds the longest prefix of ``hashes`` (untouched);
-        ties in turn, starting one further each request (the router's rotation)."""
-        n = len(self.pools)
-        k = self._turn % n
-        self._turn += 1
-        best, best_len = self.pools[k], -1
-        for j in range(n):
-            p = self.pools[(k + j) % n]
-            got = len(p.l1.index.prefix(p.l1.ns[namespace], hashes, touch=False))
-            if got > best_len:
-                best, best_len = p, got
-        return best
+    def pool_for(self, i: int, route: str | None) -> Pool:
+        """The pool serving request number ``i`` (round-robin or field:NAME)."""
+        return self.pool_of[self.instance_for(i, route)]
+
+    def saved(self, pool: Pool, namespace: str, hashes: list[bytes], tokens: int, block_tokens: int) -> float:
+        """What ``pool`` would save this request, in prefill tokens (peek: nothing touched):
+        its L1 prefix, then the SSD tier's continuation, weighted by the tier costs."""
+        pos = len(pool.l1.index.prefix(pool.l1.ns[namespace], hashes, touch=False))
+        l1 = min(pos * block_tokens, tokens)
+        ssd = 0
+        if pool.ssd is not None and pos < len(hashes):
+            got = len(pool.ssd.index.prefix(pool.ssd.ns[namespace], hashes[pos:], touch=False))
+            ssd = min((pos + got) * block_tokens, tokens) - l1
+        return self.policy.costs.saved(l1, ssd)
+
+    def choose(self, namespace: str, hashes: list[bytes], tokens: int, block_tokens: int,
+               in_flight: Sequence[int], now: float) -> int:
+        """kv-aware: the router's decision over the instances, with their loads at ``now``
+        (``saved`` per pool, inlined for the pools without an SSD tier: the hot loop)."""
+        loads = self.load.loads(self._keys, in_flight, now)
+        if len(self.pools) == 1:
+            saved = self._zeros  # one pool: every instance holds the same
+        else:
+            saved = []
+            w_l1 = self._w_l1
+            for p in self.pools:
+                if p.ssd is None:
+                    got = len(p.l1.index.prefix(p.l1.ns[namespace], hashes, False)) * block_tokens
+                    saved.append((got if got < tokens else tokens) * w_l1)
+                else:
+                    saved.append(self.saved(p, namespace, hashes, tokens, block_tokens))
+        i = self.policy.choose(loads, saved)
+        self.load.routed(i, now)
+        return i
 
     @property
     def l1_capacity_blocks(self) -> int:

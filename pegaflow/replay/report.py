@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pegaflow.config.capacity import Capacity
+from pegaflow.config.capacity import KV_AWARE, Capacity
 from pegaflow.core.trace import Trace
 from pegaflow.core.units import format_size
 from pegaflow.replay.model import ISOLATED, SHARED
@@ -43,10 +43,11 @@ class Report:
                 continue
             for iso in self.runs:
                 sc = iso.scenario
-                if sc.pools == ISOLATED and sc.tinylfu == shared.scenario.tinylfu:
+                if sc.pools == ISOLATED and sc.tinylfu == shared.scenario.tinylfu and sc.route == shared.scenario.route:
                     out.append(
                         {
                             "admission": sc.admission,
+                            "route": sc.route,
                             "instances": sc.instances,
                             "shared_hit_rate": shared.hit_rate,
                             "isolated_hit_rate": iso.hit_rate,
@@ -203,11 +204,12 @@ def render_table(rep: Report) -> str:
         out += _table(("window", "#", "start", "N", "U", "r* exact", "r* HLL", "hit rate"), rows)
     if rep.runs:
         sc = rep.runs[0].scenario
+        routes = list(dict.fromkeys(r.scenario.route for r in rep.runs))
         out += [
             "",
             f"scenarios at L1 {sc.l1}"
             + (f", SSD {sc.ssd} (written on L1 {sc.ssd_writes})" if not sc.ssd.is_zero else ", no SSD tier")
-            + (f", route {sc.route}" if sc.instances > 1 else ""),
+            + (f", route {', '.join(routes)}" if sc.instances > 1 else ""),
         ]
         rows = []
         for r in rep.runs:
@@ -222,6 +224,8 @@ def render_table(rep: Report) -> str:
                     _pct(r.ssd_hit_tokens / r.tokens if r.tokens else 0),
                     f"{r.evictions:,}",
                     f"{r.admission_rejections:,}",
+                    f"{r.imbalance:.2f}x",
+                    f"{r.delay_mean:.2f}s / {r.delay_p99:.2f}s",
                 )
             )
         out += _table(
@@ -235,8 +239,17 @@ def render_table(rep: Report) -> str:
                 "SSD tokens",
                 "evictions",
                 "rejected",
+                "imbalance",
+                "queue mean / p99",
             ),
             rows,
+        )
+        out.append(
+            f"  imbalance: max/mean requests per instance per minute (request-weighted mean); queue: "
+            f"waiting for the instance's prefill ({sc.time.prefill_us_per_token:g} us per prompt token not held, "
+            f"decode {sc.time.decode_s:g}s" + (f"; kv-aware load bound {sc.time.load_bound:g}, window "
+                                                 f"{sc.time.load_window:g}s" if KV_AWARE in routes else "")
+            + ")"
         )
     names = sorted({n for r in rep.runs for n in r.namespaces})
     if len(names) > 1:
@@ -255,10 +268,11 @@ def render_table(rep: Report) -> str:
     if comps:
         out += ["", "shared vs isolated pools (same total capacity)"]
         out += _table(
-            ("admission", "instances", "shared", "isolated", "gain"),
+            ("admission", "route", "instances", "shared", "isolated", "gain"),
             [
                 (
                     d["admission"],
+                    d["route"],
                     d["instances"],
                     _pct(d["shared_hit_rate"]),
                     _pct(d["isolated_hit_rate"]),  # type: ignore[arg-type]

@@ -11,16 +11,24 @@ Counting contracts:
   hit (a partial last block is worth only the tokens it holds).
 - Per tier: a block hits in the SSD tier if the prefix reached it through the SSD index;
   every other hit block was in L1. ``l1 + ssd == hit`` in blocks and in tokens.
+- Load (the time model, :class:`~pegaflow.replay.model.TimeModel`): per request the
+  instance it went to and its queueing delay. ``imbalance`` is max/mean requests per
+  instance in each minute of the trace (from the first request), averaged over the minutes
+  weighted by their requests; ``imbalance_max`` the worst minute's; delays are seconds.
 """
 
 from __future__ import annotations
 
 import gc
+import math
 import multiprocessing
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
+
+import numpy as np
 
 from pegaflow.core.trace import Trace
 from pegaflow.replay.model import Cluster, Scenario
@@ -52,6 +60,12 @@ class RunResult:
     request_hits: list[int] = field(default_factory=list, repr=False)  # per request, trace order
     # Per namespace: [block accesses, prefix hit blocks] (from request_hits, after the run).
     namespaces: dict[str, list[int]] = field(default_factory=dict)
+    request_instance: list[int] = field(default_factory=list, repr=False)  # per request, trace order
+    queue_delays: list[float] = field(default_factory=list, repr=False)  # seconds, per request
+    imbalance: float = 1.0  # max/mean requests per instance per minute, request-weighted mean
+    imbalance_max: float = 1.0  # the worst minute's
+    delay_mean: float = 0.0  # queueing delay, seconds
+    delay_p99: float = 0.0
 
     @property
     def hit_rate(self) -> float:
@@ -98,6 +112,10 @@ class RunResult:
             "seconds": self.seconds,
             "cpu_seconds": self.cpu_seconds,
             "accesses_per_second": self.accesses_per_second,
+            "imbalance": self.imbalance,
+            "imbalance_max": self.imbalance_max,
+            "delay_mean_s": self.delay_mean,
+            "delay_p99_s": self.delay_p99,
             "namespaces": {
                 name: {"blocks": n, "hit_blocks": hit, "hit_rate": hit / n if n else 0.0}
                 for name, (n, hit) in self.namespaces.items()
@@ -133,37 +151,81 @@ def replay(trace: Trace, scenario: Scenario, progress: Progress | None = None) -
             acc = res.namespaces[r.namespace] = [0, 0]
         acc[0] += len(r.hashes)
         acc[1] += hit
+    load_report(trace, res, cluster.instances)
     res.evictions = cluster.counter("evictions")
     res.ssd_evictions = cluster.counter("evictions", "ssd")
     res.admission_rejections = cluster.counter("admission_rejections")
     return res
 
 
+def load_report(trace: Trace, res: RunResult, instances: int) -> None:
+    """Imbalance and queueing delay from the per-request instances and delays."""
+    if not res.queue_delays:
+        return
+    d = np.asarray(res.queue_delays, dtype=np.float64)
+    res.delay_mean = float(d.mean())
+    res.delay_p99 = float(np.percentile(d, 99))
+    times = np.fromiter((r.time for r in trace.requests), dtype=np.float64, count=len(trace.requests))
+    minute = np.floor((times - times.min()) / 60.0).astype(np.int64)
+    _, dense = np.unique(minute, return_inverse=True)
+    inst = np.asarray(res.request_instance, dtype=np.int64)
+    counts = np.bincount(dense * instances + inst, minlength=(int(dense.max()) + 1) * instances)
+    per = counts.reshape(-1, instances)
+    total = per.sum(axis=1)
+    ratio = per.max(axis=1) * instances / np.maximum(total, 1)
+    res.imbalance = float((ratio * total).sum() / total.sum())
+    res.imbalance_max = float(ratio.max())
+
+
 def _drive(trace: Trace, cluster: Cluster, res: RunResult, progress: Progress | None) -> None:
-    """The hot loop: one ``Pool.serve`` per request plus integer bookkeeping."""
+    """The hot loop: a routing decision, one ``Pool.serve`` and the queue arithmetic per request."""
     append = res.request_hits.append
-    pool_for = cluster.pool_for
-    single = cluster.pools[0] if len(cluster.pools) == 1 else None
-    holding = cluster.pool_holding if cluster.kv_aware else None
+    put = res.request_instance.append
+    waited = res.queue_delays.append
+    instance_for = cluster.instance_for
+    pool_of = cluster.pool_of
+    kv = cluster.kv_aware
+    choose = cluster.choose
+    n = cluster.instances
+    tm = cluster.scenario.time
+    per_token = tm.prefill_us_per_token * 1e-6
+    ssd_per_token = per_token * tm.ssd_cost
+    decode = tm.decode_s
+    free_at = [-math.inf] * n  # when each instance's prefill queue drains
+    done: list[deque[float]] = [deque() for _ in range(n)]  # kv-aware: each request's end, per instance
     blocks = tokens = hit_tokens = ssd_blocks = ssd_tokens = 0
     for i, r in enumerate(trace.requests):
-        if single is not None:
-            pool = single
-        elif holding is not None:
-            pool = holding(r.namespace, r.hashes)
-        else:
-            pool = pool_for(i, r.route)
-        h, runs = pool.serve(r.namespace, r.hashes, r.saved)
-        append(h)
+        t = r.time
         bt = r.block_tokens
         tok = r.tokens
+        if kv:
+            for q in done:
+                while q and q[0] <= t:
+                    q.popleft()
+            k = choose(r.namespace, r.hashes, tok, bt, [len(q) for q in done], t)
+        else:
+            k = instance_for(i, r.route)
+        h, runs = pool_of[k].serve(r.namespace, r.hashes, r.saved)
+        append(h)
+        held = min(h * bt, tok)
         blocks += len(r.hashes)
         tokens += tok
-        hit_tokens += min(h * bt, tok)
+        hit_tokens += held
+        from_ssd = 0
         if runs:
             for a, e in runs:
                 ssd_blocks += e - a
-                ssd_tokens += min(e * bt, tok) - min(a * bt, tok)
+                from_ssd += min(e * bt, tok) - min(a * bt, tok)
+            ssd_tokens += from_ssd
+        start = free_at[k]
+        if start < t:
+            start = t
+        first = start + (tok - held) * per_token + from_ssd * ssd_per_token
+        free_at[k] = first
+        if kv:
+            done[k].append(first + decode)
+        put(k)
+        waited(start - t)
         if progress is not None and i % PROGRESS_EVERY == PROGRESS_EVERY - 1:
             progress(PROGRESS_EVERY)
     if progress is not None and len(trace.requests) % PROGRESS_EVERY:

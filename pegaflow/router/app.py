@@ -39,6 +39,7 @@ from pegaflow.common.http import health_route, metrics_route
 from pegaflow.common.security import Security
 from pegaflow.config.commands import RouterConfig
 from pegaflow.core.router_protocol import ROUTER_KEY
+from pegaflow.policy.routing import TierCosts
 from pegaflow.router.engines import ANY, DECODE, PREFILL, Engine, EnginePool
 from pegaflow.router.hints import HintUnavailable, MetaHints, NodeHints
 from pegaflow.router.prompts import CHAT, COMPLETIONS, BadRequest, Prompts, check_body, extra_keys, hashes_of
@@ -157,7 +158,8 @@ class Router:
                  prompts: Prompts | None = None, security: Security | None = None) -> None:
         cfg.check()
         self.cfg = cfg
-        self.policy = Policy(cfg.policy, cfg.overlap_weight)
+        self.policy = Policy(cfg.policy, cfg.load_bound, cfg.load_window,
+                             TierCosts(ssd=cfg.ssd_hit_cost, peer=cfg.peer_hit_cost))
         self.registry = registry or CollectorRegistry()
         self.metrics = RouterMetrics(self.registry)
         self.prompts = prompts or Prompts()

@@ -1,20 +1,27 @@
-"""Routing policies: pure functions of what the router knows about its candidates.
+"""Routing policies: what the router knows about its candidates, and the choice.
 
-``kv-aware`` estimates the prefill work a request costs on each engine and takes the
-least: ``overlap_weight x (prompt tokens the engine's node does not hold) + (prompt tokens
-already queued on the engine, not yet past their first token)``. With the weight at 1 both
-terms are tokens of prefill the engine must run before this request's first token, so the
-choice minimises the estimated time to first token. Ties go to the engine with fewer
-requests in flight, then in turn. Engines sharing one node (one host's shared pool) hold
-the same prefix, so among them this is least-loaded; across hosts it prefers the host
-that holds the prefix unless its queue outweighs the recomputation (docs/router.md
-compares this with Dynamo's KV router and llm-d's scorers).
+``kv-aware`` is :class:`~pegaflow.policy.routing.BoundedLoadKV`, the decision ``pegaflow
+replay --route kv-aware`` runs too: among the engines whose load is within ``load_bound``
+of the mean (this request counted), the one whose node holds the longest prefix of the
+prompt, each held token weighted by its tier's cost (L1, SSD, a peer's pool); ties in turn.
+An engine's load is :class:`~pegaflow.policy.routing.RecentLoad`'s: the larger of its
+requests in flight (this router's, or vLLM's own queue when higher) and the requests this
+router sent it in the last ``load_window`` seconds. docs/router.md has the measurements.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from pegaflow.policy.routing import (
+    DEFAULT_LOAD_BOUND,
+    DEFAULT_LOAD_WINDOW_S,
+    BoundedLoadKV,
+    RecentLoad,
+    TierCosts,
+)
 
 ROUND_ROBIN = "round-robin"
 LEAST_LOADED = "least-loaded"
@@ -31,6 +38,8 @@ class Candidate:
     queued_tokens: int = 0  # prompt tokens this router sent it that have no first token yet
     engine_queue: int = 0  # vLLM's running + waiting requests (its /metrics; other clients too)
     prefix_tokens: int = 0  # leading tokens of this prompt its node holds, whole blocks (kv-aware)
+    ssd_tokens: int = 0  # of those, the ones only on its node's SSD tier (when the hint says)
+    peer_tokens: int = 0  # further leading tokens another node holds, which it would pull
 
     @property
     def load(self) -> int:
@@ -42,19 +51,19 @@ class Candidate:
 class Decision:
     url: str
     prefix_tokens: int  # the chosen engine's node holds this many leading tokens of the prompt
-    cost: float  # kv-aware: the estimated prefill tokens; else the load
+    cost: float  # kv-aware: the estimated prefill tokens (not held, tier costs added); else the load
 
 
 class Policy:
     """``choose`` takes the healthy candidates (never empty) and the prompt's size."""
 
-    def __init__(self, name: str, overlap_weight: float = 1.0) -> None:
+    def __init__(self, name: str, load_bound: float = DEFAULT_LOAD_BOUND,
+                 load_window: float = DEFAULT_LOAD_WINDOW_S, costs: TierCosts | None = None) -> None:
         if name not in POLICIES:
             raise ValueError(f"unknown policy {name!r} (choose from {', '.join(POLICIES)})")
-        if overlap_weight < 0:
-            raise ValueError("overlap_weight must be >= 0")
         self.name = name
-        self.overlap_weight = overlap_weight
+        self.kv = BoundedLoadKV(load_bound, costs)
+        self.recent = RecentLoad(load_window)
         self._turn = 0
 
     @property
@@ -68,22 +77,32 @@ class Policy:
         self._turn += 1
         return ordered[k:] + ordered[:k]
 
-    def cost(self, c: Candidate, prompt_tokens: int) -> float:
+    def saved(self, c: Candidate, prompt_tokens: int) -> float:
+        """Prefill tokens' worth of time the engine's node saves this prompt (tier-weighted)."""
         held = min(prompt_tokens, c.prefix_tokens)
-        return self.overlap_weight * (prompt_tokens - held) + c.queued_tokens
+        ssd = min(held, c.ssd_tokens)
+        peer = max(0, min(prompt_tokens - held, c.peer_tokens))
+        return self.kv.costs.saved(held - ssd, ssd, peer)
 
-    def choose(self, cands: Sequence[Candidate], prompt_tokens: int = 0, use_prefixes: bool = True) -> Decision:
+    def choose(self, cands: Sequence[Candidate], prompt_tokens: int = 0, use_prefixes: bool = True,
+               now: float | None = None) -> Decision:
         """The engine for one request. ``use_prefixes=False`` (no prefix answer in time, or
-        no token ids): kv-aware routes by load alone, as least-loaded does."""
+        no token ids): kv-aware sees no prefix anywhere, so the bound and the turn decide."""
         if not cands:
             raise ValueError("no candidates")
+        if self.name == KV_AWARE:
+            now = time.monotonic() if now is None else now
+            ordered = sorted(cands, key=lambda c: c.url)
+            urls = [c.url for c in ordered]
+            loads = self.recent.loads(urls, [c.load for c in ordered], now)
+            saved = [self.saved(c, prompt_tokens) if use_prefixes else 0.0 for c in ordered]
+            i = self.kv.choose(loads, saved)
+            self.recent.routed(urls[i], now)
+            c = ordered[i]
+            return Decision(c.url, c.prefix_tokens if use_prefixes else 0, max(0.0, prompt_tokens - saved[i]))
         order = self._rotated(cands)
         if self.name == ROUND_ROBIN:
             c = order[0]
             return Decision(c.url, c.prefix_tokens, float(c.load))
-        if self.name == KV_AWARE and use_prefixes:
-            # min() keeps the first of equals: the rotation breaks the remaining ties.
-            best = min(order, key=lambda c: (self.cost(c, prompt_tokens), c.load))
-            return Decision(best.url, best.prefix_tokens, self.cost(best, prompt_tokens))
         best = min(order, key=lambda c: (c.load, c.queued_tokens))
         return Decision(best.url, best.prefix_tokens, float(best.load))

@@ -177,7 +177,7 @@ def test_node_query_trace_with_namespaces_and_routing_by_instance(tmp_path):
     assert d["trace"]["namespaces"] == {"m1": 4096, "m2": 4096}
     assert d["trace"]["unique_blocks"] == 4  # equal hashes, different namespaces
     (run,) = d["runs"]
-    assert run["label"] == "isolated x2, lru" and run["hit_blocks"] == 2
+    assert run["label"] == "isolated x2 field:instance, lru" and run["hit_blocks"] == 2
     # Precondition of the numbers above: the two engines hash to different pools.
     from pegaflow.replay.model import route_hash
 
