@@ -19,8 +19,8 @@ import pytest
 KEEP = ("pegaflow", "external_prefix_cache", "cached_by_source")
 
 
-def observed(funcargs: dict[str, Any]) -> dict[str, Any]:
-    """What the engines among a test's fixture values reported."""
+def observed(funcargs: dict[str, Any], live: bool = False) -> dict[str, Any]:
+    """What the engines among a test's fixture values reported (``live``: ask them again)."""
     out: dict[str, Any] = {}
     for name, value in funcargs.items():
         if not hasattr(value, "block_size"):
@@ -35,6 +35,14 @@ def observed(funcargs: dict[str, Any]) -> dict[str, Any]:
             m = getattr(value, attr, None)
             if isinstance(m, dict):
                 seen[attr] = {k: v for k, v in m.items() if any(s in k for s in KEEP)}
+        # The engine's counters now, after the test: a snapshot taken right after a request
+        # can miss the stats of its last step (vLLM publishes them with a later one).
+        proc = getattr(value, "proc", None)
+        if live and callable(getattr(value, "metrics", None)) and proc is not None and proc.poll() is None:
+            try:
+                seen["metrics_after"] = {k: v for k, v in value.metrics().items() if any(s in k for s in KEEP)}
+            except Exception as exc:  # noqa: BLE001 - an observation, never a test result
+                seen["metrics_after"] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
         out[name] = seen
     return out
 
@@ -58,4 +66,4 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         elif rep.skipped and isinstance(rep.longrepr, tuple):
             why = str(rep.longrepr[2])[:300]
         _record({"test": item.nodeid, "outcome": status, "why": why, "seconds": round(rep.duration, 1),
-                 "observed": observed(getattr(item, "funcargs", {}))})
+                 "observed": observed(getattr(item, "funcargs", {}), live=rep.when == "call")})
