@@ -49,6 +49,15 @@ from pegaflow.node.tiers.remote.tcp import REQ, REQ_MAGIC, RESP
 addr, uid, groups, victim_session = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 PAGE, N = 8192, 8
 
+def exactly(s, n):  # a socket with a timeout may return short reads, even with MSG_WAITALL
+    data = bytearray()
+    while len(data) < n:
+        chunk = s.recv(n - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return bytes(data)
+
 def hashes(tag):
     return [xxhash.xxh3_128_digest(f"{tag}:{i}".encode()) for i in range(N)]
 
@@ -101,8 +110,8 @@ try:
     host, _, port = pin.data_addr.rpartition(":")
     with socket.create_connection((host.strip("[]"), int(port)), timeout=10) as s:
         s.sendall(REQ.pack(REQ_MAGIC, pin.pin_id, 0, N))
-        _magic, status, total = RESP.unpack(s.recv(RESP.size, socket.MSG_WAITALL))
-        data = s.recv(total, socket.MSG_WAITALL) if status == 0 else b""
+        _magic, status, total = RESP.unpack(exactly(s, RESP.size))
+        data = exactly(s, total) if status == 0 else b""
     out["pages_read"] = sum(1 for i in range(len(data) // PAGE) if data[i * PAGE:(i + 1) * PAGE] == bytes([7]) * PAGE)
 except grpc.RpcError as exc:
     out["pin"] = exc.code().name
