@@ -251,6 +251,10 @@ def original_aliases(m: NodeMetrics) -> list[Alias | ValueAlias]:
               "Blocks not written to SSD because the write queue was full "
               "(pegaflow_node_ssd_skipped_writes_total{reason=\"queue_full\"}).",
               ("pegaflow_node_ssd_skipped_writes",), relabel=_only(reason="queue_full")),
+        Alias("pegaflow_ssd_write_inflight", "gauge",
+              "SSD write I/Os in flight, at most --ssd-write-inflight "
+              "(pegaflow_node_ssd_direction_inflight_ios{direction=\"write\"}).",
+              ("pegaflow_node_ssd_direction_inflight_ios",), relabel=_only(direction="write")),
         Alias("pegaflow_ssd_prefetch_bytes", "counter", "Page bytes read from SSD (pegaflow_node_ssd_read_bytes_total).",
               ("pegaflow_node_ssd_read_bytes",)),
         Alias("pegaflow_ssd_prefetch_success", "counter",
@@ -260,6 +264,14 @@ def original_aliases(m: NodeMetrics) -> list[Alias | ValueAlias]:
               "SSD reads that failed: I/O error or checksum mismatch "
               "(pegaflow_node_ssd_read_errors_total + pegaflow_node_ssd_checksum_failures_total).",
               ("pegaflow_node_ssd_read_errors", "pegaflow_node_ssd_checksum_failures")),
+        Alias("pegaflow_ssd_prefetch_inflight", "gauge",
+              "SSD read I/Os in flight, at most --ssd-prefetch-inflight "
+              "(pegaflow_node_ssd_direction_inflight_ios{direction=\"prefetch\"}).",
+              ("pegaflow_node_ssd_direction_inflight_ios",), relabel=_only(direction="prefetch")),
+        Alias("pegaflow_ssd_prefetch_queue_full", "counter",
+              "Blocks on SSD not promoted because --ssd-prefetch-queue-depth batches were waiting "
+              "(pegaflow_node_ssd_prefetch_dropped_blocks_total).",
+              ("pegaflow_node_ssd_prefetch_dropped_blocks",)),
         Alias("pegaflow_ssd_prefetch_duration_seconds", "histogram",
               "From the Query that found blocks on SSD until they are in L1 (pegaflow_node_ssd_promotion_seconds).",
               ("pegaflow_node_ssd_promotion_seconds",)),

@@ -69,3 +69,25 @@ def test_a_registered_labelled_source_without_children_is_zero() -> None:
 def test_snake_case_methods() -> None:
     assert [snake(m) for m in ("Query", "QueryPrefix", "GetClusterConfig")] == [
         "query", "query_prefix", "get_cluster_config"]
+
+
+def test_the_originals_ssd_inflight_and_prefetch_drops_read_our_per_direction_series() -> None:
+    from pegaflow.node.metrics import NodeMetrics
+    from pegaflow.node.tiers.ssd.metrics import SsdMetrics
+
+    m = NodeMetrics()
+    ssd = SsdMetrics(m.registry)
+    ssd.dir_inflight.labels("write").set(2)
+    ssd.dir_inflight.labels("prefetch").set(5)
+    ssd.prefetch_dropped.inc(3)
+    s = series(m.registry)
+    assert s[("pegaflow_ssd_write_inflight", ())] == 2
+    assert s[("pegaflow_ssd_prefetch_inflight", ())] == 5
+    assert s[("pegaflow_ssd_prefetch_queue_full_total", ())] == 3
+
+
+def test_without_an_ssd_tier_the_originals_ssd_series_are_absent() -> None:
+    from pegaflow.node.metrics import NodeMetrics
+
+    s = series(NodeMetrics().registry)
+    assert not [k for k in s if k[0].startswith(("pegaflow_ssd_write_inflight", "pegaflow_ssd_prefetch_"))]
