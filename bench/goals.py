@@ -49,6 +49,7 @@ RUNS: tuple[Run, ...] = (
     Run("replay", "replay.py", ("--repeat", "5")),
     Run("policy", "policy.py", ("--blocks", "300000", "--repeat", "2")),
     Run("quota", "quota.py", ("--steps", "400")),  # hit rates, not timings: a busy machine is fine
+    Run("routing", "routing.py", ()),  # replay hit rates over four traces: seconds, any machine
     Run("ttft", "ttft.py", ("--connectors", "pega,example", "--prompts", "4", "--repeats", "6"), summary_flag="--out"),
     # Five vLLM servers / four engines each: minutes, so only when asked for.
     Run("concurrency", "concurrency.py", ("--rounds", "2"), default=False),
@@ -103,6 +104,17 @@ GOALS: tuple[Goal, ...] = (
          1.0, on="value", higher_is_better=False),
     Goal("quota", "hot namespace hit rate gap, alone vs no quota (the problem), real node", "node.shared_gap_pp",
          "pp", None, "", 20.0, on="value"),
+    # Routing over isolated pools (a pool per engine), by replay with its time model, on four traces (the
+    # synthetic Mooncake trace; conversation-, agent- and scan-shaped ones from bench/traces.py) at two sizes.
+    Goal("routing", "block hit rate, kv-aware / round-robin, isolated pools, worst trace and size",
+         "kv_hit_rate_at_kv_over_rr_min", "", "rr_hit_rate_at_kv_over_rr_min", "round-robin, same pools", 1.0,
+         ratio="kv_over_rr_min"),
+    Goal("routing", "conversation trace: kv-aware / round-robin, isolated pools, worst size",
+         "conversation_kv_over_rr_min", "x", None, "", 2.0, on="value"),
+    Goal("routing", "conversation trace: kv-aware isolated / one shared pool of the same total, worst size",
+         "conversation_kv_over_shared_min", "x", None, "", 0.8, on="value"),
+    Goal("routing", "kv-aware imbalance (max/mean requests per instance per minute), worst", "kv_imbalance_max",
+         "x", None, "", 1.25, on="value", higher_is_better=False),
     # Time to first token through a real vLLM engine.
     Goal("ttft", "cold / warm TTFT (PegaFlow)", "connectors.pega.cold_mean_ms", "ms",
          "connectors.pega.warm_mean_ms", "PegaFlow warm", 10.0),

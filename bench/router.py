@@ -13,7 +13,8 @@ request keeps at most ``--max-blocks`` of its blocks, and one token follows the 
 every block is loadable). vLLM's own prefix cache is off, so every reused block comes from
 PegaFlow. Requests go one at a time, each sent once the previous one's saves are committed:
 then a run is the sequence ``pegaflow replay`` models, and the measured block hit rate must
-be within 2 pp of replay's prediction for the same slice, routing and capacities.
+be within 2 pp of replay's prediction for the same slice, routing and capacities (replayed
+at the times the run sent each request: kv-aware's recent load is counted in those seconds).
 
 The engines start once, on four loopback addresses with one node port: for the isolated
 runs a node listens on each address, for the shared runs one node on all of them (the
@@ -51,7 +52,7 @@ from bench.ttft import percentile  # noqa: E402
 from pegaflow.client import PegaClient  # noqa: E402
 from pegaflow.config.capacity import KV_AWARE, ROUND_ROBIN, Capacity  # noqa: E402
 from pegaflow.core.trace import read_trace  # noqa: E402
-from pegaflow.replay.model import ISOLATED, SHARED, Scenario  # noqa: E402
+from pegaflow.replay.model import ISOLATED, SHARED, Scenario, TimeModel  # noqa: E402
 from pegaflow.replay.run import replay  # noqa: E402
 from tests.e2e.harness import ApiServer, NodeDaemon, free_port  # noqa: E402
 from tests.e2e.model import build_tiny_llama  # noqa: E402
@@ -90,16 +91,18 @@ def prompts_of(slice_: list[list[int]], bs: int, vocab: int) -> list[list[int]]:
     return out
 
 
-def predict(slice_: list[list[int]], bs: int, total_blocks: int) -> dict[str, float]:
-    """``pegaflow replay``'s block hit rate for each run, the same slice and capacities."""
-    lines = [json.dumps({"timestamp": i, "input_length": len(ids) * bs + 1, "hash_ids": ids})
-             for i, ids in enumerate(slice_)]
+def predict(slice_: list[list[int]], bs: int, total_blocks: int, route: str, pools: str,
+            sent: list[float]) -> float:
+    """``pegaflow replay``'s block hit rate for one run: the same slice, capacities and
+    routing, each request at the time the run sent it (kv-aware's recent load is counted
+    in those seconds, as the router counted it). One request at a time: nothing queues and
+    nothing is in flight when the next is routed, so the time model's service is zero."""
+    lines = [json.dumps({"timestamp": int(t * 1000), "input_length": len(ids) * bs + 1, "hash_ids": ids})
+             for t, ids in zip(sent, slice_, strict=True)]
     trace = read_trace(lines, block_tokens=bs)
-    out = {}
-    for route, pools in RUNS:
-        r = replay(trace, Scenario(l1=Capacity(total_blocks, "blocks"), instances=ENGINES, pools=pools, route=route))
-        out[f"{route}+{pools}"] = r.hit_rate
-    return out
+    tm = TimeModel(prefill_us_per_token=0.0, decode_s=0.0)
+    sc = Scenario(l1=Capacity(total_blocks, "blocks"), instances=ENGINES, pools=pools, route=route, time=tm)
+    return replay(trace, sc).hit_rate
 
 
 class Nodes:
@@ -157,9 +160,12 @@ def run(router: RouterProc, nodes: Nodes, model: str, prompts: list[list[int]], 
 
     async def go() -> list[dict[str, Any]]:
         out = []
+        t0 = time.monotonic()
         async with httpx.AsyncClient(timeout=600) as client:
             for i, p in enumerate(prompts):
+                sent = time.monotonic() - t0
                 out.append(await one(client, router.url, model, p, salt, max_tokens))
+                out[-1]["sent_s"] = sent
                 # The saves are committed after the answer (wait=False): the next request
                 # must see them, as in replay's sequence.
                 await asyncio.to_thread(wait_until, nodes.settled, SETTLE_TIMEOUT_S, "the saves to be committed", 0.02)
@@ -260,7 +266,6 @@ def main() -> None:
             distinct = len({h for ids in slice_ for h in ids})
             slot = -(-page // PAGE_ALIGN) * PAGE_ALIGN
             total = int(distinct * frac) // ENGINES * ENGINES
-            predicted = predict(slice_, bs, total)
             print(f"slice: {len(slice_)} requests, {sum(map(len, slice_))} blocks, {distinct} distinct; "
                   f"block {bs} tokens, page {page} B; capacity {total} blocks ({total * slot / 2**20:.1f} MiB)",
                   flush=True)
@@ -281,7 +286,8 @@ def main() -> None:
                     t1 = time.perf_counter()
                     res = run(router, nodes, str(model), prompts, f"run-{k}", args.max_tokens, label)
                     wall = time.perf_counter() - t1
-                    results[label] = summarize(label, res, prompts, bs, wall, predicted[label])
+                    predicted = predict(slice_, bs, total, route, pools, [r["sent_s"] for r in res])
+                    results[label] = summarize(label, res, prompts, bs, wall, predicted)
                     results[label]["hint_fallbacks"] = router.metric("pegaflow_router_hint_fallbacks_total")
                 finally:
                     router.stop()

@@ -111,8 +111,8 @@ def _shared_prefixes(rng: random.Random, ids: _Ids, session) -> list[list[int]]:
 
 def _conversation(rng: random.Random, ids: _Ids, shared: list[list[int]], t: float) -> Iterator[tuple[float, str]]:
     prompt = list(shared[_zipf(rng, len(shared), 2.0)])
-    for _ in range(min(1 + int(rng.expovariate(1 / 3.0)), 24)):
-        prompt += ids.take(rng.randint(1, 8))  # the user's message (a pasted document, at times)
+    for _ in range(min(1 + int(rng.expovariate(1 / 2.0)), 24)):
+        prompt += ids.take(rng.randint(1, 16))  # the user's message (a pasted document, at times)
         yield t, _line(t, prompt, rng.randint(1, BLOCK_TOKENS), 256)
         prompt += ids.take(rng.randint(1, 2))  # the answer, part of the next prompt
         t += 5.0 + rng.expovariate(1 / 40.0)  # reading and typing

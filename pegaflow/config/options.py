@@ -970,7 +970,7 @@ OPTIONS: list[Option] = [
     ),
     Option(
         "load-bound",
-        0.2,
+        0.15,
         "kv-aware: an engine whose load is above (1 + this) x the mean (this request counted) is not "
         "chosen for its prefix (bounded-load affinity; default measured in docs/router.md).",
         _non_negative_float,

@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-DEFAULT_LOAD_BOUND = 0.25  # eps: measured in docs/router.md (bench/routing.py)
+DEFAULT_LOAD_BOUND = 0.15  # eps: measured in docs/router.md (bench/routing.py --bounds)
 DEFAULT_LOAD_WINDOW_S = 60.0
 
 
