@@ -141,6 +141,7 @@ class Node:
                 raise StartupError(f"remote reads: {exc}") from None
             if self.ssd is not None:  # one checksum per page for SSD records and pulls
                 self.ssd.checksums = self.p2p.checksums
+                self.p2p.table.ssd = self.ssd  # pins of blocks only on SSD promote them first
         self.service = NodeService(
             self.index, self.sessions, self.metrics, self.pool.path, self.pool.size,
             self.node_id, self.epoch, config.max_batch,

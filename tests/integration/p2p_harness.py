@@ -57,11 +57,13 @@ class NodeInfo:
 class P2PCluster:
     """Redis + metaserver on the hub, ``n`` nodes on hosts; every process killed by close()."""
 
-    def __init__(self, tmp: Path, n: int = 3, pool: str = "256mb", node_args: tuple[str, ...] = ()) -> None:
+    def __init__(self, tmp: Path, n: int = 3, pool: str = "256mb", node_args: tuple[str, ...] = (),
+                 per_node_args: dict[int, tuple[str, ...]] | None = None) -> None:
         self.tmp = tmp
         self.c: Cluster = make_cluster(n)
         self.pool = pool
         self.node_args = node_args
+        self.per_node_args = per_node_args or {}  # node i's own flags, after node_args (later flags win)
         hub = self.c.hub
         self.redis_url = f"redis://{hub.ip}:{REDIS_PORT}/0"
         self.meta_addr = f"{hub.ip}:{META_PORT}"
@@ -90,7 +92,8 @@ class P2PCluster:
         h = n.host
         args = [sys.executable, "-m", "pegaflow.node.cli", "--addr", n.addr, "--pool-size", self.pool,
                 "--http-addr", f"{h.ip}:{HTTP_PORT}", "--redis-url", self.redis_url, "--meta-addr", self.meta_addr,
-                "--node-id", n.name, "--log-format", "json", "--liveness-ttl", "5", *self.node_args]
+                "--node-id", n.name, "--log-format", "json", "--liveness-ttl", "5", *self.node_args,
+                *self.per_node_args.get(i, ())]
         n.proc = self.c.spawn(h, args, n.log)
         try:
             wait_until(lambda: n.proc.poll() is None and h.py(HEALTH, n.addr).returncode == 0, 60, f"{n.name}")

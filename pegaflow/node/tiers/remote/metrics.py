@@ -49,6 +49,15 @@ class PeerMetrics:
                                      registry=r)
         self.backed_off = Gauge("pegaflow_node_p2p_backed_off_peers",
                                 "Peers skipped for now after a failed or wrong answer.", registry=r)
+        self.ssd_served = Counter(
+            "pegaflow_node_p2p_ssd_served_blocks_total",
+            "Blocks this node promoted from its SSD tier to serve a puller's pin.", registry=r)
+        self.pulled_blocks = Counter(
+            "pegaflow_node_p2p_pulled_blocks_total",
+            "Blocks pulled from peers and committed, by the tier the holder was listed in (l1, ssd).",
+            ["holder_tier"], registry=r)
+        for s in ("l1", "ssd"):
+            self.pulled_blocks.labels(s)
         self.lookups = Counter("pegaflow_node_p2p_lookups_total",
                                "Metaserver lookups after a local miss, by result (found, none, error).",
                                ["result"], registry=r)

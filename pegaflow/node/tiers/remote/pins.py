@@ -6,6 +6,16 @@ Contracts:
   their offsets and, for RDMA pullers, their xxh3_64 checksums (TCP pullers get them
   in-band from the data port). Known checksums come from :class:`PageChecksums`; only
   pages whose checksum is not known yet are hashed, after pinning.
+- A holder that has the requested blocks only on its SSD tier (the index lists it with
+  tier SSD) serves them by promoting them into L1 first (:meth:`PinTable.fill_from_ssd`,
+  the SSD tier's own verified reads into pool pages, bounded by ``SSD_FILL_SECONDS``),
+  then pinning and sending from the pool like any resident page. Why not read from SSD
+  straight into the transfer: the promoter already reads O_DIRECT into pool pages and
+  checks each record's header and checksum, so promoting costs no extra copy of the
+  bytes; both transports then send unchanged (RDMA needs registered memory, which the
+  pool is and a read buffer would have to be); and the promoted copy serves this node's
+  next hits and the next puller. The price is L1 room for the promoted pages, which the
+  pool's eviction order reclaims like any other.
 - A pin ends at ``Unpin`` or after its TTL (capped by ``--pin-ttl``), whichever is first,
   so a puller that dies mid-pull leaks nothing. A pin whose pages are being sent right
   now (TCP data plane thread) ends when that send ends, never under it.
@@ -38,6 +48,7 @@ from pegaflow.node.tiers.remote.tcp import BAD_RANGE, UNKNOWN_PIN
 log = structlog.get_logger("pegaflow.p2p")
 
 BUSY_RECHECK = 0.5  # seconds: an expired pin still being sent is looked at again this often
+SSD_FILL_SECONDS = 3.0  # at most this long promoting a pin's SSD blocks (the puller's pin RPC waits 5 s)
 CHECKSUM_INLINE_BYTES = 1 << 20  # below this, checksum on the loop (a thread hop costs more)
 
 
@@ -67,6 +78,7 @@ class PinTable:
 
         self._lock = threading.Lock()
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.ssd: Any = None  # the node's SSD tier (pegaflow/node/tiers/ssd/tier.py), set by the node
         metrics.active_pins.set_function(lambda: len(self.pins))
 
     def _new_id(self) -> int:
@@ -92,6 +104,34 @@ class PinTable:
         loop = self.loop or asyncio.get_running_loop()
         p.timer = loop.call_later(ttl, self._expire, p.id)
         return p
+
+    async def fill_from_ssd(self, ns_name: str, hashes: Sequence[bytes], timeout: float = SSD_FILL_SECONDS) -> int:
+        """Promote the SSD continuation of the resident prefix of ``hashes`` into L1 and wait
+        for it (the SSD tier promotes at most ``--max-prefetch-blocks`` at once: round after
+        round while it makes progress). Returns the blocks promoted. The promoted pages stay
+        held by the promoter until :meth:`pin` pins them (``ssd.leased`` ends the hold)."""
+        ssd = self.ssd
+        ns = self.index.get_namespace(ns_name)
+        if ssd is None or ns is None:
+            return 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        start = hit = len(self.index.prefix(ns, hashes, touch=False))
+        while hit < len(hashes) and ssd.promote([ns], hashes, hit) > hit:
+            delay = 0.0005
+            inflight = ssd.promoter.inflight
+            while any((ns.id, h) in inflight for h in hashes[hit:]):
+                if loop.time() > deadline:
+                    return hit - start
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 0.01)
+            now = len(self.index.prefix(ns, hashes, touch=False))
+            if now <= hit:  # read errors, or no room: serve what is resident
+                break
+            hit = now
+        if hit > start:
+            self.metrics.ssd_served.inc(hit - start)
+        return hit - start
 
     def unpin(self, pin_id: int) -> bool:
         p = self.pins.get(pin_id)
@@ -173,9 +213,13 @@ class PeerService(peer_pb2_grpc.PegaPeerServicer):
             check_hashes(hashes, self.max_batch, "--max-batch")
         except InvalidArgument as exc:
             await context.abort(exc.code, str(exc))
+        if self.table.ssd is not None:
+            await self.table.fill_from_ssd(request.namespace, hashes)
         p = self.table.pin(request.namespace, hashes, request.ttl_seconds, request.puller)
         if p is None:
             return peer_pb2.PinResponse()
+        if self.table.ssd is not None:
+            self.table.ssd.leased(p.blocks)  # the pin holds them now: end the promoter's hold
         sums: list[int] = []
         if request.transport != TCP:
             t0 = time.perf_counter()

@@ -4,7 +4,7 @@ Contracts:
 - :meth:`Puller.query` runs inside the Query handler after L1 and SSD. It asks the
   metaserver (bounded by ``META_TIMEOUT``; a failing metaserver is skipped for a while,
   and a "no peer has it" answer is reused for ``NEGATIVE_TTL``) which live peer holds the
-  longest prefix, reserves node-owned PENDING pages
+  longest prefix (among equals, L1 holders before SSD holders: :func:`choose`), reserves node-owned PENDING pages
   (``reclaimable=True``: pulled copies are evicted first) for the blocks past the local
   prefix, starts the pull and returns True (answer LOADING) iff block ``hit`` is now on
   its way for every namespace of the query. It never returns True for blocks nobody is
@@ -59,11 +59,30 @@ NEGATIVE_MAX = 65536  # remembered negative answers at most (oldest dropped firs
 
 @dataclass(frozen=True, slots=True)
 class Holder:
-    """A node that holds ``prefix_len`` leading blocks of a request (metaserver answer)."""
+    """A node that holds ``prefix_len`` leading blocks of a request (metaserver answer), of
+    which ``ssd_blocks`` only on its SSD tier."""
 
     node: str
     address: str
     prefix_len: int
+    ssd_blocks: int = 0
+
+
+def choose(holders: Sequence[Holder], node_id: str, hit: int, end: int,
+           skip: Callable[[str], bool]) -> Holder | None:
+    """The peer to pull ``hashes[hit:end]`` from: the one covering most of it, and among
+    those the one with fewest blocks only on SSD (L1 holders, then SSD holders). Coverage
+    comes first: an SSD holder's read (about a millisecond per MiB) beats recomputing the
+    blocks an L1 holder lacks."""
+    best: Holder | None = None
+    key = (0, 0)
+    for x in holders:
+        if x.node == node_id or x.prefix_len <= hit or skip(x.address):
+            continue
+        k = (min(x.prefix_len, end), -x.ssd_blocks)
+        if best is None or k > key:
+            best, key = x, k
+    return best
 
 
 class Lookup(Protocol):
@@ -96,7 +115,7 @@ class MetaLookup:
             self.stub = meta_pb2_grpc.MetaServiceStub(self.channel)
         res = await self.stub.QueryPrefix(meta_pb2.QueryPrefixRequest(namespace=namespace, hashes=hashes),
                                           timeout=META_TIMEOUT)
-        return [Holder(n.node, n.address, n.prefix_len) for n in res.nodes]
+        return [Holder(n.node, n.address, n.prefix_len, n.ssd_blocks) for n in res.nodes]
 
     async def close(self) -> None:
         if self.channel is not None:
@@ -221,8 +240,7 @@ class Puller:
         self.backoff.ok(META_KEY)
         plans: list[tuple[Namespace, Holder]] = []
         for ns, holders in zip(todo, answers, strict=True):
-            best = next((x for x in holders if x.node != self.node_id and x.prefix_len > hit
-                         and not self.backoff.skip(x.address)), None)
+            best = choose(holders, self.node_id, hit, end, self.backoff.skip)
             if best is None:
                 self.metrics.lookups.labels("none").inc()
                 if len(neg) >= NEGATIVE_MAX:
@@ -306,6 +324,7 @@ class Puller:
             self.metrics.pull_bytes.inc(nbytes)
             if self.on_remote_hits is not None:
                 self.on_remote_hits(len(committed))
+            self.metrics.pulled_blocks.labels("ssd" if p.holder.ssd_blocks else "l1").inc(len(committed))
             if bad:
                 status = "checksum"
                 self._fail(addr, "checksum_mismatch", f"{bad} of {len(blocks)} pages")
