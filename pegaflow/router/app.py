@@ -227,8 +227,9 @@ class Router:
 
     # -- routing ---------------------------------------------------------------------------
     async def _prefixes(self, engines: list[Engine], body: dict[str, Any], tokens: list[int] | None,
-                        known: dict[str, int] | None) -> dict[str, int] | None:
-        """Leading prompt tokens each engine's node holds, or None: route by load."""
+                        known: dict[str, int] | None) -> dict[str, tuple[int, int, int]] | None:
+        """Per engine (leading prompt tokens its node holds, of those only on its SSD, further
+        leading tokens another node holds: a peer pull), or None: route by load."""
         if tokens is None:
             self.metrics.hint_fallbacks.labels("no_tokens").inc()
             return None
@@ -240,7 +241,7 @@ class Router:
             self.metrics.hint_fallbacks.labels("no_pegaflow").inc()
             return None
         assert self.hints is not None
-        out: dict[str, int] = {}
+        out: dict[str, tuple[int, int, int]] = {}
         for (_, bs, namespaces), group in groups.items():
             info = group[0].info
             assert info is not None
@@ -259,10 +260,17 @@ class Router:
                 self.metrics.hint_fallbacks.labels("timeout").inc()
                 return None
             for node, n in (known or {}).items():
-                held[node] = max(held.get(node, 0), n)
+                if n > held.get(node, (0, 0))[0]:
+                    held[node] = (n, 0)  # the prefill just stored them: in DRAM
+            # With the metaserver every node's holdings are known, and a node pulls what a
+            # peer holds; without it only the group's own nodes answered.
+            anywhere = min(max((n for n, _ in held.values()), default=0), len(hashes)) if isinstance(
+                self.hints, MetaHints) else 0
             for e in group:
                 assert e.info is not None
-                out[e.url] = min(held.get(e.info.node, 0), len(hashes)) * bs
+                n, ssd = held.get(e.info.node, (0, 0))
+                n = min(n, len(hashes))
+                out[e.url] = (n * bs, min(ssd, n) * bs, max(0, anywhere - n) * bs)
         return out
 
     async def route(self, role: str, body: dict[str, Any], tokens: list[int] | None, exclude: list[str],
@@ -273,7 +281,7 @@ class Router:
         if not engines:
             return None
         prefixes = await self._prefixes(engines, body, tokens, known) if self.policy.wants_prefixes else None
-        d = self.policy.choose([e.candidate((prefixes or {}).get(e.url, 0)) for e in engines],
+        d = self.policy.choose([e.candidate(*(prefixes or {}).get(e.url, (0, 0, 0))) for e in engines],
                                len(tokens or ()), use_prefixes=prefixes is not None)
         self.metrics.route_seconds.observe(time.perf_counter() - t0)
         if tokens:

@@ -1,10 +1,13 @@
-"""Who holds a prompt's prefix: ``{node id: leading blocks held}`` for one namespace.
+"""Who holds a prompt's prefix: ``{node id: (leading blocks held, of those only on its SSD)}``
+for one namespace.
 
-* :class:`MetaHints` asks the metaserver (``QueryPrefix``): every live node of the cluster.
+* :class:`MetaHints` asks the metaserver (``QueryPrefix``): every live node of the cluster,
+  with the tier of what it holds (``ssd_blocks``; 0 from a metaserver without tiers).
 * :class:`NodeHints` (no metaserver) asks each engine's node itself, with a ``peek`` Query
   (DRAM only, changes nothing on the node: no lease, no access counted, no promotion). The
   router registers a session with the node for that (the node answers only its sessions'
-  namespaces), so the node must be reachable from the router: one host.
+  namespaces), so the node must be reachable from the router: one host. DRAM only: no
+  SSD blocks.
 
 Both are routing hints: a slow or failed answer makes the request route by load alone
 (the caller bounds the wait), and a source that failed is not asked again for a while.
@@ -41,7 +44,7 @@ class MetaHints:
         self._skip_until = 0.0
 
     async def prefixes(self, namespaces: Sequence[str], hashes: Sequence[bytes], node_addrs: Sequence[str] = (),
-                       page_bytes: int = 0) -> dict[str, int]:
+                       page_bytes: int = 0) -> dict[str, tuple[int, int]]:
         """Every live node's prefix of shard 0 (the index names each shard's blocks alike)."""
         if time.monotonic() < self._skip_until:
             raise HintUnavailable(f"metaserver {self.addr} failed recently")
@@ -52,7 +55,7 @@ class MetaHints:
         except grpc.aio.AioRpcError as exc:
             self._skip_until = time.monotonic() + RETRY_AFTER_S
             raise HintUnavailable(f"metaserver {self.addr}: {exc.code().name}") from None
-        return {p.node: int(p.prefix_len) for p in res.nodes}
+        return {p.node: (int(p.prefix_len), min(int(p.ssd_blocks), int(p.prefix_len))) for p in res.nodes}
 
     async def close(self) -> None:
         await self._channel.close()
@@ -117,7 +120,7 @@ class NodeHints:
         return s
 
     async def _one(self, addr: str, namespaces: Sequence[str], hashes: Sequence[bytes],
-                   page_bytes: int) -> tuple[str, int] | None:
+                   page_bytes: int) -> tuple[str, tuple[int, int]] | None:
         s = self._session(addr)
         if time.monotonic() < s.skip_until:
             return None
@@ -131,10 +134,10 @@ class NodeHints:
                 s.lost()  # re-register next time (the node restarted, or forgot the session)
             log.debug("node_hint_failed", node=addr, code=exc.code().name)
             return None
-        return s.node_id, int(res.hit_blocks)
+        return s.node_id, (int(res.hit_blocks), 0)
 
     async def prefixes(self, namespaces: Sequence[str], hashes: Sequence[bytes], node_addrs: Sequence[str] = (),
-                       page_bytes: int = 0) -> dict[str, int]:
+                       page_bytes: int = 0) -> dict[str, tuple[int, int]]:
         """Each of ``node_addrs``' prefix present in every shard (the nodes that answered)."""
         answers = await asyncio.gather(*(self._one(a, namespaces, hashes, page_bytes)
                                          for a in dict.fromkeys(node_addrs)))
