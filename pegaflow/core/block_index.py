@@ -96,7 +96,8 @@ class IndexEvent(enum.StrEnum):
     """What a listener is told happened to some blocks of one namespace."""
 
     INSERT = "insert"  # became RESIDENT (visible)
-    EVICT = "evict"  # left the index (evicted, removed)
+    EVICT = "evict"  # left the index to make room (memory pressure, a quota at its maximum)
+    REMOVE = "remove"  # left the index because it was told to (clear: a reset; remove: a cleanup)
 
 
 Listener = Callable[[IndexEvent, Namespace, list[bytes]], None]  # (event, namespace, hashes)
@@ -221,8 +222,9 @@ class BlockIndex:
         return list(self._namespaces.values())
 
     def add_listener(self, listener: Listener) -> None:
-        """``listener(op, ns, hashes)`` with op ``insert`` or ``evict``, called synchronously
-        after each batch; it must not block (the event publisher only buffers)."""
+        """``listener(op, ns, hashes)`` with op ``insert``, ``evict`` or ``remove`` (both of the
+        latter: the blocks left the index), called synchronously after each batch; it must not
+        block (the event publisher only buffers)."""
         self._listeners.append(listener)
 
     def _emit(self, op: IndexEvent, ns: Namespace, hashes: list[bytes]) -> None:
@@ -482,7 +484,7 @@ class BlockIndex:
         for b in gone:
             self._drop(b)
         for ns, hs in _group(gone).items():
-            self._emit(IndexEvent.EVICT, ns, hs)
+            self._emit(IndexEvent.REMOVE, ns, hs)
         return gone
 
     def clear(self, ns: Namespace) -> tuple[list[bytes], int]:
@@ -492,7 +494,7 @@ class BlockIndex:
         written to SSD) leave the lookup table at once, so no later Query finds them, and free
         their page when their last pin goes. PENDING pages (a save or an SSD promotion in
         flight) leave the table too and never become visible: their writer's commit or
-        discard frees them. Evict events are emitted for the RESIDENT ones. Returns the
+        discard frees them. Remove events are emitted for the RESIDENT ones. Returns the
         hashes dropped and how many were pinned or pending.
         """
         t = self._blocks.get(ns.id)
@@ -517,7 +519,7 @@ class BlockIndex:
                 self._detached.add(b)
                 busy += 1
         hashes = [b.hash for b in gone]
-        self._emit(IndexEvent.EVICT, ns, hashes)
+        self._emit(IndexEvent.REMOVE, ns, hashes)
         return hashes, busy
 
     # ---- eviction ---------------------------------------------------------------------

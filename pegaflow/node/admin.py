@@ -258,6 +258,7 @@ class NodeAdmin:
             if self.ssd is not None:
                 on_ssd += self.ssd.clear(ns)
         self.metrics.resets.inc()
+        self.metrics.removed.labels("clear").inc(dropped)
         log.warning("cache_cleared", namespaces=[ns.name for ns in nss], dropped_blocks=dropped, busy_blocks=busy,
                     ssd_blocks=on_ssd, by="operator")
         return node_pb2.CacheClearResponse(namespaces=[ns.name for ns in nss], dropped_blocks=dropped,
@@ -306,6 +307,7 @@ class NodeAdmin:
         used_before = self.index.alloc.used_bytes
         free = [b for b in self.index.resident() if b.pins == 0]
         gone = self.index.remove(free)
+        self.metrics.removed.labels("cleanup").inc(len(gone))
         evicted_bytes = sum(b.size for b in gone)
         still = self.index.resident_blocks
         reclaimed = max(0, used_before - self.index.alloc.used_bytes)

@@ -32,7 +32,15 @@ class NodeMetrics:
         self.hits = Counter("pegaflow_node_hit_blocks_total", "Blocks found by Query, by tier.", ["tier"], registry=r)
         self.misses = Counter("pegaflow_node_miss_blocks_total", "Blocks asked by Query and not found.", registry=r)
         self.queries = Counter("pegaflow_node_queries_total", "Query RPCs by outcome.", ["outcome"], registry=r)
-        self.evictions = Counter("pegaflow_node_evictions_total", "Blocks evicted from L1.", ["tier"], registry=r)
+        self.evictions = Counter("pegaflow_node_evictions_total",
+                                 "Blocks evicted from L1 to make room (not those a reset or an operator removed).",
+                                 ["tier"], registry=r)
+        self.removed = Counter("pegaflow_node_removed_blocks_total",
+                               "Blocks removed from L1 because they were told to go, by reason: reset (an "
+                               "engine's Reset), clear (pegaflow cache clear), cleanup (POST /cache/memory/cleanup).",
+                               ["reason"], registry=r)
+        for reason in ("reset", "clear", "cleanup"):
+            self.removed.labels(reason)
         self.save_bytes = Counter("pegaflow_node_save_bytes_total", "Bytes committed into L1 by engines.", registry=r)
         self.load_bytes = Counter("pegaflow_node_load_bytes_total", "Bytes leased to engines for loading.", registry=r)
         self.reserve_skipped = Counter(

@@ -501,6 +501,7 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
             if self.ssd is not None:
                 on_ssd += self.ssd.clear(ns)
         self.metrics.resets.inc()
+        self.metrics.removed.labels("reset").inc(dropped)
         log.info("namespaces_reset", session=s.id, instance=s.instance_id, namespaces=[ns.name for ns in nss],
                  dropped_blocks=dropped, busy_blocks=busy, ssd_blocks=on_ssd)
         return node_pb2.ResetResponse(dropped_blocks=dropped, busy_blocks=busy, ssd_blocks=on_ssd)

@@ -60,3 +60,38 @@ def test_node_daemon_publishes_inserts_and_evictions(node_factory, redis_server:
     wait_until(lambda: not lookup.query_prefix("model-x", hs[90:]), 5, "the dead node to vanish", every=0.05)
     assert time.monotonic() - t0 < 3.0
     c.close()
+
+
+def test_a_reset_removes_blocks_from_the_index_without_counting_evictions(node_factory,
+                                                                           redis_server: RedisServer) -> None:
+    """A Reset's blocks leave the global index (published as removals) and are counted in
+    pegaflow_node_removed_blocks_total{reason="reset"}, not as evictions, which count memory
+    pressure only (the original's pegaflow_cache_block_evictions_total included)."""
+    node = node_factory(pool_size="4mb", extra=["--redis-url", redis_server.url, "--node-id", "host-r"])
+    r = connect(redis_server.url)
+    c = PegaClient(node.addr)
+    c.register({"model-r": PAGE})
+    consumer = Consumer(r, Index(r), "t")
+    lookup = Lookup(r)
+
+    def held(hs: list[bytes]) -> int:
+        consumer.wait_caught_up(5)
+        return sum(bool(lookup.query_prefix("model-r", [h])) for h in hs)
+
+    first = hashes("r", 40)  # 40 of the 64 pages: nothing evicted
+    c.commit(c.reserve("model-r", first).reservation_id)
+    wait_until(lambda: held(first) == 40, 20, "the index to hold the saved blocks")
+    assert c.reset(["model-r"]).dropped_blocks == 40
+    wait_until(lambda: held(first) == 0, 20, "the index to lose the reset's blocks")
+    assert node.metric("pegaflow_node_removed_blocks_total", 'reason="reset"') == 40
+    assert node.metric("pegaflow_node_evictions_total") == 0
+    assert node.metric("pegaflow_cache_block_evictions_total") == 0
+
+    more = hashes("s", 100)  # more than the pool: memory pressure evicts
+    for i in range(0, 100, 10):
+        c.commit(c.reserve("model-r", more[i:i + 10]).reservation_id)
+    evicted = node.metric("pegaflow_node_evictions_total")
+    assert evicted >= 100 - 64
+    assert node.metric("pegaflow_cache_block_evictions_total") == evicted
+    assert node.metric("pegaflow_node_removed_blocks_total") == 40  # unchanged by evictions
+    c.close()

@@ -117,6 +117,8 @@ def test_listeners_see_inserts_and_evictions():
     fill(idx, ns, [1, 2])
     fill(idx, ns, [3])
     assert seen == [("insert", [h(1), h(2)]), ("evict", [h(1)]), ("insert", [h(3)])]
+    idx.remove(idx.prefix(ns, [h(2)], touch=False))  # told to go (an operator's cleanup)
+    assert seen[-1] == ("remove", [h(2)])
 
 
 class RejectAll:
@@ -481,7 +483,7 @@ def test_clear_drops_a_namespace_and_frees_pinned_and_pending_pages_when_they_ar
 
     hashes, busy = idx.clear(a)
     assert sorted(hashes) == [h(1), h(2), h(3)] and busy == 2  # one pinned, one pending
-    assert ("evict", "a", 3) in [(str(op), n, k) for op, n, k in events]
+    assert [(str(op), n, k) for op, n, k in events] == [("remove", "a", 3)], "a reset is no eviction"
     assert idx.prefix(a, [h(1)]) == [] and idx.get(a, h(2)) is None
     assert [x.hash for x in idx.prefix(b, [h(1)])] == [h(1)], "other namespaces keep their blocks"
     assert idx.alloc.used_bytes == used - 2 * 4096, "unpinned pages are free at once"

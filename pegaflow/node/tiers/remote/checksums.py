@@ -89,7 +89,7 @@ class PageChecksums:
 
     # ---- the node's loop ----------------------------------------------------------------------
     def _on_index_event(self, op: IndexEvent, ns: Namespace, hashes: list[bytes]) -> None:
-        if op is IndexEvent.EVICT:
+        if op is IndexEvent.EVICT or op is IndexEvent.REMOVE:
             pop = self._sums.pop
             nid = ns.id
             for h in hashes:
