@@ -107,3 +107,26 @@ def test_query_prefix_answers_the_tier_a_publisher_published(redis_server: Redis
         wait_until(lambda: answer() == ((6, 4),), 10, "tier change and SSD eviction applied")
     finally:
         pub.stop()
+
+
+def test_rebuild_keeps_the_tiers_of_the_streams(redis_server: RedisServer) -> None:
+    from pegaflow.meta.rebuild import rebuild
+
+    r = connect(redis_server.url)
+    ns2 = "tiers-rebuild|fp16|bs16|tp1"
+    l1, ssd = H[10:14], H[14:18]
+    pub = EventPublisher(r, "rb", "h:2", lambda: [(ns2, l1), (ns2, ssd, Tier.SSD)], flush_interval=0.01)
+    pub.start(wait=5)
+    c = Consumer(r, Index(r), "c-rb")
+    try:
+        pub.on_tier(ns2, l1[:1], Tier.SSD)  # a later tier change, after the snapshot
+        assert pub.wait_idle(5)
+        assert c.wait_caught_up(10)
+        live = Index(r).holder_tiers(ns2, l1 + ssd)
+        assert [next(iter(x.values())) for x in live] == [Tier.SSD] + [Tier.L1] * 3 + [Tier.SSD] * 4
+        Index(r).clear([ns_tag(ns2)])  # damage: the rebuild must bring the tiers back
+        c.release_all()  # as a stopped replica does: the rebuild waits for no lease
+        rebuild(r, wait_leases=5)
+        assert Index(r).holder_tiers(ns2, l1 + ssd) == live
+    finally:
+        pub.stop()
