@@ -244,3 +244,31 @@ def test_plot_without_matplotlib_names_the_extra_before_replaying(tmp_path, monk
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "pegaflow[plot]" in err[0] and "matplotlib" in err[0]
     assert not png.exists()
+
+
+def test_routes_side_by_side_report_load_per_route(tmp_path):
+    """--route round-robin,kv-aware runs each route; every run carries its imbalance and delays."""
+    import json as _json
+
+    # Two-turn conversations behind one shared prefix: the second turn extends the first.
+    turns = [[1, 2, 100 + k // 2] + ([5000 + k // 2] if k % 2 else []) for k in range(400)]
+    lines = [_json.dumps({"timestamp": 100 * k, "input_length": 512 * len(ids), "output_length": 1,
+                          "hash_ids": ids}) for k, ids in enumerate(turns)]
+    path = tmp_path / "hot.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "pegaflow.cli", "replay", str(path), "--instances", "4", "--pools", "isolated",
+         "--route", "round-robin,kv-aware", "--sweep", "none", "--l1-capacity", "inf", "--json", "--quiet"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    runs = {r["scenario"]["route"]: r for r in _json.loads(out.stdout)["runs"]}
+    assert set(runs) == {"round-robin", "kv-aware"}
+    assert runs["round-robin"]["imbalance"] == 1.0
+    assert 1.0 <= runs["kv-aware"]["imbalance"] <= 1.25 + 0.05
+    assert runs["kv-aware"]["hit_blocks"] > runs["round-robin"]["hit_blocks"]
+    for r in runs.values():
+        assert r["delay_p99_s"] >= r["delay_mean_s"] >= 0.0
+    bad = subprocess.run([sys.executable, "-m", "pegaflow.cli", "replay", str(path), "--route", "kv-aware,field:a,field:b"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "field" in bad.stderr
