@@ -60,7 +60,7 @@ class TierCosts:
 class BoundedLoadKV:
     """The kv-aware choice among ``n`` candidates given in a stable order (see the module)."""
 
-    __slots__ = ("load_bound", "costs", "_turn")
+    __slots__ = ("load_bound", "costs", "_turn", "redirected", "last_redirected")
 
     def __init__(self, load_bound: float = DEFAULT_LOAD_BOUND, costs: TierCosts | None = None) -> None:
         if not load_bound >= 0:
@@ -68,6 +68,8 @@ class BoundedLoadKV:
         self.load_bound = load_bound
         self.costs = costs or TierCosts()
         self._turn = 0
+        self.redirected = 0  # choices the bound moved off the engine that saves the most
+        self.last_redirected = False
 
     def cap(self, loads: Sequence[float]) -> float:
         """Loads strictly below this may be chosen for their prefix."""
@@ -81,13 +83,19 @@ class BoundedLoadKV:
             raise ValueError("choose needs one load and one saving per candidate, and a candidate")
         k = self._turn % n
         cap = self.cap(loads)
-        best, best_saved = -1, -1.0
+        best, best_saved, top = -1, -1.0, -1.0
         for j in range(n):
             i = k + j
             if i >= n:
                 i -= n
-            if loads[i] < cap and saved[i] > best_saved:
-                best, best_saved = i, saved[i]
+            v = saved[i]
+            if v > top:
+                top = v
+            if loads[i] < cap and v > best_saved:
+                best, best_saved = i, v
+        self.last_redirected = top > best_saved
+        if self.last_redirected:
+            self.redirected += 1
         self._turn = best + 1  # the next scan starts after the one chosen: equals take turns
         return best
 

@@ -66,6 +66,7 @@ class RunResult:
     imbalance_max: float = 1.0  # the worst minute's
     delay_mean: float = 0.0  # queueing delay, seconds
     delay_p99: float = 0.0
+    load_redirects: int = 0  # kv-aware: requests the load bound sent off the pool that saves the most
 
     @property
     def hit_rate(self) -> float:
@@ -116,6 +117,7 @@ class RunResult:
             "imbalance_max": self.imbalance_max,
             "delay_mean_s": self.delay_mean,
             "delay_p99_s": self.delay_p99,
+            "load_redirects": self.load_redirects,
             "namespaces": {
                 name: {"blocks": n, "hit_blocks": hit, "hit_rate": hit / n if n else 0.0}
                 for name, (n, hit) in self.namespaces.items()
@@ -152,6 +154,7 @@ def replay(trace: Trace, scenario: Scenario, progress: Progress | None = None) -
         acc[0] += len(r.hashes)
         acc[1] += hit
     load_report(trace, res, cluster.instances)
+    res.load_redirects = cluster.policy.redirected
     res.evictions = cluster.counter("evictions")
     res.ssd_evictions = cluster.counter("evictions", "ssd")
     res.admission_rejections = cluster.counter("admission_rejections")

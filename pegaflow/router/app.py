@@ -90,6 +90,11 @@ class RouterMetrics:
         self.hint_fallbacks = Counter("pegaflow_router_hint_fallbacks_total", "kv-aware requests routed by load "
                                       "alone, by why (unavailable, timeout, no_tokens, no_pegaflow).", ["reason"],
                                       registry=r)
+        self.load_redirects = Counter("pegaflow_router_load_redirects_total", "kv-aware requests the load bound "
+                                      "sent away from the engine whose node saves the most prefill.", registry=r)
+        self.engine_load = Gauge("pegaflow_router_engine_load", "kv-aware: each engine's load as the last choice "
+                                 "saw it (max of requests in flight and routed in --load-window).", ["engine"],
+                                 registry=r)
         self.prefill_seconds = Histogram("pegaflow_router_prefill_seconds", "Disaggregated requests: the "
                                          "prefill half.", registry=r,
                                          buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
@@ -284,6 +289,11 @@ class Router:
         d = self.policy.choose([e.candidate(*(prefixes or {}).get(e.url, (0, 0, 0))) for e in engines],
                                len(tokens or ()), use_prefixes=prefixes is not None)
         self.metrics.route_seconds.observe(time.perf_counter() - t0)
+        if self.policy.wants_prefixes:
+            if self.policy.kv.last_redirected:
+                self.metrics.load_redirects.inc()
+            for url, load in self.policy.last_loads.items():
+                self.metrics.engine_load.labels(url).set(load)
         if tokens:
             self.metrics.prompt_tokens.inc(len(tokens))
             self.metrics.prefix_tokens.inc(d.prefix_tokens)

@@ -64,6 +64,7 @@ class Policy:
         self.name = name
         self.kv = BoundedLoadKV(load_bound, costs)
         self.recent = RecentLoad(load_window)
+        self.last_loads: dict[str, int] = {}  # kv-aware: the loads the last choice saw, per engine
         self._turn = 0
 
     @property
@@ -97,6 +98,7 @@ class Policy:
             loads = self.recent.loads(urls, [c.load for c in ordered], now)
             saved = [self.saved(c, prompt_tokens) if use_prefixes else 0.0 for c in ordered]
             i = self.kv.choose(loads, saved)
+            self.last_loads = dict(zip(urls, loads, strict=True))
             self.recent.routed(urls[i], now)
             c = ordered[i]
             return Decision(c.url, c.prefix_tokens if use_prefixes else 0, max(0.0, prompt_tokens - saved[i]))

@@ -79,6 +79,11 @@ def test_kv_aware_sends_a_prefix_to_the_engine_whose_node_holds_it(logs: Path, t
         # Predicted hit: every loadable block (never the last token's) of every request.
         assert router.metric("pegaflow_router_prefix_tokens_total") == 6 * 10 * BS
         assert router.metric("pegaflow_router_hint_fallbacks_total") == 0
+        # The loads the last choice saw (requests routed in the last minute), within the bound:
+        # nothing was sent away from its holder.
+        assert router.metric("pegaflow_router_engine_load", engine=ea.url) == 2
+        assert router.metric("pegaflow_router_engine_load", engine=eb.url) == 3
+        assert router.metric("pegaflow_router_load_redirects_total") == 0
         # Nothing the router asked changed the nodes: peeks take no lease and count no access.
         for n in (a, b):
             st = n.stats()

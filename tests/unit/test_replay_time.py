@@ -69,6 +69,8 @@ def test_imbalance_is_reported_per_route():
         assert len(r.request_instance) == len(r.queue_delays) == len(trace.requests)
     d = bounded.to_dict()
     assert {"imbalance", "imbalance_max", "delay_mean_s", "delay_p99_s"} <= set(d)
+    # The bound moved requests off the holder of the longest prefix; prefix alone never did.
+    assert bounded.load_redirects > 0 and unbounded.load_redirects == 0 and rr.load_redirects == 0
 
 
 def test_kv_aware_replay_runs_the_routers_decision():

@@ -30,7 +30,9 @@ def test_the_longest_allowed_prefix_wins_over_an_overloaded_longer_one():
     kv = BoundedLoadKV(0.25)
     # mean with this request (9 + 1) / 3; cap ceil(1.25 * 10 / 3) = 5: the 7-load holder is out.
     assert kv.choose([7, 1, 1], [4096.0, 1024.0, 0.0]) == 1
+    assert kv.last_redirected and kv.redirected == 1
     assert kv.choose([4, 3, 2], [4096.0, 1024.0, 0.0]) == 0  # 4 < 5: in
+    assert not kv.last_redirected and kv.redirected == 1
 
 
 def test_fractional_loads_are_bounded_too():
