@@ -80,3 +80,38 @@ def test_kv_aware_replay_runs_the_routers_decision():
     # One shared pool: every instance holds the same, so the bound and the turn decide.
     shared = replay(trace, scenario(KV_AWARE, 0.25, SHARED))
     assert shared.imbalance <= 1.25 + 0.1
+
+
+def test_the_routers_policy_and_replay_choose_alike():
+    """The live router's Policy, given what replay's pools hold, picks replay's instance for
+    every request (one decision code; loads from the same window at the same times)."""
+    from pegaflow.router.routing import KV_AWARE as POLICY_KV
+    from pegaflow.router.routing import Candidate, Policy
+
+    # conversations of 2-3 turns behind two system prompts, 5 requests a second
+    lines, k = [], 0
+    for conv in range(150):
+        ids = [1, 2] if conv % 3 else [3, 4, 5]
+        for _ in range(2 + conv % 2):
+            ids = ids + [1000 + k]
+            lines.append(line(200 * k, ids))
+            k += 1
+    trace = read_trace(lines)
+    tm = TimeModel(prefill_us_per_token=0.0, decode_s=0.0, load_bound=0.15, load_window=20)
+    sc = Scenario(Capacity.parse("60blocks"), instances=4, pools=ISOLATED, route=KV_AWARE, time=tm)
+    got = replay(trace, sc).request_instance
+
+    mirror = Cluster(sc, trace.unique, trace.namespaces)
+    policy = Policy(POLICY_KV, tm.load_bound, tm.load_window)
+    urls = [f"http://e{i}" for i in range(4)]
+    chosen = []
+    for r in trace.requests:
+        held = [len(p.l1.index.prefix(p.l1.ns[r.namespace], r.hashes, touch=False)) * r.block_tokens
+                for p in mirror.pools]
+        d = policy.choose([Candidate(u, prefix_tokens=h) for u, h in zip(urls, held, strict=True)], r.tokens,
+                          now=r.time)
+        i = urls.index(d.url)
+        chosen.append(i)
+        mirror.pools[i].serve(r.namespace, r.hashes, r.saved)
+    assert chosen == got
+    assert len(set(got)) == 4 and policy.kv.redirected > 0  # the bound was in play
