@@ -717,9 +717,10 @@ OPTIONS: list[Option] = [
     ),
     Option(
         "ceiling-windows",
-        "15m,1h,24h",
+        "15m,1h,1d",
         "Rolling windows (comma-separated durations: s/m/h/d) over which the hit-rate ceiling "
-        "r* = (N - U) / N is estimated and exported beside the measured hit rate.",
+        "r* = (N - U) / N is estimated and exported beside the measured hit rate. Each window's "
+        "label is written in its largest exact unit, as the original's (24h and 1d: window=\"1d\").",
         parse_windows,
         commands=(NODE, META, REPLAY),
         metavar="DURATIONS",

@@ -1,4 +1,4 @@
-"""Durations as operators type them: ``90s``, ``15m``, ``1h``, ``24h``, ``7d``, ``300``."""
+"""Durations as operators type them: ``90s``, ``15m``, ``1h``, ``1d``, ``7d``, ``300``."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def parse_duration(text: str | float | int) -> float:
     else:
         m = _DURATION_RE.match(text)
         if not m:
-            raise ValueError(f"invalid duration {text!r} (expected e.g. 90s, 15m, 1h, 24h)")
+            raise ValueError(f"invalid duration {text!r} (expected e.g. 90s, 15m, 1h, 1d)")
         number, unit = m.groups()
         mult = _UNITS.get(unit.lower())
         if mult is None:
@@ -27,13 +27,13 @@ def parse_duration(text: str | float | int) -> float:
 
 
 def parse_windows(text: str) -> tuple[float, ...]:
-    """A comma-separated list of distinct durations, e.g. ``15m,1h,24h`` → ``(900.0, 3600.0, 86400.0)``.
+    """A comma-separated list of distinct durations, e.g. ``15m,1h,1d`` → ``(900.0, 3600.0, 86400.0)``.
 
     Returned sorted, shortest first; a repeated window is an error (it is surely a typo).
     """
     parts = [p for p in (x.strip() for x in text.split(",")) if p]
     if not parts:
-        raise ValueError("expected at least one window, e.g. 15m,1h,24h")
+        raise ValueError("expected at least one window, e.g. 15m,1h,1d")
     windows = sorted(parse_duration(p) for p in parts)
     if len(set(windows)) != len(windows):
         raise ValueError(f"repeated window in {text!r}")
@@ -41,10 +41,10 @@ def parse_windows(text: str) -> tuple[float, ...]:
 
 
 def format_duration(seconds: float) -> str:
-    """The shortest exact label: 900 → ``15m``, 86400 → ``24h`` (hours are kept below 2 days)."""
+    """A window's label, as the original renders ``--metric-hll-windows``: in the largest unit
+    that divides it exactly (900 → ``15m``, 60m → ``1h``, 24h → ``1d``, 36h → ``36h``), so a
+    dashboard's ``window="1d"`` finds the same series whichever way the window was typed."""
     for unit, mult in (("d", 86400.0), ("h", 3600.0), ("m", 60.0)):
-        if unit == "d" and seconds < 2 * 86400:
-            continue
         if seconds >= mult and seconds % mult == 0:
             return f"{int(seconds // mult)}{unit}"
     return f"{seconds:g}s"

@@ -271,7 +271,7 @@ class CeilingEstimator:
 
     @property
     def labels(self) -> tuple[str, ...]:
-        """Window labels in order, e.g. ``("15m", "1h", "24h")``."""
+        """Window labels in order, e.g. ``("15m", "1h", "1d")``."""
         return tuple(format_duration(w) for w in self.windows)
 
     def stats(self, window: float | str, now: float | None = None) -> WindowStats:

@@ -94,7 +94,7 @@ def test_metaserver_union_ceiling_equals_the_combined_stream(node_factory, redis
 
         wait_until(meta_sees_both, 30, "the metaserver to unite both nodes' sketches", every=0.3)
         m = scrape(meta_http)
-        for w in ("15m", "1h", "24h"):
+        for w in ("15m", "1h", "1d"):
             assert abs(m[f'pegaflow_meta_cluster_ceiling_hit_ratio{{window="{w}"}}'] - truth) < 0.01, w
             assert m[f'pegaflow_meta_cluster_measured_hit_ratio{{window="{w}"}}'] == 1000 / 6000
             assert m[f'pegaflow_meta_cluster_hit_blocks{{window="{w}"}}'] == 1000

@@ -176,6 +176,9 @@ def test_every_dashboard_panel_returns_series_from_a_real_prometheus(
         for name, metric, label in variables:
             assert prom.label_values(metric, label), f"variable ${name}: label_values({metric}, {label}) is empty"
         assert prom.label_values("pegaflow_node_pool_capacity_bytes", "instance") == {f"127.0.0.1:{node.http_port}"}
+        # The default windows under the original's labels: its dashboards filter on window="1d".
+        for metric in ("pegaflow_node_ceiling_hit_ratio", "pegaflow_hll_estimated_hit_rate"):
+            assert prom.label_values(metric, "window") == {"15m", "1h", "1d"}, metric
     finally:
         prom.stop()
         router.stop()

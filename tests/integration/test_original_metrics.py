@@ -99,7 +99,7 @@ def test_a_live_node_and_metaserver_serve_the_originals_names(node_factory, redi
         same("pegaflow_pool_alloc_failures_total", "pegaflow_node_reserve_skipped_blocks_total", reason="no_space")
         same("pegaflow_cache_block_admission_rejections_total", "pegaflow_node_admission_rejections_total")
         # The ceiling per window: the same gauges under the original's names.
-        for w in ("15m", "1h", "24h"):
+        for w in ("15m", "1h", "1d"):
             assert value(s, "pegaflow_hll_total_requests", window=w) == value(
                 s, "pegaflow_node_window_requested_blocks", window=w)
             assert value(s, "pegaflow_hll_cardinality", window=w) == value(

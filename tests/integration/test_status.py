@@ -63,7 +63,7 @@ def test_json_reports_what_the_node_did(node_factory, tmp_path: Path) -> None:  
                                  for t in ("l1", "ssd", "remote", "miss")}
         # every window saw that one request: N = 10, 8 hits; the ceiling of 10 distinct blocks is 0
         assert [(w["requested_blocks"], w["hit_blocks"], w["hit_ratio"]) for w in s["windows"]] == [(10, 8, 0.8)] * 3
-        assert [w["window"] for w in s["windows"]] == ["15m", "1h", "24h"]
+        assert [w["window"] for w in s["windows"]] == ["15m", "1h", "1d"]
         assert all(w["ceiling_ratio"] == 0.0 for w in s["windows"])
         pool = s["pool"]
         assert (pool["capacity_bytes"], pool["prefaulted_bytes"]) == (4 << 20, 4 << 20)

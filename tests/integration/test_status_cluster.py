@@ -53,7 +53,7 @@ def test_cluster_view_lists_every_node_and_survives_a_dead_one(node_factory, red
         assert (t["requested_blocks"], t["hit_blocks"]) == (4, 4)
         # the cluster's windows are the metaserver's union: the same request, its 4 distinct blocks
         assert [(w["window"], w["requested_blocks"], w["hit_blocks"], w["ceiling_ratio"])
-                for w in s["ceiling"]["windows"]] == [("15m", 4, 4, 0.0), ("1h", 4, 4, 0.0), ("24h", 4, 4, 0.0)]
+                for w in s["ceiling"]["windows"]] == [("15m", 4, 4, 0.0), ("1h", 4, 4, 0.0), ("1d", 4, 4, 0.0)]
 
         r = status("--metaserver", metaserver)
         assert r.returncode == 0, r.stderr

@@ -97,7 +97,7 @@ def test_old_batches_are_dropped_not_misfiled() -> None:
 
 def test_all_windows_together_fit_in_one_mebibyte() -> None:
     clock = FakeClock(0.0)
-    est = CeilingEstimator(clock=clock)  # 15m, 1h, 24h x 10 buckets, lg_k 16
+    est = CeilingEstimator(clock=clock)  # 15m, 1h, 1d x 10 buckets, lg_k 16
     assert est.lg_k == 16
     end = 86_400.0 * 3
     times = sorted(
@@ -186,7 +186,7 @@ def test_observe_validates_hits_and_reads_validate_windows() -> None:
         est.observe([1, 2], hits=3)
     with pytest.raises(KeyError):
         est.ceiling("5m")
-    assert est.labels == ("15m", "1h", "24h")
+    assert est.labels == ("15m", "1h", "1d")
     assert est.ceiling("15m") == est.ceiling(900) == 0.0
 
 
@@ -209,14 +209,16 @@ def test_durations() -> None:
     assert parse_windows("15m,1h,24h") == (900.0, 3600.0, 86400.0)
     assert parse_windows(" 1h , 90s ") == (90.0, 3600.0)
     assert parse_duration("300") == 300.0 and parse_duration("1.5h") == 5400.0
-    assert [format_duration(w) for w in (90, 900, 3600, 86400, 7 * 86400, 1.5)] == [
+    assert [format_duration(w) for w in (90, 900, 3600, 86400, 36 * 3600, 7 * 86400, 1.5)] == [
         "90s",
         "15m",
         "1h",
-        "24h",
+        "1d",  # the original's label (its default window is 1d)
+        "36h",
         "7d",
         "1.5s",
     ]
+    assert [format_duration(w) for w in parse_windows("15m,60m,24h")] == ["15m", "1h", "1d"]  # as the original
     for bad in ("", "15x", "0m", "1h,60m", "-5s"):
         with pytest.raises(ValueError):
             parse_windows(bad)
