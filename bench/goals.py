@@ -43,6 +43,8 @@ RUNS: tuple[Run, ...] = (
     Run("node", "node.py", ("--rounds", "5", "--inflight", "1")),  # the issue's own command
     Run("pool", "pool.py", ("--pool-gb", "4")),
     Run("spill", "spill.py", ("--seconds", "12")),
+    Run("dataplane", "dataplane.py", ("--seconds", "12", "--rounds", "2")),
+    Run("saturation", "saturation.py", ("--level-seconds", "3", "--half-seconds", "5", "--start-rate", "4")),
     Run("p2p", "p2p.py", ("--rounds", "3", "--latency-rounds", "2"), root=True),
     Run("meta", "meta.py", ("--standalone-only", "--queries", "2000")),
     Run("ssd", "ssd.py", ("--size", "1gb", "--repeat", "2", "--engines", "uring")),
@@ -75,6 +77,19 @@ GOALS: tuple[Goal, ...] = (
     # Query latency over the local socket while the SSD tier spills and the pool evicts.
     Goal("spill", "Query p99 while spilling + evicting", "loaded_query_p99_us", "µs", "idle_query_p99_us",
          "same node idle", 2000, on="value", higher_is_better=False),
+    # The data path with all the node's background work (SSD write-behind, L1 eviction, event
+    # publishing to Redis, /metrics scrapers, Stats, the ceiling) on against all of it off, the
+    # engines' calls the same (bench/dataplane.py).
+    Goal("dataplane", "Query p99, background on / off", "query_p99_us_background_on", "µs",
+         "query_p99_us_background_off", "background off, same run", 1.25, higher_is_better=False),
+    Goal("dataplane", "Query p999, background on / off", "query_p999_us_background_on", "µs",
+         "query_p999_us_background_off", "background off, same run", 2.0, higher_is_better=False),
+    # A full host's engines: 8 clients with the connector's calls and copies, at 50% of the rate
+    # that saturates the node (bench/saturation.py); the slowest call's p99.
+    Goal("saturation", "slowest call's p99 at 50% of saturation, 8 engines, 256 KiB pages",
+         "256k.half_p99_us_max", "µs", None, "", 1000, on="value", higher_is_better=False),
+    Goal("saturation", "slowest call's p99 at 50% of saturation, 8 engines, 2 MiB pages",
+         "2048k.half_p99_us_max", "µs", None, "", 1000, on="value", higher_is_better=False),
     # Remote reads.
     Goal("p2p", "peer pull, median of rounds (ratio: median of per-round ratios)", "pull_gbps_median", "GB/s",
          "iperf3_gbps_median", "iperf3, same link", 0.85, ratio="ratio_median"),

@@ -1,0 +1,144 @@
+"""One node, a full host's engines: 8 engine clients at increasing rates until it saturates.
+
+    python bench/saturation.py [--engines 8] [--level-seconds 4] [--pages 256,2048] [--summary F]
+
+Each engine client (bench.dataplane's engine worker, its own process, over the node's
+local socket) issues per request the connector's calls: a Query with a lease of a 64-block
+prefix all clients share (saved at start; resident: every request touches it), a Reserve of
+64 new blocks, the real page copy into the pool (``pegaflow.client.save_pages`` from a paged torch KV
+cache), the Commit, and the Release of the lease. Open loop: each client starts request n
+at ``n / rate``, or at once when it is behind.
+
+Per page size (64-block requests of 256 KiB and of 2 MiB pages), the per-client rate
+doubles from ``--start-rate`` until the clients together achieve less than 90% of the
+target rate (or the last level). The saturation throughput is the most any level achieved:
+requests/s, RPCs/s (4 per request) and GB/s of pages saved through the pool. Then one more
+level at 50% of it: p99 of each call there (client side, each call alone). The pool holds
+every client's prefix with room for churn; no SSD tier. The node's CPU (cores) at each
+level says whether the node or the host's CPUs (the clients' copies) saturated first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench.common import cpu_seconds  # noqa: E402
+from bench.dataplane import BLOCKS, CALLS, Engines, merge, percentiles  # noqa: E402
+from tests.conftest import NodeProcess  # noqa: E402
+
+SATURATED = 0.9  # achieved / target below this: the level is past saturation
+LAYERS = {256: 4, 2048: 16}  # pages gathered from this many layers, as bench/node.py
+
+
+def level(eng: Engines, node: NodeProcess, ns: str, rate: float, seconds: float) -> dict:
+    at = eng.start(ns, rate, seconds, save_every=1, copy=True)
+    time.sleep(max(0.0, at - time.time()))
+    cpu0, t0 = cpu_seconds(node.proc.pid), time.monotonic()
+    res = eng.results()
+    took = time.monotonic() - t0
+    node_cores = (cpu_seconds(node.proc.pid) - cpu0) / took
+    lat = merge(res)
+    done = sum(r["requests"] for r in res)
+    per_s = done / max(seconds, *(r["seconds"] for r in res))  # every request was due within ``seconds``
+    return {"rate_per_client": rate, "target_per_s": rate * eng.count, "requests_per_s": per_s,
+            "node_cores": node_cores, "misses": sum(r["misses"] for r in res),
+            "calls": {k: percentiles(v) for k, v in lat.items()}}
+
+
+def ramp(eng: Engines, node: NodeProcess, page_kib: int, args: argparse.Namespace) -> dict:
+    """Double the rate until saturated, then measure at 50% of the most achieved."""
+    ns = f"sat-{page_kib}k"
+    request_bytes = BLOCKS * (page_kib << 10)
+    # Warm-up (not timed): first copies, kernel choice, and the shared prefix saved again
+    # (the previous page size's rounds evicted it).
+    eng.start(ns, 1.0, 1.0, save_every=1, copy=True, delay=1.0)
+    eng.results()
+    levels = []
+    rate = args.start_rate
+    for _ in range(args.max_levels):
+        lv = level(eng, node, ns, rate, args.level_seconds)
+        levels.append(lv)
+        print(f"{page_kib} KiB: target {lv['target_per_s']:.0f} requests/s, achieved "
+              f"{lv['requests_per_s']:.1f}, node {lv['node_cores']:.2f} cores, Query p99 "
+              f"{lv['calls']['query']['p99']:.0f} µs", flush=True)
+        if lv["requests_per_s"] < SATURATED * lv["target_per_s"]:
+            break
+        rate *= 2
+    sat = max(lv["requests_per_s"] for lv in levels)
+    half = level(eng, node, ns, sat / 2 / args.engines, args.half_seconds)
+    print(f"{page_kib} KiB at 50%: {half['requests_per_s']:.1f} requests/s, p99 µs " +
+          ", ".join(f"{k} {half['calls'][k]['p99']:.0f}" for k in CALLS), flush=True)
+    return {
+        "page_kib": page_kib,
+        # False: the last level still kept up (more --max-levels)
+        "saturated": levels[-1]["requests_per_s"] < SATURATED * levels[-1]["target_per_s"],
+        "saturation_requests_per_s": sat,
+        "saturation_rpcs_per_s": sat * len(CALLS),
+        "saturation_gbps": sat * request_bytes / 1e9,
+        "half": half,
+        "half_p99_us": {k: half["calls"][k]["p99"] for k in CALLS},
+        "half_p99_us_max": max(half["calls"][k]["p99"] for k in CALLS),
+        "levels": levels,
+        "misses": sum(lv["misses"] for lv in levels) + half["misses"],
+    }
+
+
+def run(pages: list[int], args: argparse.Namespace, tmp: Path) -> list[dict]:
+    """One node, one set of engine clients (each registers a namespace per page size)."""
+    biggest = BLOCKS * (max(pages) << 10)
+    # Every namespace's shared prefix, each client's reservation in flight, and as much again
+    # for the LRU churn (one namespace runs at a time).
+    pool_mb = (BLOCKS * sum(p << 10 for p in pages) + 2 * args.engines * biggest) >> 20
+    node = NodeProcess(tmp, pool_size=f"{pool_mb}mb", extra=["--log-level", "warning"])
+    node.start(timeout=120)
+    try:
+        spaces = [(f"sat-{p}k", p, LAYERS.get(p, 4)) for p in pages]
+        with Engines(node.addr, args.engines, spaces, tmp / "engines.log") as eng:
+            return [ramp(eng, node, p, args) for p in pages]
+    finally:
+        node.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engines", type=int, default=8)
+    ap.add_argument("--pages", default="256,2048", help="page sizes in KiB, comma-separated")
+    ap.add_argument("--start-rate", type=float, default=1.0, help="first level's requests/s per client")
+    ap.add_argument("--level-seconds", type=float, default=4.0)
+    ap.add_argument("--half-seconds", type=float, default=8.0, help="the level at 50%% of saturation")
+    ap.add_argument("--max-levels", type=int, default=10)
+    ap.add_argument("--summary", type=Path, help="write the figures as JSON (python -m bench)")
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="pf-bench-saturation-"))
+    rows = run([int(p) for p in args.pages.split(",") if p], args, tmp)
+    res: dict = {"engines": args.engines, "cpus": os.cpu_count(), "load_average_1m": os.getloadavg()[0]}
+    for r in rows:
+        tag = f"{r['page_kib']}k"
+        res[tag] = {k: v for k, v in r.items() if k != "levels"}
+        res[tag]["levels"] = [{k: v for k, v in lv.items() if k != "calls"} | {"query_p99_us": lv["calls"]["query"]["p99"]}
+                              for lv in r["levels"]]
+    print(f"\n# One node, {args.engines} engine clients (Query+lease, Reserve, copy, Commit, Release per 64-block "
+          f"request; {os.cpu_count()} cores)")
+    print("| page | saturation requests/s | RPCs/s | GB/s saved | reached | at 50%: " +
+          " | ".join(f"{k} p99 µs" for k in CALLS) + " |")
+    print("|---|---|---|---|---|" + "---|" * len(CALLS))
+    for r in rows:
+        print(f"| {r['page_kib']} KiB | {r['saturation_requests_per_s']:.1f} | {r['saturation_rpcs_per_s']:.0f} | "
+              f"{r['saturation_gbps']:.2f} | {'yes' if r['saturated'] else 'no (last level kept up)'} | "
+              + " | ".join(f"{r['half_p99_us'][k]:.0f}" for k in CALLS) + " |")
+    if args.summary:
+        args.summary.write_text(json.dumps(res))
+    if any(r["misses"] for r in rows):
+        raise SystemExit("saturation: a client's prefix was evicted (Query missed); the pool is too small")
+
+
+if __name__ == "__main__":
+    main()
