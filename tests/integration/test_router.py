@@ -94,6 +94,33 @@ def test_kv_aware_sends_a_prefix_to_the_engine_whose_node_holds_it(logs: Path, t
         eb.stop()
 
 
+def test_kv_aware_bounds_the_holders_share_of_a_popular_prefix(logs: Path, two_nodes: list[NodeDaemon]) -> None:
+    """Every request shares one prefix, held by b's node: routing by prefix alone would send b
+    all of them; the bound (--load-bound 0.15, requests in the last minute) gives b at most
+    ceil(1.15 x (routed + 1) / 2) at each choice, and the overflow goes to a."""
+    a, b = two_nodes
+    ea = FakeEngine(logs, "bound-a", "--node", "node-a", "--node-addr", a.addr, "--block-size", str(BS))
+    eb = FakeEngine(logs, "bound-b", "--node", "node-b", "--node-addr", b.addr, "--block-size", str(BS))
+    router = RouterProc(logs, "--engine", ea.url, eb.url, "--policy", "kv-aware", "--hint-timeout", "2",
+                        "--load-bound", "0.15", name="router-bound")
+    try:
+        popular = tokens(7)
+        assert store(b, popular) == 10
+        to_b = 0
+        for k in range(20):
+            r = router.post("/v1/completions", completion(popular))
+            assert r.status_code == 200, r.text
+            to_b += r.headers["x-pegaflow-engine"] == eb.url
+            assert to_b <= -(-1.15 * (k + 1) // 2) + 1  # the cap at this choice, this request counted
+        assert 10 <= to_b <= 12 and len(ea.served()) == 20 - to_b
+        assert router.metric("pegaflow_router_load_redirects_total") >= 1
+        assert router.metric("pegaflow_router_hint_fallbacks_total") == 0
+    finally:
+        router.stop()
+        ea.stop()
+        eb.stop()
+
+
 def test_round_robin_ignores_the_prefix(logs: Path, two_nodes: list[NodeDaemon]) -> None:
     a, b = two_nodes
     ea = FakeEngine(logs, "rr-a", "--node", "node-a", "--node-addr", a.addr, "--block-size", str(BS))
