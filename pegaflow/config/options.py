@@ -781,15 +781,6 @@ OPTIONS: list[Option] = [
         commands=(REPLAY,),
     ),
     Option(
-        "l1-capacity",
-        "25%",
-        "L1 (DRAM) capacity of the cluster: bytes (500gb), blocks (20000blocks), a percentage of "
-        "the trace's distinct blocks (25%), or inf.",
-        parse_capacity,
-        commands=(REPLAY,),
-        metavar="SIZE",
-    ),
-    Option(
         "namespace-field",
         "",
         "Mooncake traces: the top-level field whose value is each request's namespace (e.g. model), "
@@ -797,6 +788,15 @@ OPTIONS: list[Option] = [
         "The node's query trace carries its namespace.",
         commands=(REPLAY,),
         metavar="NAME",
+    ),
+    Option(
+        "l1-capacity",
+        "25%",
+        "L1 (DRAM) capacity of the cluster: bytes (500gb), blocks (20000blocks), a percentage of "
+        "the trace's distinct blocks (25%), or inf.",
+        parse_capacity,
+        commands=(REPLAY,),
+        metavar="SIZE",
     ),
     Option(
         "ssd-capacity",
