@@ -344,7 +344,8 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
             )
         else:
             rank = _tp_rank(vllm_config)
-            self._worker = WorkerSide(ident, rank, lambda ns: NodeLink(addr, ns, f"{instance}:{rank}"),
+            self._worker = WorkerSide(ident, rank,
+                                      lambda ns, pci: NodeLink(addr, ns, f"{instance}:{rank}", pci_bus_id=pci),
                                       kv_groups=kv_groups, state_groups=state_groups)
 
     # A best-effort cache: a dropped save is a future miss, not lost data.

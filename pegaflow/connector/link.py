@@ -119,10 +119,12 @@ class NodeLink:
         client_factory: Callable[[str, str], Any] = _default_client_factory,
         unavailable: tuple[type[BaseException], ...] | None = None,
         rejected: tuple[type[BaseException], ...] | None = None,
+        pci_bus_id: str = "",
     ) -> None:
         self.addr = addr
         self.namespaces = dict(namespaces)
         self.instance_id = instance_id
+        self.pci_bus_id = pci_bus_id  # this rank's GPU (worker.pci_bus_id), set on every client it registers
         self._factory = client_factory
         if unavailable is None or rejected is None:
             na, ne = _client_errors()
@@ -215,6 +217,8 @@ class NodeLink:
         with self._lock:
             if self._client is None:
                 self._client = self._factory(self.addr, self.instance_id)
+                if self.pci_bus_id:
+                    self._client.pci_bus_id = self.pci_bus_id  # sent at Register (NUMA placement)
             client = self._client
             try:
                 client.register(self.namespaces)

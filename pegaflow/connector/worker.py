@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -54,8 +54,28 @@ def stream_for(device: torch.device) -> CopyStream:
     return Immediate()
 
 
+def pci_bus_id(device: torch.device, properties: Callable[[torch.device], Any] | None = None) -> str:
+    """The PCI address of a CUDA ``device`` as sysfs names it (``0000:3b:00.0``), sent at
+    Register so the node hands this rank pages from its GPU's NUMA node; "" for any other
+    device (a CPU engine has no GPU) or a torch that does not say. ``properties``: the
+    device's properties (default ``torch.cuda.get_device_properties``), whose PCI domain, bus
+    and device numbers make the address, function 0, as ``torch.numa`` reads them."""
+    if device.type != "cuda":
+        return ""
+    try:
+        p = (properties or torch.cuda.get_device_properties)(device)
+        return f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
+    except (AttributeError, RuntimeError, TypeError, ValueError) as exc:
+        logger.info("PegaFlow: no PCI address for %s (%s); the node places this rank's pages by its CPUs",
+                    device, exc)
+        return ""
+
+
 class WorkerSide:
-    """One TP rank's copy engine; see the module docstring for the contract."""
+    """One TP rank's copy engine; see the module docstring for the contract.
+
+    ``link_factory(pages, pci_bus_id)`` registers this rank's namespaces (``pages``: namespace
+    -> page bytes) with the node, telling it the PCI address of the rank's GPU ("" on CPU)."""
 
     def __init__(self, identity: KVIdentity, tp_rank: int, link_factory: Any, kv_groups: int = 1,
                  state_groups: frozenset[int] = frozenset(), stream: CopyStream | None = None) -> None:
@@ -118,7 +138,7 @@ class WorkerSide:
         pages = {self.namespace: layout.page_bytes}
         if state_layout is not None:
             pages[self.state_namespace] = state_layout.page_bytes
-        self.link = self._link_factory(pages)
+        self.link = self._link_factory(pages, pci_bus_id(layout.segments[0].device))
         # The connector's whole share of the engine's start (layout, register, map the pool);
         # bench/engine_start.py reads it from this line.
         took_ms = (time.perf_counter() - t0) * 1e3

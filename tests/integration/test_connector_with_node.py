@@ -30,7 +30,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeDaemon]:
 
 
 def engine(node: NodeDaemon, **kw: object) -> Engine:
-    return Engine(None, identity(**kw), link_factory=lambda ns: NodeLink(node.addr, ns, "test"))  # type: ignore[arg-type]
+    return Engine(None, identity(**kw), link_factory=lambda ns, pci="": NodeLink(node.addr, ns, "test", pci_bus_id=pci))  # type: ignore[arg-type]
 
 
 def committed(node: NodeDaemon, namespace: str, blocks: int) -> int:

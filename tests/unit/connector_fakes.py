@@ -72,6 +72,7 @@ class FakeNode:
         self.loading_expected = 0  # ... and the prefix will be this long once loaded
         self.loading_match = ""  # only queries of a namespace containing this (all if empty)
         self.calls: Counter[str] = Counter()
+        self.registered_pci: list[str] = []  # each Register's pci_bus_id (a CPU engine's: "")
 
     def restart(self) -> None:
         self.stored.clear()
@@ -88,6 +89,7 @@ class FakeNodeClient:
         self.node = node
         self.epoch = 0
         self.node_id = "fake-node"
+        self.pci_bus_id = ""  # as PegaClient: sent at Register
         self._pool: torch.Tensor | None = None
 
     def _check(self, what: str) -> None:
@@ -97,6 +99,7 @@ class FakeNodeClient:
 
     def register(self, namespaces: Mapping[str, int]) -> None:
         self._check("register")
+        self.node.registered_pci.append(self.pci_bus_id)
         self.node.page_bytes.update(namespaces)
         self.epoch = self.node.epoch
         self._pool = self.node.pool
@@ -167,7 +170,7 @@ class FakeNodeClient:
         pass
 
 
-def fake_link(node: FakeNode, namespaces: Mapping[str, int]) -> NodeLink:
+def fake_link(node: FakeNode, namespaces: Mapping[str, int], pci_bus_id: str = "") -> NodeLink:
     return NodeLink(
         "fake:0",
         namespaces,
@@ -175,6 +178,7 @@ def fake_link(node: FakeNode, namespaces: Mapping[str, int]) -> NodeLink:
         client_factory=lambda addr, inst: FakeNodeClient(node),
         unavailable=(FakeUnavailable,),
         rejected=(FakeRejected,),
+        pci_bus_id=pci_bus_id,
     )
 
 
@@ -213,7 +217,7 @@ class Engine:
         node: FakeNode | None,
         ident: KVIdentity,
         num_blocks: int = 64,
-        link_factory: Callable[[Mapping[str, int]], NodeLink] | None = None,
+        link_factory: Callable[..., NodeLink] | None = None,
         settings: ConnectorSettings | None = None,
         events: KVEvents | None = None,
         stream: Callable[[], Any] | None = None,
@@ -224,7 +228,7 @@ class Engine:
         self.ident = ident
         if link_factory is None:
             assert node is not None
-            link_factory = lambda ns: fake_link(node, ns)  # noqa: E731
+            link_factory = lambda ns, pci="": fake_link(node, ns, pci)  # noqa: E731
         self.sched = SchedulerSide(ident, link_factory({ns: ident.page_bytes for ns in ident.namespaces}), settings,
                                    events)
         self.workers = []

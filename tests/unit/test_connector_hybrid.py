@@ -41,7 +41,7 @@ class HybridEngine:
         self.window = window_blocks
         ns = {n: self.ident.page_bytes for n in self.ident.namespaces}
         self.sched = SchedulerSide(self.ident, fake_link(node, ns), kv_groups=2)
-        self.worker = WorkerSide(self.ident, 0, lambda ns: fake_link(node, ns), kv_groups=2)
+        self.worker = WorkerSide(self.ident, 0, lambda ns, pci: fake_link(node, ns, pci), kv_groups=2)
         self.caches = hybrid_caches(self.ident, num_blocks)
         self.worker.register_kv_caches(self.caches, num_blocks, GROUP_OF)
         self.free = list(range(num_blocks - 1, NULL_BLOCK_ID, -1))  # block 0 is the null block

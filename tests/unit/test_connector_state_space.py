@@ -53,7 +53,7 @@ class StateEngine:
         ns = {n: self.ident.page_bytes for n in self.ident.namespaces}
         ns.update({n: self.ident.state_page_bytes for n in self.ident.state_namespaces})
         self.sched = SchedulerSide(self.ident, fake_link(node, ns), kv_groups=2, state_groups=frozenset({STATE}))
-        self.worker = WorkerSide(self.ident, 0, lambda ns: fake_link(node, ns), kv_groups=2,
+        self.worker = WorkerSide(self.ident, 0, lambda ns, pci: fake_link(node, ns, pci), kv_groups=2,
                                  state_groups=frozenset({STATE}))
         self.caches = caches(self.ident, num_blocks)
         self.worker.register_kv_caches(self.caches, num_blocks, GROUP_OF)
