@@ -117,12 +117,21 @@ class PinTable:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         start = hit = len(self.index.prefix(ns, hashes, touch=False))
-        while hit < len(hashes) and ssd.promote([ns], hashes, hit) > hit:
+        inflight, on_ssd = ssd.promoter.inflight, ssd.store.entries
+        while hit < len(hashes) and loop.time() < deadline:
+            key = (ns.id, hashes[hit])
+            if key not in on_ssd and key not in inflight:
+                break  # not on SSD: serve what is resident
             delay = 0.0005
-            inflight = ssd.promoter.inflight
+            if ssd.promote([ns], hashes, hit) <= hit and key not in inflight:
+                if not inflight:
+                    break  # nothing promotes anywhere: no L1 room, or the read gate dropped it
+                # Other pins' reads fill --max-prefetch-blocks: ours start when they land.
+                await asyncio.sleep(delay)
+                continue
             while any((ns.id, h) in inflight for h in hashes[hit:]):
                 if loop.time() > deadline:
-                    return hit - start
+                    break
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 0.01)
             now = len(self.index.prefix(ns, hashes, touch=False))

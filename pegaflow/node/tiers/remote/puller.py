@@ -9,7 +9,9 @@ Contracts:
   prefix, starts the pull and returns True (answer LOADING) iff block ``hit`` is now on
   its way for every namespace of the query. It never returns True for blocks nobody is
   bringing, so LOADING always ends.
-- A pull pins the prefix on the peer, reads the pages straight into the PENDING pages
+- A pull pins the prefix on the peer (from a holder listed with blocks only on its SSD:
+  one pin per ``SSD_CHUNK_BYTES``, all in flight together, so the holder's SSD reads of
+  later chunks overlap the transfer of earlier ones), reads the pages straight into the PENDING pages
   (:class:`~pegaflow.node.tiers.remote.Transport`, in a worker thread) which verifies the
   xxh3_64 of every page against the source's, checks counts and page size, commits the good pages (visible, published as inserts by the index
   listener; their verified checksums kept in ``checksums``, so this node serves them
@@ -55,6 +57,7 @@ BACKOFF_MAX = 120.0
 META_KEY = "<metaserver>"  # backoff entry of the metaserver itself
 NEGATIVE_TTL = 0.5  # seconds a "nobody holds it" answer is reused (an engine re-Queries a waiting request)
 NEGATIVE_MAX = 65536  # remembered negative answers at most (oldest dropped first)
+SSD_CHUNK_BYTES = 16 << 20  # a pull from an SSD holder pins this much per chunk (see Puller.query)
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,10 +272,16 @@ class Puller:
                 self.inflight[b.key] = b
             held = self.index.prefix(ns, hashes[:hit], touch=False)
             self.index.pin(held)
-            pull = _Pull(ns, best, need[:k], got, time.perf_counter(), held)
-            task = asyncio.get_running_loop().create_task(self._pull(pull))
-            self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
+            # From an SSD holder, one pin per chunk, all at once: the holder promotes each
+            # chunk into its DRAM before it can send it, so chunks pipeline its SSD reads
+            # with the transfer (one pin: the whole read, then the whole transfer).
+            step = max(1, SSD_CHUNK_BYTES // ns.page_bytes) if best.ssd_blocks else k
+            t0 = time.perf_counter()
+            for j in range(0, k, step):
+                pull = _Pull(ns, best, need[j:j + step], got[j:j + step], t0, held if j == 0 else [])
+                task = asyncio.get_running_loop().create_task(self._pull(pull))
+                self.tasks.add(task)
+                task.add_done_callback(self.tasks.discard)
         return all(self._on_way(ns, h0) for ns in nss)
 
     async def _pull(self, p: _Pull) -> None:
