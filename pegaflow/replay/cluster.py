@@ -1,0 +1,209 @@
+"""A PegaFlow cluster in replay: N nodes, each with L1 + an SSD tier, pulling from peers.
+
+    python -m pegaflow.replay.cluster TRACE --nodes 3 --l1 4000blocks --ssd 16000blocks [--no-peers]
+
+What is modelled (the node's rules, ``docs/p2p.md``):
+
+- **Nodes**: each node is a :class:`~pegaflow.replay.model.Pool` (the node's own
+  ``BlockIndex`` for L1, an LRU SSD tier fed by L1's evictions or commits). Requests go
+  to nodes round-robin, or by a stable hash of a trace field (``--route field:NAME``).
+- **A request on node k** is served as the node's Query and the connector's re-Queries
+  serve it: k's L1 prefix, then k's SSD continuation (promoted into k's L1), then the
+  global index: the peer holding the longest continuation of what k lacks, in its L1 or
+  on its SSD (the index lists both tiers), L1 holders first among equals (the puller's
+  ``choose``); its blocks are pulled into k's L1 and the loop goes on from there. The
+  first block nobody holds ends the prefix: the engine computes the rest and k stores it.
+- **The serving peer** touches the L1 blocks it pins (its LRU sees the use) and promotes
+  the blocks it has only on SSD into its own L1 first (pins.py's promote-then-serve), so
+  serving peers costs them L1 room, as on the real node.
+- **The index** is exact and immediate (the real one lags the node by the publisher's
+  flush interval and the metaserver's apply, tens of milliseconds).
+
+Counted per request: hit blocks by where they came from (own L1, own SSD, a peer's L1, a
+peer's SSD) and the rest missed; ``ClusterResult.hit_rate`` is hits over block accesses,
+the measure ``bench/p2p_ssd.py``'s cluster runs and ``pegaflow replay`` report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+from pegaflow.config.capacity import Capacity, parse_capacity, route_field
+from pegaflow.core.trace import Request, Trace, TraceError, read_trace
+from pegaflow.replay.model import SSD_WRITES, SSD_WRITES_EVICTIONS, Pool, route_hash
+
+
+@dataclass
+class ClusterResult:
+    """Block counts of one cluster replay (``blocks`` = every hash of every request)."""
+
+    nodes: int
+    peers: bool
+    blocks: int = 0
+    l1: int = 0  # hits in the serving node's L1
+    ssd: int = 0  # on its own SSD
+    peer_l1: int = 0  # pulled from a peer's L1
+    peer_ssd: int = 0  # pulled from a peer that had them only on SSD
+    request_hits: list[int] = field(default_factory=list, repr=False)
+
+    @property
+    def hits(self) -> int:
+        return self.l1 + self.ssd + self.peer_l1 + self.peer_ssd
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.blocks if self.blocks else 0.0
+
+    def to_dict(self) -> dict[str, object]:
+        d = asdict(self)
+        del d["request_hits"]
+        d["hit_rate"] = self.hit_rate
+        return d
+
+
+class NodeCluster:
+    """``nodes`` pools of ``l1`` / ``ssd`` each ((amount, in blocks) as ``Capacity.blocks_or_bytes``), and peer pulls."""
+
+    def __init__(self, nodes: int, l1: tuple[int, bool], ssd: tuple[int, bool], page_bytes: dict[str, int],
+                 peers: bool = True, ssd_writes: str = SSD_WRITES_EVICTIONS) -> None:
+        if nodes < 1:
+            raise ValueError(f"nodes must be >= 1, got {nodes}")
+        self.pools = [Pool(l1, ssd, page_bytes, False, ssd_writes) for _ in range(nodes)]
+        self.peers = peers
+
+    @staticmethod
+    def _run(pool: Pool, namespace: str, rest: Sequence[bytes]) -> tuple[int, int]:
+        """(leading blocks of ``rest`` ``pool`` holds in L1 or on SSD, how many only on SSD)."""
+        l1, ns = pool.l1.index, pool.l1.ns[namespace]
+        ssd = pool.ssd
+        sidx, sns = (ssd.index, ssd.ns[namespace]) if ssd is not None else (None, None)
+        n = only = 0
+        for h in rest:
+            if l1.contains(ns, h):
+                n += 1
+            elif sidx is not None and sidx.contains(sns, h):  # type: ignore[arg-type]
+                n += 1
+                only += 1
+            else:
+                break
+        return n, only
+
+    def serve(self, k: int, namespace: str, hashes: list[bytes], saved: Sequence[bytes] = ()
+              ) -> tuple[int, int, int, int]:
+        """Serve one request on node ``k``; returns hit blocks (own L1, own SSD, peer L1, peer SSD)."""
+        me = self.pools[k]
+        l1, ns = me.l1.index, me.l1.ns[namespace]
+        n = len(hashes)
+        got = [0, 0, 0, 0]
+        pos = len(l1.prefix(ns, hashes))
+        got[0] = pos
+        fetched: list[bytes] = []  # brought into L1 from our SSD or a peer
+        while pos < n:
+            rest = hashes[pos:]
+            if me.ssd is not None:
+                s = len(me.ssd.index.prefix(me.ssd.ns[namespace], rest))
+                if s:
+                    got[1] += s
+                    fetched += rest[:s]
+                    pos += s
+                    continue
+            if not self.peers:
+                break
+            best, key = -1, (0, 0)
+            for j, p in enumerate(self.pools):
+                if j == k:
+                    continue
+                c, only = self._run(p, namespace, rest)
+                if c and (best < 0 or (c, -only) > key):
+                    best, key = j, (c, -only)
+            if best < 0:
+                break
+            c, only = key[0], -key[1]
+            self._serve_peer(self.pools[best], namespace, rest[:c])
+            got[3 if only else 2] += c
+            fetched += rest[:c]
+            pos += c
+            # L1 again: blocks a pull skipped because they were here already
+            more = len(l1.prefix(ns, hashes[pos:]))
+            got[0] += more
+            pos += more
+        computed = hashes[pos:]
+        store = fetched + computed
+        if store:
+            l1.record_access(ns, store)
+            l1.insert(ns, store)
+        if saved:
+            l1.insert(ns, list(saved))
+        me._flush_ssd()  # noqa: SLF001 - the pool's own write-behind step, as Pool.serve runs it
+        return got[0], got[1], got[2], got[3]
+
+    @staticmethod
+    def _serve_peer(p: Pool, namespace: str, blocks: list[bytes]) -> None:
+        """The peer pins ``blocks``: its L1 ones are touched, its SSD-only ones promoted first."""
+        l1, ns = p.l1.index, p.l1.ns[namespace]
+        resident = [b for h in blocks if (b := l1.get(ns, h)) is not None]
+        l1.touch(resident)
+        if len(resident) < len(blocks):
+            l1.insert(ns, [h for h in blocks if not l1.contains(ns, h)])
+            p._flush_ssd()  # noqa: SLF001
+
+
+def route(i: int, r: Request, nodes: int, by_field: bool) -> int:
+    return route_hash(r.route or "") % nodes if by_field else i % nodes
+
+
+def replay_cluster(trace: Trace, nodes: int, l1: Capacity, ssd: Capacity, *, page_bytes: int = 64 << 20,
+                   peers: bool = True, route_by: str = "round-robin",
+                   ssd_writes: str = SSD_WRITES_EVICTIONS) -> ClusterResult:
+    """Replay ``trace`` on ``nodes`` nodes with ``l1`` and ``ssd`` EACH (a percentage of the
+    trace's distinct blocks, as in ``pegaflow replay``, is of the whole trace, per node)."""
+    sizes = {name: size or page_bytes for name, size in trace.namespaces.items()}
+    c = NodeCluster(nodes, l1.blocks_or_bytes(trace.unique), ssd.blocks_or_bytes(trace.unique), sizes, peers,
+                    ssd_writes)
+    by_field = route_field(route_by) is not None
+    res = ClusterResult(nodes, peers)
+    put = res.request_hits.append
+    for i, r in enumerate(trace.requests):
+        a, b, x, y = c.serve(route(i, r, nodes, by_field), r.namespace, r.hashes, r.saved)
+        res.blocks += len(r.hashes)
+        res.l1 += a
+        res.ssd += b
+        res.peer_l1 += x
+        res.peer_ssd += y
+        put(a + b + x + y)
+    return res
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pegaflow.replay.cluster", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("trace")
+    p.add_argument("--nodes", type=int, default=3)
+    p.add_argument("--l1", type=parse_capacity, required=True, help="each node's L1: 4000blocks, 64gb or 10%% (of the trace's distinct blocks)")
+    p.add_argument("--ssd", type=parse_capacity, default=Capacity(0, "bytes"), help="each node's SSD tier")
+    p.add_argument("--no-peers", action="store_true", help="nodes never pull from each other")
+    p.add_argument("--route", default="round-robin", help="round-robin or field:NAME")
+    p.add_argument("--ssd-writes", choices=SSD_WRITES, default=SSD_WRITES_EVICTIONS)
+    p.add_argument("--block-tokens", type=int, default=512)
+    a = p.parse_args(argv)
+    if a.nodes < 1:
+        p.error("--nodes must be >= 1")
+    try:
+        with open(a.trace, encoding="utf-8") as f:
+            trace = read_trace(f, block_tokens=a.block_tokens, route_field=route_field(a.route))
+    except (OSError, TraceError) as exc:
+        print(f"error: {a.trace}: {exc}", file=sys.stderr)
+        return 2
+    for peers in ([False] if a.no_peers else [False, True]):
+        res = replay_cluster(trace, a.nodes, a.l1, a.ssd, peers=peers, route_by=a.route, ssd_writes=a.ssd_writes)
+        print(f"{a.nodes} nodes, {'peer pulls' if peers else 'no peer pulls'}: hit rate {res.hit_rate:.2%} "
+              f"(own L1 {res.l1}, own SSD {res.ssd}, peer L1 {res.peer_l1}, peer SSD {res.peer_ssd} "
+              f"of {res.blocks} blocks)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
