@@ -213,6 +213,7 @@ class Promoter:
             t.index.discard((r.block,))
             if t.store.get(r.key) is r.entry:
                 t.store.remove(r.key)
+                t.on_ssd_evicted([r.key], dropped=True)  # watchers and the cluster index: gone
             if o == "checksum":
                 m.checksum_failures.inc()
                 t.log_checksum_failure(r.entry)

@@ -183,8 +183,10 @@ class SsdTier:
         if self.block_events is not None and hashes:
             self.block_events.ssd_stored(ns, hashes)
 
-    def on_ssd_evicted(self, keys: list[tuple[int, bytes]]) -> None:
-        self.metrics.evicted.inc(len(keys))
+    def on_ssd_evicted(self, keys: list[tuple[int, bytes]], dropped: bool = False) -> None:
+        """Records gone from the SSD index: evicted, or (``dropped``) found corrupt."""
+        if not dropped:
+            self.metrics.evicted.inc(len(keys))
         if self.block_events is not None:
             by_ns: dict[int, list[bytes]] = {}
             for nid, h in keys:
