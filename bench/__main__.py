@@ -160,6 +160,12 @@ def main() -> None:
     kernels = {k: v for k, v in node.items() if k.startswith("kernels_")}
     if kernels:
         print("\ncopy kernels chosen: " + "; ".join(f"{k[8:]}: {v}" for k, v in kernels.items()))
+    sat = summaries.get("saturation") or {}
+    rows = [f"{k[:-1]} KiB pages {fmt(v['saturation_requests_per_s'], 'requests/s')} "
+            f"({fmt(v['saturation_rpcs_per_s'], 'RPCs/s')}, {fmt(v['saturation_gbps'], 'GB/s')} of pages)"
+            for k, v in sat.items() if isinstance(v, dict) and "saturation_requests_per_s" in v]
+    if rows:
+        print(f"\none node's saturation with {sat.get('engines')} engine clients: " + "; ".join(rows))
     (out / "table.json").write_text(json.dumps({"commit": commit(), "machine": machine(), "ok": ok,
                                                 "summaries": summaries, "failures": failures}, indent=2))
     sys.exit(0 if ok else 1)
