@@ -174,17 +174,18 @@ def _inspect(stub: Any, args: argparse.Namespace, sec: Security, hashes: list[by
     n = len(hashes)
     l1, ssd, pinned = sum(r.dram), sum(r.ssd), sum(r.pinned)
     nowhere = sum(1 for d, s in zip(r.dram, r.ssd, strict=True) if not d and not s)
-    holders: list[tuple[str, str, int]] = []
+    holders: list[tuple[str, str, int, int]] = []  # node, address, leading blocks, of them only on SSD
     if args.metaserver:
         with sync_channel(args.metaserver, sec) as ch:
             m = meta_pb2_grpc.MetaServiceStub(ch).QueryPrefix(
                 meta_pb2.QueryPrefixRequest(namespace=args.namespace, hashes=hashes), timeout=args.timeout)
-        holders = [(x.node, x.address, x.prefix_len) for x in m.nodes]
+        holders = [(x.node, x.address, x.prefix_len, x.ssd_blocks) for x in m.nodes]
     blocks = [{"index": i, "hash": h.hex(), "l1": r.dram[i], "ssd": r.ssd[i], "pinned": r.pinned[i],
-               "nodes": [node for node, _, k in holders if k > i]} for i, h in enumerate(hashes)]
+               "nodes": [node for node, _, k, _ in holders if k > i]} for i, h in enumerate(hashes)]
     doc = {"node": r.node_id, "namespace": args.namespace, "namespace_known": r.namespace_known, "blocks_total": n,
            "l1": l1, "l1_prefix": r.dram_prefix, "ssd": ssd, "pinned": pinned, "nowhere": nowhere,
-           "cluster": [{"node": a, "address": b, "prefix_blocks": k} for a, b, k in holders] if args.metaserver else None,
+           "cluster": [{"node": a, "address": b, "prefix_blocks": k, "ssd_blocks": s} for a, b, k, s in holders]
+           if args.metaserver else None,
            "blocks": blocks}
     if not r.namespace_known:
         line = f"node {r.node_id}: namespace unknown here; 0 of {n} blocks held"
@@ -192,7 +193,8 @@ def _inspect(stub: Any, args: argparse.Namespace, sec: Security, hashes: list[by
         line = (f"node {r.node_id}: {n} blocks: {l1} in L1 (leading {r.dram_prefix}, {pinned} pinned), "
                 f"{ssd} on SSD, {nowhere} on neither")
     if args.metaserver:
-        line += "; cluster: " + (", ".join(f"{a} {k} leading" for a, _, k in holders) or "no node holds block 0")
+        line += "; cluster: " + (", ".join(f"{a} {k} leading" + (f" ({s} only on its SSD)" if s else "")
+                                           for a, _, k, s in holders) or "no node holds block 0")
     return line, doc
 
 
