@@ -1,7 +1,9 @@
 """The puller with SSD holders: which holder it picks, and a pull from an SSD holder split
-into pins of SSD_CHUNK_BYTES (all in flight together) that still lands byte-identical."""
+into pins of SSD_CHUNK_BYTES (SSD_CHUNKS_IN_FLIGHT at once) that still lands byte-identical."""
 
 from __future__ import annotations
+
+import asyncio
 
 from pegaflow.node.tiers.remote import puller as puller_mod
 from pegaflow.node.tiers.remote.puller import Holder, choose
@@ -24,11 +26,27 @@ def test_choose_prefers_coverage_then_l1_holders() -> None:
 def test_a_pull_from_an_ssd_holder_pins_in_chunks_and_lands_byte_identical(pair, monkeypatch):  # noqa: F811
     a, b, meta, peers, puller = pair
     monkeypatch.setattr(puller_mod, "SSD_CHUNK_BYTES", 8 * PAGE)
+    monkeypatch.setattr(puller_mod, "SSD_CHUNKS_IN_FLIGHT", 2)
+    most = now = 0
+    pin = peers.pin
+
+    async def counting_pin(address, request):  # noqa: ANN001, ANN202
+        nonlocal most, now
+        now += 1
+        most = max(most, now)
+        await asyncio.sleep(0.05)  # a slow holder: without the gate all three would wait here
+        try:
+            return await pin(address, request)
+        finally:
+            now -= 1
+
+    peers.pin = counting_pin
     hs = hashes("ssd-chunks", 24)
     want = a.store(hs)
     meta.holders = [Holder("a", a.address, 24, ssd_blocks=24)]
     pull(a, b, puller, hs, 0)
     assert [b.page(h) for h in hs] == [want[h] for h in hs]
     assert len(peers.unpinned) == 3  # three pins of 8 pages
+    assert most == 2  # at most SSD_CHUNKS_IN_FLIGHT chunks at the holder at once
     assert b.sample("pegaflow_node_p2p_pulled_blocks_total", holder_tier="ssd") == 24
     assert b.sample("pegaflow_node_p2p_pulls_total", status="ok") == 3

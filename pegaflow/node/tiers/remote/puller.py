@@ -10,8 +10,8 @@ Contracts:
   its way for every namespace of the query. It never returns True for blocks nobody is
   bringing, so LOADING always ends.
 - A pull pins the prefix on the peer (from a holder listed with blocks only on its SSD:
-  one pin per ``SSD_CHUNK_BYTES``, all in flight together, so the holder's SSD reads of
-  later chunks overlap the transfer of earlier ones), reads the pages straight into the PENDING pages
+  one pin per ``SSD_CHUNK_BYTES``, ``SSD_CHUNKS_IN_FLIGHT`` in flight together, so the
+  holder's SSD reads of later chunks overlap the transfer of earlier ones), reads the pages straight into the PENDING pages
   (:class:`~pegaflow.node.tiers.remote.Transport`, in a worker thread) which verifies the
   xxh3_64 of every page against the source's, checks counts and page size, commits the good pages (visible, published as inserts by the index
   listener; their verified checksums kept in ``checksums``, so this node serves them
@@ -58,6 +58,7 @@ META_KEY = "<metaserver>"  # backoff entry of the metaserver itself
 NEGATIVE_TTL = 0.5  # seconds a "nobody holds it" answer is reused (an engine re-Queries a waiting request)
 NEGATIVE_MAX = 65536  # remembered negative answers at most (oldest dropped first)
 SSD_CHUNK_BYTES = 16 << 20  # a pull from an SSD holder pins this much per chunk (see Puller.query)
+SSD_CHUNKS_IN_FLIGHT = 4  # chunks of one such pull pinned at once: the holder's DRAM they hold is bounded
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +161,7 @@ class _Pull:
     blocks: list[Block]
     t0: float
     held: list[Block]  # local prefix pinned while the pull runs
+    gate: asyncio.Semaphore | None = None  # chunks of one pull from an SSD holder: SSD_CHUNKS_IN_FLIGHT
 
 
 class Puller:
@@ -272,13 +274,15 @@ class Puller:
                 self.inflight[b.key] = b
             held = self.index.prefix(ns, hashes[:hit], touch=False)
             self.index.pin(held)
-            # From an SSD holder, one pin per chunk, all at once: the holder promotes each
-            # chunk into its DRAM before it can send it, so chunks pipeline its SSD reads
-            # with the transfer (one pin: the whole read, then the whole transfer).
+            # From an SSD holder, one pin per chunk, SSD_CHUNKS_IN_FLIGHT at once: the holder
+            # promotes each chunk into its DRAM before it can send it, so chunks pipeline its
+            # SSD reads with the transfer (one pin: the whole read, then the whole transfer),
+            # and what the holder promotes for us at once stays bounded.
             step = max(1, SSD_CHUNK_BYTES // ns.page_bytes) if best.ssd_blocks else k
+            gate = asyncio.Semaphore(SSD_CHUNKS_IN_FLIGHT) if step < k else None
             t0 = time.perf_counter()
             for j in range(0, k, step):
-                pull = _Pull(ns, best, need[j:j + step], got[j:j + step], t0, held if j == 0 else [])
+                pull = _Pull(ns, best, need[j:j + step], got[j:j + step], t0, held if j == 0 else [], gate)
                 task = asyncio.get_running_loop().create_task(self._pull(pull))
                 self.tasks.add(task)
                 task.add_done_callback(self.tasks.discard)
@@ -289,7 +293,11 @@ class Puller:
         pin_id = 0
         status = "error"
         committed: list[Block] = []
+        gated = False
         try:
+            if p.gate is not None:
+                await p.gate.acquire()
+                gated = True
             try:
                 resp = await self.peers.pin(addr, peer_pb2.PinRequest(
                     namespace=p.ns.name, hashes=p.hashes, ttl_seconds=self.pin_ttl,
@@ -358,6 +366,9 @@ class Puller:
                 asyncio.get_running_loop().call_later(self.hold_seconds, self.index.unpin, held)
             else:
                 self.index.unpin(held)
+            if gated:
+                assert p.gate is not None
+                p.gate.release()
 
     def _check(self, p: _Pull, resp: peer_pb2.PinResponse) -> str:
         """Why a pin answer cannot be used ('' if it can)."""
