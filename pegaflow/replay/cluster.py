@@ -5,14 +5,17 @@
 What is modelled (the node's rules, ``docs/p2p.md``):
 
 - **Nodes**: each node is a :class:`~pegaflow.replay.model.Pool` (the node's own
-  ``BlockIndex`` for L1, an LRU SSD tier fed by L1's evictions or commits). Requests go
+  ``BlockIndex`` for L1, an LRU SSD tier fed by L1's commits, as the node's write-behind
+  does, or by its evictions with ``--ssd-writes evictions``). Requests go
   to nodes round-robin, or by a stable hash of a trace field (``--route field:NAME``).
 - **A request on node k** is served as the node's Query and the connector's re-Queries
   serve it: k's L1 prefix, then k's SSD continuation (promoted into k's L1), then the
-  global index: the peer holding the longest continuation of what k lacks, in its L1 or
-  on its SSD (the index lists both tiers), L1 holders first among equals (the puller's
-  ``choose``); its blocks are pulled into k's L1 and the loop goes on from there. The
-  first block nobody holds ends the prefix: the engine computes the rest and k stores it.
+  global index: like ``QueryPrefix``, it knows peers holding the request's leading blocks
+  (from block 0, each in the peer's L1 or on its SSD); the peer whose prefix reaches
+  furthest past k's, with fewest blocks only on SSD among equals (the puller's
+  ``choose``), sends the blocks k lacks up to there into k's L1, and the loop goes on
+  from there. The first block nobody can bring ends the prefix: the engine computes the
+  rest and k stores it.
 - **The serving peer** touches the L1 blocks it pins (its LRU sees the use) and promotes
   the blocks it has only on SSD into its own L1 first (pins.py's promote-then-serve), so
   serving peers costs them L1 room, as on the real node.
@@ -33,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 
 from pegaflow.config.capacity import Capacity, parse_capacity, route_field
 from pegaflow.core.trace import Request, Trace, TraceError, read_trace
-from pegaflow.replay.model import SSD_WRITES, SSD_WRITES_EVICTIONS, Pool, route_hash
+from pegaflow.replay.model import SSD_WRITES, SSD_WRITES_COMMITS, Pool, route_hash
 
 
 @dataclass
@@ -68,7 +71,7 @@ class NodeCluster:
     """``nodes`` pools of ``l1`` / ``ssd`` each ((amount, in blocks) as ``Capacity.blocks_or_bytes``), and peer pulls."""
 
     def __init__(self, nodes: int, l1: tuple[int, bool], ssd: tuple[int, bool], page_bytes: dict[str, int],
-                 peers: bool = True, ssd_writes: str = SSD_WRITES_EVICTIONS) -> None:
+                 peers: bool = True, ssd_writes: str = SSD_WRITES_COMMITS) -> None:
         if nodes < 1:
             raise ValueError(f"nodes must be >= 1, got {nodes}")
         self.pools = [Pool(l1, ssd, page_bytes, False, ssd_writes) for _ in range(nodes)]
@@ -116,16 +119,17 @@ class NodeCluster:
             for j, p in enumerate(self.pools):
                 if j == k:
                     continue
-                c, only = self._run(p, namespace, rest)
-                if c and (best < 0 or (c, -only) > key):
+                c, only = self._run(p, namespace, hashes)  # its prefix_len and ssd_blocks
+                if c > pos and (best < 0 or (c, -only) > key):
                     best, key = j, (c, -only)
             if best < 0:
                 break
             c, only = key[0], -key[1]
-            self._serve_peer(self.pools[best], namespace, rest[:c])
-            got[3 if only else 2] += c
-            fetched += rest[:c]
-            pos += c
+            need = [h for h in hashes[pos:c] if not l1.contains(ns, h)]
+            self._serve_peer(self.pools[best], namespace, need)
+            got[3 if only else 2] += c - pos
+            fetched += need
+            pos = c
             # L1 again: blocks a pull skipped because they were here already
             more = len(l1.prefix(ns, hashes[pos:]))
             got[0] += more
@@ -157,7 +161,7 @@ def route(i: int, r: Request, nodes: int, by_field: bool) -> int:
 
 def replay_cluster(trace: Trace, nodes: int, l1: Capacity, ssd: Capacity, *, page_bytes: int = 64 << 20,
                    peers: bool = True, route_by: str = "round-robin",
-                   ssd_writes: str = SSD_WRITES_EVICTIONS) -> ClusterResult:
+                   ssd_writes: str = SSD_WRITES_COMMITS) -> ClusterResult:
     """Replay ``trace`` on ``nodes`` nodes with ``l1`` and ``ssd`` EACH (a percentage of the
     trace's distinct blocks, as in ``pegaflow replay``, is of the whole trace, per node)."""
     sizes = {name: size or page_bytes for name, size in trace.namespaces.items()}
@@ -186,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--ssd", type=parse_capacity, default=Capacity(0, "bytes"), help="each node's SSD tier")
     p.add_argument("--no-peers", action="store_true", help="nodes never pull from each other")
     p.add_argument("--route", default="round-robin", help="round-robin or field:NAME")
-    p.add_argument("--ssd-writes", choices=SSD_WRITES, default=SSD_WRITES_EVICTIONS)
+    p.add_argument("--ssd-writes", choices=SSD_WRITES, default=SSD_WRITES_COMMITS)
     p.add_argument("--block-tokens", type=int, default=512)
     a = p.parse_args(argv)
     if a.nodes < 1:

@@ -9,7 +9,7 @@ from pathlib import Path
 from pegaflow.config.capacity import Capacity
 from pegaflow.core.trace import read_trace
 from pegaflow.replay.cluster import NodeCluster, main, replay_cluster
-from pegaflow.replay.model import Scenario
+from pegaflow.replay.model import SSD_WRITES, Scenario
 from pegaflow.replay.run import replay
 
 TRACE = Path(__file__).resolve().parents[1] / "data" / "mooncake_slice.jsonl"
@@ -23,8 +23,10 @@ def hs(tag: str, n: int) -> list[bytes]:
 def test_one_node_is_replays_one_pool() -> None:
     trace = read_trace(TRACE.open())
     l1, ssd = Capacity.parse("900blocks"), Capacity.parse("3000blocks")
-    ours = replay_cluster(trace, 1, l1, ssd)
-    theirs = replay(trace, Scenario(l1=l1, ssd=ssd))
+    for writes in SSD_WRITES:
+        ours = replay_cluster(trace, 1, l1, ssd, ssd_writes=writes)
+        theirs = replay(trace, Scenario(l1=l1, ssd=ssd, ssd_writes=writes))
+        assert ours.request_hits == theirs.request_hits
     assert ours.request_hits == theirs.request_hits
     assert ours.ssd == theirs.ssd_hit_blocks and ours.peer_l1 == ours.peer_ssd == 0
 
@@ -45,13 +47,21 @@ def test_peers_serve_from_l1_then_from_ssd_promoting_first() -> None:
 
 
 def test_a_request_walks_own_l1_own_ssd_then_peers() -> None:
-    c = NodeCluster(2, (4, True), (64, True), {NS: 1})
+    c = NodeCluster(2, (8, True), (64, True), {NS: 1})
     a = hs("a", 8)
-    c.serve(0, NS, a[:4])  # node 0: a[0:4], then on its SSD only
-    c.serve(0, NS, hs("f", 4))
-    c.serve(1, NS, a[4:])  # node 1: a[4:8] in L1
-    assert c.serve(0, NS, a) == (0, 4, 4, 0)  # own SSD for a[0:4], then node 1's L1
-    assert c.serve(0, NS, a[:4]) == (4, 0, 0, 0)  # promoted: own L1 now
+    c.serve(0, NS, a[:4])  # node 0: a[0:4]
+    c.serve(0, NS, hs("f", 8))  # ... then on its SSD only
+    assert c.serve(1, NS, a) == (0, 0, 0, 4)  # node 1: a[0:4] from node 0's SSD, computes a[4:8]
+    c.serve(0, NS, hs("g", 8))  # node 0 promoted a[0:4] to serve it: back to its SSD only
+    assert c.serve(0, NS, a) == (0, 4, 4, 0)  # own SSD for a[0:4], then node 1's L1 for a[4:8]
+    assert c.serve(0, NS, a) == (8, 0, 0, 0)  # all in its own L1 now
+
+
+def test_a_peer_is_found_only_through_the_requests_leading_blocks() -> None:
+    c = NodeCluster(2, (8, True), (64, True), {NS: 1})
+    a = hs("a", 8)
+    c.serve(1, NS, a[4:])  # node 1 holds a[4:8] but not a[0]: QueryPrefix does not list it
+    assert c.serve(0, NS, a) == (0, 0, 0, 0)
 
 
 def test_l1_holder_preferred_among_equal_coverage() -> None:
