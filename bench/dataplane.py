@@ -6,7 +6,8 @@ Foreground, the same in both modes: ``--engines`` engine client processes (bench
 :class:`Engine` workers, :class:`pegaflow.client.PegaClient` over the node's local socket,
 the connector's calls) each run an open loop at ``--rate`` requests/s: a Query with a lease
 and a fresh ``req_id`` of a 64-block prefix the engines share (resident: every Query touches it),
-its Release, and every ``--save-every``-th request a Reserve + Commit of 64 new blocks.
+its Release, and every ``--save-every``-th request a Reserve + Commit of 64 new blocks
+(256 KiB pages).
 No page is copied: the calls are what is measured (bench/saturation.py copies).
 
 Background, switched as a whole:
@@ -16,7 +17,8 @@ Background, switched as a whole:
   buckets: the node has no switch to turn it off; its per-Query ``observe`` runs in both).
 - on: an SSD tier on ``--dir`` writing behind every commit, a pool small enough that L1
   evicts all the time, block events published to a real redis-server (with the ceiling's
-  sketch every second), ``--scrapers`` threads each scraping ``/metrics`` once a second,
+  sketch every second; a node with ``--redis-url`` is in a cluster, so it also hashes every
+  committed page for its peers), ``--scrapers`` threads each scraping ``/metrics`` once a second,
   ``Stats`` once a second, and the ceiling at its defaults (3 windows, 16-bit buckets,
   refreshed every 5 s).
 
@@ -418,8 +420,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="off/on pairs, alternating")
     ap.add_argument("--engines", type=int, default=2, help="engine client processes")
     ap.add_argument("--rate", type=float, default=40.0, help="requests/s of each engine (open loop)")
-    ap.add_argument("--save-every", type=int, default=4, help="every N-th request also saves 64 new blocks")
-    ap.add_argument("--page-kib", type=int, default=64, help="page size of the namespace")
+    ap.add_argument("--save-every", type=int, default=8, help="every N-th request also saves 64 new blocks")
+    # 256 KiB, the smaller of the page sizes. Not smaller: python-xxhash keeps the GIL
+    # while it hashes a small buffer (64 KiB: a hashing thread halved another thread's
+    # progress; 256 KiB: no effect), so smaller pages make the node's checksums compete with
+    # its event loop, a cost of small pages rather than of background work.
+    ap.add_argument("--page-kib", type=int, default=256, help="page size of the namespace")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--pool-mb", type=int, default=64, help="the pool with the background on (must evict)")
     ap.add_argument("--ssd-mb", type=int, default=1024)
