@@ -1,0 +1,173 @@
+"""Replay's cluster model (pegaflow/replay/cluster.py) against a live cluster: the same
+requests on three real nodes with L1 + SSD each, peer pulls through pegaflow-meta, and
+the hit rate each gives.
+
+    python bench/cluster_model.py [--conversations 24] [--turns 6] [--l1-blocks 96]
+                                  [--page-kib 64] [--seed 1]
+
+The workload is multi-turn conversations behind one shared system prompt: turn t of a
+conversation is its turn t-1 plus a few new blocks; conversations interleave at random
+and requests go to the nodes round-robin (so a conversation's next turn usually lands
+on another node: peer pulls, and SSD holders once the L1s turn over). One driver process
+plays every engine: per request it queries its node until READY (LOADING while the node
+promotes from its SSD or pulls from a peer), counts the hit, releases the lease, stores
+the blocks it missed, and waits until that node's SSD wrote them and the index lists the
+node, so the next request sees what a model with no lag sees. Then replay's cluster
+model runs the same requests with the same L1 (pool / page) and an SSD that never fills
+(as the live ones do not), and both hit rates are printed. Root for namespaces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+NS = "model-check|p{}k"
+SYSTEM_BLOCKS = 4
+
+
+def workload(conversations: int, turns: int, seed: int) -> list[list[bytes]]:
+    """Requests (block hashes) in arrival order."""
+    import xxhash
+
+    rng = random.Random(seed)
+    sys_p = [xxhash.xxh3_128_digest(f"sys:{i}".encode()) for i in range(SYSTEM_BLOCKS)]
+    convs = []
+    for c in range(conversations):
+        blocks, prompts = list(sys_p), []
+        for t in range(turns):
+            blocks = blocks + [xxhash.xxh3_128_digest(f"c{c}:t{t}:{i}".encode()) for i in range(rng.randint(1, 4))]
+            prompts.append(list(blocks))
+        convs.append(prompts)
+    order = [c for c in range(conversations) for _ in range(turns)]
+    rng.shuffle(order)
+    nxt = [0] * conversations
+    out = []
+    for c in order:
+        out.append(convs[c][nxt[c]])
+        nxt[c] += 1
+    return out
+
+
+def _drive(argv: list[str]) -> None:
+    """In host 0's namespace: ADDRS(comma) META HTTPS(comma) PAGE CONVS TURNS SEED -> JSON hits."""
+    import time
+
+    import grpc
+
+    from pegaflow._proto import meta_pb2, meta_pb2_grpc
+    from pegaflow.client import PegaClient
+    from tests.waiting import wait_until
+
+    addrs, meta, https = argv[0].split(","), argv[1], argv[2].split(",")
+    page, reqs = int(argv[3]), workload(int(argv[4]), int(argv[5]), int(argv[6]))
+    ns = NS.format(page >> 10)
+    clients = [PegaClient(a, timeout=30) for a in addrs]
+    for c in clients:
+        c.register({ns: page})
+    stub = meta_pb2_grpc.MetaServiceStub(grpc.insecure_channel(meta))
+    import urllib.request
+
+    def metric(i: int, name: str) -> float:
+        text = urllib.request.urlopen(f"http://{https[i]}/metrics", timeout=5).read().decode()
+        return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M))
+
+    hits = []
+    short = 0
+    for i, hs in enumerate(reqs):
+        k = i % len(clients)
+        c = clients[k]
+
+        def ready(c=c, hs=hs, i=i):  # noqa: ANN001, ANN202
+            q = c.query([ns], hs, req_id=f"r{i}", lease=True)
+            return q if q.status == "READY" else None
+
+        q = wait_until(ready, 30, f"request {i} READY", every=0.005)
+        hits.append(q.hit_blocks)
+        if q.lease_id:
+            c.release(q.lease_id)
+        if q.hit_blocks < len(hs):
+            written = metric(k, "pegaflow_node_ssd_written_blocks_total") + metric(
+                k, "pegaflow_node_ssd_skipped_writes_total")
+            r = c.reserve(ns, hs)
+            new = sum(1 for o in r.offsets if o >= 0)
+            if r.reservation_id:
+                c.commit(r.reservation_id)
+            short += len(hs) - q.hit_blocks - new  # not stored: held already, or no room
+            wait_until(lambda k=k, w=written, n=new: metric(k, "pegaflow_node_ssd_written_blocks_total")
+                       + metric(k, "pegaflow_node_ssd_skipped_writes_total") >= w + n
+                       and metric(k, "pegaflow_node_ssd_write_queue_blocks") == 0, 30, "SSD writes (or skips)")
+        node = f"node-{k}"
+        held = c.query([ns], hs, lease=False, peek=True).hit_blocks  # its DRAM prefix now
+
+        def indexed(hs=hs, node=node, held=held) -> bool:  # noqa: ANN001
+            res = stub.QueryPrefix(meta_pb2.QueryPrefixRequest(namespace=ns, hashes=hs), timeout=5)
+            return held == 0 or any(x.node == node and x.prefix_len >= held for x in res.nodes)
+
+        wait_until(indexed, 30, f"request {i} indexed on {node}", every=0.005)
+        time.sleep(0)  # (every wait above is on a condition)
+    skipped = sum(metric(k, "pegaflow_node_ssd_skipped_writes_total") for k in range(len(clients)))
+    print(json.dumps({"hits": hits, "short": short, "ssd_skipped": skipped}), flush=True)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "_drive":
+        _drive(sys.argv[2:])
+        return
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--conversations", type=int, default=24)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--l1-blocks", type=int, default=96, help="each node's L1, in pages")
+    p.add_argument("--page-kib", type=int, default=64)
+    p.add_argument("--seed", type=int, default=1)
+    a = p.parse_args()
+
+    from pegaflow.replay.cluster import NodeCluster
+    from tests.integration.p2p_harness import HTTP_PORT, P2PCluster
+
+    page = a.page_kib << 10
+    reqs = workload(a.conversations, a.turns, a.seed)
+    distinct = len({h for r in reqs for h in r})
+    tmp = Path(tempfile.mkdtemp(prefix="pegaflow-bench-model-"))
+    ssd_bytes = max(64 << 20, 4 * distinct * (page + 4096))
+    per = {i: ("--pool-size", str(a.l1_blocks * page), "--ssd-cache-path", str(tmp / f"ssd{i}"),
+               "--ssd-cache-capacity", str(ssd_bytes)) for i in range(3)}
+    cluster = P2PCluster(tmp, 3, node_args=("--log-level", "warning", "--peer-backoff", "1"), per_node_args=per)
+    if cluster.fallback_reason:
+        print(f"network namespaces unavailable ({cluster.fallback_reason}): loopback addresses instead")
+    try:
+        addrs = ",".join(n.addr for n in cluster.nodes)
+        https = ",".join(f"{n.host.ip}:{HTTP_PORT}" for n in cluster.nodes)
+        h0 = cluster.nodes[0].host
+        r = h0.run([sys.executable, str(Path(__file__).resolve()), "_drive", addrs, cluster.meta_addr, https,
+                    str(page), str(a.conversations), str(a.turns), str(a.seed)], timeout=1800)
+        if r.returncode != 0:
+            raise SystemExit(f"driver failed: {r.stdout}\n{r.stderr[-3000:]}")
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+        live = out["hits"]
+    finally:
+        cluster.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    model = NodeCluster(3, (a.l1_blocks, True), (4 * distinct, True), {"m": 1})
+    predicted = [sum(model.serve(i % 3, "m", hs)) for i, hs in enumerate(reqs)]
+    blocks = sum(len(r) for r in reqs)
+    lr, mr = sum(live) / blocks, sum(predicted) / blocks
+    differ = sum(1 for x, y in zip(live, predicted, strict=True) if x != y)
+    print(f"{len(reqs)} requests, {blocks} block accesses, {distinct} distinct; L1 {a.l1_blocks} pages per node")
+    print(f"live cluster hit rate {lr:.2%}, replay's cluster model {mr:.2%} ({(mr - lr) * 100:+.2f} pp); "
+          f"requests whose hits differ: {differ}; blocks the live engine could not store: {out['short']}, "
+          f"live SSD writes skipped: {out['ssd_skipped']:.0f}")
+
+
+if __name__ == "__main__":
+    main()
