@@ -159,11 +159,14 @@ def main() -> None:
         cluster.close()
         shutil.rmtree(tmp, ignore_errors=True)
     model = NodeCluster(3, (a.l1_blocks, True), (4 * distinct, True), {"m": 1})
-    predicted = [sum(model.serve(i % 3, "m", hs)) for i, hs in enumerate(reqs)]
+    split = [model.serve(i % 3, "m", hs) for i, hs in enumerate(reqs)]
+    predicted = [sum(x) for x in split]
+    by = [sum(x[j] for x in split) for j in range(4)]
     blocks = sum(len(r) for r in reqs)
     lr, mr = sum(live) / blocks, sum(predicted) / blocks
     differ = sum(1 for x, y in zip(live, predicted, strict=True) if x != y)
-    print(f"{len(reqs)} requests, {blocks} block accesses, {distinct} distinct; L1 {a.l1_blocks} pages per node")
+    print(f"{len(reqs)} requests, {blocks} block accesses, {distinct} distinct; L1 {a.l1_blocks} pages per node; "
+          f"model's hits: own L1 {by[0]}, own SSD {by[1]}, peer L1 {by[2]}, peer SSD {by[3]}")
     print(f"live cluster hit rate {lr:.2%}, replay's cluster model {mr:.2%} ({(mr - lr) * 100:+.2f} pp); "
           f"requests whose hits differ: {differ}; blocks the live engine could not store: {out['short']}, "
           f"live SSD writes skipped: {out['ssd_skipped']:.0f}")
