@@ -411,7 +411,10 @@ class Node:
         # land in the data path's p99. A short interval is the loop's priority over them. On a
         # node (bench/dataplane.py's "on" background with 16 scrapers, 2 x 8 s interleaved, on
         # a shared 2-core host): Query p99 9.8 ms at 5 ms, 5.5 ms at 0.5 ms; p999 15.7 vs 11.0
-        # ms; node CPU per call 947 vs 988 µs.
+        # ms; node CPU per call 947 vs 988 µs. What yields is best-effort work: SSD write-behind
+        # with an unpaced writer (bench/spill.py --save-mbps 0, same host, 4 vs 3 runs) wrote
+        # 704-998 MB/s at 5 ms and 568-788 MB/s at 0.5 ms (its queue skips what it cannot
+        # take); paced at 800 MB/s, 255-539 vs 431-472 MB/s: within this host's noise.
         sys.setswitchinterval(LOOP_SWITCH_INTERVAL)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
