@@ -118,17 +118,19 @@ class PinTable:
         deadline = loop.time() + timeout
         start = hit = len(self.index.prefix(ns, hashes, touch=False))
         inflight, on_ssd = ssd.promoter.inflight, ssd.store.entries
+        behind = 0.0005  # back-off while other pins' reads hold the promoter's slots
         while hit < len(hashes) and loop.time() < deadline:
             key = (ns.id, hashes[hit])
             if key not in on_ssd and key not in inflight:
                 break  # not on SSD: serve what is resident
-            delay = 0.0005
             if ssd.promote([ns], hashes, hit) <= hit and key not in inflight:
                 if not inflight:
                     break  # nothing promotes anywhere: no L1 room, or the read gate dropped it
                 # Other pins' reads fill --max-prefetch-blocks: ours start when they land.
-                await asyncio.sleep(delay)
+                await asyncio.sleep(behind)
+                behind = min(2 * behind, 0.01)
                 continue
+            behind = delay = 0.0005
             while any((ns.id, h) in inflight for h in hashes[hit:]):
                 if loop.time() > deadline:
                     break
