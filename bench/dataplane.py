@@ -366,9 +366,21 @@ def window(args: argparse.Namespace, on: bool, tmp: Path, redis_url: str) -> dic
     def delta(prefix: str) -> float:
         return sum(v - before.get(k, 0.0) for k, v in after.items() if k == prefix or k.startswith(prefix + "|"))
 
+    def node_p99(method: str) -> float:
+        """p99 of the node's own handler time for ``method`` (local socket) in the window: the
+        upper bound of its histogram bucket, µs (what the node did, without the transport and
+        the scheduling of either process)."""
+        pre = "pegaflow_node_rpc_duration_seconds_bucket|le="
+        buckets = sorted((float(k[len(pre):].split("|")[0]), v - before.get(k, 0.0)) for k, v in after.items()
+                         if k.startswith(pre) and f"|method={method}|" in k and "|status=OK|" in k
+                         and k.endswith("|transport=local"))
+        total = buckets[-1][1] if buckets else 0.0
+        return next((le * 1e6 for le, n in buckets if total and n >= 0.99 * total), 0.0)
+
     lat = merge(res)
     calls = sum(len(v) for v in lat.values())
     return {
+        "node_p99_us": {k: node_p99(k.capitalize()) for k in CALLS},
         "lat": lat,
         "calls": calls,
         "seconds": took,
@@ -398,6 +410,8 @@ def summarize(windows: list[dict]) -> dict:
     return {
         "calls": {k: percentiles(v) for k, v in lat.items()},
         "node_cpu_us_per_call": sum(w["node_cpu_s"] for w in windows) / max(1, calls) * 1e6,
+        # the worst window's (histogram buckets do not merge into a percentile across nodes)
+        "node_p99_us": {k: max(w["node_p99_us"][k] for w in windows) for k in CALLS},
         "requests_per_s": float(np.mean([w["requests_per_s"] for w in windows])),
         "late_requests": sum(w["late"] for w in windows),
         "query_misses": sum(w["misses"] for w in windows),
@@ -471,6 +485,8 @@ def main() -> None:
         print(f"| {k} (n={a['n']}/{b['n']}) | {a['p50']:.0f} | {a['p99']:.0f} | {a['p999']:.0f} | {b['p50']:.0f} | "
               f"{b['p99']:.0f} | {b['p999']:.0f} | {b['p99'] / max(a['p99'], 1e-9):.2f}x | "
               f"{b['p999'] / max(a['p999'], 1e-9):.2f}x |")
+    print("inside the node, handler p99 (histogram bucket bound, worst window), off / on: " + ", ".join(
+        f"{k} {off['node_p99_us'][k]:.0f} / {on['node_p99_us'][k]:.0f} µs" for k in CALLS))
     print(f"node CPU per call: off {off['node_cpu_us_per_call']:.0f} µs, on {on['node_cpu_us_per_call']:.0f} µs")
     print(f"background in the 'on' windows: {on['background']}")
     print(f"late requests (open loop behind): off {off['late_requests']}, on {on['late_requests']}")

@@ -45,6 +45,7 @@ def test_dataplane_switches_the_whole_background_and_proves_it_ran(tmp_path: Pat
         assert calls["query"]["n"] == calls["release"]["n"] >= 20  # 2 s at 20/s (warm-up excluded)
         assert calls["reserve"]["n"] == calls["commit"]["n"] == calls["query"]["n"] // 2
         assert s[mode]["query_misses"] == 0 and s[mode]["node_cpu_us_per_call"] > 0
+        assert all(s[mode]["node_p99_us"][k] > 0 for k in CALLS)  # read from the node's histogram
     for p in ("p50", "p99", "p999"):
         assert s[f"query_{p}_us_background_on"] == s["on"]["calls"]["query"][p] > 0
         assert s[f"query_{p}_us_background_off"] == s["off"]["calls"]["query"][p] > 0
