@@ -1,5 +1,8 @@
 """The puller with SSD holders: which holder it picks, and a pull from an SSD holder split
-into pins of SSD_CHUNK_BYTES (SSD_CHUNKS_IN_FLIGHT at once) that still lands byte-identical."""
+into pins of SSD_CHUNK_BYTES (SSD_CHUNKS_IN_FLIGHT at once) that still lands byte-identical;
+the holder side: a pin of blocks only on SSD promotes them (round after round when the
+promoter's slots are fewer) and serves them, and without room serves its resident prefix at
+once."""
 
 from __future__ import annotations
 
@@ -50,3 +53,93 @@ def test_a_pull_from_an_ssd_holder_pins_in_chunks_and_lands_byte_identical(pair,
     assert most == 2  # at most SSD_CHUNKS_IN_FLIGHT chunks at the holder at once
     assert b.sample("pegaflow_node_p2p_pulled_blocks_total", holder_tier="ssd") == 24
     assert b.sample("pegaflow_node_p2p_pulls_total", status="ok") == 3
+
+
+class FakeSsd:
+    """The SSD tier as pins.py sees it: records in ``store.entries``; ``promote`` reads
+    (after ``delay`` s) at most ``slots`` blocks into L1 pages with the recorded bytes."""
+
+    def __init__(self, side, delay: float = 0.01, slots: int = 4, room: bool = True) -> None:  # noqa: ANN001
+        self.side = side
+        self.delay = delay
+        self.slots = slots
+        self.room = room
+        self.pages: dict[bytes, bytes] = {}
+
+        class _Store:
+            entries: dict = {}
+
+        class _Promoter:
+            inflight: dict = {}
+
+        self.store, self.promoter = _Store(), _Promoter()
+        self.store.entries, self.promoter.inflight = {}, {}
+        self.promoted = 0
+        self.leased_blocks = 0
+
+    def put(self, h: bytes, data: bytes) -> None:
+        self.store.entries[(self.side.ns.id, h)] = object()
+        self.pages[h] = data
+
+    def promote(self, nss, hashes, hit: int) -> int:  # noqa: ANN001
+        ns, idx, inflight = nss[0], self.side.index, self.promoter.inflight
+        j = hit
+        while j < len(hashes) and ((ns.id, hashes[j]) in self.store.entries or (ns.id, hashes[j]) in inflight):
+            j += 1
+        free = self.slots - len(inflight)
+        todo = [h for h in hashes[hit:j] if (ns.id, h) not in inflight][:max(0, free)]
+        if not todo or not self.room:
+            return j if any((ns.id, h) in inflight for h in hashes[hit:j]) else 0
+        blocks = idx.reserve(ns, todo)
+        for h in todo:
+            inflight[(ns.id, h)] = True
+
+        def land() -> None:
+            for h, b in zip(todo, blocks, strict=True):
+                self.side.pool.view[b.offset:b.offset + b.size] = self.pages[h]
+                del inflight[(ns.id, h)]
+            idx.commit(blocks)
+            self.promoted += len(todo)
+
+        asyncio.get_running_loop().call_later(self.delay, land)
+        return j
+
+    def leased(self, blocks) -> None:  # noqa: ANN001
+        self.leased_blocks += len(blocks)
+
+
+def test_an_ssd_holder_promotes_in_rounds_then_serves_byte_identical(pair):  # noqa: F811
+    import os
+
+    a, b, meta, peers, puller = pair
+    hs = hashes("on-ssd", 12)
+    want = a.store(hs[:2])  # the holder has 2 blocks in DRAM, 10 only on SSD
+    ssd = FakeSsd(a, slots=4)  # at most 4 reads at once: three rounds
+    for h in hs[2:]:
+        want[h] = os.urandom(PAGE)
+        ssd.put(h, want[h])
+    a.table.ssd = ssd
+    meta.holders = [Holder("a", a.address, 12, ssd_blocks=10)]
+    pull(a, b, puller, hs, 0)
+    assert [b.page(h) for h in hs] == [want[h] for h in hs]
+    assert ssd.promoted == 10 and ssd.leased_blocks == 12
+    assert a.sample("pegaflow_node_p2p_ssd_served_blocks_total") == 10
+
+
+def test_an_ssd_holder_without_room_serves_what_is_resident_at_once(pair):  # noqa: F811
+    import time
+
+    a, b, meta, peers, puller = pair
+    hs = hashes("no-room", 6)
+    want = a.store(hs[:3])
+    ssd = FakeSsd(a, room=False)
+    for h in hs[3:]:
+        ssd.put(h, b"x" * PAGE)
+    a.table.ssd = ssd
+    meta.holders = [Holder("a", a.address, 6, ssd_blocks=3)]
+    t0 = time.monotonic()
+    pull(a, b, puller, hs, 0)
+    assert time.monotonic() - t0 < 1.0  # no wait for the 3 s bound
+    assert [b.page(h) for h in hs[:3]] == [want[h] for h in hs[:3]]
+    assert all(b.index.get(b.ns, h) is None for h in hs[3:])  # a miss, never wrong bytes
+    assert a.sample("pegaflow_node_p2p_ssd_served_blocks_total") == 0
