@@ -19,7 +19,16 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pegaflow.config.capacity import Capacity
-from pegaflow.config.options import META, NODE, REPLAY, ROUTER, STATUS, build_parser, fill_defaults, options_for
+from pegaflow.config.options import (
+    META,
+    NODE,
+    REPLAY,
+    ROUTER,
+    STATUS,
+    build_parser,
+    fill_defaults,
+    options_for,
+)
 from pegaflow.policy.quota import Quota
 
 
