@@ -26,7 +26,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 import structlog
@@ -40,6 +40,8 @@ from pegaflow.common.local_wire import (
     METHOD_IDS,
     METHODS,
     NO_REPLY,
+    POOL,
+    POOL_REPLY,
     REPLY_HEADER,
     REQUEST_HEADER,
 )
@@ -115,10 +117,15 @@ class ResetResult:
 
 
 class _Mapping:
-    """One mapping of one node epoch's pool; unmapped when the last tensor view dies."""
+    """One mapping of one node epoch's pool; unmapped when the last tensor view dies.
 
-    def __init__(self, path: str, size: int) -> None:
-        fd = os.open(path, os.O_RDWR)
+    From the descriptor the node passed over its local socket (``fd``, taken over and
+    closed here: the way in for an engine of another user, ``--access-group``), else from
+    Register's ``pool_path`` (``/proc/<node pid>/fd/<fd>``: the node's user or root only)."""
+
+    def __init__(self, path: str, size: int, fd: int | None = None) -> None:
+        if fd is None:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         try:
             # Not MAP_POPULATE: that maps the whole pool now (seconds per 100 GiB); copies
             # populate what they touch instead (pegaflow.client.populate.map_lazily).
@@ -197,6 +204,46 @@ class _LocalLink:
                 return 0, b""
             length, status = REPLY_HEADER.unpack(_recv_exactly(s, REPLY_HEADER.size))
             return status, _recv_exactly(s, length)
+        except OSError:
+            self._drop()
+            raise
+
+    def pool_fd(self, epoch: int, size: int) -> int | None:
+        """The pool's descriptor from the node (``local_wire.POOL``), or ``None`` when it
+        does not send one for this epoch and size (an older node, a full reply buffer)."""
+        s = self._sock()
+        try:
+            s.sendall(REQUEST_HEADER.pack(0, POOL, 0))
+            want = REPLY_HEADER.size + POOL_REPLY.size
+            data, fds, _, _ = socket.recv_fds(s, want, 1, socket.MSG_CMSG_CLOEXEC)
+        except OSError:
+            self._drop()
+            raise
+        try:
+            if not data:
+                self._drop()
+                raise ConnectionResetError("the node closed the local socket")
+            if len(data) < REPLY_HEADER.size:
+                data += self._recv(s, REPLY_HEADER.size - len(data))
+            length, status = REPLY_HEADER.unpack_from(data)
+            body = data[REPLY_HEADER.size:]
+            if len(body) < length:
+                body += self._recv(s, length - len(body))
+            if status != 0 or len(fds) != 1 or length != POOL_REPLY.size:
+                log.info("local_pool_fd_unavailable", status=status, error=body.decode(errors="replace"))
+                return None
+            node_epoch, node_size = POOL_REPLY.unpack(body)
+            if node_epoch != epoch or node_size != size:  # a node restarted since Register
+                return None
+            fd = fds.pop()
+            return fd
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _recv(self, s: socket.socket, n: int) -> bytes:
+        try:
+            return _recv_exactly(s, n)
         except OSError:
             self._drop()
             raise
@@ -322,8 +369,6 @@ class PegaClient:
             pci_bus_id=self.pci_bus_id,
         )
         resp = self._call("Register", req, None, retry_session=False)
-        if self.map_pool and (self._mapping is None or resp.epoch != self.epoch):
-            self._mapping = _Mapping(resp.pool_path, resp.pool_bytes)
         if self._bound is not None and self._bound.local is not None:
             self._bound.local.close()
         local = None
@@ -335,6 +380,8 @@ class PegaClient:
                 log.info("local_socket_unusable", path=resp.local_socket, error=str(exc))
                 local.close()
                 local = None
+        if self.map_pool and (self._mapping is None or resp.epoch != self.epoch):
+            self._mapping = self._map(resp, local)
         self._session_id = resp.session_id
         self.epoch = resp.epoch
         self.node_id = resp.node_id
@@ -363,6 +410,18 @@ class PegaClient:
                 # the node went away: reconnect and register again on next use
                 self._session_id = 0
                 self._unreachable = True
+
+    def _map(self, resp: node_pb2.RegisterResponse, local: _LocalLink | None) -> _Mapping:
+        """Map the pool from the descriptor the local socket passes, else (gRPC only, or a
+        node that does not pass it) from ``/proc/<node pid>/fd/<fd>``, which needs the
+        node's user."""
+        fd = None
+        if local is not None:
+            try:
+                fd = local.pool_fd(resp.epoch, resp.pool_bytes)
+            except OSError as exc:
+                log.info("local_pool_fd_failed", error=str(exc))
+        return _Mapping(resp.pool_path, resp.pool_bytes, fd)
 
     @property
     def pool(self) -> torch.Tensor:
@@ -563,6 +622,13 @@ class PegaClient:
                 self._stream.cancel()
             if self._channel is not None:
                 self._channel.close()
+            # The pool mapping goes with the last view of it: at once when the caller holds
+            # none. It cannot be unmapped under views callers still hold (results' ``.pool``,
+            # tensors sliced from ``client.pool``: unmapping would make them fault), so those
+            # keep it until they die.
+            self._mapping = None
+            if self._bound is not None:
+                self._bound = replace(self._bound, pool=None)
 
     def __enter__(self) -> PegaClient:
         return self

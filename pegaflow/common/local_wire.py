@@ -16,6 +16,14 @@ UNAUTHENTICATED and closes; without a token HELLO is optional. Frames on one con
 served in order, one at a time; a frame with ``NO_REPLY`` gets no reply (its errors are logged by the node). A client
 sends its next frame only after reading the previous reply, so it needs no request ids.
 A malformed frame (too long, unknown method, undecodable payload) closes the connection.
+
+POOL (method 255, empty payload; after HELLO when the node has a token) asks for the pool:
+the reply payload is :data:`POOL_REPLY` (the node's epoch, the pool's bytes) and carries one
+file descriptor of the pool's memfd, opened read-write, as ``SCM_RIGHTS`` ancillary data on
+the reply's first byte. An engine that may use the socket (mode 0600, or 0660 for the node's
+``--access-group``) but cannot open ``/proc/<node pid>/fd/<fd>`` (another user) maps that
+descriptor. A node that cannot send it answers UNAVAILABLE; the engine then falls back to
+the ``pool_path`` of Register.
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ REQUEST_HEADER = struct.Struct("<IBB")
 REPLY_HEADER = struct.Struct("<IB")
 
 HELLO = 0  # method number of the opening frame carrying the token
+POOL = 255  # method number of the request for the pool's file descriptor (SCM_RIGHTS)
+POOL_REPLY = struct.Struct("<QQ")  # epoch, pool bytes
 
 NO_REPLY = 0x01  # flags bit: the caller does not read a reply (async Commit / Release)
 

@@ -1,8 +1,9 @@
 """The L1 pool: one shared-memory region owned by the node, mapped by every engine.
 
 The region is a memfd (``MFD_HUGETLB`` with huge pages), so a crashed node leaves nothing
-behind in /dev/shm; engines open it through ``/proc/<node pid>/fd/<fd>`` (same user: the
-file mode is 0600).
+behind in /dev/shm; engines map a descriptor the node passes over its local socket
+(``SCM_RIGHTS``, after the token check: how ``--access-group`` members get in), else open
+``/proc/<node pid>/fd/<fd>`` (same user: the file mode is 0600).
 
 The pool is pre-faulted (every page allocated and mapped) because a first touch costs a
 page fault per 4 KiB (~1.5-2 GB/s here), which would otherwise land on the first saves. It

@@ -120,6 +120,24 @@ try:
     c.close()
 except Exception:
     pass
+# 5. An engine that maps the pool: save pages of its own through the mapping, load them back.
+try:
+    m = PegaClient(addr, timeout=5)
+    m.register({"mine": PAGE})
+    r = m.reserve("mine", hashes("m"))
+    for i, off in enumerate(r.offsets):
+        r.pool[off:off + PAGE] = 40 + i
+    assert m.commit(r.reservation_id) == N
+    q = m.query(["mine"], hashes("m"))
+    got = [bytes(q.pool[off:off + PAGE].numpy()) for off in q.offsets["mine"]]
+    m.release(q.lease_id)
+    out["pool_pages"] = sum(1 for i, b in enumerate(got) if b == bytes([40 + i]) * PAGE)
+    out["pool_transport"] = m.transport
+    m.close()
+except (NodeError, grpc.RpcError) as exc:
+    out["pool_pages"] = code(exc)
+except OSError as exc:
+    out["pool_pages"] = type(exc).__name__
 print("RESULT " + json.dumps(out), flush=True)
 '''
 
@@ -227,8 +245,12 @@ def test_access_group_lets_its_members_in_and_nobody_else(node_factory, tmp_path
     assert owner.transport == "local"
     member = attack(tmp_path, node.addr, owner.session_id, groups=(g.gr_gid,))
     assert member["register"] == "OK" and member["query_hits"] == N and member["transport"] == "local", member
+    # It maps the pool from the descriptor the local socket passes (/proc/<node>/fd is the
+    # node's user's only): pages saved through the mapping load back byte for byte.
+    assert member["pool_pages"] == N and member["pool_transport"] == "local", member
     stranger = attack(tmp_path, node.addr, owner.session_id)
     assert stranger["register"] == "UNAUTHENTICATED" and stranger.get("query_hits", 0) == 0, stranger
+    assert stranger["pool_pages"] == "UNAUTHENTICATED", stranger
     owner.close()
 
 

@@ -23,6 +23,12 @@ Contracts:
   closes that connection with a log line; nothing else is affected.
 - With a token (``--auth-token-file``), a connection's first frame must be HELLO with the
   token (constant-time compare); otherwise the node answers UNAUTHENTICATED and closes it.
+- POOL (``local_wire.POOL``, after that check) answers with a read-write descriptor of the
+  pool's memfd (``SCM_RIGHTS``): how an engine of another user, let in by
+  ``--access-group``, maps the pool it cannot open through ``/proc/<node pid>/fd/<fd>``.
+  The descriptor is opened anew for each request and closed once sent; a connection whose
+  reply buffer is not empty (the descriptor must ride on the reply's own bytes) is
+  answered UNAVAILABLE, and the engine falls back to the ``/proc`` path.
 """
 
 from __future__ import annotations
@@ -40,7 +46,15 @@ from typing import Any
 import structlog
 from google.protobuf.message import DecodeError
 
-from pegaflow.common.local_wire import HELLO, MAX_FRAME, NO_REPLY, REPLY_HEADER, REQUEST_HEADER
+from pegaflow.common.local_wire import (
+    HELLO,
+    MAX_FRAME,
+    NO_REPLY,
+    POOL,
+    POOL_REPLY,
+    REPLY_HEADER,
+    REQUEST_HEADER,
+)
 from pegaflow.common.logging import RateLimitedLog
 from pegaflow.common.security import SOCKET_NAME, default_socket_path  # noqa: F401 - the naming rule's home
 from pegaflow.node.service import LOCAL, NodeService, RpcStatus
@@ -55,6 +69,7 @@ MAX_SUN_PATH = 107  # bytes of a Unix socket path (sun_path is 108 with the NUL)
 MAX_HELLO = 4096  # bytes of a token
 UNAUTHENTICATED = 16  # gRPC's code number
 UNAUTHENTICATED_MSG = b"a valid token is required"
+UNAVAILABLE = 14  # gRPC's code number
 
 
 class LocalSocketError(Exception):
@@ -214,7 +229,7 @@ class _Connection(asyncio.Protocol):
                 if method != HELLO:
                     if not self.authenticated:
                         return self._refuse("no token presented")
-                    if method not in self.methods:
+                    if method != POOL and method not in self.methods:
                         return self._reject("unknown method", method=method)
                 start = pos + REQUEST_HEADER.size
                 if len(buf) < start + length:
@@ -226,6 +241,9 @@ class _Connection(asyncio.Protocol):
                         return self._refuse("wrong token")
                     self.authenticated = True
                     self.transport.write(REPLY_HEADER.pack(0, 0))
+                    continue
+                if method == POOL:
+                    self._send_pool(flags)
                     continue
                 req_type, handler = self.methods[method]
                 try:
@@ -257,6 +275,40 @@ class _Connection(asyncio.Protocol):
             self._serve()
             if self.eof and self.waiting is None:
                 self._end_of_input()
+
+    def _send_pool(self, flags: int) -> None:
+        """Reply to POOL with the pool's descriptor (see the module's contracts)."""
+        if flags & NO_REPLY or self.transport is None:
+            return
+        service = self.server.service
+        body = POOL_REPLY.pack(service.epoch, service.pool_bytes)
+        error = ""
+        if self.transport.get_write_buffer_size():
+            error = "reply buffer not empty"
+        else:
+            try:
+                # The node's own path to its memfd: a new read-write open file description.
+                fd = os.open(service.pool_path, os.O_RDWR | os.O_CLOEXEC)
+            except OSError as exc:
+                error = f"cannot open the pool: {exc.strerror}"
+            else:
+                # A dup of the transport's (non-blocking) socket: asyncio's own object does
+                # not offer sendmsg. The send is of a few bytes into an empty buffer.
+                sock = socket.socket(fileno=os.dup(self.transport.get_extra_info("socket").fileno()))
+                try:
+                    frame = REPLY_HEADER.pack(len(body), 0) + body
+                    sent = socket.send_fds(sock, [frame], [fd])
+                    if sent < len(frame):  # the descriptor went with the first bytes
+                        self.transport.write(frame[sent:])
+                    return
+                except OSError as exc:
+                    error = f"cannot send the pool: {exc.strerror or exc}"
+                finally:
+                    sock.close()
+                    os.close(fd)
+        log.warning("local_pool_fd_not_sent", error=error)
+        msg = error.encode()
+        self.transport.write(REPLY_HEADER.pack(len(msg), UNAVAILABLE) + msg)
 
     def _reply(self, response: Any, flags: int) -> None:
         if flags & NO_REPLY or self.transport is None:
