@@ -605,7 +605,9 @@ class PegaClient:
     def close(self) -> None:
         """Deliver what was sent without waiting (``wait=False`` Commits and Releases) —
         bounded by the client's timeout — then end the session. Ending the session first
-        would let the node drop a reservation whose Commit is still on its way."""
+        would let the node drop a reservation whose Commit is still on its way. The pool
+        mapping is dropped too: unmapped at once unless a caller still holds a view of it
+        (a result's ``.pool``, a slice of ``client.pool``), then when the last view dies."""
         with self._lock:
             self._closed = True
             if self._bound is not None and self._bound.local is not None:
