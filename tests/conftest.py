@@ -102,11 +102,13 @@ class NodeProcess:
         return default_socket_path("127.0.0.1", self.port, {**os.environ, **self.env})
 
     def remove_local_socket(self) -> None:
-        """A SIGKILLed node leaves its socket file behind (the next node would replace it)."""
-        try:
-            os.unlink(self.local_socket)
-        except FileNotFoundError:
-            pass
+        """A SIGKILLed node leaves its socket file and its own token beside it behind (the next
+        node on the port would replace the socket and remove the token)."""
+        for path in (self.local_socket, f"{self.local_socket}.token"):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
 
 
 @pytest.fixture

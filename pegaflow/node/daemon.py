@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import signal
@@ -245,6 +246,13 @@ class Node:
             self.service.local_socket = self.local.path
         if own:  # once the socket is ours, before gRPC serves: no call is ever served without it
             self._write_own_token(guard, port, own)
+        elif self.local is not None:
+            # The socket is ours, so a token file beside it is a killed node's: clients would
+            # send it to this node (refused under a configured token, misleading without one).
+            stale = token_path(self.local.path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(stale)
+                log.info("stale_node_token_removed", path=stale)
         if self.ssd is not None:
             self.ssd.start(asyncio.get_running_loop())
         if self.p2p is not None:

@@ -287,8 +287,15 @@ def test_a_configured_token_writes_no_file_and_is_required(node_factory, tmp_pat
     tok = tmp_path / "t"
     tok.write_text("configured-token")
     tok.chmod(0o600)
-    node = node_factory(extra=["--auth-token-file", str(tok)], env={"PEGAFLOW_AUTH_TOKEN_FILE": str(tok)})
-    assert not os.path.exists(token_path(node.local_socket))
+    node = node_factory(extra=["--auth-token-file", str(tok)], env={"PEGAFLOW_AUTH_TOKEN_FILE": str(tok)},
+                        start=False)
+    # A killed node's own token left beside the socket: the node that takes the socket removes it.
+    stale = token_path(node.local_socket)
+    fd = os.open(stale, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.write(fd, b"a-killed-node-token\n")
+    os.close(fd)
+    node.start()
+    assert not os.path.exists(stale)
     with pytest.raises(NodeError):
         PegaClient(node.addr, security=Security()).register({"victim": PAGE})
     c = PegaClient(node.addr, security=Security(token="configured-token"))
