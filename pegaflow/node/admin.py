@@ -50,6 +50,7 @@ from pegaflow.common.grpc_guard import token_matches
 from pegaflow.common.validate import check_hashes
 from pegaflow.core.block_index import Block, BlockIndex, IndexEvent, Namespace
 from pegaflow.node.metrics import NodeMetrics
+from pegaflow.node.service import drop_namespaces
 from pegaflow.node.sessions import Sessions
 
 log = structlog.get_logger("pegaflow.node.admin")
@@ -249,14 +250,9 @@ class NodeAdmin:
             if not names:
                 raise InvalidArgument(f"no registered engine instance {request.instance_id!r} on this node")
             nss = [ns for n in sorted(names) if (ns := self.index.get_namespace(n)) is not None]
-        dropped = busy = on_ssd = 0
-        for ns in nss:
-            self._let_go(ns.name)  # pinned by an operator: freed now, held again when stored again
-            hashes, pinned = self.index.clear(ns)
-            dropped += len(hashes)
-            busy += pinned
-            if self.ssd is not None:
-                on_ssd += self.ssd.clear(ns)
+        # Pinned by an operator: freed now, held again when stored again.
+        dropped, busy, on_ssd = drop_namespaces(self.index, self.ssd, nss,
+                                                before=lambda ns: self._let_go(ns.name))
         self.metrics.resets.inc()
         self.metrics.removed.labels("clear").inc(dropped)
         log.warning("cache_cleared", namespaces=[ns.name for ns in nss], dropped_blocks=dropped, busy_blocks=busy,

@@ -184,6 +184,26 @@ class Accounting(Protocol):
         ...
 
 
+class ClearableTier(Protocol):
+    def clear(self, ns: Namespace) -> int: ...
+
+
+def drop_namespaces(index: BlockIndex, ssd: ClearableTier | None, nss: Sequence[Namespace],
+                    before: Callable[[Namespace], None] | None = None) -> tuple[int, int, int]:
+    """Drop every block of ``nss`` from L1 and the SSD tier (an engine's Reset, an operator's
+    clear): (blocks dropped, of those still held by a lease, blocks dropped from SSD)."""
+    dropped = busy = on_ssd = 0
+    for ns in nss:
+        if before is not None:
+            before(ns)
+        hashes, pinned = index.clear(ns)
+        dropped += len(hashes)
+        busy += pinned
+        if ssd is not None:
+            on_ssd += ssd.clear(ns)
+    return dropped, busy, on_ssd
+
+
 class NodeService(node_pb2_grpc.PegaNodeServicer):
     def __init__(
         self,
@@ -493,13 +513,7 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         if not request.namespaces:
             raise InvalidArgument("reset needs at least one namespace")
         nss = [self.sessions.namespace(s, n) for n in dict.fromkeys(request.namespaces)]
-        dropped = busy = on_ssd = 0
-        for ns in nss:
-            hashes, pinned = self.index.clear(ns)
-            dropped += len(hashes)
-            busy += pinned
-            if self.ssd is not None:
-                on_ssd += self.ssd.clear(ns)
+        dropped, busy, on_ssd = drop_namespaces(self.index, self.ssd, nss)
         self.metrics.resets.inc()
         self.metrics.removed.labels("reset").inc(dropped)
         log.info("namespaces_reset", session=s.id, instance=s.instance_id, namespaces=[ns.name for ns in nss],
