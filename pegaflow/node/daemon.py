@@ -170,6 +170,7 @@ class Node:
             pinned_bytes=lambda: self.admin.pinned_bytes,
             pins=lambda: len(self.admin.pins),
             admission_rejections=lambda: self.index.admission_rejections,
+            evicted_bytes=lambda: self.index.evicted_bytes,
         )
         self.server: grpc.aio.Server | None = None
         self.local: LocalServer | None = None  # the Unix-socket fast path (--local-socket)

@@ -119,12 +119,16 @@ class NodeMetrics:
             ["result"],
             registry=r,
         )
-        self._admission_rejections: Callable[[], float] = lambda: 0
-        r.register(_FnCounter(
-            "pegaflow_node_admission_rejections",
-            "New blocks not stored because TinyLFU preferred the LRU victim.",
-            lambda: self._admission_rejections(),
-        ))  # fmt: skip
+        # Counters kept by the index as plain ints, read at scrape time (bind()).
+        self._fn_counters: dict[str, Callable[[], float]] = {}
+        for key, name, doc in (
+            ("admission_rejections", "pegaflow_node_admission_rejections",
+             "New blocks not stored because TinyLFU preferred the LRU victim."),
+            ("evicted_bytes", "pegaflow_node_evicted_bytes",
+             "Bytes of the blocks evicted from L1 to make room (their pages are freed at once)."),
+        ):
+            self._fn_counters[key] = lambda: 0
+            r.register(_FnCounter(name, doc, lambda key=key: self._fn_counters[key]()))
         for tier in ("l1", "ssd", "remote"):  # export zeros, so dashboards see every tier
             self.hits.labels(tier)
         self.evictions.labels("l1")
@@ -138,10 +142,11 @@ class NodeMetrics:
         OriginalNames(r, original_aliases(self))
 
     def bind(self, **sources: Callable[[], float]) -> None:
-        """Compute state gauges (and ``admission_rejections``) at scrape time: ``bind(pool_used=lambda: ...)``."""
+        """Compute state gauges (and the index's counters: ``admission_rejections``,
+        ``evicted_bytes``) at scrape time: ``bind(pool_used=lambda: ...)``."""
         for name, fn in sources.items():
-            if name == "admission_rejections":
-                self._admission_rejections = fn
+            if name in self._fn_counters:
+                self._fn_counters[name] = fn
             else:
                 getattr(self, name).set_function(fn)
 
@@ -227,6 +232,10 @@ def original_aliases(m: NodeMetrics) -> list[Alias | ValueAlias]:
         Alias("pegaflow_cache_block_evictions", "counter",
               "Blocks evicted from L1 (pegaflow_node_evictions_total{tier=\"l1\"}).",
               ("pegaflow_node_evictions",), relabel=_only(tier="l1")),
+        Alias("pegaflow_cache_eviction_reclaimed_bytes", "counter",
+              "Bytes of the blocks evicted from L1; eviction frees the page at once "
+              "(pegaflow_node_evicted_bytes_total).",
+              ("pegaflow_node_evicted_bytes",)),
         Alias("pegaflow_cache_resident_blocks", "gauge", "Committed blocks in L1 (pegaflow_node_resident_blocks).",
               ("pegaflow_node_resident_blocks",)),
         Alias("pegaflow_cache_resident_bytes", "gauge", "Bytes of committed blocks in L1 (pegaflow_node_resident_bytes).",

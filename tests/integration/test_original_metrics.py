@@ -93,7 +93,11 @@ def test_a_live_node_and_metaserver_serve_the_originals_names(node_factory, redi
         assert sum(tiers.values()) == value(s, "pegaflow_node_request_blocks_total")
         inserted = same("pegaflow_cache_block_insertions_total", "pegaflow_node_inserted_blocks_total")
         assert inserted == SAVED + t.ssd_blocks  # the saves, then the promoted copies
-        assert same("pegaflow_cache_block_evictions_total", "pegaflow_node_evictions_total", tier="l1") > 0
+        evictions = same("pegaflow_cache_block_evictions_total", "pegaflow_node_evictions_total", tier="l1")
+        assert evictions > 0
+        # Every page is PAGE bytes, freed when its block is evicted.
+        assert same("pegaflow_cache_eviction_reclaimed_bytes_total", "pegaflow_node_evicted_bytes_total") == \
+            evictions * PAGE
         assert same("pegaflow_save_bytes_total", "pegaflow_node_save_bytes_total") == SAVED * PAGE
         assert same("pegaflow_load_bytes_total", "pegaflow_node_load_bytes_total") >= (t.l1_hits + t.ssd_blocks) * PAGE
         same("pegaflow_pool_alloc_failures_total", "pegaflow_node_reserve_skipped_blocks_total", reason="no_space")
