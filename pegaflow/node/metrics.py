@@ -289,6 +289,10 @@ def original_aliases(m: NodeMetrics) -> list[Alias | ValueAlias]:
               "Blocks on SSD not promoted because --ssd-prefetch-queue-depth batches were waiting "
               "(pegaflow_node_ssd_prefetch_dropped_blocks_total).",
               ("pegaflow_node_ssd_prefetch_dropped_blocks",)),
+        Alias("pegaflow_ssd_prefetch_backpressure_blocks", "counter",
+              "Blocks on SSD past --max-prefetch-blocks, left for the engine's next Query "
+              "(pegaflow_node_ssd_prefetch_deferred_blocks_total).",
+              ("pegaflow_node_ssd_prefetch_deferred_blocks",)),
         Alias("pegaflow_ssd_prefetch_duration_seconds", "histogram",
               "From the Query that found blocks on SSD until they are in L1 (pegaflow_node_ssd_promotion_seconds).",
               ("pegaflow_node_ssd_promotion_seconds",)),

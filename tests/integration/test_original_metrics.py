@@ -57,7 +57,9 @@ def test_a_live_node_and_metaserver_serve_the_originals_names(node_factory, redi
                                                               tmp_path: Path) -> None:
     meta = start_metaserver(tmp_path, redis_server.url)
     try:
-        node = node_factory(pool_size="1mb", extra=node_args(tmp_path, redis_server.url))
+        # Two SSD reads in flight at most: the SSD request's four blocks are promoted two by two.
+        node = node_factory(pool_size="1mb",
+                            extra=node_args(tmp_path, redis_server.url) + ["--max-prefetch-blocks", "2"])
         # A fresh pool is one free extent (sampled every second).
         wait_until(lambda: node.metric("pegaflow_pool_largest_free_bytes") == 1 << 20, WAIT_S,
                    "the largest free extent to be the whole pool")
@@ -121,6 +123,9 @@ def test_a_live_node_and_metaserver_serve_the_originals_names(node_factory, redi
         same("pegaflow_ssd_write_inflight", "pegaflow_node_ssd_direction_inflight_ios", direction="write")
         same("pegaflow_ssd_prefetch_inflight", "pegaflow_node_ssd_direction_inflight_ios", direction="prefetch")
         same("pegaflow_ssd_prefetch_queue_full_total", "pegaflow_node_ssd_prefetch_dropped_blocks_total")
+        # The first Query of the SSD request promoted two blocks and left two for the next one.
+        assert same("pegaflow_ssd_prefetch_backpressure_blocks_total",
+                    "pegaflow_node_ssd_prefetch_deferred_blocks_total") >= t.ssd_blocks - 2
         # The global index: the saves were published (an evicted block already on SSD is published
         # as a tier change, an insert, not as a removal).
         assert value(s, "pegaflow_metaserver_registration_blocks_total") == value(

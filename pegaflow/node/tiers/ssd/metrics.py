@@ -39,6 +39,9 @@ class SsdMetrics:
         self.prefetch_dropped = Counter("pegaflow_node_ssd_prefetch_dropped_blocks_total",
                                         "Blocks on SSD not promoted because --ssd-prefetch-queue-depth "
                                         "batches were already waiting.", registry=r)
+        self.prefetch_deferred = Counter("pegaflow_node_ssd_prefetch_deferred_blocks_total",
+                                         "Blocks on SSD not promoted by a Query because --max-prefetch-blocks "
+                                         "reads were in flight (left for the engine's next Query).", registry=r)
         self.skipped = Counter("pegaflow_node_ssd_skipped_writes_total",
                                "Blocks not written to SSD, by reason (queue_full, too_large, io_error).",
                                ["reason"], registry=r)

@@ -122,7 +122,10 @@ class Promoter:
                     if index.get(ns, h) is None and (ns.id, h) not in inflight and (ns.id, h) in store.entries]
             # Back-pressure: beyond the limit the rest is not promoted now; _loading then answers
             # with the prefix that is on its way, and the engine's next Query promotes more.
-            need = need[:max(0, self.max_blocks - len(inflight))]
+            room = max(0, self.max_blocks - len(inflight))
+            if len(need) > room:
+                t.metrics.prefetch_deferred.inc(len(need) - room)
+                need = need[:room]
             if need and dropping:
                 t.metrics.prefetch_dropped.inc(len(need))
                 continue
