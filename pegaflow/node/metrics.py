@@ -324,6 +324,10 @@ def original_aliases(m: NodeMetrics) -> list[Alias | ValueAlias]:
         Alias("pegaflow_rdma_fetch_duration_seconds", "histogram",
               "From the Query that started a pull until its pages are committed (pegaflow_node_p2p_pull_seconds).",
               ("pegaflow_node_p2p_pull_seconds",)),
+        Alias("pegaflow_rdma_qps", "gauge",
+              "RDMA RC queue pairs open, pulling and serving (pegaflow_node_p2p_rdma_queue_pairs, summed); "
+              "0 on a TCP node.",
+              ("pegaflow_node_p2p_rdma_queue_pairs",)),
         Alias("pegaflow_rdma_fetch_bytes", "counter",
               "Page bytes pulled from peers (pegaflow_node_p2p_pull_bytes_total).",
               ("pegaflow_node_p2p_pull_bytes",)),

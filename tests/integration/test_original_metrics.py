@@ -132,6 +132,9 @@ def test_a_live_node_and_metaserver_serve_the_originals_names(node_factory, redi
             s, "pegaflow_node_events_published_blocks_total", op="insert") + value(
             s, "pegaflow_node_events_published_blocks_total", op="snapshot")
         same("pegaflow_metaserver_removal_blocks_total", "pegaflow_node_events_published_blocks_total", op="evict")
+        # A TCP node (no --nics) opens no RDMA queue pair; RDMA ones: tests/unit/test_rdma_qps.py.
+        assert len(s["pegaflow_node_p2p_rdma_queue_pairs"]) == 2  # pull, serve
+        assert value(s, "pegaflow_rdma_qps") == value(s, "pegaflow_node_p2p_rdma_queue_pairs") == 0
         # RPCs: every Query we sent, under the original's method/status labels.
         assert value(s, "pegaflow_rpc_requests_total", method="query", status="ok") >= t.queries
         assert value(s, "pegaflow_rpc_requests_total") == value(s, "pegaflow_node_rpc_duration_seconds_count")

@@ -64,3 +64,37 @@ def test_a_pull_spreads_each_nics_pages_over_qps_per_peer_queue_pairs(qps: int, 
         assert pulls(r.b, "ok") == 2
     finally:
         r.close()
+
+
+def test_open_queue_pairs_are_a_gauge_under_ours_and_the_originals_name() -> None:
+    # As wiring.P2P binds them: the puller's transport, the responder's accepted QPs.
+    from pegaflow.node.metrics import NodeMetrics
+
+    r = RdmaPair()
+    NodeMetrics(r.b.registry)  # the node's registry: ours, and the original's names from them
+    NodeMetrics(r.a.registry)
+    r.b.metrics.bind_rdma(r.transport.qps, None)
+    r.a.metrics.bind_rdma(None, lambda: len(r.responder.qps))
+    r.transport.qps_per_peer = 2
+    try:
+        def qps(side: Holder | object, role: str = "") -> float | None:
+            reg = side.registry  # type: ignore[attr-defined]
+            if role:
+                return reg.get_sample_value("pegaflow_node_p2p_rdma_queue_pairs", {"role": role})
+            return reg.get_sample_value("pegaflow_rdma_qps")
+
+        assert qps(r.b) == qps(r.a) == 0 and qps(r.b, "pull") == qps(r.b, "serve") == 0
+        hs = hashes("gauge", 8)
+        r.a.store(hs)
+        r.meta.holders = [Holder("ra", r.a.address, 8)]
+
+        async def pull() -> None:
+            r.a.table.loop = asyncio.get_running_loop()
+            assert await r.puller.query([r.b.ns], hs, 0)
+            await settle(r.puller)
+
+        asyncio.run(pull())
+        assert qps(r.b, "pull") == qps(r.b) == r.transport.qps() == 4  # 2 NICs x 2
+        assert qps(r.a, "serve") == qps(r.a) == 4 and qps(r.a, "pull") == 0
+    finally:
+        r.close()

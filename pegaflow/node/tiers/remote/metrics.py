@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 PULL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
@@ -47,6 +49,12 @@ class PeerMetrics:
         self.known_checksums = Gauge("pegaflow_node_p2p_known_checksums",
                                      "Resident blocks whose page checksum is known (no re-read when served).",
                                      registry=r)
+        self.rdma_qps = Gauge("pegaflow_node_p2p_rdma_queue_pairs",
+                              "RDMA RC queue pairs open, by role: pull (ours, --qps-per-peer per NIC pair "
+                              "and peer) and serve (answering pullers' RdmaConnect); 0 on a TCP node.",
+                              ["role"], registry=r)
+        for role in ("pull", "serve"):
+            self.rdma_qps.labels(role)
         self.backed_off = Gauge("pegaflow_node_p2p_backed_off_peers",
                                 "Peers skipped for now after a failed or wrong answer.", registry=r)
         self.ssd_served = Counter(
@@ -63,3 +71,9 @@ class PeerMetrics:
                                ["result"], registry=r)
         for s in ("found", "none", "error"):
             self.lookups.labels(s)
+
+    def bind_rdma(self, pull: Callable[[], float] | None, serve: Callable[[], float] | None) -> None:
+        """Read the open queue pairs at scrape time (``None``: that side has no RDMA, 0)."""
+        for role, fn in (("pull", pull), ("serve", serve)):
+            if fn is not None:
+                self.rdma_qps.labels(role).set_function(fn)

@@ -84,6 +84,8 @@ class P2P:
             self.puller = Puller(index, pool.view, node_id, self._lookup, self._peers, transport, self.metrics,
                                  pin_ttl=config.pin_ttl, backoff=config.peer_backoff, max_pull=config.max_batch,
                                  on_remote_hits=on_remote_hits, checksums=self.checksums)
+        pulling = self.puller.transport if self.puller is not None and self.engine is not None else None
+        self.metrics.bind_rdma(getattr(pulling, "qps", None), (lambda: len(rdma.qps)) if rdma is not None else None)
         log.info("p2p_ready", data_addr=self.data_addr, transport="rdma" if self.engine else "tcp",
                  sendfile=self.data.sendfile,
                  pulls=self.puller is not None, nics=list(config.nics))
