@@ -171,6 +171,7 @@ class Node:
             pins=lambda: len(self.admin.pins),
             admission_rejections=lambda: self.index.admission_rejections,
             evicted_bytes=lambda: self.index.evicted_bytes,
+            load_pins=self.sessions.load_pins,
         )
         self.server: grpc.aio.Server | None = None
         self.local: LocalServer | None = None  # the Unix-socket fast path (--local-socket)

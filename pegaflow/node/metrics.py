@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from pegaflow.common.metric_alias import Alias, OriginalNames, Relabel, ValueAlias, rpc_labels
@@ -139,6 +139,8 @@ class NodeMetrics:
             "Blocks that became resident in L1 (committed by engines, promoted from SSD, pulled from peers).",
             registry=r,
         )
+        self._load_pins: Callable[[], tuple[int, int, int, int]] = lambda: (0, 0, 0, 0)
+        r.register(_LoadPins(lambda: self._load_pins()))
         OriginalNames(r, original_aliases(self))
 
     def bind(self, **sources: Callable[[], float]) -> None:
@@ -147,6 +149,8 @@ class NodeMetrics:
         for name, fn in sources.items():
             if name in self._fn_counters:
                 self._fn_counters[name] = fn
+            elif name == "load_pins":
+                self._load_pins = fn  # type: ignore[assignment]
             else:
                 getattr(self, name).set_function(fn)
 
@@ -162,6 +166,27 @@ class _FnCounter(Collector):
 
     def collect(self) -> list[CounterMetricFamily]:
         return [CounterMetricFamily(self.name, self.doc, value=float(self.fn()))]
+
+
+LOAD_PINS = (
+    ("pegaflow_node_lease_pin_entries", "Distinct (session, block) pairs the leases pin."),
+    ("pegaflow_node_lease_pin_refs", "Block references held by leases (a block in two leases counts twice)."),
+    ("pegaflow_node_lease_pinned_blocks", "Distinct blocks pinned by leases."),
+    ("pegaflow_node_lease_pinned_bytes", "Bytes of the distinct blocks pinned by leases."),
+)
+
+
+class _LoadPins(Collector):
+    """The leases' pins (Sessions.load_pins), four gauges from one pass at scrape time."""
+
+    def __init__(self, fn: Callable[[], tuple[int, int, int, int]]) -> None:
+        self.fn = fn
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return [GaugeMetricFamily(n, d) for n, d in LOAD_PINS]
+
+    def collect(self) -> list[GaugeMetricFamily]:
+        return [GaugeMetricFamily(n, d, value=float(v)) for (n, d), v in zip(LOAD_PINS, self.fn(), strict=True)]
 
 
 def _value(gauge: Gauge) -> float:
@@ -240,6 +265,19 @@ def original_aliases(m: NodeMetrics) -> list[Alias | ValueAlias]:
               ("pegaflow_node_resident_blocks",)),
         Alias("pegaflow_cache_resident_bytes", "gauge", "Bytes of committed blocks in L1 (pegaflow_node_resident_bytes).",
               ("pegaflow_node_resident_bytes",)),
+        # Load-path pins: the original pins blocks for an engine's load; leases do that here.
+        Alias("pegaflow_pinned_for_load_entries", "gauge",
+              "Distinct (session, block) pairs pinned by leases (pegaflow_node_lease_pin_entries).",
+              ("pegaflow_node_lease_pin_entries",)),
+        Alias("pegaflow_pinned_for_load_refs", "gauge",
+              "Block references held by leases (pegaflow_node_lease_pin_refs).",
+              ("pegaflow_node_lease_pin_refs",)),
+        Alias("pegaflow_pinned_for_load_unique_blocks", "gauge",
+              "Distinct blocks pinned by leases (pegaflow_node_lease_pinned_blocks).",
+              ("pegaflow_node_lease_pinned_blocks",)),
+        Alias("pegaflow_pinned_for_load_unique_bytes", "gauge",
+              "Bytes of the distinct blocks pinned by leases (pegaflow_node_lease_pinned_bytes).",
+              ("pegaflow_node_lease_pinned_bytes",)),
         # HyperLogLog reuse (the hit-rate ceiling, pegaflow/node/accounting.py)
         Alias("pegaflow_hll_cardinality", "gauge",
               "Distinct blocks requested in the window, HyperLogLog (pegaflow_node_window_distinct_blocks).",

@@ -201,6 +201,19 @@ class Sessions:
         self.leases[lease.id] = lease
         return lease
 
+    def load_pins(self) -> tuple[int, int, int, int]:
+        """The leases' pins (the load path's), as the original counts its pinned_for_load:
+        (session, block) entries, references (blocks over every lease), distinct blocks, and
+        their bytes. One pass over the leased blocks (a scrape's cost)."""
+        refs = 0
+        entries: set[tuple[int, Block]] = set()
+        for lease in self.leases.values():
+            refs += len(lease.blocks)
+            sid = lease.session_id
+            entries.update((sid, b) for b in lease.blocks)
+        unique = {b for _, b in entries}
+        return len(entries), refs, len(unique), sum(b.size for b in unique)
+
     def release(self, s: Session, lease_id: int) -> None:
         lease = s.leases.get(lease_id)
         if lease is None:

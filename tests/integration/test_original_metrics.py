@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from pegaflow.client import PegaClient
 from pegaflow.common.metric_alias import TONIC_STATUS
 from tests.integration import redis_fixtures
 from tests.integration.metrics_stack import (
+    NS,
     PAGE,
     SAVED,
     WAIT_S,
@@ -142,6 +144,26 @@ def test_a_live_node_and_metaserver_serve_the_originals_names(node_factory, redi
             s, "pegaflow_node_rpc_duration_seconds_count", method="Query")
         assert {lb["method"] for lb, _ in s["pegaflow_rpc_requests_total"]} >= {"register", "reserve", "commit",
                                                                                  "query", "release"}
+        # Load-path pins are the leases'; none is held after the traffic.
+        pins = ("pegaflow_pinned_for_load_entries", "pegaflow_pinned_for_load_refs",
+                "pegaflow_pinned_for_load_unique_blocks", "pegaflow_pinned_for_load_unique_bytes")
+        ours = ("pegaflow_node_lease_pin_entries", "pegaflow_node_lease_pin_refs",
+                "pegaflow_node_lease_pinned_blocks", "pegaflow_node_lease_pinned_bytes")
+        assert [same(a, b) for a, b in zip(pins, ours, strict=True)] == [0, 0, 0, 0]
+        c = PegaClient(node.addr)
+        try:  # one session leases the same resident blocks twice
+            c.register({NS: PAGE})
+            leases = [c.query([NS], t.saved[:4], req_id=f"pin-{i}") for i in range(2)]
+            n = leases[0].hit_blocks
+            assert n > 0 and all(q.status == "READY" and q.hit_blocks == n for q in leases), leases
+            _, s = scrape(node.http_port)
+            assert [same(a, b) for a, b in zip(pins, ours, strict=True)] == [n, 2 * n, n, n * PAGE]
+            for q in leases:
+                c.release(q.lease_id)
+            _, s = scrape(node.http_port)
+            assert [value(s, a) for a in pins] == [0, 0, 0, 0]
+        finally:
+            c.close()
 
         # The metaserver.
         types, s = wait_until(lambda: (r := scrape(meta.http_port)) and
