@@ -41,6 +41,7 @@ EXPORTED: tuple[OriginalMetric, ...] = (
     _n("pegaflow_cache_block_insertions_total", "counter"),
     _n("pegaflow_cache_block_admission_rejections_total", "counter"),
     _n("pegaflow_cache_block_evictions_total", "counter"),
+    _n("pegaflow_cache_block_evictions_by_class_total", "counter", ("class",)),
     _n("pegaflow_cache_eviction_reclaimed_bytes_total", "counter"),
     _n("pegaflow_cache_resident_blocks", "gauge"),
     _n("pegaflow_cache_resident_bytes", "gauge"),
@@ -85,7 +86,6 @@ EXPORTED: tuple[OriginalMetric, ...] = (
 )
 
 NOT_EXPORTED: tuple[str, ...] = (
-    "pegaflow_cache_block_evictions_by_class_total",
     "pegaflow_cache_block_evictions_still_referenced_total",
     "pegaflow_cache_residence_duration_seconds",
     "pegaflow_save_duration_seconds",

@@ -156,6 +156,7 @@ class BlockIndex:
         self.resident_bytes = 0
         self.evictions = 0
         self.evicted_bytes = 0
+        self.evicted_reclaimable = 0  # of evictions, pulled copies (the rest were retained)
         self.admission_rejections = 0
         self.no_space = 0
         self._pending = 0  # PENDING blocks held; when 0, prefix() need not check states
@@ -554,6 +555,8 @@ class BlockIndex:
             self.resident_bytes -= vsize
             self.evictions += 1
             self.evicted_bytes += vsize
+            if victim.reclaimable:
+                self.evicted_reclaimable += 1
             dropped.append(victim)
             return victim.offset
         while True:
@@ -563,6 +566,8 @@ class BlockIndex:
             self._drop(victim)
             self.evictions += 1
             self.evicted_bytes += victim.size
+            if victim.reclaimable:
+                self.evicted_reclaimable += 1
             dropped.append(victim)
             if self.alloc.free_bytes >= self.alloc.round(size):
                 try:
@@ -635,11 +640,15 @@ class BlockIndex:
                 self._uncharge(victim)
                 self.evictions += 1
                 self.evicted_bytes += vsize
+                if victim.reclaimable:
+                    self.evicted_reclaimable += 1
                 dropped.append(victim)
                 return victim.offset
             self._drop(victim)
             self.evictions += 1
             self.evicted_bytes += vsize
+            if victim.reclaimable:
+                self.evicted_reclaimable += 1
             dropped.append(victim)
             carving = True
 

@@ -172,6 +172,7 @@ class Node:
             admission_rejections=lambda: self.index.admission_rejections,
             evicted_bytes=lambda: self.index.evicted_bytes,
             load_pins=self.sessions.load_pins,
+            evictions_by_class=lambda: (self.index.evictions, self.index.evicted_reclaimable),
         )
         self.server: grpc.aio.Server | None = None
         self.local: LocalServer | None = None  # the Unix-socket fast path (--local-socket)

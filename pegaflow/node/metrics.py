@@ -9,6 +9,7 @@ these at scrape time: :func:`original_aliases`.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -139,6 +140,18 @@ class NodeMetrics:
             "Blocks that became resident in L1 (committed by engines, promoted from SSD, pulled from peers).",
             registry=r,
         )
+        # Evictions by replacement class: pulled copies (reclaimable, evicted first) or retained.
+        self._by_class: Callable[[], tuple[int, int]] = lambda: (0, 0)  # (evictions, of them reclaimable)
+
+        def by_class() -> dict[tuple[str, ...], float]:
+            total, reclaimable = self._by_class()
+            return {("reclaimable",): reclaimable, ("retained",): total - reclaimable}
+
+        r.register(_FnCounter(
+            "pegaflow_node_evicted_blocks_by_class",
+            "Blocks evicted from L1 by replacement class: reclaimable (copies pulled from peers, "
+            "first in line) or retained (the rest).", by_class, ("class",),
+        ))  # fmt: skip
         self._load_pins: Callable[[], tuple[int, int, int, int]] = lambda: (0, 0, 0, 0)
         r.register(_LoadPins(lambda: self._load_pins()))
         OriginalNames(r, original_aliases(self))
@@ -149,6 +162,8 @@ class NodeMetrics:
         for name, fn in sources.items():
             if name in self._fn_counters:
                 self._fn_counters[name] = fn
+            elif name == "evictions_by_class":  # () -> (evictions, of them reclaimable)
+                self._by_class = fn  # type: ignore[assignment]
             elif name == "load_pins":
                 self._load_pins = fn  # type: ignore[assignment]
             else:
@@ -156,16 +171,22 @@ class NodeMetrics:
 
 
 class _FnCounter(Collector):
-    """A counter whose value is read from a live object at scrape time (a monotonic int)."""
+    """A counter whose value is read from a live object at scrape time (a monotonic int);
+    with ``labels``, ``fn`` gives ``{label values: value}``."""
 
-    def __init__(self, name: str, doc: str, fn: Callable[[], float]) -> None:
-        self.name, self.doc, self.fn = name, doc, fn
+    def __init__(self, name: str, doc: str, fn: Callable[[], Any], labels: tuple[str, ...] = ()) -> None:
+        self.name, self.doc, self.fn, self.labels = name, doc, fn, labels
 
     def describe(self) -> list[CounterMetricFamily]:
-        return [CounterMetricFamily(self.name, self.doc)]
+        return [CounterMetricFamily(self.name, self.doc, labels=self.labels)]
 
     def collect(self) -> list[CounterMetricFamily]:
-        return [CounterMetricFamily(self.name, self.doc, value=float(self.fn()))]
+        if not self.labels:
+            return [CounterMetricFamily(self.name, self.doc, value=float(self.fn()))]
+        fam = CounterMetricFamily(self.name, self.doc, labels=self.labels)
+        for key, v in self.fn().items():
+            fam.add_metric(list(key), float(v))
+        return [fam]
 
 
 LOAD_PINS = (
@@ -257,6 +278,11 @@ def original_aliases(m: NodeMetrics) -> list[Alias | ValueAlias]:
         Alias("pegaflow_cache_block_evictions", "counter",
               "Blocks evicted from L1 (pegaflow_node_evictions_total{tier=\"l1\"}).",
               ("pegaflow_node_evictions",), relabel=_only(tier="l1")),
+        Alias("pegaflow_cache_block_evictions_by_class", "counter",
+              "Blocks evicted from L1 by replacement class: reclaimable (pulled copies) or retained "
+              "(pegaflow_node_evicted_blocks_by_class_total{class}).",
+              ("pegaflow_node_evicted_blocks_by_class",), ("class",), relabel=_same,
+              fixed=(("reclaimable",), ("retained",))),
         Alias("pegaflow_cache_eviction_reclaimed_bytes", "counter",
               "Bytes of the blocks evicted from L1; eviction frees the page at once "
               "(pegaflow_node_evicted_bytes_total).",

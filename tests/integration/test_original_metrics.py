@@ -99,6 +99,10 @@ def test_a_live_node_and_metaserver_serve_the_originals_names(node_factory, redi
         assert inserted == SAVED + t.ssd_blocks  # the saves, then the promoted copies
         evictions = same("pegaflow_cache_block_evictions_total", "pegaflow_node_evictions_total", tier="l1")
         assert evictions > 0
+        # No pulled copies on this node: every eviction took a retained block.
+        by_class = {lb["class"]: v for lb, v in s["pegaflow_cache_block_evictions_by_class_total"]}
+        assert by_class == {"reclaimable": 0, "retained": evictions}, by_class
+        assert by_class["retained"] == value(s, "pegaflow_node_evicted_blocks_by_class_total", **{"class": "retained"})
         # Every page is PAGE bytes, freed when its block is evicted.
         assert same("pegaflow_cache_eviction_reclaimed_bytes_total", "pegaflow_node_evicted_bytes_total") == \
             evictions * PAGE

@@ -150,6 +150,9 @@ def test_reclaimable_blocks_are_evicted_first():
     fill(idx, ns, [3])
     fill(idx, ns, [4])
     assert idx.get(ns, h(2)) is None and idx.get(ns, h(1)) is not None
+    assert (idx.evictions, idx.evicted_reclaimable) == (1, 1)  # counted by class
+    fill(idx, ns, [5])  # then the oldest retained one
+    assert idx.get(ns, h(1)) is None and (idx.evictions, idx.evicted_reclaimable) == (2, 1)
 
 
 def test_random_hashes_round_trip():
@@ -230,7 +233,8 @@ def _random_ops(seed: int, idx: BlockIndex, use_insert: bool, one_namespace: boo
     return [
         events,
         [(b.ns.name, b.hash, b.offset) for b in idx.lru_order()],
-        (idx.resident_blocks, idx.resident_bytes, idx.evictions, idx.evicted_bytes, idx.no_space),
+        (idx.resident_blocks, idx.resident_bytes, idx.evictions, idx.evicted_bytes, idx.no_space,
+         idx.evicted_reclaimable),
         idx.admission_rejections,
     ]
 

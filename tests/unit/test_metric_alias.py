@@ -91,3 +91,22 @@ def test_without_an_ssd_tier_the_originals_ssd_series_are_absent() -> None:
 
     s = series(NodeMetrics().registry)
     assert not [k for k in s if k[0].startswith(("pegaflow_ssd_write_inflight", "pegaflow_ssd_prefetch_"))]
+
+
+def test_evictions_by_class_come_from_the_index_as_the_node_binds_them() -> None:
+    from pegaflow.core.block_index import BlockIndex
+    from pegaflow.node.metrics import NodeMetrics
+
+    idx = BlockIndex(3 * 4096)
+    ns = idx.namespace("a", 4096)
+    m = NodeMetrics()
+    m.bind(evictions_by_class=lambda: (idx.evictions, idx.evicted_reclaimable),
+           evicted_bytes=lambda: idx.evicted_bytes)
+    idx.insert(ns, [b"1" * 16])
+    idx.insert(ns, [b"2" * 16], reclaimable=True)  # a pulled copy: first in line
+    idx.insert(ns, [b"3" * 16, b"4" * 16, b"5" * 16])  # 3 fits; 4 evicts the copy, 5 the oldest retained
+    got = series(m.registry)
+    for name in ("pegaflow_cache_block_evictions_by_class_total", "pegaflow_node_evicted_blocks_by_class_total"):
+        assert got[(name, (("class", "reclaimable"),))] == 1
+        assert got[(name, (("class", "retained"),))] == 1
+    assert got[("pegaflow_cache_eviction_reclaimed_bytes_total", ())] == 2 * 4096
