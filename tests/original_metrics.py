@@ -83,6 +83,10 @@ EXPORTED: tuple[OriginalMetric, ...] = (
     _m("pegaflow_metaserver_nodes", "gauge", ("state",)),
     _m("pegaflow_metaserver_sweep_removed_owners_total", "counter"),
     _m("pegaflow_metaserver_sweep_removed_nodes_total", "counter"),
+    _m("pegaflow_metaserver_store_entries", "gauge"),
+    _m("pegaflow_metaserver_block_owners", "gauge"),
+    _m("pegaflow_metaserver_block_redundancy", "gauge", ("owners",)),
+    _m("pegaflow_metaserver_block_redundancy_avg", "gauge"),
 )
 
 NOT_EXPORTED: tuple[str, ...] = (
@@ -103,10 +107,6 @@ NOT_EXPORTED: tuple[str, ...] = (
     "pegaflow_metaserver_heartbeat_failures_total",
     "pegaflow_metaserver_session_resets_total",
     "pegaflow_metaserver_unregister_failures_total",
-    "pegaflow_metaserver_store_entries",
-    "pegaflow_metaserver_block_owners",
-    "pegaflow_metaserver_block_redundancy",
-    "pegaflow_metaserver_block_redundancy_avg",
     "pegaflow_metaserver_sweep_removed_keys_total",
 )
 

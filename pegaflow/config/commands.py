@@ -114,6 +114,7 @@ class MetaConfig:
     consumer_name: str
     stream_lease_ttl: float
     sweep_interval: float
+    index_census_interval: float
     node_stale_secs: int
     ttl_minutes: int
     query_max_blocks: int

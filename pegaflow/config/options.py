@@ -623,6 +623,15 @@ OPTIONS: list[Option] = [
         aliases=("sweep-interval-secs",),  # the original's name
     ),
     Option(
+        "index-census-interval",
+        60.0,
+        "Seconds between counts of the whole index (block keys, holders, live holders per key) "
+        "in the background, served as pegaflow_meta_index_* and the original's store_entries, "
+        "block_owners and block_redundancy gauges (0: never; each count SCANs every bucket).",
+        _non_negative_float,
+        commands=(META,),
+    ),
+    Option(
         "node-stale-secs",
         30,
         "Seconds without a heartbeat after which a node is hidden from lookups and from ListNodes' "

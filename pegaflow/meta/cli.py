@@ -100,6 +100,17 @@ def serve_forever(r: Client, opts: MetaConfig, security: Security) -> None:
                 daemon=True,
             )
         )
+    if opts.index_census_interval > 0:
+        from pegaflow.cluster import keys, registry
+        from pegaflow.meta.index import Index
+        from pegaflow.meta.metrics import run_census
+
+        def count():  # type: ignore[no-untyped-def]
+            live = set(registry.visible(r, sorted(registry.nodes(r)), opts.node_stale_secs * 1000))
+            return Index(r).census(sorted(t.decode() for t in r.hkeys(keys.NAMESPACES)), live)
+
+        threads.append(threading.Thread(target=run_census, args=(metrics, count, stop, opts.index_census_interval),
+                                        name="pf-meta-census", daemon=True))
     from pegaflow.cluster.sketches import ClusterCeilingCollector
 
     ceiling = ClusterCeilingCollector(r, opts.ceiling_windows, lg_k=opts.metric_hll_bucket_bits)

@@ -311,6 +311,21 @@ def _nids(v: bytes) -> list[int]:
     return [int.from_bytes(v[j : j + n], "big") & mask for j in range(0, len(v), n)]
 
 
+@dataclass(frozen=True)
+class Census:
+    """The index counted whole (:meth:`Index.census`): a background sample, never a scrape's."""
+
+    entries: int  # block keys (bucket fields) of every namespace
+    owners: int  # holder entries over all of them (every incarnation still listed)
+    redundancy: tuple[int, int, int, int]  # keys with 1, 2, 3, >= 4 live holders
+    copies: int  # live holders over the keys with at least one
+
+    @property
+    def redundancy_avg(self) -> float:
+        keys_ = sum(self.redundancy)
+        return self.copies / keys_ if keys_ else 0.0
+
+
 class Index:
     """Reads and writes the index of every namespace under one key prefix (live or rebuild)."""
 
@@ -518,6 +533,28 @@ class Index:
                         if nids:
                             out[(tag, b + f)] = nids
         return out
+
+    def census(self, tags: Iterable[str], live: set[int]) -> Census:
+        """Count every block key, its holders, and how many are ``live`` (visible nids): SCAN
+        the buckets, HVALS them a chunk per pipeline. O(index): for a background thread."""
+        entries = owners = copies = 0
+        red = [0, 0, 0, 0]
+        for tag in tags:
+            existing = self._existing(tag)
+            for i in range(0, len(existing), DUMP_CHUNK):
+                p = self.r.pipeline(transaction=False)
+                for k in existing[i : i + DUMP_CHUNK]:
+                    p.hvals(k)
+                for vals in p.execute():
+                    for v in vals:
+                        nids = _nids(v)
+                        entries += 1
+                        owners += len(nids)
+                        n = sum(1 for x in nids if x in live)
+                        if n:
+                            copies += n
+                            red[min(n, 4) - 1] += 1
+        return Census(entries, owners, (red[0], red[1], red[2], red[3]), copies)
 
     def clear(self, tags: Iterable[str]) -> None:
         """Delete every bucket of these namespaces under this prefix."""

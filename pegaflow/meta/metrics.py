@@ -12,9 +12,14 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from pegaflow.common.metric_alias import Alias, OriginalNames, ValueAlias, rpc_labels
 from pegaflow.meta.events.consumer import ConsumerMetrics
+from pegaflow.meta.index import Census
+
+OWNERS = (("1",), ("2",), ("3",), (">=4",))  # the original's owners label values
 
 # The original's RPC buckets (pegaflow-metaserver/src/metric.rs), 0.5 ms to 2 s.
 RPC_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
@@ -47,10 +52,19 @@ class MetaMetrics:
         )
         # Registered nodes (node, address, epoch, alive), read at scrape time: Lookup.nodes.
         self._nodes: Callable[[], Iterable[tuple[Any, ...]]] = lambda: ()
+        # The last background count of the index (run_census, --index-census-interval); None: none yet.
+        self.census: Census | None = None
+        self.census_at = 0.0  # time.time() of it
+        reg.register(_CensusGauges(self))
         OriginalNames(reg, self._original_aliases())
 
     def bind_nodes(self, nodes: Callable[[], Iterable[tuple[Any, ...]]]) -> None:
         self._nodes = nodes
+
+    def _census(self, pick: Callable[[Census], Iterable[tuple[tuple[str, ...], float]]]
+                ) -> list[tuple[tuple[str, ...], float]]:
+        c = self.census
+        return [] if c is None else list(pick(c))
 
     def _node_states(self) -> list[tuple[tuple[str, ...], float]]:
         try:
@@ -73,6 +87,18 @@ class MetaMetrics:
             ValueAlias("pegaflow_metaserver_nodes", "gauge",
                        "Registered nodes by liveness: active, stale (liveness expired, not yet retired).",
                        self._node_states, ("state",)),
+            ValueAlias("pegaflow_metaserver_store_entries", "gauge",
+                       "Block keys in the index, at the last background count (pegaflow_meta_index_blocks).",
+                       lambda: self._census(lambda c: [((), c.entries)])),
+            ValueAlias("pegaflow_metaserver_block_owners", "gauge",
+                       "Holder entries over all block keys, at the last count (pegaflow_meta_index_owners).",
+                       lambda: self._census(lambda c: [((), c.owners)])),
+            ValueAlias("pegaflow_metaserver_block_redundancy", "gauge",
+                       "Block keys by live holders: 1, 2, 3, >=4 (pegaflow_meta_index_redundancy_blocks).",
+                       lambda: self._census(lambda c: zip(OWNERS, c.redundancy, strict=True)), ("owners",)),
+            ValueAlias("pegaflow_metaserver_block_redundancy_avg", "gauge",
+                       "Live holders per block key with at least one (pegaflow_meta_index_redundancy_avg).",
+                       lambda: self._census(lambda c: [((), c.redundancy_avg)])),
             Alias("pegaflow_metaserver_sweep_removed_owners", "counter",
                   "Index entries of retired incarnations removed by the sweeper (pegaflow_meta_swept_entries_total).",
                   ("pegaflow_meta_swept_entries",)),
@@ -80,3 +106,58 @@ class MetaMetrics:
                   "Nodes retired after their liveness expired (pegaflow_meta_nodes_reaped_total).",
                   ("pegaflow_meta_nodes_reaped",)),
         ]
+
+
+class _CensusGauges(Collector):
+    """``pegaflow_meta_index_*``: the last census (no sample before the first one)."""
+
+    NAMES = (
+        ("pegaflow_meta_index_blocks", "Block keys in the index (every namespace), at the last background count.", ()),
+        ("pegaflow_meta_index_owners", "Holder entries over all block keys (retired incarnations not yet swept "
+                                       "included), at the last count.", ()),
+        ("pegaflow_meta_index_redundancy_blocks", "Block keys by how many live (visible) nodes hold them: 1, 2, 3, "
+                                                  ">=4, at the last count.", ("owners",)),
+        ("pegaflow_meta_index_redundancy_avg", "Live holders per block key held by at least one live node, at the "
+                                               "last count.", ()),
+        ("pegaflow_meta_index_census_timestamp_seconds", "Unix time the last count finished.", ()),
+    )
+
+    def __init__(self, metrics: MetaMetrics) -> None:
+        self.metrics = metrics
+        self.at = 0.0
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return [GaugeMetricFamily(n, d, labels=lb) for n, d, lb in self.NAMES]
+
+    def collect(self) -> list[GaugeMetricFamily]:
+        fams = self.describe()
+        c = self.metrics.census
+        if c is None:
+            return fams
+        fams[0].add_metric([], c.entries)
+        fams[1].add_metric([], c.owners)
+        for key, v in zip(OWNERS, c.redundancy, strict=True):
+            fams[2].add_metric(list(key), v)
+        fams[3].add_metric([], c.redundancy_avg)
+        fams[4].add_metric([], self.metrics.census_at)
+        return fams
+
+
+def run_census(metrics: MetaMetrics, count: Callable[[], Census], stop: Any, interval: float) -> None:
+    """Count the index now, then every ``interval`` seconds until ``stop`` (a threading.Event)
+    is set; a scrape serves the last count. A failed count (Redis away) keeps the previous."""
+    import time
+
+    import structlog
+
+    log = structlog.get_logger("pegaflow.meta.census")
+    while True:
+        t0 = time.monotonic()
+        try:
+            metrics.census = count()
+            metrics.census_at = time.time()
+            log.debug("index_census", seconds=round(time.monotonic() - t0, 3), blocks=metrics.census.entries)
+        except Exception as exc:  # noqa: BLE001 - keep the last count, try again next time
+            log.warning("index_census_failed", error=str(exc))
+        if stop.wait(interval):
+            return

@@ -76,12 +76,12 @@ class MetaServer:
                 self.proc.wait(5)
 
 
-def start_metaserver(tmp: Path, redis_url: str) -> MetaServer:
+def start_metaserver(tmp: Path, redis_url: str, extra: tuple[str, ...] = ()) -> MetaServer:
     port, http_port = free_port(), free_port()
     log = tmp / "meta.log"
     proc = subprocess.Popen(
         [sys.executable, "-m", "pegaflow.meta.cli", "--redis-url", redis_url, "--addr", f"127.0.0.1:{port}",
-         "--http-addr", f"127.0.0.1:{http_port}", "--log-level", "info"],
+         "--http-addr", f"127.0.0.1:{http_port}", "--log-level", "info", *extra],
         env=ENV, stdout=open(log, "ab"), stderr=subprocess.STDOUT,
     )  # fmt: skip
     m = MetaServer(proc, port, http_port, log)

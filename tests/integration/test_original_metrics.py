@@ -57,7 +57,7 @@ def test_every_original_name_is_in_the_docs_mapping_table() -> None:
 
 def test_a_live_node_and_metaserver_serve_the_originals_names(node_factory, redis_server: RedisServer,
                                                               tmp_path: Path) -> None:
-    meta = start_metaserver(tmp_path, redis_server.url)
+    meta = start_metaserver(tmp_path, redis_server.url, ("--index-census-interval", "0.2"))
     try:
         # Two SSD reads in flight at most: the SSD request's four blocks are promoted two by two.
         node = node_factory(pool_size="1mb",
@@ -182,5 +182,19 @@ def test_a_live_node_and_metaserver_serve_the_originals_names(node_factory, redi
                      status="INVALID_ARGUMENT") == t.meta_bad
         assert value(s, "pegaflow_metaserver_nodes", state="stale") == 0
         assert value(s, "pegaflow_metaserver_sweep_removed_nodes_total") == value(s, "pegaflow_meta_nodes_reaped_total")
+        # The index counted in the background: every saved block (all on SSD, none removed), one
+        # live holder each.
+        _, s = wait_until(lambda: (r := scrape(meta.http_port)) and
+                          value(r[1], "pegaflow_metaserver_store_entries") == SAVED and r,
+                          WAIT_S, "the census to count the saved blocks")
+        for orig, ours in (("pegaflow_metaserver_store_entries", "pegaflow_meta_index_blocks"),
+                           ("pegaflow_metaserver_block_owners", "pegaflow_meta_index_owners"),
+                           ("pegaflow_metaserver_block_redundancy_avg", "pegaflow_meta_index_redundancy_avg")):
+            assert value(s, orig) == value(s, ours), (orig, ours)
+        assert value(s, "pegaflow_metaserver_block_owners") == SAVED
+        assert value(s, "pegaflow_metaserver_block_redundancy_avg") == 1.0
+        red = {lb["owners"]: v for lb, v in s["pegaflow_metaserver_block_redundancy"]}
+        assert red == {"1": SAVED, "2": 0, "3": 0, ">=4": 0}, red
+        assert red == {lb["owners"]: v for lb, v in s["pegaflow_meta_index_redundancy_blocks"]}
     finally:
         meta.stop()
