@@ -11,11 +11,12 @@ cannot disagree. The mapping table is in docs/metrics.md ("The original's names"
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -49,6 +50,7 @@ TONIC_STATUS = {
 _CAMEL = re.compile(r"(?<!^)(?=[A-Z])")
 
 
+@functools.lru_cache(maxsize=256)
 def snake(method: str) -> str:
     """``QueryPrefix`` -> ``query_prefix`` (the original labels methods in snake case)."""
     return _CAMEL.sub("_", method).lower()
@@ -98,17 +100,15 @@ def _suffixes(kind: Kind) -> tuple[str, ...]:
     return {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_count", "_sum")}[kind]
 
 
+_UNSEEN = object()
+
+
 def _le_key(le: str) -> float:
     return math.inf if le == "+Inf" else float(le)
 
 
 class OriginalNames(Collector):
     """Exposes ``aliases`` on ``registry`` (register it there: ``OriginalNames(reg, aliases)``)."""
-
-    def __init__(self, registry: CollectorRegistry, aliases: Iterable[Alias | ValueAlias]) -> None:
-        self.registry = registry
-        self.aliases = list(aliases)
-        registry.register(self)
 
     def describe(self) -> list[Metric]:
         return [self._family(a.name, a.kind, a.doc, a.labels) for a in self.aliases]
@@ -121,21 +121,39 @@ class OriginalNames(Collector):
             return GaugeMetricFamily(name, doc, labels=labels)
         return HistogramMetricFamily(name, doc, labels=labels)
 
-    def _samples(self, alias: Alias) -> Iterable[tuple[str, dict[str, str], float]]:
-        suffixes = ("_count",) if alias.from_count else _suffixes(alias.kind)
-        names = {src + s for src in alias.sources for s in suffixes}
-        # A view of the registry restricted to our sources' samples: collecting it calls
-        # only their collectors (never this one). A source not registered (no SSD tier,
-        # no remote reads) yields nothing.
-        known = self.registry._names_to_collectors  # noqa: SLF001 - is a source registered at all?
+    def __init__(self, registry: CollectorRegistry, aliases: Iterable[Alias | ValueAlias]) -> None:
+        self.registry = registry
+        self.aliases = list(aliases)
+        # Every sample name any alias reads, and each alias's own (computed once).
+        self._names = {id(a): frozenset(src + s for src in a.sources
+                                        for s in (("_count",) if a.from_count else _suffixes(a.kind)))
+                       for a in self.aliases if isinstance(a, Alias)}
+        self._all = frozenset().union(*self._names.values()) if self._names else frozenset()
+        registry.register(self)
+
+    def _read_sources(self) -> dict[str, list[tuple[dict[str, str], float]]]:
+        """Every source sample, read once per scrape: a view of the registry restricted to
+        the sources' names calls only their collectors (never this one)."""
+        out: dict[str, list[tuple[dict[str, str], float]]] = {}
+        for metric in self.registry.restricted_registry(self._all).collect():
+            for s in metric.samples:
+                if s.name in self._all:
+                    out.setdefault(s.name, []).append((s.labels, s.value))
+        return out
+
+    def _samples(self, alias: Alias, read: Mapping[str, list[tuple[dict[str, str], float]]],
+                 known: Mapping[str, object]) -> Iterable[tuple[str, dict[str, str], float]]:
+        names = self._names[id(alias)]
+        # A source not registered (no SSD tier, no remote reads) yields nothing.
         if any(n in known for n in names):
             yield "", {}, 0.0  # the source is registered (it may have no sample yet)
-        for metric in self.registry.restricted_registry(names).collect():
-            for s in metric.samples:
-                if s.name in names:
-                    yield s.name, s.labels, s.value
+        for name in names:
+            for labels, value in read.get(name, ()):
+                yield name, labels, value
 
     def collect(self) -> Iterable[Metric]:
+        read = self._read_sources()
+        known = self.registry._names_to_collectors  # noqa: SLF001 - is a source registered at all?
         for a in self.aliases:
             fam = self._family(a.name, a.kind, a.doc, a.labels)
             if isinstance(a, ValueAlias):
@@ -147,15 +165,19 @@ class OriginalNames(Collector):
             buckets: dict[tuple[str, ...], dict[str, float]] = {}
             hsum: dict[tuple[str, ...], float] = {}
             present = False
-            for sample, labels, value in self._samples(a):
+            keys: dict[tuple[tuple[str, str], ...], Any] = {}
+            for sample, labels, value in self._samples(a, read, known):
                 if not sample:
                     present = True
                     continue
                 le = labels.get("le")
-                out = a.relabel({k: v for k, v in labels.items() if k != "le"})
-                if out is None:
+                base = tuple(kv for kv in labels.items() if kv[0] != "le")
+                key = keys.get(base, _UNSEEN)
+                if key is _UNSEEN:  # relabel each label set once (a histogram's buckets share it)
+                    out = a.relabel(dict(base))
+                    key = keys[base] = None if out is None else tuple(out.get(n, "") for n in a.labels)
+                if key is None:
                     continue
-                key = tuple(out.get(n, "") for n in a.labels)
                 if a.kind != "histogram":
                     sums[key] = sums.get(key, 0.0) + value
                 elif sample.endswith("_bucket") and le is not None:
