@@ -43,6 +43,7 @@ EXPORTED: tuple[OriginalMetric, ...] = (
     _n("pegaflow_cache_block_evictions_total", "counter"),
     _n("pegaflow_cache_block_evictions_by_class_total", "counter", ("class",)),
     _n("pegaflow_cache_eviction_reclaimed_bytes_total", "counter"),
+    _n("pegaflow_cache_residence_duration_seconds", "histogram", ("reason",)),
     _n("pegaflow_cache_resident_blocks", "gauge"),
     _n("pegaflow_cache_resident_bytes", "gauge"),
     _n("pegaflow_hll_cardinality", "gauge", ("window",)),
@@ -91,7 +92,6 @@ EXPORTED: tuple[OriginalMetric, ...] = (
 
 NOT_EXPORTED: tuple[str, ...] = (
     "pegaflow_cache_block_evictions_still_referenced_total",
-    "pegaflow_cache_residence_duration_seconds",
     "pegaflow_save_duration_seconds",
     "pegaflow_load_duration_seconds",
     "pegaflow_load_failures_total",

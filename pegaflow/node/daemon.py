@@ -46,6 +46,7 @@ from pegaflow.node.numa import NumaAllocator, place_pool
 from pegaflow.node.pool import SharedPool
 from pegaflow.node.query_trace import QueryTrace, QueryTraceError
 from pegaflow.node.quota_metrics import register as register_quota_metrics
+from pegaflow.node.residence import Residence
 from pegaflow.node.service import NodeService
 from pegaflow.node.sessions import Sessions
 from pegaflow.node.tiers.remote import wiring
@@ -126,6 +127,7 @@ class Node:
         self.sessions = Sessions(self.index, config.reservation_ttl, config.lease_ttl,
                                  max_namespaces=config.max_namespaces)
         self.index.add_listener(self._on_index_event)
+        self.index.add_listener(Residence(self.metrics.registry).on_index_event)
         self.block_events = BlockEventFeed()
         self.index.add_listener(self.block_events.on_index_event)
         if self.ssd is not None:

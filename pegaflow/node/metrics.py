@@ -232,6 +232,10 @@ def _same(labels: Mapping[str, str]) -> dict[str, str]:
     return dict(labels)
 
 
+def _reason(labels: Mapping[str, str]) -> dict[str, str]:
+    return {"reason": labels["reason"]}
+
+
 _TIER = {"l1": "ram", "remote": "rdma", "ssd": "ssd", "miss": "miss"}
 
 
@@ -287,6 +291,10 @@ def original_aliases(m: NodeMetrics) -> list[Alias | ValueAlias]:
               "Bytes of the blocks evicted from L1; eviction frees the page at once "
               "(pegaflow_node_evicted_bytes_total).",
               ("pegaflow_node_evicted_bytes",)),
+        Alias("pegaflow_cache_residence_duration_seconds", "histogram",
+              "Time blocks stayed in L1, first insertion to removal, by reason (pressure, cleanup) "
+              "(pegaflow_node_block_residence_seconds).",
+              ("pegaflow_node_block_residence_seconds",), ("reason",), relabel=_reason),
         Alias("pegaflow_cache_resident_blocks", "gauge", "Committed blocks in L1 (pegaflow_node_resident_blocks).",
               ("pegaflow_node_resident_blocks",)),
         Alias("pegaflow_cache_resident_bytes", "gauge", "Bytes of committed blocks in L1 (pegaflow_node_resident_bytes).",

@@ -103,6 +103,10 @@ def test_a_live_node_and_metaserver_serve_the_originals_names(node_factory, redi
         by_class = {lb["class"]: v for lb, v in s["pegaflow_cache_block_evictions_by_class_total"]}
         assert by_class == {"reclaimable": 0, "retained": evictions}, by_class
         assert by_class["retained"] == value(s, "pegaflow_node_evicted_blocks_by_class_total", **{"class": "retained"})
+        # Each eviction ended one residence under pressure; nothing was removed on request.
+        assert value(s, "pegaflow_cache_residence_duration_seconds_count", reason="pressure") == value(
+            s, "pegaflow_node_block_residence_seconds_count", reason="pressure") == evictions
+        assert value(s, "pegaflow_cache_residence_duration_seconds_count", reason="cleanup") == 0
         # Every page is PAGE bytes, freed when its block is evicted.
         assert same("pegaflow_cache_eviction_reclaimed_bytes_total", "pegaflow_node_evicted_bytes_total") == \
             evictions * PAGE

@@ -43,6 +43,7 @@ def node_families() -> dict[str, tuple[str, set[str]]]:
     from pegaflow.node.metrics import NodeMetrics
     from pegaflow.node.publishing import PublisherMetrics
     from pegaflow.node.quota_metrics import register as register_quota_metrics
+    from pegaflow.node.residence import Residence
     from pegaflow.node.tiers.remote.metrics import PeerMetrics
     from pegaflow.node.tiers.ssd.metrics import SsdMetrics
     from pegaflow.policy.quota import Quotas
@@ -53,6 +54,7 @@ def node_families() -> dict[str, tuple[str, set[str]]]:
     PublisherMetrics(m.registry)
     quotas = Quotas.parse(["doc=0.5"])  # --namespace-quota's collector (registered only with quotas)
     register_quota_metrics(m.registry, BlockIndex(1 << 20, quotas=quotas), quotas)
+    Residence(m.registry)
     return families(m.registry)
 
 
