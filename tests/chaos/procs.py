@@ -16,10 +16,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class Worker:
+    live: list[Worker] = []  # every worker started, so a failed test's are killed (kill_leftovers)
+
     def __init__(self, role: str, addr: str, seed: int, universe: int, *extra: str) -> None:
         self.p = subprocess.Popen([sys.executable, "-m", "tests.chaos.worker", role, addr, str(seed), str(universe),
                                    *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
                                   env={**os.environ, "PYTHONPATH": str(ROOT)}, text=True)
+        Worker.live.append(self)
 
     def wait_ready(self, timeout: float = 60) -> None:
         line = self._line(timeout)
@@ -53,6 +56,14 @@ class Worker:
         for f in (self.p.stdout, self.p.stderr):
             if f is not None and not f.closed:
                 f.close()
+
+
+def kill_leftovers() -> None:
+    """Kill the workers a test left running (it failed before finishing them)."""
+    while Worker.live:
+        w = Worker.live.pop()
+        if w.p.poll() is None:
+            w.kill()
 
 
 def node_stats(addr: str) -> Any:
