@@ -204,10 +204,12 @@ class Sessions:
     def load_pins(self) -> tuple[int, int, int, int]:
         """The leases' pins (the load path's), as the original counts its pinned_for_load:
         (session, block) entries, references (blocks over every lease), distinct blocks, and
-        their bytes. One pass over the leased blocks (a scrape's cost)."""
+        their bytes. One pass over the leased blocks (a scrape's cost). Called from the
+        /metrics thread while the loop adds and drops leases: it iterates a copy of the
+        table (``tuple`` of a dict's values copies it in C, with the GIL held)."""
         refs = 0
         entries: set[tuple[int, Block]] = set()
-        for lease in self.leases.values():
+        for lease in tuple(self.leases.values()):
             refs += len(lease.blocks)
             sid = lease.session_id
             entries.update((sid, b) for b in lease.blocks)
