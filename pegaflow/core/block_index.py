@@ -553,22 +553,14 @@ class BlockIndex:
             del self._blocks[victim.ns.id][victim.hash]
             self.resident_blocks -= 1
             self.resident_bytes -= vsize
-            self.evictions += 1
-            self.evicted_bytes += vsize
-            if victim.reclaimable:
-                self.evicted_reclaimable += 1
-            dropped.append(victim)
+            self._evicted(victim, dropped)
             return victim.offset
         while True:
             victim = self._peek_victim()
             if victim is None:
                 return None
             self._drop(victim)
-            self.evictions += 1
-            self.evicted_bytes += victim.size
-            if victim.reclaimable:
-                self.evicted_reclaimable += 1
-            dropped.append(victim)
+            self._evicted(victim, dropped)
             if self.alloc.free_bytes >= self.alloc.round(size):
                 try:
                     return self.alloc.alloc(size)
@@ -638,19 +630,19 @@ class BlockIndex:
                 self.resident_blocks -= 1
                 self.resident_bytes -= vsize
                 self._uncharge(victim)
-                self.evictions += 1
-                self.evicted_bytes += vsize
-                if victim.reclaimable:
-                    self.evicted_reclaimable += 1
-                dropped.append(victim)
+                self._evicted(victim, dropped)
                 return victim.offset
             self._drop(victim)
-            self.evictions += 1
-            self.evicted_bytes += vsize
-            if victim.reclaimable:
-                self.evicted_reclaimable += 1
-            dropped.append(victim)
+            self._evicted(victim, dropped)
             carving = True
+
+    def _evicted(self, victim: Block, dropped: list[Block]) -> None:
+        """Count one eviction (to make room) and hand the victim to the caller's events."""
+        self.evictions += 1
+        self.evicted_bytes += victim.size
+        if victim.reclaimable:
+            self.evicted_reclaimable += 1
+        dropped.append(victim)
 
     def _shared_victim(self, g: int | None, capped: bool, claiming: bool) -> Block | None:
         """The least recently used block the inserting group ``g`` may evict (reclaimable
