@@ -1,6 +1,6 @@
 """The data path with the node's background work off and on, the foreground held constant.
 
-    python bench/dataplane.py [--seconds 12] [--rounds 2] [--engines 2] [--rate 40] [--summary F]
+    python bench/dataplane.py [--seconds 12] [--rounds 2] [--engines 2] [--rate 40] [--parts A,B] [--summary F]
 
 Foreground, the same in both modes: ``--engines`` engine client processes (bench.dataplane's
 :class:`Engine` workers, :class:`pegaflow.client.PegaClient` over the node's local socket,
@@ -21,6 +21,9 @@ Background, switched as a whole:
   committed page for its peers), ``--scrapers`` threads each scraping ``/metrics`` once a second,
   ``Stats`` once a second, and the ceiling at its defaults (3 windows, 16-bit buckets,
   refreshed every 5 s).
+
+``--parts ssd,scrape`` switches on only those parts (attribution: what each costs the data
+path alone); the default is all of them.
 
 Modes alternate (off, on, off, on, ...; a fresh node each), so both see the same phases of
 the host. Reported per mode: p50/p99/p999 of each call (client side, the call alone, not
@@ -59,6 +62,10 @@ from tests.waiting import wait_until  # noqa: E402
 BLOCKS = 64
 NS = "dataplane"
 CALLS = ("query", "release", "reserve", "commit")
+# The background, part by part (--parts): the SSD write-behind, L1 eviction (a pool that
+# must evict), Redis (block events, the ceiling's sketch publications, peer checksums),
+# /metrics scrapers, Stats calls, the ceiling at its defaults.
+PARTS = ("ssd", "evict", "redis", "scrape", "stats", "ceiling")
 PERCENTILES = {"p50": 50.0, "p99": 99.0, "p999": 99.9}
 
 
@@ -233,15 +240,17 @@ class Background:
     """``scrapers`` threads each GET /metrics once a second, and one thread calls Stats once a
     second, until stopped; each counts what succeeded."""
 
-    def __init__(self, http_port: int, addr: str, scrapers: int) -> None:
+    def __init__(self, http_port: int, addr: str, scrapers: int, stats: bool = True) -> None:
         self.http_port, self.addr = http_port, addr
         self.stop_ev = threading.Event()
         self.scrapes = 0
         self.stats_calls = 0
         self.errors: list[str] = []
         self.lock = threading.Lock()
+        self.scrapers, self.stats = scrapers, int(stats)
         self.threads = [threading.Thread(target=self._scrape, daemon=True) for _ in range(scrapers)]
-        self.threads.append(threading.Thread(target=self._stats, daemon=True))
+        if stats:
+            self.threads.append(threading.Thread(target=self._stats, daemon=True))
 
     def _every_second(self, fn: Callable[[], None]) -> None:
         nxt = time.monotonic()
@@ -283,7 +292,7 @@ class Background:
             t.start()
         # Until every thread has done its work once (the Stats client's first call takes
         # seconds on a busy host), so the window sees the background's steady state.
-        wait_until(lambda: self.stats_calls >= 1 and self.scrapes >= len(self.threads) - 1, 60,
+        wait_until(lambda: self.stats_calls >= self.stats and self.scrapes >= self.scrapers, 60,
                    "every background thread's first scrape / Stats call", every=0.05)
         return self
 
@@ -326,15 +335,16 @@ def window(args: argparse.Namespace, on: bool, tmp: Path, redis_url: str) -> dic
     per_engine = args.rate * (args.seconds + 2) / args.save_every + 2  # requests that save, + margin
     written = int((args.engines * per_engine + 1) * BLOCKS * page)  # the shared prefix included
     extra = ["--log-level", "warning"]
-    if on:
+    parts = set(args.parts) if on else set()
+    ssd_dir = None
+    if "ssd" in parts:
         ssd_dir = Path(tempfile.mkdtemp(prefix="pf-bench-dataplane-", dir=args.dir))
-        pool_mb = args.pool_mb
-        extra += ["--ssd-cache-path", str(ssd_dir / "cache"), "--ssd-cache-capacity", f"{args.ssd_mb}mb",
-                  "--redis-url", redis_url, "--node-id", f"dataplane-{os.getpid()}",
-                  "--ceiling-publish-interval", "1"]
-    else:
-        ssd_dir = None
-        pool_mb = int(written * 1.25) >> 20  # nothing evicted in the window
+        extra += ["--ssd-cache-path", str(ssd_dir / "cache"), "--ssd-cache-capacity", f"{args.ssd_mb}mb"]
+    if "redis" in parts:
+        extra += ["--redis-url", redis_url, "--node-id", f"dataplane-{os.getpid()}", "--ceiling-publish-interval", "1"]
+    # nothing evicted in the window unless eviction is on
+    pool_mb = args.pool_mb if "evict" in parts else int(written * 1.25) >> 20
+    if "ceiling" not in parts:
         extra += ["--ceiling-windows", "1h", "--metric-hll-bucket-bits", "4"]
     node = NodeProcess(tmp, pool_size=f"{pool_mb}mb", extra=extra)
     node.start(timeout=120)
@@ -343,8 +353,9 @@ def window(args: argparse.Namespace, on: bool, tmp: Path, redis_url: str) -> dic
             # Warm-up round (not timed): the workers' first calls, the node's first evictions.
             eng.start(NS, args.rate, min(2.0, args.seconds), args.save_every)
             eng.results()
-            bg = Background(node.http_port, node.addr, args.scrapers if on else 0)
-            if on:
+            bg = Background(node.http_port, node.addr, args.scrapers if "scrape" in parts else 0,
+                            stats="stats" in parts)
+            if parts & {"scrape", "stats"}:
                 bg.__enter__()
             try:
                 at = eng.start(NS, args.rate, args.seconds, args.save_every)
@@ -360,7 +371,7 @@ def window(args: argparse.Namespace, on: bool, tmp: Path, redis_url: str) -> dic
                 scrapes, stats_calls = bg.scrapes - scrapes0, bg.stats_calls - stats0
                 after = scrape(node.http_port)
             finally:
-                if on:
+                if parts & {"scrape", "stats"}:
                     bg.__exit__()
     finally:
         node.stop()
@@ -423,10 +434,22 @@ def summarize(windows: list[dict]) -> dict:
     }
 
 
-def quiet(on: dict) -> list[str]:
-    """What the background did not do in an "on" window (each must be > 0)."""
-    return [k for k in ("ssd_written_bytes", "l1_evicted_blocks", "events_published_blocks", "scrapes",
-                        "stats_calls") if not on["background"][k] > 0]
+# What each part of the background does that the window counts (each must be > 0 when on).
+DID = {"ssd": "ssd_written_bytes", "evict": "l1_evicted_blocks", "redis": "events_published_blocks",
+       "scrape": "scrapes", "stats": "stats_calls"}
+
+
+def quiet(on: dict, parts: list[str]) -> list[str]:
+    """What the background's parts ``parts`` did not do in the "on" windows."""
+    return [DID[p] for p in parts if p in DID and not on["background"][DID[p]] > 0]
+
+
+def parse_parts(text: str) -> list[str]:
+    parts = [p for p in text.split(",") if p]
+    bad = [p for p in parts if p not in PARTS]
+    if bad or not parts:
+        raise argparse.ArgumentTypeError(f"unknown part {','.join(bad)!r}: one or more of {','.join(PARTS)}")
+    return parts
 
 
 def main() -> None:
@@ -448,6 +471,8 @@ def main() -> None:
     ap.add_argument("--pool-mb", type=int, default=64, help="the pool with the background on (must evict)")
     ap.add_argument("--ssd-mb", type=int, default=1024)
     ap.add_argument("--scrapers", type=int, default=4, help="/metrics scrapers at 1/s each (background on)")
+    ap.add_argument("--parts", type=parse_parts, default=list(PARTS), metavar="A,B",
+                    help=f"the background parts switched on in the 'on' windows (attribution), of {','.join(PARTS)}")
     ap.add_argument("--dir", default="/var/tmp", help="file system for the SSD tier's file")
     ap.add_argument("--py-spy", default="", metavar="PATH",
                     help="py-spy binary: record where the node's GIL time goes in each window (not installed "
@@ -472,7 +497,7 @@ def main() -> None:
     off, on = summarize(modes["off"]), summarize(modes["on"])
     res: dict = {"off": off, "on": on, "engines": args.engines, "rate_per_engine": args.rate,
                  "save_every": args.save_every, "page_kib": args.page_kib, "seconds": args.seconds,
-                 "rounds": args.rounds, "cpus": os.cpu_count(),
+                 "rounds": args.rounds, "parts": args.parts, "cpus": os.cpu_count(),
                  "load_average_1m": os.getloadavg()[0]}
     for p in ("p50", "p99", "p999"):
         for mode, s in (("off", off), ("on", on)):
@@ -496,7 +521,7 @@ def main() -> None:
     print(f"late requests (open loop behind): off {off['late_requests']}, on {on['late_requests']}")
     if args.summary:
         args.summary.write_text(json.dumps(res))
-    missing = quiet(on)
+    missing = quiet(on, args.parts)
     if missing:
         errors = [e for w in modes["on"] for e in w["background_errors"]]
         raise SystemExit(f"dataplane: the background did nothing in the 'on' windows: {', '.join(missing)}"
