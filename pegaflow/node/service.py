@@ -166,6 +166,10 @@ class RemoteTier(Protocol):
         """Start pulling what follows the first ``hit`` blocks from peers; False if no peer has it."""
         ...
 
+    def leased(self, blocks: Sequence[Block]) -> None:
+        """These blocks were leased: pulled ones need not be held for the engine any longer."""
+        ...
+
 
 class QueryRecorder(Protocol):
     """The ``--query-trace`` writer (``pegaflow.node.query_trace.QueryTrace``)."""
@@ -446,6 +450,8 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
             lease_id = self.sessions.lease(s, blocks).id
             if self.ssd is not None:
                 self.ssd.leased(blocks)
+            if self.remote is not None:
+                self.remote.leased(blocks)
             self.metrics.load_bytes.inc(sum(b.size for b in blocks))
         self.hit_blocks += hit
         self.miss_blocks += len(hashes) - hit

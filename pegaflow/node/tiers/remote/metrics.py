@@ -66,6 +66,16 @@ class PeerMetrics:
             ["holder_tier"], registry=r)
         for s in ("l1", "ssd"):
             self.pulled_blocks.labels(s)
+        self.held_blocks = Gauge(
+            "pegaflow_node_p2p_held_blocks",
+            "Pages pulled from peers (and the local prefix before them) pinned for the engine's next Query "
+            "to lease; each is released when a Query leases it, or after the hold time.", registry=r)
+        self.hold_ended = Counter(
+            "pegaflow_node_p2p_hold_ended_blocks_total",
+            "Pages whose pull hold ended, by why: leased (a Query leased them) or expired (none did in time).",
+            ["reason"], registry=r)
+        for s in ("leased", "expired"):
+            self.hold_ended.labels(s)
         self.lookups = Counter("pegaflow_node_p2p_lookups_total",
                                "Metaserver lookups after a local miss, by result (found, none, error).",
                                ["result"], registry=r)

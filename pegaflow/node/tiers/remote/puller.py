@@ -19,8 +19,12 @@ Contracts:
   page of the pull: no partial page is ever visible, the engine just recomputes.
 - A peer that fails or answers wrongly (page size, counts, checksums) is skipped for
   ``backoff`` seconds, doubling while it keeps failing (:class:`Backoff`).
-- Committed pages (and the local prefix) stay pinned ``HOLD_SECONDS`` so the engine's
-  next Query finds and leases them, as SSD promotion does.
+- Committed pages (and the local prefix) stay pinned so the engine's next Query finds
+  and leases them, as SSD promotion does: a pull's hold on a block ends when a Query
+  leases that block (:meth:`Puller.leased`, called by the node's Query: the lease pins it
+  from then on), and on the blocks no Query leased after ``HOLD_SECONDS``. Held pages
+  cannot be evicted, so a hold outliving its purpose costs L1 room: on a small pool,
+  requests stored after a pull found no page for blocks they computed.
 
 Runs on the node's event loop like the rest of the node; only the transport read and
 the checksum loop run in worker threads, on PENDING pages nobody else touches.
@@ -164,6 +168,14 @@ class _Pull:
     gate: asyncio.Semaphore | None = None  # chunks of one pull from an SSD holder: SSD_CHUNKS_IN_FLIGHT
 
 
+@dataclass(eq=False)
+class _Hold:
+    """A finished pull's pins for the engine's next Query: ``blocks`` it still holds."""
+
+    blocks: list[Block]
+    timer: asyncio.TimerHandle | None = None
+
+
 class Puller:
     """See the module docstring. ``lookup``/``peers``/``transport`` are the edges (fakes in tests)."""
 
@@ -202,7 +214,10 @@ class Puller:
         self._negative: dict[tuple[int, bytes], float] = {}
         self.tasks: set[asyncio.Task[None]] = set()
         self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="p2p-pull")
+        self._holding: dict[int, list[_Hold]] = {}  # id(block) -> holds on it (the hold keeps it alive)
+        self.held = 0  # block pins the holds keep (pegaflow_node_p2p_held_blocks)
         metrics.backed_off.set_function(self.backoff.active)
+        metrics.held_blocks.set_function(lambda: self.held)
 
     def _on_way(self, ns: Namespace, h: bytes) -> bool:
         return self.index.get(ns, h) is not None or (ns.id, h) in self.inflight
@@ -362,13 +377,53 @@ class Puller:
             if pin_id:
                 self._spawn(self._unpin(addr, pin_id))
             held = p.held + committed
-            if self.hold_seconds > 0:
-                asyncio.get_running_loop().call_later(self.hold_seconds, self.index.unpin, held)
+            if self.hold_seconds > 0 and held:
+                self._hold(held)
             else:
                 self.index.unpin(held)
             if gated:
                 assert p.gate is not None
                 p.gate.release()
+
+    def _hold(self, blocks: list[Block]) -> None:
+        """Keep a finished pull's pins (taken already) until a Query leases each block or
+        ``hold_seconds`` pass."""
+        h = _Hold(blocks)
+        h.timer = asyncio.get_running_loop().call_later(self.hold_seconds, self._expire, h)
+        for b in blocks:
+            self._holding.setdefault(id(b), []).append(h)
+        self.held += len(blocks)
+
+    def leased(self, blocks: Sequence[Block]) -> None:
+        """A Query leased ``blocks``: the holds on them have done their job and end (the
+        lease pins them now); a hold's other blocks stay held until its timeout."""
+        if not self._holding:
+            return
+        ids = {id(b) for b in blocks}
+        holds = {id(h): h for i in ids for h in self._holding.get(i, ())}
+        for h in holds.values():
+            done = [b for b in h.blocks if id(b) in ids]
+            h.blocks = [b for b in h.blocks if id(b) not in ids]
+            self._release(h, done, "leased")
+            if not h.blocks and h.timer is not None:
+                h.timer.cancel()
+                h.timer = None
+
+    def _expire(self, h: _Hold) -> None:
+        h.timer = None
+        done, h.blocks = h.blocks, []
+        self._release(h, done, "expired")
+
+    def _release(self, h: _Hold, blocks: list[Block], reason: str) -> None:
+        for b in blocks:
+            lst = self._holding.get(id(b))
+            if lst is not None and h in lst:
+                lst.remove(h)
+                if not lst:
+                    del self._holding[id(b)]
+        self.held -= len(blocks)
+        self.metrics.hold_ended.labels(reason).inc(len(blocks))
+        self.index.unpin(blocks)
 
     def _check(self, p: _Pull, resp: peer_pb2.PinResponse) -> str:
         """Why a pin answer cannot be used ('' if it can)."""
