@@ -397,10 +397,11 @@ class Puller:
     def leased(self, blocks: Sequence[Block]) -> None:
         """A Query leased ``blocks``: the holds on them have done their job and end (the
         lease pins them now); a hold's other blocks stay held until its timeout."""
-        if not self._holding:
+        holding = self._holding
+        if not holding:
             return
-        ids = {id(b) for b in blocks}
-        holds = {id(h): h for i in ids for h in self._holding.get(i, ())}
+        ids = {i for b in blocks if (i := id(b)) in holding}
+        holds = {id(h): h for i in ids for h in holding[i]}
         for h in holds.values():
             done = [b for b in h.blocks if id(b) in ids]
             h.blocks = [b for b in h.blocks if id(b) not in ids]
