@@ -346,7 +346,7 @@ def window(args: argparse.Namespace, on: bool, tmp: Path, redis_url: str) -> dic
     pool_mb = args.pool_mb if "evict" in parts else int(written * 1.25) >> 20
     if "ceiling" not in parts:
         extra += ["--ceiling-windows", "1h", "--metric-hll-bucket-bits", "4"]
-    node = NodeProcess(tmp, pool_size=f"{pool_mb}mb", extra=extra)
+    node = NodeProcess(tmp, pool_size=f"{pool_mb}mb", extra=extra, render_interval=None)  # the node's defaults
     node.start(timeout=120)
     try:
         with Engines(node.addr, args.engines, [(NS, args.page_kib, args.layers)], tmp / "engines.log") as eng:

@@ -97,7 +97,7 @@ def run(pages: list[int], args: argparse.Namespace, tmp: Path) -> list[dict]:
     # Every namespace's shared prefix, each client's reservation in flight, and as much again
     # for the LRU churn (one namespace runs at a time).
     pool_mb = (BLOCKS * sum(p << 10 for p in pages) + 2 * args.engines * biggest) >> 20
-    node = NodeProcess(tmp, pool_size=f"{pool_mb}mb", extra=["--log-level", "warning"])
+    node = NodeProcess(tmp, pool_size=f"{pool_mb}mb", extra=["--log-level", "warning"], render_interval=None)
     node.start(timeout=120)
     try:
         spaces = [(f"sat-{p}k", p, LAYERS.get(p, 4)) for p in pages]

@@ -94,7 +94,7 @@ def main() -> None:
     extra = ["--log-level", "warning"]
     if args.ssd_gb > 0:
         extra += ["--ssd-cache-path", str(ssd_dir / "cache"), "--ssd-cache-capacity", f"{int(args.ssd_gb * 1024)}mb"]
-    node = NodeProcess(tmp, pool_size=f"{args.pool_mb}mb", extra=extra)
+    node = NodeProcess(tmp, pool_size=f"{args.pool_mb}mb", extra=extra, render_interval=None)
     node.start(timeout=120)
     try:
         c = PegaClient(node.addr, timeout=30)

@@ -30,12 +30,17 @@ class NodeProcess:
     """A real `pegaflow-node` subprocess; restartable on the same port."""
 
     def __init__(self, tmp: Path, pool_size: str = "64mb", extra: list[str] | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, render_interval: float | None = 0.0) -> None:
         self.port = free_port()
         self.http_port = free_port()
         self.addr = f"127.0.0.1:{self.port}"
         self.pool_size = pool_size
-        self.extra = list(extra or [])
+        # /metrics renders on every scrape here: the default rate limit (one render per
+        # --metrics-render-interval, never a stale answer) would only make tests that read
+        # metrics back to back wait; tests/unit/test_http_renders.py covers it. None: the
+        # node's default (what the benchmarks measure).
+        self.extra = ([] if render_interval is None else ["--metrics-render-interval", str(render_interval)]) + list(
+            extra or [])
         self.env = env or {}
         self.log_path = tmp / f"node-{self.port}.log"
         self.proc: subprocess.Popen | None = None

@@ -94,6 +94,7 @@ class NodeConfig:
     metrics_otel_endpoint: str
     metrics_period_secs: int
     enable_prometheus: bool
+    metrics_render_interval: float
 
     @property
     def joins_cluster(self) -> bool:

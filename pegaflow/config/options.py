@@ -779,6 +779,14 @@ OPTIONS: list[Option] = [
         _bool,
         flag=True,
     ),
+    Option(
+        "metrics-render-interval",
+        1.0,
+        "Seconds between two renders of /metrics at least. Scrapes that come sooner wait for "
+        "the next render and share it (never an older one), so the node renders at most once "
+        "per interval however many scrapers there are; 0: every scrape renders.",
+        _non_negative_float,
+    ),
     # --- replay: offline trace analysis (pegaflow/replay/, docs/replay.md) --------------
     Option("trace", None, "Trace file (JSON lines; .gz is decompressed).", str, commands=(REPLAY,),
            positional=True, metavar="TRACE"),

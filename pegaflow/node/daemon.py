@@ -274,7 +274,8 @@ class Node:
             # --enable-prometheus (the original's; on by default): off, /metrics serves nothing.
             served = self.metrics.registry if self.config.enable_prometheus else CollectorRegistry()
             self.http = HttpEndpoint(self.config.http_addr, served, self.health,
-                                     routes=self.admin.routes(self._http_token))
+                                     routes=self.admin.routes(self._http_token),
+                                     render_interval=self.config.metrics_render_interval)
             try:
                 self.http.start()
             except OSError as exc:

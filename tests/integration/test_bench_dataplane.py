@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.dataplane import CALLS, quiet
+from bench.dataplane import CALLS, PARTS, quiet
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -54,7 +54,20 @@ def test_dataplane_switches_the_whole_background_and_proves_it_ran(tmp_path: Pat
 def test_a_quiet_background_window_is_named() -> None:
     bg = {"ssd_written_bytes": 1.0, "l1_evicted_blocks": 3.0, "events_published_blocks": 0.0, "scrapes": 4,
           "stats_calls": 0}
-    assert quiet({"background": bg}) == ["events_published_blocks", "stats_calls"]
+    assert quiet({"background": bg}, list(PARTS)) == ["events_published_blocks", "stats_calls"]
+    assert quiet({"background": bg}, ["ssd", "scrape"]) == []  # only the parts switched on count
+
+
+def test_parts_switch_one_part_of_the_background_alone(tmp_path: Path) -> None:
+    s = run("dataplane.py", ["--seconds", "2", "--rounds", "1", "--engines", "1", "--rate", "20", "--save-every", "2",
+                             "--parts", "evict,stats", "--dir", str(tmp_path)], tmp_path / "s.json")
+    on = s["on"]["background"]
+    assert s["parts"] == ["evict", "stats"]
+    assert on["l1_evicted_blocks"] > 0 and on["stats_calls"] >= 1
+    assert on["ssd_written_bytes"] == on["events_published_blocks"] == on["scrapes"] == 0
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "dataplane.py"), "--parts", "ssd,gc"],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 2 and "unknown part 'gc'" in p.stderr and "Traceback" not in p.stderr
 
 
 def test_saturation_ramps_until_the_clients_fall_behind(tmp_path: Path) -> None:

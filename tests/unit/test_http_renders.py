@@ -1,0 +1,96 @@
+"""/metrics renders at most once per interval, and never answers with an older render.
+
+pegaflow/common/http.py's :class:`Renders` against a registry whose one collector counts
+its collects and serves a value the test changes: the figures come from the collector.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from pegaflow.common.http import Renders
+
+INTERVAL = 0.3
+
+
+class Counting(Collector):
+    def __init__(self) -> None:
+        self.value = 0.0
+        self.collects = 0
+
+    def collect(self) -> list[GaugeMetricFamily]:
+        self.collects += 1
+        return [GaugeMetricFamily("probe_value", "the test's value", value=self.value)]
+
+
+def value_in(body: bytes) -> float:
+    line = next(x for x in body.decode().splitlines() if x.startswith("probe_value "))
+    return float(line.split()[1])
+
+
+def setup() -> tuple[Counting, Renders]:
+    reg = CollectorRegistry()
+    c = Counting()
+    reg.register(c)
+    c.collects = 0  # register() may describe/collect once
+    return c, Renders(reg, INTERVAL)
+
+
+def test_scrapes_within_an_interval_share_one_render_and_none_is_older_than_its_request() -> None:
+    c, r = setup()
+
+    async def main() -> None:
+        c.value = 1.0
+        assert value_in(await r.text()) == 1.0  # the first scrape renders at once
+        assert c.collects == 1
+        c.value = 2.0  # changed after the last render: every later scrape must see it
+        t0 = time.monotonic()
+        bodies = await asyncio.gather(*(r.text() for _ in range(8)))
+        took = time.monotonic() - t0
+        assert [value_in(b) for b in bodies] == [2.0] * 8
+        assert c.collects == 2, "eight scrapes inside one interval share one render"
+        assert INTERVAL * 0.8 <= took < INTERVAL + 2.0, took  # they waited for the next render slot
+
+    asyncio.run(main())
+
+
+def test_a_scrape_after_the_interval_renders_at_once() -> None:
+    c, r = setup()
+
+    async def main() -> None:
+        await r.text()
+        await asyncio.sleep(INTERVAL)
+        c.value = 3.0
+        t0 = time.monotonic()
+        assert value_in(await r.text()) == 3.0
+        assert time.monotonic() - t0 < INTERVAL / 2  # no wait: the interval had passed
+        assert c.collects == 2
+
+    asyncio.run(main())
+
+
+def test_interval_bounds_the_render_rate_under_steady_scrapers() -> None:
+    """Four scrapers, each every 0.1 s for 1.2 s: at most one render per interval (+ the first)."""
+    c, r = setup()
+
+    async def scraper() -> int:
+        n = 0
+        end = time.monotonic() + 1.2
+        while time.monotonic() < end:
+            await r.text()
+            n += 1
+            await asyncio.sleep(0.1)
+        return n
+
+    async def main() -> None:
+        scrapes = sum(await asyncio.gather(*(scraper() for _ in range(4))))
+        elapsed_slots = 1.2 / INTERVAL + 2  # the first render, and one that may end past the window
+        assert scrapes >= 8 and c.collects <= elapsed_slots, (scrapes, c.collects)
+        assert c.collects < scrapes
+
+    asyncio.run(main())
