@@ -163,6 +163,7 @@ class ReplayConfig:
     jobs: int
     prefill_us_per_token: float
     decode_seconds: float
+    commit_at_prefill_end: bool
     load_bound: float
     load_window: float
     ssd_hit_cost: float

@@ -914,6 +914,16 @@ OPTIONS: list[Option] = [
         _non_negative_float,
         commands=(REPLAY,),
     ),
+    Option(
+        "commit-at-prefill-end",
+        False,
+        "Replay's time model: a request's computed blocks become visible at its modelled end of "
+        "prefill, so requests in flight together do not hit each other's blocks (default: at its "
+        "arrival; a trace line's measured 'done' is always used; docs/replay.md).",
+        _bool,
+        commands=(REPLAY,),
+        flag=True,
+    ),
 
     # --- pegaflow router (pegaflow/router/) ----------------------------------------------------
     # Its variables are PEGAFLOW_ROUTER_*: PEGAFLOW_HOST and PEGAFLOW_PORT name the node for

@@ -3,14 +3,19 @@
 Two JSON-lines formats, one request per line (both documented in ``docs/replay.md``):
 
 - ``mooncake``: ``{"timestamp": ms, "input_length": tokens, "output_length": tokens,
-  "hash_ids": [int, ...]}``. One id per ``block_tokens`` (512) tokens of the prompt;
+  "hash_ids": [int, ...]}`` plus optional ``done`` (ms). One id per ``block_tokens`` (512) tokens of the prompt;
   ids name a whole prefix (equal ids mean equal prefixes), as in the Mooncake traces.
   Every request is in one namespace, ``mooncake``, unless ``namespace_field`` names a
   top-level field whose value is the request's namespace (``--namespace-field model``:
   several models' requests in one file); ids then name prefixes within a namespace.
 - ``pegaflow``: the node's own query trace, ``{"time": seconds, "namespace": str,
   "hashes": [32 hex digits, ...]}`` plus optional ``page_bytes``, ``block_tokens``,
-  ``tokens``, ``instance`` and ``saved``. :func:`encode_query` writes it; it is the one definition.
+  ``tokens``, ``instance``, ``saved`` and ``done`` (seconds). :func:`encode_query` writes it; it
+  is the one definition.
+- ``done`` (either format, in the unit of the line's time): when the request finished, as
+  measured (``bench/router.py`` writes it). Replay makes the blocks the request computed
+  visible from then on instead of from its modelled completion; it must not be before the
+  request's time.
 
 Contracts:
 
@@ -75,6 +80,9 @@ class Request:
     # Blocks the engine stored after this request beyond the queried ones (the block with
     # the last prompt token, blocks of generated tokens): committed, never counted as accesses.
     saved: list[bytes] = field(default_factory=list)
+    # When the request finished (seconds, measured; the line's ``done``), or None: replay
+    # then makes its computed blocks visible at its modelled completion.
+    done: float | None = None
 
 
 @dataclass
@@ -122,6 +130,7 @@ def encode_query(
     tokens: int | None = None,
     instance: str | None = None,
     saved: Sequence[bytes] = (),
+    done: float | None = None,
 ) -> str:
     """One line (without newline) of the ``pegaflow`` query trace; :func:`read_trace` reads it."""
     d: dict[str, Any] = {"time": time, "namespace": namespace, "hashes": [h.hex() for h in hashes]}
@@ -132,6 +141,7 @@ def encode_query(
         ("block_tokens", block_tokens),
         ("tokens", tokens),
         ("instance", instance),
+        ("done", done),
     ):
         if v is not None:
             d[k] = v
@@ -159,6 +169,16 @@ def _time(d: dict[str, Any], key: str, line: int, scale: float = 1.0) -> float:
     if not 0.0 <= t <= MAX_SECONDS:  # also false for NaN; JSON's 1e309 is inf
         raise TraceError(line, f"field {key!r} = {v!r} is not a time in [0, {MAX_SECONDS / scale:g}]")
     return float(t)
+
+
+def _done(d: dict[str, Any], t: float, line: int, scale: float = 1.0) -> float | None:
+    """The optional ``done`` time (seconds): a time, not before the request's ``t``."""
+    if d.get("done") is None:
+        return None
+    done = _time(d, "done", line, scale)
+    if done < t:
+        raise TraceError(line, f"field 'done' = {d['done']!r} is before the request's time")
+    return done
 
 
 def _count(
@@ -198,6 +218,7 @@ class _Reader:
 
     def mooncake(self, d: dict[str, Any], line: int) -> Request:
         ts = _time(d, "timestamp", line, scale=1e-3)
+        done = _done(d, ts, line, scale=1e-3)
         n_in = _count(d, "input_length", line)
         _count(d, "output_length", line, required=False)
         raw = d.get("hash_ids")
@@ -232,10 +253,12 @@ class _Reader:
             block_tokens=self.block_tokens,
             route=route,
             line=line,
+            done=done,
         )
 
     def pegaflow(self, d: dict[str, Any], line: int) -> Request:
         t = _time(d, "time", line)
+        done = _done(d, t, line)
         ns = d.get("namespace")
         if not isinstance(ns, str) or not ns:
             raise TraceError(line, "field 'namespace' must be a non-empty string")
@@ -280,6 +303,7 @@ class _Reader:
             route=route,
             line=line,
             saved=saved,
+            done=done,
         )
 
 

@@ -136,7 +136,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "pegaflow replay") -> in
         ssd_writes=opts.ssd_writes,
         quotas=opts.namespace_quota,
         time=TimeModel(opts.prefill_us_per_token, opts.decode_seconds, opts.load_bound, opts.load_window,
-                       opts.ssd_hit_cost),
+                       opts.ssd_hit_cost, opts.commit_at_prefill_end),
     )
     if opts.instances == 1:
         pools = [SHARED]

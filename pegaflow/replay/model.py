@@ -40,7 +40,11 @@ What is modelled, and how (also in ``docs/replay.md``):
   tier (L1 hits cost nothing). A request waits in its instance's queue until the previous
   prefill ends (its queueing delay), holds its first token after its own prefill, and is in
   flight ``decode_s`` longer (decode is batched: it does not hold up the next prefill). The
-  cache is looked up and filled when the request is routed, in trace order.
+  cache is looked up when the request is routed, in trace order (:meth:`Pool.query`; SSD
+  hits are read into L1 then); the blocks the engine computed are committed
+  (:meth:`Pool.commit`) at the request's completion: its measured ``done`` from the trace,
+  else its modelled end of prefill with ``commit_at_prefill_end``, else its arrival (zero
+  service time: exactly :meth:`Pool.serve`, the query and the commit at once).
 """
 
 from __future__ import annotations
@@ -175,42 +179,53 @@ class Pool:
               ) -> tuple[int, list[tuple[int, int]]]:
         """Serve one request; returns (prefix hit blocks, SSD runs as (start, end) pairs).
         ``saved``: blocks the engine then stores beyond the queried ones (a Reserve + Commit
-        without a Query: inserted, not recorded as accesses)."""
-        hit, runs = self._serve(namespace, hashes)
-        if saved:
-            self.l1.index.insert(self.l1.ns[namespace], saved)
-            self._flush_ssd()
+        without a Query: inserted, not recorded as accesses). The Query and the commit of
+        what the request brought at once (:meth:`query` then :meth:`commit`)."""
+        hit, runs, promoted, computed = self.query(namespace, hashes)
+        self.commit(namespace, promoted + computed if promoted else computed, saved)
         return hit, runs
 
-    def _serve(self, namespace: str, hashes: list[bytes]) -> tuple[int, list[tuple[int, int]]]:
+    def query(self, namespace: str, hashes: list[bytes]
+              ) -> tuple[int, list[tuple[int, int]], list[bytes], list[bytes]]:
+        """The node's Query at the request's arrival: the prefix across tiers, its L1 hits
+        touched and every block not hit in L1 recorded as an access. Returns (prefix hit
+        blocks, SSD runs as (start, end) pairs, the blocks hit on the SSD (to promote into
+        L1), the blocks the engine computes); nothing is inserted (:meth:`commit` does)."""
         l1 = self.l1.index
         ns = self.l1.ns[namespace]
         n = len(hashes)
         pos = len(l1.prefix(ns, hashes))
         if pos == n:
-            return n, []
+            return n, [], [], []
         if self.ssd is None:
             rest = hashes[pos:]
             l1.record_access(ns, rest)
-            l1.insert(ns, rest)
-            return pos, []
+            return pos, [], [], rest
         ssd = self.ssd.index
         sns = self.ssd.ns[namespace]
         runs: list[tuple[int, int]] = []
-        store: list[bytes] = []  # not hit in L1: promoted from SSD or computed
+        promoted: list[bytes] = []
         while pos < n:
             got = len(ssd.prefix(sns, hashes[pos:]))
             if not got:
                 break
             runs.append((pos, pos + got))
-            store += hashes[pos : pos + got]
+            promoted += hashes[pos : pos + got]
             pos += got
             pos += len(l1.prefix(ns, hashes[pos:]))
-        store += hashes[pos:]
-        l1.record_access(ns, store)
-        l1.insert(ns, store)
-        self._flush_ssd()
-        return pos, runs
+        computed = hashes[pos:]
+        l1.record_access(ns, promoted + computed)
+        return pos, runs, promoted, computed
+
+    def commit(self, namespace: str, store: list[bytes], saved: list[bytes] | None = None) -> None:
+        """Reserve + Commit of ``store`` (then ``saved``) into L1, and the SSD tier's writes
+        that causes: when the request's blocks become visible."""
+        if store:
+            self.l1.index.insert(self.l1.ns[namespace], store)
+            self._flush_ssd()
+        if saved:
+            self.l1.index.insert(self.l1.ns[namespace], saved)
+            self._flush_ssd()
 
     def _flush_ssd(self) -> None:
         """Write what L1 handed to the SSD tier during this request."""
@@ -230,6 +245,9 @@ class TimeModel:
     load_bound: float = DEFAULT_LOAD_BOUND  # kv-aware's eps
     load_window: float = DEFAULT_LOAD_WINDOW_S  # kv-aware's recent-load window, seconds
     ssd_cost: float = TierCosts().ssd  # an SSD hit's time, as a fraction of a token's prefill
+    # Where the trace has no measured ``done``: commit a request's computed blocks at its
+    # modelled end of prefill (True) or at its arrival (False: as if service took no time).
+    commit_at_prefill_end: bool = False
 
 
 @dataclass(frozen=True)

@@ -249,6 +249,7 @@ def render_table(rep: Report) -> str:
             f"waiting for the instance's prefill ({sc.time.prefill_us_per_token:g} us per prompt token not held, "
             f"decode {sc.time.decode_s:g}s" + (f"; kv-aware load bound {sc.time.load_bound:g}, window "
                                                  f"{sc.time.load_window:g}s" if KV_AWARE in routes else "")
+            + ("; computed blocks visible at the end of prefill" if sc.time.commit_at_prefill_end else "")
             + ")"
         )
     names = sorted({n for r in rep.runs for n in r.namespaces})

@@ -20,6 +20,7 @@ Counting contracts:
 from __future__ import annotations
 
 import gc
+import heapq
 import math
 import multiprocessing
 import time
@@ -31,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from pegaflow.core.trace import Trace
-from pegaflow.replay.model import Cluster, Scenario
+from pegaflow.replay.model import Cluster, Pool, Scenario
 
 # Progress is reported every this many requests: often enough for a smooth bar, rarely
 # enough that the callback costs nothing measurable.
@@ -181,7 +182,11 @@ def load_report(trace: Trace, res: RunResult, instances: int) -> None:
 
 
 def _drive(trace: Trace, cluster: Cluster, res: RunResult, progress: Progress | None) -> None:
-    """The hot loop: a routing decision, one ``Pool.serve`` and the queue arithmetic per request."""
+    """The hot loop: a routing decision, the Query, the queue arithmetic and the commit per
+    request. A request's computed blocks become visible at its completion (its measured
+    ``done`` if the trace has it, else its modelled end of prefill with
+    ``commit_at_prefill_end``, else its arrival): at once when that is not after its
+    arrival (zero service time), else from a heap drained before each later arrival."""
     append = res.request_hits.append
     put = res.request_instance.append
     waited = res.queue_delays.append
@@ -194,13 +199,20 @@ def _drive(trace: Trace, cluster: Cluster, res: RunResult, progress: Progress | 
     per_token = tm.prefill_us_per_token * 1e-6
     ssd_per_token = per_token * tm.ssd_cost
     decode = tm.decode_s
+    at_end = tm.commit_at_prefill_end
     free_at = [-math.inf] * n  # when each instance's prefill queue drains
     done: list[deque[float]] = [deque() for _ in range(n)]  # kv-aware: each request's end, per instance
+    # Commits not visible yet: (time, request number, pool, namespace, computed, saved).
+    pending: list[tuple[float, int, Pool, str, list[bytes], list[bytes]]] = []
+    push, pop = heapq.heappush, heapq.heappop
     blocks = tokens = hit_tokens = ssd_blocks = ssd_tokens = 0
     for i, r in enumerate(trace.requests):
         t = r.time
         bt = r.block_tokens
         tok = r.tokens
+        while pending and pending[0][0] <= t:
+            _, _, p, ns_name, computed, saved = pop(pending)
+            p.commit(ns_name, computed, saved)
         if kv:
             for q in done:
                 while q and q[0] <= t:
@@ -208,7 +220,8 @@ def _drive(trace: Trace, cluster: Cluster, res: RunResult, progress: Progress | 
             k = choose(r.namespace, r.hashes, tok, bt, [len(q) for q in done], t)
         else:
             k = instance_for(i, r.route)
-        h, runs = pool_of[k].serve(r.namespace, r.hashes, r.saved)
+        pool = pool_of[k]
+        h, runs, promoted, computed = pool.query(r.namespace, r.hashes)
         append(h)
         held = min(h * bt, tok)
         blocks += len(r.hashes)
@@ -225,12 +238,22 @@ def _drive(trace: Trace, cluster: Cluster, res: RunResult, progress: Progress | 
             start = t
         first = start + (tok - held) * per_token + from_ssd * ssd_per_token
         free_at[k] = first
+        visible = r.done if r.done is not None else first if at_end else t
+        if visible <= t:  # zero service time: as Pool.serve, at once
+            pool.commit(r.namespace, promoted + computed if promoted else computed, r.saved)
+        else:  # SSD hits are read into L1 now; what the engine computes lands at its end
+            if promoted:
+                pool.commit(r.namespace, promoted)
+            push(pending, (visible, i, pool, r.namespace, computed, r.saved))
         if kv:
-            done[k].append(first + decode)
+            done[k].append(first + decode if r.done is None else r.done)
         put(k)
         waited(start - t)
         if progress is not None and i % PROGRESS_EVERY == PROGRESS_EVERY - 1:
             progress(PROGRESS_EVERY)
+    while pending:  # the last requests' blocks land after the trace
+        _, _, p, ns_name, computed, saved = pop(pending)
+        p.commit(ns_name, computed, saved)
     if progress is not None and len(trace.requests) % PROGRESS_EVERY:
         progress(len(trace.requests) % PROGRESS_EVERY)
     res.blocks = blocks
