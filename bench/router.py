@@ -383,6 +383,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help=f"closed loop: this many requests in flight through the router in total, the next "
                          f"sent the moment one finishes (bare: {CONCURRENCY}, two per engine; 0: one at a time)")
     ap.add_argument("--summary", type=Path)
+    ap.add_argument("--logs", type=Path, help="keep the engines', nodes' and routers' logs here (default: removed)")
     args = ap.parse_args(argv)
     if args.rate and args.concurrency:
         sys.exit("--rate (open loop) and --concurrency (closed loop) exclude each other: give one")
@@ -405,8 +406,10 @@ def main() -> None:
     frac = float(args.l1[:-1]) / 100
     slice_ = load_slice(args.trace, args.requests, args.max_blocks)
 
+    if args.logs:
+        args.logs.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="pf-bench-router-") as tmp:
-        logs = Path(tmp)
+        logs = args.logs or Path(tmp)
         model = build_tiny_llama(logs / "model", seed=0)
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]
         nodes = Nodes(logs)
