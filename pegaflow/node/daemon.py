@@ -155,6 +155,12 @@ class Node:
             pool_prefaulted=lambda: self.pool.prefaulted,
             block_events=self.block_events,
         )
+        # Background hand-offs that a data-path call creates wait for a pause in the data
+        # path (bounded): pegaflow/node/idle.py.
+        if self.ssd is not None:
+            self.ssd.idle = self.service.idle
+        if self.p2p is not None:
+            self.p2p.checksums.idle = self.service.idle
         # The operator's side: `pegaflow cache` RPCs and the original's HTTP endpoints.
         self.admin = NodeAdmin(self.index, self.sessions, self.metrics, self.node_id, config.max_pinned_share,
                                config.max_batch, ssd=self.ssd)
@@ -305,6 +311,7 @@ class Node:
             self.config, self.index, self.node_id, asyncio.get_running_loop(), self.metrics.registry,
             ssd=self.ssd, feed=self.block_events,
         )
+        self.publisher.idle = self.service.idle  # its flushes wait for a pause (pegaflow/node/idle.py)
         self._sketches = asyncio.create_task(self.publish_sketches())
 
     async def _join_via_metaserver(self) -> None:

@@ -62,6 +62,7 @@ from pegaflow.core.identity import HASH_BYTES
 from pegaflow.meta.events.codec import FIELD, encode
 from pegaflow.meta.events.schema import FLAG_LAST, FLAG_SSD, Event, Op, Tier
 from pegaflow.meta.events.streams import GROUP
+from pegaflow.node.idle import DataPathIdle
 
 _log = structlog.get_logger("pegaflow.meta.publisher")
 
@@ -250,7 +251,8 @@ class EventPublisher:
         return False
 
     _busy = False
-    _next_beat = 0.0  # when the liveness key is next refreshed (publisher thread)
+    _next_beat = 0.0
+    idle: DataPathIdle | None = None  # the node's (pegaflow/node/idle.py), set by the node  # when the liveness key is next refreshed (publisher thread)
 
     # --- publisher thread ----------------------------------------------------------------------
 
@@ -298,6 +300,8 @@ class EventPublisher:
             return buf
 
     def _flush(self) -> None:
+        if self.idle is not None and self._buf:
+            self.idle.wait_blocking()  # encoding and XADDs run Python: after the data path's burst
         buf = self._take()
         if not buf:
             return

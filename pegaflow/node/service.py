@@ -40,6 +40,7 @@ from pegaflow.core.block_index import Block, BlockIndex, Namespace
 from pegaflow.core.recent import RecentKeys
 from pegaflow.node.accounting import SEEN_REQUESTS
 from pegaflow.node.block_events import BlockEventFeed
+from pegaflow.node.idle import DataPathIdle
 from pegaflow.node.metrics import NodeMetrics
 from pegaflow.node.numa import engine_node
 from pegaflow.node.sessions import Session, Sessions
@@ -58,6 +59,7 @@ LOCAL = "local"
 Resp = TypeVar("Resp")
 Answer = Any  # a response message, or an awaitable of one (a handler that had to wait)
 Handler = Callable[[Any, str], Answer]  # (request, transport) -> Answer
+DATA_PATH = frozenset({"Query", "Reserve", "Commit", "Release"})  # the engines' per-request calls
 
 
 class RpcStatus(Exception):
@@ -94,11 +96,18 @@ def rpc(method: str) -> Callable[[Callable[[Any, Any], Answer]], Callable[[Any, 
                 status = st.code.name
                 raise st from None
             finally:
-                self._observe(method, status, transport, time.perf_counter() - t0)
+                t1 = time.perf_counter()
+                if data_path:
+                    self.idle.last_call = t1
+                self._observe(method, status, transport, t1 - t0)
+
+        data_path = method in DATA_PATH
 
         @functools.wraps(fn)
         def handler(self: NodeService, request: Any, transport: str) -> Answer:
             t0 = time.perf_counter()
+            if data_path:  # background hand-offs wait for a pause after it (pegaflow/node/idle.py)
+                self.idle.last_call = t0
             try:
                 answer = fn(self, request)
             except Exception as exc:
@@ -107,7 +116,10 @@ def rpc(method: str) -> Callable[[Callable[[Any, Any], Answer]], Callable[[Any, 
                 raise st from None
             if inspect.isawaitable(answer):
                 return finish(self, answer, transport, t0)
-            _after_answer(self._observe, method, "OK", transport, time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            if data_path:
+                self.idle.last_call = t1
+            _after_answer(self._observe, method, "OK", transport, t1 - t0)
             return answer
 
         return handler
@@ -236,6 +248,7 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         self.epoch = epoch
         self.max_batch = max_batch
         self.stopping = asyncio.Event()
+        self.idle = DataPathIdle()  # the node shares it with its background (daemon.py)
         self.hit_blocks = 0
         self.miss_blocks = 0
         self._queried = RecentKeys(SEEN_REQUESTS)  # recent request keys, see query()

@@ -37,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 import structlog
 
 from pegaflow.core.block_index import Block, BlockIndex, IndexEvent, Namespace
+from pegaflow.node.idle import DataPathIdle
 from pegaflow.node.tiers.remote import page_checksum
 from pegaflow.node.tiers.remote.metrics import PeerMetrics
 
@@ -67,6 +68,7 @@ class PageChecksums:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._executor: ThreadPoolExecutor | None = None
+        self.idle: DataPathIdle | None = None  # the node's (pegaflow/node/idle.py), set by the node
         index.add_listener(self._on_index_event)
         metrics.known_checksums.set_function(lambda: len(self._sums))
 
@@ -132,6 +134,8 @@ class PageChecksums:
                     continue
                 self.index.pin(batch)  # the page must not be evicted and reused under the hash
                 try:
+                    if self.idle is not None:  # after the data path's burst (pegaflow/node/idle.py)
+                        await self.idle.pause()
                     t0 = time.perf_counter()
                     sums = await loop.run_in_executor(self._executor, self._hash, batch)
                     for b, c in zip(batch, sums, strict=True):

@@ -21,6 +21,7 @@ import structlog
 
 from pegaflow.config.commands import NodeConfig
 from pegaflow.core.block_index import Block, BlockIndex, Namespace
+from pegaflow.node.idle import DataPathIdle
 from pegaflow.node.metrics import NodeMetrics
 from pegaflow.node.tiers.ssd.files import SsdError, open_files
 from pegaflow.node.tiers.ssd.gate import IoGate
@@ -50,6 +51,7 @@ class SsdTier:
         self._drain_scheduled = False
         self._stats_task: asyncio.Task[None] | None = None
         self.block_events: Any = None  # BlockEventFeed (pegaflow/node/block_events.py), set by the node
+        self.idle: DataPathIdle | None = None  # the node's (pegaflow/node/idle.py), set by the node
 
     # ---- wiring -----------------------------------------------------------------------
     def attach(self, index: BlockIndex, pool_view: memoryview, metrics: NodeMetrics) -> None:
@@ -120,6 +122,15 @@ class SsdTier:
                 self.loop.call_soon_threadsafe(self._drain)
             except RuntimeError:  # loop closed during shutdown
                 pass
+
+    def defer(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on the loop once the data path pauses (``idle``, set by the
+        node: pegaflow/node/idle.py); at the next turn of the loop without one."""
+        assert self.loop is not None
+        if self.idle is None:
+            self.loop.call_soon(fn, *args)
+        else:
+            self.idle.call(self.loop, fn, *args)
 
     def _drain(self) -> None:
         """Run posted calls for at most ``DRAIN_BUDGET_S``, then yield to the loop (a Query

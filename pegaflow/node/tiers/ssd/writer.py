@@ -86,9 +86,11 @@ class WriteBehind:
             self.queued_bytes += size
             batch.append(b)
         if batch:
-            # Not inline: this runs inside a Commit; the loop answers what is waiting first.
+            # Not inline: this runs inside a Commit. Issued once the data path pauses
+            # (pegaflow/node/idle.py): the I/O thread's per-block Python then does not
+            # compete for the GIL with the engine's next calls.
             self._scheduled += 1
-            t.call_soon(self._issue, batch)
+            t.defer(self._issue, batch)
 
     # ---- issue ------------------------------------------------------------------------
     def _issue(self, blocks: list[Block]) -> None:
