@@ -46,6 +46,12 @@ from pegaflow.router.prompts import CHAT, COMPLETIONS, BadRequest, Prompts, chec
 from pegaflow.router.routing import Decision, Policy
 
 log = structlog.get_logger("pegaflow.router")
+# An idle pooled connection to an engine is dropped after this long: before the engine's
+# server drops it (uvicorn's keep-alive, vLLM's too: 5 s). At httpx's default, also 5 s, a
+# request can be written to a connection the server is closing at that moment and fail with
+# a ReadError instead of reaching an engine (bench/router.py --rate 4 lost two runs to a
+# ReadError on its own client to the router, which had the same default).
+KEEPALIVE_EXPIRY_S = 2.0
 
 PATHS = {COMPLETIONS: "/v1/completions", CHAT: "/v1/chat/completions"}
 FORWARDED_HEADERS = ("authorization", "x-request-id")
@@ -182,7 +188,8 @@ class Router:
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
-        self.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+        self.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
+                                                            keepalive_expiry=KEEPALIVE_EXPIRY_S),
                                         timeout=httpx.Timeout(self.cfg.request_timeout, connect=5.0))
         self.pool = EnginePool(self._engines, self.client, self.cfg.health_interval, self.cfg.backoff_max,
                                on_change=self._engine_changed)
