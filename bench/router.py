@@ -283,7 +283,9 @@ def run(router: RouterProc, nodes: Nodes, model: str, prompts: list[list[int]], 
 
     async def go() -> tuple[list[dict[str, Any]], float]:
         t0 = time.monotonic()
-        async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=None)) as client:
+        # Idle connections dropped before the router's server drops them (5 s): see
+        # pegaflow/router/app.py KEEPALIVE_EXPIRY_S.
+        async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=None, keepalive_expiry=2.0)) as client:
             async def send(i: int) -> dict[str, Any]:
                 if rate > 0:
                     await asyncio.sleep(max(0.0, t0 + i / rate - time.monotonic()))
