@@ -3,7 +3,7 @@ requests on three real nodes with L1 + SSD each, peer pulls through pegaflow-met
 the hit rate each gives.
 
     python bench/cluster_model.py [--conversations 24] [--turns 6] [--l1-blocks 96]
-                                  [--page-kib 64] [--seed 1]
+                                  [--page-kib 64] [--seed 1] [--json OUT]
 
 The workload is multi-turn conversations behind one shared system prompt: turn t of a
 conversation is its turn t-1 plus a few new blocks; conversations interleave at random
@@ -14,7 +14,9 @@ promotes from its SSD or pulls from a peer), counts the hit, releases the lease,
 the blocks it missed, and waits until that node's SSD wrote them and the index lists the
 node, so the next request sees what a model with no lag sees. Then replay's cluster
 model runs the same requests with the same L1 (pool / page) and an SSD that never fills
-(as the live ones do not), and both hit rates are printed. Root for namespaces.
+(as the live ones do not), and both hit rates are printed, with what the live nodes say
+about pins (holds of pulled pages ended by a lease or by their timeout, pulled copies
+evicted). ``--json`` writes both per request. Root for namespaces.
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ def _drive(argv: list[str]) -> None:
         return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M))
 
     hits = []
-    short = 0
+    shorts = []
     for i, hs in enumerate(reqs):
         k = i % len(clients)
         c = clients[k]
@@ -96,12 +98,13 @@ def _drive(argv: list[str]) -> None:
         hits.append(q.hit_blocks)
         if q.lease_id:
             c.release(q.lease_id)
+        shorts.append(0)
         if q.hit_blocks < len(hs):
             r = c.reserve(ns, hs)
             new = sum(1 for o in r.offsets if o >= 0)
             if r.reservation_id:
                 c.commit(r.reservation_id)
-            short += len(hs) - q.hit_blocks - new  # not stored: held already, or no room
+            shorts[-1] = len(hs) - q.hit_blocks - new  # not stored: held already, or no room
             # The commit queued its SSD writes before it answered (blocks already on SSD are
             # not written again): once the queue is empty they landed.
             wait_until(lambda k=k: metric(k, "pegaflow_node_ssd_write_queue_blocks") == 0, 30, "SSD writes")
@@ -114,8 +117,25 @@ def _drive(argv: list[str]) -> None:
 
         wait_until(indexed, 30, f"request {i} indexed on {node}", every=0.005)
         time.sleep(0)  # (every wait above is on a condition)
-    skipped = sum(metric(k, "pegaflow_node_ssd_skipped_writes_total") for k in range(len(clients)))
-    print(json.dumps({"hits": hits, "short": short, "ssd_skipped": skipped}), flush=True)
+
+    def total(name: str, labels: str = "") -> float:
+        out = 0.0
+        for k in range(len(clients)):
+            text = urllib.request.urlopen(f"http://{https[k]}/metrics", timeout=5).read().decode()
+            out += sum(float(v) for v in re.findall(rf"^{re.escape(name + labels)} ([0-9.e+-]+)$", text, re.M))
+        return out
+
+    print(json.dumps({
+        "hits": hits, "short": sum(shorts), "shorts": shorts,
+        "ssd_skipped": total("pegaflow_node_ssd_skipped_writes_total"),
+        "hold_leased": total("pegaflow_node_p2p_hold_ended_blocks_total", '{reason="leased"}'),
+        "hold_expired": total("pegaflow_node_p2p_hold_ended_blocks_total", '{reason="expired"}'),
+        "evicted_pulled": total("pegaflow_node_evicted_blocks_by_class_total", '{class="reclaimable"}'),
+        "evicted": total("pegaflow_node_evicted_blocks_by_class_total", '{class="retained"}'),
+        "by": {o: total("pegaflow_node_request_blocks_total", f'{{outcome="{o}"}}') for o in ("l1", "ssd", "remote")},
+        "pulls": {st: total("pegaflow_node_p2p_pulls_total", f'{{status="{st}"}}')
+                  for st in ("ok", "partial", "gone", "error", "no_space", "checksum", "bad_answer")},
+    }), flush=True)
 
 
 def main() -> None:
@@ -128,6 +148,7 @@ def main() -> None:
     p.add_argument("--l1-blocks", type=int, default=96, help="each node's L1, in pages")
     p.add_argument("--page-kib", type=int, default=64)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--json", type=Path, help="write both runs' hits per request here")
     a = p.parse_args()
 
     from pegaflow.replay.cluster import NodeCluster
@@ -168,6 +189,15 @@ def main() -> None:
     print(f"live cluster hit rate {lr:.2%}, replay's cluster model {mr:.2%} ({(mr - lr) * 100:+.2f} pp); "
           f"requests whose hits differ: {differ}; blocks the live engine could not store: {out['short']}, "
           f"live SSD writes skipped: {out['ssd_skipped']:.0f}")
+    lb = out["by"]
+    print(f"live hits (the nodes' pegaflow_node_request_blocks_total): own L1 {lb['l1']:.0f}, own SSD "
+          f"{lb['ssd']:.0f}, peers {lb['remote']:.0f}; model: {by[0]}, {by[1]}, {by[2] + by[3]}")
+    print(f"live pull holds ended by a lease {out['hold_leased']:.0f} pages, by the timeout "
+          f"{out['hold_expired']:.0f}; evicted: {out['evicted']:.0f} retained, {out['evicted_pulled']:.0f} "
+          f"pulled copies (reclaimable); pulls: {', '.join(f'{k} {v:.0f}' for k, v in out['pulls'].items() if v)}")
+    if a.json:
+        a.json.write_text(json.dumps({"l1_blocks": a.l1_blocks, "live": live, "model": predicted, "split": split,
+                                      **{k: v for k, v in out.items() if k != "hits"}}))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,10 @@ What is modelled (the node's rules, ``docs/p2p.md``):
   ``choose``), sends the blocks k lacks up to there into k's L1, and the loop goes on
   from there. The first block nobody can bring ends the prefix: the engine computes the
   rest and k stores it.
+- **Placement**: blocks promoted from k's SSD and blocks pulled from a peer enter k's L1
+  when they land, the pulled ones as *reclaimable* copies (the puller reserves them so:
+  the index evicts them before any other block), then the computed rest; so which block
+  a later request finds where (own L1, own SSD, a peer) follows the node's eviction order.
 - **The serving peer** touches the L1 blocks it pins (its LRU sees the use) and promotes
   the blocks it has only on SSD into its own L1 first (pins.py's promote-then-serve), so
   serving peers costs them L1 room, as on the real node.
@@ -103,7 +107,7 @@ class NodeCluster:
         got = [0, 0, 0, 0]
         pos = len(l1.prefix(ns, hashes))
         got[0] = pos
-        fetched: list[bytes] = []  # brought into L1 from our SSD or a peer
+        fetched: list[bytes] = []  # brought into L1 from our SSD or a peer (placed when they land)
         while pos < n:
             rest = hashes[pos:]
             if me.ssd is not None:
@@ -111,6 +115,7 @@ class NodeCluster:
                 if s:
                     got[1] += s
                     fetched += rest[:s]
+                    l1.insert(ns, rest[:s])  # promoted: committed as the engine's own blocks
                     pos += s
                     continue
             if not self.peers:
@@ -129,16 +134,17 @@ class NodeCluster:
             self._serve_peer(self.pools[best], namespace, need)
             got[3 if only else 2] += c - pos
             fetched += need
+            l1.insert(ns, need, reclaimable=True)  # pulled copies: evicted first, as the puller reserves them
             pos = c
             # L1 again: blocks a pull skipped because they were here already
             more = len(l1.prefix(ns, hashes[pos:]))
             got[0] += more
             pos += more
         computed = hashes[pos:]
-        store = fetched + computed
-        if store:
-            l1.record_access(ns, store)
-            l1.insert(ns, store)
+        if fetched or computed:
+            l1.record_access(ns, fetched + computed)
+        if computed:
+            l1.insert(ns, computed)
         if saved:
             l1.insert(ns, list(saved))
         me._flush_ssd()  # noqa: SLF001 - the pool's own write-behind step, as Pool.serve runs it

@@ -82,3 +82,16 @@ def test_peer_pulls_raise_the_cluster_hit_rate_and_the_cli_prints_both(capsys) -
     assert main([str(TRACE), "--nodes", "3", "--l1", "300blocks", "--ssd", "1000blocks"]) == 0
     out = capsys.readouterr().out
     assert "no peer pulls" in out and f"{pulled.hit_rate:.2%}" in out
+
+
+def test_pulled_copies_are_evicted_before_a_nodes_own_blocks() -> None:
+    # The puller reserves pulled pages as reclaimable: the node's index evicts them first.
+    c = NodeCluster(2, (8, True), (64, True), {NS: 1})
+    x, y, z = hs("x", 4), hs("y", 4), hs("z", 2)
+    c.serve(0, NS, x)
+    c.serve(1, NS, y)  # node 1's own blocks, the older ones
+    assert c.serve(1, NS, x) == (0, 0, 4, 0)  # pulled copies: node 1's L1 is full
+    c.serve(1, NS, z)  # two victims
+    n1 = c.pools[1]
+    held = [h for h in x + y if n1.l1.index.contains(n1.l1.ns[NS], h)]
+    assert held == x[2:] + y, "the least recent pulled copies go, not the older own blocks"
