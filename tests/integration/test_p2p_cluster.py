@@ -68,6 +68,24 @@ def test_prefix_saved_on_a_is_served_byte_identical_to_a_client_of_b(cluster: P2
     wait_until(lambda: cluster.metric(0, "pegaflow_node_p2p_active_pins") == 0, 10, "pins released")
 
 
+def test_the_pulls_hold_on_its_pages_ends_when_the_engines_query_leases_them(cluster: P2PCluster) -> None:
+    # Pulled pages are held (pinned) for the engine's next Query; they used to stay held
+    # 2 s after that Query had leased them, and pinned pages cannot be evicted: a small
+    # pool found no room for the blocks its engine computed next.
+    leased0 = cluster.metric(2, "pegaflow_node_p2p_hold_ended_blocks_total", 'reason="leased"')
+    expired0 = cluster.metric(2, "pegaflow_node_p2p_hold_ended_blocks_total", 'reason="expired"')
+    cluster.client(0, "save", "hold", "16")
+    cluster.wait_indexed(NS, "hold", 16, "node-0")
+    out = cluster.client(2, "load", "hold", "16", "--until-hit")  # LOADING, then READY leasing all 16
+    assert out["hit"] == 16 and out["identical"], out
+    assert out["statuses"][0] == "LOADING:0:peer:16", out
+    # The READY Query ended the hold on every page it leased (the client polls every 20 ms,
+    # the hold's timeout is 2 s), and the client has released its lease since.
+    assert cluster.metric(2, "pegaflow_node_p2p_hold_ended_blocks_total", 'reason="leased"') == leased0 + 16
+    assert cluster.metric(2, "pegaflow_node_p2p_hold_ended_blocks_total", 'reason="expired"') == expired0
+    assert cluster.metric(2, "pegaflow_node_p2p_held_blocks") == 0
+
+
 def test_puller_killed_mid_pull_its_pins_on_the_peer_expire(cluster: P2PCluster) -> None:
     need_shaping(cluster)
     cluster.client(0, "save", "pins", str(BIG_N), *BIG)
