@@ -70,10 +70,11 @@ class Renders:
             wait = self._started + self.interval - time.monotonic()
             if wait > 0:
                 await asyncio.sleep(wait)
-            self._started = time.monotonic()
-            self._body = generate_latest(self.registry)
+            started = time.monotonic()
+            body = generate_latest(self.registry)  # a render that raises leaves the last one as it was
+            self._started, self._body = started, body
             self.renders += 1
-            return self._body
+            return body
 
 
 def metrics_route(registry: CollectorRegistry, render_interval: float = 0.0) -> Route:
