@@ -57,7 +57,6 @@ class Renders:
     def __init__(self, registry: CollectorRegistry, interval: float) -> None:
         self.registry = registry
         self.interval = interval
-        self.renders = 0
         self._lock = asyncio.Lock()
         self._started = -math.inf  # when the last render started (monotonic)
         self._body = b""
@@ -73,7 +72,6 @@ class Renders:
             started = time.monotonic()
             body = generate_latest(self.registry)  # a render that raises leaves the last one as it was
             self._started, self._body = started, body
-            self.renders += 1
             return body
 
 
