@@ -38,7 +38,7 @@ class DataPathIdle:
         self.last_call = -1e9
         self._queue: deque[tuple[float, Callable[..., Any], tuple[Any, ...]]] = deque()
         self._timer: asyncio.Handle | None = None
-        self.deferred = 0  # hand-offs that had to wait (a counter for tests and metrics)
+        self.deferred = 0  # times a hand-off had to wait (tests read it)
 
     def touch(self) -> None:
         """A data-path call just ended (the service, on the loop)."""
