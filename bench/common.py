@@ -19,6 +19,14 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def machine_busy() -> tuple[float, float]:
+    """(busy, total) CPU time of the whole machine so far, from /proc/stat (every CPU; busy:
+    all but idle and iowait): the busy fraction of a window is the ratio of the differences."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:9]]
+    return float(sum(v) - v[3] - v[4]), float(sum(v))
+
+
 @dataclass(frozen=True)
 class BestCopy:
     """The fastest this machine copies a buffer, warm: the limit a page copy is held to."""

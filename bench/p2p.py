@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import cpu_seconds  # noqa: E402
+from bench.common import cpu_seconds, machine_busy  # noqa: E402
 
 IPERF_SECONDS = 2  # per measurement; one right before and one right after each pull
 # Client re-Query interval while LOADING. The connector's 5 ms would round a 0.3 s pull up
@@ -77,6 +77,7 @@ def _driver(argv: list[str]) -> None:
     poll = float(argv[6])
     pids = [int(x) for x in argv[7].split(",")]  # the nodes share our PID namespace (not our netns)
     cpu0 = [cpu_seconds(p) for p in pids]
+    busy0 = machine_busy()
     me0 = os.times()
     queries = 0
     t0 = time.perf_counter()
@@ -98,12 +99,14 @@ def _driver(argv: list[str]) -> None:
     cpu = [cpu_seconds(p) - c0 for p, c0 in zip(pids, cpu0, strict=True)]
     me1 = os.times()
     cpu.append(me1.user - me0.user + me1.system - me0.system)
+    busy1 = machine_busy()
+    busy = (busy1[0] - busy0[0]) / max(1e-9, busy1[1] - busy0[1])
     pool = memoryview(c.pool.numpy())
     bad = sum(1 for i, off in enumerate(q.offsets[ns])
               if xxhash.xxh3_64_intdigest(pool[off:off + page]) != xxhash.xxh3_64_intdigest(_page(tag, i, page)))
     c.release(q.lease_id)
     print(json.dumps({"seconds": dt, "first": first, "bad_pages": bad, "queries": queries,
-                      "cpu": cpu}), flush=True)
+                      "cpu": cpu, "busy": busy}), flush=True)
 
 
 def _run(cluster, i: int, *args: str) -> dict:  # type: ignore[no-untyped-def]

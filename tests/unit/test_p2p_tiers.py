@@ -57,10 +57,12 @@ def test_a_pull_from_an_ssd_holder_pins_in_chunks_and_lands_byte_identical(pair,
 
 class FakeSsd:
     """The SSD tier as pins.py sees it: records in ``store.entries``; ``promote`` reads
-    (after ``delay`` s) at most ``slots`` blocks into L1 pages with the recorded bytes."""
+    (after ``delay`` s) at most ``slots`` blocks into L1 pages with the recorded bytes, then
+    wakes ``promoter.landed()`` waiters."""
 
-    def __init__(self, side, delay: float = 0.01, slots: int = 4, room: bool = True) -> None:  # noqa: ANN001
+    def __init__(self, side, delay: float | None = 0.01, slots: int = 4, room: bool = True) -> None:  # noqa: ANN001
         self.side = side
+        self.unlanded: list = []  # with delay None: reads the test lands
         self.delay = delay
         self.slots = slots
         self.room = room
@@ -71,9 +73,15 @@ class FakeSsd:
 
         class _Promoter:
             inflight: dict = {}
+            waiters: list = []
+
+            def landed(self) -> asyncio.Future:
+                f = asyncio.get_running_loop().create_future()
+                self.waiters.append(f)
+                return f
 
         self.store, self.promoter = _Store(), _Promoter()
-        self.store.entries, self.promoter.inflight = {}, {}
+        self.store.entries, self.promoter.inflight, self.promoter.waiters = {}, {}, []
         self.promoted = 0
         self.leased_blocks = 0
 
@@ -100,8 +108,15 @@ class FakeSsd:
                 del inflight[(ns.id, h)]
             idx.commit(blocks)
             self.promoted += len(todo)
+            waiters, self.promoter.waiters = self.promoter.waiters, []
+            for f in waiters:
+                if not f.done():
+                    f.set_result(None)
 
-        asyncio.get_running_loop().call_later(self.delay, land)
+        if self.delay is None:
+            self.unlanded.append(land)  # the test lands it
+        else:
+            asyncio.get_running_loop().call_later(self.delay, land)
         return j
 
     def leased(self, blocks) -> None:  # noqa: ANN001
@@ -143,3 +158,29 @@ def test_an_ssd_holder_without_room_serves_what_is_resident_at_once(pair):  # no
     assert [b.page(h) for h in hs[:3]] == [want[h] for h in hs[:3]]
     assert all(b.index.get(b.ns, h) is None for h in hs[3:])  # a miss, never wrong bytes
     assert a.sample("pegaflow_node_p2p_ssd_served_blocks_total") == 0
+
+
+def test_an_ssd_holder_answers_a_pin_as_soon_as_its_reads_land(pair):  # noqa: F811
+    """The pin handler wakes on the promoter's landed() rather than polling: once the last
+    read landed, the fill ends within a few loop turns, with no time passing for a poll."""
+    a, b, meta, peers, puller = pair
+    hs = hashes("woken", 4)
+    ssd = FakeSsd(a, delay=None)
+    for h in hs:
+        ssd.put(h, b"y" * PAGE)
+    a.table.ssd = ssd
+
+    async def run() -> int:
+        fill = asyncio.ensure_future(a.table.fill_from_ssd(a.ns.name, hs, timeout=5.0))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not fill.done() and len(ssd.unlanded) == 1  # one read of the 4 blocks, in flight
+        ssd.unlanded.pop()()
+        for _ in range(10):
+            if fill.done():
+                break
+            await asyncio.sleep(0)
+        assert fill.done()
+        return fill.result()
+
+    assert asyncio.run(run()) == 4

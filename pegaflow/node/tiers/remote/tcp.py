@@ -49,7 +49,7 @@ IO_TIMEOUT = 10.0  # seconds a send or receive may stall before the pull is fail
 STREAMS = 4  # parallel connections per pull: on 2 cores they hide each other's per-page hash and syscall gaps (0.87x iperf3 vs 0.49x with 2)
 MIN_STREAM_BYTES = 4 << 20  # do not split pulls smaller than this per stream (setup cost)
 SOCK_BUF = 4 << 20  # socket buffers large enough to keep a 10-25 Gbit/s link busy
-IDLE_PER_PEER = 8  # idle connections kept per peer data address
+IDLE_PER_PEER = 16  # idle connections kept per peer: STREAMS x the puller's SSD_CHUNKS_IN_FLIGHT, so chunked pulls reuse them
 KEEPALIVE_IDLE = 30  # seconds: probes find pullers that vanished from an idle connection
 
 

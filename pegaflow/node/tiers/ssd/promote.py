@@ -92,6 +92,14 @@ class Promoter:
         self.inflight: dict[tuple[int, bytes], Block] = {}
         self._hdrs: list[bytearray] = []  # free 4 KiB header buffers (aligned)
         self._holding: dict[int, list[_Batch]] = {}  # id(block) -> completed batches that hold it
+        self._waiters: list[asyncio.Future[None]] = []  # landed(): resolved when the next read lands
+
+    def landed(self) -> asyncio.Future[None]:
+        """A future resolved when the next read (one readv of adjacent records) has landed,
+        committed or not: waiters on a promotion wake when it progresses, instead of polling."""
+        f: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(f)
+        return f
 
     def query(self, nss: Sequence[Namespace], hashes: Sequence[bytes], hit: int) -> int:
         """Start promoting the SSD continuation of an L1 prefix of length ``hit``; returns
@@ -178,9 +186,10 @@ class Promoter:
         def complete(res: int) -> None:
             # engine thread: verify before the loop may publish the pages
             if res != total:
-                t.call_soon(self._done, run, ["io_error"] * len(run), batch)
+                t.call_soon(self._done, run, ["io_error"] * len(run), batch, [0] * len(run))
                 return
-            out = []
+            out: list[str] = []
+            sums: list[int] = []
             for r in run:
                 b, e = r.block, r.entry
                 h = unpack_header(r.hdr)
@@ -188,14 +197,16 @@ class Promoter:
                       and h.seq == e.seq and h.payload_len == b.size
                       and checksum(view[b.offset:b.offset + b.size]) == h.payload_csum)
                 out.append("ok" if ok else "checksum")
-            t.call_soon(self._done, run, out, batch)
+                sums.append(h.payload_csum if ok and h is not None else 0)
+            t.call_soon(self._done, run, out, batch, sums)
 
         return IoOp(False, t.store.files[run[0].entry.file].fd, run[0].entry.offset, bufs, complete)
 
-    def _done(self, run: list[_Rec], outcomes: list[str], batch: _Batch) -> None:
+    def _done(self, run: list[_Rec], outcomes: list[str], batch: _Batch, sums: list[int]) -> None:
         t = self.tier
         m = t.metrics
         good = [r for r, o in zip(run, outcomes, strict=True) if o == "ok"]
+        waiters, self._waiters = self._waiters, []
         for r in run:
             self.inflight.pop(r.key, None)
             self._hdrs.append(r.hdr)
@@ -208,6 +219,12 @@ class Promoter:
                 t.promoting.difference_update(keys)
             t.index.pin(committed)
             batch.pinned.extend(committed)
+            if t.checksums is not None and committed:
+                # The payload checksum verified above is the pool's page checksum: a peer
+                # pulling this page gets it without the page being hashed again to send it.
+                verified = {id(r.block): c for r, o, c in zip(run, outcomes, sums, strict=True) if o == "ok"}
+                for b in committed:
+                    t.checksums.record(b, verified[id(b)])
             m.promoted.inc(len(good))
             m.read_bytes.inc(sum(r.block.size for r in good))
         for r, o in zip(run, outcomes, strict=True):
@@ -230,6 +247,9 @@ class Promoter:
             batch.timer = t.loop.call_later(HOLD_SECONDS, self._unpin, batch)
             for b in batch.pinned:
                 self._holding.setdefault(id(b), []).append(batch)
+        for f in waiters:
+            if not f.done():
+                f.set_result(None)
 
     def leased(self, blocks: Sequence[Block]) -> None:
         """A Query leased ``blocks``: end the holds of completed batches it covers entirely."""
