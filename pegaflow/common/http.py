@@ -24,7 +24,7 @@ import math
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 import structlog
 import uvicorn
@@ -39,12 +39,23 @@ from pegaflow.core.hosts import join_host_port, split_host_port
 log = structlog.get_logger("pegaflow.http")
 
 STOP_TIMEOUT_S = 5.0  # uvicorn's graceful end: open scrapes finish, then the thread ends
+SLICE_S = 0.0003  # a paced render (Renders(pause=...)) renders this long between two pauses
+
+
+class _Families:
+    """A registry-like view of metric families already collected (``generate_latest`` input)."""
+
+    def __init__(self, families: Iterable[object]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterable[object]:
+        return self.families
 
 
 class Renders:
     """The registry's text, rendered at most once per ``interval`` seconds.
 
-    A render runs Python for every sample while holding the GIL (~3 ms for a node's
+    A render runs Python for every sample while holding the GIL (~3.5 ms for a node's
     registry on this kind of host), and on the node the thread doing it competes with the
     event loop that serves engines: every scraper added cost the data path another render a
     second (``bench/dataplane.py --parts scrape``: Query p99 1.20x the quiet node's with one
@@ -52,11 +63,21 @@ class Renders:
     values: a scrape that comes less than ``interval`` after the last render *started* waits
     for the next one, and every scrape waiting meanwhile gets that same render. Each answer
     therefore reflects the registry at or after the moment its request arrived; the cost
-    is a wait of at most ``interval``. Runs on the HTTP endpoint's one event loop."""
+    is a wait of at most ``interval``. Runs on the HTTP endpoint's one event loop.
 
-    def __init__(self, registry: CollectorRegistry, interval: float) -> None:
+    With ``pause`` (the node: ``DataPathIdle.pause``, pegaflow/node/idle.py), a render is
+    paced: it collects and formats the registry family by family, and before it starts and
+    whenever it has run :data:`SLICE_S` it awaits ``pause()``, which returns once the data
+    path has been quiet for a moment (or after a bounded wait). The render's GIL time then
+    falls in the data path's gaps instead of on its calls. Each family is collected whole
+    (its samples are as consistent as unpaced); families are collected up to a few
+    milliseconds apart, as they are by any scrape that does not lock the whole registry."""
+
+    def __init__(self, registry: CollectorRegistry, interval: float,
+                 pause: Callable[[], Awaitable[None]] | None = None) -> None:
         self.registry = registry
         self.interval = interval
+        self.pause = pause
         self._lock = asyncio.Lock()
         self._started = -math.inf  # when the last render started (monotonic)
         self._body = b""
@@ -70,19 +91,33 @@ class Renders:
             if wait > 0:
                 await asyncio.sleep(wait)
             started = time.monotonic()
-            body = generate_latest(self.registry)  # a render that raises leaves the last one as it was
+            body = await self.render()  # a render that raises leaves the last one as it was
             self._started, self._body = started, body
             return body
 
+    async def render(self) -> bytes:
+        if self.pause is None:
+            return generate_latest(self.registry)
+        parts: list[bytes] = []
+        await self.pause()
+        t = time.perf_counter()
+        for family in self.registry.collect():  # lazy: one collector at a time
+            parts.append(generate_latest(_Families((family,))))  # type: ignore[arg-type]
+            if time.perf_counter() - t >= SLICE_S:
+                await self.pause()
+                t = time.perf_counter()
+        return b"".join(parts)
 
-def metrics_route(registry: CollectorRegistry, render_interval: float = 0.0) -> Route:
+
+def metrics_route(registry: CollectorRegistry, render_interval: float = 0.0,
+                  pause: Callable[[], Awaitable[None]] | None = None) -> Route:
     """``GET /metrics``: the registry in Prometheus text format, rendered at most once per
-    ``render_interval`` seconds (:class:`Renders`; 0: on every request)."""
-    renders = Renders(registry, render_interval)
+    ``render_interval`` seconds (:class:`Renders`; 0: on every request), paced by ``pause``."""
+    renders = Renders(registry, render_interval, pause)
 
     async def metrics(_: Request) -> Response:
         if not render_interval:
-            return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+            return Response(await renders.render(), media_type=CONTENT_TYPE_LATEST)
         return Response(await renders.text(), media_type=CONTENT_TYPE_LATEST)
 
     return Route("/metrics", metrics, methods=["GET"])
@@ -103,9 +138,10 @@ class HttpEndpoint:
     ``/health`` when ``health`` is given, and ``routes``; see the module's contracts."""
 
     def __init__(self, addr: str, registry: CollectorRegistry, health: Callable[[], dict] | None = None,
-                 routes: Sequence[BaseRoute] = (), render_interval: float = 0.0) -> None:
+                 routes: Sequence[BaseRoute] = (), render_interval: float = 0.0,
+                 pause: Callable[[], Awaitable[None]] | None = None) -> None:
         self.host, self.port = split_host_port(addr)
-        all_routes: list[BaseRoute] = [metrics_route(registry, render_interval)]
+        all_routes: list[BaseRoute] = [metrics_route(registry, render_interval, pause)]
         if health is not None:
             all_routes.append(health_route(health))
         all_routes.extend(routes)

@@ -281,7 +281,8 @@ class Node:
             served = self.metrics.registry if self.config.enable_prometheus else CollectorRegistry()
             self.http = HttpEndpoint(self.config.http_addr, served, self.health,
                                      routes=self.admin.routes(self._http_token),
-                                     render_interval=self.config.metrics_render_interval)
+                                     render_interval=self.config.metrics_render_interval,
+                                     pause=self.service.idle.pause)  # renders fall in the data path's gaps
             try:
                 self.http.start()
             except OSError as exc:

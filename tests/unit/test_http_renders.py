@@ -94,3 +94,32 @@ def test_interval_bounds_the_render_rate_under_steady_scrapers() -> None:
         assert c.collects < scrapes
 
     asyncio.run(main())
+
+
+def test_a_paced_render_is_the_same_text_with_pauses_between_slices(monkeypatch) -> None:  # noqa: ANN001
+    """With ``pause`` the render goes family by family and awaits ``pause()`` before it starts
+    and after every SLICE_S of rendering; the text is exactly the unpaced one."""
+    from prometheus_client import Counter, Gauge, Histogram, generate_latest
+
+    from pegaflow.common import http
+
+    reg = CollectorRegistry()
+    Counter("probe_calls", "calls", ["method"], registry=reg).labels("query").inc(3)
+    Gauge("probe_level", "level", registry=reg).set(2.5)
+    Histogram("probe_seconds", "latency", registry=reg).observe(0.004)
+    families = len(list(reg.collect()))
+    pauses: list[int] = []
+
+    async def pause() -> None:
+        pauses.append(len(pauses))
+
+    async def run() -> bytes:
+        return await Renders(reg, 0.0, pause).render()
+
+    monkeypatch.setattr(http, "SLICE_S", 0.0)  # a pause after every family
+    assert asyncio.run(run()) == generate_latest(reg)
+    assert len(pauses) == 1 + families
+    pauses.clear()
+    monkeypatch.setattr(http, "SLICE_S", 60.0)  # one slice: only the pause before it starts
+    assert asyncio.run(run()) == generate_latest(reg)
+    assert len(pauses) == 1
