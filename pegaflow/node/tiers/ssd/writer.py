@@ -142,7 +142,9 @@ class WriteBehind:
                 pack_header(r.hdr, r.slot.gen, r.slot.seq, r.name, b.hash, b.size, c)
 
         def complete(res: int) -> None:
-            t.call_soon(self._done, run, res == total)
+            # The bookkeeping (unpin, index the records, SSD insert events) waits for a
+            # pause of the data path too: it is per-block Python on the node's loop.
+            t.call_soon(t.defer, self._done, run, res == total)
 
         return IoOp(True, t.store.files[run[0].slot.file].fd, run[0].slot.offset, bufs, complete, prepare)
 
