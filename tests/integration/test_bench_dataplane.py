@@ -80,4 +80,6 @@ def test_saturation_ramps_until_the_clients_fall_behind(tmp_path: Path) -> None:
     assert r["saturation_gbps"] == pytest.approx(r["saturation_requests_per_s"] * 64 * (256 << 10) / 1e9)
     assert r["half"]["rate_per_client"] == pytest.approx(r["saturation_requests_per_s"] / 2 / 2)
     assert r["half_p99_us_max"] == max(r["half_p99_us"].values()) > 0
+    assert set(r["half_without_copies_p99_us"]) == set(r["half_p99_us"])  # the same calls, copies skipped
+    assert all(v > 0 for v in r["half_without_copies_p99_us"].values())
     assert r["misses"] == 0
