@@ -63,7 +63,7 @@ NEGATIVE_TTL = 0.5  # seconds a "nobody holds it" answer is reused (an engine re
 NEGATIVE_MAX = 65536  # remembered negative answers at most (oldest dropped first)
 # A pull from an SSD holder pins this much per chunk, SSD_CHUNKS_IN_FLIGHT at once (see
 # Puller.query; the holder's DRAM they hold is bounded by the product). Measured with
-# bench/p2p_ssd.py (256 MiB of 1 MiB pages, 2 cores, three rounds each, the holder waking on
+# bench/p2p_ssd.py (256 MiB of 1 MiB pages, 2 cores, 2-3 rounds each, the holder waking on
 # landed reads): 32 MiB x 4 pulled 1.14-1.24 GB/s, 64 x 4 1.05-1.28 (twice the holder's
 # DRAM), 16 x 8 and 8 x 16 about 1.1; 16 x 4 with a polling holder 0.95. Per-chunk costs (pin
 # RPC, connections) want few large chunks; the overlap wants several in flight.
