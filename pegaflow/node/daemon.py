@@ -423,6 +423,7 @@ class Node:
         assert self.server is not None
         frozen = freeze_startup_heap()
         log.debug("startup_heap_frozen", objects=frozen)
+        gc_pauses = self.metrics.gc_pauses.install()  # pegaflow_node_gc_pause_seconds
         # The event loop that serves engines shares the GIL with the node's background threads
         # (the /metrics server, the SSD tier's I/O thread, checksums, the event publisher).
         # When one of them runs Python, the loop waits for the GIL until the holder is made to
@@ -445,6 +446,7 @@ class Node:
         hk = asyncio.create_task(self.housekeeping())
         await stop.wait()
         log.info("node_stopping")
+        gc_pauses.remove()
         self.service.stopping.set()
         hk.cancel()
         if self.query_trace is not None:

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from pegaflow.common.heap import GcPauses
 from pegaflow.common.metric_alias import Alias, OriginalNames, Relabel, ValueAlias, rpc_labels
 
 RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -31,6 +32,11 @@ class NodeMetrics:
             registry=r,
         )
         self.hits = Counter("pegaflow_node_hit_blocks_total", "Blocks found by Query, by tier.", ["tier"], registry=r)
+        # Timed once the daemon runs (GcPauses.install): a collection pauses the event loop too.
+        self.gc_pauses = GcPauses("pegaflow_node_gc_pause_seconds",
+                                  "Garbage collections of the node process by generation (0, 1, 2) and their "
+                                  "length: every thread's Python, the data path's loop included, waits meanwhile.")
+        r.register(self.gc_pauses)
         self.misses = Counter("pegaflow_node_miss_blocks_total", "Blocks asked by Query and not found.", registry=r)
         self.queries = Counter("pegaflow_node_queries_total", "Query RPCs by outcome.", ["outcome"], registry=r)
         self.evictions = Counter("pegaflow_node_evictions_total",

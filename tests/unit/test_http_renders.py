@@ -123,3 +123,4 @@ def test_a_paced_render_is_the_same_text_with_pauses_between_slices(monkeypatch)
     monkeypatch.setattr(http, "SLICE_S", 60.0)  # one slice: only the pause before it starts
     assert asyncio.run(run()) == generate_latest(reg)
     assert len(pauses) == 1
+
