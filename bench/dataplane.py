@@ -412,6 +412,10 @@ def window(args: argparse.Namespace, on: bool, tmp: Path, redis_url: str) -> dic
             "stats_calls": stats_calls,
         },
         "background_errors": bg.errors[:5],
+        # the node's garbage collections in the window, by generation: a collection pauses the
+        # loop too, so the tail may be GC rather than background work
+        "gc": {g: {"collections": delta(f"pegaflow_node_gc_pause_seconds_count|generation={g}"),
+                   "seconds": delta(f"pegaflow_node_gc_pause_seconds_sum|generation={g}")} for g in "012"},
     }
 
 
@@ -431,6 +435,7 @@ def summarize(windows: list[dict]) -> dict:
         "late_requests": sum(w["late"] for w in windows),
         "query_misses": sum(w["misses"] for w in windows),
         "background": bg,
+        "gc": {g: {k: sum(w["gc"][g][k] for w in windows) for k in ("collections", "seconds")} for g in "012"},
     }
 
 
@@ -518,6 +523,9 @@ def main() -> None:
         f"{k} {off['node_p99_us'][k]:.0f} / {on['node_p99_us'][k]:.0f} µs" for k in CALLS))
     print(f"node CPU per call: off {off['node_cpu_us_per_call']:.0f} µs, on {on['node_cpu_us_per_call']:.0f} µs")
     print(f"background in the 'on' windows: {on['background']}")
+    print("node garbage collections (generation: count, ms), off / on: " + ", ".join(
+        f"{g}: {off['gc'][g]['collections']:.0f}, {off['gc'][g]['seconds'] * 1e3:.1f} / "
+        f"{on['gc'][g]['collections']:.0f}, {on['gc'][g]['seconds'] * 1e3:.1f}" for g in "012"))
     print(f"late requests (open loop behind): off {off['late_requests']}, on {on['late_requests']}")
     if args.summary:
         args.summary.write_text(json.dumps(res))
