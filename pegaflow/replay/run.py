@@ -217,7 +217,7 @@ def _drive(trace: Trace, cluster: Cluster, res: RunResult, progress: Progress | 
             for q in done:
                 while q and q[0] <= t:
                     q.popleft()
-            k = choose(r.namespace, r.hashes, tok, bt, [len(q) for q in done], t)
+            k = choose(r.namespace, r.hashes, tok, bt, [len(q) for q in done], t, r.hinted)
         else:
             k = instance_for(i, r.route)
         pool = pool_of[k]

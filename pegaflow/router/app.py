@@ -55,6 +55,11 @@ KEEPALIVE_EXPIRY_S = 2.0
 
 PATHS = {COMPLETIONS: "/v1/completions", CHAT: "/v1/chat/completions"}
 FORWARDED_HEADERS = ("authorization", "x-request-id")
+# kv-aware answers say whether the engine was chosen with the prefix answer ("used") or by
+# load alone because none came in time ("none"): replay of a recorded run (bench/router.py)
+# routes those requests as the router did (docs/replay.md, ``prefix_hint``).
+HINT_HEADER = "x-pegaflow-prefix-hint"
+HINT_USED, HINT_NONE = "used", "none"
 ATTEMPTS = 2  # a request that failed before streaming is tried once more, elsewhere
 # Fields a prefill request must not carry: it computes the prompt and samples one token.
 PREFILL_DROPPED = ("stream", "stream_options", "n", "best_of", "min_tokens", "max_completion_tokens")
@@ -97,7 +102,7 @@ class RouterMetrics:
                                       "alone, by why (unavailable, timeout, no_tokens, no_pegaflow).", ["reason"],
                                       registry=r)
         self.load_redirects = Counter("pegaflow_router_load_redirects_total", "kv-aware requests the load bound "
-                                      "sent away from the engine whose node saves the most prefill.", registry=r)
+                                      "or floor sent away from the engine whose node saves the most prefill.", registry=r)
         self.engine_load = Gauge("pegaflow_router_engine_load", "kv-aware: each engine's load as the last choice "
                                  "saw it (max of requests in flight and routed in --load-window).", ["engine"],
                                  registry=r)
@@ -144,6 +149,7 @@ class _Answer:
     status: int
     body: bytes
     content_type: str = "application/json"
+    hint: str | None = None  # kv-aware: HINT_HEADER's value for the engine's choice
 
     def json(self) -> Any:
         try:
@@ -162,6 +168,7 @@ class _Stream:
     rest: AsyncIterator[bytes]
     upstream: httpx.Response
     load: _Load
+    hint: str | None = None  # kv-aware: HINT_HEADER's value for the engine's choice
 
 
 class Router:
@@ -321,6 +328,7 @@ class Router:
             if picked is None:
                 break
             e, d = picked
+            hint = (HINT_USED if d.hinted else HINT_NONE) if self.policy.wants_prefixes else None
             if tried:
                 log.info("retrying_elsewhere", engine=e.url, failed=tried[-1])
             tried.append(e.url)
@@ -350,7 +358,8 @@ class Router:
                 finally:
                     await upstream.aclose()
                 load.done()
-                return _Answer(e, upstream.status_code, data, upstream.headers.get("content-type", "application/json"))
+                return _Answer(e, upstream.status_code, data, upstream.headers.get("content-type", "application/json"),
+                               hint)
             rest = upstream.aiter_raw()
             try:
                 first = await anext(rest, b"")
@@ -359,7 +368,7 @@ class Router:
                 failure = self._broken(e, load, exc, "stream_start", "stream broken before its first byte")
                 continue
             load.first_token()
-            return _Stream(e, first, rest, upstream, load)
+            return _Stream(e, first, rest, upstream, load, hint)
         return failure
 
     def _broken(self, e: Engine, load: _Load, exc: Exception, reason: str, what: str) -> _Answer:
@@ -390,7 +399,7 @@ class Router:
         if isinstance(out, _Stream):
             self.metrics.ttft.observe(time.perf_counter() - t0)
             return StreamingResponse(self._relay(out, t0, endpoint), media_type="text/event-stream",
-                                     headers={"x-pegaflow-engine": out.engine.url})
+                                     headers=self._route_headers(out.engine, out.hint))
         self.metrics.latency.observe(time.perf_counter() - t0)
         if out.engine is None:
             self.metrics.requests.labels(endpoint, "failed").inc()
@@ -402,8 +411,13 @@ class Router:
             return openai_error(out.status, out.body.decode(errors="replace") or "engine error", "EngineError")
         self.metrics.requests.labels(endpoint, "ok" if out.status < 400 else "client_error").inc()
         resp = out.response()
-        resp.headers["x-pegaflow-engine"] = out.engine.url
+        resp.headers.update(self._route_headers(out.engine, out.hint))
         return resp
+
+    @staticmethod
+    def _route_headers(engine: Engine, hint: str | None) -> dict[str, str]:
+        """Where the request went and, under kv-aware, whether its prefix answer came in time."""
+        return {"x-pegaflow-engine": engine.url, **({HINT_HEADER: hint} if hint is not None else {})}
 
     async def handle(self, kind: str, request: Request) -> Response:
         t0 = time.perf_counter()

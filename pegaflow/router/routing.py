@@ -52,6 +52,7 @@ class Decision:
     url: str
     prefix_tokens: int  # the chosen engine's node holds this many leading tokens of the prompt
     cost: float  # kv-aware: the estimated prefill tokens (not held, tier costs added); else the load
+    hinted: bool = True  # kv-aware: the prefix answer was used (False: none in time, routed by load)
 
 
 class Policy:
@@ -101,7 +102,8 @@ class Policy:
             self.last_loads = dict(zip(urls, loads, strict=True))
             self.recent.routed(urls[i], now)
             c = ordered[i]
-            return Decision(c.url, c.prefix_tokens if use_prefixes else 0, max(0.0, prompt_tokens - saved[i]))
+            return Decision(c.url, c.prefix_tokens if use_prefixes else 0, max(0.0, prompt_tokens - saved[i]),
+                            use_prefixes)
         order = self._rotated(cands)
         if self.name == ROUND_ROBIN:
             c = order[0]

@@ -74,6 +74,7 @@ def test_kv_aware_sends_a_prefix_to_the_engine_whose_node_holds_it(logs: Path, t
             r = router.post("/v1/completions", completion(p_b))
             assert r.status_code == 200, r.text
             assert r.headers["x-pegaflow-engine"] == eb.url
+            assert r.headers["x-pegaflow-prefix-hint"] == "used"
             assert router.post("/v1/completions", completion(p_a)).headers["x-pegaflow-engine"] == ea.url
         assert len(eb.served()) == 3 and len(ea.served()) == 3
         # Predicted hit: every loadable block (never the last token's) of every request.
@@ -84,6 +85,10 @@ def test_kv_aware_sends_a_prefix_to_the_engine_whose_node_holds_it(logs: Path, t
         assert router.metric("pegaflow_router_engine_load", engine=ea.url) == 2
         assert router.metric("pegaflow_router_engine_load", engine=eb.url) == 3
         assert router.metric("pegaflow_router_load_redirects_total") == 0
+        # Text with no tokenizer to hash it: no prefix answer, routed by load, and the answer says so.
+        r = router.post("/v1/completions", completion("a text prompt: the fake engines have no tokenizer"))
+        assert r.status_code == 200 and r.headers["x-pegaflow-prefix-hint"] == "none", r.headers
+        assert router.metric("pegaflow_router_hint_fallbacks_total", reason="no_tokens") == 1
         # Nothing the router asked changed the nodes: peeks take no lease and count no access.
         for n in (a, b):
             st = n.stats()

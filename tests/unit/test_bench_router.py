@@ -237,18 +237,36 @@ def test_predict_with_requests_in_flight_together_counts_no_hits_between_them() 
     assert predict(slice_, 32, 100, KV_AWARE, ISOLATED, sent, [0.5, 0.55, 0.9]).request_hits[1] == 0
 
 
+def test_predict_routes_a_request_without_a_hint_as_the_router_did() -> None:
+    """The router had no prefix answer for r2 and chose by load (bound and turn): replay must
+    not send it to the pool that holds its prefix."""
+    from bench.router import ISOLATED, KV_AWARE, predict
+
+    slice_ = [[1, 2, 3], [9, 8, 7], [1, 2, 4]]
+    sent = [0.0, 100.0, 200.0]  # minutes apart: no load in the window, the bound is not in play
+    hinted = predict(slice_, 32, 100, KV_AWARE, ISOLATED, sent)
+    assert hinted.request_instance[2] == hinted.request_instance[0] and hinted.request_hits[2] == 2
+    blind = predict(slice_, 32, 100, KV_AWARE, ISOLATED, sent, hinted=[True, True, False])
+    # By turn: r0 on instance 0, r1 (nothing held anywhere) on 1, r2 on 2, where nothing is held.
+    assert blind.request_instance == [0, 1, 2] and blind.request_hits == [0, 0, 0]
+
+
 def test_the_summary_keeps_what_the_prediction_was_given() -> None:
     import json
 
     from bench.router import SHARED, predict, summarize
 
     slice_ = [[1, 2], [1, 2]]
-    res = [{"ttft_s": 0.2, "cached": 0, "engine": "e0", "sent_s": 0.0, "first_s": 0.2, "done_s": 0.25},
-           {"ttft_s": 0.1, "cached": 64, "engine": "e1", "sent_s": 0.3, "first_s": 0.4, "done_s": 0.5}]
+    res = [{"ttft_s": 0.2, "cached": 0, "engine": "e0", "sent_s": 0.0, "first_s": 0.2, "done_s": 0.25,
+            "hinted": True},
+           {"ttft_s": 0.1, "cached": 64, "engine": "e1", "sent_s": 0.3, "first_s": 0.4, "done_s": 0.5,
+            "hinted": False}]
     prompts = [[7] * 65, [7] * 65]
     predicted = predict(slice_, 32, 10, "round-robin", SHARED, [r["sent_s"] for r in res],
                         [r["first_s"] for r in res])
     out = summarize("x", res, prompts, 32, 1.0, predicted)
-    assert out["per_request"] == [{k: r[k] for k in ("sent_s", "first_s", "done_s", "engine")} for r in res]
+    assert out["per_request"] == [{k: r[k] for k in ("sent_s", "first_s", "done_s", "engine", "hinted")}
+                                  for r in res]
+    assert out["routed_without_hint"] == 1
     assert out["gap_pp"] == pytest.approx(0.0)  # 2 of 4 blocks hit, as replay says
     json.dumps(out)

@@ -40,6 +40,14 @@ def test_node_query_trace_round_trips_and_namespaces_separate_equal_hashes():
     assert t.requests[0].time == 10.0
 
 
+def test_prefix_hint_is_read_from_both_formats_and_defaults_to_true():
+    blind = json.dumps({"timestamp": 1500, "input_length": 600, "hash_ids": [7], "prefix_hint": False})
+    assert [r.hinted for r in read_trace([GOOD, blind]).requests] == [True, False]
+    q = json.loads(encode_query(1.0, "m", [b"\x01" * 16]))
+    lines = [json.dumps(q), json.dumps({**q, "prefix_hint": False}), json.dumps({**q, "prefix_hint": True})]
+    assert [r.hinted for r in read_trace(lines).requests] == [True, False, True]
+
+
 @pytest.mark.parametrize(
     "bad, needle",
     [
@@ -52,6 +60,7 @@ def test_node_query_trace_round_trips_and_namespaces_separate_equal_hashes():
         ('{"timestamp": "x", "input_length": 5, "hash_ids": [1]}', "'timestamp' must be a number"),
         ('{"input_length": 5, "hash_ids": [1]}', "missing field 'timestamp'"),
         ('{"timestamp": 1, "input_length": -5, "hash_ids": [1]}', "'input_length' must be a non-negative"),
+        ('{"timestamp": 1, "input_length": 5, "hash_ids": [1], "prefix_hint": 0}', "'prefix_hint' must be true or"),
     ],
 )
 def test_a_malformed_mooncake_line_is_reported_with_its_line_number(bad, needle):
@@ -69,6 +78,7 @@ def test_a_malformed_mooncake_line_is_reported_with_its_line_number(bad, needle)
         ('{"time": 1, "namespace": "m", "hashes": ["00ff"]}', "has 2 bytes, expected 16"),
         ('{"time": 1, "namespace": "", "hashes": []}', "'namespace' must be a non-empty string"),
         ('{"time": 1, "namespace": "m", "hashes": [], "page_bytes": 0}', "'page_bytes' must be a positive"),
+        ('{"time": 1, "namespace": "m", "hashes": [], "prefix_hint": "no"}', "'prefix_hint' must be true or"),
     ],
 )
 def test_a_malformed_query_trace_line_is_reported(bad, needle):
