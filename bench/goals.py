@@ -119,14 +119,15 @@ GOALS: tuple[Goal, ...] = (
          1.0, on="value", higher_is_better=False),
     Goal("quota", "hot namespace hit rate gap, alone vs no quota (the problem), real node", "node.shared_gap_pp",
          "pp", None, "", 20.0, on="value"),
-    # Routing over isolated pools (a pool per engine), by replay with its time model, on four traces (the
-    # synthetic Mooncake trace; conversation-, agent- and scan-shaped ones from bench/traces.py) at two sizes.
+    # Routing over isolated pools (a pool per engine), by replay with its time model, on five traces (Mooncake's
+    # public synthetic and conversation traces; conversation-, agent- and scan-shaped ones from bench/traces.py)
+    # at two sizes. "conversation traces": the generated one and Mooncake's.
     Goal("routing", "block hit rate, kv-aware / round-robin, isolated pools, worst trace and size",
          "kv_hit_rate_at_kv_over_rr_min", "", "rr_hit_rate_at_kv_over_rr_min", "round-robin, same pools", 1.0,
          ratio="kv_over_rr_min"),
-    Goal("routing", "conversation trace: kv-aware / round-robin, isolated pools, worst size",
+    Goal("routing", "conversation traces: kv-aware / round-robin, isolated pools, worst trace and size",
          "conversation_kv_over_rr_min", "x", None, "", 2.0, on="value"),
-    Goal("routing", "conversation trace: kv-aware isolated / one shared pool of the same total, worst size",
+    Goal("routing", "conversation traces: kv-aware isolated / one shared pool of the same total, worst trace and size",
          "conversation_kv_over_shared_min", "x", None, "", 0.8, on="value"),
     Goal("routing", "kv-aware imbalance (max/mean requests per instance per minute), worst", "kv_imbalance_max",
          "x", None, "", 1.25, on="value", higher_is_better=False),

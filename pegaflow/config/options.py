@@ -27,6 +27,7 @@ from pegaflow.core.durations import parse_windows
 from pegaflow.core.hosts import split_host_port
 from pegaflow.core.units import parse_size
 from pegaflow.policy.quota import parse_quota
+from pegaflow.policy.routing import DEFAULT_LOAD_BOUND, DEFAULT_LOAD_WINDOW_S
 
 NODE = "node"
 META = "meta"
@@ -998,7 +999,7 @@ OPTIONS: list[Option] = [
     ),
     Option(
         "load-bound",
-        0.15,
+        DEFAULT_LOAD_BOUND,
         "kv-aware: an engine whose load is above (1 + this) x the mean (this request counted) is not "
         "chosen for its prefix (bounded-load affinity; default measured in docs/router.md).",
         _non_negative_float,
@@ -1006,7 +1007,7 @@ OPTIONS: list[Option] = [
     ),
     Option(
         "load-window",
-        60.0,
+        DEFAULT_LOAD_WINDOW_S,
         "kv-aware: an engine's load is the larger of its requests in flight and the requests routed "
         "to it in this many seconds (0: in flight only).",
         _non_negative_float,

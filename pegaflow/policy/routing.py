@@ -12,6 +12,17 @@ The rule (docs/router.md has the measurements behind the defaults):
    this request is counted (consistent hashing with bounded loads, Mirrokni, Thorup and
    Zadimoghaddam, SODA 2018). At least one engine is always allowed: the least loaded is
    at most the mean, below ``(sum(L) + 1) / n``.
+   **Floor.** When an engine would stay below ``(1 - eps)`` times that mean even with this
+   request (``load + 1 < (1 - eps) * (sum(L) + 1) / n``), only such engines may be chosen;
+   but only once the mean is at least ``1 / eps`` requests (below that, one request is more
+   than ``eps`` of the mean: the floor would scatter a light load rather than balance it,
+   and the bound's rounding up already leaves no engine idle).
+   Without it an engine can starve: with ``eps >= 1 / (n - 1)``, ``n - 1`` engines carry all
+   the load under the bound, and an engine that holds less than they do (new after a
+   scale-out, or missing the system prompt that every request starts with, which each of
+   the others holds) is never the best. On Mooncake's conversation trace (every request
+   shares its first block), 8 engines and ``eps`` 0.2, one engine starved and kv-aware kept
+   0.82x of one shared pool's hits; with the floor, 0.94x (docs/router.md).
 2. **Value.** Among the allowed engines, the one whose node saves the most prefill: the
    leading prompt tokens it holds, each weighted by what fetching it costs against
    recomputing it (``1 - cost``): an L1 hit costs ``costs.l1`` (0), an SSD hit
@@ -34,7 +45,7 @@ from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-DEFAULT_LOAD_BOUND = 0.15  # eps: measured in docs/router.md (bench/routing.py --bounds)
+DEFAULT_LOAD_BOUND = 0.2  # eps: measured in docs/router.md (bench/routing.py --bounds)
 DEFAULT_LOAD_WINDOW_S = 60.0
 
 
@@ -68,12 +79,17 @@ class BoundedLoadKV:
         self.load_bound = load_bound
         self.costs = costs or TierCosts()
         self._turn = 0
-        self.redirected = 0  # choices the bound moved off the engine that saves the most
+        self.redirected = 0  # choices the bound or the floor moved off the engine that saves the most
         self.last_redirected = False
 
     def cap(self, loads: Sequence[float]) -> float:
         """Loads strictly below this may be chosen for their prefix."""
         return math.ceil((1.0 + self.load_bound) * (sum(loads) + 1) / len(loads))
+
+    def floor(self, loads: Sequence[float]) -> float:
+        """An engine whose load + 1 is strictly below this is under the floor (the module;
+        :meth:`choose` applies it only once the mean is at least ``1 / load_bound``)."""
+        return (1.0 - self.load_bound) * (sum(loads) + 1) / len(loads)
 
     def choose(self, loads: Sequence[float], saved: Sequence[float]) -> int:
         """The index of the chosen candidate. ``saved[i]``: what candidate i's node saves
@@ -82,7 +98,13 @@ class BoundedLoadKV:
         if n == 0 or len(saved) != n:
             raise ValueError("choose needs one load and one saving per candidate, and a candidate")
         k = self._turn % n
-        cap = self.cap(loads)
+        low = self.floor(loads)
+        # Someone is under the floor, and the mean is at least 1 / eps: only they may be chosen.
+        if min(loads) + 1 < low and self.load_bound * (sum(loads) + 1) >= n:
+            allowed = [load + 1 < low for load in loads]
+        else:
+            cap = self.cap(loads)
+            allowed = [load < cap for load in loads]
         best, best_saved, top = -1, -1.0, -1.0
         for j in range(n):
             i = k + j
@@ -91,7 +113,7 @@ class BoundedLoadKV:
             v = saved[i]
             if v > top:
                 top = v
-            if loads[i] < cap and v > best_saved:
+            if allowed[i] and v > best_saved:
                 best, best_saved = i, v
         self.last_redirected = top > best_saved
         if self.last_redirected:

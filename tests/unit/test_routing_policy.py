@@ -1,4 +1,4 @@
-"""The kv-aware decision (pegaflow/policy/routing.py): the bound, the tier weights, the turn."""
+"""The kv-aware decision (pegaflow/policy/routing.py): the bound, the floor, the tier weights, the turn."""
 
 from __future__ import annotations
 
@@ -21,9 +21,44 @@ def test_the_bound_is_never_crossed_for_a_prefix():
         kv = BoundedLoadKV(eps)
         i = kv.choose(loads, saved)
         cap = math.ceil((1 + eps) * (sum(loads) + 1) / n)
+        low = (1 - eps) * (sum(loads) + 1) / n
         assert loads[i] < cap  # integer loads: someone is always under the cap
+        # Under the floor (once the mean is 1 / eps or more), only those under it may be
+        # chosen; else those under the cap.
+        under = [j for j in range(n) if loads[j] + 1 < low] if eps * (sum(loads) + 1) >= n else []
+        allowed = under or [j for j in range(n) if loads[j] < cap]
+        assert i in allowed
         # and nobody allowed saves more than the one chosen
-        assert all(saved[j] <= saved[i] for j in range(n) if loads[j] < cap)
+        assert all(saved[j] <= saved[i] for j in allowed)
+
+
+def test_an_engine_holding_less_than_the_others_is_not_starved():
+    """Seven engines hold the prefix every request starts with, the eighth (new) holds
+    nothing. With eps 0.2 >= 1/7 the seven could carry all the load under the bound and the
+    eighth would never be the best; the floor gives it its share."""
+    eps, n = 0.2, 8
+    kv = BoundedLoadKV(eps)
+    saved = [512.0] * (n - 1) + [0.0]
+    loads = [0] * n
+    for _ in range(800):
+        loads[kv.choose(loads, saved)] += 1
+    mean = sum(loads) / n
+    assert loads[-1] >= (1 - eps) * mean - 1, loads
+    assert max(loads) <= math.ceil((1 + eps) * mean), loads
+    # Above the floor, the prefix still wins: the eighth is chosen no more than it must be.
+    assert loads[-1] <= (1 - eps) * mean + 1, loads
+
+
+def test_the_floor_leaves_a_light_load_to_the_prefix():
+    """Below a mean of 1 / eps requests the floor does not apply: one request is more than eps
+    of the mean, and spreading it would only scatter a light load."""
+    kv = BoundedLoadKV(0.2)
+    # 4 engines, 5 requests in the window, mean with this one 1.5 < 5: the holder (load 1,
+    # under the cap of ceil(1.2 * 1.5) = 2) wins over the idle engine.
+    assert kv.choose([1, 2, 2, 0], [512.0, 0.0, 0.0, 0.0]) == 0
+    # 4 engines, 40 in the window (mean 10.25 >= 5): the idle engine is under the floor.
+    assert kv.choose([11, 15, 14, 0], [512.0, 0.0, 0.0, 0.0]) == 3
+    assert kv.last_redirected
 
 
 def test_the_longest_allowed_prefix_wins_over_an_overloaded_longer_one():
