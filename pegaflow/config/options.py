@@ -1001,7 +1001,8 @@ OPTIONS: list[Option] = [
         "load-bound",
         DEFAULT_LOAD_BOUND,
         "kv-aware: an engine whose load is above (1 + this) x the mean (this request counted) is not "
-        "chosen for its prefix (bounded-load affinity; default measured in docs/router.md).",
+        "chosen for its prefix, and engines below (1 - this) x the mean are chosen first (bounded-load "
+        "affinity; default measured in docs/router.md).",
         _non_negative_float,
         commands=(ROUTER, REPLAY),
     ),

@@ -22,7 +22,7 @@ The rule (docs/router.md has the measurements behind the defaults):
    scale-out, or missing the system prompt that every request starts with, which each of
    the others holds) is never the best. On Mooncake's conversation trace (every request
    shares its first block), 8 engines and ``eps`` 0.2, one engine starved and kv-aware kept
-   0.82x of one shared pool's hits; with the floor, 0.94x (docs/router.md).
+   0.82x-0.83x of one shared pool's hits; with the floor, 0.95x-0.98x (docs/router.md).
 2. **Value.** Among the allowed engines, the one whose node saves the most prefill: the
    leading prompt tokens it holds, each weighted by what fetching it costs against
    recomputing it (``1 - cost``): an L1 hit costs ``costs.l1`` (0), an SSD hit
