@@ -54,8 +54,9 @@ steps (its first chunks visible earlier).
 
 Reported per run: block, token and request hit rates (from the cached tokens vLLM
 reports), replay's prediction, mean and p99 TTFT, requests (completed / wall time) and
-prompt tokens per second, and the imbalance (max/mean requests per engine per minute)
-beside replay's. At the end a markdown table sets the runs against each other (one shared
+prompt tokens per second, the imbalance (max/mean requests per engine per minute)
+beside replay's, and the router's own mean time to choose an engine (its
+``pegaflow_router_route_seconds``: tokenizing, hashing, the prefix hint). At the end a markdown table sets the runs against each other (one shared
 pool vs isolated pools, kv-aware vs round-robin): req/s, mean TTFT, request hit rate and
 their ratios. Goal: kv-aware + shared >= 3x the block hit rate of round-robin + isolated.
 
@@ -496,6 +497,12 @@ def main() -> None:
                                         [r["first_s"] for r in res], [r["hinted"] for r in res])
                     results[label] = summarize(label, res, prompts, bs, wall, predicted)
                     results[label]["hint_fallbacks"] = router.metric("pegaflow_router_hint_fallbacks_total")
+                    # The router's own time to choose (tokenizing, hashing, the prefix hint), per request.
+                    routed = router.metric("pegaflow_router_route_seconds_count")
+                    results[label]["route_mean_ms"] = (
+                        1000 * router.metric("pegaflow_router_route_seconds_sum") / routed if routed else 0.0)
+                    print(f"{label:24s} routing: {results[label]['route_mean_ms']:.1f} ms mean per request, "
+                          f"{results[label]['hint_fallbacks']:.0f} routed without a prefix answer", flush=True)
                 finally:
                     router.stop()
         finally:
