@@ -56,9 +56,9 @@ Reported per run: block, token and request hit rates (from the cached tokens vLL
 reports), replay's prediction, mean and p99 TTFT, requests (completed / wall time) and
 prompt tokens per second, the imbalance (max/mean requests per engine per minute)
 beside replay's, and the router's own mean time to choose an engine (its
-``pegaflow_router_route_seconds``: tokenizing, hashing, the prefix hint). At the end a markdown table sets the runs against each other (one shared
-pool vs isolated pools, kv-aware vs round-robin): req/s, mean TTFT, request hit rate and
-their ratios. Goal: kv-aware + shared >= 3x the block hit rate of round-robin + isolated.
+``pegaflow_router_route_seconds``: tokenizing, hashing, the prefix hint). At the end a
+markdown table sets the runs against each other (one shared pool vs isolated pools,
+kv-aware vs round-robin): req/s, mean TTFT, request hit rate and their ratios. Goal: kv-aware + shared >= 3x the block hit rate of round-robin + isolated.
 
     python bench/router.py [--requests 600 --max-blocks 24 --l1 10%] [--rate 4 | --concurrency 8]
                            [--summary out.json]
