@@ -3,8 +3,7 @@
 For each trace (the repo's two public Mooncake traces, synthetic and conversation, and three
 shapes generated on the fly by ``bench/traces.py``: conversation, agent, scan) and each L1
 size (``--capacities``, as shares of the trace's distinct blocks, the total over
-``--instances`` pools), ``pegaflow
-replay``'s model runs with its time model (requests at their timestamps, a prefill queue
+``--instances`` pools), ``pegaflow replay``'s model runs with its time model (requests at their timestamps, a prefill queue
 per instance):
 
 - **round-robin**, isolated pools (a pool per engine, the capacity split);
