@@ -56,7 +56,8 @@ Reported per run: block, token and request hit rates (from the cached tokens vLL
 reports), replay's prediction, mean and p99 TTFT, requests (completed / wall time) and
 prompt tokens per second, the imbalance (max/mean requests per engine per minute)
 beside replay's, and the router's own mean time to choose an engine (its
-``pegaflow_router_route_seconds``: tokenizing, hashing, the prefix hint). At the end a
+``pegaflow_router_route_seconds``: tokenizing, hashing, the prefix hint) and how late its
+event loop ran (``pegaflow_router_event_loop_lag_seconds``, mean). At the end a
 markdown table sets the runs against each other (one shared pool vs isolated pools,
 kv-aware vs round-robin): req/s, mean TTFT, request hit rate and their ratios. Goal: kv-aware + shared >= 3x the block hit rate of round-robin + isolated.
 
@@ -501,8 +502,13 @@ def main() -> None:
                     routed = router.metric("pegaflow_router_route_seconds_count")
                     results[label]["route_mean_ms"] = (
                         1000 * router.metric("pegaflow_router_route_seconds_sum") / routed if routed else 0.0)
+                    # How late the router's own event loop ran (sampled every 100 ms over the run).
+                    lags = router.metric("pegaflow_router_event_loop_lag_seconds_count")
+                    results[label]["loop_lag_mean_ms"] = (
+                        1000 * router.metric("pegaflow_router_event_loop_lag_seconds_sum") / lags if lags else 0.0)
                     print(f"{label:24s} routing: {results[label]['route_mean_ms']:.1f} ms mean per request, "
-                          f"{results[label]['hint_fallbacks']:.0f} routed without a prefix answer", flush=True)
+                          f"{results[label]['hint_fallbacks']:.0f} routed without a prefix answer, the router's "
+                          f"loop {results[label]['loop_lag_mean_ms']:.1f} ms late on average", flush=True)
                 finally:
                     router.stop()
         finally:

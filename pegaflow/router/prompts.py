@@ -69,10 +69,16 @@ class Prompts:
         self.tokenizer = tokenizer
 
     @staticmethod
-    def load(name: str) -> Any:
-        from transformers import AutoTokenizer  # seconds to import: only when a router starts
+    def library() -> Any:
+        """The tokenizer class. Seconds to import (transformers imports torch): the router
+        imports it before it serves (``Router._import_tokenizer_library``)."""
+        from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(name)
+        return AutoTokenizer
+
+    @staticmethod
+    def load(name: str) -> Any:
+        return Prompts.library().from_pretrained(name)
 
     def token_ids(self, kind: str, body: dict[str, Any]) -> list[int] | None:
         """The first prompt's token ids, or None when the router cannot know them."""

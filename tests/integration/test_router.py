@@ -89,6 +89,11 @@ def test_kv_aware_sends_a_prefix_to_the_engine_whose_node_holds_it(logs: Path, t
         r = router.post("/v1/completions", completion("a text prompt: the fake engines have no tokenizer"))
         assert r.status_code == 200 and r.headers["x-pegaflow-prefix-hint"] == "none", r.headers
         assert router.metric("pegaflow_router_hint_fallbacks_total", reason="no_tokens") == 1
+        # The tokenizer's library (seconds of import, under the GIL) came in before the router
+        # served, not under traffic.
+        events = [json.loads(line).get("event") for line in router.log.read_text().splitlines()
+                  if line.startswith("{")]
+        assert events.index("tokenizer_library_imported") < events.index("router_started"), events
         # Nothing the router asked changed the nodes: peeks take no lease and count no access.
         for n in (a, b):
             st = n.stats()
@@ -200,6 +205,9 @@ def test_models_and_metrics_are_served(good_and_bad) -> None:  # noqa: ANN001
     assert [m["id"] for m in models["data"]] == [MODEL]
     text = httpx.get(router.url + "/metrics", timeout=5).text
     assert "pegaflow_router_engine_up" in text and "pegaflow_router_ttft_seconds" in text
+    # Its event loop's lag is sampled (every 100 ms) from the start.
+    wait_until(lambda: router.metric("pegaflow_router_event_loop_lag_seconds_count") >= 2, 10,
+               "the router's loop lag to be sampled")
 
 
 def test_an_engine_that_stops_answering_leaves_rotation_and_returns(logs: Path) -> None:
