@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from pegaflow._proto import node_pb2, node_pb2_grpc
-from pegaflow.common import otel
+from pegaflow.common import loop_lag, otel
 from pegaflow.common.grpc_guard import AsyncGuard
 from pegaflow.common.heap import freeze_startup_heap
 from pegaflow.common.http import HttpEndpoint
@@ -444,11 +444,13 @@ class Node:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         hk = asyncio.create_task(self.housekeeping())
+        lag = asyncio.create_task(loop_lag.watch(self.metrics.loop_lag))
         await stop.wait()
         log.info("node_stopping")
         gc_pauses.remove()
         self.service.stopping.set()
         hk.cancel()
+        lag.cancel()
         if self.query_trace is not None:
             self.query_trace.close()
         if self._joining is not None:

@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from pegaflow.common.heap import GcPauses
+from pegaflow.common.loop_lag import lag_histogram
 from pegaflow.common.metric_alias import Alias, OriginalNames, Relabel, ValueAlias, rpc_labels
 
 RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -37,6 +38,9 @@ class NodeMetrics:
                                   "Garbage collections of the node process by generation (0, 1, 2) and their "
                                   "length: every thread's Python, the data path's loop included, waits meanwhile.")
         r.register(self.gc_pauses)
+        # Sampled once the daemon runs (pegaflow/common/loop_lag.py): whatever holds the loop
+        # or the GIL (a background thread's Python, a collection) delays every call it serves.
+        self.loop_lag = lag_histogram("pegaflow_node_event_loop_lag_seconds", "the node", r)
         self.misses = Counter("pegaflow_node_miss_blocks_total", "Blocks asked by Query and not found.", registry=r)
         self.queries = Counter("pegaflow_node_queries_total", "Query RPCs by outcome.", ["outcome"], registry=r)
         self.evictions = Counter("pegaflow_node_evictions_total",

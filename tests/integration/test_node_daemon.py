@@ -264,6 +264,15 @@ def test_metrics_health_service_and_reflection(raw):
     assert metrics['pegaflow_node_hit_blocks_total{tier="l1"}'] == 2
     assert metrics["pegaflow_node_miss_blocks_total"] == 1
     assert metrics['pegaflow_node_rpc_duration_seconds_count{method="Query",status="OK",transport="grpc"}'] >= 1
+
+    # The event loop's lag is sampled every 100 ms from the start (none of it negative).
+    def lag_samples() -> float:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{n.http_port}/metrics", timeout=5).read().decode()
+        return next(float(line.split(" ")[1]) for line in text.splitlines()
+                    if line.startswith("pegaflow_node_event_loop_lag_seconds_count"))
+
+    wait_until(lambda: lag_samples() >= 3, 10, "the node's loop lag to be sampled")
+    assert metrics["pegaflow_node_event_loop_lag_seconds_sum"] >= 0
     assert urllib.request.urlopen(f"http://127.0.0.1:{n.http_port}/health", timeout=5).status == 200
     with sync_channel(n.addr, Security()) as ch:
         st = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="pegaflow.v1.PegaNode"))
