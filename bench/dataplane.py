@@ -30,8 +30,9 @@ the host. Reported per mode: p50/p99/p999 of each call (client side, the call al
 the open loop's lag), the node's CPU per call (utime + stime over the window / calls), and
 what the background did in the window, read from the node's metrics (bytes written to
 SSD, L1 evictions, events published) and the scrapers' own count (the node does not count
-scrapes). The run fails when the background did nothing in an "on" window, so a quiet
-window cannot pass for a loaded one.
+scrapes), and the node's event-loop lag (``pegaflow_node_event_loop_lag_seconds``: how late
+the loop that answers engines ran a timer, whatever held it). The run fails when the
+background did nothing in an "on" window, so a quiet window cannot pass for a loaded one.
 """
 
 from __future__ import annotations
@@ -389,8 +390,18 @@ def window(args: argparse.Namespace, on: bool, tmp: Path, redis_url: str) -> dic
         buckets = sorted((float(k[len(pre):].split("|")[0]), v - before.get(k, 0.0)) for k, v in after.items()
                          if k.startswith(pre) and f"|method={method}|" in k and "|status=OK|" in k
                          and k.endswith("|transport=local"))
+        return bucket_p99(buckets)
+
+    def bucket_p99(buckets: list[tuple[float, float]]) -> float:
         total = buckets[-1][1] if buckets else 0.0
         return next((le * 1e6 for le, n in buckets if total and n >= 0.99 * total), 0.0)
+
+    def lag_p99() -> float:
+        """p99 of the node's event-loop lag in the window (bucket bound, µs): how late the loop
+        that answers engines ran what was due, whatever held it."""
+        pre = "pegaflow_node_event_loop_lag_seconds_bucket|le="
+        return bucket_p99(sorted((float(k[len(pre):].split("|")[0]), v - before.get(k, 0.0))
+                                 for k, v in after.items() if k.startswith(pre)))
 
     lat = merge(res)
     calls = sum(len(v) for v in lat.values())
@@ -414,6 +425,8 @@ def window(args: argparse.Namespace, on: bool, tmp: Path, redis_url: str) -> dic
         "background_errors": bg.errors[:5],
         # the node's garbage collections in the window, by generation: a collection pauses the
         # loop too, so the tail may be GC rather than background work
+        "loop_lag": {"samples": delta("pegaflow_node_event_loop_lag_seconds_count"),
+                     "seconds": delta("pegaflow_node_event_loop_lag_seconds_sum"), "p99_us": lag_p99()},
         "gc": {g: {"collections": delta(f"pegaflow_node_gc_pause_seconds_count|generation={g}"),
                    "seconds": delta(f"pegaflow_node_gc_pause_seconds_sum|generation={g}")} for g in "012"},
     }
@@ -436,6 +449,10 @@ def summarize(windows: list[dict]) -> dict:
         "query_misses": sum(w["misses"] for w in windows),
         "background": bg,
         "gc": {g: {k: sum(w["gc"][g][k] for w in windows) for k in ("collections", "seconds")} for g in "012"},
+        # the node's event loop, sampled every 100 ms: mean lag over all windows, worst window's p99
+        "loop_lag_mean_us": sum(w["loop_lag"]["seconds"] for w in windows)
+        / max(1.0, sum(w["loop_lag"]["samples"] for w in windows)) * 1e6,
+        "loop_lag_p99_us": max(w["loop_lag"]["p99_us"] for w in windows),
     }
 
 
@@ -522,6 +539,9 @@ def main() -> None:
     print("inside the node, handler p99 (histogram bucket bound, worst window), off / on: " + ", ".join(
         f"{k} {off['node_p99_us'][k]:.0f} / {on['node_p99_us'][k]:.0f} µs" for k in CALLS))
     print(f"node CPU per call: off {off['node_cpu_us_per_call']:.0f} µs, on {on['node_cpu_us_per_call']:.0f} µs")
+    print(f"node event-loop lag (a timer every 100 ms; mean, worst window's p99 bucket bound), off / on: "
+          f"{off['loop_lag_mean_us']:.0f}, {off['loop_lag_p99_us']:.0f} / {on['loop_lag_mean_us']:.0f}, "
+          f"{on['loop_lag_p99_us']:.0f} µs")
     print(f"background in the 'on' windows: {on['background']}")
     print("node garbage collections (generation: count, ms), off / on: " + ", ".join(
         f"{g}: {off['gc'][g]['collections']:.0f}, {off['gc'][g]['seconds'] * 1e3:.1f} / "
