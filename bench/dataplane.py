@@ -114,6 +114,9 @@ def engine_worker(addr: str, spaces: list[tuple[str, int, int]]) -> None:
         ensure_prefix(ns)
         rate, seconds, start = float(job["rate"]), float(job["seconds"]), float(job["start"])
         save_every, copy = int(job.get("save_every", 1)), bool(job.get("copy", False))
+        # The connector sends its Commits and Releases without waiting for the answer
+        # (wait=False: pegaflow/connector/scheduler.py); wait=True times the node's answer.
+        wait = bool(job.get("wait", True))
         lat: dict[str, list[float]] = {k: [] for k in CALLS}
         misses = late = n = 0
         start += float(job.get("phase", 0.0)) / rate  # engines are not in step with each other
@@ -146,10 +149,10 @@ def engine_worker(addr: str, spaces: list[tuple[str, int, int]]) -> None:
                     if ok:
                         save_pages(kv, [BLOCKS + i for i in ok], res.pool, [res.offsets[i] for i in ok])
                 t0 = time.perf_counter()
-                c.commit(res.reservation_id)
+                c.commit(res.reservation_id, wait=wait)
                 lat["commit"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            c.release(q.lease_id)
+            c.release(q.lease_id, wait=wait)
             lat["release"].append(time.perf_counter() - t0)
             n += 1
         took = time.monotonic() - t_start  # > seconds when the client fell behind
@@ -185,7 +188,7 @@ class Engines:
         return self
 
     def start(self, ns: str, rate: float, seconds: float, save_every: int = 1, copy: bool = False,
-              delay: float = 0.3) -> float:
+              delay: float = 0.3, wait: bool = True) -> float:
         """Start one round on every worker (``delay`` from now; returns that moment). Worker i
         is shifted by i/count of a request interval: engines in step would send their requests
         in bursts, which real engines do not (8 clients in step, 256 KiB pages: Query p99 ~20 ms at
@@ -194,7 +197,7 @@ class Engines:
         for i, p in enumerate(self.procs):
             assert p.stdin is not None
             p.stdin.write(json.dumps({"ns": ns, "rate": rate, "seconds": seconds, "start": at, "phase": i / self.count,
-                                      "save_every": save_every, "copy": copy}) + "\n")
+                                      "save_every": save_every, "copy": copy, "wait": wait}) + "\n")
             p.stdin.flush()
         return at
 

@@ -6,16 +6,21 @@ Each engine client (bench.dataplane's engine worker, its own process, over the n
 local socket) issues per request the connector's calls: a Query with a lease of a 64-block
 prefix all clients share (saved at start; resident: every request touches it), a Reserve of
 64 new blocks, the real page copy into the pool (``pegaflow.client.save_pages`` from a paged torch KV
-cache), the Commit, and the Release of the lease. Open loop: each client starts request n
-at ``n / rate``, or at once when it is behind.
+cache), the Commit, and the Release of the lease. As the connector does
+(``pegaflow/connector/scheduler.py``), Query and Reserve wait for the node's answer and
+Commit and Release are sent without waiting (``wait=False``): what each call costs the
+engine is its send, and a Commit or Release the node has not handled yet delays the same
+client's next Query, which is timed. Open loop: each client starts request n at
+``n / rate``, or at once when it is behind.
 
 Per page size (64-block requests of 256 KiB and of 2 MiB pages), the per-client rate
 doubles from ``--start-rate`` until the clients together achieve less than 90% of the
 target rate (or the last level). The saturation throughput is the most any level achieved:
 requests/s, RPCs/s (4 per request) and GB/s of pages saved through the pool. Then one more
 level at 50% of it: p99 of each call there (client side, each call alone), and the same
-level once more with the page copies skipped (attribution: the copies run on the host's own
-CPUs here, where a GPU engine's are DMA; printed and in the summary, no goal). The pool holds
+level twice more (attribution, printed and in the summary, no goal): with Commit and
+Release waiting for the node's answer, and with the page copies skipped (the copies run on
+the host's own CPUs here, where a GPU engine's are DMA). The pool holds
 every client's prefix with room for churn; no SSD tier. The node's CPU (cores) at each
 level says whether the node or the host's CPUs (the clients' copies) saturated first.
 """
@@ -40,8 +45,12 @@ SATURATED = 0.9  # achieved / target below this: the level is past saturation
 LAYERS = {256: 4, 2048: 16}  # pages gathered from this many layers, as bench/node.py
 
 
-def level(eng: Engines, node: NodeProcess, ns: str, rate: float, seconds: float, copy: bool = True) -> dict:
-    at = eng.start(ns, rate, seconds, save_every=1, copy=copy)
+def level(eng: Engines, node: NodeProcess, ns: str, rate: float, seconds: float, copy: bool = True,
+          wait: bool = False) -> dict:
+    """One level at ``rate`` requests/s per client. ``wait`` False: Commit and Release as the
+    connector sends them, without waiting for the answer (their time is the send); True:
+    each waits for the node's answer."""
+    at = eng.start(ns, rate, seconds, save_every=1, copy=copy, wait=wait)
     time.sleep(max(0.0, at - time.time()))
     cpu0, t0 = cpu_seconds(node.proc.pid), time.monotonic()
     res = eng.results()
@@ -78,6 +87,11 @@ def ramp(eng: Engines, node: NodeProcess, page_kib: int, args: argparse.Namespac
     half = level(eng, node, ns, sat / 2 / args.engines, args.half_seconds)
     print(f"{page_kib} KiB at 50%: {half['requests_per_s']:.1f} requests/s, p99 µs " +
           ", ".join(f"{k} {half['calls'][k]['p99']:.0f}" for k in CALLS), flush=True)
+    # Attribution, not a goal: the same level with Commit and Release waiting for the node's
+    # answer, which the connector does not do (the node's turnaround for them, as a client sees it).
+    waited = level(eng, node, ns, sat / 2 / args.engines, args.half_seconds, wait=True)
+    print(f"{page_kib} KiB at 50%, Commit and Release waiting for the answer: p99 µs " +
+          ", ".join(f"{k} {waited['calls'][k]['p99']:.0f}" for k in CALLS), flush=True)
     # Attribution, not a goal: the same level with the clients' page copies skipped (the same
     # calls at the same rate). What differs is what the copies, on the host's own CPUs here
     # (a GPU engine's copies are DMA), cost the calls' tail.
@@ -96,6 +110,7 @@ def ramp(eng: Engines, node: NodeProcess, page_kib: int, args: argparse.Namespac
         "half_p99_us": {k: half["calls"][k]["p99"] for k in CALLS},
         "half_p99_us_max": max(half["calls"][k]["p99"] for k in CALLS),
         "half_without_copies_p99_us": {k: bare["calls"][k]["p99"] for k in CALLS},
+        "half_waited_p99_us": {k: waited["calls"][k]["p99"] for k in CALLS},
         "levels": levels,
         "misses": sum(lv["misses"] for lv in levels) + half["misses"],
     }
@@ -138,13 +153,14 @@ def main() -> None:
     print(f"\n# One node, {args.engines} engine clients (Query+lease, Reserve, copy, Commit, Release per 64-block "
           f"request; {os.cpu_count()} cores)")
     print("| page | saturation requests/s | RPCs/s | GB/s saved | reached | at 50%: " +
-          " | ".join(f"{k} p99 µs" for k in CALLS) + " | the same, copies skipped |")
-    print("|---|---|---|---|---|" + "---|" * len(CALLS) + "---|")
+          " | ".join(f"{k} p99 µs" for k in CALLS) + " | the same, Commit and Release waited | copies skipped |")
+    print("|---|---|---|---|---|" + "---|" * len(CALLS) + "---|---|")
     for r in rows:
-        bare = r["half_without_copies_p99_us"]
+        bare, waited = r["half_without_copies_p99_us"], r["half_waited_p99_us"]
         print(f"| {r['page_kib']} KiB | {r['saturation_requests_per_s']:.1f} | {r['saturation_rpcs_per_s']:.0f} | "
               f"{r['saturation_gbps']:.2f} | {'yes' if r['saturated'] else 'no (last level kept up)'} | "
               + " | ".join(f"{r['half_p99_us'][k]:.0f}" for k in CALLS) + " | "
+              + " / ".join(f"{waited[k]:.0f}" for k in CALLS) + " | "
               + " / ".join(f"{bare[k]:.0f}" for k in CALLS) + " |")
     if args.summary:
         args.summary.write_text(json.dumps(res))
