@@ -23,7 +23,8 @@ Background, switched as a whole:
   refreshed every 5 s).
 
 ``--parts ssd,scrape`` switches on only those parts (attribution: what each costs the data
-path alone); the default is all of them.
+path alone); the default is all of them. ``--parts none`` leaves the background off in both
+modes: an A/A run, whose on/off ratios are what this host's noise alone gives them.
 
 Modes alternate (off, on, off, on, ...; a fresh node each), so both see the same phases of
 the host. Reported per mode: p50/p99/p999 of each call (client side, the call alone, not
@@ -470,6 +471,8 @@ def quiet(on: dict, parts: list[str]) -> list[str]:
 
 
 def parse_parts(text: str) -> list[str]:
+    if text == "none":  # an A/A run: both modes off
+        return []
     parts = [p for p in text.split(",") if p]
     bad = [p for p in parts if p not in PARTS]
     if bad or not parts:
@@ -497,7 +500,8 @@ def main() -> None:
     ap.add_argument("--ssd-mb", type=int, default=1024)
     ap.add_argument("--scrapers", type=int, default=4, help="/metrics scrapers at 1/s each (background on)")
     ap.add_argument("--parts", type=parse_parts, default=list(PARTS), metavar="A,B",
-                    help=f"the background parts switched on in the 'on' windows (attribution), of {','.join(PARTS)}")
+                    help=f"the background parts switched on in the 'on' windows (attribution), of {','.join(PARTS)}; "
+                    "none: both modes off (A/A)")
     ap.add_argument("--dir", default="/var/tmp", help="file system for the SSD tier's file")
     ap.add_argument("--py-spy", default="", metavar="PATH",
                     help="py-spy binary: record where the node's GIL time goes in each window (not installed "

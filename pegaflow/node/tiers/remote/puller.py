@@ -66,7 +66,10 @@ NEGATIVE_MAX = 65536  # remembered negative answers at most (oldest dropped firs
 # bench/p2p_ssd.py (256 MiB of 1 MiB pages, 2 cores, 2-3 rounds each, the holder waking on
 # landed reads): 32 MiB x 4 pulled 1.14-1.24 GB/s, 64 x 4 1.05-1.28 (twice the holder's
 # DRAM), 16 x 8 and 8 x 16 about 1.1; 16 x 4 with a polling holder 0.95. Per-chunk costs (pin
-# RPC, connections) want few large chunks; the overlap wants several in flight.
+# RPC, connections) want few large chunks; the overlap wants several in flight. Ordering the
+# chunks did not help either (32 x 4, transfers one at a time in chunk order, 1, 2 or 4 pins
+# reading ahead: 1.05-1.06, 1.25-1.27, 1.14-1.27 GB/s): a lone 32 MiB read ran at 1.2-1.5
+# GB/s, and a lone chunk's transfer, sharing the cores with the reads, at ~1.4 GB/s.
 SSD_CHUNK_BYTES = 32 << 20
 SSD_CHUNKS_IN_FLIGHT = 4
 
