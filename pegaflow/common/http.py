@@ -34,6 +34,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from pegaflow.common.priority import background_thread
 from pegaflow.core.hosts import join_host_port, split_host_port
 
 log = structlog.get_logger("pegaflow.http")
@@ -165,6 +166,7 @@ class HttpEndpoint:
 
     @staticmethod
     def _serve(server: uvicorn.Server, sock: socket.socket) -> None:
+        background_thread()  # scrapes run below the daemon's own serving (pegaflow/common/priority.py)
         with contextlib.closing(sock):
             asyncio.run(server.serve(sockets=[sock]))
 

@@ -10,6 +10,7 @@ import signal
 import socket
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import structlog
@@ -22,6 +23,7 @@ from pegaflow.common import loop_lag, otel
 from pegaflow.common.grpc_guard import AsyncGuard
 from pegaflow.common.heap import freeze_startup_heap
 from pegaflow.common.http import HttpEndpoint
+from pegaflow.common.priority import background_thread
 from pegaflow.common.security import (
     OwnToken,
     Security,
@@ -428,6 +430,10 @@ class Node:
             log.info("namespaces_dropped", count=dropped, left=len(self.index.namespaces()))
 
     async def run(self) -> None:
+        # run_in_executor(None, ...) work (Redis connects, sketch publications, RDMA pins'
+        # checksums) runs below the loop that serves engines (pegaflow/common/priority.py).
+        asyncio.get_running_loop().set_default_executor(
+            ThreadPoolExecutor(thread_name_prefix="pf-executor", initializer=background_thread))
         await self.start()
         assert self.server is not None
         frozen = freeze_startup_heap()

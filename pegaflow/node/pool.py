@@ -28,6 +28,7 @@ import structlog
 import xxhash
 
 from pegaflow.common.memory import MADV_POPULATE_WRITE, madvise
+from pegaflow.common.priority import background_thread
 from pegaflow.node.numa import Part, mbind
 
 
@@ -142,6 +143,8 @@ class SharedPool:
         np.frombuffer(self.mm, dtype=np.uint8, count=n, offset=start)[::4096] = 0
 
     def _prefault(self, on_progress: Callable[[int], None] | None) -> None:
+        if threading.current_thread() is self._thread:
+            background_thread()  # pegaflow/common/priority.py: below the loop that serves engines
         t0 = time.perf_counter()
         last_log = t0
         done = self.prefaulted

@@ -55,6 +55,7 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_e
 from pegaflow.cluster import registry
 from pegaflow.cluster.keys import stream_key
 from pegaflow.cluster.redis_conn import Client, connect
+from pegaflow.common.priority import background_thread
 from pegaflow.config.commands import NodeConfig
 from pegaflow.core.block_index import BlockIndex, IndexEvent, Namespace
 from pegaflow.core.hosts import advertised
@@ -265,6 +266,7 @@ class EventPublisher:
         )
 
     def _run(self) -> None:
+        background_thread()  # pegaflow/common/priority.py: below the loop that serves engines
         while True:
             stopping = self._stop.is_set()
             try:

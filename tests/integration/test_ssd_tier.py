@@ -410,3 +410,40 @@ def test_a_watching_session_gets_its_namespaces_block_events(node_factory, tmp_p
         wait_until(lambda: seen("ssd", False) == set(hs), SSD_WAIT_S, "the reset's SSD removals reported")
         with lock:
             assert all(e.namespace == NS for e in got), "events of a namespace this session did not register"
+
+
+def _threads(pid: int) -> list[tuple[int, str, int]]:
+    """(tid, OS thread name, nice) of every thread of process ``pid``."""
+    out = []
+    for t in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            comm = (t / "comm").read_text().strip()
+            stat = (t / "stat").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        out.append((int(t.name), comm, int(stat.rsplit(")", 1)[1].split()[16])))
+    return out
+
+
+def test_background_threads_run_below_the_loop_that_serves_engines(node_factory, tmp_path, redis_server):  # noqa: F811
+    """The SSD tier's I/O thread and io_uring's workers it starts, the event publisher, the
+    /metrics server and the peer checksum hasher run at nice +10 (pegaflow/common/priority.py);
+    the thread that answers engines keeps the node's own priority."""
+    node = node_factory(POOL, [*ssd_args(tmp_path), "--redis-url", redis_server.url])
+    hs = hashes("prio", 48)
+    with PegaClient(node.addr) as c:
+        c.register({NS: PAGE})
+        save(c, hs, node=node)
+        wait_until(lambda: node.metric("pegaflow_node_ssd_blocks") >= 48, SSD_WAIT_S, "48 blocks on SSD")
+        hit, _ = load(c, hs[:12])  # reads too
+        assert hit == 12
+    threads = _threads(node.proc.pid)
+    base = next(n for tid, _, n in threads if tid == node.proc.pid)
+    niced = {name for _, name, n in threads if n == min(19, base + 10)}
+    for name in ("pegaflow-ssd-ur", "pf-http", "pf-publisher-", "p2p-checksum_0"):  # OS names: 15 bytes
+        assert any(x.startswith(name) for x in niced), f"{name} not at nice {base + 10}: {sorted(threads)}"
+    workers = [(name, n) for _, name, n in threads if name.startswith("iou-wrk-")]
+    assert workers, f"no io_uring worker threads: {sorted(threads)}"
+    assert all(n == min(19, base + 10) for _, n in workers), workers
+    # Everything else (the loop, gRPC's own threads, the data plane) keeps the node's priority.
+    assert {n for _, name, n in threads if name not in niced and not name.startswith("iou-wrk-")} == {base}

@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import structlog
 
+from pegaflow.common.priority import background_thread
 from pegaflow.core.block_index import Block, BlockIndex, IndexEvent, Namespace
 from pegaflow.node.idle import DataPathIdle
 from pegaflow.node.tiers.remote import page_checksum
@@ -111,7 +112,8 @@ class PageChecksums:
         if not self.background or self._task is not None:
             return
         self._wake = asyncio.Event()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="p2p-checksum")
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="p2p-checksum",
+                                            initializer=background_thread)
         self._task = asyncio.get_running_loop().create_task(self._hash_committed())
 
     async def _hash_committed(self) -> None:

@@ -37,6 +37,7 @@ from typing import Protocol
 
 import structlog
 
+from pegaflow.common.priority import background_thread
 from pegaflow.node.tiers.ssd.files import SsdError
 
 log = structlog.get_logger("pegaflow.ssd")
@@ -119,7 +120,7 @@ class ThreadEngine:
 
     def __init__(self, depth: int) -> None:
         self.depth = depth
-        self._ex = ThreadPoolExecutor(depth, thread_name_prefix="pegaflow-ssd-io")
+        self._ex = ThreadPoolExecutor(depth, thread_name_prefix="pegaflow-ssd-io", initializer=background_thread)
         self._inflight = 0
         self._lock = threading.Lock()
 
@@ -179,6 +180,9 @@ class UringEngine:
         return len(self._inflight) + len(self._jobs)
 
     def _run(self) -> None:
+        # Below the loop that serves engines (pegaflow/common/priority.py); io_uring's kernel
+        # workers, started by this thread's submits, inherit it.
+        background_thread()
         poller = select.poll()
         poller.register(self.efd, select.POLLIN)
         backlog: collections.deque[IoOp] = collections.deque()

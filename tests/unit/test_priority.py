@@ -1,0 +1,64 @@
+"""Background threads run below the thread that started them (pegaflow/common/priority.py)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from pegaflow.common.priority import BACKGROUND_NICE, background_thread
+
+
+def _nice(tid: int) -> int:
+    return os.getpriority(os.PRIO_PROCESS, tid)
+
+
+def _comm(tid: int) -> str:
+    return Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+
+
+def test_a_background_thread_is_niced_and_named_and_its_creator_is_not():
+    me = threading.get_native_id()
+    base = _nice(me)
+    seen: dict[str, object] = {}
+
+    def work() -> None:
+        background_thread()
+        tid = threading.get_native_id()
+        seen.update(nice=_nice(tid), comm=_comm(tid))
+
+    t = threading.Thread(target=work, name="pf-test-background-thread")
+    t.start()
+    t.join()
+    assert seen == {"nice": min(19, base + BACKGROUND_NICE), "comm": "pf-test-backgro"}
+    assert _nice(me) == base
+
+
+def test_an_executor_initializer_nices_every_worker():
+    base = _nice(threading.get_native_id())
+    with ThreadPoolExecutor(2, thread_name_prefix="pf-test-pool", initializer=background_thread) as ex:
+        got = set(ex.map(lambda _: (_nice(threading.get_native_id()), _comm(threading.get_native_id())[:12]),
+                         range(8)))
+    assert got and {n for n, _ in got} == {min(19, base + BACKGROUND_NICE)}
+    assert {c for _, c in got} == {"pf-test-pool"}
+
+
+def test_threads_a_background_thread_starts_inherit_its_priority():
+    """What io_uring's kernel workers rely on: a thread starts with its creator's nice value."""
+    base = _nice(threading.get_native_id())
+    out: list[int] = []
+
+    def child() -> None:
+        out.append(_nice(threading.get_native_id()))
+
+    def parent() -> None:
+        background_thread()
+        c = threading.Thread(target=child)
+        c.start()
+        c.join()
+
+    t = threading.Thread(target=parent)
+    t.start()
+    t.join()
+    assert out == [min(19, base + BACKGROUND_NICE)]
