@@ -438,12 +438,15 @@ def test_background_threads_run_below_the_loop_that_serves_engines(node_factory,
         hit, _ = load(c, hs[:12])  # reads too
         assert hit == 12
     threads = _threads(node.proc.pid)
-    base = next(n for tid, _, n in threads if tid == node.proc.pid)
-    niced = {name for _, name, n in threads if n == min(19, base + 10)}
+    base = os.getpriority(os.PRIO_PROCESS, 0)  # the node starts at this process's nice
+    bg = min(19, base + 10)
+    niced = {name for _, name, n in threads if n == bg}
     for name in ("pegaflow-ssd-ur", "pf-http", "pf-publisher-", "p2p-checksum_0"):  # OS names: 15 bytes
-        assert any(x.startswith(name) for x in niced), f"{name} not at nice {base + 10}: {sorted(threads)}"
+        assert any(x.startswith(name) for x in niced), f"{name} not at nice {bg}: {sorted(threads)}"
     workers = [(name, n) for _, name, n in threads if name.startswith("iou-wrk-")]
     assert workers, f"no io_uring worker threads: {sorted(threads)}"
-    assert all(n == min(19, base + 10) for _, n in workers), workers
-    # Everything else (the loop, gRPC's own threads, the data plane) keeps the node's priority.
-    assert {n for _, name, n in threads if name not in niced and not name.startswith("iou-wrk-")} == {base}
+    assert all(n == bg for _, n in workers), workers
+    # The loop that answers engines and gRPC's own threads keep the node's priority.
+    assert next(n for tid, _, n in threads if tid == node.proc.pid) == base
+    grpc_threads = [n for _, name, n in threads if name.startswith(("event_engine", "grpc_global"))]
+    assert grpc_threads and set(grpc_threads) == {base}, sorted(threads)
