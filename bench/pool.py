@@ -16,7 +16,11 @@ Order matters on a VM: with virtio-balloon free page reporting (seen on machines
 kind) pages the guest freed a few seconds ago are returned to the host, and touching them
 again costs the host a fault too, so the first touch of such memory runs at a third of the
 rate of memory freed just now. Whichever runs right after the other has freed its memory
-wins. So the two alternate, node, memset, node, memset, and the best of each is compared.
+wins. So a memset of the same size runs first (its figure discarded: it only frees memory
+for the first node), then the two alternate, node, memset, node, memset, each run right
+after the other freed its memory, and the best of each is compared. Without the warm-up the
+first node ran on memory the host had taken back (1.25 GB/s against 3.20 in its second run)
+and only one of its two runs counted: the ratio swung 0.60x-1.19x between runs.
 """
 
 from __future__ import annotations
@@ -89,6 +93,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="pf-bench-pool-"))
     small, n = first_query_seconds(tmp, "64mb")
     n.stop()
+    memset_fresh_gbps(nbytes)  # warm-up: the first node's pool reuses what it frees (docstring)
     readies, memsets = [], []
     big = 0.0
     for _ in range(2):
