@@ -135,15 +135,21 @@ def test_a_node_serving_peers_shares_page_checksums_with_its_ssd_records(node_fa
     the SSD writer takes it from there instead of hashing again: the records it writes
     must still verify when the pages come back."""
     node = node_factory(POOL, [*ssd_args(tmp_path), "--redis-url", redis_server.url])
-    hs = hashes("shared", 48)
+    _spill_and_load(node, "shared")
+    assert node.metric("pegaflow_node_ssd_promoted_blocks_total") >= 12
+    assert node.metric("pegaflow_node_ssd_checksum_failures_total") == 0
+
+
+def _spill_and_load(node, tag: str) -> None:  # type: ignore[no-untyped-def]
+    """Save 48 blocks through ``node``, wait until all are on its SSD, and load 12 back
+    (``load`` compares every page's bytes)."""
+    hs = hashes(tag, 48)
     with PegaClient(node.addr) as c:
         c.register({NS: PAGE})
         save(c, hs, node=node)
         wait_until(lambda: node.metric("pegaflow_node_ssd_blocks") >= 48, SSD_WAIT_S, "48 blocks on SSD")
-        hit, _ = load(c, hs[:12])  # load() compares every page's bytes
+        hit, _ = load(c, hs[:12])
         assert hit == 12
-        assert node.metric("pegaflow_node_ssd_promoted_blocks_total") >= 12
-        assert node.metric("pegaflow_node_ssd_checksum_failures_total") == 0
 
 
 def test_sigkill_mid_write_then_restart_serves_only_intact_pages(node_factory, tmp_path):
@@ -430,13 +436,7 @@ def test_background_threads_run_below_the_loop_that_serves_engines(node_factory,
     /metrics server and the peer checksum hasher run at nice +10 (pegaflow/common/priority.py);
     the thread that answers engines keeps the node's own priority."""
     node = node_factory(POOL, [*ssd_args(tmp_path), "--redis-url", redis_server.url])
-    hs = hashes("prio", 48)
-    with PegaClient(node.addr) as c:
-        c.register({NS: PAGE})
-        save(c, hs, node=node)
-        wait_until(lambda: node.metric("pegaflow_node_ssd_blocks") >= 48, SSD_WAIT_S, "48 blocks on SSD")
-        hit, _ = load(c, hs[:12])  # reads too
-        assert hit == 12
+    _spill_and_load(node, "prio")  # SSD writes and reads, events, checksums: every thread has started
     threads = _threads(node.proc.pid)
     base = os.getpriority(os.PRIO_PROCESS, 0)  # the node starts at this process's nice
     bg = min(19, base + 10)
