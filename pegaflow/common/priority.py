@@ -17,7 +17,13 @@ but the loop's at +10 alternated with six without: Query p99 on/off 1.12x-1.34x 
 ``--parts none``, gives 0.87x-0.88x at p999: the gap is the background's.) What it cannot
 remove: a background thread preempted while it holds the GIL still keeps the loop waiting
 (the switch interval asks it to let go, but it has to run to do so); the figures above
-include that.
+include that. The other way round, raising the loop above the engines, did not help either:
+with the loop's thread at nice -5 (root only), ``bench/saturation.py --pages 256`` at 50% of
+saturation gave Query p99 1093-1538 us against 865-1121 at nice 0 (three runs each,
+alternated), and with the page copies skipped Commit's p99 rose from 72-81 to 159-171 us: a
+loop that preempts the engine as soon as a frame lands delays that engine's own next call.
+A short scheduler slice for the loop (``sched_setattr``, 100 us) did not move the tail either
+(718-1514 against 744-1045 us).
 
 Linux keeps a nice value per thread (``setpriority(PRIO_PROCESS, tid)``), and a thread
 starts with its creator's: io_uring's kernel workers started by the SSD I/O thread get its
