@@ -19,8 +19,8 @@ rate of memory freed just now. Whichever runs right after the other has freed it
 wins. So a memset of the same size runs first (its figure discarded: it only frees memory
 for the first node), then the two alternate, node, memset, node, memset, each run right
 after the other freed its memory, and the best of each is compared. Without the warm-up the
-first node ran on memory the host had taken back (1.25 GB/s against 3.20 in its second run)
-and only one of its two runs counted: the ratio swung 0.60x-1.19x between runs.
+first node always ran on memory the host had taken back (1.25 GB/s against 3.20 in its
+second run), so only one of its two runs could count against two of memset's.
 """
 
 from __future__ import annotations
