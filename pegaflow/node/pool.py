@@ -126,9 +126,13 @@ class SharedPool:
         thread after each chunk (hand it to the event loop with ``call_soon_threadsafe``)."""
         if self._thread is not None:
             return
-        self._thread = threading.Thread(target=self._prefault, args=(on_progress,), name="pool-prefault",
+        self._thread = threading.Thread(target=self._prefault_below, args=(on_progress,), name="pool-prefault",
                                         daemon=True)
         self._thread.start()
+
+    def _prefault_below(self, on_progress: Callable[[int], None] | None) -> None:
+        background_thread()  # pegaflow/common/priority.py: below the loop that serves engines
+        self._prefault(on_progress)
 
     def prefault(self) -> None:
         """Pre-fault now, in this thread (tools and tests that want the whole pool at once)."""
@@ -143,8 +147,6 @@ class SharedPool:
         np.frombuffer(self.mm, dtype=np.uint8, count=n, offset=start)[::4096] = 0
 
     def _prefault(self, on_progress: Callable[[int], None] | None) -> None:
-        if threading.current_thread() is self._thread:
-            background_thread()  # pegaflow/common/priority.py: below the loop that serves engines
         t0 = time.perf_counter()
         last_log = t0
         done = self.prefaulted
