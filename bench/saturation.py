@@ -23,6 +23,13 @@ Release waiting for the node's answer, and with the page copies skipped (the cop
 the host's own CPUs here, where a GPU engine's are DMA). The pool holds
 every client's prefix with room for churn; no SSD tier. The node's CPU (cores) at each
 level says whether the node or the host's CPUs (the clients' copies) saturated first.
+
+Before the node starts, the host's own floor for a local call (``--floor-seconds``, no
+goal): two bare processes doing round trips of a Query-sized message over a Unix socket,
+pinned to two CPUs and to one (``bench.common.socket_round_trip``). A call's p99 at 50%
+cannot be lower than the first on a host where the node and its client run on different
+CPUs; on one 2-core VM its p99 was 340-540 us, and a 64-block Query against an idle node
+every 2 ms had p99 740-1140 us with the node's handler under 250 us in 98% of calls.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.common import cpu_seconds  # noqa: E402
+from bench.common import cpu_seconds, socket_round_trip  # noqa: E402
 from bench.dataplane import BLOCKS, CALLS, Engines, merge, percentiles  # noqa: E402
 from tests.conftest import NodeProcess  # noqa: E402
 
@@ -140,11 +147,20 @@ def main() -> None:
     ap.add_argument("--level-seconds", type=float, default=4.0)
     ap.add_argument("--half-seconds", type=float, default=8.0, help="the level at 50%% of saturation")
     ap.add_argument("--max-levels", type=int, default=10)
+    ap.add_argument("--floor-seconds", type=float, default=3.0,
+                    help="seconds of bare socket round trips per CPU placement before the node starts")
     ap.add_argument("--summary", type=Path, help="write the figures as JSON (python -m bench)")
     args = ap.parse_args()
+    if args.floor_seconds <= 0:
+        ap.error("--floor-seconds must be > 0")
+    floor = {k: socket_round_trip(args.floor_seconds, same_cpu=k == "one_cpu") for k in ("two_cpus", "one_cpu")}
+    print("bare Unix-socket round trip, p50 / p99 / p999 µs: " + "; ".join(
+        f"{k.replace('_', ' ')} {f['p50_us']:.0f} / {f['p99_us']:.0f} / {f['p999_us']:.0f}" for k, f in floor.items()),
+        flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="pf-bench-saturation-"))
     rows = run([int(p) for p in args.pages.split(",") if p], args, tmp)
-    res: dict = {"engines": args.engines, "cpus": os.cpu_count(), "load_average_1m": os.getloadavg()[0]}
+    res: dict = {"engines": args.engines, "cpus": os.cpu_count(), "load_average_1m": os.getloadavg()[0],
+                 "host_round_trip": floor}
     for r in rows:
         tag = f"{r['page_kib']}k"
         res[tag] = {k: v for k, v in r.items() if k != "levels"}

@@ -72,7 +72,11 @@ def test_parts_switch_one_part_of_the_background_alone(tmp_path: Path) -> None:
 
 def test_saturation_ramps_until_the_clients_fall_behind(tmp_path: Path) -> None:
     s = run("saturation.py", ["--engines", "2", "--pages", "256", "--level-seconds", "1", "--half-seconds", "1",
-                              "--start-rate", "4", "--max-levels", "3"], tmp_path / "s.json")
+                              "--start-rate", "4", "--max-levels", "3", "--floor-seconds", "0.3"], tmp_path / "s.json")
+    # The host's floor, measured before the node started, in both placements.
+    assert set(s["host_round_trip"]) == {"two_cpus", "one_cpu"}
+    for f in s["host_round_trip"].values():
+        assert f["n"] > 10 and 0 < f["p50_us"] <= f["p99_us"] <= f["p999_us"]
     r = s["256k"]
     rates = [lv["rate_per_client"] for lv in r["levels"]]
     assert rates == [4 * 2**i for i in range(len(rates))]
