@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +20,29 @@ import pytest
 from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+_VLLM_RPC = "VLLM_RPC_BASE_PATH"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """vLLM names its ZeroMQ IPC sockets ``$VLLM_RPC_BASE_PATH/<uuid4>`` (default: the system
+    temporary directory) and an engine that is killed leaves them there: about 85 per run of
+    the suite. Every engine a test starts inherits this run's own directory, removed at the end."""
+    if _VLLM_RPC not in os.environ:
+        # Short: a Unix socket path has at most 107 bytes, and vLLM appends a uuid.
+        os.environ[_VLLM_RPC] = tempfile.mkdtemp(prefix="pf-vllm-rpc-")
+        config.stash[_rpc_dir] = os.environ[_VLLM_RPC]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    path = config.stash.get(_rpc_dir, None)
+    if path is not None:
+        shutil.rmtree(path, ignore_errors=True)
+        os.environ.pop(_VLLM_RPC, None)
+
+
+_rpc_dir = pytest.StashKey[str]()
 
 
 def free_port() -> int:
