@@ -30,6 +30,14 @@ pinned to two CPUs and to one (``bench.common.socket_round_trip``). A call's p99
 cannot be lower than the first on a host where the node and its client run on different
 CPUs; on one 2-core VM its p99 was 340-540 us, and a 64-block Query against an idle node
 every 2 ms had p99 740-1140 us with the node's handler under 250 us in 98% of calls.
+
+Where the 256 KiB tail waits, measured on that host: the node's event-loop thread, from
+``/proc/<pid>/task/<tid>/schedstat``, waited on a run queue 200-340 us on average each time
+it was woken at 32-128 requests/s in all (34 us with one client and no copies), yet with
+that thread at real-time priority (nothing of the engines' can delay it) Query's p99 at 50%
+stayed 2.3-2.8 ms (2.8-2.9 without). The rest is the clients' own wait for a CPU, behind
+the other clients' two-thread copies of 16 MiB: the cost of 8 engines copying pages with
+the host's 2 CPUs, which a GPU engine does by DMA.
 """
 
 from __future__ import annotations

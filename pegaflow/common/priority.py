@@ -23,7 +23,11 @@ saturation gave Query p99 1093-1538 us against 865-1121 at nice 0 (three runs ea
 alternated), and with the page copies skipped Commit's p99 rose from 72-81 to 159-171 us: a
 loop that preempts the engine as soon as a frame lands delays that engine's own next call.
 A short scheduler slice for the loop (``sched_setattr``, 100 us) did not move the tail either
-(718-1514 against 744-1045 us).
+(718-1514 against 744-1045 us), nor did the loop's thread at real-time priority (``chrt -f
+1``; no engine thread can delay it then): 2308-2755 against 2801-2875 us, three runs each,
+alternated, on a slower day of the same host. What is left of that tail waits in the
+engines' own processes: a client woken by its answer waits for a CPU behind the other
+clients' page copies (``bench/saturation.py``'s docstring).
 
 Linux keeps a nice value per thread (``setpriority(PRIO_PROCESS, tid)``), and a thread
 starts with its creator's: io_uring's kernel workers started by the SSD I/O thread get its
