@@ -88,7 +88,7 @@ def best_copy(nbytes: int, rounds: int) -> BestCopy:
 
 
 _ECHO = """
-import os, socket, sys
+import socket, sys
 s = socket.socket(fileno=int(sys.argv[1]))
 reply = b"r" * int(sys.argv[2])
 while True:
@@ -114,6 +114,7 @@ def socket_round_trip(seconds: float, same_cpu: bool, request: int = 1100, reply
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     child = subprocess.Popen([sys.executable, "-c", _ECHO, str(b.fileno()), str(reply)], pass_fds=[b.fileno()])
     b.close()
+    a.settimeout(10.0)  # an echo process that hangs fails the measurement instead of holding it
     lat: list[float] = []
     try:
         os.sched_setaffinity(child.pid, {theirs})
