@@ -28,7 +28,7 @@ Before the node starts, the host's own floor for a local call (``--floor-seconds
 goal): two bare processes doing round trips of a Query-sized message over a Unix socket,
 pinned to two CPUs and to one (``bench.common.socket_round_trip``). A call's p99 at 50%
 cannot be lower than the first on a host where the node and its client run on different
-CPUs; on one 2-core VM its p99 was 340-540 us, and a 64-block Query against an idle node
+CPUs; on one 2-core VM its p99 was 330-590 us, and a 64-block Query against an idle node
 every 2 ms had p99 740-1140 us with the node's handler under 250 us in 98% of calls.
 
 Where the 256 KiB tail waits, measured on that host: the node's event-loop thread, from

@@ -25,7 +25,7 @@ loop that preempts the engine as soon as a frame lands delays that engine's own 
 A short scheduler slice for the loop (``sched_setattr``, 100 us) did not move the tail either
 (718-1514 against 744-1045 us), nor did the loop's thread at real-time priority (``chrt -f
 1``; no engine thread can delay it then): 2308-2755 against 2801-2875 us, three runs each,
-alternated, on a slower day of the same host. What is left of that tail waits in the
+alternated, later on the same host when it ran slower. What is left of that tail waits in the
 engines' own processes: a client woken by its answer waits for a CPU behind the other
 clients' page copies (``bench/saturation.py``'s docstring).
 
