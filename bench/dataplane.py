@@ -72,15 +72,32 @@ PERCENTILES = {"p50": 50.0, "p99": 99.0, "p999": 99.9}
 
 
 # ---- the engine worker: one engine's calls, in a process of its own --------------------------
+COPIES = ("none", "cpu", "dma")  # a round's page copies: skipped, on the calling thread, on the DMA thread
+
+
+def dma_thread() -> None:
+    """The initializer of an engine worker's copy thread, the stand-in for a GPU engine's copy
+    engine: ``SCHED_IDLE``, so the copy (and the second thread the native kernel starts, which
+    inherits the policy) runs on CPU time no other thread of the host wants, and a thread
+    woken by the node's answer preempts it at once, as DMA takes no CPU from the engine's
+    threads. The bytes are still copied into the pool by the CPU, memory bandwidth and all."""
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+
 def engine_worker(addr: str, spaces: list[tuple[str, int, int]]) -> None:
     """Register the namespaces ``spaces`` ((name, page KiB, layers) each) and serve rounds
     read from stdin (one JSON line each: ns, rate, seconds, start (wall clock), save_every,
-    copy); answer each with one JSON line of per-call latencies. Prints "ready" once
-    registered and its namespaces' shared prefixes are committed."""
+    copy: one of ``COPIES``); answer each with one JSON line of per-call latencies and the
+    bytes copied (and under which scheduling policy). Prints "ready" once registered and its
+    namespaces' shared prefixes are committed."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import torch
 
     from pegaflow.client import PegaClient, save_pages
 
+    copier = ThreadPoolExecutor(1, thread_name_prefix="dma", initializer=dma_thread)
+    dma_policy = copier.submit(os.sched_getscheduler, 0).result()  # the initializer ran (or raised here)
     c = PegaClient(addr, timeout=30)
     c.register({name: kib << 10 for name, kib, _ in spaces})
     caches: dict[str, list] = {}
@@ -114,7 +131,8 @@ def engine_worker(addr: str, spaces: list[tuple[str, int, int]]) -> None:
         kv, hot = caches[ns], prefixes[ns]
         ensure_prefix(ns)
         rate, seconds, start = float(job["rate"]), float(job["seconds"]), float(job["start"])
-        save_every, copy = int(job.get("save_every", 1)), bool(job.get("copy", False))
+        save_every, copy = int(job.get("save_every", 1)), str(job.get("copy", "none"))
+        copied = 0
         # The connector sends its Commits and Releases without waiting for the answer
         # (wait=False: pegaflow/connector/scheduler.py); wait=True times the node's answer.
         wait = bool(job.get("wait", True))
@@ -145,10 +163,12 @@ def engine_worker(addr: str, spaces: list[tuple[str, int, int]]) -> None:
                 res = c.reserve(ns, fresh)
                 t1 = time.perf_counter()
                 lat["reserve"].append(t1 - t0)
-                if copy:
-                    ok = [i for i, o in enumerate(res.offsets) if o >= 0]
-                    if ok:
-                        save_pages(kv, [BLOCKS + i for i in ok], res.pool, [res.offsets[i] for i in ok])
+                ok = [i for i, o in enumerate(res.offsets) if o >= 0] if copy != "none" else []
+                if ok:
+                    pages = (kv, [BLOCKS + i for i in ok], res.pool, [res.offsets[i] for i in ok])
+                    # "dma": the caller waits for the copy thread, as the connector waits for
+                    # its save; only the copy runs below the engine's own threads.
+                    copied += copier.submit(save_pages, *pages).result() if copy == "dma" else save_pages(*pages)
                 t0 = time.perf_counter()
                 c.commit(res.reservation_id, wait=wait)
                 lat["commit"].append(time.perf_counter() - t0)
@@ -157,8 +177,11 @@ def engine_worker(addr: str, spaces: list[tuple[str, int, int]]) -> None:
             lat["release"].append(time.perf_counter() - t0)
             n += 1
         took = time.monotonic() - t_start  # > seconds when the client fell behind
-        print(json.dumps({"lat": lat, "requests": n, "seconds": took, "late": late, "misses": misses}), flush=True)
+        print(json.dumps({"lat": lat, "requests": n, "seconds": took, "late": late, "misses": misses,
+                          "copied_bytes": copied, "copy_policy": dma_policy if copy == "dma" else os.sched_getscheduler(0)}),
+              flush=True)
     c.close()
+    copier.shutdown()
 
 
 @dataclass
@@ -188,7 +211,7 @@ class Engines:
                                    f"{self.log.read_text()[-1500:]}")
         return self
 
-    def start(self, ns: str, rate: float, seconds: float, save_every: int = 1, copy: bool = False,
+    def start(self, ns: str, rate: float, seconds: float, save_every: int = 1, copy: str = "none",
               delay: float = 0.3, wait: bool = True) -> float:
         """Start one round on every worker (``delay`` from now; returns that moment). Worker i
         is shifted by i/count of a request interval: engines in step would send their requests

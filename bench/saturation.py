@@ -6,7 +6,10 @@ Each engine client (bench.dataplane's engine worker, its own process, over the n
 local socket) issues per request the connector's calls: a Query with a lease of a 64-block
 prefix all clients share (saved at start; resident: every request touches it), a Reserve of
 64 new blocks, the real page copy into the pool (``pegaflow.client.save_pages`` from a paged torch KV
-cache), the Commit, and the Release of the lease. As the connector does
+cache), the Commit, and the Release of the lease. The client waits for its copy, which runs
+on a copy thread of its own at ``SCHED_IDLE`` (``bench.dataplane.dma_thread``): the stand-in
+for a GPU engine's copy engine, which moves the bytes without taking a CPU from the engine's
+threads; the CPU still copies every byte here, so the memory traffic is real. As the connector does
 (``pegaflow/connector/scheduler.py``), Query and Reserve wait for the node's answer and
 Commit and Release are sent without waiting (``wait=False``): what each call costs the
 engine is its send, and a Commit or Release the node has not handled yet delays the same
@@ -18,9 +21,9 @@ doubles from ``--start-rate`` until the clients together achieve less than 90% o
 target rate (or the last level). The saturation throughput is the most any level achieved:
 requests/s, RPCs/s (4 per request) and GB/s of pages saved through the pool. Then one more
 level at 50% of it: p99 of each call there (client side, each call alone), and the same
-level twice more (attribution, printed and in the summary, no goal): with Commit and
-Release waiting for the node's answer, and with the page copies skipped (the copies run on
-the host's own CPUs here, where a GPU engine's are DMA). The pool holds
+level three times more (attribution, printed and in the summary, no goal): with Commit and
+Release waiting for the node's answer; with the copies on the thread that makes the calls,
+at its priority, as a CPU engine copies; and with the page copies skipped. The pool holds
 every client's prefix with room for churn; no SSD tier. The node's CPU (cores) at each
 level says whether the node or the host's CPUs (the clients' copies) saturated first.
 
@@ -37,7 +40,11 @@ it was woken at 32-128 requests/s in all (34 us with one client and no copies), 
 that thread at real-time priority (nothing of the engines' can delay it) Query's p99 at 50%
 stayed 2.3-2.8 ms (2.8-2.9 without). The rest is the clients' own wait for a CPU, behind
 the other clients' two-thread copies of 16 MiB: the cost of 8 engines copying pages with
-the host's 2 CPUs, which a GPU engine does by DMA.
+the host's 2 CPUs, which a GPU engine does by DMA. Hence the copy thread: with it (same host,
+later, faster: floor p99 200-420 us), five runs at 256 KiB gave Query p99 at 50% of 576-922
+us against 750-1020 us with the copies on the calling thread at the same rate in the same
+runs, and Commit's p99 200-231 against 467-527 us (a client's send waited behind another
+client's copy).
 """
 
 from __future__ import annotations
@@ -60,11 +67,13 @@ SATURATED = 0.9  # achieved / target below this: the level is past saturation
 LAYERS = {256: 4, 2048: 16}  # pages gathered from this many layers, as bench/node.py
 
 
-def level(eng: Engines, node: NodeProcess, ns: str, rate: float, seconds: float, copy: bool = True,
+def level(eng: Engines, node: NodeProcess, ns: str, rate: float, seconds: float, copy: str = "dma",
           wait: bool = False) -> dict:
     """One level at ``rate`` requests/s per client. ``wait`` False: Commit and Release as the
     connector sends them, without waiting for the answer (their time is the send); True:
-    each waits for the node's answer."""
+    each waits for the node's answer. ``copy``: bench.dataplane.COPIES (``dma``: on each
+    client's SCHED_IDLE copy thread, a GPU engine's copy engine; ``cpu``: on the thread that
+    makes the calls, a CPU engine's; ``none``: skipped)."""
     at = eng.start(ns, rate, seconds, save_every=1, copy=copy, wait=wait)
     time.sleep(max(0.0, at - time.time()))
     cpu0, t0 = cpu_seconds(node.proc.pid), time.monotonic()
@@ -75,7 +84,9 @@ def level(eng: Engines, node: NodeProcess, ns: str, rate: float, seconds: float,
     done = sum(r["requests"] for r in res)
     per_s = done / max(seconds, *(r["seconds"] for r in res))  # every request was due within ``seconds``
     return {"rate_per_client": rate, "target_per_s": rate * eng.count, "requests_per_s": per_s,
-            "node_cores": node_cores, "misses": sum(r["misses"] for r in res),
+            "requests": done, "node_cores": node_cores, "misses": sum(r["misses"] for r in res), "copy": copy,
+            "copied_bytes": sum(r["copied_bytes"] for r in res),
+            "copy_policies": sorted({r["copy_policy"] for r in res}),
             "calls": {k: percentiles(v) for k, v in lat.items()}}
 
 
@@ -85,8 +96,9 @@ def ramp(eng: Engines, node: NodeProcess, page_kib: int, args: argparse.Namespac
     request_bytes = BLOCKS * (page_kib << 10)
     # Warm-up (not timed): first copies, kernel choice, and the shared prefix saved again
     # (the previous page size's rounds evicted it).
-    eng.start(ns, 1.0, 1.0, save_every=1, copy=True, delay=1.0)
-    eng.results()
+    for copy in ("dma", "cpu"):
+        eng.start(ns, 1.0, 1.0, save_every=1, copy=copy, delay=1.0)
+        eng.results()
     levels = []
     rate = args.start_rate
     for _ in range(args.max_levels):
@@ -110,7 +122,13 @@ def ramp(eng: Engines, node: NodeProcess, page_kib: int, args: argparse.Namespac
     # Attribution, not a goal: the same level with the clients' page copies skipped (the same
     # calls at the same rate). What differs is what the copies, on the host's own CPUs here
     # (a GPU engine's copies are DMA), cost the calls' tail.
-    bare = level(eng, node, ns, sat / 2 / args.engines, args.half_seconds, copy=False)
+    # Attribution, not a goal: the copies on the thread that makes the calls, at its priority,
+    # as a CPU engine does them: the other clients' copies then compete for the CPU with a
+    # client woken by its answer.
+    cpu = level(eng, node, ns, sat / 2 / args.engines, args.half_seconds, copy="cpu")
+    print(f"{page_kib} KiB at 50%, page copies on the calling thread (a CPU engine): p99 µs " +
+          ", ".join(f"{k} {cpu['calls'][k]['p99']:.0f}" for k in CALLS), flush=True)
+    bare = level(eng, node, ns, sat / 2 / args.engines, args.half_seconds, copy="none")
     print(f"{page_kib} KiB at 50%, page copies skipped: node {bare['node_cores']:.2f} cores (with copies "
           f"{half['node_cores']:.2f}), p99 µs " + ", ".join(f"{k} {bare['calls'][k]['p99']:.0f}" for k in CALLS),
           flush=True)
@@ -126,6 +144,9 @@ def ramp(eng: Engines, node: NodeProcess, page_kib: int, args: argparse.Namespac
         "half_p99_us_max": max(half["calls"][k]["p99"] for k in CALLS),
         "half_without_copies_p99_us": {k: bare["calls"][k]["p99"] for k in CALLS},
         "half_waited_p99_us": {k: waited["calls"][k]["p99"] for k in CALLS},
+        "half_cpu_copies_p99_us": {k: cpu["calls"][k]["p99"] for k in CALLS},
+        "half_cpu_copies": {k: v for k, v in cpu.items() if k != "calls"},
+        "half_without_copies": {k: v for k, v in bare.items() if k != "calls"},
         "levels": levels,
         "misses": sum(lv["misses"] for lv in levels) + half["misses"],
     }
@@ -177,14 +198,16 @@ def main() -> None:
     print(f"\n# One node, {args.engines} engine clients (Query+lease, Reserve, copy, Commit, Release per 64-block "
           f"request; {os.cpu_count()} cores)")
     print("| page | saturation requests/s | RPCs/s | GB/s saved | reached | at 50%: " +
-          " | ".join(f"{k} p99 µs" for k in CALLS) + " | the same, Commit and Release waited | copies skipped |")
-    print("|---|---|---|---|---|" + "---|" * len(CALLS) + "---|---|")
+          " | ".join(f"{k} p99 µs" for k in CALLS) + " | the same, Commit and Release waited | copies on the calling "
+          "thread | copies skipped |")
+    print("|---|---|---|---|---|" + "---|" * len(CALLS) + "---|---|---|")
     for r in rows:
-        bare, waited = r["half_without_copies_p99_us"], r["half_waited_p99_us"]
+        bare, waited, cpu = r["half_without_copies_p99_us"], r["half_waited_p99_us"], r["half_cpu_copies_p99_us"]
         print(f"| {r['page_kib']} KiB | {r['saturation_requests_per_s']:.1f} | {r['saturation_rpcs_per_s']:.0f} | "
               f"{r['saturation_gbps']:.2f} | {'yes' if r['saturated'] else 'no (last level kept up)'} | "
               + " | ".join(f"{r['half_p99_us'][k]:.0f}" for k in CALLS) + " | "
               + " / ".join(f"{waited[k]:.0f}" for k in CALLS) + " | "
+              + " / ".join(f"{cpu[k]:.0f}" for k in CALLS) + " | "
               + " / ".join(f"{bare[k]:.0f}" for k in CALLS) + " |")
     if args.summary:
         args.summary.write_text(json.dumps(res))

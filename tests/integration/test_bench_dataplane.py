@@ -86,4 +86,14 @@ def test_saturation_ramps_until_the_clients_fall_behind(tmp_path: Path) -> None:
     assert r["half_p99_us_max"] == max(r["half_p99_us"].values()) > 0
     assert set(r["half_without_copies_p99_us"]) == set(r["half_p99_us"])  # the same calls, copies skipped
     assert all(v > 0 for v in r["half_without_copies_p99_us"].values())
+    # Every request at 50% copied its 64 pages: on the clients' SCHED_IDLE copy threads (a GPU
+    # engine's DMA), then, for attribution, on the calling threads at their own policy; none skipped.
+    request_bytes = 64 * (256 << 10)
+    assert r["half"]["copied_bytes"] == r["half"]["requests"] * request_bytes > 0
+    assert r["half"]["copy_policies"] == [os.SCHED_IDLE]
+    cpu = r["half_cpu_copies"]
+    assert cpu["copied_bytes"] == cpu["requests"] * request_bytes > 0
+    assert cpu["copy_policies"] == [os.sched_getscheduler(0)] != [os.SCHED_IDLE]
+    assert set(r["half_cpu_copies_p99_us"]) == set(r["half_p99_us"])
+    assert r["half_without_copies"]["copied_bytes"] == 0
     assert r["misses"] == 0
