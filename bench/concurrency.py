@@ -46,7 +46,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.common import Streamed  # noqa: E402
 from bench.ttft import MODEL_SHAPE, bench_workload, percentile  # noqa: E402
-from tests.e2e.harness import NodeDaemon, free_port, stop_group  # noqa: E402
+from tests.e2e.harness import VLLM_RPC, NodeDaemon, free_port, stop_group, vllm_rpc_dir  # noqa: E402
 
 SERVER_START_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 600.0
@@ -78,7 +78,7 @@ class Server:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
                                          env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2",
-                                              "TOKENIZERS_PARALLELISM": "false", **env})
+                                              "TOKENIZERS_PARALLELISM": "false", VLLM_RPC: vllm_rpc_dir(), **env})
         deadline = time.monotonic() + SERVER_START_TIMEOUT_S
         while True:
             if self.proc.poll() is not None:

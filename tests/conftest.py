@@ -17,12 +17,13 @@ from pathlib import Path
 import grpc
 import pytest
 
+from tests.e2e.harness import VLLM_RPC
 from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-_VLLM_RPC = "VLLM_RPC_BASE_PATH"
+_VLLM_RPC = VLLM_RPC
 
 
 def pytest_configure(config: pytest.Config) -> None:

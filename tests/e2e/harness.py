@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import json
 import os
 import re
@@ -11,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -22,6 +25,21 @@ from tests.waiting import next_line, wait_until
 REPO = Path(__file__).resolve().parents[2]
 ENGINE_START_TIMEOUT_S = 240.0
 COMMAND_TIMEOUT_S = 300.0
+VLLM_RPC = "VLLM_RPC_BASE_PATH"
+
+
+@functools.cache
+def vllm_rpc_dir() -> str:
+    """Where the engines started from here put their ZeroMQ IPC sockets: vLLM names them
+    ``$VLLM_RPC_BASE_PATH/<uuid4>`` (default: the system temporary directory) and a killed
+    engine leaves them there. The test run sets it (tests/conftest.py); a benchmark run
+    outside pytest gets a directory of its own, removed when it exits."""
+    path = os.environ.get(VLLM_RPC)
+    if path:
+        return path
+    path = tempfile.mkdtemp(prefix="pf-vllm-rpc-")  # short: a Unix socket path has at most 107 bytes
+    atexit.register(shutil.rmtree, path, True)
+    return path
 
 
 def namespace_block_size(namespace: str) -> int:
@@ -194,7 +212,7 @@ class EngineProc:
         separate processes (the plugin found in each, tensor parallelism) ask for them."""
         self.log_path = log_dir / f"{name}-{int(time.time() * 1000)}.log"
         r, w = os.pipe()
-        e = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        e = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false", VLLM_RPC: vllm_rpc_dir()}
         if node is not None:
             host, port = node.addr.rsplit(":", 1)
             e.update(PEGAFLOW_HOST=host, PEGAFLOW_PORT=port)
@@ -358,7 +376,8 @@ class ApiServer:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
                                          env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
-                                              "TOKENIZERS_PARALLELISM": "false", **(env or {})})
+                                              "TOKENIZERS_PARALLELISM": "false", VLLM_RPC: vllm_rpc_dir(),
+                                              **(env or {})})
 
     def _status(self, path: str) -> int:
         if self.host is None:
