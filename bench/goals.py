@@ -86,8 +86,9 @@ GOALS: tuple[Goal, ...] = (
          "query_p99_us_background_off", "background off, same run", 1.25, higher_is_better=False),
     Goal("dataplane", "Query p999, background on / off", "query_p999_us_background_on", "µs",
          "query_p999_us_background_off", "background off, same run", 2.0, higher_is_better=False),
-    # A full host's engines: 8 clients with the connector's calls and copies, at 50% of the rate
-    # that saturates the node (bench/saturation.py); the slowest call's p99. Shown beside it, not
+    # A full host's engines: 8 clients with the connector's calls and copies (each on the client's
+    # SCHED_IDLE copy thread, a GPU engine's DMA), at 50% of the rate that saturates the node
+    # (bench/saturation.py); the slowest call's p99. Shown beside it, not
     # bounded: the p99 of a bare Unix-socket round trip between two CPUs, the host's floor for any
     # local call whose two ends run on different CPUs.
     Goal("saturation", "slowest call's p99 at 50% of saturation, 8 engines, 256 KiB pages",
