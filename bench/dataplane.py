@@ -217,6 +217,8 @@ class Engines:
         is shifted by i/count of a request interval: engines in step would send their requests
         in bursts, which real engines do not (8 clients in step, 256 KiB pages: Query p99 ~20 ms at
         32 requests/s, a tenth of the saturating rate; shifted, 1.9 ms on a busier host)."""
+        if copy not in COPIES:
+            raise ValueError(f"copy must be one of {COPIES}, got {copy!r}")
         at = time.time() + delay
         for i, p in enumerate(self.procs):
             assert p.stdin is not None

@@ -119,15 +119,14 @@ def ramp(eng: Engines, node: NodeProcess, page_kib: int, args: argparse.Namespac
     waited = level(eng, node, ns, sat / 2 / args.engines, args.half_seconds, wait=True)
     print(f"{page_kib} KiB at 50%, Commit and Release waiting for the answer: p99 µs " +
           ", ".join(f"{k} {waited['calls'][k]['p99']:.0f}" for k in CALLS), flush=True)
-    # Attribution, not a goal: the same level with the clients' page copies skipped (the same
-    # calls at the same rate). What differs is what the copies, on the host's own CPUs here
-    # (a GPU engine's copies are DMA), cost the calls' tail.
     # Attribution, not a goal: the copies on the thread that makes the calls, at its priority,
     # as a CPU engine does them: the other clients' copies then compete for the CPU with a
     # client woken by its answer.
     cpu = level(eng, node, ns, sat / 2 / args.engines, args.half_seconds, copy="cpu")
     print(f"{page_kib} KiB at 50%, page copies on the calling thread (a CPU engine): p99 µs " +
           ", ".join(f"{k} {cpu['calls'][k]['p99']:.0f}" for k in CALLS), flush=True)
+    # Attribution, not a goal: the same level with the clients' page copies skipped (the same
+    # calls at the same rate): what the copies' memory traffic and CPU cost the calls' tail.
     bare = level(eng, node, ns, sat / 2 / args.engines, args.half_seconds, copy="none")
     print(f"{page_kib} KiB at 50%, page copies skipped: node {bare['node_cores']:.2f} cores (with copies "
           f"{half['node_cores']:.2f}), p99 µs " + ", ".join(f"{k} {bare['calls'][k]['p99']:.0f}" for k in CALLS),

@@ -23,24 +23,21 @@ from tests.waiting import wait_until
 ROOT = Path(__file__).resolve().parents[1]
 
 
-_VLLM_RPC = VLLM_RPC
-
-
 def pytest_configure(config: pytest.Config) -> None:
     """vLLM names its ZeroMQ IPC sockets ``$VLLM_RPC_BASE_PATH/<uuid4>`` (default: the system
     temporary directory) and an engine that is killed leaves them there: about 85 per run of
     the suite. Every engine a test starts inherits this run's own directory, removed at the end."""
-    if _VLLM_RPC not in os.environ:
+    if VLLM_RPC not in os.environ:
         # Short: a Unix socket path has at most 107 bytes, and vLLM appends a uuid.
-        os.environ[_VLLM_RPC] = tempfile.mkdtemp(prefix="pf-vllm-rpc-")
-        config.stash[_rpc_dir] = os.environ[_VLLM_RPC]
+        os.environ[VLLM_RPC] = tempfile.mkdtemp(prefix="pf-vllm-rpc-")
+        config.stash[_rpc_dir] = os.environ[VLLM_RPC]
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     path = config.stash.get(_rpc_dir, None)
     if path is not None:
         shutil.rmtree(path, ignore_errors=True)
-        os.environ.pop(_VLLM_RPC, None)
+        os.environ.pop(VLLM_RPC, None)
 
 
 _rpc_dir = pytest.StashKey[str]()
