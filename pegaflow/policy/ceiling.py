@@ -179,18 +179,24 @@ class CeilingEstimator:
         # No batch update in the binding; map + a zero-length deque runs the loop in C.
         deque(map(d.update, map(hash, keys)), maxlen=0)
 
-    def _union(self, parts: Sequence[Any]) -> Any:
+    def _unite(self, parts: Sequence[Any]) -> Any:
         u = ds.hll_union(self.lg_k)
         for p in parts:
             u.update(p)
-        return u.get_result(_HLL_TYPE)
+        return u
+
+    def _union(self, parts: Sequence[Any]) -> Any:
+        return self._unite(parts).get_result(_HLL_TYPE)
 
     def _count(self, parts: Sequence[Any]) -> float:
         if not parts:
             return 0.0
         if len(parts) == 1:
             return float(parts[0].get_estimate())
-        return float(self._union(parts).get_estimate())
+        # The union's own estimate, the same number as its result sketch's: building that
+        # sketch (get_result, back to 4-bit buckets) was more than half of a refresh on the
+        # event loop (10 buckets at 16 bucket bits: 3.3 ms with it, 1.5 ms without).
+        return float(self._unite(parts).get_estimate())
 
     def _dump(self, d: Any) -> bytes:
         return bytes(d.serialize_compact())
