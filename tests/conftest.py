@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.e2e.harness import VLLM_RPC
+from tests.e2e.harness import VLLM_RPC, vllm_rpc_dir
 from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,21 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def pytest_configure(config: pytest.Config) -> None:
     """vLLM names its ZeroMQ IPC sockets ``$VLLM_RPC_BASE_PATH/<uuid4>`` (default: the system
     temporary directory) and an engine that is killed leaves them there: about 85 per run of
-    the suite. Every engine a test starts inherits this run's own directory, removed at the end."""
-    if VLLM_RPC not in os.environ:
-        # Short: a Unix socket path has at most 107 bytes, and vLLM appends a uuid.
-        os.environ[VLLM_RPC] = tempfile.mkdtemp(prefix="pf-vllm-rpc-")
-        config.stash[_rpc_dir] = os.environ[VLLM_RPC]
-
-
-def pytest_unconfigure(config: pytest.Config) -> None:
-    path = config.stash.get(_rpc_dir, None)
-    if path is not None:
-        shutil.rmtree(path, ignore_errors=True)
-        os.environ.pop(VLLM_RPC, None)
-
-
-_rpc_dir = pytest.StashKey[str]()
+    the suite. Every engine a test starts inherits this run's own directory, removed when
+    the run exits (``tests.e2e.harness.vllm_rpc_dir``)."""
+    os.environ[VLLM_RPC] = vllm_rpc_dir()
 
 
 def free_port() -> int:
