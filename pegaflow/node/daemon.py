@@ -67,7 +67,7 @@ CEILING_REFRESH = 5.0  # seconds between recomputations of the ceiling gauges (u
 # only costs sketch memory (~9 bytes per assumed block, 4 MiB per 64 GiB of pool) and a
 # longer aging period, while under-estimating would saturate the counters.
 ADMISSION_PAGE_GUESS = 128 << 10
-LOOP_SWITCH_INTERVAL = 0.0005  # seconds a thread holding the GIL keeps it from the event loop (run())
+LOOP_SWITCH_INTERVAL = 0.0001  # seconds a thread holding the GIL keeps it from the event loop (run())
 GRPC_MAX_MESSAGE = 64 << 20  # a 16k-hash request is ~400 KiB; leave room for big batches
 
 
@@ -453,6 +453,15 @@ class Node:
         # with an unpaced writer (bench/spill.py --save-mbps 0, same host, 4 vs 3 runs) wrote
         # 704-998 MB/s at 5 ms and 568-788 MB/s at 0.5 ms (its queue skips what it cannot
         # take); paced at 800 MB/s, 255-539 vs 431-472 MB/s: within this host's noise.
+        # Once the background's hand-offs waited for the data path's pauses, 0.1 ms beat 0.5:
+        # bench/dataplane.py --rounds 3 --seconds 15, 4 runs each alternated (2026-12-04, a
+        # 2-core host), Query p99 on/off 1.00x-1.13x against 1.12x-1.30x (per-round pairs:
+        # median 1.11x against 1.17x), p999 1.03x-1.57x against 0.83x-1.82x. Its price did
+        # not show: the unpaced spill (bench/spill.py --save-mbps 0) wrote 651/675 MB/s to
+        # SSD against 613/645, and bench/saturation.py (256 KiB) saturated at 750 vs 753
+        # requests/s. The interval works both ways: a thread waiting that long takes the GIL
+        # from the loop, so a Query (~150 µs of Python) may now be cut once; the figures
+        # above include that.
         sys.setswitchinterval(LOOP_SWITCH_INTERVAL)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
