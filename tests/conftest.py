@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,11 +25,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """vLLM names its ZeroMQ IPC sockets ``$VLLM_RPC_BASE_PATH/<uuid4>`` (default: the system
-    temporary directory) and an engine that is killed leaves them there: about 85 per run of
-    the suite. Every engine a test starts inherits this run's own directory, removed when
-    the run exits (``tests.e2e.harness.vllm_rpc_dir``)."""
+    """Sockets a killed process cannot remove go to directories of this run, removed when it
+    exits, so the suite leaves nothing in the system temporary directory:
+
+    - vLLM names its ZeroMQ IPC sockets ``$VLLM_RPC_BASE_PATH/<uuid4>`` (default: the system
+      temporary directory): about 85 per run (``tests.e2e.harness.vllm_rpc_dir``);
+    - a node puts its local socket and its own token in ``$XDG_RUNTIME_DIR`` (else ``/tmp``,
+      ``pegaflow.common.security.default_socket_path``): about 11 per run from the tests
+      that kill nodes. Clients look for the token there too, and every process a test starts
+      inherits the variable. A node with ``--access-group`` still uses ``/tmp``."""
     os.environ[VLLM_RPC] = vllm_rpc_dir()
+    runtime = tempfile.mkdtemp(prefix="pf-test-run-")  # 0700, as a user's XDG_RUNTIME_DIR is
+    atexit.register(shutil.rmtree, runtime, True)
+    os.environ["XDG_RUNTIME_DIR"] = runtime
 
 
 def free_port() -> int:
