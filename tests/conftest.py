@@ -128,8 +128,12 @@ class NodeProcess:
 
     def remove_local_socket(self) -> None:
         """A SIGKILLed node leaves its socket file and its own token beside it behind (the next
-        node on the port would replace the socket and remove the token)."""
-        for path in (self.local_socket, f"{self.local_socket}.token"):
+        node on the port would replace the socket and remove the token): at the default path,
+        or with ``--access-group`` at the shared one in ``/tmp``."""
+        from pegaflow.node.transports.unix_socket import default_socket_path
+
+        shared = default_socket_path("127.0.0.1", self.port, shared=True)
+        for path in (self.local_socket, f"{self.local_socket}.token", shared, f"{shared}.token"):
             try:
                 os.unlink(path)
             except FileNotFoundError:

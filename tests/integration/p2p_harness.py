@@ -149,6 +149,14 @@ class P2PCluster:
                 except Exception:  # noqa: BLE001
                     pass
         self.c.close()
+        # The nodes were SIGKILLed: their local sockets and own tokens are left at the default
+        # path (the namespaces share the file system; in /tmp outside the test run).
+        from pegaflow.common.security import default_socket_path
+
+        for n in self.nodes:
+            sock = default_socket_path(n.host.ip, NODE_PORT)
+            for path in (Path(sock), Path(f"{sock}.token")):
+                path.unlink(missing_ok=True)
 
 
 def wait_line(proc: subprocess.Popen, timeout: float) -> dict:
