@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import atexit
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.e2e.harness import VLLM_RPC, vllm_rpc_dir
+from tests.e2e.harness import VLLM_RPC, temp_dir_removed_at_exit, vllm_rpc_dir
 from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,9 +32,7 @@ def pytest_configure(config: pytest.Config) -> None:
       that kill nodes. Clients look for the token there too, and every process a test starts
       inherits the variable. A node with ``--access-group`` still uses ``/tmp``."""
     os.environ[VLLM_RPC] = vllm_rpc_dir()
-    runtime = tempfile.mkdtemp(prefix="pf-test-run-")  # 0700, as a user's XDG_RUNTIME_DIR is
-    atexit.register(shutil.rmtree, runtime, True)
-    os.environ["XDG_RUNTIME_DIR"] = runtime
+    os.environ["XDG_RUNTIME_DIR"] = temp_dir_removed_at_exit("pf-test-run-")  # 0700, as a user's is
 
 
 def free_port() -> int:
@@ -130,10 +125,10 @@ class NodeProcess:
         """A SIGKILLed node leaves its socket file and its own token beside it behind (the next
         node on the port would replace the socket and remove the token): at the default path,
         or with ``--access-group`` at the shared one in ``/tmp``."""
-        from pegaflow.node.transports.unix_socket import default_socket_path
+        from pegaflow.common.security import default_socket_path, token_path
 
         shared = default_socket_path("127.0.0.1", self.port, shared=True)
-        for path in (self.local_socket, f"{self.local_socket}.token", shared, f"{shared}.token"):
+        for path in (self.local_socket, token_path(self.local_socket), shared, token_path(shared)):
             try:
                 os.unlink(path)
             except FileNotFoundError:

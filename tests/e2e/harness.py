@@ -28,6 +28,14 @@ COMMAND_TIMEOUT_S = 300.0
 VLLM_RPC = "VLLM_RPC_BASE_PATH"
 
 
+def temp_dir_removed_at_exit(prefix: str) -> str:
+    """A fresh directory (mode 0700) in the system temporary directory, removed when this
+    process exits: where processes started from here put files a killed one leaves behind."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
 @functools.cache
 def vllm_rpc_dir() -> str:
     """Where the engines started from here put their ZeroMQ IPC sockets: vLLM names them
@@ -37,9 +45,7 @@ def vllm_rpc_dir() -> str:
     path = os.environ.get(VLLM_RPC)
     if path:
         return path
-    path = tempfile.mkdtemp(prefix="pf-vllm-rpc-")  # short: a Unix socket path has at most 107 bytes
-    atexit.register(shutil.rmtree, path, True)
-    return path
+    return temp_dir_removed_at_exit("pf-vllm-rpc-")  # short: a Unix socket path has at most 107 bytes
 
 
 def namespace_block_size(namespace: str) -> int:

@@ -151,12 +151,12 @@ class P2PCluster:
         self.c.close()
         # The nodes were SIGKILLed: their local sockets and own tokens are left at the default
         # path (the namespaces share the file system; in /tmp outside the test run).
-        from pegaflow.common.security import default_socket_path
+        from pegaflow.common.security import default_socket_path, token_path
 
         for n in self.nodes:
             sock = default_socket_path(n.host.ip, NODE_PORT)
-            for path in (Path(sock), Path(f"{sock}.token")):
-                path.unlink(missing_ok=True)
+            for path in (sock, token_path(sock)):
+                Path(path).unlink(missing_ok=True)
 
 
 def wait_line(proc: subprocess.Popen, timeout: float) -> dict:

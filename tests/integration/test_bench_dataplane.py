@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.dataplane import CALLS, PARTS, quiet
+from bench.dataplane import BLOCKS, CALLS, PARTS, quiet
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -81,14 +81,14 @@ def test_saturation_ramps_until_the_clients_fall_behind(tmp_path: Path) -> None:
     rates = [lv["rate_per_client"] for lv in r["levels"]]
     assert rates == [4 * 2**i for i in range(len(rates))]
     assert r["saturation_requests_per_s"] == max(lv["requests_per_s"] for lv in r["levels"]) > 0
-    assert r["saturation_gbps"] == pytest.approx(r["saturation_requests_per_s"] * 64 * (256 << 10) / 1e9)
+    request_bytes = BLOCKS * (256 << 10)  # the bench's blocks per request, of the pages asked for above
+    assert r["saturation_gbps"] == pytest.approx(r["saturation_requests_per_s"] * request_bytes / 1e9)
     assert r["half"]["rate_per_client"] == pytest.approx(r["saturation_requests_per_s"] / 2 / 2)
     assert r["half_p99_us_max"] == max(r["half_p99_us"].values()) > 0
     assert set(r["half_without_copies_p99_us"]) == set(r["half_p99_us"])  # the same calls, copies skipped
     assert all(v > 0 for v in r["half_without_copies_p99_us"].values())
     # Every request at 50% copied its 64 pages: on the clients' SCHED_IDLE copy threads (a GPU
     # engine's DMA), then, for attribution, on the calling threads at their own policy; none skipped.
-    request_bytes = 64 * (256 << 10)
     assert r["half"]["copied_bytes"] == r["half"]["requests"] * request_bytes > 0
     assert r["half"]["copy_policies"] == [os.SCHED_IDLE]
     cpu = r["half_cpu_copies"]
