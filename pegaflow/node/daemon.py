@@ -129,7 +129,8 @@ class Node:
         self.sessions = Sessions(self.index, config.reservation_ttl, config.lease_ttl,
                                  max_namespaces=config.max_namespaces)
         self.index.add_listener(self._on_index_event)
-        self.index.add_listener(Residence(self.metrics.registry).on_index_event)
+        self.residence = Residence(self.metrics.registry)  # L1 residence times (its docstring: the cost)
+        self.index.add_listener(self.residence.on_index_event)
         self.block_events = BlockEventFeed()
         self.index.add_listener(self.block_events.on_index_event)
         if self.ssd is not None:
@@ -395,6 +396,8 @@ class Node:
                 await self.service.idle.pause()
                 self.ceiling.refresh()
                 next_ceiling = time.monotonic() + CEILING_REFRESH
+            if self.residence.queued:  # counted off the loop; an unscraped node queues a second at most
+                await asyncio.get_running_loop().run_in_executor(None, self.residence.fold)
             if isinstance(self.index.alloc, ExtentAllocator | NumaAllocator):  # read here, on the allocator's loop
                 self.metrics.pool_largest_free.set(self.index.alloc.largest_free())
             if self.query_trace is not None:

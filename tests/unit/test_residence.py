@@ -64,3 +64,50 @@ def test_a_block_inserted_again_starts_a_new_residence() -> None:
     assert count == 2 and total == 51.0
     assert buckets["1"] == 1 and buckets["30"] == 1 and buckets["60"] == 2
     assert r.resident == 0
+
+
+def test_evictions_are_queued_on_the_loop_and_counted_by_fold_or_a_scrape() -> None:
+    reg, clock = CollectorRegistry(), Clock()
+    r = Residence(reg, clock)
+    ns = Namespace(1, "a", 4096, 0)
+    r.on_index_event(IndexEvent.INSERT, ns, [b"x", b"y"])
+    clock.t += 20
+    r.on_index_event(IndexEvent.EVICT, ns, [b"x"])
+    r.on_index_event(IndexEvent.REMOVE, ns, [b"y"])
+    assert r.queued == 2 and r.resident == 0  # the listener only queued the stamps
+    r.fold()  # housekeeping's worker thread
+    assert r.queued == 0
+    r.on_index_event(IndexEvent.INSERT, ns, [b"z"])
+    clock.t += 2
+    r.on_index_event(IndexEvent.EVICT, ns, [b"z"])
+    assert r.queued == 1
+    buckets, count, total = _hist(reg, "pressure")  # a scrape counts what was queued before it
+    assert r.queued == 0
+    assert count == 2 and total == 22.0 and buckets["5"] == 1 and buckets["30"] == 2
+    assert _hist(reg, "cleanup")[1:] == (1.0, 20.0)
+
+
+def test_fold_in_another_thread_loses_and_doubles_nothing() -> None:
+    import threading
+
+    reg, clock = CollectorRegistry(), Clock()
+    r = Residence(reg, clock)
+    ns = Namespace(1, "a", 4096, 0)
+    batches, per = 3000, 16
+    stop = threading.Event()
+
+    def folder() -> None:
+        while not stop.is_set():
+            r.fold()
+
+    t = threading.Thread(target=folder)
+    t.start()
+    try:
+        for i in range(batches):
+            hs = [f"{i}:{k}".encode() for k in range(per)]
+            r.on_index_event(IndexEvent.INSERT, ns, hs)
+            r.on_index_event(IndexEvent.EVICT, ns, hs)
+    finally:
+        stop.set()
+        t.join()
+    assert _hist(reg, "pressure")[1] == batches * per
