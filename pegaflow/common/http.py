@@ -72,13 +72,20 @@ class Renders:
     path has been quiet for a moment (or after a bounded wait). The render's GIL time then
     falls in the data path's gaps instead of on its calls. Each family is collected whole
     (its samples are as consistent as unpaced); families are collected up to a few
-    milliseconds apart, as they are by any scrape that does not lock the whole registry."""
+    milliseconds apart, as they are by any scrape that does not lock the whole registry.
+
+    With ``settle`` (the node: a hop through its event loop), each render first awaits it:
+    the node counts a Query's blocks in a callback queued behind the answer it wrote
+    (``pegaflow.node.service._after_answer``), and the hop runs every callback queued before
+    the scrape, so a scrape sent after an answer arrived always counts that answer."""
 
     def __init__(self, registry: CollectorRegistry, interval: float,
-                 pause: Callable[[], Awaitable[None]] | None = None) -> None:
+                 pause: Callable[[], Awaitable[None]] | None = None,
+                 settle: Callable[[], Awaitable[None]] | None = None) -> None:
         self.registry = registry
         self.interval = interval
         self.pause = pause
+        self.settle = settle
         self._lock = asyncio.Lock()
         self._started = -math.inf  # when the last render started (monotonic)
         self._body = b""
@@ -97,6 +104,8 @@ class Renders:
             return body
 
     async def render(self) -> bytes:
+        if self.settle is not None:
+            await self.settle()
         if self.pause is None:
             return generate_latest(self.registry)
         parts: list[bytes] = []
@@ -111,10 +120,12 @@ class Renders:
 
 
 def metrics_route(registry: CollectorRegistry, render_interval: float = 0.0,
-                  pause: Callable[[], Awaitable[None]] | None = None) -> Route:
+                  pause: Callable[[], Awaitable[None]] | None = None,
+                  settle: Callable[[], Awaitable[None]] | None = None) -> Route:
     """``GET /metrics``: the registry in Prometheus text format, rendered at most once per
-    ``render_interval`` seconds (:class:`Renders`; 0: on every request), paced by ``pause``."""
-    renders = Renders(registry, render_interval, pause)
+    ``render_interval`` seconds (:class:`Renders`; 0: on every request), paced by ``pause``,
+    each render after ``settle``."""
+    renders = Renders(registry, render_interval, pause, settle)
 
     async def metrics(_: Request) -> Response:
         if not render_interval:
@@ -140,9 +151,10 @@ class HttpEndpoint:
 
     def __init__(self, addr: str, registry: CollectorRegistry, health: Callable[[], dict] | None = None,
                  routes: Sequence[BaseRoute] = (), render_interval: float = 0.0,
-                 pause: Callable[[], Awaitable[None]] | None = None) -> None:
+                 pause: Callable[[], Awaitable[None]] | None = None,
+                 settle: Callable[[], Awaitable[None]] | None = None) -> None:
         self.host, self.port = split_host_port(addr)
-        all_routes: list[BaseRoute] = [metrics_route(registry, render_interval, pause)]
+        all_routes: list[BaseRoute] = [metrics_route(registry, render_interval, pause, settle)]
         if health is not None:
             all_routes.append(health_route(health))
         all_routes.extend(routes)

@@ -43,6 +43,7 @@ from pegaflow.node import discovery
 from pegaflow.node.accounting import RequestAccounting
 from pegaflow.node.admin import NodeAdmin
 from pegaflow.node.block_events import BlockEventFeed
+from pegaflow.node.idle import loop_hop
 from pegaflow.node.metrics import NodeMetrics
 from pegaflow.node.numa import NumaAllocator, place_pool
 from pegaflow.node.pool import SharedPool
@@ -285,7 +286,8 @@ class Node:
             self.http = HttpEndpoint(self.config.http_addr, served, self.health,
                                      routes=self.admin.routes(self._http_token),
                                      render_interval=self.config.metrics_render_interval,
-                                     pause=self.service.idle.pause)  # renders fall in the data path's gaps
+                                     pause=self.service.idle.pause,  # renders fall in the data path's gaps
+                                     settle=loop_hop(asyncio.get_running_loop()))  # after the counts queued
             try:
                 self.http.start()
             except OSError as exc:

@@ -20,11 +20,13 @@ loop); the background reads the stamp from any thread (a float: one atomic read)
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+HOP_TIMEOUT_S = 1.0  # a loop_hop gives up waiting for a loop this busy (or stopping)
 QUIET_S = 0.001  # the data path has served no call this long: background work may start
 MAX_DEFER_S = 0.02  # however busy the data path, deferred work starts within this
 
@@ -81,3 +83,23 @@ class DataPathIdle:
         since = self.clock()
         while (d := self.delay(since)) > 0:
             sleep(d)
+
+
+def loop_hop(loop: asyncio.AbstractEventLoop) -> Callable[[], Any]:
+    """An async function for another thread's loop that returns once ``loop`` has run every
+    callback queued on it before the call (or after :data:`HOP_TIMEOUT_S`). The node's
+    ``/metrics`` renders await it first (``Renders(settle=...)``): a Query's counts are
+    queued behind its answer, so a scrape sent after the answer arrived counts it."""
+
+    async def hop() -> None:
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        try:
+            loop.call_soon_threadsafe(done.set_result, None)
+        except RuntimeError:  # the loop is closed: nothing is queued on it any more
+            return
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(done), HOP_TIMEOUT_S)
+        except TimeoutError:
+            pass
+
+    return hop

@@ -124,3 +124,25 @@ def test_a_paced_render_is_the_same_text_with_pauses_between_slices(monkeypatch)
     assert asyncio.run(run()) == generate_latest(reg)
     assert len(pauses) == 1
 
+
+
+def test_settle_is_awaited_once_before_each_render() -> None:
+    from prometheus_client import Counter, generate_latest
+
+    reg = CollectorRegistry()
+    c = Counter("probe_calls", "calls", registry=reg)
+    order: list[str] = []
+
+    async def settle() -> None:  # the node's hop: what it counts lands before the render
+        order.append("settle")
+        c.inc()
+
+    async def pause() -> None:
+        order.append("pause")
+
+    async def run() -> bytes:
+        return await Renders(reg, 0.0, pause, settle).render()
+
+    body = asyncio.run(run())
+    assert order[0] == "settle" and order.count("settle") == 1 and "pause" in order
+    assert body == generate_latest(reg) and b"probe_calls_total 1.0" in body

@@ -6,7 +6,8 @@ import asyncio
 import threading
 import time
 
-from pegaflow.node.idle import DataPathIdle
+from pegaflow.node import idle as idle_mod
+from pegaflow.node.idle import DataPathIdle, loop_hop
 
 
 class Clock:
@@ -88,3 +89,43 @@ def test_pause_and_wait_blocking_return_after_quiet() -> None:
     th.start()
     th.join(5)
     assert out and out[0] - t1 >= 0.009
+
+
+def test_loop_hop_returns_after_what_the_loop_queued_before_it() -> None:
+    """A Query's counts are queued behind its answer: a scrape sent after the answer
+    arrived hops through the loop first and finds them counted, even when the loop is
+    busy with something queued before them."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever)
+    thread.start()
+    answered, counted = threading.Event(), []
+
+    def answer() -> None:  # the handler: something slow is queued, then the counts, then the answer is out
+        loop.call_soon(time.sleep, 0.3)
+        loop.call_soon(counted.append, 1)
+        answered.set()
+
+    try:
+        loop.call_soon_threadsafe(answer)
+        assert answered.wait(5)
+        assert counted == []  # the scrape's race: without the hop it would read nothing yet
+        asyncio.run(loop_hop(loop)())
+        assert counted == [1]
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
+
+
+def test_loop_hop_is_bounded_and_returns_at_once_on_a_closed_loop(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(idle_mod, "HOP_TIMEOUT_S", 0.05)
+    stopped = asyncio.new_event_loop()  # not running: the hop's callback never runs
+    try:
+        t = time.perf_counter()
+        asyncio.run(loop_hop(stopped)())
+        assert 0.04 <= time.perf_counter() - t < 2
+    finally:
+        stopped.close()
+    t = time.perf_counter()
+    asyncio.run(loop_hop(stopped)())  # closed
+    assert time.perf_counter() - t < 0.04
