@@ -111,3 +111,36 @@ def test_fold_in_another_thread_loses_and_doubles_nothing() -> None:
         stop.set()
         t.join()
     assert _hist(reg, "pressure")[1] == batches * per
+
+
+def test_an_unscraped_node_counts_its_queued_evictions_in_housekeeping(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import asyncio
+
+    from pegaflow.config.commands import node_config
+    from pegaflow.node import daemon
+    from pegaflow.node.daemon import Node
+
+    monkeypatch.setattr(daemon, "EXPIRY_INTERVAL", 0.05)
+    node = Node(node_config(pool_size=4 << 20, http_addr="", local_socket=""))
+    try:
+        r = node.residence
+        ns = Namespace(1, "a", 4096, 0)
+        r.on_index_event(IndexEvent.INSERT, ns, [b"x", b"y"])
+        r.on_index_event(IndexEvent.EVICT, ns, [b"x", b"y"])
+        assert r.queued == 1
+
+        async def run() -> None:
+            task = asyncio.create_task(node.housekeeping())
+            try:
+                for _ in range(200):  # bounded: 10 s
+                    if not r.queued:
+                        return
+                    await asyncio.sleep(0.05)
+            finally:
+                task.cancel()
+
+        asyncio.run(run())
+        assert r.queued == 0
+        assert node.metrics.registry.get_sample_value(f"{NAME}_count", {"reason": "pressure"}) == 2
+    finally:
+        node.pool.close()
