@@ -23,7 +23,7 @@ import asyncio
 import concurrent.futures
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 HOP_TIMEOUT_S = 1.0  # a loop_hop gives up waiting for a loop this busy (or stopping)
@@ -85,7 +85,7 @@ class DataPathIdle:
             sleep(d)
 
 
-def loop_hop(loop: asyncio.AbstractEventLoop) -> Callable[[], Any]:
+def loop_hop(loop: asyncio.AbstractEventLoop) -> Callable[[], Awaitable[None]]:
     """An async function for another thread's loop that returns once ``loop`` has run every
     callback queued on it before the call (or after :data:`HOP_TIMEOUT_S`). The node's
     ``/metrics`` renders await it first (``Renders(settle=...)``): a Query's counts are

@@ -15,9 +15,9 @@ numpy, off the loop: on the ``/metrics`` thread before each scrape (so a scrape 
 eviction before it) and from the node's housekeeping once a second in a worker thread (so an
 unscraped node queues at most a second of evictions). Measured on a 2-core host, a node's
 Reserve handler (64 blocks of 2 MiB, each evicting 64, between 128 MiB copies that leave the
-caches cold), mean of 60: 69-81 us with no listener, 128-133 us with the bucket count done
+caches cold), mean of 60: 66-81 us with no listener, 128-133 us with the bucket count done
 inline with numpy (about 60 us per batch on cold caches; 9 us in a warm microbenchmark),
-88-96 us inline without numpy (``bisect`` and a ``Counter``), 70-74 us queued as here.
+88-96 us inline without numpy (``bisect`` and a ``Counter``), 70-77 us queued as here.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ NAME = "pegaflow_node_block_residence_seconds"
 BOUNDS = np.array([1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1_800.0, 3_600.0, 7_200.0,
                    21_600.0, 43_200.0, 86_400.0])
 REASONS = {IndexEvent.EVICT: "pressure", IndexEvent.REMOVE: "cleanup"}
-FOLD_BLOCKS = 8192  # queued stamps counted per numpy pass: a pass holds the GIL ~0.1-0.2 ms
+FOLD_BLOCKS = 2048  # stamps per numpy pass, whose C loops hold the GIL: 76-89 us warm (291 the first; 8192: 245-416)
 
 
 class Residence(Collector):
