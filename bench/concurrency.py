@@ -34,7 +34,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -46,7 +45,14 @@ sys.path.insert(0, str(REPO))
 
 from bench.common import Streamed  # noqa: E402
 from bench.ttft import MODEL_SHAPE, bench_workload, percentile  # noqa: E402
-from tests.e2e.harness import VLLM_RPC, NodeDaemon, free_port, stop_group, vllm_rpc_dir  # noqa: E402
+from tests.e2e.harness import (  # noqa: E402
+    VLLM_RPC,
+    NodeDaemon,
+    free_port,
+    stop_group,
+    temp_dir_removed_at_exit,
+    vllm_rpc_dir,
+)
 
 SERVER_START_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 600.0
@@ -147,7 +153,7 @@ def main() -> None:
     ap.add_argument("--summary", type=Path, default=None, help="write results as JSON")
     args = ap.parse_args()
 
-    tmp = Path(tempfile.mkdtemp(prefix="pf-conc-"))
+    tmp = Path(temp_dir_removed_at_exit("pf-conc-"))
     logs = tmp / "logs"
     logs.mkdir()
     model = args.model_dir or tmp / "model"

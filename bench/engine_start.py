@@ -24,14 +24,13 @@ import json
 import re
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.e2e.harness import EngineProc, NodeDaemon  # noqa: E402
+from tests.e2e.harness import EngineProc, NodeDaemon, temp_dir_removed_at_exit  # noqa: E402
 from tests.e2e.model import build_tiny_llama  # noqa: E402
 
 REGISTERED = re.compile(r"PegaFlow rank 0: .* registered in ([0-9.]+) ms")
@@ -78,7 +77,7 @@ def main() -> None:
     pools = [p.strip() for p in args.pools.split(",") if p.strip()]
     if not pools or args.rounds < 1:
         raise SystemExit("error: --pools needs at least one size and --rounds at least 1")
-    tmp = Path(tempfile.mkdtemp(prefix="pf-bench-start-"))
+    tmp = Path(temp_dir_removed_at_exit("pf-bench-start-"))
     logs = tmp / "logs"
     logs.mkdir()
     model = build_tiny_llama(tmp / "model", seed=0)

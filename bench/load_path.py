@@ -21,7 +21,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -29,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.ttft import MAX_MODEL_LEN, MODEL_SHAPE, PAUSE_S, percentile, ttft  # noqa: E402
-from tests.e2e.harness import EngineProc, NodeDaemon  # noqa: E402
+from tests.e2e.harness import EngineProc, NodeDaemon, temp_dir_removed_at_exit  # noqa: E402
 from tests.e2e.model import build_tiny_llama, make_text  # noqa: E402
 
 
@@ -40,7 +39,7 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=1024, help="tokens a sliding-window layer attends over")
     ap.add_argument("--summary", type=Path, default=None, help="write results as JSON")
     args = ap.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="pf-loadpath-"))
+    tmp = Path(temp_dir_removed_at_exit("pf-loadpath-"))
     logs = tmp / "logs"
     logs.mkdir()
     model = build_tiny_llama(tmp / "model", seed=0, vocab=2000, max_pos=16384, sliding_window=args.window,

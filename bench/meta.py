@@ -33,7 +33,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -343,7 +342,9 @@ def grpc_latency(url: str, cluster: bool, reqs, n: int, load=None) -> dict:
 
 
 def run_backend(cluster: bool, blocks: int, queries: int) -> dict:
-    tmp = tempfile.mkdtemp(prefix="pf-bench-meta-")
+    from tests.e2e.harness import temp_dir_removed_at_exit
+
+    tmp = temp_dir_removed_at_exit("pf-bench-meta-")
     if cluster:
         base = free_base(6, True)
         subprocess.run(

@@ -25,7 +25,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -38,7 +37,7 @@ from pegaflow.core.identity import block_hashes  # noqa: E402
 from pegaflow.core.trace import encode_query, read_trace  # noqa: E402
 from pegaflow.replay.model import Scenario  # noqa: E402
 from pegaflow.replay.run import replay  # noqa: E402
-from tests.e2e.harness import EngineProc, NodeDaemon, namespace_page_bytes  # noqa: E402
+from tests.e2e.harness import EngineProc, NodeDaemon, namespace_page_bytes, temp_dir_removed_at_exit  # noqa: E402
 from tests.e2e.model import build_tiny_llama, make_text  # noqa: E402
 
 POOL = "1gb"
@@ -118,7 +117,7 @@ def main() -> None:
     ap.add_argument("--answer-tokens", type=int, default=256)
     ap.add_argument("--summary", type=Path, default=None, help="write results as JSON")
     args = ap.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="pf-multiturn-"))
+    tmp = Path(temp_dir_removed_at_exit("pf-multiturn-"))
     logs = tmp / "logs"
     logs.mkdir()
     model = build_tiny_llama(tmp / "model", seed=0)

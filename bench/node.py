@@ -45,6 +45,7 @@ from bench.common import best_copy  # noqa: E402
 from pegaflow.client import PegaClient, load_pages, page_bytes, save_pages  # noqa: E402
 from pegaflow.client.kernels import copy_kernels  # noqa: E402
 from tests.conftest import NodeProcess  # noqa: E402
+from tests.e2e.harness import temp_dir_removed_at_exit  # noqa: E402
 
 BLOCKS_PER_REQUEST = 64
 POOL_OVER_DATA = 1.25  # pool bytes per byte of a round: the timed rounds reuse pages (see above)
@@ -180,8 +181,7 @@ def main() -> None:
                     help="start the node with --local-socket off (every call over gRPC, as before the fast path)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"pf-bench-{os.getpid()}"
-    tmp.mkdir(parents=True, exist_ok=True)
+    tmp = Path(temp_dir_removed_at_exit("pf-bench-node-"))
     extra = ["--log-level", "warning"] + (["--local-socket", "off"] if args.grpc_only else [])
     node = NodeProcess(tmp, pool_size=f"{int(args.total_mb * POOL_OVER_DATA)}mb", extra=extra)
     node.start(timeout=120)

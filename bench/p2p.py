@@ -27,7 +27,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -151,9 +150,10 @@ def main() -> None:
     p.add_argument("--summary", type=Path, help="write the figures as JSON (python -m bench)")
     a = p.parse_args()
 
+    from tests.e2e.harness import temp_dir_removed_at_exit
     from tests.integration.p2p_harness import P2PCluster
 
-    tmp = Path(tempfile.mkdtemp(prefix="pegaflow-bench-p2p-"))
+    tmp = Path(temp_dir_removed_at_exit("pegaflow-bench-p2p-"))
     node_args = ("--log-level", "warning", *(("--use-hugepages",) if a.hugepages else ()))
     cluster = P2PCluster(tmp, 2, pool=a.pool, node_args=node_args)
     if cluster.fallback_reason:

@@ -30,7 +30,6 @@ import json
 import mmap
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -40,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from pegaflow.client import PegaClient  # noqa: E402
 from tests.conftest import NodeProcess  # noqa: E402
+from tests.e2e.harness import temp_dir_removed_at_exit  # noqa: E402
 
 
 def memset_fresh_gbps(nbytes: int) -> dict[str, float]:
@@ -90,7 +90,7 @@ def main() -> None:
     ap.add_argument("--summary", type=Path, help="write the figures as JSON (python -m bench)")
     args = ap.parse_args()
     nbytes = int(args.pool_gb * (1 << 30))
-    tmp = Path(tempfile.mkdtemp(prefix="pf-bench-pool-"))
+    tmp = Path(temp_dir_removed_at_exit("pf-bench-pool-"))
     small, n = first_query_seconds(tmp, "64mb")
     n.stop()
     memset_fresh_gbps(nbytes)  # warm-up: the first node's pool reuses what it frees (docstring)

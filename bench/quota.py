@@ -28,7 +28,6 @@ import argparse
 import json
 import random
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -42,6 +41,7 @@ from pegaflow.replay.files import iter_lines  # noqa: E402
 from pegaflow.replay.model import Scenario  # noqa: E402
 from pegaflow.replay.run import replay  # noqa: E402
 from tests.conftest import NodeProcess  # noqa: E402
+from tests.e2e.harness import temp_dir_removed_at_exit  # noqa: E402
 
 PAGE = 16 << 10  # small pages: a pool of a few hundred blocks is a few MiB
 CHAIN = 8  # blocks per request (a document's prefix chain)
@@ -152,7 +152,7 @@ def main() -> None:
     a = ap.parse_args()
     parse_quota(f"{HOT}={a.quota}")  # a bad SPEC fails here, in one line
     reqs = workload(a.pool_blocks, a.hot_share, a.steps, a.scan_per_step)
-    tmp = Path(tempfile.mkdtemp(prefix="pf-bench-quota-"))
+    tmp = Path(temp_dir_removed_at_exit("pf-bench-quota-"))
     t0 = time.monotonic()
     res: dict[str, object] = {
         "pool_blocks": a.pool_blocks, "page_bytes": PAGE, "hot_working_set_blocks": int(a.pool_blocks * a.hot_share),

@@ -53,7 +53,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -62,6 +61,7 @@ sys.path.insert(0, str(ROOT))
 from bench.common import cpu_seconds, socket_round_trip  # noqa: E402
 from bench.dataplane import BLOCKS, CALLS, Engines, merge, percentiles  # noqa: E402
 from tests.conftest import NodeProcess  # noqa: E402
+from tests.e2e.harness import temp_dir_removed_at_exit  # noqa: E402
 
 SATURATED = 0.9  # achieved / target below this: the level is past saturation
 LAYERS = {256: 4, 2048: 16}  # pages gathered from this many layers, as bench/node.py
@@ -185,7 +185,7 @@ def main() -> None:
     print("bare Unix-socket round trip, p50 / p99 / p999 µs: " + "; ".join(
         f"{k.replace('_', ' ')} {f['p50_us']:.0f} / {f['p99_us']:.0f} / {f['p999_us']:.0f}" for k, f in floor.items()),
         flush=True)
-    tmp = Path(tempfile.mkdtemp(prefix="pf-bench-saturation-"))
+    tmp = Path(temp_dir_removed_at_exit("pf-bench-saturation-"))
     rows = run([int(p) for p in args.pages.split(",") if p], args, tmp)
     res: dict = {"engines": args.engines, "cpus": os.cpu_count(), "load_average_1m": os.getloadavg()[0],
                  "host_round_trip": floor}

@@ -23,7 +23,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 from bench.common import cpu_seconds, scrape  # noqa: E402
 from pegaflow.client import PegaClient  # noqa: E402
 from tests.conftest import NodeProcess  # noqa: E402
+from tests.e2e.harness import temp_dir_removed_at_exit  # noqa: E402
 
 PAGE = 256 << 10
 BLOCKS = 64
@@ -89,8 +89,8 @@ def main() -> None:
     ap.add_argument("--dir", default="/var/tmp", help="file system for the SSD tier's file")
     ap.add_argument("--summary", type=Path, help="write the figures as JSON (python -m bench)")
     args = ap.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="pf-bench-spill-"))
-    ssd_dir = Path(tempfile.mkdtemp(prefix="pf-bench-spill-", dir=args.dir))
+    tmp = Path(temp_dir_removed_at_exit("pf-bench-spill-"))
+    ssd_dir = Path(temp_dir_removed_at_exit("pf-bench-spill-", dir=args.dir))
     extra = ["--log-level", "warning"]
     if args.ssd_gb > 0:
         extra += ["--ssd-cache-path", str(ssd_dir / "cache"), "--ssd-cache-capacity", f"{int(args.ssd_gb * 1024)}mb"]

