@@ -121,6 +121,7 @@ def main() -> None:
     a = p.parse_args()
 
     from pegaflow.core.units import parse_size
+    from tests.e2e.harness import temp_dir_removed_at_exit
     from tests.integration.p2p_harness import P2PCluster
     from tests.waiting import wait_until
 
@@ -128,7 +129,7 @@ def main() -> None:
     pool_pages = parse_size(a.pool) // page
     if 4 * a.blocks * page > parse_size(a.ssd_capacity):
         raise SystemExit("--ssd-capacity must hold P, Q and the filler (4 x --blocks pages)")
-    tmp = Path(tempfile.mkdtemp(prefix="pegaflow-bench-p2pssd-"))
+    tmp = Path(temp_dir_removed_at_exit("pegaflow-bench-p2pssd-"))
     ssd = Path(tempfile.mkdtemp(prefix="pegaflow-bench-ssd-", dir=a.ssd_dir))
     cluster = P2PCluster(tmp, 3, pool=a.peer_pool, node_args=("--log-level", "warning"), per_node_args={0: (
         "--pool-size", a.pool, "--ssd-cache-path", str(ssd / "cache"), "--ssd-cache-capacity", a.ssd_capacity,
