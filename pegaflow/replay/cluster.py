@@ -20,9 +20,10 @@ What is modelled (the node's rules, ``docs/p2p.md``):
   when they land, the pulled ones as *reclaimable* copies (the puller reserves them so:
   the index evicts them before any other block), then the computed rest; so which block
   a later request finds where (own L1, own SSD, a peer) follows the node's eviction order.
-- **The serving peer** touches the L1 blocks it pins (its LRU sees the use) and promotes
-  the blocks it has only on SSD into its own L1 first (pins.py's promote-then-serve), so
-  serving peers costs them L1 room, as on the real node.
+- **The serving peer** touches the L1 blocks it pins (its LRU sees the use) and reads the
+  blocks it has only on SSD into pages of the pin, freed after the transfer (pins.py): on
+  a full L1 those pages evict as many blocks first, as on the real node, and the served
+  blocks stay on its SSD only.
 - **The index** is exact and immediate (the real one lags the node by the publisher's
   flush interval and the metaserver's apply, tens of milliseconds).
 
@@ -152,13 +153,18 @@ class NodeCluster:
 
     @staticmethod
     def _serve_peer(p: Pool, namespace: str, blocks: list[bytes]) -> None:
-        """The peer pins ``blocks``: its L1 ones are touched, its SSD-only ones promoted first."""
+        """The peer pins ``blocks``: its L1 ones are touched; its SSD-only ones are read into
+        pages of the pin (reserved, so a full L1 evicts for them) and freed after the
+        transfer: they stay on its SSD only."""
         l1, ns = p.l1.index, p.l1.ns[namespace]
         resident = [b for h in blocks if (b := l1.get(ns, h)) is not None]
         l1.touch(resident)
         if len(resident) < len(blocks):
-            l1.insert(ns, [h for h in blocks if not l1.contains(ns, h)])
-            p._flush_ssd()  # noqa: SLF001
+            l1.pin(resident)
+            staged = l1.reserve(ns, [h for h in blocks if not l1.contains(ns, h)])
+            l1.unpin(resident)
+            l1.discard([b for b in staged if b is not None])
+            p._flush_ssd()  # noqa: SLF001 - what the reservation evicted goes to SSD as on the node
 
 
 def route(i: int, r: Request, nodes: int, by_field: bool) -> int:

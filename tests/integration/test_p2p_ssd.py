@@ -77,12 +77,17 @@ def test_ssd_only_prefix_is_indexed_pulled_evicted_and_resynced(cluster: P2PClus
     assert c.metric(0, "pegaflow_node_evictions_total", 'tier="l1"') >= N
     wait_until(lambda: tiers(c, "cold").get("node-0") == [N, "TIER_SSD", N], 20, "cold listed with tier SSD")
 
-    # node-1 misses, finds node-0 as an SSD holder, pulls: node-0 promotes and serves.
+    # node-1 misses, finds node-0 as an SSD holder, pulls: node-0 reads its SSD straight
+    # into the transfer (no promotion into its DRAM), node-1 verifies every page.
+    promoted, read = (c.metric(0, f"pegaflow_node_ssd_{m}_total") for m in ("promoted_blocks", "read_bytes"))
     out = c.client(1, "load", "cold", str(N), *PAGES, "--until-hit")
     assert out["hit"] == N and out["identical"], out
     assert c.metric(1, "pegaflow_node_p2p_pulled_blocks_total", 'holder_tier="ssd"') == N
     assert c.metric(0, "pegaflow_node_p2p_ssd_served_blocks_total") == N
-    assert c.metric(0, "pegaflow_node_ssd_promoted_blocks_total") >= N
+    pulled = c.metric(1, "pegaflow_node_p2p_pull_bytes_total")
+    assert pulled > 0 and c.metric(0, "pegaflow_node_ssd_read_bytes_total") - read == pulled
+    assert c.metric(0, "pegaflow_node_ssd_promoted_blocks_total") == promoted
+    assert tiers(c, "cold").get("node-0") == [N, "TIER_SSD", N]  # still only on its SSD
     wait_until(lambda: tiers(c, "cold").get("node-1") == [N, "TIER_L1", 0], 20, "node-1's pulled copy indexed")
 
     # SSD eviction: 12 MiB of SSD hold ~90 records; three more prefixes push f1 (out of

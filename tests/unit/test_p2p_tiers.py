@@ -1,12 +1,15 @@
 """The puller with SSD holders: which holder it picks, and a pull from an SSD holder split
 into pins of SSD_CHUNK_BYTES (SSD_CHUNKS_IN_FLIGHT at once) that still lands byte-identical;
-the holder side: a pin of blocks only on SSD promotes them (round after round when the
-promoter's slots are fewer) and serves them, and without room serves its resident prefix at
-once."""
+the holder side: a pin of blocks only on SSD reads them into pages of that pin (never made
+visible) and serves them with the records' checksums, freeing them when the pin ends; a page
+that does not match its record's checksum is a miss on the puller; without room the holder
+serves its resident prefix at once. The real ``Promoter.stage`` is tested in
+tests/unit/test_ssd_stage.py."""
 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 from pegaflow.node.tiers.remote import puller as puller_mod
 from pegaflow.node.tiers.remote.puller import Holder, choose
@@ -56,89 +59,84 @@ def test_a_pull_from_an_ssd_holder_pins_in_chunks_and_lands_byte_identical(pair,
 
 
 class FakeSsd:
-    """The SSD tier as pins.py sees it: records in ``store.entries``; ``promote`` reads
-    (after ``delay`` s) at most ``slots`` blocks into L1 pages with the recorded bytes, then
-    wakes ``promoter.landed()`` waiters."""
+    """The SSD tier as pins.py sees it: ``promoter.stage`` reads (after ``delay`` s) at most
+    ``slots`` leading blocks of the records in ``pages`` into PENDING pages and returns them
+    with the records' checksums (``sums`` overrides one: a record whose bytes went bad)."""
 
-    def __init__(self, side, delay: float | None = 0.01, slots: int = 4, room: bool = True) -> None:  # noqa: ANN001
+    def __init__(self, side, delay: float = 0.01, slots: int = 64, room: bool = True) -> None:  # noqa: ANN001
         self.side = side
-        self.unlanded: list = []  # with delay None: reads the test lands
         self.delay = delay
         self.slots = slots
         self.room = room
         self.pages: dict[bytes, bytes] = {}
-
-        class _Store:
-            entries: dict = {}
-
-        class _Promoter:
-            inflight: dict = {}
-            waiters: list = []
-
-            def landed(self) -> asyncio.Future:
-                f = asyncio.get_running_loop().create_future()
-                self.waiters.append(f)
-                return f
-
-        self.store, self.promoter = _Store(), _Promoter()
-        self.store.entries, self.promoter.inflight, self.promoter.waiters = {}, {}, []
-        self.promoted = 0
-        self.leased_blocks = 0
+        self.sums: dict[bytes, int] = {}
+        self.staged = 0
+        self.promoter = self
 
     def put(self, h: bytes, data: bytes) -> None:
-        self.store.entries[(self.side.ns.id, h)] = object()
         self.pages[h] = data
 
-    def promote(self, nss, hashes, hit: int) -> int:  # noqa: ANN001
-        ns, idx, inflight = nss[0], self.side.index, self.promoter.inflight
-        j = hit
-        while j < len(hashes) and ((ns.id, hashes[j]) in self.store.entries or (ns.id, hashes[j]) in inflight):
-            j += 1
-        free = self.slots - len(inflight)
-        todo = [h for h in hashes[hit:j] if (ns.id, h) not in inflight][:max(0, free)]
+    async def stage(self, ns, hashes, timeout: float):  # noqa: ANN001, ANN201
+        from pegaflow.node.pool import page_checksum
+
+        idx = self.side.index
+        todo = []
+        for h in hashes[:self.slots]:
+            if h not in self.pages or idx.get(ns, h) is not None:
+                break
+            todo.append(h)
         if not todo or not self.room:
-            return j if any((ns.id, h) in inflight for h in hashes[hit:j]) else 0
-        blocks = idx.reserve(ns, todo)
-        for h in todo:
-            inflight[(ns.id, h)] = True
-
-        def land() -> None:
-            for h, b in zip(todo, blocks, strict=True):
-                self.side.pool.view[b.offset:b.offset + b.size] = self.pages[h]
-                del inflight[(ns.id, h)]
-            idx.commit(blocks)
-            self.promoted += len(todo)
-            waiters, self.promoter.waiters = self.promoter.waiters, []
-            for f in waiters:
-                if not f.done():
-                    f.set_result(None)
-
-        if self.delay is None:
-            self.unlanded.append(land)  # the test lands it
-        else:
-            asyncio.get_running_loop().call_later(self.delay, land)
-        return j
-
-    def leased(self, blocks) -> None:  # noqa: ANN001
-        self.leased_blocks += len(blocks)
+            return []
+        await asyncio.sleep(self.delay)
+        out = []
+        for h, b in zip(todo, idx.reserve(ns, todo), strict=True):
+            assert b is not None
+            self.side.pool.view[b.offset:b.offset + b.size] = self.pages[h]
+            out.append((b, self.sums.get(h, page_checksum(self.pages[h]))))
+        self.staged += len(out)
+        return out
 
 
-def test_an_ssd_holder_promotes_in_rounds_then_serves_byte_identical(pair):  # noqa: F811
+def test_an_ssd_holder_serves_blocks_read_for_the_pin_byte_identical_and_frees_them(pair):  # noqa: F811
     import os
 
     a, b, meta, peers, puller = pair
     hs = hashes("on-ssd", 12)
     want = a.store(hs[:2])  # the holder has 2 blocks in DRAM, 10 only on SSD
-    ssd = FakeSsd(a, slots=4)  # at most 4 reads at once: three rounds
+    ssd = FakeSsd(a)
     for h in hs[2:]:
         want[h] = os.urandom(PAGE)
         ssd.put(h, want[h])
     a.table.ssd = ssd
     meta.holders = [Holder("a", a.address, 12, ssd_blocks=10)]
+    free = a.index.alloc.free_bytes
     pull(a, b, puller, hs, 0)
     assert [b.page(h) for h in hs] == [want[h] for h in hs]
-    assert ssd.promoted == 10 and ssd.leased_blocks == 12
+    assert ssd.staged == 10
     assert a.sample("pegaflow_node_p2p_ssd_served_blocks_total") == 10
+    # The holder promoted nothing: its pin's pages were freed with the pin, checksums too.
+    assert peers.unpinned and not a.table.pins
+    assert all(a.index.get(a.ns, h) is None for h in hs[2:])
+    assert a.index.alloc.free_bytes == free
+    assert all(a.checksums.get(SimpleNamespace(ns=a.ns, hash=h)) is None for h in hs[2:])  # type: ignore[arg-type]
+    # ... and it can stage the same blocks again for the next puller.
+    assert asyncio.run(ssd.stage(a.ns, hs[2:], 1.0)) and ssd.staged == 20
+
+
+def test_a_page_not_matching_its_records_checksum_is_a_miss_on_the_puller(pair):  # noqa: F811
+    a, b, meta, peers, puller = pair
+    hs = hashes("bad-record", 4)
+    ssd = FakeSsd(a)
+    for h in hs:
+        ssd.put(h, b"z" * PAGE)
+    ssd.sums[hs[2]] = 12345  # the holder does not hash: the puller must catch it
+    a.table.ssd = ssd
+    meta.holders = [Holder("a", a.address, 4, ssd_blocks=4)]
+    pull(a, b, puller, hs, 0)
+    assert b.index.get(b.ns, hs[2]) is None  # never committed with bytes that do not match
+    assert [b.index.get(b.ns, h) is not None for h in (hs[0], hs[1], hs[3])] == [True, True, True]
+    assert b.sample("pegaflow_node_p2p_pulls_total", status="checksum") == 1
+    assert not a.table.pins and all(a.index.get(a.ns, h) is None for h in hs)
 
 
 def test_an_ssd_holder_without_room_serves_what_is_resident_at_once(pair):  # noqa: F811
@@ -158,29 +156,3 @@ def test_an_ssd_holder_without_room_serves_what_is_resident_at_once(pair):  # no
     assert [b.page(h) for h in hs[:3]] == [want[h] for h in hs[:3]]
     assert all(b.index.get(b.ns, h) is None for h in hs[3:])  # a miss, never wrong bytes
     assert a.sample("pegaflow_node_p2p_ssd_served_blocks_total") == 0
-
-
-def test_an_ssd_holder_answers_a_pin_as_soon_as_its_reads_land(pair):  # noqa: F811
-    """The pin handler wakes on the promoter's landed() rather than polling: once the last
-    read landed, the fill ends within a few loop turns, with no time passing for a poll."""
-    a, b, meta, peers, puller = pair
-    hs = hashes("woken", 4)
-    ssd = FakeSsd(a, delay=None)
-    for h in hs:
-        ssd.put(h, b"y" * PAGE)
-    a.table.ssd = ssd
-
-    async def run() -> int:
-        fill = asyncio.ensure_future(a.table.fill_from_ssd(a.ns.name, hs, timeout=5.0))
-        for _ in range(5):
-            await asyncio.sleep(0)
-        assert not fill.done() and len(ssd.unlanded) == 1  # one read of the 4 blocks, in flight
-        ssd.unlanded.pop()()
-        for _ in range(10):
-            if fill.done():
-                break
-            await asyncio.sleep(0)
-        assert fill.done()
-        return fill.result()
-
-    assert asyncio.run(run()) == 4

@@ -31,7 +31,7 @@ def test_one_node_is_replays_one_pool() -> None:
     assert ours.ssd == theirs.ssd_hit_blocks and ours.peer_l1 == ours.peer_ssd == 0
 
 
-def test_peers_serve_from_l1_then_from_ssd_promoting_first() -> None:
+def test_peers_serve_from_l1_then_from_ssd_without_promoting() -> None:
     c = NodeCluster(3, (8, True), (64, True), {NS: 1})
     x = hs("x", 6)
     assert c.serve(0, NS, x) == (0, 0, 0, 0)  # computed on node 0
@@ -42,8 +42,10 @@ def test_peers_serve_from_l1_then_from_ssd_promoting_first() -> None:
     n0 = c.pools[0]
     assert not any(n0.l1.index.contains(n0.l1.ns[NS], h) for h in x)
     assert c.serve(2, NS, x) == (0, 0, 0, 6)  # only on peers' SSDs
-    # the serving peer promoted x into its L1 (pins.py's promote-then-serve); one of 0 and 1
-    assert any(all(p.l1.index.contains(p.l1.ns[NS], h) for h in x) for p in c.pools[:2])
+    # the serving peer read x from its SSD into the transfer (pins.py): still on its SSD only
+    for p in c.pools[:2]:
+        assert not any(p.l1.index.contains(p.l1.ns[NS], h) for h in x)
+        assert all(p.ssd.index.contains(p.ssd.ns[NS], h) for h in x)
 
 
 def test_a_request_walks_own_l1_own_ssd_then_peers() -> None:
@@ -52,7 +54,7 @@ def test_a_request_walks_own_l1_own_ssd_then_peers() -> None:
     c.serve(0, NS, a[:4])  # node 0: a[0:4]
     c.serve(0, NS, hs("f", 8))  # ... then on its SSD only
     assert c.serve(1, NS, a) == (0, 0, 0, 4)  # node 1: a[0:4] from node 0's SSD, computes a[4:8]
-    c.serve(0, NS, hs("g", 8))  # node 0 promoted a[0:4] to serve it: back to its SSD only
+    assert not any(c.pools[0].l1.index.contains(c.pools[0].l1.ns[NS], h) for h in a[:4])  # served, not promoted
     assert c.serve(0, NS, a) == (0, 4, 4, 0)  # own SSD for a[0:4], then node 1's L1 for a[4:8]
     assert c.serve(0, NS, a) == (8, 0, 0, 0)  # all in its own L1 now
 

@@ -81,6 +81,12 @@ class PageChecksums:
         """Keep a value computed elsewhere for ``b``'s current page (e.g. verified on a pull)."""
         self._sums[(b.ns.id, b.hash)] = checksum
 
+    def forget(self, blocks: Sequence[Block]) -> None:
+        """Drop the values of pages that never became resident (read from SSD for a pin)."""
+        pop = self._sums.pop
+        for b in blocks:
+            pop((b.ns.id, b.hash), None)
+
     def of(self, b: Block) -> int:
         """``b``'s value, hashing its page now (and keeping the value) if it is not known."""
         key = (b.ns.id, b.hash)

@@ -59,7 +59,7 @@ class PeerMetrics:
                                 "Peers skipped for now after a failed or wrong answer.", registry=r)
         self.ssd_served = Counter(
             "pegaflow_node_p2p_ssd_served_blocks_total",
-            "Blocks this node promoted from its SSD tier to serve a puller's pin.", registry=r)
+            "Blocks this node read from its SSD tier straight into a puller's pin (not promoted).", registry=r)
         self.pulled_blocks = Counter(
             "pegaflow_node_p2p_pulled_blocks_total",
             "Blocks pulled from peers and committed, by the tier the holder was listed in (l1, ssd).",

@@ -7,15 +7,16 @@ Contracts:
   in-band from the data port). Known checksums come from :class:`PageChecksums`; only
   pages whose checksum is not known yet are hashed, after pinning.
 - A holder that has the requested blocks only on its SSD tier (the index lists it with
-  tier SSD) serves them by promoting them into L1 first (:meth:`PinTable.fill_from_ssd`,
-  the SSD tier's own verified reads into pool pages, bounded by ``SSD_FILL_SECONDS``),
-  then pinning and sending from the pool like any resident page. Why not read from SSD
-  straight into the transfer: the promoter already reads O_DIRECT into pool pages and
-  checks each record's header and checksum, so promoting costs no extra copy of the
-  bytes; both transports then send unchanged (RDMA needs registered memory, which the
-  pool is and a read buffer would have to be); and the promoted copy serves this node's
-  next hits and the next puller. The price is L1 room for the promoted pages, which the
-  pool's eviction order reclaims like any other.
+  tier SSD) reads them from SSD straight into the transfer (:meth:`PinTable.pin_for_transfer`,
+  ``Promoter.stage``): O_DIRECT into PENDING pool pages (invisible here, never
+  committed), each record's header checked, and its stored payload checksum handed to the
+  puller, which verifies every page against it; the pages are freed when the pin ends.
+  The holder does not hash them (the puller does), does not publish or evict for them,
+  and keeps no second copy in its DRAM: the puller's copy is published as an L1 holder,
+  which later pullers prefer. Promoting first and serving from L1 (until 2026-12) cost a
+  hash of every page on the holder, its commit and events: measured with
+  ``bench/p2p_ssd.py``, 1.20-1.27 GB/s against 1.37-1.45 with the holder's hash skipped
+  (docs/p2p.md). The pages are pool pages, registered for RDMA like any other.
 - A pin ends at ``Unpin`` or after its TTL (capped by ``--pin-ttl``), whichever is first,
   so a puller that dies mid-pull leaks nothing. A pin whose pages are being sent right
   now (TCP data plane thread) ends when that send ends, never under it.
@@ -48,7 +49,7 @@ from pegaflow.node.tiers.remote.tcp import BAD_RANGE, UNKNOWN_PIN
 log = structlog.get_logger("pegaflow.p2p")
 
 BUSY_RECHECK = 0.5  # seconds: an expired pin still being sent is looked at again this often
-SSD_FILL_SECONDS = 3.0  # at most this long promoting a pin's SSD blocks (the puller's pin RPC waits 5 s)
+SSD_FILL_SECONDS = 3.0  # at most this long waiting for SSD read slots for a pin (the puller's pin RPC waits 5 s)
 CHECKSUM_INLINE_BYTES = 1 << 20  # below this, checksum on the loop (a thread hop costs more)
 
 
@@ -59,17 +60,10 @@ class Pin:
     spans: list[tuple[int, int]]  # (offset, size) per block, read by data-plane threads
     expires: float
     puller: str = ""
+    staged: int = 0  # the last ``staged`` blocks are PENDING pages read from SSD for this pin (freed at its end)
     sending: int = 0
     ended: bool = False
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
-
-
-async def _until(f: asyncio.Future[None], timeout: float) -> None:
-    """Wait for ``f`` at most ``timeout`` seconds (then drop it)."""
-    if timeout > 0:
-        await asyncio.wait((f,), timeout=timeout)
-    if not f.done():
-        f.cancel()
 
 
 class PinTable:
@@ -106,48 +100,53 @@ class PinTable:
         if not blocks:
             return None
         self.index.pin(blocks)
+        return self._add(blocks, [], ttl, puller)
+
+    async def pin_for_transfer(self, ns_name: str, hashes: Sequence[bytes], ttl: float, puller: str = "",
+                               timeout: float = SSD_FILL_SECONDS) -> Pin | None:
+        """Pin the resident prefix and, with an SSD tier, the blocks after it that are on SSD
+        only, read into PENDING pages for this pin (``Promoter.stage``: at most ``timeout``
+        seconds waiting for read slots; their checksums are the records'); None when neither
+        block 0 nor anything after it is here."""
+        ns = self.index.get_namespace(ns_name)
+        if ns is None:
+            return None
+        blocks = self.index.prefix(ns, hashes, touch=True)
+        self.index.pin(blocks)  # while the SSD reads run: the resident prefix stays put
+        staged: list[Block] = []
+        if self.ssd is not None and len(blocks) < len(hashes):
+            try:
+                got = await self.ssd.promoter.stage(ns, hashes[len(blocks):], timeout)
+            except BaseException:
+                self.index.unpin(blocks)
+                raise
+            for b, c in got:
+                self.checksums.record(b, c)
+            staged = [b for b, _ in got]
+            if staged:
+                self.metrics.ssd_served.inc(len(staged))
+        if not blocks and not staged:
+            return None
+        return self._add(blocks, staged, ttl, puller)
+
+    def _add(self, blocks: list[Block], staged: list[Block], ttl: float, puller: str) -> Pin:
         ttl = min(ttl if ttl > 0 else self.max_ttl, self.max_ttl)
-        p = Pin(self._new_id(), blocks, [(b.offset, b.size) for b in blocks], time.monotonic() + ttl, puller)
+        every = blocks + staged
+        p = Pin(self._new_id(), every, [(b.offset, b.size) for b in every], time.monotonic() + ttl, puller,
+                len(staged))
         self.pins[p.id] = p
         loop = self.loop or asyncio.get_running_loop()
         p.timer = loop.call_later(ttl, self._expire, p.id)
         return p
 
-    async def fill_from_ssd(self, ns_name: str, hashes: Sequence[bytes], timeout: float = SSD_FILL_SECONDS) -> int:
-        """Promote the SSD continuation of the resident prefix of ``hashes`` into L1 and wait
-        for it (the SSD tier promotes at most ``--max-prefetch-blocks`` at once: round after
-        round while it makes progress). Returns the blocks promoted. The promoted pages stay
-        held by the promoter until :meth:`pin` pins them (``ssd.leased`` ends the hold)."""
-        ssd = self.ssd
-        ns = self.index.get_namespace(ns_name)
-        if ssd is None or ns is None:
-            return 0
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        start = hit = len(self.index.prefix(ns, hashes, touch=False))
-        promoter = ssd.promoter
-        inflight, on_ssd = promoter.inflight, ssd.store.entries
-        while hit < len(hashes) and loop.time() < deadline:
-            key = (ns.id, hashes[hit])
-            if key not in on_ssd and key not in inflight:
-                break  # not on SSD: serve what is resident
-            if ssd.promote([ns], hashes, hit) <= hit and key not in inflight:
-                if not inflight:
-                    break  # nothing promotes anywhere: no L1 room, or the read gate dropped it
-                # Other pins' reads fill --max-prefetch-blocks: ours start when they land.
-                await _until(promoter.landed(), deadline - loop.time())
-                continue
-            # Wake on each landed read rather than poll: a chunk of a pipelined pull is
-            # answered as soon as its last read lands (polling added ~5 ms per chunk).
-            while any((ns.id, h) in inflight for h in hashes[hit:]) and loop.time() < deadline:
-                await _until(promoter.landed(), deadline - loop.time())
-            now = len(self.index.prefix(ns, hashes, touch=False))
-            if now <= hit:  # read errors, or no room: serve what is resident
-                break
-            hit = now
-        if hit > start:
-            self.metrics.ssd_served.inc(hit - start)
-        return hit - start
+    def _free(self, p: Pin) -> None:
+        """Release a pin's pages: unpin the resident ones, free the ones read from SSD for it
+        (their checksums go with them: the key may later be committed with other bytes)."""
+        k = len(p.blocks) - p.staged
+        self.index.unpin(p.blocks[:k])
+        if p.staged:
+            self.checksums.forget(p.blocks[k:])
+            self.index.discard(p.blocks[k:])
 
     def unpin(self, pin_id: int) -> bool:
         p = self.pins.get(pin_id)
@@ -175,7 +174,7 @@ class PinTable:
             p.timer = self.loop.call_later(BUSY_RECHECK, self._end, p)
             return
         if self.pins.pop(p.id, None) is not None:
-            self.index.unpin(p.blocks)
+            self._free(p)
 
     # ---- data-plane threads ---------------------------------------------------------------
     def acquire(self, pin_id: int, start: int, count: int) -> list[Block] | int:
@@ -206,8 +205,8 @@ class PinTable:
         for p in list(self.pins.values()):
             if p.timer is not None:
                 p.timer.cancel()
-            self.pins.pop(p.id, None)
-            self.index.unpin(p.blocks)
+            if self.pins.pop(p.id, None) is not None:
+                self._free(p)
 
 
 class PeerService(peer_pb2_grpc.PegaPeerServicer):
@@ -229,13 +228,9 @@ class PeerService(peer_pb2_grpc.PegaPeerServicer):
             check_hashes(hashes, self.max_batch, "--max-batch")
         except InvalidArgument as exc:
             await context.abort(exc.code, str(exc))
-        if self.table.ssd is not None:
-            await self.table.fill_from_ssd(request.namespace, hashes)
-        p = self.table.pin(request.namespace, hashes, request.ttl_seconds, request.puller)
+        p = await self.table.pin_for_transfer(request.namespace, hashes, request.ttl_seconds, request.puller)
         if p is None:
             return peer_pb2.PinResponse()
-        if self.table.ssd is not None:
-            self.table.ssd.leased(p.blocks)  # the pin holds them now: end the promoter's hold
         sums: list[int] = []
         if request.transport != TCP:
             t0 = time.perf_counter()

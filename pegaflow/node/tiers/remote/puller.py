@@ -11,7 +11,8 @@ Contracts:
   bringing, so LOADING always ends.
 - A pull pins the prefix on the peer (from a holder listed with blocks only on its SSD:
   one pin per ``SSD_CHUNK_BYTES``, ``SSD_CHUNKS_IN_FLIGHT`` in flight together, so the
-  holder's SSD reads of later chunks overlap the transfer of earlier ones), reads the pages straight into the PENDING pages
+  holder's SSD reads of later chunks, straight into those pins' pages, overlap the
+  transfer of earlier ones), reads the pages straight into the PENDING pages
   (:class:`~pegaflow.node.tiers.remote.Transport`, in a worker thread) which verifies the
   xxh3_64 of every page against the source's, checks counts and page size, commits the good pages (visible, published as inserts by the index
   listener; their verified checksums kept in ``checksums``, so this node serves them
@@ -62,20 +63,15 @@ META_KEY = "<metaserver>"  # backoff entry of the metaserver itself
 NEGATIVE_TTL = 0.5  # seconds a "nobody holds it" answer is reused (an engine re-Queries a waiting request)
 NEGATIVE_MAX = 65536  # remembered negative answers at most (oldest dropped first)
 # A pull from an SSD holder pins this much per chunk, SSD_CHUNKS_IN_FLIGHT at once (see
-# Puller.query; the holder's DRAM they hold is bounded by the product). Measured with
-# bench/p2p_ssd.py (256 MiB of 1 MiB pages, 2 cores, 2-3 rounds each, the holder waking on
-# landed reads): 32 MiB x 4 pulled 1.14-1.24 GB/s, 64 x 4 1.05-1.28 (twice the holder's
-# DRAM), 16 x 8 and 8 x 16 about 1.1; 16 x 4 with a polling holder 0.95. Per-chunk costs (pin
-# RPC, connections) want few large chunks; the overlap wants several in flight. Ordering the
-# chunks did not help either (32 x 4, transfers one at a time in chunk order, 1, 2 or 4 pins
-# reading ahead: 1.05-1.06, 1.25-1.27, 1.14-1.27 GB/s): a lone 32 MiB read ran at 1.2-1.5
-# GB/s, and a lone chunk's transfer, sharing the cores with the reads, at ~1.4 GB/s. Nor did
-# smaller first and last chunks (8, 16, 32 x 6, 16, 16, 8 MiB, to start the transfer sooner
-# and end it sooner after the last read: 1.01-1.26 GB/s against 1.11-1.19 in alternation).
-# A timeline of one pull: the holder's read gate had its 16 reads in flight from the first
-# pin to the last read, yet read at 1.48 GB/s against 2.08 for its promotion alone; its
-# reads at nice 0, 32 in flight, or issued inline (no IOSQE_ASYNC) changed nothing outside
-# the disk's own spread (promotion alone: 1.03-2.18 GB/s within the hour).
+# Puller.query; the holder's DRAM they hold is bounded by the product). The holder reads
+# each chunk from its SSD into pages of that pin (pins.py) while earlier chunks transfer.
+# Measured with bench/p2p_ssd.py (1 MiB pages, 2 cores, two rounds each, 256 MiB prefixes):
+# 32 x 4 pulled 1.38-1.52 GB/s, 32 x 8 1.45-1.47, 64 x 4 1.26-1.45, 16 x 8 1.37-1.39,
+# 8 x 16 1.18-1.32 (the disk's own spread is as wide). Per-chunk costs (pin RPC,
+# connections) want few large chunks; the overlap wants several in flight. When the holder
+# still promoted each chunk into L1 before sending it, ordering the chunks, smaller first
+# and last chunks, and reads at nice 0, 32 in flight or issued inline each changed nothing
+# beyond that spread either.
 SSD_CHUNK_BYTES = 32 << 20
 SSD_CHUNKS_IN_FLIGHT = 4
 

@@ -35,8 +35,9 @@ Contracts:
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pegaflow.core.block_index import Block, Namespace
@@ -59,12 +60,30 @@ class _Batch:
     timer: asyncio.TimerHandle | None = None  # ends the hold (set when the batch completed)
 
 
+@dataclass(eq=False)
+class _Stage:
+    """Records read for one peer's pin (:meth:`Promoter.stage`); ``out`` fills as reads land."""
+
+    fut: asyncio.Future[None]
+    remaining: int
+    out: dict[tuple[int, bytes], tuple[Block, int]] = field(default_factory=dict)
+    abandoned: bool = False  # the pin gave up (cancelled): pages are discarded as they land
+
+
 @dataclass(slots=True, eq=False)
 class _Rec:
     key: tuple[int, bytes]
     block: Block
     entry: Entry
     hdr: bytearray
+
+
+async def _until(f: asyncio.Future[None], timeout: float) -> None:
+    """Wait for ``f`` at most ``timeout`` seconds (then drop it)."""
+    if timeout > 0:
+        await asyncio.wait((f,), timeout=timeout)
+    if not f.done():
+        f.cancel()
 
 
 def _runs(recs: list[_Rec]) -> list[list[_Rec]]:
@@ -90,6 +109,7 @@ class Promoter:
         self.tier = tier
         self.max_blocks = max_blocks  # --max-prefetch-blocks: reads in flight at most (back-pressure)
         self.inflight: dict[tuple[int, bytes], Block] = {}
+        self.staging = 0  # blocks being read for peers' pins (stage()): they count against max_blocks too
         self._hdrs: list[bytearray] = []  # free 4 KiB header buffers (aligned)
         self._holding: dict[int, list[_Batch]] = {}  # id(block) -> completed batches that hold it
         self._waiters: list[asyncio.Future[None]] = []  # landed(): resolved when the next read lands
@@ -130,7 +150,7 @@ class Promoter:
                     if index.get(ns, h) is None and (ns.id, h) not in inflight and (ns.id, h) in store.entries]
             # Back-pressure: beyond the limit the rest is not promoted now; _loading then answers
             # with the prefix that is on its way, and the engine's next Query promotes more.
-            room = max(0, self.max_blocks - len(inflight))
+            room = max(0, self.max_blocks - len(inflight) - self.staging)
             if len(need) > room:
                 t.metrics.prefetch_deferred.inc(len(need) - room)
                 need = need[:room]
@@ -148,7 +168,8 @@ class Promoter:
         if recs:
             batch.remaining = len(recs)
             t.metrics_node_hits(len(recs))
-            accepted = t.reads.offer([self._read(run, batch) for run in _runs(recs)])
+            done = functools.partial(self._done, batch)
+            accepted = t.reads.offer([self._read(run, done) for run in _runs(recs)])
             assert accepted, "checked above: at most queue_depth batches wait"
         else:
             self._unpin(batch)
@@ -173,8 +194,10 @@ class Promoter:
     def _hdr(self) -> bytearray:
         return self._hdrs.pop() if self._hdrs else aligned_buffer(BLOCK)
 
-    def _read(self, run: list[_Rec], batch: _Batch) -> IoOp:
-        """One readv for records adjacent on disk; verified on the engine thread."""
+    def _read(self, run: list[_Rec], done: Callable[[list[_Rec], list[str], list[int]], None],
+              verify: bool = True) -> IoOp:
+        """One readv for records adjacent on disk; checked on the engine thread (headers, and
+        with ``verify`` the payload checksums), then ``done(run, outcomes, checksums)`` on the loop."""
         t = self.tier
         view = t.pool_view
         bufs: list[memoryview | bytearray] = []
@@ -186,7 +209,7 @@ class Promoter:
         def complete(res: int) -> None:
             # engine thread: verify before the loop may publish the pages
             if res != total:
-                t.call_soon(self._done, run, ["io_error"] * len(run), batch, [0] * len(run))
+                t.call_soon(done, run, ["io_error"] * len(run), [0] * len(run))
                 return
             out: list[str] = []
             sums: list[int] = []
@@ -195,14 +218,14 @@ class Promoter:
                 h = unpack_header(r.hdr)
                 ok = (h is not None and h.hash == b.hash and h.ns_name == b.ns.name and h.gen == e.gen
                       and h.seq == e.seq and h.payload_len == b.size
-                      and checksum(view[b.offset:b.offset + b.size]) == h.payload_csum)
+                      and (not verify or checksum(view[b.offset:b.offset + b.size]) == h.payload_csum))
                 out.append("ok" if ok else "checksum")
                 sums.append(h.payload_csum if ok and h is not None else 0)
-            t.call_soon(self._done, run, out, batch, sums)
+            t.call_soon(done, run, out, sums)
 
         return IoOp(False, t.store.files[run[0].entry.file].fd, run[0].entry.offset, bufs, complete)
 
-    def _done(self, run: list[_Rec], outcomes: list[str], batch: _Batch, sums: list[int]) -> None:
+    def _done(self, batch: _Batch, run: list[_Rec], outcomes: list[str], sums: list[int]) -> None:
         t = self.tier
         m = t.metrics
         good = [r for r, o in zip(run, outcomes, strict=True) if o == "ok"]
@@ -228,18 +251,8 @@ class Promoter:
             m.promoted.inc(len(good))
             m.read_bytes.inc(sum(r.block.size for r in good))
         for r, o in zip(run, outcomes, strict=True):
-            if o == "ok":
-                continue
-            t.index.discard((r.block,))
-            if t.store.get(r.key) is r.entry:
-                t.store.remove(r.key)
-                t.on_ssd_evicted([r.key], dropped=True)  # watchers and the cluster index: gone
-            if o == "checksum":
-                m.checksum_failures.inc()
-                t.log_checksum_failure(r.entry)
-            else:
-                m.read_errors.inc()
-                t.log_io_error("read", 1)
+            if o != "ok":
+                self._failed(r, o)
         batch.remaining -= len(run)
         if batch.remaining == 0:
             m.promote_latency.observe(time.perf_counter() - batch.t0)
@@ -247,6 +260,101 @@ class Promoter:
             batch.timer = t.loop.call_later(HOLD_SECONDS, self._unpin, batch)
             for b in batch.pinned:
                 self._holding.setdefault(id(b), []).append(batch)
+        for f in waiters:
+            if not f.done():
+                f.set_result(None)
+
+    def _failed(self, r: _Rec, outcome: str) -> None:
+        """A record that did not read back as written: its page is freed and its SSD entry
+        dropped (a corrupt or unreadable record is a miss from now on, never served)."""
+        t = self.tier
+        t.index.discard((r.block,))
+        if t.store.get(r.key) is r.entry:
+            t.store.remove(r.key)
+            t.on_ssd_evicted([r.key], dropped=True)  # watchers and the cluster index: gone
+        if outcome == "checksum":
+            t.metrics.checksum_failures.inc()
+            t.log_checksum_failure(r.entry)
+        else:
+            t.metrics.read_errors.inc()
+            t.log_io_error("read", 1)
+
+    async def stage(self, ns: Namespace, hashes: Sequence[bytes], timeout: float) -> list[tuple[Block, int]]:
+        """Read the leading ``hashes`` that are on SSD only into PENDING pool pages for a
+        peer's pin (pegaflow/node/tiers/remote/pins.py), without promoting them.
+
+        Returns the leading blocks that read back with the header their index entry expects,
+        each with its record's payload checksum, which is *not* verified here: the puller
+        verifies every page it receives against it (a corrupt record is then a miss there,
+        and a checksum failure of this peer), so the page is hashed once, not twice, and
+        never becomes visible here. The caller owns the returned pages and discards them
+        (``BlockIndex.discard``) when the transfer is done. Reads count against
+        ``--max-prefetch-blocks`` and wait for the read gate like promotions, for at most
+        ``timeout`` seconds; a stage cancelled meanwhile frees its pages as their reads land.
+        While staged, a block's key is PENDING here: a local Query neither finds nor
+        promotes it until the pin ends (the engine recomputes, as for any block on its way).
+        """
+        t = self.tier
+        index, store = t.index, t.store
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.max_blocks - len(self.inflight) - self.staging <= 0 or t.reads.full():
+            if loop.time() >= deadline:
+                return []
+            await _until(self.landed(), deadline - loop.time())
+        room = self.max_blocks - len(self.inflight) - self.staging
+        need: list[bytes] = []
+        for h in hashes[:room]:
+            key = (ns.id, h)
+            if key not in store.entries or key in self.inflight or index.get(ns, h) is not None:
+                break
+            need.append(h)
+        if not need:
+            return []
+        blocks = index.reserve(ns, need)
+        recs = [_Rec((ns.id, h), b, store.entries[(ns.id, h)], self._hdr())
+                for h, b in zip(need, blocks, strict=True) if b is not None]
+        if not recs:
+            return []
+        state = _Stage(loop.create_future(), len(recs))
+        self.staging += len(recs)
+        t.reads.offer([self._read(run, functools.partial(self._staged, state), verify=False) for run in _runs(recs)])
+        try:
+            await asyncio.shield(state.fut)
+        except BaseException:
+            state.abandoned = True
+            for b, _ in state.out.values():
+                index.discard((b,))
+            state.out.clear()
+            raise
+        got: list[tuple[Block, int]] = []
+        for r in recs:  # the leading run that landed; a failed record ends the prefix
+            x = state.out.get(r.key)
+            if x is None:
+                break
+            got.append(x)
+        kept = {id(b) for b, _ in got}
+        index.discard([b for b, _ in state.out.values() if id(b) not in kept])
+        return got
+
+    def _staged(self, state: _Stage, run: list[_Rec], outcomes: list[str], sums: list[int]) -> None:
+        t = self.tier
+        nbytes = 0
+        for r, o, c in zip(run, outcomes, sums, strict=True):
+            self._hdrs.append(r.hdr)
+            if o != "ok":
+                self._failed(r, o)
+            elif state.abandoned:
+                t.index.discard((r.block,))
+            else:
+                state.out[r.key] = (r.block, c)
+                nbytes += r.block.size
+        t.metrics.read_bytes.inc(nbytes)
+        self.staging -= len(run)
+        state.remaining -= len(run)
+        if state.remaining == 0 and not state.fut.done():
+            state.fut.set_result(None)
+        waiters, self._waiters = self._waiters, []
         for f in waiters:
             if not f.done():
                 f.set_result(None)
