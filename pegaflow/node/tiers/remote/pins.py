@@ -15,8 +15,8 @@ Contracts:
   and keeps no second copy in its DRAM: the puller's copy is published as an L1 holder,
   which later pullers prefer. Promoting first and serving from L1 (until 2026-12) cost a
   hash of every page on the holder, its commit and events: measured with
-  ``bench/p2p_ssd.py``, 1.20-1.27 GB/s against 1.37-1.45 with the holder's hash skipped
-  (docs/p2p.md). The pages are pool pages, registered for RDMA like any other.
+  ``bench/p2p_ssd.py`` (1 GiB prefixes), 1.23-1.25 GB/s against 1.53-1.56 reading into
+  the transfer (docs/p2p.md). The pages are pool pages, registered for RDMA like any other.
 - A pin ends at ``Unpin`` or after its TTL (capped by ``--pin-ttl``), whichever is first,
   so a puller that dies mid-pull leaks nothing. A pin whose pages are being sent right
   now (TCP data plane thread) ends when that send ends, never under it.
