@@ -155,6 +155,7 @@ def test_stages_count_against_max_prefetch_blocks(tmp_path: Path, engine: str) -
         await wait_until_async(lambda: held.ops, WAIT_S, "the first stage's reads")
         assert p.staging == 3
         assert p.query([t.ns], hs[3:], 0) == 0  # a Query finds no room: promotes nothing now
+        assert await asyncio.wait_for(p.stage(t.ns, [b"not-on-ssd" * 2], timeout=WAIT_S), 0.5) == []  # no wait
         second = asyncio.ensure_future(p.stage(t.ns, hs[3:], timeout=WAIT_S))
         await asyncio.sleep(0.05)
         assert p.staging == 3 and not second.done()  # waits for room

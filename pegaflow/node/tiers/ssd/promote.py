@@ -298,6 +298,13 @@ class Promoter:
         index, store = t.index, t.store
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
+
+        def first_on_ssd_only() -> bool:
+            key = (ns.id, hashes[0])
+            return key in store.entries and key not in self.inflight and index.get(ns, hashes[0]) is None
+
+        if not hashes or not first_on_ssd_only():
+            return []  # nothing to read: never wait for read slots
         while self.max_blocks - len(self.inflight) - self.staging <= 0 or t.reads.full():
             if loop.time() >= deadline:
                 return []
