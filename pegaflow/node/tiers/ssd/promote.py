@@ -21,6 +21,10 @@ Contracts:
   a prefetch batch offered to its full channel) and the blocks are counted in
   ``pegaflow_node_ssd_prefetch_dropped_blocks_total``; it answers with what is already on
   its way, or READY with the L1 prefix.
+- :meth:`Promoter.stage` serves a peer's pin instead (pegaflow/node/tiers/remote/pins.py):
+  the same reads into PENDING pages that are never committed here, headers checked but
+  payloads not hashed (the puller verifies them against the records' checksums it is
+  handed), owned and freed by the pin; they count against ``--max-prefetch-blocks`` too.
 - While a promotion runs, what L1 holds of the query's blocks is pinned, and every
   block of the batch stays pinned after it completed until a Query leases all of them
   (:meth:`Promoter.leased`: the lease pins them from then on) or ``HOLD_SECONDS`` pass,
