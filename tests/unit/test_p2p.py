@@ -372,7 +372,7 @@ def test_pin_is_not_released_while_its_pages_are_being_sent():
 
         async def run() -> None:
             a.table.loop = asyncio.get_running_loop()
-            p = a.table.pin(NS, hs, 0.05)
+            p = await a.table.pin_for_transfer(NS, hs, 0.05)
             assert p is not None
             assert a.table.acquire(p.id, 0, 2) == p.blocks  # a data thread starts sending
             await wait_until_async(lambda: p.ended, 5.0, "the TTL to end the pin")

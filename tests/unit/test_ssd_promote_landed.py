@@ -1,6 +1,6 @@
 """What a promotion hands on, in a real SSD tier on both I/O engines: ``Promoter.landed()``
-wakes a waiter on each read that lands (the pin handler of a pull from an SSD holder waits on
-it rather than polling), and each promoted page's verified payload checksum is kept in the
+wakes a waiter on each read that lands (a peer's stage waiting for read slots waits on it rather
+than polling), and each promoted page's verified payload checksum is kept in the
 node's page checksums, so a peer pulling the page gets it without the page being hashed again."""
 
 from __future__ import annotations

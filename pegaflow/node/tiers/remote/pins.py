@@ -91,17 +91,6 @@ class PinTable:
             if i and i not in self.pins:
                 return i
 
-    def pin(self, ns_name: str, hashes: Sequence[bytes], ttl: float, puller: str = "") -> Pin | None:
-        """Pin the resident prefix; None when the namespace or block 0 is not here."""
-        ns = self.index.get_namespace(ns_name)
-        if ns is None:
-            return None
-        blocks = self.index.prefix(ns, hashes, touch=True)
-        if not blocks:
-            return None
-        self.index.pin(blocks)
-        return self._add(blocks, [], ttl, puller)
-
     async def pin_for_transfer(self, ns_name: str, hashes: Sequence[bytes], ttl: float, puller: str = "",
                                timeout: float = SSD_FILL_SECONDS) -> Pin | None:
         """Pin the resident prefix and, with an SSD tier, the blocks after it that are on SSD
@@ -127,9 +116,6 @@ class PinTable:
                 self.metrics.ssd_served.inc(len(staged))
         if not blocks and not staged:
             return None
-        return self._add(blocks, staged, ttl, puller)
-
-    def _add(self, blocks: list[Block], staged: list[Block], ttl: float, puller: str) -> Pin:
         ttl = min(ttl if ttl > 0 else self.max_ttl, self.max_ttl)
         every = blocks + staged
         p = Pin(self._new_id(), every, [(b.offset, b.size) for b in every], time.monotonic() + ttl, puller,

@@ -301,9 +301,9 @@ class Puller:
             held = self.index.prefix(ns, hashes[:hit], touch=False)
             self.index.pin(held)
             # From an SSD holder, one pin per chunk, SSD_CHUNKS_IN_FLIGHT at once: the holder
-            # promotes each chunk into its DRAM before it can send it, so chunks pipeline its
-            # SSD reads with the transfer (one pin: the whole read, then the whole transfer),
-            # and what the holder promotes for us at once stays bounded.
+            # reads each chunk from its SSD into the pin's pages before it can send it, so
+            # chunks pipeline its SSD reads with the transfer (one pin: the whole read, then
+            # the whole transfer), and what the holder reads and holds for us stays bounded.
             step = max(1, SSD_CHUNK_BYTES // ns.page_bytes) if best.ssd_blocks else k
             gate = asyncio.Semaphore(SSD_CHUNKS_IN_FLIGHT) if step < k else None
             t0 = time.perf_counter()

@@ -120,7 +120,7 @@ class Promoter:
 
     def landed(self) -> asyncio.Future[None]:
         """A future resolved when the next read (one readv of adjacent records) has landed,
-        committed or not: waiters on a promotion wake when it progresses, instead of polling."""
+        committed or not: a stage waiting for read slots wakes when one frees, not on a poll."""
         f: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(f)
         return f
