@@ -118,6 +118,11 @@ class Promoter:
         self._holding: dict[int, list[_Batch]] = {}  # id(block) -> completed batches that hold it
         self._waiters: list[asyncio.Future[None]] = []  # landed(): resolved when the next read lands
 
+    def _room(self) -> int:
+        """Blocks that may start reading now: ``--max-prefetch-blocks`` less those being
+        promoted and those being read for peers' pins."""
+        return max(0, self.max_blocks - len(self.inflight) - self.staging)
+
     def landed(self) -> asyncio.Future[None]:
         """A future resolved when the next read (one readv of adjacent records) has landed,
         committed or not: a stage waiting for read slots wakes when one frees, not on a poll."""
@@ -154,7 +159,7 @@ class Promoter:
                     if index.get(ns, h) is None and (ns.id, h) not in inflight and (ns.id, h) in store.entries]
             # Back-pressure: beyond the limit the rest is not promoted now; _loading then answers
             # with the prefix that is on its way, and the engine's next Query promotes more.
-            room = max(0, self.max_blocks - len(inflight) - self.staging)
+            room = self._room()
             if len(need) > room:
                 t.metrics.prefetch_deferred.inc(len(need) - room)
                 need = need[:room]
@@ -309,11 +314,11 @@ class Promoter:
 
         if not hashes or not first_on_ssd_only():
             return []  # nothing to read: never wait for read slots
-        while self.max_blocks - len(self.inflight) - self.staging <= 0 or t.reads.full():
+        while self._room() == 0 or t.reads.full():
             if loop.time() >= deadline:
                 return []
             await _until(self.landed(), deadline - loop.time())
-        room = self.max_blocks - len(self.inflight) - self.staging
+        room = self._room()
         need: list[bytes] = []
         for h in hashes[:room]:
             key = (ns.id, h)
