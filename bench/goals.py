@@ -177,4 +177,6 @@ GOALS: tuple[Goal, ...] = (
          "pinned cudaMemcpy H2D", 0.8),
     Goal("gpu", "10K-token step, + load and save beside it", "step_with_copies_ms", "ms", "step_ms",
          "the step alone", 1.05, higher_is_better=False),
+    # Registering the pool with CUDA (a background thread, never inside a copy), apart.
+    Goal("gpu", "pool registration with CUDA", "pin_gib_per_s", "GiB/s", None, "", 2.0, on="value"),
 )

@@ -10,7 +10,7 @@ from pegaflow.client.client import (
     Reservation,
     ResetResult,
 )
-from pegaflow.client.pages import issue_pages, load_pages, page_bytes, save_pages
+from pegaflow.client.pages import load_pages, page_bytes, save_pages
 
 __all__ = [
     "BlockEvents",
@@ -21,7 +21,6 @@ __all__ = [
     "QueryStatus",
     "Reservation",
     "ResetResult",
-    "issue_pages",
     "load_pages",
     "page_bytes",
     "save_pages",

@@ -18,15 +18,19 @@ install) in one GIL-free call, with the kernel this process measured fastest
 (``pegaflow.client.kernels``), after populating this process's page tables for the pool
 pages it touches (``pegaflow.client.populate``). There is no other CPU path: a KV cache on
 the CPU needs the pool on the CPU too (``ValueError`` otherwise). A KV cache on an
-accelerator goes through ``pegaflow.client.batched``: one gather or scatter per segment
-into a staging buffer on the device and one DMA per run of consecutive pool pages, from
-pool memory registered with CUDA (``pegaflow.client.cuda``).
+accelerator goes through ``pegaflow.client.batched.DeviceCopier``: one gather or scatter
+over every segment at once into a staging buffer on the device and one DMA per run of
+consecutive pool pages, from pool memory registered with CUDA (``pegaflow.client.cuda``).
+The engine's worker owns its copier and issues on its copy stream; ``save_pages`` /
+``load_pages`` with a KV cache on a GPU are the synchronous form (tests, benchmarks): a
+copier per layout (the last few kept), the copy waited for.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections import OrderedDict
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -117,36 +121,54 @@ def _copy(segments: Sequence[torch.Tensor], block_ids: BlockIds, pool: torch.Ten
     return nbytes
 
 
-def issue_pages(segments: Sequence[torch.Tensor], block_ids: BlockIds, pool: torch.Tensor,
-                offsets: Sequence[int], to_pool: bool, groups: Sequence[int] | None = None,
-                after_segment: Callable[[int], None] | None = None,
-                after_gather: Callable[[], None] | None = None) -> int:
-    """The batched copies (``batched``) of a KV cache on any device, queued on the current
-    stream and not waited for (on CPU they have run when this returns); returns the bytes.
-    The pool pages they touch are registered with CUDA first when the cache is on CUDA.
-    ``after_segment``/``after_gather``: see ``batched.run_plan``."""
-    from pegaflow.client import batched
-
-    on_cuda = bool(segments) and segments[0].device.type == "cuda" and pool.device.type == "cpu"
-    if on_cuda:
-        from pegaflow.client import cuda
-    p = batched.plan_for(segments, block_ids, offsets, pool, groups, to_pool, split=cuda.CHUNK if on_cuda else None)
-    if on_cuda:
-        reg = cuda.registration(pool)
-        for chunk in p.chunks:
-            for r in chunk.runs:
-                reg.ensure(r.pool_off, r.nbytes)
-    return batched.run_plan(p, segments, pool, to_pool, after_segment=after_segment, after_gather=after_gather)
+_SYNC_COPIERS = 4  # device layouts whose copiers (and staging) the synchronous form keeps
+_copiers: OrderedDict[tuple[object, ...], object] = OrderedDict()
 
 
 def _copy_batched(segments: Sequence[torch.Tensor], block_ids: BlockIds, pool: torch.Tensor,
                   offsets: Sequence[int], to_pool: bool, groups: Sequence[int] | None) -> int:
-    """A KV cache on an accelerator, synchronously: ``issue_pages``, then the stream is
-    synchronized (the bytes are where they go when this returns)."""
-    moved = issue_pages(segments, block_ids, pool, offsets, to_pool, groups)
-    if segments[0].device.type == "cuda":
-        torch.cuda.current_stream(segments[0].device).synchronize()
-    return moved
+    """A KV cache on an accelerator, synchronously: the layout's ``DeviceCopier`` issues on
+    its own stream (after the work queued so far on the current one), and the call returns
+    once the bytes are where they go. Pool pieces not registered with CUDA (``cuda.pins_for``
+    starts that) go through the copier's bounce slots."""
+    from pegaflow.client import cuda
+    from pegaflow.client.batched import ALL_PINNED, DeviceCopier
+
+    if segments[0].device.type != "cuda":
+        raise ValueError(f"no copy path for a KV cache on {segments[0].device}")
+    key = (tuple((s.data_ptr(), tuple(s.shape), s.stride()) for s in segments), tuple(groups or ()))
+    copier = _copiers.pop(key, None)
+    if copier is None:
+        copier = DeviceCopier(segments, cuda.CudaCopyStream(segments[0].device), groups, split=cuda.CHUNK,
+                              bounce_slots=2)
+        while len(_copiers) >= _SYNC_COPIERS:
+            _copiers.popitem(last=False)[1].close()  # type: ignore[attr-defined]
+    _copiers[key] = copier
+    assert isinstance(copier, DeviceCopier)
+    # A pool torch pinned itself (tests) is all registered; a mapping only as far as its
+    # registration has got (``is_pinned`` looks at the first byte only).
+    pins = cuda.registered_pins(pool) or (ALL_PINNED if pool.is_pinned() else _NOT_PINNED)
+    stream = copier.stream
+    stream.after_compute()  # type: ignore[attr-defined]
+    with stream.issuing():
+        if to_pool:
+            issued = copier.save(block_ids, pool, offsets, pins)
+        else:
+            issued = copier.load(block_ids, pool, offsets, pins)
+    stream.record().synchronize()
+    for done in issued.completions:
+        done.synchronize()
+    return issued.nbytes
+
+
+class _NotPinned:
+    """A pool nobody registered with CUDA: every run goes through the bounce slots."""
+
+    def registered(self, first: int, nbytes: int) -> bool:
+        return False
+
+
+_NOT_PINNED = _NotPinned()
 
 
 def save_pages(segments: Sequence[torch.Tensor], block_ids: BlockIds, pool: torch.Tensor,

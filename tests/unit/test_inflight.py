@@ -18,6 +18,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from pegaflow.connector.intents import PegaWorkerReport
+from tests.fakes.device import HostDma
 from tests.unit.connector_fakes import Engine, FakeNode, identity
 from tests.unit.test_connector_sides import prompt
 
@@ -37,12 +38,15 @@ class ManualEvent:
         return f"<{self.name} {'done' if self.done else 'pending'}>"
 
 
-class ManualStream:
-    """A copy stream whose events complete by hand; logs what the compute stream waits for."""
+class ManualStream(HostDma):
+    """A copy stream whose events complete by hand; logs what the compute stream waits for.
+    Its DMAs run on the host at once (``HostDma``): the bytes are checked elsewhere, the
+    ordering here."""
 
     asynchronous = True
 
     def __init__(self) -> None:
+        super().__init__()
         self.events: list[ManualEvent] = []
         self.log: list[Any] = []
 
@@ -60,6 +64,14 @@ class ManualStream:
 
     def compute_waits(self, event: ManualEvent) -> None:
         self.log.append(("waits", event))
+
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        super().copy(dst, src, nbytes)
+        self.log.append(("copy", dst, nbytes))
+
+    def copy2d(self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int) -> None:
+        super().copy2d(dst, dpitch, src, spitch, width, height)
+        self.log.append(("copy2d", dst, width * height))
 
     def complete(self) -> None:
         for e in self.events:
@@ -112,9 +124,16 @@ def test_the_forward_waits_for_the_gather_not_for_the_dma() -> None:
     eng.run(prompt(2))
     log = stream.log
     assert log[0] == "after_compute", "the copy starts after the forward that computed the blocks"
-    gathered = log[1][1]
-    assert log[1] == ("record", gathered) and log[2] == ("waits", gathered)
-    assert log[3][0] == "record" and log[3][1] is not gathered, "the save's own event comes after the DMA"
+    waits = [i for i, entry in enumerate(log) if entry[0] == "waits"]
+    assert len(waits) == 1, "the compute stream waits once, for the gather"
+    gathered = log[waits[0]][1]
+    at_gather = log.index(("record", gathered))
+    pool = eng.workers[0]._pool  # noqa: SLF001
+    lo, hi = pool.data_ptr(), pool.data_ptr() + pool.numel()
+    into_pool = [i for i, entry in enumerate(log) if entry[0].startswith("copy") and lo <= entry[1] < hi]
+    assert into_pool and min(into_pool) > at_gather, "the DMAs into the pool come after the gather's event"
+    last = max(i for i, entry in enumerate(log) if entry[0] == "record")
+    assert last > max(into_pool) and log[last][1] is not gathered, "the save's own event comes after the DMA"
 
 
 def test_a_lease_is_released_only_after_the_load_that_reads_it() -> None:
