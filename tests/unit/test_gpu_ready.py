@@ -1,0 +1,280 @@
+"""The CUDA path's first-run failures a reading predicted, each proven fixed on CPU with fakes
+at the hardware edge only (tests/fakes/device.py: a copy stream on the host, a CUDA runtime
+that refuses, blocks and keeps CUDA's per-thread last error); the rest of the path is the
+real connector, copier and layout code.
+
+1. The pool is registered with CUDA in the background from ``register_kv_caches``, behind
+   the node's pre-fault, never inside a copy; copies to pieces not registered go through
+   the bounce slots.
+2. A refused registration is cleared on the thread that made it (the next kernel there
+   reports nothing), counted, and leaves copies on the bounce path; "already registered"
+   counts as registered and is not undone.
+3. A step keeps the pool mapping it copies to until its copies completed, across a node
+   restart, and the mapping's registration ends only after them.
+4. Kernel blocks smaller than vLLM's block are paged; a worker that cannot copy tells the
+   scheduler, which then promises no load and plans no save.
+5. The physical layout is in the namespace on vLLMs that name it only through
+   ``get_kv_cache_layout()``; a worker whose layout is not the namespace's copies nothing.
+
+(6 and 7, the operations per call and layer-wise loads: tests/unit/test_batched.py.)
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import sys
+import threading
+import time
+import types
+import weakref
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from pegaflow.client import cuda
+from pegaflow.client.batched import ALL_PINNED
+from pegaflow.connector.connector import PegaKVConnector, kv_layout_name
+from pegaflow.connector.intents import PegaWorkerReport, PegaWorkerState
+from pegaflow.connector.worker import WorkerSide
+from tests.fakes.device import FakeRuntime, HostStream
+from tests.unit.connector_fakes import Engine, FakeNode, fake_link, identity
+from tests.unit.test_connector_layout import split_caches
+from tests.unit.test_connector_sides import prompt
+from tests.unit.test_inflight import ManualStream, empty_step
+from tests.waiting import wait_until
+
+CHUNK = 64 << 10  # registration pieces in these tests (1 GiB in production)
+
+
+def pins_with(runtime: FakeRuntime) -> Any:
+    """A worker's pool registration through the real ``PoolPins``, on a fake runtime, with
+    the whole pool pre-faulted (the front holds the pool's size, never the pool)."""
+
+    def make(pool: torch.Tensor, _front: Any) -> cuda.PoolPins:
+        size = pool.numel()
+        return cuda.pins_for(pool, lambda: size, runtime=runtime, chunk=CHUNK)
+
+    return make
+
+
+# -- 1 ------------------------------------------------------------------------------------------
+def test_registration_starts_at_register_in_the_background_and_a_copy_never_waits_for_it() -> None:
+    runtime = FakeRuntime()
+    runtime.gate = threading.Event()  # every registration blocks until the test lets it go
+    node = FakeNode()
+    stream = HostStream()
+    eng = Engine(node, identity(), stream=lambda: stream, pins=pins_with(runtime))
+    w = eng.workers[0]
+    assert w._pins is not ALL_PINNED, "registration starts at register_kv_caches, before any copy"  # noqa: SLF001
+    t0 = time.monotonic()
+    tokens = prompt(1)
+    eng.run(tokens)
+    assert time.monotonic() - t0 < 5, "the step waited for the registration"
+    assert runtime.registered == [], "nothing could register while the gate was shut"
+    assert w.copier is not None and w.copier.bounce is not None and w.copier.bounce.used > 0, \
+        "the save went through the bounce slots"
+    # Committed once the bounce copy into the pool is done (a finisher thread), at a later step.
+    wait_until(lambda: empty_step(eng) and node.calls["commit"] >= 1, timeout=10, what="the save is committed")
+    # The bytes are the page: another engine (synchronous, CPU) loads them.
+    out = Engine(node, identity()).run(tokens)
+    full = (len(tokens) - 1) // 16
+    assert out["external"] == full * 16
+    assert out["loaded"][0] == [eng.expected(0, tokens, i) for i in range(full)]
+    runtime.gate.set()
+    pins = w._pins  # noqa: SLF001
+    assert isinstance(pins, cuda.PoolPins) and pins.wait(10) and pins.complete
+    assert runtime.threads == {"pegaflow-pool-pin"}, "registered on the engine's thread"
+
+
+def test_registration_stays_behind_the_node_prefault_front() -> None:
+    runtime = FakeRuntime()
+    front, asked = [0], [0]
+
+    def at() -> int:
+        asked[0] += 1
+        return front[0]
+
+    base = 1 << 40
+    pins = cuda.PoolPins(base, 4 * CHUNK, runtime, front=at, chunk=CHUNK,
+                         metrics=cuda.PinMetrics(CollectorRegistry()), poll_s=0.001).start()
+    wait_until(lambda: asked[0] >= 5, timeout=5, what="the thread asks for the front")
+    assert runtime.registered == [], "registered pages the node has not pre-faulted"
+    front[0] = 2 * CHUNK + 100  # piece 2 not whole yet
+    wait_until(lambda: len(runtime.registered) == 2, timeout=5, what="pieces 0 and 1 registered")
+    asked[0] = 0
+    wait_until(lambda: asked[0] >= 5, timeout=5, what="the thread asks again")
+    assert runtime.registered == [(base, CHUNK), (base + CHUNK, CHUNK)]
+    front[0] = 4 * CHUNK
+    assert pins.wait(5) and pins.complete and len(runtime.registered) == 4
+    assert pins.registered(CHUNK - 10, 20) and not cuda.PoolPins(base, CHUNK, runtime, at, CHUNK).registered(0, 1)
+    pins.close()
+    assert sorted(runtime.unregistered) == [base + i * CHUNK for i in range(4)]
+
+
+# -- 2 ------------------------------------------------------------------------------------------
+def test_a_refused_registration_is_cleared_counted_and_stops_the_registration() -> None:
+    base = 1 << 40
+    runtime = FakeRuntime(refuse={base + CHUNK: 2})  # cudaErrorMemoryAllocation on piece 1
+    metrics = cuda.PinMetrics(CollectorRegistry())
+    pins = cuda.PoolPins(base, 3 * CHUNK, runtime, front=lambda: 3 * CHUNK, chunk=CHUNK, metrics=metrics)
+    assert pins.register(0)
+    assert not pins.register(1)
+    assert runtime.pending_error() == 0, "CUDA's last error was left set: torch's next kernel would raise it"
+    assert pins.failed == 2 and metrics.registry.get_sample_value("pegaflow_client_pin_failures_total") == 1
+    assert not pins.registered(CHUNK, 10), "the refused piece goes through the bounce slots"
+    # A thread started now registers nothing more after the refusal.
+    again = cuda.PoolPins(base + (8 << 20), 3 * CHUNK, FakeRuntime(refuse={base + (8 << 20) + CHUNK: 2}),
+                          front=lambda: 3 * CHUNK, chunk=CHUNK, metrics=metrics).start()
+    again.wait(5)
+    assert [p - again.base for p, _ in again.runtime.registered] == [0]  # type: ignore[attr-defined]
+
+
+def test_memory_registered_by_someone_else_counts_as_registered_and_is_left_registered() -> None:
+    base = 1 << 40
+    runtime = FakeRuntime(refuse={base: cuda.ERROR_ALREADY_REGISTERED})
+    pins = cuda.PoolPins(base, 2 * CHUNK, runtime, front=lambda: 2 * CHUNK, chunk=CHUNK,
+                         metrics=cuda.PinMetrics(CollectorRegistry()))
+    assert pins.register(0) and pins.register(1) and pins.complete and pins.failed is None
+    assert runtime.pending_error() == 0
+    pins.close()
+    assert runtime.unregistered == [base + CHUNK], "unregistered memory it did not register"
+
+
+# -- 3 ------------------------------------------------------------------------------------------
+def test_a_pool_mapping_outlives_the_copies_that_use_it_across_a_node_restart() -> None:
+    runtime = FakeRuntime()
+    node = FakeNode()
+    stream = ManualStream()
+    eng = Engine(node, identity(), stream=lambda: stream, pins=pins_with(runtime))
+    w = eng.workers[0]
+    eng.run(prompt(1))  # a save into epoch 1's pool, still in flight
+    old = weakref.ref(w._pool)  # noqa: SLF001
+    old_pins = w._pins  # noqa: SLF001
+    assert isinstance(old_pins, cuda.PoolPins) and old_pins.wait(5)
+    node.restart()
+    for link in (w.link, eng.sched.link):  # both sessions re-register (the fake scheduler's maps the pool too)
+        link.reconnect()
+        assert link.wait_ready(10.0) and link.epoch == 2
+    eng.run(prompt(2))  # copies into epoch 2's pool now
+    assert w._pool is not old(), "the worker attached the new pool"  # noqa: SLF001
+    gc.collect()
+    assert old() is not None, "epoch 1's mapping was let go while a copy into it was in flight"
+    assert not runtime.unregistered, "its registration ended under a running DMA"
+    stream.complete()
+    empty_step(eng)
+    gc.collect()
+    assert old() is None, "the mapping is kept after its copies completed"
+    wait_until(lambda: old_pins.base in runtime.unregistered, timeout=5, what="the old registration ended")
+
+
+# -- 4 ------------------------------------------------------------------------------------------
+def test_kernel_blocks_smaller_than_vllms_block_are_paged_by_the_worker() -> None:
+    caches = split_caches(2)  # 2 kernel rows of 8 tokens per 16-token vLLM block
+    nb = next(iter(caches.values())).shape[1] // 2
+    layers = len(caches)
+    t = next(iter(caches.values()))
+    page = layers * 2 * 16 * t.shape[3] * t.shape[4] * t.element_size()
+    ident = identity(layers=layers)
+    ident = type(ident)(**{**ident.__dict__, "page_bytes": page})
+    node = FakeNode(pool_bytes=1 << 22)
+    w = WorkerSide(ident, 0, lambda ns, pci="": fake_link(node, ns, pci))
+    w.register_kv_caches(caches, nb)
+    assert w.disabled is None and w.layout is not None and w.layout.page_bytes == page
+    assert w.handshake() == PegaWorkerState(rank=0, disabled="")
+    # vLLM block 3's page is kernel rows 6 and 7 of every layer, K then V.
+    want = torch.cat([t[kv, 6:8].reshape(-1).view(torch.uint8) for t in caches.values() for kv in (0, 1)])
+    assert torch.equal(w.layout.page(3), want)
+
+
+def test_a_worker_that_cannot_copy_tells_the_scheduler_before_any_request() -> None:
+    node = FakeNode()
+    warm = Engine(node, identity())
+    tokens = prompt(3)
+    warm.run(tokens)
+    eng = Engine(node, identity())
+    w = WorkerSide(identity(), 0, lambda ns, pci="": fake_link(node, ns, pci))
+    w.register_kv_caches({"model.layers.0.attn": torch.zeros(64, 3, 7)}, 64)  # a page the scheduler does not expect
+    assert w.disabled and w.layout is None
+    state = w.handshake()
+    assert state.disabled
+    # vLLM hands every rank's handshake to the scheduler-side connector before scheduling.
+    PegaKVConnector.set_xfer_handshake_metadata(SimpleNamespace(_sched=eng.sched), {0: state})  # type: ignore[arg-type]
+    assert eng.sched.disabled
+    queries = node.calls["query"]
+    assert eng.sched.get_num_new_matched_tokens(eng.request(tokens), 0) == (0, False), "a load no rank will copy"
+    assert node.calls["query"] == queries
+    reserves = node.calls["reserve"]
+    eng.run(prompt(4))
+    assert node.calls["reserve"] == reserves, "a save no rank will copy"
+
+
+def test_a_worker_disabled_after_start_is_seen_in_its_report() -> None:
+    node = FakeNode()
+    eng = Engine(node, identity())
+    eng.workers[0].disable("the copier lost its device")
+    report = empty_step(eng)
+    assert report.disabled and eng.sched.disabled
+    assert PegaWorkerReport(disabled=True).aggregate(PegaWorkerReport()).disabled
+
+
+# -- 5 ------------------------------------------------------------------------------------------
+def _vllm_config() -> Any:
+    return SimpleNamespace(
+        parallel_config=SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=1, rank=0),
+        model_config=SimpleNamespace(model="m", revision=None, dtype=torch.float16,
+                                     hf_config=SimpleNamespace(to_dict=lambda: {"a": 1})),
+        cache_config=SimpleNamespace(cache_dtype="auto"),  # a vLLM < 0.29: no resolved layout
+    )
+
+
+def test_the_layout_a_vllm_names_only_through_get_kv_cache_layout_separates_namespaces(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    from pegaflow.connector.connector import kv_identity
+
+    layout = ["NHD"]
+
+    @functools.lru_cache
+    def get_kv_cache_layout() -> str:
+        return layout[0]
+
+    fake = types.ModuleType("vllm.v1.attention.backends.utils")
+    fake.get_kv_cache_layout = get_kv_cache_layout  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm.v1.attention.backends.utils", fake)
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float16)
+    kvc = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
+    nhd = kv_identity(_vllm_config(), kvc)
+    layout[0] = "HND"
+    hnd = kv_identity(_vllm_config(), kvc)
+    assert nhd.platform.endswith(":NHD") and hnd.platform.endswith(":HND")
+    assert set(nhd.namespaces).isdisjoint(hnd.namespaces), "NHD and HND engines would exchange pages"
+    assert get_kv_cache_layout.cache_info().currsize == 0, "vLLM's own layout cache was filled by the connector"
+    assert kv_layout_name(SimpleNamespace(cache_config=SimpleNamespace(kv_cache_layout="BHLNC")), None) == "BHLNC"
+
+
+def test_a_worker_whose_layout_is_not_the_namespaces_copies_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pegaflow.connector.connector as connector_mod
+
+    worker = WorkerSide(identity(), 0, lambda ns, pci="": fake_link(FakeNode(), ns, pci))
+    conn = SimpleNamespace(_worker=worker, identity=identity(), _vllm=_vllm_config(), _kv_cache_config=None,
+                           _layer_groups={})
+    monkeypatch.setattr(connector_mod, "kv_layout_name", lambda *_: "HND")  # the backend changed it
+    PegaKVConnector.register_kv_caches(conn, {"model.layers.0.attn": torch.zeros(8, 2, 16, 16)})  # type: ignore[arg-type]
+    assert worker.disabled and "HND" in worker.disabled and worker.layout is None
+
+
+def test_cross_layer_blocks_are_asked_for_and_registered_as_one_run_per_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    conn = SimpleNamespace()
+    assert PegaKVConnector.prefer_cross_layer_blocks.fget(conn) is True  # type: ignore[attr-defined]
+    monkeypatch.setenv("PEGAFLOW_CROSS_LAYER_BLOCKS", "0")
+    assert PegaKVConnector.prefer_cross_layer_blocks.fget(conn) is False  # type: ignore[attr-defined]
+    seen: dict[str, Any] = {}
+    conn2 = SimpleNamespace(register_kv_caches=lambda caches: seen.update(caches))
+    cross = torch.zeros(8, 3, 2, 16, 2, 8)  # (blocks, layers, K/V, tokens, heads, head_dim)
+    PegaKVConnector.register_cross_layers_kv_cache(conn2, cross, None)  # type: ignore[arg-type]
+    assert seen == {"cross_layers": cross}
