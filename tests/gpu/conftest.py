@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
-REASON = "no CUDA device (torch.cuda.is_available() is False): tests/gpu run on a GPU host"
+from tests.conftest import NodeProcess
+
+REASON = "no CUDA device (torch.cuda.is_available() is False): tests/gpu run on a GPU host (scripts/gpu_check.sh)"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -14,3 +18,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "tests/gpu/" in str(item.fspath).replace("\\", "/"):
             item.add_marker(pytest.mark.skip(reason=REASON))
+
+
+@pytest.fixture(scope="module")
+def gpu_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
+    """One node for a module's tests (each registers namespaces of its own)."""
+    node = NodeProcess(tmp_path_factory.mktemp("gpu-node"), "512mb").start()
+    yield node
+    node.kill()
+    node.remove_local_socket()

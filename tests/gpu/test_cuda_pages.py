@@ -51,29 +51,31 @@ def _hashes(tag: str, n: int) -> list[bytes]:
 
 @pytest.mark.parametrize("registered", [True, False], ids=["registered", "bounce"])
 @pytest.mark.parametrize("kind", sorted(LAYOUTS))
-def test_save_then_load_through_the_node_restores_every_byte(kind: str, registered: bool, node) -> None:  # noqa: ANN001
+def test_save_then_load_through_the_node_restores_every_byte(kind: str, registered: bool, gpu_node) -> None:  # noqa: ANN001
     make, _, _ = LAYOUTS[kind]
     src = _on_cuda(make())
     layout = build_page_layout(src, NB)
-    client = PegaClient(node.addr)
+    client = PegaClient(gpu_node.addr)
     try:
-        client.register({f"gpu-{kind}": layout.page_bytes})
+        client.register({f"gpu-{kind}-{registered}": layout.page_bytes})
         if registered:
-            pins = cuda.pins_for(client.pool, front=lambda: client.pool.numel())
+            size = client.pool.numel()  # the front holds a number, never the pool (it would outlive the test)
+            pins = cuda.pins_for(client.pool, front=lambda: size)
             assert pins.wait(60) and pins.failed is None, f"registration refused: {pins.failed}"
         rng = np.random.default_rng(1)
         blocks = [int(b) for b in rng.permutation(NB)[:8]]
+        ns = f"gpu-{kind}-{registered}"
         hashes = _hashes(kind, len(blocks))
-        res = client.reserve(f"gpu-{kind}", hashes)
+        res = client.reserve(ns, hashes)
         assert all(o >= 0 for o in res.offsets)
         assert save_pages(layout.segments, blocks, client.pool, res.offsets) == len(blocks) * layout.page_bytes
         assert client.commit(res.reservation_id) == len(blocks)
-        q = client.query([f"gpu-{kind}"], hashes)
+        q = client.query([ns], hashes)
         assert q.hit_blocks == len(blocks)
         dst_caches = _on_cuda(zeroed(make))
         dst = build_page_layout(dst_caches, NB)
         targets = [int(b) for b in rng.permutation(NB)[:8]]
-        load_pages(dst.segments, targets, client.pool, q.offsets[f"gpu-{kind}"])
+        load_pages(dst.segments, targets, client.pool, q.offsets[ns])
         client.release(q.lease_id)
         for b_src, b_dst in zip(blocks, targets, strict=True):
             assert torch.equal(layout.page(b_src), dst.page(b_dst)), f"block {b_src} -> {b_dst}"
@@ -93,7 +95,8 @@ def test_a_request_over_the_staging_across_a_registration_piece_restores_every_b
     client = PegaClient(node.addr, timeout=60)
     try:
         client.register({"gpu-big": layout.page_bytes})
-        pins = cuda.pins_for(client.pool, front=lambda: client.pool.numel())
+        size = client.pool.numel()
+        pins = cuda.pins_for(client.pool, front=lambda: size)
         assert pins.wait(120) and pins.complete
         hashes = _hashes("big", nb)
         offsets: list[int] = []
@@ -126,10 +129,57 @@ def test_a_request_over_the_staging_across_a_registration_piece_restores_every_b
         client.close()
 
 
+def test_copies_beside_the_forward_read_and_write_the_kv_the_forward_sees() -> None:
+    """The asynchronous path's ordering on a real device, as the worker issues it: a save
+    queued after a forward that is still writing the blocks reads what the forward wrote,
+    and a block the next forward overwrites as soon as the gather's event allows still
+    reaches the pool as it was; a load's layers are read by the forward only after their
+    band's event."""
+    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(2, 64, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
+              for i in range(8)}
+    layout = build_page_layout(caches, 64)
+    pool = torch.zeros(16 * layout.page_bytes, dtype=torch.uint8, pin_memory=True)
+    stream = cuda.CudaCopyStream(torch.device("cuda"))
+    copier = DeviceCopier(layout.segments, stream, None, layout.layers_done_at)
+    big = torch.randn(8192, 8192, device="cuda")
+    for t in caches.values():  # the "forward": slow work, then the KV it computed
+        big = big @ big
+        t[:, :8].copy_(big[:2 * 8 * 16 * 8, :128].reshape(2, 8, 16, 8, 128).to(torch.bfloat16))
+    want = [layout.page(b).clone() for b in range(8)]  # queued after the writes: what they wrote
+    gathered: list[object] = []
+    stream.after_compute()
+    with stream.issuing():
+        copier.save(list(range(8)), pool, [i * layout.page_bytes for i in range(8)],
+                    on_gathered=lambda: gathered.append(stream.record()))
+    stream.compute_waits(gathered[-1])
+    for t in caches.values():  # the next forward reuses the blocks
+        t[:, :8].fill_(-1)
+    stream.record().synchronize()
+    for b in range(8):
+        assert torch.equal(pool[b * layout.page_bytes:(b + 1) * layout.page_bytes].cuda(), want[b]), f"block {b}"
+    released: dict[str, object] = {}
+    stream.after_compute()
+    with stream.issuing():
+        copier.load(list(range(16, 24)), pool, [i * layout.page_bytes for i in range(8)],
+                    on_layers=lambda names: released.update(dict.fromkeys(names, stream.record())))
+    assert list(released) == list(layout.layer_names)
+    seen = []
+    for name, t in caches.items():
+        stream.compute_waits(released[name])  # wait_for_layer_load
+        seen.append(t[:, 16:24].clone())
+    torch.cuda.synchronize()
+    for b in range(8):
+        assert torch.equal(layout.page(16 + b), want[b])
+    for got, t in zip(seen, caches.values(), strict=True):
+        assert torch.equal(got, t[:, 16:24]), "the forward read a layer before its load landed"
+
+
 def test_the_asynchronous_worker_path_commits_what_it_copied_beside_the_forward() -> None:
     """The connector's worker with CUDA caches, a real CudaCopyStream and pinned pool
     memory: a save is committed only once its copy completed, and a second engine's load
-    (released layer band by band to its forward) reads the same KV."""
+    (released layer band by band to its forward) reads the same KV. Needs vLLM (the
+    connector's messages are vLLM's types): skipped on a GPU host without it."""
+    pytest.importorskip("vllm", reason="the connector's worker needs vLLM installed (the copier is tested above)")
     from tests.unit.connector_fakes import Engine, FakeNode, identity
     from tests.unit.test_connector_sides import prompt
 

@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# The device check: the CUDA data path on a host with one NVIDIA GPU, every log in OUT_DIR.
+#
+#   scripts/gpu_check.sh OUT_DIR
+#
+# For a bare GPU machine with Python 3.12 and torch with CUDA, no vLLM and no network:
+#   1. the Python packages it lacks come as wheels in $PEGAFLOW_WHEELS (default .whl/,
+#      made here by scripts/gpu_wheels.sh) and are installed into a private folder;
+#   2. the gRPC stubs and the three native libraries are built in place for that Python;
+#   3. pytest tests/gpu (every layout the connector pages, registered and bounced, the
+#      worker's asynchronous path, a request over the staging across a 1 GiB piece, a
+#      refused registration) -> OUT_DIR/tests-gpu.log;
+#   4. python bench/gpu.py (save/load vs pinned cudaMemcpy, the step with copies beside it,
+#      the pool's registration rate) -> OUT_DIR/bench-gpu.log and OUT_DIR/bench-gpu.json.
+# Without CUDA (make test runs it so, so that it cannot rot) steps 1-3 run the same, every
+# test of tests/gpu is skipped saying why, and step 4 is skipped with its reason. Exit 0
+# when every step passed or was skipped for want of a GPU. Budget: 6 minutes on a GPU.
+set -uo pipefail
+out=${1:?usage: scripts/gpu_check.sh OUT_DIR}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+wheels=${PEGAFLOW_WHEELS:-.whl}
+summary="$out/summary.txt"
+: >"$summary"
+note() { echo "$*" | tee -a "$summary"; }
+t0=$(date +%s)
+
+if compgen -G "$wheels/*.whl" >/dev/null; then
+    site=$(mktemp -d /tmp/pf-gpu-site.XXXXXX)
+    if ! "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$wheels"/*.whl \
+            >"$out/wheels.log" 2>&1; then
+        note "FAIL wheels: pip could not install $wheels/*.whl (see wheels.log)"
+        exit 1
+    fi
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+    note "wheels: $(ls "$wheels"/*.whl | wc -l) from $wheels installed into $site"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+
+# The stubs and native libraries of this checkout, for this Python (an install made them
+# already where this is the development machine).
+if ! "$PY" -c "import pegaflow._proto.node_pb2, pegaflow.client._pagecopy, pegaflow.core._sketch, pegaflow.core._blockindex" \
+        >/dev/null 2>&1; then
+    if ! "$PY" setup.py -q egg_info build_ext --inplace >"$out/build.log" 2>&1; then
+        note "FAIL build: stubs or native libraries did not build for $("$PY" -V) (see build.log)"
+        exit 1
+    fi
+    note "build: stubs and native libraries built in place for $("$PY" -V 2>&1)"
+fi
+
+"$PY" - >"$out/device.txt" 2>&1 <<'PY'
+import platform, torch
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda)
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print("device", p.name, f"{p.total_memory / 2**30:.0f} GiB", f"sm_{p.major}{p.minor}")
+    from pegaflow.client import cuda
+    print("libcudart", cuda.find_cudart())
+else:
+    print("device none: torch.cuda.is_available() is False")
+PY
+note "$(cat "$out/device.txt" | tr '\n' ';')"
+gpu=$("$PY" -c "import torch; print(int(torch.cuda.is_available()))")
+
+rc=0
+if "$PY" -m pytest -p no:cacheprovider -q -rs tests/gpu >"$out/tests-gpu.log" 2>&1; then
+    note "tests/gpu: $(tail -n 1 "$out/tests-gpu.log")"
+else
+    note "FAIL tests/gpu: $(tail -n 1 "$out/tests-gpu.log") (see tests-gpu.log)"
+    rc=1
+fi
+
+if [ "$gpu" = 1 ]; then
+    if "$PY" bench/gpu.py --rounds 3 --steps 5 --summary "$out/bench-gpu.json" >"$out/bench-gpu.log" 2>&1; then
+        note "bench/gpu.py: $(grep -E '^(save|registered|[0-9]+-token)' "$out/bench-gpu.log" | tr '\n' ';')"
+    else
+        note "FAIL bench/gpu.py: $(tail -n 1 "$out/bench-gpu.log") (see bench-gpu.log)"
+        rc=1
+    fi
+else
+    note "bench/gpu.py skipped: no CUDA device (torch.cuda.is_available() is False)"
+fi
+note "gpu_check: rc $rc in $(($(date +%s) - t0)) s"
+exit $rc
