@@ -68,8 +68,9 @@ DEFAULT_STAGING_BYTES = 64 << 20
 LOAD_BANDS = 4
 # Below this unit the index would be over 3% of the bytes moved: copy per segment instead.
 MIN_UNIT = 256
-# Pinned index buffers in flight: a buffer is reused once its upload completed.
-INDEX_SLOTS = 8
+# Pinned index buffers in flight: a buffer is reused once its upload completed (with vLLM's
+# asynchronous scheduling the host runs a step or two ahead of the copy stream).
+INDEX_SLOTS = 16
 
 
 class Event(Protocol):
@@ -96,6 +97,10 @@ class CopyStream(Protocol):
 
     def pinned(self, nbytes: int) -> torch.Tensor:
         """A host buffer the device copies to and from asynchronously (page-locked)."""
+        ...
+
+    def recycle(self, event: Event) -> None:
+        """Nobody queries or waits for ``event`` again: it may be recorded anew."""
         ...
 
 
@@ -334,9 +339,11 @@ class HostCompletion:
 
 class Finisher:
     """One thread that waits for device events and then runs host work (a save's bounce
-    copy into the pool), in order; the engine thread never waits for the device."""
+    copy into the pool), in order; the engine thread never waits for the device. Each
+    event goes back to the stream (``recycle``) once waited for."""
 
-    def __init__(self) -> None:
+    def __init__(self, recycle: Callable[[Event], None] | None = None) -> None:
+        self._recycle = recycle
         self._q: queue.SimpleQueue[tuple[Event, Callable[[], None], HostCompletion] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="pegaflow-bounce", daemon=True)
         self._thread.start()
@@ -351,6 +358,8 @@ class Finisher:
             event, fn, done = item
             try:
                 event.synchronize()
+                if self._recycle is not None:
+                    self._recycle(event)
                 fn()
             except BaseException as exc:  # noqa: BLE001 - reported through the completion
                 done.error = exc
@@ -369,7 +378,8 @@ class Bounce:
     def __init__(self, stream: CopyStream, slot_bytes: int, slots: int = 2,
                  count: Callable[[int], None] | None = None) -> None:
         self.slots = [_Slot(stream.pinned(slot_bytes)) for _ in range(slots)]
-        self.finisher = Finisher()
+        self.finisher = Finisher(stream.recycle)
+        self._stream = stream
         self.used = 0  # runs that went through a slot
         self._count = count
 
@@ -381,6 +391,9 @@ class Bounce:
     def take(self) -> _Slot:
         for s in self.slots:
             if s.free():
+                if s.busy is not None:
+                    self._stream.recycle(s.busy)  # a load's event (a save's completion is the finisher's)
+                    s.busy = None
                 return s
         raise BounceBusy("every bounce slot is in use; the pool's registration is not done yet")
 
@@ -543,7 +556,7 @@ class DeviceCopier:
         host = self._host_slot()
         host.view(torch.int64).numpy()[:flat.size] = flat
         self.stream.copy(self.index.data_ptr(), host.data_ptr(), flat.size * 8)
-        self._host_busy[(self._next_host - 1) % INDEX_SLOTS] = self.stream.record()
+        self._host_busy[(self._next_host - 1) % INDEX_SLOTS] = self.stream.record()  # the upload read it
         out: list[tuple[torch.Tensor, ...]] = []
         pos = 0
         for shape in shapes:
@@ -557,9 +570,11 @@ class DeviceCopier:
     def _host_slot(self) -> torch.Tensor:
         i = self._next_host
         self._next_host = (i + 1) % INDEX_SLOTS
-        busy = self._host_busy[i]
-        if busy is not None and not busy.query():
-            busy.synchronize()  # INDEX_SLOTS uploads still queued: the engine is far behind
+        busy, self._host_busy[i] = self._host_busy[i], None
+        if busy is not None:
+            if not busy.query():
+                busy.synchronize()  # INDEX_SLOTS uploads still queued: the copies are far behind
+            self.stream.recycle(busy)
         return self._host_index[i]
 
     def _stage_units(self, rows: int, band: Band, second_half: bool = False) -> torch.Tensor:

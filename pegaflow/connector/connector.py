@@ -374,7 +374,7 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
         switch). Later vLLMs choose the layout themselves (``kv_layout_name``)."""
         return os.environ.get("PEGAFLOW_CROSS_LAYER_BLOCKS", "1") != "0"
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], layerwise: bool = True) -> None:
         if self._worker is None:
             return
         num_blocks = self._kv_cache_config.num_blocks if self._kv_cache_config is not None else None
@@ -384,13 +384,16 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
             # changed it at start-up): the scheduler's namespace names another byte order.
             self._worker.disable(f"the KV cache layout is {seen}, the namespace names {self.identity.platform}")
             return
-        self._worker.register_kv_caches(kv_caches, num_blocks, self._layer_groups or None)
+        groups = self._layer_groups if layerwise else None
+        self._worker.register_kv_caches(kv_caches, num_blocks, groups or None, layerwise=layerwise)
 
     def register_cross_layers_kv_cache(self, kv_cache: torch.Tensor, attn_backend: Any = None) -> None:
         """vLLM 0.20-0.28 with ``prefer_cross_layer_blocks``: one tensor holds every layer
         (block dimension outermost in memory); its page is the block's run, in the same byte
-        order as the per-layer tensors' page (``pegaflow.connector.layout``)."""
-        self.register_kv_caches({"cross_layers": kv_cache})
+        order as the per-layer tensors' page (``pegaflow.connector.layout``). Its layers have
+        no names here, so a load is waited for whole before the forward (one run per block
+        cannot be released layer by layer anyway)."""
+        self.register_kv_caches({"cross_layers": kv_cache}, layerwise=False)
 
     def get_handshake_metadata(self) -> PegaWorkerState | None:
         return self._worker.handshake() if self._worker is not None else None

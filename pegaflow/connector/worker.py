@@ -154,6 +154,8 @@ class WorkerSide:
         self.inflight = InFlight()
         self._lost: set[int] = set()
         self._layer_events: dict[str, Event] = {}  # this step's synchronous loads, per layer
+        self._band_events: list[Event] = []  # the events behind _layer_events (recycled next step)
+        self._layerwise = True  # the layout's layer names are the ones vLLM waits for
         self._load_event: Event | None = None  # after the newest asynchronous load issued
         self.stats: dict[str, float] = {}
         self._warned: set[str] = set()
@@ -177,8 +179,11 @@ class WorkerSide:
         return PegaWorkerState(rank=self.tp_rank, disabled=self.disabled or "")
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor], num_blocks: int | None,
-                           layer_groups: Mapping[str, int] | None = None) -> None:
+                           layer_groups: Mapping[str, int] | None = None, layerwise: bool = True) -> None:
+        """``layerwise=False``: the cache is not keyed by the layers' names (one cross-layer
+        tensor): a load is waited for as a whole before the forward."""
         t0 = time.perf_counter()
+        self._layerwise = layerwise
         state_layout = None
         try:
             if self.state_groups and layer_groups:
@@ -324,6 +329,7 @@ class WorkerSide:
         self._begin(meta)
         in_flight: set[str] = set()  # asynchronous loads' requests with a copy queued
         is_async = {ld.req_id for ld in meta.loads if ld.is_async}
+        layerwise = layerwise and self._layerwise
         for ld in meta.loads:
             if ld.is_async:
                 if ld.missing:
@@ -399,6 +405,7 @@ class WorkerSide:
 
         def layers_written(names: tuple[str, ...]) -> None:
             ev = stream.record()
+            self._band_events.append(ev)
             for name in names:
                 self._layer_events[name] = ev
 
@@ -428,10 +435,11 @@ class WorkerSide:
         self.inflight.add(step, ev, keep=pool)
 
     def _drop_layer_events(self) -> None:
-        """Last step's per-layer events: every wait on them is queued (or never will be)."""
+        """Last step's per-layer events: every wait on them is queued by now."""
         if self.stream is not None:
-            for ev in {id(e): e for e in self._layer_events.values()}.values():
+            for ev in self._band_events:
                 self.stream.recycle(ev)
+        self._band_events.clear()
         self._layer_events.clear()
 
     def wait_for_layer(self, layer_name: str) -> None:

@@ -274,7 +274,34 @@ def test_cross_layer_blocks_are_asked_for_and_registered_as_one_run_per_block(mo
     monkeypatch.setenv("PEGAFLOW_CROSS_LAYER_BLOCKS", "0")
     assert PegaKVConnector.prefer_cross_layer_blocks.fget(conn) is False  # type: ignore[attr-defined]
     seen: dict[str, Any] = {}
-    conn2 = SimpleNamespace(register_kv_caches=lambda caches: seen.update(caches))
+    conn2 = SimpleNamespace(register_kv_caches=lambda caches, layerwise=True: seen.update(caches=caches, layerwise=layerwise))
     cross = torch.zeros(8, 3, 2, 16, 2, 8)  # (blocks, layers, K/V, tokens, heads, head_dim)
     PegaKVConnector.register_cross_layers_kv_cache(conn2, cross, None)  # type: ignore[arg-type]
-    assert seen == {"cross_layers": cross}
+    assert seen == {"caches": {"cross_layers": cross}, "layerwise": False}
+
+
+def test_a_cross_layer_cache_loads_the_same_pages_and_the_forward_waits_for_the_whole_load() -> None:
+    """One cross-layer tensor (vLLM 0.20-0.28's ``register_cross_layers_kv_cache``) holds the
+    same page bytes as per-layer tensors, in one run per block; its layers have no names
+    here, so the forward waits for the whole load instead of layer by layer."""
+    node = FakeNode()
+    ident = identity()
+    tokens = prompt(9)
+    Engine(node, ident).run(tokens)  # saved by a per-layer engine
+    stream = ManualStream()
+    eng = Engine(node, ident, stream=lambda: stream)
+    nb = next(iter(eng.caches[0].values())).shape[0]
+    cross = torch.zeros(nb, ident.num_layers, ident.num_kv_heads, ident.block_size, 2 * ident.head_size,
+                        dtype=torch.float16)
+    eng.caches[0] = {name: cross[:, i] for i, name in enumerate(eng.caches[0])}
+    w = eng.workers[0]
+    w.register_kv_caches({"cross_layers": cross}, nb, layerwise=False)
+    assert w.disabled is None and w.layout is not None and len(w.layout.segments) == 1
+    stream.log.clear()
+    out = eng.run(tokens)
+    full = (len(tokens) - 1) // ident.block_size
+    assert out["external"] == full * ident.block_size
+    assert out["loaded"][0] == [eng.expected(0, tokens, i) for i in range(full)]
+    assert not w._layer_events, "per-layer events for layers vLLM does not know by these names"  # noqa: SLF001
+    waited = [e[1] for e in stream.log if e[0] == "waits"]
+    assert waited, "the forward did not wait for the load"
