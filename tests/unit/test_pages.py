@@ -73,3 +73,19 @@ def test_a_layout_with_segments_on_two_devices_is_refused():
     with pytest.raises(ValueError, match="on one device"):
         save_pages(src, [0], pool, [0])
     assert int(pool.sum()) == 0
+
+
+def test_consecutive_blocks_into_consecutive_pages_of_one_segment_are_one_copy() -> None:
+    from pegaflow.client.pages import _coalesce, _plan
+
+    cross = torch.randint(0, 255, (16, 3, 4096), dtype=torch.uint8)  # one run per block (a cross-layer cache)
+    seg = [cross.view(16, -1)]
+    page = seg[0].shape[1]
+    pieces = _coalesce(*_plan(seg, [4, 5, 6, 9, 10], [0, page, 2 * page, 3 * page, 5 * page], 8 * page))
+    assert [int(n) // page for n in pieces[2]] == [3, 1, 1], "blocks 4-6 into pages 0-2 are one copy"
+    pool = torch.zeros(8 * page, dtype=torch.uint8)
+    save_pages(seg, [4, 5, 6, 9, 10], pool, [0, page, 2 * page, 3 * page, 5 * page])
+    assert torch.equal(pool[:3 * page], cross[4:7].reshape(-1)) and torch.equal(pool[5 * page:6 * page], cross[10].reshape(-1))
+    layered = cpu_layout()  # a page's next piece is another layer's: nothing to merge
+    n = _plan(layered, [1, 2], [0, page_bytes(layered)], 4 * page_bytes(layered))[2].size
+    assert _coalesce(*_plan(layered, [1, 2], [0, page_bytes(layered)], 4 * page_bytes(layered)))[2].size == n
