@@ -141,6 +141,9 @@ class WorkerSide:
         self._finished_recving: set[str] = set()  # asynchronous loads done (copied or failed)
         self._failed_recving: set[str] = set()  # of those, the ones that failed (several KV cache groups)
         self._failed_reservations: set[int] = set()
+        # Saves copied into the pool by a bounce slot's finisher: (step, its completion, the
+        # reservations it writes); a completion with an ``error`` fails them.
+        self._bounced: list[tuple[int, Any, frozenset[int]]] = []
         self._load_pages, self._save_pages = _copy_fns()
         # The copy stream (inflight.py): None until register_kv_caches sees the cache's device.
         self.stream: CopyStream | None = stream
@@ -467,7 +470,8 @@ class WorkerSide:
                 if self._async:
                     copier = self.state_copier if state else self.copier
                     assert copier is not None
-                    nbytes = self._issue_save(copier, block_ids, pool, offsets, meta.step)
+                    nbytes = self._issue_save(copier, block_ids, pool, offsets, meta.step,
+                                              frozenset(s.reservation_id for s in batch))
                 else:
                     nbytes = self._save_pages(layout.segments, block_ids, pool, offsets, layout.groups)
             except Exception:  # noqa: BLE001 - a failed save is a future miss, never an error
@@ -481,7 +485,7 @@ class WorkerSide:
             self._count("saved_bytes", nbytes)
 
     def _issue_save(self, copier: DeviceCopier, block_ids: list[Any], pool: torch.Tensor, offsets: list[int],
-                    step: int) -> int:
+                    step: int, reservations: frozenset[int]) -> int:
         """Queue a save on the copy stream after the forward; the compute stream goes on once
         the blocks were read (gathered), the DMA into the pool runs beside the next step, and
         the step is done (its reservations committed) once its event completed."""
@@ -496,6 +500,8 @@ class WorkerSide:
             stream.compute_waits(ev)
             stream.recycle(ev)
         self._keep(step, pool, issued)
+        for done in issued.completions:  # a bounce copy into the pool: its failure fails these saves
+            self._bounced.append((step, done, reservations))
         return issued.nbytes
 
     def take_finished_recving(self) -> set[str]:
@@ -519,9 +525,16 @@ class WorkerSide:
         if meta is None:
             return None
         self._begin(meta)
+        done_through = self.inflight.done_through()
+        if self._bounced:  # completed (their steps are done): an error is set by now
+            settled = [b for b in self._bounced if b[0] <= done_through]
+            self._bounced = [b for b in self._bounced if b[0] > done_through]
+            for _, done, rids in settled:
+                if getattr(done, "error", None) is not None:
+                    self._failed_reservations |= rids
         failed, self._failed_reservations = frozenset(self._failed_reservations), set()
         lost, self._lost = frozenset(self._lost), set()
-        return PegaWorkerReport(done_through=self.inflight.done_through(), failed_reservations=failed,
+        return PegaWorkerReport(done_through=done_through, failed_reservations=failed,
                                 lost_steps=lost, disabled=self.disabled is not None)
 
     def take_stats(self) -> dict[str, float]:

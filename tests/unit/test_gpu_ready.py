@@ -305,3 +305,28 @@ def test_a_cross_layer_cache_loads_the_same_pages_and_the_forward_waits_for_the_
     assert not w._layer_events, "per-layer events for layers vLLM does not know by these names"  # noqa: SLF001
     waited = [e[1] for e in stream.log if e[0] == "waits"]
     assert waited, "the forward did not wait for the load"
+
+
+def test_a_save_whose_bounce_copy_failed_is_aborted_not_committed() -> None:
+    """A save through a bounce slot lands in the pool on the finisher's thread; if that
+    fails, the step's reservations are reported failed with the step, never committed."""
+
+    class Broken:
+        def query(self) -> bool:
+            return True
+
+        def synchronize(self) -> None:
+            raise RuntimeError("the device copy into the bounce slot failed")
+
+    class BrokenStream(HostStream):
+        def record(self) -> Broken:  # type: ignore[override]
+            return Broken()
+
+    runtime = FakeRuntime()
+    runtime.gate = threading.Event()  # nothing gets registered: every save bounces
+    node = FakeNode()
+    eng = Engine(node, identity(), stream=BrokenStream, pins=pins_with(runtime))
+    eng.run(prompt(12))
+    wait_until(lambda: empty_step(eng) and node.calls["abort"] >= 1, timeout=10, what="the failed save is aborted")
+    assert node.calls["commit"] == 0 and not node.stored
+    runtime.gate.set()
