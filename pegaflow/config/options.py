@@ -62,74 +62,62 @@ def _grpc_target(text: str) -> str:
     return _optional_host_port(text)
 
 
+@dataclass(frozen=True)
+class Bounded:
+    """The parser of a number with a range: every bounded option's, so each says the same
+    thing when refused (``must be in [0, 1], got 2.0``, after the flag's or variable's name).
+    ``lo``/``hi`` are inclusive unless ``lo_open``; ``None``: unbounded on that side."""
+
+    kind: type[int] | type[float]
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    # The original's words for an option it has (``sample rate must be between 0.0 and 1.0``),
+    # so an operator sees the same line from both builds; {range} and {v} are filled in.
+    says: str = "must be {range}, got {v}"
+
+    def __call__(self, text: str | int | float) -> int | float:
+        v = self.kind(text.strip() if isinstance(text, str) else text)
+        below = self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo)
+        if below or (self.hi is not None and v > self.hi):
+            raise ValueError(self.says.format(range=self.range, v=v))
+        return v
+
+    @property
+    def range(self) -> str:
+        if self.lo is not None and self.hi is not None:
+            return f"in [{self.lo:g}, {self.hi:g}]"
+        if self.lo is not None:
+            return f"{'>' if self.lo_open else '>='} {self.lo:g}"
+        return f"<= {self.hi:g}"
+
+    def refusal(self, v: object) -> str:
+        """The message a value outside the range gets."""
+        return self.says.format(range=self.range, v=v)
+
+    def outside(self) -> str:
+        """A value just outside the range (tests)."""
+        if self.hi is not None:
+            return str(self.kind(self.hi + 1))
+        assert self.lo is not None
+        return str(self.kind(self.lo if self.lo_open else self.lo - 1))
+
+
+_positive_int = Bounded(int, lo=0, lo_open=True)
+_non_negative_int = Bounded(int, lo=0)
+_device_id = Bounded(int, lo=0)  # a CUDA device ordinal (the original's ``--devices 0,1``)
+_port = Bounded(int, lo=1, hi=65535)
+_hll_bucket_bits = Bounded(int, lo=4, hi=18, says="HLL bucket_bits must be in 4..=18, got {v}")  # the original's
+_positive_float = Bounded(float, lo=0, lo_open=True)
+_non_negative_float = Bounded(float, lo=0)
+_fraction = Bounded(float, lo=0, hi=1)  # a share, a rate, a cost relative to computing
+_sample_rate = Bounded(float, lo=0, hi=1, says="sample rate must be between 0.0 and 1.0, got {v}")  # the original's
+
+
 def _name(text: str) -> str:
     if not text.strip():
         raise ValueError("empty name")
     return text.strip()
-
-
-def _positive_int(text: str) -> int:
-    v = int(text)
-    if v <= 0:
-        raise ValueError(f"must be > 0, got {v}")
-    return v
-
-
-def _non_negative_int(text: str) -> int:
-    v = int(text)
-    if v < 0:
-        raise ValueError(f"must be >= 0, got {v}")
-    return v
-
-
-def _non_negative_float(text: str) -> float:
-    v = float(text)
-    if v < 0:
-        raise ValueError(f"must be >= 0, got {v}")
-    return v
-
-
-def _fraction(text: str) -> float:
-    v = float(text)
-    if not 0.0 <= v <= 1.0:
-        raise ValueError(f"must be in [0, 1], got {v}")
-    return v
-
-
-def _positive_float(text: str) -> float:
-    v = float(text)
-    if v <= 0:
-        raise ValueError(f"must be > 0, got {v}")
-    return v
-
-
-def _device_id(text: str) -> int:
-    """A CUDA device ordinal (the original's ``--devices 0,1``)."""
-    v = int(text.strip())
-    if v < 0:
-        raise ValueError(f"device ids are >= 0, got {v}")
-    return v
-
-
-def _fraction(text: str) -> float:
-    v = float(text)
-    if not 0.0 <= v <= 1.0:
-        raise ValueError(f"sample rate must be between 0.0 and 1.0, got {v}")
-    return v
-
-
-def _share(text: str) -> float:
-    v = float(text)
-    if not 0.0 <= v <= 1.0:
-        raise ValueError(f"a share of the pool is between 0.0 and 1.0, got {v}")
-    return v
-
-
-def _hll_bucket_bits(text: str) -> int:
-    v = int(text)
-    if not 4 <= v <= 18:
-        raise ValueError(f"HLL bucket_bits must be in 4..=18, got {v}")
-    return v
 
 
 def _optional_size(text: str) -> int:
@@ -140,13 +128,6 @@ def _optional_size(text: str) -> int:
     if v <= 0:
         raise ValueError("must be greater than zero when set")
     return v
-
-
-def _port(text: str | int) -> int:
-    n = int(text)
-    if not 0 < n < 65536:
-        raise ValueError(f"port {n} out of range 1..65535")
-    return n
 
 
 def _http_url(text: str) -> str:
@@ -393,7 +374,7 @@ OPTIONS: list[Option] = [
         0.25,
         "Largest share of the pool (0.0-1.0) that operators' pins (`pegaflow cache pin`) may ask "
         "for together; a pin past it answers RESOURCE_EXHAUSTED. Pinned blocks are never evicted.",
-        _share,
+        _fraction,
     ),
     Option(
         "local-socket",
@@ -414,7 +395,7 @@ OPTIONS: list[Option] = [
         "trace-sample-rate",
         1.0,
         "Fraction (0.0-1.0) of answered Queries written to --query-trace (0.01: 1%).",
-        _fraction,
+        _sample_rate,
     ),
     Option(
         "page-align",

@@ -307,3 +307,38 @@ def test_options_without_effect_say_so_in_their_help_and_only_they():
 
     for o in OPTIONS:
         assert bool(o.no_effect) == ("accepted for compatibility" in o.help), o.name
+
+
+def _bounded() -> list[tuple[str, object]]:
+    from pegaflow.config.options import OPTIONS, Bounded
+
+    return [(c, o) for o in OPTIONS if isinstance(o.parse, Bounded) and not o.positional for c in o.commands]
+
+
+@pytest.mark.parametrize("command, opt", _bounded(), ids=lambda x: x if isinstance(x, str) else x.name)
+def test_every_bounded_option_refuses_a_value_outside_its_range_naming_the_option_and_the_range(
+        command: str, opt, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
+    from pegaflow.config.options import options_for
+
+    bad = opt.parse.outside()
+    args = ["t.jsonl" for o in options_for(command) if o.positional]  # a command's required argument
+    for argv, env, name in (([*args, f"--{opt.name}", bad], {}, f"--{opt.name}"), (args, {opt.env: bad}, opt.env)):
+        with pytest.raises(SystemExit) as stop:
+            load(command, "prog", argv, env=env)
+        err = capsys.readouterr().err.strip()
+        assert stop.value.code == 2 and len(err.splitlines()) == 1, err
+        assert name in err and opt.parse.refusal(opt.parse.kind(bad)) in err, err
+    # and a value inside the range is taken
+    inside = opt.parse.lo if opt.parse.lo is not None and not opt.parse.lo_open else opt.parse.hi or 1
+    assert opt.parse(str(inside)) == opt.parse.kind(inside)
+
+
+def test_a_cost_of_two_is_refused_as_a_cost_not_as_a_sample_rate(capsys: pytest.CaptureFixture[str]) -> None:
+    """Two parsers had one name; the second (the trace sample rate's) won, so every other
+    fraction was refused in the sample rate's words."""
+    from pegaflow.config.options import REPLAY
+
+    with pytest.raises(SystemExit):
+        load(REPLAY, "pegaflow replay", ["t.jsonl", "--ssd-hit-cost", "2"], env={})
+    err = capsys.readouterr().err
+    assert "--ssd-hit-cost" in err and "must be in [0, 1], got 2.0" in err and "sample rate" not in err
