@@ -47,6 +47,7 @@ from pegaflow.common.local_wire import (
 )
 from pegaflow.common.logging import ensure_library_logging
 from pegaflow.common.security import Security, sync_channel
+from pegaflow.core.hosts import NODE_ADDR
 
 ensure_library_logging()
 log = structlog.get_logger("pegaflow.client")
@@ -302,7 +303,7 @@ class PegaClient:
     (Query, Reserve, Commit, Release), else over gRPC; both raise the same errors. Several
     threads may call at once: the lock covers (re-)registration only, not the calls."""
 
-    def __init__(self, addr: str = "127.0.0.1:50055", instance_id: str | None = None, timeout: float = 5.0,
+    def __init__(self, addr: str = NODE_ADDR, instance_id: str | None = None, timeout: float = 5.0,
                  map_pool: bool = True, security: Security | None = None,
                  on_blocks: Callable[[list[BlockEvents], int], None] | None = None) -> None:
         """``map_pool=False`` for a process that only queries and never copies pages (vLLM's

@@ -24,7 +24,7 @@ from typing import Any
 
 from pegaflow.config.capacity import parse_capacity, parse_route, parse_sweep
 from pegaflow.core.durations import parse_windows
-from pegaflow.core.hosts import split_host_port
+from pegaflow.core.hosts import META_ADDR, NODE_ADDR, split_host_port
 from pegaflow.core.units import parse_size
 from pegaflow.policy.quota import parse_quota
 from pegaflow.policy.routing import DEFAULT_LOAD_BOUND, DEFAULT_LOAD_WINDOW_S
@@ -252,7 +252,7 @@ def _env_name(flag: str) -> str:
 
 OPTIONS: list[Option] = [
     # --- node: core -------------------------------------------------------------------
-    Option("addr", "127.0.0.1:50055", "gRPC listen address (HOST:PORT) for engines.", _host_port),
+    Option("addr", NODE_ADDR, "gRPC listen address (HOST:PORT) for engines.", _host_port),
     Option("pool-size", "30gb", "Size of the shared-memory L1 pool (kb/mb/gb/tb).", parse_size),
     Option(
         "use-hugepages",
@@ -478,7 +478,7 @@ OPTIONS: list[Option] = [
     # --- global index: node publisher and pegaflow-meta (issue 5) --------------------------
     Option(
         "addr",
-        "127.0.0.1:50056",
+        META_ADDR,
         "gRPC listen address (HOST:PORT) of the metaserver; 0.0.0.0:50056 to serve other hosts.",
         _host_port,
         commands=(META,),
@@ -1046,7 +1046,7 @@ OPTIONS: list[Option] = [
         env_var="PEGAFLOW_ROUTER_REQUEST_TIMEOUT",
     ),
     # --- status: one screen of a node or the cluster (pegaflow/ops/status.py) ---------------
-    Option("addr", "127.0.0.1:50055", "The node to show: its gRPC address (HOST:PORT).", _grpc_target,
+    Option("addr", NODE_ADDR, "The node to show: its gRPC address (HOST:PORT).", _grpc_target,
            commands=(STATUS,), metavar="HOST:PORT"),
     Option(
         "metaserver",

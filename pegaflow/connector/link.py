@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 
 import tenacity
 
-from pegaflow.core.hosts import join_host_port
+from pegaflow.core.hosts import NODE_HOST, NODE_PORT, join_host_port
 
 # A child of vLLM's logger: connector messages go where vLLM's go, in its format and level.
 LOGGER_NAME = "vllm.pegaflow"
@@ -40,8 +40,8 @@ ENV_PORT = "PEGAFLOW_PORT"
 EXTRA_ADDR = "pegaflow.addr"  # HOST:PORT in kv_connector_extra_config
 EXTRA_HOST = "pegaflow.host"  # the original's keys
 EXTRA_PORT = "pegaflow.port"
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 50055
+DEFAULT_HOST = NODE_HOST
+DEFAULT_PORT = NODE_PORT
 
 
 def node_address(env: Mapping[str, str] | None = None, extra: Mapping[str, Any] | None = None) -> str:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pegaflow.connector.link import node_address
+from pegaflow.core.hosts import NODE_ADDR, NODE_HOST, NODE_PORT
 
 READ_WRITE = "read_write"
 SAVE_ONLY = "save_only"  # a prefill engine: computes and saves, never loads
@@ -33,9 +34,9 @@ class Setting:
 
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("pegaflow.host", "PEGAFLOW_HOST", "127.0.0.1",
+    Setting("pegaflow.host", "PEGAFLOW_HOST", NODE_HOST,
             "Node host; also `http://HOST` or `http://HOST:PORT` (the original's form)."),
-    Setting("pegaflow.port", "PEGAFLOW_PORT", "50055", "Node gRPC port."),
+    Setting("pegaflow.port", "PEGAFLOW_PORT", str(NODE_PORT), "Node gRPC port."),
     Setting("pegaflow.addr", None, "",
             "`HOST:PORT` of the node; overrides host and port when set."),
     Setting("pegaflow.mode", "PEGAFLOW_MODE", READ_WRITE,
@@ -63,7 +64,7 @@ _FALSE = {"0", "false", "no", "off"}
 
 @dataclass(frozen=True)
 class ConnectorSettings:
-    addr: str = "127.0.0.1:50055"
+    addr: str = NODE_ADDR
     mode: str = READ_WRITE
     save_decode_blocks: bool = True
     async_load: bool = True

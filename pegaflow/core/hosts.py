@@ -12,6 +12,13 @@ import socket
 WILDCARD = frozenset({"0.0.0.0", "::", ""})  # bind to every interface: no host to dial
 LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 
+# Where a node serves its engines, and the metaserver its lookups, unless told otherwise
+# (the original's defaults): every default of every command, connector and client is these.
+NODE_HOST = "127.0.0.1"
+NODE_PORT = 50055
+NODE_ADDR = f"{NODE_HOST}:{NODE_PORT}"
+META_ADDR = "127.0.0.1:50056"
+
 
 def split_host_port(addr: str) -> tuple[str, int]:
     """``("10.0.0.1", 50055)`` of ``10.0.0.1:50055``, ``("::1", 50055)`` of ``[::1]:50055``.

@@ -36,9 +36,8 @@ import xxhash
 
 from pegaflow._proto import meta_pb2, meta_pb2_grpc, node_pb2, node_pb2_grpc
 from pegaflow.common.security import Security, SecurityError, sync_channel
+from pegaflow.core.hosts import NODE_ADDR as DEFAULT_ADDR
 from pegaflow.core.identity import HASH_BYTES, HASH_VERSION, ExtraKeys, block_hashes
-
-DEFAULT_ADDR = "127.0.0.1:50055"
 
 
 class CacheError(Exception):
