@@ -101,16 +101,36 @@ def find_cudart(maps: str | None = None) -> str:
     return (preferred or paths)[0]
 
 
+# A torch that links the CUDA runtime statically maps no libcudart: then one is loaded by
+# name. Its calls share torch's CUDA context (its streams included), and an error one of them
+# leaves is that instance's alone, so torch's next launch check never sees it either.
+_SONAMES = ("libcudart.so.13", "libcudart.so.12", "libcudart.so")
+
+
 class Cudart:
-    """ctypes calls into the CUDA runtime torch loaded (``find_cudart``). Each call releases
-    the GIL while the runtime works."""
+    """ctypes calls into the CUDA runtime torch loaded (``find_cudart``), else one found by
+    name. Each call releases the GIL while the runtime works."""
 
     def __init__(self, path: str | None = None) -> None:
+        lib: ctypes.CDLL | None = None
         if path is None:
             torch.cuda.init()
-            path = find_cudart()
+            try:
+                path = find_cudart()
+            except OSError:
+                for name in _SONAMES:
+                    try:
+                        lib, path = ctypes.CDLL(name), name
+                        break
+                    except OSError:
+                        continue
+                else:
+                    raise
+                log.warning("cudart_by_name", path=path, reason="torch maps no libcudart (linked statically)")
         self.path = path
-        lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_GLOBAL) if path.startswith("/") else ctypes.CDLL(path)
+        if lib is None:
+            lib = (ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_GLOBAL) if path.startswith("/")
+                   else ctypes.CDLL(path))
         c = ctypes
         self._register = lib.cudaHostRegister
         self._register.argtypes, self._register.restype = [c.c_void_p, c.c_size_t, c.c_uint], c.c_int

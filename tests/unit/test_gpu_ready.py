@@ -330,3 +330,16 @@ def test_a_save_whose_bounce_copy_failed_is_aborted_not_committed() -> None:
     wait_until(lambda: empty_step(eng) and node.calls["abort"] >= 1, timeout=10, what="the failed save is aborted")
     assert node.calls["commit"] == 0 and not node.stored
     runtime.gate.set()
+
+
+def test_the_cuda_runtime_is_the_one_torch_mapped() -> None:
+    maps = "\n".join([
+        "7f00-7f01 r-xp 00000000 08:01 1 /usr/lib/x86_64-linux-gnu/libc.so.6",
+        "7f02-7f03 r-xp 00000000 08:01 2 /opt/venv/lib/python3.12/site-packages/nvidia/cu13/lib/libcudart.so.13",
+        "7f04-7f05 r--p 00001000 08:01 2 /opt/venv/lib/python3.12/site-packages/nvidia/cu13/lib/libcudart.so.13",
+        "7f06-7f07 r-xp 00000000 08:01 3 /opt/other/libcudart.so.12",
+        "7f08-7f09 rw-p 00000000 00:00 0 ",
+    ])
+    assert cuda.find_cudart(maps).endswith("/nvidia/cu13/lib/libcudart.so.13")
+    with pytest.raises(OSError, match="no libcudart"):
+        cuda.find_cudart("7f00-7f01 r-xp 00000000 08:01 1 /usr/lib/libc.so.6")
