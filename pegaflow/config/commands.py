@@ -16,7 +16,7 @@ import argparse
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, overload
 
 from pegaflow.config.capacity import Capacity
 from pegaflow.config.options import (
@@ -236,10 +236,36 @@ def from_namespace(cls: type[C], ns: argparse.Namespace) -> C:
     return cls(**{f.name: _frozen(getattr(ns, f.name)) for f in dataclasses.fields(cls)})
 
 
+# One overload per command: its config class.
+@overload
+def load(
+    command: Literal["node"], prog: str, argv: Sequence[str] | None = None,
+    env: Mapping[str, str] | None = None, description: str = "",
+) -> NodeConfig: ...
+@overload
+def load(
+    command: Literal["meta"], prog: str, argv: Sequence[str] | None = None,
+    env: Mapping[str, str] | None = None, description: str = "",
+) -> MetaConfig: ...
+@overload
+def load(
+    command: Literal["replay"], prog: str, argv: Sequence[str] | None = None,
+    env: Mapping[str, str] | None = None, description: str = "",
+) -> ReplayConfig: ...
+@overload
+def load(
+    command: Literal["router"], prog: str, argv: Sequence[str] | None = None,
+    env: Mapping[str, str] | None = None, description: str = "",
+) -> RouterConfig: ...
+@overload
+def load(
+    command: Literal["status"], prog: str, argv: Sequence[str] | None = None,
+    env: Mapping[str, str] | None = None, description: str = "",
+) -> StatusConfig: ...
 def load(
     command: str, prog: str, argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None,
     description: str = "",
-) -> Any:
+) -> NodeConfig | MetaConfig | ReplayConfig | RouterConfig | StatusConfig:
     """Parse ``argv`` (flags > ``PEGAFLOW_*`` > defaults) into the command's config class.
 
     A bad flag or variable is one line on stderr and exit status 2 (never a traceback)."""
@@ -247,14 +273,10 @@ def load(
     return from_namespace(CONFIGS[command], fill_defaults(p.parse_args(argv), command, prog, env))
 
 
-def _defaults(command: str, overrides: dict[str, Any]) -> Any:
-    cfg = load(command, command, [], env={})
-    return dataclasses.replace(cfg, **{k: _frozen(v) for k, v in overrides.items()})
-
-
 def node_config(**overrides: Any) -> NodeConfig:
     """The node's defaults (no flags, no environment) with ``overrides`` applied."""
-    return _defaults(NODE, overrides)
+    cfg = load(NODE, NODE, [], env={})
+    return dataclasses.replace(cfg, **{k: _frozen(v) for k, v in overrides.items()})
 
 
 def field_names(command: str) -> list[str]:

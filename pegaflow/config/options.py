@@ -20,7 +20,7 @@ import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from pegaflow.config.capacity import parse_capacity, parse_route, parse_sweep
 from pegaflow.core.durations import parse_windows
@@ -29,11 +29,12 @@ from pegaflow.core.units import parse_size
 from pegaflow.policy.quota import parse_quota
 from pegaflow.policy.routing import DEFAULT_LOAD_BOUND, DEFAULT_LOAD_WINDOW_S
 
-NODE = "node"
-META = "meta"
-REPLAY = "replay"
-ROUTER = "router"
-STATUS = "status"
+# Final: each name is its literal, so load() is typed per command.
+NODE: Final = "node"
+META: Final = "meta"
+REPLAY: Final = "replay"
+ROUTER: Final = "router"
+STATUS: Final = "status"
 
 DEFAULT_META_REDIS = "redis://127.0.0.1:6379/0"
 

@@ -40,7 +40,7 @@ class ExtentAllocator:
         self.free_bytes = 0
         self._by_start: dict[int, int] = {}  # start -> size
         self._by_end: dict[int, int] = {}  # end -> start
-        self._by_size: SortedList = SortedList()  # (size, start)
+        self._by_size: SortedList[tuple[int, int]] = SortedList()  # (size, start)
         # The current run: [run_start, run_end) is free, held outside the extents, and serves
         # pages of run_need bytes (0: no run).
         self._run_start = self._run_end = self._run_need = 0

@@ -50,7 +50,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Protocol
+from typing import Protocol, cast
 
 # Built by the install from pegaflow/native/blockindex.c: the Block type, the LRU eviction
 # order, and place/settle, the reserve/insert loop's steady state (docs/architecture.md, "One
@@ -259,11 +259,12 @@ class BlockIndex:
         if not hashes or t is None or hashes[0] not in t:
             return []
         # All lookups in C, then cut at the first miss (cheaper than a Python loop that stops).
-        out: list[Block] = list(map(t.get, hashes))
+        found: list[Block | None] = list(map(t.get, hashes))
         try:
-            del out[out.index(None) :]
+            del found[found.index(None) :]
         except ValueError:
             pass
+        out = cast(list[Block], found)  # cut at the first None
         if self._pending:
             for i, b in enumerate(out):
                 if b.state != RESIDENT:
@@ -556,11 +557,11 @@ class BlockIndex:
             self._evicted(victim, dropped)
             return victim.offset
         while True:
-            victim = self._peek_victim()
-            if victim is None:
+            oldest = self._peek_victim()
+            if oldest is None:
                 return None
-            self._drop(victim)
-            self._evicted(victim, dropped)
+            self._drop(oldest)
+            self._evicted(oldest, dropped)
             if self.alloc.free_bytes >= self.alloc.round(size):
                 try:
                     return self.alloc.alloc(size)
@@ -687,10 +688,10 @@ class BlockIndex:
             if ok is None or ok(c):
                 return b
             lru.popitem(last=False)  # park it: older than every block left in _lru
-            plru = self._parked.get(c)
-            if plru is None:
-                plru = self._parked[c] = LRU()
-            plru[b] = None
+            parked = self._parked.get(c)
+            if parked is None:
+                parked = self._parked[c] = LRU()
+            parked[b] = None
             self._park_seq[b] = self._park_next
             self._park_next += 1
         return None

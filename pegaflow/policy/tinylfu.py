@@ -258,7 +258,11 @@ class TinyLFU:
 
     def _nibbles(self, h1: np.ndarray, h2: np.ndarray) -> np.ndarray:
         """Flat nibble index of each key's counter in each row, shape (depth, n), int64."""
-        return self._row_base_nibbles + ((h1[None, :] + self._row_steps * h2[None, :]) & self._wmask)
+        # Annotated: numpy types the result of indexing as Any.
+        nib: np.ndarray = self._row_base_nibbles + (
+            (h1[None, :] + self._row_steps * h2[None, :]) & self._wmask
+        )
+        return nib
 
     def _door_positions(self, h1: np.ndarray, h2: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         p = (h1 + self._door_step0 * h2) & self._dmask
@@ -266,14 +270,15 @@ class TinyLFU:
 
     def _door_test(self, p: np.ndarray, q: np.ndarray) -> np.ndarray:
         door = self.door
-        return (
+        both: np.ndarray = (
             (door[p >> 3] >> (p & 7).astype(np.uint8)) & (door[q >> 3] >> (q & 7).astype(np.uint8)) & 1
-        ).view(np.bool_)
+        )
+        return both.view(np.bool_)
 
     def _estimate_split(self, h1: np.ndarray, h2: np.ndarray) -> np.ndarray:
         nib = self._nibbles(h1, h2)
         vals = (self.table[nib >> 1] >> ((nib & 1) << 2).astype(np.uint8)) & 15
-        est = vals.min(axis=0).astype(np.int64)
+        est: np.ndarray = vals.min(axis=0).astype(np.int64)  # annotated: numpy's indexing is Any
         if self._use_doorkeeper:
             est += self._door_test(*self._door_positions(h1, h2))
         return est
