@@ -69,7 +69,7 @@ def _drive(argv: list[str]) -> None:
 
     from pegaflow._proto import meta_pb2, meta_pb2_grpc
     from pegaflow.client import PegaClient
-    from tests.waiting import wait_until
+    from tests.harness import wait_until
 
     addrs, meta, https = argv[0].split(","), argv[1], argv[2].split(",")
     page, reqs = int(argv[3]), workload(int(argv[4]), int(argv[5]), int(argv[6]))
@@ -152,7 +152,7 @@ def main() -> None:
     a = p.parse_args()
 
     from pegaflow.replay.cluster import NodeCluster
-    from tests.integration.p2p_harness import HTTP_PORT, P2PCluster
+    from tests.harness.p2p import HTTP_PORT, P2PCluster
 
     page = a.page_kib << 10
     reqs = workload(a.conversations, a.turns, a.seed)

@@ -45,14 +45,10 @@ sys.path.insert(0, str(REPO))
 
 from bench.common import Streamed  # noqa: E402
 from bench.ttft import MODEL_SHAPE, bench_workload, percentile  # noqa: E402
-from tests.e2e.harness import (  # noqa: E402
-    VLLM_RPC,
-    NodeDaemon,
-    free_port,
-    stop_group,
-    temp_dir_removed_at_exit,
-    vllm_rpc_dir,
-)
+from tests.harness.dirs import VLLM_RPC, temp_dir_removed_at_exit, vllm_rpc_dir  # noqa: E402
+from tests.harness.node import Node  # noqa: E402
+from tests.harness.ports import free_port  # noqa: E402
+from tests.harness.procs import stop_group  # noqa: E402
 
 SERVER_START_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 600.0
@@ -161,7 +157,7 @@ def main() -> None:
     max_len = args.prompt_tokens + 256
     patterns = {f"{args.rate:g} rps": args.rate, f"{args.prompts} concurrent": None}
 
-    node = NodeDaemon(logs, pool_size="2gb")
+    node = Node(logs, "2gb", http=False).start()
     node_host, node_port = node.addr.rsplit(":", 1)
     configs: dict[str, tuple[dict[str, Any] | None, bool, dict[str, str]]] = {
         "prefix": (None, True, {}),

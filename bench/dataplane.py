@@ -58,8 +58,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.common import cpu_seconds, scrape  # noqa: E402
-from tests.conftest import NodeProcess  # noqa: E402
-from tests.waiting import wait_until  # noqa: E402
+from tests.harness import wait_until  # noqa: E402
+from tests.harness.node import Node  # noqa: E402
 
 BLOCKS = 64
 NS = "dataplane"
@@ -336,7 +336,8 @@ def start_redis(tmp: Path) -> tuple[str, list[str]]:
     """A redis-server of infra/redis/ on a free port; (url, the command that stops it)."""
     if not shutil.which("redis-server"):
         raise SystemExit("dataplane: redis-server is not installed (Debian package redis-server)")
-    from tests.integration.redis_fixtures import INFRA, free_port_range
+    from tests.harness.ports import free_port_range
+    from tests.harness.redis import INFRA
 
     script = str(INFRA / "redis-standalone.sh")
     for _ in range(5):
@@ -376,7 +377,7 @@ def window(args: argparse.Namespace, on: bool, tmp: Path, redis_url: str) -> dic
     pool_mb = args.pool_mb if "evict" in parts else int(written * 1.25) >> 20
     if "ceiling" not in parts:
         extra += ["--ceiling-windows", "1h", "--metric-hll-bucket-bits", "4"]
-    node = NodeProcess(tmp, pool_size=f"{pool_mb}mb", extra=extra, render_interval=None)  # the node's defaults
+    node = Node(tmp, f"{pool_mb}mb", extra=extra)  # the node's defaults
     node.start(timeout=120)
     try:
         with Engines(node.addr, args.engines, [(NS, args.page_kib, args.layers)], tmp / "engines.log") as eng:

@@ -30,13 +30,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.e2e.harness import EngineProc, NodeDaemon, temp_dir_removed_at_exit  # noqa: E402
-from tests.e2e.model import build_tiny_llama  # noqa: E402
+from tests.harness.dirs import temp_dir_removed_at_exit  # noqa: E402
+from tests.harness.engines import EngineProc  # noqa: E402
+from tests.harness.models import build_tiny_llama  # noqa: E402
+from tests.harness.node import Node  # noqa: E402
 
 REGISTERED = re.compile(r"PegaFlow rank 0: .* registered in ([0-9.]+) ms")
 
 
-def start_seconds(model: Path, logs: Path, node: NodeDaemon, name: str, connector: bool) -> tuple[float, float | None]:
+def start_seconds(model: Path, logs: Path, node: Node, name: str, connector: bool) -> tuple[float, float | None]:
     """Seconds from spawn to ready, and (with the connector) its worker's registration in ms."""
     t0 = time.monotonic()
     eng = EngineProc(model, logs, node=node, connector="pega" if connector else "none", name=name,
@@ -52,7 +54,7 @@ def start_seconds(model: Path, logs: Path, node: NodeDaemon, name: str, connecto
     return took, float(m.group(1))
 
 
-def wait_prefaulted(node: NodeDaemon, timeout: float = 600.0) -> None:
+def wait_prefaulted(node: Node, timeout: float = 600.0) -> None:
     from pegaflow.client import PegaClient
 
     deadline = time.monotonic() + timeout
@@ -87,7 +89,7 @@ def main() -> None:
     ratios: dict[str, list[float]] = {p: [] for p in pools}
     for r in range(args.rounds):
         for p in pools:
-            node = NodeDaemon(logs, pool_size=p)
+            node = Node(logs, p, http=False).start()
             try:
                 if args.after_prefault:
                     wait_prefaulted(node)

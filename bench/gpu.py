@@ -56,7 +56,8 @@ def main() -> None:
     from pegaflow.client import PegaClient, cuda
     from pegaflow.client.batched import DeviceCopier
     from pegaflow.connector.layout import build_page_layout
-    from tests.e2e.harness import NodeDaemon, temp_dir_removed_at_exit
+    from tests.harness.dirs import temp_dir_removed_at_exit
+    from tests.harness.node import Node
 
     nb = 4 * args.blocks
     caches = {f"model.layers.{i}.self_attn.attn":
@@ -84,7 +85,7 @@ def main() -> None:
     h2d = statistics.median(nbytes / timed(lambda: dev.copy_(host, non_blocking=True)) / 1e9 for _ in range(args.rounds))
     print(f"pinned bulk copy of {nbytes >> 20} MiB: D2H {d2h:.1f} GB/s, H2D {h2d:.1f} GB/s", flush=True)
 
-    node = NodeDaemon(Path(temp_dir_removed_at_exit("pf-bench-gpu-")), pool_size=str(pool_bytes))
+    node = Node(Path(temp_dir_removed_at_exit("pf-bench-gpu-")), str(pool_bytes), http=False).start()
     client = PegaClient(node.addr, timeout=30)
     try:
         client.register({"bench-gpu": page})

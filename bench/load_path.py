@@ -28,8 +28,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.ttft import MAX_MODEL_LEN, MODEL_SHAPE, PAUSE_S, percentile, ttft  # noqa: E402
-from tests.e2e.harness import EngineProc, NodeDaemon, temp_dir_removed_at_exit  # noqa: E402
-from tests.e2e.model import build_tiny_llama, make_text  # noqa: E402
+from tests.harness.dirs import temp_dir_removed_at_exit  # noqa: E402
+from tests.harness.engines import EngineProc  # noqa: E402
+from tests.harness.models import build_tiny_llama, make_text  # noqa: E402
+from tests.harness.node import Node  # noqa: E402
 
 
 def main() -> None:
@@ -52,7 +54,7 @@ def main() -> None:
     warmup = list(tok(make_text(200, 6999))["input_ids"])
     common = ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", str(MAX_MODEL_LEN)]
     variants = {"sync (1 group)": ["--no-hybrid-kv-cache"], "async (2 groups)": []}
-    node = NodeDaemon(logs, pool_size="2gb")
+    node = Node(logs, "2gb", http=False).start()
     engines: dict[str, EngineProc] = {}
     results: dict[str, object] = {"prompts": args.prompts, "prompt_tokens": args.prompt_tokens,
                                   "window": args.window}

@@ -342,7 +342,7 @@ def grpc_latency(url: str, cluster: bool, reqs, n: int, load=None) -> dict:
 
 
 def run_backend(cluster: bool, blocks: int, queries: int) -> dict:
-    from tests.e2e.harness import temp_dir_removed_at_exit
+    from tests.harness.dirs import temp_dir_removed_at_exit
 
     tmp = temp_dir_removed_at_exit("pf-bench-meta-")
     if cluster:

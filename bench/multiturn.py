@@ -37,8 +37,10 @@ from pegaflow.core.identity import block_hashes  # noqa: E402
 from pegaflow.core.trace import encode_query, read_trace  # noqa: E402
 from pegaflow.replay.model import Scenario  # noqa: E402
 from pegaflow.replay.run import replay  # noqa: E402
-from tests.e2e.harness import EngineProc, NodeDaemon, namespace_page_bytes, temp_dir_removed_at_exit  # noqa: E402
-from tests.e2e.model import build_tiny_llama, make_text  # noqa: E402
+from tests.harness.dirs import temp_dir_removed_at_exit  # noqa: E402
+from tests.harness.engines import EngineProc, namespace_page_bytes  # noqa: E402
+from tests.harness.models import build_tiny_llama, make_text  # noqa: E402
+from tests.harness.node import Node  # noqa: E402
 
 POOL = "1gb"
 FIRST_TOKENS, MESSAGE_TOKENS = 300, 100
@@ -53,7 +55,7 @@ def kv_config(model_id: str, decode_saves: bool) -> str:
     })
 
 
-def run_config(model: Path, logs: Path, node: NodeDaemon, decode_saves: bool, args: argparse.Namespace,
+def run_config(model: Path, logs: Path, node: Node, decode_saves: bool, args: argparse.Namespace,
                firsts: list[list[int]], messages: list[list[list[int]]], warmup: list[list[int]]) -> dict[str, Any]:
     name = "decode-saves" if decode_saves else "prompt-only"
     extra = ["--connector", "custom", "--kv-transfer-config", kv_config(f"multiturn-{name}", decode_saves),
@@ -131,7 +133,7 @@ def main() -> None:
     firsts = [text(FIRST_TOKENS, 5000 + c) for c in range(args.conversations)]
     warmup = [text(FIRST_TOKENS, 4000 + c) for c in range(8)]  # prompts no conversation shares
     messages = [[text(MESSAGE_TOKENS, 9000 + 100 * c + k) for k in range(args.turns)] for c in range(args.conversations)]
-    node = NodeDaemon(logs, pool_size=POOL)
+    node = Node(logs, POOL, http=False).start()
     try:
         results = {"conversations": args.conversations, "turns": args.turns, "answer_tokens": args.answer_tokens,
                    "pool": POOL}

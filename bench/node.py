@@ -55,8 +55,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import best_copy  # noqa: E402
 from pegaflow.client import PegaClient, load_pages, page_bytes, save_pages  # noqa: E402
 from pegaflow.client.kernels import copy_kernels  # noqa: E402
-from tests.conftest import NodeProcess  # noqa: E402
-from tests.e2e.harness import temp_dir_removed_at_exit  # noqa: E402
+from tests.harness.dirs import temp_dir_removed_at_exit  # noqa: E402
+from tests.harness.node import Node  # noqa: E402
 
 BLOCKS_PER_REQUEST = 64
 POOL_OVER_DATA = 1.25  # pool bytes per byte of a round: the timed rounds reuse pages (see above)
@@ -109,7 +109,7 @@ def each(reqs: list, ahead: Callable, copy: Callable, pool: ThreadPoolExecutor |
     return list(mapper(lambda req: copy(ahead(req), req), reqs))
 
 
-def run(page_kib: int, layers: int, total_mb: int, rounds: int, node: NodeProcess, inflight: int,
+def run(page_kib: int, layers: int, total_mb: int, rounds: int, node: Node, inflight: int,
         serial: bool = False) -> dict:
     page = page_kib << 10
     per_layer = page // layers
@@ -229,7 +229,7 @@ def main() -> None:
     torch.set_num_threads(1)
     tmp = Path(temp_dir_removed_at_exit("pf-bench-node-"))
     extra = ["--log-level", "warning"] + (["--local-socket", "off"] if args.grpc_only else [])
-    node = NodeProcess(tmp, pool_size=f"{int(args.total_mb * POOL_OVER_DATA)}mb", extra=extra)
+    node = Node(tmp, f"{int(args.total_mb * POOL_OVER_DATA)}mb", extra=extra)
     node.start(timeout=120)
     limit_before = best_copy(args.total_mb << 20, args.rounds)
     try:

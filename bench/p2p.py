@@ -4,7 +4,7 @@ link in the same run, and the latency of a 64-block prefix pull.
     python bench/p2p.py [--page-kib 1024] [--blocks 1024] [--rounds 3] [--latency-pages 128,1024]
                         [--poll-ms 2]
 
-Two real pegaflow-node processes in two namespaces (veth + bridge, tests/integration/
+Two real pegaflow-node processes in two namespaces (veth + bridge, tests/harness/
 netns.py), redis-server + pegaflow-meta in the hub namespace. Node 0 holds the pages
 (written by an engine-like client); a client of node 1 queries until READY with every
 block, re-Querying every ``--poll-ms`` while LOADING: the time from its first Query (a
@@ -150,8 +150,8 @@ def main() -> None:
     p.add_argument("--summary", type=Path, help="write the figures as JSON (python -m bench)")
     a = p.parse_args()
 
-    from tests.e2e.harness import temp_dir_removed_at_exit
-    from tests.integration.p2p_harness import P2PCluster
+    from tests.harness.dirs import temp_dir_removed_at_exit
+    from tests.harness.p2p import P2PCluster
 
     tmp = Path(temp_dir_removed_at_exit("pegaflow-bench-p2p-"))
     node_args = ("--log-level", "warning", *(("--use-hugepages",) if a.hugepages else ()))

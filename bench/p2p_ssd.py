@@ -5,7 +5,7 @@ node, against that SSD tier's own read bandwidth measured in the same run.
                             [--peer-pool 2gb] [--ssd-dir /var/tmp] [--ssd-capacity 8gb]
                             [--summary out.json]
 
-Three real pegaflow-node processes in network namespaces (tests/integration/netns.py;
+Three real pegaflow-node processes in network namespaces (tests/harness/netns.py;
 loopback addresses when namespaces cannot be made), redis-server + pegaflow-meta in the hub.
 Node 0 has a DRAM pool of ``--pool`` and an SSD tier; per round:
 
@@ -74,7 +74,7 @@ def holders(cluster, ns: str, tag: str, n: int) -> dict[str, list[int]]:  # type
 
 def save0(cluster, ns: str, tag: str, n: int, page: int) -> None:  # type: ignore[no-untyped-def]
     """Save through node 0 and wait for its SSD writes (queued writes pin their pages)."""
-    from tests.waiting import wait_until
+    from tests.harness import wait_until
 
     def count(name: str) -> float:
         """The sum of a metric's series on node 0 (0 while not exported)."""
@@ -126,9 +126,9 @@ def main() -> None:
     a = p.parse_args()
 
     from pegaflow.core.units import parse_size
-    from tests.e2e.harness import temp_dir_removed_at_exit
-    from tests.integration.p2p_harness import P2PCluster
-    from tests.waiting import wait_until
+    from tests.harness import wait_until
+    from tests.harness.dirs import temp_dir_removed_at_exit
+    from tests.harness.p2p import P2PCluster
 
     page = a.page_kib << 10
     pool_pages = parse_size(a.pool) // page

@@ -38,8 +38,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from pegaflow.client import PegaClient  # noqa: E402
-from tests.conftest import NodeProcess  # noqa: E402
-from tests.e2e.harness import temp_dir_removed_at_exit  # noqa: E402
+from tests.harness.dirs import temp_dir_removed_at_exit  # noqa: E402
+from tests.harness.node import Node  # noqa: E402
 
 
 def memset_fresh_gbps(nbytes: int) -> dict[str, float]:
@@ -63,8 +63,8 @@ def memset_fresh_gbps(nbytes: int) -> dict[str, float]:
     return out
 
 
-def first_query_seconds(tmp: Path, pool: str) -> tuple[float, NodeProcess]:
-    node = NodeProcess(tmp, pool_size=pool, extra=["--log-level", "info"])
+def first_query_seconds(tmp: Path, pool: str) -> tuple[float, Node]:
+    node = Node(tmp, pool, extra=["--log-level", "info"])
     t0 = time.monotonic()
     node.start(timeout=120, wait_pool=False)
     with PegaClient(node.addr, timeout=30) as c:
@@ -74,7 +74,7 @@ def first_query_seconds(tmp: Path, pool: str) -> tuple[float, NodeProcess]:
     return took, node
 
 
-def pool_ready(node: NodeProcess, timeout: float) -> dict:
+def pool_ready(node: Node, timeout: float) -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for line in node.log().splitlines():

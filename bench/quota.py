@@ -40,8 +40,8 @@ from pegaflow.policy.quota import parse_quota  # noqa: E402
 from pegaflow.replay.files import iter_lines  # noqa: E402
 from pegaflow.replay.model import Scenario  # noqa: E402
 from pegaflow.replay.run import replay  # noqa: E402
-from tests.conftest import NodeProcess  # noqa: E402
-from tests.e2e.harness import temp_dir_removed_at_exit  # noqa: E402
+from tests.harness.dirs import temp_dir_removed_at_exit  # noqa: E402
+from tests.harness.node import Node  # noqa: E402
 
 PAGE = 16 << 10  # small pages: a pool of a few hundred blocks is a few MiB
 CHAIN = 8  # blocks per request (a document's prefix chain)
@@ -66,7 +66,7 @@ def on_node(reqs: list[Request], pool_blocks: int, quota: list[str], tmp: Path) 
     extra = ["--log-level", "warning"]
     for q in quota:
         extra += ["--namespace-quota", q]
-    node = NodeProcess(tmp, pool_size=f"{pool_blocks * PAGE // 1024}kb", extra=extra).start(timeout=120)
+    node = Node(tmp, f"{pool_blocks * PAGE // 1024}kb", extra=extra).start(timeout=120)
     counts = {HOT: [0, 0], SCAN: [0, 0]}
     try:
         with PegaClient(node.addr, timeout=30) as c:

@@ -92,10 +92,12 @@ from pegaflow.core.trace import read_trace  # noqa: E402
 from pegaflow.replay.model import ISOLATED, SHARED, Scenario, TimeModel  # noqa: E402
 from pegaflow.replay.run import RunResult, replay  # noqa: E402
 from pegaflow.router.app import HINT_HEADER, HINT_NONE  # noqa: E402
-from tests.e2e.harness import ApiServer, NodeDaemon, free_port  # noqa: E402
-from tests.e2e.model import build_tiny_llama  # noqa: E402
-from tests.integration.router_harness import RouterProc  # noqa: E402
-from tests.waiting import wait_until  # noqa: E402
+from tests.harness import wait_until  # noqa: E402
+from tests.harness.engines import ApiServer  # noqa: E402
+from tests.harness.models import build_tiny_llama  # noqa: E402
+from tests.harness.node import Node  # noqa: E402
+from tests.harness.ports import free_port  # noqa: E402
+from tests.harness.router import RouterProc  # noqa: E402
 
 ENGINES = 4
 CORES = max(1, min(ENGINES, len(os.sched_getaffinity(0))))
@@ -166,7 +168,7 @@ class Nodes:
         self.logs = logs
         self.port = free_port()
         self.ips = [f"127.0.0.{11 + i}" for i in range(ENGINES)]
-        self.procs: list[NodeDaemon] = []
+        self.procs: list[Node] = []
         self.clients: list[Any] = []  # one per node, kept: a channel per poll costs more than the poll
 
     @property
@@ -177,8 +179,8 @@ class Nodes:
         self.stop()
         binds = self.ips if layout == ISOLATED else ["0.0.0.0"]
         for i, ip in enumerate(binds):
-            self.procs.append(NodeDaemon(self.logs, pool_size=str(pool_bytes), port=self.port, host=ip,
-                                         extra=["--node-id", f"{layout}-{i}"]))
+            self.procs.append(Node(self.logs, str(pool_bytes), http=False, port=self.port, host=ip,
+                                   extra=["--node-id", f"{layout}-{i}"]).start())
         self.clients = [PegaClient(n.addr, map_pool=False) for n in self.procs]
 
     def stats(self) -> list[Any]:

@@ -60,14 +60,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.common import cpu_seconds, socket_round_trip  # noqa: E402
 from bench.dataplane import BLOCKS, CALLS, Engines, merge, percentiles  # noqa: E402
-from tests.conftest import NodeProcess  # noqa: E402
-from tests.e2e.harness import temp_dir_removed_at_exit  # noqa: E402
+from tests.harness.dirs import temp_dir_removed_at_exit  # noqa: E402
+from tests.harness.node import Node  # noqa: E402
 
 SATURATED = 0.9  # achieved / target below this: the level is past saturation
 LAYERS = {256: 4, 2048: 16}  # pages gathered from this many layers, as bench/node.py
 
 
-def level(eng: Engines, node: NodeProcess, ns: str, rate: float, seconds: float, copy: str = "dma",
+def level(eng: Engines, node: Node, ns: str, rate: float, seconds: float, copy: str = "dma",
           wait: bool = False) -> dict:
     """One level at ``rate`` requests/s per client. ``wait`` False: Commit and Release as the
     connector sends them, without waiting for the answer (their time is the send); True:
@@ -90,7 +90,7 @@ def level(eng: Engines, node: NodeProcess, ns: str, rate: float, seconds: float,
             "calls": {k: percentiles(v) for k, v in lat.items()}}
 
 
-def ramp(eng: Engines, node: NodeProcess, page_kib: int, args: argparse.Namespace) -> dict:
+def ramp(eng: Engines, node: Node, page_kib: int, args: argparse.Namespace) -> dict:
     """Double the rate until saturated, then measure at 50% of the most achieved."""
     ns = f"sat-{page_kib}k"
     request_bytes = BLOCKS * (page_kib << 10)
@@ -157,7 +157,7 @@ def run(pages: list[int], args: argparse.Namespace, tmp: Path) -> list[dict]:
     # Every namespace's shared prefix, each client's reservation in flight, and as much again
     # for the LRU churn (one namespace runs at a time).
     pool_mb = (BLOCKS * sum(p << 10 for p in pages) + 2 * args.engines * biggest) >> 20
-    node = NodeProcess(tmp, pool_size=f"{pool_mb}mb", extra=["--log-level", "warning"], render_interval=None)
+    node = Node(tmp, f"{pool_mb}mb", extra=["--log-level", "warning"])
     node.start(timeout=120)
     try:
         spaces = [(f"sat-{p}k", p, LAYERS.get(p, 4)) for p in pages]

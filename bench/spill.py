@@ -33,8 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.common import cpu_seconds, scrape  # noqa: E402
 from pegaflow.client import PegaClient  # noqa: E402
-from tests.conftest import NodeProcess  # noqa: E402
-from tests.e2e.harness import temp_dir_removed_at_exit  # noqa: E402
+from tests.harness.dirs import temp_dir_removed_at_exit  # noqa: E402
+from tests.harness.node import Node  # noqa: E402
 
 PAGE = 256 << 10
 BLOCKS = 64
@@ -94,7 +94,7 @@ def main() -> None:
     extra = ["--log-level", "warning"]
     if args.ssd_gb > 0:
         extra += ["--ssd-cache-path", str(ssd_dir / "cache"), "--ssd-cache-capacity", f"{int(args.ssd_gb * 1024)}mb"]
-    node = NodeProcess(tmp, pool_size=f"{args.pool_mb}mb", extra=extra, render_interval=None)
+    node = Node(tmp, f"{args.pool_mb}mb", extra=extra)
     node.start(timeout=120)
     try:
         c = PegaClient(node.addr, timeout=30)

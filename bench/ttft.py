@@ -48,8 +48,12 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.e2e.harness import EngineProc, NodeDaemon, free_port, stop_group, temp_dir_removed_at_exit  # noqa: E402
-from tests.e2e.model import build_tiny_llama, make_text  # noqa: E402
+from tests.harness.dirs import temp_dir_removed_at_exit  # noqa: E402
+from tests.harness.engines import EngineProc  # noqa: E402
+from tests.harness.models import build_tiny_llama, make_text  # noqa: E402
+from tests.harness.node import Node  # noqa: E402
+from tests.harness.ports import free_port  # noqa: E402
+from tests.harness.procs import stop_group  # noqa: E402
 
 # Sized so that a cold ~8K-token prefill takes >= 2 s on a 2-core CPU (float16 on CPU is slow:
 # this 4-layer model already needs several seconds; a larger one makes the run take hours).
@@ -92,7 +96,7 @@ class Peer:
         if name == "none":
             self.args = ["--connector", "none"]
         elif name == "pega":
-            self.node = NodeDaemon(logs, pool_size="2gb")
+            self.node = Node(logs, "2gb", http=False).start()
             self.args = ["--connector", "pega"]
         elif name == "example":
             self.args = custom({

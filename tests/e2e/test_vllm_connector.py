@@ -29,17 +29,12 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.harness import (
-    REPO,
-    EngineProc,
-    NodeDaemon,
-    corrupt_pool,
-    free_port,
-    full_blocks_claimable,
-    namespace_block_size,
-    stop_group,
-)
-from tests.e2e.model import make_text
+from tests.e2e.harness import corrupt_pool, full_blocks_claimable
+from tests.harness.engines import EngineProc, namespace_block_size
+from tests.harness.models import make_text
+from tests.harness.node import Node
+from tests.harness.ports import free_port
+from tests.harness.procs import REPO, stop_group
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.e2e]
@@ -86,7 +81,7 @@ def logprob_tol(reference: dict[str, Any]) -> float:
 
 
 @pytest.fixture(scope="module")
-def cold_a(model_a: Path, e2e_logs: Path, node: NodeDaemon, long_prompts) -> list[dict[str, Any]]:  # noqa: ANN001
+def cold_a(model_a: Path, e2e_logs: Path, node: Node, long_prompts) -> list[dict[str, Any]]:  # noqa: ANN001
     """Engine A1 (PYTHONHASHSEED=1) computes the long prompts and saves them to the node."""
     with EngineProc(model_a, e2e_logs, node=node, name="A1-cold", env={"PYTHONHASHSEED": "1"},
                     multiprocess=True) as eng:
@@ -94,7 +89,7 @@ def cold_a(model_a: Path, e2e_logs: Path, node: NodeDaemon, long_prompts) -> lis
 
 
 @pytest.fixture(scope="module")
-def runs_b(model_b: Path, e2e_logs: Path, node: NodeDaemon, cold_a, long_prompts) -> dict[str, Any]:  # noqa: ANN001
+def runs_b(model_b: Path, e2e_logs: Path, node: Node, cold_a, long_prompts) -> dict[str, Any]:  # noqa: ANN001
     """Engine B (another model, same page size) runs the same prompts twice on the same node."""
     before = {k: v for k, v in node.stats().blocks_by_namespace.items()}
     with EngineProc(model_b, e2e_logs, node=node, name="B") as eng:
@@ -105,7 +100,7 @@ def runs_b(model_b: Path, e2e_logs: Path, node: NodeDaemon, cold_a, long_prompts
 
 
 @pytest.fixture(scope="module")
-def engine_a(model_a: Path, e2e_logs: Path, node: NodeDaemon, runs_b, long_prompts) -> Iterator[EngineProc]:  # noqa: ANN001
+def engine_a(model_a: Path, e2e_logs: Path, node: Node, runs_b, long_prompts) -> Iterator[EngineProc]:  # noqa: ANN001
     """Engine A2: model A restarted (PYTHONHASHSEED=2); its first run is kept as ``warm``."""
     with EngineProc(model_a, e2e_logs, node=node, name="A2-warm", env={"PYTHONHASHSEED": "2"}) as eng:
         eng.warm = eng.generate(long_prompts, MAX_TOKENS)  # type: ignore[attr-defined]
@@ -159,7 +154,7 @@ def test_two_models_on_one_node_never_cross_hit(runs_b, reference, engine_a: Eng
 
 
 def test_node_killed_while_serving_no_request_fails_and_hits_resume(
-    engine_a: EngineProc, node: NodeDaemon, reference, extra_prompts  # noqa: ANN001
+    engine_a: EngineProc, node: Node, reference, extra_prompts  # noqa: ANN001
 ) -> None:
     ref = tokens(reference["extra"])
     before = node.stats().resident_blocks
@@ -186,7 +181,7 @@ def test_node_killed_while_serving_no_request_fails_and_hits_resume(
 
 
 def test_corrupted_pages_change_the_output(
-    engine_a: EngineProc, node: NodeDaemon, reference, long_prompts  # noqa: ANN001
+    engine_a: EngineProc, node: Node, reference, long_prompts  # noqa: ANN001
 ) -> None:
     """Negative control: the loaded KV is really used."""
     ref = tokens(reference["long"])[0]

@@ -21,15 +21,10 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.harness import (
-    EngineProc,
-    NodeDaemon,
-    assert_recomputed_equal,
-    corrupt_pool,
-    full_blocks_claimable,
-    namespace_page_bytes,
-)
-from tests.e2e.model import build_tiny_llama
+from tests.e2e.harness import assert_recomputed_equal, corrupt_pool, full_blocks_claimable
+from tests.harness.engines import EngineProc, namespace_page_bytes
+from tests.harness.models import build_tiny_llama
+from tests.harness.node import Node
 
 pytestmark = [pytest.mark.e2e]
 
@@ -47,14 +42,14 @@ def model_swa(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cold(model_swa: Path, e2e_logs: Path, node: NodeDaemon, long_prompts) -> dict[str, Any]:  # noqa: ANN001
+def cold(model_swa: Path, e2e_logs: Path, node: Node, long_prompts) -> dict[str, Any]:  # noqa: ANN001
     with EngineProc(model_swa, e2e_logs, node=node, name="swa-cold") as eng:
         outs = eng.generate(long_prompts, MAX_TOKENS)
         return {"outs": outs, "hybrid": eng.hybrid_kv_cache, "log": eng.log_path.read_text(errors="replace")}
 
 
 @pytest.fixture(scope="module")
-def warm(model_swa: Path, e2e_logs: Path, node: NodeDaemon, cold, long_prompts) -> Iterator[EngineProc]:  # noqa: ANN001
+def warm(model_swa: Path, e2e_logs: Path, node: Node, cold, long_prompts) -> Iterator[EngineProc]:  # noqa: ANN001
     with EngineProc(model_swa, e2e_logs, node=node, name="swa-warm") as eng:
         eng.warm = eng.generate(long_prompts, MAX_TOKENS)  # type: ignore[attr-defined]
         eng.warm_metrics = eng.metrics()  # type: ignore[attr-defined]
@@ -76,7 +71,7 @@ def test_restarted_engine_hits_with_identical_tokens_and_logprobs(warm: EnginePr
 
 
 def test_sliding_window_layers_load_only_the_blocks_inside_their_window(
-    warm: EngineProc, node: NodeDaemon, long_prompts  # noqa: ANN001
+    warm: EngineProc, node: Node, long_prompts  # noqa: ANN001
 ) -> None:
     m = warm.warm_metrics  # type: ignore[attr-defined]
     (ns,) = [k for k in node.stats().blocks_by_namespace if "tiny-llama-swa" in k]
@@ -90,7 +85,7 @@ def test_sliding_window_layers_load_only_the_blocks_inside_their_window(
     assert blocks * page // 2 < loaded < blocks * page, (loaded, blocks, page)
 
 
-def test_corrupted_pages_change_the_output(warm: EngineProc, node: NodeDaemon, cold, long_prompts) -> None:  # noqa: ANN001
+def test_corrupted_pages_change_the_output(warm: EngineProc, node: Node, cold, long_prompts) -> None:  # noqa: ANN001
     ref = cold["outs"][0]["tokens"]
     corrupt_pool(node)
     bad = warm.generate([long_prompts[0]], MAX_TOKENS)[0]

@@ -25,14 +25,10 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.harness import (
-    EngineProc,
-    NodeDaemon,
-    assert_recomputed_equal,
-    corrupt_pool,
-    full_blocks_claimable,
-)
-from tests.e2e.model import build_tiny_nemotron_h
+from tests.e2e.harness import assert_recomputed_equal, corrupt_pool, full_blocks_claimable
+from tests.harness.engines import EngineProc
+from tests.harness.models import build_tiny_nemotron_h
+from tests.harness.node import Node
 
 pytestmark = [pytest.mark.e2e]
 
@@ -47,7 +43,7 @@ def model_nh(tmp_path_factory: pytest.TempPathFactory, model_a: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cold(model_nh: Path, e2e_logs: Path, node: NodeDaemon, long_prompts) -> dict[str, Any]:  # noqa: ANN001
+def cold(model_nh: Path, e2e_logs: Path, node: Node, long_prompts) -> dict[str, Any]:  # noqa: ANN001
     with EngineProc(model_nh, e2e_logs, node=node, name="nh-cold", extra_args=ARGS) as eng:
         outs = eng.generate(long_prompts, MAX_TOKENS)
         return {"outs": outs, "hybrid": eng.hybrid_kv_cache, "block_size": eng.block_size,
@@ -55,7 +51,7 @@ def cold(model_nh: Path, e2e_logs: Path, node: NodeDaemon, long_prompts) -> dict
 
 
 @pytest.fixture(scope="module")
-def warm(model_nh: Path, e2e_logs: Path, node: NodeDaemon, cold, long_prompts) -> Iterator[EngineProc]:  # noqa: ANN001
+def warm(model_nh: Path, e2e_logs: Path, node: Node, cold, long_prompts) -> Iterator[EngineProc]:  # noqa: ANN001
     with EngineProc(model_nh, e2e_logs, node=node, name="nh-warm", extra_args=ARGS) as eng:
         eng.warm = eng.generate(long_prompts, MAX_TOKENS)  # type: ignore[attr-defined]
         eng.warm_metrics = eng.metrics()  # type: ignore[attr-defined]
@@ -93,7 +89,7 @@ def test_restarted_engine_resumes_from_pegaflow_with_identical_tokens_and_logpro
     assert m.get("vllm:pegaflow_async_loads", 0) == len(long_prompts), m
 
 
-def test_corrupted_pages_change_the_output(warm: EngineProc, node: NodeDaemon, cold, long_prompts) -> None:  # noqa: ANN001
+def test_corrupted_pages_change_the_output(warm: EngineProc, node: Node, cold, long_prompts) -> None:  # noqa: ANN001
     assert warm.cmd("reset_prefix_cache", connector=False)["ok"]  # the next hit comes from the node again
     corrupt_pool(node)
     bad = warm.generate([long_prompts[0]], MAX_TOKENS)[0]
@@ -102,7 +98,7 @@ def test_corrupted_pages_change_the_output(warm: EngineProc, node: NodeDaemon, c
 
 
 def test_attention_pages_without_their_state_never_make_a_hit(
-    warm: EngineProc, node: NodeDaemon, cold, long_prompts  # noqa: ANN001
+    warm: EngineProc, node: Node, cold, long_prompts  # noqa: ANN001
 ) -> None:
     from pegaflow.client import PegaClient
 

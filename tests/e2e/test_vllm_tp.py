@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.harness import EngineProc, NodeDaemon, full_blocks_claimable, namespace_block_size
-from tests.e2e.model import build_tiny_deepseek_v2
+from tests.e2e.harness import full_blocks_claimable
+from tests.harness.engines import EngineProc, namespace_block_size
+from tests.harness.models import build_tiny_deepseek_v2
+from tests.harness.node import Node
 
 pytestmark = [pytest.mark.e2e]
 
@@ -30,7 +32,7 @@ def assert_every_rank_loaded(eng: EngineProc, tp: int = 2) -> None:
         assert f"PegaFlow rank {rank}: first load" in log, f"rank {rank} never loaded: {eng.log_tail()}"
 
 
-def shards(node: NodeDaemon, needle: str) -> dict[str, int]:
+def shards(node: Node, needle: str) -> dict[str, int]:
     return {k: v for k, v in node.stats().blocks_by_namespace.items() if needle in k}
 
 

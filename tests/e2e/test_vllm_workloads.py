@@ -26,8 +26,11 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.harness import EngineProc, KVEventSubscriber, NodeDaemon, free_port, full_blocks_claimable
-from tests.e2e.model import make_text
+from tests.e2e.harness import full_blocks_claimable
+from tests.harness.engines import EngineProc, KVEventSubscriber
+from tests.harness.models import make_text
+from tests.harness.node import Node
+from tests.harness.ports import free_port
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.e2e]
@@ -41,11 +44,11 @@ def answer_tokens(block_size: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def node(e2e_logs: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeDaemon]:
+def node(e2e_logs: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     """A small DRAM pool over an SSD tier: what turn 1 saved is evicted from DRAM by the
     prompts after it and comes back from SSD for turn 2."""
     ssd = tmp_path_factory.mktemp("ssd-tier")
-    n = NodeDaemon(e2e_logs, pool_size="4mb", extra=["--ssd-cache-path", str(ssd), "--ssd-cache-capacity", "256mb"])
+    n = Node(e2e_logs, "4mb", http=False, extra=["--ssd-cache-path", str(ssd), "--ssd-cache-capacity", "256mb"]).start()
     yield n
     n.stop()
 
@@ -85,7 +88,7 @@ def example_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def turn1(model_a: Path, e2e_logs: Path, node: NodeDaemon, conversation: dict[str, Any], example_dir: Path,
+def turn1(model_a: Path, e2e_logs: Path, node: Node, conversation: dict[str, Any], example_dir: Path,
           tokenize) -> dict[str, Any]:  # noqa: ANN001
     """An engine with PegaFlow and ExampleConnector in a MultiConnector runs turn 1 (PegaFlow
     saves the prompt's and the answer's blocks)."""
@@ -111,7 +114,7 @@ def kv_events() -> Iterator[KVEventSubscriber]:
 
 
 @pytest.fixture(scope="module")
-def turn2_engine(model_a: Path, e2e_logs: Path, node: NodeDaemon, turn1, conversation, example_dir,  # noqa: ANN001
+def turn2_engine(model_a: Path, e2e_logs: Path, node: Node, turn1, conversation, example_dir,  # noqa: ANN001
                  kv_events: KVEventSubscriber) -> Iterator[EngineProc]:
     """A restarted engine, same MultiConnector, publishing vLLM KV events over ZMQ; its
     turn-2 run is kept as ``turn2``."""
@@ -156,7 +159,7 @@ def test_vllm_counts_the_hit_by_the_tier_it_came_from(turn2_engine: EngineProc) 
 
 
 def test_inside_multiconnector_both_connectors_save_and_pegaflow_loads(
-    turn2_engine: EngineProc, example_dir: Path, node: NodeDaemon
+    turn2_engine: EngineProc, example_dir: Path, node: Node
 ) -> None:
     # The turn-2 hit above came through MultiConnector (ExampleConnector cannot hit it: it
     # names a whole prompt, and turn 2's prompt is new); ExampleConnector saved too.
@@ -203,7 +206,7 @@ def test_kv_events_tell_a_subscriber_what_pegaflow_stored(
 
 
 def test_reset_prefix_cache_with_the_connector_drops_the_namespace_on_the_node(
-    turn2_engine: EngineProc, node: NodeDaemon, conversation: dict[str, Any], kv_events: KVEventSubscriber
+    turn2_engine: EngineProc, node: Node, conversation: dict[str, Any], kv_events: KVEventSubscriber
 ) -> None:
     namespaces = [ns for ns, n in node.stats().blocks_by_namespace.items() if n > 0]
     assert len(namespaces) == 1, node.stats().blocks_by_namespace

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tests.conftest import NodeProcess
+from tests.harness.node import EVERY_SCRAPE, Node
 
 REASON = "no CUDA device (torch.cuda.is_available() is False): tests/gpu run on a GPU host (scripts/gpu_check.sh)"
 
@@ -21,9 +21,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="module")
-def gpu_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
+def gpu_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     """One node for a module's tests (each registers namespaces of its own)."""
-    node = NodeProcess(tmp_path_factory.mktemp("gpu-node"), "512mb").start()
+    node = Node(tmp_path_factory.mktemp("gpu-node"), "512mb", render_interval=EVERY_SCRAPE).start()
     yield node
     node.kill()
     node.remove_local_socket()

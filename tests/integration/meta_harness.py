@@ -1,73 +1,31 @@
-"""Helpers for metaserver integration tests: real `pegaflow-meta` and node-like processes."""
+"""Helpers for metaserver integration tests: the metaserver they run, node-like publisher
+processes, and the index checked against the publishers' ground truth."""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
-import grpc
-
-from pegaflow._proto import meta_pb2, meta_pb2_grpc
 from pegaflow.cluster import keys, registry
 from pegaflow.cluster.redis_conn import Client, connect
 from pegaflow.meta.index import Index
-from tests.integration.redis_fixtures import free_port_range
+from tests.harness.meta import MetaServer
+from tests.harness.procs import python_env
 from tests.waiting import next_line, wait_until
 
-ROOT = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+# The index tests' metaserver: a short stream lease (a dead consumer's streams are claimed
+# within seconds) and no sweeper unless a test asks for one.
+LEASE_TTL_S = 2.0
+SWEEP_S = 0.0
 
 
-class MetaProc:
-    """A `pegaflow-meta` process (python -m pegaflow.meta.cli) with its own gRPC port."""
-
-    def __init__(
-        self, url: str, cluster: bool, name: str, log: Path, lease_ttl: float = 2.0, sweep: float = 0.0
-    ):
-        self.port = free_port_range(1, lo=30000, hi=40000)
-        self.name = name
-        args = [
-            sys.executable, "-m", "pegaflow.meta.cli", "--redis-url", url, "--addr", f"127.0.0.1:{self.port}",
-            "--http-addr", "off", "--consumer-name", name, "--stream-lease-ttl", str(lease_ttl),
-            "--sweep-interval", str(sweep), "--log-level", "info",
-        ]  # fmt: skip
-        if cluster:
-            args.append("--redis-cluster")
-        self.log = log
-        self.proc = subprocess.Popen(args, env=ENV, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
-        self.stub = meta_pb2_grpc.MetaServiceStub(self.channel)
-        try:
-            grpc.channel_ready_future(self.channel).result(timeout=30)
-        except grpc.FutureTimeoutError:
-            self.kill()
-            raise AssertionError(f"metaserver did not start:\n{log.read_text()[-3000:]}") from None
-
-    def query(self, namespace: str, hashes: list[bytes]) -> dict[str, int]:
-        res = self.stub.QueryPrefix(
-            meta_pb2.QueryPrefixRequest(namespace=namespace, hashes=hashes), timeout=10
-        )
-        return {n.node: n.prefix_len for n in res.nodes}
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
-        self.channel.close()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self.channel.close()
+def start_meta(url: str, cluster: bool, name: str, log: Path, lease_ttl: float = LEASE_TTL_S,
+               sweep: float = SWEEP_S) -> MetaServer:
+    """A metaserver (tests/harness/meta.py) consuming as ``name``, with the index tests' lease and sweep."""
+    return MetaServer(url, log, cluster=cluster, extra=["--consumer-name", name, "--stream-lease-ttl", str(lease_ttl),
+                                                        "--sweep-interval", str(sweep)]).start()
 
 
 def run_rebuild(url: str, cluster: bool) -> dict:
@@ -83,7 +41,7 @@ def run_rebuild(url: str, cluster: bool) -> dict:
     ]
     if cluster:
         args.append("--redis-cluster")
-    out = subprocess.run(args, env=ENV, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(args, env=python_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -100,7 +58,7 @@ class PublisherProc:
         if cluster:
             args.append("--cluster")
         self.log = log
-        self.proc = subprocess.Popen(args, env=ENV, stdout=subprocess.PIPE, stderr=open(log, "ab"), text=True)
+        self.proc = subprocess.Popen(args, env=python_env(), stdout=subprocess.PIPE, stderr=open(log, "ab"), text=True)
         self.result: dict | None = None
 
     def wait_done(self, timeout: float = 60) -> dict:

@@ -5,9 +5,6 @@ lookups good and bad) and a Prometheus text scraper."""
 
 from __future__ import annotations
 
-import signal
-import subprocess
-import sys
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pegaflow._proto import meta_pb2, meta_pb2_grpc
 from pegaflow.client import PegaClient
-from tests.conftest import free_port
-from tests.integration.meta_harness import ENV
+from tests.harness.meta import MetaServer
 from tests.waiting import wait_until
 
 NS = "metrics-model"
@@ -55,47 +51,9 @@ def value(samples: Samples, name: str, **labels: str) -> float:
     return sum(v for lb, v in samples.get(name, []) if all(lb.get(k) == x for k, x in labels.items()))
 
 
-@dataclass
-class MetaServer:
-    proc: subprocess.Popen
-    port: int
-    http_port: int
-    log: Path
-
-    @property
-    def addr(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-
-
 def start_metaserver(tmp: Path, redis_url: str, extra: tuple[str, ...] = ()) -> MetaServer:
-    port, http_port = free_port(), free_port()
-    log = tmp / "meta.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pegaflow.meta.cli", "--redis-url", redis_url, "--addr", f"127.0.0.1:{port}",
-         "--http-addr", f"127.0.0.1:{http_port}", "--log-level", "info", *extra],
-        env=ENV, stdout=open(log, "ab"), stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    m = MetaServer(proc, port, http_port, log)
-
-    def up() -> bool:
-        if proc.poll() is not None:
-            raise AssertionError(f"pegaflow-meta exited {proc.returncode}: {log.read_text()[-2000:]}")
-        with grpc.insecure_channel(m.addr) as ch:
-            meta_pb2_grpc.MetaServiceStub(ch).ListNodes(meta_pb2.ListNodesRequest(), timeout=1)
-        scrape(http_port)
-        return True
-
-    wait_until(up, 30, lambda: f"pegaflow-meta to serve: {log.read_text()[-2000:]}", ignore=(grpc.RpcError, OSError))
-    return m
+    """The stack's metaserver (tests/harness/meta.py): /metrics on, log in ``tmp``/meta.log."""
+    return MetaServer(redis_url, tmp / "meta.log", http=True, extra=extra).start()
 
 
 def node_args(tmp: Path, redis_url: str, node_id: str = "metrics-node") -> list[str]:
@@ -165,4 +123,4 @@ def drive(node, meta: MetaServer) -> Traffic:  # type: ignore[no-untyped-def]
     return Traffic(hs, 4, 4, 4, queries, 3, 1)
 
 
-__all__ = ["MetaServer", "Traffic", "drive", "free_port", "node_args", "scrape", "start_metaserver", "value"]
+__all__ = ["Traffic", "drive", "node_args", "scrape", "start_metaserver", "value"]

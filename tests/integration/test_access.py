@@ -25,7 +25,8 @@ from pegaflow.client import NodeError, PegaClient
 from pegaflow.common.local_wire import HELLO, METHOD_IDS, REPLY_HEADER, REQUEST_HEADER
 from pegaflow.common.security import Security
 from pegaflow.node.tiers.remote.tcp import REQ, REQ_MAGIC, RESP, UNKNOWN_PIN
-from tests.conftest import ROOT, free_port
+from tests.harness.ports import free_port
+from tests.harness.procs import REPO
 from tests.integration.redis_fixtures import redis_server  # noqa: F401
 from tests.waiting import wait_until
 
@@ -236,7 +237,7 @@ def test_a_cluster_with_a_token_and_tls_works_and_refuses_strangers(tmp_path, no
         nodes = [node_factory(extra=[*tls, "--metaserver-addr", f"127.0.0.1:{meta_port}", "--node-id", name],
                               env=env) for name in ("a", "b")]
         run = lambda addr, cmd: subprocess.run(  # noqa: E731
-            [sys.executable, "-c", CLUSTER_CLIENT, addr, cmd], capture_output=True, text=True, timeout=120, cwd=ROOT,
+            [sys.executable, "-c", CLUSTER_CLIENT, addr, cmd], capture_output=True, text=True, timeout=120, cwd=REPO,
             env={**os.environ, "PEGAFLOW_AUTH_TOKEN": TOKEN, "PEGAFLOW_TLS_CA": str(cert)})
         saved = run(nodes[0].addr, "save")
         assert saved.returncode == 0 and saved.stdout.strip() == "6", saved.stderr[-2000:]

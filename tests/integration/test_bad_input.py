@@ -13,7 +13,7 @@ import pytest
 
 from pegaflow._proto import meta_pb2, node_pb2, peer_pb2
 from pegaflow.common.security import Security, sync_channel
-from tests.conftest import free_port
+from tests.harness.ports import free_port
 from tests.integration.redis_fixtures import redis_server  # noqa: F401
 from tests.waiting import wait_until
 

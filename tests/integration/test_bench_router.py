@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from bench.router import run
-from tests.integration.router_harness import FakeEngine, RouterProc
+from tests.harness.router import FakeEngine, RouterProc
 
 N = 12
 

@@ -5,8 +5,6 @@ gauges show its own stream."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -19,10 +17,9 @@ from pegaflow.cluster import keys, registry
 from pegaflow.cluster.redis_conn import connect
 from pegaflow.cluster.sketches import ClusterCeilingCollector, publish_sketch
 from pegaflow.policy.ceiling import CeilingEstimator
-from tests.conftest import free_port
+from tests.harness.meta import MetaServer
+from tests.harness.redis import RedisClusterProc, RedisServer
 from tests.integration import redis_fixtures
-from tests.integration.meta_harness import ENV
-from tests.integration.redis_fixtures import RedisClusterProc, RedisServer
 from tests.oracles.ceiling import exact_ceiling
 from tests.waiting import wait_until
 
@@ -62,13 +59,8 @@ def test_metaserver_union_ceiling_equals_the_combined_stream(node_factory, redis
     common = ["--redis-url", redis_server.url, "--ceiling-publish-interval", "0.3", "--liveness-ttl", "5"]
     a = node_factory(pool_size="64mb", extra=[*common, "--node-id", "host-a"])
     b = node_factory(pool_size="64mb", extra=[*common, "--node-id", "host-b"])
-    meta_http = free_port()
-    meta_log = tmp_path / "meta.log"
-    meta = subprocess.Popen(
-        [sys.executable, "-m", "pegaflow.meta.cli", "--redis-url", redis_server.url, "--addr",
-         f"127.0.0.1:{free_port()}", "--http-addr", f"127.0.0.1:{meta_http}", "--sweep-interval", "0"],
-        env=ENV, stdout=open(meta_log, "ab"), stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    meta = MetaServer(redis_server.url, tmp_path / "meta.log", http=True, extra=["--sweep-interval", "0"]).start()
+    meta_http = meta.http_port
     try:
         hs = hashes(3000)
         ca, cb = PegaClient(a.addr), PegaClient(b.addr)
@@ -115,18 +107,13 @@ def test_metaserver_union_ceiling_equals_the_combined_stream(node_factory, redis
         ca.close()
         cb.close()
     finally:
-        meta.terminate()
-        try:
-            meta.wait(15)
-        except subprocess.TimeoutExpired:
-            meta.kill()
-            meta.wait(5)
+        meta.stop()
 
 
 def test_sketches_of_many_nodes_spread_over_a_redis_cluster_and_unite(redis_cluster: RedisClusterProc) -> None:
     """Each node's sketch lives in its own slot (beside its stream); the collector reads them
     all in one pipeline across the shards and unites them."""
-    redis_fixtures.flush_cluster(redis_cluster)
+    redis_cluster.flush()
     r = connect(redis_cluster.url, True)
     now = time.time()
     streams: dict[str, list[int]] = {}

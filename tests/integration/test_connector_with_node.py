@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pegaflow.connector.link import NodeLink
-from tests.e2e.harness import NodeDaemon
+from tests.harness.node import Node
 from tests.unit.connector_fakes import Engine, identity
 from tests.waiting import wait_until
 
@@ -23,17 +23,17 @@ BS = 16
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeDaemon]:
-    n = NodeDaemon(Path(tmp_path_factory.mktemp("node-logs")), pool_size="64mb")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    n = Node(Path(tmp_path_factory.mktemp("node-logs")), "64mb", http=False).start()
     yield n
     n.stop()
 
 
-def engine(node: NodeDaemon, **kw: object) -> Engine:
+def engine(node: Node, **kw: object) -> Engine:
     return Engine(None, identity(**kw), link_factory=lambda ns, pci="": NodeLink(node.addr, ns, "test", pci_bus_id=pci))  # type: ignore[arg-type]
 
 
-def committed(node: NodeDaemon, namespace: str, blocks: int) -> int:
+def committed(node: Node, namespace: str, blocks: int) -> int:
     """Wait (bounded) until the node holds ``blocks`` blocks of ``namespace`` and return how
     many it holds: the connector sends its commits without waiting for their answer, so an
     engine started right after another may otherwise ask before they landed."""
@@ -48,7 +48,7 @@ def prompt(seed: int) -> list[int]:
     return [(seed * 7919 + i * 31) % 5000 for i in range(5 * BS + 3)]
 
 
-def test_restarted_engine_loads_saved_blocks_through_the_real_node(node: NodeDaemon) -> None:
+def test_restarted_engine_loads_saved_blocks_through_the_real_node(node: Node) -> None:
     p = prompt(1)
     assert engine(node).run(p)["external"] == 0
     committed(node, identity().namespace(0), 5)
@@ -61,7 +61,7 @@ def test_restarted_engine_loads_saved_blocks_through_the_real_node(node: NodeDae
                "no lease or reservation left")
 
 
-def test_tp2_shards_both_stored_and_loaded_into_their_rank(node: NodeDaemon) -> None:
+def test_tp2_shards_both_stored_and_loaded_into_their_rank(node: Node) -> None:
     p = prompt(2)
     ident = identity(tp=2)
     engine(node, tp=2).run(p)
@@ -75,7 +75,7 @@ def test_tp2_shards_both_stored_and_loaded_into_their_rank(node: NodeDaemon) -> 
     assert engine(node).run(p)["external"] == 0
 
 
-def test_mla_tp2_stores_one_copy_and_loads_it_into_both_ranks(node: NodeDaemon) -> None:
+def test_mla_tp2_stores_one_copy_and_loads_it_into_both_ranks(node: Node) -> None:
     p = prompt(3)
     ident = identity(tp=2, mla=True)
     before = dict(node.stats().blocks_by_namespace).get(ident.namespace(0), 0)

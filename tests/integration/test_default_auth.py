@@ -25,7 +25,7 @@ import pytest
 
 from pegaflow.client import NodeError, PegaClient
 from pegaflow.common.security import Security, default_socket_path, node_token_paths, token_path
-from tests.conftest import ROOT
+from tests.harness.procs import REPO
 
 pytestmark = [
     pytest.mark.integration,
@@ -161,7 +161,7 @@ def attack(tmp: Path, addr: str, session: int, groups: tuple[int, ...] = ()) -> 
     script = tmp / "attacker.py"
     script.write_text(ATTACKER)
     proc = subprocess.run([sys.executable, str(script), addr, str(NOBODY), ",".join(map(str, groups)), str(session)],
-                          cwd="/", env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                          cwd="/", env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
                           timeout=120)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"attacker failed ({proc.returncode}): {proc.stderr[-3000:]}"

@@ -16,11 +16,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import free_port
+from tests.harness.meta import MetaServer
+from tests.harness.ports import free_port
+from tests.harness.redis import RedisServer
+from tests.harness.router import FakeEngine, RouterProc
 from tests.integration import redis_fixtures
-from tests.integration.metrics_stack import MetaServer, drive, node_args, start_metaserver
-from tests.integration.redis_fixtures import RedisServer
-from tests.integration.router_harness import FakeEngine, RouterProc
+from tests.integration.metrics_stack import drive, node_args, start_metaserver
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration

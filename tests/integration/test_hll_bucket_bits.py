@@ -5,18 +5,15 @@ unites only the node that agrees with it, counts the other as skipped and logs w
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from pegaflow.client import PegaClient
 from pegaflow.policy.ceiling import CeilingEstimator
-from tests.conftest import free_port
+from tests.harness.meta import MetaServer
+from tests.harness.redis import RedisServer
 from tests.integration import redis_fixtures
-from tests.integration.meta_harness import ENV
-from tests.integration.redis_fixtures import RedisServer
 from tests.integration.test_cluster_ceiling import NS, hashes, run_requests, scrape
 from tests.waiting import wait_until
 
@@ -32,14 +29,9 @@ def test_metaserver_leaves_out_a_node_of_other_bucket_bits(node_factory, redis_s
     common = ["--redis-url", redis_server.url, "--ceiling-publish-interval", "0.3", "--liveness-ttl", "5"]
     odd = node_factory(extra=[*common, "--node-id", "bits-14", "--metric-hll-bucket-bits", "14"])
     even = node_factory(extra=[*common, "--node-id", "bits-16"])
-    meta_http = free_port()
-    meta_log = tmp_path / "meta.log"
-    meta = subprocess.Popen(
-        [sys.executable, "-m", "pegaflow.meta.cli", "--redis-url", redis_server.url, "--addr",
-         f"127.0.0.1:{free_port()}", "--http-addr", f"127.0.0.1:{meta_http}", "--sweep-interval", "0",
-         "--log-format", "json"],
-        env=ENV, stdout=open(meta_log, "ab"), stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    meta = MetaServer(redis_server.url, tmp_path / "meta.log", http=True,
+                      extra=["--sweep-interval", "0", "--log-format", "json"]).start()
+    meta_http = meta.http_port
     try:
         hs = hashes(400)
         for n, tag in ((odd, "odd"), (even, "even")):
@@ -68,7 +60,7 @@ def test_metaserver_leaves_out_a_node_of_other_bucket_bits(node_factory, redis_s
 
         def skip_lines() -> list[dict]:
             out = []
-            for line in meta_log.read_text().splitlines():
+            for line in meta.log().splitlines():
                 try:
                     rec = json.loads(line)
                 except ValueError:
@@ -84,9 +76,4 @@ def test_metaserver_leaves_out_a_node_of_other_bucket_bits(node_factory, redis_s
         assert [x["node"] for x in lines] == ["bits-14"], lines
         assert "--metric-hll-bucket-bits 16" in lines[0]["error"] and "bits 14" in lines[0]["error"]
     finally:
-        meta.terminate()
-        try:
-            meta.wait(15)
-        except subprocess.TimeoutExpired:
-            meta.kill()
-            meta.wait(5)
+        meta.stop()

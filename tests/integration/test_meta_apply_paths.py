@@ -18,8 +18,8 @@ from pegaflow.cluster.redis_conn import RawPipe, connect
 from pegaflow.meta import index as index_mod
 from pegaflow.meta.events.schema import Op, Update
 from pegaflow.meta.index import Index
+from tests.harness.redis import RedisClusterProc, RedisServer
 from tests.integration import redis_fixtures
-from tests.integration.redis_fixtures import RedisClusterProc, RedisServer
 
 pytestmark = pytest.mark.integration
 redis_server = redis_fixtures.redis_server
@@ -104,7 +104,7 @@ def test_native_and_scripted_updates_and_queries_agree_on_redis(
 def test_native_and_scripted_updates_and_queries_agree_on_a_cluster(
     redis_cluster: RedisClusterProc, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    redis_fixtures.flush_cluster(redis_cluster)
+    redis_cluster.flush()
     check_paths_agree(connect(redis_cluster.url, cluster=True), monkeypatch)
     check_queries_agree(connect(redis_cluster.url, cluster=True), monkeypatch)
 

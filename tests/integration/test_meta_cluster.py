@@ -13,16 +13,16 @@ import pytest
 from pegaflow.cluster import keys, registry
 from pegaflow.cluster.keys import stream_key
 from pegaflow.meta.lookup import Lookup
+from tests.harness.redis import RedisClusterProc
 from tests.integration import redis_fixtures
 from tests.integration.meta_harness import (
-    MetaProc,
     PublisherProc,
     client,
     index_view,
     run_rebuild,
+    start_meta,
     wait_converged,
 )
-from tests.integration.redis_fixtures import RedisClusterProc
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -31,7 +31,7 @@ redis_cluster = redis_fixtures.redis_cluster
 
 @pytest.fixture
 def cluster(redis_cluster: RedisClusterProc) -> RedisClusterProc:
-    redis_fixtures.flush_cluster(redis_cluster)
+    redis_cluster.flush()
     return redis_cluster
 
 
@@ -58,8 +58,8 @@ def test_cluster_several_nodes_two_replicas_equal_truth_and_rebuild(
         )  # fmt: skip
         for i, n in enumerate(names)
     }
-    m1 = MetaProc(cluster.url, True, "m1", tmp_path / "m1.log", lease_ttl=1.5)
-    m2 = MetaProc(cluster.url, True, "m2", tmp_path / "m2.log", lease_ttl=1.5)
+    m1 = start_meta(cluster.url, True, "m1", tmp_path / "m1.log", lease_ttl=1.5)
+    m2 = start_meta(cluster.url, True, "m2", tmp_path / "m2.log", lease_ttl=1.5)
     r = client(cluster.url, True)
     try:
         # The data really spreads: streams and namespaces land on more than one shard.
@@ -88,7 +88,7 @@ def test_cluster_several_nodes_two_replicas_equal_truth_and_rebuild(
 
 
 def test_cluster_dead_node_invisible_and_swept(cluster: RedisClusterProc, tmp_path: Path) -> None:
-    meta = MetaProc(cluster.url, True, "m1", tmp_path / "m.log", sweep=1.0)
+    meta = start_meta(cluster.url, True, "m1", tmp_path / "m.log", sweep=1.0)
     r = client(cluster.url, True)
     procs = {
         n: PublisherProc(

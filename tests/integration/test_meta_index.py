@@ -25,18 +25,19 @@ from pegaflow.meta.events.streams import GROUP
 from pegaflow.meta.index import Index
 from pegaflow.meta.lookup import Lookup
 from pegaflow.node.publishing import EventPublisher
+from tests.harness.meta import MetaServer
+from tests.harness.procs import python_env
+from tests.harness.redis import INFRA, RedisServer, start_server
 from tests.integration import redis_fixtures
 from tests.integration.meta_harness import (
-    ENV,
-    MetaProc,
     PublisherProc,
     client,
     index_view,
     load_truth,
     run_rebuild,
+    start_meta,
     wait_converged,
 )
-from tests.integration.redis_fixtures import RedisServer
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -63,7 +64,7 @@ def some_prefix(state: Path) -> tuple[str, list[bytes]]:
 def test_events_from_several_node_processes_equal_ground_truth(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:
-    meta = MetaProc(redis_server.url, False, "m1", tmp_path / "meta.log")
+    meta = start_meta(redis_server.url, False, "m1", tmp_path / "meta.log")
     procs = nodes(redis_server, tmp_path, ["n1", "n2", "n3"], "--ops", "400", "--hold")
     try:
         for p in procs.values():
@@ -97,14 +98,14 @@ def test_metaserver_sigkilled_mid_stream_and_restarted_loses_no_event(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:
     procs = nodes(redis_server, tmp_path, ["n1", "n2"], "--ops", "3000", "--rate", "1500", "--hold")
-    meta = MetaProc(redis_server.url, False, "m1", tmp_path / "meta1.log", lease_ttl=1.5)
+    meta = start_meta(redis_server.url, False, "m1", tmp_path / "meta1.log", lease_ttl=1.5)
     r = client(redis_server.url, False)
     try:
         wait_until(lambda: r.hlen(keys.NAMESPACES) > 0, 20, "the metaserver to apply something")
         meta.kill()  # mid-stream: the nodes are still publishing
         done_before_kill = all(p.proc.poll() is not None for p in procs.values())
         assert not done_before_kill
-        meta = MetaProc(redis_server.url, False, "m2", tmp_path / "meta2.log", lease_ttl=1.5)
+        meta = start_meta(redis_server.url, False, "m2", tmp_path / "meta2.log", lease_ttl=1.5)
         for p in procs.values():
             p.wait_done()
         wait_converged(r, states(procs))
@@ -116,7 +117,7 @@ def test_metaserver_sigkilled_mid_stream_and_restarted_loses_no_event(
         meta.stop()
 
 
-def consumer_children(meta: MetaProc) -> list[psutil.Process]:
+def consumer_children(meta: MetaServer) -> list[psutil.Process]:
     """The metaserver's consumer process (multiprocessing's spawned child, not its tracker)."""
     out = []
     for c in psutil.Process(meta.proc.pid).children():
@@ -134,7 +135,7 @@ def test_a_crashed_consumer_process_is_restarted_and_the_index_converges(
     """The consumer runs in a child of pegaflow-meta (apply_process.py): SIGKILLed mid-stream,
     it is started again under the same name, takes its leases back and loses no event."""
     procs = nodes(redis_server, tmp_path, ["n1", "n2"], "--ops", "6000", "--rate", "2000", "--hold")
-    meta = MetaProc(redis_server.url, False, "m1", tmp_path / "meta.log", lease_ttl=30)
+    meta = start_meta(redis_server.url, False, "m1", tmp_path / "meta.log", lease_ttl=30)
     r = client(redis_server.url, False)
     try:
         wait_until(lambda: len(consumer_children(meta)) == 1, 20, "the consumer process")
@@ -149,7 +150,7 @@ def test_a_crashed_consumer_process_is_restarted_and_the_index_converges(
         # The lease TTL (30 s) is longer than the test waits: only the same name's child can
         # have taken the streams back.
         wait_converged(r, states(procs), timeout=25)
-        assert "consumer_process_exited" in meta.log.read_text()
+        assert "consumer_process_exited" in meta.log()
     finally:
         for p in procs.values():
             p.kill()
@@ -157,7 +158,7 @@ def test_a_crashed_consumer_process_is_restarted_and_the_index_converges(
 
 
 def test_a_sigkilled_metaserver_leaves_no_consumer_process(redis_server: RedisServer, tmp_path: Path) -> None:
-    meta = MetaProc(redis_server.url, False, "m1", tmp_path / "meta.log")
+    meta = start_meta(redis_server.url, False, "m1", tmp_path / "meta.log")
     wait_until(lambda: len(consumer_children(meta)) == 1, 20, "the consumer process")
     child = consumer_children(meta)[0]
     meta.kill()
@@ -169,16 +170,16 @@ def test_a_stopped_metaserver_releases_its_consumers_leases(redis_server: RedisS
     """SIGTERM: the consumer process finishes its step and gives its streams back (another
     replica need not wait out the lease), and the metaserver exits 0 with no child left."""
     procs = nodes(redis_server, tmp_path, ["n1"], "--ops", "200", "--rate", "1000", "--hold")
-    meta = MetaProc(redis_server.url, False, "m1", tmp_path / "meta.log", lease_ttl=60)
+    meta = start_meta(redis_server.url, False, "m1", tmp_path / "meta.log", lease_ttl=60)
     r = client(redis_server.url, False)
     try:
         wait_until(lambda: r.get(keys.owner_key("n1")) == b"m1", 20, "m1 to own n1's stream")
         child = consumer_children(meta)[0]
         meta.stop()
-        assert meta.proc.returncode == 0, meta.log.read_text()[-3000:]
+        assert meta.proc.returncode == 0, meta.log()[-3000:]
         assert r.get(keys.owner_key("n1")) is None
         assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
-        assert "consumer_process_killed" not in meta.log.read_text()
+        assert "consumer_process_killed" not in meta.log()
     finally:
         for p in procs.values():
             p.kill()
@@ -218,8 +219,8 @@ def test_two_replicas_share_streams_and_one_takes_over_when_the_other_dies(
     procs = nodes(
         redis_server, tmp_path, ["n1", "n2", "n3", "n4"], "--ops", "1500", "--rate", "600", "--hold"
     )
-    m1 = MetaProc(redis_server.url, False, "m1", tmp_path / "m1.log", lease_ttl=1.5)
-    m2 = MetaProc(redis_server.url, False, "m2", tmp_path / "m2.log", lease_ttl=1.5)
+    m1 = start_meta(redis_server.url, False, "m1", tmp_path / "m1.log", lease_ttl=1.5)
+    m2 = start_meta(redis_server.url, False, "m2", tmp_path / "m2.log", lease_ttl=1.5)
     r = client(redis_server.url, False)
     try:
 
@@ -251,9 +252,9 @@ def noticed_redis_down(p: PublisherProc) -> bool:
 
 @pytest.mark.parametrize("aof", [False, True], ids=["empty-restart", "aof-restart"])
 def test_redis_restarted_index_converges(aof: bool, tmp_path: Path) -> None:
-    srv = redis_fixtures.start_server(tmp_path / "redis", aof=aof)
+    srv = start_server(tmp_path / "redis", aof=aof)
     procs = nodes(srv, tmp_path, ["n1", "n2"], "--ops", "2000", "--rate", "800", "--hold", "--ttl", "3")
-    meta = MetaProc(srv.url, False, "m1", tmp_path / "meta.log", lease_ttl=1.5)
+    meta = start_meta(srv.url, False, "m1", tmp_path / "meta.log", lease_ttl=1.5)
     try:
         r = client(srv.url, False)
         wait_until(lambda: r.hlen(keys.NAMESPACES) > 0, 20, "first updates applied")
@@ -281,7 +282,7 @@ def test_redis_restarted_index_converges(aof: bool, tmp_path: Path) -> None:
 def test_node_restarted_with_new_epoch_replaces_stale_entries(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:
-    meta = MetaProc(redis_server.url, False, "m1", tmp_path / "meta.log")
+    meta = start_meta(redis_server.url, False, "m1", tmp_path / "meta.log")
     r = client(redis_server.url, False)
     state = tmp_path / "n1.json"
     p = PublisherProc(redis_server.url, False, "n1", state, tmp_path / "n1.log", "--ops", "300", "--hold")
@@ -303,7 +304,7 @@ def test_node_restarted_with_new_epoch_replaces_stale_entries(
 
 
 def test_dead_node_invisible_after_its_ttl_and_swept_later(redis_server: RedisServer, tmp_path: Path) -> None:
-    meta = MetaProc(redis_server.url, False, "m1", tmp_path / "meta.log", sweep=1.0)
+    meta = start_meta(redis_server.url, False, "m1", tmp_path / "meta.log", sweep=1.0)
     r = client(redis_server.url, False)
     procs = nodes(redis_server, tmp_path, ["n1", "n2"], "--ops", "200", "--hold", "--ttl", "1.5")
     try:
@@ -333,7 +334,7 @@ def test_dead_node_invisible_after_its_ttl_and_swept_later(redis_server: RedisSe
 
 
 def test_rebuild_equals_live_index_and_repairs_damage(redis_server: RedisServer, tmp_path: Path) -> None:
-    meta = MetaProc(redis_server.url, False, "m1", tmp_path / "meta.log")
+    meta = start_meta(redis_server.url, False, "m1", tmp_path / "meta.log")
     r = client(redis_server.url, False)
     procs = nodes(redis_server, tmp_path, ["n1", "n2"], "--ops", "400", "--hold")
     try:
@@ -391,7 +392,7 @@ def test_malformed_events_are_skipped_counted_and_logged(redis_server: RedisServ
     pub.on_insert("ns", held[10:20])
     assert pub.wait_idle(5)
     out = subprocess.run([sys.executable, "-c", CONSUME, redis_server.url], capture_output=True, text=True,
-                         timeout=60, env=ENV)  # fmt: skip
+                         timeout=60, env=python_env())  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == {"malformed": 4, "metric": 4.0}
     assert out.stderr.count("skipping malformed event") == 4
@@ -431,11 +432,11 @@ def test_dropped_updates_trigger_a_resync_and_the_index_converges(redis_server: 
 
 
 def test_infra_scripts_stop_is_idempotent(tmp_path: Path) -> None:
-    srv = redis_fixtures.start_server(tmp_path / "r")
+    srv = start_server(tmp_path / "r")
     srv.stop()
     srv.stop()
     out = subprocess.run(
-        [str(redis_fixtures.INFRA / "redis-standalone.sh"), "status", str(srv.dir), str(srv.port)],
+        [str(INFRA / "redis-standalone.sh"), "status", str(srv.dir), str(srv.port)],
         capture_output=True,
         text=True,
     )

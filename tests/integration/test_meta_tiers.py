@@ -17,8 +17,8 @@ from pegaflow.meta.events.schema import Op, Tier, Update
 from pegaflow.meta.index import Held, Index
 from pegaflow.meta.lookup import Lookup
 from pegaflow.node.publishing import EventPublisher
+from tests.harness.redis import RedisServer
 from tests.integration import redis_fixtures
-from tests.integration.redis_fixtures import RedisServer
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration

@@ -13,8 +13,8 @@ from pegaflow.cluster.redis_conn import connect
 from pegaflow.meta.events.consumer import Consumer
 from pegaflow.meta.index import Index
 from pegaflow.meta.lookup import Lookup
+from tests.harness.redis import RedisServer
 from tests.integration import redis_fixtures
-from tests.integration.redis_fixtures import RedisServer
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration

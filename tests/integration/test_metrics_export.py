@@ -18,10 +18,9 @@ import xxhash
 
 from pegaflow.client import PegaClient
 from pegaflow.common.otel import metrics_url
-from tests.conftest import free_port
+from tests.harness.meta import MetaServer
+from tests.harness.redis import RedisServer
 from tests.integration import redis_fixtures
-from tests.integration.meta_harness import ENV
-from tests.integration.redis_fixtures import RedisServer
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -131,27 +130,22 @@ def test_node_pushes_its_metrics_to_an_otlp_http_receiver(node_factory, receiver
 
 def test_metaserver_pushes_its_metrics_and_the_cluster_view(redis_server: RedisServer, receiver: Receiver,
                                                              tmp_path: Path) -> None:
-    log = tmp_path / "meta.log"
-    meta = subprocess.Popen(
-        [sys.executable, "-m", "pegaflow.meta.cli", "--redis-url", redis_server.url, "--addr",
-         f"127.0.0.1:{free_port()}", "--http-addr", "off", "--sweep-interval", "0",
-         "--metrics-otel-endpoint", f"http://127.0.0.1:{receiver.port}"],
-        env={**ENV, "OTEL_METRIC_EXPORT_INTERVAL": "300"}, stdout=open(log, "ab"), stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    meta = MetaServer(redis_server.url, tmp_path / "meta.log",
+                      extra=["--sweep-interval", "0", "--metrics-otel-endpoint", f"http://127.0.0.1:{receiver.port}"],
+                      env={"OTEL_METRIC_EXPORT_INTERVAL": "300"}).start()
     try:
 
         def pushed() -> bool:
-            assert meta.poll() is None, log.read_text()[-2000:]
+            assert meta.proc is not None and meta.proc.poll() is None, meta.log()[-2000:]
             return ("pegaflow_meta_cluster_sketch_nodes", ()) in receiver.points()
 
         wait_until(pushed, 30, "the metaserver's cluster view pushed", every=0.2)
         pts = receiver.points()
-        assert pts.get(("pegaflow_meta_cluster_sketch_nodes", ())) == 0, log.read_text()[-2000:]
+        assert pts.get(("pegaflow_meta_cluster_sketch_nodes", ())) == 0, meta.log()[-2000:]
         assert ("pegaflow_meta_streams_owned", ()) in pts
         assert receiver.services() == {"pegaflow-meta"}
     finally:
-        meta.terminate()
-        meta.wait(15)
+        meta.stop()
 
 
 def test_endpoint_url_gets_the_otlp_metrics_path() -> None:

@@ -352,13 +352,13 @@ def test_bad_input_is_one_line_and_invalid_argument(node):
 
 
 def test_inspect_with_the_metaserver_names_every_node_holding_each_block(node_factory, tmp_path):
-    from tests.integration import redis_fixtures
-    from tests.integration.meta_harness import MetaProc
+    from tests.harness.redis import start_server
+    from tests.integration.meta_harness import start_meta
 
-    redis = redis_fixtures.start_server(tmp_path)
+    redis = start_server(tmp_path)
     meta = None
     try:
-        meta = MetaProc(redis.url, False, "m1", tmp_path / "meta.log")
+        meta = start_meta(redis.url, False, "m1", tmp_path / "meta.log")
         nodes = [node_factory(POOL, ["--redis-url", redis.url, "--node-id", name], env=ENV)
                  for name in ("host-a", "host-b")]
         hs = hashes("shared", 5)

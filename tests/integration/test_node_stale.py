@@ -6,8 +6,6 @@ heartbeat; without the bound only the live key counts."""
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import grpc
@@ -20,10 +18,9 @@ from pegaflow.client import PegaClient
 from pegaflow.cluster import keys, registry
 from pegaflow.cluster.redis_conn import connect
 from pegaflow.meta.lookup import Lookup
-from tests.conftest import free_port
+from tests.harness.meta import MetaServer
+from tests.harness.redis import RedisServer
 from tests.integration import redis_fixtures
-from tests.integration.meta_harness import ENV
-from tests.integration.redis_fixtures import RedisServer
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -75,14 +72,9 @@ def test_metaserver_hides_a_stopped_node_after_node_stale_secs(node_factory, red
     r = connect(redis_server.url)
     r.flushall()
     node = node_factory(extra=["--redis-url", redis_server.url, "--node-id", "host-s", "--liveness-ttl", "30"])
-    meta_port = free_port()
-    meta_log = tmp_path / "meta.log"
-    meta = subprocess.Popen(
-        [sys.executable, "-m", "pegaflow.meta.cli", "--redis-url", redis_server.url, "--addr",
-         f"127.0.0.1:{meta_port}", "--http-addr", "off", "--node-stale-secs", "12", "--sweep-interval", "1"],
-        env=ENV, stdout=open(meta_log, "ab"), stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    channel = grpc.insecure_channel(f"127.0.0.1:{meta_port}")
+    meta = MetaServer(redis_server.url, tmp_path / "meta.log", extra=["--node-stale-secs", "12", "--sweep-interval", "1"])
+    meta.start()
+    channel = grpc.insecure_channel(meta.addr)
     stub = meta_pb2_grpc.MetaServiceStub(channel)
     try:
         hs = [xxhash.xxh3_128_digest(f"s:{i}".encode()) for i in range(8)]
@@ -117,10 +109,5 @@ def test_metaserver_hides_a_stopped_node_after_node_stale_secs(node_factory, red
         c.close()
     finally:
         channel.close()
-        meta.terminate()
-        try:
-            meta.wait(15)
-        except subprocess.TimeoutExpired:
-            meta.kill()
-            meta.wait(5)
+        meta.stop()
         r.close()

@@ -25,7 +25,7 @@ import pytest
 from pegaflow._proto import meta_pb2, meta_pb2_grpc
 from pegaflow.config.options import META, NODE, options_for
 from pegaflow.node.pool import _hugepages_free
-from tests.conftest import free_port
+from tests.harness.ports import free_port
 from tests.integration.redis_fixtures import redis_server  # noqa: F401
 from tests.integration.test_metrics_export import Receiver
 from tests.integration.test_quickstart import (  # noqa: F401

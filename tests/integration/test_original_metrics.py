@@ -12,6 +12,7 @@ import pytest
 
 from pegaflow.client import PegaClient
 from pegaflow.common.metric_alias import TONIC_STATUS
+from tests.harness.redis import RedisServer
 from tests.integration import redis_fixtures
 from tests.integration.metrics_stack import (
     NS,
@@ -24,7 +25,6 @@ from tests.integration.metrics_stack import (
     start_metaserver,
     value,
 )
-from tests.integration.redis_fixtures import RedisServer
 from tests.original_metrics import EXPORTED, NOT_EXPORTED, ORIGINAL_NAMES, OriginalMetric
 from tests.waiting import wait_until
 

@@ -17,8 +17,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.integration.p2p_client import namespace
-from tests.integration.p2p_harness import P2PCluster
+from tests.harness.p2p import P2PCluster
+from tests.harness.p2p_client import namespace
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration

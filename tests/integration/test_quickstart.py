@@ -25,7 +25,7 @@ import grpc
 import pytest
 
 from pegaflow._proto import meta_pb2, meta_pb2_grpc, node_pb2, node_pb2_grpc
-from tests.conftest import free_port
+from tests.harness.ports import free_port
 from tests.integration.redis_fixtures import redis_server  # noqa: F401
 from tests.waiting import wait_until
 
@@ -102,7 +102,7 @@ def port_is_free(port: int) -> bool:
 
 
 def client(cmd: str, addr: str, tag: str, n: int, *extra: str) -> dict:
-    p = subprocess.run([sys.executable, "-m", "tests.integration.p2p_client", cmd, addr, tag, str(n), *extra],
+    p = subprocess.run([sys.executable, "-m", "tests.harness.p2p_client", cmd, addr, tag, str(n), *extra],
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert p.returncode == 0, p.stdout + p.stderr
     return json.loads(p.stdout.strip().splitlines()[-1])

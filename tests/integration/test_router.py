@@ -17,8 +17,8 @@ import xxhash
 from pegaflow.client import PegaClient
 from pegaflow.core.identity import block_hashes
 from pegaflow.core.router_protocol import ROUTER_KEY
-from tests.e2e.harness import NodeDaemon
-from tests.integration.router_harness import FakeEngine, RouterProc
+from tests.harness.node import Node
+from tests.harness.router import FakeEngine, RouterProc
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -35,14 +35,14 @@ def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def two_nodes(logs: Path) -> Iterator[list[NodeDaemon]]:
-    nodes = [NodeDaemon(logs, "64mb", extra=["--node-id", f"node-{c}"]) for c in "ab"]
+def two_nodes(logs: Path) -> Iterator[list[Node]]:
+    nodes = [Node(logs, "64mb", http=False, extra=["--node-id", f"node-{c}"]).start() for c in "ab"]
     yield nodes
     for n in nodes:
         n.stop()
 
 
-def store(node: NodeDaemon, tokens: list[int]) -> int:
+def store(node: Node, tokens: list[int]) -> int:
     """Make ``node`` hold every full block of ``tokens`` in the fake engines' namespace."""
     hashes = block_hashes(xxhash.xxh3_128_digest(ROOT.encode()), tokens, BS)
     c = PegaClient(node.addr, map_pool=False)
@@ -62,7 +62,7 @@ def completion(prompt: object, **kw: object) -> dict[str, object]:
     return {"model": MODEL, "prompt": prompt, "max_tokens": 3, **kw}
 
 
-def test_kv_aware_sends_a_prefix_to_the_engine_whose_node_holds_it(logs: Path, two_nodes: list[NodeDaemon]) -> None:
+def test_kv_aware_sends_a_prefix_to_the_engine_whose_node_holds_it(logs: Path, two_nodes: list[Node]) -> None:
     a, b = two_nodes
     ea = FakeEngine(logs, "ea", "--node", "node-a", "--node-addr", a.addr, "--block-size", str(BS))
     eb = FakeEngine(logs, "eb", "--node", "node-b", "--node-addr", b.addr, "--block-size", str(BS))
@@ -104,7 +104,7 @@ def test_kv_aware_sends_a_prefix_to_the_engine_whose_node_holds_it(logs: Path, t
         eb.stop()
 
 
-def test_kv_aware_bounds_the_holders_share_of_a_popular_prefix(logs: Path, two_nodes: list[NodeDaemon]) -> None:
+def test_kv_aware_bounds_the_holders_share_of_a_popular_prefix(logs: Path, two_nodes: list[Node]) -> None:
     """Every request shares one prefix, held by b's node: routing by prefix alone would send b
     all of them; the bound (--load-bound 0.15, requests in the last minute) gives b at most
     ceil(1.15 x (routed + 1) / 2) at each choice, and the overflow goes to a."""
@@ -131,7 +131,7 @@ def test_kv_aware_bounds_the_holders_share_of_a_popular_prefix(logs: Path, two_n
         eb.stop()
 
 
-def test_round_robin_ignores_the_prefix(logs: Path, two_nodes: list[NodeDaemon]) -> None:
+def test_round_robin_ignores_the_prefix(logs: Path, two_nodes: list[Node]) -> None:
     a, b = two_nodes
     ea = FakeEngine(logs, "rr-a", "--node", "node-a", "--node-addr", a.addr, "--block-size", str(BS))
     eb = FakeEngine(logs, "rr-b", "--node", "node-b", "--node-addr", b.addr, "--block-size", str(BS))

@@ -16,9 +16,9 @@ from pegaflow.node.publishing import EventPublisher
 from pegaflow.policy.routing import TierCosts
 from pegaflow.router.hints import MetaHints
 from pegaflow.router.routing import KV_AWARE, Candidate, Policy
+from tests.harness.redis import RedisServer
 from tests.integration import redis_fixtures
-from tests.integration.meta_harness import MetaProc
-from tests.integration.redis_fixtures import RedisServer
+from tests.integration.meta_harness import start_meta
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -36,7 +36,7 @@ def test_meta_hints_carry_ssd_blocks_and_the_policy_weighs_them(redis_server: Re
     # n1 holds the first 4 blocks in DRAM; n2 all 8, only on its SSD.
     p1 = EventPublisher(r, "n1", "h:1", lambda: [(NS, H[:4])], flush_interval=0.01)
     p2 = EventPublisher(r, "n2", "h:2", lambda: [(NS, H, Tier.SSD)], flush_interval=0.01)
-    meta = MetaProc(redis_server.url, False, "m", tmp_path / "meta.log")
+    meta = start_meta(redis_server.url, False, "m", tmp_path / "meta.log")
     p1.start(wait=5)
     p2.start(wait=5)
     try:

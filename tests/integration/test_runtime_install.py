@@ -23,7 +23,7 @@ import grpc
 import pytest
 
 from pegaflow._proto import meta_pb2, meta_pb2_grpc, node_pb2, node_pb2_grpc
-from tests.conftest import free_port
+from tests.harness.ports import free_port
 from tests.integration.redis_fixtures import redis_server  # noqa: F401
 from tests.waiting import wait_until
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from pegaflow.client import PegaClient
-from tests.conftest import free_port
+from tests.harness.ports import free_port
 from tests.integration.test_ssd_tier import (
     NS,
     PAGE,

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from pegaflow.client import PegaClient
+from tests.harness.redis import RedisServer
 from tests.integration import redis_fixtures
-from tests.integration.meta_harness import MetaProc
-from tests.integration.redis_fixtures import RedisServer
+from tests.integration.meta_harness import start_meta
 from tests.integration.test_ssd_tier import NS, PAGE, hashes, save
 from tests.integration.test_status import status, status_json
 from tests.waiting import wait_until
@@ -22,7 +22,7 @@ redis_server = redis_fixtures.redis_server
 
 def test_cluster_view_lists_every_node_and_survives_a_dead_one(node_factory, redis_server: RedisServer,
                                                                tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    meta = MetaProc(redis_server.url, False, "m1", tmp_path / "meta.log")
+    meta = start_meta(redis_server.url, False, "m1", tmp_path / "meta.log")
     metaserver = f"127.0.0.1:{meta.port}"
     try:
         fast = ["--ceiling-publish-interval", "1"]  # the cluster ceiling's sketches, every second
@@ -98,7 +98,7 @@ def test_cluster_view_lists_every_node_and_survives_a_dead_one(node_factory, red
 
 
 def test_unreachable_metaserver_is_one_line(tmp_path: Path) -> None:
-    from tests.conftest import free_port
+    from tests.harness.ports import free_port
 
     addr = f"127.0.0.1:{free_port()}"
     r = status("--metaserver", addr, "--timeout", "2")

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PROBE = "import os; from tests.e2e.harness import vllm_rpc_dir; p = vllm_rpc_dir(); print(p, os.path.isdir(p))"
+PROBE = "import os; from tests.harness.dirs import vllm_rpc_dir; p = vllm_rpc_dir(); print(p, os.path.isdir(p))"
 
 
 def probe(env: dict[str, str]) -> tuple[str, bool]:

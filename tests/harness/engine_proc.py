@@ -1,6 +1,7 @@
-"""A vLLM engine in its own process, driven by JSON commands (used by the e2e tests).
+"""A vLLM engine in its own process, driven by JSON commands (tests/harness/engines.py's
+``EngineProc``: the e2e tests and the engine benchmarks).
 
-Run as ``python -m tests.e2e.engine_proc --model DIR [--connector pega|none] [--tp N]
+Run as ``python -m tests.harness.engine_proc --model DIR [--connector pega|none] [--tp N]
 --result-fd FD``. Commands arrive one JSON object per line on stdin; each answer is one
 JSON line written to ``FD`` (vLLM's logs go to stdout/stderr, which the test sends to a
 file). Commands:

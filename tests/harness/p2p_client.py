@@ -1,7 +1,7 @@
-"""An engine-like client process for the P2P tests, run inside a host's namespace.
+"""An engine-like client process for the P2P tests (P2PCluster.client), run inside a host's namespace.
 
-    python -m tests.integration.p2p_client save ADDR TAG N [--blocks-shape ...]
-    python -m tests.integration.p2p_client load ADDR TAG N [--timeout S]
+    python -m tests.harness.p2p_client save ADDR TAG N [--blocks-shape ...]
+    python -m tests.harness.p2p_client load ADDR TAG N [--timeout S]
 
 ``save`` writes N blocks of a seeded KV cache (the same bytes for the same TAG) and
 commits them. ``load`` queries until READY (printing each status change as a JSON line,

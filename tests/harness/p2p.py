@@ -1,5 +1,6 @@
 """A P2P cluster on one machine: redis + pegaflow-meta in the hub namespace, one real
-pegaflow-node per host namespace (tests/integration/netns.py), for tests and bench/p2p.py.
+pegaflow-node per host namespace (tests/harness/netns.py), for tests and the benchmarks
+(bench/p2p.py, p2p_ssd.py, cluster_model.py).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.integration.netns import Cluster, Host, make_cluster
+from tests.harness.netns import Cluster, Host, make_cluster
 from tests.waiting import next_line, wait_until
 
 NODE_PORT, HTTP_PORT, META_PORT, REDIS_PORT = 50055, 9091, 50056, 6379
@@ -107,9 +108,9 @@ class P2PCluster:
             p.wait(10)
 
     def client(self, i: int, *args: str, timeout: float = 120) -> dict:
-        """Run tests/integration/p2p_client.py on host i; its last JSON line."""
+        """Run tests/harness/p2p_client.py on host i; its last JSON line."""
         h = self.nodes[i].host
-        r = h.run([sys.executable, "-m", "tests.integration.p2p_client", args[0], self.nodes[i].addr, *args[1:]],
+        r = h.run([sys.executable, "-m", "tests.harness.p2p_client", args[0], self.nodes[i].addr, *args[1:]],
                   timeout=timeout)
         if r.returncode != 0:
             raise AssertionError(f"client on node-{i} failed ({r.returncode}): {r.stdout}\n{r.stderr[-3000:]}")
@@ -117,7 +118,7 @@ class P2PCluster:
 
     def client_proc(self, i: int, *args: str) -> subprocess.Popen:
         h = self.nodes[i].host
-        return self.c.spawn(h, [sys.executable, "-m", "tests.integration.p2p_client", args[0], self.nodes[i].addr,
+        return self.c.spawn(h, [sys.executable, "-m", "tests.harness.p2p_client", args[0], self.nodes[i].addr,
                                 *args[1:]], self.tmp / f"client-{i}.log", stdout=subprocess.PIPE, text=True)
 
     def holders(self, ns: str, tag: str, n: int) -> dict[str, int]:

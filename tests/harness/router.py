@@ -1,4 +1,5 @@
-"""Processes for the router's tests: ``pegaflow router`` itself and stand-in engines."""
+"""``pegaflow router`` itself and stand-in engines (tests/fakes/openai_engine.py), for the router's
+tests and bench/router.py."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from typing import Any
 
 import httpx
 
-from tests.e2e.harness import REPO, free_port, stop_group
+from tests.harness.engines import ns_http
+from tests.harness.ports import free_port
+from tests.harness.procs import REPO, stop_group
 from tests.waiting import wait_until
 
 START_TIMEOUT_S = 60.0
@@ -75,12 +78,10 @@ class RouterProc(Proc):
 
 
 class NsRouter:
-    """``pegaflow router`` in a host's network namespace (``tests.integration.netns.Host``),
+    """``pegaflow router`` in a host's network namespace (``tests.harness.netns.Host``),
     reached with ``curl`` run there (the test process stays in the root namespace)."""
 
     def __init__(self, host: Any, logs: Path, *args: str, name: str = "router") -> None:
-        from tests.e2e.harness import ns_http
-
         self.host = host
         self._http = ns_http
         self.url = f"http://{host.ip}:{free_port()}"
