@@ -95,12 +95,12 @@ def load_report() -> dict[str, Any]:
 
 
 def commit() -> str:
-    """HEAD, and whether the code the engines ran (pegaflow/, tests/e2e/) differed from it."""
+    """HEAD, and whether the code the engines ran (pegaflow/, tests/e2e/, tests/harness/) differed from it."""
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO,
                          check=False).stdout.strip() or "?"
-    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "pegaflow", "tests/e2e"], cwd=REPO,
-                           check=False).returncode != 0
-    return f"{rev} (with uncommitted changes to pegaflow/ or tests/e2e/)" if dirty else rev
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "pegaflow", "tests/e2e", "tests/harness"],
+                           cwd=REPO, check=False).returncode != 0
+    return f"{rev} (with uncommitted changes to pegaflow/, tests/e2e/ or tests/harness/)" if dirty else rev
 
 
 def write_doc(report: dict[str, Any]) -> None:
