@@ -16,14 +16,20 @@ import socket
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import hiredis
 import redis
 from redis.cluster import RedisCluster
+from redis.connection import Connection
 from redis.exceptions import NoScriptError, ResponseError
 
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
+
 Client = redis.Redis | RedisCluster
+# Replies are bytes: no client here sets decode_responses (connect() never does). redis-py
+# types them ``bytes | str``, so the code that reads them casts to bytes.
 
 
 def connect(url: str, cluster: bool = False, **kwargs: Any) -> Client:
@@ -35,7 +41,7 @@ def connect(url: str, cluster: bool = False, **kwargs: Any) -> Client:
     return redis.Redis.from_url(url, **kwargs)
 
 
-def is_cluster(r: Client) -> bool:
+def is_cluster(r: Client) -> TypeIs[RedisCluster]:
     return isinstance(r, RedisCluster)
 
 
@@ -186,11 +192,12 @@ class RawPipe:
 
     def __init__(self, r: Client, key: Any, depth: int = 2) -> None:
         self._pool = _node_client(r, key).connection_pool
-        self._conn = self._pool.get_connection()
-        self._sock = _raw_socket(self._conn)
-        if self._sock is None:
+        self._conn: Connection | None = self._pool.get_connection()
+        sock = _raw_socket(self._conn)
+        if sock is None:
             self._pool.release(self._conn)
             raise TypeError("RawPipe needs a client on a real socket (see RawPipe.supported)")
+        self._sock = sock
         self._reader = hiredis.Reader(notEnoughData=_MORE)
         self._buf = bytearray(RAW_READ_BYTES)
         self._inflight: deque[tuple[Any, int]] = deque()  # (tag, replies) sent, not yet read
@@ -307,36 +314,38 @@ def raw_round_trip(r: Client, groups: Sequence[RawGroup]) -> list[list[Any]] | N
     A socket error or timeout closes the connections and raises ``redis.ConnectionError``
     / ``redis.TimeoutError``.
     """
-    shards: dict[int, tuple[Any, Any, list[int]]] = {}  # id(pool) -> (pool, conn, group indexes)
+    # id(pool) -> (pool, conn, its socket, group indexes)
+    shards: dict[int, tuple[redis.ConnectionPool, Connection, socket.socket, list[int]]] = {}
     try:
         for i, (key, _data, _n) in enumerate(groups):
             pool = _node_client(r, key).connection_pool
             got = shards.get(id(pool))
             if got is None:
                 conn = pool.get_connection()
-                got = shards[id(pool)] = (pool, conn, [])
-                if _raw_socket(conn) is None:
+                sock = _raw_socket(conn)
+                if sock is None:
+                    pool.release(conn)
                     return None
-            got[2].append(i)
-        for _pool, conn, idx in shards.values():
+                got = shards[id(pool)] = (pool, conn, sock, [])
+            got[3].append(i)
+        for _pool, conn, sock, idx in shards.values():
             data = []
             for i in idx:
                 cmds = groups[i][1]
                 data.append(cmds if isinstance(cmds, bytes) else b"".join(conn.pack_commands([tuple(c) for c in cmds])))
-            _raw_socket(conn).sendall(b"".join(data))  # type: ignore[union-attr]
+            sock.sendall(b"".join(data))
         out: list[list[Any]] = [[] for _ in groups]
         buf = bytearray(RAW_READ_BYTES)
-        for _pool, conn, idx in shards.values():
+        for _pool, _conn, sock, idx in shards.values():
             got_replies: list[Any] = []
-            _read_replies(_raw_socket(conn), hiredis.Reader(notEnoughData=_MORE), buf,  # type: ignore[arg-type]
-                          sum(groups[i][2] for i in idx), got_replies)
+            _read_replies(sock, hiredis.Reader(notEnoughData=_MORE), buf, sum(groups[i][2] for i in idx), got_replies)
             pos = 0
             for i in idx:
                 out[i] = got_replies[pos : pos + groups[i][2]]
                 pos += groups[i][2]
         return out
     except (OSError, hiredis.ProtocolError) as exc:
-        for _pool, conn, _idx in shards.values():
+        for _pool, conn, _sock, _idx in shards.values():
             conn.disconnect()
         if is_cluster(r):  # a shard died or failed over: re-learn the topology
             r.nodes_manager.initialize()
@@ -344,7 +353,7 @@ def raw_round_trip(r: Client, groups: Sequence[RawGroup]) -> list[list[Any]] | N
             raise redis.TimeoutError(f"Redis did not answer: {exc}") from exc
         raise redis.ConnectionError(f"Redis connection lost: {exc}") from exc
     finally:
-        for pool, conn, _idx in shards.values():
+        for pool, conn, _sock, _idx in shards.values():
             pool.release(conn)
 
 

@@ -27,12 +27,15 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from pegaflow.cluster import keys
 from pegaflow.cluster.redis_conn import Client, Script, parallel
+
+if TYPE_CHECKING:
+    from redis.typing import EncodableT
 
 _NOW = "local t = redis.call('TIME') local now = t[1] * 1000 + math.floor(t[2] / 1000)\n"
 
@@ -164,7 +167,7 @@ def reap(r: Client, names: list[str]) -> list[str]:
 
 def nodes(r: Client) -> dict[str, NodeInfo]:
     out = {}
-    for k, v in r.hgetall(keys.NODES).items():
+    for k, v in cast("dict[bytes, bytes]", r.hgetall(keys.NODES)).items():
         name = k.decode()
         d = json.loads(v)
         out[name] = NodeInfo(name, int(d["nid"]), int(d["epoch"]), str(d["addr"]), int(d.get("ttl", 0)))
@@ -217,7 +220,18 @@ def visibility_commands(names: Sequence[str]) -> list[list[Any]]:
 
 
 def retired(r: Client) -> set[int]:
-    return {int(m) for m in r.zrange(keys.RETIRED, 0, -1)}
+    return {int(m) for m in cast("list[bytes]", r.zrange(keys.RETIRED, 0, -1))}
+
+
+def namespace_tags(r: Client) -> list[str]:
+    """The tags of every namespace the index holds (``keys.NAMESPACES``: tag -> namespace)."""
+    return [t.decode() for t in cast("list[bytes]", r.hkeys(keys.NAMESPACES))]
+
+
+def add_namespace_tags(r: Client, tags: Mapping[str, str]) -> None:
+    """Record ``tags`` (tag -> namespace) in ``keys.NAMESPACES``."""
+    # Cast: redis-py types ``mapping`` with an invariant key, which a Mapping[str, str] is not.
+    r.hset(keys.NAMESPACES, mapping=cast("Mapping[EncodableT, EncodableT]", tags))
 
 
 def version(r: Client) -> int:

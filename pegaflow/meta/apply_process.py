@@ -54,7 +54,7 @@ def _series(metrics: ConsumerMetrics) -> dict[str, tuple[Any, bool]]:
     out: dict[str, tuple[Any, bool]] = {}
     for s in vars(metrics).values():
         if isinstance(s, Counter | Gauge):
-            family = s.describe()[0]
+            family = next(iter(s.describe()))
             gauge = family.type == "gauge"
             out[family.name if gauge else family.name + "_total"] = (s, gauge)
     return out

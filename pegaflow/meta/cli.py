@@ -101,13 +101,13 @@ def serve_forever(r: Client, opts: MetaConfig, security: Security) -> None:
             )
         )
     if opts.index_census_interval > 0:
-        from pegaflow.cluster import keys, registry
-        from pegaflow.meta.index import Index
+        from pegaflow.cluster import registry
+        from pegaflow.meta.index import Census, Index
         from pegaflow.meta.metrics import run_census
 
-        def count():  # type: ignore[no-untyped-def]
+        def count() -> Census:
             live = set(registry.visible(r, sorted(registry.nodes(r)), opts.node_stale_secs * 1000))
-            return Index(r).census(sorted(t.decode() for t in r.hkeys(keys.NAMESPACES)), live)
+            return Index(r).census(sorted(registry.namespace_tags(r)), live)
 
         threads.append(threading.Thread(target=run_census, args=(metrics, count, stop, opts.index_census_interval),
                                         name="pf-meta-census", daemon=True))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import cast
 
 import structlog
 
@@ -55,14 +56,15 @@ def rebuild(r: Client, wait_leases: float = 30.0) -> RebuildReport:
         allowed = set(vis) | {i.nid for i in info.values()}
         scratch = Index(r, keys.REBUILD_PREFIX)
         live = Index(r)
-        tags = {t.decode() for t in r.hkeys(keys.NAMESPACES)}
+        tags = set(registry.namespace_tags(r))
         scratch.clear(tags)
         entries = blocks = malformed = 0
         new_tags: dict[str, str] = {}
         for node in sorted(info):
             start = "-"
             while True:
-                chunk = r.xrange(stream_key(node), min=start, max="+", count=XRANGE_COUNT)
+                chunk = cast("list[tuple[bytes, dict[bytes, bytes]]]",  # (entry id, fields): bytes
+                             r.xrange(stream_key(node), min=start, max="+", count=XRANGE_COUNT))
                 if not chunk:
                     break
                 updates: list[Update] = []
@@ -83,7 +85,7 @@ def rebuild(r: Client, wait_leases: float = 30.0) -> RebuildReport:
                 ms, seq = last.split("-")
                 start = f"{ms}-{int(seq) + 1}"
         if new_tags:
-            r.hset(keys.NAMESPACES, mapping=new_tags)
+            registry.add_namespace_tags(r, new_tags)
         scratch.swap_into(live, tags | set(new_tags))
         report = RebuildReport(len(info), entries, blocks, malformed, time.monotonic() - t0)
         log.info("rebuilt index", **report.__dict__)

@@ -22,6 +22,7 @@ from pegaflow.common.errors import InvalidArgument, PegaError, Unavailable, grpc
 from pegaflow.common.grpc_guard import SyncGuard
 from pegaflow.common.security import Security
 from pegaflow.common.validate import check_hashes
+from pegaflow.meta.events.schema import Tier
 from pegaflow.meta.lookup import Lookup, NodePrefix
 from pegaflow.meta.metrics import MetaMetrics
 
@@ -74,8 +75,11 @@ def check_request(namespace: str, hashes: Sequence[bytes], max_blocks: int) -> N
     check_hashes(hashes, max_blocks, "--query-max-blocks")
 
 
+_WIRE_TIER = {Tier.L1: meta_pb2.TIER_L1, Tier.SSD: meta_pb2.TIER_SSD}
+
+
 def _pb(p: NodePrefix) -> meta_pb2.NodePrefix:
-    return meta_pb2.NodePrefix(node=p.node, address=p.address, prefix_len=p.prefix_len, tier=int(p.tier),
+    return meta_pb2.NodePrefix(node=p.node, address=p.address, prefix_len=p.prefix_len, tier=_WIRE_TIER[p.tier],
                                ssd_blocks=p.ssd_blocks)
 
 

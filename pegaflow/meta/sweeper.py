@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import cast
 
 import structlog
 
@@ -45,11 +46,12 @@ def sweep_once(
         reaped = len(gone)
         # Each retired nid is swept twice: once soon after it retired, once more when it is
         # forgotten (a lagging consumer may have applied a late event of it in between).
-        retired = {int(m): int(sc) for m, sc in r.zrange(keys.RETIRED, 0, -1, withscores=True)}
-        swept = {int(m) for m in r.smembers(keys.SWEPT)}
+        scored = cast("list[tuple[bytes, float]]", r.zrange(keys.RETIRED, 0, -1, withscores=True))
+        retired = {int(m): int(sc) for m, sc in scored}
+        swept = {int(m) for m in cast("set[bytes]", r.smembers(keys.SWEPT))}
         old = {n for n, t in retired.items() if t < t0_ms - grace}
         todo = {n for n in retired if n not in swept} | old
-        tags = sorted(t.decode() for t in r.hkeys(keys.NAMESPACES))
+        tags = sorted(registry.namespace_tags(r))
         removed = Index(r).sweep(tags, todo) if todo else 0
         if todo - old:
             r.sadd(keys.SWEPT, *(todo - old))

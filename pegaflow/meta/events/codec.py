@@ -14,6 +14,7 @@ raises :class:`MalformedEvent`; it never returns a partial event.
 from __future__ import annotations
 
 import struct
+from collections.abc import Mapping
 
 from pegaflow.core.identity import HASH_BYTES
 from pegaflow.meta.events.schema import SCHEMA_VERSION, Event, Op
@@ -72,7 +73,7 @@ def decode(data: bytes) -> Event:
     return Event(node, nid, epoch, seq, o, ns, bytes(data[off + nlen + slen : end]), flags)
 
 
-def decode_entry(fields: dict) -> Event:
+def decode_entry(fields: Mapping[bytes, bytes]) -> Event:
     """Decode a stream entry's field map as returned by redis-py (bytes keys)."""
     data = fields.get(FIELD)
     if data is None:

@@ -192,7 +192,7 @@ class Consumer:
                 self._release(next(iter(self.streams)))
         self._retired = registry.retired(self.r)
         # Reloaded, not just cached: Redis may have restarted empty.
-        self._known_tags = {t.decode() for t in self.r.hkeys(keys.NAMESPACES)}
+        self._known_tags = set(registry.namespace_tags(self.r))
         self.metrics.streams_owned.set(len(self.streams))
 
     def _release(self, node: str) -> None:
@@ -302,7 +302,7 @@ class Consumer:
                     out.append((st, entries))
         return out
 
-    def _apply(self, st: _Stream, entries: Sequence[tuple[bytes, dict]]) -> None:
+    def _apply(self, st: _Stream, entries: Sequence[tuple[bytes, dict[bytes, bytes]]]) -> None:
         updates: list[Update] = []
         switches: list[Event] = []
         new_tags: dict[str, str] = {}
@@ -344,7 +344,7 @@ class Consumer:
             if ev.op == Op.SNAPSHOT and ev.last:
                 switches.append(ev)
         if new_tags:
-            self.r.hset(keys.NAMESPACES, mapping=new_tags)
+            registry.add_namespace_tags(self.r, new_tags)
             self._known_tags.update(new_tags)
         if updates:
             if not self._still_owner(st):
