@@ -25,12 +25,14 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
 import grpc
 import structlog
 import torch
+from google.protobuf.message import Message
 
 from pegaflow._proto import node_pb2, node_pb2_grpc
 from pegaflow.client.populate import map_lazily
@@ -283,6 +285,14 @@ def _recv_exactly(s: socket.socket, n: int) -> bytes:
 
 
 _STATUS_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+class _EventStream(Protocol):
+    """The Session RPC's answer: the node's events, until either side cancels."""
+
+    def __iter__(self) -> Iterator[node_pb2.SessionEvent]: ...
+    def cancel(self) -> bool: ...
+
 _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
 
@@ -329,7 +339,7 @@ class PegaClient:
         self._namespaces: dict[str, int] = {}
         self._session_id = 0
         self._bound: _Bound | None = None
-        self._stream: grpc.Future | None = None
+        self._stream: _EventStream | None = None
         self._mapping: _Mapping | None = None
         self.epoch = 0
         self.node_id = ""
@@ -395,9 +405,9 @@ class PegaClient:
         log.info("registered", node=self.node_id, epoch=self.epoch, session=self._session_id,
                  pool_bytes=resp.pool_bytes, transport="local" if local else "grpc")
 
-    def _drain(self, stream: grpc.Future) -> None:
+    def _drain(self, stream: _EventStream) -> None:
         try:
-            for ev in stream:  # type: ignore[attr-defined]
+            for ev in stream:
                 if (ev.blocks or ev.dropped_hashes) and self.on_blocks is not None:
                     try:
                         self.on_blocks([BlockEvents(b.namespace, _MEDIUM.get(b.medium, ""), b.stored, list(b.hashes))
@@ -463,7 +473,8 @@ class PegaClient:
                 if unreachable:
                     self._unreachable = True
 
-    def _call(self, method: str, request, b: _Bound | None, retry_session: bool = True):  # type: ignore[no-untyped-def]
+    # Any: the response message of ``method``, a protobuf class looked up by the method's name.
+    def _call(self, method: str, request: Message, b: _Bound | None, retry_session: bool = True) -> Any:
         """One unary call under registration ``b`` (``None``: Register, over gRPC), over ``b``'s
         local socket if it has one. Failures map alike for both transports."""
         if b is not None and b.local is not None:
@@ -485,7 +496,7 @@ class PegaClient:
             try:
                 return getattr(stub, method)(request, timeout=self.timeout)
             except grpc.RpcError as exc:
-                code, details = exc.code(), exc.details()  # type: ignore[attr-defined]
+                code, details = exc.code(), str(exc.details())
         if code in _UNREACHABLE:
             self._lost(b, unreachable=True)
             raise NodeUnavailable(f"node {self.addr}: {details}")
@@ -494,7 +505,9 @@ class PegaClient:
             raise _SessionLost(details)
         raise NodeError(code, details)
 
-    def _with_session(self, make_request, method: str, reregister_ok: bool = True):  # type: ignore[no-untyped-def]
+    def _with_session(
+        self, make_request: Callable[[int], Message], method: str, reregister_ok: bool = True
+    ) -> tuple[Any, _Bound]:  # Any: as _call's
         """Run RPC ``method`` under the current session; register again once if the node
         restarted. Returns ``(response, registration used)``."""
         b = self._ensure_session()
@@ -563,7 +576,7 @@ class PegaClient:
             lambda sid: node_pb2.ResetRequest(session_id=sid, namespaces=list(namespaces)), "Reset")
         return ResetResult(resp.dropped_blocks, resp.busy_blocks, resp.ssd_blocks)
 
-    def _send_async(self, method: str, make_request) -> None:  # type: ignore[no-untyped-def]
+    def _send_async(self, method: str, make_request: Callable[[int], Message]) -> None:
         """Fire an RPC whose answer the caller does not need; failures are logged (by the
         node, for the local socket), and a lost session is noticed by the next synchronous call."""
         with self._lock:

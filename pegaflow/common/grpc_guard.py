@@ -21,7 +21,7 @@ from __future__ import annotations
 import hmac
 import inspect
 import os
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -184,21 +184,26 @@ def _kind(handler: Any) -> str:
 def _rejecting(handler: Any, code: grpc.StatusCode, message: str, aio: bool) -> Any:
     """A handler of the same shape that answers ``code`` without touching the request."""
     kind = _kind(handler)
+    streams = kind.endswith("_stream")
+    behavior: Callable[[Any, Any], Any]
     if aio:
-        async def unary(request: Any, context: Any) -> Any:
+        async def aio_unary(request: Any, context: Any) -> None:
             await context.abort(code, message)
 
-        async def stream(request: Any, context: Any) -> Any:
+        async def aio_stream(request: Any, context: Any) -> AsyncIterator[None]:
             await context.abort(code, message)
             yield  # pragma: no cover - abort raises
+
+        behavior = aio_stream if streams else aio_unary
     else:
-        def unary(request: Any, context: Any) -> Any:  # type: ignore[misc]
+        def sync_unary(request: Any, context: Any) -> None:
             context.abort(code, message)
 
-        def stream(request: Any, context: Any) -> Any:  # type: ignore[misc]
+        def sync_stream(request: Any, context: Any) -> Iterator[None]:
             context.abort(code, message)
             yield  # pragma: no cover - abort raises
-    behavior = stream if kind.endswith("_stream") else unary
+
+        behavior = sync_stream if streams else sync_unary
     return handler._replace(**{kind: behavior, "request_deserializer": _safe(handler.request_deserializer)})
 
 

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import struct
 
+from google.protobuf.message import Message
+
 from pegaflow._proto import node_pb2
 
 REQUEST_HEADER = struct.Struct("<IBB")
@@ -46,7 +48,7 @@ MAX_FRAME = 64 << 20
 
 # Method number on the wire -> (name, request type, response type). Register, Session,
 # Health and Stats stay gRPC-only: the session stream is the node's liveness signal.
-METHODS: dict[int, tuple[str, type, type]] = {
+METHODS: dict[int, tuple[str, type[Message], type[Message]]] = {
     1: ("Query", node_pb2.QueryRequest, node_pb2.QueryResponse),
     2: ("Reserve", node_pb2.ReserveRequest, node_pb2.ReserveResponse),
     3: ("Commit", node_pb2.CommitRequest, node_pb2.CommitResponse),  # also Abort (abort=True)

@@ -120,12 +120,20 @@ class OriginalNames(Collector):
         return [self._family(a.name, a.kind, a.doc, a.labels) for a in self.aliases]
 
     @staticmethod
-    def _family(name: str, kind: str, doc: str, labels: tuple[str, ...]) -> Metric:
+    def _family(
+        name: str, kind: Kind, doc: str, labels: tuple[str, ...]
+    ) -> CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily:
+        if kind == "histogram":
+            return HistogramMetricFamily(name, doc, labels=labels)
+        return OriginalNames._scalar(name, kind, doc, labels)
+
+    @staticmethod
+    def _scalar(
+        name: str, kind: Literal["counter", "gauge"], doc: str, labels: tuple[str, ...]
+    ) -> CounterMetricFamily | GaugeMetricFamily:
         if kind == "counter":
             return CounterMetricFamily(name, doc, labels=labels)
-        if kind == "gauge":
-            return GaugeMetricFamily(name, doc, labels=labels)
-        return HistogramMetricFamily(name, doc, labels=labels)
+        return GaugeMetricFamily(name, doc, labels=labels)
 
     def __init__(self, registry: CollectorRegistry, aliases: Iterable[Alias | ValueAlias]) -> None:
         self.registry = registry
@@ -161,12 +169,13 @@ class OriginalNames(Collector):
         read = self._read_sources()
         known = self.registry._names_to_collectors  # noqa: SLF001 - is a source registered at all?
         for a in self.aliases:
-            fam = self._family(a.name, a.kind, a.doc, a.labels)
             if isinstance(a, ValueAlias):
+                scalar = self._scalar(a.name, a.kind, a.doc, a.labels)
                 for values, v in a.values():
-                    fam.add_metric(list(values), v)
-                yield fam
+                    scalar.add_metric(list(values), v)
+                yield scalar
                 continue
+            fam = self._family(a.name, a.kind, a.doc, a.labels)
             sums: dict[tuple[str, ...], float] = {key: 0.0 for key in a.fixed}
             buckets: dict[tuple[str, ...], dict[str, float]] = {}
             hsum: dict[tuple[str, ...], float] = {}
@@ -191,7 +200,7 @@ class OriginalNames(Collector):
                     b[le] = b.get(le, 0.0) + value
                 elif sample.endswith("_sum"):
                     hsum[key] = hsum.get(key, 0.0) + value
-            if a.kind == "histogram":
+            if isinstance(fam, HistogramMetricFamily):  # a.kind == "histogram"
                 for key, b in buckets.items():
                     fam.add_metric(list(key), sorted(b.items(), key=lambda kv: _le_key(kv[0])), hsum.get(key, 0.0))
             else:

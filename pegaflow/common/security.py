@@ -205,9 +205,12 @@ class OwnToken:
 class SecurityOptions(Protocol):
     """The options a server's security comes from (both commands' configs have them)."""
 
-    auth_token_file: str
-    tls_cert: str
-    tls_key: str
+    @property
+    def auth_token_file(self) -> str: ...
+    @property
+    def tls_cert(self) -> str: ...
+    @property
+    def tls_key(self) -> str: ...
 
 
 class SecurityError(ValueError):
@@ -292,7 +295,7 @@ class Security:
 
 
 class _Details(grpc.ClientCallDetails):
-    def __init__(self, d: Any, metadata: Sequence[tuple[str, str]]) -> None:
+    def __init__(self, d: grpc.ClientCallDetails, metadata: tuple[tuple[str, str | bytes], ...]) -> None:
         self.method, self.timeout, self.credentials = d.method, d.timeout, d.credentials
         self.wait_for_ready, self.compression = d.wait_for_ready, getattr(d, "compression", None)
         self.metadata = metadata
@@ -306,7 +309,7 @@ class _SyncToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterce
     def __init__(self, md: _Source) -> None:
         self.md = md
 
-    def _with(self, d: Any) -> _Details:
+    def _with(self, d: grpc.ClientCallDetails) -> _Details:
         return _Details(d, (*tuple(d.metadata or ()), *self.md()))
 
     def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:

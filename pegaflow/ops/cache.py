@@ -50,7 +50,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+    # The parents are _Parsers too: add_parser takes parents of the subparsers' own class.
+    common = _Parser(add_help=False)
     common.add_argument("--addr", default=os.environ.get("PEGAFLOW_ADDR") or DEFAULT_ADDR,
                         help=f"the node's gRPC address (default $PEGAFLOW_ADDR, else {DEFAULT_ADDR})")
     common.add_argument("--auth-token-file", default="",
@@ -59,7 +60,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     common.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the answer (default 10)")
     common.add_argument("--json", action="store_true", help="print the answer as JSON")
 
-    blocks = argparse.ArgumentParser(add_help=False)
+    blocks = _Parser(add_help=False)
     blocks.add_argument("--namespace", "-n", required=True, help="the namespace (as /instances or status list it)")
     src = blocks.add_mutually_exclusive_group(required=True)
     src.add_argument("--tokens", help="a prompt's token ids, comma- or space-separated; hashed as the connector "

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import gzip
+import io
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO
 
 
-def open_trace(path: str | Path) -> IO[bytes]:
+def open_trace(path: str | Path) -> gzip.GzipFile | io.BufferedReader:
     """Open a trace file for reading bytes; ``.gz`` files are decompressed."""
     p = Path(path)
     return gzip.open(p, "rb") if p.suffix == ".gz" else open(p, "rb")

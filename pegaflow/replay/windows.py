@@ -92,7 +92,7 @@ def ceiling_report(
     per_window = {w: _window_index(rel, w, buckets) for w in (est.windows if est else ())}
     rows: list[WindowRow] = []
     hll: dict[tuple[float, int], float] = {}
-    current = {w: None for w in per_window}
+    current: dict[float, int | None] = {w: None for w in per_window}
     for k in order.tolist():
         r = reqs[k]
         t = float(rel[k])
@@ -105,9 +105,9 @@ def ceiling_report(
                 current[w] = j
             est.observe(r.ids, int(hits[k]), now=t)
         whole.observe(r.ids, int(hits[k]), now=t)
-    for w, cur in current.items():
-        if cur is not None:
-            hll[(w, cur)] = _read(est, w, cur, buckets)  # type: ignore[arg-type]
+    for w, cur in current.items():  # empty without an estimator
+        if cur is not None and est is not None:
+            hll[(w, cur)] = _read(est, w, cur, buckets)
 
     for w, idx in per_window.items():
         # Only windows that hold requests are counted (dense numbering): a trace spanning
