@@ -110,9 +110,12 @@ _NS = attrgetter("ns")
 class PageAllocator(Protocol):
     """What the index needs from an allocator (``ExtentAllocator`` is the node's)."""
 
-    capacity: int
-    free_bytes: int
-
+    @property
+    def capacity(self) -> int: ...
+    @property
+    def free_bytes(self) -> int: ...
+    @property
+    def align(self) -> int: ...  # every page starts at a multiple of it
     @property
     def used_bytes(self) -> int: ...  # allocated pages
     def round(self, size: int) -> int: ...

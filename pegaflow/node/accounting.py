@@ -82,7 +82,7 @@ class RequestAccounting:
         if req_id:
             if self._seen.seen(req_id):
                 return False
-            stages = self._loading.pop(req_id, None) or []
+            stages = self._loading.pop(req_id, [])
         if self.metrics is not None:
             self._count_outcomes(len(hashes), hit, stages)
         salt = self._salts.get(namespace)

@@ -141,10 +141,10 @@ class NodeAdmin:
         new = []
         for h in pin.hashes:
             if h not in pin.held:
-                b = self.index.get(ns, h)
-                if b is not None:
-                    pin.held[h] = b
-                    new.append(b)
+                got = self.index.get(ns, h)
+                if got is not None:
+                    pin.held[h] = got
+                    new.append(got)
         if new:
             self.index.pin(new)
 

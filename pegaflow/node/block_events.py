@@ -95,7 +95,7 @@ class BlockEventFeed:
         if ns.id in self._by_ns:
             self._push(ns, SSD, False, hashes)
 
-    def _push(self, ns: Namespace, medium: int, stored: bool, hashes: Sequence[bytes]) -> None:
+    def _push(self, ns: Namespace, medium: node_pb2.Medium, stored: bool, hashes: Sequence[bytes]) -> None:
         ev = node_pb2.BlockEvent(namespace=ns.name, medium=medium, stored=stored, hashes=list(hashes))
         for w in self._by_ns[ns.id]:
             w.batches.append(ev)

@@ -11,6 +11,7 @@ import socket
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import grpc
 import structlog
@@ -58,6 +59,9 @@ from pegaflow.node.tiers.ssd import SsdError, open_tier
 from pegaflow.node.transports.unix_socket import LocalServer, LocalSocketError
 from pegaflow.policy.quota import Quotas
 from pegaflow.policy.tinylfu import TinyLFU
+
+if TYPE_CHECKING:  # imported where it starts: it brings in redis
+    from pegaflow.node.publishing import EventPublisher
 
 log = structlog.get_logger("pegaflow.node")
 
@@ -189,7 +193,7 @@ class Node:
         self.server: grpc.aio.Server | None = None
         self.local: LocalServer | None = None  # the Unix-socket fast path (--local-socket)
         self.http: HttpEndpoint | None = None
-        self.publisher = None  # global-index event publisher (node/publishing.py, in the pegaflow.meta.events contract), with --redis-url
+        self.publisher: EventPublisher | None = None  # global-index event publisher (node/publishing.py, in the pegaflow.meta.events contract), with --redis-url
         self.otel: otel.OtelExport | None = None
         self._sketches: asyncio.Task[None] | None = None
         self._joining: asyncio.Task[None] | None = None  # asking the metaserver for its Redis
@@ -237,8 +241,8 @@ class Node:
         node_pb2_grpc.add_PegaNodeServicer_to_server(self.service, server)
         hs = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(hs, server)
-        names = (node_pb2.DESCRIPTOR.services_by_name["PegaNode"].full_name, health.SERVICE_NAME,
-                 reflection.SERVICE_NAME)
+        names: tuple[str, ...] = (node_pb2.DESCRIPTOR.services_by_name["PegaNode"].full_name,
+                                  health.SERVICE_NAME, reflection.SERVICE_NAME)
         if self.p2p is not None:
             names = (*names, self.p2p.add_to_server(server))
         reflection.enable_server_reflection(names, server)

@@ -139,7 +139,7 @@ class NodeMetrics:
              "Bytes of the blocks evicted from L1 to make room (their pages are freed at once)."),
         ):
             self._fn_counters[key] = lambda: 0
-            r.register(_FnCounter(name, doc, lambda key=key: self._fn_counters[key]()))
+            r.register(_FnCounter(name, doc, self._fn_counter(key)))
         for tier in ("l1", "ssd", "remote"):  # export zeros, so dashboards see every tier
             self.hits.labels(tier)
         self.evictions.labels("l1")
@@ -166,16 +166,26 @@ class NodeMetrics:
         r.register(_LoadPins(lambda: self._load_pins()))
         OriginalNames(r, original_aliases(self))
 
-    def bind(self, **sources: Callable[[], float]) -> None:
+    def _fn_counter(self, key: str) -> Callable[[], float]:
+        """Reads ``_fn_counters[key]`` at scrape time (the function bound last)."""
+        return lambda: self._fn_counters[key]()
+
+    def bind(
+        self,
+        *,
+        evictions_by_class: Callable[[], tuple[int, int]] | None = None,  # (evictions, of them reclaimable)
+        load_pins: Callable[[], tuple[int, int, int, int]] | None = None,  # Sessions.load_pins
+        **sources: Callable[[], float],
+    ) -> None:
         """Compute state gauges (and the index's counters: ``admission_rejections``,
         ``evicted_bytes``) at scrape time: ``bind(pool_used=lambda: ...)``."""
+        if evictions_by_class is not None:
+            self._by_class = evictions_by_class
+        if load_pins is not None:
+            self._load_pins = load_pins
         for name, fn in sources.items():
             if name in self._fn_counters:
                 self._fn_counters[name] = fn
-            elif name == "evictions_by_class":  # () -> (evictions, of them reclaimable)
-                self._by_class = fn  # type: ignore[assignment]
-            elif name == "load_pins":
-                self._load_pins = fn  # type: ignore[assignment]
             else:
                 getattr(self, name).set_function(fn)
 

@@ -402,7 +402,7 @@ class EventPublisher:
         total = 0
         for item in snap:
             ns, hashes = item[0], item[1]
-            flags = FLAG_SSD if len(item) > 2 and item[2] == Tier.SSD else 0  # type: ignore[misc]
+            flags = FLAG_SSD if len(item) > 2 and item[2] == Tier.SSD else 0
             for j in range(0, len(hashes), self.batch_blocks):
                 chunk = hashes[j : j + self.batch_blocks]
                 entries.append(self._event(Op.SNAPSHOT, ns, b"".join(chunk), flags))

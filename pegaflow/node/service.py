@@ -30,6 +30,7 @@ from typing import Any, Protocol, TypeVar
 
 import grpc
 import structlog
+from google.protobuf.message import Message
 
 from pegaflow._proto import node_pb2, node_pb2_grpc
 from pegaflow.common.errors import InvalidArgument, PegaError, grpc_code
@@ -44,6 +45,8 @@ from pegaflow.node.idle import DataPathIdle
 from pegaflow.node.metrics import NodeMetrics
 from pegaflow.node.numa import engine_node
 from pegaflow.node.sessions import Session, Sessions
+
+_Session = Session  # in NodeService's body the name Session is the RPC method
 
 log = structlog.get_logger("pegaflow.node")
 # A client can send any number of bad requests: one line per method, transport and 10 s.
@@ -178,6 +181,10 @@ class RemoteTier(Protocol):
         """Start pulling what follows the first ``hit`` blocks from peers; False if no peer has it."""
         ...
 
+    def expected(self, nss: Sequence[Namespace], hashes: Sequence[bytes], hit: int) -> int:
+        """The prefix length once the pulls in flight land (the LOADING answer's ``expected_blocks``)."""
+        ...
+
     def leased(self, blocks: Sequence[Block]) -> None:
         """These blocks were leased: pulled ones need not be held for the engine any longer."""
         ...
@@ -264,7 +271,7 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         # costs a lock and a tuple on every RPC.
         self._latency: dict[tuple[str, str, str], Any] = {}
         # Wire method number -> (request type, handler) for pegaflow.node.transports.unix_socket.
-        self.local_methods: dict[int, tuple[type, Handler]] = {
+        self.local_methods: dict[int, tuple[type[Message], Handler]] = {
             mid: (req_type, getattr(self, name.lower())) for mid, (name, req_type, _) in LOCAL_METHODS.items()
         }
 
@@ -437,7 +444,7 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
             return self._query_peers(s, request, nss, hashes, hit)  # the one path that waits
         return self._answer(s, request, nss, hashes, per_ns, hit)
 
-    async def _query_peers(self, s: Session, request: node_pb2.QueryRequest, nss: list[Namespace],
+    async def _query_peers(self, s: _Session, request: node_pb2.QueryRequest, nss: list[Namespace],
                            hashes: list[bytes], hit: int) -> node_pb2.QueryResponse:
         """A local miss on a node with peers: ask the metaserver (awaited), then answer."""
         assert self.remote is not None
@@ -452,7 +459,7 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         per_ns = [self.index.prefix(ns, hashes, touch=False) for ns in nss]
         return self._answer(s, request, nss, hashes, per_ns, min(len(p) for p in per_ns))
 
-    def _answer(self, s: Session, request: node_pb2.QueryRequest, nss: list[Namespace], hashes: list[bytes],
+    def _answer(self, s: _Session, request: node_pb2.QueryRequest, nss: list[Namespace], hashes: list[bytes],
                 per_ns: list[list[Block]], hit: int) -> node_pb2.QueryResponse:
         """READY with the first ``hit`` blocks of each namespace (leased if asked), counted."""
         pages = [node_pb2.NamespaceOffsets(namespace=ns.name, offsets=[b.offset for b in p[:hit]])

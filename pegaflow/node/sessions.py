@@ -28,7 +28,7 @@ from __future__ import annotations
 import itertools
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 
 from pegaflow.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
@@ -126,7 +126,7 @@ class Sessions:
         self._closed: dict[int, str] = {}
         self._ids = RandomIds()
 
-    def _new_id(self, taken: dict[int, object]) -> int:
+    def _new_id(self, taken: Container[int]) -> int:
         while True:
             i = self._ids.next()
             if i and i not in taken and i not in self._closed:
@@ -293,9 +293,9 @@ class Sessions:
                  if not s.streamed and s.streams == 0 and now - s.created >= self.session_open_timeout]
         freed_r = freed_l = 0
         for s in stale:
-            r, n = self.close(s.id)
-            freed_r += r
-            freed_l += n
+            nr, nl = self.close(s.id)
+            freed_r += nr
+            freed_l += nl
         late_r = [r for r in self.reservations.values() if not r.overdue and r.expires <= now]
         for r in late_r:
             r.overdue = True

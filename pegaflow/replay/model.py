@@ -83,11 +83,12 @@ class UniformAllocator:
     ``free_bytes + allocated == capacity``. A page larger than the slot is refused.
     """
 
-    __slots__ = ("page", "capacity", "free_bytes", "_next", "_free")
+    __slots__ = ("align", "page", "capacity", "free_bytes", "_next", "_free")
 
     def __init__(self, capacity: int, page_bytes: int, align: int = 1) -> None:
         if page_bytes <= 0:
             raise ValueError(f"page_bytes must be > 0, got {page_bytes}")
+        self.align = align
         self.page = (page_bytes + align - 1) // align * align
         self.capacity = capacity - capacity % self.page
         self.free_bytes = self.capacity

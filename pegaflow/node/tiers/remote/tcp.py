@@ -31,7 +31,7 @@ import struct
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 import structlog
 
@@ -63,8 +63,9 @@ class Page(Protocol):
     def size(self) -> int: ...
 
 
+P = TypeVar("P", bound=Page)  # the pin table's page (a Block), handed back to checksum_of
 # (pin_id, start, count) -> the pin's pages with the pin marked busy, or an error status
-Acquire = Callable[[int, int, int], "Sequence[Page] | int"]
+Acquire = Callable[[int, int, int], "Sequence[P] | int"]
 Release = Callable[[int], None]
 
 
@@ -106,7 +107,7 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
         got += r
 
 
-class TcpDataServer:
+class TcpDataServer(Generic[P]):
     """The node's data port. Serves pages of live pins to any puller that names the pin.
 
     ``acquire`` and ``release`` come from the pin table and ``checksum_of`` (a page's
@@ -114,9 +115,9 @@ class TcpDataServer:
     from this server's threads. Everything else here touches no node state.
     """
 
-    def __init__(self, addr: str, pool_fd: int, pool_view: memoryview, acquire: Acquire, release: Release,
+    def __init__(self, addr: str, pool_fd: int, pool_view: memoryview, acquire: Acquire[P], release: Release,
                  on_sent: Callable[[int], None] | None = None,
-                 checksum_of: Callable[[Page], int] | None = None) -> None:
+                 checksum_of: Callable[[P], int] | None = None) -> None:
         host, port = split_host_port(addr)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
@@ -127,7 +128,7 @@ class TcpDataServer:
         self.pool_fd = pool_fd
         self.view = pool_view
         self.sendfile = sendfile_works(pool_fd)
-        self.checksum_of: Callable[[Page], int] = checksum_of or (
+        self.checksum_of: Callable[[P], int] = checksum_of or (
             lambda p: page_checksum(pool_view[p.offset:p.offset + p.size]))
         self.acquire = acquire
         self.release = release
@@ -186,7 +187,7 @@ class TcpDataServer:
                 self._conns.discard(conn)
             conn.close()
 
-    def _send_pages(self, conn: socket.socket, pages: Sequence[Page]) -> None:
+    def _send_pages(self, conn: socket.socket, pages: Sequence[P]) -> None:
         out, fd, checksum_of = conn.fileno(), self.pool_fd, self.checksum_of
         sums = []
         total = 0
