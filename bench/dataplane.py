@@ -60,6 +60,7 @@ sys.path.insert(0, str(ROOT))
 from bench.common import cpu_seconds, scrape  # noqa: E402
 from tests.harness import wait_until  # noqa: E402
 from tests.harness.node import Node  # noqa: E402
+from tests.harness.redis import RedisServer, start_server  # noqa: E402
 
 BLOCKS = 64
 NS = "dataplane"
@@ -332,19 +333,11 @@ class Background:
             t.join(timeout=10)
 
 
-def start_redis(tmp: Path) -> tuple[str, list[str]]:
-    """A redis-server of infra/redis/ on a free port; (url, the command that stops it)."""
+def start_redis(tmp: Path) -> RedisServer:
+    """A redis-server of infra/redis/ on a free port (tests/harness/redis.py)."""
     if not shutil.which("redis-server"):
         raise SystemExit("dataplane: redis-server is not installed (Debian package redis-server)")
-    from tests.harness.ports import free_port_range
-    from tests.harness.redis import INFRA
-
-    script = str(INFRA / "redis-standalone.sh")
-    for _ in range(5):
-        port = free_port_range(1)
-        if subprocess.run([script, "start", str(tmp), str(port)], capture_output=True).returncode == 0:
-            return f"redis://127.0.0.1:{port}/0", [script, "stop", str(tmp), str(port)]
-    raise SystemExit("dataplane: could not start redis-server")
+    return start_server(tmp)
 
 
 def profile(args: argparse.Namespace, pid: int, mode: str) -> subprocess.Popen | None:
@@ -536,18 +529,18 @@ def main() -> None:
     ap.add_argument("--summary", type=Path, help="write the figures as JSON (python -m bench)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="pf-bench-dataplane-"))
-    url, stop_redis = start_redis(tmp / "redis")
+    redis = start_redis(tmp / "redis")
     modes: dict[str, list[dict]] = {"off": [], "on": []}
     try:
         for rnd in range(args.rounds):
             for mode in ("off", "on"):
-                w = window(args, mode == "on", tmp, url)
+                w = window(args, mode == "on", tmp, redis.url)
                 modes[mode].append(w)
                 print(f"round {rnd + 1} background {mode}: Query p99 "
                       f"{percentiles(w['lat']['query'])['p99']:.0f} µs, {w['requests_per_s']:.0f} requests/s, "
                       f"node CPU {w['node_cpu_s'] / w['seconds']:.2f} cores, background {w['background']}", flush=True)
     finally:
-        subprocess.run(stop_redis, capture_output=True)
+        redis.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     off, on = summarize(modes["off"]), summarize(modes["on"])
     res: dict = {"off": off, "on": on, "engines": args.engines, "rate_per_engine": args.rate,

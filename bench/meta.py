@@ -26,10 +26,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,9 +37,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import grpc  # noqa: E402
 
-from pegaflow._proto import meta_pb2, meta_pb2_grpc  # noqa: E402
+from pegaflow._proto import meta_pb2  # noqa: E402
 from pegaflow.cluster import registry  # noqa: E402
 from pegaflow.cluster.keys import stream_key  # noqa: E402
 from pegaflow.cluster.redis_conn import Client, connect, is_cluster  # noqa: E402
@@ -53,28 +50,10 @@ from pegaflow.meta.events.streams import GROUP  # noqa: E402
 from pegaflow.meta.index import Index  # noqa: E402
 from pegaflow.meta.lookup import Lookup  # noqa: E402
 
-INFRA = ROOT / "infra" / "redis"
 NODES = 8
 PREFIX = 128
 NAMESPACES = ["bench-model-a|fp16|bs16|tp1", "bench-model-b|fp16|bs16|tp1"]
 ENTRY = 512
-
-
-def free_base(n: int, bus: bool) -> int:
-    for _ in range(200):
-        base = random.randrange(20000, 30000)
-        ports = list(range(base, base + n)) + ([p + 10000 for p in range(base, base + n)] if bus else [])
-        ok = True
-        for p in ports:
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no free ports")
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -284,23 +263,19 @@ def query_latency(r: Client, reqs, expect, n: int) -> tuple[float, float, int]:
     return pct(lat, 0.5), pct(lat, 0.99), checked
 
 
-def grpc_latency(url: str, cluster: bool, reqs, n: int, load=None) -> dict:
+def grpc_latency(url: str, cluster: bool, logs: Path, reqs, n: int, load=None) -> dict:
     """QueryPrefix through a real ``pegaflow-meta`` (p50 / p99, µs), each call followed by a
     GetClusterConfig on the same server (an answer from memory: the gRPC round trip this
     host gives at that moment, the floor of a QueryPrefix). With ``load`` (writes a backlog of
     events, returns its block updates): again while that server's consumer applies it at
     full rate, counted only while the backlog lasts; its apply rate is reported too."""
-    port = free_base(1, False)
-    args = [sys.executable, "-m", "pegaflow.meta.cli", "--redis-url", url, "--addr", f"127.0.0.1:{port}",
-            "--http-addr", "off", "--sweep-interval", "0", "--log-level", "warning"]  # fmt: skip
-    if cluster:
-        args.append("--redis-cluster")
-    proc = subprocess.Popen(args, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    from tests.harness.meta import MetaServer
+
+    meta = MetaServer(url, logs / "meta.log", cluster=cluster,
+                      extra=["--sweep-interval", "0", "--log-level", "warning"]).start()
     out: dict = {}
     try:
-        ch = grpc.insecure_channel(f"127.0.0.1:{port}")
-        grpc.channel_ready_future(ch).result(timeout=30)
-        stub = meta_pb2_grpc.MetaServiceStub(ch)
+        stub = meta.stub
         rng = random.Random(4)
 
         def one() -> tuple[float, float]:
@@ -334,30 +309,18 @@ def grpc_latency(url: str, cluster: bool, reqs, n: int, load=None) -> dict:
             out["loaded_queries"] = len(lat2)
             out["loaded_grpc_query_p50_us"], out["loaded_grpc_query_p99_us"] = pct(lat2, 0.5) * 1e6, pct(lat2, 0.99) * 1e6
             out["loaded_grpc_floor_p99_us"] = pct(floor2, 0.99) * 1e6
-        ch.close()
         return out
     finally:
-        proc.terminate()
-        proc.wait(10)
+        meta.stop()
 
 
 def run_backend(cluster: bool, blocks: int, queries: int) -> dict:
     from tests.harness.dirs import temp_dir_removed_at_exit
+    from tests.harness.redis import start_cluster, start_server
 
-    tmp = temp_dir_removed_at_exit("pf-bench-meta-")
-    if cluster:
-        base = free_base(6, True)
-        subprocess.run(
-            [str(INFRA / "redis-cluster.sh"), "start", tmp, str(base)], check=True, capture_output=True
-        )
-        stop = [str(INFRA / "redis-cluster.sh"), "stop", tmp, str(base)]
-    else:
-        base = free_base(1, False)
-        subprocess.run(
-            [str(INFRA / "redis-standalone.sh"), "start", tmp, str(base)], check=True, capture_output=True
-        )
-        stop = [str(INFRA / "redis-standalone.sh"), "stop", tmp, str(base)]
-    url = f"redis://127.0.0.1:{base}/0"
+    tmp = Path(temp_dir_removed_at_exit("pf-bench-meta-"))
+    redis = start_cluster(tmp / "redis") if cluster else start_server(tmp / "redis")
+    url = redis.url
     try:
         r = connect(url, cluster, socket_timeout=60)
         out: dict = {"backend": "cluster (3 masters + 3 replicas)" if cluster else "standalone"}
@@ -385,11 +348,11 @@ def run_backend(cluster: bool, blocks: int, queries: int) -> dict:
         out["query_p50_us"], out["query_p99_us"], out["queries_checked"] = q50 * 1e6, q99 * 1e6, checked
         # The same events again (inserts of blocks already held: the index does not change,
         # so the answers stay what they were) plus fresh churn, applied while queried.
-        out.update(grpc_latency(url, cluster, reqs, queries,
+        out.update(grpc_latency(url, cluster, tmp, reqs, queries,
                                 load=lambda: write_streams(r, held, churn=0.1, seed=5, nids=nids, seqs=seqs)))
         return out
     finally:
-        subprocess.run(stop, capture_output=True)
+        redis.stop()
 
 
 def report(res: dict) -> str:
