@@ -39,7 +39,7 @@ from pegaflow.core.hosts import join_host_port, split_host_port
 
 log = structlog.get_logger("pegaflow.http")
 
-STOP_TIMEOUT_S = 5.0  # uvicorn's graceful end: open scrapes finish, then the thread ends
+STOP_TIMEOUT_S = 5  # uvicorn's graceful end (whole seconds): open scrapes finish, then the thread ends
 SLICE_S = 0.0003  # a paced render (Renders(pause=...)) renders this long between two pauses
 
 

@@ -11,16 +11,52 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, TypedDict
 
 from pegaflow.config.capacity import KV_AWARE, Capacity
 from pegaflow.core.trace import Trace
 from pegaflow.core.units import format_size
 from pegaflow.replay.model import ISOLATED, SHARED
 from pegaflow.replay.run import RunResult
-from pegaflow.replay.windows import CeilingReport
+from pegaflow.replay.windows import CeilingReport, WindowRow
+
+if TYPE_CHECKING:  # matplotlib is imported by plot() only (pegaflow[plot])
+    from matplotlib.typing import ColorType
 
 # Per window length, the table lists at most this many windows (the JSON has all).
 MAX_WINDOW_ROWS = 12
+
+
+class Comparison(TypedDict):
+    """Shared vs isolated pools for one admission setting and route (JSON: ``shared_vs_isolated``)."""
+
+    admission: str
+    route: str
+    instances: int
+    shared_hit_rate: float
+    isolated_hit_rate: float
+    shared_token_hit_rate: float
+    isolated_token_hit_rate: float
+    gain: float  # shared - isolated hit rate
+
+
+class Curve(TypedDict):
+    """One scenario over the sweep capacities, in order (JSON: ``sweep``)."""
+
+    label: str
+    l1: list[str]
+    l1_capacity_blocks: list[int]
+    hit_rate: list[float]
+    token_hit_rate: list[float]
+
+
+class Timing(TypedDict):
+    """JSON: ``timing``."""
+
+    seconds: float  # the whole analysis
+    replay_seconds: float
+    block_accesses: int
+    block_accesses_per_second: float
 
 
 @dataclass
@@ -35,9 +71,9 @@ class Report:
     page_bytes: int = 0  # of the mooncake namespace / the default, for byte labels
     seconds: float = 0.0  # wall time of the whole analysis
 
-    def comparisons(self) -> list[dict[str, object]]:
+    def comparisons(self) -> list[Comparison]:
         """Shared vs isolated, per admission setting, where both were run."""
-        out: list[dict[str, object]] = []
+        out: list[Comparison] = []
         for shared in self.runs:
             if shared.scenario.pools != SHARED:
                 continue
@@ -58,12 +94,12 @@ class Report:
                     )
         return out
 
-    def curves(self) -> list[dict[str, object]]:
+    def curves(self) -> list[Curve]:
         """One hit-rate curve per scenario, over the sweep capacities in the order given."""
         by_label: dict[str, list[RunResult]] = {}
         for r in self.sweep:
             by_label.setdefault(r.scenario.label, []).append(r)
-        out = []
+        out: list[Curve] = []
         for label, rs in by_label.items():
             out.append(
                 {
@@ -76,10 +112,18 @@ class Report:
             )
         return out
 
-    def to_dict(self) -> dict[str, object]:
-        t = self.trace
+    def timing(self) -> Timing:
         accesses = sum(r.blocks for r in (*self.runs, *self.sweep))
         replay_s = sum(r.seconds for r in (*self.runs, *self.sweep))
+        return {
+            "seconds": self.seconds,
+            "replay_seconds": replay_s,
+            "block_accesses": accesses,
+            "block_accesses_per_second": accesses / replay_s if replay_s else 0.0,
+        }
+
+    def to_dict(self) -> dict[str, object]:
+        t = self.trace
         return {
             "trace": {
                 "path": self.path,
@@ -97,12 +141,7 @@ class Report:
             "runs": [r.to_dict() for r in self.runs],
             "shared_vs_isolated": self.comparisons(),
             "sweep": self.curves(),
-            "timing": {
-                "seconds": self.seconds,
-                "replay_seconds": replay_s,
-                "block_accesses": accesses,
-                "block_accesses_per_second": accesses / replay_s if replay_s else 0.0,
-            },
+            "timing": self.timing(),
         }
 
     def to_json(self) -> str:
@@ -180,8 +219,8 @@ def render_table(rep: Report) -> str:
             "",
             "per-window ceilings (tumbling windows from the first request; hit rate of the first scenario)",
         ]
-        rows = []
-        by_window: dict[str, list] = {}
+        rows: list[Sequence[object]] = []
+        by_window: dict[str, list[WindowRow]] = {}
         for w in c.windows:
             by_window.setdefault(w.window, []).append(w)
         for label, ws in by_window.items():
@@ -276,11 +315,11 @@ def render_table(rep: Report) -> str:
                     d["route"],
                     d["instances"],
                     _pct(d["shared_hit_rate"]),
-                    _pct(d["isolated_hit_rate"]),  # type: ignore[arg-type]
+                    _pct(d["isolated_hit_rate"]),
                     f"{100 * d['gain']:+.2f} pp",
                 )
                 for d in comps
-            ],  # type: ignore[operator]
+            ],
         )
     curves = rep.curves()
     if curves:
@@ -289,15 +328,15 @@ def render_table(rep: Report) -> str:
         rows = []
         for k, r in enumerate(first):
             row: list[object] = [_capacity_label(r, rep.page_bytes, t.unique)]
-            row += [_pct(cv["hit_rate"][k]) for cv in curves]  # type: ignore[index]
+            row += [_pct(cv["hit_rate"][k]) for cv in curves]
             rows.append(row)
         rows.append(["ceiling r*", *[_pct(c.ceiling)] * len(curves)])
         out += _table(("L1 capacity", *[str(cv["label"]) for cv in curves]), rows)
-    d = rep.to_dict()["timing"]
+    d = rep.timing()
     out += [
         "",
-        f"replayed {d['block_accesses']:,} block accesses in {d['replay_seconds']:.2f}s "  # type: ignore[index]
-        f"({d['block_accesses_per_second'] / 1e6:.2f}M/s); total {rep.seconds:.2f}s",  # type: ignore[index]
+        f"replayed {d['block_accesses']:,} block accesses in {d['replay_seconds']:.2f}s "
+        f"({d['block_accesses_per_second'] / 1e6:.2f}M/s); total {rep.seconds:.2f}s",
     ]
     return "\n".join(out) + "\n"
 
@@ -311,14 +350,14 @@ def plot(rep: Report, path: str | Path) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
     curves = rep.curves()
-    colors: dict[str, str] = {}
+    colors: dict[str, ColorType] = {}
     for cv in curves:
-        xs_cv: list[int] = cv["l1_capacity_blocks"]  # type: ignore[assignment]
-        (line,) = ax.plot(xs_cv, [100 * x for x in cv["hit_rate"]], marker="o", label=str(cv["label"]))  # type: ignore[union-attr]
+        xs_cv = cv["l1_capacity_blocks"]
+        (line,) = ax.plot(xs_cv, [100 * x for x in cv["hit_rate"]], marker="o", label=str(cv["label"]))
         colors[str(cv["label"])] = line.get_color()
         ax.plot(
             xs_cv, [100 * x for x in cv["token_hit_rate"]], linestyle=":", color=line.get_color(), alpha=0.7
-        )  # type: ignore[union-attr]
+        )
     for r in rep.runs:
         ax.scatter(
             [max(r.l1_capacity_blocks, 1)],
@@ -336,7 +375,7 @@ def plot(rep: Report, path: str | Path) -> None:
         linestyle="--",
         label=f"ceiling r* = (N-U)/N = {100 * rep.ceiling.ceiling:.1f}%",
     )
-    xs = [x for cv in curves for x in cv["l1_capacity_blocks"] if x > 0]  # type: ignore[union-attr]
+    xs = [x for cv in curves for x in cv["l1_capacity_blocks"] if x > 0]
     xs += [r.l1_capacity_blocks for r in rep.runs if r.l1_capacity_blocks > 0]
     if xs and max(xs) / max(min(xs), 1) > 20:
         ax.set_xscale("log")

@@ -473,7 +473,8 @@ class Router:
     async def _disaggregated(self, kind: str, body: dict[str, Any], tokens: list[int] | None, stream: bool,
                              headers: dict[str, str]) -> _Answer | _Stream:
         path = PATHS[kind]
-        theirs = body.get("kv_transfer_params") if isinstance(body.get("kv_transfer_params"), dict) else {}
+        given = body.get("kv_transfer_params")
+        theirs: dict[str, Any] = given if isinstance(given, dict) else {}
         pre = {k: v for k, v in body.items() if k not in PREFILL_DROPPED}
         pre.update(max_tokens=1, stream=False, kv_transfer_params={**theirs, ROUTER_KEY: {"prefill": True}})
         t0 = time.perf_counter()
