@@ -38,7 +38,7 @@ import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, cast
 
 import structlog
 import torch
@@ -212,8 +212,9 @@ class CudaCopyStream:
         if isinstance(event, torch.cuda.Event):
             self._free.append(event)
 
-    def compute_waits(self, event: torch.cuda.Event) -> None:
-        torch.cuda.current_stream(self.device).wait_event(event)
+    def compute_waits(self, event: object) -> None:
+        """``event``: one this stream recorded (``record``), so a ``torch.cuda.Event``."""
+        torch.cuda.current_stream(self.device).wait_event(cast(torch.cuda.Event, event))
 
     def copy(self, dst: int, src: int, nbytes: int) -> None:
         self.runtime.memcpy_async(dst, src, nbytes, self.stream.cuda_stream)

@@ -28,7 +28,7 @@ import os
 import socket
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -56,13 +56,14 @@ from pegaflow.connector.worker import WorkerSide
 from pegaflow.core.identity import KVIdentity, config_hash
 
 if TYPE_CHECKING:
+    from prometheus_client import Counter
     from vllm.config import KVTransferConfig, VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
@@ -172,7 +173,7 @@ def derive_kv_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
 
     groups = kv_cache_config.kv_cache_groups
     attn = [g for g in groups if not is_state_space(g.kv_cache_spec)]
-    spec = attn[0].kv_cache_spec
+    spec = cast("AttentionSpec", attn[0].kv_cache_spec)  # check_kv_layout let attention specs only
     mc = vllm_config.model_config
     model = model_id or str(mc.model)
     if getattr(mc, "revision", None):
@@ -284,8 +285,9 @@ class PegaPromMetrics(KVConnectorPromMetrics):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._counters = {
-            key: self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
+        # vLLM's metric_types maps Counter to a counter class (its own, or Ray's wrapper).
+        self._counters: dict[str, Counter] = {
+            key: cast("Counter", self._counter_cls(name=name, documentation=doc, labelnames=labelnames))
             for key, (name, doc) in _PROM_COUNTERS.items()
         }
 
@@ -310,11 +312,14 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
         role: KVConnectorRole,
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
-        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        # vLLM's base types kv_cache_config as always given; one made without it keeps None
+        # here (and is disabled below): the cast is the checker's only.
+        super().__init__(vllm_config=vllm_config, role=role,
+                         kv_cache_config=cast("KVCacheConfig", kv_cache_config))
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._vllm = vllm_config
-        self._kv_cache_config = kv_cache_config
+        self._kv_cache_config = cast("KVCacheConfig", kv_cache_config)  # None as above
         groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
         self._layer_groups = {name: gi for gi, g in enumerate(groups) for name in g.layer_names}
         kv_groups = max(1, len(groups))

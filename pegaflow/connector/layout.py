@@ -147,7 +147,10 @@ def _as_block_rows(seg: torch.Tensor, ratio: int = 1) -> list[torch.Tensor]:
     n = seg.shape[0]
     rest = list(range(1, seg.dim()))
     # Follow the physical order: sort the non-block dims by stride (size-1 dims are free).
-    rest.sort(key=lambda d: (seg.shape[d] == 1, -seg.stride(d)))
+    def physical(d: int) -> tuple[bool, int]:
+        return seg.shape[d] == 1, -seg.stride(d)
+
+    rest.sort(key=physical)
     phys = seg.permute([0, *rest])
     row = phys[0] if n else phys.new_empty(phys.shape[1:])
     if not row.is_contiguous():

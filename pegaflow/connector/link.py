@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 from urllib.parse import urlsplit
 
 import tenacity
@@ -28,6 +28,7 @@ LOGGER_NAME = "vllm.pegaflow"
 logger = logging.getLogger(LOGGER_NAME)
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 # A scheduler must not stall on a hung node: one RPC waits at most this long.
 RPC_TIMEOUT_S = 2.0
@@ -172,13 +173,14 @@ class NodeLink:
         return self._ready.wait(timeout)
 
     # -- calls -----------------------------------------------------------------------------
-    def call(self, fn: Callable[[Any], T]) -> T | None:
-        """``fn(client)``, or ``None`` if the node is (or just went) unavailable or refused the call."""
+    def call(self, fn: Callable[Concatenate[Any, P], T], *args: P.args, **kwargs: P.kwargs) -> T | None:
+        """``fn(client, *args, **kwargs)``, or ``None`` if the node is (or just went) unavailable or
+        refused the call. ``fn`` runs before this returns: a loop's values reach it as ``args``."""
         if not self._ready.is_set():
             return None
         client = self._client
         try:
-            return fn(client)
+            return fn(client, *args, **kwargs)
         except self._unavailable as exc:
             self._mark_down(exc)
             return None
@@ -253,6 +255,10 @@ class NodeLink:
                 self._thread = threading.Thread(target=self._supervise, name="pegaflow-reconnect", daemon=True)
                 self._thread.start()
 
+    def _pause(self, seconds: float) -> None:
+        """The backoff's sleep: over at once when the link is stopped."""
+        self._stop.wait(seconds)
+
     def _supervise(self) -> None:
         """Reconnect whenever the link is down, with exponential backoff and jitter."""
         while not self._stop.is_set():
@@ -264,7 +270,7 @@ class NodeLink:
                 + tenacity.wait_random(0, RECONNECT_INITIAL_S),
                 retry=tenacity.retry_if_exception_type(self._unavailable),
                 stop=tenacity.stop_when_event_set(self._stop),
-                sleep=self._stop.wait,
+                sleep=self._pause,
                 reraise=False,
             )
             try:

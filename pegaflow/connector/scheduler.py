@@ -326,8 +326,8 @@ class SchedulerSide:
         for n in range(hit_blocks, max(0, hit_blocks - STATE_PROBES), -1):
             if n * self.block_size <= num_computed_tokens:
                 break
-            res = self.link.call(lambda c, h=hashes[n - 1]: c.query(self.state_namespaces, [h], req_id=req_id,
-                                                                    lease=True))
+            res = self.link.call(lambda c, h: c.query(self.state_namespaces, [h], req_id=req_id, lease=True),
+                                 hashes[n - 1])
             self.queries += 1
             if res is None:
                 return 0, 0, {}
@@ -567,7 +567,7 @@ class SchedulerSide:
             if new.req_id in states:
                 self._plan_state_save(new.req_id, st, states[new.req_id], saves, work)
         cached = scheduler_output.scheduled_cached_reqs
-        resumed = getattr(cached, "resumed_req_ids", set()) or set()
+        resumed: set[str] = getattr(cached, "resumed_req_ids", set()) or set()  # vLLM >= 0.11
         for i, req_id in enumerate(cached.req_ids):
             st = self._reqs.get(req_id)
             if st is None:
@@ -617,12 +617,12 @@ class SchedulerSide:
             page = tuple(blocks.get(g, -1) for g in range(self.kv_groups))
             shards: list[ShardSave] = []
             for shard, ns in enumerate(self.state_namespaces):
-                r = self.link.call(lambda c, ns=ns, h=st.hashes[n - 1]: c.reserve(ns, [h]))
+                r = self.link.call(lambda c, ns, h: c.reserve(ns, [h]), ns, st.hashes[n - 1])
                 if r is None:
                     break
                 if not r.offsets or r.offsets[0] < 0:  # the node has it (or has no room)
                     if r.reservation_id:
-                        self.link.call(lambda c, rid=r.reservation_id: c.abort(rid))
+                        self.link.call(lambda c, rid: c.abort(rid), r.reservation_id)
                     continue
                 shards.append(ShardSave(shard=shard, reservation_id=int(r.reservation_id), block_ids=(page,),
                                         offsets=(int(r.offsets[0]),), epoch=int(r.epoch), state=True))
@@ -647,7 +647,7 @@ class SchedulerSide:
                 res = None
             else:
                 res = None if a.wait.over(now) else self.link.call(
-                    lambda c, h=st.hashes[:a.end], r=req_id: c.query(self.namespaces, h, req_id=r, lease=True))
+                    lambda c, h, r: c.query(self.namespaces, h, req_id=r, lease=True), st.hashes[:a.end], req_id)
             if res is not None and res.status == QueryStatus.LOADING and a.wait.hold(now):
                 self._release(int(res.lease_id))
                 continue
@@ -711,13 +711,13 @@ class SchedulerSide:
         hashes = [st.hashes[b] for b in blocks]
         shards: list[ShardSave] = []
         for shard, ns in enumerate(self.namespaces):
-            r = self.link.call(lambda c, ns=ns: c.reserve(ns, hashes))
+            r = self.link.call(lambda c, ns: c.reserve(ns, hashes), ns)
             if r is None:
                 break
             idx = [i for i, off in enumerate(r.offsets) if off >= 0]
             if not idx:
                 if r.reservation_id:
-                    self.link.call(lambda c, rid=r.reservation_id: c.abort(rid))
+                    self.link.call(lambda c, rid: c.abort(rid), r.reservation_id)
                 continue
             shards.append(
                 ShardSave(
@@ -746,12 +746,12 @@ class SchedulerSide:
                 if acked and rid not in report.failed_reservations:
                     # Not waiting for the answer keeps the commit off the path between a
                     # step's output and the next step (a sync round trip per reservation).
-                    self.link.call(lambda c, rid=rid: c.commit(rid, wait=False))
+                    self.link.call(lambda c, rid: c.commit(rid, wait=False), rid)
                     self.saved_blocks += work.reservations[rid]
                     if self.events is not None and rid in work.announce:
                         self.events.stored(*work.announce[rid])
                 else:
-                    self.link.call(lambda c, rid=rid: c.abort(rid))
+                    self.link.call(lambda c, rid: c.abort(rid), rid)
             for lease in work.leases:
                 self._release(lease)
 

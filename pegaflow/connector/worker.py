@@ -106,7 +106,8 @@ def pci_bus_id(device: torch.device, properties: Callable[[torch.device], Any] |
     if device.type != "cuda":
         return ""
     try:
-        p = (properties or torch.cuda.get_device_properties)(device)
+        # Any: torch's stubs name no PCI fields (older torches have none: AttributeError below).
+        p: Any = (properties or torch.cuda.get_device_properties)(device)
         return f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
     except (AttributeError, RuntimeError, TypeError, ValueError) as exc:
         logger.info("PegaFlow: no PCI address for %s (%s); the node places this rank's pages by its CPUs",
