@@ -18,15 +18,19 @@ node: install
 
 # lint-imports: the layer contracts of pyproject.toml ([tool.importlinter]; docs/architecture.md).
 LINT_IMPORTS = $(PYTHON) -c "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"
+# mypy: the types of pegaflow/, strict in core/, policy/ and config/ ([tool.mypy] in pyproject.toml).
+MYPY = $(PYTHON) -m mypy
 
 test: install-test
 	$(PYTHON) -m ruff check pegaflow tests bench scripts
 	$(LINT_IMPORTS)
+	$(MYPY)
 	$(PYTHON) -m pytest -ra --durations=15 $(PYTEST_ARGS)
 
 lint:
 	$(PYTHON) -m ruff check pegaflow tests bench scripts
 	$(LINT_IMPORTS)
+	$(MYPY)
 
 # Every benchmark in its short mode (under 10 minutes here), one table against the goals in
 # bench/goals.py; exits 1 when a goal does not hold. Run it on a quiet machine.
