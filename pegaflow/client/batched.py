@@ -83,6 +83,10 @@ class CopyStream(Protocol):
     """The copy stream as the copier uses it (``pegaflow.connector.inflight.CopyStream`` plus
     the DMAs and pinned host memory; ``pegaflow.client.cuda.CudaCopyStream`` on a GPU)."""
 
+    def after_compute(self) -> None:
+        """Copies issued next start after the work queued on the compute stream so far."""
+        ...
+
     def issuing(self) -> AbstractContextManager[object]: ...
 
     def record(self) -> Event: ...
@@ -130,7 +134,7 @@ def alias(ptr: int, nbytes: int, device: torch.device, keep: object) -> torch.Te
     if device.type == "cpu":
         buf = (ctypes.c_uint8 * nbytes).from_address(ptr)
         t = torch.frombuffer(buf, dtype=torch.uint8)
-        t._pegaflow_keep = (buf, keep)  # type: ignore[attr-defined]
+        t._pegaflow_keep = (buf, keep)  # type: ignore[attr-defined]  # keeps the memory alive with t
         return t
 
     class _Memory:  # __cuda_array_interface__ v3: torch keeps this object with the tensor

@@ -31,6 +31,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -38,6 +39,9 @@ import torch
 from pegaflow.client.blocks import BlockIds, block_matrix, check_layout
 from pegaflow.client.kernels import copy_segments, kernel_choice
 from pegaflow.client.populate import lazy_pools
+
+if TYPE_CHECKING:  # imported where it is used: a CPU-only caller never needs it
+    from pegaflow.client.batched import DeviceCopier
 
 
 def page_bytes(segments: Sequence[torch.Tensor]) -> int:
@@ -136,7 +140,7 @@ def _copy(segments: Sequence[torch.Tensor], block_ids: BlockIds, pool: torch.Ten
 
 
 _SYNC_COPIERS = 4  # device layouts whose copiers (and staging) the synchronous form keeps
-_copiers: OrderedDict[tuple[object, ...], object] = OrderedDict()
+_copiers: OrderedDict[tuple[object, ...], DeviceCopier] = OrderedDict()
 
 
 def _copy_batched(segments: Sequence[torch.Tensor], block_ids: BlockIds, pool: torch.Tensor,
@@ -156,14 +160,14 @@ def _copy_batched(segments: Sequence[torch.Tensor], block_ids: BlockIds, pool: t
         copier = DeviceCopier(segments, cuda.CudaCopyStream(segments[0].device), groups, split=cuda.CHUNK,
                               bounce_slots=2)
         while len(_copiers) >= _SYNC_COPIERS:
-            _copiers.popitem(last=False)[1].close()  # type: ignore[attr-defined]
+            _copiers.popitem(last=False)[1].close()
     _copiers[key] = copier
     assert isinstance(copier, DeviceCopier)
     # A pool torch pinned itself (tests) is all registered; a mapping only as far as its
     # registration has got (``is_pinned`` looks at the first byte only).
     pins = cuda.registered_pins(pool) or (ALL_PINNED if pool.is_pinned() else _NOT_PINNED)
     stream = copier.stream
-    stream.after_compute()  # type: ignore[attr-defined]
+    stream.after_compute()
     with stream.issuing():
         if to_pool:
             issued = copier.save(block_ids, pool, offsets, pins)

@@ -34,6 +34,7 @@ class Backoff:
     def fail(self, key: str) -> float:
         """Record a failure of ``key``; returns how long it is skipped from now."""
         failures = self._until.get(key, (0.0, 0))[1] + 1
+        # tenacity's waits read attempt_number only: no Retrying object behind the state.
         state = tenacity.RetryCallState(None, None, (), {})  # type: ignore[arg-type]
         state.attempt_number = failures
         period = float(self._wait(state))

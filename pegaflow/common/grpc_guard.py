@@ -214,16 +214,19 @@ def _decoding(handler: Any, method: str, refusals: _Refusals, aio: bool) -> Any:
         return handler
     inner = getattr(handler, kind)
     bad = grpc.StatusCode.INVALID_ARGUMENT
+    behavior: Callable[[Any, Any], Any]
     if aio:
         if kind == "unary_unary":
-            async def behavior(request: Any, context: Any) -> Any:
+            async def aio_unary(request: Any, context: Any) -> Any:
                 if isinstance(request, _Undecodable):
                     refusals.note(method, "undecodable", request.error)
                     await context.abort(bad, request.error)
                 res = inner(request, context)
                 return await res if inspect.isawaitable(res) else res
+
+            behavior = aio_unary
         else:
-            async def behavior(request: Any, context: Any) -> Any:  # type: ignore[misc]
+            async def aio_stream(request: Any, context: Any) -> AsyncIterator[Any]:
                 if isinstance(request, _Undecodable):
                     refusals.note(method, "undecodable", request.error)
                     await context.abort(bad, request.error)
@@ -234,17 +237,23 @@ def _decoding(handler: Any, method: str, refusals: _Refusals, aio: bool) -> Any:
                 else:
                     for item in items:
                         yield item
+
+            behavior = aio_stream
     else:
         if kind == "unary_unary":
-            def behavior(request: Any, context: Any) -> Any:  # type: ignore[misc]
+            def sync_unary(request: Any, context: Any) -> Any:
                 if isinstance(request, _Undecodable):
                     refusals.note(method, "undecodable", request.error)
                     context.abort(bad, request.error)
                 return inner(request, context)
+
+            behavior = sync_unary
         else:
-            def behavior(request: Any, context: Any) -> Any:  # type: ignore[misc]
+            def sync_stream(request: Any, context: Any) -> Iterator[Any]:
                 if isinstance(request, _Undecodable):
                     refusals.note(method, "undecodable", request.error)
                     context.abort(bad, request.error)
                 yield from inner(request, context)
+
+            behavior = sync_stream
     return handler._replace(**{kind: behavior, "request_deserializer": _safe(handler.request_deserializer)})

@@ -29,6 +29,8 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 import structlog
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -43,13 +45,13 @@ STOP_TIMEOUT_S = 5  # uvicorn's graceful end (whole seconds): open scrapes finis
 SLICE_S = 0.0003  # a paced render (Renders(pause=...)) renders this long between two pauses
 
 
-class _Families:
+class _Families(Collector):
     """A registry-like view of metric families already collected (``generate_latest`` input)."""
 
-    def __init__(self, families: Iterable[object]) -> None:
+    def __init__(self, families: Iterable[Metric]) -> None:
         self.families = families
 
-    def collect(self) -> Iterable[object]:
+    def collect(self) -> Iterable[Metric]:
         return self.families
 
 
@@ -112,7 +114,7 @@ class Renders:
         await self.pause()
         t = time.perf_counter()
         for family in self.registry.collect():  # lazy: one collector at a time
-            parts.append(generate_latest(_Families((family,))))  # type: ignore[arg-type]
+            parts.append(generate_latest(_Families((family,))))
             if time.perf_counter() - t >= SLICE_S:
                 await self.pause()
                 t = time.perf_counter()

@@ -20,7 +20,7 @@ import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, NoReturn
 
 from pegaflow.config.capacity import parse_capacity, parse_route, parse_sweep
 from pegaflow.core.durations import parse_windows
@@ -1080,7 +1080,7 @@ def options_for(command: str) -> list[Option]:
 class _OneLineParser(argparse.ArgumentParser):
     """argparse that reports a bad flag in one line and exits 2 (no usage dump, no traceback)."""
 
-    def error(self, message: str) -> None:  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         sys.stderr.write(f"{self.prog}: error: {message}\n")
         raise SystemExit(2)
 

@@ -245,6 +245,7 @@ class WorkerSide:
     def _copier(self, layout: PageLayout) -> DeviceCopier:
         assert self.stream is not None
         device = layout.segments[0].device
+        # The stream of a device with a copier is a CudaCopyStream: it has the DMA methods too.
         return DeviceCopier(layout.segments, self.stream, layout.groups, layout.layers_done_at,  # type: ignore[arg-type]
                             staging_bytes=self.staging_bytes, split=_split_for(device), bounce_slots=2,
                             bounce_count=_bounce_counter(device))
@@ -305,7 +306,7 @@ class WorkerSide:
                     logger.error("PegaFlow rank %d: synchronous multi-group load of %s failed; its KV is wrong",
                                  self.tp_rank, ld.req_id)
             else:
-                self._load_errors.update(ld.block_ids)  # type: ignore[arg-type]
+                self._load_errors.update(ld.block_ids)  # type: ignore[arg-type]  # one group: ints
 
     @property
     def _async(self) -> bool:
@@ -341,7 +342,7 @@ class WorkerSide:
                         self._failed_recving.add(ld.req_id)
                         self._count("load_errors", len(ld.block_ids) + len(ld.missing))
                     else:
-                        self._load_errors.update(ld.missing)  # type: ignore[arg-type]
+                        self._load_errors.update(ld.missing)  # type: ignore[arg-type]  # one group: ints
                 if self.tp_rank == 0 and not ld.state:  # a request, not a copy: counted once, not per rank
                     self._count("async_loads", 1)
         issued = False

@@ -50,7 +50,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Protocol, cast
+from typing import Literal, Protocol, cast, overload
 
 # Built by the install from pegaflow/native/blockindex.c: the Block type, the LRU eviction
 # order, and place/settle, the reserve/insert loop's steady state (docs/architecture.md, "One
@@ -297,26 +297,26 @@ class BlockIndex:
         if self.admission is not None and blocks:
             ns = blocks[0].ns
             if list(map(_NS, blocks)).count(ns) == len(blocks):  # one namespace: keys in C
-                self._record(block_keys(ns.salt, map(_HASH, blocks)))
+                self._record(self.admission, block_keys(ns.salt, map(_HASH, blocks)))
             else:
-                self._record([block_key(b.ns.salt, b.hash) for b in blocks])
+                self._record(self.admission, [block_key(b.ns.salt, b.hash) for b in blocks])
 
     def record_access(self, ns: Namespace, hashes: Iterable[bytes]) -> None:
         """Tell the admission policy about requested blocks (hit or miss), in order."""
         if self.admission is not None:
             keys = block_keys(ns.salt, hashes)
             if keys:
-                self._record(keys)
+                self._record(self.admission, keys)
 
-    def _record(self, keys: list[int]) -> None:
-        # Looked up per call, not cached: replay swaps ``admission`` after construction.
-        adm = self.admission
+    @staticmethod
+    def _record(adm: Admission, keys: list[int]) -> None:
+        # ``adm`` is read per call, not cached: replay swaps ``admission`` after construction.
         many = getattr(adm, "record_many", None)
         if many is not None:
             many(keys)
         else:
             for k in keys:
-                adm.record(k)  # type: ignore[union-attr]
+                adm.record(k)
 
     # ---- pins -------------------------------------------------------------------------
     def pin(self, blocks: Iterable[Block]) -> None:
@@ -348,14 +348,22 @@ class BlockIndex:
         prefix lookups could not use them). Never blocks: a full pool of pinned pages
         just yields fewer pages.
         """
-        return self._reserve(ns, hashes, reclaimable, False)  # type: ignore[return-value]
+        return self._reserve(ns, hashes, reclaimable, False)
 
     def insert(self, ns: Namespace, hashes: Sequence[bytes], reclaimable: bool = False) -> list[Block]:
         """``commit`` of the pages ``reserve`` gives, in one pass: for a writer whose pages
         are complete as soon as they are placed (``pegaflow replay``'s tiers). The same
         rules, victims and events as the two calls; returns the blocks made RESIDENT."""
-        return self._reserve(ns, hashes, reclaimable, True)  # type: ignore[return-value]
+        return self._reserve(ns, hashes, reclaimable, True)
 
+    @overload
+    def _reserve(
+        self, ns: Namespace, hashes: Sequence[bytes], reclaimable: bool, commit: Literal[False]
+    ) -> list[Block | None]: ...
+    @overload
+    def _reserve(
+        self, ns: Namespace, hashes: Sequence[bytes], reclaimable: bool, commit: Literal[True]
+    ) -> list[Block]: ...
     def _reserve(
         self, ns: Namespace, hashes: Sequence[bytes], reclaimable: bool, commit: bool
     ) -> list[Block | None] | list[Block]:
@@ -605,7 +613,8 @@ class BlockIndex:
         alloc = self.alloc
         need = alloc.round(size)
         g = self._quota_group.get(ns.id)
-        asked = self.admission is None
+        adm = self.admission
+        asked = adm is None
         carving = False  # once a victim is freed, carve (as _allocate's loop): no hand-over
         while True:
             capped = g is not None and self.held[g] + size > self._limits[g][1]
@@ -617,11 +626,9 @@ class BlockIndex:
             victim = self._shared_victim(g, capped, g is not None and self.held[g] + size <= self._limits[g][0])
             if victim is None:
                 return None
-            if not asked:
+            if not asked and adm is not None:  # (asked is False only with a policy)
                 asked = True
-                if not self.admission.admit(  # type: ignore[union-attr]
-                    block_key(ns.salt, h), block_key(victim.ns.salt, victim.hash)
-                ):
+                if not adm.admit(block_key(ns.salt, h), block_key(victim.ns.salt, victim.hash)):
                     self.admission_rejections += 1
                     return None
             if capped:

@@ -42,7 +42,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import filterfalse
 from operator import methodcaller
-from typing import Any
+from typing import Any, Literal, overload
 
 from pegaflow.core.identity import HASH_BYTES
 
@@ -195,6 +195,14 @@ def _hinted(d: dict[str, Any], line: int) -> bool:
     return v
 
 
+@overload
+def _count(
+    d: dict[str, Any], key: str, line: int, *, required: Literal[True] = True, positive: bool = False
+) -> int: ...
+@overload
+def _count(
+    d: dict[str, Any], key: str, line: int, *, required: bool, positive: bool = False
+) -> int | None: ...
 def _count(
     d: dict[str, Any], key: str, line: int, *, required: bool = True, positive: bool = False
 ) -> int | None:
@@ -264,7 +272,7 @@ class _Reader:
             namespace=ns,
             hashes=list(map(self.hashes.__getitem__, ids)),
             ids=ids,
-            tokens=n_in,  # type: ignore[arg-type]
+            tokens=n_in,
             block_tokens=self.block_tokens,
             route=route,
             line=line,

@@ -126,9 +126,8 @@ class Node:
         if config.enable_lfu_admission:
             admission = TinyLFU(max(1, self.pool.size // (config.hint_value_size or ADMISSION_PAGE_GUESS)))
         # Pages become allocatable as the background pre-fault reaches them (start()).
-        self.index = BlockIndex(self.pool.size, admission=admission,
-                                allocator=self.numa.allocator(self.pool.size, config.page_align, usable=0),
-                                quotas=quotas)
+        self.allocator = self.numa.allocator(self.pool.size, config.page_align, usable=0)
+        self.index = BlockIndex(self.pool.size, admission=admission, allocator=self.allocator, quotas=quotas)
         register_quota_metrics(self.metrics.registry, self.index, quotas)
         self.ceiling = RequestAccounting(config.ceiling_windows, self.metrics, config.metric_hll_bucket_bits)
         self.sessions = Sessions(self.index, config.reservation_ttl, config.lease_ttl,
@@ -217,7 +216,7 @@ class Node:
 
         def grew(done: int) -> None:
             try:
-                loop.call_soon_threadsafe(self.index.alloc.extend, done)  # type: ignore[attr-defined]
+                loop.call_soon_threadsafe(self.allocator.extend, done)
             except RuntimeError:  # the loop is closed: the node is stopping
                 pass
 

@@ -157,11 +157,11 @@ def hashes_for(args: argparse.Namespace) -> list[bytes]:
 
 
 # ---- the commands ---------------------------------------------------------------------
-def _size(n: int) -> str:
+def _size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
+        n /= 1024
     return str(n)
 
 

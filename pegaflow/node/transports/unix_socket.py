@@ -41,7 +41,7 @@ import os
 import socket
 import stat
 from collections.abc import Awaitable
-from typing import Any
+from typing import Any, cast
 
 import structlog
 from google.protobuf.message import DecodeError
@@ -172,7 +172,7 @@ class _Connection(asyncio.Protocol):
 
     # ---- asyncio.Protocol --------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = cast(asyncio.Transport, transport)  # a stream server's
         self.server._connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:

@@ -38,7 +38,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import grpc
 import structlog
@@ -295,7 +295,7 @@ class Puller:
             if k == 0:
                 self.metrics.pulls.labels("no_space").inc()
                 continue
-            got: list[Block] = blocks[:k]  # type: ignore[assignment]
+            got = cast("list[Block]", blocks[:k])  # before the first None
             for b in got:
                 self.inflight[b.key] = b
             held = self.index.prefix(ns, hashes[:hit], touch=False)
