@@ -101,18 +101,18 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         return res
 
     @_rpc("QueryPrefix")
-    def QueryPrefix(self, request: meta_pb2.QueryPrefixRequest, context: grpc.ServicerContext) -> Any:  # noqa: N802
+    def QueryPrefix(self, request: meta_pb2.QueryPrefixRequest, context: grpc.ServicerContext) -> meta_pb2.QueryPrefixResponse:  # noqa: N802
         return meta_pb2.QueryPrefixResponse(nodes=[_pb(p) for p in self._query(request)])
 
     @_rpc("RouteHint")
-    def RouteHint(self, request: meta_pb2.QueryPrefixRequest, context: grpc.ServicerContext) -> Any:  # noqa: N802
+    def RouteHint(self, request: meta_pb2.QueryPrefixRequest, context: grpc.ServicerContext) -> meta_pb2.RouteHintResponse:  # noqa: N802
         res = self._query(request)
         if not res:
             return meta_pb2.RouteHintResponse(found=False)
         return meta_pb2.RouteHintResponse(found=True, best=_pb(res[0]))
 
     @_rpc("ListNodes")
-    def ListNodes(self, request: meta_pb2.ListNodesRequest, context: grpc.ServicerContext) -> Any:  # noqa: N802
+    def ListNodes(self, request: meta_pb2.ListNodesRequest, context: grpc.ServicerContext) -> meta_pb2.ListNodesResponse:  # noqa: N802
         return meta_pb2.ListNodesResponse(
             nodes=[
                 meta_pb2.NodeEntry(node=n, address=a, epoch=e, alive=al)
@@ -122,11 +122,11 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
 
 
     @_rpc("GetClusterConfig")
-    def GetClusterConfig(self, request: meta_pb2.ClusterConfigRequest, context: grpc.ServicerContext) -> Any:  # noqa: N802
+    def GetClusterConfig(self, request: meta_pb2.ClusterConfigRequest, context: grpc.ServicerContext) -> meta_pb2.ClusterConfigResponse:  # noqa: N802
         return self.cluster_config
 
     @_rpc("ClusterCeiling")
-    def ClusterCeiling(self, request: meta_pb2.ClusterCeilingRequest, context: grpc.ServicerContext) -> Any:  # noqa: N802
+    def ClusterCeiling(self, request: meta_pb2.ClusterCeilingRequest, context: grpc.ServicerContext) -> meta_pb2.ClusterCeilingResponse:  # noqa: N802
         cur = self.ceiling() if self.ceiling is not None else None
         if cur is None:
             return meta_pb2.ClusterCeilingResponse(available=False)

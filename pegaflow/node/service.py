@@ -283,64 +283,64 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         child.observe(seconds)
 
     # ---- gRPC servicer: every unary method is the transport-neutral one above/below -------
-    async def Register(self, request: node_pb2.RegisterRequest, context: Any) -> node_pb2.RegisterResponse:
+    async def Register(self, request: node_pb2.RegisterRequest, context: grpc.aio.ServicerContext) -> node_pb2.RegisterResponse:
         return await _over_grpc(self.register, request, context)
 
-    async def Query(self, request: node_pb2.QueryRequest, context: Any) -> node_pb2.QueryResponse:
+    async def Query(self, request: node_pb2.QueryRequest, context: grpc.aio.ServicerContext) -> node_pb2.QueryResponse:
         return await _over_grpc(self.query, request, context)
 
-    async def Reserve(self, request: node_pb2.ReserveRequest, context: Any) -> node_pb2.ReserveResponse:
+    async def Reserve(self, request: node_pb2.ReserveRequest, context: grpc.aio.ServicerContext) -> node_pb2.ReserveResponse:
         return await _over_grpc(self.reserve, request, context)
 
-    async def Commit(self, request: node_pb2.CommitRequest, context: Any) -> node_pb2.CommitResponse:
+    async def Commit(self, request: node_pb2.CommitRequest, context: grpc.aio.ServicerContext) -> node_pb2.CommitResponse:
         return await _over_grpc(self.commit, request, context)
 
-    async def Release(self, request: node_pb2.ReleaseRequest, context: Any) -> node_pb2.ReleaseResponse:
+    async def Release(self, request: node_pb2.ReleaseRequest, context: grpc.aio.ServicerContext) -> node_pb2.ReleaseResponse:
         return await _over_grpc(self.release, request, context)
 
-    async def Reset(self, request: node_pb2.ResetRequest, context: Any) -> node_pb2.ResetResponse:
+    async def Reset(self, request: node_pb2.ResetRequest, context: grpc.aio.ServicerContext) -> node_pb2.ResetResponse:
         return await _over_grpc(self.reset, request, context)
 
-    async def Health(self, request: node_pb2.HealthRequest, context: Any) -> node_pb2.HealthResponse:
+    async def Health(self, request: node_pb2.HealthRequest, context: grpc.aio.ServicerContext) -> node_pb2.HealthResponse:
         return await _over_grpc(self.health, request, context)
 
-    async def Stats(self, request: node_pb2.StatsRequest, context: Any) -> node_pb2.StatsResponse:
+    async def Stats(self, request: node_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> node_pb2.StatsResponse:
         return await _over_grpc(self.stats, request, context)
 
     # The operator's `pegaflow cache` (pegaflow/node/admin.py).
-    async def CacheInspect(self, request: Any, context: Any) -> node_pb2.CacheInspectResponse:
+    async def CacheInspect(self, request: node_pb2.CacheInspectRequest, context: grpc.aio.ServicerContext) -> node_pb2.CacheInspectResponse:
         return await _over_grpc(self.cache_inspect, request, context)
 
-    async def CacheClear(self, request: Any, context: Any) -> node_pb2.CacheClearResponse:
+    async def CacheClear(self, request: node_pb2.CacheClearRequest, context: grpc.aio.ServicerContext) -> node_pb2.CacheClearResponse:
         return await _over_grpc(self.cache_clear, request, context)
 
-    async def CachePin(self, request: Any, context: Any) -> node_pb2.CachePinResponse:
+    async def CachePin(self, request: node_pb2.CachePinRequest, context: grpc.aio.ServicerContext) -> node_pb2.CachePinResponse:
         return await _over_grpc(self.cache_pin, request, context)
 
-    async def CacheUnpin(self, request: Any, context: Any) -> node_pb2.CacheUnpinResponse:
+    async def CacheUnpin(self, request: node_pb2.CacheUnpinRequest, context: grpc.aio.ServicerContext) -> node_pb2.CacheUnpinResponse:
         return await _over_grpc(self.cache_unpin, request, context)
 
-    async def CachePins(self, request: Any, context: Any) -> node_pb2.CachePinsResponse:
+    async def CachePins(self, request: node_pb2.CachePinsRequest, context: grpc.aio.ServicerContext) -> node_pb2.CachePinsResponse:
         return await _over_grpc(self.cache_pins, request, context)
 
     @rpc("CacheInspect")
-    def cache_inspect(self, request: Any) -> Answer:
+    def cache_inspect(self, request: node_pb2.CacheInspectRequest) -> Answer:
         return self.admin.inspect(request)
 
     @rpc("CacheClear")
-    def cache_clear(self, request: Any) -> Answer:
+    def cache_clear(self, request: node_pb2.CacheClearRequest) -> Answer:
         return self.admin.clear(request)
 
     @rpc("CachePin")
-    def cache_pin(self, request: Any) -> Answer:
+    def cache_pin(self, request: node_pb2.CachePinRequest) -> Answer:
         return self.admin.pin(request)
 
     @rpc("CacheUnpin")
-    def cache_unpin(self, request: Any) -> Answer:
+    def cache_unpin(self, request: node_pb2.CacheUnpinRequest) -> Answer:
         return self.admin.unpin(request)
 
     @rpc("CachePins")
-    def cache_pins(self, request: Any) -> Answer:
+    def cache_pins(self, request: node_pb2.CachePinsRequest) -> Answer:
         return self.admin.list_pins(request)
 
     # ---- sessions ---------------------------------------------------------------------
@@ -369,7 +369,7 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
             epoch=self.epoch, local_socket=self.local_socket,
         )
 
-    async def Session(self, request: node_pb2.SessionRequest, context: Any) -> AsyncIterator[node_pb2.SessionEvent]:
+    async def Session(self, request: node_pb2.SessionRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[node_pb2.SessionEvent]:
         try:
             s = self.sessions.get(request.session_id)
         except PegaError as exc:

@@ -208,7 +208,7 @@ class PeerService(peer_pb2_grpc.PegaPeerServicer):
         self.max_batch = max_batch
         self.rdma = rdma
 
-    async def PinForTransfer(self, request: peer_pb2.PinRequest, context: Any) -> peer_pb2.PinResponse:  # noqa: N802
+    async def PinForTransfer(self, request: peer_pb2.PinRequest, context: grpc.aio.ServicerContext) -> peer_pb2.PinResponse:  # noqa: N802
         hashes = list(request.hashes)
         try:
             check_hashes(hashes, self.max_batch, "--max-batch")
@@ -236,10 +236,10 @@ class PeerService(peer_pb2_grpc.PegaPeerServicer):
             resp.rkeys.extend(self.rdma.rkeys)
         return resp
 
-    async def Unpin(self, request: peer_pb2.UnpinRequest, context: Any) -> peer_pb2.UnpinResponse:  # noqa: N802
+    async def Unpin(self, request: peer_pb2.UnpinRequest, context: grpc.aio.ServicerContext) -> peer_pb2.UnpinResponse:  # noqa: N802
         return peer_pb2.UnpinResponse(released=self.table.unpin(request.pin_id))
 
-    async def RdmaConnect(self, request: peer_pb2.RdmaConnectRequest, context: Any) -> peer_pb2.RdmaConnectResponse:  # noqa: N802
+    async def RdmaConnect(self, request: peer_pb2.RdmaConnectRequest, context: grpc.aio.ServicerContext) -> peer_pb2.RdmaConnectResponse:  # noqa: N802
         if self.rdma is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node runs without --nics (no RDMA)")
         try:
