@@ -16,7 +16,7 @@ the KV cache's device, allocated once (``DeviceCopier``):
   written. Where the unit would be smaller than ``MIN_UNIT`` (odd row sizes), the copy
   goes segment by segment instead, logged once;
 * **DMAs per run** of pages at consecutive pool offsets (the node places a request's pages
-  next to each other), between the staging and the pool, through the ``CopyStream``'s
+  next to each other), between the staging and the pool, through the ``DeviceStream``'s
   ``copy``/``copy2d`` (on a GPU ``cudaMemcpyAsync``/``cudaMemcpy2DAsync`` from pool memory
   registered with CUDA; ``pegaflow.client.cuda``);
 * a **load** is issued in ``LOAD_BANDS`` bands of consecutive layers: the pool bytes of one
@@ -33,7 +33,7 @@ spans two registrations. A run whose pool piece is not registered yet (``Pins``)
 through a pinned **bounce** slot (``Bounce``): a load copies it there on the host first, a
 save copies it out on a finisher thread once its DMA completed (an ``Event`` the step
 waits for). The planning is numpy and the copies plain torch plus the stream's DMAs, so
-the same code runs on CPU tensors, with a host ``CopyStream``, in the tests.
+the same code runs on CPU tensors, with a host ``DeviceStream``, in the tests.
 
 Layouts are those of ``pages.py``: a list of segments, ``seg[b]`` contiguous; several KV
 cache groups give one block id per group and page, ``-1`` where a group holds no block
@@ -51,7 +51,7 @@ import threading
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -74,22 +74,28 @@ INDEX_SLOTS = 16
 
 
 class Event(Protocol):
-    def query(self) -> bool: ...
+    """A point in a copy stream (a CUDA event; a host stand-in in the tests)."""
+
+    def query(self) -> bool:
+        """True once every copy issued before the event was recorded has completed."""
+        ...
 
     def synchronize(self) -> None: ...
 
 
-class CopyStream(Protocol):
-    """The copy stream as the copier uses it (``pegaflow.connector.inflight.CopyStream`` plus
-    the DMAs and pinned host memory; ``pegaflow.client.cuda.CudaCopyStream`` on a GPU)."""
+@runtime_checkable
+class DeviceStream(Protocol):
+    """The copy stream as the copier uses it: its DMAs and page-locked host memory
+    (``pegaflow.client.cuda.CudaCopyStream`` on a GPU). The ordering against the compute
+    stream is the caller's (``pegaflow.connector.inflight.CopyStream``)."""
 
-    def after_compute(self) -> None:
-        """Copies issued next start after the work queued on the compute stream so far."""
+    def issuing(self) -> AbstractContextManager[object]:
+        """While entered, torch work is queued on the copy stream."""
         ...
 
-    def issuing(self) -> AbstractContextManager[object]: ...
-
-    def record(self) -> Event: ...
+    def record(self) -> Event:
+        """An event after the copies issued so far."""
+        ...
 
     def copy(self, dst: int, src: int, nbytes: int) -> None:
         """Queue a copy of ``nbytes`` from address ``src`` to ``dst`` (either on the host)."""
@@ -379,7 +385,7 @@ class Bounce:
     """Pinned host slots, one chunk of staging each, for pool pieces not registered yet.
     ``count(runs)`` is told of every run that goes through one (a metric)."""
 
-    def __init__(self, stream: CopyStream, slot_bytes: int, slots: int = 2,
+    def __init__(self, stream: DeviceStream, slot_bytes: int, slots: int = 2,
                  count: Callable[[int], None] | None = None) -> None:
         self.slots = [_Slot(stream.pinned(slot_bytes)) for _ in range(slots)]
         self.finisher = Finisher(stream.recycle)
@@ -425,7 +431,7 @@ class DeviceCopier:
     run that work and every completion in the result is done.
     """
 
-    def __init__(self, segments: Sequence[torch.Tensor], stream: CopyStream, groups: Sequence[int] | None = None,
+    def __init__(self, segments: Sequence[torch.Tensor], stream: DeviceStream, groups: Sequence[int] | None = None,
                  layers_done_at: dict[int, tuple[str, ...]] | None = None,
                  staging_bytes: int = DEFAULT_STAGING_BYTES, bands: int = LOAD_BANDS, split: int | None = None,
                  bounce_slots: int = 0, bounce_count: Callable[[int], None] | None = None) -> None:

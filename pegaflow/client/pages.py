@@ -42,6 +42,7 @@ from pegaflow.client.populate import lazy_pools
 
 if TYPE_CHECKING:  # imported where it is used: a CPU-only caller never needs it
     from pegaflow.client.batched import DeviceCopier
+    from pegaflow.client.cuda import CudaCopyStream
 
 
 def page_bytes(segments: Sequence[torch.Tensor]) -> int:
@@ -140,7 +141,7 @@ def _copy(segments: Sequence[torch.Tensor], block_ids: BlockIds, pool: torch.Ten
 
 
 _SYNC_COPIERS = 4  # device layouts whose copiers (and staging) the synchronous form keeps
-_copiers: OrderedDict[tuple[object, ...], DeviceCopier] = OrderedDict()
+_copiers: OrderedDict[tuple[object, ...], tuple[DeviceCopier, CudaCopyStream]] = OrderedDict()
 
 
 def _copy_batched(segments: Sequence[torch.Tensor], block_ids: BlockIds, pool: torch.Tensor,
@@ -155,18 +156,17 @@ def _copy_batched(segments: Sequence[torch.Tensor], block_ids: BlockIds, pool: t
     if segments[0].device.type != "cuda":
         raise ValueError(f"no copy path for a KV cache on {segments[0].device}")
     key = (tuple((s.data_ptr(), tuple(s.shape), s.stride()) for s in segments), tuple(groups or ()))
-    copier = _copiers.pop(key, None)
-    if copier is None:
-        copier = DeviceCopier(segments, cuda.CudaCopyStream(segments[0].device), groups, split=cuda.CHUNK,
-                              bounce_slots=2)
+    made = _copiers.pop(key, None)
+    if made is None:
+        stream = cuda.CudaCopyStream(segments[0].device)
+        made = DeviceCopier(segments, stream, groups, split=cuda.CHUNK, bounce_slots=2), stream
         while len(_copiers) >= _SYNC_COPIERS:
-            _copiers.popitem(last=False)[1].close()
-    _copiers[key] = copier
-    assert isinstance(copier, DeviceCopier)
+            _copiers.popitem(last=False)[1][0].close()
+    _copiers[key] = made
+    copier, stream = made
     # A pool torch pinned itself (tests) is all registered; a mapping only as far as its
     # registration has got (``is_pinned`` looks at the first byte only).
     pins = cuda.registered_pins(pool) or (ALL_PINNED if pool.is_pinned() else _NOT_PINNED)
-    stream = copier.stream
     stream.after_compute()
     with stream.issuing():
         if to_pool:

@@ -41,13 +41,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Protocol
 
-
-class Event(Protocol):
-    def query(self) -> bool:
-        """True once every copy issued before the event was recorded has completed."""
-        ...
-
-    def synchronize(self) -> None: ...
+from pegaflow.client.batched import Event
 
 
 class CopyStream(Protocol):

@@ -41,7 +41,14 @@ from typing import Any
 
 import torch
 
-from pegaflow.client.batched import ALL_PINNED, DEFAULT_STAGING_BYTES, DeviceCopier, Issued, Pins
+from pegaflow.client.batched import (
+    ALL_PINNED,
+    DEFAULT_STAGING_BYTES,
+    DeviceCopier,
+    DeviceStream,
+    Issued,
+    Pins,
+)
 from pegaflow.connector.inflight import CopyStream, Event, Immediate, InFlight
 from pegaflow.connector.intents import LoadIntent, PegaConnectorMetadata, PegaWorkerReport, PegaWorkerState
 from pegaflow.connector.layout import PageLayout, build_page_layout
@@ -243,10 +250,11 @@ class WorkerSide:
             self._attach(self._mapped_pool())  # start registering the pool now, not at the first copy
 
     def _copier(self, layout: PageLayout) -> DeviceCopier:
-        assert self.stream is not None
+        stream = self.stream
+        if not isinstance(stream, DeviceStream):  # an asynchronous stream is a device's: it has DMAs
+            raise ValueError(f"the copy stream {type(stream).__name__} queues no DMAs")
         device = layout.segments[0].device
-        # The stream of a device with a copier is a CudaCopyStream: it has the DMA methods too.
-        return DeviceCopier(layout.segments, self.stream, layout.groups, layout.layers_done_at,  # type: ignore[arg-type]
+        return DeviceCopier(layout.segments, stream, layout.groups, layout.layers_done_at,
                             staging_bytes=self.staging_bytes, split=_split_for(device), bounce_slots=2,
                             bounce_count=_bounce_counter(device))
 
