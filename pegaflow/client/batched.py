@@ -56,7 +56,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from pegaflow.client.blocks import BlockIds, block_matrix
+from pegaflow.client.blocks import BlockIds, block_matrix, check_batch
 
 log = logging.getLogger("pegaflow.client.batched")
 
@@ -346,6 +346,11 @@ class HostCompletion:
     def synchronize(self) -> None:
         self._done.wait()
 
+    def finish(self, error: BaseException | None = None) -> None:
+        """The host step ran (``error``: it failed)."""
+        self.error = error
+        self._done.set()
+
 
 class Finisher:
     """One thread that waits for device events and then runs host work (a save's bounce
@@ -372,9 +377,10 @@ class Finisher:
                     self._recycle(event)
                 fn()
             except BaseException as exc:  # noqa: BLE001 - reported through the completion
-                done.error = exc
                 log.error("PegaFlow bounce copy failed: %s", exc)
-            done._done.set()  # noqa: SLF001
+                done.finish(exc)
+                continue
+            done.finish()
 
     def close(self) -> None:
         self._q.put(None)
@@ -471,10 +477,7 @@ class DeviceCopier:
 
     # -- planning --------------------------------------------------------------------------
     def plan(self, block_ids: BlockIds, pool: torch.Tensor, offsets: Sequence[int], to_pool: bool) -> Batch:
-        if len(block_ids) != len(offsets):
-            raise ValueError(f"{len(block_ids)} block ids but {len(offsets)} offsets")
-        if pool.dtype != torch.uint8 or pool.dim() != 1:
-            raise ValueError("pool must be a 1-D uint8 tensor")
+        check_batch(block_ids, pool, offsets)
         ids, seg_group = block_matrix(block_ids, self.groups, len(self.segments), to_pool)
         return plan(self.seg_len.tolist(), self.nblocks, ids, seg_group, offsets, pool.numel(), to_pool,
                     self.rows_per_chunk, self.split)

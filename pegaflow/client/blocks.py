@@ -35,14 +35,19 @@ def block_matrix(block_ids: BlockIds, groups: Sequence[int] | None, nseg: int,
     return ids, seg_group
 
 
-def check_layout(segments: Sequence[torch.Tensor], block_ids: BlockIds, pool: torch.Tensor,
-                 offsets: Sequence[int]) -> None:
+def check_batch(block_ids: BlockIds, pool: torch.Tensor, offsets: Sequence[int]) -> None:
+    """One batch against its pool (the layout checked apart: a copier checks it once)."""
     if len(block_ids) != len(offsets):
         raise ValueError(f"{len(block_ids)} block ids but {len(offsets)} offsets")
+    if pool.dtype != torch.uint8 or pool.dim() != 1:
+        raise ValueError("pool must be a 1-D uint8 tensor")
+
+
+def check_layout(segments: Sequence[torch.Tensor], block_ids: BlockIds, pool: torch.Tensor,
+                 offsets: Sequence[int]) -> None:
+    check_batch(block_ids, pool, offsets)
     if not segments:
         raise ValueError("empty layout")
     for seg in segments:
         if not seg[0].is_contiguous():
             raise ValueError("each segment's per-block slice must be contiguous")
-    if pool.dtype != torch.uint8 or pool.dim() != 1:
-        raise ValueError("pool must be a 1-D uint8 tensor")

@@ -430,11 +430,8 @@ class WorkerSide:
         """The step's copies hold ``pool`` (and finish with their host-side parts)."""
         for done in issued.completions:
             self.inflight.add(step, done, keep=pool)
-        self.inflight.add(step, self._recorded(), keep=pool)
-
-    def _recorded(self) -> Event:
         assert self.stream is not None
-        return self.stream.record()
+        self.inflight.add(step, self.stream.record(), keep=pool)
 
     def _after_failed_issue(self, step: int, pool: torch.Tensor) -> None:
         """Some copies of a failed batch may be queued already: the compute stream waits for
