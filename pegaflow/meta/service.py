@@ -1,8 +1,9 @@
 """gRPC MetaService over :class:`pegaflow.meta.lookup.Lookup`.
 
 Requests are validated before Redis is touched: a bad namespace, a hash that is not 16
-bytes or too many hashes get INVALID_ARGUMENT; Redis failures get UNAVAILABLE. The
-mapping to status codes is ``pegaflow.common.errors`` (the one place).
+bytes or too many hashes get INVALID_ARGUMENT; Redis failures get UNAVAILABLE. Errors
+become status codes and log lines in ``pegaflow.common.rpc_errors`` (one policy for every
+service); the server that serves this servicer is built by ``pegaflow.meta.daemon``.
 """
 
 from __future__ import annotations
@@ -10,33 +11,36 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Sequence
-from concurrent import futures
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import grpc
 import redis
 import structlog
 
 from pegaflow._proto import meta_pb2, meta_pb2_grpc
-from pegaflow.common.errors import InvalidArgument, PegaError, Unavailable, grpc_code
-from pegaflow.common.grpc_guard import SyncGuard
-from pegaflow.common.security import Security
+from pegaflow.common.errors import InvalidArgument, Unavailable
+from pegaflow.common.rpc_errors import RpcErrors
 from pegaflow.common.validate import check_hashes
 from pegaflow.meta.events.schema import Tier
 from pegaflow.meta.lookup import Lookup, NodePrefix
 from pegaflow.meta.metrics import MetaMetrics
+from pegaflow.policy.ceiling import WindowStats
 
 log = structlog.get_logger("pegaflow.meta.service")
+errors = RpcErrors(log)
 
-GRPC_THREADS = 8
-
+Req = TypeVar("Req")
 Resp = TypeVar("Resp")
+Method = Callable[["MetaServicer", Req, grpc.ServicerContext], Resp]
 
 
-def _rpc(method: str) -> Callable[[Callable[..., Resp]], Callable[..., Resp]]:
-    def wrap(fn: Callable[..., Resp]) -> Callable[..., Resp]:
+def _rpc(method: str) -> Callable[[Method[Req, Resp]], Method[Req, Resp]]:
+    """Time the call by method and status; a Redis failure answers UNAVAILABLE, any failure
+    the status of ``pegaflow.common.rpc_errors`` (counted in ``query_errors`` by code)."""
+
+    def wrap(fn: Method[Req, Resp]) -> Method[Req, Resp]:
         @functools.wraps(fn)
-        def handler(self: MetaServicer, request: Any, context: grpc.ServicerContext) -> Resp:
+        def handler(self: MetaServicer, request: Req, context: grpc.ServicerContext) -> Resp:
             t0 = time.perf_counter()
             status = "OK"
             try:
@@ -44,19 +48,12 @@ def _rpc(method: str) -> Callable[[Callable[..., Resp]], Callable[..., Resp]]:
                     return fn(self, request, context)
                 except (redis.RedisError, OSError) as exc:
                     raise Unavailable(f"redis: {exc}") from exc
-            except PegaError as exc:
-                code = grpc_code(exc)
-                status = code.name
-                self.metrics.query_errors.labels(code.name).inc()
-                if code is grpc.StatusCode.INVALID_ARGUMENT:
-                    log.info("invalid_request", method=method, error=str(exc))
-                else:
-                    log.warning("rpc_failed", method=method, error=str(exc))
-                context.abort(code, str(exc))
+            except Exception as exc:
+                st = errors.failed(exc, method)
+                status = st.code.name
+                self.metrics.query_errors.labels(status).inc()
+                context.abort(st.code, st.message)
                 raise  # unreachable: abort raises
-            except Exception:
-                status = "UNKNOWN"
-                raise
             finally:
                 self.metrics.rpc_seconds.labels(method, status).observe(time.perf_counter() - t0)
 
@@ -65,8 +62,9 @@ def _rpc(method: str) -> Callable[[Callable[..., Resp]], Callable[..., Resp]]:
     return wrap
 
 
-# () -> ([WindowStats], nodes merged, nodes skipped), or None when the sketches cannot be read
-CeilingSource = Callable[[], "tuple[list[Any], int, int] | None"]
+# () -> (stats per window, nodes merged, nodes skipped), or None when the sketches cannot
+# be read (ClusterCeilingCollector.current).
+CeilingSource = Callable[[], "tuple[list[WindowStats], int, int] | None"]
 
 
 def check_request(namespace: str, hashes: Sequence[bytes], max_blocks: int) -> None:
@@ -84,14 +82,18 @@ def _pb(p: NodePrefix) -> meta_pb2.NodePrefix:
 
 
 class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
-    def __init__(self, lookup: Lookup, max_blocks: int, redis_url: str = "", redis_cluster: bool = False,
-                 metrics: MetaMetrics | None = None) -> None:
+    """The lookups, over ``lookup``; ``max_blocks`` bounds a request's hashes
+    (``--query-max-blocks``); GetClusterConfig names the Redis the nodes should publish to
+    (``redis_url``, ``redis_cluster``); ClusterCeiling serves ``ceiling``. Handlers run on
+    the gRPC server's threads and share nothing but ``lookup`` and ``metrics``."""
+
+    def __init__(self, lookup: Lookup, max_blocks: int, metrics: MetaMetrics, ceiling: CeilingSource,
+                 redis_url: str = "", redis_cluster: bool = False) -> None:
         self.lookup = lookup
-        self.metrics = metrics if metrics is not None else MetaMetrics()
+        self.metrics = metrics
         self.max_blocks = max_blocks
         self.cluster_config = meta_pb2.ClusterConfigResponse(redis_url=redis_url, redis_cluster=redis_cluster)
-        # The cluster's ceiling per window (ClusterCeilingCollector.current), or None: not served.
-        self.ceiling: CeilingSource | None = None
+        self.ceiling = ceiling
 
     def _query(self, request: meta_pb2.QueryPrefixRequest) -> list[NodePrefix]:
         check_request(request.namespace, request.hashes, self.max_blocks)
@@ -120,14 +122,13 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
             ]
         )
 
-
     @_rpc("GetClusterConfig")
     def GetClusterConfig(self, request: meta_pb2.ClusterConfigRequest, context: grpc.ServicerContext) -> meta_pb2.ClusterConfigResponse:  # noqa: N802
         return self.cluster_config
 
     @_rpc("ClusterCeiling")
     def ClusterCeiling(self, request: meta_pb2.ClusterCeilingRequest, context: grpc.ServicerContext) -> meta_pb2.ClusterCeilingResponse:  # noqa: N802
-        cur = self.ceiling() if self.ceiling is not None else None
+        cur = self.ceiling()
         if cur is None:
             return meta_pb2.ClusterCeilingResponse(available=False)
         stats, merged, skipped = cur
@@ -138,21 +139,3 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
                      for s in stats],
         )
 
-
-def serve(
-    lookup: Lookup, addr: str, max_blocks: int, redis_url: str = "", redis_cluster: bool = False,
-    security: Security | None = None, metrics: MetaMetrics | None = None, ceiling: CeilingSource | None = None,
-) -> tuple[grpc.Server, int]:
-    """Start the gRPC server; returns it and the bound port (``addr`` may use port 0).
-    ``security``: the token every call must carry and the TLS certificate (none: open, plaintext)."""
-    sec = security or Security()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=GRPC_THREADS), interceptors=[SyncGuard(sec.token)])
-    servicer = MetaServicer(lookup, max_blocks, redis_url, redis_cluster, metrics)
-    servicer.ceiling = ceiling
-    servicer.metrics.bind_nodes(lookup.nodes)  # pegaflow_metaserver_nodes{state}, at scrape time
-    meta_pb2_grpc.add_MetaServiceServicer_to_server(servicer, server)
-    port = sec.add_port(server, addr)
-    if port == 0:
-        raise OSError(f"cannot bind {addr}")
-    server.start()
-    return server, port

@@ -1,0 +1,167 @@
+"""Assembles and runs one metaserver replica: consumer, lookups, gRPC service, metrics.
+
+The composition root of ``pegaflow-meta`` (``pegaflow/meta/cli.py`` parses and connects to
+Redis, then hands over here), as ``pegaflow/node/daemon.py`` is the node's. The constructor
+builds every part in dependency order from the typed config and binds nothing;
+:meth:`MetaServer.start` binds and starts them, :meth:`MetaServer.stop` stops them in the
+reverse order, :meth:`MetaServer.run` does both around the process's signals.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from concurrent import futures
+
+import grpc
+import structlog
+from prometheus_client import REGISTRY, CollectorRegistry
+
+from pegaflow._proto import meta_pb2_grpc
+from pegaflow.cluster import registry as nodes
+from pegaflow.cluster.redis_conn import Client
+from pegaflow.cluster.sketches import ClusterCeilingCollector
+from pegaflow.common import otel
+from pegaflow.common.grpc_guard import SyncGuard
+from pegaflow.common.heap import freeze_startup_heap
+from pegaflow.common.http import HttpEndpoint
+from pegaflow.common.security import Security
+from pegaflow.config.commands import MetaConfig
+from pegaflow.config.options import META, without_effect
+from pegaflow.meta import sweeper
+from pegaflow.meta.apply_process import ConsumerProcess
+from pegaflow.meta.events.consumer import default_consumer_name
+from pegaflow.meta.index import Census, Index
+from pegaflow.meta.lookup import Lookup
+from pegaflow.meta.metrics import MetaMetrics, run_census
+from pegaflow.meta.service import MetaServicer
+
+log = structlog.get_logger("pegaflow.meta")
+
+GRPC_THREADS = 8  # handler threads: lookups wait on Redis, with the GIL released
+GRPC_GRACE_S = 1.0  # calls in flight at stop get this long to finish
+JOIN_TIMEOUT_S = 5.0  # the sweeper and the census finish their pass (they stop at their next wait)
+
+
+class StartupError(Exception):
+    """A listener the replica cannot have, or an exporter it cannot start (one line for the operator)."""
+
+
+class MetaServer:
+    """One replica. Any number run against one Redis or Redis Cluster and share the node
+    streams (``pegaflow/meta/events/consumer.py``); a replica holds no state of its own.
+
+    ``registry`` is what ``--http-addr`` serves (and OTLP mirrors): the process's default
+    one unless given, so the client library's process metrics are in it.
+    """
+
+    def __init__(self, config: MetaConfig, redis: Client, security: Security,
+                 registry: CollectorRegistry = REGISTRY) -> None:
+        self.config = config
+        self.redis = redis
+        self.security = security
+        self.registry = registry
+        self.metrics = MetaMetrics(registry)
+        # The consumer runs in a child process (pegaflow/meta/apply_process.py says why),
+        # under this replica's name.
+        self.consumer = ConsumerProcess(config.redis_url, config.redis_cluster,
+                                        config.consumer_name or default_consumer_name(),
+                                        int(config.stream_lease_ttl * 1000), self.metrics.consumer,
+                                        config.log_level, config.log_format)
+        self.stopping = threading.Event()
+        self.threads: list[threading.Thread] = []
+        if config.sweep_interval > 0:
+            self.threads.append(threading.Thread(
+                target=sweeper.run,
+                args=(redis, self.stopping, config.sweep_interval, self.consumer.name, self.metrics,
+                      config.ttl_minutes * 60_000),
+                name="pf-meta-sweeper", daemon=True))
+        if config.index_census_interval > 0:
+            self.threads.append(threading.Thread(
+                target=run_census, args=(self.metrics, self._census, self.stopping, config.index_census_interval),
+                name="pf-meta-census", daemon=True))
+        self.ceiling = ClusterCeilingCollector(redis, config.ceiling_windows, lg_k=config.metric_hll_bucket_bits)
+        registry.register(self.ceiling)
+        self.lookup = Lookup(redis, stale_ms=config.node_stale_secs * 1000)  # --node-stale-secs hides silent nodes
+        self.metrics.bind_nodes(self.lookup.nodes)  # pegaflow_metaserver_nodes{state}, at scrape time
+        self.servicer = MetaServicer(self.lookup, config.query_max_blocks, self.metrics, self.ceiling.current,
+                                     config.redis_url, config.redis_cluster)
+        self.http = HttpEndpoint(config.http_addr, registry) if config.http_addr else None
+        self.otel: otel.OtelExport | None = None
+        self.server: grpc.Server | None = None
+        self.port = 0  # the gRPC port bound (--addr may name port 0)
+
+    def _census(self) -> Census:
+        """Count the index's entries of live nodes (``--index-census-interval``)."""
+        live = set(nodes.visible(self.redis, sorted(nodes.nodes(self.redis)), self.config.node_stale_secs * 1000))
+        return Index(self.redis).census(sorted(nodes.namespace_tags(self.redis)), live)
+
+    def start(self) -> None:
+        """Bind and start everything; :class:`StartupError` when a listener or the exporter
+        cannot be had (what had started is stopped again)."""
+        try:
+            self._start_listeners()
+        except StartupError:
+            self._close()
+            raise
+        self.consumer.start()
+        for t in self.threads:
+            t.start()
+        warn = self.security.exposure_warning(self.config.addr)
+        if warn:
+            log.warning("metaserver_exposed_without_token", addr=self.config.addr, detail=warn)
+        log.info("metaserver started", addr=self.config.addr, port=self.port, consumer=self.consumer.name)
+
+    def _start_listeners(self) -> None:
+        c = self.config
+        if self.http is not None:
+            try:
+                self.http.start()
+            except OSError as exc:
+                raise StartupError(f"cannot listen on --http-addr {c.http_addr}: {exc.strerror or exc}") from None
+        if c.metrics_otel_endpoint:
+            try:
+                self.otel = otel.start_otel_export(c.metrics_otel_endpoint, self.registry, "pegaflow-meta",
+                                                   c.metrics_period_secs)
+            except otel.OtelUnavailable as exc:
+                raise StartupError(str(exc)) from None
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=GRPC_THREADS),
+                             interceptors=[SyncGuard(self.security.token)])
+        meta_pb2_grpc.add_MetaServiceServicer_to_server(self.servicer, server)
+        try:
+            port = self.security.add_port(server, c.addr)
+            if port == 0:
+                raise OSError(f"cannot bind {c.addr}")
+            server.start()
+        except (RuntimeError, OSError) as exc:
+            raise StartupError(f"cannot listen on {c.addr}: {exc}") from None
+        self.server, self.port = server, port
+
+    def stop(self) -> None:
+        """Stop serving, then the consumer (it releases its leases), then the rest."""
+        self._close()
+        log.info("metaserver stopped", consumer=self.consumer.name)
+
+    def _close(self) -> None:
+        self.stopping.set()
+        if self.server is not None:
+            self.server.stop(grace=GRPC_GRACE_S).wait()
+        self.consumer.stop()
+        for t in self.threads:
+            if t.is_alive():
+                t.join(timeout=JOIN_TIMEOUT_S)
+        if self.otel is not None:
+            self.otel.stop()
+        if self.http is not None:
+            self.http.stop()
+
+    def run(self) -> None:
+        """Serve until SIGTERM or SIGINT (from the main thread: it installs their handlers)."""
+        for flag, reason in without_effect(META, self.config):  # the original's flags, once each
+            log.info("option_without_effect", flag=flag, reason=reason)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stopping.set())
+        self.start()
+        freeze_startup_heap()
+        self.stopping.wait()
+        self.stop()

@@ -1,0 +1,85 @@
+"""The metaserver's composition root (pegaflow/meta/daemon.py) in this process, on a real
+redis-server: built from its typed config, it serves lookups and its metrics once started and
+gives every listener and its consumer process back when stopped; a listener it cannot have is
+a StartupError that leaves nothing started behind."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import grpc
+import pytest
+from prometheus_client import CollectorRegistry
+
+from pegaflow._proto import meta_pb2, meta_pb2_grpc
+from pegaflow.cluster.redis_conn import connect
+from pegaflow.common.security import Security
+from pegaflow.config.commands import load
+from pegaflow.config.options import META
+from pegaflow.meta.daemon import MetaServer, StartupError
+from tests.harness.ports import free_port
+from tests.harness.redis import RedisServer
+from tests.integration import redis_fixtures
+from tests.waiting import wait_until
+
+pytestmark = pytest.mark.integration
+redis_server = redis_fixtures.redis_server
+
+
+def replica(url: str, *argv: str) -> MetaServer:
+    config = load(META, "pegaflow-meta", ["--redis-url", url, "--consumer-name", "m1", *argv], env={})
+    return MetaServer(config, connect(url), Security(), CollectorRegistry())
+
+
+def can_bind(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def test_a_replica_serves_once_started_and_gives_everything_back_when_stopped(redis_server: RedisServer) -> None:
+    http = free_port()
+    m = replica(redis_server.url, "--addr", "127.0.0.1:0", "--http-addr", f"127.0.0.1:{http}",
+                "--sweep-interval", "0.2", "--index-census-interval", "0.2")
+    assert m.server is None and m.port == 0  # built, nothing bound
+    m.start()
+    try:
+        assert m.port > 0 and not can_bind(http)
+        with grpc.insecure_channel(f"127.0.0.1:{m.port}") as ch:
+            stub = meta_pb2_grpc.MetaServiceStub(ch)
+            assert stub.GetClusterConfig(meta_pb2.ClusterConfigRequest(), timeout=10).redis_url == redis_server.url
+            assert not stub.QueryPrefix(meta_pb2.QueryPrefixRequest(namespace="m|fp16", hashes=[b"\1" * 16]),
+                                        timeout=10).nodes
+            with pytest.raises(grpc.RpcError) as err:
+                stub.QueryPrefix(meta_pb2.QueryPrefixRequest(namespace="", hashes=[b"\1" * 16]), timeout=10)
+            assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        wait_until(lambda: m.consumer.pid is not None and m.metrics.census is not None, 30,
+                   "the consumer process and a first census")
+        assert all(t.is_alive() for t in m.threads) and len(m.threads) == 2
+        child = m.consumer.pid
+        assert child is not None
+    finally:
+        m.stop()
+    assert not any(t.is_alive() for t in m.threads)
+    assert can_bind(http) and can_bind(m.port)
+    with pytest.raises(ProcessLookupError):  # ended and reaped
+        os.kill(child, 0)
+
+
+def test_a_listener_it_cannot_have_is_a_startup_error_and_nothing_stays_started(
+    redis_server: RedisServer,
+) -> None:
+    http = free_port()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        addr = f"127.0.0.1:{taken.getsockname()[1]}"
+        m = replica(redis_server.url, "--addr", addr, "--http-addr", f"127.0.0.1:{http}")
+        with pytest.raises(StartupError, match=f"cannot listen on {addr}"):
+            m.start()
+    assert can_bind(http)  # the HTTP endpoint started before the gRPC port failed is stopped again
+    assert m.consumer.pid is None and not any(t.is_alive() for t in m.threads)
