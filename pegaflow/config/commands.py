@@ -20,11 +20,14 @@ from typing import Any, Literal, TypeVar, overload
 
 from pegaflow.config.capacity import Capacity
 from pegaflow.config.options import (
+    CACHE,
     META,
     NODE,
     REPLAY,
     ROUTER,
     STATUS,
+    SUBCOMMAND,
+    SUBCOMMANDS,
     build_parser,
     fill_defaults,
     options_for,
@@ -222,9 +225,34 @@ class StatusConfig:
     timeout: float
 
 
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """``pegaflow cache SUBCOMMAND`` (the CACHE rows). The options of the subcommands not
+    chosen hold their defaults; ``--namespace`` is one field for the two rows that define it."""
+
+    subcommand: str  # inspect, clear, pin, unpin or pins
+    auth_token_file: str
+    tls_ca: str
+    addr: str
+    timeout: float
+    json: bool
+    namespace: str
+    tokens: str
+    tokens_file: str
+    hashes: tuple[str, ...]
+    block_size: int
+    lora_name: str
+    cache_salt: str
+    metaserver: str
+    instance: str
+    all: bool
+    name: str
+    id: str
+
+
 CONFIGS: dict[str, type] = {NODE: NodeConfig, META: MetaConfig, REPLAY: ReplayConfig, ROUTER: RouterConfig,
-                            STATUS: StatusConfig}
-C = TypeVar("C", NodeConfig, MetaConfig, ReplayConfig, RouterConfig, StatusConfig)
+                            STATUS: StatusConfig, CACHE: CacheConfig}
+C = TypeVar("C", NodeConfig, MetaConfig, ReplayConfig, RouterConfig, StatusConfig, CacheConfig)
 
 
 def _frozen(value: Any) -> Any:
@@ -262,10 +290,15 @@ def load(
     command: Literal["status"], prog: str, argv: Sequence[str] | None = None,
     env: Mapping[str, str] | None = None, description: str = "",
 ) -> StatusConfig: ...
+@overload
+def load(
+    command: Literal["cache"], prog: str, argv: Sequence[str] | None = None,
+    env: Mapping[str, str] | None = None, description: str = "",
+) -> CacheConfig: ...
 def load(
     command: str, prog: str, argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None,
     description: str = "",
-) -> NodeConfig | MetaConfig | ReplayConfig | RouterConfig | StatusConfig:
+) -> NodeConfig | MetaConfig | ReplayConfig | RouterConfig | StatusConfig | CacheConfig:
     """Parse ``argv`` (flags > ``PEGAFLOW_*`` > defaults) into the command's config class.
 
     A bad flag or variable is one line on stderr and exit status 2 (never a traceback)."""
@@ -280,5 +313,7 @@ def node_config(**overrides: Any) -> NodeConfig:
 
 
 def field_names(command: str) -> list[str]:
-    """The option table's destinations for ``command``, in table order (the test's side)."""
-    return [o.dest for o in options_for(command)]
+    """The option table's destinations for ``command``, in table order, each once (the test's
+    side); a command with subcommands first names the one chosen."""
+    names = [o.dest for o in options_for(command)]
+    return ([SUBCOMMAND] if command in SUBCOMMANDS else []) + list(dict.fromkeys(names))

@@ -5,6 +5,12 @@ the command-line flags (``--pool-size``), the environment variables (``PEGAFLOW_
 and the reference page ``docs/options.md`` (``python -m pegaflow.config.options``; a unit
 test fails when the page is stale). Precedence: flag > environment > default.
 
+A command may have subcommands (``pegaflow cache inspect``; ``SUBCOMMANDS``): a row names the
+ones that take it (``Option.subcommands``), and may be required or one of a group of which
+exactly one must be given (``Option.required``, ``Option.one_of``), checked after the
+environment applies (so an empty value is not given here either). A row with
+``env_var=NO_ENV`` is a flag only.
+
 Every value goes through the option's parser, whatever its source (a default written as
 text too). An empty value, a flag's (``--redis-url=``) or a variable's
 (``PEGAFLOW_REDIS_URL=``), counts as not given, for every option: the next source applies.
@@ -35,6 +41,21 @@ META: Final = "meta"
 REPLAY: Final = "replay"
 ROUTER: Final = "router"
 STATUS: Final = "status"
+CACHE: Final = "cache"
+
+# A command's subcommands, each with the line its --help and docs/options.md show. The one
+# chosen is the config's ``subcommand`` field.
+SUBCOMMANDS: Final[dict[str, tuple[tuple[str, str], ...]]] = {
+    CACHE: (
+        ("inspect", "where each block of a prompt is: L1, SSD, which nodes"),
+        ("clear", "drop a namespace's, an instance's or every block (DRAM and SSD)"),
+        ("pin", "keep a prefix resident (within --max-pinned-share)"),
+        ("unpin", "drop a pin (its blocks become evictable)"),
+        ("pins", "list the pins"),
+    ),
+}
+SUBCOMMAND: Final = "subcommand"
+NO_ENV: Final = ""  # Option.env_var of a flag that no environment variable sets
 
 DEFAULT_META_REDIS = "redis://127.0.0.1:6379/0"
 
@@ -220,10 +241,14 @@ class Option:
     metavar: str | None = None
     aliases: tuple[str, ...] = field(default=())
     positional: bool = False  # an argument, not a flag (``pegaflow replay TRACE``); required
-    env_var: str | None = None  # the variable's name when not PEGAFLOW_<FLAG> (a name taken elsewhere)
+    env_var: str | None = None  # the variable's name when not PEGAFLOW_<FLAG> (a name taken elsewhere); NO_ENV: none
     # Accepted for the original's command lines, but it changes nothing on this build or host:
     # the reason is logged once at start when the option is given (see ``no_effect``).
     no_effect: str = ""
+    subcommands: tuple[str, ...] = ()  # of a command with subcommands: those that take it (empty: all)
+    short: str = ""  # a one-letter flag beside the long one (``-n``)
+    required: bool = False
+    one_of: str = ""  # a group's name: exactly one option of the group must be given
 
     @property
     def dest(self) -> str:
@@ -231,12 +256,20 @@ class Option:
 
     @property
     def env(self) -> str:
-        return self.env_var or _env_name(self.name)
+        """The option's variable ('' for a flag only)."""
+        return _env_name(self.name) if self.env_var is None else self.env_var
 
     @property
     def envs(self) -> tuple[str, ...]:
         """The environment variables read, in order: the option's, then its aliases'."""
+        if self.env_var == NO_ENV:
+            return ()
         return (self.env, *(_env_name(a) for a in self.aliases))
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        """Its names on the command line: the flag, its aliases, its one-letter form."""
+        return (f"--{self.name}", *(f"--{a}" for a in self.aliases), *((f"-{self.short}",) if self.short else ()))
 
     def parse_list(self, values: Sequence[str]) -> list[Any]:
         """Parse the values of a list option (empty items of a comma list are dropped; a flag
@@ -646,7 +679,7 @@ OPTIONS: list[Option] = [
         "",
         "File (mode 0600) holding the shared token every gRPC call, local-socket connection and "
         "peer must present; PEGAFLOW_AUTH_TOKEN may hold the token itself. Empty: no token.",
-        commands=(NODE, META, STATUS),
+        commands=(NODE, META, STATUS, CACHE),
         metavar="PATH",
     ),
     Option(
@@ -660,9 +693,10 @@ OPTIONS: list[Option] = [
     Option(
         "tls-ca",
         "",
-        "PEM roots to verify the metaserver and peers against: call them over TLS "
-        "(PEGAFLOW_TLS_CA for engines' connectors).",
-        commands=(NODE, STATUS),
+        "PEM roots to verify the servers this process calls against (the metaserver, peers; the "
+        "node, for pegaflow status and cache): call them over TLS (PEGAFLOW_TLS_CA for engines' "
+        "connectors).",
+        commands=(NODE, STATUS, CACHE),
         metavar="PATH",
     ),
     Option(
@@ -1070,19 +1104,113 @@ OPTIONS: list[Option] = [
            flag=True),
     Option("timeout", 3.0, "Seconds to wait for each node's (and the metaserver's) answer.", _positive_float,
            commands=(STATUS,), metavar="SECS"),
+    # --- cache: look inside a node's cache and act on it (pegaflow/ops/cache.py) ------------
+    # The node's address and credentials come from the environment as every client's do; the
+    # other options say what one command acts on, so they are flags only: a variable left in
+    # the environment must never choose what a clear drops.
+    Option("addr", NODE_ADDR, "The node's gRPC address (HOST:PORT).", _host_port, commands=(CACHE,),
+           metavar="HOST:PORT"),
+    Option("timeout", 10.0, "Seconds to wait for the answer.", _positive_float, commands=(CACHE,), metavar="SECS",
+           env_var=NO_ENV),
+    Option("json", False, "Print the answer as JSON.", _bool, commands=(CACHE,), flag=True, env_var=NO_ENV),
+    Option(
+        "namespace",
+        "",
+        "The namespace (as /instances or pegaflow status list it).",
+        commands=(CACHE,),
+        subcommands=("inspect", "pin"),
+        short="n",
+        required=True,
+        metavar="NS",
+        env_var=NO_ENV,
+    ),
+    Option(
+        "tokens",
+        "",
+        "A prompt's token ids, comma- or space-separated (or a JSON list); hashed as the connector "
+        "does (the namespace's root seeds the chain, its bs= cuts the blocks).",
+        commands=(CACHE,),
+        subcommands=("inspect", "pin"),
+        one_of="blocks",
+        metavar="IDS",
+        env_var=NO_ENV,
+    ),
+    Option(
+        "tokens-file",
+        "",
+        "A file of token ids: a JSON list, or comma/space-separated.",
+        commands=(CACHE,),
+        subcommands=("inspect", "pin"),
+        one_of="blocks",
+        metavar="FILE",
+        env_var=NO_ENV,
+    ),
+    Option(
+        "hashes",
+        [],
+        "Block hashes in hex, in prefix order: for multimodal prompts (their items' identifiers "
+        "come from vLLM's processor, so tokens alone do not name their blocks) and namespaces "
+        "that are not a connector's.",
+        commands=(CACHE,),
+        subcommands=("inspect", "pin"),
+        one_of="blocks",
+        repeatable=True,
+        commas=True,
+        metavar="HEX",
+        env_var=NO_ENV,
+    ),
+    Option(
+        "block-size",
+        0,
+        "Tokens per block, for a namespace whose name does not carry bs= (0: the name's).",
+        _non_negative_int,
+        commands=(CACHE,),
+        subcommands=("inspect", "pin"),
+        env_var=NO_ENV,
+    ),
+    Option("lora-name", "", "The LoRA adapter the prompt ran with (it enters every hash).", commands=(CACHE,),
+           subcommands=("inspect", "pin"), env_var=NO_ENV),
+    Option("cache-salt", "", "The request's cache_salt (it enters the first block's hash).", commands=(CACHE,),
+           subcommands=("inspect", "pin"), env_var=NO_ENV),
+    Option(
+        "metaserver",
+        "",
+        "Also ask this metaserver (HOST:PORT or http://HOST:PORT) which nodes of the cluster hold "
+        "the prefix.",
+        _grpc_target,
+        commands=(CACHE,),
+        subcommands=("inspect",),
+        metavar="HOST:PORT",
+        env_var=NO_ENV,
+    ),
+    Option("namespace", "", "Every block of this namespace.", commands=(CACHE,), subcommands=("clear",),
+           short="n", one_of="what", metavar="NS", env_var=NO_ENV),
+    Option("instance", "", "Every block of the namespaces this engine instance registered (as in /instances).",
+           commands=(CACHE,), subcommands=("clear",), one_of="what", metavar="ID", env_var=NO_ENV),
+    Option("all", False, "Every block of every namespace.", _bool, commands=(CACHE,), subcommands=("clear",),
+           flag=True, one_of="what", env_var=NO_ENV),
+    Option("name", "", "The pin's id (default: pin-N).", commands=(CACHE,), subcommands=("pin",), env_var=NO_ENV),
+    Option("id", "", "The pin's id (as pegaflow cache pins lists it).", commands=(CACHE,), subcommands=("unpin",),
+           positional=True, metavar="ID", env_var=NO_ENV),
 ]
 
 
-def options_for(command: str) -> list[Option]:
-    return [o for o in OPTIONS if command in o.commands]
+def options_for(command: str, subcommand: str | None = None) -> list[Option]:
+    """The rows of ``command``; with ``subcommand``, only those that subcommand takes."""
+    return [o for o in OPTIONS if command in o.commands
+            and (subcommand is None or not o.subcommands or subcommand in o.subcommands)]
 
 
 class _OneLineParser(argparse.ArgumentParser):
     """argparse that reports a bad flag in one line and exits 2 (no usage dump, no traceback)."""
 
     def error(self, message: str) -> NoReturn:
-        sys.stderr.write(f"{self.prog}: error: {message}\n")
-        raise SystemExit(2)
+        _refuse(self.prog, message)
+
+
+def _refuse(prog: str, message: str) -> NoReturn:
+    sys.stderr.write(f"{prog}: error: {message}\n")
+    raise SystemExit(2)
 
 
 class _NotGiven:
@@ -1110,61 +1238,110 @@ def _wrap(opt: Option) -> Callable[[str], Any]:
 
 
 def build_parser(command: str, prog: str, description: str = "") -> argparse.ArgumentParser:
-    """Flags for ``command``; defaults are filled from the environment in :func:`load`."""
+    """Flags for ``command`` (under each of its subcommands, if it has some); defaults are
+    filled from the environment in :func:`fill_defaults`."""
     p = _OneLineParser(prog=prog, description=description)
-    add_options(p, command)
+    if command not in SUBCOMMANDS:
+        add_options(p, command)
+        return p
+    sub = p.add_subparsers(dest=SUBCOMMAND, required=True, parser_class=_OneLineParser)
+    for name, summary in SUBCOMMANDS[command]:
+        add_options(sub.add_parser(name, help=summary, description=summary), command, name)
     return p
 
 
-def add_options(p: argparse.ArgumentParser, command: str) -> None:
-    for opt in options_for(command):
-        names = [f"--{opt.name}", *(f"--{a}" for a in opt.aliases)]
-        text = opt.help.replace("%", "%%")  # argparse %-formats help ("25%" would crash --help)
+def _one_of(command: str, opt: Option) -> list[Option]:
+    """The options of ``opt``'s one-of group (a group lies within the subcommands that take it)."""
+    sub = opt.subcommands[0] if opt.subcommands else None
+    return [o for o in options_for(command, sub) if o.one_of == opt.one_of]
+
+
+def _demand(command: str, opt: Option) -> str:
+    """What must be given, in words (``required``; ``exactly one of --tokens, ...``)."""
+    if opt.required:
+        return "required"
+    if opt.one_of:
+        return "exactly one of " + ", ".join(o.flags[0] for o in _one_of(command, opt))
+    return ""
+
+
+def add_options(p: argparse.ArgumentParser, command: str, subcommand: str | None = None) -> None:
+    for opt in options_for(command, subcommand):
+        notes = [n for n in (_demand(command, opt), f"${opt.env}" if opt.envs else "") if n]
+        if not (opt.flag or opt.positional) and opt.default not in ("", None, [], ()):
+            notes.append(f"default {opt.default}")
+        text = opt.help + (f" ({'; '.join(notes)})" if notes else "")
+        text = text.replace("%", "%%")  # argparse %-formats help ("25%" would crash --help)
         if opt.positional:
             p.add_argument(opt.dest, type=_wrap(opt), metavar=opt.metavar, help=text)
         elif opt.flag:
-            p.add_argument(*names, dest=opt.dest, action="store_const", const=True, default=None, help=text)
+            p.add_argument(*opt.flags, dest=opt.dest, action="store_const", const=True, default=None, help=text)
         elif opt.repeatable:  # values are parsed (and comma-split) in fill_defaults
-            p.add_argument(*names, dest=opt.dest, action="extend", nargs="+", default=None,
+            p.add_argument(*opt.flags, dest=opt.dest, action="extend", nargs="+", default=None,
                            metavar=opt.metavar, help=text)
         else:
-            p.add_argument(*names, dest=opt.dest, type=_wrap(opt), default=None, metavar=opt.metavar, help=text)
+            p.add_argument(*opt.flags, dest=opt.dest, type=_wrap(opt), default=None, metavar=opt.metavar, help=text)
 
 
 def fill_defaults(
     ns: argparse.Namespace, command: str, prog: str, env: Mapping[str, str] | None = None
 ) -> argparse.Namespace:
-    """Fill options not given as flags from ``PEGAFLOW_*`` variables, then the table's defaults."""
+    """Fill options not given as flags from ``PEGAFLOW_*`` variables, then the table's defaults;
+    then check that the required options were given. Options of the subcommands not chosen
+    take their defaults."""
     env = os.environ if env is None else env
-    for opt in options_for(command):
-        given = getattr(ns, opt.dest, None)
+    subcommand = getattr(ns, SUBCOMMAND, None)
+    if subcommand is not None:
+        prog = f"{prog} {subcommand}"
+    opts = options_for(command, subcommand)
+    given: set[str] = set()  # by flag or variable
+    for opt in opts:
+        value: Any = getattr(ns, opt.dest, None)
         if opt.positional:
-            if given is NOT_GIVEN:
-                sys.stderr.write(f"{prog}: error: argument {opt.metavar}: empty value\n")
-                raise SystemExit(2)
+            if value is NOT_GIVEN:
+                _refuse(prog, f"argument {opt.metavar}: empty value")
+            given.add(opt.dest)
             continue
-        if given is NOT_GIVEN or (opt.repeatable and given is not None and all(map(_blank, given))):
-            given = None
-        if given is not None:
+        if value is NOT_GIVEN or (opt.repeatable and value is not None and all(map(_blank, value))):
+            value = None
+        if value is not None:
             if opt.repeatable:
                 try:
-                    setattr(ns, opt.dest, opt.parse_list(given))
+                    setattr(ns, opt.dest, opt.parse_list(value))
                 except (ValueError, TypeError) as exc:
-                    sys.stderr.write(f"{prog}: error: argument --{opt.name}: {exc}\n")
-                    raise SystemExit(2) from None
+                    _refuse(prog, f"argument --{opt.name}: {exc}")
+            given.add(opt.dest)
             continue
         var = next((v for v in opt.envs if v in env and not _blank(env[v])), None)
         if var is not None:
             raw = env[var]
             try:
-                value: Any = opt.parse_list(raw.split(",")) if opt.repeatable else opt.parse(raw)
+                value = opt.parse_list(raw.split(",")) if opt.repeatable else opt.parse(raw)
             except (ValueError, TypeError) as exc:
-                sys.stderr.write(f"{prog}: error: {var}={raw!r}: {exc}\n")
-                raise SystemExit(2) from None
+                _refuse(prog, f"{var}={raw!r}: {exc}")
+            given.add(opt.dest)
         else:
             value = default_of(opt)
         setattr(ns, opt.dest, value)
+    for opt in options_for(command):
+        if not hasattr(ns, opt.dest):
+            setattr(ns, opt.dest, default_of(opt))
+    _check_given(opts, given, prog)
     return ns
+
+
+def _check_given(opts: list[Option], given: set[str], prog: str) -> None:
+    """Each required option given, and exactly one of each one-of group (argparse's words)."""
+    for opt in opts:
+        if opt.required and opt.dest not in given:
+            _refuse(prog, f"the following arguments are required: {'/'.join(opt.flags)}")
+    for group in dict.fromkeys(o.one_of for o in opts if o.one_of):
+        members = [o for o in opts if o.one_of == group]
+        named = [o for o in members if o.dest in given]
+        if not named:
+            _refuse(prog, f"one of the arguments {' '.join(o.flags[0] for o in members)} is required")
+        if len(named) > 1:
+            _refuse(prog, f"argument {'/'.join(named[1].flags)}: not allowed with argument {'/'.join(named[0].flags)}")
 
 
 def default_of(opt: Option) -> Any:
@@ -1191,25 +1368,35 @@ def render_markdown() -> str:
         "# Options",
         "",
         "Generated from `pegaflow/config/options.py` by `python -m pegaflow.config.options`;",
-        "do not edit by hand. Every option is a flag and a `PEGAFLOW_*` environment variable;",
-        "a flag wins over the environment, which wins over the default. An empty value",
-        "(`--redis-url=` or `PEGAFLOW_REDIS_URL=`) counts as not given: the next source applies.",
+        "do not edit by hand. Every option is a flag and, where the environment column names one,",
+        "a `PEGAFLOW_*` environment variable; a flag wins over the environment, which wins over",
+        "the default. An empty value (`--redis-url=` or `PEGAFLOW_REDIS_URL=`) counts as not",
+        "given: the next source applies.",
         "",
     ]
     for command, title in ((NODE, "pegaflow-node"), (META, "pegaflow-meta"), (REPLAY, "pegaflow replay"),
-                           (ROUTER, "pegaflow router"), (STATUS, "pegaflow status")):
+                           (ROUTER, "pegaflow router"), (STATUS, "pegaflow status"), (CACHE, "pegaflow cache")):
         opts = options_for(command)
         if not opts:
             continue
-        lines += [f"## `{title}`", "", "| flag | environment | default | meaning |", "|---|---|---|---|"]
+        lines += [f"## `{title}`", ""]
+        if command in SUBCOMMANDS:
+            lines += [f"- `{title} {name}`: {summary}" for name, summary in SUBCOMMANDS[command]]
+            lines += ["", "An option marked with subcommands belongs to those only; the others to every one.", ""]
+        lines += ["| flag | environment | default | meaning |", "|---|---|---|---|"]
         for o in opts:
+            where = ", ".join(o.subcommands)
             if o.positional:
-                lines.append(f"| `{o.metavar}` (argument) | — | required | {o.help} |")
+                lines.append(f"| `{o.metavar}` (argument{'; ' + where if where else ''}) | — | required | {o.help} |")
                 continue
-            flag = f"`--{o.name}`" + "".join(f" (alias `--{a}`)" for a in o.aliases)
+            scope = "; ".join(x for x in (where, _demand(command, o)) if x)
+            flag = f"`--{o.name}`" + (f", `-{o.short}`" if o.short else "")
+            flag += "".join(f" (alias `--{a}`)" for a in o.aliases)
             flag += " (one or more values)" if o.repeatable else ""
+            flag += f" ({scope})" if scope else ""
+            env = f"`{o.env}`" if o.envs else "—"
             default = "off" if o.flag and not o.default else f"`{o.default}`" if o.default not in ("", None, []) else "—"
-            lines.append(f"| {flag} | `{o.env}` | {default} | {o.help} |")
+            lines.append(f"| {flag} | {env} | {default} | {o.help} |")
         lines.append("")
     return "\n".join(lines)
 

@@ -161,17 +161,35 @@ def test_config_is_typed_and_frozen():
     assert node_config(pool_size=1 << 20).pool_size == 1 << 20
 
 
-def _required(opts: list) -> list[str]:
-    """Values for the command's positional arguments (``pegaflow replay TRACE``)."""
-    return ["trace.jsonl" for o in opts if o.positional]
+def _invocations() -> list[tuple[str, str | None]]:
+    """Every command, and every subcommand of those that have some."""
+    from pegaflow.config.options import SUBCOMMANDS
+
+    return [(c, s) for c in sorted(CONFIGS) for s in ([n for n, _ in SUBCOMMANDS[c]] if c in SUBCOMMANDS else [None])]
 
 
-@pytest.mark.parametrize("command", sorted(CONFIGS))
-def test_an_empty_value_counts_as_not_given_for_every_option(command: str):
+def _minimal(command: str, subcommand: str | None) -> list[str]:
+    """The shortest command line the (sub)command takes: a value for each positional argument
+    and required option, and the first option of each one-of group."""
     from pegaflow.config.options import options_for
 
-    opts = options_for(command)
-    args = _required(opts)
+    argv, groups = ([subcommand] if subcommand else []), set()
+    for o in options_for(command, subcommand):
+        if o.positional:
+            argv.append("trace.jsonl")
+        elif o.required or (o.one_of and o.one_of not in groups):
+            groups.add(o.one_of)
+            argv += [f"--{o.name}", *([] if o.flag else ["x"])]
+    return argv
+
+
+@pytest.mark.parametrize("command, subcommand", _invocations())
+def test_an_empty_value_counts_as_not_given_for_every_option(command: str, subcommand: str | None,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    from pegaflow.config.options import options_for
+
+    opts = options_for(command, subcommand)
+    args = _minimal(command, subcommand)
     base = load(command, command, args, env={})
     checked = 0
     for o in opts:
@@ -182,7 +200,12 @@ def test_an_empty_value_counts_as_not_given_for_every_option(command: str):
             assert load(command, command, args, env={var: "  "}) == base, var
         if not o.flag:  # a switch takes no value
             for name in (o.name, *o.aliases):
-                assert load(command, command, [*args, f"--{name}="], env={}) == base, name
+                if f"--{name}" in args:  # required: an empty value is no value
+                    with pytest.raises(SystemExit) as stop:
+                        load(command, command, [*args, f"--{name}="], env={})
+                    assert stop.value.code == 2 and "required" in capsys.readouterr().err, name
+                else:
+                    assert load(command, command, [*args, f"--{name}="], env={}) == base, name
         checked += 1
     assert checked == len([o for o in opts if not o.positional]) > 0
 
@@ -318,11 +341,14 @@ def _bounded() -> list[tuple[str, object]]:
 @pytest.mark.parametrize("command, opt", _bounded(), ids=lambda x: x if isinstance(x, str) else x.name)
 def test_every_bounded_option_refuses_a_value_outside_its_range_naming_the_option_and_the_range(
         command: str, opt, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
-    from pegaflow.config.options import options_for
+    from pegaflow.config.options import SUBCOMMANDS
 
     bad = opt.parse.outside()
-    args = ["t.jsonl" for o in options_for(command) if o.positional]  # a command's required argument
-    for argv, env, name in (([*args, f"--{opt.name}", bad], {}, f"--{opt.name}"), (args, {opt.env: bad}, opt.env)):
+    subcommand = (opt.subcommands or [n for n, _ in SUBCOMMANDS.get(command, ())] or [None])[0]
+    args = _minimal(command, subcommand)  # a command's required arguments
+    tries = [([*args, f"--{opt.name}", bad], {}, f"--{opt.name}")]
+    tries += [(args, {opt.env: bad}, opt.env)] if opt.envs else []
+    for argv, env, name in tries:
         with pytest.raises(SystemExit) as stop:
             load(command, "prog", argv, env=env)
         err = capsys.readouterr().err.strip()
@@ -342,3 +368,64 @@ def test_a_cost_of_two_is_refused_as_a_cost_not_as_a_sample_rate(capsys: pytest.
         load(REPLAY, "pegaflow replay", ["t.jsonl", "--ssd-hit-cost", "2"], env={})
     err = capsys.readouterr().err
     assert "--ssd-hit-cost" in err and "must be in [0, 1], got 2.0" in err and "sample rate" not in err
+
+
+# --- pegaflow cache: subcommands in the table ------------------------------------------------
+
+def test_every_rows_subcommands_are_its_commands_and_a_one_of_group_shares_its_subcommands():
+    from pegaflow.config.options import OPTIONS, SUBCOMMANDS
+
+    groups: dict[tuple[str, str], set[tuple[str, ...]]] = {}
+    for o in OPTIONS:
+        for c in o.commands:
+            assert set(o.subcommands) <= {n for n, _ in SUBCOMMANDS.get(c, ())}, (o.name, c)
+            if o.one_of:
+                groups.setdefault((c, o.one_of), set()).add(o.subcommands)
+        assert not (o.one_of and o.required), o.name
+    assert all(len(subs) == 1 for subs in groups.values()), groups
+
+
+def test_cache_reads_the_node_address_from_pegaflow_addr_and_its_flags_from_the_table():
+    from pegaflow.config.commands import CacheConfig
+    from pegaflow.config.options import CACHE
+    from pegaflow.core.hosts import NODE_ADDR
+
+    c = load(CACHE, "pegaflow cache", ["pin", "-n", "ns", "--hashes", "aa,bb", "cc", "--name", "sys"], env={})
+    assert isinstance(c, CacheConfig) and c.addr == NODE_ADDR and c.timeout == 10.0
+    assert (c.subcommand, c.namespace, c.hashes, c.name, c.all, c.id) == ("pin", "ns", ("aa", "bb", "cc"), "sys",
+                                                                          False, "")
+    c = load(CACHE, "pegaflow cache", ["unpin", "sys"], env={"PEGAFLOW_ADDR": "10.0.0.1:7000"})
+    assert (c.subcommand, c.id, c.addr) == ("unpin", "sys", "10.0.0.1:7000")
+    assert load(CACHE, "c", ["pins", "--addr", "h:1"], env={"PEGAFLOW_ADDR": "10.0.0.1:7000"}).addr == "h:1"
+
+
+def test_what_a_cache_command_acts_on_is_never_read_from_the_environment():
+    from pegaflow.config.options import CACHE
+
+    env = {"PEGAFLOW_NAMESPACE": "ns", "PEGAFLOW_ALL": "1", "PEGAFLOW_JSON": "1", "PEGAFLOW_TIMEOUT": "1"}
+    c = load(CACHE, "pegaflow cache", ["clear", "--instance", "engine-7"], env=env)
+    assert (c.namespace, c.all, c.instance, c.json, c.timeout) == ("", False, "engine-7", False, 10.0)
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        ([], "required: subcommand"),
+        (["inspect", "--tokens", "1"], "required: --namespace/-n"),
+        (["pin", "-n", "ns"], "one of the arguments --tokens --tokens-file --hashes is required"),
+        (["inspect", "-n", "ns", "--tokens", "1", "--hashes", "aa"], "--hashes: not allowed with argument --tokens"),
+        (["clear"], "one of the arguments --namespace --instance --all is required"),
+        (["clear", "--all", "-n", "ns"], "--all: not allowed with argument --namespace/-n"),
+        (["clear", "--namespace="], "required"),
+        (["unpin"], "required: ID"),
+        (["pins", "--timeout", "0"], "--timeout"),
+        (["pins", "--addr", "nowhere"], "--addr"),
+        (["pins", "--namespace", "ns"], "unrecognized arguments"),
+    ],
+)
+def test_bad_cache_arguments_exit_2_with_one_line(argv: list[str], needle: str) -> None:
+    p = subprocess.run([sys.executable, "-m", "pegaflow.cli", "cache", *argv], capture_output=True, text=True,
+                       timeout=60)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and needle in lines[0] and "Traceback" not in p.stderr, p.stderr
+    assert lines[0].startswith("pegaflow cache"), p.stderr
