@@ -40,6 +40,7 @@ class Goal:
 
 
 ROUND_TRIP = "bare socket round trip, 2 CPUs"
+ORIGINAL = "the original's metaserver, same run"
 
 RUNS: tuple[Run, ...] = (
     Run("node", "node.py", ("--rounds", "5", "--inflight", "1")),  # the issue's own command
@@ -107,6 +108,21 @@ GOALS: tuple[Goal, ...] = (
          "in-memory gRPC call, interleaved", 2000, on="value", higher_is_better=False),
     Goal("meta", "QueryPrefix p99 while applying at full rate", "loaded_grpc_query_p99_us", "µs",
          "loaded_grpc_floor_p99_us", "in-memory gRPC call, interleaved", 5000, on="value", higher_is_better=False),
+    # Issue #55: beside the Rust original's metaserver (pegaflow-llm 0.25.1, bench/original_meta.py), the
+    # same nodes, events and lookups in the same run, every answer checked. Where the original cannot
+    # run (no package index) its figures are absent and these rows do not hold.
+    Goal("meta", "RouteHint p99 / the original's QueryPrefixBlocks p99", "grpc_route_p99_us", "µs",
+         "original.query_p99_us", ORIGINAL, 1.0, higher_is_better=False),
+    Goal("meta", "QueryPrefix p99 / the original's QueryPrefixBlocks p99", "grpc_query_p99_us", "µs",
+         "original.query_p99_us", ORIGINAL, 1.0, higher_is_better=False),
+    Goal("meta", "ingest, (block, node) pairs/s / the original's", "apply_blocks_per_s", "/s",
+         "original.ingest_pairs_per_s", ORIGINAL, 1.0),
+    Goal("meta", "memory per indexed block (Redis + processes) / the original's (RSS)", "memory_bytes_per_block",
+         "B", "original.bytes_per_block", ORIGINAL, 0.5, higher_is_better=False),
+    Goal("meta", "RouteHint p99 while ingesting at full rate / the original's doing the same",
+         "loaded_grpc_route_p99_us", "µs", "original.loaded_query_p99_us", ORIGINAL, 1.0, higher_is_better=False),
+    Goal("meta", "QueryPrefix p99 while ingesting at full rate / the original's doing the same",
+         "loaded_grpc_query_p99_us", "µs", "original.loaded_query_p99_us", ORIGINAL, 1.0, higher_is_better=False),
     # The SSD tier against fio on the same file system.
     Goal("ssd", "SSD tier write, 2 MiB pages (ratio: median of per-pair ratios)", "uring_write_gbps", "GB/s",
          "uring_fio_write_gbps", "fio", 0.9, ratio="uring_write_ratio"),

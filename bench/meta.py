@@ -1,6 +1,6 @@
-"""Metaserver benchmark: update apply rate, QueryPrefix latency, Redis bytes per block.
+"""Metaserver benchmark: update apply rate, lookup latency, memory per block, beside the original's.
 
-    python bench/meta.py [--blocks 1048576] [--standalone-only | --cluster-only]
+    python bench/meta.py [--blocks 1048576] [--standalone-only | --cluster-only] [--no-original]
 
 Starts its own redis-server / 6-process cluster (infra/redis/) on free ports, then per
 backend:
@@ -12,14 +12,24 @@ backend:
    nodes, 2 namespaces, some prefixes held by two nodes) plus 10% insert+evict churn,
    written as real events (512 hashes per entry);
 3. one consumer replica (``events.consumer.Consumer``) applies them: block updates / s;
-4. Redis memory per indexed (block, node) pair (streams deleted first);
-5. QueryPrefix of 128-block prefixes: in-process ``Lookup`` (one Redis round trip) and
-   through a real ``pegaflow-meta`` gRPC server; p50 / p99; answers checked; the time
-   Redis spent per query. Each gRPC
-   QueryPrefix is followed by a GetClusterConfig (answered from memory) on the same server:
-   its p99 is this host's gRPC floor at that moment (it varied 0.6-4 ms between runs here);
-6. the same gRPC queries while that server's consumer applies a second backlog of events
+4. Redis memory per indexed (block, node) pair (streams deleted first), and the growth of
+   the metaserver's processes (RSS, consumer child included) over one serving an empty index;
+5. QueryPrefix of 128-block prefixes: in-process ``Lookup`` (one Redis round trip), and
+   QueryPrefix and RouteHint through a real ``pegaflow-meta`` gRPC server; p50 / p99; every
+   answer checked; the time Redis spent per query. Interleaved with them, a
+   GetClusterConfig (answered from memory) on the same server: its p99 is this host's gRPC
+   floor at that moment (it varied 0.6-4 ms between runs here);
+6. the same gRPC lookups while that server's consumer applies a second backlog of events
    (the same inserts again plus fresh churn) at full rate, counted while the backlog lasts.
+
+On standalone Redis the Rust original's metaserver (``pegaflow-llm`` 0.25.1, fetched once
+into a cache: bench/original_meta.py; skipped with the reason where it cannot be) is the
+same-run peer: the same nodes register and send it the same events (InsertBlockHashes /
+RemoveBlockHashes, at full rate from one connection per node): its ingest rate and its
+RSS growth per block; its QueryPrefixBlocks and HeartbeatNode (its cheapest call)
+interleaved round by round with ours in step 5, each answer checked against the expected
+longest holder; and its lookups while it ingests the second backlog at full rate. The
+report shows ours ÷ original per row; bench/goals.py holds issue #55's goals on them.
 """
 
 from __future__ import annotations
@@ -28,17 +38,28 @@ import argparse
 import json
 import random
 import re
-import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-from pegaflow._proto import meta_pb2  # noqa: E402
+from bench.original_meta import (  # noqa: E402
+    PACKAGE,
+    VERSION,
+    Ingest,
+    OriginalMetaServer,
+    Session,
+    Unavailable,
+    longest_holder,
+    plan,
+    process_rss,
+)
+from pegaflow._proto import meta_pb2, meta_pb2_grpc  # noqa: E402
 from pegaflow.cluster import registry  # noqa: E402
 from pegaflow.cluster.keys import stream_key  # noqa: E402
 from pegaflow.cluster.redis_conn import Client, connect, is_cluster  # noqa: E402
@@ -49,11 +70,14 @@ from pegaflow.meta.events.schema import Event, Op  # noqa: E402
 from pegaflow.meta.events.streams import GROUP  # noqa: E402
 from pegaflow.meta.index import Index  # noqa: E402
 from pegaflow.meta.lookup import Lookup  # noqa: E402
+from tests.harness.meta import MetaServer  # noqa: E402
 
 NODES = 8
 PREFIX = 128
 NAMESPACES = ["bench-model-a|fp16|bs16|tp1", "bench-model-b|fp16|bs16|tp1"]
 ENTRY = 512
+WARMUP = 200  # gRPC rounds before the timed ones
+RSS_SETTLE_S = 15.0  # the longest settled_rss waits for a process tree's memory to settle
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -145,44 +169,50 @@ def make_workload(blocks: int, seed: int = 1):
 def register_nodes(r: Client) -> dict[int, tuple[str, int, int]]:
     nids = {}
     for node in range(NODES):
-        name = f"bench-node-{node}"
-        nid, epoch = registry.register(r, name, f"10.0.0.{node}:50055", 600_000, switch=True)
+        name = node_name(node)
+        nid, epoch = registry.register(r, name, node_address(node), 600_000, switch=True)
         nids[node] = (name, nid, epoch)
         r.xgroup_create(stream_key(name), GROUP, id="0", mkstream=True)
     return nids
 
 
-def write_streams(r: Client, held: dict[tuple[int, int], list[bytes]], churn: float, seed: int = 2,
-                  nids: dict[int, tuple[str, int, int]] | None = None, seqs: dict[int, int] | None = None) -> int:
-    """Write the nodes' events (registering them first unless ``nids`` is given; ``seqs``
-    carries their sequence numbers from one call to the next); returns the block updates."""
+def node_events(held: dict[tuple[int, int], list[bytes]], churn: float, seed: int
+                ) -> list[tuple[int, int, Op, list[bytes]]]:
+    """The nodes' events (node, namespace index, op, hashes), each node's in its order: its
+    holdings in entries of ``ENTRY`` hashes, and after a ``churn`` share of them a block batch
+    inserted and evicted again. Both metaservers are given these."""
     rng = random.Random(seed)
+    out = []
+    for (node, ns), hashes in held.items():
+        for j in range(0, len(hashes), ENTRY):
+            out.append((node, ns, Op.INSERT, hashes[j : j + ENTRY]))
+            if churn and rng.random() < churn:
+                tmp = [rng.randbytes(16) for _ in range(ENTRY // 2)]
+                out.append((node, ns, Op.INSERT, tmp))
+                out.append((node, ns, Op.EVICT, tmp))
+    return out
+
+
+def write_streams(r: Client, events: list[tuple[int, int, Op, list[bytes]]],
+                  nids: dict[int, tuple[str, int, int]] | None = None, seqs: dict[int, int] | None = None) -> int:
+    """Write the nodes' events to their streams (registering the nodes first unless ``nids``
+    is given; ``seqs`` carries their sequence numbers from one call to the next); returns the
+    block updates."""
     nids = nids if nids is not None else register_nodes(r)
     seqs = seqs if seqs is not None else dict.fromkeys(range(NODES), 0)
+    per_node: dict[int, list[bytes]] = {}
     updates = 0
-    for (node, ns), hashes in held.items():
+    for node, ns, op, hashes in events:
         name, nid, epoch = nids[node]
-        entries = []
-
-        def ev(
-            op: Op, chunk: list[bytes], node: int = node, ns: int = ns, name: str = name, nid: int = nid,
-            epoch: int = epoch,
-        ) -> bytes:
-            seqs[node] += 1
-            return encode(Event(name, nid, epoch, seqs[node], op, NAMESPACES[ns], b"".join(chunk)))
-
-        for j in range(0, len(hashes), ENTRY):
-            entries.append(ev(Op.INSERT, hashes[j : j + ENTRY]))
-            updates += len(hashes[j : j + ENTRY])
-            if churn and rng.random() < churn:  # a block inserted and evicted again
-                tmp = [rng.randbytes(16) for _ in range(ENTRY // 2)]
-                entries.append(ev(Op.INSERT, tmp))
-                entries.append(ev(Op.EVICT, tmp))
-                updates += 2 * len(tmp)
+        seqs[node] += 1
+        per_node.setdefault(node, []).append(encode(Event(name, nid, epoch, seqs[node], op, NAMESPACES[ns],
+                                                          b"".join(hashes))))
+        updates += len(hashes)
+    for node, entries in per_node.items():
         for j in range(0, len(entries), 64):
             p = r.pipeline(transaction=False)
             for data in entries[j : j + 64]:
-                p.xadd(stream_key(name), {FIELD: data})
+                p.xadd(stream_key(nids[node][0]), {FIELD: data})
             p.execute()
     return updates
 
@@ -191,7 +221,7 @@ def backlog(r: Client) -> int:
     """Entries of the node streams not yet delivered to or not yet acknowledged by a consumer."""
     n = 0
     for node in range(NODES):
-        for g in r.xinfo_groups(stream_key(f"bench-node-{node}")):
+        for g in r.xinfo_groups(stream_key(node_name(node))):
             n += int(g.get("lag") or 0) + int(g.get("pending") or 0)
     return n
 
@@ -210,7 +240,7 @@ def apply_all(r: Client, updates: int) -> tuple[float, float]:
 
 def index_bytes(r: Client, before: int) -> tuple[int, int]:
     for node in range(NODES):
-        r.delete(stream_key(f"bench-node-{node}"))
+        r.delete(stream_key(node_name(node)))
     used = used_memory(r)
     return used - before, used
 
@@ -247,7 +277,7 @@ def query_usec_per_call(r: Client, queries: int) -> float:
 
 def query_latency(r: Client, reqs, expect, n: int) -> tuple[float, float, int]:
     lk = Lookup(r)
-    names = {i: f"bench-node-{i}" for i in range(NODES)}
+    names = {i: node_name(i) for i in range(NODES)}
     rng = random.Random(3)
     lat = []
     checked = 0
@@ -263,75 +293,200 @@ def query_latency(r: Client, reqs, expect, n: int) -> tuple[float, float, int]:
     return pct(lat, 0.5), pct(lat, 0.99), checked
 
 
-def grpc_latency(url: str, cluster: bool, logs: Path, reqs, n: int, load=None) -> dict:
-    """QueryPrefix through a real ``pegaflow-meta`` (p50 / p99, µs), each call followed by a
-    GetClusterConfig on the same server (an answer from memory: the gRPC round trip this
-    host gives at that moment, the floor of a QueryPrefix). With ``load`` (writes a backlog of
-    events, returns its block updates): again while that server's consumer applies it at
-    full rate, counted only while the backlog lasts; its apply rate is reported too."""
-    from tests.harness.meta import MetaServer
+# --- lookups through gRPC: ours and the original's, interleaved -------------------------------
 
-    meta = MetaServer(url, logs / "meta.log", cluster=cluster,
-                      extra=["--sweep-interval", "0", "--log-level", "warning"]).start()
-    out: dict = {}
+Probe = Callable[[int], float]  # a request's index -> seconds of one call, its answer checked
+
+
+def node_name(node: int) -> str:
+    return f"bench-node-{node}"
+
+
+def node_address(node: int) -> str:
+    """A node's advertised address (ours keeps it beside the name; the original names nodes by it)."""
+    return f"10.0.0.{node}:50055"
+
+
+def longest_expected(expect: dict[int, int]) -> tuple[int, int]:
+    return max(expect.items(), key=lambda kv: kv[1])
+
+
+def check(ok: bool, what: str) -> None:
+    if not ok:
+        raise SystemExit(f"bench: wrong answer: {what}")
+
+
+def our_probes(stub: meta_pb2_grpc.MetaServiceStub, reqs, expect) -> dict[str, Probe]:
+    """QueryPrefix (every holder checked), RouteHint (the longest holder checked) and
+    GetClusterConfig (answered from memory: the floor of any call) on our metaserver."""
+    cfg = meta_pb2.ClusterConfigRequest()
+
+    def query(i: int) -> float:
+        req = meta_pb2.QueryPrefixRequest(namespace=NAMESPACES[i % len(NAMESPACES)], hashes=reqs[i])
+        t0 = time.perf_counter()
+        res = stub.QueryPrefix(req, timeout=5)
+        dt = time.perf_counter() - t0
+        got = {n.node: n.prefix_len for n in res.nodes}
+        want = {node_name(k): v for k, v in expect[i].items()}
+        check(got == want, f"QueryPrefix of request {i}: {got}, expected {want}")
+        return dt
+
+    def route(i: int) -> float:
+        req = meta_pb2.QueryPrefixRequest(namespace=NAMESPACES[i % len(NAMESPACES)], hashes=reqs[i])
+        t0 = time.perf_counter()
+        res = stub.RouteHint(req, timeout=5)
+        dt = time.perf_counter() - t0
+        node, n = longest_expected(expect[i])
+        check(res.found and (res.best.node, res.best.prefix_len) == (node_name(node), n),
+              f"RouteHint of request {i}: {res}, expected {node_name(node)} with {n}")
+        return dt
+
+    def floor(i: int) -> float:
+        t0 = time.perf_counter()
+        stub.GetClusterConfig(cfg, timeout=5)
+        return time.perf_counter() - t0
+
+    return {"query": query, "route": route, "floor": floor}
+
+
+def original_probes(orig: OriginalMetaServer, first: Session, reqs, expect) -> dict[str, Probe]:
+    """QueryPrefixBlocks (its longest holder checked) and HeartbeatNode (an in-memory map
+    update: the cheapest call it answers) on the original's metaserver."""
+    pb, stub = orig.pb, orig.stub
+    beat = pb.HeartbeatNodeRequest(node=first.node, node_id=first.node_id)
+
+    def query(i: int) -> float:
+        req = pb.QueryPrefixBlocksRequest(namespace=NAMESPACES[i % len(NAMESPACES)], block_hashes=reqs[i])
+        t0 = time.perf_counter()
+        res = stub.QueryPrefixBlocks(req, timeout=5)
+        dt = time.perf_counter() - t0
+        node, n = longest_expected(expect[i])
+        got = longest_holder(res)
+        check(got == (node_address(node), n), f"QueryPrefixBlocks of request {i}: {got}, expected "
+                                               f"{node_address(node)} with {n}")
+        return dt
+
+    def floor(i: int) -> float:
+        t0 = time.perf_counter()
+        stub.HeartbeatNode(beat, timeout=5)
+        return time.perf_counter() - t0
+
+    return {"query": query, "floor": floor}
+
+
+def drive(probes: dict[str, Probe], n_reqs: int, rounds: int | None, until: Callable[[int], bool] | None = None,
+          seed: int = 4) -> dict[str, list[float]]:
+    """Rounds of one call of each probe on one random request, the order rotated each round
+    (no kind always first): ``rounds`` of them, or until ``until(rounds so far)`` (asked every
+    50 rounds)."""
+    rng = random.Random(seed)
+    names = list(probes)
+    lat: dict[str, list[float]] = {k: [] for k in names}
+    k = 0
+    while True:
+        i = rng.randrange(n_reqs)
+        r = k % len(names)
+        for name in names[r:] + names[:r]:
+            lat[name].append(probes[name](i))
+        k += 1
+        if rounds is not None and k >= rounds:
+            return lat
+        if until is not None and k % 50 == 0 and until(k):
+            return lat
+
+
+def p50_p99_us(xs: list[float]) -> tuple[float, float]:
+    return pct(xs, 0.5) * 1e6, pct(xs, 0.99) * 1e6
+
+
+def tree_rss(pid: int) -> int:
+    """VmRSS of a process and its descendants (our metaserver's consumer is a child process)."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            total += process_rss(p)
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+
+def settled_rss(pid: int) -> int:
+    """``tree_rss`` once it holds within 1% for a second (the consumer child imports after the
+    server answers), bounded: the last reading after ``RSS_SETTLE_S``."""
+    last, t_end = tree_rss(pid), time.monotonic() + RSS_SETTLE_S
+    while time.monotonic() < t_end:
+        time.sleep(1.0)
+        cur = tree_rss(pid)
+        if abs(cur - last) <= 0.01 * last:
+            return cur
+        last = cur
+    return last
+
+
+def start_meta(url: str, cluster: bool, logs: Path) -> MetaServer:
+    """Our metaserver with the flags the original peer gets too (bench/original_meta.py's
+    SERVER_FLAGS): the bench's nodes register once and never heartbeat again, so none may go
+    stale within a run (the default, 30 s, empties every answer at 1M blocks), and no sweep."""
+    return MetaServer(url, logs / "meta.log", cluster=cluster,
+                      extra=["--sweep-interval", "0", "--node-stale-secs", "3600", "--log-level", "warning"]).start()
+
+
+def empty_index_rss(url: str, cluster: bool, logs: Path) -> int:
+    """Our metaserver's memory over an empty index, after the same warm-up as the measured one:
+    the base its growth per indexed block is taken from."""
+    meta = start_meta(url, cluster, logs)
     try:
-        stub = meta.stub
-        rng = random.Random(4)
-
-        def one() -> tuple[float, float]:
-            i = rng.randrange(len(reqs))
-            req = meta_pb2.QueryPrefixRequest(namespace=NAMESPACES[i % len(NAMESPACES)], hashes=reqs[i])
-            t0 = time.perf_counter()
-            stub.QueryPrefix(req, timeout=5)
-            t1 = time.perf_counter()
-            stub.GetClusterConfig(meta_pb2.ClusterConfigRequest(), timeout=5)
-            return t1 - t0, time.perf_counter() - t1
-
-        for _ in range(200):  # warm-up
-            one()
-        lat, floor = zip(*(one() for _ in range(n)), strict=True)
-        out["grpc_query_p50_us"], out["grpc_query_p99_us"] = pct(lat, 0.5) * 1e6, pct(lat, 0.99) * 1e6
-        out["grpc_floor_p50_us"], out["grpc_floor_p99_us"] = pct(floor, 0.5) * 1e6, pct(floor, 0.99) * 1e6
-        if load is not None:
-            r = connect(url, cluster, socket_timeout=60)
-            updates = load()
-            t0 = time.perf_counter()
-            lat2, floor2 = [], []
-            while True:
-                for _ in range(50):
-                    a, b = one()
-                    lat2.append(a)
-                    floor2.append(b)
-                if backlog(r) == 0:
-                    break
-            dt = time.perf_counter() - t0
-            out["loaded_updates"], out["loaded_apply_blocks_per_s"] = updates, updates / dt
-            out["loaded_queries"] = len(lat2)
-            out["loaded_grpc_query_p50_us"], out["loaded_grpc_query_p99_us"] = pct(lat2, 0.5) * 1e6, pct(lat2, 0.99) * 1e6
-            out["loaded_grpc_floor_p99_us"] = pct(floor2, 0.99) * 1e6
-        return out
+        rng = random.Random(9)
+        for _ in range(WARMUP):
+            req = meta_pb2.QueryPrefixRequest(namespace=NAMESPACES[0], hashes=[rng.randbytes(16) for _ in range(PREFIX)])
+            meta.stub.QueryPrefix(req, timeout=5)
+            meta.stub.RouteHint(req, timeout=5)
+            meta.stub.GetClusterConfig(meta_pb2.ClusterConfigRequest(), timeout=5)
+        assert meta.proc is not None
+        return settled_rss(meta.proc.pid)
     finally:
         meta.stop()
 
 
-def run_backend(cluster: bool, blocks: int, queries: int) -> dict:
+def start_original(logs: Path) -> OriginalMetaServer | str:
+    """The original's metaserver, started; or the one-line reason it cannot run here."""
+    try:
+        return OriginalMetaServer(logs / "original-meta.log").start()
+    except Unavailable as e:
+        return str(e)
+
+
+def original_ingest(orig: OriginalMetaServer, sessions: list[Session], events, scratch: Path) -> Ingest:
+    """``events`` as the original's nodes send them, in a process of its own, ready to go."""
+    calls = plan(orig.pb, sessions, ((node, NAMESPACES[ns], op is Op.INSERT, hashes)
+                                     for node, ns, op, hashes in events))
+    return Ingest(orig.addr, calls, scratch)
+
+
+def run_backend(cluster: bool, blocks: int, queries: int, peer: bool) -> dict:
     from tests.harness.dirs import temp_dir_removed_at_exit
     from tests.harness.redis import start_cluster, start_server
 
     tmp = Path(temp_dir_removed_at_exit("pf-bench-meta-"))
     redis = start_cluster(tmp / "redis") if cluster else start_server(tmp / "redis")
     url = redis.url
+    orig: OriginalMetaServer | None = None
     try:
         r = connect(url, cluster, socket_timeout=60)
         out: dict = {"backend": "cluster (3 masters + 3 replicas)" if cluster else "standalone"}
         out["redis_benchmark_xadd_per_s"] = redis_benchmark_xadd(r)
         out["raw_xadd_per_s"], out["raw_xreadgroup_ack_per_s"] = raw_stream_rates(r)
         out["get_p50_us"], out["get_p99_us"] = (x * 1e6 for x in get_latency(r))
+        base_rss = empty_index_rss(url, cluster, tmp)
         reqs, held, expect = make_workload(blocks)
         before = used_memory(r)
         t0 = time.perf_counter()
         nids, seqs = register_nodes(r), dict.fromkeys(range(NODES), 0)
-        updates = write_streams(r, held, churn=0.1, nids=nids, seqs=seqs)
+        events = node_events(held, churn=0.1, seed=2)
+        updates = write_streams(r, events, nids=nids, seqs=seqs)
         out["publish_blocks_per_s"] = updates / (time.perf_counter() - t0)
         out["updates"] = updates
         out["apply_blocks_per_s"], out["apply_seconds"] = apply_all(r, updates)
@@ -346,13 +501,134 @@ def run_backend(cluster: bool, blocks: int, queries: int) -> dict:
         q50, q99, checked = query_latency(r, reqs, expect, queries)
         out["query_server_us"] = query_usec_per_call(r, checked)
         out["query_p50_us"], out["query_p99_us"], out["queries_checked"] = q50 * 1e6, q99 * 1e6, checked
-        # The same events again (inserts of blocks already held: the index does not change,
-        # so the answers stay what they were) plus fresh churn, applied while queried.
-        out.update(grpc_latency(url, cluster, tmp, reqs, queries,
-                                load=lambda: write_streams(r, held, churn=0.1, seed=5, nids=nids, seqs=seqs)))
+
+        # The original's metaserver: the same nodes register and send the same events.
+        sessions: list[Session] = []
+        if peer:
+            started = start_original(tmp)
+            if isinstance(started, str):
+                print(f"bench/meta.py: the original's metaserver ({PACKAGE} {VERSION}) is skipped: {started}",
+                      flush=True)
+                out["original"] = {"version": VERSION, "skipped": started}
+            else:
+                orig = started
+                sessions = orig.register(node_address(k) for k in range(NODES))
+                rss0 = orig.rss()
+                ingest = original_ingest(orig, sessions, events, tmp)
+                ingest.go(loop=False)
+                res = ingest.result()
+                o = out["original"] = {"version": VERSION, "updates": res["pairs"], "ingest_calls": res["calls"],
+                                       "ingest_pairs_per_s": res["pairs"] / res["seconds"]}
+                o["bytes_per_block"] = (orig.rss() - rss0) / distinct
+
+        # Lookups through gRPC, ours and the original's interleaved (one random request per
+        # round, every kind of call on it): the same moments of this host for both.
+        meta = start_meta(url, cluster, tmp)
+        try:
+            ours = our_probes(meta.stub, reqs, expect)
+            probes = {f"ours_{k}": v for k, v in ours.items()}
+            if orig is not None:
+                probes |= {f"orig_{k}": v for k, v in original_probes(orig, sessions[0], reqs, expect).items()}
+            drive(probes, len(reqs), WARMUP)
+            lat = drive(probes, len(reqs), queries)
+            out["grpc_lookups_checked"] = queries
+            out["grpc_query_p50_us"], out["grpc_query_p99_us"] = p50_p99_us(lat["ours_query"])
+            out["grpc_route_p50_us"], out["grpc_route_p99_us"] = p50_p99_us(lat["ours_route"])
+            out["grpc_floor_p50_us"], out["grpc_floor_p99_us"] = p50_p99_us(lat["ours_floor"])
+            if orig is not None:
+                o = out["original"]
+                o["query_p50_us"], o["query_p99_us"] = p50_p99_us(lat["orig_query"])
+                o["floor_p50_us"], o["floor_p99_us"] = p50_p99_us(lat["orig_floor"])
+                o["lookups_checked"] = queries
+            assert meta.proc is not None
+            out["meta_process_bytes_per_block"] = (settled_rss(meta.proc.pid) - base_rss) / distinct
+            out["memory_bytes_per_block"] = out["bytes_per_block"] + out["meta_process_bytes_per_block"]
+
+            # Under load: the same events again (inserts of blocks already held: the answers
+            # stay what they were) plus fresh churn. Ours: its consumer applies them from the
+            # streams; counted while the backlog lasts.
+            again = node_events(held, churn=0.1, seed=5)
+            updates = write_streams(r, again, nids=nids, seqs=seqs)
+            t0 = time.perf_counter()
+            lat = drive(ours, len(reqs), None, until=lambda _k: backlog(r) == 0)
+            dt = time.perf_counter() - t0
+            out["loaded_updates"], out["loaded_apply_blocks_per_s"] = updates, updates / dt
+            out["loaded_queries"] = len(lat["query"])
+            out["loaded_grpc_query_p50_us"], out["loaded_grpc_query_p99_us"] = p50_p99_us(lat["query"])
+            out["loaded_grpc_route_p50_us"], out["loaded_grpc_route_p99_us"] = p50_p99_us(lat["route"])
+            out["loaded_grpc_floor_p99_us"] = p50_p99_us(lat["floor"])[1]
+        finally:
+            meta.stop()
+        if orig is not None:
+            # The original: its nodes send the same events at full rate while it is queried,
+            # again and again until it answered as many lookups as in the idle rounds (its
+            # ingest is faster: one pass would be over within a few hundred lookups).
+            ingest = original_ingest(orig, sessions, again, tmp)
+            probes = original_probes(orig, sessions[0], reqs, expect)
+            ingest.go(loop=True)
+            lat = drive(probes, len(reqs), None,
+                        until=lambda k: (k >= queries and ingest.first_pass.is_set()) or not ingest.running())
+            ingest.stop()
+            res = ingest.result()
+            o = out["original"]
+            o["loaded_updates"], o["loaded_ingest_pairs_per_s"] = res["pairs"], res["pairs"] / res["seconds"]
+            o["loaded_passes"] = res["passes"]
+            o["loaded_queries"] = len(lat["query"])
+            o["loaded_query_p50_us"], o["loaded_query_p99_us"] = p50_p99_us(lat["query"])
+            o["loaded_floor_p99_us"] = p50_p99_us(lat["floor"])[1]
         return out
     finally:
+        if orig is not None:
+            orig.stop()
         redis.stop()
+
+
+def ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b else "—"
+
+
+def report_original(res: dict) -> list[str]:
+    """Ours beside the original's metaserver, measured in the same run: ours ÷ original."""
+    o = res.get("original")
+    if o is None:
+        return []
+    head = f"#### beside the original's metaserver (`{PACKAGE}` {o['version']}), same run"
+    if "skipped" in o:
+        return [head, "", f"Skipped: {o['skipped']}", ""]
+    lines = [head, "", "| metric | ours | original | ours ÷ original |", "|---|---|---|---|"]
+
+    def row(metric: str, ours: tuple[float, ...], theirs: tuple[float, ...], unit: str, fmt: str = ".0f") -> None:
+        a = " / ".join(f"{x:,{fmt}}" for x in ours)
+        b = " / ".join(f"{x:,{fmt}}" for x in theirs)
+        lines.append(f"| {metric} | {a} {unit} | {b} {unit} | "
+                     f"{' / '.join(ratio(x, y) for x, y in zip(ours, theirs, strict=True))} |")
+
+    row("lookup 128 blocks p50 / p99: RouteHint vs QueryPrefixBlocks",
+        (res["grpc_route_p50_us"], res["grpc_route_p99_us"]), (o["query_p50_us"], o["query_p99_us"]), "µs")
+    row("lookup 128 blocks p50 / p99: QueryPrefix vs QueryPrefixBlocks",
+        (res["grpc_query_p50_us"], res["grpc_query_p99_us"]), (o["query_p50_us"], o["query_p99_us"]), "µs")
+    row("cheapest call answered from memory p50 / p99: GetClusterConfig vs HeartbeatNode",
+        (res["grpc_floor_p50_us"], res["grpc_floor_p99_us"]), (o["floor_p50_us"], o["floor_p99_us"]), "µs")
+    row("ingest, (block, node) pairs / s: one consumer replica applying the streams vs "
+        f"Insert/RemoveBlockHashes from {NODES} node connections",
+        (res["apply_blocks_per_s"],), (o["ingest_pairs_per_s"],), "/s")
+    row("memory per indexed block: Redis + metaserver processes vs process RSS growth",
+        (res["memory_bytes_per_block"],), (o["bytes_per_block"],), "B", ".1f")
+    row("lookup p50 / p99 while ingesting at full rate: RouteHint vs QueryPrefixBlocks",
+        (res["loaded_grpc_route_p50_us"], res["loaded_grpc_route_p99_us"]),
+        (o["loaded_query_p50_us"], o["loaded_query_p99_us"]), "µs")
+    row("lookup p50 / p99 while ingesting at full rate: QueryPrefix vs QueryPrefixBlocks",
+        (res["loaded_grpc_query_p50_us"], res["loaded_grpc_query_p99_us"]),
+        (o["loaded_query_p50_us"], o["loaded_query_p99_us"]), "µs")
+    row("ingest rate meanwhile, (block, node) pairs / s", (res["loaded_apply_blocks_per_s"],),
+        (o["loaded_ingest_pairs_per_s"],), "/s")
+    lines += ["", f"{res['grpc_lookups_checked']:,} lookups of each kind interleaved, every answer checked; "
+              f"under load {res['loaded_queries']:,} (ours, while its backlog lasted) and {o['loaded_queries']:,} "
+              f"(original, its nodes' events sent {o['loaded_passes']} times or more); "
+              f"{res['indexed_blocks']:,} blocks, {res['indexed_pairs']:,} (block, node) pairs on {NODES} nodes. "
+              f"Ours' memory: {res['bytes_per_block']:.1f} B of Redis and "
+              f"{res['meta_process_bytes_per_block']:.1f} B of the metaserver's processes per block.", ""]
+    return lines
 
 
 def report(res: dict) -> str:
@@ -376,6 +652,8 @@ def report(res: dict) -> str:
             f"{res['grpc_query_p99_us']:.0f} µs | {res['grpc_query_p99_us'] / res['grpc_floor_p99_us']:.2f}x the p99 "
             f"of a gRPC call answered from memory, interleaved ({res['grpc_floor_p50_us']:.0f} / "
             f"{res['grpc_floor_p99_us']:.0f} µs) |",
+            f"| RouteHint 128 blocks, via gRPC p50 / p99 | {res['grpc_route_p50_us']:.0f} / "
+            f"{res['grpc_route_p99_us']:.0f} µs | {res['grpc_route_p99_us'] / res['grpc_floor_p99_us']:.2f}x the same |",
             f"| QueryPrefix 128 blocks via gRPC while the server applies updates, p50 / p99 | "
             f"{res['loaded_grpc_query_p50_us']:.0f} / {res['loaded_grpc_query_p99_us']:.0f} µs "
             f"({res['loaded_queries']} queries; {res['loaded_apply_blocks_per_s']:,.0f} updates/s applied meanwhile, "
@@ -384,10 +662,13 @@ def report(res: dict) -> str:
             f"| Redis bytes per indexed block | {res['bytes_per_block']:.1f} B "
             f"({res['indexed_blocks']:,} blocks, {res['indexed_pairs']:,} (block, node) pairs; "
             f"{res['bytes_per_pair']:.1f} B/pair) | |",
+            f"| metaserver process memory per indexed block (RSS growth over an empty index) | "
+            f"{res['meta_process_bytes_per_block']:.1f} B | |",
             f"| baselines | redis-benchmark XADD -P 64: {res['redis_benchmark_xadd_per_s']:,.0f}/s; "
             f"redis-py XADD: {res['raw_xadd_per_s']:,.0f}/s; XREADGROUP+XACK: {res['raw_xreadgroup_ack_per_s']:,.0f}/s; "
             f"GET p50/p99 {res['get_p50_us']:.0f}/{res['get_p99_us']:.0f} µs | |",
             "",
+            *report_original(res),
         ]
     )
 
@@ -395,26 +676,27 @@ def report(res: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--blocks", type=int, default=1 << 20, help="distinct blocks indexed (default 1048576)")
-    ap.add_argument("--queries", type=int, default=3000)
+    ap.add_argument("--queries", type=int, default=3000, help="gRPC lookups of each kind (and in-process ones)")
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--standalone-only", action="store_true")
     g.add_argument("--cluster-only", action="store_true")
+    ap.add_argument("--no-original", action="store_true",
+                    help=f"leave out the original's metaserver ({PACKAGE} {VERSION}; standalone Redis only)")
     ap.add_argument("--json", help="also write raw results here")
     ap.add_argument("--summary", type=Path, help="write the first backend's figures as JSON (python -m bench)")
     a = ap.parse_args()
     configure_logging("warning")
     results = []
     if not a.cluster_only:
-        results.append(run_backend(False, a.blocks, a.queries))
+        results.append(run_backend(False, a.blocks, a.queries, peer=not a.no_original))
     if not a.standalone_only:
-        results.append(run_backend(True, a.blocks, a.queries))
+        results.append(run_backend(True, a.blocks, a.queries, peer=False))
     for res in results:
         print(report(res))
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=2))
     if a.summary:
         a.summary.write_text(json.dumps(results[0]))
-    _ = statistics
 
 
 if __name__ == "__main__":
