@@ -18,7 +18,7 @@ import structlog
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from pegaflow._proto import meta_pb2_grpc
-from pegaflow.cluster import registry as nodes
+from pegaflow.cluster import registry as node_registry
 from pegaflow.cluster.redis_conn import Client
 from pegaflow.cluster.sketches import ClusterCeilingCollector
 from pegaflow.common import otel
@@ -93,8 +93,9 @@ class MetaServer:
 
     def _census(self) -> Census:
         """Count the index's entries of live nodes (``--index-census-interval``)."""
-        live = set(nodes.visible(self.redis, sorted(nodes.nodes(self.redis)), self.config.node_stale_secs * 1000))
-        return Index(self.redis).census(sorted(nodes.namespace_tags(self.redis)), live)
+        live = set(node_registry.visible(self.redis, sorted(node_registry.nodes(self.redis)),
+                                       self.config.node_stale_secs * 1000))
+        return Index(self.redis).census(sorted(node_registry.namespace_tags(self.redis)), live)
 
     def start(self) -> None:
         """Bind and start everything; :class:`StartupError` when a listener or the exporter
