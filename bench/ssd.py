@@ -27,11 +27,12 @@ from typing import Any
 import numpy as np
 
 from pegaflow.config.commands import node_config
+from pegaflow.config.tiers import SsdConfig
 from pegaflow.core.block_index import BlockIndex
 from pegaflow.core.units import parse_size
 from pegaflow.node import metrics as node_metrics
 from pegaflow.node.pool import SharedPool
-from pegaflow.node.tiers.ssd import open_tier, promote
+from pegaflow.node.tiers.ssd import SsdTier, open_cache, promote
 from pegaflow.node.tiers.ssd.records import record_bytes
 
 
@@ -53,13 +54,13 @@ async def tier_run(directory: str, size: int, page: int, depth: int, engine: str
     pool_bytes = min(1 << 30, max(64 * page, 256 << 20))
     config = node_config(ssd_cache_path=[directory], ssd_cache_capacity=n * record_bytes(page) * 2,
                          ssd_queue_depth=depth, ssd_write_queue_size=pool_bytes // 2, ssd_io_engine=engine)
-    tier = open_tier(config)
-    assert tier is not None
+    files = open_cache(SsdConfig.from_node(config))
+    assert files is not None
     pool = SharedPool(pool_bytes)
     pool.prefault()  # the bench measures the disk, not first touches
     np.frombuffer(pool.mm, dtype=np.uint8)[:] = np.random.default_rng(1).integers(0, 255, pool.size, dtype=np.uint8)
     index = BlockIndex(pool.size)
-    tier.attach(index, pool.view, node_metrics.NodeMetrics())
+    tier = SsdTier(files, index, pool.view, node_metrics.NodeMetrics())
     loop = asyncio.get_running_loop()
     tier.start(loop)
     ns = index.namespace("bench", page)

@@ -49,9 +49,10 @@ from pegaflow.common.errors import InvalidArgument, ResourceExhausted
 from pegaflow.common.grpc_guard import token_matches
 from pegaflow.common.validate import check_hashes
 from pegaflow.core.block_index import Block, BlockIndex, IndexEvent, Namespace
+from pegaflow.node.clearing import ClearableTier, drop_namespaces
 from pegaflow.node.metrics import NodeMetrics
-from pegaflow.node.service import drop_namespaces
 from pegaflow.node.sessions import Sessions
+from pegaflow.node.tiers.ssd.store import SsdIndex
 
 log = structlog.get_logger("pegaflow.node.admin")
 
@@ -60,12 +61,10 @@ HTTP_TIMEOUT_S = 30.0  # an HTTP call waits at most this long for the node's loo
 MAX_PIN_NAME = 128
 
 
-class SsdLookup(Protocol):
+class SsdLookup(ClearableTier, Protocol):
     """What inspect and clear need of the SSD tier (``pegaflow.node.tiers.ssd.SsdTier``)."""
 
-    store: Any  # SsdIndex: ``get((ns_id, hash))``
-
-    def clear(self, ns: Namespace) -> int: ...
+    store: SsdIndex  # inspect: ``get((ns_id, hash))``
 
 
 @dataclass(eq=False)

@@ -37,6 +37,7 @@ from pegaflow.common.security import (
 )
 from pegaflow.config.commands import NodeConfig
 from pegaflow.config.options import NODE, default_of, options_for, without_effect
+from pegaflow.config.tiers import PeerConfig, SsdConfig
 from pegaflow.core.allocator import ExtentAllocator
 from pegaflow.core.block_index import BlockIndex, IndexEvent, Namespace
 from pegaflow.core.hosts import host_of
@@ -44,7 +45,7 @@ from pegaflow.node import discovery
 from pegaflow.node.accounting import RequestAccounting
 from pegaflow.node.admin import NodeAdmin
 from pegaflow.node.block_events import BlockEventFeed
-from pegaflow.node.idle import loop_hop
+from pegaflow.node.idle import DataPathIdle, loop_hop
 from pegaflow.node.metrics import NodeMetrics
 from pegaflow.node.numa import NumaAllocator, place_pool
 from pegaflow.node.pool import SharedPool
@@ -54,8 +55,10 @@ from pegaflow.node.residence import Residence
 from pegaflow.node.service import NodeService
 from pegaflow.node.sessions import Sessions
 from pegaflow.node.tiers.remote import wiring
+from pegaflow.node.tiers.remote.checksums import PageChecksums
+from pegaflow.node.tiers.remote.metrics import PeerMetrics
 from pegaflow.node.tiers.remote.rdma import RdmaUnavailable
-from pegaflow.node.tiers.ssd import SsdError, open_tier
+from pegaflow.node.tiers.ssd import SsdError, SsdTier, open_cache
 from pegaflow.node.transports.unix_socket import LocalServer, LocalSocketError
 from pegaflow.policy.quota import Quotas
 from pegaflow.policy.tinylfu import TinyLFU
@@ -81,12 +84,15 @@ class StartupError(Exception):
 
 
 class Node:
+    """The composition root: builds every part of a node once, in dependency order, each
+    with its collaborators in its constructor; :meth:`run` starts and stops them."""
+
     def __init__(self, config: NodeConfig) -> None:
         self.config = config
         self.node_id = config.node_id or socket.gethostname()
         self.epoch = time.time_ns() // 1_000_000
-        try:  # SSD tier: validate paths before allocating the pool (docs/ssd.md)
-            self.ssd = open_tier(config)
+        try:  # SSD tier: validate paths and open the files before allocating the pool (docs/ssd.md)
+            ssd_files = open_cache(SsdConfig.from_node(config))
         except SsdError as exc:
             raise StartupError(str(exc)) from None
         if config.metrics_otel_endpoint:
@@ -135,43 +141,46 @@ class Node:
         self.index.add_listener(self._on_index_event)
         self.residence = Residence(self.metrics.registry)  # L1 residence times (its docstring: the cost)
         self.index.add_listener(self.residence.on_index_event)
-        self.block_events = BlockEventFeed()
+        # Background hand-offs that a data-path call creates wait for a pause in the data
+        # path (bounded): pegaflow/node/idle.py. The service stamps it, the tiers and the
+        # publisher wait on it.
+        self.idle = DataPathIdle()
+        self.block_events = BlockEventFeed()  # SSD stores and removals: engines that watch, the publisher
         self.index.add_listener(self.block_events.on_index_event)
-        if self.ssd is not None:
+        # In a cluster, one checksum per page for SSD records and pulls, shared by both tiers.
+        peer_metrics: PeerMetrics | None = None
+        checksums: PageChecksums | None = None
+        if config.joins_cluster:
+            peer_metrics = PeerMetrics(self.metrics.registry)
+            checksums = PageChecksums(self.index, self.pool.view, peer_metrics, background=True, idle=self.idle)
+        self.ssd: SsdTier | None = None
+        if ssd_files is not None:
             try:
-                self.ssd.attach(self.index, self.pool.view, self.metrics)
-                self.ssd.block_events = self.block_events
+                self.ssd = SsdTier(ssd_files, self.index, self.pool.view, self.metrics, feed=self.block_events,
+                                   checksums=checksums, idle=self.idle)
             except SsdError as exc:
                 raise StartupError(str(exc)) from None
         self.p2p: wiring.P2P | None = None  # remote reads (pegaflow/node/tiers/remote/), in a cluster
-        if config.joins_cluster:
-            try:
-                self.p2p = wiring.P2P(config, self.index, self.pool, self.node_id, self.metrics.registry,
-                                      self.security, on_remote_hits=self.metrics.hits.labels("remote").inc)
+        if peer_metrics is not None and checksums is not None:  # in a cluster
+            try:  # pins of blocks only on SSD read them from the SSD tier
+                self.p2p = wiring.P2P(PeerConfig.from_node(config), self.index, self.pool, self.node_id,
+                                      peer_metrics, checksums, self.security, ssd=self.ssd,
+                                      on_remote_hits=self.metrics.hits.labels("remote").inc)
             except (OSError, RdmaUnavailable) as exc:
                 self.pool.close()
                 raise StartupError(f"remote reads: {exc}") from None
-            if self.ssd is not None:  # one checksum per page for SSD records and pulls
-                self.ssd.checksums = self.p2p.checksums
-                self.p2p.table.ssd = self.ssd  # pins of blocks only on SSD promote them first
+        # The operator's side: `pegaflow cache` RPCs and the original's HTTP endpoints.
+        self.admin = NodeAdmin(self.index, self.sessions, self.metrics, self.node_id, config.max_pinned_share,
+                               config.max_batch, ssd=self.ssd)
         self.service = NodeService(
             self.index, self.sessions, self.metrics, self.pool.path, self.pool.size,
             self.node_id, self.epoch, config.max_batch,
+            idle=self.idle, admin=self.admin,
             accounting=self.ceiling, ssd=self.ssd, query_trace=self.query_trace,
             remote=self.p2p.puller if self.p2p is not None else None,
             pool_prefaulted=lambda: self.pool.prefaulted,
             block_events=self.block_events,
         )
-        # Background hand-offs that a data-path call creates wait for a pause in the data
-        # path (bounded): pegaflow/node/idle.py.
-        if self.ssd is not None:
-            self.ssd.idle = self.service.idle
-        if self.p2p is not None:
-            self.p2p.checksums.idle = self.service.idle
-        # The operator's side: `pegaflow cache` RPCs and the original's HTTP endpoints.
-        self.admin = NodeAdmin(self.index, self.sessions, self.metrics, self.node_id, config.max_pinned_share,
-                               config.max_batch, ssd=self.ssd)
-        self.service.admin = self.admin
         m = self.metrics
         m.pool_capacity.set(self.index.alloc.capacity)
         m.bind(
@@ -289,7 +298,7 @@ class Node:
             self.http = HttpEndpoint(self.config.http_addr, served, self.health,
                                      routes=self.admin.routes(self._http_token),
                                      render_interval=self.config.metrics_render_interval,
-                                     pause=self.service.idle.pause,  # renders fall in the data path's gaps
+                                     pause=self.idle.pause,  # renders fall in the data path's gaps
                                      settle=loop_hop(asyncio.get_running_loop()))  # after the counts queued
             try:
                 self.http.start()
@@ -318,9 +327,9 @@ class Node:
 
         self.publisher = publish_block_index(
             self.config, self.index, self.node_id, asyncio.get_running_loop(), self.metrics.registry,
-            ssd=self.ssd, feed=self.block_events,
+            ssd_entries=self.ssd.store.entries if self.ssd is not None else None, feed=self.block_events,
+            idle=self.idle,  # its flushes wait for a pause (pegaflow/node/idle.py)
         )
-        self.publisher.idle = self.service.idle  # its flushes wait for a pause (pegaflow/node/idle.py)
         self._sketches = asyncio.create_task(self.publish_sketches())
 
     async def _join_via_metaserver(self) -> None:
@@ -374,7 +383,7 @@ class Node:
         loop = asyncio.get_running_loop()
         r = None
         while True:
-            await self.service.idle.pause()  # in a gap of the data path: see housekeeping
+            await self.idle.pause()  # in a gap of the data path: see housekeeping
             blob = self.ceiling.serialize()
             try:
                 if r is None:
@@ -398,7 +407,7 @@ class Node:
                 # on an engine's call, as the other background hand-offs do. In one
                 # bench/dataplane.py run (3 x 15 s) Query p999 did not measurably move: the
                 # host's noise is larger than one such stall every 1-5 s.
-                await self.service.idle.pause()
+                await self.idle.pause()
                 self.ceiling.refresh()
                 next_ceiling = time.monotonic() + CEILING_REFRESH
             if self.residence.queued:  # counted off the loop; an unscraped node queues a second at most

@@ -32,7 +32,12 @@ MAX_DEFER_S = 0.02  # however busy the data path, deferred work starts within th
 
 
 class DataPathIdle:
-    """When the data path last served a call, and hand-offs that wait for it to pause."""
+    """When the data path last served a call, and hand-offs that wait for it to pause.
+
+    One per node, built first by the node (``daemon.py``) and given to the service, which
+    stamps it, and to what waits on it: the SSD tier, the page checksums, the publisher, the
+    housekeeping and the ``/metrics`` renders.
+    """
 
     def __init__(self, quiet_s: float = QUIET_S, max_defer_s: float = MAX_DEFER_S,
                  clock: Callable[[], float] = time.perf_counter) -> None:

@@ -63,6 +63,7 @@ from pegaflow.core.identity import HASH_BYTES
 from pegaflow.meta.events.codec import FIELD, encode
 from pegaflow.meta.events.schema import FLAG_LAST, FLAG_SSD, Event, Op, Tier
 from pegaflow.meta.events.streams import GROUP
+from pegaflow.node.block_events import BlockEventFeed
 from pegaflow.node.idle import DataPathIdle
 
 _log = structlog.get_logger("pegaflow.meta.publisher")
@@ -156,6 +157,7 @@ class EventPublisher:
         retry_seconds: float = 5.0,
         flush_interval: float = FLUSH_INTERVAL,
         registry: CollectorRegistry | None = None,
+        idle: DataPathIdle | None = None,
     ) -> None:
         self.r = r
         self.node = node
@@ -168,6 +170,7 @@ class EventPublisher:
         self.batch_blocks = batch_blocks
         self.retry_seconds = retry_seconds
         self.flush_interval = flush_interval
+        self.idle = idle  # the node's (pegaflow/node/idle.py): flushes wait for a pause of its data path
         self.nid = 0
         self.epoch = 0
         self.stats = PublisherStats()
@@ -252,8 +255,7 @@ class EventPublisher:
         return False
 
     _busy = False
-    _next_beat = 0.0
-    idle: DataPathIdle | None = None  # the node's (pegaflow/node/idle.py), set by the node  # when the liveness key is next refreshed (publisher thread)
+    _next_beat = 0.0  # when the liveness key is next refreshed (publisher thread)
 
     # --- publisher thread ----------------------------------------------------------------------
 
@@ -432,7 +434,7 @@ class HolderTiers:
     """
 
     def __init__(self, pub: EventPublisher, index: BlockIndex,
-                 ssd_entries: Mapping[tuple[int, bytes], Any] | None = None) -> None:
+                 ssd_entries: Mapping[tuple[int, bytes], object] | None = None) -> None:
         self.pub = pub
         self.index = index
         self.ssd = ssd_entries
@@ -490,16 +492,19 @@ def publish_block_index(
     node_id: str,
     loop: asyncio.AbstractEventLoop,
     registry: CollectorRegistry | None = None,
-    ssd: Any = None,
-    feed: Any = None,
+    *,
+    ssd_entries: Mapping[tuple[int, bytes], object] | None = None,
+    feed: BlockEventFeed | None = None,
+    idle: DataPathIdle | None = None,
 ) -> EventPublisher:
     """Hook a node's block index (and SSD tier) to its stream: one call from the node, on
     its event loop.
 
     Publishes to ``config.redis_url`` as :func:`pegaflow.core.hosts.advertised` (the address
-    peers pull from). ``ssd``: the node's SSD tier (its ``store.entries``), whose stores and
-    evictions ``feed`` (the node's ``BlockEventFeed``, which the tier reports them to) hands
-    to :class:`HolderTiers`. Returns the started publisher; call ``stop()`` on shutdown.
+    peers pull from). ``ssd_entries``: the node's SSD tier's records (``store.entries``),
+    whose stores and evictions ``feed`` (the node's ``BlockEventFeed``, which the tier
+    reports them to) hands to :class:`HolderTiers`. ``idle``: the node's (its flushes wait
+    for a pause of the data path). Returns the started publisher; call ``stop()`` on shutdown.
     """
     addr = advertised(config.addr, config.advertise_addr)
     tiers: HolderTiers | None = None
@@ -511,10 +516,10 @@ def publish_block_index(
     r = connect(config.redis_url, config.redis_cluster)
     pub = EventPublisher(
         r, node_id, addr, snapshot, loop=loop, ttl_seconds=config.liveness_ttl,
-        buffer_blocks=config.event_buffer, registry=registry,
+        buffer_blocks=config.event_buffer, registry=registry, idle=idle,
     )  # fmt: skip
-    tiers = HolderTiers(pub, index, ssd.store.entries if ssd is not None else None)
+    tiers = HolderTiers(pub, index, ssd_entries)
     index.add_listener(tiers.on_index_event)
-    if ssd is not None and feed is not None:
+    if ssd_entries is not None and feed is not None:
         feed.add_tier_listener(tiers)
     return pub.start()

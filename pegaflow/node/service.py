@@ -40,7 +40,9 @@ from pegaflow.common.validate import check_hashes
 from pegaflow.core.block_index import Block, BlockIndex, Namespace
 from pegaflow.core.recent import RecentKeys
 from pegaflow.node.accounting import SEEN_REQUESTS
+from pegaflow.node.admin import NodeAdmin
 from pegaflow.node.block_events import BlockEventFeed
+from pegaflow.node.clearing import drop_namespaces
 from pegaflow.node.idle import DataPathIdle
 from pegaflow.node.metrics import NodeMetrics
 from pegaflow.node.numa import engine_node
@@ -207,27 +209,13 @@ class Accounting(Protocol):
         ...
 
 
-class ClearableTier(Protocol):
-    def clear(self, ns: Namespace) -> int: ...
-
-
-def drop_namespaces(index: BlockIndex, ssd: ClearableTier | None, nss: Sequence[Namespace],
-                    before: Callable[[Namespace], None] | None = None) -> tuple[int, int, int]:
-    """Drop every block of ``nss`` from L1 and the SSD tier (an engine's Reset, an operator's
-    clear): (blocks dropped, of those still held by a lease, blocks dropped from SSD)."""
-    dropped = busy = on_ssd = 0
-    for ns in nss:
-        if before is not None:
-            before(ns)
-        hashes, pinned = index.clear(ns)
-        dropped += len(hashes)
-        busy += pinned
-        if ssd is not None:
-            on_ssd += ssd.clear(ns)
-    return dropped, busy, on_ssd
-
-
 class NodeService(node_pb2_grpc.PegaNodeServicer):
+    """The engine-facing RPCs and the operator's cache RPCs (``admin``) on the node's loop.
+
+    ``idle`` is the node's (pegaflow/node/idle.py): every data-path call stamps it, and the
+    node's background hand-offs wait on it for a pause.
+    """
+
     def __init__(
         self,
         index: BlockIndex,
@@ -239,6 +227,8 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         epoch: int,
         max_batch: int = 16384,
         *,
+        idle: DataPathIdle,
+        admin: NodeAdmin,
         accounting: Accounting | None = None,
         ssd: PromotingTier | None = None,
         remote: RemoteTier | None = None,
@@ -255,7 +245,7 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         self.epoch = epoch
         self.max_batch = max_batch
         self.stopping = asyncio.Event()
-        self.idle = DataPathIdle()  # the node shares it with its background (daemon.py)
+        self.idle = idle
         self.hit_blocks = 0
         self.miss_blocks = 0
         self._queried = RecentKeys(SEEN_REQUESTS)  # recent request keys, see query()
@@ -266,7 +256,7 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         self.pool_prefaulted = pool_prefaulted or (lambda: pool_bytes)  # bytes pre-faulted so far
         self.block_events = block_events  # evictions etc. for sessions that watch them
         self.local_socket = ""  # path of the local fast path announced at Register (set once it listens)
-        self.admin: Any = None  # the operator's cache RPCs: pegaflow.node.admin.NodeAdmin, set by the node
+        self.admin = admin  # the operator's cache RPCs
         # Histogram children by (method, status, transport), looked up once: ``labels()``
         # costs a lock and a tuple on every RPC.
         self._latency: dict[tuple[str, str, str], Any] = {}

@@ -10,9 +10,10 @@ unpin, pin expiry and the backoff table.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import select
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -25,7 +26,7 @@ from pegaflow.node.pool import SharedPool
 from pegaflow.node.tiers.remote import RemotePages, TransferError, page_checksum
 from pegaflow.node.tiers.remote.checksums import PageChecksums
 from pegaflow.node.tiers.remote.metrics import PeerMetrics
-from pegaflow.node.tiers.remote.pins import BUSY_RECHECK, PeerService, PinTable
+from pegaflow.node.tiers.remote.pins import BUSY_RECHECK, PeerService, PinTable, SsdReads
 from pegaflow.node.tiers.remote.puller import META_KEY, Holder, Puller
 from pegaflow.node.tiers.remote.tcp import TcpDataServer, TcpTransport, sendfile_works
 from tests.unit import fake_verbs
@@ -52,9 +53,10 @@ class Ctx:
 
 
 class Side:
-    """One node's pool, index, pin table, PegaPeer service and TCP data port."""
+    """One node's pool, index, pin table, PegaPeer service and TCP data port; ``ssd`` builds
+    what its pins read from SSD, on its pool and index."""
 
-    def __init__(self, name: str, background: bool = False) -> None:
+    def __init__(self, name: str, background: bool = False, ssd: Callable[[Side], SsdReads] | None = None) -> None:
         self.name = name
         self.pool = SharedPool(POOL, name=f"test-{name}")
         self.index = BlockIndex(POOL, align=4096)
@@ -62,7 +64,8 @@ class Side:
         self.registry = CollectorRegistry()
         self.metrics = PeerMetrics(self.registry)
         self.checksums = PageChecksums(self.index, self.pool.view, self.metrics, background=background)
-        self.table = PinTable(self.index, self.pool.view, 30.0, self.metrics, self.checksums)
+        self.ssd = ssd(self) if ssd is not None else None
+        self.table = PinTable(self.index, self.pool.view, 30.0, self.metrics, self.checksums, self.ssd)
         self.data = TcpDataServer("127.0.0.1:0", self.pool.fd, self.pool.view, self.table.acquire, self.table.release_send,
                                   self.metrics.served_bytes.inc, self.checksums.of)
         self.data.start()
@@ -130,18 +133,30 @@ class DirectPeers:
         await self.sides[address].service.Unpin(peer_pb2.UnpinRequest(pin_id=pin_id), Ctx())
 
 
-@pytest.fixture
-def pair():
-    a, b = Side("a"), Side("b")
+Pair = tuple[Side, Side, FakeMeta, DirectPeers, Puller]
+
+
+@contextlib.contextmanager
+def pulling_from(a: Side) -> Iterator[Pair]:
+    """``a`` and a side ``b`` whose puller pulls from it (lookups answered by FakeMeta)."""
+    b = Side("b")
     meta = FakeMeta()
     peers = DirectPeers({a.address: a})
     transport = TcpTransport(b.pool.view)
     puller = Puller(b.index, b.pool.view, "b", meta, peers, transport, b.metrics, pin_ttl=5.0, backoff=30.0,
                     checksums=b.checksums)
-    yield a, b, meta, peers, puller
-    transport.close()
-    a.close()
-    b.close()
+    try:
+        yield a, b, meta, peers, puller
+    finally:
+        transport.close()
+        a.close()
+        b.close()
+
+
+@pytest.fixture
+def pair() -> Iterator[Pair]:
+    with pulling_from(Side("a")) as p:
+        yield p
 
 
 async def settle(puller: Puller) -> None:

@@ -9,11 +9,13 @@ tests/unit/test_ssd_stage.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 from pegaflow.node.tiers.remote import puller as puller_mod
 from pegaflow.node.tiers.remote.puller import Holder, choose
-from tests.unit.test_p2p import PAGE, hashes, pair, pull  # noqa: F401  (pair: the fixture)
+from tests.unit.test_p2p import PAGE, Pair, Side, hashes, pair, pull, pulling_from  # noqa: F401  (pair: the fixture)
 
 
 def test_choose_prefers_coverage_then_l1_holders() -> None:
@@ -59,7 +61,7 @@ def test_a_pull_from_an_ssd_holder_pins_in_chunks_and_lands_byte_identical(pair,
 
 
 class FakeSsd:
-    """The SSD tier as pins.py sees it: ``promoter.stage`` reads (after ``delay`` s) at most
+    """The SSD tier as pins.py sees it (``SsdReads``): ``stage`` reads (after ``delay`` s) at most
     ``slots`` leading blocks of the records in ``pages`` into PENDING pages and returns them
     with the records' checksums (``sums`` overrides one: a record whose bytes went bad)."""
 
@@ -71,7 +73,6 @@ class FakeSsd:
         self.pages: dict[bytes, bytes] = {}
         self.sums: dict[bytes, int] = {}
         self.staged = 0
-        self.promoter = self
 
     def put(self, h: bytes, data: bytes) -> None:
         self.pages[h] = data
@@ -97,62 +98,65 @@ class FakeSsd:
         return out
 
 
-def test_an_ssd_holder_serves_blocks_read_for_the_pin_byte_identical_and_frees_them(pair):  # noqa: F811
+@contextlib.contextmanager
+def ssd_holder(**fake: float | int | bool) -> Iterator[tuple[Pair, FakeSsd]]:
+    """:func:`pulling_from` a holder ``a`` whose pins read from a :class:`FakeSsd` (``fake``: its options)."""
+    a = Side("a", ssd=lambda side: FakeSsd(side, **fake))
+    assert isinstance(a.ssd, FakeSsd)
+    with pulling_from(a) as p:
+        yield p, a.ssd
+
+
+def test_an_ssd_holder_serves_blocks_read_for_the_pin_byte_identical_and_frees_them() -> None:
     import os
 
-    a, b, meta, peers, puller = pair
-    hs = hashes("on-ssd", 12)
-    want = a.store(hs[:2])  # the holder has 2 blocks in DRAM, 10 only on SSD
-    ssd = FakeSsd(a)
-    for h in hs[2:]:
-        want[h] = os.urandom(PAGE)
-        ssd.put(h, want[h])
-    a.table.ssd = ssd
-    meta.holders = [Holder("a", a.address, 12, ssd_blocks=10)]
-    free = a.index.alloc.free_bytes
-    pull(a, b, puller, hs, 0)
-    assert [b.page(h) for h in hs] == [want[h] for h in hs]
-    assert ssd.staged == 10
-    assert a.sample("pegaflow_node_p2p_ssd_served_blocks_total") == 10
-    # The holder promoted nothing: its pin's pages were freed with the pin, checksums too.
-    assert peers.unpinned and not a.table.pins
-    assert all(a.index.get(a.ns, h) is None for h in hs[2:])
-    assert a.index.alloc.free_bytes == free
-    assert all(a.checksums.get(SimpleNamespace(ns=a.ns, hash=h)) is None for h in hs[2:])  # type: ignore[arg-type]
-    # ... and it can stage the same blocks again for the next puller.
-    assert asyncio.run(ssd.stage(a.ns, hs[2:], 1.0)) and ssd.staged == 20
+    with ssd_holder() as ((a, b, meta, peers, puller), ssd):
+        hs = hashes("on-ssd", 12)
+        want = a.store(hs[:2])  # the holder has 2 blocks in DRAM, 10 only on SSD
+        for h in hs[2:]:
+            want[h] = os.urandom(PAGE)
+            ssd.put(h, want[h])
+        meta.holders = [Holder("a", a.address, 12, ssd_blocks=10)]
+        free = a.index.alloc.free_bytes
+        pull(a, b, puller, hs, 0)
+        assert [b.page(h) for h in hs] == [want[h] for h in hs]
+        assert ssd.staged == 10
+        assert a.sample("pegaflow_node_p2p_ssd_served_blocks_total") == 10
+        # The holder promoted nothing: its pin's pages were freed with the pin, checksums too.
+        assert peers.unpinned and not a.table.pins
+        assert all(a.index.get(a.ns, h) is None for h in hs[2:])
+        assert a.index.alloc.free_bytes == free
+        assert all(a.checksums.get(SimpleNamespace(ns=a.ns, hash=h)) is None for h in hs[2:])  # type: ignore[arg-type]
+        # ... and it can stage the same blocks again for the next puller.
+        assert asyncio.run(ssd.stage(a.ns, hs[2:], 1.0)) and ssd.staged == 20
 
 
-def test_a_page_not_matching_its_records_checksum_is_a_miss_on_the_puller(pair):  # noqa: F811
-    a, b, meta, peers, puller = pair
-    hs = hashes("bad-record", 4)
-    ssd = FakeSsd(a)
-    for h in hs:
-        ssd.put(h, b"z" * PAGE)
-    ssd.sums[hs[2]] = 12345  # the holder does not hash: the puller must catch it
-    a.table.ssd = ssd
-    meta.holders = [Holder("a", a.address, 4, ssd_blocks=4)]
-    pull(a, b, puller, hs, 0)
-    assert b.index.get(b.ns, hs[2]) is None  # never committed with bytes that do not match
-    assert [b.index.get(b.ns, h) is not None for h in (hs[0], hs[1], hs[3])] == [True, True, True]
-    assert b.sample("pegaflow_node_p2p_pulls_total", status="checksum") == 1
-    assert not a.table.pins and all(a.index.get(a.ns, h) is None for h in hs)
+def test_a_page_not_matching_its_records_checksum_is_a_miss_on_the_puller() -> None:
+    with ssd_holder() as ((a, b, meta, peers, puller), ssd):
+        hs = hashes("bad-record", 4)
+        for h in hs:
+            ssd.put(h, b"z" * PAGE)
+        ssd.sums[hs[2]] = 12345  # the holder does not hash: the puller must catch it
+        meta.holders = [Holder("a", a.address, 4, ssd_blocks=4)]
+        pull(a, b, puller, hs, 0)
+        assert b.index.get(b.ns, hs[2]) is None  # never committed with bytes that do not match
+        assert [b.index.get(b.ns, h) is not None for h in (hs[0], hs[1], hs[3])] == [True, True, True]
+        assert b.sample("pegaflow_node_p2p_pulls_total", status="checksum") == 1
+        assert not a.table.pins and all(a.index.get(a.ns, h) is None for h in hs)
 
 
-def test_an_ssd_holder_without_room_serves_what_is_resident_at_once(pair):  # noqa: F811
+def test_an_ssd_holder_without_room_serves_what_is_resident_at_once() -> None:
     import time
 
-    a, b, meta, peers, puller = pair
-    hs = hashes("no-room", 6)
-    want = a.store(hs[:3])
-    ssd = FakeSsd(a, room=False)
-    for h in hs[3:]:
-        ssd.put(h, b"x" * PAGE)
-    a.table.ssd = ssd
-    meta.holders = [Holder("a", a.address, 6, ssd_blocks=3)]
-    t0 = time.monotonic()
-    pull(a, b, puller, hs, 0)
-    assert time.monotonic() - t0 < 1.0  # no wait for the 3 s bound
-    assert [b.page(h) for h in hs[:3]] == [want[h] for h in hs[:3]]
-    assert all(b.index.get(b.ns, h) is None for h in hs[3:])  # a miss, never wrong bytes
-    assert a.sample("pegaflow_node_p2p_ssd_served_blocks_total") == 0
+    with ssd_holder(room=False) as ((a, b, meta, peers, puller), ssd):
+        hs = hashes("no-room", 6)
+        want = a.store(hs[:3])
+        for h in hs[3:]:
+            ssd.put(h, b"x" * PAGE)
+        meta.holders = [Holder("a", a.address, 6, ssd_blocks=3)]
+        t0 = time.monotonic()
+        pull(a, b, puller, hs, 0)
+        assert time.monotonic() - t0 < 1.0  # no wait for the 3 s bound
+        assert [b.page(h) for h in hs[:3]] == [want[h] for h in hs[:3]]
+        assert all(b.index.get(b.ns, h) is None for h in hs[3:])  # a miss, never wrong bytes
+        assert a.sample("pegaflow_node_p2p_ssd_served_blocks_total") == 0

@@ -16,12 +16,14 @@ import pytest
 from prometheus_client import generate_latest
 
 from pegaflow.config.commands import node_config
+from pegaflow.config.tiers import SsdConfig
 from pegaflow.core.block_index import BlockIndex
 from pegaflow.node.metrics import NodeMetrics
 from pegaflow.node.pool import SharedPool
 from pegaflow.node.tiers.ssd import promote
 from pegaflow.node.tiers.ssd.gate import IoGate
-from pegaflow.node.tiers.ssd.tier import open_tier
+from pegaflow.node.tiers.ssd.parts import KnownChecksums
+from pegaflow.node.tiers.ssd.tier import SsdTier, open_cache
 from pegaflow.node.tiers.ssd.uring import IoOp
 from tests.unit.test_ssd_store import ENGINES, PAGE, WAIT_S, _engine_or_skip, _page
 from tests.waiting import wait_until_async
@@ -77,16 +79,15 @@ def test_gate_bounds_in_flight_ops_and_waiting_batches() -> None:
 class _Tier:
     """Pool + index + tier as the daemon assembles them, with the engine's ops counted per direction."""
 
-    def __init__(self, path: Path, engine: str, **opts: int) -> None:
+    def __init__(self, path: Path, engine: str, checksums: KnownChecksums | None = None, **opts: int) -> None:
         cfg = node_config(ssd_cache_path=[str(path)], ssd_cache_capacity=8 << 20, ssd_queue_depth=16,
                           ssd_write_queue_size=2 << 20, ssd_io_engine=engine, **opts)
-        tier = open_tier(cfg)
-        assert tier is not None
-        self.tier = tier
+        files = open_cache(SsdConfig.from_node(cfg))
+        assert files is not None
         self.pool = SharedPool(4 << 20)
         self.index = BlockIndex(self.pool.size)
         self.metrics = NodeMetrics()
-        tier.attach(self.index, self.pool.view, self.metrics)
+        self.tier = tier = SsdTier(files, self.index, self.pool.view, self.metrics, checksums=checksums)
         tier.start(asyncio.get_running_loop())
         self.ns = self.index.namespace("m", PAGE)
         self.lock = threading.Lock()

@@ -1,7 +1,8 @@
 """What a promotion hands on, in a real SSD tier on both I/O engines: ``Promoter.landed()``
 wakes a waiter on each read that lands (a peer's stage waiting for read slots waits on it rather
-than polling), and each promoted page's verified payload checksum is kept in the
-node's page checksums, so a peer pulling the page gets it without the page being hashed again."""
+than polling), and each promoted page's verified payload checksum is kept in the node's page
+checksums (as each written page's is), so a peer pulling the page gets it without the page
+being hashed again."""
 
 from __future__ import annotations
 
@@ -39,13 +40,14 @@ def test_landed_wakes_on_each_read_and_promoted_checksums_are_kept(
     monkeypatch.setattr(promote, "HOLD_SECONDS", 0.0)
 
     async def run() -> None:
-        t = _Tier(tmp_path, engine, ssd_prefetch_inflight=1)
+        sums = Sums()
+        t = _Tier(tmp_path, engine, checksums=sums, ssd_prefetch_inflight=1)
         hs = [i.to_bytes(16, "little") for i in range(1, 9)]
         t.save(hs)
         await wait_until_async(t.tier.writer.idle, WAIT_S, "the write-behind to drain")
-        sums = Sums()
-        t.tier.checksums = sums
+        assert set(sums.recorded) == {(t.ns.id, h) for h in hs}  # the writer shares its records' checksums
         t.index.remove(t.index.resident())
+        sums.recorded.clear()  # from here, only the promotions' values
         promoter = t.tier.promoter
         # Every other block: records apart on disk, one read each, one read in flight at once.
         even = hs[0::2]

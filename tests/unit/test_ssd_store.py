@@ -13,10 +13,11 @@ import pytest
 import xxhash
 
 from pegaflow.config.commands import NodeConfig, node_config
+from pegaflow.config.tiers import SsdConfig
 from pegaflow.core.block_index import BlockIndex
 from pegaflow.node.metrics import NodeMetrics
 from pegaflow.node.pool import SharedPool
-from pegaflow.node.tiers.ssd import SsdError, open_tier, promote
+from pegaflow.node.tiers.ssd import SsdError, SsdTier, open_cache, promote
 from pegaflow.node.tiers.ssd.files import CACHE_FILE_NAME, open_files
 from pegaflow.node.tiers.ssd.records import BLOCK, aligned_buffer, pack_header, record_bytes, unpack_header
 from pegaflow.node.tiers.ssd.store import SsdIndex
@@ -178,11 +179,11 @@ class _Node:
     """Pool + index + tier, as the daemon assembles them."""
 
     def __init__(self, path: Path, engine: str, **kw: int) -> None:
-        self.tier = open_tier(_opts(path, engine, **kw))
-        assert self.tier is not None
+        files = open_cache(SsdConfig.from_node(_opts(path, engine, **kw)))
+        assert files is not None
         self.pool = SharedPool(4 << 20)
         self.index = BlockIndex(self.pool.size)
-        self.tier.attach(self.index, self.pool.view, NodeMetrics())
+        self.tier = SsdTier(files, self.index, self.pool.view, NodeMetrics())
         self.tier.start(asyncio.get_running_loop())
         self.ns = self.index.namespace("m", PAGE)
 

@@ -53,11 +53,12 @@ class PageChecksums:
     """xxh3_64 of resident pages by block key; see the module docstring.
 
     ``background=True`` (a node that publishes its blocks to peers) hashes newly
-    committed blocks ahead of any pull; call :meth:`start` on the node's loop then.
+    committed blocks ahead of any pull; call :meth:`start` on the node's loop then. With
+    ``idle`` (the node's, pegaflow/node/idle.py), each batch waits for a pause of the data path.
     """
 
     def __init__(self, index: BlockIndex, pool_view: memoryview, metrics: PeerMetrics,
-                 background: bool = False) -> None:
+                 background: bool = False, idle: DataPathIdle | None = None) -> None:
         self.index = index
         self.view = pool_view
         self.metrics = metrics
@@ -69,7 +70,7 @@ class PageChecksums:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._executor: ThreadPoolExecutor | None = None
-        self.idle: DataPathIdle | None = None  # the node's (pegaflow/node/idle.py), set by the node
+        self.idle = idle
         index.add_listener(self._on_index_event)
         metrics.known_checksums.set_function(lambda: len(self._sums))
 

@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 import structlog
@@ -40,7 +40,7 @@ import structlog
 from pegaflow._proto import peer_pb2, peer_pb2_grpc
 from pegaflow.common.errors import InvalidArgument
 from pegaflow.common.validate import check_hashes
-from pegaflow.core.block_index import Block, BlockIndex
+from pegaflow.core.block_index import Block, BlockIndex, Namespace
 from pegaflow.node.tiers.remote import TCP
 from pegaflow.node.tiers.remote.checksums import PageChecksums
 from pegaflow.node.tiers.remote.metrics import PeerMetrics
@@ -66,21 +66,30 @@ class Pin:
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
 
 
+class SsdReads(Protocol):
+    """What a pin needs of the node's SSD tier: its promoter's ``stage``
+    (pegaflow/node/tiers/ssd/promote.py), which reads blocks found only on SSD into PENDING
+    pages for a pin."""
+
+    async def stage(self, ns: Namespace, hashes: Sequence[bytes], timeout: float) -> list[tuple[Block, int]]: ...
+
+
 class PinTable:
-    """Pins of this node's pages held for pullers; see the module docstring."""
+    """Pins of this node's pages held for pullers; see the module docstring. ``ssd``: the
+    node's SSD tier's reads (``SsdTier.promoter``), None without an SSD tier."""
 
     def __init__(self, index: BlockIndex, pool_view: memoryview, max_ttl: float, metrics: PeerMetrics,
-                 checksums: PageChecksums) -> None:
+                 checksums: PageChecksums, ssd: SsdReads | None = None) -> None:
         self.index = index
         self.view = pool_view
         self.checksums = checksums
         self.max_ttl = max_ttl
         self.metrics = metrics
+        self.ssd = ssd
         self.pins: dict[int, Pin] = {}
 
         self._lock = threading.Lock()
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.ssd: Any = None  # the node's SSD tier (pegaflow/node/tiers/ssd/tier.py), set by the node
+        self.loop: asyncio.AbstractEventLoop | None = None  # the node's, bound by P2P.start
         metrics.active_pins.set_function(lambda: len(self.pins))
 
     def _new_id(self) -> int:
@@ -105,7 +114,7 @@ class PinTable:
         staged: list[Block] = []
         if self.ssd is not None and len(blocks) < len(hashes):
             try:
-                got = await self.ssd.promoter.stage(ns, hashes[len(blocks):], timeout)
+                got = await self.ssd.stage(ns, hashes[len(blocks):], timeout)
             except BaseException:
                 self.index.unpin(blocks)
                 raise

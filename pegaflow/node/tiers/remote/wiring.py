@@ -9,14 +9,14 @@ the metaserver. ``--nics`` switches both sides from the TCP data plane to RDMA R
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Callable
 
 import grpc
 import structlog
 
 from pegaflow._proto import peer_pb2, peer_pb2_grpc
 from pegaflow.common.security import Security, sync_channel
-from pegaflow.config.commands import NodeConfig
+from pegaflow.config.tiers import PeerConfig
 from pegaflow.core.block_index import BlockIndex
 from pegaflow.core.hosts import WILDCARD, advertised, join_host_port, routability_warning, split_host_port
 from pegaflow.node.pool import SharedPool
@@ -26,6 +26,7 @@ from pegaflow.node.tiers.remote.metrics import PeerMetrics
 from pegaflow.node.tiers.remote.pins import PeerService, PinTable
 from pegaflow.node.tiers.remote.puller import GrpcPeers, MetaLookup, Puller
 from pegaflow.node.tiers.remote.tcp import TcpDataServer, TcpTransport
+from pegaflow.node.tiers.ssd import SsdTier
 
 log = structlog.get_logger("pegaflow.p2p")
 
@@ -33,20 +34,27 @@ HANDSHAKE_TIMEOUT = 5.0
 
 
 class P2P:
-    """The node's remote-read parts; construct before the gRPC server starts."""
+    """The node's remote-read parts; construct before the gRPC server starts.
 
-    def __init__(self, config: NodeConfig, index: BlockIndex, pool: SharedPool, node_id: str,
-                 metrics_registry: Any, security: Security, on_remote_hits: Any = None) -> None:
+    ``checksums`` are the node's page checksums (a published node, which peers may pull
+    from, hashes what it commits ahead of any pull: ``background=True``), which the SSD tier
+    shares; ``metrics`` the remote reads' (theirs too); ``ssd`` the node's SSD tier, from
+    which pins of blocks it holds only on SSD are read (None: none).
+    """
+
+    def __init__(self, config: PeerConfig, index: BlockIndex, pool: SharedPool, node_id: str,
+                 metrics: PeerMetrics, checksums: PageChecksums, security: Security, *,
+                 ssd: SsdTier | None = None, on_remote_hits: Callable[[int], None] | None = None) -> None:
         self.security = security
-        self.metrics = PeerMetrics(metrics_registry)
+        self.metrics = metrics
         configured = config.advertise_addr or config.addr
         warn = routability_warning(configured)
         if warn:
             log.warning("p2p_address_not_routable", addr=configured, detail=warn)
         adv = advertised(config.addr, config.advertise_addr)
-        # A published node (peers may pull from it) hashes what it commits ahead of any pull.
-        self.checksums = PageChecksums(index, pool.view, self.metrics, background=True)
-        self.table = PinTable(index, pool.view, config.pin_ttl, self.metrics, self.checksums)
+        self.checksums = checksums
+        self.table = PinTable(index, pool.view, config.pin_ttl, self.metrics, self.checksums,
+                              ssd.promoter if ssd is not None else None)
         bind_host, _ = split_host_port(config.addr)
         taddr = config.transfer_addr or join_host_port(bind_host, 0)
         self.data = TcpDataServer(taddr, pool.fd, pool.view, self.table.acquire, self.table.release_send,

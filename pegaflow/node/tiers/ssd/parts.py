@@ -1,7 +1,9 @@
-"""What the SSD tier's writer and promoter use of the tier (``SsdTier`` implements it).
+"""What the SSD tier's writer and promoter use of the tier (``SsdTier`` implements it), and
+what the tier uses of the node's page checksums.
 
 Kept apart so ``writer.py`` and ``promote.py`` depend on this contract, not on ``tier.py``
-(which builds them): the import graph has no cycle.
+(which builds them): the import graph has no cycle. :class:`KnownChecksums` keeps the SSD
+tier from importing the remote tier (which imports the SSD tier to serve pins from it).
 """
 
 from __future__ import annotations
@@ -10,11 +12,21 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from pegaflow.core.block_index import BlockIndex, Namespace
+from pegaflow.core.block_index import Block, BlockIndex, Namespace
 from pegaflow.node.tiers.ssd.gate import IoGate
 from pegaflow.node.tiers.ssd.metrics import SsdMetrics
 from pegaflow.node.tiers.ssd.store import Entry, SsdIndex
 from pegaflow.node.tiers.ssd.uring import Engine
+
+
+class KnownChecksums(Protocol):
+    """Page checksums of resident blocks, kept once for the whole node (``PageChecksums``,
+    pegaflow/node/tiers/remote/checksums.py, in a cluster): the writer uses a known value for
+    its record and adds the ones it computes; a promotion adds the ones it verified."""
+
+    def get(self, b: Block) -> int | None: ...
+
+    def record(self, b: Block, checksum: int) -> None: ...
 
 
 class TierParts(Protocol):
@@ -27,7 +39,7 @@ class TierParts(Protocol):
     pool_view: memoryview
     loop: asyncio.AbstractEventLoop | None
     promoting: set[tuple[int, bytes]]
-    checksums: Any  # PageChecksums of the remote tier, when the node joins a cluster
+    checksums: KnownChecksums | None  # when the node joins a cluster
 
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on the node's event loop (from any thread), in call order."""

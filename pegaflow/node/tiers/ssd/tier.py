@@ -2,11 +2,13 @@
 + index (:mod:`store`), I/O engine, write-behind, promotion. A block's path: commit into
 L1 -> :mod:`writer` -> disk; Query miss in L1 -> :mod:`promote` -> disk -> L1 page -> commit.
 
-Lifecycle: :func:`open_tier` validates and scans at start-up, before the pool is used
-(bad paths and capacities fail with :class:`SsdError`, one line); :meth:`SsdTier.start`
-binds it to the node's event loop; :meth:`SsdTier.close` lets queued writes finish
-(bounded) and must run before the pool is unmapped. Everything except the I/O engine
-threads runs on the node's event loop, like the rest of the node.
+Lifecycle: :func:`open_cache` validates the paths and opens the files at start-up, before
+the pool is allocated (bad paths and capacities fail with :class:`SsdError`, one line);
+:class:`SsdTier` is then built once, with every collaborator, on the node's block index
+(it scans the files and registers their namespaces there); :meth:`SsdTier.start` binds it
+to the node's event loop; :meth:`SsdTier.close` lets queued writes finish (bounded) and
+must run before the pool is unmapped. Everything except the I/O engine threads runs on the
+node's event loop, like the rest of the node.
 """
 
 from __future__ import annotations
@@ -15,17 +17,20 @@ import asyncio
 import collections
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
-from pegaflow.config.commands import NodeConfig
+from pegaflow.config.tiers import SsdConfig
 from pegaflow.core.block_index import Block, BlockIndex, Namespace
+from pegaflow.node.block_events import TierListener
 from pegaflow.node.idle import DataPathIdle
 from pegaflow.node.metrics import NodeMetrics
 from pegaflow.node.tiers.ssd.files import SsdError, open_files
 from pegaflow.node.tiers.ssd.gate import IoGate
 from pegaflow.node.tiers.ssd.metrics import SsdMetrics
+from pegaflow.node.tiers.ssd.parts import KnownChecksums
 from pegaflow.node.tiers.ssd.promote import Promoter
 from pegaflow.node.tiers.ssd.store import CacheFile, Entry, SsdIndex
 from pegaflow.node.tiers.ssd.uring import make_engine
@@ -39,33 +44,58 @@ STATS_INTERVAL = 1.0  # seconds between throughput gauge updates
 IO_ALIGN = 4096
 
 
+@dataclass(frozen=True, slots=True)
+class SsdFiles:
+    """The cache files of ``config``, validated and opened (:func:`open_cache`), not scanned yet."""
+
+    config: SsdConfig
+    files: tuple[CacheFile, ...]
+
+
+def open_cache(config: SsdConfig) -> SsdFiles | None:
+    """Validate and open the cache files named by the options (None: no SSD tier).
+
+    Raises SsdError with a one-line reason; nothing is overwritten in that case.
+    """
+    if not config.ssd_cache_path:
+        return None
+    return SsdFiles(config, tuple(open_files(config.ssd_cache_path, config.ssd_cache_capacity,
+                                             config.ssd_cache_shards)))
+
+
 class SsdTier:
-    def __init__(self, files: list[CacheFile], config: NodeConfig) -> None:
-        self.files = files
-        self.config = config
-        self.index: BlockIndex
-        self.store: SsdIndex
+    """The SSD tier on the node's block index and pool.
+
+    ``feed`` hears every store and removal of an SSD record (the node's ``BlockEventFeed``:
+    engines that watch blocks, the cluster publisher); ``checksums``, in a cluster, are the
+    node's page checksums, shared with remote reads (:class:`KnownChecksums`); ``idle``
+    (pegaflow/node/idle.py) holds background hand-offs until the data path pauses (None: at
+    the next turn of the loop).
+    """
+
+    def __init__(self, cache: SsdFiles, index: BlockIndex, pool_view: memoryview, metrics: NodeMetrics, *,
+                 feed: TierListener | None = None, checksums: KnownChecksums | None = None,
+                 idle: DataPathIdle | None = None) -> None:
+        """Scan the files, register their namespaces in ``index`` and start the I/O engine."""
+        if index.alloc.align % IO_ALIGN:
+            raise SsdError(f"--ssd-cache-path needs --page-align to be a multiple of {IO_ALIGN} (O_DIRECT)")
+        c = self.config = cache.config
+        self.files = list(cache.files)
+        self.index = index
+        self.pool_view = pool_view
+        self.node_metrics = metrics
+        self.block_events = feed
+        self.checksums = checksums
+        self.idle = idle
         self.loop: asyncio.AbstractEventLoop | None = None
         self.promoting: set[tuple[int, bytes]] = set()
         self._posted: collections.deque[tuple[Callable[..., Any], tuple[Any, ...]]] = collections.deque()
         self._drain_scheduled = False
         self._stats_task: asyncio.Task[None] | None = None
-        self.block_events: Any = None  # BlockEventFeed (pegaflow/node/block_events.py), set by the node
-        self.idle: DataPathIdle | None = None  # the node's (pegaflow/node/idle.py), set by the node
-
-    # ---- wiring -----------------------------------------------------------------------
-    def attach(self, index: BlockIndex, pool_view: memoryview, metrics: NodeMetrics) -> None:
-        """Scan the files, register their namespaces in ``index`` and start the engine."""
-        if index.alloc.align % IO_ALIGN:
-            raise SsdError(f"--ssd-cache-path needs --page-align to be a multiple of {IO_ALIGN} (O_DIRECT)")
-        self.index = index
-        self.pool_view = pool_view
-        self.node_metrics = metrics
         self.metrics = SsdMetrics(metrics.registry)
         self.store = SsdIndex(self.files, self._ns_id)
         self.store.scan()
-        self.engine = make_engine(self.config.ssd_io_engine, self.config.ssd_queue_depth)
-        c = self.config
+        self.engine = make_engine(c.ssd_io_engine, c.ssd_queue_depth)
         self.metrics.dir_inflight.labels("write").set_function(lambda: self.writes.inflight)
         self.metrics.dir_inflight.labels("prefetch").set_function(lambda: self.reads.inflight)
         self.metrics.dir_waiting.labels("write").set_function(lambda: self.writes.waiting())
@@ -75,11 +105,8 @@ class SsdTier:
         self.reads = IoGate(self.engine, self.call_soon, c.ssd_prefetch_inflight, c.ssd_prefetch_queue_depth,
                             self._gate_peak("prefetch"))
         # Queued writes pin their L1 pages: never let them hold more than half the pool.
-        self.writer = WriteBehind(self, min(self.config.ssd_write_queue_size, index.alloc.capacity // 2))
-        self.promoter = Promoter(self, self.config.max_prefetch_blocks)
-        # A node serving peers keeps each resident page's checksum once (PageChecksums in
-        # pegaflow/node/tiers/remote/checksums.py); the writer uses and adds to it (set by the node).
-        self.checksums: Any = None
+        self.writer = WriteBehind(self, min(c.ssd_write_queue_size, index.alloc.capacity // 2))
+        self.promoter = Promoter(self, c.max_prefetch_blocks)
         index.add_listener(self.writer.on_index_event)
         m = self.metrics
         m.capacity.set(self.store.capacity)
@@ -124,8 +151,8 @@ class SsdTier:
                 pass
 
     def defer(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Run ``fn(*args)`` on the loop once the data path pauses (``idle``, set by the
-        node: pegaflow/node/idle.py); at the next turn of the loop without one."""
+        """Run ``fn(*args)`` on the loop once the data path pauses (``idle``:
+        pegaflow/node/idle.py); at the next turn of the loop without one."""
         assert self.loop is not None
         if self.idle is None:
             self.loop.call_soon(fn, *args)
@@ -245,13 +272,3 @@ class SsdTier:
         self.store.close()
         log.info("ssd_tier_closed", blocks=len(self.store.entries), used_bytes=self.store.used_bytes)
 
-
-def open_tier(config: NodeConfig) -> SsdTier | None:
-    """Validate and open the cache files named by the options (None: no SSD tier).
-
-    Raises SsdError with a one-line reason; nothing is overwritten in that case.
-    """
-    if not config.ssd_cache_path:
-        return None
-    return SsdTier(open_files(list(config.ssd_cache_path), config.ssd_cache_capacity, config.ssd_cache_shards),
-                   config)
