@@ -81,7 +81,7 @@ async def tier_run(directory: str, size: int, page: int, depth: int, engine: str
     while not w.idle():
         await asyncio.sleep(0.0005)
     wt, wc = time.perf_counter() - t0, time.process_time() - c0
-    written = tier.metrics.written._value.get()  # noqa: SLF001
+    written = node_metrics.value_of(tier.metrics.written)
     assert written == n, f"only {written} of {n} blocks written (skipped writes?)"
     # ---- read: promote everything back (L1 emptied first) -----------------------------
     index.remove(index.resident())
@@ -105,8 +105,8 @@ async def tier_run(directory: str, size: int, page: int, depth: int, engine: str
         else:
             await asyncio.sleep(0.001)
     rt, rc = time.perf_counter() - t0, time.process_time() - c0
-    promoted = tier.metrics.promoted._value.get()  # noqa: SLF001
-    fails = tier.metrics.checksum_failures._value.get()  # noqa: SLF001
+    promoted = node_metrics.value_of(tier.metrics.promoted)
+    fails = node_metrics.value_of(tier.metrics.checksum_failures)
     name = tier.engine.name
     await tier.close()
     pool.close()

@@ -230,9 +230,20 @@ class _LoadPins(Collector):
         return [GaugeMetricFamily(n, d, value=float(v)) for (n, d), v in zip(LOAD_PINS, self.fn(), strict=True)]
 
 
-def _value(gauge: Gauge) -> float:
-    """A gauge's current value (its ``set_function`` is called)."""
-    return next(iter(gauge.collect())).samples[0].value
+def value_of(metric: Counter | Gauge) -> float:
+    """An unlabelled counter's or gauge's value now, read through its public ``collect()``
+    (a gauge's ``set_function`` is called): the tiers' typed ``stats()``, which the Stats RPC
+    reports, read their metrics objects with it, so they report what ``/metrics`` renders."""
+    for sample in next(iter(metric.collect())).samples:
+        if not sample.name.endswith("_created"):
+            return sample.value
+    raise ValueError(f"{metric!r} has no sample (a labelled metric: values_by_label)")
+
+
+def values_by_label(metric: Counter | Gauge) -> dict[str, float]:
+    """A one-label counter's or gauge's values now: ``{label value: value}`` of its children."""
+    return {next(iter(sample.labels.values())): sample.value for sample in next(iter(metric.collect())).samples
+            if not sample.name.endswith("_created")}
 
 
 def _only(**want: str) -> Relabel:
@@ -279,7 +290,7 @@ def original_aliases(m: NodeMetrics) -> list[Alias | ValueAlias]:
               ("pegaflow_node_reserve_skipped_blocks",), relabel=_only(reason="no_space")),
         ValueAlias("pegaflow_inflight_bytes", "gauge",
                    "Bytes of pages reserved and not yet committed (pool used - resident).",
-                   lambda: [((), max(0.0, _value(m.pool_used) - _value(m.resident_bytes)))]),
+                   lambda: [((), max(0.0, value_of(m.pool_used) - value_of(m.resident_bytes)))]),
         # Cache
         Alias("pegaflow_cache_block_hits", "counter",
               "Blocks found in L1 by Query answers (pegaflow_node_hit_blocks_total{tier=\"l1\"}).",

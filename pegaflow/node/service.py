@@ -22,6 +22,7 @@ touching state: a bad request gets INVALID_ARGUMENT and changes nothing.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import inspect
 import time
@@ -44,9 +45,11 @@ from pegaflow.node.admin import NodeAdmin
 from pegaflow.node.block_events import BlockEventFeed
 from pegaflow.node.clearing import drop_namespaces
 from pegaflow.node.idle import DataPathIdle
-from pegaflow.node.metrics import NodeMetrics
+from pegaflow.node.metrics import NodeMetrics, value_of, values_by_label
 from pegaflow.node.numa import engine_node
 from pegaflow.node.sessions import Session, Sessions
+from pegaflow.node.tiers.remote.metrics import PeerStats
+from pegaflow.node.tiers.ssd.metrics import SsdStats
 
 _Session = Session  # in NodeService's body the name Session is the RPC method
 
@@ -175,6 +178,10 @@ class PromotingTier(Protocol):
         """Forget every SSD record of ``ns``; returns how many."""
         ...
 
+    def stats(self) -> SsdStats:
+        """The tier's numbers for the Stats RPC (what its metrics export)."""
+        ...
+
 
 class RemoteTier(Protocol):
     """Peer pulls as a Query sees them (``pegaflow.node.tiers.remote.puller.Puller``)."""
@@ -189,6 +196,10 @@ class RemoteTier(Protocol):
 
     def leased(self, blocks: Sequence[Block]) -> None:
         """These blocks were leased: pulled ones need not be held for the engine any longer."""
+        ...
+
+    def stats(self) -> PeerStats:
+        """Remote reads' numbers for the Stats RPC (what their metrics export)."""
         ...
 
 
@@ -546,7 +557,7 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
     def stats(self, request: node_pb2.StatsRequest) -> node_pb2.StatsResponse:
         idx = self.index
         by_ns = idx.blocks_by_namespace()
-        m = self._metric_values()
+        m = self.metrics
         return node_pb2.StatsResponse(
             pool_bytes=self.pool_bytes,
             used_bytes=idx.alloc.used_bytes,
@@ -567,60 +578,18 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
                                             distinct_blocks=w.distinct, hit_ratio=w.hit_rate,
                                             ceiling_ratio=w.ceiling)
                      for w in (self.accounting.refresh() if self.accounting is not None else ())],
-            request_blocks=node_pb2.TierBlocks(**{k: _int(v) for k, v in m.get("request_blocks", {}).items()
+            request_blocks=node_pb2.TierBlocks(**{k: _int(v) for k, v in values_by_label(m.request_blocks).items()
                                                   if k in _TIERS}),
-            hit_blocks=node_pb2.TierBlocks(miss=_int(m.get("miss", 0)),
-                                           **{k: _int(v) for k, v in m.get("hits", {}).items() if k in _TIERS}),
-            ssd=self._ssd_stats(m) if self.ssd is not None else None,
-            peers=self._peer_stats(m) if self.remote is not None else None,
+            hit_blocks=node_pb2.TierBlocks(miss=_int(value_of(m.misses)),
+                                           **{k: _int(v) for k, v in values_by_label(m.hits).items() if k in _TIERS}),
+            ssd=node_pb2.SsdStats(**dataclasses.asdict(self.ssd.stats())) if self.ssd is not None else None,
+            peers=node_pb2.PeerStats(**dataclasses.asdict(self.remote.stats())) if self.remote is not None else None,
             engines=self._engine_stats(),
             namespaces=[node_pb2.NamespaceStats(name=ns.name, page_bytes=ns.page_bytes, blocks=by_ns.get(ns.name, 0),
                                                 bytes=by_ns.get(ns.name, 0) * ns.page_bytes)
                         for ns in idx.namespaces()],
-            save_bytes=_int(m.get("save_bytes", 0)),
-            load_bytes=_int(m.get("load_bytes", 0)),
-        )
-
-    def _metric_values(self) -> dict[str, Any]:
-        """The node's Prometheus metrics that Stats reports, read in one pass over the
-        registry (the SSD and peer tiers register theirs there): ``name -> value`` or, for a
-        labelled counter, ``name -> {label value: value}``.
-
-        Only these families' collectors run (a restricted view of the registry): Stats is
-        served on the event loop, and collecting the whole registry, the original's metric
-        names included (each of which collects its sources again), held the loop for
-        1.9 ms per call on a node with an SSD tier and a publisher, 0.3 ms restricted
-        (handler time, mean of 300 calls; found in bench/dataplane.py's profile)."""
-        out: dict[str, Any] = {}
-        for family in self.metrics.registry.restricted_registry(_STATS_SAMPLES).collect():
-            key = _STATS_METRICS.get(family.name)
-            if key is None:
-                continue
-            for sample in family.samples:
-                if sample.name.endswith("_created"):
-                    continue
-                if sample.labels:
-                    out.setdefault(key, {})[next(iter(sample.labels.values()))] = sample.value
-                else:
-                    out[key] = sample.value
-        return out
-
-    def _ssd_stats(self, m: dict[str, Any]) -> node_pb2.SsdStats:
-        return node_pb2.SsdStats(
-            capacity_bytes=_int(m.get("ssd_capacity", 0)), used_bytes=_int(m.get("ssd_used", 0)),
-            blocks=_int(m.get("ssd_blocks", 0)), write_bytes=_int(m.get("ssd_write_bytes", 0)),
-            read_bytes=_int(m.get("ssd_read_bytes", 0)),
-            write_bytes_per_second=float(m.get("ssd_write_bps", 0.0)),
-            read_bytes_per_second=float(m.get("ssd_read_bps", 0.0)),
-            write_queue_blocks=_int(m.get("ssd_queue_blocks", 0)), promoted_blocks=_int(m.get("ssd_promoted", 0)),
-        )
-
-    def _peer_stats(self, m: dict[str, Any]) -> node_pb2.PeerStats:
-        return node_pb2.PeerStats(
-            pulls={k: _int(v) for k, v in m.get("p2p_pulls", {}).items()},
-            pull_bytes=_int(m.get("p2p_pull_bytes", 0)), served_bytes=_int(m.get("p2p_served_bytes", 0)),
-            active_pins=_int(m.get("p2p_pins", 0)), backed_off_peers=_int(m.get("p2p_backed_off", 0)),
-            lookups={k: _int(v) for k, v in m.get("p2p_lookups", {}).items()},
+            save_bytes=_int(value_of(m.save_bytes)),
+            load_bytes=_int(value_of(m.load_bytes)),
         )
 
     def _engine_stats(self) -> list[node_pb2.EngineStats]:
@@ -637,32 +606,6 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
 
 
 _TIERS = ("l1", "ssd", "remote", "miss")
-# Prometheus family name (without _total) -> key in NodeService._metric_values
-_STATS_METRICS = {
-    "pegaflow_node_request_blocks": "request_blocks",
-    "pegaflow_node_hit_blocks": "hits",
-    "pegaflow_node_miss_blocks": "miss",
-    "pegaflow_node_save_bytes": "save_bytes",
-    "pegaflow_node_load_bytes": "load_bytes",
-    "pegaflow_node_ssd_capacity_bytes": "ssd_capacity",
-    "pegaflow_node_ssd_used_bytes": "ssd_used",
-    "pegaflow_node_ssd_blocks": "ssd_blocks",
-    "pegaflow_node_ssd_write_bytes": "ssd_write_bytes",
-    "pegaflow_node_ssd_read_bytes": "ssd_read_bytes",
-    "pegaflow_node_ssd_write_bytes_per_second": "ssd_write_bps",
-    "pegaflow_node_ssd_read_bytes_per_second": "ssd_read_bps",
-    "pegaflow_node_ssd_write_queue_blocks": "ssd_queue_blocks",
-    "pegaflow_node_ssd_promoted_blocks": "ssd_promoted",
-    "pegaflow_node_p2p_pulls": "p2p_pulls",
-    "pegaflow_node_p2p_pull_bytes": "p2p_pull_bytes",
-    "pegaflow_node_p2p_served_bytes": "p2p_served_bytes",
-    "pegaflow_node_p2p_active_pins": "p2p_pins",
-    "pegaflow_node_p2p_backed_off_peers": "p2p_backed_off",
-    "pegaflow_node_p2p_lookups": "p2p_lookups",
-}
-
-# The sample names of those families (a counter's samples end in _total).
-_STATS_SAMPLES = frozenset(n + s for n in _STATS_METRICS for s in ("", "_total"))
 
 
 def _int(v: float) -> int:

@@ -1,13 +1,29 @@
-"""Prometheus metrics of remote reads (``pegaflow_node_p2p_*``), in the node's registry."""
+"""Prometheus metrics of remote reads (``pegaflow_node_p2p_*``), in the node's registry, and
+the numbers of them that the Stats RPC reports (:class:`PeerStats`), read from the same objects."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from pegaflow.node.metrics import value_of, values_by_label
+
 PULL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 PULL_STATUSES = ("ok", "partial", "checksum", "bad_answer", "error", "gone", "no_space")
+
+
+@dataclass(frozen=True, slots=True)
+class PeerStats:
+    """Remote reads in the Stats RPC (``node_pb2.PeerStats``, field for field): pulls and serving."""
+
+    pulls: dict[str, int]  # by status (PULL_STATUSES)
+    pull_bytes: int
+    served_bytes: int
+    active_pins: int
+    backed_off_peers: int
+    lookups: dict[str, int]  # metaserver lookups by result (found, none, error)
 
 
 class PeerMetrics:
@@ -87,3 +103,12 @@ class PeerMetrics:
         for role, fn in (("pull", pull), ("serve", serve)):
             if fn is not None:
                 self.rdma_qps.labels(role).set_function(fn)
+
+    def stats(self) -> PeerStats:
+        """The values these metrics export now (the gauges' sources are read, as a scrape does)."""
+        return PeerStats(
+            pulls={k: int(v) for k, v in values_by_label(self.pulls).items()},
+            pull_bytes=int(value_of(self.pull_bytes)), served_bytes=int(value_of(self.served_bytes)),
+            active_pins=int(value_of(self.active_pins)), backed_off_peers=int(value_of(self.backed_off)),
+            lookups={k: int(v) for k, v in values_by_label(self.lookups).items()},
+        )

@@ -1,10 +1,30 @@
-"""Prometheus metrics of the SSD tier (``pegaflow_node_ssd_*``), in the node's registry."""
+"""Prometheus metrics of the SSD tier (``pegaflow_node_ssd_*``), in the node's registry, and
+the tier's numbers that the Stats RPC reports (:class:`SsdStats`), read from the same objects."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from pegaflow.node.metrics import value_of
+
 PROMOTE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+@dataclass(frozen=True, slots=True)
+class SsdStats:
+    """The SSD tier in the Stats RPC (``node_pb2.SsdStats``, field for field)."""
+
+    capacity_bytes: int
+    used_bytes: int
+    blocks: int
+    write_bytes: int  # totals since start
+    read_bytes: int
+    write_bytes_per_second: float  # over the last second
+    read_bytes_per_second: float
+    write_queue_blocks: int
+    promoted_blocks: int
 
 
 class SsdMetrics:
@@ -58,3 +78,13 @@ class SsdMetrics:
         self.promote_latency = Histogram("pegaflow_node_ssd_promotion_seconds",
                                          "Time from the Query that found blocks on SSD until they are in L1.",
                                          buckets=PROMOTE_BUCKETS, registry=r)
+
+    def stats(self) -> SsdStats:
+        """The values these metrics export now (the gauges' sources are read, as a scrape does)."""
+        return SsdStats(
+            capacity_bytes=int(value_of(self.capacity)), used_bytes=int(value_of(self.used)),
+            blocks=int(value_of(self.blocks)), write_bytes=int(value_of(self.write_bytes)),
+            read_bytes=int(value_of(self.read_bytes)), write_bytes_per_second=value_of(self.write_throughput),
+            read_bytes_per_second=value_of(self.read_throughput), write_queue_blocks=int(value_of(self.queue_blocks)),
+            promoted_blocks=int(value_of(self.promoted)),
+        )

@@ -26,10 +26,10 @@ from pegaflow.config.tiers import SsdConfig
 from pegaflow.core.block_index import Block, BlockIndex, Namespace
 from pegaflow.node.block_events import TierListener
 from pegaflow.node.idle import DataPathIdle
-from pegaflow.node.metrics import NodeMetrics
+from pegaflow.node.metrics import NodeMetrics, value_of
 from pegaflow.node.tiers.ssd.files import SsdError, open_files
 from pegaflow.node.tiers.ssd.gate import IoGate
-from pegaflow.node.tiers.ssd.metrics import SsdMetrics
+from pegaflow.node.tiers.ssd.metrics import SsdMetrics, SsdStats
 from pegaflow.node.tiers.ssd.parts import KnownChecksums
 from pegaflow.node.tiers.ssd.promote import Promoter
 from pegaflow.node.tiers.ssd.store import CacheFile, Entry, SsdIndex
@@ -241,9 +241,9 @@ class SsdTier:
         log.warning("ssd_checksum_mismatch", file=self.files[e.file].path, offset=e.offset,
                     namespace=e.ns_name)
 
-    def stats(self) -> dict[str, int]:
-        return {"blocks": len(self.store.entries), "used_bytes": self.store.used_bytes,
-                "capacity": self.store.capacity, "queued": len(self.writer.pending)}
+    def stats(self) -> SsdStats:
+        """What the Stats RPC reports of this tier: what its metrics export now."""
+        return self.metrics.stats()
 
     async def _stats(self) -> None:
         m = self.metrics
@@ -252,8 +252,8 @@ class SsdTier:
         while True:
             await asyncio.sleep(STATS_INTERVAL)
             now = time.perf_counter()
-            w = m.write_bytes._value.get()  # noqa: SLF001 - prometheus_client has no public getter
-            r = m.read_bytes._value.get()  # noqa: SLF001
+            w = value_of(m.write_bytes)
+            r = value_of(m.read_bytes)
             dt = max(now - t_last, 1e-9)
             m.write_throughput.set((w - last_w) / dt)
             m.read_throughput.set((r - last_r) / dt)
