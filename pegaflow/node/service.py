@@ -3,8 +3,9 @@
 One method implements each RPC's semantics (``query``, ``reserve``, ...). Both transports
 call it: gRPC through the ``PegaNode`` servicer methods below, and the local fast path
 (a Unix socket, :mod:`pegaflow.node.transports.unix_socket`) through :attr:`NodeService.local_methods`.
-The :func:`rpc` wrapper is the one place that times a call (per transport) and turns
-:class:`PegaError` into a status code, so both transports answer alike.
+The :func:`rpc` wrapper is the one place that times a call (per transport); what a failure
+answers and logs is ``pegaflow.common.rpc_errors`` (every service's), so both transports
+answer alike.
 
 Handlers are plain functions, not coroutines: every RPC but a Query that must ask the
 metaserver completes without waiting for anything, so the local transport answers in the
@@ -34,12 +35,13 @@ import structlog
 from google.protobuf.message import Message
 
 from pegaflow._proto import node_pb2, node_pb2_grpc
-from pegaflow.common.errors import InvalidArgument, PegaError, grpc_code
+from pegaflow.common.errors import InvalidArgument, PegaError
 from pegaflow.common.local_wire import METHODS as LOCAL_METHODS
-from pegaflow.common.logging import RateLimitedLog
+from pegaflow.common.rpc_errors import GRPC, RpcErrors, RpcStatus, status_of
 from pegaflow.common.validate import check_hashes
 from pegaflow.core.block_index import Block, BlockIndex, Namespace
 from pegaflow.core.recent import RecentKeys
+from pegaflow.core.tiers import OUTCOMES, Tier
 from pegaflow.node.accounting import SEEN_REQUESTS
 from pegaflow.node.admin import NodeAdmin
 from pegaflow.node.block_events import BlockEventFeed
@@ -54,14 +56,12 @@ from pegaflow.node.tiers.ssd.metrics import SsdStats
 _Session = Session  # in NodeService's body the name Session is the RPC method
 
 log = structlog.get_logger("pegaflow.node")
-# A client can send any number of bad requests: one line per method, transport and 10 s.
-invalid_requests = RateLimitedLog(log, "invalid_request", every=10.0, level="info")
+errors = RpcErrors(log)  # a client can send any number of bad requests: rate-limited lines
 
 MAX_NAME = 512  # bytes of a namespace or instance name
 SESSION_PING_SECONDS = 5.0  # keep-alive events on the session stream
 BLOCK_EVENTS_COALESCE_S = 0.01  # block events of a burst go out together, at most this much later
 
-GRPC = "grpc"
 LOCAL = "local"
 
 Resp = TypeVar("Resp")
@@ -70,37 +70,19 @@ Handler = Callable[[Any, str], Answer]  # (request, transport) -> Answer
 DATA_PATH = frozenset({"Query", "Reserve", "Commit", "Release"})  # the engines' per-request calls
 
 
-class RpcStatus(Exception):
-    """A call's final non-OK status, for the transport to send to the caller."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
 def rpc(method: str) -> Callable[[Callable[[Any, Any], Answer]], Callable[[Any, Any, str], Answer]]:
-    """Time a call by method, status and transport, and turn :class:`PegaError` into its
-    status code (one place). The wrapped ``fn(self, request)`` returns the response, or an
+    """Time a call by method, status and transport, and turn a failure into its status
+    (``pegaflow.common.rpc_errors``). The wrapped ``fn(self, request)`` returns the response, or an
     awaitable of it when it has to wait; either way, failures become ``RpcStatus`` (raised
     at once, or by the awaitable)."""
 
     def wrap(fn: Callable[[Any, Any], Answer]) -> Callable[[Any, Any, str], Answer]:
-        def failed(self: NodeService, exc: Exception, transport: str) -> RpcStatus:
-            if isinstance(exc, PegaError):
-                code = grpc_code(exc)
-                if code is grpc.StatusCode.INVALID_ARGUMENT:
-                    invalid_requests.note(method, transport, method=method, transport=transport, error=str(exc))
-                return RpcStatus(code, str(exc))
-            log.error("rpc_failed", method=method, transport=transport, exc_info=exc)
-            return RpcStatus(grpc.StatusCode.INTERNAL, f"internal error: {exc!r}")
-
         async def finish(self: NodeService, answer: Awaitable[Resp], transport: str, t0: float) -> Resp:
             status = "OK"
             try:
                 return await answer
             except Exception as exc:
-                st = failed(self, exc, transport)
+                st = errors.failed(exc, method, transport)
                 status = st.code.name
                 raise st from None
             finally:
@@ -119,7 +101,7 @@ def rpc(method: str) -> Callable[[Callable[[Any, Any], Answer]], Callable[[Any, 
             try:
                 answer = fn(self, request)
             except Exception as exc:
-                st = failed(self, exc, transport)
+                st = errors.failed(exc, method, transport)
                 self._observe(method, st.code.name, transport, time.perf_counter() - t0)
                 raise st from None
             if inspect.isawaitable(answer):
@@ -212,7 +194,7 @@ class QueryRecorder(Protocol):
 class Accounting(Protocol):
     """Per-request accounting (``pegaflow.node.accounting.RequestAccounting``)."""
 
-    def loading(self, req_id: str, hit: int, tier: str) -> None: ...
+    def loading(self, req_id: str, hit: int, tier: Tier) -> None: ...
 
     def observe(self, namespace: str, hashes: Sequence[bytes], hit: int, req_id: str = "") -> bool: ...
 
@@ -374,7 +356,8 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         try:
             s = self.sessions.get(request.session_id)
         except PegaError as exc:
-            await context.abort(grpc_code(exc), str(exc))
+            st = status_of(exc)
+            await context.abort(st.code, st.message)
             return
         s.streams += 1
         s.streamed = True
@@ -438,7 +421,7 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         if self.ssd is not None and hit < len(hashes) and (expected := self.ssd.promote(nss, hashes, hit)):
             self.metrics.queries.labels("loading").inc()
             if self.accounting is not None:
-                self.accounting.loading(_request_key(s.id, request.req_id), hit, "ssd")
+                self.accounting.loading(_request_key(s.id, request.req_id), hit, Tier.SSD)
             return node_pb2.QueryResponse(status=node_pb2.LOADING, hit_blocks=hit,
                                           loading_from=node_pb2.LOADING_FROM_SSD, expected_blocks=expected)
         if self.remote is not None and hit < len(hashes):
@@ -452,9 +435,9 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         if await self.remote.query(nss, hashes, hit):
             self.metrics.queries.labels("loading").inc()
             if self.accounting is not None:
-                self.accounting.loading(_request_key(s.id, request.req_id), hit, "remote")
+                self.accounting.loading(_request_key(s.id, request.req_id), hit, Tier.REMOTE)
             return node_pb2.QueryResponse(status=node_pb2.LOADING, hit_blocks=hit,
-                                          loading_from=node_pb2.LOADING_FROM_PEER,
+                                          loading_from=node_pb2.LOADING_FROM_REMOTE,
                                           expected_blocks=self.remote.expected(nss, hashes, hit))
         # The metaserver lookup awaited: blocks may have come or gone meanwhile.
         per_ns = [self.index.prefix(ns, hashes, touch=False) for ns in nss]
@@ -482,7 +465,7 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
     def _count_query(self, ns: Namespace, hashes: list[bytes], hit: int, key: str, instance: str) -> None:
         """A READY answer's metrics, accounting (the hit-rate ceiling's sketches) and trace
         record: ~15-25% of a Query's work on the node, done once the answer is written."""
-        self.metrics.hits.labels("l1").inc(hit)
+        self.metrics.hits.labels(Tier.L1).inc(hit)
         self.metrics.misses.inc(len(hashes) - hit)
         self.metrics.queries.labels("hit" if hit else "miss").inc()
         if self.accounting is not None:
@@ -579,9 +562,9 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
                                             ceiling_ratio=w.ceiling)
                      for w in (self.accounting.refresh() if self.accounting is not None else ())],
             request_blocks=node_pb2.TierBlocks(**{k: _int(v) for k, v in values_by_label(m.request_blocks).items()
-                                                  if k in _TIERS}),
+                                                  if k in OUTCOMES}),
             hit_blocks=node_pb2.TierBlocks(miss=_int(value_of(m.misses)),
-                                           **{k: _int(v) for k, v in values_by_label(m.hits).items() if k in _TIERS}),
+                                           **{k: _int(v) for k, v in values_by_label(m.hits).items() if k in OUTCOMES}),
             ssd=node_pb2.SsdStats(**dataclasses.asdict(self.ssd.stats())) if self.ssd is not None else None,
             peers=node_pb2.PeerStats(**dataclasses.asdict(self.remote.stats())) if self.remote is not None else None,
             engines=self._engine_stats(),
@@ -604,8 +587,6 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
             e.namespaces.extend(n for n in s.namespaces if n not in e.namespaces)
         return list(engines.values())
 
-
-_TIERS = ("l1", "ssd", "remote", "miss")
 
 
 def _int(v: float) -> int:

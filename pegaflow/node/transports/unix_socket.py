@@ -56,8 +56,9 @@ from pegaflow.common.local_wire import (
     REQUEST_HEADER,
 )
 from pegaflow.common.logging import RateLimitedLog
+from pegaflow.common.rpc_errors import RpcStatus
 from pegaflow.common.security import SOCKET_NAME, default_socket_path  # noqa: F401 - the naming rule's home
-from pegaflow.node.service import LOCAL, NodeService, RpcStatus
+from pegaflow.node.service import LOCAL, NodeService
 
 log = structlog.get_logger("pegaflow.node")
 # A stranger with access to the socket can send any bytes: one line per reason and minute.

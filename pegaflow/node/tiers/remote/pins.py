@@ -38,7 +38,8 @@ import grpc
 import structlog
 
 from pegaflow._proto import peer_pb2, peer_pb2_grpc
-from pegaflow.common.errors import InvalidArgument
+from pegaflow.common.errors import FailedPrecondition, InvalidArgument
+from pegaflow.common.rpc_errors import RpcErrors, aio_rpc
 from pegaflow.common.validate import check_hashes
 from pegaflow.core.block_index import Block, BlockIndex, Namespace
 from pegaflow.node.tiers.remote import TCP
@@ -47,6 +48,7 @@ from pegaflow.node.tiers.remote.metrics import PeerMetrics
 from pegaflow.node.tiers.remote.tcp import BAD_RANGE, UNKNOWN_PIN
 
 log = structlog.get_logger("pegaflow.p2p")
+errors = RpcErrors(log)
 
 BUSY_RECHECK = 0.5  # seconds: an expired pin still being sent is looked at again this often
 SSD_FILL_SECONDS = 3.0  # at most this long waiting for SSD read slots for a pin (the puller's pin RPC waits 5 s)
@@ -217,12 +219,10 @@ class PeerService(peer_pb2_grpc.PegaPeerServicer):
         self.max_batch = max_batch
         self.rdma = rdma
 
+    @aio_rpc(errors)
     async def PinForTransfer(self, request: peer_pb2.PinRequest, context: grpc.aio.ServicerContext) -> peer_pb2.PinResponse:  # noqa: N802
         hashes = list(request.hashes)
-        try:
-            check_hashes(hashes, self.max_batch, "--max-batch")
-        except InvalidArgument as exc:
-            await context.abort(exc.code, str(exc))
+        check_hashes(hashes, self.max_batch, "--max-batch")
         p = await self.table.pin_for_transfer(request.namespace, hashes, request.ttl_seconds, request.puller)
         if p is None:
             return peer_pb2.PinResponse()
@@ -245,14 +245,15 @@ class PeerService(peer_pb2_grpc.PegaPeerServicer):
             resp.rkeys.extend(self.rdma.rkeys)
         return resp
 
+    @aio_rpc(errors)
     async def Unpin(self, request: peer_pb2.UnpinRequest, context: grpc.aio.ServicerContext) -> peer_pb2.UnpinResponse:  # noqa: N802
         return peer_pb2.UnpinResponse(released=self.table.unpin(request.pin_id))
 
+    @aio_rpc(errors)
     async def RdmaConnect(self, request: peer_pb2.RdmaConnectRequest, context: grpc.aio.ServicerContext) -> peer_pb2.RdmaConnectResponse:  # noqa: N802
         if self.rdma is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node runs without --nics (no RDMA)")
+            raise FailedPrecondition("this node runs without --nics (no RDMA)")
         try:
             return self.rdma.accept(request)
         except (ValueError, IndexError) as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            raise  # unreachable
+            raise InvalidArgument(str(exc)) from exc
