@@ -16,13 +16,14 @@ import socket
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import hiredis
 import redis
 from redis.cluster import RedisCluster
 from redis.connection import Connection
 from redis.exceptions import NoScriptError, ResponseError
+from redis.typing import EncodableT, KeyT
 
 if TYPE_CHECKING:
     from typing_extensions import TypeIs
@@ -31,8 +32,12 @@ Client = redis.Redis | RedisCluster
 # Replies are bytes: no client here sets decode_responses (connect() never does). redis-py
 # types them ``bytes | str``, so the code that reads them casts to bytes.
 
+Reply = Any  # a RESP reply (bytes, int, None, list, error value): redis-py and hiredis type it Any
+Command = Sequence[EncodableT]  # one command's arguments, its name first: ("HGET", key, field)
+Tag = TypeVar("Tag")
 
-def connect(url: str, cluster: bool = False, **kwargs: Any) -> Client:
+
+def connect(url: str, cluster: bool = False, **kwargs: Any) -> Client:  # kwargs: redis-py's, passed through
     """A client for ``url``; with ``cluster`` a cluster client that discovers every shard."""
     kwargs.setdefault("socket_timeout", 5.0)
     kwargs.setdefault("socket_connect_timeout", 2.0)
@@ -55,7 +60,7 @@ class Script:
     def __post_init__(self) -> None:
         self.sha = hashlib.sha1(self.source.encode()).hexdigest()
 
-    def __call__(self, r: Client, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+    def __call__(self, r: Client, keys: Sequence[KeyT], args: Sequence[EncodableT]) -> Reply:
         try:
             return r.evalsha(self.sha, len(keys), *keys, *args)
         except NoScriptError:
@@ -66,16 +71,16 @@ class Script:
             return r.evalsha(self.sha, len(keys), *keys, *args)
 
 
-Call = tuple[Script, Sequence[Any], Sequence[Any]]
+Call = tuple[Script, Sequence[KeyT], Sequence[EncodableT]]
 
 
-def _node_client(r: Client, key: Any) -> redis.Redis:
+def _node_client(r: Client, key: KeyT) -> redis.Redis:
     if is_cluster(r):
         return r.get_redis_connection(r.get_node_from_key(key))
     return r
 
 
-def run_scripts(r: Client, calls: Sequence[Call]) -> list[Any]:
+def run_scripts(r: Client, calls: Sequence[Call]) -> list[Reply]:
     """Run script calls, one pipeline per shard, all shards in parallel; results in call order.
 
     Calls to the same shard execute in the order given. An error reply of one call is
@@ -83,7 +88,7 @@ def run_scripts(r: Client, calls: Sequence[Call]) -> list[Any]:
     hide the results of the others. A shard that lacks a script gets it loaded and the
     affected calls re-run.
     """
-    groups: dict[int, tuple[Any, list[int]]] = {}
+    groups: dict[int, tuple[KeyT, list[int]]] = {}
     for i, (_s, keys, _a) in enumerate(calls):
         nc = _node_client(r, keys[0])
         groups.setdefault(id(nc), (keys[0], []))[1].append(i)
@@ -91,7 +96,7 @@ def run_scripts(r: Client, calls: Sequence[Call]) -> list[Any]:
         (key, [["EVALSHA", calls[i][0].sha, len(calls[i][1]), *calls[i][1], *calls[i][2]] for i in idx])
         for key, idx in groups.values()
     ]
-    out: list[Any] = [None] * len(calls)
+    out: list[Reply] = [None] * len(calls)
     for (_key, idx), replies in zip(groups.values(), parallel(r, batches), strict=True):
         for i, v in zip(idx, replies, strict=True):
             out[i] = v
@@ -102,13 +107,13 @@ def run_scripts(r: Client, calls: Sequence[Call]) -> list[Any]:
     return out
 
 
-def parallel_one(r: redis.Redis, cmds: Sequence[Sequence[Any]]) -> list[Any]:
+def parallel_one(r: redis.Redis, cmds: Sequence[Command]) -> list[Reply]:
     """Send ``cmds`` on one connection of ``r``, then read every reply (errors as objects)."""
     pool = r.connection_pool
     conn = pool.get_connection()
     try:
         conn.send_packed_command(conn.pack_commands([tuple(c) for c in cmds]))
-        replies: list[Any] = []
+        replies: list[Reply] = []
         for _ in cmds:
             try:
                 replies.append(conn.read_response())
@@ -122,7 +127,7 @@ def parallel_one(r: redis.Redis, cmds: Sequence[Sequence[Any]]) -> list[Any]:
         pool.release(conn)
 
 
-def parallel(r: Client, groups: Sequence[tuple[Any, Sequence[Sequence[Any]]]]) -> list[list[Any]]:
+def parallel(r: Client, groups: Sequence[tuple[KeyT, Sequence[Command]]]) -> list[list[Reply]]:
     """Send each group of raw commands to the shard owning its routing key, all before reading.
 
     ``groups`` is ``[(routing_key, [command args, ...]), ...]``; returns the replies per
@@ -171,7 +176,7 @@ RAW_READ_BYTES = 1 << 16  # one recv of replies
 _MORE = object()  # what hiredis's reader returns while no complete reply is buffered
 
 
-class RawPipe:
+class RawPipe(Generic[Tag]):
     """Batches of RESP commands packed by the caller, streamed to the shard owning ``key``
     on one connection of its pool, with up to ``depth`` batches in flight: the next batch
     is on the wire while Redis works through the previous one.
@@ -190,7 +195,7 @@ class RawPipe:
     in flight is then lost to the caller, who retries as for any Redis failure.
     """
 
-    def __init__(self, r: Client, key: Any, depth: int = 2) -> None:
+    def __init__(self, r: Client, key: KeyT, depth: int = 2) -> None:
         self._pool = _node_client(r, key).connection_pool
         self._conn: Connection | None = self._pool.get_connection()
         sock = _raw_socket(self._conn)
@@ -200,8 +205,8 @@ class RawPipe:
         self._sock = sock
         self._reader = hiredis.Reader(notEnoughData=_MORE)
         self._buf = bytearray(RAW_READ_BYTES)
-        self._inflight: deque[tuple[Any, int]] = deque()  # (tag, replies) sent, not yet read
-        self._early: list[Any] = []  # replies read that belong to the next batch in flight
+        self._inflight: deque[tuple[Tag, int]] = deque()  # (tag, replies) sent, not yet read
+        self._early: list[Reply] = []  # replies read that belong to the next batch in flight
         self._depth = max(1, depth)
 
     @staticmethod
@@ -213,7 +218,7 @@ class RawPipe:
         finally:
             pool.release(conn)
 
-    def send(self, tag: Any, data: bytes, replies: int) -> list[tuple[Any, list[Any]]]:
+    def send(self, tag: Tag, data: bytes, replies: int) -> list[tuple[Tag, list[Reply]]]:
         """Send one batch of ``replies`` commands; returns the batches completed meanwhile
         as (tag, replies), oldest first (at most ``depth`` stay in flight)."""
         try:
@@ -226,7 +231,7 @@ class RawPipe:
             done.append(self._read_oldest())
         return done
 
-    def drain(self) -> list[tuple[Any, list[Any]]]:
+    def drain(self) -> list[tuple[Tag, list[Reply]]]:
         """Every batch still in flight, read; the pipe stays usable."""
         return [self._read_oldest() for _ in range(len(self._inflight))]
 
@@ -242,15 +247,15 @@ class RawPipe:
                 self._pool.release(self._conn)
                 self._conn = None
 
-    def __enter__(self) -> RawPipe:
+    def __enter__(self) -> RawPipe[Tag]:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _read_oldest(self) -> tuple[Any, list[Any]]:
+    def _read_oldest(self) -> tuple[Tag, list[Reply]]:
         tag, n = self._inflight.popleft()
-        out: list[Any] = self._early
+        out: list[Reply] = self._early
         self._early = []
         try:
             _read_replies(self._sock, self._reader, self._buf, n, out)
@@ -272,7 +277,7 @@ class RawPipe:
         raise redis.ConnectionError(f"Redis connection lost: {exc}") from exc
 
 
-def _raw_socket(conn: Any) -> socket.socket | None:
+def _raw_socket(conn: object) -> socket.socket | None:
     """The connected socket under a redis-py connection, or None (not a real socket).
 
     redis-py keeps it in the private ``_sock`` once connected; the raw paths depend on that
@@ -283,7 +288,7 @@ def _raw_socket(conn: Any) -> socket.socket | None:
     return sock if isinstance(sock, socket.socket) else None
 
 
-def _read_replies(sock: socket.socket, reader: Any, buf: bytearray, want: int, out: list[Any]) -> None:
+def _read_replies(sock: socket.socket, reader: hiredis.Reader, buf: bytearray, want: int, out: list[Reply]) -> None:
     """Read from ``sock`` until ``out`` holds at least ``want`` replies: every complete reply
     of each ``recv`` is parsed by hiredis in C and appended (a Python loop over ``gets()``
     was ~1.2 us a reply). More than ``want`` may arrive (replies of a later batch); the
@@ -292,14 +297,14 @@ def _read_replies(sock: socket.socket, reader: Any, buf: bytearray, want: int, o
         got = sock.recv_into(buf)
         if got == 0:
             raise ConnectionResetError("Redis closed the connection")
-        reader.feed(buf, 0, got)
+        reader.feed(buf, 0, got)  # type: ignore[arg-type]  # hiredis's .pyi says str | bytes; its C takes any buffer
         out.extend(iter(reader.gets, _MORE))
 
 
-RawGroup = tuple[Any, bytes | Sequence[Sequence[Any]], int]
+RawGroup = tuple[KeyT, bytes | Sequence[Command], int]
 
 
-def raw_round_trip(r: Client, groups: Sequence[RawGroup]) -> list[list[Any]] | None:
+def raw_round_trip(r: Client, groups: Sequence[RawGroup]) -> list[list[Reply]] | None:
     """Send each group ``(routing key, commands, number of commands)`` to the shard that
     owns its key, every shard written before any is read (one round trip, as
     :func:`parallel`); the commands are RESP the caller packed (bulk lookups) or command
@@ -334,10 +339,10 @@ def raw_round_trip(r: Client, groups: Sequence[RawGroup]) -> list[list[Any]] | N
                 cmds = groups[i][1]
                 data.append(cmds if isinstance(cmds, bytes) else b"".join(conn.pack_commands([tuple(c) for c in cmds])))
             sock.sendall(b"".join(data))
-        out: list[list[Any]] = [[] for _ in groups]
+        out: list[list[Reply]] = [[] for _ in groups]
         buf = bytearray(RAW_READ_BYTES)
         for _pool, _conn, sock, idx in shards.values():
-            got_replies: list[Any] = []
+            got_replies: list[Reply] = []
             _read_replies(sock, hiredis.Reader(notEnoughData=_MORE), buf, sum(groups[i][2] for i in idx), got_replies)
             pos = 0
             for i in idx:
@@ -357,7 +362,7 @@ def raw_round_trip(r: Client, groups: Sequence[RawGroup]) -> list[list[Any]] | N
             pool.release(conn)
 
 
-def checked(replies: list[Any]) -> list[Any]:
+def checked(replies: list[Reply]) -> list[Reply]:
     """``replies`` of :func:`raw_round_trip`, or the first error reply raised as redis-py
     would (``MOVED``/``ASK`` after re-learning the cluster's topology is the caller's retry)."""
     for v in replies:

@@ -29,7 +29,7 @@ import json
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 from pegaflow.cluster import keys
 from pegaflow.cluster.redis_conn import Client, Script, parallel
@@ -174,13 +174,17 @@ def nodes(r: Client) -> dict[str, NodeInfo]:
     return out
 
 
-def redis_ms(time_reply: Sequence[Any]) -> int:
+def redis_ms(time_reply: Sequence[bytes | str | int]) -> int:
     """Milliseconds of a Redis ``TIME`` reply (``[seconds, microseconds]``)."""
     return int(time_reply[0]) * 1000 + int(time_reply[1]) // 1000
 
 
 def fresh(
-    names: Sequence[str], live: Sequence[Any], seen: Sequence[Any], now_ms: int, stale_ms: int | None
+    names: Sequence[str],
+    live: Sequence[bytes | str | None],
+    seen: Sequence[bytes | str | None],
+    now_ms: int,
+    stale_ms: int | None,
 ) -> dict[int, str]:
     """nid -> name of the visible nodes among ``names``: a live key (``live``, the ``MGET``
     of their live keys) and, with ``stale_ms``, a last heartbeat (``seen``, the ``HMGET``
@@ -190,7 +194,7 @@ def fresh(
     for i, (n, v) in enumerate(zip(names, live, strict=True)):
         if v is None:
             continue
-        if stale_ms is not None and seen[i] is not None and now_ms - int(seen[i]) > stale_ms:
+        if stale_ms is not None and (stamp := seen[i]) is not None and now_ms - int(stamp) > stale_ms:
             continue
         out[int(v)] = n
     return out
@@ -213,7 +217,7 @@ def visible(r: Client, names: list[str], stale_ms: int | None = None) -> dict[in
     return fresh(names, live, seen, redis_ms(now), stale_ms)
 
 
-def visibility_commands(names: Sequence[str]) -> list[list[Any]]:
+def visibility_commands(names: Sequence[str]) -> list[list[str]]:
     """The registry-shard commands whose replies :func:`fresh` reads: the live keys, the
     heartbeat stamps and the server's clock (route them by ``keys.VERSION``)."""
     return [["MGET", *(keys.live_key(n) for n in names)], ["HMGET", keys.SEEN, *names], ["TIME"]]
