@@ -50,6 +50,7 @@ from pegaflow.common.local_wire import (
 from pegaflow.common.logging import ensure_library_logging
 from pegaflow.common.security import Security, sync_channel
 from pegaflow.core.hosts import NODE_ADDR
+from pegaflow.core.tiers import Tier
 
 ensure_library_logging()
 log = structlog.get_logger("pegaflow.client")
@@ -78,7 +79,7 @@ class QueryStatus(enum.StrEnum):
     LOADING = "LOADING"
 
 
-_LOADING_FROM = {node_pb2.LOADING_FROM_SSD: "ssd", node_pb2.LOADING_FROM_PEER: "peer"}
+_LOADING_FROM = {node_pb2.LOADING_FROM_SSD: Tier.SSD, node_pb2.LOADING_FROM_REMOTE: Tier.REMOTE}
 _MEDIUM = {node_pb2.MEDIUM_DRAM: "dram", node_pb2.MEDIUM_SSD: "ssd"}
 
 
@@ -100,7 +101,7 @@ class QueryResult:
     offsets: dict[str, list[int]]
     epoch: int
     pool: torch.Tensor | None = field(default=None, repr=False, compare=False)
-    loading_from: str = ""  # LOADING: "ssd" or "peer" (where the blocks after hit_blocks come from)
+    loading_from: Tier | None = None  # LOADING: SSD or REMOTE (where the blocks after hit_blocks come from)
     expected_blocks: int = 0  # LOADING from SSD: the prefix length once loaded (0: unknown)
 
 
@@ -535,7 +536,7 @@ class PegaClient:
         status = QueryStatus.LOADING if resp.status == node_pb2.LOADING else QueryStatus.READY
         return QueryResult(status, resp.hit_blocks, resp.lease_id,
                            {p.namespace: list(p.offsets) for p in resp.pages}, b.epoch, b.pool,
-                           _LOADING_FROM.get(resp.loading_from, ""), resp.expected_blocks)
+                           _LOADING_FROM.get(resp.loading_from), resp.expected_blocks)
 
     def reserve(self, namespace: str, hashes: Sequence[bytes]) -> Reservation:
         resp, b = self._with_session(

@@ -101,6 +101,7 @@ from pegaflow.connector.link import LOGGER_NAME, NodeLink
 from pegaflow.connector.settings import ConnectorSettings
 from pegaflow.core.identity import NO_EXTRA_KEYS, ExtraKeys, KVIdentity, MMItem, block_hashes
 from pegaflow.core.router_protocol import DESCRIBE_VERSION, ROUTER_KEY
+from pegaflow.core.tiers import Tier
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -114,6 +115,10 @@ LOADING_WAIT_S = 2.0
 # vLLM's BlockPool reserves block 0 as the null block: a sliding-window group's table holds
 # it where a block left the window (or was never needed).
 NULL_BLOCK_ID = 0
+# Our tiers in vLLM's words: values of its CacheHitSource (vllm/v1/metrics/cache_hit_source.py:
+# HOST, DISK, P2P), which PegaKVConnector.get_external_cache_hit_sources makes of them. They
+# label vLLM's vllm:prompt_tokens_cached_by_source, so they are spelled as vLLM spells them.
+VLLM_HIT_SOURCE: dict[Tier, str] = {Tier.L1: "host", Tier.SSD: "disk", Tier.REMOTE: "p2p"}
 
 
 def router_params(request: Any) -> dict[str, Any] | None:
@@ -175,7 +180,7 @@ class _Wait:
     next_poll: float
     abandoned: bool = False  # nothing left to wait for: the load fails as a whole
     # (blocks in DRAM, tier of the rest) at its first LOADING answer, for the hit-source split
-    split: tuple[int, str] | None = None
+    split: tuple[int, Tier] | None = None
 
     def due(self, now: float) -> bool:
         return now >= self.next_poll
@@ -221,7 +226,7 @@ class _ReqState:
     # set while the answers to vLLM are ``(None, False)``, dropped at the first other answer
     wait: _Wait | None = None
     # (blocks that were in DRAM, tier of the rest) of the last hit, for the hit-source split
-    hit_split: tuple[int, str] | None = None
+    hit_split: tuple[int, Tier] | None = None
     hit_end: int = 0  # tokens: end of the last hit
     pending: _AsyncLoad | None = None  # an asynchronous load promised to vLLM
     expect_blocks: int = 0  # the decode half of a disaggregated request: blocks its prefill stored
@@ -445,14 +450,14 @@ class SchedulerSide:
             # issues the copy once the node has the blocks in DRAM).
             st.pending = _AsyncLoad(end=expected, wait=_Wait(Awaiting.PROMOTION, since=now,
                                                              next_poll=now + LOADING_POLL_S))
-            st.hit_split = (int(res.hit_blocks), res.loading_from)
+            st.hit_split = (int(res.hit_blocks), Tier(res.loading_from))
             st.hit_end = expected * self.block_size
             return expected * self.block_size - num_computed_tokens, True
         wait = self._hold(st, Awaiting.PROMOTION, now)
         if wait is None:
             return 0, False
         if wait.split is None and res.loading_from:
-            wait.split = (int(res.hit_blocks), res.loading_from)
+            wait.split = (int(res.hit_blocks), Tier(res.loading_from))
         return None, False
 
     def _hold(self, st: _ReqState, awaiting: Awaiting, now: float) -> _Wait | None:
@@ -464,21 +469,22 @@ class SchedulerSide:
         return st.wait if st.wait.hold(now) else None
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
-        """Split a hit's external tokens by the tier that held them when the request asked
-        ("host": the node's DRAM; "disk": its SSD tier; "p2p": a peer), for vLLM's
-        ``get_external_cache_hit_sources``. Blocks the node promoted or pulled while the
-        request waited count for the tier they came from; the counts sum to
-        ``num_external_tokens``."""
+        """Split a hit's external tokens by the tier that held them when the request asked, in
+        vLLM's names (:data:`VLLM_HIT_SOURCE`), for its ``get_external_cache_hit_sources``.
+        Blocks the node promoted or pulled while the request waited count for the tier they
+        came from; the counts sum to ``num_external_tokens``."""
         if num_external_tokens <= 0:
             return {}
         st = self._reqs.get(request.request_id)
         if st is None or st.hit_split is None:
-            return {"host": num_external_tokens}
+            return {VLLM_HIT_SOURCE[Tier.L1]: num_external_tokens}
         dram_blocks, tier = st.hit_split
         end = st.hit_end
         start = end - num_external_tokens
-        host = max(0, min(end, dram_blocks * self.block_size) - start)
-        out = {"host": host, "disk" if tier == "ssd" else "p2p": num_external_tokens - host}
+        in_dram = max(0, min(end, dram_blocks * self.block_size) - start)
+        out = dict.fromkeys(VLLM_HIT_SOURCE.values(), 0)
+        out[VLLM_HIT_SOURCE[Tier.L1]] += in_dram
+        out[VLLM_HIT_SOURCE[tier]] += num_external_tokens - in_dram
         return {k: v for k, v in out.items() if v > 0}
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:

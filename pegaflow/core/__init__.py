@@ -6,6 +6,7 @@
 - :mod:`trace`: the request-trace formats (``pegaflow`` query trace, Mooncake).
 - :mod:`units`, :mod:`durations`: sizes and durations as users write them.
 - :mod:`recent`: a bounded set of recently seen keys.
+- :mod:`tiers`: the tiers' names (``Tier``: l1, ssd, remote) and the outcomes (``miss``).
 
 What a pool decides to keep (admission, the hit-rate ceiling) is :mod:`pegaflow.policy`, one
 layer up. Everything else in PegaFlow may import this package; it imports nothing of PegaFlow's

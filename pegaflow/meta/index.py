@@ -47,7 +47,8 @@ import numpy as np
 from pegaflow.cluster import keys
 from pegaflow.cluster.redis_conn import Call, Client, RawPipe, Script, checked, raw_round_trip, run_scripts
 from pegaflow.core.identity import HASH_BYTES
-from pegaflow.meta.events.schema import Op, Tier, Update
+from pegaflow.core.tiers import Tier
+from pegaflow.meta.events.schema import Op, Update
 
 DUMP_CHUNK = 1024  # buckets per HGETALL pipeline when dumping / sweeping
 SWEEP_CHUNK = 256  # buckets per sweep script call: bounds the time one call holds Redis

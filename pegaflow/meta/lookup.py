@@ -24,7 +24,7 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from pegaflow.cluster import keys, registry
 from pegaflow.cluster.redis_conn import Client, checked, is_cluster, parallel, raw_round_trip
-from pegaflow.meta.events.schema import Tier
+from pegaflow.core.tiers import Tier
 from pegaflow.meta.index import Index, prefix_tiers
 
 log = structlog.get_logger("pegaflow.meta.lookup")

@@ -21,7 +21,7 @@ from pegaflow._proto import meta_pb2, meta_pb2_grpc
 from pegaflow.common.errors import InvalidArgument, Unavailable
 from pegaflow.common.rpc_errors import RpcErrors
 from pegaflow.common.validate import check_hashes
-from pegaflow.meta.events.schema import Tier
+from pegaflow.core.tiers import Tier
 from pegaflow.meta.lookup import Lookup, NodePrefix
 from pegaflow.meta.metrics import MetaMetrics
 from pegaflow.policy.ceiling import WindowStats
@@ -73,6 +73,7 @@ def check_request(namespace: str, hashes: Sequence[bytes], max_blocks: int) -> N
     check_hashes(hashes, max_blocks, "--query-max-blocks")
 
 
+# A holder's tier (one of core.tiers.LOCAL_TIERS) on the wire: meta.proto's Tier.
 _WIRE_TIER = {Tier.L1: meta_pb2.TIER_L1, Tier.SSD: meta_pb2.TIER_SSD}
 
 

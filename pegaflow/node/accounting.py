@@ -18,10 +18,10 @@ What is counted (the contract the gauges and the cluster union rely on):
   64 bits salted with a digest of the namespace *name*, the same on every host, so
   sketches of different nodes can be united into the cluster's ceiling.
 - The clock is ``time.time``: bucket indices must agree across hosts for the union.
-- Outcomes: at the counted READY answer, blocks of the prefix that were already in L1 at
-  the request's first answer are ``l1``; blocks that a LOADING answer of the same
-  ``req_id`` said were coming from SSD or a peer (:meth:`RequestAccounting.loading`) are ``ssd``
-  or ``remote``; the rest are ``miss``. So the four outcomes partition each request's
+- Outcomes (``pegaflow.core.tiers``): at the counted READY answer, blocks of the prefix that
+  were already in L1 at the request's first answer are ``l1``; blocks that a LOADING answer of
+  the same ``req_id`` said were coming from SSD or a peer node (:meth:`RequestAccounting.loading`)
+  are ``ssd`` or ``remote``; the rest are ``miss``. So the four outcomes partition each request's
   blocks. Without a ``req_id`` a LOADING answer cannot be linked to the later READY one,
   whose prefix then counts as ``l1``.
 
@@ -37,6 +37,7 @@ from collections.abc import Sequence
 
 from pegaflow.core.identity import block_keys, namespace_salt
 from pegaflow.core.recent import RecentKeys
+from pegaflow.core.tiers import MISS, Tier
 from pegaflow.node.metrics import NodeMetrics
 from pegaflow.policy.ceiling import DEFAULT_BUCKETS, MAX_BYTES, CeilingEstimator, WindowStats, sketch_bytes
 
@@ -60,11 +61,11 @@ class RequestAccounting:
         self.metrics = metrics
         self._seen = RecentKeys(SEEN_REQUESTS)  # requests whose READY answer was counted
         # req_id -> [(prefix length at a LOADING answer, tier loading the blocks after it)]
-        self._loading: OrderedDict[str, list[tuple[int, str]]] = OrderedDict()
+        self._loading: OrderedDict[str, list[tuple[int, Tier]]] = OrderedDict()
         self._salts: dict[str, int] = {}
         self.observed_requests = 0
 
-    def loading(self, req_id: str, hit: int, tier: str) -> None:
+    def loading(self, req_id: str, hit: int, tier: Tier) -> None:
         """A LOADING answer: the blocks after the first ``hit`` are on their way from ``tier``."""
         if not req_id or req_id in self._seen:
             return
@@ -78,7 +79,7 @@ class RequestAccounting:
 
     def observe(self, namespace: str, hashes: Sequence[bytes], hit: int, req_id: str = "") -> bool:
         """Count one READY answer (``hit`` of ``hashes`` served); False if ``req_id`` was seen."""
-        stages: list[tuple[int, str]] = []
+        stages: list[tuple[int, Tier]] = []
         if req_id:
             if self._seen.seen(req_id):
                 return False
@@ -92,14 +93,14 @@ class RequestAccounting:
         self.observed_requests += 1
         return True
 
-    def _count_outcomes(self, n: int, hit: int, stages: list[tuple[int, str]]) -> None:
+    def _count_outcomes(self, n: int, hit: int, stages: list[tuple[int, Tier]]) -> None:
         assert self.metrics is not None
         out = self.metrics.request_blocks
         bounds = [min(start, hit) for start, _ in stages] + [hit]
-        out.labels("l1").inc(bounds[0])
+        out.labels(Tier.L1).inc(bounds[0])
         for i, (_, tier) in enumerate(stages):
             out.labels(tier).inc(bounds[i + 1] - bounds[i])
-        out.labels("miss").inc(n - hit)
+        out.labels(MISS).inc(n - hit)
 
     def refresh(self) -> list[WindowStats]:
         """Recompute every window and set the gauges (call from the event loop)."""

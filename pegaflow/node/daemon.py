@@ -41,6 +41,7 @@ from pegaflow.config.tiers import PeerConfig, SsdConfig
 from pegaflow.core.allocator import ExtentAllocator
 from pegaflow.core.block_index import BlockIndex, IndexEvent, Namespace
 from pegaflow.core.hosts import host_of
+from pegaflow.core.tiers import Tier
 from pegaflow.node import discovery
 from pegaflow.node.accounting import RequestAccounting
 from pegaflow.node.admin import NodeAdmin
@@ -165,7 +166,7 @@ class Node:
             try:  # pins of blocks only on SSD read them from the SSD tier
                 self.p2p = wiring.P2P(PeerConfig.from_node(config), self.index, self.pool, self.node_id,
                                       peer_metrics, checksums, self.security, ssd=self.ssd,
-                                      on_remote_hits=self.metrics.hits.labels("remote").inc)
+                                      on_remote_hits=self.metrics.hits.labels(Tier.REMOTE).inc)
             except (OSError, RdmaUnavailable) as exc:
                 self.pool.close()
                 raise StartupError(f"remote reads: {exc}") from None
@@ -208,7 +209,7 @@ class Node:
 
     def _on_index_event(self, op: IndexEvent, ns: Namespace, hashes: list[bytes]) -> None:
         if op is IndexEvent.EVICT:
-            self.metrics.evictions.labels("l1").inc(len(hashes))
+            self.metrics.evictions.labels(Tier.L1).inc(len(hashes))
         elif op is IndexEvent.INSERT:
             self.metrics.inserted.inc(len(hashes))
 

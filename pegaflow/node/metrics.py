@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 from pegaflow.common.heap import GcPauses
 from pegaflow.common.loop_lag import lag_histogram
 from pegaflow.common.metric_alias import Alias, OriginalNames, Relabel, ValueAlias, rpc_labels
+from pegaflow.core.tiers import MISS, OUTCOMES, Tier
 
 RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
@@ -122,7 +123,7 @@ class NodeMetrics:
             ["outcome"],
             registry=r,
         )
-        for outcome in ("l1", "ssd", "remote", "miss"):
+        for outcome in OUTCOMES:
             self.request_blocks.labels(outcome)
         self.sketch_publications = Counter(
             "pegaflow_node_ceiling_sketch_publications_total",
@@ -140,9 +141,9 @@ class NodeMetrics:
         ):
             self._fn_counters[key] = lambda: 0
             r.register(_FnCounter(name, doc, self._fn_counter(key)))
-        for tier in ("l1", "ssd", "remote"):  # export zeros, so dashboards see every tier
+        for tier in Tier:  # export zeros, so dashboards see every tier
             self.hits.labels(tier)
-        self.evictions.labels("l1")
+        self.evictions.labels(Tier.L1)
         for kind in ("reservation", "lease", "session"):  # 0 until one expires, so a panel has series
             self.expired.labels(kind)
         self.inserted = Counter(
@@ -267,7 +268,9 @@ def _reason(labels: Mapping[str, str]) -> dict[str, str]:
     return {"reason": labels["reason"]}
 
 
-_TIER = {"l1": "ram", "remote": "rdma", "ssd": "ssd", "miss": "miss"}
+# The original's label values for our outcomes (its pegaflow_cache_tier_block_requests{tier}:
+# ram, rdma, ssd, miss): a contract of its dashboards, so spelled as it spells them.
+_ORIGINAL_TIER: dict[str, str] = {Tier.L1: "ram", Tier.REMOTE: "rdma", Tier.SSD: "ssd", MISS: "miss"}
 
 
 def original_aliases(m: NodeMetrics) -> list[Alias | ValueAlias]:
@@ -294,16 +297,17 @@ def original_aliases(m: NodeMetrics) -> list[Alias | ValueAlias]:
         # Cache
         Alias("pegaflow_cache_block_hits", "counter",
               "Blocks found in L1 by Query answers (pegaflow_node_hit_blocks_total{tier=\"l1\"}).",
-              ("pegaflow_node_hit_blocks",), relabel=_only(tier="l1")),
+              ("pegaflow_node_hit_blocks",), relabel=_only(tier=Tier.L1)),
         Alias("pegaflow_cache_block_misses", "counter",
               "Blocks of READY Query answers past the hit prefix (pegaflow_node_miss_blocks_total).",
               ("pegaflow_node_miss_blocks",)),
         Alias("pegaflow_cache_tier_block_requests", "counter",
-              "Blocks of each request by the tier that served them: ram, rdma (a peer), ssd, miss "
+              "Blocks of each request by the tier that served them: ram (l1), rdma (remote: a peer node), ssd, miss "
               "(pegaflow_node_request_blocks_total{outcome}).",
               ("pegaflow_node_request_blocks",), ("tier",),
-              relabel=lambda lb: {"tier": _TIER[lb["outcome"]]} if lb.get("outcome") in _TIER else None,
-              fixed=(("ram",), ("rdma",), ("ssd",), ("miss",))),
+              relabel=lambda lb: ({"tier": _ORIGINAL_TIER[lb["outcome"]]} if lb.get("outcome") in _ORIGINAL_TIER
+                                  else None),
+              fixed=tuple((v,) for v in _ORIGINAL_TIER.values())),
         Alias("pegaflow_cache_block_insertions", "counter",
               "Blocks that became resident in L1 (pegaflow_node_inserted_blocks_total).",
               ("pegaflow_node_inserted_blocks",)),
@@ -312,7 +316,7 @@ def original_aliases(m: NodeMetrics) -> list[Alias | ValueAlias]:
               ("pegaflow_node_admission_rejections",)),
         Alias("pegaflow_cache_block_evictions", "counter",
               "Blocks evicted from L1 (pegaflow_node_evictions_total{tier=\"l1\"}).",
-              ("pegaflow_node_evictions",), relabel=_only(tier="l1")),
+              ("pegaflow_node_evictions",), relabel=_only(tier=Tier.L1)),
         Alias("pegaflow_cache_block_evictions_by_class", "counter",
               "Blocks evicted from L1 by replacement class: reclaimable (pulled copies) or retained "
               "(pegaflow_node_evicted_blocks_by_class_total{class}).",

@@ -60,8 +60,9 @@ from pegaflow.config.commands import NodeConfig
 from pegaflow.core.block_index import BlockIndex, IndexEvent, Namespace
 from pegaflow.core.hosts import advertised
 from pegaflow.core.identity import HASH_BYTES
+from pegaflow.core.tiers import Tier
 from pegaflow.meta.events.codec import FIELD, encode
-from pegaflow.meta.events.schema import FLAG_LAST, FLAG_SSD, Event, Op, Tier
+from pegaflow.meta.events.schema import FLAG_LAST, FLAG_SSD, Event, Op
 from pegaflow.meta.events.streams import GROUP
 from pegaflow.node.block_events import BlockEventFeed
 from pegaflow.node.idle import DataPathIdle

@@ -28,6 +28,7 @@ from pegaflow._proto import meta_pb2, meta_pb2_grpc, node_pb2, node_pb2_grpc
 from pegaflow.common.security import Security, SecurityError, sync_channel
 from pegaflow.config.commands import StatusConfig, load
 from pegaflow.config.options import STATUS
+from pegaflow.core.tiers import OUTCOMES
 from pegaflow.ops.status_screen import WIDTH, cluster_lines, node_lines
 
 DESCRIPTION = (
@@ -35,13 +36,12 @@ DESCRIPTION = (
     "beside its ceiling, blocks by tier, SSD, peers, engines and namespaces."
 )
 DEFAULT_WATCH_SECONDS = 2.0
-TIERS = ("l1", "ssd", "remote", "miss")
 CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear the screen: the next frame replaces this one
 
 
 # ---- snapshots: the JSON objects, built from the RPC answers --------------------------
 def _tiers(t: node_pb2.TierBlocks) -> dict[str, int]:
-    return {k: getattr(t, k) for k in TIERS}
+    return {k: getattr(t, k) for k in OUTCOMES}
 
 
 def node_snapshot(addr: str, r: node_pb2.StatsResponse) -> dict[str, Any]:
@@ -218,7 +218,7 @@ def totals(nodes: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "window": window,
         "requested_blocks": add("requested_blocks", first),
         "hit_blocks": add("hit_blocks", first),
-        "requests": {t: add(t, [s["requests"] for s in up]) for t in TIERS},
+        "requests": {t: add(t, [s["requests"] for s in up]) for t in OUTCOMES},
         "ssd": {k: add(k, ssd) for k in ("capacity_bytes", "used_bytes", "blocks", "write_bytes", "read_bytes",
                                            "write_bytes_per_second", "read_bytes_per_second",
                                            "write_queue_blocks", "promoted_blocks")} if ssd else None,

@@ -12,9 +12,13 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pegaflow.core.tiers import MISS, OUTCOMES, Tier
+
 WIDTH = 80
 MAX_ROWS = 4  # engines and namespaces listed on a screen; the rest are counted
 NONE = "-"  # a ratio of nothing (no request in the window)
+# What the screens call each outcome (pegaflow.core.tiers): line and column labels.
+LABEL: dict[str, str] = {Tier.L1: "L1", Tier.SSD: "SSD", Tier.REMOTE: "remote", MISS: "miss"}
 
 Snapshot = Mapping[str, Any]
 
@@ -148,9 +152,8 @@ def window_lines(windows: Sequence[Mapping[str, Any]]) -> list[str]:
 
 def tier_line(label: str, t: Mapping[str, int]) -> str:
     """Blocks of requests by where they were found, with their shares."""
-    total = sum(t.get(k, 0) for k in ("l1", "ssd", "remote", "miss"))
-    parts = [f"{name} {fmt_count(t.get(k, 0))} {fmt_pct(share(t.get(k, 0), total))}"
-             for k, name in (("l1", "L1"), ("ssd", "SSD"), ("remote", "peer"), ("miss", "miss"))]
+    total = sum(t.get(k, 0) for k in OUTCOMES)
+    parts = [f"{LABEL[k]} {fmt_count(t.get(k, 0))} {fmt_pct(share(t.get(k, 0), total))}" for k in OUTCOMES]
     return f"{label:<10}" + "  ".join(parts)
 
 
@@ -230,8 +233,9 @@ def cluster_lines(c: Snapshot, now: float | None = None, width: int = WIDTH) -> 
     lines.append("")
     if not nodes:
         lines.append("no node has registered with this metaserver (nodes join with --metaserver-addr)")
-    lines.append(clip(f"hit and ceil(ing): the last {window}; L1, SSD, peer: blocks found there", width))
-    lines.append(_ROW.format("node", "pool", "used", "hit", "ceil", "L1", "SSD", "peer", "engines"))
+    tiers = ", ".join(LABEL[k] for k in Tier)
+    lines.append(clip(f"hit and ceil(ing): the last {window}; {tiers}: blocks found there", width))
+    lines.append(_ROW.format("node", "pool", "used", "hit", "ceil", *(LABEL[k] for k in Tier), "engines"))
     for n in nodes:
         s = n["status"]
         name = clip(n["node"], 14)
@@ -245,15 +249,15 @@ def cluster_lines(c: Snapshot, now: float | None = None, width: int = WIDTH) -> 
         lines.append(_ROW.format(
             name, f"{fmt_short_bytes(p['used_bytes'])}/{fmt_short_bytes(p['capacity_bytes'])}",
             fmt_pct(share(p["used_bytes"], p["capacity_bytes"]), 0), fmt_pct(hit), fmt_pct(ceil),
-            fmt_count(r["l1"]), fmt_count(r["ssd"]), fmt_count(r["remote"]), fmt_count(len(s["engines"])),
+            *(fmt_count(r[k]) for k in Tier), fmt_count(len(s["engines"])),
         ))
     ceiling = c.get("ceiling")
     union = next((w for w in ceiling["windows"] if w["window"] == t["window"]), None) if ceiling else None
     lines.append(_ROW.format(
         "total", f"{fmt_short_bytes(t['used_bytes'])}/{fmt_short_bytes(t['capacity_bytes'])}",
         fmt_pct(share(t["used_bytes"], t["capacity_bytes"]), 0), fmt_pct(share(t["hit_blocks"], t["requested_blocks"])),
-        fmt_pct(_ratio_of_window(union)[1]) if union else NONE, fmt_count(t["requests"]["l1"]),
-        fmt_count(t["requests"]["ssd"]), fmt_count(t["requests"]["remote"]), fmt_count(t["engines"]),
+        fmt_pct(_ratio_of_window(union)[1]) if union else NONE, *(fmt_count(t["requests"][k]) for k in Tier),
+        fmt_count(t["engines"]),
     ))
     lines.append("")
     if ceiling:

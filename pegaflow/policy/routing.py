@@ -26,8 +26,9 @@ The rule (docs/router.md has the measurements behind the defaults):
 2. **Value.** Among the allowed engines, the one whose node saves the most prefill: the
    leading prompt tokens it holds, each weighted by what fetching it costs against
    recomputing it (``1 - cost``): an L1 hit costs ``costs.l1`` (0), an SSD hit
-   ``costs.ssd``, a pull from a peer node ``costs.peer``. Tiers are optional: a caller
-   that knows only "held" passes L1 tokens.
+   ``costs.ssd``, a pull from a peer node ``costs.remote`` (one cost per
+   ``pegaflow.core.tiers.Tier``). Tiers are optional: a caller that knows only "held"
+   passes L1 tokens.
 3. **Ties** (equal value: no engine holds anything, or several hold the same) go in turn:
    the scan starts just after the engine chosen last, and the first best wins.
 
@@ -45,27 +46,35 @@ from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+from pegaflow.core.tiers import Tier
+
 DEFAULT_LOAD_BOUND = 0.2  # eps: measured in docs/router.md (bench/routing.py --bounds)
 DEFAULT_LOAD_WINDOW_S = 60.0
 
 
 @dataclass(frozen=True)
 class TierCosts:
-    """Time to get one held token onto the engine, as a fraction of recomputing it (1.0)."""
+    """Time to get one held token onto the engine, as a fraction of recomputing it (1.0):
+    one field per :class:`Tier`, named by its value."""
 
     l1: float = 0.0  # the engine's own node's DRAM: a local copy
     ssd: float = 0.25  # the node's SSD tier: a read into DRAM first
-    peer: float = 0.5  # another node's pool, over the network
+    remote: float = 0.5  # another node's pool, over the network (router: --peer-hit-cost)
 
     def __post_init__(self) -> None:
-        for name in ("l1", "ssd", "peer"):
-            v = getattr(self, name)
+        for tier in Tier:
+            v = self.of(tier)
             if not 0.0 <= v <= 1.0:
-                raise ValueError(f"tier cost {name} must be in [0, 1], got {v}")
+                raise ValueError(f"tier cost {tier} must be in [0, 1], got {v}")
 
-    def saved(self, l1_tokens: float, ssd_tokens: float = 0.0, peer_tokens: float = 0.0) -> float:
+    def of(self, tier: Tier) -> float:
+        """The cost of a token held in ``tier``."""
+        v: float = getattr(self, tier.value)
+        return v
+
+    def saved(self, l1_tokens: float, ssd_tokens: float = 0.0, remote_tokens: float = 0.0) -> float:
         """Prefill tokens' worth of time a holder saves: each held token's (1 - its tier's cost)."""
-        return l1_tokens * (1.0 - self.l1) + ssd_tokens * (1.0 - self.ssd) + peer_tokens * (1.0 - self.peer)
+        return l1_tokens * (1.0 - self.l1) + ssd_tokens * (1.0 - self.ssd) + remote_tokens * (1.0 - self.remote)
 
 
 class BoundedLoadKV:

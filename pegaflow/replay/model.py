@@ -56,6 +56,7 @@ from dataclasses import dataclass, replace
 from pegaflow.config.capacity import KV_AWARE, ROUND_ROBIN, Capacity, route_field
 from pegaflow.core.allocator import OutOfSpace
 from pegaflow.core.block_index import BlockIndex, IndexEvent, Namespace
+from pegaflow.core.tiers import LOCAL_TIERS, Tier
 from pegaflow.policy.quota import Quota, Quotas
 from pegaflow.policy.routing import (
     DEFAULT_LOAD_BOUND,
@@ -120,7 +121,7 @@ class UniformAllocator:
         self.free_bytes += self.page
 
 
-class Tier:
+class TierIndex:
     """One BlockIndex sized from a :class:`Capacity`, with its namespaces registered.
 
     ``capacity_blocks`` (which also sizes TinyLFU) is exact for one page size and an
@@ -164,12 +165,12 @@ class Pool:
     ) -> None:
         if ssd_writes not in SSD_WRITES:
             raise ValueError(f"ssd_writes must be one of {SSD_WRITES}, got {ssd_writes!r}")
-        self.l1 = Tier(*l1, page_bytes, admission=tinylfu, quotas=quotas)
-        self.ssd: Tier | None = None
+        self.l1 = TierIndex(*l1, page_bytes, admission=tinylfu, quotas=quotas)
+        self.ssd: TierIndex | None = None
         self._to_ssd: list[tuple[str, list[bytes]]] = []
         self._ssd_op = IndexEvent.EVICT if ssd_writes == SSD_WRITES_EVICTIONS else IndexEvent.INSERT
         if ssd[0] > 0:
-            self.ssd = Tier(*ssd, page_bytes)
+            self.ssd = TierIndex(*ssd, page_bytes)
             self.l1.index.add_listener(self._on_l1_event)
 
     def _on_l1_event(self, op: IndexEvent, ns: Namespace, hashes: list[bytes]) -> None:
@@ -375,10 +376,13 @@ class Cluster:
         """L1 blocks over all pools (what the scenario's L1 size holds)."""
         return sum(p.l1.capacity_blocks for p in self.pools)
 
-    def counter(self, name: str, tier: str = "l1") -> int:
+    def counter(self, name: str, tier: Tier = Tier.L1) -> int:
+        """The sum of one BlockIndex counter (``evictions``, ...) of ``tier`` over the pools."""
+        if tier not in LOCAL_TIERS:
+            raise ValueError(f"a pool has no {tier} tier")
         total = 0
         for p in self.pools:
-            t = p.l1 if tier == "l1" else p.ssd
+            t = p.l1 if tier == Tier.L1 else p.ssd
             if t is not None:
                 total += getattr(t.index, name)
         return total

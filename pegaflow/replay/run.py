@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from pegaflow.core.tiers import Tier
 from pegaflow.core.trace import Trace
 from pegaflow.replay.model import Cluster, Pool, Scenario
 
@@ -157,7 +158,7 @@ def replay(trace: Trace, scenario: Scenario, progress: Progress | None = None) -
     load_report(trace, res, cluster.instances)
     res.load_redirects = cluster.policy.redirected
     res.evictions = cluster.counter("evictions")
-    res.ssd_evictions = cluster.counter("evictions", "ssd")
+    res.ssd_evictions = cluster.counter("evictions", Tier.SSD)
     res.admission_rejections = cluster.counter("admission_rejections")
     return res
 

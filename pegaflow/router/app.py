@@ -180,7 +180,7 @@ class Router:
         cfg.check()
         self.cfg = cfg
         self.policy = Policy(cfg.policy, cfg.load_bound, cfg.load_window,
-                             TierCosts(ssd=cfg.ssd_hit_cost, peer=cfg.peer_hit_cost))
+                             TierCosts(ssd=cfg.ssd_hit_cost, remote=cfg.peer_hit_cost))
         self.registry = registry or CollectorRegistry()
         self.metrics = RouterMetrics(self.registry)
         self.prompts = prompts or Prompts()

@@ -100,9 +100,9 @@ class Engine:
     engine_queue: int = 0
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
 
-    def candidate(self, prefix_tokens: int = 0, ssd_tokens: int = 0, peer_tokens: int = 0) -> Candidate:
+    def candidate(self, prefix_tokens: int = 0, ssd_tokens: int = 0, remote_tokens: int = 0) -> Candidate:
         return Candidate(self.url, self.in_flight, self.queued_tokens, self.engine_queue, prefix_tokens,
-                         ssd_tokens, peer_tokens)
+                         ssd_tokens, remote_tokens)
 
     def serves(self, model: str | None) -> bool:
         return not model or model == self.model or model in self.adapters

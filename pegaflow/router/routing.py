@@ -39,7 +39,7 @@ class Candidate:
     engine_queue: int = 0  # vLLM's running + waiting requests (its /metrics; other clients too)
     prefix_tokens: int = 0  # leading tokens of this prompt its node holds, whole blocks (kv-aware)
     ssd_tokens: int = 0  # of those, the ones only on its node's SSD tier (when the hint says)
-    peer_tokens: int = 0  # further leading tokens another node holds, which it would pull
+    remote_tokens: int = 0  # further leading tokens another node holds, which it would pull
 
     @property
     def load(self) -> int:
@@ -83,8 +83,8 @@ class Policy:
         """Prefill tokens' worth of time the engine's node saves this prompt (tier-weighted)."""
         held = min(prompt_tokens, c.prefix_tokens)
         ssd = min(held, c.ssd_tokens)
-        peer = max(0, min(prompt_tokens - held, c.peer_tokens))
-        return self.kv.costs.saved(held - ssd, ssd, peer)
+        remote = max(0, min(prompt_tokens - held, c.remote_tokens))
+        return self.kv.costs.saved(held - ssd, ssd, remote)
 
     def choose(self, cands: Sequence[Candidate], prompt_tokens: int = 0, use_prefixes: bool = True,
                now: float | None = None) -> Decision:

@@ -12,8 +12,9 @@ import pytest
 
 from pegaflow.cluster.keys import ns_tag
 from pegaflow.cluster.redis_conn import connect
+from pegaflow.core.tiers import LOCAL_TIERS, Tier
 from pegaflow.meta.events.consumer import Consumer
-from pegaflow.meta.events.schema import Op, Tier, Update
+from pegaflow.meta.events.schema import Op, Update
 from pegaflow.meta.index import Held, Index
 from pegaflow.meta.lookup import Lookup
 from pegaflow.node.publishing import EventPublisher
@@ -74,7 +75,7 @@ def test_native_and_script_paths_agree_on_random_tiered_sequences(redis_server: 
         for _ in range(rng.randint(1, 30)):
             op = rng.choice([Op.INSERT, Op.SNAPSHOT, Op.EVICT])
             hs = rng.sample(pool, rng.randint(1, 6))
-            tier = rng.choice(list(Tier)) if op != Op.EVICT else Tier.L1
+            tier = rng.choice(LOCAL_TIERS) if op != Op.EVICT else Tier.L1
             ups.append(Update(op, NS, rng.randint(1, 4), b"".join(hs), tier))
         assert a.apply_many(ups, native=True) == b.apply_many(ups, native=False)
         assert a.holder_tiers(NS, pool) == b.holder_tiers(NS, pool)

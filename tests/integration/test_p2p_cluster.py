@@ -59,7 +59,7 @@ def test_prefix_saved_on_a_is_served_byte_identical_to_a_client_of_b(cluster: P2
     out = cluster.client(1, "load", "ident", "24", "--until-hit", "--probe-each")
     assert out["hit"] == 24 and out["identical"], out
     # The first Query started the pull, and says how long the prefix is once it lands.
-    assert out["statuses"][0] == "LOADING:0:peer:24", out
+    assert out["statuses"][0] == "LOADING:0:remote:24", out
     assert cluster.metric(1, "pegaflow_node_p2p_pulls_total", 'status="ok"') >= 1
     assert cluster.metric(1, "pegaflow_node_hit_blocks_total", 'tier="remote"') == 24
     assert cluster.metric(0, "pegaflow_node_p2p_served_bytes_total") == 24 * saved["page_bytes"]
@@ -78,7 +78,7 @@ def test_the_pulls_hold_on_its_pages_ends_when_the_engines_query_leases_them(clu
     cluster.wait_indexed(NS, "hold", 16, "node-0")
     out = cluster.client(2, "load", "hold", "16", "--until-hit")  # LOADING, then READY leasing all 16
     assert out["hit"] == 16 and out["identical"], out
-    assert out["statuses"][0] == "LOADING:0:peer:16", out
+    assert out["statuses"][0] == "LOADING:0:remote:16", out
     # The READY Query ended the hold on every page it leased (the client polls every 20 ms,
     # the hold's timeout is 2 s), and the client has released its lease since.
     assert cluster.metric(2, "pegaflow_node_p2p_hold_ended_blocks_total", 'reason="leased"') == leased0 + 16

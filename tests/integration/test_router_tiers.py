@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pegaflow.common.security import Security
-from pegaflow.meta.events.schema import Tier
+from pegaflow.core.tiers import Tier
 from pegaflow.node.publishing import EventPublisher
 from pegaflow.policy.routing import TierCosts
 from pegaflow.router.hints import MetaHints
@@ -55,14 +55,14 @@ def test_meta_hints_carry_ssd_blocks_and_the_policy_weighs_them(redis_server: Re
 
         def cand(url: str, node: str) -> Candidate:
             n, ssd = held[node]
-            return Candidate(url, prefix_tokens=n * BS, ssd_tokens=ssd * BS, peer_tokens=(anywhere - n) * BS)
+            return Candidate(url, prefix_tokens=n * BS, ssd_tokens=ssd * BS, remote_tokens=(anywhere - n) * BS)
 
         cands = [cand("http://e1", "n1"), cand("http://e2", "n2")]
         # SSD reads at half a recompute: e1 saves 4 + 4 * 0.5 (pulled) = 6 blocks, e2 8 * 0.5 = 4.
-        slow_ssd = Policy(KV_AWARE, load_window=0, costs=TierCosts(ssd=0.5, peer=0.5))
+        slow_ssd = Policy(KV_AWARE, load_window=0, costs=TierCosts(ssd=0.5, remote=0.5))
         assert slow_ssd.choose(cands, 8 * BS, now=0.0).url == "http://e1"
         # Fast SSD reads: e2 saves 8 * 0.9 = 7.2 blocks.
-        fast_ssd = Policy(KV_AWARE, load_window=0, costs=TierCosts(ssd=0.1, peer=0.5))
+        fast_ssd = Policy(KV_AWARE, load_window=0, costs=TierCosts(ssd=0.1, remote=0.5))
         assert fast_ssd.choose(cands, 8 * BS, now=0.0).url == "http://e2"
     finally:
         p1.stop()

@@ -82,7 +82,7 @@ def test_json_reports_what_the_node_did(node_factory, tmp_path: Path) -> None:  
         assert r.returncode == 0, r.stderr
         lines = r.stdout.splitlines()
         assert all(len(ln) <= 80 for ln in lines), lines
-        assert "blocks    L1 8 80.0%  SSD 0 0.0%  peer 0 0.0%  miss 2 20.0%" in lines
+        assert "blocks    L1 8 80.0%  SSD 0 0.0%  remote 0 0.0%  miss 2 20.0%" in lines
         assert any(ln.split()[:4] == ["15m", "10", "80.0%", "0.0%"] for ln in lines), lines
 
 
@@ -100,7 +100,7 @@ def test_blocks_promoted_from_ssd_count_under_ssd(node_factory, tmp_path: Path) 
         assert s["ssd"]["promoted_blocks"] == 12 and s["ssd"]["read_bytes"] >= 12 * PAGE
         assert s["pool"]["evictions"] == int(node.metric("pegaflow_node_evictions_total")) > 0
         lines = status("--addr", node.addr).stdout.splitlines()
-        assert "blocks    L1 0 0.0%  SSD 12 100.0%  peer 0 0.0%  miss 0 0.0%" in lines
+        assert "blocks    L1 0 0.0%  SSD 12 100.0%  remote 0 0.0%  miss 0 0.0%" in lines
 
 
 def test_unreachable_node_is_one_line() -> None:
@@ -166,7 +166,7 @@ def test_watch_screen_in_tmux_fits_refreshes_and_quits(node_factory) -> None:  #
             lines = t.pane()
             assert all(len(ln) <= 80 for ln in lines), lines
             assert len(lines) <= 30
-            assert _line(lines, "blocks ") == "blocks    L1 8 80.0%  SSD 0 0.0%  peer 0 0.0%  miss 2 20.0%"
+            assert _line(lines, "blocks ") == "blocks    L1 8 80.0%  SSD 0 0.0%  remote 0 0.0%  miss 2 20.0%"
             assert _line(lines, "pool ") == (f"pool      {8 * PAGE >> 10} KiB of 4.0 MiB used (12.5%)  8 blocks  "
                                              "pre-fault 100%")
             assert _line(lines, "engines ") == "engines   1 engine  1 session  0 leases  0 reservations"
@@ -176,7 +176,7 @@ def test_watch_screen_in_tmux_fits_refreshes_and_quits(node_factory) -> None:  #
             assert lines[0].startswith("node ") and node.addr in lines[0]
             # more traffic: the same screen, redrawn with the new figures (no scrolling)
             assert c.query([NS], hs, req_id="w2", lease=False).hit_blocks == 8
-            wait_until(lambda: _line(t.pane(), "blocks ") == "blocks    L1 16 88.9%  SSD 0 0.0%  peer 0 0.0%  "
+            wait_until(lambda: _line(t.pane(), "blocks ") == "blocks    L1 16 88.9%  SSD 0 0.0%  remote 0 0.0%  "
                                                             "miss 2 11.1%",
                        30, lambda: "the screen to refresh: " + "\n".join(t.pane()), every=0.2)
             lines = t.pane()

@@ -80,7 +80,7 @@ def test_cluster_view_lists_every_node_and_survives_a_dead_one(node_factory, red
         assert na["peers"]["served_bytes"] == 4 * PAGE
         assert s["totals"]["requests"]["remote"] == 4 and s["totals"]["peers"]["pull_bytes"] == 4 * PAGE
         rows = {ln.split()[0]: ln.split() for ln in status("--metaserver", metaserver).stdout.splitlines() if ln.split()}
-        assert rows["node-b"][5:8] == ["0", "0", "4"]  # L1, SSD, peer
+        assert rows["node-b"][5:8] == ["0", "0", "4"]  # L1, SSD, remote
         assert rows["peers"][:5] == ["peers", "pulls", "1", "ok", "0"]
 
         b.kill()  # its heartbeat has not expired yet: listed, alive, and not answering

@@ -69,7 +69,7 @@ class FakeNode:
         self.epoch = 1
         self.loading = 0  # answer LOADING this many times
         self.loading_dram = 0  # ... saying this many blocks are in DRAM already
-        self.loading_from = ""  # ... and the rest come from "ssd" or "peer"
+        self.loading_from = ""  # ... and the rest come from "ssd" or "remote"
         self.loading_expected = 0  # ... and the prefix will be this long once loaded
         self.loading_match = ""  # only queries of a namespace containing this (all if empty)
         self.calls: Counter[str] = Counter()

@@ -332,7 +332,7 @@ def test_reset_cache_drops_the_engines_namespaces_and_says_so(caplog: pytest.Log
     assert a.sched.reset_cache() is False
 
 
-@pytest.mark.parametrize("tier, source", [("ssd", "disk"), ("peer", "p2p")])
+@pytest.mark.parametrize("tier, source", [("ssd", "disk"), ("remote", "p2p")])
 def test_hit_sources_split_the_tokens_by_the_tier_that_held_them(
     monkeypatch: pytest.MonkeyPatch, tier: str, source: str
 ) -> None:

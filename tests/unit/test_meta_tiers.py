@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 
 from pegaflow.cluster import keys
 from pegaflow.core.block_index import IndexEvent
+from pegaflow.core.tiers import LOCAL_TIERS, Tier
 from pegaflow.meta.events.codec import decode, encode
-from pegaflow.meta.events.schema import FLAG_LAST, FLAG_SSD, Event, Op, Tier, Update
+from pegaflow.meta.events.schema import FLAG_LAST, FLAG_SSD, Event, Op, Update
 from pegaflow.meta.index import Held, nid_bytes, prefix_holders, prefix_tiers
 from pegaflow.node.publishing import HolderTiers
 
@@ -66,7 +67,7 @@ def test_prefix_tiers_equals_a_brute_force_reference() -> None:
     for _ in range(3000):
         nids = rng.sample(range(1, 9), rng.randint(1, 4))
         lists: list[dict[int, Tier] | None] = []
-        cur = {n: rng.choice(list(Tier)) for n in nids}
+        cur = {n: rng.choice(LOCAL_TIERS) for n in nids}
         for _ in range(rng.randint(1, 12)):
             r = rng.random()
             if r < 0.05:
@@ -76,7 +77,7 @@ def test_prefix_tiers_equals_a_brute_force_reference() -> None:
                 cur = dict(cur)
                 n = rng.choice(nids)
                 if rng.random() < 0.5:
-                    cur[n] = rng.choice(list(Tier))
+                    cur[n] = rng.choice(LOCAL_TIERS)
                 elif n in cur and len(cur) > 1:
                     del cur[n]
                 else:

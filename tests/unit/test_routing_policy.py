@@ -78,7 +78,7 @@ def test_fractional_loads_are_bounded_too():
 
 
 def test_tier_costs_weigh_what_a_held_token_saves():
-    c = TierCosts(l1=0.0, ssd=0.25, peer=0.5)
+    c = TierCosts(l1=0.0, ssd=0.25, remote=0.5)
     assert c.saved(100) == 100
     assert c.saved(0, 100) == 75
     assert c.saved(0, 0, 100) == 50

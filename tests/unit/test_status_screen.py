@@ -93,7 +93,7 @@ def test_node_screen_fits_80_columns_and_shows_every_figure() -> None:
     # blocks by tier, each with its share of all requested blocks
     total = 12_000_000 + 300 + 45_678 + 17_600_000
     assert (f"blocks    L1 12.0M {100 * 12_000_000 / total:.1f}%  SSD 300 0.0%  "
-            f"peer 45,678 {100 * 45_678 / total:.1f}%  miss 17.6M") in text
+            f"remote 45,678 {100 * 45_678 / total:.1f}%  miss 17.6M") in text
     assert "SSD       2.0 TiB of 2.0 TiB (100.0%)  8.9M blocks  w 1.5 GiB/s  r 123 MiB/s" in text
     assert "peers     pulls 1,234 ok 6 failed  pulled 42.0 GiB  served 7.0 GiB  backed off 2" in text
     assert "engines   9 engines  18 sessions  1 lease  12 reservations" in text

@@ -17,6 +17,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from pegaflow._proto import node_pb2, peer_pb2
+from pegaflow.core.tiers import OUTCOMES, Tier
 from pegaflow.node.admin import NodeAdmin
 from pegaflow.node.idle import DataPathIdle
 from pegaflow.node.metrics import NodeMetrics
@@ -50,9 +51,9 @@ PEER_SAMPLES = {  # a dict field: one sample per label value
     "backed_off_peers": "pegaflow_node_p2p_backed_off_peers",
     "lookups": "pegaflow_node_p2p_lookups_total{result=%r}",
 }
-NODE_SAMPLES = {  # StatsResponse field -> sample; TierBlocks: one per tier
-    "request_blocks": "pegaflow_node_request_blocks_total{outcome=%r}",
-    "hit_blocks": "pegaflow_node_hit_blocks_total{tier=%r}",
+NODE_SAMPLES = {  # StatsResponse field -> sample; TierBlocks: one per outcome (pegaflow.core.tiers)
+    "request_blocks": "pegaflow_node_request_blocks_total{outcome='%s'}",
+    "hit_blocks": "pegaflow_node_hit_blocks_total{tier='%s'}",
     "save_bytes": "pegaflow_node_save_bytes_total",
     "load_bytes": "pegaflow_node_load_bytes_total",
 }
@@ -121,17 +122,17 @@ def test_the_nodes_block_counts_in_stats_are_what_metrics_export(tmp_path: Path)
         t = _Tier(tmp_path, "threads")
         svc = service(t.metrics, t)
         m = t.metrics
-        for i, tier in enumerate(("l1", "ssd", "remote"), 1):
+        for i, tier in enumerate(Tier, 1):
             m.hits.labels(tier).inc(i)
-        for i, outcome in enumerate(("l1", "ssd", "remote", "miss"), 1):
+        for i, outcome in enumerate(OUTCOMES, 1):
             m.request_blocks.labels(outcome).inc(10 * i)
         m.misses.inc(4)
         m.save_bytes.inc(100)
         m.load_bytes.inc(50)
         rpc, scraped = stats_rpc(svc), scrape(m)
-        for outcome in ("l1", "ssd", "remote", "miss"):
+        for outcome in OUTCOMES:
             assert getattr(rpc.request_blocks, outcome) == scraped[NODE_SAMPLES["request_blocks"] % outcome] > 0
-        for tier in ("l1", "ssd", "remote"):
+        for tier in Tier:
             assert getattr(rpc.hit_blocks, tier) == scraped[NODE_SAMPLES["hit_blocks"] % tier] > 0
         assert rpc.hit_blocks.miss == scraped["pegaflow_node_miss_blocks_total"] == 4
         assert rpc.save_bytes == scraped[NODE_SAMPLES["save_bytes"]] == 100

@@ -6,13 +6,13 @@ node are totally ordered by ``(epoch, seq)``; ``seq`` restarts at 0 in every epo
 Contract (schema version 1):
 
 - ``INSERT`` / ``EVICT``: the node now holds / no longer holds these blocks of ``namespace``.
-- Tier: an ``INSERT`` or ``SNAPSHOT`` carrying ``FLAG_SSD`` says the node holds these
-  blocks only on its SSD tier (not in DRAM); without it (every event of older nodes) they
-  are in DRAM (L1). A block's newest add sets its tier: a block leaving DRAM for the SSD
-  is an ``INSERT`` with ``FLAG_SSD`` (a tier change, not an ``EVICT``), one promoted back
-  an ``INSERT`` without it. ``EVICT`` means gone from every tier. Readers that predate the
-  flag ignore it (it is a bit of ``flags``; the layout is unchanged), seeing SSD copies as
-  DRAM ones.
+- Tier (one of ``pegaflow.core.tiers.LOCAL_TIERS``): an ``INSERT`` or ``SNAPSHOT`` carrying
+  ``FLAG_SSD`` says the node holds these blocks only on its SSD tier (not in DRAM); without
+  it (every event of older nodes) they are in DRAM (L1). A block's newest add sets its
+  tier: a block leaving DRAM for the SSD is an ``INSERT`` with ``FLAG_SSD`` (a tier change,
+  not an ``EVICT``), one promoted back an ``INSERT`` without it. ``EVICT`` means gone from
+  every tier. Readers that predate the flag ignore it (it is a bit of ``flags``; the layout
+  is unchanged), seeing SSD copies as DRAM ones.
 - ``RESET``: first event of an epoch (``seq == 0``, no namespace, no hashes). Everything
   the node said in older epochs is void; what it holds is what follows.
 - ``SNAPSHOT``: blocks held at the start of the epoch, in chunks, applied like ``INSERT``.
@@ -35,18 +35,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pegaflow.core.identity import HASH_BYTES
+from pegaflow.core.tiers import Tier
 
 SCHEMA_VERSION = 1
 
 FLAG_LAST = 0x01  # last chunk of a snapshot
 FLAG_SSD = 0x02  # INSERT/SNAPSHOT: held on the node's SSD tier only (else in DRAM)
-
-
-class Tier(enum.IntEnum):
-    """Where a holder keeps a block: its DRAM pool (L1) or only its SSD tier."""
-
-    L1 = 0
-    SSD = 1
 
 
 class Op(enum.IntEnum):

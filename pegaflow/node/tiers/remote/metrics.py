@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from pegaflow.core.tiers import LOCAL_TIERS
 from pegaflow.node.metrics import value_of, values_by_label
 
 PULL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
@@ -80,8 +81,8 @@ class PeerMetrics:
             "pegaflow_node_p2p_pulled_blocks_total",
             "Blocks pulled from peers and committed, by the tier the holder was listed in (l1, ssd).",
             ["holder_tier"], registry=r)
-        for s in ("l1", "ssd"):
-            self.pulled_blocks.labels(s)
+        for tier in LOCAL_TIERS:
+            self.pulled_blocks.labels(tier)
         self.held_blocks = Gauge(
             "pegaflow_node_p2p_held_blocks",
             "Pages pulled from peers (and the local prefix before them) pinned for the engine's next Query "

@@ -47,6 +47,7 @@ from pegaflow._proto import meta_pb2, meta_pb2_grpc, peer_pb2, peer_pb2_grpc
 from pegaflow.common.backoff import Backoff
 from pegaflow.common.security import Security, aio_channel
 from pegaflow.core.block_index import Block, BlockIndex, Namespace
+from pegaflow.core.tiers import Tier
 from pegaflow.node.tiers.remote import TCP, RemotePages, TransferError, Transport
 from pegaflow.node.tiers.remote.checksums import PageChecksums
 from pegaflow.node.tiers.remote.metrics import PeerMetrics, PeerStats
@@ -372,7 +373,7 @@ class Puller:
             self.metrics.pull_bytes.inc(nbytes)
             if self.on_remote_hits is not None:
                 self.on_remote_hits(len(committed))
-            self.metrics.pulled_blocks.labels("ssd" if p.holder.ssd_blocks else "l1").inc(len(committed))
+            self.metrics.pulled_blocks.labels(Tier.SSD if p.holder.ssd_blocks else Tier.L1).inc(len(committed))
             if bad:
                 status = "checksum"
                 self._fail(addr, "checksum_mismatch", f"{bad} of {len(blocks)} pages")

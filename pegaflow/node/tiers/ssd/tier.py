@@ -24,6 +24,7 @@ import structlog
 
 from pegaflow.config.tiers import SsdConfig
 from pegaflow.core.block_index import Block, BlockIndex, Namespace
+from pegaflow.core.tiers import Tier
 from pegaflow.node.block_events import TierListener
 from pegaflow.node.idle import DataPathIdle
 from pegaflow.node.metrics import NodeMetrics, value_of
@@ -192,7 +193,7 @@ class SsdTier:
         self.promoter.leased(blocks)
 
     def metrics_node_hits(self, n: int) -> None:
-        self.node_metrics.hits.labels("ssd").inc(n)
+        self.node_metrics.hits.labels(Tier.SSD).inc(n)
 
     def clear(self, ns: Namespace) -> int:
         """Forget every SSD record of ``ns`` (a reset); writes in flight are not indexed when
