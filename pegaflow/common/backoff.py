@@ -35,7 +35,7 @@ class Backoff:
         """Record a failure of ``key``; returns how long it is skipped from now."""
         failures = self._until.get(key, (0.0, 0))[1] + 1
         # tenacity's waits read attempt_number only: no Retrying object behind the state.
-        state = tenacity.RetryCallState(None, None, (), {})  # type: ignore[arg-type]
+        state = tenacity.RetryCallState(None, None, (), {})  # type: ignore[arg-type]  # retry_object: none needed
         state.attempt_number = failures
         period = float(self._wait(state))
         self._until[key] = (self.clock() + period, failures)

@@ -46,7 +46,7 @@ class GcPauses:
         self._sums = [0.0, 0.0, 0.0]
         self._t0 = 0.0
 
-    def _callback(self, phase: str, info: dict) -> None:
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
             self._t0 = time.perf_counter()
             return

@@ -24,7 +24,7 @@ import math
 import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 
 import structlog
 import uvicorn
@@ -137,7 +137,7 @@ def metrics_route(registry: CollectorRegistry, render_interval: float = 0.0,
     return Route("/metrics", metrics, methods=["GET"])
 
 
-def health_route(health: Callable[[], dict]) -> Route:
+def health_route(health: Callable[[], Mapping[str, object]]) -> Route:
     """``GET /health``: ``health()`` as JSON, 200 when its ``ok`` is true, else 503."""
 
     async def answer(_: Request) -> Response:
@@ -151,7 +151,7 @@ class HttpEndpoint:
     """A daemon's HTTP listener on ``addr`` (``HOST:PORT``) with ``/metrics`` of ``registry``,
     ``/health`` when ``health`` is given, and ``routes``; see the module's contracts."""
 
-    def __init__(self, addr: str, registry: CollectorRegistry, health: Callable[[], dict] | None = None,
+    def __init__(self, addr: str, registry: CollectorRegistry, health: Callable[[], Mapping[str, object]] | None = None,
                  routes: Sequence[BaseRoute] = (), render_interval: float = 0.0,
                  pause: Callable[[], Awaitable[None]] | None = None,
                  settle: Callable[[], Awaitable[None]] | None = None) -> None:

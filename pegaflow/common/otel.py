@@ -25,9 +25,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
+
+if TYPE_CHECKING:  # the otel extra, imported where an export starts
+    from opentelemetry.sdk.metrics import MeterProvider
 
 CACHE_SECONDS = 0.5  # callbacks of one export cycle share one collect() of the registry
 
@@ -61,7 +64,7 @@ def metrics_url(endpoint: str) -> str:
 class OtelExport:
     """A running export: a MeterProvider whose periodic reader pushes the mirrored registry."""
 
-    def __init__(self, provider: Any) -> None:
+    def __init__(self, provider: MeterProvider) -> None:
         self.provider = provider
 
     def flush(self, timeout_ms: int = 10_000) -> bool:

@@ -82,7 +82,7 @@ class RpcErrors:
 
 
 # A grpc.aio servicer's unary method: (self, request, context) -> response.
-AioMethod = Callable[[S, Req, grpc.aio.ServicerContext], Awaitable[Resp]]
+AioMethod = Callable[[S, Req, grpc.aio.ServicerContext[Req, Resp]], Awaitable[Resp]]
 
 
 def aio_rpc(errors: RpcErrors) -> Callable[[AioMethod[S, Req, Resp]], AioMethod[S, Req, Resp]]:
@@ -94,7 +94,7 @@ def aio_rpc(errors: RpcErrors) -> Callable[[AioMethod[S, Req, Resp]], AioMethod[
         method = fn.__name__
 
         @functools.wraps(fn)
-        async def call(self: S, request: Req, context: grpc.aio.ServicerContext) -> Resp:
+        async def call(self: S, request: Req, context: grpc.aio.ServicerContext[Req, Resp]) -> Resp:
             try:
                 return await fn(self, request, context)
             except grpc.aio.AbortError:

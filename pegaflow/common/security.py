@@ -36,10 +36,10 @@ from __future__ import annotations
 import grp
 import os
 import secrets
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol, TypeVar
 
 import grpc
 
@@ -281,7 +281,7 @@ class Security:
     def channel_credentials(self) -> grpc.ChannelCredentials | None:
         return grpc.ssl_channel_credentials(root_certificates=self.tls_ca) if self.tls_ca else None
 
-    def add_port(self, server: Any, addr: str) -> int:
+    def add_port(self, server: grpc.Server | grpc.aio.Server, addr: str) -> int:
         """Bind ``addr`` on a grpc (or grpc.aio) server, with TLS when this process has a certificate."""
         creds = self.server_credentials()
         return server.add_secure_port(addr, creds) if creds is not None else server.add_insecure_port(addr)
@@ -302,6 +302,10 @@ class _Details(grpc.ClientCallDetails):
 
 
 _Source = Callable[[], tuple[tuple[str, str], ...]]
+ChannelOption = tuple[str, str | int]  # a grpc channel argument ("grpc.max_receive_message_length", 64 << 20)
+# The interceptors pass requests and calls through untouched, whatever the RPC's messages.
+_Req = TypeVar("_Req")
+_Call = TypeVar("_Call")
 
 
 class _SyncToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
@@ -312,20 +316,28 @@ class _SyncToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterce
     def _with(self, d: grpc.ClientCallDetails) -> _Details:
         return _Details(d, (*tuple(d.metadata or ()), *self.md()))
 
-    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+    def intercept_unary_unary(
+        self, continuation: Callable[[grpc.ClientCallDetails, _Req], _Call], details: grpc.ClientCallDetails, request: _Req
+    ) -> _Call:
         return continuation(self._with(details), request)
 
-    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+    def intercept_unary_stream(
+        self, continuation: Callable[[grpc.ClientCallDetails, _Req], _Call], details: grpc.ClientCallDetails, request: _Req
+    ) -> _Call:
         return continuation(self._with(details), request)
 
-    def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+    def intercept_stream_unary(
+        self, continuation: Callable[[grpc.ClientCallDetails, _Req], _Call], details: grpc.ClientCallDetails, requests: _Req
+    ) -> _Call:
         return continuation(self._with(details), requests)
 
-    def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+    def intercept_stream_stream(
+        self, continuation: Callable[[grpc.ClientCallDetails, _Req], _Call], details: grpc.ClientCallDetails, requests: _Req
+    ) -> _Call:
         return continuation(self._with(details), requests)
 
 
-def _aio_with(d: Any, md: _Source) -> Any:
+def _aio_with(d: grpc.aio.ClientCallDetails, md: _Source) -> grpc.aio.ClientCallDetails:
     return grpc.aio.ClientCallDetails(d.method, d.timeout, grpc.aio.Metadata(*tuple(d.metadata or ()), *md()),
                                       d.credentials, d.wait_for_ready)
 
@@ -334,7 +346,12 @@ class _AioTokenUnary(grpc.aio.UnaryUnaryClientInterceptor):
     def __init__(self, md: _Source) -> None:
         self.md = md
 
-    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+    async def intercept_unary_unary(
+        self,
+        continuation: Callable[[grpc.aio.ClientCallDetails, _Req], Awaitable[_Call]],
+        details: grpc.aio.ClientCallDetails,
+        request: _Req,
+    ) -> _Call:
         return await continuation(_aio_with(details, self.md), request)
 
 
@@ -342,11 +359,16 @@ class _AioTokenStream(grpc.aio.UnaryStreamClientInterceptor):
     def __init__(self, md: _Source) -> None:
         self.md = md
 
-    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+    async def intercept_unary_stream(
+        self,
+        continuation: Callable[[grpc.aio.ClientCallDetails, _Req], Awaitable[_Call]],
+        details: grpc.aio.ClientCallDetails,
+        request: _Req,
+    ) -> _Call:
         return await continuation(_aio_with(details, self.md), request)
 
 
-def sync_channel(addr: str, sec: Security, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
+def sync_channel(addr: str, sec: Security, options: Sequence[ChannelOption] = ()) -> grpc.Channel:
     """A blocking channel to ``addr`` that sends ``sec``'s token (none configured: the node's
     own token at a loopback ``addr``, see :class:`OwnToken`) and speaks TLS when it has a CA."""
     creds = sec.channel_credentials()
@@ -356,7 +378,7 @@ def sync_channel(addr: str, sec: Security, options: Sequence[tuple[str, Any]] = 
     return grpc.intercept_channel(ch, _SyncToken(md)) if md is not None else ch
 
 
-def aio_channel(addr: str, sec: Security, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
+def aio_channel(addr: str, sec: Security, options: Sequence[ChannelOption] = ()) -> grpc.aio.Channel:
     """The asyncio counterpart of :func:`sync_channel` (create it on the loop that uses it)."""
     md = sec._metadata_source(addr)
     interceptors = [_AioTokenUnary(md), _AioTokenStream(md)] if md is not None else None
