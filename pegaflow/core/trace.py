@@ -59,6 +59,9 @@ MOONCAKE_BLOCK_TOKENS = 512
 # relative milliseconds up to 1e15): past it a time is garbage, not a trace.
 MAX_SECONDS = 1e12
 
+JsonValue = Any  # a value json.loads returned, before validation: each field is checked where it is read
+Line = dict[str, JsonValue]  # one trace line, a JSON object
+
 
 class TraceError(ValueError):
     """A malformed trace line; ``line`` is 1-based (0 when no line is to blame)."""
@@ -139,7 +142,7 @@ def encode_query(
     done: float | None = None,
 ) -> str:
     """One line (without newline) of the ``pegaflow`` query trace; :func:`read_trace` reads it."""
-    d: dict[str, Any] = {"time": time, "namespace": namespace, "hashes": [h.hex() for h in hashes]}
+    d: dict[str, object] = {"time": time, "namespace": namespace, "hashes": [h.hex() for h in hashes]}
     if saved:
         d["saved"] = [h.hex() for h in saved]
     for k, v in (
@@ -154,7 +157,7 @@ def encode_query(
     return json.dumps(d, separators=(",", ":"))
 
 
-def detect_format(obj: Any) -> str | None:
+def detect_format(obj: object) -> str | None:
     """The format a parsed line belongs to, or None if it looks like neither."""
     if isinstance(obj, dict):
         if "hash_ids" in obj:
@@ -164,7 +167,7 @@ def detect_format(obj: Any) -> str | None:
     return None
 
 
-def _time(d: dict[str, Any], key: str, line: int, scale: float = 1.0) -> float:
+def _time(d: Line, key: str, line: int, scale: float = 1.0) -> float:
     """A request time in seconds (``scale``: seconds per unit): finite, in [0, MAX_SECONDS]."""
     v = d.get(key)
     if v is None:
@@ -177,7 +180,7 @@ def _time(d: dict[str, Any], key: str, line: int, scale: float = 1.0) -> float:
     return float(t)
 
 
-def _done(d: dict[str, Any], t: float, line: int, scale: float = 1.0) -> float | None:
+def _done(d: Line, t: float, line: int, scale: float = 1.0) -> float | None:
     """The optional ``done`` time (seconds): a time, not before the request's ``t``."""
     if d.get("done") is None:
         return None
@@ -187,7 +190,7 @@ def _done(d: dict[str, Any], t: float, line: int, scale: float = 1.0) -> float |
     return done
 
 
-def _hinted(d: dict[str, Any], line: int) -> bool:
+def _hinted(d: Line, line: int) -> bool:
     """The optional ``prefix_hint`` flag (default true)."""
     v = d.get("prefix_hint", True)
     if not isinstance(v, bool):
@@ -197,14 +200,14 @@ def _hinted(d: dict[str, Any], line: int) -> bool:
 
 @overload
 def _count(
-    d: dict[str, Any], key: str, line: int, *, required: Literal[True] = True, positive: bool = False
+    d: Line, key: str, line: int, *, required: Literal[True] = True, positive: bool = False
 ) -> int: ...
 @overload
 def _count(
-    d: dict[str, Any], key: str, line: int, *, required: bool, positive: bool = False
+    d: Line, key: str, line: int, *, required: bool, positive: bool = False
 ) -> int | None: ...
 def _count(
-    d: dict[str, Any], key: str, line: int, *, required: bool = True, positive: bool = False
+    d: Line, key: str, line: int, *, required: bool = True, positive: bool = False
 ) -> int | None:
     v = d.get(key)
     if v is None:
@@ -218,7 +221,7 @@ def _count(
     return v
 
 
-def _route(d: dict[str, Any], route_field: str | None, line: int, what: str = "routing") -> str | None:
+def _route(d: Line, route_field: str | None, line: int, what: str = "routing") -> str | None:
     if route_field is None:
         return None
     if route_field not in d:
@@ -234,11 +237,11 @@ class _Reader:
         self.block_tokens = block_tokens
         self.route_field = route_field
         self.namespace_field = namespace_field
-        self.ids: dict[Any, int] = {}  # mooncake: raw int id; pegaflow: (namespace, hash)
+        self.ids: dict[int | tuple[str, int | bytes], int] = {}  # mooncake: raw int id; pegaflow: (namespace, hash)
         self.hashes: list[bytes] = []  # dense id -> 16-byte hash
         self.namespaces: dict[str, int | None] = {}
 
-    def mooncake(self, d: dict[str, Any], line: int) -> Request:
+    def mooncake(self, d: Line, line: int) -> Request:
         ts = _time(d, "timestamp", line, scale=1e-3)
         done = _done(d, ts, line, scale=1e-3)
         hinted = _hinted(d, line)
@@ -280,7 +283,7 @@ class _Reader:
             hinted=hinted,
         )
 
-    def pegaflow(self, d: dict[str, Any], line: int) -> Request:
+    def pegaflow(self, d: Line, line: int) -> Request:
         t = _time(d, "time", line)
         done = _done(d, t, line)
         hinted = _hinted(d, line)
@@ -333,7 +336,7 @@ class _Reader:
         )
 
 
-def _hex_hashes(raw: Iterable[Any], line: int) -> list[bytes]:
+def _hex_hashes(raw: Iterable[JsonValue], line: int) -> list[bytes]:
     out: list[bytes] = []
     for x in raw:
         try:
