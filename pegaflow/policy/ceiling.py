@@ -52,6 +52,9 @@ import datasketches as ds
 
 from pegaflow.core.durations import format_duration, parse_duration
 
+# A datasketches hll_sketch (a nanobind binding without types), or the exact set that
+# tests/oracles/ceiling.py swaps in: only the _distinct-set backend methods below touch it.
+Distinct = Any
 DEFAULT_WINDOWS: tuple[float, ...] = (900.0, 3600.0, 86400.0)
 # Sub-window sketches per window: a window rolls off in steps of 1/10 of its length.
 DEFAULT_BUCKETS = 10
@@ -103,7 +106,7 @@ class _Slot:
 
     def __init__(self) -> None:
         self.index = _EMPTY
-        self.distinct: Any = None
+        self.distinct: Distinct = None
         self.n = 0
         self.hits = 0
         # Finest window only: how much of n / hits is already in the coarser windows.
@@ -172,23 +175,23 @@ class CeilingEstimator:
 
     # --- distinct-set backend (tests/oracles/ceiling.py swaps it for exact Python sets) ----
 
-    def _new_distinct(self) -> Any:
+    def _new_distinct(self) -> Distinct:
         return ds.hll_sketch(self.lg_k, _HLL_TYPE)
 
-    def _add_keys(self, d: Any, keys: Sequence[int]) -> None:
+    def _add_keys(self, d: Distinct, keys: Sequence[int]) -> None:
         # No batch update in the binding; map + a zero-length deque runs the loop in C.
         deque(map(d.update, map(hash, keys)), maxlen=0)
 
-    def _unite(self, parts: Sequence[Any]) -> Any:
+    def _unite(self, parts: Sequence[Distinct]) -> Distinct:
         u = ds.hll_union(self.lg_k)
         for p in parts:
             u.update(p)
         return u
 
-    def _union(self, parts: Sequence[Any]) -> Any:
+    def _union(self, parts: Sequence[Distinct]) -> Distinct:
         return self._unite(parts).get_result(_HLL_TYPE)
 
-    def _count(self, parts: Sequence[Any]) -> float:
+    def _count(self, parts: Sequence[Distinct]) -> float:
         if not parts:
             return 0.0
         if len(parts) == 1:
@@ -198,10 +201,10 @@ class CeilingEstimator:
         # event loop (10 buckets at 16 bucket bits: 3.3 ms with it, 1.5 ms without).
         return float(self._unite(parts).get_estimate())
 
-    def _dump(self, d: Any) -> bytes:
+    def _dump(self, d: Distinct) -> bytes:
         return bytes(d.serialize_compact())
 
-    def _load(self, data: bytes) -> Any:
+    def _load(self, data: bytes) -> Distinct:
         return ds.hll_sketch.deserialize(data)
 
     # --- writing ----------------------------------------------------------------------------
@@ -258,7 +261,7 @@ class CeilingEstimator:
         s.n_folded = s.n
         s.hits_folded = s.hits
 
-    def _merge_into(self, dst: Any, src: Any) -> Any:
+    def _merge_into(self, dst: Distinct, src: Distinct) -> Distinct:
         return self._union([src] if dst is None else [dst, src])
 
     def _fold_all(self) -> None:
