@@ -27,7 +27,6 @@ import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
 import httpx
 import structlog
@@ -44,7 +43,17 @@ from pegaflow.core.router_protocol import ROUTER_KEY
 from pegaflow.policy.routing import TierCosts
 from pegaflow.router.engines import ANY, DECODE, PREFILL, Engine, EnginePool
 from pegaflow.router.hints import HintUnavailable, MetaHints, NodeHints
-from pegaflow.router.prompts import CHAT, COMPLETIONS, BadRequest, Prompts, check_body, extra_keys, hashes_of
+from pegaflow.router.prompts import (
+    CHAT,
+    COMPLETIONS,
+    BadRequest,
+    Body,
+    JsonValue,
+    Prompts,
+    check_body,
+    extra_keys,
+    hashes_of,
+)
 from pegaflow.router.routing import Decision, Policy
 
 log = structlog.get_logger("pegaflow.router")
@@ -154,7 +163,7 @@ class _Answer:
     content_type: str = "application/json"
     hint: str | None = None  # kv-aware: HINT_HEADER's value for the engine's choice
 
-    def json(self) -> Any:
+    def json(self) -> JsonValue:
         try:
             return json.loads(self.body)
         except ValueError:
@@ -193,7 +202,7 @@ class Router:
         self.pool: EnginePool | None = None
         self._engines = engines
         self.hints: MetaHints | NodeHints | None = None
-        self._tasks: list[asyncio.Task[Any]] = []
+        self._tasks: list[asyncio.Task[None]] = []
         self.tokenizer_state = "loaded" if self.prompts.tokenizer is not None else "none"
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -264,7 +273,7 @@ class Router:
                         consequence="text prompts are routed by load only")
 
     # -- routing ---------------------------------------------------------------------------
-    async def _prefixes(self, engines: list[Engine], body: dict[str, Any], tokens: list[int] | None,
+    async def _prefixes(self, engines: list[Engine], body: Body, tokens: list[int] | None,
                         known: dict[str, int] | None) -> dict[str, tuple[int, int, int]] | None:
         """Per engine (leading prompt tokens its node holds, of those only on its SSD, further
         leading tokens another node holds: a peer pull), or None: route by load."""
@@ -311,7 +320,7 @@ class Router:
                 out[e.url] = (n * bs, min(ssd, n) * bs, max(0, anywhere - n) * bs)
         return out
 
-    async def route(self, role: str, body: dict[str, Any], tokens: list[int] | None, exclude: list[str],
+    async def route(self, role: str, body: Body, tokens: list[int] | None, exclude: list[str],
                     known: dict[str, int] | None = None) -> tuple[Engine, Decision] | None:
         assert self.pool is not None
         t0 = time.perf_counter()
@@ -336,7 +345,7 @@ class Router:
     def _headers(self, request: Request) -> dict[str, str]:
         return {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
 
-    async def _send(self, role: str, path: str, body: dict[str, Any], tokens: list[int] | None, stream: bool,
+    async def _send(self, role: str, path: str, body: Body, tokens: list[int] | None, stream: bool,
                     headers: dict[str, str], known: dict[str, int] | None = None) -> _Answer | _Stream:
         """Route and send, trying a second engine when the first fails before streaming."""
         assert self.client is not None and self.pool is not None
@@ -466,15 +475,15 @@ class Router:
             out = await self._send(ANY, endpoint, body, tokens, stream, headers)
         return self._finish(out, endpoint, t0)
 
-    def _known(self, model: Any) -> bool:
+    def _known(self, model: str | None) -> bool:
         assert self.pool is not None
         return any(e.serves(model) for e in self.pool.engines.values() if e.model)
 
-    async def _disaggregated(self, kind: str, body: dict[str, Any], tokens: list[int] | None, stream: bool,
+    async def _disaggregated(self, kind: str, body: Body, tokens: list[int] | None, stream: bool,
                              headers: dict[str, str]) -> _Answer | _Stream:
         path = PATHS[kind]
         given = body.get("kv_transfer_params")
-        theirs: dict[str, Any] = given if isinstance(given, dict) else {}
+        theirs: Body = given if isinstance(given, dict) else {}
         pre = {k: v for k, v in body.items() if k not in PREFILL_DROPPED}
         pre.update(max_tokens=1, stream=False, kv_transfer_params={**theirs, ROUTER_KEY: {"prefill": True}})
         t0 = time.perf_counter()

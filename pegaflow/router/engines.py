@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +35,7 @@ from pegaflow.router.routing import Candidate
 log = structlog.get_logger("pegaflow.router")
 
 ANY, PREFILL, DECODE = "any", "prefill", "decode"
+Card = dict[str, Any]  # a vLLM /v1/models entry as the engine sent it: passed on, only its "id" read
 BACKOFF_START_S = 0.5
 CHECK_TIMEOUT_S = 5.0
 PROBE_PROMPT = "PegaFlow router: describe"  # shorter than a block: nothing is stored
@@ -70,7 +71,7 @@ class EngineInfo:
         return xxhash.xxh3_128_digest(self.root.encode())
 
     @classmethod
-    def parse(cls, params: Any) -> EngineInfo | None:
+    def parse(cls, params: object) -> EngineInfo | None:
         """From a response's ``kv_transfer_params`` (None if PegaFlow did not answer)."""
         ours = params.get(ROUTER_KEY) if isinstance(params, dict) else None
         if not isinstance(ours, dict) or ours.get("version") != DESCRIBE_VERSION:
@@ -92,7 +93,7 @@ class Engine:
     model: str = ""  # the served model id
     model_root: str = ""  # where the engine loaded it from (the tokenizer's default)
     adapters: frozenset[str] = frozenset()  # LoRA adapters it serves (their names enter the hash)
-    cards: list[dict[str, Any]] = field(default_factory=list)  # its /v1/models entries
+    cards: list[Card] = field(default_factory=list)  # its /v1/models entries
     info: EngineInfo | None = None
     described: bool = False  # asked since it came up (info may still be None: no connector)
     in_flight: int = 0
@@ -112,7 +113,7 @@ class EnginePool:
     """The router's engines and the loop that keeps their state current."""
 
     def __init__(self, engines: Iterable[Engine], client: httpx.AsyncClient, health_interval: float,
-                 backoff_max: float, on_change: Any = None) -> None:
+                 backoff_max: float, on_change: Callable[[Engine], None] | None = None) -> None:
         self.engines = {e.url: e for e in engines}
         self.client = client
         self.health_interval = health_interval
@@ -146,9 +147,9 @@ class EnginePool:
         return [e for e in self.engines.values()
                 if e.up and e.role == role and e.url not in skip and e.serves(model)]
 
-    def models(self) -> list[dict[str, Any]]:
+    def models(self) -> list[Card]:
         """Model cards of the engines that are up (vLLM's /v1/models entries, merged by id)."""
-        out: dict[str, dict[str, Any]] = {}
+        out: dict[str, Card] = {}
         for e in self.engines.values():
             if e.up:
                 for c in e.cards:

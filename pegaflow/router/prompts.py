@@ -17,15 +17,21 @@ worse, never answers differently.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from pegaflow.core.identity import ExtraKeys, block_hashes
 
+if TYPE_CHECKING:  # the router extra's
+    from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
 log = structlog.get_logger("pegaflow.router")
 
 COMPLETIONS, CHAT = "completions", "chat"
+
+JsonValue = Any  # JSON from a client or an engine, as decoded: every field is read with an isinstance check
+Body = dict[str, JsonValue]  # a request body (check_body has seen that it is an object)
 
 
 class BadRequest(ValueError):
@@ -36,7 +42,7 @@ class BadRequest(ValueError):
         self.param = param
 
 
-def check_body(kind: str, body: Any) -> None:
+def check_body(kind: str, body: object) -> None:
     """What every engine would reject anyway, answered by the router (400) without a round trip."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
@@ -58,18 +64,18 @@ def check_body(kind: str, body: Any) -> None:
         raise BadRequest("'stream' must be a boolean", "stream")
 
 
-def _is_ids(x: Any) -> bool:
+def _is_ids(x: object) -> bool:
     return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
 class Prompts:
     """Token ids of request bodies, with one tokenizer (loaded lazily, once)."""
 
-    def __init__(self, tokenizer: Any = None) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
         self.tokenizer = tokenizer
 
     @staticmethod
-    def library() -> Any:
+    def library() -> type[AutoTokenizer]:
         """The tokenizer class. Seconds to import (transformers imports torch): the router
         imports it before it serves (``Router._import_tokenizer_library``)."""
         from transformers import AutoTokenizer
@@ -77,10 +83,10 @@ class Prompts:
         return AutoTokenizer
 
     @staticmethod
-    def load(name: str) -> Any:
+    def load(name: str) -> PreTrainedTokenizerBase:
         return Prompts.library().from_pretrained(name)
 
-    def token_ids(self, kind: str, body: dict[str, Any]) -> list[int] | None:
+    def token_ids(self, kind: str, body: Body) -> list[int] | None:
         """The first prompt's token ids, or None when the router cannot know them."""
         try:
             if kind == COMPLETIONS:
@@ -108,7 +114,7 @@ class Prompts:
             return None
 
 
-def extra_keys(body: dict[str, Any], adapters: frozenset[str]) -> ExtraKeys:
+def extra_keys(body: Body, adapters: frozenset[str]) -> ExtraKeys:
     """The hash inputs besides tokens a request carries: its LoRA adapter and cache salt."""
     model = body.get("model")
     salt = body.get("cache_salt")
