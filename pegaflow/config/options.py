@@ -24,9 +24,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, NoReturn
+from typing import Final, NoReturn, cast
 
 from pegaflow.config.capacity import parse_capacity, parse_route, parse_sweep
 from pegaflow.core.durations import parse_windows
@@ -229,9 +229,11 @@ class Option:
     """One option: its flag, env variable, parser, default, help, and the commands that take it."""
 
     name: str  # flag name without dashes, e.g. "pool-size"
-    default: Any
+    # Values are of each option's own type (int, str, a list, a Capacity): object here, and
+    # typed where they are read, by the fields of the config classes (config/commands.py).
+    default: object  # a value, or its text (parsed by ``parse``); a list or tuple for ``repeatable``
     help: str
-    parse: Callable[[str], Any] = str
+    parse: Callable[[str], object] = str
     commands: tuple[str, ...] = (NODE,)
     flag: bool = False  # a switch: ``--use-hugepages`` sets True
     # A list: the flag takes one or more values and may be repeated (``--nics a b --nics c``);
@@ -271,7 +273,7 @@ class Option:
         """Its names on the command line: the flag, its aliases, its one-letter form."""
         return (f"--{self.name}", *(f"--{a}" for a in self.aliases), *((f"-{self.short}",) if self.short else ()))
 
-    def parse_list(self, values: Sequence[str]) -> list[Any]:
+    def parse_list(self, values: Sequence[str]) -> list[object]:
         """Parse the values of a list option (empty items of a comma list are dropped; a flag
         given with no value at all is an error)."""
         split = [p for v in values for p in (v.split(",") if self.commas else [v]) if p]
@@ -1224,8 +1226,8 @@ def _blank(text: str) -> bool:
     return not text.strip()
 
 
-def _wrap(opt: Option) -> Callable[[str], Any]:
-    def parse(text: str) -> Any:
+def _wrap(opt: Option) -> Callable[[str], object]:
+    def parse(text: str) -> object:
         if _blank(text):
             return NOT_GIVEN
         try:
@@ -1296,7 +1298,7 @@ def fill_defaults(
     opts = options_for(command, subcommand)
     given: set[str] = set()  # by flag or variable
     for opt in opts:
-        value: Any = getattr(ns, opt.dest, None)
+        value = getattr(ns, opt.dest, None)  # argparse's: a str, a list of str, True, NOT_GIVEN or None
         if opt.positional:
             if value is NOT_GIVEN:
                 _refuse(prog, f"argument {opt.metavar}: empty value")
@@ -1344,13 +1346,13 @@ def _check_given(opts: list[Option], given: set[str], prog: str) -> None:
             _refuse(prog, f"argument {'/'.join(named[1].flags)}: not allowed with argument {'/'.join(named[0].flags)}")
 
 
-def default_of(opt: Option) -> Any:
+def default_of(opt: Option) -> object:
     """The option's default, parsed as a given value would be."""
     d = opt.default
-    return list(d) if opt.repeatable else (opt.parse(d) if isinstance(d, str) and opt.parse is not str else d)
+    return list(cast("Iterable[object]", d)) if opt.repeatable else (opt.parse(d) if isinstance(d, str) and opt.parse is not str else d)
 
 
-def without_effect(command: str, config: Any) -> list[tuple[str, str]]:
+def without_effect(command: str, config: object) -> list[tuple[str, str]]:
     """``(flag, reason)`` for each option of ``command`` that ``config`` sets away from its
     default although it has no effect here (``Option.no_effect``): the daemon logs each once."""
     out = []
