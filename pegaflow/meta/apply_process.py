@@ -31,7 +31,8 @@ import signal
 import threading
 import time
 from multiprocessing.connection import Connection
-from typing import Any
+from multiprocessing.context import SpawnProcess
+from multiprocessing.synchronize import Event
 
 import structlog
 from prometheus_client import Counter, Gauge
@@ -49,14 +50,13 @@ PR_SET_PDEATHSIG = 1
 Snapshot = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
-def _series(metrics: ConsumerMetrics) -> dict[str, tuple[Any, bool]]:
-    """Sample name -> (the series, is a gauge), for every series ``ConsumerMetrics`` defines."""
-    out: dict[str, tuple[Any, bool]] = {}
+def _series(metrics: ConsumerMetrics) -> dict[str, Counter | Gauge]:
+    """Sample name -> the series, for every series ``ConsumerMetrics`` defines."""
+    out: dict[str, Counter | Gauge] = {}
     for s in vars(metrics).values():
         if isinstance(s, Counter | Gauge):
             family = next(iter(s.describe()))
-            gauge = family.type == "gauge"
-            out[family.name if gauge else family.name + "_total"] = (s, gauge)
+            out[family.name if isinstance(s, Gauge) else family.name + "_total"] = s
     return out
 
 
@@ -75,10 +75,10 @@ def fold(into: ConsumerMetrics, now: Snapshot, before: Snapshot) -> None:
     """Add what a child counted between two snapshots to ``into`` (gauges: set)."""
     series = _series(into)
     for (name, labels), value in now.items():
-        target, gauge = series[name]
+        target = series[name]
         if labels:
             target = target.labels(**dict(labels))
-        if gauge:
+        if isinstance(target, Gauge):
             target.set(value)
         elif value > before.get((name, labels), 0.0):
             target.inc(value - before.get((name, labels), 0.0))
@@ -91,7 +91,7 @@ def _die_with_parent() -> None:
         pass
 
 
-def _child(conn: Connection, stop: Any, redis_url: str, cluster: bool, name: str, lease_ms: int,
+def _child(conn: Connection, stop: Event, redis_url: str, cluster: bool, name: str, lease_ms: int,
            log_level: str, log_format: str, parent: int) -> None:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us (a terminal's ^C reaches both)
@@ -138,7 +138,7 @@ class ConsumerProcess:
         self._ctx = multiprocessing.get_context("spawn")  # the parent runs gRPC threads: no fork
         self._stop = self._ctx.Event()
         self._stopping = threading.Event()
-        self._proc: Any = None
+        self._proc: SpawnProcess | None = None
         self._conn: Connection | None = None
         self._last: Snapshot = {}
         self._thread: threading.Thread | None = None
@@ -197,6 +197,7 @@ class ConsumerProcess:
             if self._stopping.is_set():
                 self._end_child()
                 return
+            assert self._proc is not None  # _spawn ran before the supervisor started
             if self._proc.is_alive():
                 continue
             self._drain(0)
@@ -214,6 +215,7 @@ class ConsumerProcess:
 
     def _end_child(self) -> None:
         proc = self._proc
+        assert proc is not None  # _spawn ran before the supervisor started
         deadline = time.monotonic() + STOP_TIMEOUT_S
         while proc.is_alive() and time.monotonic() < deadline:
             self._drain(0.1)  # its last report, and keep its pipe from filling

@@ -40,12 +40,21 @@ from __future__ import annotations
 import string
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
+from redis.typing import EncodableT
 
 from pegaflow.cluster import keys
-from pegaflow.cluster.redis_conn import Call, Client, RawPipe, Script, checked, raw_round_trip, run_scripts
+from pegaflow.cluster.redis_conn import (
+    Call,
+    Client,
+    RawPipe,
+    Reply,
+    Script,
+    checked,
+    raw_round_trip,
+    run_scripts,
+)
 from pegaflow.core.identity import HASH_BYTES
 from pegaflow.core.tiers import Tier
 from pegaflow.meta.events.schema import Op, Update
@@ -297,7 +306,7 @@ def prefix_tiers(values: Sequence[bytes | None]) -> dict[int, Held]:
     return out
 
 
-def _not_set(blob: bytes, replies: list[Any]) -> bytes:
+def _not_set(blob: bytes, replies: list[Reply]) -> bytes:
     """The hashes of ``blob`` whose HSETNX reply is not 1 (the field existed, or an error)."""
     try:
         miss = np.flatnonzero(np.array(replies, dtype=np.int64) != 1)
@@ -391,9 +400,9 @@ class Index:
         existed (or that got an error reply: a moved slot, say) are then merged by _APPLY."""
         changed = 0
         merge: list[Update] = []
-        pipes: dict[bytes, RawPipe] = {}
+        pipes: dict[bytes, RawPipe[Update]] = {}
 
-        def settle(done: list[tuple[Any, list[Any]]]) -> None:
+        def settle(done: list[tuple[Update, list[Reply]]]) -> None:
             nonlocal changed
             for u, replies in done:
                 if replies.count(1) == len(replies):
@@ -420,7 +429,7 @@ class Index:
                 pipe.close()
         return changed + (self._run_scripts(merge) if merge else 0)
 
-    def query_command(self, namespace: str, hashes: Sequence[bytes]) -> tuple[str, list[Any]]:
+    def query_command(self, namespace: str, hashes: Sequence[bytes]) -> tuple[str, list[EncodableT]]:
         """(routing key, EVALSHA args) of a prefix query, for batching with other commands."""
         tag = keys.ns_tag(namespace)
         anchor = keys.anchor_key(tag)
@@ -434,11 +443,11 @@ class Index:
         ]
 
     @staticmethod
-    def decode_query(reply: Sequence[Any]) -> dict[int, int]:
+    def decode_query(reply: Sequence[Reply]) -> dict[int, int]:
         return prefix_holders(list(reply))
 
     @staticmethod
-    def decode_query_tiers(reply: Sequence[Any]) -> dict[int, Held]:
+    def decode_query_tiers(reply: Sequence[Reply]) -> dict[int, Held]:
         return prefix_tiers(list(reply))
 
     def query_batch(self, namespace: str, hashes: Sequence[bytes]) -> tuple[str, bytes, int]:

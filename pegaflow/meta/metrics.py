@@ -8,8 +8,8 @@ go to, passed to the parts that count. ``pegaflow-meta`` builds one on the defau
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -51,14 +51,14 @@ class MetaMetrics:
             registry=reg,
         )
         # Registered nodes (node, address, epoch, alive), read at scrape time: Lookup.nodes.
-        self._nodes: Callable[[], Iterable[tuple[Any, ...]]] = lambda: ()
+        self._nodes: Callable[[], Iterable[tuple[str, str, int, bool]]] = lambda: ()
         # The last background count of the index (run_census, --index-census-interval); None: none yet.
         self.census: Census | None = None
         self.census_at = 0.0  # time.time() of it
         reg.register(_CensusGauges(self))
         OriginalNames(reg, self._original_aliases())
 
-    def bind_nodes(self, nodes: Callable[[], Iterable[tuple[Any, ...]]]) -> None:
+    def bind_nodes(self, nodes: Callable[[], Iterable[tuple[str, str, int, bool]]]) -> None:
         self._nodes = nodes
 
     def _census(self, pick: Callable[[Census], Iterable[tuple[tuple[str, ...], float]]]
@@ -143,7 +143,7 @@ class _CensusGauges(Collector):
         return fams
 
 
-def run_census(metrics: MetaMetrics, count: Callable[[], Census], stop: Any, interval: float) -> None:
+def run_census(metrics: MetaMetrics, count: Callable[[], Census], stop: threading.Event, interval: float) -> None:
     """Count the index now, then every ``interval`` seconds until ``stop`` (a threading.Event)
     is set; a scrape serves the last count. A failed count (Redis away) keeps the previous."""
     import time

@@ -37,11 +37,12 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import redis
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
+from redis.typing import StreamIdT
 
 from pegaflow.cluster import keys, registry
 from pegaflow.cluster.keys import stream_key
@@ -260,7 +261,7 @@ class Consumer:
         return handled
 
     def _claim(self, st: _Stream) -> int:
-        start: Any = "0-0"
+        start: StreamIdT = "0-0"
         n = 0
         while True:
             res = self.r.xautoclaim(st.key, GROUP, self.name, 0, start_id=start, count=CLAIM_COUNT)
