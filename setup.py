@@ -61,5 +61,6 @@ setup(
         Extension("pegaflow.client._pagecopy", ["pegaflow/native/pagecopy.c"], extra_compile_args=["-O3"]),
         Extension("pegaflow.core._sketch", ["pegaflow/native/sketch.c"], extra_compile_args=["-O3"]),
         Extension("pegaflow.core._blockindex", ["pegaflow/native/blockindex.c"], extra_compile_args=["-O3"]),
+        Extension("pegaflow.meta._metaview", ["pegaflow/native/metaview.c"], extra_compile_args=["-O3"]),
     ],
 )
