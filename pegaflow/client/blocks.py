@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-BlockIds = Sequence[int] | Sequence[Sequence[int]]  # per page: one id, or one per KV cache group
+BlockIds = Sequence[int | Sequence[int]]  # per page: one id, or one per KV cache group (every page alike)
 
 
 def block_matrix(block_ids: BlockIds, groups: Sequence[int] | None, nseg: int,

@@ -8,12 +8,15 @@ it; block identity is ``pegaflow.core.identity``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pegaflow.connector.connector import PegaKVConnector
 
 __all__ = ["PegaKVConnector"]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> type[PegaKVConnector]:
     if name == "PegaKVConnector":
         from pegaflow.connector.connector import PegaKVConnector
 

@@ -42,6 +42,7 @@ from pegaflow.connector.vllm_compat import (
     FEATURES,
     CacheHitSource,
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorPromMetrics,
     KVConnectorRole,
@@ -63,18 +64,28 @@ if TYPE_CHECKING:
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig
+    from vllm.v1.kv_cache_interface import (
+        AttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheSpec,
+        MambaSpec,
+    )
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = logging.getLogger(LOGGER_NAME)
 
+# vLLM's own types of what it passes through the connector, JSON-like (its base classes say Any):
+KVTransferParams = dict[str, Any]  # a request's kv_transfer_params, returned to the client
+StatsData = dict[str, Any]  # KVConnectorStats.data: the workers' counters by name, pickled between processes
 
-def _dtype_name(dt: Any) -> str:
+
+def _dtype_name(dt: object) -> str:
     return str(dt).removeprefix("torch.")
 
 
-def is_state_space(spec: Any) -> bool:
+def is_state_space(spec: KVCacheSpec) -> bool:
     """A state-space (Mamba) KV cache group: its blocks hold recurrent states, not KV."""
     from vllm.v1.kv_cache_interface import MambaSpec
 
@@ -121,7 +132,7 @@ def check_kv_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> 
         raise ValueError("PegaFlow does not support pipeline parallelism yet")
 
 
-def _check_state_space_group(gs: Any, spec: Any) -> None:
+def _check_state_space_group(gs: KVCacheSpec, spec: KVCacheSpec) -> None:
     """A state-space group next to attention blocks shaped ``spec``: its states must sit at
     the attention blocks' boundaries."""
     FEATURES.need("block_state", "state-space (Mamba) layers")
@@ -134,7 +145,7 @@ def _check_state_space_group(gs: Any, spec: Any) -> None:
                          f"{spec.block_size} tokens")
 
 
-def _check_attention_group(gs: Any, spec: Any, several: bool) -> None:
+def _check_attention_group(gs: KVCacheSpec, spec: KVCacheSpec, several: bool) -> None:
     """An attention group: KV, and with ``several`` groups one kind PegaFlow pages, shaped as ``spec``."""
     from vllm.v1.kv_cache_interface import (
         AttentionSpec,
@@ -151,11 +162,12 @@ def _check_attention_group(gs: Any, spec: Any, several: bool) -> None:
     if not isinstance(gs, (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec)):
         raise ValueError(f"PegaFlow does not store {type(gs).__name__} KV cache groups")
 
-    def shape(s: Any) -> tuple[Any, ...]:
+    def shape(s: AttentionSpec) -> tuple[object, ...]:
         return (s.block_size, s.num_kv_heads, s.head_size, s.dtype, s.real_page_size_bytes,
                 isinstance(s, MLAAttentionSpec))
 
-    if shape(gs) != shape(spec):
+    # spec: the first attention group's, checked here before any later group's gs
+    if shape(gs) != shape(cast("AttentionSpec", spec)):
         raise ValueError("PegaFlow stores KV cache groups of one shape; this model's groups differ "
                          f"({type(spec).__name__} and {type(gs).__name__})")
 
@@ -212,9 +224,11 @@ def kv_layout_name(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | Non
     return backend_kv_cache_layout() or "default"
 
 
-def _bytes_per_block(groups: Iterable[Any]) -> int:
-    """Bytes of one block of every layer of ``groups`` (their real page sizes, unpadded)."""
-    return sum(int(g.kv_cache_spec.real_page_size_bytes) * len(g.layer_names) for g in groups)
+def _bytes_per_block(groups: Iterable[KVCacheGroupSpec]) -> int:
+    """Bytes of one block of every layer of ``groups`` (their real page sizes, unpadded):
+    attention or state-space groups, the kinds ``check_kv_layout`` lets through."""
+    return sum(int(cast("AttentionSpec | MambaSpec", g.kv_cache_spec).real_page_size_bytes) * len(g.layer_names)
+               for g in groups)
 
 
 def _tp_rank(vllm_config: VllmConfig) -> int:
@@ -244,7 +258,7 @@ class PegaConnectorStats(KVConnectorStats):
     def is_empty(self) -> bool:
         return not self.data
 
-    def __getitem__(self, key: str) -> Any:
+    def __getitem__(self, key: str) -> object:
         """A field by name, as in the dict these stats are sent as between processes: vLLM's
         MultiConnector before 0.30 reads ``stats["data"]``, which an engine core running in
         the engine's own process hands it as this object."""
@@ -291,7 +305,7 @@ class PegaPromMetrics(KVConnectorPromMetrics):
             for key, (name, doc) in _PROM_COUNTERS.items()
         }
 
-    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+    def observe(self, transfer_stats_data: StatsData, engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues[engine_idx]
         for key, value in transfer_stats_data.items():
             counter = self._counters.get(key)
@@ -392,7 +406,7 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
         groups = self._layer_groups if layerwise else None
         self._worker.register_kv_caches(kv_caches, num_blocks, groups or None, layerwise=layerwise)
 
-    def register_cross_layers_kv_cache(self, kv_cache: torch.Tensor, attn_backend: Any = None) -> None:
+    def register_cross_layers_kv_cache(self, kv_cache: torch.Tensor, attn_backend: object = None) -> None:
         """vLLM 0.20-0.28 with ``prefer_cross_layer_blocks``: one tensor holds every layer
         (block dimension outermost in memory); its page is the block's run, in the same byte
         order as the per-layer tensors' page (``pegaflow.connector.layout``). Its layers have
@@ -403,7 +417,7 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
     def get_handshake_metadata(self) -> PegaWorkerState | None:
         return self._worker.handshake() if self._worker is not None else None
 
-    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         if self._sched is None:
             return
         for rank, state in sorted(metadata.items()):
@@ -473,7 +487,7 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
         return PegaConnectorStats(data=data) if data else None
 
     @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+    def build_kv_connector_stats(cls, data: StatsData | None = None) -> KVConnectorStats | None:
         return PegaConnectorStats(data=dict(data or {}))
 
     @classmethod
@@ -526,14 +540,14 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
             report = connector_output.kv_connector_worker_meta
             self._sched.update_connector_output(report if isinstance(report, PegaWorkerReport) else None)
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, KVTransferParams | None]:
         if self._sched is None:
             return False, None
         return self._sched.request_finished(request)
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    ) -> tuple[bool, KVTransferParams | None]:
         # Saves are copied in the step that computed them: nothing holds the blocks.
         return self.request_finished(request, block_ids[0] if block_ids else [])
 

@@ -27,10 +27,15 @@ import threading
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 from pegaflow.client import BlockEvents
 from pegaflow.connector.link import LOGGER_NAME
+
+if TYPE_CHECKING:  # vLLM is imported where an event is made (the module loads without it)
+    from vllm.distributed.kv_events import BlockStored, KVCacheEvent
+    from vllm.v1.core.kv_cache_utils import BlockHash, ExternalBlockHash
+    from vllm.v1.request import Request
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -40,9 +45,9 @@ MEDIUM_OF = {"dram": "CPU", "ssd": "STORAGE"}  # vLLM's MEDIUM_CPU / MEDIUM_STOR
 
 @dataclass(frozen=True)
 class _Announced:
-    block_hash: Any  # vLLM's external block hash
-    parent: Any
-    tokens: array  # uint32 token ids of the block
+    block_hash: ExternalBlockHash  # vLLM's external block hash
+    parent: ExternalBlockHash | None
+    tokens: array[int]  # uint32 token ids of the block
     lora_name: str | None
 
 
@@ -52,12 +57,12 @@ class KVEvents:
         self.block_size = block_size
         self._announced: collections.OrderedDict[bytes, _Announced] = collections.OrderedDict()
         self._node: collections.deque[tuple[list[BlockEvents], int]] = collections.deque()
-        self._out: list[Any] = []
+        self._out: list[KVCacheEvent] = []
         self._lock = threading.Lock()  # _node is appended from the session thread
         self._warned_dropped = False
 
     # ---- inputs -------------------------------------------------------------------------
-    def stored(self, request: Any, blocks: Sequence[tuple[int, bytes]], chain: Sequence[bytes]) -> None:
+    def stored(self, request: Request, blocks: Sequence[tuple[int, bytes]], chain: Sequence[bytes]) -> None:
         """Blocks of ``request`` (index in the request, PegaFlow hash) were committed;
         ``chain``: the request's PegaFlow hashes (for a parent where vLLM has none)."""
         vhashes = getattr(request, "block_hashes", None) or []
@@ -88,7 +93,7 @@ class KVEvents:
             self._node.append((events, dropped))
 
     # ---- output -------------------------------------------------------------------------
-    def take(self) -> list[Any]:
+    def take(self) -> list[KVCacheEvent]:
         from vllm.distributed.kv_events import BlockRemoved
 
         with self._lock:
@@ -117,7 +122,7 @@ class KVEvents:
         return out
 
     # ---- internals ----------------------------------------------------------------------
-    def _stored_event(self, chain: list[_Announced], parent: Any, medium: str | None) -> Any:
+    def _stored_event(self, chain: list[_Announced], parent: ExternalBlockHash | None, medium: str | None) -> BlockStored:
         """One ``BlockStored`` for consecutive blocks ``chain`` (its first block's parent: ``parent``)."""
         from vllm.distributed.kv_events import BlockStored
 
@@ -135,7 +140,8 @@ class KVEvents:
             ann.popitem(last=False)
 
     @staticmethod
-    def _external(block_hash: Any) -> Any:
+    def _external(block_hash: bytes) -> ExternalBlockHash:
+        """vLLM's own hash (a ``BlockHash``) or PegaFlow's, as vLLM's events name blocks."""
         from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-        return maybe_convert_block_hash(block_hash)
+        return maybe_convert_block_hash(cast("BlockHash", block_hash))

@@ -16,12 +16,15 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar, cast
 from urllib.parse import urlsplit
 
 import tenacity
 
 from pegaflow.core.hosts import NODE_HOST, NODE_PORT, join_host_port
+
+if TYPE_CHECKING:  # imported when a link starts: a process that never connects does without
+    from pegaflow.client import BlockEvents, PegaClient
 
 # A child of vLLM's logger: connector messages go where vLLM's go, in its format and level.
 LOGGER_NAME = "vllm.pegaflow"
@@ -29,6 +32,7 @@ logger = logging.getLogger(LOGGER_NAME)
 
 T = TypeVar("T")
 P = ParamSpec("P")
+ExtraConfig = Mapping[str, Any]  # vLLM's kv_connector_extra_config: the user's JSON, each key checked where read
 
 # A scheduler must not stall on a hung node: one RPC waits at most this long.
 RPC_TIMEOUT_S = 2.0
@@ -45,7 +49,7 @@ DEFAULT_HOST = NODE_HOST
 DEFAULT_PORT = NODE_PORT
 
 
-def node_address(env: Mapping[str, str] | None = None, extra: Mapping[str, Any] | None = None) -> str:
+def node_address(env: Mapping[str, str] | None = None, extra: ExtraConfig | None = None) -> str:
     """``HOST:PORT`` of the node the connector talks to.
 
     The original's rules and forms: the host from ``PEGAFLOW_HOST``, else the
@@ -94,13 +98,15 @@ def _client_errors() -> tuple[type[Exception], type[Exception]]:
     return NodeUnavailable, NodeError
 
 
-def _default_client_factory(addr: str, instance_id: str) -> Any:
+def _default_client_factory(addr: str, instance_id: str) -> PegaClient:
     from pegaflow.client import PegaClient
 
     return PegaClient(addr, instance_id=instance_id, timeout=RPC_TIMEOUT_S)
 
 
-def query_only_client_factory(addr: str, instance_id: str, on_blocks: Callable[..., None] | None = None) -> Any:
+def query_only_client_factory(
+    addr: str, instance_id: str, on_blocks: Callable[[list[BlockEvents], int], None] | None = None
+) -> PegaClient:
     """For the scheduler process: it never copies pages, so it does not map the pool.
     ``on_blocks``: receive the node's block events (``PegaClient``)."""
     from pegaflow.client import PegaClient
@@ -117,7 +123,7 @@ class NodeLink:
         namespaces: Mapping[str, int],
         instance_id: str,
         *,
-        client_factory: Callable[[str, str], Any] = _default_client_factory,
+        client_factory: Callable[[str, str], PegaClient] = _default_client_factory,
         unavailable: tuple[type[BaseException], ...] | None = None,
         rejected: tuple[type[BaseException], ...] | None = None,
         pci_bus_id: str = "",
@@ -139,7 +145,7 @@ class NodeLink:
         # guards starting the supervisor, so a failing call never waits on a registration.
         self._lock = threading.Lock()
         self._thread_lock = threading.Lock()
-        self._client: Any = None
+        self._client: PegaClient | None = None
         self._ready = threading.Event()
         self._down = threading.Event()
         self._stop = threading.Event()
@@ -154,7 +160,7 @@ class NodeLink:
         return self._ready.is_set()
 
     @property
-    def client(self) -> Any:
+    def client(self) -> PegaClient | None:
         return self._client
 
     @property
@@ -173,12 +179,13 @@ class NodeLink:
         return self._ready.wait(timeout)
 
     # -- calls -----------------------------------------------------------------------------
-    def call(self, fn: Callable[Concatenate[Any, P], T], *args: P.args, **kwargs: P.kwargs) -> T | None:
+    def call(self, fn: Callable[Concatenate[PegaClient, P], T], *args: P.args, **kwargs: P.kwargs) -> T | None:
         """``fn(client, *args, **kwargs)``, or ``None`` if the node is (or just went) unavailable or
         refused the call. ``fn`` runs before this returns: a loop's values reach it as ``args``."""
         if not self._ready.is_set():
             return None
-        client = self._client
+        # Ready: registered, so a client is set (unless close() ran since the check above).
+        client = cast("PegaClient", self._client)
         try:
             return fn(client, *args, **kwargs)
         except self._unavailable as exc:

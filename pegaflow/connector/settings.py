@@ -13,9 +13,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
-from pegaflow.connector.link import node_address
+from pegaflow.connector.link import ExtraConfig, node_address
 from pegaflow.core.hosts import NODE_ADDR, NODE_HOST, NODE_PORT
 
 READ_WRITE = "read_write"
@@ -79,13 +78,13 @@ class ConnectorSettings:
         return self.mode != LOAD_ONLY
 
 
-def _raw(key: str, env_name: str | None, extra: Mapping[str, Any], env: Mapping[str, str]) -> Any:
+def _raw(key: str, env_name: str | None, extra: ExtraConfig, env: Mapping[str, str]) -> object:
     if env_name and env.get(env_name) not in (None, ""):
         return env[env_name]
     return extra.get(key)
 
 
-def _bool(name: str, value: Any, default: bool) -> bool:
+def _bool(name: str, value: object, default: bool) -> bool:
     if value is None or value == "":
         return default
     if isinstance(value, bool):
@@ -98,7 +97,7 @@ def _bool(name: str, value: Any, default: bool) -> bool:
     raise ValueError(f"{name}={value!r} is not a boolean (true/false)")
 
 
-def load_settings(extra: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None) -> ConnectorSettings:
+def load_settings(extra: ExtraConfig | None = None, env: Mapping[str, str] | None = None) -> ConnectorSettings:
     """The connector's settings from ``kv_connector_extra_config`` and the environment.
 
     Raises ``ValueError`` with a one-line reason for a value it cannot use.

@@ -188,7 +188,7 @@ def live_has(module: str, name: str) -> bool:
     """Whether the installed vLLM defines ``name`` (``X`` or ``Class.member``, a dataclass
     field without a default included) in ``module``."""
     try:
-        obj: Any = importlib.import_module(module)
+        obj: object = importlib.import_module(module)
     except ImportError:
         return False
     *path, last = name.split(".")
@@ -220,14 +220,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: E402
     PromMetricT,
 )
 
+OptionalName = Any  # a class or function of the installed vLLM, looked up by name: None where it has none
 
-def _optional(module: str, name: str) -> Any:
+
+def _optional(module: str, name: str) -> OptionalName:
     return getattr(importlib.import_module(module), name) if live_has(module, name) else None
 
 
 # Later additions: None where this vLLM has none (``FEATURES`` says so too).
-KVConnectorTransferResults: Any = _optional(BASE, "KVConnectorTransferResults")
-CacheHitSource: Any = _optional(HIT_SOURCE, "CacheHitSource")
+KVConnectorTransferResults: OptionalName = _optional(BASE, "KVConnectorTransferResults")
+CacheHitSource: OptionalName = _optional(HIT_SOURCE, "CacheHitSource")
 
 # vLLM < 0.29 names its KV cache layout only here ("NHD"/"HND"); later releases resolve a
 # ``KVCacheLayout`` into the configs instead. Looked up when asked (the module is heavy).
@@ -237,7 +239,7 @@ BACKEND_UTILS = "vllm.v1.attention.backends.utils"
 def backend_kv_cache_layout() -> str | None:
     """``get_kv_cache_layout()`` of a vLLM that has it, read without filling its
     ``lru_cache`` (vLLM's backends may still set the layout); None where there is none."""
-    fn = _optional(BACKEND_UTILS, "get_kv_cache_layout")
+    fn: Callable[[], object] | None = _optional(BACKEND_UTILS, "get_kv_cache_layout")
     if fn is None:
         return None
     fn = getattr(fn, "__wrapped__", fn)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -46,11 +46,19 @@ from pegaflow.client.batched import (
     DEFAULT_STAGING_BYTES,
     DeviceCopier,
     DeviceStream,
+    Event,
     Issued,
     Pins,
 )
-from pegaflow.connector.inflight import CopyStream, Event, Immediate, InFlight
-from pegaflow.connector.intents import LoadIntent, PegaConnectorMetadata, PegaWorkerReport, PegaWorkerState
+from pegaflow.client.blocks import BlockIds
+from pegaflow.connector.inflight import CopyStream, Immediate, InFlight
+from pegaflow.connector.intents import (
+    LoadIntent,
+    PageBlock,
+    PegaConnectorMetadata,
+    PegaWorkerReport,
+    PegaWorkerState,
+)
 from pegaflow.connector.layout import PageLayout, build_page_layout
 from pegaflow.connector.link import LOGGER_NAME, NodeLink
 from pegaflow.core.identity import KVIdentity
@@ -58,7 +66,12 @@ from pegaflow.core.identity import KVIdentity
 logger = logging.getLogger(LOGGER_NAME)
 
 
-def _copy_fns() -> tuple[Any, Any]:
+# save_pages / load_pages: (segments, block ids, pool, offsets, segment groups) -> bytes copied
+CopyPages = Callable[[Sequence[torch.Tensor], BlockIds, torch.Tensor, Sequence[int], Sequence[int] | None], int]
+DeviceProperties = Any  # torch.cuda's _CudaDeviceProperties: torch's stubs name no PCI fields (old torches have none)
+
+
+def _copy_fns() -> tuple[CopyPages, CopyPages]:
     from pegaflow.client import load_pages, save_pages
 
     return load_pages, save_pages
@@ -104,7 +117,7 @@ def _bounce_counter(device: torch.device) -> Callable[[int], None] | None:
     return None
 
 
-def pci_bus_id(device: torch.device, properties: Callable[[torch.device], Any] | None = None) -> str:
+def pci_bus_id(device: torch.device, properties: Callable[[torch.device], DeviceProperties] | None = None) -> str:
     """The PCI address of a CUDA ``device`` as sysfs names it (``0000:3b:00.0``), sent at
     Register so the node hands this rank pages from its GPU's NUMA node; "" for any other
     device (a CPU engine has no GPU) or a torch that does not say. ``properties``: the
@@ -113,8 +126,7 @@ def pci_bus_id(device: torch.device, properties: Callable[[torch.device], Any] |
     if device.type != "cuda":
         return ""
     try:
-        # Any: torch's stubs name no PCI fields (older torches have none: AttributeError below).
-        p: Any = (properties or torch.cuda.get_device_properties)(device)
+        p: DeviceProperties = (properties or torch.cuda.get_device_properties)(device)
         return f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
     except (AttributeError, RuntimeError, TypeError, ValueError) as exc:
         logger.info("PegaFlow: no PCI address for %s (%s); the node places this rank's pages by its CPUs",
@@ -130,7 +142,8 @@ class WorkerSide:
     ``stream`` and ``pins`` are the hardware edge (default: the KV cache's device's, chosen
     at ``register_kv_caches``); ``staging_bytes`` sizes each copier's device staging."""
 
-    def __init__(self, identity: KVIdentity, tp_rank: int, link_factory: Any, kv_groups: int = 1,
+    def __init__(self, identity: KVIdentity, tp_rank: int, link_factory: Callable[[dict[str, int], str], NodeLink],
+                 kv_groups: int = 1,
                  state_groups: frozenset[int] = frozenset(), stream: CopyStream | None = None,
                  pins: PinsFactory | None = None, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
         self.identity = identity
@@ -151,7 +164,7 @@ class WorkerSide:
         self._failed_reservations: set[int] = set()
         # Saves copied into the pool by a bounce slot's finisher: (step, its completion, the
         # reservations it writes); a completion with an ``error`` fails them.
-        self._bounced: list[tuple[int, Any, frozenset[int]]] = []
+        self._bounced: list[tuple[int, Event, frozenset[int]]] = []
         self._load_pages, self._save_pages = _copy_fns()
         # The copy stream (inflight.py): None until register_kv_caches sees the cache's device.
         self.stream: CopyStream | None = stream
@@ -314,7 +327,7 @@ class WorkerSide:
                     logger.error("PegaFlow rank %d: synchronous multi-group load of %s failed; its KV is wrong",
                                  self.tp_rank, ld.req_id)
             else:
-                self._load_errors.update(ld.block_ids)  # type: ignore[arg-type]  # one group: ints
+                self._load_errors.update(ld.block_ids)  # type: ignore[arg-type]  # one KV cache group: each PageBlock an int
 
     @property
     def _async(self) -> bool:
@@ -350,7 +363,7 @@ class WorkerSide:
                         self._failed_recving.add(ld.req_id)
                         self._count("load_errors", len(ld.block_ids) + len(ld.missing))
                     else:
-                        self._load_errors.update(ld.missing)  # type: ignore[arg-type]  # one group: ints
+                        self._load_errors.update(ld.missing)  # type: ignore[arg-type]  # one KV cache group: each PageBlock an int
                 if self.tp_rank == 0 and not ld.state:  # a request, not a copy: counted once, not per rank
                     self._count("async_loads", 1)
         issued = False
@@ -408,7 +421,7 @@ class WorkerSide:
         # with a copy queued are reported by take_finished_recving once it completed.
         self._finished_recving |= is_async - in_flight
 
-    def _issue_load(self, copier: DeviceCopier, block_ids: list[Any], pool: torch.Tensor, offsets: list[int],
+    def _issue_load(self, copier: DeviceCopier, block_ids: list[PageBlock], pool: torch.Tensor, offsets: list[int],
                     per_layer: bool) -> Issued:
         """Queue a load on the copy stream: after the work queued on the compute stream (the
         blocks written may still be read by it), one event per band of layers for
@@ -491,7 +504,7 @@ class WorkerSide:
             self._count("saved_states" if state else "saved_blocks", len(block_ids))
             self._count("saved_bytes", nbytes)
 
-    def _issue_save(self, copier: DeviceCopier, block_ids: list[Any], pool: torch.Tensor, offsets: list[int],
+    def _issue_save(self, copier: DeviceCopier, block_ids: list[PageBlock], pool: torch.Tensor, offsets: list[int],
                     step: int, reservations: frozenset[int]) -> int:
         """Queue a save on the copy stream after the forward; the compute stream goes on once
         the blocks were read (gathered), the DMA into the pool runs beside the next step, and
