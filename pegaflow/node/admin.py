@@ -37,7 +37,7 @@ import asyncio
 import itertools
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypedDict, TypeVar
 
 import structlog
 from starlette.requests import Request
@@ -57,6 +57,16 @@ from pegaflow.node.tiers.ssd.store import SsdIndex
 log = structlog.get_logger("pegaflow.node.admin")
 
 T = TypeVar("T")
+
+
+class _InstanceDetails(TypedDict):
+    """One engine instance in ``GET /instances`` (the original's shape)."""
+
+    namespaces: list[str]
+    sessions: list[dict[str, object]]
+    leased_blocks: int
+    reserved_blocks: int
+    namespace_blocks: dict[str, int]
 HTTP_TIMEOUT_S = 30.0  # an HTTP call waits at most this long for the node's loop
 MAX_PIN_NAME = 128
 
@@ -260,9 +270,9 @@ class NodeAdmin:
                                            busy_blocks=busy, ssd_blocks=on_ssd)
 
     # ---- the original's HTTP endpoints (run on the loop) ------------------------------
-    def instances(self) -> dict[str, Any]:
+    def instances(self) -> dict[str, object]:
         blocks = self.index.blocks_by_namespace()
-        details: dict[str, dict[str, Any]] = {}
+        details: dict[str, _InstanceDetails] = {}
         for s in self.sessions.sessions.values():
             d = details.setdefault(s.instance_id, {"namespaces": [], "sessions": [], "leased_blocks": 0,
                                                    "reserved_blocks": 0, "namespace_blocks": {}})
@@ -280,7 +290,7 @@ class NodeAdmin:
                     d["namespace_blocks"][n] = blocks.get(n, 0)
         return {"instances": sorted(details), "details": {k: details[k] for k in sorted(details)}}
 
-    def cleanup_instances(self, instance_id: str | None) -> tuple[int, dict[str, Any] | str]:
+    def cleanup_instances(self, instance_id: str | None) -> tuple[int, dict[str, object] | str]:
         chosen = [s for s in self.sessions.sessions.values() if instance_id is None or s.instance_id == instance_id]
         if instance_id is not None and not chosen:
             return 404, f"instance {instance_id} not found"
@@ -330,7 +340,7 @@ class NodeAdmin:
             async def call() -> T:
                 return fn()
 
-            coro: Coroutine[Any, Any, T] = call()
+            coro: Coroutine[object, object, T] = call()
             return await asyncio.wait_for(asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop)),
                                           HTTP_TIMEOUT_S)
 

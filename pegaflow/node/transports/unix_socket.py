@@ -41,10 +41,10 @@ import os
 import socket
 import stat
 from collections.abc import Awaitable
-from typing import Any, cast
+from typing import cast
 
 import structlog
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from pegaflow.common.local_wire import (
     HELLO,
@@ -264,7 +264,7 @@ class _Connection(asyncio.Protocol):
         finally:
             del buf[:pos]  # once per read: frames sent back to back are not shifted one by one
 
-    async def _finish(self, answer: Awaitable[Any], flags: int, req_type: type) -> None:
+    async def _finish(self, answer: Awaitable[Message], flags: int, req_type: type) -> None:
         try:
             self._reply(await answer, flags)
         except RpcStatus as st:
@@ -311,7 +311,7 @@ class _Connection(asyncio.Protocol):
         msg = error.encode()
         self.transport.write(REPLY_HEADER.pack(len(msg), UNAVAILABLE) + msg)
 
-    def _reply(self, response: Any, flags: int) -> None:
+    def _reply(self, response: Message, flags: int) -> None:
         if flags & NO_REPLY or self.transport is None:
             return
         body = response.SerializeToString()
@@ -325,7 +325,7 @@ class _Connection(asyncio.Protocol):
             body = st.message.encode()
             self.transport.write(REPLY_HEADER.pack(len(body), st.code.value[0]) + body)
 
-    def _reject(self, reason: str, **fields: Any) -> None:
+    def _reject(self, reason: str, **fields: object) -> None:
         """A malformed frame: one rate-limited log line, and the connection is closed."""
         rejected.note(reason, reason=reason, **fields)
         self.close()

@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 import structlog
@@ -46,6 +46,9 @@ from pegaflow.node.tiers.remote import TCP
 from pegaflow.node.tiers.remote.checksums import PageChecksums
 from pegaflow.node.tiers.remote.metrics import PeerMetrics
 from pegaflow.node.tiers.remote.tcp import BAD_RANGE, UNKNOWN_PIN
+
+if TYPE_CHECKING:  # pyverbs behind it: imported only with --nics
+    from pegaflow.node.tiers.remote.rdma import RdmaResponder
 
 log = structlog.get_logger("pegaflow.p2p")
 errors = RpcErrors(log)
@@ -213,7 +216,7 @@ class PeerService(peer_pb2_grpc.PegaPeerServicer):
     when the node runs with ``--nics``.
     """
 
-    def __init__(self, table: PinTable, data_addr: str, max_batch: int, rdma: Any = None) -> None:
+    def __init__(self, table: PinTable, data_addr: str, max_batch: int, rdma: RdmaResponder | None = None) -> None:
         self.table = table
         self.data_addr = data_addr
         self.max_batch = max_batch

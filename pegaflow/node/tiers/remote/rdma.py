@@ -47,6 +47,9 @@ POLL_TIMEOUT = 10.0  # seconds without any completion before the pull is failed
 CQ_BATCH = 32  # completions taken per poll call
 DIST_PACKAGES = "/usr/lib/python3/dist-packages"  # Debian's python3-pyverbs lives here
 
+Qp = Any  # pyverbs.qp.QP: Debian's python3-pyverbs has no stubs and is absent where mypy runs
+Cq = Any  # pyverbs.cq.CQ: likewise
+
 
 class RdmaUnavailable(Exception):
     """``--nics`` was given but the devices cannot be used (one line for the operator)."""
@@ -67,7 +70,7 @@ def load_pyverbs() -> SimpleNamespace:
     )  # fmt: skip
 
 
-def buffer_address(mm: mmap.mmap) -> tuple[int, Any]:
+def buffer_address(mm: mmap.mmap) -> tuple[int, ctypes.c_char]:
     """(virtual address of the mapping, the ctypes export keeping it valid; drop before closing)."""
     c = ctypes.c_char.from_buffer(mm)
     return ctypes.addressof(c), c
@@ -104,17 +107,17 @@ class Nic:
         self.gid: bytes = gid_bytes(self.ctx.query_gid(PORT, GID_INDEX).gid)
         self.mtu = getattr(port, "active_mtu", e.IBV_MTU_1024)
 
-    def new_qp(self) -> tuple[Any, Any]:
+    def new_qp(self) -> tuple[Qp, Cq]:
         v = self.v
         cq = v.CQ(self.ctx, MAX_OUTSTANDING * 2)
         cap = v.QPCap(max_send_wr=MAX_OUTSTANDING, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
         qp = v.QP(self.pd, v.QPInitAttr(qp_type=v.e.IBV_QPT_RC, scq=cq, rcq=cq, cap=cap))
         return qp, cq
 
-    def endpoint(self, qp: Any, psn: int) -> peer_pb2.QpEndpoint:
+    def endpoint(self, qp: Qp, psn: int) -> peer_pb2.QpEndpoint:
         return peer_pb2.QpEndpoint(qp_num=qp.qp_num, lid=self.lid, gid=self.gid, psn=psn, port=PORT)
 
-    def connect(self, qp: Any, psn: int, remote: peer_pb2.QpEndpoint) -> None:
+    def connect(self, qp: Qp, psn: int, remote: peer_pb2.QpEndpoint) -> None:
         """RESET -> INIT -> RTR -> RTS against the remote endpoint."""
         v, e = self.v, self.v.e
         attr = v.QPAttr()
@@ -152,6 +155,7 @@ class RdmaEngine:
         self.verbs = verbs or load_pyverbs()
         if not nics:
             raise RdmaUnavailable("--nics names no device")
+        self._export: ctypes.c_char | None
         self.base, self._export = buffer_address(mm)
         self.size = len(mm)
         self.view = memoryview(mm)
@@ -183,7 +187,7 @@ class RdmaResponder:
 
     def __init__(self, engine: RdmaEngine) -> None:
         self.engine = engine
-        self.qps: list[tuple[Any, Any]] = []
+        self.qps: list[tuple[Qp, Cq]] = []
         self._lock = threading.Lock()
 
     @property
@@ -214,7 +218,7 @@ Handshake = Callable[[str, peer_pb2.RdmaConnectRequest], peer_pb2.RdmaConnectRes
 
 
 class _Conn:
-    def __init__(self, qp: Any, cq: Any, nic: Nic, peer_nic: int) -> None:
+    def __init__(self, qp: Qp, cq: Cq, nic: Nic, peer_nic: int) -> None:
         self.qp, self.cq, self.nic, self.peer_nic = qp, cq, nic, peer_nic
         self.lock = threading.Lock()
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from pegaflow.node.tiers.ssd.uring import Engine, IoOp
 
@@ -98,6 +97,6 @@ class IoGate:
         self.inflight -= 1
         self._pump()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, int]:
         return {"inflight": self.inflight, "peak": self.peak, "waiting": len(self._queue),
                 "limit": self.limit, "queue_depth": self.queue_depth}

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol, TypeVarTuple
 
 from pegaflow.core.block_index import Block, BlockIndex, Namespace
 from pegaflow.node.tiers.ssd.gate import IoGate
 from pegaflow.node.tiers.ssd.metrics import SsdMetrics
 from pegaflow.node.tiers.ssd.store import Entry, SsdIndex
 from pegaflow.node.tiers.ssd.uring import Engine
+
+Ts = TypeVarTuple("Ts")  # a posted call's arguments
 
 
 class KnownChecksums(Protocol):
@@ -41,11 +43,11 @@ class TierParts(Protocol):
     promoting: set[tuple[int, bytes]]
     checksums: KnownChecksums | None  # when the node joins a cluster
 
-    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+    def call_soon(self, fn: Callable[[*Ts], object], *args: *Ts) -> None:
         """Run ``fn(*args)`` on the node's event loop (from any thread), in call order."""
         ...
 
-    def defer(self, fn: Callable[..., Any], *args: Any) -> None:
+    def defer(self, fn: Callable[[*Ts], object], *args: *Ts) -> None:
         """Run ``fn(*args)`` on the node's event loop once the data path pauses (bounded)."""
         ...
 

@@ -18,7 +18,7 @@ import collections
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeVarTuple
 
 import structlog
 
@@ -38,6 +38,7 @@ from pegaflow.node.tiers.ssd.uring import make_engine
 from pegaflow.node.tiers.ssd.writer import WriteBehind
 
 log = structlog.get_logger("pegaflow.ssd")
+Ts = TypeVarTuple("Ts")  # a posted call's arguments
 
 DRAIN_BUDGET_S = 0.0003  # loop time one drain of posted calls may take before yielding
 CLOSE_DRAIN_SECONDS = 10.0  # at shutdown, wait this long at most for queued writes
@@ -90,7 +91,7 @@ class SsdTier:
         self.idle = idle
         self.loop: asyncio.AbstractEventLoop | None = None
         self.promoting: set[tuple[int, bytes]] = set()
-        self._posted: collections.deque[tuple[Callable[..., Any], tuple[Any, ...]]] = collections.deque()
+        self._posted: collections.deque[tuple[Callable[..., object], tuple[object, ...]]] = collections.deque()
         self._drain_scheduled = False
         self._stats_task: asyncio.Task[None] | None = None
         self.metrics = SsdMetrics(metrics.registry)
@@ -136,7 +137,7 @@ class SsdTier:
         self.loop = loop
         self._stats_task = loop.create_task(self._stats())
 
-    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+    def call_soon(self, fn: Callable[[*Ts], object], *args: *Ts) -> None:
         """Run ``fn(*args)`` on the node's event loop (from any thread), in call order.
 
         Completions are queued and drained in one loop callback: one wake-up of the loop
@@ -151,7 +152,7 @@ class SsdTier:
             except RuntimeError:  # loop closed during shutdown
                 pass
 
-    def defer(self, fn: Callable[..., Any], *args: Any) -> None:
+    def defer(self, fn: Callable[[*Ts], object], *args: *Ts) -> None:
         """Run ``fn(*args)`` on the loop once the data path pauses (``idle``:
         pegaflow/node/idle.py); at the next turn of the loop without one."""
         assert self.loop is not None
