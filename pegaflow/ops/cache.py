@@ -27,7 +27,6 @@ import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import grpc
 import xxhash
@@ -118,11 +117,12 @@ def _size(n: float) -> str:
     return str(n)
 
 
-def _pin_dict(p: Any) -> dict[str, Any]:
+def _pin_dict(p: node_pb2.PinInfo) -> dict[str, object]:
     return {"id": p.id, "namespace": p.namespace, "blocks": p.blocks, "resident": p.resident, "bytes": p.bytes}
 
 
-def _inspect(stub: Any, cfg: CacheConfig, sec: Security, hashes: list[bytes]) -> tuple[str, dict]:
+def _inspect(stub: node_pb2_grpc.PegaNodeStub, cfg: CacheConfig, sec: Security, hashes: list[bytes]
+             ) -> tuple[str, dict[str, object]]:
     r = stub.CacheInspect(node_pb2.CacheInspectRequest(namespace=cfg.namespace, hashes=hashes), timeout=cfg.timeout)
     n = len(hashes)
     l1, ssd, pinned = sum(r.dram), sum(r.ssd), sum(r.pinned)
@@ -151,7 +151,7 @@ def _inspect(stub: Any, cfg: CacheConfig, sec: Security, hashes: list[bytes]) ->
     return line, doc
 
 
-def _run(cfg: CacheConfig) -> tuple[str, Any]:
+def _run(cfg: CacheConfig) -> tuple[str, dict[str, object]]:
     try:
         sec = Security.load(cfg.auth_token_file, ca=cfg.tls_ca)
     except SecurityError as exc:
