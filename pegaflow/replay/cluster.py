@@ -92,7 +92,7 @@ class NodeCluster:
         for h in rest:
             if l1.contains(ns, h):
                 n += 1
-            elif sidx is not None and sidx.contains(sns, h):  # type: ignore[arg-type]  # sns set with sidx
+            elif sidx is not None and sns is not None and sidx.contains(sns, h):
                 n += 1
                 only += 1
             else:
