@@ -140,7 +140,7 @@ def alias(ptr: int, nbytes: int, device: torch.device, keep: object) -> torch.Te
     if device.type == "cpu":
         buf = (ctypes.c_uint8 * nbytes).from_address(ptr)
         t = torch.frombuffer(buf, dtype=torch.uint8)
-        t._pegaflow_keep = (buf, keep)  # type: ignore[attr-defined]  # keeps the memory alive with t
+        t._pegaflow_keep = (buf, keep)  # type: ignore[attr-defined]  # not a Tensor field: keeps the memory alive with t
         return t
 
     class _Memory:  # __cuda_array_interface__ v3: torch keeps this object with the tensor

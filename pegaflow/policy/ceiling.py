@@ -52,9 +52,8 @@ import datasketches as ds
 
 from pegaflow.core.durations import format_duration, parse_duration
 
-# A datasketches hll_sketch (a nanobind binding without types), or the exact set that
-# tests/oracles/ceiling.py swaps in: only the _distinct-set backend methods below touch it.
-Distinct = Any
+# Only the distinct-set backend methods of CeilingEstimator touch one.
+Distinct = Any  # a datasketches hll_sketch (a nanobind binding, untyped) or tests/oracles/ceiling.py's exact set
 DEFAULT_WINDOWS: tuple[float, ...] = (900.0, 3600.0, 86400.0)
 # Sub-window sketches per window: a window rolls off in steps of 1/10 of its length.
 DEFAULT_BUCKETS = 10
