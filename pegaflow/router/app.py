@@ -535,7 +535,7 @@ class Router:
         app.router.routes.extend([health_route(self.health), metrics_route(self.registry)])
         return app
 
-    def health(self) -> dict:
+    def health(self) -> dict[str, object]:
         """What ``/health`` answers: ok while an engine is up (with disaggregation: a prefill
         and a decode engine)."""
         assert self.pool is not None

@@ -71,7 +71,7 @@ class _NodeSession:
         self.session_id = 0
         self.node_id = ""
         self.namespaces: dict[str, int] = {}
-        self.stream: grpc.aio.UnaryStreamCall | None = None
+        self.stream: grpc.aio.UnaryStreamCall[node_pb2.SessionRequest, node_pb2.SessionEvent] | None = None
         self.skip_until = 0.0
         self.lock = asyncio.Lock()
 
