@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 from urllib.parse import urlsplit
 
 import tenacity
@@ -184,8 +184,9 @@ class NodeLink:
         refused the call. ``fn`` runs before this returns: a loop's values reach it as ``args``."""
         if not self._ready.is_set():
             return None
-        # Ready: registered, so a client is set (unless close() ran since the check above).
-        client = cast("PegaClient", self._client)
+        client = self._client  # read once: close() on another thread may clear it since the check
+        if client is None:
+            return None
         try:
             return fn(client, *args, **kwargs)
         except self._unavailable as exc:

@@ -68,3 +68,38 @@ def test_calls_do_not_wait_on_a_reconnect_to_a_hung_node():
     finally:
         hung.clear()
         link.close()
+
+
+class ReadyClient:
+    def register(self, namespaces: object) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def health(self) -> str:
+        return "answer"
+
+
+class ClosedAfterCheck:
+    """The link's readiness, closing the link right after it answers "ready": close() on one
+    thread landing between a call's check and its use of the client on another, made
+    deterministic."""
+
+    def __init__(self, link: NodeLink) -> None:
+        self.link, self.ready = link, link._ready
+
+    def is_set(self) -> bool:
+        answer = self.ready.is_set()
+        self.link._ready = self.ready  # close() clears the real event
+        self.link.close()
+        return answer
+
+
+def test_a_call_racing_close_returns_none():
+    link = NodeLink("node:0", {"ns": 1}, "t", client_factory=lambda a, i: ReadyClient(),  # type: ignore[arg-type,return-value]
+                    unavailable=(Unavailable,), rejected=(RuntimeError,))
+    assert link.call(lambda c: c.health()) == "answer"
+    link._ready = ClosedAfterCheck(link)  # type: ignore[assignment]
+    assert link.call(lambda c: c.health()) is None
+    assert not link.ready and link.client is None
