@@ -36,7 +36,7 @@ from pegaflow.common.security import Security
 from pegaflow.connector.events import KVEvents
 from pegaflow.connector.intents import PegaConnectorMetadata, PegaWorkerReport, PegaWorkerState
 from pegaflow.connector.link import LOGGER_NAME, NodeLink, query_only_client_factory
-from pegaflow.connector.scheduler import SchedulerSide
+from pegaflow.connector.scheduler import KVTransferParams, SchedulerSide
 from pegaflow.connector.settings import load_settings
 from pegaflow.connector.vllm_compat import (
     FEATURES,
@@ -76,8 +76,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(LOGGER_NAME)
 
-# vLLM's own types of what it passes through the connector, JSON-like (its base classes say Any):
-KVTransferParams = dict[str, Any]  # a request's kv_transfer_params, returned to the client
+# vLLM's own type of what it passes through the connector, JSON-like (its base class says Any):
 StatsData = dict[str, Any]  # KVConnectorStats.data: the workers' counters by name, pickled between processes
 
 

@@ -85,9 +85,9 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pegaflow.client import QueryStatus
+from pegaflow.client import QueryResult, QueryStatus
 from pegaflow.connector.events import KVEvents
 from pegaflow.connector.intents import (
     LoadIntent,
@@ -102,6 +102,12 @@ from pegaflow.connector.settings import ConnectorSettings
 from pegaflow.core.identity import NO_EXTRA_KEYS, ExtraKeys, KVIdentity, MMItem, block_hashes
 from pegaflow.core.router_protocol import DESCRIBE_VERSION, ROUTER_KEY
 from pegaflow.core.tiers import Tier
+
+if TYPE_CHECKING:  # vLLM's objects as it hands them to the connector (the module loads without vLLM)
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -120,15 +126,19 @@ NULL_BLOCK_ID = 0
 # label vLLM's vllm:prompt_tokens_cached_by_source, so they are spelled as vLLM spells them.
 VLLM_HIT_SOURCE: dict[Tier, str] = {Tier.L1: "host", Tier.SSD: "disk", Tier.REMOTE: "p2p"}
 
+# A request's kv_transfer_params as vLLM types them (its Request and base class say Any): JSON
+# from the client, returned to it; every key of ours is checked where it is read.
+KVTransferParams = dict[str, Any]
 
-def router_params(request: Any) -> dict[str, Any] | None:
+
+def router_params(request: Request) -> KVTransferParams | None:
     """``request.kv_transfer_params["pegaflow"]`` if the request carries it (a dict), else None."""
     params = getattr(request, "kv_transfer_params", None)
     ours = params.get(ROUTER_KEY) if isinstance(params, dict) else None
     return ours if isinstance(ours, dict) else None
 
 
-def _expect_blocks(request: Any) -> int:
+def _expect_blocks(request: Request) -> int:
     ours = router_params(request)
     try:
         n = int(ours.get("expect_blocks", 0)) if ours is not None else 0
@@ -218,7 +228,7 @@ class _ReqState:
     hashes: list[bytes]  # of the full blocks known so far: the prompt's, then generated ones
     num_prompt_tokens: int
     req_id: str = ""
-    request: Any = None  # vLLM's Request (its all_token_ids grows while it decodes)
+    request: Request | None = None  # vLLM's Request (its all_token_ids grows while it decodes)
     extra: ExtraKeys | None = None
     block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
     saved_upto: int = 0  # blocks below this need no save (saved, loaded, or given up)
@@ -237,10 +247,10 @@ class _StepWork:
     leases: list[int] = field(default_factory=list)
     reservations: dict[int, int] = field(default_factory=dict)  # id -> blocks
     # shard 0's reservation id -> (request, [(block index, hash)], its hashes): KV events once committed
-    announce: dict[int, tuple[Any, list[tuple[int, bytes]], list[bytes]]] = field(default_factory=dict)
+    announce: dict[int, tuple[Request, list[tuple[int, bytes]], list[bytes]]] = field(default_factory=dict)
 
 
-def extra_keys_of(request: Any) -> ExtraKeys:
+def extra_keys_of(request: Request) -> ExtraKeys:
     """LoRA name, cache salt and multimodal items of a vLLM ``Request`` as hash inputs."""
     lora = getattr(request, "lora_request", None)
     mm: list[MMItem] = []
@@ -285,7 +295,7 @@ class SchedulerSide:
         self.saved_blocks = 0
 
     # -- request state -------------------------------------------------------------------
-    def _state(self, request: Any) -> _ReqState:
+    def _state(self, request: Request) -> _ReqState:
         st = self._reqs.get(request.request_id)
         if st is None:
             tokens = request.prompt_token_ids
@@ -366,7 +376,7 @@ class SchedulerSide:
         self.disabled = reason
 
     # -- vLLM hooks ----------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._state(request)
         self._drop_hit(st)
         answer = self._match(st, request, num_computed_tokens)
@@ -374,7 +384,7 @@ class SchedulerSide:
             st.wait = None  # a wait lasts while the answers are (None, False)
         return answer
 
-    def _match(self, st: _ReqState, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def _match(self, st: _ReqState, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """One answer for vLLM (see the module docstring); a wait in progress is asked about
         only once it is ``due``."""
         max_blocks = min(len(st.hashes), (st.num_prompt_tokens - 1) // self.block_size)
@@ -395,7 +405,7 @@ class SchedulerSide:
             return self._loading(st, res, max_blocks, num_computed_tokens, now)
         return self._ready(st, res, hashes, num_computed_tokens, req_id, now)
 
-    def _ready(self, st: _ReqState, res: Any, hashes: Sequence[bytes], num_computed_tokens: int, req_id: str,
+    def _ready(self, st: _ReqState, res: QueryResult, hashes: Sequence[bytes], num_computed_tokens: int, req_id: str,
                now: float) -> tuple[int | None, bool]:
         """The answer to a READY query over ``hashes``: its hit, leased (with the state page at
         its end for a state-space engine), or a wait while the node lacks what the request
@@ -436,7 +446,7 @@ class SchedulerSide:
         st.hit = hit
         return hit_tokens - num_computed_tokens, False
 
-    def _loading(self, st: _ReqState, res: Any, max_blocks: int, num_computed_tokens: int,
+    def _loading(self, st: _ReqState, res: QueryResult, max_blocks: int, num_computed_tokens: int,
                  now: float) -> tuple[int | None, bool]:
         """The answer to a LOADING query: an asynchronous load of the blocks the node will
         hold, or (a node that says no length, ``async_load`` off, a state-space engine,
@@ -450,7 +460,8 @@ class SchedulerSide:
             # issues the copy once the node has the blocks in DRAM).
             st.pending = _AsyncLoad(end=expected, wait=_Wait(Awaiting.PROMOTION, since=now,
                                                              next_poll=now + LOADING_POLL_S))
-            st.hit_split = (int(res.hit_blocks), Tier(res.loading_from))
+            # (A node always names the tier it loads from; one that did not would count as DRAM.)
+            st.hit_split = (int(res.hit_blocks), Tier(res.loading_from)) if res.loading_from else None
             st.hit_end = expected * self.block_size
             return expected * self.block_size - num_computed_tokens, True
         wait = self._hold(st, Awaiting.PROMOTION, now)
@@ -468,7 +479,7 @@ class SchedulerSide:
         st.wait.awaiting = awaiting
         return st.wait if st.wait.hold(now) else None
 
-    def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
+    def hit_sources(self, request: Request, num_external_tokens: int) -> dict[str, int]:
         """Split a hit's external tokens by the tier that held them when the request asked, in
         vLLM's names (:data:`VLLM_HIT_SOURCE`), for its ``get_external_cache_hit_sources``.
         Blocks the node promoted or pulled while the request waited count for the tier they
@@ -487,7 +498,7 @@ class SchedulerSide:
         out[VLLM_HIT_SOURCE[tier]] += num_external_tokens - in_dram
         return {k: v for k, v in out.items() if v > 0}
 
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         st = self._reqs.get(request.request_id)
         if st is None:
             return
@@ -552,7 +563,7 @@ class SchedulerSide:
         st.saved_upto = max(st.saved_upto, end)
         self.hit_blocks += end - start
 
-    def build_connector_meta(self, scheduler_output: Any) -> PegaConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PegaConnectorMetadata:
         self._step += 1
         step = self._step
         if self._async:
@@ -594,7 +605,7 @@ class SchedulerSide:
             self._inflight[step] = work
         return PegaConnectorMetadata(step=step, loads=loads, saves=tuple(saves))
 
-    def _boundary_states(self, scheduler_output: Any) -> dict[str, dict[int, dict[int, int]]]:
+    def _boundary_states(self, scheduler_output: SchedulerOutput) -> dict[str, dict[int, dict[int, int]]]:
         """This step's state hand-offs: request -> {boundary tokens: {state group: block}}.
         vLLM (align mode) offers each retained state with its exact block once, in the step
         whose forward writes it, and guarantees the block only until that step ends: the
@@ -761,7 +772,7 @@ class SchedulerSide:
             for lease in work.leases:
                 self._release(lease)
 
-    def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request) -> tuple[bool, KVTransferParams | None]:
         st = self._reqs.pop(request.request_id, None)
         self._async.pop(request.request_id, None)  # aborted while its load was pending
         if st is not None:
@@ -770,7 +781,7 @@ class SchedulerSide:
             return False, None
         return False, {ROUTER_KEY: self.describe(st)}
 
-    def describe(self, st: _ReqState | None = None) -> dict[str, Any]:
+    def describe(self, st: _ReqState | None = None) -> dict[str, object]:
         """What a router needs to hash prompts like this engine and find its node (JSON-able),
         and, for a finished request, how many of its prompt's full blocks are stored."""
         prompt_blocks = st.num_prompt_tokens // self.block_size if st is not None else 0
@@ -787,7 +798,7 @@ class SchedulerSide:
             "stored_blocks": min(st.saved_upto, prompt_blocks) if st is not None and self.settings.saves else 0,
         }
 
-    def take_events(self) -> list[Any]:
+    def take_events(self) -> list[KVCacheEvent]:
         return self.events.take() if self.events is not None else []
 
     def reset_cache(self) -> bool:
