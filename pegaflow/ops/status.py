@@ -20,7 +20,7 @@ import shutil
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any, TextIO
+from typing import TextIO
 
 import grpc
 
@@ -29,7 +29,22 @@ from pegaflow.common.security import Security, SecurityError, sync_channel
 from pegaflow.config.commands import StatusConfig, load
 from pegaflow.config.options import STATUS
 from pegaflow.core.tiers import OUTCOMES
-from pegaflow.ops.status_screen import WIDTH, cluster_lines, node_lines
+from pegaflow.ops.status_screen import (
+    WIDTH,
+    Ceiling,
+    ClusterStatus,
+    Namespace,
+    NodeEntry,
+    NodeSnapshot,
+    NodeStatus,
+    Peers,
+    Snapshot,
+    Ssd,
+    Totals,
+    Unreachable,
+    cluster_lines,
+    node_lines,
+)
 
 DESCRIPTION = (
     "Show a node (--addr) or, with --metaserver, every node of the cluster: pool, hit rate "
@@ -44,7 +59,7 @@ def _tiers(t: node_pb2.TierBlocks) -> dict[str, int]:
     return {k: getattr(t, k) for k in OUTCOMES}
 
 
-def node_snapshot(addr: str, r: node_pb2.StatsResponse) -> dict[str, Any]:
+def node_snapshot(addr: str, r: node_pb2.StatsResponse) -> NodeSnapshot:
     """A node's Stats answer as the plain dict ``--json`` prints and the screens read."""
     return {
         "addr": addr,
@@ -99,7 +114,7 @@ def node_snapshot(addr: str, r: node_pb2.StatsResponse) -> dict[str, Any]:
     }
 
 
-def unreachable(addr: str, error: str) -> dict[str, Any]:
+def unreachable(addr: str, error: str) -> Unreachable:
     return {"addr": addr, "reachable": False, "error": error}
 
 
@@ -120,7 +135,7 @@ def _channel(addr: str, sec: Security) -> grpc.Channel:
     return sync_channel(addr, sec, [("grpc.enable_retries", 0), ("grpc.use_local_subchannel_pool", 1)])
 
 
-def node_status(addr: str, sec: Security, timeout: float) -> dict[str, Any]:
+def node_status(addr: str, sec: Security, timeout: float) -> NodeStatus:
     """One node's snapshot, or an unreachable one."""
     with _channel(addr, sec) as ch:
         try:
@@ -130,7 +145,7 @@ def node_status(addr: str, sec: Security, timeout: float) -> dict[str, Any]:
     return node_snapshot(addr, r)
 
 
-def cluster_status(metaserver: str, sec: Security, timeout: float) -> dict[str, Any]:
+def cluster_status(metaserver: str, sec: Security, timeout: float) -> ClusterStatus:
     """Every node the metaserver knows, each asked for its Stats concurrently."""
     with _channel(metaserver, sec) as ch:
         stub = meta_pb2_grpc.MetaServiceStub(ch)
@@ -144,8 +159,9 @@ def cluster_status(metaserver: str, sec: Security, timeout: float) -> dict[str, 
     try:
         calls = [node_pb2_grpc.PegaNodeStub(ch).Stats.future(node_pb2.StatsRequest(), timeout=timeout)
                  if n.alive else None for n, ch in zip(entries, channels, strict=True)]
-        nodes = []
+        nodes: list[NodeEntry] = []
         for n, call in zip(entries, calls, strict=True):
+            status: NodeStatus
             if call is None:
                 status = unreachable(n.address, "no heartbeat (not alive)")
             else:
@@ -162,7 +178,7 @@ def cluster_status(metaserver: str, sec: Security, timeout: float) -> dict[str, 
             "ceiling": ceiling}
 
 
-def cluster_ceiling(stub: meta_pb2_grpc.MetaServiceStub, timeout: float) -> dict[str, Any] | None:
+def cluster_ceiling(stub: meta_pb2_grpc.MetaServiceStub, timeout: float) -> Ceiling | None:
     """The metaserver's union of the nodes' ceiling sketches; None when it cannot say (Redis
     unreadable, or a metaserver without the RPC)."""
     try:
@@ -183,51 +199,68 @@ def cluster_ceiling(stub: meta_pb2_grpc.MetaServiceStub, timeout: float) -> dict
     }
 
 
-def totals(nodes: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def totals(nodes: Sequence[NodeEntry]) -> Totals:
     """Sums over the reachable nodes. Hit rates add up (sum of hits over sum of requests in
     the shortest window); ceilings do not (blocks repeat across nodes): the cluster's comes
     from the metaserver (:func:`cluster_ceiling`)."""
-    up = [n["status"] for n in nodes if n["status"].get("reachable")]
+    up = [s for s in (n["status"] for n in nodes) if s["reachable"]]
     window = next((s["windows"][0]["window"] for s in up if s["windows"]), "")
     first = [s["windows"][0] for s in up if s["windows"] and s["windows"][0]["window"] == window]
     ssd = [s["ssd"] for s in up if s["ssd"]]
     peers = [s["peers"] for s in up if s["peers"] is not None]
-    namespaces: dict[str, dict[str, Any]] = {}
+    namespaces: dict[str, Namespace] = {}
     for s in up:
         for ns in s["namespaces"]:
             agg = namespaces.setdefault(ns["name"], {"name": ns["name"], "page_bytes": ns["page_bytes"],
                                                      "blocks": 0, "bytes": 0})
             agg["blocks"] += ns["blocks"]
             agg["bytes"] += ns["bytes"]
+    return {
+        "nodes": len(nodes),
+        "reachable": len(up),
+        "capacity_bytes": sum(s["pool"]["capacity_bytes"] for s in up),
+        "used_bytes": sum(s["pool"]["used_bytes"] for s in up),
+        "window": window,
+        "requested_blocks": sum(w["requested_blocks"] for w in first),
+        "hit_blocks": sum(w["hit_blocks"] for w in first),
+        "requests": {t: sum(s["requests"][t] for s in up) for t in OUTCOMES},
+        "ssd": _ssd_totals(ssd) if ssd else None,
+        "peers": _peer_totals(peers) if peers else None,
+        "engines": sum(len(s["engines"]) for s in up),
+        "sessions": sum(s["sessions"] for s in up),
+        "namespaces": sorted(namespaces.values(), key=lambda n: n["name"]),
+    }
 
-    def add(key: str, items: Sequence[dict[str, Any]]) -> int | float:
-        return sum(i[key] for i in items)
 
-    def add_maps(key: str) -> dict[str, int]:
+def _ssd_totals(ssd: Sequence[Ssd]) -> Ssd:
+    return {
+        "capacity_bytes": sum(d["capacity_bytes"] for d in ssd),
+        "used_bytes": sum(d["used_bytes"] for d in ssd),
+        "blocks": sum(d["blocks"] for d in ssd),
+        "write_bytes": sum(d["write_bytes"] for d in ssd),
+        "read_bytes": sum(d["read_bytes"] for d in ssd),
+        "write_bytes_per_second": sum(d["write_bytes_per_second"] for d in ssd),
+        "read_bytes_per_second": sum(d["read_bytes_per_second"] for d in ssd),
+        "write_queue_blocks": sum(d["write_queue_blocks"] for d in ssd),
+        "promoted_blocks": sum(d["promoted_blocks"] for d in ssd),
+    }
+
+
+def _peer_totals(peers: Sequence[Peers]) -> Peers:
+    def add_maps(maps: Sequence[dict[str, int]]) -> dict[str, int]:
         out: dict[str, int] = {}
-        for p in peers:
-            for k, v in p[key].items():
+        for m in maps:
+            for k, v in m.items():
                 out[k] = out.get(k, 0) + v
         return dict(sorted(out.items()))
 
     return {
-        "nodes": len(nodes),
-        "reachable": len(up),
-        "capacity_bytes": add("capacity_bytes", [s["pool"] for s in up]),
-        "used_bytes": add("used_bytes", [s["pool"] for s in up]),
-        "window": window,
-        "requested_blocks": add("requested_blocks", first),
-        "hit_blocks": add("hit_blocks", first),
-        "requests": {t: add(t, [s["requests"] for s in up]) for t in OUTCOMES},
-        "ssd": {k: add(k, ssd) for k in ("capacity_bytes", "used_bytes", "blocks", "write_bytes", "read_bytes",
-                                           "write_bytes_per_second", "read_bytes_per_second",
-                                           "write_queue_blocks", "promoted_blocks")} if ssd else None,
-        "peers": {"pulls": add_maps("pulls"), "lookups": add_maps("lookups"),
-                  **{k: add(k, peers) for k in ("pull_bytes", "served_bytes", "active_pins", "backed_off_peers")}}
-        if peers else None,
-        "engines": sum(len(s["engines"]) for s in up),
-        "sessions": add("sessions", up),
-        "namespaces": sorted(namespaces.values(), key=lambda n: n["name"]),
+        "pulls": add_maps([p["pulls"] for p in peers]),
+        "lookups": add_maps([p["lookups"] for p in peers]),
+        "pull_bytes": sum(p["pull_bytes"] for p in peers),
+        "served_bytes": sum(p["served_bytes"] for p in peers),
+        "active_pins": sum(p["active_pins"] for p in peers),
+        "backed_off_peers": sum(p["backed_off_peers"] for p in peers),
     }
 
 
@@ -242,13 +275,13 @@ def _watch_argv(argv: Sequence[str]) -> list[str]:
     return out
 
 
-def snapshot(cfg: StatusConfig, sec: Security) -> dict[str, Any]:
+def snapshot(cfg: StatusConfig, sec: Security) -> Snapshot:
     if cfg.metaserver:
         return cluster_status(cfg.metaserver, sec, cfg.timeout)
     return node_status(cfg.addr, sec, cfg.timeout)
 
 
-def screen(snap: dict[str, Any], width: int = WIDTH) -> list[str]:
+def screen(snap: Snapshot, width: int = WIDTH) -> list[str]:
     return cluster_lines(snap, width=width) if "metaserver" in snap else node_lines(snap, width=width)
 
 

@@ -2,15 +2,15 @@
 80 columns (docs/operations.md, "pegaflow status").
 
 Pure functions of a snapshot (the dicts :mod:`pegaflow.ops.status` builds from the nodes'
-Stats answers, the same objects ``--json`` prints), so they are tested without a node.
-Every line is cut to ``width``; names too long for their column lose their middle.
+Stats answers, the same objects ``--json`` prints, typed below), so they are tested without
+a node. Every line is cut to ``width``; names too long for their column lose their middle.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Literal, TypedDict, final
 
 from pegaflow.core.tiers import MISS, OUTCOMES, Tier
 
@@ -20,7 +20,154 @@ NONE = "-"  # a ratio of nothing (no request in the window)
 # What the screens call each outcome (pegaflow.core.tiers): line and column labels.
 LABEL: dict[str, str] = {Tier.L1: "L1", Tier.SSD: "SSD", Tier.REMOTE: "remote", MISS: "miss"}
 
-Snapshot = Mapping[str, Any]
+
+
+# ---- the snapshot: what ``--json`` prints, the node's Stats fields by their JSON names ---
+class Pool(TypedDict):
+    capacity_bytes: int
+    used_bytes: int
+    prefaulted_bytes: int
+    resident_bytes: int
+    resident_blocks: int
+    evictions: int
+
+
+class Window(TypedDict):
+    """One window of the hit rate beside its ceiling (a node's, or the metaserver's union)."""
+
+    window: str
+    requested_blocks: int
+    hit_blocks: int
+    distinct_blocks: float
+    hit_ratio: float
+    ceiling_ratio: float
+
+
+class Ssd(TypedDict):
+    capacity_bytes: int
+    used_bytes: int
+    blocks: int
+    write_bytes: int
+    read_bytes: int
+    write_bytes_per_second: float
+    read_bytes_per_second: float
+    write_queue_blocks: int
+    promoted_blocks: int
+
+
+class Peers(TypedDict):
+    pulls: dict[str, int]  # by outcome ("ok", or why not)
+    pull_bytes: int
+    served_bytes: int
+    active_pins: int
+    backed_off_peers: int
+    lookups: dict[str, int]  # by outcome
+
+
+class Engine(TypedDict):
+    instance_id: str
+    sessions: int
+    namespaces: list[str]
+    leases: int
+    reservations: int
+
+
+class Namespace(TypedDict):
+    name: str
+    page_bytes: int
+    blocks: int
+    bytes: int
+
+
+@final  # no other keys: ``"metaserver" in snapshot`` tells a cluster's from a node's (Snapshot)
+class NodeSnapshot(TypedDict):
+    addr: str
+    reachable: Literal[True]
+    node_id: str
+    epoch: int
+    uptime_seconds: float
+    pool: Pool
+    windows: list[Window]
+    requests: dict[str, int]  # each request's blocks once, by outcome (pegaflow.core.tiers.OUTCOMES)
+    answers: dict[str, int]  # every READY answer's blocks, by outcome
+    save_bytes: int
+    load_bytes: int
+    ssd: Ssd | None  # None: no SSD tier
+    peers: Peers | None  # None: not in a cluster
+    sessions: int
+    leases: int
+    reservations: int
+    engines: list[Engine]
+    namespaces: list[Namespace]
+
+
+@final
+class Unreachable(TypedDict):
+    addr: str
+    reachable: Literal[False]
+    error: str  # why, in a phrase
+
+
+NodeStatus = NodeSnapshot | Unreachable
+
+
+class NodeEntry(TypedDict):
+    """A node as the metaserver lists it, with its status."""
+
+    node: str
+    address: str
+    epoch: int
+    alive: bool
+    status: NodeStatus
+
+
+class Ceiling(TypedDict):
+    """The metaserver's union of the nodes' ceiling sketches."""
+
+    nodes_merged: int
+    nodes_skipped: int
+    windows: list[Window]
+
+
+class Totals(TypedDict):
+    """Sums over the reachable nodes (``pegaflow.ops.status.totals``)."""
+
+    nodes: int
+    reachable: int
+    capacity_bytes: int
+    used_bytes: int
+    window: str  # the shortest window, whose requests and hits are summed ("" when none)
+    requested_blocks: int
+    hit_blocks: int
+    requests: dict[str, int]
+    ssd: Ssd | None
+    peers: Peers | None
+    engines: int
+    sessions: int
+    namespaces: list[Namespace]
+
+
+@final
+class ClusterSnapshot(TypedDict):
+    metaserver: str
+    reachable: Literal[True]
+    error: str
+    nodes: list[NodeEntry]
+    totals: Totals
+    ceiling: Ceiling | None  # None: the metaserver cannot say
+
+
+@final
+class MetaserverUnreachable(TypedDict):
+    metaserver: str
+    reachable: Literal[False]
+    error: str
+
+
+ClusterStatus = ClusterSnapshot | MetaserverUnreachable
+# Either screen's. Spelled flat: mypy narrows ``"metaserver" in snapshot`` (the final
+# TypedDicts above) on a flat union, not on a union of the two aliases.
+Snapshot = NodeSnapshot | Unreachable | ClusterSnapshot | MetaserverUnreachable
 
 
 # ---- numbers --------------------------------------------------------------------------
@@ -98,7 +245,7 @@ def _with_clock(head: str, clock: str, width: int) -> str:
     return (head if len(head) <= room else head[: room - 3] + "...").ljust(room) + " " + clock
 
 
-def _ratio_of_window(w: Mapping[str, Any]) -> tuple[float | None, float | None]:
+def _ratio_of_window(w: Window) -> tuple[float | None, float | None]:
     n = w.get("requested_blocks", 0)
     if not n:
         return None, None
@@ -110,10 +257,10 @@ def unreachable_line(what: str, addr: str, error: str) -> str:
     return f"{what} {addr} unreachable: {error}"
 
 
-def node_lines(s: Snapshot, now: float | None = None, width: int = WIDTH) -> list[str]:
+def node_lines(s: NodeStatus, now: float | None = None, width: int = WIDTH) -> list[str]:
     """The node screen of snapshot ``s`` (see :func:`pegaflow.ops.status.node_snapshot`)."""
-    if not s.get("reachable", False):
-        return fit([unreachable_line("node", s.get("addr", "?"), s.get("error", ""))], width)
+    if not s["reachable"]:
+        return fit([unreachable_line("node", s["addr"], s["error"])], width)
     clock = time.strftime("%H:%M:%S", time.localtime(now if now is not None else time.time()))
     tail = f" at {s['addr']}  up {fmt_duration(s['uptime_seconds'])}"
     room = width - len(clock) - 1 - len("node ") - len(tail)
@@ -132,14 +279,14 @@ def node_lines(s: Snapshot, now: float | None = None, width: int = WIDTH) -> lis
         lines.append(f"{'':<10}no window (the node keeps no request accounting)")
     lines.append(tier_line("blocks", s["requests"]))
     lines.append("")
-    lines.append(ssd_line(s.get("ssd")))
-    lines.append(peers_line(s.get("peers")))
+    lines.append(ssd_line(s["ssd"]))
+    lines.append(peers_line(s["peers"]))
     lines += engine_lines(s)
     lines += namespace_lines(s["namespaces"])
     return fit(lines, width)
 
 
-def window_lines(windows: Sequence[Mapping[str, Any]]) -> list[str]:
+def window_lines(windows: Sequence[Window]) -> list[str]:
     """Per window: blocks requested, the hit rate, the ceiling and the hit rate's share of it."""
     out = [f"{'hit rate':<10}{'window':<8}{'requested':>11}{'hit rate':>11}{'ceiling':>10}{'of ceiling':>12}"]
     for w in windows:
@@ -157,7 +304,7 @@ def tier_line(label: str, t: Mapping[str, int]) -> str:
     return f"{label:<10}" + "  ".join(parts)
 
 
-def ssd_line(ssd: Mapping[str, Any] | None) -> str:
+def ssd_line(ssd: Ssd | None) -> str:
     if not ssd:
         return f"{'SSD':<10}off (no --ssd-cache-path)"
     return (f"{'SSD':<10}{fmt_bytes(ssd['used_bytes'])} of {fmt_bytes(ssd['capacity_bytes'])} "
@@ -165,7 +312,7 @@ def ssd_line(ssd: Mapping[str, Any] | None) -> str:
             f"w {fmt_rate(ssd['write_bytes_per_second'])}  r {fmt_rate(ssd['read_bytes_per_second'])}")
 
 
-def peers_line(peers: Mapping[str, Any] | None) -> str:
+def peers_line(peers: Peers | None) -> str:
     if peers is None:
         return f"{'peers':<10}none (not in a cluster: no --metaserver-addr or --redis-url)"
     pulls = peers.get("pulls", {})
@@ -180,7 +327,7 @@ def _plural(n: int, word: str) -> str:
     return f"{fmt_count(n)} {word}{'' if n == 1 else 's'}"
 
 
-def engine_lines(s: Snapshot) -> list[str]:
+def engine_lines(s: NodeSnapshot) -> list[str]:
     engines = s["engines"]
     out = [f"{'engines':<10}{_plural(len(engines), 'engine')}  {_plural(s['sessions'], 'session')}  "
            f"{_plural(s['leases'], 'lease')}  {_plural(s['reservations'], 'reservation')}"]
@@ -202,7 +349,7 @@ def _first_and_count(names: Sequence[str], n: int) -> str:
     return clip(names[0], n - len(more)) + more
 
 
-def namespace_lines(namespaces: Sequence[Mapping[str, Any]]) -> list[str]:
+def namespace_lines(namespaces: Sequence[Namespace]) -> list[str]:
     total = sum(n["bytes"] for n in namespaces)
     out = [f"{'namespaces':<11}{len(namespaces)} holding {fmt_bytes(total)}"]
     if namespaces:
@@ -219,13 +366,13 @@ def namespace_lines(namespaces: Sequence[Mapping[str, Any]]) -> list[str]:
 _ROW = "{:<14} {:>11} {:>4} {:>6} {:>6} {:>7} {:>7} {:>6} {:>7}"
 
 
-def cluster_lines(c: Snapshot, now: float | None = None, width: int = WIDTH) -> list[str]:
+def cluster_lines(c: ClusterStatus, now: float | None = None, width: int = WIDTH) -> list[str]:
     """The cluster screen of ``c`` (see :func:`pegaflow.ops.status.cluster_status`)."""
-    if not c.get("reachable", False):
-        return fit([unreachable_line("metaserver", c.get("metaserver", "?"), c.get("error", ""))], width)
+    if not c["reachable"]:
+        return fit([unreachable_line("metaserver", c["metaserver"], c["error"])], width)
     clock = time.strftime("%H:%M:%S", time.localtime(now if now is not None else time.time()))
     nodes = c["nodes"]
-    up = sum(1 for n in nodes if n["status"].get("reachable"))
+    up = sum(1 for n in nodes if n["status"]["reachable"])
     head = f"cluster of metaserver {c['metaserver']}: {_plural(len(nodes), 'node')}, {up} reachable"
     lines = [_with_clock(head, clock, width)]
     t = c["totals"]
@@ -239,8 +386,8 @@ def cluster_lines(c: Snapshot, now: float | None = None, width: int = WIDTH) -> 
     for n in nodes:
         s = n["status"]
         name = clip(n["node"], 14)
-        if not s.get("reachable"):
-            why = "no heartbeat (not alive)" if not n["alive"] else f"unreachable: {s.get('error', '')}"
+        if not s["reachable"]:
+            why = "no heartbeat (not alive)" if not n["alive"] else f"unreachable: {s['error']}"
             lines.append(f"{name:<14} {clip(n['address'], 21):<21} {why}")
             continue
         p = s["pool"]
