@@ -34,6 +34,7 @@ CONSUMERS = "pf:{pf}:consumers"  # ZSET consumer name -> heartbeat deadline ms
 SWEEP_LOCK = "pf:{pf}:sweep"
 SWEPT = "pf:{pf}:swept"  # SET of retired nids already swept once
 PAUSE = "pf:{pf}:pause"  # set by `pegaflow-meta rebuild`: replicas stop applying
+VIEW_WATCH = "pf:{pf}:watch"  # never written: a replica's view BLPOPs it to see Redis go away at once
 
 STREAM_PREFIX = "pf:ev:"  # + {<node>}: one event stream per node (pegaflow/meta/events/)
 

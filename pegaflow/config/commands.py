@@ -122,6 +122,7 @@ class MetaConfig:
     node_stale_secs: int
     ttl_minutes: int
     query_max_blocks: int
+    view_max_lag_ms: int
     auth_token_file: str
     tls_cert: str
     tls_key: str

@@ -675,6 +675,17 @@ OPTIONS: list[Option] = [
         _positive_int,
         commands=(META,),
     ),
+    Option(
+        "view-max-lag-ms",
+        100,
+        "Lookups (QueryPrefix, RouteHint) are answered from this replica's in-memory view of the "
+        "index while it holds every node event and liveness change older than this many "
+        "milliseconds, else from Redis; the view is fed from the node streams (0: no view, every "
+        "lookup reads Redis). docs/meta.md, \"The in-memory view\".",
+        _non_negative_int,
+        commands=(META,),
+        metavar="MS",
+    ),
     # --- access (pegaflow/common/security.py, docs/security.md) -----------------------
     Option(
         "auth-token-file",

@@ -1,4 +1,4 @@
-"""Assembles and runs one metaserver replica: consumer, lookups, gRPC service, metrics.
+"""Assembles and runs one metaserver replica: consumer, in-memory view, lookups, gRPC service, metrics.
 
 The composition root of ``pegaflow-meta`` (``pegaflow/meta/cli.py`` parses and connects to
 Redis, then hands over here), as ``pegaflow/node/daemon.py`` is the node's. The constructor
@@ -35,6 +35,7 @@ from pegaflow.meta.index import Census, Index
 from pegaflow.meta.lookup import Lookup
 from pegaflow.meta.metrics import MetaMetrics, run_census
 from pegaflow.meta.service import MetaServicer
+from pegaflow.meta.view_feed import ViewFeed
 
 log = structlog.get_logger("pegaflow.meta")
 
@@ -49,7 +50,9 @@ class StartupError(Exception):
 
 class MetaServer:
     """One replica. Any number run against one Redis or Redis Cluster and share the node
-    streams (``pegaflow/meta/events/consumer.py``); a replica holds no state of its own.
+    streams (``pegaflow/meta/events/consumer.py``); a replica holds no state of its own but
+    its in-memory view, a projection of the same streams it rebuilds at start
+    (``pegaflow/meta/view_feed.py``).
 
     ``registry`` is what ``--http-addr`` serves (and OTLP mirrors): the process's default
     one unless given, so the client library's process metrics are in it.
@@ -82,7 +85,10 @@ class MetaServer:
                 name="pf-meta-census", daemon=True))
         self.ceiling = ClusterCeilingCollector(redis, config.ceiling_windows, lg_k=config.metric_hll_bucket_bits)
         registry.register(self.ceiling)
-        self.lookup = Lookup(redis, stale_ms=config.node_stale_secs * 1000)  # --node-stale-secs hides silent nodes
+        stale_ms = config.node_stale_secs * 1000  # --node-stale-secs hides silent nodes
+        # The in-memory view, fed from the streams (--view-max-lag-ms; 0: none).
+        self.view = ViewFeed(redis, config.view_max_lag_ms / 1000, stale_ms) if config.view_max_lag_ms > 0 else None
+        self.lookup = Lookup(redis, stale_ms=stale_ms)
         self.metrics.bind_nodes(self.lookup.nodes)  # pegaflow_metaserver_nodes{state}, at scrape time
         self.servicer = MetaServicer(self.lookup, config.query_max_blocks, self.metrics, self.ceiling.current,
                                      config.redis_url, config.redis_cluster)
@@ -106,6 +112,8 @@ class MetaServer:
             self._close()
             raise
         self.consumer.start()
+        if self.view is not None:
+            self.view.start()
         for t in self.threads:
             t.start()
         warn = self.security.exposure_warning(self.config.addr)
@@ -148,6 +156,8 @@ class MetaServer:
         if self.server is not None:
             self.server.stop(grace=GRPC_GRACE_S).wait()
         self.consumer.stop()
+        if self.view is not None:
+            self.view.stop()
         for t in self.threads:
             if t.is_alive():
                 t.join(timeout=JOIN_TIMEOUT_S)

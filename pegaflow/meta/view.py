@@ -35,7 +35,8 @@ Contracts:
   4-6 / 8 us p50 (30-46 / 62 ns a hash with the hashes as a list of ``bytes``, ~25 / ~52 ns
   as one blob); applying a 512-hash entry ~30-100 us (5-19M inserted pairs/s, 6-12M evicted);
   :meth:`clear_slot` one pass over every entry, 10 ms at 1M and 130-230 ms at 8M: a
-  replica must clear slots where a pause of lookups that long is acceptable, or between them.
+  replica clears in steps instead (``clear_slot_part``: at most ``budget`` entries visited a
+  call, ~10-20 ns each, other slots' updates allowed between steps; ``view_feed.py``).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from typing import Final
 from pegaflow.core.identity import HASH_BYTES
 from pegaflow.core.tiers import Tier
 from pegaflow.meta._metaview import HASH_BYTES as _C_HASH_BYTES  # built by the install (metaview.c)
+from pegaflow.meta._metaview import MAX_NAMESPACES as _C_MAX_NAMESPACES
 from pegaflow.meta._metaview import MAX_SLOTS as _C_MAX_SLOTS
 from pegaflow.meta._metaview import View
 from pegaflow.meta.events.schema import Op
@@ -61,9 +63,12 @@ MAX_SLOTS: Final[int] = _C_MAX_SLOTS
 ALL_SLOTS: Final[int] = (1 << MAX_SLOTS) - 1
 """A ``live_mask`` with every slot live."""
 
+MAX_NAMESPACES: Final[int] = _C_MAX_NAMESPACES
+"""Namespace ids a view holds (0 .. MAX_NAMESPACES - 1)."""
+
 
 class PrefixView(View):
-    """The C view (``update``, ``clear_slot``, ``walk``, ``holders``, ``dump``, ``nbytes``, ``len``)
+    """The C view (``update``, ``clear_slot``, ``clear_slot_part``, ``walk``, ``holders``, ``dump``, ``nbytes``, ``len``)
     with events applied by their :class:`Op` and :class:`Tier`."""
 
     __slots__ = ()

@@ -490,6 +490,63 @@ static PyObject *View_clear_slot(View *self, PyObject *arg) {
     return PyLong_FromUnsignedLongLong(removed);
 }
 
+/* clear_slot_part(slot, cursor, budget) -> (removed, cursor): clear_slot() in steps that
+ * each visit at most `budget` entries, so no step holds the GIL long (a whole pass is ~10 ms
+ * per 1M entries). Pass cursor 0 to start and the returned cursor to go on; 0 back: done.
+ * The cursor names a namespace and how many of its entries are left to visit, downwards
+ * (cursor = ns << CURSOR_NS_SHIFT | (left + 1)). Other slots' updates between steps are fine:
+ * an entry below `left` that still holds the slot only ever moves further down (the last
+ * entry fills a hole), entries added land at the end, past `left`. The caller must apply
+ * nothing for `slot` until the pass is done (it would land where the pass has been). */
+#define CURSOR_NS_SHIFT 34
+static PyObject *View_clear_slot_part(View *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "clear_slot_part() takes 3 arguments (slot, cursor, budget), got %zd", nargs);
+        return NULL;
+    }
+    long slot;
+    if (get_slot(args[0], &slot) < 0) return NULL;
+    unsigned long long cursor = PyLong_AsUnsignedLongLong(args[1]);
+    if (cursor == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    long long budget = PyLong_AsLongLong(args[2]);
+    if (budget == -1 && PyErr_Occurred()) return NULL;
+    if (budget < 1) {
+        PyErr_SetString(PyExc_ValueError, "budget must be at least 1 entry");
+        return NULL;
+    }
+    Py_ssize_t ns = (Py_ssize_t)(cursor >> CURSOR_NS_SHIFT);
+    uint64_t left = cursor ? (cursor & ((1ULL << CURSOR_NS_SHIFT) - 1)) - 1 : UINT64_MAX; /* MAX: from the top */
+    if (ns >= MAX_NAMESPACES) {
+        PyErr_SetString(PyExc_ValueError, "cursor is not one clear_slot_part returned");
+        return NULL;
+    }
+    const uint64_t bit = 1ULL << slot, keep = ~bit;
+    uint64_t removed = 0;
+    for (; ns < self->ntabs; ns++, left = UINT64_MAX) {
+        Table *t = self->tabs[ns];
+        if (t == NULL) continue;
+        if (left > t->n) left = t->n;
+        while (left > 0 && budget > 0) {
+            uint64_t i = --left;
+            budget--;
+            Entry *e = &t->ent[i];
+            if (!((e->l1 | e->ssd) & bit)) continue;
+            removed++;
+            e->l1 &= keep;
+            e->ssd &= keep;
+            if (!(e->l1 | e->ssd)) {
+                ent_remove(t, i, slot_of(t, i, self->seed), self->seed);
+                self->entries--;
+            }
+        }
+        if (left > 0) /* out of budget inside this table */
+            return Py_BuildValue("(KK)", (unsigned long long)removed,
+                                 ((unsigned long long)ns << CURSOR_NS_SHIFT) | (unsigned long long)(left + 1));
+        table_settle(self, (long)ns);
+    }
+    return Py_BuildValue("(KK)", (unsigned long long)removed, 0ULL);
+}
+
 /* walk(ns, hashes, live_mask) -> [(slot, prefix_len, ssd_blocks)], by slot: for every slot
  * of live_mask holding block 0, the number of leading blocks it holds (any tier) and how
  * many of those it holds only on SSD (index.prefix_tiers). */
@@ -631,6 +688,9 @@ static PyMethodDef View_methods[] = {
      "hash, in order; returns the (block, slot) pairs that changed."},
     {"clear_slot", (PyCFunction)View_clear_slot, METH_O,
      "clear_slot(slot) -> int: slot holds nothing any more (one pass over every entry); returns pairs removed."},
+    {"clear_slot_part", (PyCFunction)(void (*)(void))View_clear_slot_part, METH_FASTCALL,
+     "clear_slot_part(slot, cursor, budget) -> (removed, cursor): clear_slot in steps of at most budget entries "
+     "visited; cursor 0 starts, 0 returned: done."},
     {"walk", (PyCFunction)(void (*)(void))View_walk, METH_FASTCALL,
      "walk(ns, hashes, live_mask) -> [(slot, prefix_len, ssd_blocks)]: per live slot holding block 0, its "
      "leading blocks and how many of them only on SSD; by slot."},

@@ -125,6 +125,49 @@ def test_a_long_run_with_growth_tier_changes_evictions_and_resets_equals_the_ref
     assert view.nbytes < 4096, "an empty view gives its tables back"
 
 
+def test_a_slot_cleared_in_steps_between_other_slots_updates_equals_clearing_it_at_once() -> None:
+    """clear_slot_part: small budgets, tables emptied and grown between steps, evictions that
+    move entries into holes below the cursor; in the end what clear_slot leaves."""
+    rng = random.Random(11)
+    pool = [rng.randbytes(16) for _ in range(20_000)]
+    for trial in range(12):
+        view, ref = PrefixView(trial), DictView()
+        dying = rng.choice(SLOTS)
+        others = [s for s in SLOTS if s != dying]
+        for _ in range(60):
+            ns, start = rng.randrange(NAMESPACES), rng.randrange(len(pool))
+            hs = pool[start : start + rng.randint(1, 700)]
+            slot, ssd = rng.choice(SLOTS), rng.random() < 0.3
+            assert view.update(ns, slot, True, ssd, hs) == ref.update(ns, slot, True, ssd, hs)
+        expect = ref.clear_slot(dying)
+        cursor, removed, steps = 0, 0, 0
+        while True:
+            got, cursor = view.clear_slot_part(dying, cursor, rng.choice([1, 7, 100, 5000]))
+            removed += got
+            steps += 1
+            if cursor == 0:
+                break
+            # Other slots go on between steps: adds, evictions (holes filled from the end), a namespace emptied.
+            ns, start = rng.randrange(NAMESPACES), rng.randrange(len(pool))
+            hs = pool[start : start + rng.randint(1, 300)]
+            slot = rng.choice(others)
+            r = rng.random()
+            if r < 0.4:
+                assert view.update(ns, slot, True, False, hs) == ref.update(ns, slot, True, False, hs)
+            elif r < 0.9:
+                assert view.update(ns, slot, False, False, hs) == ref.update(ns, slot, False, False, hs)
+            else:
+                for s in others:
+                    assert view.update(ns, s, False, False, pool) == ref.update(ns, s, False, False, pool)
+        assert removed == expect and steps > 1
+        check_state(view, ref)
+        assert all(not (l1 | ssd) >> dying & 1 for ns in range(NAMESPACES) for l1, ssd in view.dump(ns).values())
+    with pytest.raises(ValueError):
+        PrefixView().clear_slot_part(0, 0, 0)
+    with pytest.raises(ValueError):
+        PrefixView().clear_slot_part(MAX_SLOTS, 0, 10)
+
+
 def test_growth_doubles_the_index_before_load_passes_0_7_and_loses_nothing() -> None:
     rng = random.Random(5)
     view, ref = PrefixView(), DictView()

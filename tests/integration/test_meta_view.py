@@ -1,0 +1,215 @@
+"""A replica's in-memory view (pegaflow/meta/view_feed.py) on a real redis-server, fed from the
+node streams beside the consumer: it ends equal to the Redis index and to the nodes' own truth
+for every visible node, through node restarts, dead nodes and more incarnations than it has
+slots; at full ingest every answer it gives holds what was written longer than its bound ago."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pegaflow.cluster import keys
+from pegaflow.cluster.redis_conn import Client
+from pegaflow.meta.events.consumer import Consumer
+from pegaflow.meta.index import Index
+from pegaflow.meta.view import MAX_SLOTS
+from pegaflow.meta.view_feed import ViewFeed
+from pegaflow.node.publishing import EventPublisher
+from tests.harness.procs import python_env
+from tests.harness.redis import RedisServer
+from tests.integration import redis_fixtures
+from tests.integration.meta_harness import (
+    LEASE_TTL_S,
+    PublisherProc,
+    client,
+    index_view,
+    load_truth,
+    wait_converged,
+)
+from tests.waiting import wait_until
+
+pytestmark = pytest.mark.integration
+redis_server = redis_fixtures.redis_server
+
+BOUND_S = 0.1  # --view-max-lag-ms's default
+
+
+@pytest.fixture
+def feed(redis_server: RedisServer) -> Iterator[ViewFeed]:
+    """A view fed in this process (the metaserver's, minus gRPC), stale filtering as the default."""
+    f = ViewFeed(client(redis_server.url, False), BOUND_S, stale_ms=30_000)
+    f.start()
+    try:
+        yield f
+    finally:
+        f.stop()
+
+
+def by_tag(dump: dict[tuple[str, bytes], frozenset[str]] | None) -> dict[tuple[str, bytes], frozenset[str]] | None:
+    return None if dump is None else {(keys.ns_tag(ns), h): nodes for (ns, h), nodes in dump.items()}
+
+
+def wait_view_equals_index(r: Client, feed: ViewFeed, truth: dict | None = None, timeout: float = 30) -> None:
+    """Until the view holds what the Redis index holds for the visible nodes (and ``truth``)."""
+    last: list = []
+
+    def same() -> bool:
+        view, index = by_tag(feed.dump()), index_view(r)
+        last[:] = [view, index]
+        return view == index and (truth is None or view == truth)
+
+    def diff() -> str:
+        view, index = last
+        if view is None:
+            return "the view to be in use"
+        return (f"view == index: {len(view)} blocks in the view, {len(index)} in the index, "
+                f"{len(set(view) ^ set(index))} in one only")
+
+    wait_until(same, timeout, diff, every=0.2)
+
+
+def test_the_view_equals_the_index_and_the_truth_through_restarts_and_deaths(
+    redis_server: RedisServer, feed: ViewFeed, tmp_path: Path
+) -> None:
+    r = client(redis_server.url, False)
+    c = Consumer(r, Index(r), "c", lease_ms=int(LEASE_TTL_S * 1000))
+    stop = threading.Event()
+    consumer = threading.Thread(target=c.run, args=(stop,), daemon=True)
+    consumer.start()
+    procs = {n: PublisherProc(redis_server.url, False, n, tmp_path / f"{n}.json", tmp_path / f"{n}.log", "--seed",
+                              str(i), "--ops", "600", "--rate", "1500", "--hold", "--ttl", "2")
+             for i, n in enumerate(["n1", "n2", "n3"])}
+    try:
+        for p in procs.values():
+            p.wait_done()
+        states = {n: p.state for n, p in procs.items()}
+        wait_converged(r, states)
+        truth = load_truth(states)
+        assert len(truth) > 1000
+        wait_view_equals_index(r, feed, truth)
+        assert feed.incarnations() == 3
+        # A restarted node: a new incarnation with what survived; the old one's slot is cleared.
+        procs["n1"].kill()
+        procs["n1"] = PublisherProc(redis_server.url, False, "n1", states["n1"], tmp_path / "n1b.log", "--ops", "100",
+                                    "--keep", "150", "--seed", "9", "--hold", "--ttl", "2")
+        procs["n1"].wait_done()
+        wait_converged(r, states)
+        wait_view_equals_index(r, feed, load_truth(states))
+        wait_until(lambda: feed.incarnations() == 3, 10, "the old incarnation's slot to be cleared")
+        # A dead node leaves the view's answers once its liveness expires.
+        procs["n2"].kill()
+        del states["n2"]
+        wait_view_equals_index(r, feed, load_truth(states), timeout=15)
+        assert feed.restarts == 0
+    finally:
+        stop.set()
+        for p in procs.values():
+            p.kill()
+        consumer.join(10)
+
+
+def test_more_incarnations_over_time_than_slots_reuse_cleared_slots(
+    redis_server: RedisServer, feed: ViewFeed
+) -> None:
+    """A node restarted past 64 times: each restart supersedes the last incarnation, whose slot
+    is cleared and given to a later one; the view never overflows and ends equal to the index."""
+    r = client(redis_server.url, False)
+    rng = random.Random(4)
+    held = [rng.randbytes(16) for _ in range(400)]
+    c = Consumer(r, Index(r), "c")
+    for k in range(MAX_SLOTS + 6):
+        keep = held[: 100 + k]
+        pub = EventPublisher(r, "n1", "h:1", lambda keep=keep: [("ns", keep)], flush_interval=0.001).start(wait=5)
+        pub.on_insert("ns", held[300 + k : 301 + k])
+        assert pub.wait_idle(5)
+        pub.stop()
+        if k % 16 == 15:  # the view catches up now and then, slots freed meanwhile
+            assert c.wait_caught_up(10)
+            wait_view_equals_index(r, feed)
+    assert c.wait_caught_up(10)
+    wait_view_equals_index(r, feed)
+    wait_until(lambda: feed.incarnations() == 1, 10, "every superseded slot cleared")
+    assert feed.restarts == 0
+
+
+# A node's stream written as fast as one process can: chains of 128 blocks, 4 to an entry,
+# 16 entries to a pipeline; after each pipeline the last chain written goes to test:done.
+WRITER = """
+import hashlib, sys, time
+from pegaflow.cluster import registry
+from pegaflow.cluster.keys import stream_key
+from pegaflow.cluster.redis_conn import connect
+from pegaflow.meta.events.codec import FIELD, encode
+from pegaflow.meta.events.schema import Event, Op
+r = connect(sys.argv[1])
+seconds, rate = float(sys.argv[2]), float(sys.argv[3])
+nid, epoch = registry.register(r, "w", "h:w", 600_000, switch=True)
+r.xadd(stream_key("w"), {FIELD: encode(Event("w", nid, epoch, 0, Op.RESET))})
+def chain(c):
+    return b"".join(hashlib.blake2b(b"%d:%d" % (c, j), digest_size=16).digest() for j in range(128))
+seq, c, t0 = 1, 0, time.monotonic()
+print("ready", flush=True)
+while time.monotonic() - t0 < seconds:
+    p = r.pipeline(transaction=False)
+    for _ in range(16):
+        p.xadd(stream_key("w"), {FIELD: encode(Event("w", nid, epoch, seq, Op.INSERT, "ns",
+                                                       b"".join(chain(c + k) for k in range(4))))})
+        seq, c = seq + 1, c + 4
+    p.set("test:done", c - 1)
+    p.execute()
+    if rate:
+        time.sleep(max(0.0, c * 128 / rate - (time.monotonic() - t0)))
+print(c * 128, time.monotonic() - t0, flush=True)
+"""
+
+
+def chain(c: int) -> list[bytes]:
+    return [hashlib.blake2b(b"%d:%d" % (c, j), digest_size=16).digest() for j in range(128)]
+
+
+@pytest.mark.parametrize("rate", [500_000, 0], ids=["500k-blocks-per-s", "unthrottled"])
+def test_at_full_ingest_view_answers_hold_everything_older_than_the_bound(
+    redis_server: RedisServer, feed: ViewFeed, rate: int
+) -> None:
+    """A writer fills a node's stream (500k blocks/s, then as fast as it can) while lookups
+    run. Each check notes the last chain written, waits the bound, and asks for it: an answer
+    from the view must hold it whole (else the view missed an event older than the bound);
+    None means the caller reads Redis. At 500k blocks/s the view keeps up and answers most."""
+    r = client(redis_server.url, False)
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, redis_server.url, "6", str(rate)], env=python_env(),
+                              stdout=subprocess.PIPE, text=True)
+    assert writer.stdout is not None
+    assert writer.stdout.readline().strip() == "ready"
+    wait_until(lambda: r.get("test:done") is not None, 10, "the writer's first chains")
+    answered = fell_back = 0
+    lags: list[float] = []
+    while writer.poll() is None:
+        done, t0 = int(r.get("test:done") or 0), time.monotonic()
+        lags.append(feed.lag_s())
+        time.sleep(max(0.0, t0 + BOUND_S - time.monotonic()))
+        rows = feed.holders("ns", chain(done))
+        if rows is None:
+            fell_back += 1
+        else:
+            assert rows == [("w", "h:w", 128, 0)], (done, rows)
+            answered += 1
+    out = writer.stdout.read().split()
+    blocks, seconds = int(out[0]), float(out[1])
+    lags.sort()
+    print(f"{blocks / seconds:,.0f} blocks/s written; {answered} answered from the view, {fell_back} fell back; "
+          f"lag p50 {lags[len(lags) // 2] * 1e3:.1f} ms, max {lags[-1] * 1e3:.1f} ms")
+    assert writer.returncode == 0 and answered + fell_back > 20
+    if rate:
+        assert blocks / seconds > 0.8 * rate, "the writer did not reach its rate"
+        assert answered >= 0.8 * (answered + fell_back), (answered, fell_back, lags[-5:])
+    # Once the writer stops the view catches up and answers everything written.
+    last = int(r.get("test:done") or 0)
+    wait_until(lambda: feed.holders("ns", chain(last)) == [("w", "h:w", 128, 0)], 30, "the view to catch up")
