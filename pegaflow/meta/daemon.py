@@ -86,9 +86,9 @@ class MetaServer:
         self.ceiling = ClusterCeilingCollector(redis, config.ceiling_windows, lg_k=config.metric_hll_bucket_bits)
         registry.register(self.ceiling)
         stale_ms = config.node_stale_secs * 1000  # --node-stale-secs hides silent nodes
-        # The in-memory view, fed from the streams (--view-max-lag-ms; 0: none).
+        # The in-memory view lookups read while it is fresh (--view-max-lag-ms; 0: Redis only).
         self.view = ViewFeed(redis, config.view_max_lag_ms / 1000, stale_ms) if config.view_max_lag_ms > 0 else None
-        self.lookup = Lookup(redis, stale_ms=stale_ms)
+        self.lookup = Lookup(redis, stale_ms=stale_ms, view=self.view)
         self.metrics.bind_nodes(self.lookup.nodes)  # pegaflow_metaserver_nodes{state}, at scrape time
         self.servicer = MetaServicer(self.lookup, config.query_max_blocks, self.metrics, self.ceiling.current,
                                      config.redis_url, config.redis_cluster)

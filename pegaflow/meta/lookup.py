@@ -1,6 +1,10 @@
-"""Read side: QueryPrefix and the routing hint, one Redis round trip each.
+"""Read side: QueryPrefix and the routing hint, from the replica's in-memory view while it
+is fresh (``view_feed.py``, ``--view-max-lag-ms``), else one Redis round trip each.
 
-A lookup sends, together, the prefix query (a batch of ``HGET``, namespace slot; see
+From the view: one walk of the view in C (``view.PrefixView.walk``), liveness from the
+view's last round (a node that dies leaves answers within the bound, not at once).
+
+From Redis: a lookup sends, together, the prefix query (a batch of ``HGET``, namespace slot; see
 ``index.py``) and ``MGET`` of every known node's liveness key plus ``GET`` of the registry
 version (``{pf}`` slot); on a cluster the two go to their shards in parallel
 (``redis_conn.raw_round_trip``; without a real socket, the prefix script through
@@ -20,12 +24,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import structlog
+from prometheus_client import Counter
 from redis.exceptions import NoScriptError, ResponseError
 
 from pegaflow.cluster import keys, registry
 from pegaflow.cluster.redis_conn import Client, checked, is_cluster, parallel, raw_round_trip
 from pegaflow.core.tiers import Tier
 from pegaflow.meta.index import Index, prefix_tiers
+from pegaflow.meta.view_feed import ViewFeed
 
 log = structlog.get_logger("pegaflow.meta.lookup")
 
@@ -43,11 +49,19 @@ class NodePrefix:
 
 
 class Lookup:
-    """Thread-safe; one instance per process serves every gRPC handler thread."""
+    """Thread-safe; one instance per process serves every gRPC handler thread.
 
-    def __init__(self, r: Client, stale_ms: int | None = None) -> None:
+    With ``view``, a lookup is answered from it while it is fresh (it says so by answering),
+    else from Redis; ``sources`` (labelled by ``source``: ``view``, ``redis``) counts which.
+    """
+
+    def __init__(self, r: Client, stale_ms: int | None = None, view: ViewFeed | None = None,
+                 sources: Counter | None = None) -> None:
         self.r = r
         self.stale_ms = stale_ms
+        self.view = view
+        counts = sources if sources is not None else Counter("lookups", "", ["source"], registry=None)
+        self._from_view, self._from_redis = counts.labels("view"), counts.labels("redis")
         self._warned_slow: set[str] = set()
         self.index = Index(r)
         self._lock = threading.Lock()
@@ -77,6 +91,14 @@ class Lookup:
         blocks only on SSD first, then by name)."""
         if not hashes:
             return []
+        if self.view is not None:
+            rows = self.view.holders(namespace, hashes)
+            if rows is not None:
+                self._from_view.inc()
+                got = [NodePrefix(*row) for row in rows]
+                got.sort(key=lambda p: (-p.prefix_len, p.ssd_blocks, p.node))
+                return got
+        self._from_redis.inc()
         batch = self.index.query_batch(namespace, hashes)
         for attempt in range(3):
             names = self._names

@@ -1,11 +1,14 @@
 """A replica's in-memory view (pegaflow/meta/view_feed.py) on a real redis-server, fed from the
 node streams beside the consumer: it ends equal to the Redis index and to the nodes' own truth
 for every visible node, through node restarts, dead nodes and more incarnations than it has
-slots; at full ingest every answer it gives holds what was written longer than its bound ago."""
+slots; lookups through a real ``pegaflow-meta`` are answered from it and equal the truth; at
+full ingest every answer it gives holds what was written longer than its bound ago, and
+lookups read Redis once it is older than its bound."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 import subprocess
 import sys
@@ -20,9 +23,11 @@ from pegaflow.cluster import keys
 from pegaflow.cluster.redis_conn import Client
 from pegaflow.meta.events.consumer import Consumer
 from pegaflow.meta.index import Index
+from pegaflow.meta.lookup import Lookup
 from pegaflow.meta.view import MAX_SLOTS
 from pegaflow.meta.view_feed import ViewFeed
 from pegaflow.node.publishing import EventPublisher
+from tests.harness.meta import MetaServer
 from tests.harness.procs import python_env
 from tests.harness.redis import RedisServer
 from tests.integration import redis_fixtures
@@ -74,6 +79,38 @@ def wait_view_equals_index(r: Client, feed: ViewFeed, truth: dict | None = None,
                 f"{len(set(view) ^ set(index))} in one only")
 
     wait_until(same, timeout, diff, every=0.2)
+
+
+def expected(truth: dict[tuple[str, bytes], frozenset[str]], ns: str, hs: list[bytes]) -> dict[str, int]:
+    """node -> prefix of ``hs`` it holds, from the nodes' truth (QueryPrefix's answer)."""
+    tag = keys.ns_tag(ns)
+    out: dict[str, int] = {}
+    alive: set[str] | None = None
+    for i, h in enumerate(hs):
+        holders = truth.get((tag, h), frozenset())
+        alive = set(holders) if alive is None else alive & holders
+        for n in alive:
+            out[n] = i + 1
+        if not alive:
+            break
+    return out
+
+
+def queries(states: dict[str, Path], n: int, seed: int) -> Iterator[tuple[str, list[bytes]]]:
+    """Lookups mixing prefixes of one node's blocks with others' and unknown ones."""
+    rng = random.Random(seed)
+    held = {node: json.loads(p.read_text()) for node, p in states.items()}
+    for _ in range(n):
+        node = rng.choice(sorted(held))
+        ns = rng.choice(sorted(held[node]))
+        mine = [bytes.fromhex(h) for h in held[node][ns]]
+        if not mine:
+            continue
+        hs = rng.sample(mine, min(len(mine), rng.randint(1, 40)))
+        other = rng.choice(sorted(held))
+        theirs = [bytes.fromhex(h) for h in held[other].get(ns, [])]
+        hs += rng.sample(theirs, min(len(theirs), rng.randint(0, 10))) + [rng.randbytes(16)]
+        yield ns, hs
 
 
 def test_the_view_equals_the_index_and_the_truth_through_restarts_and_deaths(
@@ -138,6 +175,33 @@ def test_more_incarnations_over_time_than_slots_reuse_cleared_slots(
     wait_view_equals_index(r, feed)
     wait_until(lambda: feed.incarnations() == 1, 10, "every superseded slot cleared")
     assert feed.restarts == 0
+
+
+def test_lookups_through_grpc_are_answered_from_the_view_and_equal_the_truth(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    meta = MetaServer(redis_server.url, tmp_path / "meta.log",
+                      extra=["--consumer-name", "m1", "--stream-lease-ttl", str(LEASE_TTL_S), "--sweep-interval", "0"])
+    meta.start()
+    procs = {n: PublisherProc(redis_server.url, False, n, tmp_path / f"{n}.json", tmp_path / f"{n}.log", "--seed",
+                              str(i), "--ops", "500", "--hold")
+             for i, n in enumerate(["n1", "n2", "n3"])}
+    r = client(redis_server.url, False)
+    try:
+        for p in procs.values():
+            p.wait_done()
+        states = {n: p.state for n, p in procs.items()}
+        wait_converged(r, states)
+        truth = load_truth(states)
+        checked = 0
+        for ns, hs in queries(states, 300, seed=1):
+            assert meta.query(ns, hs) == expected(truth, ns, hs), (ns, len(hs))
+            checked += 1
+        assert checked > 250
+    finally:
+        for p in procs.values():
+            p.kill()
+        meta.stop()
 
 
 # A node's stream written as fast as one process can: chains of 128 blocks, 4 to an entry,
@@ -213,3 +277,21 @@ def test_at_full_ingest_view_answers_hold_everything_older_than_the_bound(
     # Once the writer stops the view catches up and answers everything written.
     last = int(r.get("test:done") or 0)
     wait_until(lambda: feed.holders("ns", chain(last)) == [("w", "h:w", 128, 0)], 30, "the view to catch up")
+
+
+def test_a_view_older_than_its_bound_is_not_read(redis_server: RedisServer) -> None:
+    """A feeder that stops stepping (stalled, stuck on Redis) leaves the view out of use within
+    its bound: lookups read Redis from then on."""
+    r = client(redis_server.url, False)
+    rng = random.Random(2)
+    held = [rng.randbytes(16) for _ in range(64)]
+    pub = EventPublisher(r, "n1", "h:1", lambda: [("ns", held)], flush_interval=0.001).start(wait=5)
+    assert Consumer(r, Index(r), "c").wait_caught_up(10)
+    feed = ViewFeed(r, BOUND_S, stale_ms=30_000)  # stepped by hand: no thread
+    lookup = Lookup(r, 30_000, view=feed)
+    wait_until(lambda: (feed.step(), feed.holders("ns", held) is not None)[1], 10, "the view in use", every=0.01)
+    assert lookup.query_prefix("ns", held)[0].prefix_len == 64
+    wait_until(lambda: feed.holders("ns", held) is None, 2 * BOUND_S + 1, "the view to be older than its bound",
+               every=0.01)
+    assert lookup.query_prefix("ns", held)[0].prefix_len == 64  # from Redis
+    pub.stop()
