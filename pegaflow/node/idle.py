@@ -24,11 +24,13 @@ import concurrent.futures
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TypeVarTuple
 
 HOP_TIMEOUT_S = 1.0  # a loop_hop gives up waiting for a loop this busy (or stopping)
 QUIET_S = 0.001  # the data path has served no call this long: background work may start
 MAX_DEFER_S = 0.02  # however busy the data path, deferred work starts within this
+
+Ts = TypeVarTuple("Ts")  # a deferred call's arguments
 
 
 class DataPathIdle:
@@ -43,7 +45,8 @@ class DataPathIdle:
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.quiet_s, self.max_defer_s, self.clock = quiet_s, max_defer_s, clock
         self.last_call = -1e9
-        self._queue: deque[tuple[float, Callable[..., Any], tuple[Any, ...]]] = deque()
+        # (queued at, fn, its arguments): each pair checked where queued (``call``)
+        self._queue: deque[tuple[float, Callable[..., object], tuple[object, ...]]] = deque()
         self._timer: asyncio.Handle | None = None
         self.deferred = 0  # times a hand-off had to wait (tests read it)
 
@@ -59,7 +62,7 @@ class DataPathIdle:
             return 0.0
         return min(self.quiet_s - quiet, self.max_defer_s - (now - since))
 
-    def call(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:
+    def call(self, loop: asyncio.AbstractEventLoop, fn: Callable[[*Ts], object], *args: *Ts) -> None:
         """Run ``fn(*args)`` on ``loop`` (the caller's) once the data path pauses; in call order."""
         self._queue.append((self.clock(), fn, args))
         if self._timer is None:  # never inline: the caller is inside a data-path call

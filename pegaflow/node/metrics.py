@@ -9,7 +9,6 @@ these at scrape time: :func:`original_aliases`.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -195,17 +194,19 @@ class _FnCounter(Collector):
     """A counter whose value is read from a live object at scrape time (a monotonic int);
     with ``labels``, ``fn`` gives ``{label values: value}``."""
 
-    def __init__(self, name: str, doc: str, fn: Callable[[], Any], labels: tuple[str, ...] = ()) -> None:
+    def __init__(self, name: str, doc: str, fn: Callable[[], float | Mapping[tuple[str, ...], float]],
+                 labels: tuple[str, ...] = ()) -> None:
         self.name, self.doc, self.fn, self.labels = name, doc, fn, labels
 
     def describe(self) -> list[CounterMetricFamily]:
         return [CounterMetricFamily(self.name, self.doc, labels=self.labels)]
 
     def collect(self) -> list[CounterMetricFamily]:
-        if not self.labels:
-            return [CounterMetricFamily(self.name, self.doc, value=float(self.fn()))]
+        value = self.fn()
+        if not isinstance(value, Mapping):  # unlabelled
+            return [CounterMetricFamily(self.name, self.doc, value=float(value))]
         fam = CounterMetricFamily(self.name, self.doc, labels=self.labels)
-        for key, v in self.fn().items():
+        for key, v in value.items():
             fam.add_metric(list(key), float(v))
         return [fam]
 

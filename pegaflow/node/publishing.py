@@ -45,7 +45,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import redis
 import structlog
@@ -74,9 +73,9 @@ class _SafeLog:
     """Logging from the publisher thread must never break publishing (e.g. a closed stderr)."""
 
     def __getattr__(self, level: str) -> Callable[..., None]:
-        def emit(*args: Any, **kw: Any) -> None:
+        def emit(event: str, **kw: object) -> None:
             with contextlib.suppress(Exception):
-                getattr(_log, level)(*args, **kw)
+                getattr(_log, level)(event, **kw)
 
         return emit
 

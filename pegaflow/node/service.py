@@ -28,11 +28,12 @@ import functools
 import inspect
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeAlias, TypeVar, TypeVarTuple
 
 import grpc
 import structlog
 from google.protobuf.message import Message
+from prometheus_client import Histogram
 
 from pegaflow._proto import node_pb2, node_pb2_grpc
 from pegaflow.common.errors import InvalidArgument, PegaError
@@ -42,7 +43,7 @@ from pegaflow.common.validate import check_hashes
 from pegaflow.core.block_index import Block, BlockIndex, Namespace
 from pegaflow.core.recent import RecentKeys
 from pegaflow.core.tiers import OUTCOMES, Tier
-from pegaflow.node.accounting import SEEN_REQUESTS
+from pegaflow.node.accounting import SEEN_REQUESTS, WindowStats
 from pegaflow.node.admin import NodeAdmin
 from pegaflow.node.block_events import BlockEventFeed
 from pegaflow.node.clearing import drop_namespaces
@@ -52,6 +53,9 @@ from pegaflow.node.numa import engine_node
 from pegaflow.node.sessions import Session, Sessions
 from pegaflow.node.tiers.remote.metrics import PeerStats
 from pegaflow.node.tiers.ssd.metrics import SsdStats
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
 
 _Session = Session  # in NodeService's body the name Session is the RPC method
 
@@ -64,19 +68,32 @@ BLOCK_EVENTS_COALESCE_S = 0.01  # block events of a burst go out together, at mo
 
 LOCAL = "local"
 
-Resp = TypeVar("Resp")
-Answer = Any  # a response message, or an awaitable of one (a handler that had to wait)
-Handler = Callable[[Any, str], Answer]  # (request, transport) -> Answer
+Req = TypeVar("Req", bound=Message)
+Resp = TypeVar("Resp", bound=Message)
+Ts = TypeVarTuple("Ts")  # a deferred call's arguments
+Answer: TypeAlias = Resp | Awaitable[Resp]  # the response, or an awaitable of it (a handler that had to wait)
+# A handler as the local socket calls it, looked up by its method's name: (request, transport) -> Answer.
+# Its request is of the type paired with it in ``NodeService.local_methods``.
+Handler = Callable[[Message, str], Answer[Message]]
 DATA_PATH = frozenset({"Query", "Reserve", "Commit", "Release"})  # the engines' per-request calls
 
 
-def rpc(method: str) -> Callable[[Callable[[Any, Any], Answer]], Callable[[Any, Any, str], Answer]]:
+if TYPE_CHECKING:
+    def _waits(answer: Answer[Resp]) -> TypeIs[Awaitable[Resp]]:
+        """Whether a handler had to wait: its answer is the awaitable, else the response."""
+else:  # the same check without a call more on every RPC
+    _waits = inspect.isawaitable
+
+
+def rpc(
+    method: str,
+) -> Callable[[Callable[[NodeService, Req], Answer[Resp]]], Callable[[NodeService, Req, str], Answer[Resp]]]:
     """Time a call by method, status and transport, and turn a failure into its status
     (``pegaflow.common.rpc_errors``). The wrapped ``fn(self, request)`` returns the response, or an
     awaitable of it when it has to wait; either way, failures become ``RpcStatus`` (raised
     at once, or by the awaitable)."""
 
-    def wrap(fn: Callable[[Any, Any], Answer]) -> Callable[[Any, Any, str], Answer]:
+    def wrap(fn: Callable[[NodeService, Req], Answer[Resp]]) -> Callable[[NodeService, Req, str], Answer[Resp]]:
         async def finish(self: NodeService, answer: Awaitable[Resp], transport: str, t0: float) -> Resp:
             status = "OK"
             try:
@@ -94,7 +111,7 @@ def rpc(method: str) -> Callable[[Callable[[Any, Any], Answer]], Callable[[Any, 
         data_path = method in DATA_PATH
 
         @functools.wraps(fn)
-        def handler(self: NodeService, request: Any, transport: str) -> Answer:
+        def handler(self: NodeService, request: Req, transport: str) -> Answer[Resp]:
             t0 = time.perf_counter()
             if data_path:  # background hand-offs wait for a pause after it (pegaflow/node/idle.py)
                 self.idle.last_call = t0
@@ -104,7 +121,7 @@ def rpc(method: str) -> Callable[[Callable[[Any, Any], Answer]], Callable[[Any, 
                 st = errors.failed(exc, method, transport)
                 self._observe(method, st.code.name, transport, time.perf_counter() - t0)
                 raise st from None
-            if inspect.isawaitable(answer):
+            if _waits(answer):
                 return finish(self, answer, transport, t0)
             t1 = time.perf_counter()
             if data_path:
@@ -117,10 +134,11 @@ def rpc(method: str) -> Callable[[Callable[[Any, Any], Answer]], Callable[[Any, 
     return wrap
 
 
-async def _over_grpc(handler: Handler, request: Any, context: grpc.aio.ServicerContext) -> Any:
+async def _over_grpc(handler: Callable[[Req, str], Answer[Resp]], request: Req,
+                     context: grpc.aio.ServicerContext[Req, Resp]) -> Resp:
     try:
         answer = handler(request, GRPC)
-        return (await answer) if inspect.isawaitable(answer) else answer
+        return (await answer) if _waits(answer) else answer
     except RpcStatus as st:
         await context.abort(st.code, st.message)
 
@@ -131,7 +149,7 @@ def _request_key(session_id: int, req_id: str) -> str:
     return f"{session_id}/{req_id}" if req_id else ""
 
 
-def _after_answer(fn: Callable[..., None], *args: Any) -> None:
+def _after_answer(fn: Callable[[*Ts], None], *args: *Ts) -> None:
     """Run ``fn(*args)`` once the answer being built is written: on the event loop, after
     the callback that serves the frame (the local socket writes its answers in that
     callback), so the engine waiting for the answer does not wait for the bookkeeping.
@@ -198,7 +216,7 @@ class Accounting(Protocol):
 
     def observe(self, namespace: str, hashes: Sequence[bytes], hit: int, req_id: str = "") -> bool: ...
 
-    def refresh(self) -> Sequence[Any]:  # the windows now (``WindowStats``), gauges updated
+    def refresh(self) -> Sequence[WindowStats]:  # the windows now, gauges updated
         ...
 
 
@@ -252,7 +270,7 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         self.admin = admin  # the operator's cache RPCs
         # Histogram children by (method, status, transport), looked up once: ``labels()``
         # costs a lock and a tuple on every RPC.
-        self._latency: dict[tuple[str, str, str], Any] = {}
+        self._latency: dict[tuple[str, str, str], Histogram] = {}
         # Wire method number -> (request type, handler) for pegaflow.node.transports.unix_socket.
         self.local_methods: dict[int, tuple[type[Message], Handler]] = {
             mid: (req_type, getattr(self, name.lower())) for mid, (name, req_type, _) in LOCAL_METHODS.items()
@@ -307,23 +325,23 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         return await _over_grpc(self.cache_pins, request, context)
 
     @rpc("CacheInspect")
-    def cache_inspect(self, request: node_pb2.CacheInspectRequest) -> Answer:
+    def cache_inspect(self, request: node_pb2.CacheInspectRequest) -> node_pb2.CacheInspectResponse:
         return self.admin.inspect(request)
 
     @rpc("CacheClear")
-    def cache_clear(self, request: node_pb2.CacheClearRequest) -> Answer:
+    def cache_clear(self, request: node_pb2.CacheClearRequest) -> node_pb2.CacheClearResponse:
         return self.admin.clear(request)
 
     @rpc("CachePin")
-    def cache_pin(self, request: node_pb2.CachePinRequest) -> Answer:
+    def cache_pin(self, request: node_pb2.CachePinRequest) -> node_pb2.CachePinResponse:
         return self.admin.pin(request)
 
     @rpc("CacheUnpin")
-    def cache_unpin(self, request: node_pb2.CacheUnpinRequest) -> Answer:
+    def cache_unpin(self, request: node_pb2.CacheUnpinRequest) -> node_pb2.CacheUnpinResponse:
         return self.admin.unpin(request)
 
     @rpc("CachePins")
-    def cache_pins(self, request: node_pb2.CachePinsRequest) -> Answer:
+    def cache_pins(self, request: node_pb2.CachePinsRequest) -> node_pb2.CachePinsResponse:
         return self.admin.list_pins(request)
 
     # ---- sessions ---------------------------------------------------------------------
@@ -392,7 +410,7 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
 
     # ---- reads ------------------------------------------------------------------------
     @rpc("Query")
-    def query(self, request: node_pb2.QueryRequest) -> Answer:
+    def query(self, request: node_pb2.QueryRequest) -> Answer[node_pb2.QueryResponse]:
         s = self.sessions.get(request.session_id)
         if not request.namespaces:
             raise InvalidArgument("query needs at least one namespace")
