@@ -88,7 +88,9 @@ class MetaServer:
         stale_ms = config.node_stale_secs * 1000  # --node-stale-secs hides silent nodes
         # The in-memory view lookups read while it is fresh (--view-max-lag-ms; 0: Redis only).
         self.view = ViewFeed(redis, config.view_max_lag_ms / 1000, stale_ms) if config.view_max_lag_ms > 0 else None
-        self.lookup = Lookup(redis, stale_ms=stale_ms, view=self.view)
+        if self.view is not None:
+            self.metrics.bind_view(self.view)
+        self.lookup = Lookup(redis, stale_ms=stale_ms, view=self.view, sources=self.metrics.lookups)
         self.metrics.bind_nodes(self.lookup.nodes)  # pegaflow_metaserver_nodes{state}, at scrape time
         self.servicer = MetaServicer(self.lookup, config.query_max_blocks, self.metrics, self.ceiling.current,
                                      config.redis_url, config.redis_cluster)

@@ -10,20 +10,24 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from pegaflow.cluster import keys
 from pegaflow.cluster.redis_conn import Client
 from pegaflow.meta.events.consumer import Consumer
 from pegaflow.meta.index import Index
 from pegaflow.meta.lookup import Lookup
+from pegaflow.meta.metrics import MetaMetrics
 from pegaflow.meta.view import MAX_SLOTS
 from pegaflow.meta.view_feed import ViewFeed
 from pegaflow.node.publishing import EventPublisher
@@ -113,6 +117,15 @@ def queries(states: dict[str, Path], n: int, seed: int) -> Iterator[tuple[str, l
         yield ns, hs
 
 
+def scrape(port: int) -> str:
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+
+
+def sample(text: str, name: str) -> float:
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
 def test_the_view_equals_the_index_and_the_truth_through_restarts_and_deaths(
     redis_server: RedisServer, feed: ViewFeed, tmp_path: Path
 ) -> None:
@@ -180,7 +193,7 @@ def test_more_incarnations_over_time_than_slots_reuse_cleared_slots(
 def test_lookups_through_grpc_are_answered_from_the_view_and_equal_the_truth(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:
-    meta = MetaServer(redis_server.url, tmp_path / "meta.log",
+    meta = MetaServer(redis_server.url, tmp_path / "meta.log", http=True,
                       extra=["--consumer-name", "m1", "--stream-lease-ttl", str(LEASE_TTL_S), "--sweep-interval", "0"])
     meta.start()
     procs = {n: PublisherProc(redis_server.url, False, n, tmp_path / f"{n}.json", tmp_path / f"{n}.log", "--seed",
@@ -193,11 +206,20 @@ def test_lookups_through_grpc_are_answered_from_the_view_and_equal_the_truth(
         states = {n: p.state for n, p in procs.items()}
         wait_converged(r, states)
         truth = load_truth(states)
+        assert meta.http_port is not None
+        wait_until(lambda: sample(scrape(meta.http_port), "pegaflow_meta_view_lag_seconds") < BOUND_S, 20,
+                   "the metaserver's view to catch up")
+        before = scrape(meta.http_port)
         checked = 0
         for ns, hs in queries(states, 300, seed=1):
             assert meta.query(ns, hs) == expected(truth, ns, hs), (ns, len(hs))
             checked += 1
-        assert checked > 250
+        after = scrape(meta.http_port)
+        from_view = (sample(after, 'pegaflow_meta_lookups_total{source="view"}')
+                     - sample(before, 'pegaflow_meta_lookups_total{source="view"}'))
+        assert checked > 250 and from_view >= 0.9 * checked, (checked, from_view)
+        assert sample(after, "pegaflow_meta_view_blocks") == len(truth)
+        assert sample(after, "pegaflow_meta_view_bytes") > 32 * len(truth)
     finally:
         for p in procs.values():
             p.kill()
@@ -281,17 +303,24 @@ def test_at_full_ingest_view_answers_hold_everything_older_than_the_bound(
 
 def test_a_view_older_than_its_bound_is_not_read(redis_server: RedisServer) -> None:
     """A feeder that stops stepping (stalled, stuck on Redis) leaves the view out of use within
-    its bound: lookups read Redis from then on."""
+    its bound: lookups read Redis from then on, and count it."""
     r = client(redis_server.url, False)
     rng = random.Random(2)
     held = [rng.randbytes(16) for _ in range(64)]
     pub = EventPublisher(r, "n1", "h:1", lambda: [("ns", held)], flush_interval=0.001).start(wait=5)
     assert Consumer(r, Index(r), "c").wait_caught_up(10)
     feed = ViewFeed(r, BOUND_S, stale_ms=30_000)  # stepped by hand: no thread
-    lookup = Lookup(r, 30_000, view=feed)
+    metrics = MetaMetrics(CollectorRegistry())
+    lookup = Lookup(r, 30_000, view=feed, sources=metrics.lookups)
+
+    def count(source: str) -> float | None:
+        return metrics.registry.get_sample_value("pegaflow_meta_lookups_total", {"source": source})
+
     wait_until(lambda: (feed.step(), feed.holders("ns", held) is not None)[1], 10, "the view in use", every=0.01)
     assert lookup.query_prefix("ns", held)[0].prefix_len == 64
+    assert (count("view"), count("redis")) == (1, 0)
     wait_until(lambda: feed.holders("ns", held) is None, 2 * BOUND_S + 1, "the view to be older than its bound",
                every=0.01)
     assert lookup.query_prefix("ns", held)[0].prefix_len == 64  # from Redis
+    assert (count("view"), count("redis")) == (1, 1)
     pub.stop()
