@@ -15,8 +15,10 @@ backend:
 4. Redis memory per indexed (block, node) pair (streams deleted first), and the growth of
    the metaserver's processes (RSS, consumer child included) over one serving an empty index;
 5. QueryPrefix of 128-block prefixes: in-process ``Lookup`` (one Redis round trip), and
-   QueryPrefix and RouteHint through a real ``pegaflow-meta`` gRPC server; p50 / p99; every
-   answer checked; the time Redis spent per query. Interleaved with them, a
+   QueryPrefix and RouteHint through a real ``pegaflow-meta`` gRPC server, once its
+   in-memory view has read the streams (how many it answered from the view and how many
+   from Redis is counted); p50 / p99; every answer checked; the time Redis spent per query.
+   Interleaved with them, a
    GetClusterConfig (answered from memory) on the same server: its p99 is this host's gRPC
    floor at that moment (it varied 0.6-4 ms between runs here);
 6. the same gRPC lookups while that server's consumer applies a second backlog of events
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import re
 import subprocess
@@ -167,12 +170,15 @@ def make_workload(blocks: int, seed: int = 1):
 
 
 def register_nodes(r: Client) -> dict[int, tuple[str, int, int]]:
+    """Register the nodes and open their streams as a node does: the group, then the epoch's
+    RESET (seq 0; a metaserver's in-memory view holds a node's blocks once it has read it)."""
     nids = {}
     for node in range(NODES):
         name = node_name(node)
         nid, epoch = registry.register(r, name, node_address(node), 600_000, switch=True)
         nids[node] = (name, nid, epoch)
         r.xgroup_create(stream_key(name), GROUP, id="0", mkstream=True)
+        r.xadd(stream_key(name), {FIELD: encode(Event(name, nid, epoch, 0, Op.RESET))})
     return nids
 
 
@@ -238,10 +244,19 @@ def apply_all(r: Client, updates: int) -> tuple[float, float]:
     return updates / dt, dt
 
 
-def index_bytes(r: Client, before: int) -> tuple[int, int]:
+def index_bytes(r: Client, before: int, events: list[tuple[int, int, Op, list[bytes]]],
+                nids: dict[int, tuple[str, int, int]]) -> tuple[int, int]:
+    """Redis memory of the index (and registry) alone: the streams deleted, measured, then
+    written again as they were (RESET and the same events; the consumer group created past
+    them, so the index needs nothing more, while a metaserver's view reads them from the start)."""
     for node in range(NODES):
         r.delete(stream_key(node_name(node)))
     used = used_memory(r)
+    for name, nid, epoch in nids.values():
+        r.xadd(stream_key(name), {FIELD: encode(Event(name, nid, epoch, 0, Op.RESET))})
+    write_streams(r, events, nids=nids, seqs=dict.fromkeys(range(NODES), 0))
+    for name, _nid, _epoch in nids.values():
+        r.xgroup_create(stream_key(name), GROUP, id="$")
     return used - before, used
 
 
@@ -430,8 +445,30 @@ def start_meta(url: str, cluster: bool, logs: Path) -> MetaServer:
     """Our metaserver with the flags the original peer gets too (bench/original_meta.py's
     SERVER_FLAGS): the bench's nodes register once and never heartbeat again, so none may go
     stale within a run (the default, 30 s, empties every answer at 1M blocks), and no sweep."""
-    return MetaServer(url, logs / "meta.log", cluster=cluster,
+    return MetaServer(url, logs / "meta.log", cluster=cluster, http=True,
                       extra=["--sweep-interval", "0", "--node-stale-secs", "3600", "--log-level", "warning"]).start()
+
+
+def meta_samples(meta: MetaServer) -> dict[str, float]:
+    """Our metaserver's /metrics samples without labels, and lookups by source (``lookups_view``...)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{meta.http_port}/metrics", timeout=5).read().decode()
+    out = {}
+    for m in re.finditer(r'^(pegaflow_meta_[a-z_]+)(?:\{source="([a-z]+)"\})? (\S+)$', text, re.M):
+        out[m.group(1) + (f"_{m.group(2)}" if m.group(2) else "")] = float(m.group(3))
+    return out
+
+
+def wait_view(meta: MetaServer, timeout: float = 600.0) -> float:
+    """Seconds until our metaserver's in-memory view holds the streams (its lag within the
+    default bound, 100 ms); the lookups measured after that are answered from it."""
+    t0 = time.monotonic()
+    while meta_samples(meta).get("pegaflow_meta_view_lag_seconds", math.inf) > 0.1:
+        if time.monotonic() - t0 > timeout:
+            raise SystemExit(f"bench: our metaserver's view did not catch up in {timeout:.0f} s")
+        time.sleep(0.05)
+    return time.monotonic() - t0
 
 
 def empty_index_rss(url: str, cluster: bool, logs: Path) -> int:
@@ -492,7 +529,7 @@ def run_backend(cluster: bool, blocks: int, queries: int, peer: bool) -> dict:
         out["apply_blocks_per_s"], out["apply_seconds"] = apply_all(r, updates)
         pairs = sum(len(v) for v in held.values())
         distinct = len(reqs) * PREFIX
-        idx_bytes, _ = index_bytes(r, before)
+        idx_bytes, _ = index_bytes(r, before, events, nids)
         out["indexed_blocks"] = distinct
         out["indexed_pairs"] = pairs
         out["bytes_per_block"] = idx_bytes / distinct
@@ -525,12 +562,18 @@ def run_backend(cluster: bool, blocks: int, queries: int, peer: bool) -> dict:
         # round, every kind of call on it): the same moments of this host for both.
         meta = start_meta(url, cluster, tmp)
         try:
+            out["view_ready_s"] = wait_view(meta)  # its view read from the streams, as a replica starts
             ours = our_probes(meta.stub, reqs, expect)
             probes = {f"ours_{k}": v for k, v in ours.items()}
             if orig is not None:
                 probes |= {f"orig_{k}": v for k, v in original_probes(orig, sessions[0], reqs, expect).items()}
             drive(probes, len(reqs), WARMUP)
+            seen = meta_samples(meta)
             lat = drive(probes, len(reqs), queries)
+            now = meta_samples(meta)
+            out["lookups_from_view"], out["lookups_from_redis"] = (
+                now.get(f"pegaflow_meta_lookups_total_{k}", 0) - seen.get(f"pegaflow_meta_lookups_total_{k}", 0)
+                for k in ("view", "redis"))
             out["grpc_lookups_checked"] = queries
             out["grpc_query_p50_us"], out["grpc_query_p99_us"] = p50_p99_us(lat["ours_query"])
             out["grpc_route_p50_us"], out["grpc_route_p99_us"] = p50_p99_us(lat["ours_route"])
@@ -549,9 +592,14 @@ def run_backend(cluster: bool, blocks: int, queries: int, peer: bool) -> dict:
             # streams; counted while the backlog lasts.
             again = node_events(held, churn=0.1, seed=5)
             updates = write_streams(r, again, nids=nids, seqs=seqs)
+            seen = meta_samples(meta)
             t0 = time.perf_counter()
             lat = drive(ours, len(reqs), None, until=lambda _k: backlog(r) == 0)
             dt = time.perf_counter() - t0
+            now = meta_samples(meta)
+            out["loaded_lookups_from_view"], out["loaded_lookups_from_redis"] = (
+                now.get(f"pegaflow_meta_lookups_total_{k}", 0) - seen.get(f"pegaflow_meta_lookups_total_{k}", 0)
+                for k in ("view", "redis"))
             out["loaded_updates"], out["loaded_apply_blocks_per_s"] = updates, updates / dt
             out["loaded_queries"] = len(lat["query"])
             out["loaded_grpc_query_p50_us"], out["loaded_grpc_query_p99_us"] = p50_p99_us(lat["query"])
@@ -654,6 +702,11 @@ def report(res: dict) -> str:
             f"{res['grpc_floor_p99_us']:.0f} µs) |",
             f"| RouteHint 128 blocks, via gRPC p50 / p99 | {res['grpc_route_p50_us']:.0f} / "
             f"{res['grpc_route_p99_us']:.0f} µs | {res['grpc_route_p99_us'] / res['grpc_floor_p99_us']:.2f}x the same |",
+            f"| gRPC lookups answered from the metaserver's in-memory view, idle / under load | "
+            f"{res['lookups_from_view']:,.0f} of {res['lookups_from_view'] + res['lookups_from_redis']:,.0f} / "
+            f"{res['loaded_lookups_from_view']:,.0f} of "
+            f"{res['loaded_lookups_from_view'] + res['loaded_lookups_from_redis']:,.0f} (the rest from Redis; "
+            f"the view read from the streams {res['view_ready_s']:.1f} s after the server started) | |",
             f"| QueryPrefix 128 blocks via gRPC while the server applies updates, p50 / p99 | "
             f"{res['loaded_grpc_query_p50_us']:.0f} / {res['loaded_grpc_query_p99_us']:.0f} µs "
             f"({res['loaded_queries']} queries; {res['loaded_apply_blocks_per_s']:,.0f} updates/s applied meanwhile, "

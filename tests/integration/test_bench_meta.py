@@ -44,6 +44,8 @@ def test_both_metaservers_get_the_same_work_and_every_goal_figure_is_written(tmp
     assert o["updates"] == s["updates"]
     assert o["loaded_passes"] >= 1 and o["loaded_updates"] >= s["loaded_updates"]
     assert s["loaded_queries"] >= 50 and o["loaded_queries"] >= 50
+    # Ours is measured as it serves: from its in-memory view, read from the streams it keeps.
+    assert s["lookups_from_view"] + s["lookups_from_redis"] == 2 * 50 and s["lookups_from_view"] >= 90
     for g in PEER_GOALS:
         row, _ = evaluate(g, s)
         assert row[3] != "—", (g.metric, row)  # a ratio: both figures are there
