@@ -27,7 +27,7 @@ import uuid
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Protocol, TypeVar, cast
 
 import grpc
 import structlog
@@ -40,7 +40,6 @@ from pegaflow.common.local_wire import (
     HELLO,
     MAX_FRAME,
     METHOD_IDS,
-    METHODS,
     NO_REPLY,
     POOL,
     POOL_REPLY,
@@ -57,6 +56,8 @@ log = structlog.get_logger("pegaflow.client")
 
 GRPC_MAX_MESSAGE = 64 << 20
 CLOSE_DRAIN_S = 2.0  # at most this long, close() waits for calls sent without waiting
+
+Resp = TypeVar("Resp", bound=Message)  # an RPC's response message
 
 
 class NodeUnavailable(Exception):
@@ -380,7 +381,7 @@ class PegaClient:
             cpu_affinity=sorted(os.sched_getaffinity(0)),
             pci_bus_id=self.pci_bus_id,
         )
-        resp = self._call("Register", req, None, retry_session=False)
+        resp = self._call("Register", req, node_pb2.RegisterResponse, None, retry_session=False)
         if self._bound is not None and self._bound.local is not None:
             self._bound.local.close()
         local = None
@@ -474,10 +475,11 @@ class PegaClient:
                 if unreachable:
                     self._unreachable = True
 
-    # Any: the response message of ``method``, a protobuf class looked up by the method's name.
-    def _call(self, method: str, request: Message, b: _Bound | None, retry_session: bool = True) -> Any:
+    def _call(self, method: str, request: Message, reply: type[Resp], b: _Bound | None,
+              retry_session: bool = True) -> Resp:
         """One unary call under registration ``b`` (``None``: Register, over gRPC), over ``b``'s
-        local socket if it has one. Failures map alike for both transports."""
+        local socket if it has one; ``reply`` is ``method``'s response message. Failures map
+        alike for both transports."""
         if b is not None and b.local is not None:
             mid = METHOD_IDS[method]
             payload = request.SerializeToString()
@@ -489,13 +491,14 @@ class PegaClient:
                 self._lost(b, unreachable=True)
                 raise NodeUnavailable(f"node {self.addr} (local socket {b.local.path}): {exc}") from None
             if status == 0:
-                return METHODS[mid][2].FromString(body)
+                return reply.FromString(body)
             code = _STATUS_CODES.get(status, grpc.StatusCode.UNKNOWN)
             details = body.decode(errors="replace")
         else:
             stub = b.stub if b is not None else self._stub
             try:
-                return getattr(stub, method)(request, timeout=self.timeout)
+                # The generated stub is untyped: its method answers ``reply``.
+                return cast(Resp, getattr(stub, method)(request, timeout=self.timeout))
             except grpc.RpcError as exc:
                 code, details = exc.code(), str(exc.details())
         if code in _UNREACHABLE:
@@ -507,19 +510,19 @@ class PegaClient:
         raise NodeError(code, details)
 
     def _with_session(
-        self, make_request: Callable[[int], Message], method: str, reregister_ok: bool = True
-    ) -> tuple[Any, _Bound]:  # Any: as _call's
+        self, make_request: Callable[[int], Message], method: str, reply: type[Resp], reregister_ok: bool = True
+    ) -> tuple[Resp, _Bound]:
         """Run RPC ``method`` under the current session; register again once if the node
         restarted. Returns ``(response, registration used)``."""
         b = self._ensure_session()
         try:
-            return self._call(method, make_request(b.session_id), b), b
+            return self._call(method, make_request(b.session_id), reply, b), b
         except _SessionLost:
             if not reregister_ok:
                 raise NodeUnavailable("node restarted; session lost") from None
         b = self._ensure_session()
         try:
-            return self._call(method, make_request(b.session_id), b), b
+            return self._call(method, make_request(b.session_id), reply, b), b
         except _SessionLost as exc:
             raise NodeUnavailable(f"session lost twice in a row: {exc}") from None
 
@@ -531,7 +534,7 @@ class PegaClient:
         resp, b = self._with_session(
             lambda sid: node_pb2.QueryRequest(session_id=sid, namespaces=list(namespaces), hashes=list(hashes),
                                               req_id=req_id, lease=lease and not peek, peek=peek),
-            "Query",
+            "Query", node_pb2.QueryResponse,
         )
         status = QueryStatus.LOADING if resp.status == node_pb2.LOADING else QueryStatus.READY
         return QueryResult(status, resp.hit_blocks, resp.lease_id,
@@ -541,7 +544,7 @@ class PegaClient:
     def reserve(self, namespace: str, hashes: Sequence[bytes]) -> Reservation:
         resp, b = self._with_session(
             lambda sid: node_pb2.ReserveRequest(session_id=sid, namespace=namespace, hashes=list(hashes)),
-            "Reserve",
+            "Reserve", node_pb2.ReserveResponse,
         )
         return Reservation(resp.reservation_id, list(resp.offsets), b.epoch, b.pool)
 
@@ -553,12 +556,12 @@ class PegaClient:
         if not wait:
             self._send_async("Commit", req)
             return -1
-        return self._with_session(req, "Commit", reregister_ok=False)[0].committed
+        return self._with_session(req, "Commit", node_pb2.CommitResponse, reregister_ok=False)[0].committed
 
     def abort(self, reservation_id: int) -> None:
         self._with_session(
             lambda sid: node_pb2.CommitRequest(session_id=sid, reservation_id=reservation_id, abort=True),
-            "Commit", reregister_ok=False,
+            "Commit", node_pb2.CommitResponse, reregister_ok=False,
         )
 
     def release(self, lease_id: int, wait: bool = True) -> None:
@@ -569,12 +572,13 @@ class PegaClient:
         if not wait:
             self._send_async("Release", req)
             return
-        self._with_session(req, "Release", reregister_ok=False)
+        self._with_session(req, "Release", node_pb2.ReleaseResponse, reregister_ok=False)
 
     def reset(self, namespaces: Sequence[str]) -> ResetResult:
         """Drop every stored block of ``namespaces`` (registered by this client) on the node."""
         resp, _ = self._with_session(
-            lambda sid: node_pb2.ResetRequest(session_id=sid, namespaces=list(namespaces)), "Reset")
+            lambda sid: node_pb2.ResetRequest(session_id=sid, namespaces=list(namespaces)), "Reset",
+            node_pb2.ResetResponse)
         return ResetResult(resp.dropped_blocks, resp.busy_blocks, resp.ssd_blocks)
 
     def _send_async(self, method: str, make_request: Callable[[int], Message]) -> None:
@@ -609,13 +613,13 @@ class PegaClient:
         with self._lock:
             if self._unreachable:
                 self._connect()
-            return self._call("Health", node_pb2.HealthRequest(), None)
+            return self._call("Health", node_pb2.HealthRequest(), node_pb2.HealthResponse, None)
 
     def stats(self) -> node_pb2.StatsResponse:
         with self._lock:
             if self._unreachable:
                 self._connect()
-            return self._call("Stats", node_pb2.StatsRequest(), None)
+            return self._call("Stats", node_pb2.StatsRequest(), node_pb2.StatsResponse, None)
 
     def close(self) -> None:
         """Deliver what was sent without waiting (``wait=False`` Commits and Releases) —
