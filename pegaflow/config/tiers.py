@@ -13,12 +13,17 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pegaflow.config.commands import NodeConfig
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
-def _named(cls: type[Any], config: NodeConfig) -> dict[str, Any]:
+
+# Any: keyword arguments for ``cls``, each the value of a NodeConfig field of the same name and
+# type (tests/unit/test_config_tiers.py holds the types equal; mypy cannot see it by name).
+def _named(cls: type[DataclassInstance], config: NodeConfig) -> dict[str, Any]:
     """The values of ``config``'s fields that the dataclass ``cls`` names."""
     return {f.name: getattr(config, f.name) for f in dataclasses.fields(cls)}
 
