@@ -35,7 +35,6 @@ import json
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import xxhash
@@ -134,7 +133,7 @@ class KVIdentity:
         return xxhash.xxh3_128_digest(self.root.encode())
 
 
-def config_hash(config: Mapping[str, Any]) -> str:
+def config_hash(config: Mapping[str, object]) -> str:
     """A stable 64-bit hex digest of a model config dict (e.g. ``PretrainedConfig.to_dict()``).
 
     Keys are sorted, nested dicts included; bookkeeping keys (name or path, transformers
