@@ -23,6 +23,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from pegaflow.cluster import keys
+from pegaflow.cluster.keys import stream_key
 from pegaflow.cluster.redis_conn import Client
 from pegaflow.meta.events.consumer import Consumer
 from pegaflow.meta.index import Index
@@ -33,7 +34,7 @@ from pegaflow.meta.view_feed import ViewFeed
 from pegaflow.node.publishing import EventPublisher
 from tests.harness.meta import MetaServer
 from tests.harness.procs import python_env
-from tests.harness.redis import RedisServer
+from tests.harness.redis import RedisClusterProc, RedisServer
 from tests.integration import redis_fixtures
 from tests.integration.meta_harness import (
     LEASE_TTL_S,
@@ -47,6 +48,7 @@ from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 redis_server = redis_fixtures.redis_server
+redis_cluster = redis_fixtures.redis_cluster
 
 BOUND_S = 0.1  # --view-max-lag-ms's default
 
@@ -164,6 +166,35 @@ def test_the_view_equals_the_index_and_the_truth_through_restarts_and_deaths(
         for p in procs.values():
             p.kill()
         consumer.join(10)
+
+
+def test_on_a_cluster_the_view_equals_the_index(redis_cluster: RedisClusterProc, tmp_path: Path) -> None:
+    """Streams on several shards: one XREAD per stream, every shard written before any is read."""
+    redis_cluster.flush()
+    r = client(redis_cluster.url, True)
+    feed = ViewFeed(r, BOUND_S, stale_ms=30_000)
+    feed.start()
+    c = Consumer(r, Index(r), "c", lease_ms=int(LEASE_TTL_S * 1000))
+    stop = threading.Event()
+    consumer = threading.Thread(target=c.run, args=(stop,), daemon=True)
+    consumer.start()
+    names = ["n1", "n2", "n3", "n4"]
+    procs = {n: PublisherProc(redis_cluster.url, True, n, tmp_path / f"{n}.json", tmp_path / f"{n}.log", "--seed",
+                              str(i), "--ops", "300", "--namespaces", "3", "--hold")
+             for i, n in enumerate(names)}
+    try:
+        assert len({r.get_node_from_key(stream_key(n)).name for n in names}) > 1
+        for p in procs.values():
+            p.wait_done(90)
+        states = {n: p.state for n, p in procs.items()}
+        wait_converged(r, states)
+        wait_view_equals_index(r, feed, load_truth(states))
+    finally:
+        stop.set()
+        for p in procs.values():
+            p.kill()
+        consumer.join(10)
+        feed.stop()
 
 
 def test_more_incarnations_over_time_than_slots_reuse_cleared_slots(
