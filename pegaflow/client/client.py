@@ -346,7 +346,7 @@ class PegaClient:
         self.epoch = 0
         self.node_id = ""
         self._closed = False
-        self._pending: set[grpc.Future] = set()  # wait=False gRPC calls in flight
+        self._pending: set[grpc.Future[Message]] = set()  # wait=False gRPC calls in flight
         self.on_blocks = on_blocks
 
     def _connect(self) -> None:
@@ -599,7 +599,7 @@ class PegaClient:
         with self._lock:
             self._pending.add(fut)
 
-        def done(f: grpc.Future) -> None:
+        def done(f: grpc.Future[Message]) -> None:
             with self._lock:
                 self._pending.discard(f)
             exc = f.exception()

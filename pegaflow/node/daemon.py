@@ -213,7 +213,7 @@ class Node:
         elif op is IndexEvent.INSERT:
             self.metrics.inserted.inc(len(hashes))
 
-    def health(self) -> dict:
+    def health(self) -> dict[str, object]:
         return {"ok": True, "node_id": self.node_id, "epoch": self.epoch, "pool_bytes": self.pool.size,
                 "pool_prefaulted_bytes": self.pool.prefaulted, "pool_ready": self.pool.ready,
                 "pool_prefault_error": self.pool.prefault_error,

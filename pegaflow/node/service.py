@@ -43,7 +43,7 @@ from pegaflow.common.validate import check_hashes
 from pegaflow.core.block_index import Block, BlockIndex, Namespace
 from pegaflow.core.recent import RecentKeys
 from pegaflow.core.tiers import OUTCOMES, Tier
-from pegaflow.node.accounting import SEEN_REQUESTS, WindowStats
+from pegaflow.node.accounting import SEEN_REQUESTS
 from pegaflow.node.admin import NodeAdmin
 from pegaflow.node.block_events import BlockEventFeed
 from pegaflow.node.clearing import drop_namespaces
@@ -53,6 +53,7 @@ from pegaflow.node.numa import engine_node
 from pegaflow.node.sessions import Session, Sessions
 from pegaflow.node.tiers.remote.metrics import PeerStats
 from pegaflow.node.tiers.ssd.metrics import SsdStats
+from pegaflow.policy.ceiling import WindowStats
 
 if TYPE_CHECKING:
     from typing_extensions import TypeIs
@@ -284,44 +285,83 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         child.observe(seconds)
 
     # ---- gRPC servicer: every unary method is the transport-neutral one above/below -------
-    async def Register(self, request: node_pb2.RegisterRequest, context: grpc.aio.ServicerContext) -> node_pb2.RegisterResponse:
+    async def Register(
+        self, request: node_pb2.RegisterRequest,
+        context: grpc.aio.ServicerContext[node_pb2.RegisterRequest, node_pb2.RegisterResponse],
+    ) -> node_pb2.RegisterResponse:
         return await _over_grpc(self.register, request, context)
 
-    async def Query(self, request: node_pb2.QueryRequest, context: grpc.aio.ServicerContext) -> node_pb2.QueryResponse:
+    async def Query(
+        self, request: node_pb2.QueryRequest,
+        context: grpc.aio.ServicerContext[node_pb2.QueryRequest, node_pb2.QueryResponse],
+    ) -> node_pb2.QueryResponse:
         return await _over_grpc(self.query, request, context)
 
-    async def Reserve(self, request: node_pb2.ReserveRequest, context: grpc.aio.ServicerContext) -> node_pb2.ReserveResponse:
+    async def Reserve(
+        self, request: node_pb2.ReserveRequest,
+        context: grpc.aio.ServicerContext[node_pb2.ReserveRequest, node_pb2.ReserveResponse],
+    ) -> node_pb2.ReserveResponse:
         return await _over_grpc(self.reserve, request, context)
 
-    async def Commit(self, request: node_pb2.CommitRequest, context: grpc.aio.ServicerContext) -> node_pb2.CommitResponse:
+    async def Commit(
+        self, request: node_pb2.CommitRequest,
+        context: grpc.aio.ServicerContext[node_pb2.CommitRequest, node_pb2.CommitResponse],
+    ) -> node_pb2.CommitResponse:
         return await _over_grpc(self.commit, request, context)
 
-    async def Release(self, request: node_pb2.ReleaseRequest, context: grpc.aio.ServicerContext) -> node_pb2.ReleaseResponse:
+    async def Release(
+        self, request: node_pb2.ReleaseRequest,
+        context: grpc.aio.ServicerContext[node_pb2.ReleaseRequest, node_pb2.ReleaseResponse],
+    ) -> node_pb2.ReleaseResponse:
         return await _over_grpc(self.release, request, context)
 
-    async def Reset(self, request: node_pb2.ResetRequest, context: grpc.aio.ServicerContext) -> node_pb2.ResetResponse:
+    async def Reset(
+        self, request: node_pb2.ResetRequest,
+        context: grpc.aio.ServicerContext[node_pb2.ResetRequest, node_pb2.ResetResponse],
+    ) -> node_pb2.ResetResponse:
         return await _over_grpc(self.reset, request, context)
 
-    async def Health(self, request: node_pb2.HealthRequest, context: grpc.aio.ServicerContext) -> node_pb2.HealthResponse:
+    async def Health(
+        self, request: node_pb2.HealthRequest,
+        context: grpc.aio.ServicerContext[node_pb2.HealthRequest, node_pb2.HealthResponse],
+    ) -> node_pb2.HealthResponse:
         return await _over_grpc(self.health, request, context)
 
-    async def Stats(self, request: node_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> node_pb2.StatsResponse:
+    async def Stats(
+        self, request: node_pb2.StatsRequest,
+        context: grpc.aio.ServicerContext[node_pb2.StatsRequest, node_pb2.StatsResponse],
+    ) -> node_pb2.StatsResponse:
         return await _over_grpc(self.stats, request, context)
 
     # The operator's `pegaflow cache` (pegaflow/node/admin.py).
-    async def CacheInspect(self, request: node_pb2.CacheInspectRequest, context: grpc.aio.ServicerContext) -> node_pb2.CacheInspectResponse:
+    async def CacheInspect(
+        self, request: node_pb2.CacheInspectRequest,
+        context: grpc.aio.ServicerContext[node_pb2.CacheInspectRequest, node_pb2.CacheInspectResponse],
+    ) -> node_pb2.CacheInspectResponse:
         return await _over_grpc(self.cache_inspect, request, context)
 
-    async def CacheClear(self, request: node_pb2.CacheClearRequest, context: grpc.aio.ServicerContext) -> node_pb2.CacheClearResponse:
+    async def CacheClear(
+        self, request: node_pb2.CacheClearRequest,
+        context: grpc.aio.ServicerContext[node_pb2.CacheClearRequest, node_pb2.CacheClearResponse],
+    ) -> node_pb2.CacheClearResponse:
         return await _over_grpc(self.cache_clear, request, context)
 
-    async def CachePin(self, request: node_pb2.CachePinRequest, context: grpc.aio.ServicerContext) -> node_pb2.CachePinResponse:
+    async def CachePin(
+        self, request: node_pb2.CachePinRequest,
+        context: grpc.aio.ServicerContext[node_pb2.CachePinRequest, node_pb2.CachePinResponse],
+    ) -> node_pb2.CachePinResponse:
         return await _over_grpc(self.cache_pin, request, context)
 
-    async def CacheUnpin(self, request: node_pb2.CacheUnpinRequest, context: grpc.aio.ServicerContext) -> node_pb2.CacheUnpinResponse:
+    async def CacheUnpin(
+        self, request: node_pb2.CacheUnpinRequest,
+        context: grpc.aio.ServicerContext[node_pb2.CacheUnpinRequest, node_pb2.CacheUnpinResponse],
+    ) -> node_pb2.CacheUnpinResponse:
         return await _over_grpc(self.cache_unpin, request, context)
 
-    async def CachePins(self, request: node_pb2.CachePinsRequest, context: grpc.aio.ServicerContext) -> node_pb2.CachePinsResponse:
+    async def CachePins(
+        self, request: node_pb2.CachePinsRequest,
+        context: grpc.aio.ServicerContext[node_pb2.CachePinsRequest, node_pb2.CachePinsResponse],
+    ) -> node_pb2.CachePinsResponse:
         return await _over_grpc(self.cache_pins, request, context)
 
     @rpc("CacheInspect")
@@ -370,7 +410,10 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
             epoch=self.epoch, local_socket=self.local_socket,
         )
 
-    async def Session(self, request: node_pb2.SessionRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[node_pb2.SessionEvent]:
+    async def Session(
+        self, request: node_pb2.SessionRequest,
+        context: grpc.aio.ServicerContext[node_pb2.SessionRequest, node_pb2.SessionEvent],
+    ) -> AsyncIterator[node_pb2.SessionEvent]:
         try:
             s = self.sessions.get(request.session_id)
         except PegaError as exc:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from pegaflow.node.pool import page_checksum  # noqa: F401 - re-exported for the transports
+from pegaflow.node.pool import page_checksum as page_checksum  # re-exported for the transports
 
 TCP = "tcp"
 RDMA = "rdma"

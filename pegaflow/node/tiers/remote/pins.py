@@ -223,7 +223,10 @@ class PeerService(peer_pb2_grpc.PegaPeerServicer):
         self.rdma = rdma
 
     @aio_rpc(errors)
-    async def PinForTransfer(self, request: peer_pb2.PinRequest, context: grpc.aio.ServicerContext) -> peer_pb2.PinResponse:  # noqa: N802
+    async def PinForTransfer(  # noqa: N802
+        self, request: peer_pb2.PinRequest,
+        context: grpc.aio.ServicerContext[peer_pb2.PinRequest, peer_pb2.PinResponse],
+    ) -> peer_pb2.PinResponse:
         hashes = list(request.hashes)
         check_hashes(hashes, self.max_batch, "--max-batch")
         p = await self.table.pin_for_transfer(request.namespace, hashes, request.ttl_seconds, request.puller)
@@ -249,11 +252,17 @@ class PeerService(peer_pb2_grpc.PegaPeerServicer):
         return resp
 
     @aio_rpc(errors)
-    async def Unpin(self, request: peer_pb2.UnpinRequest, context: grpc.aio.ServicerContext) -> peer_pb2.UnpinResponse:  # noqa: N802
+    async def Unpin(  # noqa: N802
+        self, request: peer_pb2.UnpinRequest,
+        context: grpc.aio.ServicerContext[peer_pb2.UnpinRequest, peer_pb2.UnpinResponse],
+    ) -> peer_pb2.UnpinResponse:
         return peer_pb2.UnpinResponse(released=self.table.unpin(request.pin_id))
 
     @aio_rpc(errors)
-    async def RdmaConnect(self, request: peer_pb2.RdmaConnectRequest, context: grpc.aio.ServicerContext) -> peer_pb2.RdmaConnectResponse:  # noqa: N802
+    async def RdmaConnect(  # noqa: N802
+        self, request: peer_pb2.RdmaConnectRequest,
+        context: grpc.aio.ServicerContext[peer_pb2.RdmaConnectRequest, peer_pb2.RdmaConnectResponse],
+    ) -> peer_pb2.RdmaConnectResponse:
         if self.rdma is None:
             raise FailedPrecondition("this node runs without --nics (no RDMA)")
         try:

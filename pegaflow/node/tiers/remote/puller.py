@@ -158,7 +158,8 @@ class GrpcPeers:
         return e[1]
 
     async def pin(self, address: str, request: peer_pb2.PinRequest) -> peer_pb2.PinResponse:
-        return await self.stub(address).PinForTransfer(request, timeout=PIN_TIMEOUT)
+        resp: peer_pb2.PinResponse = await self.stub(address).PinForTransfer(request, timeout=PIN_TIMEOUT)  # untyped stub
+        return resp
 
     async def unpin(self, address: str, pin_id: int) -> None:
         await self.stub(address).Unpin(peer_pb2.UnpinRequest(pin_id=pin_id), timeout=UNPIN_TIMEOUT)

@@ -103,7 +103,9 @@ class P2P:
         ch = self._sync_channels.get(peer)
         if ch is None:
             ch = self._sync_channels[peer] = sync_channel(peer, self.security)
-        return peer_pb2_grpc.PegaPeerStub(ch).RdmaConnect(req, timeout=HANDSHAKE_TIMEOUT)
+        resp: peer_pb2.RdmaConnectResponse = peer_pb2_grpc.PegaPeerStub(ch).RdmaConnect(  # untyped stub
+            req, timeout=HANDSHAKE_TIMEOUT)
+        return resp
 
     def add_to_server(self, server: grpc.aio.Server) -> str:
         peer_pb2_grpc.add_PegaPeerServicer_to_server(self.service, server)
