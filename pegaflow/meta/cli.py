@@ -11,6 +11,7 @@ This module parses, checks and reaches Redis; ``pegaflow/meta/daemon.py`` assemb
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -18,14 +19,31 @@ import redis
 
 from pegaflow.cluster.redis_conn import connect
 from pegaflow.common.logging import configure_logging
-from pegaflow.common.security import Security, SecurityError
 from pegaflow.config.commands import load
 from pegaflow.config.options import META
-from pegaflow.meta.daemon import MetaServer, StartupError
-from pegaflow.meta.rebuild import rebuild as do_rebuild
+
+# grpc core's EventEngine off (its listener, endpoints, callback queue and client): the older
+# iomgr poller, where the thread waiting on the completion queue polls the sockets itself,
+# answered a unary call sooner here (bench/grpc_floor.py; docs/meta.md, "Serving").
+GRPC_EXPERIMENTS = "-event_engine_listener,-event_engine_for_all_other_endpoints,-event_engine_callback_cq,-event_engine_client"
+
+
+def grpc_without_event_engine() -> None:
+    """Set ``GRPC_EXPERIMENTS`` for this process and its children, unless the operator did.
+    grpc reads it once, when it loads, so only where it has not loaded yet (this process is
+    ``pegaflow-meta``, nothing imported it before ``main``); a process that already runs grpc
+    (a test calling :func:`main`, a tool) is left as it is."""
+    if "grpc" not in sys.modules:
+        os.environ.setdefault("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    grpc_without_event_engine()
+    # Imported here, after: they load grpc.
+    from pegaflow.common.security import Security, SecurityError
+    from pegaflow.meta.daemon import MetaServer, StartupError
+    from pegaflow.meta.rebuild import rebuild as do_rebuild
+
     args = list(sys.argv[1:] if argv is None else argv)
     rebuild = bool(args) and args[0] == "rebuild"
     prog = "pegaflow-meta rebuild" if rebuild else "pegaflow-meta"
