@@ -113,6 +113,8 @@ class Prometheus:
     def all_up(self, jobs: set[str]) -> bool:
         if self.proc.poll() is not None:
             raise AssertionError(f"prometheus exited {self.proc.returncode}: {self.log.read_text()[-2000:]}")
+        if httpx.get(self.url + "/-/ready", timeout=10).status_code != 200:
+            return False  # starting: its API answers 503 "Service Unavailable" until the storage is open
         up = {s["metric"]["job"]: s["value"][1] for s in self.query("up")}
         return set(up) == jobs and all(v == "1" for v in up.values())
 
