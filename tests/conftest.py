@@ -1,4 +1,5 @@
-"""The run's directories, and real `pegaflow-node` daemons (tests/harness/node.py) as fixtures."""
+"""The run's directories, the machine shared by the workers of a parallel run
+(tests/parallel.py), and real `pegaflow-node` daemons (tests/harness/node.py) as fixtures."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import parallel
 from tests.harness.dirs import VLLM_RPC, temp_dir_removed_at_exit, vllm_rpc_dir
 from tests.harness.node import EVERY_SCRAPE, Node
 
@@ -24,6 +26,50 @@ def pytest_configure(config: pytest.Config) -> None:
       inherits the variable. A node with ``--access-group`` still uses ``/tmp``."""
     os.environ[VLLM_RPC] = vllm_rpc_dir()
     os.environ["XDG_RUNTIME_DIR"] = temp_dir_removed_at_exit("pf-test-run-")  # 0700, as a user's is
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        # pytest -n N: the first process, before it starts the workers, which inherit this
+        os.environ[parallel.LOCKS] = temp_dir_removed_at_exit("pf-test-locks-")
+
+
+@pytest.hookimpl(trylast=True)  # after the conftests that add marks (tests/chaos/)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In a worker of ``pytest -n N``: the order and the units of work of the scheduler
+    (tests/parallel.py), from the marks and the last run's seconds per file."""
+    if hasattr(config, "workerinput"):
+        cache = getattr(config, "cache", None)
+        parallel.order_and_write_units(items, cache.get(parallel.FILE_SECONDS, {}) if cache else {})
+
+
+_seconds: dict[str, float] = {}  # test file -> seconds in this run (setup + call + teardown)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    parallel.count(_seconds, report)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """The seconds each test file took, for the next parallel run's order (the first process
+    only: it has every worker's reports)."""
+    cache = getattr(session.config, "cache", None)
+    if cache is not None and _seconds and not hasattr(session.config, "workerinput"):
+        last = cache.get(parallel.FILE_SECONDS, {})
+        cache.set(parallel.FILE_SECONDS, {**last, **{f: round(s, 1) for f, s in _seconds.items()}})
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """``--dist loadfile`` (the Makefile's): a file's tests on one worker; the e2e tests
+    together, first; the serial tests together, last (tests/parallel.py)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    return parallel.file_scheduling(config, log)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[object]:
+    """Each test holds the machine, alone if marked ``serial`` (tests/parallel.py)."""
+    with parallel.machine(exclusive=item.get_closest_marker("serial") is not None):
+        return (yield)
 
 
 @pytest.fixture

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from pegaflow.client import PegaClient, QueryResult
 from pegaflow.connector.link import RPC_TIMEOUT_S, NodeLink
@@ -35,6 +36,7 @@ CALL_SLACK_S = 0.5  # scheduling noise on a loaded 2-core machine, on top of the
 SCAN_CHUNK = 8 << 20  # bytes of the cache file read at a time when looking for records
 
 
+@pytest.mark.serial  # every call within the RPC timeout + 0.5 s
 def test_calls_stay_bounded_while_the_node_is_killed_and_hung(node_factory):  # type: ignore[no-untyped-def]
     rep = Report("node SIGKILLed and SIGSTOPped under connector load", expected_failures=True)
     node = node_factory()

@@ -27,6 +27,7 @@ def hashes(tag: str, n: int) -> list[bytes]:
     return [xxhash.xxh3_128_digest(f"{tag}:{i}".encode()) for i in range(n)]
 
 
+@pytest.mark.serial  # gone within 3 s of a 1.5 s TTL
 def test_node_daemon_publishes_inserts_and_evictions(node_factory, redis_server: RedisServer) -> None:
     node = node_factory(pool_size="4mb", extra=["--redis-url", redis_server.url, "--node-id", "host-a",
                                                  "--liveness-ttl", "1.5"])  # fmt: skip

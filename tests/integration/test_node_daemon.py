@@ -361,6 +361,7 @@ def _first_answer(n) -> tuple[float, node_pb2.HealthResponse, object]:
         return took, c.health(), c
 
 
+@pytest.mark.serial  # two start-up times compared within a second
 def test_node_serves_before_its_pool_is_prefaulted_and_hands_out_only_faulted_pages(node_factory):
     """A 4 GiB pool takes seconds to pre-fault here; the node answers its first Query as
     fast as with a tiny pool, reports progress, and never gives a page past the frontier."""

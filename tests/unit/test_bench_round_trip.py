@@ -6,10 +6,13 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.common import socket_round_trip  # noqa: E402
 
 
+@pytest.mark.serial  # a p99.9 under 200 ms, pinned to one CPU
 def test_round_trips_are_counted_and_the_caller_keeps_its_cpus() -> None:
     before = os.sched_getaffinity(0)
     for same_cpu in (False, True):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -16,6 +17,10 @@ from prometheus_client.registry import Collector
 from pegaflow.common.http import Renders
 
 INTERVAL = 0.3
+
+# Waits timed against a 0.3 s interval (one render within 0.15 s, the next slot no sooner than
+# 0.24 s): alone in a parallel run, where a neighbour's burst cannot stretch them.
+pytestmark = pytest.mark.serial
 
 
 class Counting(Collector):

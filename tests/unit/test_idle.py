@@ -6,8 +6,14 @@ import asyncio
 import threading
 import time
 
+import pytest
+
 from pegaflow.node import idle as idle_mod
 from pegaflow.node.idle import DataPathIdle, loop_hop
+
+# Millisecond bounds (a 10 ms quiet time timed from just after a call, a 40 ms hop): alone
+# in a parallel run, where a neighbour's burst cannot stretch them.
+pytestmark = pytest.mark.serial
 
 
 class Clock:
