@@ -227,6 +227,9 @@ def test_pull_continues_after_local_prefix_and_only_fetches_missing_blocks(pair)
     pull(a, b, puller, hs, 5)
     assert [b.page(h) for h in hs[:5]] == [local[h] for h in hs[:5]]
     assert [b.page(h) for h in hs[5:]] == [want[h] for h in hs[5:]]
+    # As above: the sender counts once its last send returns, maybe after the receiver has it all.
+    wait_until(lambda: a.sample("pegaflow_node_p2p_served_bytes_total") >= 11 * PAGE, 5, "the sender's byte count",
+               every=0.01)
     assert a.sample("pegaflow_node_p2p_served_bytes_total") == 11 * PAGE
 
 
