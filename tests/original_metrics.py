@@ -42,6 +42,8 @@ EXPORTED: tuple[OriginalMetric, ...] = (
     _n("pegaflow_cache_block_admission_rejections_total", "counter"),
     _n("pegaflow_cache_block_evictions_total", "counter"),
     _n("pegaflow_cache_block_evictions_by_class_total", "counter", ("class",)),
+    _n("pegaflow_cache_resident_bytes_by_class", "gauge", ("class",)),
+    _n("pegaflow_cache_class_demotions_total", "counter", ("reason",)),
     _n("pegaflow_cache_eviction_reclaimed_bytes_total", "counter"),
     _n("pegaflow_cache_residence_duration_seconds", "histogram", ("reason",)),
     _n("pegaflow_cache_resident_blocks", "gauge"),

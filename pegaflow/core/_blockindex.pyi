@@ -19,7 +19,7 @@ class Block:
     size: int  # page bytes (the namespace's)
     state: int  # PENDING (0) or RESIDENT (1)
     pins: int  # leases and transfers holding the page
-    reclaimable: bool  # a copy pulled from a peer
+    reclaimable: bool  # its replacement class: reclaimable (evicted first) or retained
     def __init__(self, ns: Namespace, hash_: bytes, offset: int, reclaimable: bool = False) -> None: ...
     @property
     def key(self) -> tuple[int, bytes]: ...  # (namespace id, hash)
@@ -55,3 +55,12 @@ def place(
     admission: Admission | None,
 ) -> tuple[int, bool]: ...  # (the index of the first hash left to the Python loop, refused)
 def settle(made: list[Block], lru: LRU) -> None: ...
+def reclass(
+    blocks: dict[bytes, Block],
+    hashes: list[bytes],
+    reclaimable: bool,
+    source: LRU,
+    target: LRU,
+    moved: list[Block],
+    parked: list[Block],
+) -> None: ...

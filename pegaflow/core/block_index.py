@@ -12,8 +12,11 @@ States and who moves a block between them:
 - RESIDENT blocks are immutable and visible to every reader of the namespace. A block
   with ``pins > 0`` (a lease, or a transfer in progress) is out of the eviction order
   and cannot be evicted; it goes back to the most-recently-used end when its last pin goes.
-- Eviction is one global LRU across namespaces and page sizes. Reclaimable blocks
-  (copies pulled from peers) are evicted before locally produced ones.
+- Eviction is one global LRU across namespaces and page sizes, per replacement class:
+  *reclaimable* blocks (the cluster holds them elsewhere: copies pulled from peers, blocks
+  the metaserver says enough nodes hold) are evicted before *retained* ones. A block's
+  class is set when it is reserved and changed by :meth:`BlockIndex.reclassify`
+  (docs/architecture.md, "Replacement classes").
 - With an admission policy (TinyLFU), a new block that would need evictions is admitted
   only if the policy prefers it to the LRU victim; otherwise it is not stored.
 - With namespace quotas (``pegaflow.policy.quota``, ``--namespace-quota``), namespaces
@@ -58,6 +61,7 @@ from typing import Literal, Protocol, cast, overload
 from pegaflow.core._blockindex import LRU
 from pegaflow.core._blockindex import Block as Block
 from pegaflow.core._blockindex import place as _native_place
+from pegaflow.core._blockindex import reclass as _native_reclass
 from pegaflow.core._blockindex import settle as _native_settle
 from pegaflow.core.allocator import ExtentAllocator, OutOfSpace
 from pegaflow.core.identity import block_key, block_keys, namespace_salt
@@ -105,6 +109,7 @@ Listener = Callable[[IndexEvent, Namespace, list[bytes]], None]  # (event, names
 # Attribute reads mapped over a batch of blocks in C (``map(_HASH, blocks)``).
 _HASH = attrgetter("hash")
 _NS = attrgetter("ns")
+_SIZE = attrgetter("size")
 
 
 class PageAllocator(Protocol):
@@ -159,7 +164,12 @@ class BlockIndex:
         self.resident_bytes = 0
         self.evictions = 0
         self.evicted_bytes = 0
-        self.evicted_reclaimable = 0  # of evictions, pulled copies (the rest were retained)
+        self.evicted_reclaimable = 0  # of evictions, reclaimable blocks (the rest were retained)
+        # RESIDENT blocks of the reclaimable class (pinned ones too); the rest are retained.
+        self.reclaimable_blocks = 0
+        self.reclaimable_bytes = 0
+        self.demoted = 0  # blocks reclassify() moved from retained to reclaimable
+        self.restored = 0  # ... and back
         self.admission_rejections = 0
         self.no_space = 0
         self._pending = 0  # PENDING blocks held; when 0, prefix() need not check states
@@ -337,6 +347,38 @@ class BlockIndex:
                     self._detached.discard(b)
                     self.alloc.free(b.offset, b.size)
 
+    # ---- replacement classes ----------------------------------------------------------
+    def reclassify(self, ns: Namespace, hashes: Sequence[bytes], reclaimable: bool) -> int:
+        """Put the RESIDENT blocks of ``hashes`` (of ``ns``) into the reclaimable class
+        (``reclaimable``: evicted before any retained block) or back into the retained one;
+        returns how many changed class. An unpinned block goes to the newest end of its new
+        class's order (as the original does); a pinned one joins it when it is unpinned.
+        Hashes not resident here, or already of that class, are skipped. The loop is C
+        (``_blockindex.reclass``): a node may be told about a whole snapshot's blocks at once."""
+        t = self._blocks.get(ns.id)
+        if not t or not hashes:
+            return 0
+        reclaimable = bool(reclaimable)
+        source, target = (self._lru, self._lru_reclaimable) if reclaimable else (self._lru_reclaimable, self._lru)
+        moved: list[Block] = []
+        parked: list[Block] = []
+        _native_reclass(t, hashes if type(hashes) is list else list(hashes), reclaimable, source, target, moved,
+                        parked)
+        for b in parked:  # retained, skipped by a victim search under quotas (only a demotion finds them)
+            self._unpark(b)
+            target[b] = None
+        if moved:
+            n, nbytes = len(moved), sum(map(_SIZE, moved))
+            if reclaimable:
+                self.reclaimable_blocks += n
+                self.reclaimable_bytes += nbytes
+                self.demoted += n
+            else:
+                self.reclaimable_blocks -= n
+                self.reclaimable_bytes -= nbytes
+                self.restored += n
+        return len(moved)
+
     # ---- writes -----------------------------------------------------------------------
     def reserve(
         self, ns: Namespace, hashes: Sequence[bytes], reclaimable: bool = False
@@ -447,6 +489,9 @@ class BlockIndex:
         _native_settle(made, self._lru_reclaimable if reclaimable else lru)
         self.resident_blocks += len(made)
         self.resident_bytes += len(made) * size
+        if reclaimable:
+            self.reclaimable_blocks += len(made)
+            self.reclaimable_bytes += len(made) * size
         if self._listeners and made:
             self._emit(IndexEvent.INSERT, ns, list(map(_HASH, made)))
         return made
@@ -457,6 +502,7 @@ class BlockIndex:
         tables = self._blocks
         lru = self._lru
         nbytes = 0
+        rblocks = rbytes = 0
         for b in pending:
             if b.state != PENDING or tables[b.ns.id].get(b.hash) is not b:
                 if b in self._voided:  # its namespace was cleared while it was written
@@ -465,12 +511,19 @@ class BlockIndex:
                 continue
             b.state = RESIDENT
             nbytes += b.size
-            if b.pins == 0:
-                (self._lru_reclaimable if b.reclaimable else lru)[b] = None
+            if b.reclaimable:
+                rblocks += 1
+                rbytes += b.size
+                if b.pins == 0:
+                    self._lru_reclaimable[b] = None
+            elif b.pins == 0:
+                lru[b] = None
             done.append(b)
         self._pending -= len(done)
         self.resident_blocks += len(done)
         self.resident_bytes += nbytes
+        self.reclaimable_blocks += rblocks
+        self.reclaimable_bytes += rbytes
         if self._listeners:
             for ns, hs in _group(done).items():
                 self._emit(IndexEvent.INSERT, ns, hs)
@@ -493,7 +546,8 @@ class BlockIndex:
 
     def remove(self, blocks: Iterable[Block]) -> list[Block]:
         """Drop RESIDENT unpinned blocks (e.g. a failed checksum). Returns those removed."""
-        gone = [b for b in blocks if b.state == RESIDENT and b.pins == 0 and self._current(b)]
+        # dict.fromkeys: a block named twice is removed once
+        gone = [b for b in dict.fromkeys(blocks) if b.state == RESIDENT and b.pins == 0 and self._current(b)]
         for b in gone:
             self._drop(b)
         for ns, hs in _group(gone).items():
@@ -528,6 +582,7 @@ class BlockIndex:
                 del t[b.hash]
                 self.resident_blocks -= 1
                 self.resident_bytes -= b.size
+                self._unclass(b)
                 self._uncharge(b)
                 self._detached.add(b)
                 busy += 1
@@ -565,6 +620,7 @@ class BlockIndex:
             del self._blocks[victim.ns.id][victim.hash]
             self.resident_blocks -= 1
             self.resident_bytes -= vsize
+            self._unclass(victim)
             self._evicted(victim, dropped)
             return victim.offset
         while True:
@@ -592,10 +648,17 @@ class BlockIndex:
         self.alloc.free(b.offset, b.size)
         self.resident_blocks -= 1
         self.resident_bytes -= b.size
+        self._unclass(b)
         if self._quota_group:
             self._uncharge(b)
             if self._park_seq:
                 self._unpark(b)
+
+    def _unclass(self, b: Block) -> None:
+        """RESIDENT ``b`` left the table: its class holds it no more."""
+        if b.reclaimable:
+            self.reclaimable_blocks -= 1
+            self.reclaimable_bytes -= b.size
 
     def _uncharge(self, b: Block) -> None:
         """``b`` left the table: its group (if any) holds its page no more."""
@@ -640,6 +703,7 @@ class BlockIndex:
                 del self._blocks[victim.ns.id][victim.hash]
                 self.resident_blocks -= 1
                 self.resident_bytes -= vsize
+                self._unclass(victim)
                 self._uncharge(victim)
                 self._evicted(victim, dropped)
                 return victim.offset

@@ -179,7 +179,7 @@ static PyMemberDef Block_members[] = {
     {"size", T_OBJECT_EX, offsetof(Block, size), 0, "page bytes (the namespace's)"},
     {"state", T_OBJECT_EX, offsetof(Block, state), 0, "PENDING (0) or RESIDENT (1)"},
     {"pins", T_OBJECT_EX, offsetof(Block, pins), 0, "leases and transfers holding the page"},
-    {"reclaimable", T_OBJECT_EX, offsetof(Block, reclaimable), 0, "a copy pulled from a peer"},
+    {"reclaimable", T_OBJECT_EX, offsetof(Block, reclaimable), 0, "its class: reclaimable (evicted first) or retained"},
     {NULL},
 };
 
@@ -814,11 +814,70 @@ static PyObject *settle(PyObject *module, PyObject *const *args, Py_ssize_t narg
     Py_RETURN_NONE;
 }
 
+/* reclass(blocks, hashes, reclaimable, source, target, moved, parked): BlockIndex.reclassify's
+ * loop. For each hash of the list whose block in ``blocks`` (the namespace's table) is RESIDENT
+ * and not yet of class ``reclaimable`` (a bool): its ``reclaimable`` is set, it is appended to
+ * ``moved``, and, unpinned, it leaves ``source`` for the newest end of ``target`` (the two LRUs
+ * of the classes); an unpinned block that is not in ``source`` (parked by a victim search under
+ * namespace quotas) goes to ``parked`` for the Python caller. Pinned blocks only change class:
+ * unpin() puts them into their class's LRU. Absent, PENDING or foreign objects are skipped.
+ * tests/oracles/block_index_py.py has the same in Python; tests hold the two equal. */
+static PyObject *reclass(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7 || !PyDict_CheckExact(args[0]) || !PyList_CheckExact(args[1]) || !PyBool_Check(args[2]) ||
+        Py_TYPE(args[3]) != &LRUType || Py_TYPE(args[4]) != &LRUType || !PyList_CheckExact(args[5]) ||
+        !PyList_CheckExact(args[6])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "reclass(blocks: dict, hashes: list, reclaimable: bool, source: LRU, target: LRU, "
+                        "moved: list, parked: list)");
+        return NULL;
+    }
+    PyObject *blocks = args[0], *value = args[2], *moved = args[5], *parked = args[6];
+    LRU *source = (LRU *)args[3], *target = (LRU *)args[4];
+    if (source == target) {
+        PyErr_SetString(PyExc_ValueError, "reclass: source and target are the same LRU");
+        return NULL;
+    }
+    /* A tuple of the hashes: nothing below runs Python code, but the list is the caller's. */
+    PyObject *hs = PyList_AsTuple(args[1]);
+    if (hs == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(hs); i++) {
+        PyObject *found = PyDict_GetItemWithError(blocks, PyTuple_GET_ITEM(hs, i)); /* borrowed */
+        if (found == NULL) {
+            if (PyErr_Occurred()) goto error;
+            continue;
+        }
+        if (Py_TYPE(found) != &BlockType) continue;
+        Block *b = (Block *)found;
+        if (b->state == NULL || !int_is(b->state, 1) || b->reclaimable == value || b->pins == NULL) continue;
+        Py_INCREF(found); /* held while its fields change */
+        Py_SETREF(b->reclaimable, Py_NewRef(value));
+        int err = PyList_Append(moved, found);
+        if (!err && int_is(b->pins, 0)) {
+            Py_ssize_t slot = find_slot(source, found, NULL);
+            if (slot >= 0) {
+                Py_DECREF(lru_take(source, slot)); /* ``found`` is still held */
+                err = lru_add(target, found);
+            } else {
+                err = PyList_Append(parked, found);
+            }
+        }
+        Py_DECREF(found);
+        if (err < 0) goto error;
+    }
+    Py_DECREF(hs);
+    Py_RETURN_NONE;
+error:
+    Py_DECREF(hs);
+    return NULL;
+}
+
 static PyMethodDef module_methods[] = {
     {"place", (PyCFunction)(void (*)(void))place, METH_FASTCALL,
      "place(blocks, lru, ns, hashes, start, reclaimable, made, evicted, out, alloc, need, admission) -> (stop, refused)."},
     {"settle", (PyCFunction)(void (*)(void))settle, METH_FASTCALL,
      "settle(made, lru): state RESIDENT and appended to lru, for each block in order."},
+    {"reclass", (PyCFunction)(void (*)(void))reclass, METH_FASTCALL,
+     "reclass(blocks, hashes, reclaimable, source, target, moved, parked): move blocks between the classes."},
     {NULL, NULL, 0, NULL},
 };
 

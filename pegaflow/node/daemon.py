@@ -46,8 +46,9 @@ from pegaflow.node import discovery
 from pegaflow.node.accounting import RequestAccounting
 from pegaflow.node.admin import NodeAdmin
 from pegaflow.node.block_events import BlockEventFeed
+from pegaflow.node.classes import Classes
 from pegaflow.node.idle import DataPathIdle, loop_hop
-from pegaflow.node.metrics import NodeMetrics
+from pegaflow.node.metrics import ClassMetrics, NodeMetrics
 from pegaflow.node.numa import NumaAllocator, place_pool
 from pegaflow.node.pool import SharedPool
 from pegaflow.node.query_trace import QueryTrace, QueryTraceError
@@ -141,6 +142,8 @@ class Node:
                                  max_namespaces=config.max_namespaces)
         self.index.add_listener(self._on_index_event)
         self.residence = Residence(self.metrics.registry)  # L1 residence times (its docstring: the cost)
+        self.classes = Classes(self.index)  # replacement classes: what the metaserver says, applied
+        ClassMetrics(self.metrics.registry, self.classes.figures)
         self.index.add_listener(self.residence.on_index_event)
         # Background hand-offs that a data-path call creates wait for a pause in the data
         # path (bounded): pegaflow/node/idle.py. The service stamps it, the tiers and the

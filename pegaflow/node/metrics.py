@@ -447,3 +447,56 @@ def original_aliases(m: NodeMetrics) -> list[Alias | ValueAlias]:
               "Node RPC latency by method and status (pegaflow_node_rpc_duration_seconds, transports summed).",
               ("pegaflow_node_rpc_duration_seconds",), ("method", "status"), relabel=rpc_labels),
     ]
+
+
+# ---- Replacement classes (docs/architecture.md, "Replacement classes") -----------------------------
+# Why a block left the retained class, as the original labels it: reclaim_hint (the metaserver
+# counted enough holders), backup_hint (a decode node backed it up). The original's third,
+# transfer_release (its source demoted a block a peer copied), has no case here: the puller's
+# copy is reclaimable from its reservation and the source keeps its own retained.
+DEMOTION_REASONS = ("reclaim_hint", "backup_hint")
+CLASSES = ("reclaimable", "retained")
+
+
+class ClassMetrics(Collector):
+    """``pegaflow_node_resident_bytes_by_class{class}`` and ``pegaflow_node_class_demotions_total{reason}``,
+    read at scrape time from ``source()``: (resident bytes, of them reclaimable, blocks demoted by
+    reason); registered on ``registry`` with the original's names as aliases."""
+
+    def __init__(self, registry: CollectorRegistry, source: Callable[[], tuple[int, int, Mapping[str, int]]]) -> None:
+        self.source = source
+        registry.register(self)
+        OriginalNames(registry, [
+            Alias("pegaflow_cache_resident_bytes_by_class", "gauge",
+                  "Bytes of committed blocks in L1 by replacement class "
+                  "(pegaflow_node_resident_bytes_by_class{class}).",
+                  ("pegaflow_node_resident_bytes_by_class",), ("class",), relabel=_same,
+                  fixed=tuple((c,) for c in CLASSES)),
+            Alias("pegaflow_cache_class_demotions", "counter",
+                  "Blocks moved from retained to reclaimable, by reason "
+                  "(pegaflow_node_class_demotions_total{reason}).",
+                  ("pegaflow_node_class_demotions",), ("reason",), relabel=_same,
+                  fixed=tuple((r,) for r in DEMOTION_REASONS)),
+        ])  # fmt: skip
+
+    def describe(self) -> list[GaugeMetricFamily | CounterMetricFamily]:
+        return list(self._families(0, 0, {}))
+
+    def collect(self) -> list[GaugeMetricFamily | CounterMetricFamily]:
+        return list(self._families(*self.source()))
+
+    @staticmethod
+    def _families(resident: int, reclaimable: int, demoted: Mapping[str, int]
+                  ) -> tuple[GaugeMetricFamily, CounterMetricFamily]:
+        g = GaugeMetricFamily("pegaflow_node_resident_bytes_by_class",
+                              "Bytes of committed blocks in L1 by replacement class: reclaimable (evicted first: "
+                              "pulled copies, blocks enough nodes hold) or retained.", labels=["class"])
+        g.add_metric(["reclaimable"], float(reclaimable))
+        g.add_metric(["retained"], float(resident - reclaimable))
+        c = CounterMetricFamily("pegaflow_node_class_demotions",
+                                "Blocks moved from retained to reclaimable in L1, by reason: reclaim_hint (the "
+                                "metaserver counted --min-reclaimable-owner-count holders), backup_hint.",
+                                labels=["reason"])
+        for reason in DEMOTION_REASONS:
+            c.add_metric([reason], float(demoted.get(reason, 0)))
+        return g, c

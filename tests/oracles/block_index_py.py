@@ -43,3 +43,22 @@ def settle(made: Sequence[PyBlock], order: dict) -> None:
 def leave_everything_to_python(*args: object) -> tuple[int, bool]:
     """A ``place`` that places nothing: ``_reserve``'s Python loop then does every step."""
     return args[4], False  # type: ignore[return-value]
+
+
+def reclass(blocks: dict, hashes: list[bytes], reclaimable: bool, source: object, target: object, moved: list,
+            parked: list) -> None:
+    """``BlockIndex.reclassify``'s loop (``_blockindex.reclass``): RESIDENT blocks of the other
+    class change class; unpinned ones leave ``source`` for the newest end of ``target``, or go
+    to ``parked`` when ``source`` does not hold them."""
+    for h in hashes:
+        b = blocks.get(h)
+        if b is None or b.state != RESIDENT or b.reclaimable is reclaimable:
+            continue
+        b.reclaimable = reclaimable
+        moved.append(b)
+        if b.pins == 0:
+            if b in source:  # type: ignore[operator]
+                source.pop(b)  # type: ignore[attr-defined]
+                target[b] = None  # type: ignore[index]
+            else:
+                parked.append(b)

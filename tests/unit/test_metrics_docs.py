@@ -40,7 +40,7 @@ def exported_name(fam_name: str, kind: str) -> str:
 
 def node_families() -> dict[str, tuple[str, set[str]]]:
     from pegaflow.core.block_index import BlockIndex
-    from pegaflow.node.metrics import NodeMetrics
+    from pegaflow.node.metrics import ClassMetrics, NodeMetrics
     from pegaflow.node.publishing import PublisherMetrics
     from pegaflow.node.quota_metrics import register as register_quota_metrics
     from pegaflow.node.residence import Residence
@@ -55,6 +55,7 @@ def node_families() -> dict[str, tuple[str, set[str]]]:
     quotas = Quotas.parse(["doc=0.5"])  # --namespace-quota's collector (registered only with quotas)
     register_quota_metrics(m.registry, BlockIndex(1 << 20, quotas=quotas), quotas)
     Residence(m.registry)
+    ClassMetrics(m.registry, lambda: (0, 0, {}))
     return families(m.registry)
 
 
