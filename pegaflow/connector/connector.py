@@ -37,7 +37,7 @@ from pegaflow.connector.events import KVEvents
 from pegaflow.connector.intents import PegaConnectorMetadata, PegaWorkerReport, PegaWorkerState
 from pegaflow.connector.link import LOGGER_NAME, NodeLink, query_only_client_factory
 from pegaflow.connector.scheduler import KVTransferParams, SchedulerSide
-from pegaflow.connector.settings import load_settings
+from pegaflow.connector.settings import ConnectorSettings, cross_layer_blocks, load_settings, log_settings
 from pegaflow.connector.vllm_compat import (
     FEATURES,
     CacheHitSource,
@@ -230,6 +230,19 @@ def _bytes_per_block(groups: Iterable[KVCacheGroupSpec]) -> int:
                for g in groups)
 
 
+def instance_name(settings: ConnectorSettings, vllm_config: VllmConfig, role: KVConnectorRole) -> str:
+    """The name this process registers with on its node (``pegaflow status``, ``/instances``):
+    ``PEGAFLOW_INSTANCE_ID`` for every process of the engine, with the original's ``_dpN`` for
+    data-parallel rank N of several; else ``HOST:PID:scheduler`` (a worker adds ``:RANK``)."""
+    if not settings.instance_id:
+        return f"{socket.gethostname()}:{os.getpid()}:{role.name.lower()}"
+    pc = vllm_config.parallel_config
+    dp_rank = getattr(pc, "data_parallel_rank_local", None)
+    if pc.data_parallel_size > 1 and dp_rank is not None:
+        return f"{settings.instance_id}_dp{dp_rank}"
+    return settings.instance_id
+
+
 def _tp_rank(vllm_config: VllmConfig) -> int:
     try:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -340,7 +353,10 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
         try:
             if kv_cache_config is None:
                 raise ValueError("no kv_cache_config given")
-            settings = load_settings(extra=self._kv_transfer_config.kv_connector_extra_config or {})
+            extra = self._kv_transfer_config.kv_connector_extra_config or {}
+            if role == KVConnectorRole.SCHEDULER:  # once per engine, not once per rank
+                log_settings(extra)
+            settings = load_settings(extra=extra)
             self.identity: KVIdentity | None = kv_identity(vllm_config, kv_cache_config, settings.model_id)
             addr = settings.addr
             Security.load()  # a token or TLS file that cannot be used disables the connector, loudly
@@ -348,7 +364,7 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
             logger.error("PegaFlow connector disabled: %s", exc)
             self.identity = None
             return
-        instance = f"{socket.gethostname()}:{os.getpid()}:{role.name.lower()}"
+        instance = instance_name(settings, vllm_config, role)
         ident = self.identity
         if role == KVConnectorRole.SCHEDULER:
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
@@ -374,8 +390,9 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
             )
         else:
             rank = _tp_rank(vllm_config)
+            name = instance if settings.instance_id else f"{instance}:{rank}"
             self._worker = WorkerSide(ident, rank,
-                                      lambda ns, pci: NodeLink(addr, ns, f"{instance}:{rank}", pci_bus_id=pci),
+                                      lambda ns, pci: NodeLink(addr, ns, name, pci_bus_id=pci),
                                       kv_groups=kv_groups, state_groups=state_groups)
 
     # A best-effort cache: a dropped save is a future miss, not lost data.
@@ -390,7 +407,10 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
         run (``register_cross_layers_kv_cache``): a page is then one copy per run of blocks.
         ``PEGAFLOW_CROSS_LAYER_BLOCKS=0`` keeps vLLM's per-layer tensors (the original's
         switch). Later vLLMs choose the layout themselves (``kv_layout_name``)."""
-        return os.environ.get("PEGAFLOW_CROSS_LAYER_BLOCKS", "1") != "0"
+        try:
+            return cross_layer_blocks()
+        except ValueError:  # the connector disabled itself at start, saying why
+            return True
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], layerwise: bool = True) -> None:
         if self._worker is None:

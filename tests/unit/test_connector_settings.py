@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
-from pegaflow.connector.settings import LOAD_ONLY, READ_WRITE, SAVE_ONLY, load_settings, render_markdown
+from pegaflow.connector.link import LOGGER_NAME
+from pegaflow.connector.settings import (
+    LOAD_ONLY,
+    READ_WRITE,
+    SAVE_ONLY,
+    cross_layer_blocks,
+    load_settings,
+    log_settings,
+    render_markdown,
+)
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "connector.md"
 
@@ -38,6 +50,73 @@ def test_bad_values_give_a_one_line_reason(extra: dict[str, object], message: st
     with pytest.raises(ValueError) as exc:
         load_settings(extra, {})
     assert message in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_the_originals_keys_are_read() -> None:
+    """0.25.1's keys and variables: each does what it did there, where it means something here."""
+    s = load_settings({"pegaflow.wait_for_full_prefix": True, "pegaflow.transfer_backend": " Kernel ",
+                       "pegaflow.tp_shard_endpoints": ["http://10.0.0.7:50077"], "pegaflow.host": "10.0.0.2",
+                       "pegaflow.pd_tail_save": True, "pegaflow.pd_tail_load": True},
+                      {"PEGAFLOW_INSTANCE_ID": "engine-7", "PEGAFLOW_CROSS_LAYER_BLOCKS": "0", "PEGAFLOW_PORT": "6000"})
+    assert s.wait_for_full_prefix and s.instance_id == "engine-7" and not s.cross_layer_blocks
+    assert s.addr == "10.0.0.7:50077", "the endpoints list wins over host, port and the environment"
+    assert load_settings({}, {}).instance_id is None and load_settings({}, {}).cross_layer_blocks
+
+
+@pytest.mark.parametrize("value, on", [("1", True), ("0", False), ("false", False), ("true", True), ("", True)])
+def test_cross_layer_blocks_variable(value: str, on: bool) -> None:
+    assert cross_layer_blocks({"PEGAFLOW_CROSS_LAYER_BLOCKS": value}) is on
+
+
+@pytest.mark.parametrize("extra, message", [
+    # the original's messages, word for word
+    ({"pegaflow.transfer_backend": "cuda"}, "Unsupported pegaflow.transfer_backend 'cuda'; expected one of: direct, kernel"),
+    ({"pegaflow.tp_shard_endpoints": "http://a:1"}, "pegaflow.tp_shard_endpoints must be a list of endpoints"),
+    ({"pegaflow.tp_shard_endpoints": ["http://a:1", ""]}, "pegaflow.tp_shard_endpoints must contain non-empty strings"),
+    ({"pegaflow.tp_shard_endpoints": ["http://a:1", "http://a:1"]},
+     "pegaflow.tp_shard_endpoints must not contain duplicates"),
+    # several nodes: not supported here yet, said so
+    ({"pegaflow.tp_shard_endpoints": ["http://a:1", "http://b:1"]},
+     "pegaflow.tp_shard_endpoints names 2 nodes (a:1, b:1): TP shards on different hosts are not supported yet"),
+    ({"pegaflow.wait_for_full_prefix": "sometimes"}, "pegaflow.wait_for_full_prefix='sometimes' is not a boolean"),
+])
+def test_the_originals_keys_refuse_what_it_refused(extra: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError) as exc:
+        load_settings(extra, {})
+    assert message in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_settings_without_effect_here_are_named_in_one_line(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger=LOGGER_NAME):
+        log_settings({"pegaflow.transfer_backend": "kernel", "pegaflow.pd_tail_save": True, "pegaflow.mode": "save_only"},
+                     {"PEGA_LOAD_TIMEOUT_SECONDS": "300"})
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "no effect here" in line and "\n" not in line
+    for named in ("pegaflow.transfer_backend='kernel': No effect: the worker's copies are always batched",
+                  "pegaflow.pd_tail_save=True: No effect: only full blocks are stored",
+                  "PEGA_LOAD_TIMEOUT_SECONDS='300'"):
+        assert named in line
+    assert "pegaflow.mode" not in line
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=LOGGER_NAME):
+        log_settings({"pegaflow.mode": "save_only", "pegaflow.wait_for_full_prefix": True}, {})
+    assert not caplog.records, "nothing is said of settings that do something"
+
+
+@pytest.mark.parametrize("env, dp, role, name", [
+    ({"PEGAFLOW_INSTANCE_ID": "engine-7"}, (1, 0), "SCHEDULER", "engine-7"),
+    ({"PEGAFLOW_INSTANCE_ID": "engine-7"}, (1, 0), "WORKER", "engine-7"),
+    ({"PEGAFLOW_INSTANCE_ID": "engine-7"}, (2, 1), "WORKER", "engine-7_dp1"),  # the original's suffix
+    ({}, (1, 0), "SCHEDULER", ":scheduler"),
+])
+def test_the_instance_name(env: dict[str, str], dp: tuple[int, int], role: str, name: str) -> None:
+    from pegaflow.connector.connector import instance_name
+    from pegaflow.connector.vllm_compat import KVConnectorRole
+
+    vllm_config: Any = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_size=dp[0],
+                                                                       data_parallel_rank_local=dp[1]))
+    got = instance_name(load_settings({}, env), vllm_config, KVConnectorRole[role])
+    assert got == name if env else got.endswith(name)
 
 
 def test_docs_table_is_current() -> None:

@@ -101,6 +101,28 @@ def prefill() -> Case:
                 hit=(5 * BS, False), at_deadline=(2 * BS, False))
 
 
+def full_prefix() -> Case:
+    """``pegaflow.wait_for_full_prefix`` (the original's key): a request waits for every full
+    block of its prompt, of which the node holds 2 of 5 yet."""
+    node = FakeNode()
+    p = prompt(4)
+    Engine(node, identity()).run(p)
+    eng = Engine(node, identity(), settings=ConnectorSettings(wait_for_full_prefix=True))
+    req = eng.request(p)
+    later = sorted(node.stored, key=node.stored.__getitem__)[2:]
+    offsets = {k: node.stored[k] for k in later}
+
+    def withhold() -> None:
+        for k in later:
+            node.stored.pop(k, None)
+
+    def deliver() -> None:
+        node.stored.update(offsets)
+
+    return Case(node, lambda: eng.sched.get_num_new_matched_tokens(req, 0), withhold, deliver,
+                hit=(5 * BS, False), at_deadline=(2 * BS, False))
+
+
 def state_page() -> Case:
     """The state page at the hit's end of a hybrid state-space model, being promoted."""
     node = FakeNode()
@@ -112,7 +134,7 @@ def state_page() -> Case:
                 hit=(6 * BS, True), at_deadline=(0, False))
 
 
-CASES = [promotion, prefill, state_page]
+CASES = [promotion, prefill, full_prefix, state_page]
 
 
 def test_the_rule_polls_every_interval_and_ends_at_the_deadline(clock: list[float]) -> None:
@@ -189,3 +211,22 @@ def test_an_async_load_vllm_allocated_otherwise_fails_at_its_first_poll(clock: l
     queries = node.calls["query"]
     (ld,) = b.sched.build_connector_meta(idle_step()).loads
     assert ld.block_ids == () and ld.missing and node.calls["query"] == queries, "nothing left to ask for"
+
+
+def test_waiting_for_the_full_prefix_promises_no_part_of_it_until_the_deadline(clock: list[float]) -> None:
+    """The node will hold 3 of the prompt's 5 blocks once its promotion lands: with
+    ``pegaflow.wait_for_full_prefix`` that is no asynchronous load while the wait lasts (the
+    original's all or nothing); at the deadline the request takes what the node will hold."""
+    node = FakeNode()
+    p = prompt(5)
+    Engine(node, identity()).run(p)
+    eng = Engine(node, identity(), settings=ConnectorSettings(wait_for_full_prefix=True))
+    node.loading, node.loading_dram, node.loading_from, node.loading_expected = 10**6, 1, "ssd", 3
+    req = eng.request(p)
+    assert eng.sched.get_num_new_matched_tokens(req, 0) == (None, False)
+    clock[0] = T0 + WAIT - POLL
+    assert eng.sched.get_num_new_matched_tokens(req, 0) == (None, False)
+    clock[0] = T0 + WAIT
+    assert eng.sched.get_num_new_matched_tokens(req, 0) == (3 * BS, True)
+    plain = Engine(node, identity())  # without the key: the same answer at once
+    assert plain.sched.get_num_new_matched_tokens(plain.request(p), 0) == (3 * BS, True)
