@@ -11,11 +11,13 @@ is stale). Precedence, as in the original: environment >
 
 The original's users paste their ``kv_connector_extra_config`` unchanged: every key of the
 original is read, and a key that does nothing here is named in one start-up line
-(``log_settings``).
+(``log_settings``). A ``pegaflow.*`` key that no row reads is a warning naming the nearest
+known key, so a typo never silently changes nothing.
 """
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 from collections.abc import Mapping
@@ -27,6 +29,7 @@ from pegaflow.core.hosts import NODE_ADDR, NODE_HOST, NODE_PORT
 logger = logging.getLogger(LOGGER_NAME)
 
 ORIGINAL_RELEASE = "0.25.1"  # the original's release whose keys and variables are read here
+KEY_PREFIX = "pegaflow."  # every key of ours and the original's starts with it
 
 READ_WRITE = "read_write"
 SAVE_ONLY = "save_only"  # a prefill engine: computes and saves, never loads
@@ -129,6 +132,8 @@ SETTINGS: tuple[Setting, ...] = (
             "Force the page-copy kernel (`memcpy`, `nt-avx2`, `nt-sse2`, a `-2t` suffix for two "
             "threads) instead of measuring the candidates on the first large copies.", default_is_value=False),
 )
+
+KNOWN_KEYS: frozenset[str] = frozenset(s.key for s in SETTINGS if s.key)
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -236,6 +241,18 @@ def load_settings(extra: ExtraConfig | None = None, env: Mapping[str, str] | Non
     )
 
 
+def unknown_keys(extra: ExtraConfig) -> dict[str, str | None]:
+    """Each ``pegaflow.*`` key of ``extra`` that no setting reads, with the nearest known key
+    (None when none is near)."""
+    names = sorted(k.removeprefix(KEY_PREFIX) for k in KNOWN_KEYS)  # the shared prefix says nothing
+    out: dict[str, str | None] = {}
+    for key in extra:
+        if isinstance(key, str) and key.startswith(KEY_PREFIX) and key not in KNOWN_KEYS:
+            near = difflib.get_close_matches(key.removeprefix(KEY_PREFIX), names, n=1)
+            out[key] = KEY_PREFIX + near[0] if near else None
+    return out
+
+
 def inert_settings(extra: ExtraConfig, env: Mapping[str, str]) -> list[str]:
     """``NAME=value: what it does here`` for each setting that is set and does nothing here."""
     out = []
@@ -250,8 +267,12 @@ def inert_settings(extra: ExtraConfig, env: Mapping[str, str]) -> list[str]:
 
 
 def log_settings(extra: ExtraConfig, env: Mapping[str, str] | None = None) -> None:
-    """At start: one line naming the settings that are set and do nothing here."""
+    """At start: a warning per unknown ``pegaflow.*`` key (naming the nearest known one), and
+    one line naming the settings that are set and do nothing here."""
     env = os.environ if env is None else env
+    for key, near in unknown_keys(extra).items():
+        hint = f"did you mean {near!r}?" if near else "the known keys are in docs/connector.md"
+        logger.warning("PegaFlow: unknown kv_connector_extra_config key %r is ignored (%s)", key, hint)
     inert = inert_settings(extra, env)
     if inert:
         logger.info("PegaFlow: settings of the original (%s) with no effect here: %s", ORIGINAL_RELEASE,

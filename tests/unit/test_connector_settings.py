@@ -11,9 +11,11 @@ import pytest
 
 from pegaflow.connector.link import LOGGER_NAME
 from pegaflow.connector.settings import (
+    KNOWN_KEYS,
     LOAD_ONLY,
     READ_WRITE,
     SAVE_ONLY,
+    SETTINGS,
     cross_layer_blocks,
     load_settings,
     log_settings,
@@ -21,6 +23,15 @@ from pegaflow.connector.settings import (
 )
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "connector.md"
+
+# Every kv_connector_extra_config key and environment variable the original's connector reads in
+# its release 0.25.1 (pegaflow/connector/__init__.py, common.py, worker.py of its wheel): its
+# users paste their config unchanged, so each must be known here.
+ORIGINAL_0_25_1_KEYS = ("pegaflow.host", "pegaflow.port", "pegaflow.mode", "pegaflow.transfer_backend",
+                        "pegaflow.wait_for_full_prefix", "pegaflow.tp_shard_endpoints", "pegaflow.pd_tail_save",
+                        "pegaflow.pd_tail_load")
+ORIGINAL_0_25_1_ENV = ("PEGAFLOW_HOST", "PEGAFLOW_PORT", "PEGAFLOW_CROSS_LAYER_BLOCKS", "PEGAFLOW_INSTANCE_ID",
+                       "PEGA_LOAD_TIMEOUT_SECONDS")
 
 
 def test_defaults() -> None:
@@ -101,6 +112,37 @@ def test_settings_without_effect_here_are_named_in_one_line(caplog: pytest.LogCa
     with caplog.at_level(logging.INFO, logger=LOGGER_NAME):
         log_settings({"pegaflow.mode": "save_only", "pegaflow.wait_for_full_prefix": True}, {})
     assert not caplog.records, "nothing is said of settings that do something"
+
+
+def test_every_key_and_variable_of_the_original_is_known(caplog: pytest.LogCaptureFixture) -> None:
+    assert set(ORIGINAL_0_25_1_KEYS) <= KNOWN_KEYS
+    assert set(ORIGINAL_0_25_1_ENV) <= {s.env for s in SETTINGS}
+    with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
+        log_settings(dict.fromkeys(ORIGINAL_0_25_1_KEYS + tuple(KNOWN_KEYS), "x"), {})
+    assert not caplog.records
+
+
+@pytest.mark.parametrize("typo, near", [
+    ("pegaflow.transfer_backnd", "pegaflow.transfer_backend"),
+    ("pegaflow.wait_for_full_prefx", "pegaflow.wait_for_full_prefix"),
+    ("pegaflow.hots", "pegaflow.host"),
+])
+def test_a_mistyped_key_is_one_warning_naming_the_nearest_known_key(
+    caplog: pytest.LogCaptureFixture, typo: str, near: str
+) -> None:
+    with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
+        log_settings({typo: True, "pegaflow.mode": "save_only", "shared_storage_path": "/tmp/x"}, {})
+    (record,) = caplog.records  # keys of other connectors are not ours to judge
+    line = record.getMessage()
+    assert record.levelno == logging.WARNING and "\n" not in line
+    assert f"unknown kv_connector_extra_config key {typo!r} is ignored (did you mean {near!r}?)" in line
+
+
+def test_an_unknown_key_far_from_every_known_one_points_to_the_docs(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
+        log_settings({"pegaflow.zzzz": 1}, {})
+    (record,) = caplog.records
+    assert "'pegaflow.zzzz' is ignored (the known keys are in docs/connector.md)" in record.getMessage()
 
 
 @pytest.mark.parametrize("env, dp, role, name", [
