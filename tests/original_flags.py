@@ -1,14 +1,18 @@
 """Every flag of the Rust original's two daemons, transcribed once, with values valid here.
 
-Source: novitalabs/pegaflow, ``pegaflow-server/src/lib.rs`` (``struct Cli``, 30 flags) and
-``pegaflow-metaserver/src/lib.rs`` (``struct Cli``, 6 flags), in their order. A flag with
+Source: novitalabs/pegaflow v0.23.12, ``pegaflow-server/src/lib.rs`` (``struct Cli``, 30 flags)
+and ``pegaflow-metaserver/src/lib.rs`` (``struct Cli``, 6 flags), in their order; and the
+0.25.1 release's ``pegaflow-server-py --help`` (34 flags: 0.23.12's, then four of the decode
+backup) and ``pegaflow-metaserver-py --help`` (9: 0.23.12's, then three; its ``--ttl-minutes``
+now counts minutes without node activity, not block age). A flag with
 ``()`` is a clap switch (a ``bool`` field: ``ArgAction::SetTrue``, so it takes no value, even
 ``--enable-prometheus`` whose default is true). The values are what a test host can give:
 ``{name}`` fields are filled by :func:`argv` (ports, the SSD directory). Flags that have no
 effect here are set away from their defaults, so the daemons log them.
 
-``tests/unit/test_options.py`` checks that the parser accepts each of them;
-``tests/integration/test_original_flags.py`` starts both daemons with the complete lists.
+``tests/unit/test_options.py`` checks that the parser accepts each of them (both releases);
+``tests/integration/test_original_flags.py`` starts both daemons with 0.25.1's complete lists
+(which hold 0.23.12's).
 """
 
 from __future__ import annotations
@@ -46,6 +50,14 @@ ORIGINAL_SERVER_FLAGS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("--transfer-lock-timeout-secs", ("120",)),
 )
 
+ORIGINAL_SERVER_FLAGS_0251: tuple[tuple[str, tuple[str, ...]], ...] = (
+    *ORIGINAL_SERVER_FLAGS,
+    ("--backup-reclaimable-percent", ("20",)),
+    ("--backup-max-candidates", ("4096",)),
+    ("--backup-pull-max-bytes", ("64mb",)),
+    ("--backup-max-bandwidth", ("1gb",)),
+)
+
 ORIGINAL_METASERVER_FLAGS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("--addr", ("127.0.0.1:{meta_port}",)),
     ("--http-addr", ("127.0.0.1:{meta_http_port}",)),
@@ -53,6 +65,13 @@ ORIGINAL_METASERVER_FLAGS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("--node-stale-secs", ("20",)),
     ("--ttl-minutes", ("60",)),
     ("--sweep-interval-secs", ("600",)),
+)
+
+ORIGINAL_METASERVER_FLAGS_0251: tuple[tuple[str, tuple[str, ...]], ...] = (
+    *ORIGINAL_METASERVER_FLAGS,
+    ("--min-reclaimable-owner-count", ("2",)),
+    ("--enable-decode-backup", ()),
+    ("--backup-target-delay-secs", ("60",)),
 )
 
 # Placeholder values for a parse-only check (no daemon starts).

@@ -5,8 +5,13 @@ reused. The registry keeps, per node, its newest incarnation (``pf:{pf}:nodes``)
 liveness key ``pf:{pf}:live:<node>`` whose *value* is the nid readers see and whose TTL
 the node refreshes. Hence:
 
-- A dead node (TTL expired) is invisible at once: its live key is gone. The sweeper
-  later retires its nid and removes its entries.
+- A dead node (TTL expired) is invisible at once: its live key is gone. Its registration
+  and entries stay until it has been silent for the metaserver's ``--ttl-minutes`` (no
+  heartbeat, no event; the original's "minutes without node activity before lifecycle
+  cleanup"): then the sweeper reaps it (:func:`reap`), retiring its nid and removing its
+  entries. A node that heartbeats again before that gets its live key back with the same
+  nid (:func:`heartbeat`): visible again with every entry it had, as the original's
+  session that recovers before cleanup.
 - A restarted node registers with ``switch=True``: readers see the new nid at once
   (the old one's entries are stale: the node lost its memory) while the snapshot fills it.
 - A node re-syncing in-process (after dropped events or to compact its stream) registers
@@ -19,8 +24,9 @@ the node refreshes. Hence:
   applied by readers against it (:func:`fresh`), in the same round trip as the live keys:
   a node is visible while its live key exists **and** its last heartbeat is at most that
   old. So the earlier of the two hides it: the node's own ``--liveness-ttl`` (after which
-  the sweeper also reaps it) or the metaserver's staleness. A stale node that heartbeats
-  again is visible again at once; nothing of it is removed until its live key expires.
+  the sweeper may reap it once it has been silent for ``--ttl-minutes``) or the
+  metaserver's staleness. A stale node that heartbeats again is visible again at once;
+  nothing of it is removed before ``--ttl-minutes`` of silence.
 """
 
 from __future__ import annotations
@@ -74,14 +80,19 @@ return {nid, epoch}
 """
 )
 
+# Refresh the live key of the newest incarnation; when it expired (but the node was not
+# reaped yet) set it again: the node is visible again with the entries it kept.
 _HEARTBEAT = Script(
     _NOW
     + """
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
 if not cur or cjson.decode(cur).nid ~= tonumber(ARGV[2]) then return 0 end
-local ok = redis.call('PEXPIRE', KEYS[2], ARGV[3])
-if ok == 1 then redis.call('HSET', KEYS[3], ARGV[1], now) end
-return ok
+if redis.call('PEXPIRE', KEYS[2], ARGV[3]) == 0 then
+  redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
+  redis.call('INCR', KEYS[4])
+end
+redis.call('HSET', KEYS[3], ARGV[1], now)
+return 1
 """
 )
 
@@ -100,15 +111,18 @@ return 2
 """
 )
 
-# Retire the newest nid of nodes whose live key is gone; forget them in the registry.
-# KEYS[4 + i] is the live key of ARGV[i] (keys.live_key).
+# Retire the newest nid of nodes whose live key is gone and whose last registration or
+# heartbeat is more than ARGV[1] ms old (0, or a node without a stamp: the live key alone); forget
+# them in the registry. KEYS[4 + i] is the live key of ARGV[1 + i] (keys.live_key).
 _REAP = Script(
     _NOW
     + """
 local out = {}
-for i = 1, #ARGV do
-  local name = ARGV[i]
-  if redis.call('EXISTS', KEYS[4 + i]) == 0 then
+local idle = tonumber(ARGV[1])
+for i = 1, #ARGV - 1 do
+  local name = ARGV[1 + i]
+  local seen = redis.call('HGET', KEYS[4], name)
+  if redis.call('EXISTS', KEYS[4 + i]) == 0 and (idle <= 0 or not seen or now - tonumber(seen) > idle) then
     local cur = redis.call('HGET', KEYS[1], name)
     if cur then
       redis.call('ZADD', KEYS[2], now, cjson.decode(cur).nid)
@@ -145,8 +159,10 @@ def register(r: Client, node: str, addr: str, ttl_ms: int, switch: bool) -> tupl
 
 
 def heartbeat(r: Client, node: str, nid: int, ttl_ms: int) -> bool:
-    """Refresh liveness; False when the registration is gone (expired, Redis lost data): re-register."""
-    return bool(_HEARTBEAT(r, [keys.NODES, keys.live_key(node), keys.SEEN], [node, nid, ttl_ms]))
+    """Refresh liveness (a live key that expired is set again while ``nid`` is still the
+    node's registration); False when the registration is gone or superseded (reaped after
+    ``--ttl-minutes`` of silence, Redis lost data): re-register."""
+    return bool(_HEARTBEAT(r, [keys.NODES, keys.live_key(node), keys.SEEN, keys.VERSION], [node, nid, ttl_ms]))
 
 
 def switch(r: Client, node: str, nid: int) -> int:
@@ -157,11 +173,13 @@ def switch(r: Client, node: str, nid: int) -> int:
     return int(_SWITCH(r, [keys.NODES, keys.live_key(node), keys.RETIRED, keys.VERSION], [node, nid]))
 
 
-def reap(r: Client, names: list[str]) -> list[str]:
-    """Retire and unregister nodes among ``names`` whose liveness expired; returns them."""
+def reap(r: Client, names: list[str], idle_ms: int = 0) -> list[str]:
+    """Retire and unregister the nodes among ``names`` whose liveness expired and that have
+    not registered or heartbeat for more than ``idle_ms`` (Redis's clock); returns them."""
     if not names:
         return []
-    got = _REAP(r, [keys.NODES, keys.RETIRED, keys.VERSION, keys.SEEN, *map(keys.live_key, names)], names)
+    got = _REAP(r, [keys.NODES, keys.RETIRED, keys.VERSION, keys.SEEN, *map(keys.live_key, names)],
+                [idle_ms, *names])
     return [n.decode() for n in got]
 
 

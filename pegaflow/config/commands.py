@@ -83,6 +83,11 @@ class NodeConfig:
     liveness_ttl: float
     event_buffer: int
     metaserver_queue_depth: int
+    # The original's decode backup (0.25); read by the backup once it is built.
+    backup_reclaimable_percent: int
+    backup_max_candidates: int
+    backup_pull_max_bytes: int
+    backup_max_bandwidth: int  # bytes per second; 0: unlimited
     auth_token_file: str
     tls_cert: str
     tls_key: str
@@ -120,7 +125,10 @@ class MetaConfig:
     sweep_interval: float
     index_census_interval: float
     node_stale_secs: int
-    ttl_minutes: int
+    ttl_minutes: float  # minutes without node activity before the sweeper removes the node
+    min_reclaimable_owner_count: int
+    enable_decode_backup: bool
+    backup_target_delay_secs: int
     query_max_blocks: int
     view_max_lag_ms: int
     auth_token_file: str

@@ -58,6 +58,8 @@ SUBCOMMAND: Final = "subcommand"
 NO_ENV: Final = ""  # Option.env_var of a flag that no environment variable sets
 
 DEFAULT_META_REDIS = "redis://127.0.0.1:6379/0"
+# Option.no_effect of the original's decode-backup flags (another change builds the backup).
+NO_BACKUP: Final = "the decode backup is not built yet"
 
 
 def _host_port(text: str) -> str:
@@ -134,6 +136,19 @@ _positive_float = Bounded(float, lo=0, lo_open=True)
 _non_negative_float = Bounded(float, lo=0)
 _fraction = Bounded(float, lo=0, hi=1)  # a share, a rate, a cost relative to computing
 _sample_rate = Bounded(float, lo=0, hi=1, says="sample rate must be between 0.0 and 1.0, got {v}")  # the original's
+
+
+_percent = Bounded(int, lo=0, hi=100, says="{v} is not in 0..=100")  # the original's words
+_backup_candidates = Bounded(int, lo=1, hi=65536, says="must be in 1..=65536, got {v}")  # the original's
+_owner_count = Bounded(int, lo=2, says="must be at least 2, got {v}")  # the original: "must be at least 2"
+
+
+def _positive_size(text: str) -> int:
+    """A size (kb/mb/gb/tb) greater than zero (the original's words when it is not)."""
+    v = parse_size(text)
+    if v <= 0:
+        raise ValueError("must be greater than 0")
+    return v
 
 
 def _name(text: str) -> str:
@@ -617,6 +632,47 @@ OPTIONS: list[Option] = [
         _positive_int,
         no_effect="block updates go to Redis Streams, buffered up to --event-buffer",
     ),
+    # --- node: decode backup (the original's 0.25 flags; the backup itself is not built yet) ---
+    Option(
+        "backup-reclaimable-percent",
+        10,
+        "Decode backup: share of the RAM cache, in percent, kept as reclaimable (backed-up) blocks. "
+        "Once the cache is full, this node offers its oldest retained blocks for backup until the "
+        "reclaimable class reaches it (the original's; accepted for compatibility, no effect yet).",
+        _percent,
+        metavar="PERCENT",
+        no_effect=NO_BACKUP,
+    ),
+    Option(
+        "backup-max-candidates",
+        16384,
+        "Decode backup: most candidate blocks one heartbeat reports. Bounds the heartbeat size "
+        "(32 bytes per sha256 hash; the 65536 maximum is 2 MiB, under the MetaServer's 4 MiB gRPC "
+        "limit) and the MetaServer snapshot kept per prefill node (the original's; accepted for "
+        "compatibility, no effect yet).",
+        _backup_candidates,
+        no_effect=NO_BACKUP,
+    ),
+    Option(
+        "backup-pull-max-bytes",
+        "256mb",
+        "Decode backup: most bytes one pulled plan copies on a backup target (e.g. 256mb). Smaller "
+        "plans hold the NICs for shorter bursts, leaving room for KV transfers between them (the "
+        "original's; accepted for compatibility, no effect yet).",
+        _positive_size,
+        metavar="SIZE",
+        no_effect=NO_BACKUP,
+    ),
+    Option(
+        "backup-max-bandwidth",
+        "2gb",
+        "Decode backup: copy bandwidth limit per second on a backup target (e.g. 2gb); 0 is "
+        "unlimited. Backup traffic shares the target's NICs with KV transfers, so unlimited pulls "
+        "add latency to them (the original's; accepted for compatibility, no effect yet).",
+        parse_size,
+        metavar="SIZE",
+        no_effect=NO_BACKUP,
+    ),
     Option(
         "consumer-name",
         "",
@@ -634,8 +690,9 @@ OPTIONS: list[Option] = [
     Option(
         "sweep-interval",
         30.0,
-        "Seconds between sweeps removing dead nodes' entries from the index (0: never). The "
-        "original sweeps every 600 s; a pass here costs nothing while no node died.",
+        "Seconds between lifecycle sweeps, which remove the nodes silent for --ttl-minutes and "
+        "the entries of restarted nodes' old incarnations (0: never). The original sweeps every "
+        "600 s; a pass here costs nothing while no node died or restarted.",
         _non_negative_float,
         commands=(META,),
         aliases=("sweep-interval-secs",),  # the original's name
@@ -654,7 +711,7 @@ OPTIONS: list[Option] = [
         30,
         "Seconds without a heartbeat after which a node is hidden from lookups and from ListNodes' "
         "alive nodes (the original's stale filtering; Redis's clock). A node's own --liveness-ttl "
-        "hides it too when shorter, and only its expiry reaps the node. Nodes heartbeat every third "
+        "hides it too when shorter; neither removes anything (--ttl-minutes does). Nodes heartbeat every third "
         "of their --liveness-ttl, so keep this above that (the metaserver warns otherwise).",
         _non_negative_int,
         commands=(META,),
@@ -663,10 +720,46 @@ OPTIONS: list[Option] = [
     Option(
         "ttl-minutes",
         120,
-        "Minutes after a node died (or restarted) before its old entries get their last sweep and "
-        "its incarnation is forgotten; must cover --node-stale-secs.",
-        _positive_int,
+        "Minutes without node activity before lifecycle cleanup (not block age): a node that sent "
+        "nothing for this long (no heartbeat, no event in its stream; Redis's clock) is removed, "
+        "its entries swept from the index and its stream deleted. Until then a node that went "
+        "silent is only hidden (--node-stale-secs, its --liveness-ttl), and it comes back with its "
+        "entries when it heartbeats again. Fractions are accepted (0.5: 30 s); must cover "
+        "--node-stale-secs.",
+        _positive_float,
         commands=(META,),
+    ),
+    Option(
+        "min-reclaimable-owner-count",
+        3,
+        "Minimum number of live owners before a newly registered block is marked reclaimable (the "
+        "original's; at least 2; accepted for compatibility, no effect yet).",
+        _owner_count,
+        commands=(META,),
+        env_var="PEGAFLOW_METASERVER_MIN_RECLAIMABLE_OWNER_COUNT",  # the original's variable
+        no_effect="the reclaimable class is not built yet",
+    ),
+    Option(
+        "enable-decode-backup",
+        False,
+        "Let idle pegaflow-servers (no inference instance, e.g. decode nodes) back up the oldest "
+        "retained blocks of nodes with an instance (the original's; accepted for compatibility, "
+        "no effect yet).",
+        _bool,
+        commands=(META,),
+        flag=True,
+        env_var="PEGAFLOW_METASERVER_ENABLE_DECODE_BACKUP",  # the original's variable
+        no_effect=NO_BACKUP,
+    ),
+    Option(
+        "backup-target-delay-secs",
+        180,
+        "Seconds a node must report no instance before it becomes a backup target (the "
+        "original's; accepted for compatibility, no effect yet).",
+        _non_negative_int,
+        commands=(META,),
+        metavar="SECONDS",
+        no_effect=NO_BACKUP,
     ),
     Option(
         "query-max-blocks",

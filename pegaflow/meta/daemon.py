@@ -82,7 +82,7 @@ class MetaServer:
             self.threads.append(threading.Thread(
                 target=sweeper.run,
                 args=(redis, self.stopping, config.sweep_interval, self.consumer.name, self.metrics,
-                      config.ttl_minutes * 60_000),
+                      round(config.ttl_minutes * 60_000)),
                 name="pf-meta-sweeper", daemon=True))
         if config.index_census_interval > 0:
             self.threads.append(threading.Thread(

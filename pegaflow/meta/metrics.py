@@ -38,7 +38,7 @@ class MetaMetrics:
             "pegaflow_meta_swept_entries_total", "Index entries of retired incarnations removed", registry=reg
         )
         self.reaped = Counter(
-            "pegaflow_meta_nodes_reaped_total", "Nodes retired after their liveness expired", registry=reg
+            "pegaflow_meta_nodes_reaped_total", "Nodes reaped after --ttl-minutes without activity", registry=reg
         )
         self.query_seconds = Histogram(
             "pegaflow_meta_query_duration_seconds",
@@ -120,7 +120,7 @@ class MetaMetrics:
                   "Index entries of retired incarnations removed by the sweeper (pegaflow_meta_swept_entries_total).",
                   ("pegaflow_meta_swept_entries",)),
             Alias("pegaflow_metaserver_sweep_removed_nodes", "counter",
-                  "Nodes retired after their liveness expired (pegaflow_meta_nodes_reaped_total).",
+                  "Nodes reaped after --ttl-minutes without activity (pegaflow_meta_nodes_reaped_total).",
                   ("pegaflow_meta_nodes_reaped",)),
         ]
 

@@ -31,9 +31,10 @@ Contracts:
 - Start and every re-sync: ``RESET``, ``SNAPSHOT`` chunks, a last chunk with ``FLAG_LAST``.
   On start (a restarted node lost its memory) readers switch to the new epoch at once; on
   an in-process re-sync they keep the old epoch until the metaserver applied the snapshot.
-- Liveness: the TTL key is refreshed every ``ttl_seconds / 3``. If the registration is gone
-  (TTL expired while partitioned, Redis restarted empty) the publisher re-registers and
-  re-syncs.
+- Liveness: the TTL key is refreshed every ``ttl_seconds / 3`` (set again if it expired
+  while the registration lasts: ``registry.heartbeat``). If the registration is gone (reaped
+  after the metaserver's ``--ttl-minutes`` of silence, Redis restarted empty) the publisher
+  re-registers and re-syncs.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from pegaflow.cluster import keys, registry
@@ -21,11 +22,17 @@ LEASE_TTL_S = 2.0
 SWEEP_S = 0.0
 
 
+# A node silent this long is reaped by a sweeping metaserver (--ttl-minutes 0.05: 3 s; its
+# --node-stale-secs must fit in it), instead of the product's two hours.
+SHORT_TTL = ("--ttl-minutes", "0.05", "--node-stale-secs", "2")
+
+
 def start_meta(url: str, cluster: bool, name: str, log: Path, lease_ttl: float = LEASE_TTL_S,
-               sweep: float = SWEEP_S) -> MetaServer:
-    """A metaserver (tests/harness/meta.py) consuming as ``name``, with the index tests' lease and sweep."""
+               sweep: float = SWEEP_S, extra: Sequence[str] = ()) -> MetaServer:
+    """A metaserver (tests/harness/meta.py) consuming as ``name``, with the index tests' lease
+    and sweep (``extra`` after them)."""
     return MetaServer(url, log, cluster=cluster, extra=["--consumer-name", name, "--stream-lease-ttl", str(lease_ttl),
-                                                        "--sweep-interval", str(sweep)]).start()
+                                                        "--sweep-interval", str(sweep), *extra]).start()
 
 
 def run_rebuild(url: str, cluster: bool) -> dict:

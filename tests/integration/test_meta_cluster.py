@@ -16,6 +16,7 @@ from pegaflow.meta.lookup import Lookup
 from tests.harness.redis import RedisClusterProc
 from tests.integration import redis_fixtures
 from tests.integration.meta_harness import (
+    SHORT_TTL,
     PublisherProc,
     client,
     index_view,
@@ -88,7 +89,7 @@ def test_cluster_several_nodes_two_replicas_equal_truth_and_rebuild(
 
 
 def test_cluster_dead_node_invisible_and_swept(cluster: RedisClusterProc, tmp_path: Path) -> None:
-    meta = start_meta(cluster.url, True, "m1", tmp_path / "m.log", sweep=1.0)
+    meta = start_meta(cluster.url, True, "m1", tmp_path / "m.log", sweep=1.0, extra=SHORT_TTL)
     r = client(cluster.url, True)
     procs = {
         n: PublisherProc(

@@ -30,6 +30,7 @@ from tests.harness.procs import python_env
 from tests.harness.redis import INFRA, RedisServer, start_server
 from tests.integration import redis_fixtures
 from tests.integration.meta_harness import (
+    SHORT_TTL,
     PublisherProc,
     client,
     index_view,
@@ -305,7 +306,7 @@ def test_node_restarted_with_new_epoch_replaces_stale_entries(
 
 @pytest.mark.serial  # gone within 3 s of a 1.5 s TTL
 def test_dead_node_invisible_after_its_ttl_and_swept_later(redis_server: RedisServer, tmp_path: Path) -> None:
-    meta = start_meta(redis_server.url, False, "m1", tmp_path / "meta.log", sweep=1.0)
+    meta = start_meta(redis_server.url, False, "m1", tmp_path / "meta.log", sweep=1.0, extra=SHORT_TTL)
     r = client(redis_server.url, False)
     procs = nodes(redis_server, tmp_path, ["n1", "n2"], "--ops", "200", "--hold", "--ttl", "1.5")
     try:

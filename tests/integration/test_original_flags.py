@@ -1,7 +1,8 @@
 """Both daemons started with every flag of the original's (tests/original_flags.py), at once.
 
-A production command line of the Rust original must start PegaFlow unchanged: the node
-(``pegaflow-server``, 30 flags) and the metaserver (``pegaflow-metaserver``, 6 flags) start,
+A production command line of the Rust original's 0.25.1 release (which holds every flag of
+0.23.12) must start PegaFlow unchanged: the node (``pegaflow-server``, 34 flags) and the
+metaserver (``pegaflow-metaserver``, 9 flags) start,
 serve (the node: Health, a save and a load over the gRPC API, /metrics, OTLP exports at the
 given period; the metaserver: the node in ListNodes, /metrics on its HTTP address), log each
 flag that has no effect here once, and exit 0 on SIGTERM. The RDMA devices of ``--nics`` are
@@ -39,7 +40,7 @@ from tests.integration.test_quickstart import (  # noqa: F401
     procs,
     wait_until,
 )
-from tests.original_flags import ORIGINAL_METASERVER_FLAGS, ORIGINAL_SERVER_FLAGS, argv
+from tests.original_flags import ORIGINAL_METASERVER_FLAGS_0251, ORIGINAL_SERVER_FLAGS_0251, argv
 
 pytestmark = pytest.mark.integration
 
@@ -83,7 +84,7 @@ def test_both_daemons_start_and_serve_with_the_originals_complete_flag_lists(
     values = {**ports, "otel_port": str(receiver.port), "ssd": str(ssd)}
     json_logs = {"PEGAFLOW_LOG_FORMAT": "json"}
 
-    m = Proc([console("pegaflow-metaserver"), *argv(ORIGINAL_METASERVER_FLAGS, **values)], tmp_path / "meta.log",
+    m = Proc([console("pegaflow-metaserver"), *argv(ORIGINAL_METASERVER_FLAGS_0251, **values)], tmp_path / "meta.log",
              {**json_logs, "PEGAFLOW_REDIS_URL": redis_server.url})
     procs.append(m)
     meta_addr = f"127.0.0.1:{ports['meta_port']}"
@@ -93,7 +94,7 @@ def test_both_daemons_start_and_serve_with_the_originals_complete_flag_lists(
 
     node_env = {**json_logs, "PEGAFLOW_NODE_ID": "orig-flags", "PEGAFLOW_FAKE_RDMA_DEVICES": "mlx5_0,mlx5_1",
                 "PYTHONPATH": os.pathsep.join([str(FAKES), str(ROOT)])}
-    full = [console("pegaflow-server"), *argv(ORIGINAL_SERVER_FLAGS, **values)]
+    full = [console("pegaflow-server"), *argv(ORIGINAL_SERVER_FLAGS_0251, **values)]
     free, size = _hugepages_free()
     if free * size < (64 << 20):
         # The original refuses too: its pinned pool needs the huge pages reserved.
@@ -101,7 +102,7 @@ def test_both_daemons_start_and_serve_with_the_originals_complete_flag_lists(
         assert tried.p.wait(timeout=60) == 1
         lines = tried.log().strip().splitlines()
         assert "--use-hugepages needs" in lines[-1] and "Traceback" not in tried.log(), tried.log()[-3000:]
-        full = [console("pegaflow-server"), *argv(ORIGINAL_SERVER_FLAGS, skip=("--use-hugepages",), **values)]
+        full = [console("pegaflow-server"), *argv(ORIGINAL_SERVER_FLAGS_0251, skip=("--use-hugepages",), **values)]
     n = Proc(full, tmp_path / "node.log", node_env)
     procs.append(n)
     addr = f"127.0.0.1:{ports['node_port']}"

@@ -74,12 +74,12 @@ def test_otlp_exports_come_every_configured_period():
         c.close()
 
 
-def test_sweeper_uses_the_configured_grace(monkeypatch):
-    seen: list[int | None] = []
+def test_sweeper_reaps_after_the_configured_ttl_minutes(monkeypatch):
+    seen: list[int] = []
     stop = threading.Event()
 
-    def once(r, owner, metrics=None, grace_ms=None):
-        seen.append(grace_ms)
+    def once(r, owner, metrics=None, idle_ms=0):
+        seen.append(idle_ms)
         stop.set()
 
     monkeypatch.setattr(sweeper, "sweep_once", once)

@@ -126,11 +126,16 @@ def test_register_switch_and_heartbeat(r: fakeredis.FakeRedis) -> None:
     # Restart: the new incarnation is visible at once.
     nid3, _ = registry.register(r, "a", "h:1", 10_000, switch=True)
     assert registry.visible(r, ["a"]) == {nid3: "a"} and registry.switch(r, "a", nid2) == 0
-    # Liveness gone: invisible, heartbeat fails, reap retires it.
+    # Liveness gone: invisible; a heartbeat before the node is reaped brings the same nid back.
     r.delete(keys.live_key("a"))
     assert registry.visible(r, ["a"]) == {}
-    assert not registry.heartbeat(r, "a", nid3, 10_000)
+    assert registry.reap(r, ["a"], idle_ms=60_000) == []  # heartbeat just now: not silent long enough
+    assert registry.heartbeat(r, "a", nid3, 10_000)
+    assert registry.visible(r, ["a"]) == {nid3: "a"}
+    # Reaped (silent long enough): retired and forgotten; its heartbeat now fails (re-register).
+    r.delete(keys.live_key("a"))
     assert registry.reap(r, ["a"]) == ["a"] and nid3 in registry.retired(r) and registry.nodes(r) == {}
+    assert not registry.heartbeat(r, "a", nid3, 10_000)
 
 
 # --- publisher buffer and consumer on fakeredis ------------------------------------------------

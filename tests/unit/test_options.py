@@ -237,19 +237,31 @@ def test_metaserver_with_an_empty_redis_url_flag_uses_the_environment_and_says_o
 # --- the original's complete flag lists (tests/original_flags.py) -----------------------------
 
 def test_the_transcription_has_every_flag_of_the_originals_two_daemons_once():
-    from tests.original_flags import ORIGINAL_METASERVER_FLAGS, ORIGINAL_SERVER_FLAGS
+    from tests import original_flags as of
 
-    server = [f for f, _ in ORIGINAL_SERVER_FLAGS]
-    meta = [f for f, _ in ORIGINAL_METASERVER_FLAGS]
-    assert len(server) == len(set(server)) == 30 and len(meta) == len(set(meta)) == 6
+    for flags, n in ((of.ORIGINAL_SERVER_FLAGS, 30), (of.ORIGINAL_METASERVER_FLAGS, 6),
+                     (of.ORIGINAL_SERVER_FLAGS_0251, 34), (of.ORIGINAL_METASERVER_FLAGS_0251, 9)):
+        names = [f for f, _ in flags]
+        assert len(names) == len(set(names)) == n
 
 
-@pytest.mark.parametrize("command", ["node", "meta"])
-def test_every_flag_of_the_original_is_accepted_by_the_parser(command: str):
+RELEASES = [("node", "0.23.12"), ("meta", "0.23.12"), ("node", "0.25.1"), ("meta", "0.25.1")]
+
+
+def _original_flags(command: str, release: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    from tests import original_flags as of
+
+    return {("node", "0.23.12"): of.ORIGINAL_SERVER_FLAGS, ("meta", "0.23.12"): of.ORIGINAL_METASERVER_FLAGS,
+            ("node", "0.25.1"): of.ORIGINAL_SERVER_FLAGS_0251,
+            ("meta", "0.25.1"): of.ORIGINAL_METASERVER_FLAGS_0251}[(command, release)]
+
+
+@pytest.mark.parametrize("command, release", RELEASES)
+def test_every_flag_of_the_original_is_accepted_by_the_parser(command: str, release: str):
     from pegaflow.config.options import META, build_parser
-    from tests.original_flags import ORIGINAL_METASERVER_FLAGS, ORIGINAL_SERVER_FLAGS, PARSE_ONLY, argv
+    from tests.original_flags import PARSE_ONLY, argv
 
-    flags = ORIGINAL_SERVER_FLAGS if command == NODE else ORIGINAL_METASERVER_FLAGS
+    flags = _original_flags(command, release)
     known = build_parser(command, command)._option_string_actions  # noqa: SLF001
     assert [f for f, _ in flags if f not in known] == []
     for flag, values in flags:  # each alone, with the original's syntax
@@ -257,6 +269,8 @@ def test_every_flag_of_the_original_is_accepted_by_the_parser(command: str):
     o = load(command, command, argv(flags, **PARSE_ONLY), env={})  # and all at once
     if command == META:
         assert (o.http_addr, o.node_stale_secs, o.ttl_minutes, o.sweep_interval) == ("127.0.0.1:9092", 20, 60, 600.0)
+        if release == "0.25.1":
+            assert (o.min_reclaimable_owner_count, o.enable_decode_backup, o.backup_target_delay_secs) == (2, True, 60)
         return
     assert o.devices == (0,) and o.hint_value_size == 256 << 10 and o.use_hugepages and o.enable_prometheus
     assert o.disable_numa_affinity and o.blockwise_alloc and o.enable_lfu_admission
@@ -265,6 +279,9 @@ def test_every_flag_of_the_original_is_accepted_by_the_parser(command: str):
     assert (o.trace_sample_rate, o.pool_shards, o.qps_per_peer, o.metaserver_queue_depth) == (0.5, 2, 4, 1024)
     assert (o.metric_hll_bucket_bits, o.metrics_period_secs, o.pin_ttl) == (14, 1, 120.0)
     assert o.nics == ("mlx5_0", "mlx5_1") and o.metaserver_addr == "127.0.0.1:50056"
+    if release == "0.25.1":
+        assert (o.backup_reclaimable_percent, o.backup_max_candidates) == (20, 4096)
+        assert (o.backup_pull_max_bytes, o.backup_max_bandwidth) == (64 << 20, 1 << 30)
 
 
 def test_the_new_flags_default_to_the_originals_values():
@@ -276,8 +293,26 @@ def test_the_new_flags_default_to_the_originals_values():
     assert (o.ssd_write_inflight, o.ssd_prefetch_inflight, o.max_prefetch_blocks) == (2, 16, 800)
     assert (o.trace_sample_rate, o.pool_shards, o.blockwise_alloc, o.qps_per_peer) == (1.0, 1, False, 2)
     assert (o.metaserver_queue_depth, o.metric_hll_bucket_bits, o.metrics_period_secs) == (4096, 16, 10)
+    assert (o.backup_reclaimable_percent, o.backup_max_candidates) == (10, 16384)
+    assert (o.backup_pull_max_bytes, o.backup_max_bandwidth) == (256 << 20, 2 << 30)
     m = load(META, "pegaflow-metaserver", [], env={})
     assert (m.http_addr, m.node_stale_secs, m.ttl_minutes) == ("127.0.0.1:9092", 30, 120)
+    assert (m.min_reclaimable_owner_count, m.enable_decode_backup, m.backup_target_delay_secs) == (3, False, 180)
+
+
+def test_the_metaservers_decode_backup_flags_read_the_originals_variables():
+    from pegaflow.config.options import META
+
+    env = {"PEGAFLOW_METASERVER_MIN_RECLAIMABLE_OWNER_COUNT": "5", "PEGAFLOW_METASERVER_ENABLE_DECODE_BACKUP": "true"}
+    m = load(META, "pegaflow-metaserver", [], env=env)
+    assert (m.min_reclaimable_owner_count, m.enable_decode_backup) == (5, True)
+
+
+def test_ttl_minutes_takes_the_originals_whole_minutes_and_fractions():
+    from pegaflow.config.options import META
+
+    assert load(META, "m", ["--ttl-minutes", "90"], env={}).ttl_minutes == 90
+    assert load(META, "m", ["--ttl-minutes", "0.5", "--node-stale-secs", "20"], env={}).ttl_minutes == 0.5
 
 
 @pytest.mark.parametrize("argv, want", [(["--devices", "0,1,3"], (0, 1, 3)), (["--devices", "0", "--devices", "2"], (0, 2))])
@@ -295,6 +330,12 @@ def test_devices_take_the_originals_comma_list_or_the_flag_repeated(argv, want):
         (["--ssd-cache-shards", "0"], "--ssd-cache-shards"),
         (["--hint-value-size", "-5"], "--hint-value-size"),
         (["--enable-prometheus", "false"], "unrecognized arguments: false"),  # a clap switch takes no value
+        (["--backup-max-candidates", "0"], "must be in 1..=65536, got 0"),
+        (["--backup-max-candidates", "65537"], "must be in 1..=65536, got 65537"),
+        (["--backup-reclaimable-percent", "101"], "101 is not in 0..=100"),
+        (["--backup-reclaimable-percent", "12.5"], "--backup-reclaimable-percent"),
+        (["--backup-pull-max-bytes", "0"], "must be greater than 0"),
+        (["--backup-max-bandwidth", "lots"], "--backup-max-bandwidth"),
     ],
 )
 def test_the_originals_flags_reject_what_the_original_rejects_in_one_line(argv, needle):
@@ -304,7 +345,10 @@ def test_the_originals_flags_reject_what_the_original_rejects_in_one_line(argv, 
 
 
 @pytest.mark.parametrize("argv, needle", [(["--ttl-minutes", "0"], "--ttl-minutes"),
-                                          (["--ttl-minutes", "1", "--node-stale-secs", "61"], "must cover")])
+                                          (["--ttl-minutes", "1", "--node-stale-secs", "61"], "must cover"),
+                                          (["--min-reclaimable-owner-count", "1"], "must be at least 2"),
+                                          (["--backup-target-delay-secs", "-1"], "--backup-target-delay-secs"),
+                                          (["--enable-decode-backup", "true"], "unrecognized arguments: true")])
 def test_metaserver_lifecycle_flags_are_checked_like_the_originals(argv, needle):
     p = subprocess.run([sys.executable, "-m", "pegaflow.meta.cli", *argv], capture_output=True, text=True, timeout=60)
     lines = p.stderr.strip().splitlines()
@@ -313,10 +357,15 @@ def test_metaserver_lifecycle_flags_are_checked_like_the_originals(argv, needle)
 
 def test_only_options_without_effect_set_away_from_their_defaults_are_reported():
     from pegaflow.config.options import META, options_for, without_effect
-    from tests.original_flags import ORIGINAL_METASERVER_FLAGS, ORIGINAL_SERVER_FLAGS, PARSE_ONLY, argv
+    from tests.original_flags import (
+        ORIGINAL_METASERVER_FLAGS_0251,
+        ORIGINAL_SERVER_FLAGS_0251,
+        PARSE_ONLY,
+        argv,
+    )
 
     assert without_effect(NODE, load(NODE, "n", [], env={})) == []
-    for command, flags in ((NODE, ORIGINAL_SERVER_FLAGS), (META, ORIGINAL_METASERVER_FLAGS)):
+    for command, flags in ((NODE, ORIGINAL_SERVER_FLAGS_0251), (META, ORIGINAL_METASERVER_FLAGS_0251)):
         got = [f for f, _ in without_effect(command, load(command, "n", argv(flags, **PARSE_ONLY), env={}))]
         assert got == [f"--{o.name}" for o in options_for(command) if o.no_effect], command
     # the implemented ones are never reported
