@@ -32,6 +32,7 @@ RETIRED = "pf:{pf}:retired"  # ZSET nid -> ms when retired; the sweeper removes 
 NAMESPACES = "pf:{pf}:ns"  # HASH ns tag -> namespace string
 CONSUMERS = "pf:{pf}:consumers"  # ZSET consumer name -> heartbeat deadline ms
 SWEEP_LOCK = "pf:{pf}:sweep"
+CLEANUP_LOCK = "pf:{pf}:cleanup"  # held by the operator's manual cleanup (pegaflow/meta/cleanup.py)
 SWEPT = "pf:{pf}:swept"  # SET of retired nids already swept once
 PAUSE = "pf:{pf}:pause"  # set by `pegaflow-meta rebuild`: replicas stop applying
 VIEW_WATCH = "pf:{pf}:watch"  # never written: a replica's view BLPOPs it to see Redis go away at once

@@ -28,7 +28,7 @@ from pegaflow.common.http import HttpEndpoint
 from pegaflow.common.security import Security
 from pegaflow.config.commands import MetaConfig
 from pegaflow.config.options import META, without_effect
-from pegaflow.meta import sweeper
+from pegaflow.meta import admin, sweeper
 from pegaflow.meta.apply_process import ConsumerProcess
 from pegaflow.meta.events.consumer import default_consumer_name
 from pegaflow.meta.index import Census, Index
@@ -99,7 +99,8 @@ class MetaServer:
         self.metrics.bind_nodes(self.lookup.nodes)  # pegaflow_metaserver_nodes{state}, at scrape time
         self.servicer = MetaServicer(self.lookup, config.query_max_blocks, self.metrics, self.ceiling.current,
                                      config.redis_url, config.redis_cluster)
-        self.http = HttpEndpoint(config.http_addr, registry) if config.http_addr else None
+        self.http = (HttpEndpoint(config.http_addr, registry, routes=admin.routes(redis, security.token))
+                     if config.http_addr else None)
         self.otel: otel.OtelExport | None = None
         self.server: grpc.Server | None = None
         self.port = 0  # the gRPC port bound (--addr may name port 0)

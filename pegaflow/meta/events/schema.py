@@ -20,6 +20,11 @@ Contract (schema version 1):
   is applied, the index holds the node's full state and the epoch becomes the one readers
   see.
 
+One writer besides the node: the operator's manual cleanup (``pegaflow/meta/cleanup.py``)
+appends ``EVICT`` events to a node's stream, under the nid and epoch they apply to and that
+epoch's last ``seq``, only while the stream still ends where it read it. Readers apply them
+as any ``EVICT`` (in stream order); ``seq`` is informative, readers order by stream position.
+
 ``nid`` is the integer id of the incarnation ``(node, epoch)``, handed out by Redis when
 the node registers (``pegaflow.cluster.registry``); the index stores nids, never names,
 because small integers are what make the index compact.
