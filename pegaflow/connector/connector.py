@@ -37,7 +37,12 @@ from pegaflow.connector.events import KVEvents
 from pegaflow.connector.intents import PegaConnectorMetadata, PegaWorkerReport, PegaWorkerState
 from pegaflow.connector.link import LOGGER_NAME, NodeLink, query_only_client_factory
 from pegaflow.connector.scheduler import KVTransferParams, SchedulerSide
-from pegaflow.connector.settings import ConnectorSettings, cross_layer_blocks, load_settings, log_settings
+from pegaflow.connector.settings import (
+    ConnectorSettings,
+    load_settings,
+    log_settings,
+    prefers_cross_layer_blocks,
+)
 from pegaflow.connector.vllm_compat import (
     FEATURES,
     CacheHitSource,
@@ -407,10 +412,7 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
         run (``register_cross_layers_kv_cache``): a page is then one copy per run of blocks.
         ``PEGAFLOW_CROSS_LAYER_BLOCKS=0`` keeps vLLM's per-layer tensors (the original's
         switch). Later vLLMs choose the layout themselves (``kv_layout_name``)."""
-        try:
-            return cross_layer_blocks()
-        except ValueError:  # the connector disabled itself at start, saying why
-            return True
+        return prefers_cross_layer_blocks()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], layerwise: bool = True) -> None:
         if self._worker is None:

@@ -184,6 +184,15 @@ def cross_layer_blocks(env: Mapping[str, str] | None = None) -> bool:
     return _bool("PEGAFLOW_CROSS_LAYER_BLOCKS", env.get("PEGAFLOW_CROSS_LAYER_BLOCKS"), True)
 
 
+def prefers_cross_layer_blocks() -> bool:
+    """``PEGAFLOW_CROSS_LAYER_BLOCKS`` for vLLM's ``prefer_cross_layer_blocks``, asked after start:
+    on when it cannot be read (the connector disabled itself at start, saying why)."""
+    try:
+        return cross_layer_blocks()
+    except ValueError:
+        return True
+
+
 def transfer_backend(value: object) -> str | None:
     """The original's ``pegaflow.transfer_backend`` check (its message too); None when unset."""
     if value is None:
