@@ -4,8 +4,8 @@ One table (``SETTINGS``) names each setting once: its ``kv_connector_extra_confi
 environment variable, its default, what it does here and, for those of the original's
 release we match (``ORIGINAL_RELEASE``), what it did there. ``load_settings`` reads them into
 a typed ``ConnectorSettings`` (the connector never looks at the raw dict again);
-``render_markdown`` writes the table of docs/connector.md (a unit test fails when the page
-is stale). Precedence, as in the original: environment >
+``render_markdown`` and ``render_original_markdown`` write the tables of docs/connector.md (a
+unit test fails when the page is stale). Precedence, as in the original: environment >
 ``kv_connector_extra_config`` > default; ``pegaflow.addr`` overrides host and port (see
 ``link.node_address``) and ``pegaflow.tp_shard_endpoints`` all three.
 
@@ -58,9 +58,9 @@ _TAIL = ("only full blocks are stored; a decode engine recomputes the prompt's l
 SETTINGS: tuple[Setting, ...] = (
     Setting("pegaflow.host", "PEGAFLOW_HOST", NODE_HOST,
             "Node host; also `http://HOST` or `http://HOST:PORT` (the original's form).",
-            original="Node host (`http://127.0.0.1`).", here="The same."),
+            original="Node host (`http://127.0.0.1`); `PEGAFLOW_HOST` first.", here="The same."),
     Setting("pegaflow.port", "PEGAFLOW_PORT", str(NODE_PORT), "Node gRPC port.",
-            original="Node gRPC port (50055).", here="The same."),
+            original="Node gRPC port (50055); `PEGAFLOW_PORT` first.", here="The same."),
     Setting("pegaflow.addr", None, "",
             "`HOST:PORT` of the node; overrides host and port when set."),
     Setting("pegaflow.tp_shard_endpoints", None, "",
@@ -115,8 +115,10 @@ SETTINGS: tuple[Setting, ...] = (
             "`0`: keep vLLM's per-layer KV cache tensors instead of asking vLLM 0.20-0.28 for one "
             "tensor with every layer of a block in one run (`prefer_cross_layer_blocks`); later "
             "vLLMs choose the layout themselves.",
-            original="The same (any value but `1` meant off).",
-            here="The same; `0`/`false`/`no`/`off` mean off, anything but a boolean is refused."),
+            original="`1` (the default): ask vLLM for one cross-layer KV cache tensor (not for MLA or "
+                     "several KV cache groups); any other value: per-layer tensors.",
+            here="The same for `0` and `1`; `false`, `no`, `off` are off too, and a value that is not "
+                 "a boolean disables the connector (one line)."),
     Setting(None, "PEGAFLOW_INSTANCE_ID", "`HOST:PID:scheduler`, `HOST:PID:worker:RANK`",
             "The engine's name on its node (`pegaflow status`, `/instances`, `pegaflow cache clear "
             "--instance`): every process of the engine registers under it, `ID_dpN` for data-parallel "
@@ -297,4 +299,13 @@ def render_markdown() -> str:
         env = f"`{s.env}`" if s.env else "—"
         default = (f"`{s.default}`" if s.default_is_value else s.default) if s.default else "—"
         rows.append(f"| {key} | {env} | {default} | {s.meaning} |")
+    return "\n".join(rows) + "\n"
+
+
+def render_original_markdown() -> str:
+    """The table of docs/connector.md of the original's keys and variables (``ORIGINAL_RELEASE``)."""
+    rows = [f"| key or variable of the original ({ORIGINAL_RELEASE}) | what it did there | here |", "|---|---|---|"]
+    for s in SETTINGS:
+        if s.original:
+            rows.append(f"| `{s.key or s.env}` | {s.original} | {s.here} |")
     return "\n".join(rows) + "\n"

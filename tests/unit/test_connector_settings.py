@@ -20,6 +20,7 @@ from pegaflow.connector.settings import (
     load_settings,
     log_settings,
     render_markdown,
+    render_original_markdown,
 )
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "connector.md"
@@ -161,5 +162,9 @@ def test_the_instance_name(env: dict[str, str], dp: tuple[int, int], role: str, 
     assert got == name if env else got.endswith(name)
 
 
-def test_docs_table_is_current() -> None:
-    assert render_markdown() in DOC.read_text(), "docs/connector.md is stale: paste render_markdown()'s table"
+def test_docs_tables_are_current() -> None:
+    doc = DOC.read_text()
+    assert render_markdown() in doc, "docs/connector.md is stale: paste render_markdown()'s table"
+    assert render_original_markdown() in doc, "docs/connector.md is stale: paste render_original_markdown()'s table"
+    for name in ORIGINAL_0_25_1_KEYS + ORIGINAL_0_25_1_ENV:
+        assert f"`{name}`" in render_original_markdown(), f"{name} is missing from the original's table"
