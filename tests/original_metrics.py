@@ -44,6 +44,7 @@ EXPORTED: tuple[OriginalMetric, ...] = (
     _n("pegaflow_cache_block_evictions_by_class_total", "counter", ("class",)),
     _n("pegaflow_cache_resident_bytes_by_class", "gauge", ("class",)),
     _n("pegaflow_cache_class_demotions_total", "counter", ("reason",)),
+    _n("pegaflow_cache_block_evictions_still_referenced_total", "counter"),
     _n("pegaflow_cache_eviction_reclaimed_bytes_total", "counter"),
     _n("pegaflow_cache_residence_duration_seconds", "histogram", ("reason",)),
     _n("pegaflow_cache_resident_blocks", "gauge"),
@@ -69,6 +70,11 @@ EXPORTED: tuple[OriginalMetric, ...] = (
     _n("pegaflow_ssd_write_inflight", "gauge", needs="ssd"),
     _n("pegaflow_ssd_prefetch_inflight", "gauge", needs="ssd"),
     _n("pegaflow_ssd_prefetch_queue_full_total", "counter", needs="ssd"),
+    # unit bytes/s: 0.25.1's exporter's names, and the older ones its dashboard queries
+    _n("pegaflow_ssd_write_throughput_per_second", "histogram", needs="ssd"),
+    _n("pegaflow_ssd_prefetch_throughput_per_second", "histogram", needs="ssd"),
+    _n("pegaflow_ssd_write_throughput_bytes_per_second_per_second", "histogram", needs="ssd"),
+    _n("pegaflow_ssd_prefetch_throughput_bytes_per_second_per_second", "histogram", needs="ssd"),
     _n("pegaflow_metaserver_registration_blocks_total", "counter", needs="publisher"),
     _n("pegaflow_metaserver_removal_blocks_total", "counter", needs="publisher"),
     _n("pegaflow_metaserver_registration_queue_full_total", "counter", needs="publisher"),
@@ -93,15 +99,10 @@ EXPORTED: tuple[OriginalMetric, ...] = (
 )
 
 NOT_EXPORTED: tuple[str, ...] = (
-    "pegaflow_cache_block_evictions_still_referenced_total",
     "pegaflow_save_duration_seconds",
     "pegaflow_load_duration_seconds",
     "pegaflow_load_failures_total",
     "pegaflow_ssd_write_duration_seconds",
-    "pegaflow_ssd_write_throughput_per_second",
-    "pegaflow_ssd_write_throughput_bytes_per_second_per_second",
-    "pegaflow_ssd_prefetch_throughput_per_second",
-    "pegaflow_ssd_prefetch_throughput_bytes_per_second_per_second",
     "pegaflow_inflight_gc_cleaned_total",
     "pegaflow_prefetch_stale_gc_total",
     "pegaflow_metaserver_removal_failures_total",

@@ -36,6 +36,11 @@ CLEANUP_LOCK = "pf:{pf}:cleanup"  # held by the operator's manual cleanup (pegaf
 SWEPT = "pf:{pf}:swept"  # SET of retired nids already swept once
 PAUSE = "pf:{pf}:pause"  # set by `pegaflow-meta rebuild`: replicas stop applying
 VIEW_WATCH = "pf:{pf}:watch"  # never written: a replica's view BLPOPs it to see Redis go away at once
+# Replacement classes by owner count (pegaflow/meta/owners.py, docs/architecture.md "Replacement classes"):
+OWNER_COUNT = "pf:{pf}:owners"  # STRING the replicas' --min-reclaimable-owner-count (absent: no notices)
+UNCOUNTED = "pf:{pf}:uncounted"  # SET of nids whose holder entries count as no owner (retired, not visible)
+RECOUNTED = "pf:{pf}:recounted"  # SET: the uncounted set the notices were last brought up to
+RECOUNT_LOCK = "pf:{pf}:recount"
 
 STREAM_PREFIX = "pf:ev:"  # + {<node>}: one event stream per node (pegaflow/meta/events/)
 
@@ -89,6 +94,17 @@ def bucket_prefix(tag: str, prefix: str = BUCKET_PREFIX) -> bytes:
 
 def bucket_key(tag: str, h: bytes, prefix: str = BUCKET_PREFIX) -> bytes:
     return bucket_prefix(tag, prefix) + h[:BUCKET_BYTES]
+
+
+def notice_prefix(tag: str) -> bytes:
+    """The namespace's class-notice lists, one per holder nid: ``notice_prefix(tag) + b"<nid>"``
+    (``pegaflow/cluster/notices.py``); in the namespace's slot, so the index's scripts write
+    them in the same step as the change."""
+    return f"pf:c:{{{tag}}}:".encode()
+
+
+def notice_key(tag: str, nid: int) -> bytes:
+    return notice_prefix(tag) + str(nid).encode()
 
 
 def field(h: bytes) -> bytes:

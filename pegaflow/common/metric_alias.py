@@ -83,6 +83,9 @@ class Alias:
     relabel: Relabel = drop_all
     fixed: tuple[tuple[str, ...], ...] = ()
     from_count: bool = False  # a counter read from histograms' ``_count`` (calls from latencies)
+    # A histogram's upper bounds to export (and +Inf); empty: all of the source's. The
+    # original's buckets, read from a source of ours that has them and finer ones too.
+    buckets: frozenset[float] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -203,6 +206,8 @@ class OriginalNames(Collector):
                 if a.kind != "histogram":
                     sums[key] = sums.get(key, 0.0) + value
                 elif sample.endswith("_bucket") and le is not None:
+                    if a.buckets and le != "+Inf" and float(le) not in a.buckets:
+                        continue  # cumulative counts: dropping a bound leaves the others exact
                     b = buckets.setdefault(key, {})
                     b[le] = b.get(le, 0.0) + value
                 elif sample.endswith("_sum"):

@@ -733,11 +733,12 @@ OPTIONS: list[Option] = [
         "min-reclaimable-owner-count",
         3,
         "Minimum number of live owners before a newly registered block is marked reclaimable (the "
-        "original's; at least 2; accepted for compatibility, no effect yet).",
+        "original's; at least 2): its holders (nodes with it in DRAM or on SSD) then keep it in their "
+        "reclaimable class, evicted before any retained block, until fewer hold it. Give every "
+        "replica the same. docs/architecture.md, \"Replacement classes\".",
         _owner_count,
         commands=(META,),
         env_var="PEGAFLOW_METASERVER_MIN_RECLAIMABLE_OWNER_COUNT",  # the original's variable
-        no_effect="the reclaimable class is not built yet",
     ),
     Option(
         "enable-decode-backup",

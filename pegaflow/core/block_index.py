@@ -174,6 +174,7 @@ class BlockIndex:
         self.no_space = 0
         self._pending = 0  # PENDING blocks held; when 0, prefix() need not check states
         self._detached: set[Block] = set()  # dropped while pinned: page freed at the last unpin
+        self.removed_held = 0  # blocks clear() dropped while pinned (into _detached), ever
         self._voided: set[Block] = set()  # PENDING when their namespace was cleared: freed at commit/discard
         # Namespace quotas: group of each grouped namespace id, bytes each group holds in the
         # table (PENDING + RESIDENT), its (min, max) bytes, and its namespaces' ids.
@@ -585,6 +586,7 @@ class BlockIndex:
                 self._unclass(b)
                 self._uncharge(b)
                 self._detached.add(b)
+                self.removed_held += 1
                 busy += 1
         hashes = [b.hash for b in gone]
         self._emit(IndexEvent.REMOVE, ns, hashes)

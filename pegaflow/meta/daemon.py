@@ -28,7 +28,7 @@ from pegaflow.common.http import HttpEndpoint
 from pegaflow.common.security import Security
 from pegaflow.config.commands import MetaConfig
 from pegaflow.config.options import META, without_effect
-from pegaflow.meta import admin, sweeper
+from pegaflow.meta import admin, owners, sweeper
 from pegaflow.meta.apply_process import ConsumerProcess
 from pegaflow.meta.events.consumer import default_consumer_name
 from pegaflow.meta.index import Census, Index
@@ -84,6 +84,11 @@ class MetaServer:
                 args=(redis, self.stopping, config.sweep_interval, self.consumer.name, self.metrics,
                       round(config.ttl_minutes * 60_000)),
                 name="pf-meta-sweeper", daemon=True))
+        # Owner counts of the replacement classes (pegaflow/meta/owners.py): who counts, recounted.
+        self.threads.append(threading.Thread(
+            target=owners.run, args=(redis, self.stopping, self.consumer.name, config.min_reclaimable_owner_count,
+                                     config.node_stale_secs * 1000 or None),
+            name="pf-meta-owners", daemon=True))
         if config.index_census_interval > 0:
             self.threads.append(threading.Thread(
                 target=run_census, args=(self.metrics, self._census, self.stopping, config.index_census_interval),

@@ -37,14 +37,16 @@ Contracts:
 
 from __future__ import annotations
 
+import math
 import string
-from collections.abc import Iterable, Iterator, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from redis.typing import EncodableT
 
-from pegaflow.cluster import keys
+from pegaflow.cluster import keys, notices
 from pegaflow.cluster.redis_conn import (
     Call,
     Client,
@@ -58,6 +60,7 @@ from pegaflow.cluster.redis_conn import (
 from pegaflow.core.identity import HASH_BYTES
 from pegaflow.core.tiers import Tier
 from pegaflow.meta.events.schema import Op, Update
+from pegaflow.policy.classes import MIN_OWNER_THRESHOLD
 
 DUMP_CHUNK = 1024  # buckets per HGETALL pipeline when dumping / sweeping
 SWEEP_CHUNK = 256  # buckets per sweep script call: bounds the time one call holds Redis
@@ -66,23 +69,109 @@ SWEEP_CHUNK = 256  # buckets per sweep script call: bounds the time one call hol
 # scripts) put every QueryPrefix behind it. Plain HSETNX batches need no such bound:
 # Redis reads a client's pipeline 16 KiB at a time and serves others in between.
 APPLY_ROUND_BLOCKS = 512
+OWNERS_REFRESH_S = 1.0  # how long the owner-count settings read from Redis are used (pegaflow/meta/owners.py)
 
 
 def _script(template: str) -> Script:
     """A Lua script of the index with the layout's widths (``keys.py``) filled in:
     ``$HASH`` (bytes of a block hash), ``$BUCKET`` (its leading bytes naming the bucket),
-    ``$NID`` (bytes of one holder), ``$TOP`` (the tier bit's value in the entry's first byte)."""
+    ``$NID`` (bytes of one holder), ``$TOP`` (the tier bit's value in the entry's first byte),
+    ``$MIN`` (the lowest owner-count threshold), ``$OWNERS`` (:data:`_OWNERS`: the owner-count
+    rule, with the notice format's constants)."""
     top = keys.TIER_BIT >> (8 * (keys.NID_BYTES - 1))
-    return Script(string.Template(template).substitute(HASH=HASH_BYTES, BUCKET=keys.BUCKET_BYTES, NID=keys.NID_BYTES,
-                                                       TOP=top))
+    widths = {"HASH": HASH_BYTES, "BUCKET": keys.BUCKET_BYTES, "NID": keys.NID_BYTES, "TOP": top,
+              "MIN": MIN_OWNER_THRESHOLD}
+    owners = string.Template(_OWNERS).substitute(
+        widths, DEMOTE=notices.DEMOTE.decode(), RESTORE=notices.RESTORE.decode(), MAX=notices.MAX_ENTRIES,
+        TTL=notices.TTL_MS)
+    return Script(string.Template(template).substitute(widths, OWNERS=owners))
+
+
+# The owner-count rule of pegaflow/policy/classes.py (class_notices), for the scripts that
+# change holder lists: ``owners(T, uncounted)`` sets the threshold (< $MIN: no notices) and
+# the nids that count as no owner; ``rule(h, n0, after, joined)`` queues notices for block
+# ``h`` (16 bytes) given the count before, the counted holder ids after (a list) and those of
+# them that joined (a list); ``flush(prefix)`` appends each holder's notices to its list.
+# A holder id is its entry without the tier bit.
+_OWNERS = """
+local T = 0
+local skip = {}
+local dem, res = {}, {}
+local function id(c) return string.char(string.byte(c, 1) % $TOP) .. string.sub(c, 2) end
+-- big-endian bytes of a number and back (not every Lua Redis runs has the struct library)
+local function bucket(b)
+  local out = {}
+  for i = $BUCKET, 1, -1 do out[i] = string.char(b % 256) b = math.floor(b / 256) end
+  return table.concat(out)
+end
+local function number(c)
+  local n = 0
+  for i = 1, #c do n = n * 256 + string.byte(c, i) end
+  return n
+end
+local function owners(t, uncounted)
+  T = tonumber(t) or 0
+  for j = 1, #uncounted, $NID do skip[string.sub(uncounted, j, j + $NID - 1)] = true end
+end
+local function counted(v, ignore)
+  local out = {}
+  for j = 1, #v, $NID do
+    local c = id(string.sub(v, j, j + $NID - 1))
+    if not ignore[c] then out[#out + 1] = c end
+  end
+  return out
+end
+local function put(t, who, h)
+  local l = t[who]
+  if not l then l = {} t[who] = l end
+  l[#l + 1] = h
+end
+local function rule(h, n0, after, joined)
+  local n1 = #after
+  if n1 >= T then
+    if n0 < T then
+      for _, c in ipairs(after) do put(dem, c, h) end
+    else
+      for _, c in ipairs(joined) do put(dem, c, h) end
+    end
+  elseif n0 >= T or (n1 == 1 and n0 > 1) then
+    for _, c in ipairs(after) do put(res, c, h) end
+  end
+end
+local function flush(prefix)
+  local out = {}
+  for who, l in pairs(dem) do
+    local k = out[who] or {}
+    k[#k + 1] = '$DEMOTE' .. table.concat(l)
+    out[who] = k
+  end
+  for who, l in pairs(res) do
+    local k = out[who] or {}
+    k[#k + 1] = '$RESTORE' .. table.concat(l)
+    out[who] = k
+  end
+  for who, elements in pairs(out) do
+    local key = prefix .. string.format('%d', number(who))
+    redis.call('RPUSH', key, unpack(elements))
+    redis.call('LTRIM', key, -$MAX, -1)
+    redis.call('PEXPIRE', key, $TTL)
+  end
+end
+"""
 
 
 _APPLY = _script(
     """
+$OWNERS
 local pre = ARGV[1]
 local add = ARGV[2] == '1'
 local nid = ARGV[3]  -- the holder entry: nid, tier bit set for SSD
 local blob = ARGV[4]
+owners(ARGV[5], ARGV[6])  -- the owner-count threshold and the uncounted nids; ARGV[7]: notice prefix
+local notify = T >= $MIN
+local me = id(nid)
+local joins = {}
+if not skip[me] then joins = {me} end
 local changed = 0
 local b1 = string.byte(nid, 1) % $TOP
 local rest = string.sub(nid, 2)
@@ -92,7 +181,7 @@ for off = 1, #blob, $HASH do
   local k = pre .. string.sub(blob, off, off + $BUCKET - 1)
   local f = string.sub(blob, off + $BUCKET, off + $HASH - 1)
   if add then
-    -- A new block (the common case) costs one call.
+    -- A new block (the common case) costs one call (one holder: below any threshold).
     if redis.call('HSETNX', k, f, nid) == 1 then
       changed = changed + 1
     else
@@ -104,9 +193,17 @@ for off = 1, #blob, $HASH do
       if not at then
         redis.call('HSET', k, f, v .. nid)
         changed = changed + 1
+        if notify then
+          rule(string.sub(blob, off, off + $HASH - 1), #counted(v, skip), counted(v .. nid, skip), joins)
+        end
       elseif string.sub(v, at, at + $NID - 1) ~= nid then  -- a tier change
-        redis.call('HSET', k, f, string.sub(v, 1, at - 1) .. nid .. string.sub(v, at + $NID))
+        local v2 = string.sub(v, 1, at - 1) .. nid .. string.sub(v, at + $NID)
+        redis.call('HSET', k, f, v2)
         changed = changed + 1
+        if notify and nid == me then  -- from its SSD back into DRAM: it joins the owners in DRAM
+          local after = counted(v2, skip)
+          rule(string.sub(blob, off, off + $HASH - 1), #after, after, joins)
+        end
       end
     end
   else
@@ -121,10 +218,14 @@ for off = 1, #blob, $HASH do
     if found then
       changed = changed + 1
       if #keep == 0 then redis.call('HDEL', k, f) else redis.call('HSET', k, f, table.concat(keep)) end
+      if notify then
+        rule(string.sub(blob, off, off + $HASH - 1), #counted(v, skip), counted(table.concat(keep), skip), {})
+      end
     end
     end
   end
 end
+if notify then flush(ARGV[7]) end
 return changed
 """
 )
@@ -147,15 +248,18 @@ return out
 
 _SWEEP = _script(
     """
+$OWNERS
 local pre = ARGV[1]
 local first = tonumber(ARGV[2])
 local last = tonumber(ARGV[3])
 local dead = {}
 for j = 1, #ARGV[4], $NID do dead[string.sub(ARGV[4], j, j + $NID - 1)] = true end
-local function id(c) return string.char(string.byte(c, 1) % $TOP) .. string.sub(c, 2) end
+owners(ARGV[5], ARGV[6])  -- ARGV[7]: notice prefix
+local notify = T >= $MIN
 local removed = 0
 for b = first, last do
-  local k = pre .. struct.pack('>I$BUCKET', b)
+  local s = bucket(b)
+  local k = pre .. s
   local all = redis.call('HGETALL', k)
   for i = 1, #all, 2 do
     local v = all[i + 1]
@@ -166,10 +270,53 @@ for b = first, last do
     end
     if #keep * $NID ~= #v then
       if #keep == 0 then redis.call('HDEL', k, all[i]) else redis.call('HSET', k, all[i], table.concat(keep)) end
+      if notify then rule(s .. all[i], #counted(v, skip), counted(table.concat(keep), skip), {}) end
     end
   end
 end
+if notify then flush(ARGV[7]) end
 return removed
+"""
+)
+
+# The owner counts of every block some of whose holders changed between counting and not
+# (nodes that died, came back, or were retired: pegaflow/meta/owners.py): ARGV[4] the
+# uncounted nids before, ARGV[5] after. Holders that count again are the ones that joined.
+_RECOUNT = _script(
+    """
+$OWNERS
+local pre = ARGV[1]
+local first = tonumber(ARGV[2])
+local last = tonumber(ARGV[3])
+local before = {}
+for j = 1, #ARGV[4], $NID do before[string.sub(ARGV[4], j, j + $NID - 1)] = true end
+owners(ARGV[6], ARGV[5])  -- ARGV[7]: notice prefix
+local moved = {}
+for c in pairs(before) do if not skip[c] then moved[c] = true end end
+for c in pairs(skip) do if not before[c] then moved[c] = true end end
+local fields = 0
+if T >= $MIN and next(moved) then
+  for b = first, last do
+    local s = bucket(b)
+    local all = redis.call('HGETALL', pre .. s)
+    for i = 1, #all, 2 do
+      local v = all[i + 1]
+      local touched = false
+      for j = 1, #v, $NID do
+        if moved[id(string.sub(v, j, j + $NID - 1))] then touched = true break end
+      end
+      if touched then
+        fields = fields + 1
+        local after = counted(v, skip)
+        local joined = {}
+        for _, c in ipairs(after) do if before[c] then joined[#joined + 1] = c end end
+        rule(s .. all[i], #counted(v, before), after, joined)
+      end
+    end
+  end
+  flush(ARGV[7])
+end
+return fields
 """
 )
 
@@ -337,22 +484,52 @@ class Census:
 
 
 class Index:
-    """Reads and writes the index of every namespace under one key prefix (live or rebuild)."""
+    """Reads and writes the index of every namespace under one key prefix (live or rebuild).
 
-    def __init__(self, r: Client, prefix: str = keys.BUCKET_PREFIX) -> None:
+    Writes to the live index (``keys.BUCKET_PREFIX``) also send the class notices of the
+    owner counts they move (pegaflow/policy/classes.py; docs/architecture.md, "Replacement
+    classes"), with the threshold and the uncounted nids the metaserver keeps in Redis
+    (pegaflow/meta/owners.py), read again every ``OWNERS_REFRESH_S``; a rebuild's scratch
+    index sends none.
+    """
+
+    def __init__(self, r: Client, prefix: str = keys.BUCKET_PREFIX, clock: Callable[[], float] = time.monotonic
+                 ) -> None:
         self.r = r
         self.prefix = prefix
         self._native: bool | None = None  # RawPipe.supported(r), asked once
+        self._clock = clock
+        self._owners: tuple[int, bytes] = (0, b"")  # (threshold, uncounted nids packed), read at _owners_at
+        self._owners_at = -math.inf
+
+    def owner_args(self) -> tuple[int, bytes]:
+        """(owner-count threshold, the uncounted nids as holder ids) for the scripts' notices;
+        (0, b"") off the live index or while no metaserver published a threshold."""
+        if self.prefix != keys.BUCKET_PREFIX:
+            return 0, b""
+        now = self._clock()
+        if now - self._owners_at >= OWNERS_REFRESH_S:
+            p = self.r.pipeline(transaction=False)
+            p.get(keys.OWNER_COUNT)
+            p.smembers(keys.UNCOUNTED)
+            t, uncounted = p.execute()
+            threshold = int(t) if t else 0
+            self._owners = (threshold if threshold >= MIN_OWNER_THRESHOLD else 0,
+                            b"".join(nid_bytes(int(n)) for n in sorted(int(x) for x in uncounted)))
+            self._owners_at = now
+        return self._owners
 
     def apply_call(self, op: Op, namespace: str, nid: int, blob: bytes, tier: Tier = Tier.L1) -> Call:
         """The script call applying one INSERT/SNAPSHOT/EVICT batch (``blob`` = 16-byte hashes;
         ``tier``: where an add says the nid holds them)."""
         tag = keys.ns_tag(namespace)
         add = "0" if op == Op.EVICT else "1"
+        threshold, uncounted = self.owner_args()
         return (
             _APPLY,
             [keys.anchor_key(tag)],
-            [keys.bucket_prefix(tag, self.prefix), add, nid_bytes(nid, tier if op != Op.EVICT else Tier.L1), blob],
+            [keys.bucket_prefix(tag, self.prefix), add, nid_bytes(nid, tier if op != Op.EVICT else Tier.L1), blob,
+             threshold, uncounted, keys.notice_prefix(tag)],
         )
 
     def apply(self, op: Op, namespace: str, nid: int, hashes: Sequence[bytes] | bytes, tier: Tier = Tier.L1) -> int:
@@ -476,7 +653,7 @@ class Index:
 
     def ensure_scripts(self) -> None:
         """Load every script on every shard (a query batch cannot load scripts on its own)."""
-        for s in (_APPLY, _QUERY, _SWEEP, _SWAP):
+        for s in (_APPLY, _QUERY, _SWEEP, _SWAP, _RECOUNT):
             self.r.script_load(s.source)
 
     def holders(self, namespace: str, hashes: Sequence[bytes]) -> list[frozenset[int]]:
@@ -507,16 +684,41 @@ class Index:
         if not blob:
             return 0
         removed = 0
+        threshold, uncounted = self.owner_args()
         for tag in tags:
             anchor = keys.anchor_key(tag)
             pre = keys.bucket_prefix(tag, self.prefix)
             calls: list[Call] = [
-                (_SWEEP, [anchor], [pre, first, last, blob])
+                (_SWEEP, [anchor], [pre, first, last, blob, threshold, uncounted, keys.notice_prefix(tag)])
                 for first, last in self._bucket_chunks(tag, SWEEP_CHUNK)
             ]
             for i in range(0, len(calls), 16):
                 removed += sum(run_scripts(self.r, calls[i : i + 16]))
         return removed
+
+    def recount(self, tags: Iterable[str], before: Iterable[int], after: Iterable[int], threshold: int) -> int:
+        """Send the class notices of the owner counts that change when the uncounted nids go
+        from ``before`` to ``after`` (pegaflow/meta/owners.py); returns the blocks looked at."""
+        if self.prefix != keys.BUCKET_PREFIX or threshold < MIN_OWNER_THRESHOLD:
+            return 0
+        old = b"".join(nid_bytes(n) for n in sorted(set(before)))
+        new = b"".join(nid_bytes(n) for n in sorted(set(after)))
+        if old == new:
+            return 0
+        fields = 0
+        for tag in tags:
+            anchor = keys.anchor_key(tag)
+            pre = keys.bucket_prefix(tag, self.prefix)
+            calls: list[Call] = [
+                (_RECOUNT, [anchor], [pre, first, last, old, new, threshold, keys.notice_prefix(tag)])
+                for first, last in self._bucket_chunks(tag, SWEEP_CHUNK)
+            ]
+            for i in range(0, len(calls), 16):
+                for res in run_scripts(self.r, calls[i : i + 16]):
+                    if isinstance(res, Exception):
+                        raise res
+                    fields += int(res)
+        return fields
 
     def _existing(self, tag: str) -> list[bytes]:
         """Bucket keys of a namespace that exist (SCAN: sparse namespaces cost little)."""

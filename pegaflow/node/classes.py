@@ -7,14 +7,26 @@ no other node does any more (docs/architecture.md, "Replacement classes").
 
 :class:`Classes` applies those changes on the node's event loop, the index's only thread,
 and counts what moved for ``pegaflow_node_class_demotions_total{reason}``.
+:class:`NoticeReader` takes the metaserver's notices for this node out of Redis (the
+publisher thread calls it every ``NOTICE_POLL_S``, ``pegaflow/node/publishing.py``) and
+hands them to the loop in the order they were sent (``pegaflow/cluster/notices.py``).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
 
+import structlog
+
+from pegaflow.cluster import keys, notices
+from pegaflow.cluster.redis_conn import Client
 from pegaflow.core.block_index import BlockIndex, Namespace
 from pegaflow.node.metrics import DEMOTION_REASONS
+
+log = structlog.get_logger("pegaflow.node.classes")
+
+NOTICE_POLL_S = 0.25  # how often the node pops its notices: one LPOP per namespace it holds
 
 
 class Classes:
@@ -43,3 +55,40 @@ class Classes:
         """(resident bytes, of them reclaimable, demotions by reason): ``ClassMetrics``' source,
         read at scrape time from another thread (ints: a consistent enough snapshot)."""
         return self.index.resident_bytes, self.index.reclaimable_bytes, dict(self.demoted)
+
+    def apply(self, ns: Namespace, elements: Sequence[bytes]) -> None:
+        """Apply the metaserver's notices for ``ns``, oldest first (event loop)."""
+        for element in elements:
+            try:
+                notice = notices.decode(element)
+            except notices.MalformedNotice as exc:
+                log.warning("class_notice_malformed", namespace=ns.name, error=str(exc))
+                continue
+            if notice.reclaimable:
+                self.demote(ns, notice.hashes, "reclaim_hint")
+            else:
+                self.restore(ns, notice.hashes)
+
+
+class NoticeReader:
+    """Pops this node's class notices (``pegaflow/cluster/notices.py``) and hands them to
+    ``classes`` on ``loop``. Called from the publisher thread with its Redis client and the
+    node's current nid: notices sent to an older incarnation are not read (the new one's
+    snapshot brings its own)."""
+
+    def __init__(self, classes: Classes, loop: asyncio.AbstractEventLoop) -> None:
+        self.classes = classes
+        self.loop = loop
+        self.popped = 0  # elements taken out of Redis
+
+    def __call__(self, r: Client, nid: int) -> None:
+        by_tag = {keys.ns_tag(ns.name): ns for ns in self.classes.index.namespaces()}
+        got = notices.pop(r, nid, by_tag)
+        if got:
+            self.popped += sum(map(len, got.values()))
+            batch = [(by_tag[tag], elements) for tag, elements in got.items()]
+            self.loop.call_soon_threadsafe(self._apply, batch)
+
+    def _apply(self, batch: list[tuple[Namespace, list[bytes]]]) -> None:
+        for ns, elements in batch:
+            self.classes.apply(ns, elements)

@@ -199,6 +199,7 @@ class Node:
             pins=lambda: len(self.admin.pins),
             admission_rejections=lambda: self.index.admission_rejections,
             evicted_bytes=lambda: self.index.evicted_bytes,
+            removed_held=lambda: self.index.removed_held,
             load_pins=self.sessions.load_pins,
             evictions_by_class=lambda: (self.index.evictions, self.index.evicted_reclaimable),
         )

@@ -20,6 +20,12 @@ from pegaflow.common.metric_alias import Alias, OriginalNames, Relabel, ValueAli
 from pegaflow.core.tiers import MISS, OUTCOMES, Tier
 
 RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+# The original's buckets (pegaflow-core/src/metrics.rs), which its names keep: SSD throughput
+# in 1 GB/s steps.
+ORIGINAL_SSD_THROUGHPUT_BUCKETS = tuple(i * 1e9 for i in range(1, 41))
+# Ours add finer bounds below theirs (the aliases drop them): one SSD I/O of 64 KiB pages
+# seldom reaches 1 GB/s.
+SSD_IO_THROUGHPUT_BUCKETS = (1e8, 2.5e8, 5e8, *ORIGINAL_SSD_THROUGHPUT_BUCKETS)
 
 
 class NodeMetrics:
@@ -137,6 +143,9 @@ class NodeMetrics:
              "New blocks not stored because TinyLFU preferred the LRU victim."),
             ("evicted_bytes", "pegaflow_node_evicted_bytes",
              "Bytes of the blocks evicted from L1 to make room (their pages are freed at once)."),
+            ("removed_held", "pegaflow_node_removed_held_blocks",
+             "Blocks removed from L1 (an engine's Reset, pegaflow cache clear) while a lease, a pin, an SSD "
+             "write or a peer's transfer held them: their page is freed when the last holder lets go."),
         ):
             self._fn_counters[key] = lambda: 0
             r.register(_FnCounter(name, doc, self._fn_counter(key)))
@@ -178,7 +187,7 @@ class NodeMetrics:
         **sources: Callable[[], float],
     ) -> None:
         """Compute state gauges (and the index's counters: ``admission_rejections``,
-        ``evicted_bytes``) at scrape time: ``bind(pool_used=lambda: ...)``."""
+        ``evicted_bytes``, ``removed_held``) at scrape time: ``bind(pool_used=lambda: ...)``."""
         if evictions_by_class is not None:
             self._by_class = evictions_by_class
         if load_pins is not None:
@@ -323,6 +332,10 @@ def original_aliases(m: NodeMetrics) -> list[Alias | ValueAlias]:
               "(pegaflow_node_evicted_blocks_by_class_total{class}).",
               ("pegaflow_node_evicted_blocks_by_class",), ("class",), relabel=_same,
               fixed=(("reclaimable",), ("retained",))),
+        Alias("pegaflow_cache_block_evictions_still_referenced", "counter",
+              "Blocks removed from L1 while still held, their page freed at the last release "
+              "(pegaflow_node_removed_held_blocks_total: a Reset or a clear of a leased or pinned block).",
+              ("pegaflow_node_removed_held_blocks",)),
         Alias("pegaflow_cache_eviction_reclaimed_bytes", "counter",
               "Bytes of the blocks evicted from L1; eviction frees the page at once "
               "(pegaflow_node_evicted_bytes_total).",
@@ -364,6 +377,7 @@ def original_aliases(m: NodeMetrics) -> list[Alias | ValueAlias]:
         Alias("pegaflow_load_bytes", "counter", "Bytes leased to engines for loading (pegaflow_node_load_bytes_total).",
               ("pegaflow_node_load_bytes",)),
         # SSD
+        *_ssd_throughput_aliases(),
         Alias("pegaflow_ssd_write_bytes", "counter", "Page bytes written to SSD (pegaflow_node_ssd_write_bytes_total).",
               ("pegaflow_node_ssd_write_bytes",)),
         Alias("pegaflow_ssd_write_failures", "counter",
@@ -447,6 +461,22 @@ def original_aliases(m: NodeMetrics) -> list[Alias | ValueAlias]:
               "Node RPC latency by method and status (pegaflow_node_rpc_duration_seconds, transports summed).",
               ("pegaflow_node_rpc_duration_seconds",), ("method", "status"), relabel=rpc_labels),
     ]
+
+
+def _ssd_throughput_aliases() -> list[Alias | ValueAlias]:
+    """The original's per-I/O SSD throughput histograms (unit ``bytes/s``), each under two
+    names: ``..._throughput_per_second``, as its exporter names its instrument
+    ``pegaflow_ssd_write_throughput`` (an unknown unit before ``/s`` adds only ``_per_second``),
+    and ``..._throughput_bytes_per_second_per_second``, which its Grafana dashboard queries
+    (the name of an earlier instrument, ``..._throughput_bytes_per_second``, plus that suffix)."""
+    out: list[Alias | ValueAlias] = []
+    for direction, ours in (("write", "pegaflow_node_ssd_write_io_throughput_bytes_per_second"),
+                            ("prefetch", "pegaflow_node_ssd_read_io_throughput_bytes_per_second")):
+        for name in (f"pegaflow_ssd_{direction}_throughput_per_second",
+                     f"pegaflow_ssd_{direction}_throughput_bytes_per_second_per_second"):
+            out.append(Alias(name, "histogram", f"SSD {direction} throughput of each I/O, bytes/s ({ours}).",
+                             (ours,), buckets=frozenset(ORIGINAL_SSD_THROUGHPUT_BUCKETS)))
+    return out
 
 
 # ---- Replacement classes (docs/architecture.md, "Replacement classes") -----------------------------

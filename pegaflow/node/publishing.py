@@ -35,6 +35,9 @@ Contracts:
   while the registration lasts: ``registry.heartbeat``). If the registration is gone (reaped
   after the metaserver's ``--ttl-minutes`` of silence, Redis restarted empty) the publisher
   re-registers and re-syncs.
+- Class notices: with ``poll`` (``pegaflow/node/classes.py``'s ``NoticeReader``), the
+  thread also hands its client and the current nid to it every ``poll_interval``; its
+  errors are logged and never re-sync anything.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ from pegaflow.meta.events.codec import FIELD, encode
 from pegaflow.meta.events.schema import FLAG_LAST, FLAG_SSD, Event, Op
 from pegaflow.meta.events.streams import GROUP
 from pegaflow.node.block_events import BlockEventFeed
+from pegaflow.node.classes import NOTICE_POLL_S
 from pegaflow.node.idle import DataPathIdle
 
 _log = structlog.get_logger("pegaflow.meta.publisher")
@@ -159,8 +163,12 @@ class EventPublisher:
         flush_interval: float = FLUSH_INTERVAL,
         registry: CollectorRegistry | None = None,
         idle: DataPathIdle | None = None,
+        poll: Callable[[Client, int], None] | None = None,
+        poll_interval: float = NOTICE_POLL_S,
     ) -> None:
         self.r = r
+        self.poll = poll  # the node's class notices, read with this client under the current nid
+        self.poll_interval = poll_interval
         self.node = node
         self.addr = addr
         self.stream = stream_key(node)
@@ -257,6 +265,7 @@ class EventPublisher:
 
     _busy = False
     _next_beat = 0.0  # when the liveness key is next refreshed (publisher thread)
+    _next_poll = 0.0  # when the class notices are next read (publisher thread)
 
     # --- publisher thread ----------------------------------------------------------------------
 
@@ -280,6 +289,8 @@ class EventPublisher:
                     log.warning("registration lost; re-registering", node=self.node, nid=self.nid)
                     continue
                 self._flush()
+                if not stopping:
+                    self._poll_if_due()
             except Exception as exc:  # keep the thread alive whatever Redis does
                 self.stats.errors += 1
                 self.metrics.errors.inc()
@@ -374,6 +385,16 @@ class EventPublisher:
             with self._lock:
                 self._need = Resync.START
         return ok
+
+    def _poll_if_due(self) -> None:
+        now = time.monotonic()
+        if self.poll is None or not self.nid or now < self._next_poll:
+            return
+        self._next_poll = now + self.poll_interval
+        try:
+            self.poll(self.r, self.nid)
+        except Exception as exc:  # notices wait for the next poll; publishing goes on
+            log.warning("class notices unread", node=self.node, error=repr(exc))
 
     def _cut(self) -> list[SnapshotItem]:
         with self._lock:
@@ -497,6 +518,7 @@ def publish_block_index(
     ssd_entries: Mapping[tuple[int, bytes], object] | None = None,
     feed: BlockEventFeed | None = None,
     idle: DataPathIdle | None = None,
+    notices: Callable[[Client, int], None] | None = None,
 ) -> EventPublisher:
     """Hook a node's block index (and SSD tier) to its stream: one call from the node, on
     its event loop.
@@ -505,7 +527,9 @@ def publish_block_index(
     peers pull from). ``ssd_entries``: the node's SSD tier's records (``store.entries``),
     whose stores and evictions ``feed`` (the node's ``BlockEventFeed``, which the tier
     reports them to) hands to :class:`HolderTiers`. ``idle``: the node's (its flushes wait
-    for a pause of the data path). Returns the started publisher; call ``stop()`` on shutdown.
+    for a pause of the data path). ``notices``: the node's reader of its class notices
+    (``pegaflow/node/classes.py``), called by the publisher thread. Returns the started
+    publisher; call ``stop()`` on shutdown.
     """
     addr = advertised(config.addr, config.advertise_addr)
     tiers: HolderTiers | None = None
@@ -517,7 +541,7 @@ def publish_block_index(
     r = connect(config.redis_url, config.redis_cluster)
     pub = EventPublisher(
         r, node_id, addr, snapshot, loop=loop, ttl_seconds=config.liveness_ttl,
-        buffer_blocks=config.event_buffer, registry=registry, idle=idle,
+        buffer_blocks=config.event_buffer, registry=registry, idle=idle, poll=notices,
     )  # fmt: skip
     tiers = HolderTiers(pub, index, ssd_entries)
     index.add_listener(tiers.on_index_event)

@@ -395,6 +395,9 @@ def test_an_engines_reset_frees_pinned_pages_and_the_pin_holds_them_again_when_s
         assert cache_json(node, "pin", "-n", NS, "--hashes", *(h.hex() for h in hs))["pin"]["resident"] == 4
         r = c.reset([NS])
         assert (r.dropped_blocks, r.busy_blocks) == (4, 4)  # pinned: out of the index, pages held
+        # Left DRAM while still referenced, memory freed later: the original's counter of that.
+        assert node.metric("pegaflow_node_removed_held_blocks_total") == 4
+        assert node.metric("pegaflow_cache_block_evictions_still_referenced_total") == 4
         wait_until(lambda: stats(node).used_bytes == 0, 10, "the pin to let go of the dropped pages")
         assert cache_json(node, "pins")["pins"][0]["resident"] == 0
         store(c, NS, hs)

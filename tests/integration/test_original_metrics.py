@@ -129,6 +129,13 @@ def test_a_live_node_and_metaserver_serve_the_originals_names(node_factory, redi
         assert value(s, "pegaflow_ssd_prefetch_failures_total") == 0
         assert value(s, "pegaflow_ssd_prefetch_duration_seconds_count") == value(
             s, "pegaflow_node_ssd_promotion_seconds_count") >= 1
+        for kind, direction in (("write", "write"), ("read", "prefetch")):  # one observation per SSD I/O
+            ours = f"pegaflow_node_ssd_{kind}_io_throughput_bytes_per_second_count"
+            for name in (f"pegaflow_ssd_{direction}_throughput_per_second_count",
+                         f"pegaflow_ssd_{direction}_throughput_bytes_per_second_per_second_count"):
+                assert value(s, name) == value(s, ours) >= 1, name
+        # No Reset or clear: nothing left DRAM while still held.
+        assert same("pegaflow_cache_block_evictions_still_referenced_total", "pegaflow_node_removed_held_blocks_total") == 0
         same("pegaflow_ssd_write_queue_pending", "pegaflow_node_ssd_write_queue_blocks")
         same("pegaflow_ssd_write_inflight", "pegaflow_node_ssd_direction_inflight_ios", direction="write")
         same("pegaflow_ssd_prefetch_inflight", "pegaflow_node_ssd_direction_inflight_ios", direction="prefetch")

@@ -6,6 +6,7 @@ saved blocks are evicted from L1 and can only come back from SSD.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import signal
@@ -128,6 +129,40 @@ def test_evicted_blocks_come_back_from_ssd_with_identical_bytes(node_factory, tm
         # never-saved blocks are a miss, not LOADING
         q = c.query([NS], hashes("never", 3))
         assert (q.status, q.hit_blocks) == ("READY", 0)
+
+
+def test_each_ssd_write_and_read_io_is_observed_in_the_throughput_histograms(node_factory, tmp_path):
+    """One observation per SSD I/O (a writev or readv of adjacent records): its bytes over the
+    time from its issue to its completion; under the original's names with its 1 GB/s buckets."""
+    from pegaflow.node.metrics import ORIGINAL_SSD_THROUGHPUT_BUCKETS, SSD_IO_THROUGHPUT_BUCKETS
+    from tests.integration.metrics_stack import scrape, value
+
+    node = node_factory(POOL, ssd_args(tmp_path))
+    ours = {"write": "pegaflow_node_ssd_write_io_throughput_bytes_per_second",
+            "read": "pegaflow_node_ssd_read_io_throughput_bytes_per_second"}
+    assert node.metric(ours["write"] + "_count") == node.metric(ours["read"] + "_count") == 0
+    hs = hashes("tput", 32)
+    with PegaClient(node.addr) as c:
+        c.register({NS: PAGE})
+        save(c, hs, node=node)
+        wait_until(lambda: node.metric("pegaflow_node_ssd_written_blocks_total") >= 32, SSD_WAIT_S, "32 blocks on SSD")
+        assert load(c, hs[:8])[0] == 8
+    _, s = scrape(node.http_port)
+    writes, reads = value(s, ours["write"] + "_count"), value(s, ours["read"] + "_count")
+    # Adjacent records go out together: at least one I/O, at most one per block.
+    assert 1 <= writes <= value(s, "pegaflow_node_ssd_written_blocks_total")
+    assert 1 <= reads <= value(s, "pegaflow_node_ssd_promoted_blocks_total")
+    for kind, n in (("write", writes), ("read", reads)):
+        mean = value(s, ours[kind] + "_sum") / n
+        assert 1e6 < mean < 1e12, f"{kind}: {mean} bytes/s is no disk's"  # 1 MB/s .. 1 TB/s
+        assert sorted(float(lb["le"]) for lb, _ in s[ours[kind] + "_bucket"]) == [*SSD_IO_THROUGHPUT_BUCKETS, math.inf]
+    for orig, kind in (("pegaflow_ssd_write_throughput", "write"), ("pegaflow_ssd_prefetch_throughput", "read")):
+        # 0.25.1's exporter's name, and the one its dashboard queries.
+        for name in (orig + "_per_second", orig + "_bytes_per_second_per_second"):
+            assert value(s, name + "_count") == value(s, ours[kind] + "_count"), name
+            assert value(s, name + "_sum") == value(s, ours[kind] + "_sum"), name
+            assert sorted(float(lb["le"]) for lb, _ in s[name + "_bucket"]) == [*ORIGINAL_SSD_THROUGHPUT_BUCKETS,
+                                                                                   math.inf]
 
 
 def test_a_node_serving_peers_shares_page_checksums_with_its_ssd_records(node_factory, tmp_path, redis_server):  # noqa: F811

@@ -278,7 +278,7 @@ def test_consumer_applies_in_bounded_rounds_so_queries_interleave(r: fakeredis.F
     real = index.run_scripts
 
     def counting(client, calls):  # type: ignore[no-untyped-def]
-        rounds.append(sum(len(c[2][-1]) // 16 for c in calls))
+        rounds.append(sum(len(c[2][3]) // 16 for c in calls))  # ARGV[4]: the hashes
         return real(client, calls)
 
     monkeypatch.setattr(index, "run_scripts", counting)

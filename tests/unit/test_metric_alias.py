@@ -39,6 +39,20 @@ def test_histograms_of_two_transports_merge_into_the_originals_labels() -> None:
     assert s[("pegaflow_rpc_duration_seconds_sum", ok)] == 0.0055
 
 
+def test_a_histogram_with_finer_buckets_is_exported_with_the_originals_only() -> None:
+    reg = CollectorRegistry()
+    h = Histogram("pegaflow_x_copy_seconds", "x", buckets=(0.001, 0.005, 0.01, 0.1), registry=reg)
+    for v in (0.0005, 0.003, 0.007, 0.05, 2.0):
+        h.observe(v)
+    OriginalNames(reg, [Alias("pegaflow_copy_duration_seconds", "histogram", "s", ("pegaflow_x_copy_seconds",),
+                              buckets=frozenset({0.01, 0.1}))])
+    s = series(reg)
+    got = {dict(k)["le"]: v for (name, k), v in s.items() if name == "pegaflow_copy_duration_seconds_bucket"}
+    assert got == {"0.01": 3, "0.1": 4, "+Inf": 5}, "cumulative counts at the kept bounds are exact"
+    assert s[("pegaflow_copy_duration_seconds_count", ())] == 5
+    assert s[("pegaflow_copy_duration_seconds_sum", ())] == s[("pegaflow_x_copy_seconds_sum", ())]
+
+
 def test_sources_are_summed_and_an_absent_source_exports_nothing() -> None:
     reg = CollectorRegistry()
     a = Counter("pegaflow_x_a_total", "a", registry=reg)

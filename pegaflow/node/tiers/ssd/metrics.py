@@ -3,11 +3,12 @@ the tier's numbers that the Stats RPC reports (:class:`SsdStats`), read from the
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pegaflow.node.metrics import value_of
+from pegaflow.node.metrics import SSD_IO_THROUGHPUT_BUCKETS, value_of
 
 PROMOTE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
@@ -41,6 +42,15 @@ class SsdMetrics:
                                       "SSD write throughput over the last second.", registry=r)
         self.read_throughput = Gauge("pegaflow_node_ssd_read_bytes_per_second",
                                      "SSD read throughput over the last second.", registry=r)
+        self.write_io_throughput = Histogram(
+            "pegaflow_node_ssd_write_io_throughput_bytes_per_second",
+            "Throughput of each SSD write I/O (one writev of adjacent records): its bytes over the time from "
+            "its issue to its completion.", buckets=SSD_IO_THROUGHPUT_BUCKETS, registry=r)
+        self.read_io_throughput = Histogram(
+            "pegaflow_node_ssd_read_io_throughput_bytes_per_second",
+            "Throughput of each SSD read I/O (one readv of adjacent records, for a promotion or a peer's "
+            "transfer): its bytes over the time from its issue to its completion.",
+            buckets=SSD_IO_THROUGHPUT_BUCKETS, registry=r)
         self.queue_blocks = Gauge("pegaflow_node_ssd_write_queue_blocks",
                                   "Blocks pinned in L1 waiting for their SSD write.", registry=r)
         self.queue_bytes = Gauge("pegaflow_node_ssd_write_queue_bytes",
@@ -88,3 +98,24 @@ class SsdMetrics:
             read_bytes_per_second=value_of(self.read_throughput), write_queue_blocks=int(value_of(self.queue_blocks)),
             promoted_blocks=int(value_of(self.promoted)),
         )
+
+
+class IoClock:
+    """Times one I/O for the throughput histograms: :meth:`issued` from the op's ``prepare``
+    (on the engine thread, just before the I/O is issued), :meth:`done` from its
+    ``complete`` with the bytes it moved (the whole op or nothing: a short or failed I/O is
+    not observed)."""
+
+    __slots__ = ("histogram", "t0")
+
+    def __init__(self, histogram: Histogram) -> None:
+        self.histogram = histogram
+        self.t0 = 0.0
+
+    def issued(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def done(self, nbytes: int) -> None:
+        elapsed = time.perf_counter() - self.t0
+        if self.t0 and elapsed > 0:
+            self.histogram.observe(nbytes / elapsed)

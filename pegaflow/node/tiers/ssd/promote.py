@@ -45,6 +45,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pegaflow.core.block_index import Block, Namespace
+from pegaflow.node.tiers.ssd.metrics import IoClock
 from pegaflow.node.tiers.ssd.parts import TierParts
 from pegaflow.node.tiers.ssd.records import BLOCK, aligned_buffer, checksum, round_up, unpack_header
 from pegaflow.node.tiers.ssd.store import Entry
@@ -214,12 +215,14 @@ class Promoter:
             bufs.append(r.hdr)
             bufs.append(view[r.block.offset:r.block.offset + round_up(r.block.size)])
         total = sum(len(x) for x in bufs)
+        clock = IoClock(t.metrics.read_io_throughput)
 
         def complete(res: int) -> None:
             # engine thread: verify before the loop may publish the pages
             if res != total:
                 t.call_soon(done, run, ["io_error"] * len(run), [0] * len(run))
                 return
+            clock.done(total)  # the I/O's time, before the checks
             out: list[str] = []
             sums: list[int] = []
             for r in run:
@@ -232,7 +235,7 @@ class Promoter:
                 sums.append(h.payload_csum if ok and h is not None else 0)
             t.call_soon(done, run, out, sums)
 
-        return IoOp(False, t.store.files[run[0].entry.file].fd, run[0].entry.offset, bufs, complete)
+        return IoOp(False, t.store.files[run[0].entry.file].fd, run[0].entry.offset, bufs, complete, clock.issued)
 
     def _done(self, batch: _Batch, run: list[_Rec], outcomes: list[str], sums: list[int]) -> None:
         t = self.tier

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pegaflow.core.block_index import Block, IndexEvent, Namespace
+from pegaflow.node.tiers.ssd.metrics import IoClock
 from pegaflow.node.tiers.ssd.parts import TierParts
 from pegaflow.node.tiers.ssd.records import BLOCK, aligned_buffer, checksum, pack_header, round_up
 from pegaflow.node.tiers.ssd.store import Slot
@@ -128,6 +129,7 @@ class WriteBehind:
         total = sum(len(x) for x in bufs)
 
         known = t.checksums
+        clock = IoClock(t.metrics.write_io_throughput)
 
         def prepare() -> None:
             for r in run:
@@ -140,8 +142,11 @@ class WriteBehind:
                     if known is not None:
                         known.record(b, c)
                 pack_header(r.hdr, r.slot.gen, r.slot.seq, r.name, b.hash, b.size, c)
+            clock.issued()  # after the checksums: the I/O's own time
 
         def complete(res: int) -> None:
+            if res == total:
+                clock.done(total)
             # The bookkeeping (unpin, index the records, SSD insert events) waits for a
             # pause of the data path too: it is per-block Python on the node's loop.
             t.call_soon(t.defer, self._done, run, res == total)
