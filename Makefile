@@ -22,25 +22,22 @@ LINT_IMPORTS = $(PYTHON) -c "import sys; from importlinter.cli import lint_impor
 # mypy: the types of pegaflow/, strict in every package but meta/ ([tool.mypy] in pyproject.toml).
 MYPY = $(PYTHON) -m mypy
 
-# `make test` (what CI runs) runs the suite one test at a time: 22 min for pytest on host H
-# (a 2-core VM; 1,340 tests). The parallel form below (pytest-xdist, tests/parallel.py) ran the
-# whole suite in 12:46 there, but is not what CI runs until it passes run after run:
-# `make test PARALLEL=1` tries it.
-# pytest-xdist, JOBS workers (3 on 2 cores: the tests wait on the processes they start about
-# as much as they compute). A file's tests run on one worker, one after another, so its module
-# fixtures (nodes, clusters, vLLM engines) start once; the tests marked `serial` (wall-clock
-# bounds) run last and alone (tests/parallel.py).
+# `make test` (what CI runs) runs the suite on pytest-xdist workers (tests/parallel.py): JOBS
+# workers (3 on 2 cores: the tests wait on the processes they start about as much as they
+# compute). A file's tests run on one worker, one after another, so its module fixtures
+# (nodes, clusters, vLLM engines) start once; the vLLM engine files go first, one at a time;
+# the tests marked `serial` (wall-clock bounds) run alone. `make test SERIAL=1`: one test at a
+# time, in one process (~22 min for pytest on a 2-core VM).
 JOBS ?= 3
-PARALLEL ?=
+SERIAL ?=
 XDIST = -n $(JOBS) --dist loadfile --no-loadscope-reorder
-PYTEST = $(PYTHON) -m pytest -ra --durations=15 $(if $(PARALLEL),$(XDIST))
+PYTEST = $(PYTHON) -m pytest -ra --durations=15 $(if $(SERIAL),,$(XDIST))
 
 test: install-test lint
 	$(PYTEST) $(PYTEST_ARGS)
 
 # The edit-test loop: the unit tests and the integration tests, in parallel; no install, no
-# vLLM engine (tests/e2e), no chaos. 5:22 with JOBS=4 and 5:40 with JOBS=6 on host H, with
-# other work on the machine (not yet measured at the default 3 on a quiet one).
+# vLLM engine (tests/e2e), no chaos.
 test-fast:
 	$(PYTHON) -m pytest -ra --durations=15 $(XDIST) -m "not e2e" tests/unit tests/integration $(PYTEST_ARGS)
 
