@@ -58,6 +58,9 @@ EXPORTED: tuple[OriginalMetric, ...] = (
     _n("pegaflow_pinned_for_load_unique_bytes", "gauge"),
     _n("pegaflow_save_bytes_total", "counter"),
     _n("pegaflow_load_bytes_total", "counter"),
+    _n("pegaflow_save_duration_seconds", "histogram"),
+    _n("pegaflow_load_duration_seconds", "histogram"),
+    _n("pegaflow_load_failures_total", "counter"),
     _n("pegaflow_ssd_write_bytes_total", "counter", needs="ssd"),
     _n("pegaflow_ssd_write_failures_total", "counter", needs="ssd"),
     _n("pegaflow_ssd_write_queue_pending", "gauge", needs="ssd"),
@@ -99,9 +102,6 @@ EXPORTED: tuple[OriginalMetric, ...] = (
 )
 
 NOT_EXPORTED: tuple[str, ...] = (
-    "pegaflow_save_duration_seconds",
-    "pegaflow_load_duration_seconds",
-    "pegaflow_load_failures_total",
     "pegaflow_ssd_write_duration_seconds",
     "pegaflow_inflight_gc_cleaned_total",
     "pegaflow_prefetch_stale_gc_total",

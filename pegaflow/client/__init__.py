@@ -2,6 +2,7 @@
 
 from pegaflow.client.client import (
     BlockEvents,
+    CopyTimes,
     NodeError,
     NodeUnavailable,
     PegaClient,
@@ -14,6 +15,7 @@ from pegaflow.client.pages import load_pages, page_bytes, save_pages
 
 __all__ = [
     "BlockEvents",
+    "CopyTimes",
     "NodeError",
     "NodeUnavailable",
     "PegaClient",

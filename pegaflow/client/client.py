@@ -48,6 +48,7 @@ from pegaflow.common.local_wire import (
 )
 from pegaflow.common.logging import ensure_library_logging
 from pegaflow.common.security import Security, sync_channel
+from pegaflow.common.validate import MAX_COPY_TIMES
 from pegaflow.core.hosts import NODE_ADDR
 from pegaflow.core.tiers import Tier
 
@@ -112,6 +113,37 @@ class Reservation:
     offsets: list[int]  # -1: do not write this block
     epoch: int
     pool: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+
+@dataclass(frozen=True)
+class CopyTimes:
+    """What an engine's page copies took, sent to the node on a Commit or Release it sends
+    anyway (node.proto, ``CopyTimes``): seconds of each save and load batch (one rank's
+    copies of one step) and how many load batches failed. ``merge`` joins reports (ranks,
+    steps) and keeps the newest ``MAX_COPY_TIMES`` durations of each kind."""
+
+    save_seconds: tuple[float, ...] = ()
+    load_seconds: tuple[float, ...] = ()
+    load_failures: int = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.save_seconds or self.load_seconds or self.load_failures)
+
+    def merge(self, other: CopyTimes) -> CopyTimes:
+        if not other:
+            return self
+        if not self:
+            return other
+        return CopyTimes((self.save_seconds + other.save_seconds)[-MAX_COPY_TIMES:],
+                         (self.load_seconds + other.load_seconds)[-MAX_COPY_TIMES:],
+                         self.load_failures + other.load_failures)
+
+    def to_proto(self) -> node_pb2.CopyTimes:
+        return node_pb2.CopyTimes(save_seconds=self.save_seconds, load_seconds=self.load_seconds,
+                                  load_failures=self.load_failures)
+
+
+NO_COPIES = CopyTimes()
 
 
 @dataclass(frozen=True)
@@ -548,11 +580,14 @@ class PegaClient:
         )
         return Reservation(resp.reservation_id, list(resp.offsets), b.epoch, b.pool)
 
-    def commit(self, reservation_id: int, indices: Sequence[int] | None = None, wait: bool = True) -> int:
+    def commit(self, reservation_id: int, indices: Sequence[int] | None = None, wait: bool = True,
+               copies: CopyTimes = NO_COPIES) -> int:
         """Make the reserved pages visible. ``wait=False`` sends the commit without waiting
-        for the answer (the save path does not need it; errors are logged) and returns -1."""
+        for the answer (the save path does not need it; errors are logged) and returns -1.
+        ``copies``: the engine's copy times to report with it (``CopyTimes``)."""
+        sent = copies.to_proto() if copies else None
         req = lambda sid: node_pb2.CommitRequest(  # noqa: E731
-            session_id=sid, reservation_id=reservation_id, indices=list(indices or ()))
+            session_id=sid, reservation_id=reservation_id, indices=list(indices or ()), copies=sent)
         if not wait:
             self._send_async("Commit", req)
             return -1
@@ -564,11 +599,13 @@ class PegaClient:
             "Commit", node_pb2.CommitResponse, reregister_ok=False,
         )
 
-    def release(self, lease_id: int, wait: bool = True) -> None:
-        """Unpin a lease's pages. ``wait=False`` does not wait for the answer."""
+    def release(self, lease_id: int, wait: bool = True, copies: CopyTimes = NO_COPIES) -> None:
+        """Unpin a lease's pages. ``wait=False`` does not wait for the answer. ``copies``:
+        the engine's copy times to report with it (``CopyTimes``)."""
         if not lease_id:
             return
-        req = lambda sid: node_pb2.ReleaseRequest(session_id=sid, lease_id=lease_id)  # noqa: E731
+        sent = copies.to_proto() if copies else None
+        req = lambda sid: node_pb2.ReleaseRequest(session_id=sid, lease_id=lease_id, copies=sent)  # noqa: E731
         if not wait:
             self._send_async("Release", req)
             return

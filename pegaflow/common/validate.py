@@ -1,4 +1,5 @@
-"""Checks of request fields shared by every service that takes block hashes.
+"""Checks of request fields shared by every service that takes block hashes (and the limit
+of an engine's copy report, which its sender and the node share).
 
 The node (``Query``/``Reserve`` and the local socket), the metaserver (``QueryPrefix``) and
 a node's peer endpoint (``PinForTransfer``) all take a batch of block hashes; this is the
@@ -8,6 +9,7 @@ one rule they apply to it. A bad batch is an :class:`~pegaflow.common.errors.Inv
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from pegaflow.common.errors import InvalidArgument
@@ -25,3 +27,17 @@ def check_hashes(hashes: Sequence[bytes], limit: int, limit_flag: str) -> None:
     if lengths and lengths != {HASH_BYTES}:
         i, h = next((i, h) for i, h in enumerate(hashes) if len(h) != HASH_BYTES)
         raise InvalidArgument(f"hash {i} has {len(h)} bytes, expected {HASH_BYTES}")
+
+
+# Copy durations of each kind one Commit or Release may carry (node.proto, CopyTimes): an
+# engine sends what its ranks reported since its last call, one per rank and step; its
+# scheduler side keeps the newest this many when more piled up (the node was unreachable).
+MAX_COPY_TIMES = 4096
+
+
+def check_copy_times(name: str, seconds: Sequence[float]) -> None:
+    """At most ``MAX_COPY_TIMES`` durations, each a finite, non-negative number of seconds."""
+    if len(seconds) > MAX_COPY_TIMES:
+        raise InvalidArgument(f"copies.{name}: {len(seconds)} durations, at most {MAX_COPY_TIMES}")
+    if not all(0.0 <= v < math.inf for v in seconds):  # NaN fails too
+        raise InvalidArgument(f"copies.{name}: every duration must be a finite, non-negative number of seconds")

@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TypeAlias
 
+from pegaflow.client.client import NO_COPIES, CopyTimes
 from pegaflow.connector.vllm_compat import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
@@ -103,12 +104,15 @@ class PegaWorkerReport(KVConnectorWorkerMetadata):
     GPU copies run beside the forward and finish later; ``inflight.py``); over ranks, the
     smallest. ``lost_steps``: steps a rank never received (their copies were never made).
     ``failed_reservations``: saves a rank could not make. ``disabled``: a rank copies
-    nothing (``WorkerSide.disable``): the scheduler stops planning copies."""
+    nothing (``WorkerSide.disable``): the scheduler stops planning copies. ``copies``: what
+    the ranks' copies that completed since their last report took (every rank's, joined);
+    the scheduler side sends them to the node with its next Commit or Release."""
 
     done_through: int = -1
     failed_reservations: frozenset[int] = frozenset()
     lost_steps: frozenset[int] = frozenset()
     disabled: bool = False
+    copies: CopyTimes = NO_COPIES
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> PegaWorkerReport:
         assert isinstance(other, PegaWorkerReport)
@@ -117,6 +121,7 @@ class PegaWorkerReport(KVConnectorWorkerMetadata):
             failed_reservations=self.failed_reservations | other.failed_reservations,
             lost_steps=self.lost_steps | other.lost_steps,
             disabled=self.disabled or other.disabled,
+            copies=self.copies.merge(other.copies),
         )
 
 

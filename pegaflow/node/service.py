@@ -39,7 +39,7 @@ from pegaflow._proto import node_pb2, node_pb2_grpc
 from pegaflow.common.errors import InvalidArgument, PegaError
 from pegaflow.common.local_wire import METHODS as LOCAL_METHODS
 from pegaflow.common.rpc_errors import GRPC, RpcErrors, RpcStatus, status_of
-from pegaflow.common.validate import check_hashes
+from pegaflow.common.validate import check_copy_times, check_hashes
 from pegaflow.core.block_index import Block, BlockIndex, Namespace
 from pegaflow.core.recent import RecentKeys
 from pegaflow.core.tiers import OUTCOMES, Tier
@@ -541,7 +541,10 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
     @rpc("Release")
     def release(self, request: node_pb2.ReleaseRequest) -> node_pb2.ReleaseResponse:
         s = self.sessions.get(request.session_id)
+        copies = _copy_times(request.copies) if request.HasField("copies") else None
         self.sessions.release(s, request.lease_id)
+        if copies is not None:
+            self.metrics.observe_copies(*copies)
         return node_pb2.ReleaseResponse()
 
     # ---- writes -----------------------------------------------------------------------
@@ -572,10 +575,13 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
     @rpc("Commit")
     def commit(self, request: node_pb2.CommitRequest) -> node_pb2.CommitResponse:
         s = self.sessions.get(request.session_id)
+        copies = _copy_times(request.copies) if request.HasField("copies") else None
         res = s.reservations.get(request.reservation_id)
         page = res.ns.page_bytes if res is not None else 0
         n = self.sessions.commit(s, request.reservation_id, list(request.indices), request.abort)
         self.metrics.save_bytes.inc(n * page)
+        if copies is not None:
+            self.metrics.observe_copies(*copies)
         return node_pb2.CommitResponse(committed=n)
 
     @rpc("Reset")
@@ -648,6 +654,14 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
             e.namespaces.extend(n for n in s.namespaces if n not in e.namespaces)
         return list(engines.values())
 
+
+
+def _copy_times(c: node_pb2.CopyTimes) -> tuple[list[float], list[float], int]:
+    """An engine's report of its copies (``CopyTimes``), checked."""
+    save, load = list(c.save_seconds), list(c.load_seconds)
+    check_copy_times("save_seconds", save)
+    check_copy_times("load_seconds", load)
+    return save, load, c.load_failures
 
 
 def _int(v: float) -> int:

@@ -1,7 +1,8 @@
 """A small live stack for the metrics tests: redis-server, a `pegaflow-meta` with its HTTP
 endpoint, and a node with an SSD tier publishing to that Redis; plus traffic that moves
 the counters (saves that evict to SSD, an L1 hit, an SSD promotion, a miss, metaserver
-lookups good and bad) and a Prometheus text scraper."""
+lookups good and bad; and an engine's connector saving and loading through the node, which
+reports its copy times) and a Prometheus text scraper."""
 
 from __future__ import annotations
 
@@ -56,8 +57,10 @@ def start_metaserver(tmp: Path, redis_url: str, extra: tuple[str, ...] = ()) -> 
     return MetaServer(redis_url, tmp / "meta.log", http=True, extra=extra).start()
 
 
-def node_args(tmp: Path, redis_url: str, node_id: str = "metrics-node") -> list[str]:
-    return ["--redis-url", redis_url, "--node-id", node_id, "--ssd-cache-path", str(tmp / "ssd.cache"),
+def node_args(tmp: Path, redis_url: str | None, node_id: str = "metrics-node") -> list[str]:
+    """The stack's node: an SSD tier, publishing to ``redis_url`` (None: no Redis)."""
+    publish = ["--redis-url", redis_url] if redis_url is not None else []
+    return [*publish, "--node-id", node_id, "--ssd-cache-path", str(tmp / "ssd.cache"),
             "--ssd-cache-capacity", "16mb", "--ssd-queue-depth", "8"]
 
 
@@ -75,6 +78,21 @@ class Traffic:
 def drive(node, meta: MetaServer) -> Traffic:  # type: ignore[no-untyped-def]
     """Saves that overflow the 16-page pool into SSD, then three requests: an L1 hit, an SSD
     promotion and a miss; and metaserver lookups, good and bad."""
+    t = drive_node(node)
+    with grpc.insecure_channel(meta.addr) as ch:
+        stub = meta_pb2_grpc.MetaServiceStub(ch)
+        for _ in range(3):
+            stub.QueryPrefix(meta_pb2.QueryPrefixRequest(namespace=NS, hashes=t.saved[-4:]), timeout=5)
+        try:
+            stub.QueryPrefix(meta_pb2.QueryPrefixRequest(namespace="", hashes=t.saved[:1]), timeout=5)
+            raise AssertionError("an empty namespace was accepted")
+        except grpc.RpcError as exc:
+            assert exc.code() is grpc.StatusCode.INVALID_ARGUMENT, exc
+    return t
+
+
+def drive_node(node) -> Traffic:  # type: ignore[no-untyped-def]
+    """The node's part of :func:`drive` (no metaserver lookups)."""
     c = PegaClient(node.addr)
     try:
         c.register({NS: PAGE})
@@ -111,16 +129,52 @@ def drive(node, meta: MetaServer) -> Traffic:  # type: ignore[no-untyped-def]
         assert q.status == "READY" and q.hit_blocks == 0, q
     finally:
         c.close()
-    with grpc.insecure_channel(meta.addr) as ch:
-        stub = meta_pb2_grpc.MetaServiceStub(ch)
-        for _ in range(3):
-            stub.QueryPrefix(meta_pb2.QueryPrefixRequest(namespace=NS, hashes=hs[-4:]), timeout=5)
-        try:
-            stub.QueryPrefix(meta_pb2.QueryPrefixRequest(namespace="", hashes=hs[:1]), timeout=5)
-            raise AssertionError("an empty namespace was accepted")
-        except grpc.RpcError as exc:
-            assert exc.code() is grpc.StatusCode.INVALID_ARGUMENT, exc
     return Traffic(hs, 4, 4, 4, queries, 3, 1)
 
 
-__all__ = ["Traffic", "drive", "node_args", "scrape", "start_metaserver", "value"]
+@dataclass
+class EngineTraffic:
+    saves: int  # save batches the engine's worker copied (one per step that saved)
+    loads: int  # load batches it copied
+    load_failures: int  # load batches that failed (vLLM recomputes their blocks)
+
+
+def drive_engine(node, failed_loads: int = 0) -> EngineTraffic:  # type: ignore[no-untyped-def]
+    """An engine's connector (its real scheduler and worker sides, a stand-in for vLLM:
+    tests/unit/connector_fakes.py) against the node: a prompt computed and saved, then the
+    same prompt loaded by a second engine, then ``failed_loads`` times more with a copy that
+    fails. The worker times its copies and the scheduler side sends them on the Commits and
+    Releases it sends anyway: the node's save and load durations and load failures."""
+    from pegaflow.connector.link import NodeLink
+    from tests.unit.connector_fakes import Engine, identity
+
+    def engine() -> Engine:
+        return Engine(None, identity(), link_factory=lambda ns, pci="": NodeLink(node.addr, ns, "metrics-engine"))  # type: ignore[arg-type]
+
+    prompt = [(i * 31 + 7) % 5000 for i in range(5 * 16 + 3)]  # 5 full blocks of 16 tokens
+    first = engine()
+    try:
+        assert first.run(prompt)["external"] == 0
+    finally:
+        first.close()
+    ns = identity().namespace(0)
+    wait_until(lambda: stored_blocks(node, ns) >= 5, WAIT_S, "the engine's commits")
+    loader = engine()
+    try:
+        assert loader.run(prompt)["external"] == 5 * 16
+        for _ in range(failed_loads):
+            def broken(*args: object, **kwargs: object) -> int:
+                raise RuntimeError("a copy that fails (test)")
+            loader.workers[0]._load_pages = broken  # noqa: SLF001 - the copy itself fails
+            assert loader.run(prompt)["errors"], "the failed load's blocks are load errors"
+    finally:
+        loader.close()
+    return EngineTraffic(saves=1, loads=1, load_failures=failed_loads)
+
+
+def stored_blocks(node, namespace: str) -> int:  # type: ignore[no-untyped-def]
+    return dict(node.stats().blocks_by_namespace).get(namespace, 0)
+
+
+__all__ = ["EngineTraffic", "Traffic", "drive", "drive_engine", "drive_node", "node_args", "scrape",
+           "start_metaserver", "value"]

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from pegaflow.client.client import NO_COPIES, CopyTimes
 from pegaflow.connector.events import KVEvents
 from pegaflow.connector.intents import PegaWorkerReport
 from pegaflow.connector.link import NodeLink
@@ -74,6 +75,7 @@ class FakeNode:
         self.loading_match = ""  # only queries of a namespace containing this (all if empty)
         self.calls: Counter[str] = Counter()
         self.registered_pci: list[str] = []  # each Register's pci_bus_id (a CPU engine's: "")
+        self.copies: list[CopyTimes] = []  # what each Commit and Release carried (empty: nothing)
 
     def restart(self) -> None:
         self.stored.clear()
@@ -145,8 +147,10 @@ class FakeNodeClient:
             self.node.reservations[rid] = items
         return RES(rid, offs, self.node.epoch)
 
-    def commit(self, reservation_id: int, indices: Sequence[int] | None = None, wait: bool = True) -> int:
+    def commit(self, reservation_id: int, indices: Sequence[int] | None = None, wait: bool = True,
+               copies: CopyTimes = NO_COPIES) -> int:
         self._check("commit")
+        self.node.copies.append(copies)
         items = self.node.reservations.pop(reservation_id, [])
         for ns, h, off in items:
             self.node.stored[(ns, h)] = off
@@ -156,8 +160,9 @@ class FakeNodeClient:
         self._check("abort")
         self.node.reservations.pop(reservation_id, None)
 
-    def release(self, lease_id: int, wait: bool = True) -> None:
+    def release(self, lease_id: int, wait: bool = True, copies: CopyTimes = NO_COPIES) -> None:
         self._check("release")
+        self.node.copies.append(copies)
         self.node.leases.discard(lease_id)
 
     def reset(self, namespaces: Sequence[str]) -> SimpleNamespace:
@@ -249,6 +254,12 @@ class Engine:
         self.free = list(range(num_blocks - 1, -1, -1))
         self.req_ids = itertools.count()
         self.load_errors: set[int] = set()
+
+    def close(self) -> None:
+        """End the engine's links (a real node's sessions; what was sent is delivered first)."""
+        for w in self.workers:
+            w.close()
+        self.sched.link.close()
 
     def request(self, tokens: list[int], **extra: Any) -> SimpleNamespace:
         fields: dict[str, Any] = dict(lora_request=None, cache_salt=None, mm_features=[])
