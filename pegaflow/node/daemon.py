@@ -46,7 +46,7 @@ from pegaflow.node import discovery
 from pegaflow.node.accounting import RequestAccounting
 from pegaflow.node.admin import NodeAdmin
 from pegaflow.node.block_events import BlockEventFeed
-from pegaflow.node.classes import Classes
+from pegaflow.node.classes import Classes, NoticeReader
 from pegaflow.node.idle import DataPathIdle, loop_hop
 from pegaflow.node.metrics import ClassMetrics, NodeMetrics
 from pegaflow.node.numa import NumaAllocator, place_pool
@@ -334,6 +334,7 @@ class Node:
             self.config, self.index, self.node_id, asyncio.get_running_loop(), self.metrics.registry,
             ssd_entries=self.ssd.store.entries if self.ssd is not None else None, feed=self.block_events,
             idle=self.idle,  # its flushes wait for a pause (pegaflow/node/idle.py)
+            notices=NoticeReader(self.classes, asyncio.get_running_loop()),  # class notices, read by its thread
         )
         self._sketches = asyncio.create_task(self.publish_sketches())
 
