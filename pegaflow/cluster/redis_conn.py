@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import hiredis
 import redis
-from redis.cluster import RedisCluster
-from redis.connection import Connection
-from redis.exceptions import NoScriptError, ResponseError
+from redis.cluster import ClusterNode, RedisCluster
+from redis.connection import Connection, SSLConnection, parse_url
+from redis.exceptions import NoScriptError, RedisClusterException, ResponseError
 from redis.typing import EncodableT, KeyT
 
 if TYPE_CHECKING:
@@ -37,13 +37,93 @@ Command = Sequence[EncodableT]  # one command's arguments, its name first: ("HGE
 Tag = TypeVar("Tag")
 
 
-def connect(url: str, cluster: bool = False, **kwargs: Any) -> Client:  # kwargs: redis-py's, passed through
-    """A client for ``url``; with ``cluster`` a cluster client that discovers every shard."""
+def error_text(exc: BaseException) -> str:
+    """A Redis failure for a log line: its class and message on one line (redis-py 8's
+    ``repr`` of its errors drops the message, which names the seeds tried)."""
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}".rstrip(": ")
+
+
+def seed_urls(urls: str | Sequence[str]) -> tuple[str, ...]:
+    """The Redis URLs named by ``urls`` (``--redis-url``'s seeds, or a comma-separated list of
+    them, as ``GetClusterConfig`` carries them), in order, each once."""
+    items = [urls] if isinstance(urls, str) else list(urls)
+    return tuple(dict.fromkeys(u.strip() for item in items for u in item.split(",") if u.strip()))
+
+
+def _host_port(url: str) -> tuple[str, int]:
+    opts = parse_url(url)
+    return str(opts.get("host", "localhost")), int(opts.get("port", 6379))
+
+
+def _named(seeds: Sequence[str]) -> str:
+    return ", ".join(f"{h}:{p}" for h, p in map(_host_port, seeds))
+
+
+class _TrySeeds:
+    """A redis-py connection to the first of ``seeds`` (HOST, PORT) that accepts it, tried in
+    order each time the connection is made: at the first command and after it broke.
+
+    The URL's other settings (credentials, db, TLS) are the connection's own; the option
+    table makes every seed agree on them. When none accepts, the error names every seed
+    with its reason (redis-py raises it as ``redis.ConnectionError``)."""
+
+    host: str
+    port: int
+
+    def __init__(self, *args: Any, seeds: Sequence[tuple[str, int]] = (), **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.seeds = tuple(seeds)
+
+    def _connect(self) -> socket.socket:
+        failed = []
+        for host, port in self.seeds:
+            self.host, self.port = host, port
+            try:
+                sock: socket.socket = super()._connect()  # type: ignore[misc]  # Connection's, after this mixin
+                return sock
+            except OSError as exc:
+                failed.append(f"{host}:{port}: {' '.join(str(exc).split()) or type(exc).__name__}")
+        self.host, self.port = self.seeds[0]
+        raise OSError("; ".join(failed))
+
+    def _host_error(self) -> str:
+        return f"Redis (seeds tried in order: {', '.join(f'{h}:{p}' for h, p in self.seeds)})"
+
+
+class _SeedsConnection(_TrySeeds, Connection):
+    pass
+
+
+class _SeedsSSLConnection(_TrySeeds, SSLConnection):
+    pass
+
+
+def connect(url: str | Sequence[str], cluster: bool = False, **kwargs: Any) -> Client:  # kwargs: redis-py's
+    """A client for the Redis ``url`` names: one URL, or seeds (a sequence, or a comma-separated
+    string), tried in order (standalone: whenever a connection is made; with ``cluster``: to
+    discover every shard, which the cluster client then talks to directly).
+
+    A cluster none of whose seeds answers raises ``redis.ConnectionError`` naming them (redis-py
+    raises ``RedisClusterException``, which is not a ``RedisError``); standalone clients connect
+    at their first command, and raise it then."""
+    seeds = seed_urls(url)
+    if not seeds:
+        raise ValueError("no Redis URL")
     kwargs.setdefault("socket_timeout", 5.0)
     kwargs.setdefault("socket_connect_timeout", 2.0)
     if cluster:
-        return RedisCluster.from_url(url, **kwargs)
-    return redis.Redis.from_url(url, **kwargs)
+        try:
+            return RedisCluster.from_url(seeds[0], startup_nodes=[ClusterNode(*_host_port(u)) for u in seeds],
+                                         **kwargs)
+        except RedisClusterException as exc:
+            detail = " ".join(str(exc).split())
+            raise redis.ConnectionError(f"no seed of the Redis Cluster answered ({_named(seeds)}): {detail}") from None
+    if len(seeds) == 1:
+        return redis.Redis.from_url(seeds[0], **kwargs)
+    tls = seeds[0].startswith("rediss://")
+    pool = redis.ConnectionPool.from_url(seeds[0], connection_class=_SeedsSSLConnection if tls else _SeedsConnection,
+                                         seeds=[_host_port(u) for u in seeds], **kwargs)
+    return redis.Redis(connection_pool=pool)
 
 
 def is_cluster(r: Client) -> TypeIs[RedisCluster]:

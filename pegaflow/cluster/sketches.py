@@ -36,7 +36,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from pegaflow.cluster import keys, registry
-from pegaflow.cluster.redis_conn import Client
+from pegaflow.cluster.redis_conn import Client, error_text
 from pegaflow.policy.ceiling import CeilingEstimator, WindowStats
 
 # The original's --metric-hll-bucket-bits default: 2^16 registers per sketch.
@@ -130,7 +130,7 @@ class ClusterCeilingCollector(Collector):
                 try:
                     self._cached = self.compute()
                 except redis.RedisError as exc:
-                    log.warning("cannot read ceiling sketches", error=repr(exc))
+                    log.warning("cannot read ceiling sketches", error=error_text(exc))
                     return None
                 self._at = time.monotonic()
             return self._cached

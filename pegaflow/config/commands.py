@@ -70,7 +70,7 @@ class NodeConfig:
     ssd_write_inflight: int
     ssd_prefetch_inflight: int
     max_prefetch_blocks: int
-    redis_url: str
+    redis_url: tuple[str, ...]  # the seeds, tried in order (empty: none)
     redis_cluster: bool
     node_id: str
     advertise_addr: str
@@ -118,7 +118,7 @@ class MetaConfig:
     log_level: str
     log_format: str
     addr: str
-    redis_url: str
+    redis_url: tuple[str, ...]  # the seeds, tried in order (empty: none)
     redis_cluster: bool
     consumer_name: str
     stream_lease_ttl: float

@@ -222,6 +222,35 @@ def _redis_url(text: str) -> str:
     return text
 
 
+# How --redis-url's seeds are used (pegaflow/cluster/redis_conn.py connects through them).
+SEEDS_HELP = ("standalone, the first that answers serves (a connection that breaks tries them "
+              "again from the first); with --redis-cluster, the first that answers tells the client "
+              "every shard. Seeds share their scheme, credentials and db; each failure to reach any "
+              "of them is one line naming them.")
+
+
+def _redis_seeds(urls: list[object]) -> list[object]:
+    """Several ``--redis-url`` seeds: each once, all ``redis://`` or all ``rediss://``, differing
+    only in ``HOST:PORT`` (a client holds one set of credentials, one db)."""
+    from urllib.parse import urlsplit
+
+    seeds = list(dict.fromkeys(cast("list[str]", urls)))
+    if len(seeds) < 2:
+        return list(seeds)
+    parts = [urlsplit(u) for u in seeds]
+    if parts[0].scheme not in ("redis", "rediss"):
+        raise ValueError(f"several seeds must be redis:// or rediss:// URLs, got {seeds[0]!r}")
+    for u, p in zip(seeds, parts, strict=True):
+        if not p.hostname:
+            raise ValueError(f"seed {u!r} names no host")
+        same = (p.scheme, p.username, p.password, p.path.rstrip("/") or "/0", p.query)
+        if same != (parts[0].scheme, parts[0].username, parts[0].password, parts[0].path.rstrip("/") or "/0",
+                    parts[0].query):
+            raise ValueError(f"seed {u!r} differs from {seeds[0]!r} in more than HOST:PORT (scheme, "
+                             "credentials, db and options are shared)")
+    return list(seeds)
+
+
 def _log_level(text: str) -> str:
     level = {"trace": "debug", "warn": "warning"}.get(text.lower(), text.lower())
     if level not in ("debug", "info", "warning", "error"):
@@ -266,6 +295,9 @@ class Option:
     short: str = ""  # a one-letter flag beside the long one (``-n``)
     required: bool = False
     one_of: str = ""  # a group's name: exactly one option of the group must be given
+    # Of a list option: checks (and may normalise) the parsed list as a whole, raising
+    # ValueError (``--redis-url``'s seeds must agree with each other).
+    whole: Callable[[list[object]], list[object]] | None = None
 
     @property
     def dest(self) -> str:
@@ -294,7 +326,8 @@ class Option:
         split = [p for v in values for p in (v.split(",") if self.commas else [v]) if p]
         if values and not split:
             raise ValueError("expected at least one value")
-        return [self.parse(p) for p in split]
+        parsed = [self.parse(p) for p in split]
+        return self.whole(parsed) if self.whole is not None else parsed
 
 
 def _env_name(flag: str) -> str:
@@ -536,22 +569,34 @@ OPTIONS: list[Option] = [
     ),
     Option(
         "redis-url",
-        "",
+        [],
         "Redis for the global index, e.g. redis://127.0.0.1:6379/0 (empty: single-host mode, or the "
-        "metaserver's Redis when --metaserver-addr is set).",
+        "metaserver's Redis when --metaserver-addr is set). Several seeds, comma-separated or the "
+        "flag repeated, are tried in order whenever the node connects: " + SEEDS_HELP,
         _redis_url,
+        repeatable=True,
+        commas=True,
+        metavar="URL",
+        whole=_redis_seeds,
     ),
     Option(
         "redis-url",
-        DEFAULT_META_REDIS,
-        "Redis (or one seed of a Redis Cluster) holding the global index; infra/redis/ starts one.",
+        [DEFAULT_META_REDIS],
+        "Redis (or a Redis Cluster) holding the global index; infra/redis/ starts one. Several "
+        "seeds, comma-separated or the flag repeated, are tried in order whenever the metaserver "
+        "connects: " + SEEDS_HELP,
         _redis_url,
         commands=(META,),
+        repeatable=True,
+        commas=True,
+        metavar="URL",
+        whole=_redis_seeds,
     ),
     Option(
         "redis-cluster",
         False,
-        "Treat --redis-url as one seed of a Redis Cluster.",
+        "Treat --redis-url as the seeds of a Redis Cluster: the first that answers tells the "
+        "client every shard.",
         _bool,
         commands=(NODE, META),
         flag=True,
@@ -1376,7 +1421,7 @@ def add_options(p: argparse.ArgumentParser, command: str, subcommand: str | None
     for opt in options_for(command, subcommand):
         notes = [n for n in (_demand(command, opt), f"${opt.env}" if opt.envs else "") if n]
         if not (opt.flag or opt.positional) and opt.default not in ("", None, [], ()):
-            notes.append(f"default {opt.default}")
+            notes.append(f"default {_shown(opt)}")
         text = opt.help + (f" ({'; '.join(notes)})" if notes else "")
         text = text.replace("%", "%%")  # argparse %-formats help ("25%" would crash --help)
         if opt.positional:
@@ -1470,6 +1515,12 @@ def without_effect(command: str, config: object) -> list[tuple[str, str]]:
     return out
 
 
+def _shown(opt: Option) -> str:
+    """The default as the docs and --help show it (a list's items comma-separated)."""
+    d = opt.default
+    return ",".join(map(str, cast("Iterable[object]", d))) if opt.repeatable else str(d)
+
+
 def render_markdown() -> str:
     lines = [
         "# Options",
@@ -1502,7 +1553,7 @@ def render_markdown() -> str:
             flag += " (one or more values)" if o.repeatable else ""
             flag += f" ({scope})" if scope else ""
             env = f"`{o.env}`" if o.envs else "—"
-            default = "off" if o.flag and not o.default else f"`{o.default}`" if o.default not in ("", None, []) else "—"
+            default = "off" if o.flag and not o.default else f"`{_shown(o)}`" if o.default not in ("", None, [], ()) else "—"
             lines.append(f"| {flag} | {env} | {default} | {o.help} |")
         lines.append("")
     return "\n".join(lines)

@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from pegaflow.cluster.redis_conn import Client
+from pegaflow.cluster.redis_conn import Client, error_text
 from pegaflow.common.grpc_guard import token_matches
 from pegaflow.meta.cleanup import CleanupBusy, cleanup_expired_blocks
 
@@ -44,7 +44,7 @@ def routes(r: Client, token: str) -> list[Route]:
         except CleanupBusy as exc:
             return JSONResponse({"error": str(exc)}, status_code=409)
         except (redis.RedisError, OSError) as exc:
-            log.warning("cleanup_failed", error=repr(exc))
+            log.warning("cleanup_failed", error=error_text(exc))
             return JSONResponse({"error": f"cleanup failed: {exc}"}, status_code=500)
         return JSONResponse({"removed_owners": res.removed_owners, "removed_keys": res.removed_keys})
 

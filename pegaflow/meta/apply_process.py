@@ -30,6 +30,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.context import SpawnProcess
 from multiprocessing.synchronize import Event
@@ -91,7 +92,7 @@ def _die_with_parent() -> None:
         pass
 
 
-def _child(conn: Connection, stop: Event, redis_url: str, cluster: bool, name: str, lease_ms: int,
+def _child(conn: Connection, stop: Event, redis_url: str | Sequence[str], cluster: bool, name: str, lease_ms: int,
            log_level: str, log_format: str, parent: int) -> None:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us (a terminal's ^C reaches both)
@@ -130,7 +131,7 @@ def _child(conn: Connection, stop: Event, redis_url: str, cluster: bool, name: s
 class ConsumerProcess:
     """Starts, supervises and stops the child; folds its series into ``metrics``."""
 
-    def __init__(self, redis_url: str, cluster: bool, name: str, lease_ms: int, metrics: ConsumerMetrics,
+    def __init__(self, redis_url: str | Sequence[str], cluster: bool, name: str, lease_ms: int, metrics: ConsumerMetrics,
                  log_level: str = "info", log_format: str = "console") -> None:
         self.args = (redis_url, cluster, name, lease_ms, log_level, log_format)
         self.name = name

@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 
 import redis
+from redis.exceptions import RedisClusterException
 
 from pegaflow.cluster.redis_conn import connect
 from pegaflow.common.logging import configure_logging
@@ -62,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         r = connect(opts.redis_url, opts.redis_cluster)
         r.ping()
-    except (redis.RedisError, OSError) as exc:
+    except (redis.RedisError, RedisClusterException, OSError) as exc:
         sys.stderr.write(f"{prog}: error: {unreachable_redis(opts.redis_url, exc)}\n")
         raise SystemExit(1) from None
     if rebuild:
@@ -76,11 +77,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(1) from None
 
 
-def unreachable_redis(url: str, exc: BaseException) -> str:
-    """The one-line start-up error for a Redis that does not answer, with how to get one."""
+def unreachable_redis(urls: Sequence[str], exc: BaseException) -> str:
+    """The one-line start-up error for a Redis none of whose seeds answers (each named), with
+    how to get one."""
     detail = " ".join(str(exc).split()) or type(exc).__name__
+    where = f"Redis at {urls[0]}" if len(urls) == 1 else f"Redis through any of {', '.join(urls)}"
     return (
-        f"cannot reach Redis at {url} ({detail}); start one (infra/redis/redis-standalone.sh start DIR PORT "
+        f"cannot reach {where} ({detail}); start one (infra/redis/redis-standalone.sh start DIR PORT "
         "in the PegaFlow repository, or redis-server --port PORT) or point --redis-url at yours"
     )
 

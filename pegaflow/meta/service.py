@@ -18,6 +18,7 @@ import redis
 import structlog
 
 from pegaflow._proto import meta_pb2, meta_pb2_grpc
+from pegaflow.cluster.redis_conn import seed_urls
 from pegaflow.common.errors import InvalidArgument, Unavailable
 from pegaflow.common.rpc_errors import RpcErrors
 from pegaflow.common.validate import check_hashes
@@ -89,11 +90,13 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
     the gRPC server's threads and share nothing but ``lookup`` and ``metrics``."""
 
     def __init__(self, lookup: Lookup, max_blocks: int, metrics: MetaMetrics, ceiling: CeilingSource,
-                 redis_url: str = "", redis_cluster: bool = False) -> None:
+                 redis_url: str | Sequence[str] = (), redis_cluster: bool = False) -> None:
         self.lookup = lookup
         self.metrics = metrics
         self.max_blocks = max_blocks
-        self.cluster_config = meta_pb2.ClusterConfigResponse(redis_url=redis_url, redis_cluster=redis_cluster)
+        # Several seeds travel comma-separated in the one field (pegaflow/node/discovery.py splits them).
+        self.cluster_config = meta_pb2.ClusterConfigResponse(redis_url=",".join(seed_urls(redis_url)),
+                                                             redis_cluster=redis_cluster)
         self.ceiling = ceiling
 
     def _query(self, request: meta_pb2.QueryPrefixRequest) -> list[NodePrefix]:

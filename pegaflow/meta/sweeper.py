@@ -27,7 +27,7 @@ import structlog
 
 from pegaflow.cluster import keys, registry
 from pegaflow.cluster.keys import stream_key
-from pegaflow.cluster.redis_conn import Client, parallel
+from pegaflow.cluster.redis_conn import Client, error_text, parallel
 from pegaflow.meta.index import Index
 from pegaflow.meta.metrics import MetaMetrics
 
@@ -119,4 +119,4 @@ def run(r: Client, stop: threading.Event, interval: float, owner: str, metrics: 
         try:
             sweep_once(r, owner, metrics=metrics, idle_ms=idle_ms)
         except Exception as exc:  # a failed pass is retried next interval
-            log.warning("sweep failed", error=repr(exc))
+            log.warning("sweep failed", error=error_text(exc))

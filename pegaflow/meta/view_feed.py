@@ -72,7 +72,16 @@ import structlog
 
 from pegaflow.cluster import keys, registry
 from pegaflow.cluster.keys import stream_key
-from pegaflow.cluster.redis_conn import Client, Command, Reply, checked, is_cluster, parallel, raw_round_trip
+from pegaflow.cluster.redis_conn import (
+    Client,
+    Command,
+    Reply,
+    checked,
+    error_text,
+    is_cluster,
+    parallel,
+    raw_round_trip,
+)
 from pegaflow.meta.events.codec import FIELD, MalformedEvent, decode
 from pegaflow.meta.events.schema import Event, Op
 from pegaflow.meta.view import MAX_NAMESPACES, MAX_SLOTS, PrefixView
@@ -240,7 +249,7 @@ class ViewFeed:
                 if is_cluster(self.r) and str(exc).startswith(("MOVED", "ASK")):
                     self.r.nodes_manager.initialize()  # resharded: re-learn who owns the slots
                 if not failing:
-                    log.warning("view_feed_redis_unavailable; lookups read Redis", error=repr(exc))
+                    log.warning("view_feed_redis_unavailable; lookups read Redis", error=error_text(exc))
                     failing = True
                 self._stop.wait(RETRY_S)
             except Exception:  # a bug: lookups read Redis, the view starts over (logged once a streak)

@@ -342,9 +342,9 @@ class Node:
         """Publish to the Redis the metaserver names (pegaflow/node/discovery.py); ``self.config``
         then holds it, as if it had been given with --redis-url."""
         target = await discovery.discover(self.config.metaserver_addr, self.security)
-        self.config = dataclasses.replace(self.config, redis_url=target.url, redis_cluster=target.cluster)
+        self.config = dataclasses.replace(self.config, redis_url=target.urls, redis_cluster=target.cluster)
         log.info("publishing_to_metaserver_redis", metaserver=self.config.metaserver_addr,
-                 redis_url=discovery.redacted(target.url), redis_cluster=target.cluster)
+                 redis_url=",".join(map(discovery.redacted, target.urls)), redis_cluster=target.cluster)
         self._start_publishing()
 
     def _socket_path(self, grpc_port: int) -> str:
@@ -382,7 +382,7 @@ class Node:
     async def publish_sketches(self) -> None:
         """Every --ceiling-publish-interval: serialize the ceiling here (the estimator lives on
         this loop) and store it in Redis from a worker thread; failures are logged and retried."""
-        from pegaflow.cluster.redis_conn import connect
+        from pegaflow.cluster.redis_conn import connect, error_text
         from pegaflow.cluster.sketches import publish_sketch
 
         interval = self.config.ceiling_publish_interval
@@ -398,7 +398,7 @@ class Node:
                 self.metrics.sketch_publications.labels("ok").inc()
             except Exception as exc:  # Redis down: the sketch expires, the next one replaces it
                 self.metrics.sketch_publications.labels("error").inc()
-                log.warning("ceiling_sketch_publish_failed", error=repr(exc))
+                log.warning("ceiling_sketch_publish_failed", error=error_text(exc))
             await asyncio.sleep(interval)
 
     async def housekeeping(self) -> None:

@@ -5,7 +5,8 @@
 metaserver consumes from, so ``pegaflow-server --metaserver-addr http://HOST:50056`` joins
 the cluster: it pulls what it misses *and* is published for others to pull from.
 
-The metaserver reports its Redis as it was configured. A loopback or wildcard host there
+The metaserver reports its Redis as it was configured (several seeds comma-separated, tried
+in order here as there). A loopback or wildcard host there
 (``redis://127.0.0.1:6379/0``, the metaserver's default) means "the metaserver's host", so it
 is replaced by the host this node dialed the metaserver at.
 
@@ -24,6 +25,7 @@ import structlog
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
 from pegaflow._proto import meta_pb2, meta_pb2_grpc
+from pegaflow.cluster.redis_conn import seed_urls
 from pegaflow.common.security import Security, aio_channel
 from pegaflow.core.hosts import LOOPBACK, WILDCARD, bracketed, host_of
 
@@ -36,7 +38,7 @@ LOCAL_HOSTS = LOOPBACK | WILDCARD
 
 @dataclass(frozen=True)
 class RedisTarget:
-    url: str
+    urls: tuple[str, ...]  # the seeds, in the metaserver's order
     cluster: bool
 
 
@@ -59,9 +61,10 @@ async def ask(metaserver_addr: str, sec: Security, timeout: float = ASK_TIMEOUT)
         res = await meta_pb2_grpc.MetaServiceStub(ch).GetClusterConfig(
             meta_pb2.ClusterConfigRequest(), timeout=timeout
         )
-    if not res.redis_url:
+    seeds = seed_urls(res.redis_url)  # several seeds come comma-separated
+    if not seeds:
         raise ValueError(f"the metaserver at {metaserver_addr} reports no Redis")
-    return RedisTarget(as_seen_from(res.redis_url, metaserver_addr), res.redis_cluster)
+    return RedisTarget(tuple(as_seen_from(u, metaserver_addr) for u in seeds), res.redis_cluster)
 
 
 async def discover(metaserver_addr: str, sec: Security, retry_max: float = RETRY_MAX) -> RedisTarget:

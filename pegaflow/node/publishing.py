@@ -57,7 +57,7 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_e
 
 from pegaflow.cluster import registry
 from pegaflow.cluster.keys import stream_key
-from pegaflow.cluster.redis_conn import Client, connect
+from pegaflow.cluster.redis_conn import Client, connect, error_text
 from pegaflow.common.priority import background_thread
 from pegaflow.config.commands import NodeConfig
 from pegaflow.core.block_index import BlockIndex, IndexEvent, Namespace
@@ -150,7 +150,7 @@ class EventPublisher:
 
     def __init__(
         self,
-        r: Client,
+        r: Client | None,
         node: str,
         addr: str,
         snapshot: SnapshotFn,
@@ -163,10 +163,12 @@ class EventPublisher:
         flush_interval: float = FLUSH_INTERVAL,
         registry: CollectorRegistry | None = None,
         idle: DataPathIdle | None = None,
+        connect: Callable[[], Client] | None = None,
         poll: Callable[[Client, int], None] | None = None,
         poll_interval: float = NOTICE_POLL_S,
     ) -> None:
-        self.r = r
+        self._r = r
+        self._connect = connect  # makes the client when ``r`` is None (see ``r``)
         self.poll = poll  # the node's class notices, read with this client under the current nid
         self.poll_interval = poll_interval
         self.node = node
@@ -265,6 +267,18 @@ class EventPublisher:
 
     _busy = False
     _next_beat = 0.0  # when the liveness key is next refreshed (publisher thread)
+
+    @property
+    def r(self) -> Client:
+        """The Redis client; made by ``connect`` on first use when none was given (a Redis
+        Cluster client reaches a seed as it is made: made here, in the publisher thread and
+        retried as any Redis call, a node whose seeds are all down starts and keeps serving)."""
+        if self._r is None:
+            if self._connect is None:
+                raise redis.ConnectionError("the publisher has no Redis client")
+            self._r = self._retrying()(self._connect)
+            log.info("redis_reached", node=self.node)
+        return self._r
     _next_poll = 0.0  # when the class notices are next read (publisher thread)
 
     # --- publisher thread ----------------------------------------------------------------------
@@ -294,7 +308,7 @@ class EventPublisher:
             except Exception as exc:  # keep the thread alive whatever Redis does
                 self.stats.errors += 1
                 self.metrics.errors.inc()
-                log.warning("publish failed; will re-sync", node=self.node, error=repr(exc))
+                log.warning("publish failed; will re-sync", node=self.node, error=error_text(exc))
                 with self._lock:
                     self._buf.clear()
                     self._buf_blocks = 0
@@ -538,10 +552,10 @@ def publish_block_index(
         assert tiers is not None
         return tiers.snapshot()
 
-    r = connect(config.redis_url, config.redis_cluster)
     pub = EventPublisher(
-        r, node_id, addr, snapshot, loop=loop, ttl_seconds=config.liveness_ttl,
+        None, node_id, addr, snapshot, loop=loop, ttl_seconds=config.liveness_ttl,
         buffer_blocks=config.event_buffer, registry=registry, idle=idle, poll=notices,
+        connect=lambda: connect(config.redis_url, config.redis_cluster),  # in the publisher thread (``r``)
     )  # fmt: skip
     tiers = HolderTiers(pub, index, ssd_entries)
     index.add_listener(tiers.on_index_event)

@@ -216,8 +216,8 @@ def test_redis_url_option_is_validated_for_node_and_meta() -> None:
     from pegaflow.config.commands import load
     from pegaflow.config.options import META, NODE
 
-    assert load(META, "m", ["--redis-url", "redis://h:1/0"], env={}).redis_url == "redis://h:1/0"
-    assert load(NODE, "n", [], env={}).redis_url == ""
+    assert load(META, "m", ["--redis-url", "redis://h:1/0"], env={}).redis_url == ("redis://h:1/0",)
+    assert load(NODE, "n", [], env={}).redis_url == ()
     for cmd in (META, NODE):
         with pytest.raises(SystemExit):
             load(cmd, "x", ["--redis-url", "localhost:6379"], env={})

@@ -65,5 +65,20 @@ def test_discover_keeps_asking_until_the_metaserver_answers():
         return target, servicer.calls
 
     target, calls = asyncio.run(run())
-    assert target == cluster.RedisTarget("redis://127.0.0.1:6379/0", True)  # localhost: the same host
+    assert target == cluster.RedisTarget(("redis://127.0.0.1:6379/0",), True)  # localhost: the same host
     assert calls == 1
+
+
+def test_a_metaservers_several_seeds_arrive_comma_separated_and_are_each_the_nodes():
+    async def run() -> cluster.RedisTarget:
+        server = grpc.aio.server()
+        meta_pb2_grpc.add_MetaServiceServicer_to_server(_Meta("redis://127.0.0.1:7000/0,redis://10.0.0.7:7001/0"),
+                                                        server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            return await cluster.ask(f"localhost:{port}", Security())
+        finally:
+            await server.stop(None)
+
+    assert asyncio.run(run()) == cluster.RedisTarget(("redis://127.0.0.1:7000/0", "redis://10.0.0.7:7001/0"), True)

@@ -132,9 +132,30 @@ def test_metaserver_redis_defaults_to_the_local_redis():
     from pegaflow.config.options import META
 
     assert load(META, "pegaflow-metaserver", ["--addr", "0.0.0.0:50056"], env={}).redis_url == (
-        "redis://127.0.0.1:6379/0"
+        "redis://127.0.0.1:6379/0",
     )
-    assert load(NODE, "pegaflow-node", [], env={}).redis_url == ""
+    assert load(NODE, "pegaflow-node", [], env={}).redis_url == ()
+
+
+@pytest.mark.parametrize("command", ["node", "meta"])
+def test_redis_seeds_are_the_flag_repeated_or_comma_separated_in_order_each_once(command: str):
+    a, b, c = "redis://10.0.0.1:6379/0", "redis://10.0.0.2:6380/0", "redis://10.0.0.3:6379"
+    argv = ["--redis-url", f"{a},{b}", "--redis-url", c, "--redis-url", a]
+    assert load(command, "p", argv, env={}).redis_url == (a, b, c)
+    assert load(command, "p", [], env={"PEGAFLOW_REDIS_URL": f"{b},{a}"}).redis_url == (b, a)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--redis-url", "redis://a:1/0,redis://:pw@b:2/0"], "differs from 'redis://a:1/0' in more than HOST:PORT"),
+    (["--redis-url", "redis://a:1/0,redis://b:2/1"], "in more than HOST:PORT"),
+    (["--redis-url", "redis://a:1/0,rediss://b:2/0"], "in more than HOST:PORT"),
+    (["--redis-url", "unix:///tmp/r.sock,redis://b:2/0"], "must be redis:// or rediss://"),
+    (["--redis-url", "redis://a:1/0,http://b:2"], "invalid Redis URL"),
+])
+def test_seeds_that_one_client_cannot_share_are_refused_in_one_line(argv, needle):
+    p = subprocess.run([sys.executable, "-m", "pegaflow.meta.cli", *argv], capture_output=True, text=True, timeout=60)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and needle in lines[0] and "Traceback" not in p.stderr, p.stderr
 
 
 def test_the_originals_flag_names_and_log_levels_are_accepted():

@@ -46,7 +46,7 @@ from redis.typing import StreamIdT
 
 from pegaflow.cluster import keys, registry
 from pegaflow.cluster.keys import stream_key
-from pegaflow.cluster.redis_conn import Client, Script
+from pegaflow.cluster.redis_conn import Client, Script, error_text
 from pegaflow.meta.events.codec import MalformedEvent, decode_entry
 from pegaflow.meta.events.schema import Event, Op, Update
 from pegaflow.meta.events.streams import GROUP
@@ -227,12 +227,12 @@ class Consumer:
                 else:
                     idle = IDLE_SLEEP
             except (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterError, OSError) as exc:
-                log.warning("redis unavailable; retrying", consumer=self.name, error=repr(exc))
+                log.warning("redis unavailable; retrying", consumer=self.name, error=error_text(exc))
                 self.streams.clear()  # re-take leases (and re-claim) once Redis is back
                 self._to_ack.clear()
                 stop.wait(0.5)
             except redis.ResponseError as exc:
-                log.warning("redis error; retrying", consumer=self.name, error=repr(exc))
+                log.warning("redis error; retrying", consumer=self.name, error=error_text(exc))
                 self.streams.clear()
                 self._to_ack.clear()
                 stop.wait(0.2)
