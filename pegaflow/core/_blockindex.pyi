@@ -53,6 +53,7 @@ def place(
     alloc: PageAllocator,
     need: int,
     admission: Admission | None,
+    rlru: LRU | None = None,  # the reclaimable order (victims first); None: empty
 ) -> tuple[int, bool]: ...  # (the index of the first hash left to the Python loop, refused)
 def settle(made: list[Block], lru: LRU) -> None: ...
 def reclass(

@@ -39,7 +39,7 @@ skipped when nobody listens. Three pieces are C (``pegaflow/native/blockindex.c`
 by the install as ``pegaflow.core._blockindex``) and are the only implementation of what
 they do: ``Block``, the ``LRU`` eviction orders (OrderedDict's methods, one hash probe per
 operation), and ``place``/``settle``, the loop of ``reserve``/``insert`` for its usual steps
-(one namespace, no reclaimable copies), which hands anything else back to the Python loop
+(one namespace, victims of either class), which hands anything else back to the Python loop
 below. That loop is the general case and, run alone, the reference the tests hold ``place``
 equal to; the pure-Python ``Block`` is in ``tests/oracles/``. The allocator is pluggable for
 the same reason (see ``__init__``).
@@ -110,6 +110,7 @@ Listener = Callable[[IndexEvent, Namespace, list[bytes]], None]  # (event, names
 _HASH = attrgetter("hash")
 _NS = attrgetter("ns")
 _SIZE = attrgetter("size")
+_RECLAIMABLE = attrgetter("reclaimable")
 
 
 class PageAllocator(Protocol):
@@ -425,10 +426,10 @@ class BlockIndex:
         # unless the namespace's group has a maximum (own block though pages are free) or a
         # guarantee (under it, others' blocks go first), or a parked block it may evict is
         # older than that head.
-        if not self._lru_reclaimable and (
+        if (
             group is None or (not self._limits[group][0] and self._limits[group][1] >= self.alloc.capacity)
         ) and (not self._park_seq or self._parked_out_of_reach(group)):
-            # The steady state (no reclaimable copies; victims of this namespace, as when
+            # The steady state (victims of this namespace, reclaimable ones first, as when
             # one engine or the ranks of one TP engine fill the pool) in C: it stops at the
             # first hash that needs anything else (a victim of another namespace, one that
             # admission refused), and the loop below, the general case, takes it from there.
@@ -436,7 +437,7 @@ class BlockIndex:
                 hashes = list(hashes)
             done, refused = _native_place(
                 blocks, lru, ns, hashes, 0, reclaimable, made, evicted, None if commit else out, alloc,
-                alloc.round(size), adm,
+                alloc.round(size), adm, self._lru_reclaimable,
             )
             if refused:  # what the loop does for a refusal, then the rest of the request
                 self.admission_rejections += 1
@@ -480,6 +481,11 @@ class BlockIndex:
             self.resident_bytes -= k * size
             self.evictions += k
             self.evicted_bytes += k * size
+            rk = sum(map(_RECLAIMABLE, evicted))  # place() takes reclaimable victims first
+            if rk:
+                self.evicted_reclaimable += rk
+                self.reclaimable_blocks -= rk
+                self.reclaimable_bytes -= rk * size
         if self._listeners and (evicted or dropped):
             for ens, hs in _group(evicted + dropped if dropped else evicted).items():
                 self._emit(IndexEvent.EVICT, ens, hs)

@@ -603,21 +603,23 @@ static inline int int_is(PyObject *v, long x) {
 
 /* ---- place: the block index's reserve/insert loop for its steady state, in C.
  *
- * place(blocks, lru, ns, hashes, start, reclaimable, made, evicted, out, alloc, need, admission)
+ * place(blocks, lru, ns, hashes, start, reclaimable, made, evicted, out, alloc, need, admission[, rlru])
  *   -> (stop, refused)
  *
  * Runs BlockIndex._reserve's loop over hashes[start:] for as long as every step is one
  * of its common cases, and returns the index of the first hash it left to the Python
  * loop (len(hashes) when it did them all). The caller guarantees the rest of the case:
- * blocks is ns's table, no reclaimable LRU. The cases:
+ * blocks is ns's table, lru the retained order, rlru (None or absent: empty) the
+ * reclaimable one, no namespace quota to apply. The cases:
  *
- * - the hash is in blocks: out gets None; a RESIDENT, unpinned, local block is moved to
- *   the newest end of lru (what touch() does). A pinned or reclaimable one stops here,
- *   and so does any RESIDENT one under admission (touch() records it there).
+ * - the hash is in blocks: out gets None; a RESIDENT, unpinned block is moved to the
+ *   newest end of its class's order, lru or rlru (what touch() does). A pinned one stops
+ *   here, and so does any RESIDENT one under admission (touch() records it there).
  * - it is not, and alloc.free_bytes >= need: the page is alloc.alloc(ns.page_bytes)
  *   (an exception stops here, cleared: the Python loop makes the same call and handles it);
- * - it is not, and the pool is full: the LRU head (a Block of ns, else stop: another
- *   namespace's victim lives in another table, the Python loop's; none, stop) is judged
+ * - it is not, and the pool is full: the head of rlru, or of lru when rlru is empty (a
+ *   Block of ns, else stop: another namespace's victim lives in another table, the Python
+ *   loop's; none, stop) is judged
  *   by admission.admit(block_key(hash), block_key(head.hash)) if admission is not None (refused: stop with refused=True, nothing popped: the Python
  *   loop counts the refusal and ends the request), then popped and dropped from blocks,
  *   appended to evicted, and its page taken.
@@ -638,10 +640,19 @@ static int put_block(PyObject *blocks, PyObject *made, PyObject *out, PyObject *
 }
 
 static PyObject *place(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 12) {
+    if (nargs != 12 && nargs != 13) {
         PyErr_SetString(PyExc_TypeError,
-                        "place(blocks, lru, ns, hashes, start, reclaimable, made, evicted, out, alloc, need, admission)");
+                        "place(blocks, lru, ns, hashes, start, reclaimable, made, evicted, out, alloc, need, admission"
+                        "[, rlru])");
         return NULL;
+    }
+    LRU *rlru = NULL; /* the reclaimable order; NULL: empty */
+    if (nargs == 13 && args[12] != Py_None) {
+        if (Py_TYPE(args[12]) != &LRUType) {
+            PyErr_SetString(PyExc_TypeError, "place: rlru must be an LRU or None");
+            return NULL;
+        }
+        rlru = (LRU *)args[12];
     }
     PyObject *blocks = args[0], *ns = args[2], *hashes = args[3], *reclaimable = args[5];
     PyObject *made = args[6], *evicted = args[7], *out = args[8], *alloc = args[9], *need = args[10];
@@ -688,15 +699,16 @@ static PyObject *place(PyObject *module, PyObject *const *args, Py_ssize_t nargs
             if (e->state == NULL || !PyLong_CheckExact(e->state)) break;
             int resident = int_is(e->state, 1);
             if (resident) {
-                if (admission != Py_None || e->pins == NULL || !int_is(e->pins, 0) || e->reclaimable != Py_False)
-                    break;
-                Py_ssize_t slot = find_slot(lru, found, NULL);
+                if (admission != Py_None || e->pins == NULL || !int_is(e->pins, 0)) break;
+                LRU *own = e->reclaimable == Py_False ? lru : e->reclaimable == Py_True ? rlru : NULL;
+                if (own == NULL) break;
+                Py_ssize_t slot = find_slot(own, found, NULL);
                 if (slot < 0) break;
-                Py_ssize_t n = lru->slots[slot];
-                if (lru->tail != n) {
-                    unlink_node(lru, n);
-                    link_tail(lru, n);
-                    lru->version++;
+                Py_ssize_t n = own->slots[slot];
+                if (own->tail != n) {
+                    unlink_node(own, n);
+                    link_tail(own, n);
+                    own->version++;
                 }
             }
             if (out != Py_None && PyList_Append(out, Py_None) < 0) goto error;
@@ -726,8 +738,10 @@ static PyObject *place(PyObject *module, PyObject *const *args, Py_ssize_t nargs
             if (rc < 0) goto error;
             continue;
         }
-        if (lru->head < 0) break;
-        PyObject *head = lru->nodes[lru->head].key;
+        /* The reclaimable order goes first (BlockIndex._allocate). */
+        LRU *vl = rlru != NULL && rlru->head >= 0 ? rlru : lru;
+        if (vl->head < 0) break;
+        PyObject *head = vl->nodes[vl->head].key;
         if (Py_TYPE(head) != &BlockType) break;
         Block *victim = (Block *)head;
         if (victim->ns != ns || victim->size == NULL) break;
@@ -737,7 +751,8 @@ static PyObject *place(PyObject *module, PyObject *const *args, Py_ssize_t nargs
             PyObject *vsize = Py_NewRef(victim->size);
             Py_INCREF(head);
             int eq = PyObject_RichCompareBool(vsize, size, Py_EQ);
-            int moved = lru->head < 0 || lru->nodes[lru->head].key != head;
+            int moved = vl->head < 0 || vl->nodes[vl->head].key != head ||
+                        (vl == lru && rlru != NULL && rlru->head >= 0);
             Py_DECREF(vsize);
             Py_DECREF(head);
             if (eq < 0) goto error;
@@ -751,7 +766,8 @@ static PyObject *place(PyObject *module, PyObject *const *args, Py_ssize_t nargs
             PyObject *ok = vk == NULL ? NULL : PyObject_CallMethodObjArgs(admission, str_admit, ck, vk, NULL);
             Py_XDECREF(ck);
             Py_XDECREF(vk);
-            int moved = lru->head < 0 || lru->nodes[lru->head].key != head;
+            int moved = vl->head < 0 || vl->nodes[vl->head].key != head ||
+                        (vl == lru && rlru != NULL && rlru->head >= 0);
             Py_DECREF(head);
             if (ok == NULL) goto error;
             if (moved) {
@@ -770,7 +786,7 @@ static PyObject *place(PyObject *module, PyObject *const *args, Py_ssize_t nargs
         /* Still the head (checked after every Python call above); a deleted hash or offset is
          * the Python loop's to report. */
         if (victim->hash == NULL || victim->offset == NULL) break;
-        PyObject *vkey = lru_take(lru, find_slot(lru, head, NULL)); /* the LRU's reference */
+        PyObject *vkey = lru_take(vl, find_slot(vl, head, NULL)); /* the LRU's reference */
         if (PyDict_DelItem(blocks, victim->hash) < 0 || PyList_Append(evicted, vkey) < 0) {
             Py_DECREF(vkey);
             goto error;
@@ -873,7 +889,8 @@ error:
 
 static PyMethodDef module_methods[] = {
     {"place", (PyCFunction)(void (*)(void))place, METH_FASTCALL,
-     "place(blocks, lru, ns, hashes, start, reclaimable, made, evicted, out, alloc, need, admission) -> (stop, refused)."},
+     "place(blocks, lru, ns, hashes, start, reclaimable, made, evicted, out, alloc, need, admission[, rlru]) -> "
+     "(stop, refused)."},
     {"settle", (PyCFunction)(void (*)(void))settle, METH_FASTCALL,
      "settle(made, lru): state RESIDENT and appended to lru, for each block in order."},
     {"reclass", (PyCFunction)(void (*)(void))reclass, METH_FASTCALL,

@@ -172,3 +172,27 @@ def test_native_reclass_refuses_wrong_arguments():
     moved: list = []
     bi._native_reclass({h(1): b, h(2): object()}, [h(1), h(2)], True, lru, bi.LRU(), moved, parked := [])
     assert moved == [b] and parked == [b] and b.reclaimable is True  # not in the source order: parked
+
+
+def test_the_native_placement_takes_reclaimable_victims_first(monkeypatch):
+    """place() (the reserve loop's steady state in C) evicts the reclaimable order first and
+    moves hits within their own class's order, so a node with reclaimable blocks keeps the C path."""
+    stops = []
+    real = block_index._native_place
+
+    def recording(*args):
+        out = real(*args)
+        stops.append((out[0], len(args[3])))
+        return out
+
+    monkeypatch.setattr(block_index, "_native_place", recording)
+    idx = BlockIndex(4 * 4096)
+    ns = idx.namespace("a", 4096)
+    fill(idx, ns, [1, 2, 3, 4])
+    idx.reclassify(ns, [h(2), h(3)], True)
+    stops.clear()
+    got = idx.reserve(ns, [h(3), h(5), h(6)])  # 3: a reclaimable hit, moved to its order's end; victims 2, 3
+    assert got[0] is None and idx.commit([b for b in got if b is not None])
+    assert stops == [(3, 3)]  # every hash done in C
+    assert resident(idx, ns, [1, 2, 3, 4, 5, 6]) == [1, 4, 5, 6]
+    assert (idx.evictions, idx.evicted_reclaimable, idx.reclaimable_blocks, idx.reclaimable_bytes) == (2, 2, 0, 0)
