@@ -12,7 +12,10 @@ on another node: peer pulls, and SSD holders once the L1s turn over). One driver
 plays every engine: per request it queries its node until READY (LOADING while the node
 promotes from its SSD or pulls from a peer), counts the hit, releases the lease, stores
 the blocks it missed, and waits until that node's SSD wrote them and the index lists the
-node, so the next request sees what a model with no lag sees. Then replay's cluster
+node, and until the metaserver has applied every node's events and every class notice it
+sent has been taken by its node (replacement classes by owner count, docs/architecture.md:
+pegaflow-meta's default --min-reclaimable-owner-count, 3, which the model applies too),
+so the next request sees what a model with no lag sees. Then replay's cluster
 model runs the same requests with the same L1 (pool / page) and an SSD that never fills
 (as the live ones do not), and both hit rates are printed, with what the live nodes say
 about pins (holds of pulled pages ended by a lease or by their timeout, pulled copies
@@ -61,18 +64,32 @@ def workload(conversations: int, turns: int, seed: int) -> list[list[bytes]]:
     return out
 
 
+def _settled(r, nodes: int) -> bool:  # noqa: ANN001 - a redis client
+    """The metaserver applied every event of every node, and no class notice waits for its node."""
+    from pegaflow.cluster.keys import stream_key
+
+    for k in range(nodes):
+        key = stream_key(f"node-{k}")
+        last = r.xinfo_stream(key)["last-generated-id"]
+        if any(g["pending"] or g["last-delivered-id"] != last for g in r.xinfo_groups(key)):
+            return False
+    return not any(r.llen(k) for k in r.scan_iter(match="pf:c:*"))
+
+
 def _drive(argv: list[str]) -> None:
-    """In host 0's namespace: ADDRS(comma) META HTTPS(comma) PAGE CONVS TURNS SEED -> JSON hits."""
+    """In host 0's namespace: ADDRS(comma) META HTTPS(comma) PAGE CONVS TURNS SEED REDIS -> JSON hits."""
     import time
 
     import grpc
 
     from pegaflow._proto import meta_pb2, meta_pb2_grpc
     from pegaflow.client import PegaClient
+    from pegaflow.cluster.redis_conn import connect
     from tests.harness import wait_until
 
     addrs, meta, https = argv[0].split(","), argv[1], argv[2].split(",")
     page, reqs = int(argv[3]), workload(int(argv[4]), int(argv[5]), int(argv[6]))
+    redis = connect(argv[7])
     ns = NS.format(page >> 10)
     clients = [PegaClient(a, timeout=30) for a in addrs]
     for c in clients:
@@ -116,6 +133,10 @@ def _drive(argv: list[str]) -> None:
             return held == 0 or any(x.node == node and x.prefix_len >= held for x in res.nodes)
 
         wait_until(indexed, 30, f"request {i} indexed on {node}", every=0.005)
+        wait_until(lambda: _settled(redis, len(clients)), 30, f"request {i}: events applied, notices taken",
+                   every=0.01)
+        for cl in clients:  # an RPC after the notices were taken: the node's loop moved their blocks first
+            cl.query([ns], hs[:1], lease=False, peek=True)
         time.sleep(0)  # (every wait above is on a condition)
 
     def total(name: str, labels: str = "") -> float:
@@ -132,6 +153,7 @@ def _drive(argv: list[str]) -> None:
         "hold_expired": total("pegaflow_node_p2p_hold_ended_blocks_total", '{reason="expired"}'),
         "evicted_pulled": total("pegaflow_node_evicted_blocks_by_class_total", '{class="reclaimable"}'),
         "evicted": total("pegaflow_node_evicted_blocks_by_class_total", '{class="retained"}'),
+        "demoted": total("pegaflow_node_class_demotions_total", '{reason="reclaim_hint"}'),
         "by": {o: total("pegaflow_node_request_blocks_total", f'{{outcome="{o}"}}') for o in ("l1", "ssd", "remote")},
         "pulls": {st: total("pegaflow_node_p2p_pulls_total", f'{{status="{st}"}}')
                   for st in ("ok", "partial", "gone", "error", "no_space", "checksum", "bad_answer")},
@@ -169,7 +191,7 @@ def main() -> None:
         https = ",".join(f"{n.host.ip}:{HTTP_PORT}" for n in cluster.nodes)
         h0 = cluster.nodes[0].host
         r = h0.run([sys.executable, str(Path(__file__).resolve()), "_drive", addrs, cluster.meta_addr, https,
-                    str(page), str(a.conversations), str(a.turns), str(a.seed)], timeout=1800)
+                    str(page), str(a.conversations), str(a.turns), str(a.seed), cluster.redis_url], timeout=1800)
         if r.returncode != 0:
             raise SystemExit(f"driver failed: {r.stdout}\n{r.stderr[-3000:]}")
         out = json.loads(r.stdout.strip().splitlines()[-1])
@@ -177,8 +199,9 @@ def main() -> None:
     finally:
         cluster.close()
         shutil.rmtree(tmp, ignore_errors=True)
-    model = NodeCluster(3, (a.l1_blocks, True), (4 * distinct, True), {"m": 1})
+    model = NodeCluster(3, (a.l1_blocks, True), (4 * distinct, True), {"m": 1})  # owner classes as pegaflow-meta's
     split = [model.serve(i % 3, "m", hs) for i, hs in enumerate(reqs)]
+    demoted = model.owners.demoted if model.owners is not None else 0
     predicted = [sum(x) for x in split]
     by = [sum(x[j] for x in split) for j in range(4)]
     blocks = sum(len(r) for r in reqs)
@@ -194,7 +217,8 @@ def main() -> None:
           f"{lb['ssd']:.0f}, peers {lb['remote']:.0f}; model: {by[0]}, {by[1]}, {by[2] + by[3]}")
     print(f"live pull holds ended by a lease {out['hold_leased']:.0f} pages, by the timeout "
           f"{out['hold_expired']:.0f}; evicted: {out['evicted']:.0f} retained, {out['evicted_pulled']:.0f} "
-          f"pulled copies (reclaimable); pulls: {', '.join(f'{k} {v:.0f}' for k, v in out['pulls'].items() if v)}")
+          f"reclaimable; pulls: {', '.join(f'{k} {v:.0f}' for k, v in out['pulls'].items() if v)}")
+    print(f"blocks demoted by owner count (3 holders): live {out['demoted']:.0f}, model {demoted}")
     if a.json:
         a.json.write_text(json.dumps({"l1_blocks": a.l1_blocks, "live": live, "model": predicted, "split": split,
                                       **{k: v for k, v in out.items() if k != "hits"}}))

@@ -1,6 +1,7 @@
 """A PegaFlow cluster in replay: N nodes, each with L1 + an SSD tier, pulling from peers.
 
     python -m pegaflow.replay.cluster TRACE --nodes 3 --l1 4000blocks --ssd 16000blocks [--no-peers]
+                                      [--min-reclaimable-owner-count 3]
 
 What is modelled (the node's rules, ``docs/p2p.md``):
 
@@ -24,8 +25,16 @@ What is modelled (the node's rules, ``docs/p2p.md``):
   blocks it has only on SSD into pages of the pin, freed after the transfer (pins.py): on
   a full L1 those pages evict as many blocks first, as on the real node, and the served
   blocks stay on its SSD only.
+- **Replacement classes by owner count** (docs/architecture.md, "Replacement classes"):
+  a block's holders are the nodes holding it in L1 or on SSD; when a change moves their
+  count, the metaserver's rule (``pegaflow.policy.classes``, the one its scripts apply)
+  says which holders demote it to reclaimable (``--min-reclaimable-owner-count`` of them or
+  more) or get it back as retained, and each node's index moves it (``BlockIndex.reclassify``)
+  once the request that caused the change is served, as the real nodes do a moment later.
+  A threshold above the number of nodes never demotes: the cluster as it was without them.
 - **The index** is exact and immediate (the real one lags the node by the publisher's
-  flush interval and the metaserver's apply, tens of milliseconds).
+  flush interval and the metaserver's apply, tens of milliseconds; class notices by the
+  node's poll, a quarter of a second).
 
 Counted per request: hit blocks by where they came from (own L1, own SSD, a peer's L1, a
 peer's SSD) and the rest missed; ``ClusterResult.hit_rate`` is hits over block accesses,
@@ -38,10 +47,18 @@ import argparse
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from typing import cast
 
 from pegaflow.config.capacity import Capacity, parse_capacity, route_field
+from pegaflow.config.options import META, default_of, options_for
+from pegaflow.core.block_index import BlockIndex, IndexEvent, Listener, Namespace
 from pegaflow.core.trace import Request, Trace, TraceError, read_trace
+from pegaflow.policy.classes import MIN_OWNER_THRESHOLD, class_notices
 from pegaflow.replay.model import SSD_WRITES, SSD_WRITES_COMMITS, Pool, route_hash
+
+# pegaflow-meta's --min-reclaimable-owner-count, read from the option table (one default).
+OWNER_THRESHOLD = cast(int, default_of(next(o for o in options_for(META) if o.name == "min-reclaimable-owner-count")))
+_L1, _SSD = 1, 2  # a holder's tiers, as bits
 
 
 @dataclass
@@ -55,6 +72,9 @@ class ClusterResult:
     ssd: int = 0  # on its own SSD
     peer_l1: int = 0  # pulled from a peer's L1
     peer_ssd: int = 0  # pulled from a peer that had them only on SSD
+    owner_threshold: int = 0  # --min-reclaimable-owner-count modelled
+    demoted: int = 0  # blocks the owner counts moved from retained to reclaimable, all nodes
+    restored: int = 0  # ... and back
     request_hits: list[int] = field(default_factory=list, repr=False)
 
     @property
@@ -72,15 +92,95 @@ class ClusterResult:
         return d
 
 
+class OwnerCounts:
+    """The metaserver's owner counts over the pools (the module docstring): listens to every
+    pool's L1 and SSD index, queues the notices the rule gives, and applies them on
+    :meth:`settle`."""
+
+    def __init__(self, pools: Sequence[Pool], threshold: int) -> None:
+        if threshold < MIN_OWNER_THRESHOLD:
+            raise ValueError(f"--min-reclaimable-owner-count must be at least {MIN_OWNER_THRESHOLD}, got {threshold}")
+        self.threshold = threshold
+        self.pools = pools
+        self._held: dict[tuple[str, bytes], dict[int, int]] = {}  # block -> pool -> tiers (bits)
+        self._queued: list[tuple[int, str, bytes, bool]] = []  # (pool, namespace, hash, reclaimable)
+        self.demoted = self.restored = 0
+        for k, p in enumerate(pools):
+            p.l1.index.add_listener(self._listener(k, _L1))
+            if p.ssd is not None:
+                p.ssd.index.add_listener(self._listener(k, _SSD))
+
+    def _listener(self, k: int, tier: int) -> Listener:
+        def on_event(op: IndexEvent, ns: Namespace, hashes: list[bytes]) -> None:
+            self._change(k, tier, op is IndexEvent.INSERT, ns.name, hashes)
+        return on_event
+
+    def _change(self, k: int, tier: int, add: bool, name: str, hashes: list[bytes]) -> None:
+        held, queue, t = self._held, self._queued.append, self.threshold
+        for h in hashes:
+            key = (name, h)
+            who = held.get(key)
+            if who is None:
+                if not add:
+                    continue
+                who = held[key] = {}
+            before = who.get(k, 0)
+            n0 = len(who)
+            if add:
+                who[k] = before | tier
+                joined = [k] if (not before or tier == _L1) and not before & _L1 else []
+                if not joined:
+                    continue  # SSD copy of a block in DRAM, or already there: the node publishes nothing
+            else:
+                left = before & ~tier
+                if left == before:
+                    continue
+                if left:
+                    who[k] = left
+                    continue  # out of DRAM onto SSD (a tier change) or off SSD while in DRAM: same holders
+                del who[k]
+                joined = []
+                if not who:
+                    del held[key]
+            dem, res = class_notices(n0, who, joined, t)
+            for j in dem:
+                queue((j, name, h, True))
+            for j in res:
+                queue((j, name, h, False))
+
+    def settle(self) -> None:
+        """Apply the queued notices, in order, to each pool's L1."""
+        q, self._queued = self._queued, []
+        i = 0
+        while i < len(q):  # runs of one (pool, namespace, class) in one call
+            k, name, _, r = q[i]
+            j = i
+            while j < len(q) and q[j][0] == k and q[j][1] == name and q[j][3] == r:
+                j += 1
+            l1 = self.pools[k].l1
+            index: BlockIndex = l1.index
+            n = index.reclassify(l1.ns[name], [x[2] for x in q[i:j]], r)
+            if r:
+                self.demoted += n
+            else:
+                self.restored += n
+            i = j
+
+
 class NodeCluster:
-    """``nodes`` pools of ``l1`` / ``ssd`` each ((amount, in blocks) as ``Capacity.blocks_or_bytes``), and peer pulls."""
+    """``nodes`` pools of ``l1`` / ``ssd`` each ((amount, in blocks) as ``Capacity.blocks_or_bytes``),
+    peer pulls, and replacement classes by owner count (``owner_threshold``: pegaflow-meta's
+    ``--min-reclaimable-owner-count``; above ``nodes``: none is ever reached)."""
 
     def __init__(self, nodes: int, l1: tuple[int, bool], ssd: tuple[int, bool], page_bytes: dict[str, int],
-                 peers: bool = True, ssd_writes: str = SSD_WRITES_COMMITS) -> None:
+                 peers: bool = True, ssd_writes: str = SSD_WRITES_COMMITS,
+                 owner_threshold: int = OWNER_THRESHOLD) -> None:
         if nodes < 1:
             raise ValueError(f"nodes must be >= 1, got {nodes}")
         self.pools = [Pool(l1, ssd, page_bytes, False, ssd_writes) for _ in range(nodes)]
         self.peers = peers
+        # Counts only matter where they can reach the threshold.
+        self.owners = OwnerCounts(self.pools, owner_threshold) if owner_threshold <= nodes else None
 
     @staticmethod
     def _run(pool: Pool, namespace: str, rest: Sequence[bytes]) -> tuple[int, int]:
@@ -149,6 +249,8 @@ class NodeCluster:
         if saved:
             l1.insert(ns, list(saved))
         me._flush_ssd()  # noqa: SLF001 - the pool's own write-behind step, as Pool.serve runs it
+        if self.owners is not None:
+            self.owners.settle()
         return got[0], got[1], got[2], got[3]
 
     @staticmethod
@@ -173,14 +275,14 @@ def route(i: int, r: Request, nodes: int, by_field: bool) -> int:
 
 def replay_cluster(trace: Trace, nodes: int, l1: Capacity, ssd: Capacity, *, page_bytes: int = 64 << 20,
                    peers: bool = True, route_by: str = "round-robin",
-                   ssd_writes: str = SSD_WRITES_COMMITS) -> ClusterResult:
+                   ssd_writes: str = SSD_WRITES_COMMITS, owner_threshold: int = OWNER_THRESHOLD) -> ClusterResult:
     """Replay ``trace`` on ``nodes`` nodes with ``l1`` and ``ssd`` EACH (a percentage of the
     trace's distinct blocks, as in ``pegaflow replay``, is of the whole trace, per node)."""
     sizes = {name: size or page_bytes for name, size in trace.namespaces.items()}
     c = NodeCluster(nodes, l1.blocks_or_bytes(trace.unique), ssd.blocks_or_bytes(trace.unique), sizes, peers,
-                    ssd_writes)
+                    ssd_writes, owner_threshold)
     by_field = route_field(route_by) is not None
-    res = ClusterResult(nodes, peers)
+    res = ClusterResult(nodes, peers, owner_threshold=owner_threshold)
     put = res.request_hits.append
     for i, r in enumerate(trace.requests):
         a, b, x, y = c.serve(route(i, r, nodes, by_field), r.namespace, r.hashes, r.saved)
@@ -190,6 +292,8 @@ def replay_cluster(trace: Trace, nodes: int, l1: Capacity, ssd: Capacity, *, pag
         res.peer_l1 += x
         res.peer_ssd += y
         put(a + b + x + y)
+    if c.owners is not None:
+        res.demoted, res.restored = c.owners.demoted, c.owners.restored
     return res
 
 
@@ -203,21 +307,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-peers", action="store_true", help="nodes never pull from each other")
     p.add_argument("--route", default="round-robin", help="round-robin or field:NAME")
     p.add_argument("--ssd-writes", choices=SSD_WRITES, default=SSD_WRITES_COMMITS)
+    p.add_argument("--min-reclaimable-owner-count", type=int, default=OWNER_THRESHOLD, metavar="N",
+                   help="pegaflow-meta's: a block N nodes hold is reclaimable (evicted first) on each; "
+                        "the run without owner classes is printed beside it (default: %(default)s)")
     p.add_argument("--block-tokens", type=int, default=512)
     a = p.parse_args(argv)
     if a.nodes < 1:
         p.error("--nodes must be >= 1")
+    if a.min_reclaimable_owner_count < MIN_OWNER_THRESHOLD:
+        p.error(f"--min-reclaimable-owner-count must be at least {MIN_OWNER_THRESHOLD}")
     try:
         with open(a.trace, encoding="utf-8") as f:
             trace = read_trace(f, block_tokens=a.block_tokens, route_field=route_field(a.route))
     except (OSError, TraceError) as exc:
         print(f"error: {a.trace}: {exc}", file=sys.stderr)
         return 2
+    n = a.min_reclaimable_owner_count
     for peers in ([False] if a.no_peers else [False, True]):
-        res = replay_cluster(trace, a.nodes, a.l1, a.ssd, peers=peers, route_by=a.route, ssd_writes=a.ssd_writes)
+        res = replay_cluster(trace, a.nodes, a.l1, a.ssd, peers=peers, route_by=a.route, ssd_writes=a.ssd_writes,
+                             owner_threshold=n)
         print(f"{a.nodes} nodes, {'peer pulls' if peers else 'no peer pulls'}: hit rate {res.hit_rate:.2%} "
               f"(own L1 {res.l1}, own SSD {res.ssd}, peer L1 {res.peer_l1}, peer SSD {res.peer_ssd} "
               f"of {res.blocks} blocks)")
+        if n > a.nodes:
+            print(f"  no block can reach {n} owners on {a.nodes} nodes: no owner classes")
+            continue
+        off = replay_cluster(trace, a.nodes, a.l1, a.ssd, peers=peers, route_by=a.route, ssd_writes=a.ssd_writes,
+                             owner_threshold=a.nodes + 1)
+        print(f"  owner classes (--min-reclaimable-owner-count {n}): {res.demoted} blocks demoted, "
+              f"{res.restored} restored; without them {off.hit_rate:.2%} "
+              f"({(res.hit_rate - off.hit_rate) * 100:+.2f} pp from them)")
     return 0
 
 
