@@ -102,7 +102,8 @@ def turn1(model_a: Path, e2e_logs: Path, node: Node, conversation: dict[str, Any
         out = eng.generate([conversation["p1"]], answer_tokens(eng.block_size))[0]
         # Other prompts until turn 1's blocks have left the node's DRAM (LRU; kept on SSD).
         saved = (len(conversation["p1"]) + len(out["tokens"]) - 1) // eng.block_size
-        wait_until(lambda: node.stats().ssd.blocks >= saved, 60, "turn 1's blocks written to SSD")
+        wait_until(lambda: node.stats().ssd.blocks >= saved, 60,
+                   lambda: f"turn 1's {saved} blocks written to SSD (engine saved {eng.metrics()}; node {node.stats()})")
         for seed in range(310, 320):
             if node.stats().evictions >= saved + 2:
                 break
