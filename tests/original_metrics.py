@@ -99,6 +99,16 @@ EXPORTED: tuple[OriginalMetric, ...] = (
     _m("pegaflow_metaserver_block_owners", "gauge"),
     _m("pegaflow_metaserver_block_redundancy", "gauge", ("owners",)),
     _m("pegaflow_metaserver_block_redundancy_avg", "gauge"),
+    # The decode backup (0.25): the node's while it publishes, the metaserver's with --enable-decode-backup.
+    _n("pegaflow_backup_role", "gauge", needs="publisher"),
+    _n("pegaflow_backup_candidates_reported_total", "counter", needs="publisher"),
+    _n("pegaflow_backup_pull_missing_blocks_total", "counter", needs="publisher"),
+    _m("pegaflow_metaserver_backup_nodes", "gauge", ("role",)),
+    _m("pegaflow_metaserver_backup_candidates", "gauge"),
+    _m("pegaflow_metaserver_backup_candidates_filtered_total", "counter", ("reason",)),
+    _m("pegaflow_metaserver_backup_dispatched_blocks_total", "counter", ("source", "target")),
+    _m("pegaflow_metaserver_backup_dispatched_bytes_total", "counter", ("source", "target")),
+    _m("pegaflow_metaserver_backup_pair", "gauge", ("source", "target")),
 )
 
 NOT_EXPORTED: tuple[str, ...] = (

@@ -41,6 +41,10 @@ OWNER_COUNT = "pf:{pf}:owners"  # STRING the replicas' --min-reclaimable-owner-c
 UNCOUNTED = "pf:{pf}:uncounted"  # SET of nids whose holder entries count as no owner (retired, not visible)
 RECOUNTED = "pf:{pf}:recounted"  # SET: the uncounted set the notices were last brought up to
 RECOUNT_LOCK = "pf:{pf}:recount"
+# The decode backup (pegaflow/cluster/backup.py, docs/architecture.md "Decode backup"):
+BACKUP_REPORTS = "pf:{pf}:bk:rep"  # HASH node -> "<has engine 0|1>:<since ms>:<pull max bytes>"
+BACKUP_TARGETS = "pf:{pf}:bk:targets"  # SET of the nodes the planner treats as backup targets (expires)
+BACKUP_LOCK = "pf:{pf}:bk:lock"  # held by the replica that plans
 
 STREAM_PREFIX = "pf:ev:"  # + {<node>}: one event stream per node (pegaflow/meta/events/)
 
@@ -64,6 +68,17 @@ def stream_key(node: str) -> str:
     if not node or "{" in node or "}" in node:
         raise ValueError(f"invalid node name {node!r}")
     return f"{STREAM_PREFIX}{{{node}}}"
+
+
+def backup_offer_key(node: str) -> str:
+    """STRING the node's backup candidates (``pegaflow/cluster/backup.py``), with a TTL; in the
+    slot of its event stream."""
+    return f"pf:bo:{{{node}}}"
+
+
+def backup_plan_key(node: str) -> str:
+    """LIST of backup plans queued for ``node`` (a target), oldest first; in its stream's slot."""
+    return f"pf:bp:{{{node}}}"
 
 
 def owner_key(node: str) -> str:

@@ -10,6 +10,10 @@ notices for that holder: an op byte (:data:`DEMOTE`: the block is reclaimable no
 :data:`MAX_ENTRIES` elements and expires :data:`TTL_MS` after its last append (a holder
 that is gone never pops it); a node that misses notices keeps the classes it had, which
 changes the order of eviction, never a block's bytes.
+
+The decode backup's planner (``pegaflow/meta/backup.py``) appends to the same lists
+(:func:`push`): :data:`BACKUP` demotes blocks a backup target now holds (the node counts them
+under ``reason="backup_hint"``).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pegaflow.core.identity import HASH_BYTES
 
 DEMOTE = b"d"
 RESTORE = b"r"
+BACKUP = b"b"  # reclaimable now: a backup target holds a copy (the decode backup)
 MAX_ENTRIES = 4096  # elements kept per list; one script call appends at most two per holder
 TTL_MS = 3_600_000
 POP_COUNT = 512  # elements per LPOP
@@ -38,18 +43,30 @@ class Notice:
 
     reclaimable: bool
     hashes: list[bytes]
+    backup: bool = False  # demoted because a backup target holds them (op BACKUP)
 
 
 def decode(element: bytes) -> Notice:
     op, blob = element[:1], element[1:]
-    if op not in (DEMOTE, RESTORE) or len(blob) % HASH_BYTES:
+    if op not in (DEMOTE, RESTORE, BACKUP) or len(blob) % HASH_BYTES:
         raise MalformedNotice(f"class notice of {len(element)} bytes starting {element[:1]!r}")
-    return Notice(op == DEMOTE, [blob[i : i + HASH_BYTES] for i in range(0, len(blob), HASH_BYTES)])
+    return Notice(op != RESTORE, [blob[i : i + HASH_BYTES] for i in range(0, len(blob), HASH_BYTES)], op == BACKUP)
 
 
 def encode(notice: Notice) -> bytes:
     """What the scripts append (for tests and tools)."""
-    return (DEMOTE if notice.reclaimable else RESTORE) + b"".join(notice.hashes)
+    op = BACKUP if notice.backup else DEMOTE if notice.reclaimable else RESTORE
+    return op + b"".join(notice.hashes)
+
+
+def push(r: Client, tag: str, nid: int, notice: Notice) -> None:
+    """Append ``notice`` to holder ``nid``'s list in namespace ``tag``, kept as the scripts keep it."""
+    key = keys.notice_key(tag, nid)
+    p = r.pipeline(transaction=False)  # one key
+    p.rpush(key, encode(notice))
+    p.ltrim(key, -MAX_ENTRIES, -1)
+    p.pexpire(key, TTL_MS)
+    p.execute()
 
 
 def pop(r: Client, nid: int, tags: Iterable[str]) -> dict[str, list[bytes]]:

@@ -83,7 +83,7 @@ class NodeConfig:
     liveness_ttl: float
     event_buffer: int
     metaserver_queue_depth: int
-    # The original's decode backup (0.25); read by the backup once it is built.
+    # The original's decode backup (0.25): pegaflow/node/backup.py.
     backup_reclaimable_percent: int
     backup_max_candidates: int
     backup_pull_max_bytes: int

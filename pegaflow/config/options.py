@@ -58,8 +58,6 @@ SUBCOMMAND: Final = "subcommand"
 NO_ENV: Final = ""  # Option.env_var of a flag that no environment variable sets
 
 DEFAULT_META_REDIS = "redis://127.0.0.1:6379/0"
-# Option.no_effect of the original's decode-backup flags (another change builds the backup).
-NO_BACKUP: Final = "the decode backup is not built yet"
 
 
 def _host_port(text: str) -> str:
@@ -677,46 +675,40 @@ OPTIONS: list[Option] = [
         _positive_int,
         no_effect="block updates go to Redis Streams, buffered up to --event-buffer",
     ),
-    # --- node: decode backup (the original's 0.25 flags; the backup itself is not built yet) ---
+    # --- node: decode backup (the original's 0.25 flags; docs/architecture.md "Decode backup") ---
     Option(
         "backup-reclaimable-percent",
         10,
         "Decode backup: share of the RAM cache, in percent, kept as reclaimable (backed-up) blocks. "
         "Once the cache is full, this node offers its oldest retained blocks for backup until the "
-        "reclaimable class reaches it (the original's; accepted for compatibility, no effect yet).",
+        "reclaimable class reaches it (the original's).",
         _percent,
         metavar="PERCENT",
-        no_effect=NO_BACKUP,
     ),
     Option(
         "backup-max-candidates",
         16384,
-        "Decode backup: most candidate blocks one heartbeat reports. Bounds the heartbeat size "
-        "(32 bytes per sha256 hash; the 65536 maximum is 2 MiB, under the MetaServer's 4 MiB gRPC "
-        "limit) and the MetaServer snapshot kept per prefill node (the original's; accepted for "
-        "compatibility, no effect yet).",
+        "Decode backup: most candidate blocks one report (every second) offers. Bounds the offer's "
+        "size in Redis (16 bytes per hash: 1 MiB at the 65536 maximum) and what the planning "
+        "metaserver reads per busy node (the original's).",
         _backup_candidates,
-        no_effect=NO_BACKUP,
     ),
     Option(
         "backup-pull-max-bytes",
         "256mb",
         "Decode backup: most bytes one pulled plan copies on a backup target (e.g. 256mb). Smaller "
-        "plans hold the NICs for shorter bursts, leaving room for KV transfers between them (the "
-        "original's; accepted for compatibility, no effect yet).",
+        "plans hold the NICs for shorter bursts, leaving room for KV transfers between them (the original's).",
         _positive_size,
         metavar="SIZE",
-        no_effect=NO_BACKUP,
     ),
     Option(
         "backup-max-bandwidth",
         "2gb",
         "Decode backup: copy bandwidth limit per second on a backup target (e.g. 2gb); 0 is "
         "unlimited. Backup traffic shares the target's NICs with KV transfers, so unlimited pulls "
-        "add latency to them (the original's; accepted for compatibility, no effect yet).",
+        "add latency to them (the original's).",
         parse_size,
         metavar="SIZE",
-        no_effect=NO_BACKUP,
     ),
     Option(
         "consumer-name",
@@ -789,23 +781,20 @@ OPTIONS: list[Option] = [
         "enable-decode-backup",
         False,
         "Let idle pegaflow-servers (no inference instance, e.g. decode nodes) back up the oldest "
-        "retained blocks of nodes with an instance (the original's; accepted for compatibility, "
-        "no effect yet).",
+        "retained blocks of nodes with an instance (the original's; docs/architecture.md, "
+        "\"Decode backup\").",
         _bool,
         commands=(META,),
         flag=True,
         env_var="PEGAFLOW_METASERVER_ENABLE_DECODE_BACKUP",  # the original's variable
-        no_effect=NO_BACKUP,
     ),
     Option(
         "backup-target-delay-secs",
         180,
-        "Seconds a node must report no instance before it becomes a backup target (the "
-        "original's; accepted for compatibility, no effect yet).",
+        "Seconds a node must report no instance before it becomes a backup target (the original's).",
         _non_negative_int,
         commands=(META,),
         metavar="SECONDS",
-        no_effect=NO_BACKUP,
     ),
     Option(
         "query-max-blocks",

@@ -50,7 +50,7 @@ from __future__ import annotations
 import enum
 import itertools
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Literal, Protocol, cast, overload
@@ -813,6 +813,14 @@ class BlockIndex:
                 if b.state == RESIDENT:
                     out[b.ns.name] += 1
         return out
+
+    def oldest_retained(self) -> Iterator[Block]:
+        """Evictable retained blocks, the next to be evicted first (the decode backup's
+        candidates, ``pegaflow/node/backup.py``): lazy, so a caller walks only what it takes;
+        the index must not change while it walks."""
+        if self._park_seq:
+            yield from sorted(self._park_seq, key=self._park_seq.__getitem__)
+        yield from self._lru
 
     def lru_order(self) -> list[Block]:
         """Eviction order (first evicted first); pinned blocks excluded."""

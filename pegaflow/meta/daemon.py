@@ -28,7 +28,7 @@ from pegaflow.common.http import HttpEndpoint
 from pegaflow.common.security import Security
 from pegaflow.config.commands import MetaConfig
 from pegaflow.config.options import META, without_effect
-from pegaflow.meta import admin, owners, sweeper
+from pegaflow.meta import admin, backup, owners, sweeper
 from pegaflow.meta.apply_process import ConsumerProcess
 from pegaflow.meta.events.consumer import default_consumer_name
 from pegaflow.meta.index import Census, Index
@@ -89,6 +89,12 @@ class MetaServer:
             target=owners.run, args=(redis, self.stopping, self.consumer.name, config.min_reclaimable_owner_count,
                                      config.node_stale_secs * 1000 or None),
             name="pf-meta-owners", daemon=True))
+        if config.enable_decode_backup:  # the decode backup's planner (pegaflow/meta/backup.py)
+            planner = backup.Planner(redis, config.backup_target_delay_secs * 1000,
+                                     config.node_stale_secs * 1000 or None, backup.BackupMetrics(registry),
+                                     self.consumer.name)
+            self.threads.append(threading.Thread(target=backup.run, args=(planner, self.stopping),
+                                                 name="pf-meta-backup", daemon=True))
         if config.index_census_interval > 0:
             self.threads.append(threading.Thread(
                 target=run_census, args=(self.metrics, self._census, self.stopping, config.index_census_interval),

@@ -65,7 +65,7 @@ class Classes:
                 log.warning("class_notice_malformed", namespace=ns.name, error=str(exc))
                 continue
             if notice.reclaimable:
-                self.demote(ns, notice.hashes, "reclaim_hint")
+                self.demote(ns, notice.hashes, "backup_hint" if notice.backup else "reclaim_hint")
             else:
                 self.restore(ns, notice.hashes)
 

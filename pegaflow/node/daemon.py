@@ -66,6 +66,7 @@ from pegaflow.policy.quota import Quotas
 from pegaflow.policy.tinylfu import TinyLFU
 
 if TYPE_CHECKING:  # imported where it starts: it brings in redis
+    from pegaflow.node.backup import BackupAgent
     from pegaflow.node.publishing import EventPublisher
 
 log = structlog.get_logger("pegaflow.node")
@@ -209,6 +210,8 @@ class Node:
         self.publisher: EventPublisher | None = None  # global-index event publisher (node/publishing.py, in the pegaflow.meta.events contract), with --redis-url
         self.otel: otel.OtelExport | None = None
         self._sketches: asyncio.Task[None] | None = None
+        self.backup: BackupAgent | None = None  # the decode backup's tick, once publishing
+        self._backup_task: asyncio.Task[None] | None = None
         self._joining: asyncio.Task[None] | None = None  # asking the metaserver for its Redis
 
     def _on_index_event(self, op: IndexEvent, ns: Namespace, hashes: list[bytes]) -> None:
@@ -337,6 +340,21 @@ class Node:
             notices=NoticeReader(self.classes, asyncio.get_running_loop()),  # class notices, read by its thread
         )
         self._sketches = asyncio.create_task(self.publish_sketches())
+        self._start_backup()
+
+    def _start_backup(self) -> None:
+        """The decode backup's tick (pegaflow/node/backup.py): reports and offers through the
+        Redis the node publishes to; pulls plans when it can pull (--metaserver-addr)."""
+        from pegaflow.cluster.redis_conn import connect
+        from pegaflow.node.backup import BackupAgent, BackupMetrics, BackupSettings
+
+        c = self.config
+        settings = BackupSettings(c.backup_reclaimable_percent, c.backup_max_candidates, c.backup_pull_max_bytes,
+                                  c.backup_max_bandwidth)
+        self.backup = BackupAgent(settings, self.index, self.sessions, self.node_id,
+                                  lambda: connect(c.redis_url, c.redis_cluster),
+                                  self.p2p.puller if self.p2p is not None else None, BackupMetrics(self.metrics.registry))
+        self._backup_task = asyncio.create_task(self.backup.run())
 
     async def _join_via_metaserver(self) -> None:
         """Publish to the Redis the metaserver names (pegaflow/node/discovery.py); ``self.config``
@@ -504,6 +522,10 @@ class Node:
             self._joining.cancel()
         if self._sketches is not None:
             self._sketches.cancel()
+        if self._backup_task is not None:
+            self._backup_task.cancel()
+        if self.backup is not None:
+            await self.backup.close()  # before the puller closes: its pull runs there
         if self.otel is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.otel.stop)
         if self.publisher is not None:

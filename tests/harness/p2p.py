@@ -59,7 +59,7 @@ class P2PCluster:
     """Redis + metaserver on the hub, ``n`` nodes on hosts; every process killed by close()."""
 
     def __init__(self, tmp: Path, n: int = 3, pool: str = "256mb", node_args: tuple[str, ...] = (),
-                 per_node_args: dict[int, tuple[str, ...]] | None = None) -> None:
+                 per_node_args: dict[int, tuple[str, ...]] | None = None, meta_args: tuple[str, ...] = ()) -> None:
         self.tmp = tmp
         self.c: Cluster = make_cluster(n)
         self.pool = pool
@@ -75,7 +75,8 @@ class P2PCluster:
             wait_until(lambda: hub.run(["redis-cli", "-h", hub.ip, "-p", str(REDIS_PORT), "ping"]).stdout.strip()
                        == "PONG", 20, "redis")
             self.c.spawn(hub, [sys.executable, "-m", "pegaflow.meta.cli", "--redis-url", self.redis_url, "--addr",
-                               self.meta_addr, "--http-addr", "off", "--log-format", "json"], tmp / "meta.log")
+                               self.meta_addr, "--http-addr", "off", "--log-format", "json", *meta_args],
+                         tmp / "meta.log")
             wait_until(lambda: hub.py(META_READY, self.meta_addr).returncode == 0, 30, "metaserver")
             for i, h in enumerate(self.c.hosts):
                 self.nodes.append(NodeInfo(h, f"node-{i}", None, tmp / f"node-{i}.log"))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 import torch
 import xxhash
@@ -33,11 +34,14 @@ NS = namespace()
 
 
 def kv_cache(tag: str, blocks: int, heads: int, dim: int, fill: bool = True) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(xxhash.xxh32_intdigest(tag.encode()))
     shape = (blocks, heads, 16, dim)
     if not fill:
         return [torch.zeros(shape, dtype=torch.float16) for _ in range(LAYERS)]
-    return [torch.randn(shape, generator=g).to(torch.float16) for _ in range(LAYERS)]
+    # One generator per layer: block i's pages are the same whatever ``blocks`` is, so a load
+    # of a prefix can check what a longer save stored.
+    seed = xxhash.xxh32_intdigest(tag.encode())
+    return [torch.randn(shape, generator=torch.Generator().manual_seed(seed + layer)).to(torch.float16)
+            for layer in range(LAYERS)]
 
 
 def hashes(tag: str, n: int) -> list[bytes]:
@@ -55,6 +59,7 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=30.0)
     p.add_argument("--until-hit", action="store_true", help="keep querying until every block hits")
     p.add_argument("--probe-each", action="store_true", help="then query every block alone, count those found")
+    p.add_argument("--hold", type=float, default=0.0, help="save: keep the session (an engine) open this long after")
     a = p.parse_args()
     kv = kv_cache(a.tag, 2 * a.n, a.heads, a.dim)
     hs = hashes(a.tag, a.n)
@@ -65,6 +70,7 @@ def main() -> None:
         r = c.reserve(ns, hs)
         save_pages(kv, list(range(a.n)), r.pool, r.offsets)
         print(json.dumps({"committed": c.commit(r.reservation_id), "page_bytes": page_bytes(kv)}), flush=True)
+        time.sleep(a.hold)  # the node sees a registered engine until the process ends
         return
     statuses: list[str] = []
 

@@ -57,7 +57,7 @@ def test_every_original_name_is_in_the_docs_mapping_table() -> None:
 
 def test_a_live_node_and_metaserver_serve_the_originals_names(node_factory, redis_server: RedisServer,
                                                               tmp_path: Path) -> None:
-    meta = start_metaserver(tmp_path, redis_server.url, ("--index-census-interval", "0.2"))
+    meta = start_metaserver(tmp_path, redis_server.url, ("--index-census-interval", "0.2", "--enable-decode-backup"))
     try:
         # Two SSD reads in flight at most: the SSD request's four blocks are promoted two by two.
         node = node_factory(pool_size="1mb",

@@ -40,6 +40,7 @@ def exported_name(fam_name: str, kind: str) -> str:
 
 def node_families() -> dict[str, tuple[str, set[str]]]:
     from pegaflow.core.block_index import BlockIndex
+    from pegaflow.node.backup import BackupMetrics
     from pegaflow.node.metrics import ClassMetrics, NodeMetrics
     from pegaflow.node.publishing import PublisherMetrics
     from pegaflow.node.quota_metrics import register as register_quota_metrics
@@ -56,17 +57,24 @@ def node_families() -> dict[str, tuple[str, set[str]]]:
     register_quota_metrics(m.registry, BlockIndex(1 << 20, quotas=quotas), quotas)
     Residence(m.registry)
     ClassMetrics(m.registry, lambda: (0, 0, {}))
+    BackupMetrics(m.registry)
     return families(m.registry)
 
 
 def meta_families() -> dict[str, tuple[str, set[str]]]:
     from pegaflow.cluster.sketches import ClusterCeilingCollector
+    from pegaflow.meta.backup import BackupMetrics
     from pegaflow.meta.metrics import MetaMetrics
 
     reg = CollectorRegistry()
     reg.register(ClusterCeilingCollector(None, (900.0,)))  # type: ignore[arg-type]  (describe only)
     out = families(reg, describe=True)
     out.update(families(MetaMetrics(CollectorRegistry()).registry))
+    backup_reg = CollectorRegistry()
+    backup = BackupMetrics(backup_reg)
+    for labelled in (backup.dispatched_blocks, backup.dispatched_bytes, backup.pair):
+        labelled.labels("p", "d")
+    out.update(families(backup_reg))
     return out
 
 

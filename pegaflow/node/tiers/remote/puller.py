@@ -179,6 +179,9 @@ class _Pull:
     t0: float
     held: list[Block]  # local prefix pinned while the pull runs
     gate: asyncio.Semaphore | None = None  # chunks of one pull from an SSD holder: SSD_CHUNKS_IN_FLIGHT
+    backup: bool = False  # a decode backup's pull: no engine waits for it (no hold, no remote hit)
+    pinned: int = -1  # leading blocks the peer pinned (-1: the pull failed before an answer)
+    landed: int = 0  # pages committed
 
 
 @dataclass(eq=False)
@@ -345,7 +348,7 @@ class Puller:
                 status = "bad_answer"
                 self._fail(addr, "bad_pin_answer", why)
                 return
-            k = resp.count
+            k = p.pinned = resp.count
             if k == 0:  # evicted since the metaserver saw it: not the peer's fault
                 status = "gone"
                 return
@@ -371,8 +374,9 @@ class Puller:
                 for b in committed:
                     self.checksums.record(b, verified[id(b)])
             nbytes = sum(b.size for b in committed)
+            p.landed = len(committed)
             self.metrics.pull_bytes.inc(nbytes)
-            if self.on_remote_hits is not None:
+            if self.on_remote_hits is not None and not p.backup:
                 self.on_remote_hits(len(committed))
             self.metrics.pulled_blocks.labels(Tier.SSD if p.holder.ssd_blocks else Tier.L1).inc(len(committed))
             if bad:
@@ -395,13 +399,48 @@ class Puller:
             if pin_id:
                 self._spawn(self._unpin(addr, pin_id))
             held = p.held + committed
-            if self.hold_seconds > 0 and held:
+            if self.hold_seconds > 0 and held and not p.backup:
                 self._hold(held)
             else:
                 self.index.unpin(held)
             if gated:
                 assert p.gate is not None
                 p.gate.release()
+
+    async def backup(self, namespace: str, page_bytes: int, node: str, address: str,
+                     hashes: Sequence[bytes]) -> tuple[int, int, int]:
+        """Copy the named blocks from peer ``node`` at ``address`` into this pool, retained (a
+        decode backup's plan, ``pegaflow/node/backup.py``); returns (blocks committed, their
+        bytes, blocks the peer no longer held). Blocks held here already are skipped. A pin
+        covers the longest prefix the peer holds, so the block after it is missing there and
+        the rest is pinned again; a failed pull (peer gone, bad answer, no room here) ends
+        the plan, and the blocks it did not bring stay where they were."""
+        ns = self.index.namespace(namespace, page_bytes)
+        rest = [h for h in hashes if not self._on_way(ns, h)]
+        holder = Holder(node, address, len(rest))
+        landed = nbytes = missing = 0
+        while rest:
+            blocks = self.index.reserve(ns, rest, reclaimable=False)
+            k = next((i for i, b in enumerate(blocks) if b is None), len(blocks))
+            self.index.discard([b for b in blocks[k:] if b is not None])
+            if k == 0:
+                self.metrics.pulls.labels("no_space").inc()
+                break
+            got = cast("list[Block]", blocks[:k])
+            for b in got:
+                self.inflight[b.key] = b
+            p = _Pull(ns, holder, rest[:k], got, time.perf_counter(), [], backup=True)
+            await self._pull(p)
+            landed += p.landed
+            nbytes += p.landed * ns.page_bytes
+            if p.pinned < 0 or p.landed < p.pinned:  # the pull failed: the peer is backed off
+                break
+            if p.pinned < k:
+                missing += 1
+                rest = rest[p.pinned + 1:]
+            else:
+                rest = rest[k:]
+        return landed, nbytes, missing
 
     def _hold(self, blocks: list[Block]) -> None:
         """Keep a finished pull's pins (taken already) until a Query leases each block or
