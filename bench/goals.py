@@ -49,6 +49,7 @@ RUNS: tuple[Run, ...] = (
     Run("dataplane", "dataplane.py", ("--seconds", "12", "--rounds", "2")),
     Run("saturation", "saturation.py", ("--level-seconds", "3", "--half-seconds", "5", "--start-rate", "4")),
     Run("p2p", "p2p.py", ("--rounds", "3", "--latency-rounds", "2"), root=True),
+    Run("backup", "backup.py", (), root=True),  # two fresh 3-node clusters: ~2 min
     Run("meta", "meta.py", ("--standalone-only", "--queries", "2000")),
     Run("ssd", "ssd.py", ("--size", "1gb", "--repeat", "2", "--engines", "uring")),
     Run("replay", "replay.py", ("--repeat", "5")),
@@ -101,6 +102,17 @@ GOALS: tuple[Goal, ...] = (
     # Remote reads.
     Goal("p2p", "peer pull, median of rounds (ratio: median of per-round ratios)", "pull_gbps_median", "GB/s",
          "iperf3_gbps_median", "iperf3, same link", 0.85, ratio="ratio_median"),
+    # The decode backup (bench/backup.py): 3 nodes, one idle, busy working sets of twice a pool, backup on
+    # against off in the same run. Replay does not model the backup yet: the bench predicts the gain as the
+    # idle pool's useful share of the overflow (the module docstring).
+    Goal("backup", "hit rate gain, backup on - off (ratio: over the idle pool's share)", "gain_pp", "pp",
+         "predicted_gain_pp", "idle pool's share of the overflow", 1.0, ratio="gain_over_predicted"),
+    Goal("backup", "hit rate with backup on, |measured - predicted|", "hit_rate_error_pp", "pp", None, "", 2.0,
+         on="value", higher_is_better=False),
+    Goal("backup", "backup bandwidth, |measured / --backup-max-bandwidth - 1|", "bandwidth_error_pct", "%", None, "",
+         10.0, on="value", higher_is_better=False),
+    Goal("backup", "busy nodes' Query p99, backup on / off", "query_p99_us_on", "µs", "query_p99_us_off",
+         "backup off, same run", 1.25, higher_is_better=False),
     # The metaserver.
     Goal("meta", "updates applied per replica", "apply_blocks_per_s", "/s", "raw_xreadgroup_ack_per_s",
          "redis-py XREADGROUP+XACK msgs/s", 150_000, on="value"),

@@ -1,0 +1,284 @@
+"""The decode backup, measured (docs/architecture.md, "Decode backup"; issue #56).
+
+    python bench/backup.py [--pages 256] [--page-kib 512] [--reclaimable-percent 25]
+                           [--bandwidth-mb 10] [--accesses 1024] [--rate 40] [--seed 1] [--summary OUT]
+
+Three real nodes in network namespaces (tests/harness/p2p.py: redis-server and pegaflow-meta
+on the hub), each with a pool of ``--pages`` pages. node-0 and node-1 are busy (an engine
+session is registered on each), node-2 is idle (none). Each busy node has its own working
+set of twice its pool. The same run is made twice, each on a fresh cluster: backup off
+(pegaflow-meta without --enable-decode-backup) and on (with it, --backup-target-delay-secs 1).
+
+1. **Warm-up**: each busy node stores its whole working set, in batches, oldest first. With
+   the backup on, once a node's pool is full each batch waits (bounded) until the node has
+   that many reclaimable (backed-up) pages to evict, so what the pool evicts is on node-2
+   first; meanwhile node-2's ``pegaflow_node_backup_pulled_bytes_total`` is sampled every
+   ``SAMPLE_S``: the backup's bandwidth is the bytes it pulled between the end of its first
+   plan (the token bucket's burst) and the end of its last, over that time.
+2. **Measure**: ``--accesses`` single-block requests, uniformly at random over each busy
+   node's working set (the same seeded sequence in both runs), alternating nodes, paced at
+   ``--rate`` per second: Query until READY (LOADING while a block is pulled back from
+   node-2), count the hit, release, store a miss as an engine would. Every Query call's
+   latency is kept (the busy nodes' Query p99).
+
+The prediction: pegaflow replay does not model the decode backup yet, so the bench
+computes it the simplest honest way. With the backup on, node-2's pool holds copies of the
+busy nodes' overflow (the working-set pages beyond their pools); the busy nodes keep up to
+``--reclaimable-percent`` of their pools as backed-up pages, which are copies node-2 holds
+too, so node-2 adds ``idle pages - the busy nodes' reclaimable pages`` distinct pages (those
+read from the nodes at the start and the end of the measure, the mean). Of the accesses
+that missed with the backup off, that share of the overflow should hit:
+``predicted on = off + off misses x useful idle pages / overflow pages``. Root for namespaces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+NS = "backup-bench|p{}k"
+BATCH = 16  # blocks per warm-up save
+SAMPLE_S = 0.1  # how often the target's pulled bytes are read during the warm-up
+WAIT_S = 60.0  # bound on every wait for the backup (role, reclaimable pages)
+BUSY = (0, 1)
+IDLE = 2
+
+
+def block(node: int, i: int) -> bytes:
+    import xxhash
+
+    return xxhash.xxh3_128_digest(f"n{node}:{i}".encode())
+
+
+def accesses(n: int, working_set: int, seed: int) -> list[tuple[int, int]]:
+    """(busy node, block) per request: alternating nodes, uniform over each working set."""
+    rng = random.Random(seed)
+    return [(BUSY[i % len(BUSY)], rng.randrange(working_set)) for i in range(n)]
+
+
+def metric_sum(text: str, name: str, labels: str = "") -> float:
+    pat = rf"^{re.escape(name)}{re.escape('{' + labels + '}') if labels else ''} ([0-9.e+-]+)$"
+    return sum(float(v) for v in re.findall(pat, text, re.M))
+
+
+def bandwidth(samples: list[tuple[float, float]]) -> tuple[float, int]:
+    """(bytes/s between the first and the last change of a pulled-bytes counter, changes
+    seen). The first change is the end of the first plan, which the bucket's burst let go at
+    once: only what came after it is paced. 0.0 with fewer than three changes."""
+    changes = [(t, b) for (t, b), (_, prev) in zip(samples[1:], samples, strict=False) if b != prev]
+    if len(changes) < 3:
+        return 0.0, len(changes)
+    (t1, b1), (tn, bn) = changes[0], changes[-1]
+    return (bn - b1) / (tn - t1), len(changes)
+
+
+def _drive(cfg: dict[str, Any]) -> None:
+    """In host 0's namespace: warm-up and measure (the module docstring); one JSON line."""
+    import urllib.request
+
+    import numpy as np
+
+    from pegaflow.client import PegaClient
+    from tests.waiting import wait_until
+
+    page, pages, ws, on = cfg["page"], cfg["pages"], 2 * cfg["pages"], cfg["on"]
+    ns = NS.format(page >> 10)
+
+    def metrics(k: int) -> str:
+        return str(urllib.request.urlopen(f"http://{cfg['https'][k]}/metrics", timeout=5).read().decode())
+
+    def reclaimable_pages(k: int) -> float:
+        return metric_sum(metrics(k), "pegaflow_node_resident_bytes_by_class", 'class="reclaimable"') / page
+
+    clients = {k: PegaClient(cfg["addrs"][k], timeout=30) for k in BUSY}
+    for c in clients.values():
+        c.register({ns: page})
+    if on:
+        wait_until(lambda: metric_sum(metrics(IDLE), "pegaflow_node_backup_target") == 1, WAIT_S,
+                   "node-2 to become a backup target")
+
+    samples: list[tuple[float, float]] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(SAMPLE_S):
+            samples.append((time.monotonic(), metric_sum(metrics(IDLE), "pegaflow_node_backup_pulled_bytes_total")))
+
+    sampler = threading.Thread(target=sample, name="pulled-bytes-sampler", daemon=True)
+    sampler.start()
+    t0 = time.monotonic()
+    for start in range(0, ws, BATCH):
+        for k in BUSY:
+            if on and start >= pages:  # the pool is full: evict only what node-2 holds
+                wait_until(lambda k=k: reclaimable_pages(k) >= BATCH, WAIT_S,
+                           f"node-{k} to hold {BATCH} backed-up pages", every=0.05)
+            hs = [block(k, i) for i in range(start, min(start + BATCH, ws))]
+            r = clients[k].reserve(ns, hs)
+            if r.reservation_id:
+                clients[k].commit(r.reservation_id)
+    warm_s = time.monotonic() - t0
+    stop.set()
+    sampler.join(10)
+    rate, plans = bandwidth(samples)
+
+    before = {k: metrics(k) for k in (*BUSY, IDLE)}
+    kept_before = [reclaimable_pages(k) for k in BUSY]
+    lat: list[float] = []
+    hits = remote = 0
+    start_t = time.monotonic()
+    for i, (k, b) in enumerate(accesses(cfg["accesses"], ws, cfg["seed"])):
+        pause = start_t + i / cfg["rate"] - time.monotonic()  # pacing, not waiting for a condition
+        if pause > 0:
+            time.sleep(pause)
+        c, h = clients[k], [block(k, b)]
+        loading = False
+
+        def ready(c=c, h=h, i=i):  # noqa: ANN001, ANN202
+            nonlocal loading
+            t = time.perf_counter()
+            q = c.query([ns], h, req_id=f"r{i}")
+            lat.append(time.perf_counter() - t)
+            loading |= q.status != "READY"
+            return q if q.status == "READY" else None
+
+        q = wait_until(ready, 30, f"access {i} READY", every=0.005)
+        hits += q.hit_blocks
+        remote += q.hit_blocks if loading else 0
+        if q.lease_id:
+            c.release(q.lease_id)
+        if not q.hit_blocks:
+            r = c.reserve(ns, h)
+            if r.reservation_id:
+                c.commit(r.reservation_id)
+    measure_s = time.monotonic() - start_t
+    after = {k: metrics(k) for k in (*BUSY, IDLE)}
+
+    def delta(k: int, name: str, labels: str = "") -> float:
+        return metric_sum(after[k], name, labels) - metric_sum(before[k], name, labels)
+
+    us = np.array(lat) * 1e6
+    print(json.dumps({
+        "hits": hits, "remote_hits": remote, "accesses": cfg["accesses"], "measure_s": measure_s, "warm_s": warm_s,
+        "query_calls": len(lat), "query_p50_us": float(np.percentile(us, 50)),
+        "query_p99_us": float(np.percentile(us, 99)),
+        "bandwidth_bytes_per_s": rate, "plans_seen": plans,
+        "warm_pulled_bytes": samples[-1][1] if samples else 0.0,
+        "measure_pulled_bytes": delta(IDLE, "pegaflow_node_backup_pulled_bytes_total"),
+        "reclaimable_pages_before": kept_before, "reclaimable_pages": [reclaimable_pages(k) for k in BUSY],
+        "idle_resident_pages": sum(metric_sum(after[IDLE], "pegaflow_node_resident_bytes_by_class", f'class="{c}"')
+                                   for c in ("retained", "reclaimable")) / page,
+        "demoted_backup": sum(metric_sum(after[k], "pegaflow_node_class_demotions_total", 'reason="backup_hint"')
+                              for k in BUSY),
+        "missing": metric_sum(after[IDLE], "pegaflow_node_backup_missing_blocks_total"),
+    }), flush=True)
+
+
+def run_mode(a: argparse.Namespace, on: bool) -> dict[str, Any]:
+    from tests.harness.p2p import HTTP_PORT, P2PCluster
+
+    page = a.page_kib << 10
+    tmp = Path(tempfile.mkdtemp(prefix="pegaflow-bench-backup-"))
+    node_args = ("--log-level", "warning", "--pool-size", str(a.pages * page),
+                 "--backup-reclaimable-percent", str(a.reclaimable_percent),
+                 "--backup-pull-max-bytes", str(2 * a.bandwidth_mb << 20),  # two seconds of the limit per plan
+                 "--backup-max-bandwidth", str(a.bandwidth_mb << 20))
+    meta = ("--enable-decode-backup", "--backup-target-delay-secs", "1") if on else ()
+    cluster = P2PCluster(tmp, 3, node_args=node_args, meta_args=meta)
+    if cluster.fallback_reason:
+        print(f"network namespaces unavailable ({cluster.fallback_reason}): loopback addresses instead")
+    try:
+        cfg = {"addrs": [n.addr for n in cluster.nodes], "https": [f"{n.host.ip}:{HTTP_PORT}" for n in cluster.nodes],
+               "page": page, "pages": a.pages, "on": on, "accesses": a.accesses, "rate": a.rate, "seed": a.seed}
+        r = cluster.nodes[0].host.run([sys.executable, str(Path(__file__).resolve()), "_drive", json.dumps(cfg)],
+                                      timeout=900)
+        if r.returncode != 0:
+            raise SystemExit(f"driver failed (backup {'on' if on else 'off'}): {r.stdout[-2000:]}\n{r.stderr[-3000:]}")
+        out: dict[str, Any] = json.loads(r.stdout.strip().splitlines()[-1])
+    finally:
+        cluster.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    out["hit_rate"] = out["hits"] / out["accesses"]
+    return out
+
+
+def summarize(a: argparse.Namespace, off: dict[str, Any], on: dict[str, Any]) -> dict[str, Any]:
+    """The figures and their ratios, every one from this run's measurements."""
+    overflow = 2 * (2 * a.pages - a.pages)  # the busy nodes' working-set pages beyond their pools
+    # Backed-up pages the busy pools keep too (their reclaimable class, at most --reclaimable-percent):
+    # measured with the backup on, the mean of the measure's start and end.
+    kept = (sum(on["reclaimable_pages_before"]) + sum(on["reclaimable_pages"])) / 2
+    useful = max(0, min(a.pages - kept, overflow))  # distinct pages node-2 adds
+    share = useful / overflow
+    predicted_on = off["hit_rate"] + (1 - off["hit_rate"]) * share
+    limit = a.bandwidth_mb << 20
+    rate = on["bandwidth_bytes_per_s"]
+    return {
+        "hit_rate_off": off["hit_rate"], "hit_rate_on": on["hit_rate"],
+        "gain_pp": (on["hit_rate"] - off["hit_rate"]) * 100,
+        "idle_share_of_overflow": share, "idle_useful_pages": useful, "predicted_gain_pp": (predicted_on - off["hit_rate"]) * 100,
+        "predicted_hit_rate_on": predicted_on, "prediction": "bench (replay does not model the decode backup)",
+        "gain_over_predicted": (on["hit_rate"] - off["hit_rate"]) / (predicted_on - off["hit_rate"])
+        if predicted_on > off["hit_rate"] else None,
+        "hit_rate_error_pp": abs(on["hit_rate"] - predicted_on) * 100,
+        "bandwidth_mb_per_s": rate / 2**20, "bandwidth_limit_mb_per_s": limit / 2**20,
+        "bandwidth_ratio": rate / limit, "bandwidth_error_pct": abs(rate / limit - 1) * 100,
+        "query_p99_us_on": on["query_p99_us"], "query_p99_us_off": off["query_p99_us"],
+        "query_p99_on_over_off": on["query_p99_us"] / off["query_p99_us"],
+        "off": off, "on": on,
+        "config": {"pages": a.pages, "page_kib": a.page_kib, "reclaimable_percent": a.reclaimable_percent,
+                   "bandwidth_mb": a.bandwidth_mb, "accesses": a.accesses, "rate": a.rate, "seed": a.seed},
+    }
+
+
+def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "_drive":
+        _drive(json.loads(sys.argv[2]))
+        return
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pages", type=int, default=256, help="each node's pool, in pages")
+    p.add_argument("--page-kib", type=int, default=512)
+    p.add_argument("--reclaimable-percent", type=int, default=25, help="the nodes' --backup-reclaimable-percent")
+    p.add_argument("--bandwidth-mb", type=int, default=10, help="the nodes' --backup-max-bandwidth, MiB/s")
+    p.add_argument("--accesses", type=int, default=1024, help="measured requests per run")
+    p.add_argument("--rate", type=float, default=40.0, help="measured requests per second")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--summary", type=Path, help="write the figures as JSON here")
+    a = p.parse_args()
+    if a.pages < BATCH or not 0 <= a.reclaimable_percent <= 100 or a.bandwidth_mb < 1 or a.rate <= 0:
+        p.error("--pages must be at least 16, --reclaimable-percent in 0..100, --bandwidth-mb and --rate positive")
+    off = run_mode(a, on=False)
+    on = run_mode(a, on=True)
+    s = summarize(a, off, on)
+    mb = a.pages * a.page_kib / 1024
+    print(f"3 nodes, pools of {a.pages} x {a.page_kib} KiB ({mb:.0f} MiB); busy node-0, node-1 with working sets of "
+          f"{2 * a.pages} pages each; idle node-2; {a.accesses} accesses at {a.rate:g}/s")
+    print(f"hit rate: backup off {s['hit_rate_off']:.2%}, on {s['hit_rate_on']:.2%} "
+          f"({s['gain_pp']:+.2f} pp; {on['remote_hits']} pulled back from node-2); predicted on "
+          f"{s['predicted_hit_rate_on']:.2%} (+{s['predicted_gain_pp']:.2f} pp: node-2 holds "
+          f"{s['idle_share_of_overflow']:.0%} of the overflow; replay does not model the backup yet)")
+    print(f"backup bandwidth {s['bandwidth_mb_per_s']:.2f} MiB/s against the limit {s['bandwidth_limit_mb_per_s']:.0f}"
+          f" ({s['bandwidth_ratio']:.3f}x, over {on['plans_seen']} plans in a {on['warm_s']:.1f} s warm-up)")
+    print(f"busy nodes' Query p99: on {s['query_p99_us_on']:.0f} µs, off {s['query_p99_us_off']:.0f} µs "
+          f"({s['query_p99_on_over_off']:.2f}x)")
+    print(f"backup on, at the end: busy nodes' reclaimable pages {on['reclaimable_pages']}, node-2 resident "
+          f"{on['idle_resident_pages']:.0f} pages, demoted (backup_hint) {on['demoted_backup']:.0f}, "
+          f"missing at pull {on['missing']:.0f}; pulled during the measure {on['measure_pulled_bytes'] / 2**20:.1f} MiB")
+    if a.summary:
+        a.summary.write_text(json.dumps(s, indent=2))
+
+
+if __name__ == "__main__":
+    main()
