@@ -92,7 +92,7 @@ def _drive(cfg: dict[str, Any]) -> None:
     import numpy as np
 
     from pegaflow.client import PegaClient
-    from tests.waiting import wait_until
+    from tests.harness import wait_until
 
     page, pages, ws, on = cfg["page"], cfg["pages"], 2 * cfg["pages"], cfg["on"]
     ns = NS.format(page >> 10)
