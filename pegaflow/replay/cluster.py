@@ -1,7 +1,9 @@
 """A PegaFlow cluster in replay: N nodes, each with L1 + an SSD tier, pulling from peers.
 
     python -m pegaflow.replay.cluster TRACE --nodes 3 --l1 4000blocks --ssd 16000blocks [--no-peers]
-                                      [--min-reclaimable-owner-count 3]
+                                      [--min-reclaimable-owner-count 3] [--idle-nodes 1 --enable-decode-backup]
+
+``pegaflow replay TRACE --nodes N`` runs the same model (:func:`cluster_lines`).
 
 What is modelled (the node's rules, ``docs/p2p.md``):
 
@@ -32,6 +34,21 @@ What is modelled (the node's rules, ``docs/p2p.md``):
   more) or get it back as retained, and each node's index moves it (``BlockIndex.reclassify``)
   once the request that caused the change is served, as the real nodes do a moment later.
   A threshold above the number of nodes never demotes: the cluster as it was without them.
+- **Idle nodes** (``idle``): the last ``idle`` nodes serve no requests (no engine: a decode
+  node in P/D, a drained host); the requests go to the others. They hold blocks only as
+  peers do: what they pull as backup targets.
+- **Decode backup** (docs/architecture.md, "Decode backup"; :class:`BackupModel`), with
+  idle nodes: after each request, each busy node whose pool is full offers its oldest
+  retained blocks up to ``--backup-reclaimable-percent`` of its pool (the node's rule,
+  ``pegaflow.policy.backup``); those an idle node holds already are backed up at once, the
+  rest are copied into the next idle node's L1 (round robin per offer) as retained blocks,
+  evicting its oldest as any insert does; then the busy node demotes every offered block
+  the idle nodes hold to reclaimable (the planner's backup notice). A later miss there that
+  an idle node holds is an ordinary peer pull (counted as a peer hit, the copy reclaimable).
+  The owner counts run with the backup whatever the threshold, so when an idle node evicts
+  the last other copy the busy node's is retained again (``n1 == 1 < n0``). What is not
+  modelled: the tick (1 s) and ``--backup-max-bandwidth``: a copy lands as soon as the
+  request that filled the pool is served.
 - **The index** is exact and immediate (the real one lags the node by the publisher's
   flush interval and the metaserver's apply, tens of milliseconds; class notices by the
   node's poll, a quarter of a second).
@@ -50,14 +67,22 @@ from dataclasses import asdict, dataclass, field
 from typing import cast
 
 from pegaflow.config.capacity import Capacity, parse_capacity, route_field
-from pegaflow.config.options import META, default_of, options_for
+from pegaflow.config.options import META, NODE, default_of, options_for
 from pegaflow.core.block_index import BlockIndex, IndexEvent, Listener, Namespace
 from pegaflow.core.trace import Request, Trace, TraceError, read_trace
+from pegaflow.policy.backup import backup_candidates
 from pegaflow.policy.classes import MIN_OWNER_THRESHOLD, class_notices
 from pegaflow.replay.model import SSD_WRITES, SSD_WRITES_COMMITS, Pool, route_hash
 
-# pegaflow-meta's --min-reclaimable-owner-count, read from the option table (one default).
-OWNER_THRESHOLD = cast(int, default_of(next(o for o in options_for(META) if o.name == "min-reclaimable-owner-count")))
+
+def _default(command: str, name: str) -> int:
+    return cast(int, default_of(next(o for o in options_for(command) if o.name == name)))
+
+
+# pegaflow-meta's and the node's options, read from the option table (one default each).
+OWNER_THRESHOLD = _default(META, "min-reclaimable-owner-count")
+BACKUP_PERCENT = _default(NODE, "backup-reclaimable-percent")
+BACKUP_MAX_CANDIDATES = _default(NODE, "backup-max-candidates")
 _L1, _SSD = 1, 2  # a holder's tiers, as bits
 
 
@@ -75,6 +100,10 @@ class ClusterResult:
     owner_threshold: int = 0  # --min-reclaimable-owner-count modelled
     demoted: int = 0  # blocks the owner counts moved from retained to reclaimable, all nodes
     restored: int = 0  # ... and back
+    idle: int = 0  # nodes that served no requests
+    backup: bool = False  # the decode backup modelled on them
+    backed_up: int = 0  # blocks the idle nodes copied from the busy ones
+    backup_demoted: int = 0  # blocks the busy nodes demoted as backed up
     request_hits: list[int] = field(default_factory=list, repr=False)
 
     @property
@@ -167,20 +196,73 @@ class OwnerCounts:
             i = j
 
 
+@dataclass(frozen=True)
+class BackupSettings:
+    """The busy nodes' ``--backup-reclaimable-percent`` and ``--backup-max-candidates``."""
+
+    percent: int = BACKUP_PERCENT
+    max_candidates: int = BACKUP_MAX_CANDIDATES
+
+
+class BackupModel:
+    """The decode backup between ``sources`` (busy pools) and ``targets`` (idle pools): one
+    :meth:`step` is every busy node's offer, the planner's pairing, the copies and the
+    sources' demotions (the module docstring), at once."""
+
+    def __init__(self, sources: Sequence[Pool], targets: Sequence[Pool], settings: BackupSettings) -> None:
+        if not targets:
+            raise ValueError("the decode backup needs an idle node")
+        self.sources, self.targets, self.settings = sources, targets, settings
+        self._next = 0  # the planner's round robin over the targets
+        self.copied = self.demoted = 0
+
+    def _held(self, name: str, h: bytes) -> bool:
+        return any(t.l1.index.contains(t.l1.ns[name], h)
+                   or (t.ssd is not None and t.ssd.index.contains(t.ssd.ns[name], h)) for t in self.targets)
+
+    def step(self) -> None:
+        s = self.settings
+        for src in self.sources:
+            offered = backup_candidates(src.l1.index, s.percent, s.max_candidates)
+            if not offered:
+                continue
+            by_ns: dict[str, list[bytes]] = {}
+            for b in offered:
+                by_ns.setdefault(b.ns.name, []).append(b.hash)
+            target = self.targets[self._next % len(self.targets)]
+            self._next += 1
+            for name, hashes in by_ns.items():
+                copy = [h for h in hashes if not self._held(name, h)]
+                if copy:
+                    target.l1.index.insert(target.l1.ns[name], copy)  # the target's pull: retained copies
+                    target._flush_ssd()  # noqa: SLF001 - the target's write-behind, as on any commit
+                    self.copied += sum(target.l1.index.contains(target.l1.ns[name], h) for h in copy)
+                backed = [h for h in hashes if self._held(name, h)]
+                self.demoted += src.l1.index.reclassify(src.l1.ns[name], backed, True)
+
+
 class NodeCluster:
     """``nodes`` pools of ``l1`` / ``ssd`` each ((amount, in blocks) as ``Capacity.blocks_or_bytes``),
     peer pulls, and replacement classes by owner count (``owner_threshold``: pegaflow-meta's
-    ``--min-reclaimable-owner-count``; above ``nodes``: none is ever reached)."""
+    ``--min-reclaimable-owner-count``; above ``nodes``: none is ever reached); the last ``idle``
+    nodes serve no requests, and with ``backup`` they back up the others."""
 
     def __init__(self, nodes: int, l1: tuple[int, bool], ssd: tuple[int, bool], page_bytes: dict[str, int],
                  peers: bool = True, ssd_writes: str = SSD_WRITES_COMMITS,
-                 owner_threshold: int = OWNER_THRESHOLD) -> None:
+                 owner_threshold: int = OWNER_THRESHOLD, idle: int = 0,
+                 backup: BackupSettings | None = None) -> None:
         if nodes < 1:
             raise ValueError(f"nodes must be >= 1, got {nodes}")
+        if not 0 <= idle < nodes:
+            raise ValueError(f"idle nodes must be 0 to nodes - 1 ({nodes - 1}), got {idle}")
+        if backup is not None and not peers:
+            raise ValueError("the decode backup needs peer pulls: a busy node reads its copies back from a peer")
         self.pools = [Pool(l1, ssd, page_bytes, False, ssd_writes) for _ in range(nodes)]
         self.peers = peers
-        # Counts only matter where they can reach the threshold.
-        self.owners = OwnerCounts(self.pools, owner_threshold) if owner_threshold <= nodes else None
+        self.busy = nodes - idle
+        self.backup = BackupModel(self.pools[: self.busy], self.pools[self.busy :], backup) if backup else None
+        # Counts only matter where they can reach the threshold, or restore a backed-up block's last copy.
+        self.owners = OwnerCounts(self.pools, owner_threshold) if owner_threshold <= nodes or backup else None
 
     @staticmethod
     def _run(pool: Pool, namespace: str, rest: Sequence[bytes]) -> tuple[int, int]:
@@ -251,6 +333,10 @@ class NodeCluster:
         me._flush_ssd()  # noqa: SLF001 - the pool's own write-behind step, as Pool.serve runs it
         if self.owners is not None:
             self.owners.settle()
+        if self.backup is not None:
+            self.backup.step()
+            if self.owners is not None:
+                self.owners.settle()
         return got[0], got[1], got[2], got[3]
 
     @staticmethod
@@ -275,17 +361,19 @@ def route(i: int, r: Request, nodes: int, by_field: bool) -> int:
 
 def replay_cluster(trace: Trace, nodes: int, l1: Capacity, ssd: Capacity, *, page_bytes: int = 64 << 20,
                    peers: bool = True, route_by: str = "round-robin",
-                   ssd_writes: str = SSD_WRITES_COMMITS, owner_threshold: int = OWNER_THRESHOLD) -> ClusterResult:
+                   ssd_writes: str = SSD_WRITES_COMMITS, owner_threshold: int = OWNER_THRESHOLD,
+                   idle: int = 0, backup: BackupSettings | None = None) -> ClusterResult:
     """Replay ``trace`` on ``nodes`` nodes with ``l1`` and ``ssd`` EACH (a percentage of the
-    trace's distinct blocks, as in ``pegaflow replay``, is of the whole trace, per node)."""
+    trace's distinct blocks, as in ``pegaflow replay``, is of the whole trace, per node); the
+    requests go to the first ``nodes - idle``."""
     sizes = {name: size or page_bytes for name, size in trace.namespaces.items()}
     c = NodeCluster(nodes, l1.blocks_or_bytes(trace.unique), ssd.blocks_or_bytes(trace.unique), sizes, peers,
-                    ssd_writes, owner_threshold)
+                    ssd_writes, owner_threshold, idle, backup)
     by_field = route_field(route_by) is not None
-    res = ClusterResult(nodes, peers, owner_threshold=owner_threshold)
+    res = ClusterResult(nodes, peers, owner_threshold=owner_threshold, idle=idle, backup=backup is not None)
     put = res.request_hits.append
     for i, r in enumerate(trace.requests):
-        a, b, x, y = c.serve(route(i, r, nodes, by_field), r.namespace, r.hashes, r.saved)
+        a, b, x, y = c.serve(route(i, r, c.busy, by_field), r.namespace, r.hashes, r.saved)
         res.blocks += len(r.hashes)
         res.l1 += a
         res.ssd += b
@@ -294,7 +382,49 @@ def replay_cluster(trace: Trace, nodes: int, l1: Capacity, ssd: Capacity, *, pag
         put(a + b + x + y)
     if c.owners is not None:
         res.demoted, res.restored = c.owners.demoted, c.owners.restored
+    if c.backup is not None:
+        res.backed_up, res.backup_demoted = c.backup.copied, c.backup.demoted
     return res
+
+
+def cluster_lines(trace: Trace, nodes: int, l1: Capacity, ssd: Capacity, *, page_bytes: int = 64 << 20,
+                  peers_modes: Sequence[bool] = (False, True), route_by: str = "round-robin",
+                  ssd_writes: str = SSD_WRITES_COMMITS, owner_threshold: int = OWNER_THRESHOLD, idle: int = 0,
+                  backup: BackupSettings | None = None) -> tuple[list[str], list[dict[str, object]]]:
+    """The cluster report of ``python -m pegaflow.replay.cluster`` and ``pegaflow replay --nodes``:
+    per peer mode, the hit rate as configured, beside it the run without the owner classes and,
+    with ``backup``, the run without the decode backup. Returns (lines, every run as a dict)."""
+    lines: list[str] = []
+    runs: list[dict[str, object]] = []
+    n = owner_threshold
+    busy = nodes - idle
+    for peers in peers_modes:
+        on = backup if peers else None  # the backup needs peer pulls
+
+        def run(threshold: int, bk: BackupSettings | None, peers: bool = peers) -> ClusterResult:
+            r = replay_cluster(trace, nodes, l1, ssd, page_bytes=page_bytes, peers=peers, route_by=route_by,
+                               ssd_writes=ssd_writes, owner_threshold=threshold, idle=idle, backup=bk)
+            runs.append(r.to_dict())
+            return r
+
+        res = run(n, on)
+        idle_text = f" ({idle} idle)" if idle else ""
+        lines.append(f"{nodes} nodes{idle_text}, {'peer pulls' if peers else 'no peer pulls'}"
+                     f"{', decode backup' if on else ''}: hit rate {res.hit_rate:.2%} (own L1 {res.l1}, "
+                     f"own SSD {res.ssd}, peer L1 {res.peer_l1}, peer SSD {res.peer_ssd} of {res.blocks} blocks)")
+        if n > nodes:
+            lines.append(f"  no block can reach {n} owners on {nodes} nodes: no owner classes")
+        else:
+            off = run(nodes + 1, on)
+            lines.append(f"  owner classes (--min-reclaimable-owner-count {n}): {res.demoted} blocks demoted, "
+                         f"{res.restored} restored; without them {off.hit_rate:.2%} "
+                         f"({(res.hit_rate - off.hit_rate) * 100:+.2f} pp from them)")
+        if on is not None:
+            off = run(n, None)
+            lines.append(f"  decode backup ({idle} idle for {busy} busy, --backup-reclaimable-percent {on.percent}): "
+                         f"{res.backed_up} blocks copied, {res.backup_demoted} demoted on the busy nodes; without it "
+                         f"{off.hit_rate:.2%} ({(res.hit_rate - off.hit_rate) * 100:+.2f} pp from it)")
+    return lines, runs
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -310,33 +440,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--min-reclaimable-owner-count", type=int, default=OWNER_THRESHOLD, metavar="N",
                    help="pegaflow-meta's: a block N nodes hold is reclaimable (evicted first) on each; "
                         "the run without owner classes is printed beside it (default: %(default)s)")
+    p.add_argument("--idle-nodes", type=int, default=0, metavar="N",
+                   help="the last N nodes serve no requests (default: %(default)s)")
+    p.add_argument("--enable-decode-backup", action="store_true",
+                   help="the idle nodes back up the busy ones (pegaflow-meta's flag); the run without it beside")
+    p.add_argument("--backup-reclaimable-percent", type=int, default=BACKUP_PERCENT, metavar="PERCENT",
+                   help="the busy nodes' (default: %(default)s)")
     p.add_argument("--block-tokens", type=int, default=512)
     a = p.parse_args(argv)
     if a.nodes < 1:
         p.error("--nodes must be >= 1")
     if a.min_reclaimable_owner_count < MIN_OWNER_THRESHOLD:
         p.error(f"--min-reclaimable-owner-count must be at least {MIN_OWNER_THRESHOLD}")
+    if not 0 <= a.idle_nodes < a.nodes:
+        p.error("--idle-nodes must be 0 to --nodes - 1")
+    if a.enable_decode_backup and not a.idle_nodes:
+        p.error("--enable-decode-backup needs --idle-nodes (the backup targets)")
+    if not 0 <= a.backup_reclaimable_percent <= 100:
+        p.error("--backup-reclaimable-percent must be 0 to 100")
     try:
         with open(a.trace, encoding="utf-8") as f:
             trace = read_trace(f, block_tokens=a.block_tokens, route_field=route_field(a.route))
     except (OSError, TraceError) as exc:
         print(f"error: {a.trace}: {exc}", file=sys.stderr)
         return 2
-    n = a.min_reclaimable_owner_count
-    for peers in ([False] if a.no_peers else [False, True]):
-        res = replay_cluster(trace, a.nodes, a.l1, a.ssd, peers=peers, route_by=a.route, ssd_writes=a.ssd_writes,
-                             owner_threshold=n)
-        print(f"{a.nodes} nodes, {'peer pulls' if peers else 'no peer pulls'}: hit rate {res.hit_rate:.2%} "
-              f"(own L1 {res.l1}, own SSD {res.ssd}, peer L1 {res.peer_l1}, peer SSD {res.peer_ssd} "
-              f"of {res.blocks} blocks)")
-        if n > a.nodes:
-            print(f"  no block can reach {n} owners on {a.nodes} nodes: no owner classes")
-            continue
-        off = replay_cluster(trace, a.nodes, a.l1, a.ssd, peers=peers, route_by=a.route, ssd_writes=a.ssd_writes,
-                             owner_threshold=a.nodes + 1)
-        print(f"  owner classes (--min-reclaimable-owner-count {n}): {res.demoted} blocks demoted, "
-              f"{res.restored} restored; without them {off.hit_rate:.2%} "
-              f"({(res.hit_rate - off.hit_rate) * 100:+.2f} pp from them)")
+    backup = BackupSettings(a.backup_reclaimable_percent) if a.enable_decode_backup else None
+    lines, _ = cluster_lines(trace, a.nodes, a.l1, a.ssd, peers_modes=[False] if a.no_peers else [False, True],
+                             route_by=a.route, ssd_writes=a.ssd_writes, owner_threshold=a.min_reclaimable_owner_count,
+                             idle=a.idle_nodes, backup=backup)
+    print("\n".join(lines))
     return 0
 
 

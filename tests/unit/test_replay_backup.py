@@ -1,0 +1,97 @@
+"""The decode backup in replay's cluster model (pegaflow/replay/cluster.py, docs/replay.md): on
+small hand-checked cases, a full busy pool's oldest retained blocks are copied to the idle node
+and demoted, a later miss on them is a peer hit, and the idle node evicting the last other copy
+makes the busy node's retained again; the model's candidates are the node's own."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pegaflow.core.block_index import BlockIndex
+from pegaflow.node.backup import pick_candidates
+from pegaflow.policy.backup import backup_candidates
+from pegaflow.replay.cluster import BackupSettings, NodeCluster, main
+from pegaflow.replay.model import Pool
+from tests.unit.test_block_index import fill, h
+
+NS = "m"
+
+
+def hs(tag: str, n: int) -> list[bytes]:
+    return [f"{tag}:{i}".encode().ljust(16, b".")[:16] for i in range(n)]
+
+
+def order(pool: Pool) -> list[tuple[bytes, bool]]:
+    """The pool's L1 in eviction order: (hash, reclaimable)."""
+    return [(b.hash, b.reclaimable) for b in pool.l1.index.lru_order()]
+
+
+def test_a_full_busy_pool_hands_its_oldest_blocks_to_the_idle_node_and_pulls_them_back() -> None:
+    # 8-block pools, 25%: a full busy node keeps 2 blocks reclaimable, backed up on node 1.
+    c = NodeCluster(2, (8, True), (0, True), {NS: 1}, idle=1, backup=BackupSettings(percent=25))
+    x, y = hs("x", 8), hs("y", 2)
+    assert c.serve(0, NS, x) == (0, 0, 0, 0)
+    assert order(c.pools[0]) == [(x[0], True), (x[1], True), *((b, False) for b in x[2:])]
+    assert order(c.pools[1]) == [(x[0], False), (x[1], False)]  # the idle node's copies: retained
+    c.serve(0, NS, y)  # evicts the backed-up x0, x1 first; the next two oldest are backed up
+    assert order(c.pools[0]) == [(x[2], True), (x[3], True), *((b, False) for b in (*x[4:], *y))]
+    assert [b for b, _ in order(c.pools[1])] == x[:4]
+    assert c.serve(0, NS, [x[0]]) == (0, 0, 1, 0)  # its miss is a peer hit from the idle node
+    # the pulled copy is reclaimable and took x2's page (the oldest reclaimable); 2 reclaimable: no offer
+    assert order(c.pools[0]) == [(x[3], True), (x[0], True), *((b, False) for b in (*x[4:], *y))]
+    assert c.backup is not None and (c.backup.copied, c.backup.demoted) == (4, 4)
+
+    off = NodeCluster(2, (8, True), (0, True), {NS: 1}, idle=1)
+    for r in (x, y):
+        off.serve(0, NS, r)
+    assert off.serve(0, NS, [x[0]]) == (0, 0, 0, 0)  # without the backup: computed again
+    assert order(off.pools[1]) == []  # the idle node never served a request
+
+
+def test_the_idle_node_evicting_the_last_other_copy_restores_it_on_the_busy_node() -> None:
+    # Two busy nodes, one idle, 4-block pools, 50%: node 1's overflow pushes node 0's copies out of node 2.
+    c = NodeCluster(3, (4, True), (0, True), {NS: 1}, idle=1, backup=BackupSettings(percent=50))
+    a, b, d = hs("a", 4), hs("b", 4), hs("d", 2)
+    c.serve(0, NS, a)
+    assert order(c.pools[0])[:2] == [(a[0], True), (a[1], True)]
+    c.serve(1, NS, b)
+    assert [h for h, _ in order(c.pools[2])] == [a[0], a[1], b[0], b[1]]  # the idle pool is full
+    c.serve(1, NS, d)  # node 1 evicts b0, b1 (backed up) and offers b2, b3: node 2 evicts a0, a1
+    assert [h for h, _ in order(c.pools[2])] == b
+    # node 0's copies are the last now: retained again, at the newest end of the retained order
+    assert order(c.pools[0]) == [(h_, False) for h_ in (*a[2:], *a[:2])]
+    assert c.owners is not None and c.owners.restored == 2
+    assert c.serve(1, NS, [b[0]]) == (0, 0, 1, 0)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_models_candidates_are_the_nodes(seed: int) -> None:
+    rng = random.Random(seed)
+    page = 4096
+    idx = BlockIndex(32 * page)
+    ns = idx.namespace("a", page)
+    blocks = fill(idx, ns, range(rng.randrange(28, 33)))
+    idx.reclassify(ns, [h(k) for k in rng.sample(range(len(blocks)), rng.randrange(4))], True)
+    idx.pin([blocks[k] for k in rng.sample(range(len(blocks)), rng.randrange(3))])
+    for percent, most in ((rng.randrange(101), rng.randrange(1, 40)) for _ in range(10)):
+        node = [x for g in pick_candidates(idx, percent, most) for x in g.hashes]
+        assert [b.hash for b in backup_candidates(idx, percent, most)] == node
+
+
+def test_the_cli_prints_the_hit_rate_with_and_without_the_backup(tmp_path, capsys) -> None:
+    trace = tmp_path / "t.jsonl"
+    rng = random.Random(1)
+    trace.write_text("".join(f'{{"timestamp": {i}, "input_length": 512, "hash_ids": [{rng.randrange(60)}]}}\n'
+                             for i in range(400)))
+    assert main([str(trace), "--nodes", "2", "--idle-nodes", "1", "--enable-decode-backup", "--l1", "20blocks",
+                 "--backup-reclaimable-percent", "50", "--no-peers"]) == 0
+    assert "decode backup" not in capsys.readouterr().out  # no peer pulls: no backup
+    assert main([str(trace), "--nodes", "2", "--idle-nodes", "1", "--enable-decode-backup", "--l1", "20blocks",
+                 "--backup-reclaimable-percent", "50"]) == 0
+    out = capsys.readouterr().out
+    assert "2 nodes (1 idle), peer pulls, decode backup: hit rate" in out
+    with_it = float(out.split("decode backup: hit rate ")[1].split("%")[0])
+    without = float(out.split("; without it ")[1].split("%")[0])
+    assert with_it > without  # 60 blocks, 20 per pool: the idle pool holds part of the overflow
