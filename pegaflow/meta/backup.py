@@ -8,13 +8,21 @@ One replica plans at a time (``keys.BACKUP_LOCK``); a pass every ``PASS_S``:
    engine and an offer. The target set is stored for the nodes' ``pegaflow_backup_role``.
 2. Settle the plans in flight: blocks whose target now holds them in the index (its insert
    events) are backed up: the source gets a ``BACKUP`` class notice for them
-   (``pegaflow/cluster/notices.py``) and demotes them. Plans past ``PLAN_DEADLINE_S``
-   (target died, block gone on the source) are forgotten; their blocks, still retained on
-   the source, come back in its offers and are planned again.
+   (``pegaflow/cluster/notices.py``) and demotes them (:func:`back_up`). Plans of a target
+   that is no longer one (it died, went invisible or got an engine) are forgotten at once,
+   and plans past ``PLAN_DEADLINE_S`` (a block gone on the source) too; their blocks, still
+   retained on the source, come back in its offers and are planned again.
 3. Pair (:func:`pair`): per source, in name order, each offered block a target already
    holds is backed up at once (filtered ``has_backup``); blocks in flight are skipped; the
    rest go to the targets round robin, in plans of at most the target's
    ``--backup-pull-max-bytes``, while the target has fewer than ``MAX_QUEUED`` plans queued.
+
+A backup notice goes out only in the same Redis step that finds a target holding the block
+(:data:`_BACK`, a script in the namespace's slot with the index and the notice lists): a
+target that evicts its copy between the planner's reads and the notice would otherwise leave
+the source's last copy reclaimable. With the script the eviction comes either before (no
+notice) or after it (the index's restore for the last holder, ``n1 == 1 < n0``, follows the
+backup notice in the source's list).
 
 The in-flight set lives in the planning replica's memory: a replica that takes over starts
 without it, so a block may be planned twice (the target skips blocks it holds).
@@ -22,18 +30,20 @@ without it, so a block may be planned twice (the target skips blocks it holds).
 
 from __future__ import annotations
 
+import string
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from pegaflow.cluster import backup, keys, notices, registry
-from pegaflow.cluster.redis_conn import Client, error_text, parallel
+from pegaflow.cluster.redis_conn import Client, Script, error_text, parallel
 from pegaflow.common.metric_alias import Alias, OriginalNames
-from pegaflow.meta.index import Index
+from pegaflow.core.identity import HASH_BYTES
+from pegaflow.meta.index import Index, nid_bytes
 
 log = structlog.get_logger("pegaflow.meta.backup")
 
@@ -46,6 +56,48 @@ MAX_QUEUED = 2  # plans queued per target: enough to keep it busy, few enough to
 
 HAS_BACKUP = "has_backup"
 SOURCE_GONE = "source_gone"
+
+# KEYS[1]: the namespace's anchor (its slot: the buckets and the notice lists are there too).
+# ARGV: bucket prefix, the backers (holder ids, NID bytes each), the hashes, the source's
+# notice list. Of the hashes, those a backer holds now (any tier) get one backup notice on
+# the source's list, kept as the index's scripts keep it; returns them.
+_BACK = Script(string.Template("""
+local pre, blob, key = ARGV[1], ARGV[3], ARGV[4]
+local backers = {}
+for j = 1, #ARGV[2], $NID do backers[ARGV[2]:sub(j, j + $NID - 1)] = true end
+local out = {}
+for off = 1, #blob, $HASH do
+  local v = redis.call('HGET', pre .. blob:sub(off, off + $BUCKET - 1), blob:sub(off + $BUCKET, off + $HASH - 1))
+  if v then
+    for j = 1, #v, $NID do
+      local c = v:sub(j, j + $NID - 1)
+      if backers[string.char(c:byte(1) % $TOP) .. c:sub(2)] then out[#out + 1] = blob:sub(off, off + $HASH - 1) break end
+    end
+  end
+end
+if #out > 0 then
+  redis.call('RPUSH', key, '$OP' .. table.concat(out))
+  redis.call('LTRIM', key, -$MAX, -1)
+  redis.call('PEXPIRE', key, $TTL)
+end
+return table.concat(out)
+""").substitute(NID=keys.NID_BYTES, HASH=HASH_BYTES, BUCKET=keys.BUCKET_BYTES,
+                TOP=keys.TIER_BIT >> (8 * (keys.NID_BYTES - 1)), OP=notices.BACKUP.decode(),
+                MAX=notices.MAX_ENTRIES, TTL=notices.TTL_MS))
+
+
+def back_up(r: Client, namespace: str, source_nid: int, backers: Iterable[int], hashes: Sequence[bytes],
+            prefix: str = keys.BUCKET_PREFIX) -> list[bytes]:
+    """Demote on the source (nid ``source_nid``) those of ``hashes`` that one of ``backers``
+    (nids) holds in the index now, in one atomic step with the index (:data:`_BACK`); returns
+    them."""
+    if not hashes:
+        return []
+    tag = keys.ns_tag(namespace)
+    blob = _BACK(r, [keys.anchor_key(tag)], [keys.bucket_prefix(tag, prefix), b"".join(map(nid_bytes, sorted(backers))),
+                                             b"".join(hashes), keys.notice_key(tag, source_nid)])
+    assert isinstance(blob, bytes)
+    return [blob[i:i + HASH_BYTES] for i in range(0, len(blob), HASH_BYTES)]
 
 
 @dataclass(frozen=True)
@@ -212,12 +264,12 @@ class Planner:
                 gone += sum(len(c.hashes) for c in offer)
             elif offer:
                 sources.append(Source(n, visible[n], nodes[n].addr, offer))
-        self._settle()
+        self._settle(target_names)
         now = self.clock()
         out = pair(sources, targets, self.index.holders,
                    lambda s, ns, h: (s, ns, h) in self.flights, self.rr)
         self.rr = out.next_rr
-        self._notify(out.backed)
+        has_backup = self._notify(out.backed, targets)
         by_target: dict[str, list[backup.Plan]] = {}
         for t, plan in out.plans:
             by_target.setdefault(t.name, []).append(plan)
@@ -229,7 +281,7 @@ class Planner:
         for name, plans in by_target.items():
             backup.queue_plans(self.r, name, plans, PLAN_TTL_MS)
         m = self.metrics
-        m.filtered.labels(HAS_BACKUP).inc(out.has_backup)
+        m.filtered.labels(HAS_BACKUP).inc(has_backup)
         m.filtered.labels(SOURCE_GONE).inc(gone)
         m.candidates.set(out.offered)
         m.nodes.labels("target").set(len(targets))
@@ -259,29 +311,27 @@ class Planner:
         now_ms = registry.redis_ms(now)
         return now_ms, {n: nid for nid, n in registry.fresh(names, live, seen, now_ms, self.stale_ms).items()}
 
-    def _settle(self) -> None:
-        """Plans in flight whose target holds the block now: notify the source; drop the overdue."""
+    def _settle(self, targets: set[str]) -> None:
+        """Plans in flight whose target holds the block now: notify the source (:func:`back_up`);
+        drop the overdue and those of nodes no longer ``targets``."""
         now = self.clock()
-        by_ns: dict[str, list[tuple[str, str, bytes]]] = {}
+        groups: dict[tuple[str, int, str], tuple[set[int], list[bytes]]] = {}
         for k, f in list(self.flights.items()):
-            if f.deadline < now:
+            if f.deadline < now or f.target not in targets:
                 del self.flights[k]
             else:
-                by_ns.setdefault(k[1], []).append(k)
-        landed: dict[tuple[int, str], list[bytes]] = {}
-        for ns, ks in by_ns.items():
-            for k, held in zip(ks, self.index.holders(ns, [k[2] for k in ks]), strict=True):
-                f = self.flights[k]
-                if f.target_nid in held:
-                    landed.setdefault((f.source_nid, ns), []).append(k[2])
-                    del self.flights[k]
-        for (nid, ns), hashes in landed.items():
-            notices.push(self.r, keys.ns_tag(ns), nid, notices.Notice(True, hashes, backup=True))
+                nids, hashes = groups.setdefault((f.source, f.source_nid, k[1]), (set(), []))
+                nids.add(f.target_nid)
+                hashes.append(k[2])
+        for (source, nid, ns), (nids, hashes) in groups.items():
+            for h in back_up(self.r, ns, nid, nids, hashes):
+                del self.flights[(source, ns, h)]
 
-    def _notify(self, backed: list[tuple[Source, str, list[bytes]]]) -> None:
-        for src, ns, hashes in backed:
-            notices.push(self.r, keys.ns_tag(ns), src.nid, notices.Notice(True, hashes, backup=True))
-
+    def _notify(self, backed: list[tuple[Source, str, list[bytes]]], targets: Sequence[Target]) -> int:
+        """Back up blocks a target held when paired (still holds: :func:`back_up` checks again);
+        returns how many."""
+        nids = [t.nid for t in targets]
+        return sum(len(back_up(self.r, ns, src.nid, nids, hashes)) for src, ns, hashes in backed)
 
 def run(planner: Planner, stop: threading.Event, interval: float = PASS_S) -> None:
     """Plan every ``interval`` seconds until ``stop``."""

@@ -206,6 +206,8 @@ class BackupAgent:
     async def execute(self, plan: backup.Plan) -> None:
         """Pull one plan (event loop), after the bandwidth allows its bytes."""
         assert self.puller is not None
+        log.info("backup_plan_taken", source=plan.source, namespace=plan.blocks.namespace,
+                 blocks=len(plan.blocks.hashes), first=plan.blocks.hashes[0].hex() if plan.blocks.hashes else "")
         if self.sessions.sessions:
             log.info("backup_plan_dropped", source=plan.source, reason="an engine registered")
             return
