@@ -152,6 +152,9 @@ class ReplayConfig:
 
     log_level: str
     log_format: str
+    backup_reclaimable_percent: int
+    min_reclaimable_owner_count: int
+    enable_decode_backup: bool
     enable_lfu_admission: bool
     namespace_quota: tuple[Quota, ...]
     ceiling_windows: tuple[float, ...]
@@ -164,6 +167,8 @@ class ReplayConfig:
     page_bytes: int
     block_tokens: int
     instances: int
+    nodes: int
+    idle_nodes: int
     pools: str
     route: str
     compare_admission: bool

@@ -683,6 +683,7 @@ OPTIONS: list[Option] = [
         "Once the cache is full, this node offers its oldest retained blocks for backup until the "
         "reclaimable class reaches it (the original's).",
         _percent,
+        commands=(NODE, REPLAY),  # replay: the busy nodes' (docs/replay.md)
         metavar="PERCENT",
     ),
     Option(
@@ -774,7 +775,7 @@ OPTIONS: list[Option] = [
         "reclaimable class, evicted before any retained block, until fewer hold it. Give every "
         "replica the same. docs/architecture.md, \"Replacement classes\".",
         _owner_count,
-        commands=(META,),
+        commands=(META, REPLAY),  # replay: the cluster model's (--nodes)
         env_var="PEGAFLOW_METASERVER_MIN_RECLAIMABLE_OWNER_COUNT",  # the original's variable
     ),
     Option(
@@ -784,7 +785,7 @@ OPTIONS: list[Option] = [
         "retained blocks of nodes with an instance (the original's; docs/architecture.md, "
         "\"Decode backup\").",
         _bool,
-        commands=(META,),
+        commands=(META, REPLAY),  # replay: the idle nodes back up the busy ones (--idle-nodes)
         flag=True,
         env_var="PEGAFLOW_METASERVER_ENABLE_DECODE_BACKUP",  # the original's variable
     ),
@@ -999,6 +1000,23 @@ OPTIONS: list[Option] = [
     ),
     Option("block-tokens", 512, "Tokens per block of the trace (Mooncake: 512).", _positive_int, commands=(REPLAY,)),
     Option("instances", 1, "Engine instances the requests are spread over.", _positive_int, commands=(REPLAY,)),
+    Option(
+        "nodes",
+        1,
+        "PegaFlow nodes (more than 1: the cluster model, docs/replay.md): each with --l1-capacity and "
+        "--ssd-capacity of its own, pulling from each other, with the replacement classes by "
+        "--min-reclaimable-owner-count; the hit rate is printed with and without them.",
+        _positive_int,
+        commands=(REPLAY,),
+    ),
+    Option(
+        "idle-nodes",
+        0,
+        "Of --nodes, how many serve no requests (no engine: decode nodes, a drained host); with "
+        "--enable-decode-backup they back up the others, and the hit rate is printed with and without it.",
+        _non_negative_int,
+        commands=(REPLAY,),
+    ),
     Option(
         "pools",
         "both",

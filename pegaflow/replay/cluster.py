@@ -46,9 +46,10 @@ What is modelled (the node's rules, ``docs/p2p.md``):
   the idle nodes hold to reclaimable (the planner's backup notice). A later miss there that
   an idle node holds is an ordinary peer pull (counted as a peer hit, the copy reclaimable).
   The owner counts run with the backup whatever the threshold, so when an idle node evicts
-  the last other copy the busy node's is retained again (``n1 == 1 < n0``). What is not
-  modelled: the tick (1 s) and ``--backup-max-bandwidth``: a copy lands as soon as the
-  request that filled the pool is served.
+  the last other copy the busy node's is retained again (``n1 == 1 < n0``). The model has
+  no clock: by default a copy lands as soon as the request that filled the pool is served;
+  a caller that knows the request rate gives the tick in requests and the bandwidth in
+  blocks per tick (:class:`BackupSettings`), as ``bench/backup.py`` does.
 - **The index** is exact and immediate (the real one lags the node by the publisher's
   flush interval and the metaserver's apply, tens of milliseconds; class notices by the
   node's poll, a quarter of a second).
@@ -198,10 +199,17 @@ class OwnerCounts:
 
 @dataclass(frozen=True)
 class BackupSettings:
-    """The busy nodes' ``--backup-reclaimable-percent`` and ``--backup-max-candidates``."""
+    """The busy nodes' ``--backup-reclaimable-percent`` and ``--backup-max-candidates``; the
+    pace, where a caller knows it (the model has no clock): a backup step after every
+    ``every`` requests (the tick), copying at most ``step_blocks`` blocks per idle node in
+    one step (``--backup-max-bandwidth`` over a tick; 0: no limit), the source demoting a
+    copied block ``delay`` steps later (blocks in flight meanwhile are not copied again)."""
 
     percent: int = BACKUP_PERCENT
     max_candidates: int = BACKUP_MAX_CANDIDATES
+    every: int = 1
+    step_blocks: int = 0
+    delay: int = 0  # steps from a copy to the source's demotion (the planner's settle, the notice's poll)
 
 
 class BackupModel:
@@ -214,14 +222,38 @@ class BackupModel:
             raise ValueError("the decode backup needs an idle node")
         self.sources, self.targets, self.settings = sources, targets, settings
         self._next = 0  # the planner's round robin over the targets
+        self._since = 0  # requests since the last step
+        self._steps = 0
+        self._flight: list[tuple[int, Pool, str, list[bytes]]] = []  # (due step, source, namespace, copied)
+        self._in_flight: set[tuple[int, str, bytes]] = set()  # (id(source), namespace, hash)
         self.copied = self.demoted = 0
 
     def _held(self, name: str, h: bytes) -> bool:
         return any(t.l1.index.contains(t.l1.ns[name], h)
                    or (t.ssd is not None and t.ssd.index.contains(t.ssd.ns[name], h)) for t in self.targets)
 
+    def after_request(self) -> bool:
+        """Count one request; True when a step is due (then run :meth:`step`)."""
+        self._since += 1
+        if self._since < self.settings.every:
+            return False
+        self._since = 0
+        return True
+
+    def _settle(self) -> None:
+        """Demote on their sources the copies whose delay is over and which a target holds."""
+        due = [f for f in self._flight if f[0] <= self._steps]
+        self._flight = [f for f in self._flight if f[0] > self._steps]
+        for _, src, name, hashes in due:
+            self._in_flight.difference_update((id(src), name, h) for h in hashes)
+            backed = [h for h in hashes if self._held(name, h)]
+            self.demoted += src.l1.index.reclassify(src.l1.ns[name], backed, True)
+
     def step(self) -> None:
         s = self.settings
+        self._steps += 1
+        self._settle()
+        room = {id(t): s.step_blocks or -1 for t in self.targets}  # -1: no limit
         for src in self.sources:
             offered = backup_candidates(src.l1.index, s.percent, s.max_candidates)
             if not offered:
@@ -232,13 +264,24 @@ class BackupModel:
             target = self.targets[self._next % len(self.targets)]
             self._next += 1
             for name, hashes in by_ns.items():
-                copy = [h for h in hashes if not self._held(name, h)]
+                flying = self._in_flight
+                hashes = [h for h in hashes if (id(src), name, h) not in flying]
+                backed = [h for h in hashes if self._held(name, h)]  # a target holds them: demoted at once
+                self.demoted += src.l1.index.reclassify(src.l1.ns[name], backed, True)
+                known = set(backed)
+                copy = [h for h in hashes if h not in known]
+                left = room[id(target)]
+                if left >= 0:  # what the step's bandwidth leaves: the rest is offered again next step
+                    copy = copy[:left]
+                    room[id(target)] = left - len(copy)
                 if copy:
                     target.l1.index.insert(target.l1.ns[name], copy)  # the target's pull: retained copies
                     target._flush_ssd()  # noqa: SLF001 - the target's write-behind, as on any commit
                     self.copied += sum(target.l1.index.contains(target.l1.ns[name], h) for h in copy)
-                backed = [h for h in hashes if self._held(name, h)]
-                self.demoted += src.l1.index.reclassify(src.l1.ns[name], backed, True)
+                if copy:
+                    self._flight.append((self._steps + s.delay, src, name, copy))
+                    flying.update((id(src), name, h) for h in copy)
+        self._settle()  # delay 0: at once
 
 
 class NodeCluster:
@@ -333,11 +376,16 @@ class NodeCluster:
         me._flush_ssd()  # noqa: SLF001 - the pool's own write-behind step, as Pool.serve runs it
         if self.owners is not None:
             self.owners.settle()
-        if self.backup is not None:
-            self.backup.step()
-            if self.owners is not None:
-                self.owners.settle()
+        if self.backup is not None and self.backup.after_request():
+            self.backup_step()
         return got[0], got[1], got[2], got[3]
+
+    def backup_step(self) -> None:
+        """One step of the decode backup and the owner notices its copies cause."""
+        assert self.backup is not None
+        self.backup.step()
+        if self.owners is not None:
+            self.owners.settle()
 
     @staticmethod
     def _serve_peer(p: Pool, namespace: str, blocks: list[bytes]) -> None:

@@ -1,5 +1,10 @@
 """``pegaflow replay TRACE``: read a trace, run the scenarios, print the report.
 
+``--nodes N`` (> 1) runs the cluster model instead (pegaflow/replay/cluster.py): N nodes
+with the capacities each, peer pulls, the replacement classes by owner count and, with
+``--idle-nodes`` and ``--enable-decode-backup``, the decode backup; it prints the hit rate
+with and without the classes (and the backup).
+
 Exit codes: 0 done; 2 bad flags or a bad trace (one line on stderr, no traceback: the
 line number of a malformed trace line is in it); 1 the trace or plot file cannot be read
 or written.
@@ -9,17 +14,20 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import json
 import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
-from pegaflow.config.capacity import route_field, split_routes
+from pegaflow.config.capacity import KV_AWARE, route_field, split_routes
 from pegaflow.config.commands import ReplayConfig, load
 from pegaflow.config.options import REPLAY
-from pegaflow.core.trace import TraceError, read_trace
+from pegaflow.core.trace import Trace, TraceError, read_trace
+from pegaflow.policy.classes import MIN_OWNER_THRESHOLD
 from pegaflow.policy.quota import Quotas
+from pegaflow.replay.cluster import BackupSettings, cluster_lines
 from pegaflow.replay.files import iter_lines
 from pegaflow.replay.model import ISOLATED, SHARED, Scenario, TimeModel, scenario_grid
 from pegaflow.replay.report import Report, plot, render_table
@@ -84,6 +92,39 @@ def _counted(lines: Iterator[str], bar: _Progress) -> Iterator[str]:
     bar(n)
 
 
+def _cluster_error(opts: ReplayConfig) -> str | None:
+    """What the cluster model (``--nodes`` > 1) cannot run, in one line; None when it can or is off."""
+    if opts.nodes == 1:
+        return "--idle-nodes needs --nodes above 1" if opts.idle_nodes else None
+    if opts.instances > 1:
+        return "--nodes models one engine per busy node: leave --instances at 1"
+    if opts.idle_nodes >= opts.nodes:
+        return f"--idle-nodes must be below --nodes ({opts.nodes}): some node serves the requests"
+    if opts.enable_decode_backup and not opts.idle_nodes:
+        return "--enable-decode-backup needs --idle-nodes (the backup targets)"
+    if opts.min_reclaimable_owner_count < MIN_OWNER_THRESHOLD:
+        return f"--min-reclaimable-owner-count must be at least {MIN_OWNER_THRESHOLD}"
+    routes = split_routes(opts.route)
+    if len(routes) > 1 or routes[0] == KV_AWARE:
+        return "--nodes routes round-robin or by field:NAME, one rule"
+    return None
+
+
+def _cluster_report(opts: ReplayConfig, trace: Trace) -> int:
+    """``--nodes`` > 1: the cluster model's runs (pegaflow/replay/cluster.py), printed."""
+    backup = BackupSettings(percent=opts.backup_reclaimable_percent) if opts.enable_decode_backup else None
+    lines, runs = cluster_lines(trace, opts.nodes, opts.l1_capacity, opts.ssd_capacity, page_bytes=opts.page_bytes,
+                                peers_modes=(True,), route_by=opts.route, ssd_writes=opts.ssd_writes,
+                                owner_threshold=opts.min_reclaimable_owner_count, idle=opts.idle_nodes,
+                                backup=backup)
+    if opts.json:
+        sys.stdout.write(json.dumps({"trace": opts.trace, "requests": len(trace.requests), "cluster": runs}) + "\n")
+    else:
+        sys.stdout.write(f"{opts.trace}: {len(trace.requests)} requests, {trace.unique} distinct blocks; "
+                         f"per node L1 {opts.l1_capacity}, SSD {opts.ssd_capacity}\n" + "\n".join(lines) + "\n")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "pegaflow replay") -> int:
     opts: ReplayConfig = load(REPLAY, prog, argv, description=DESCRIPTION)
 
@@ -93,8 +134,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "pegaflow replay") -> in
 
     if opts.plot and importlib.util.find_spec("matplotlib") is None:  # before a long replay, not after
         return fail("--plot needs matplotlib: pip install 'pegaflow[plot]'")
+    cluster = opts.nodes > 1
+    if (bad := _cluster_error(opts)) is not None:
+        return fail(bad)
     started = time.perf_counter()
-    routes = split_routes(opts.route) if opts.instances > 1 else [opts.route]
+    routes = split_routes(opts.route) if opts.instances > 1 or cluster else [opts.route]
     try:
         size = os.path.getsize(opts.trace) if not opts.trace.endswith(".gz") else 0
     except OSError:
@@ -105,7 +149,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "pegaflow replay") -> in
             _counted(iter_lines(opts.trace), reading),
             opts.trace_format,
             block_tokens=opts.block_tokens,
-            route_field=next(filter(None, map(route_field, routes)), None) if opts.instances > 1 else None,
+            route_field=next(filter(None, map(route_field, routes)), None) if opts.instances > 1 or cluster else None,
             skip_bad=opts.skip_bad,
             namespace_field=opts.namespace_field or None,
         )
@@ -122,6 +166,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "pegaflow replay") -> in
             f"{opts.trace}: no requests" + (f" ({trace.skipped} bad lines skipped)" if trace.skipped else "")
         )
 
+    if cluster:
+        return _cluster_report(opts, trace)
     try:  # what one flag cannot check: guarantees over the whole pool, a name given twice
         Quotas(opts.namespace_quota)
     except ValueError as exc:

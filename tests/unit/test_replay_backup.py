@@ -1,18 +1,24 @@
 """The decode backup in replay's cluster model (pegaflow/replay/cluster.py, docs/replay.md): on
 small hand-checked cases, a full busy pool's oldest retained blocks are copied to the idle node
 and demoted, a later miss on them is a peer hit, and the idle node evicting the last other copy
-makes the busy node's retained again; the model's candidates are the node's own."""
+makes the busy node's retained again; a paced backup (a step every few requests, a few blocks a
+step, demoted a step later); the model's candidates are the node's own; and ``pegaflow replay
+--nodes`` prints the model with and without the classes and the backup."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
 
+from pegaflow.config.capacity import parse_capacity
 from pegaflow.core.block_index import BlockIndex
+from pegaflow.core.trace import read_trace
 from pegaflow.node.backup import pick_candidates
 from pegaflow.policy.backup import backup_candidates
-from pegaflow.replay.cluster import BackupSettings, NodeCluster, main
+from pegaflow.replay.cluster import BackupSettings, NodeCluster, main, replay_cluster
+from pegaflow.replay.command import main as command_main
 from pegaflow.replay.model import Pool
 from tests.unit.test_block_index import fill, h
 
@@ -66,6 +72,25 @@ def test_the_idle_node_evicting_the_last_other_copy_restores_it_on_the_busy_node
     assert c.serve(1, NS, [b[0]]) == (0, 0, 1, 0)
 
 
+def test_a_paced_backup_copies_a_step_s_blocks_and_demotes_them_a_delay_later() -> None:
+    # Half of 8 blocks kept backed up; 2 blocks a step, demoted one step after the copy, a step every 2nd request.
+    c = NodeCluster(2, (8, True), (0, True), {NS: 1}, idle=1,
+                    backup=BackupSettings(percent=50, every=2, step_blocks=2, delay=1))
+    x = hs("x", 8)
+    c.serve(0, NS, x)  # request 1: no step
+    assert order(c.pools[1]) == []
+    c.serve(0, NS, [])  # request 2: step 1 copies x0, x1; in flight, still retained on node 0
+    assert [h for h, _ in order(c.pools[1])] == x[:2] and c.pools[0].l1.index.reclaimable_bytes == 0
+    c.serve(0, NS, [])
+    c.serve(0, NS, [])  # step 2: x0, x1 demoted; x2, x3 copied (the percent's other two)
+    assert order(c.pools[0])[:2] == [(x[0], True), (x[1], True)]
+    assert [h for h, _ in order(c.pools[1])] == x[:4]
+    c.serve(0, NS, [])
+    c.serve(0, NS, [])  # step 3: x2, x3 demoted; the reclaimable class is at 50%: nothing more
+    assert order(c.pools[0])[:4] == [(h_, True) for h_ in x[:4]]
+    assert c.backup is not None and (c.backup.copied, c.backup.demoted) == (4, 4)
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_the_models_candidates_are_the_nodes(seed: int) -> None:
     rng = random.Random(seed)
@@ -95,3 +120,44 @@ def test_the_cli_prints_the_hit_rate_with_and_without_the_backup(tmp_path, capsy
     with_it = float(out.split("decode backup: hit rate ")[1].split("%")[0])
     without = float(out.split("; without it ")[1].split("%")[0])
     assert with_it > without  # 60 blocks, 20 per pool: the idle pool holds part of the overflow
+
+
+def _trace(tmp_path) -> str:
+    p = tmp_path / "t.jsonl"
+    rng = random.Random(2)
+    p.write_text("".join(f'{{"timestamp": {i}, "input_length": 1024, "hash_ids": [{rng.randrange(8)}, '
+                         f'{rng.randrange(8, 90)}]}}\n' for i in range(300)))
+    return str(p)
+
+
+def test_pegaflow_replay_with_nodes_prints_the_cluster_model_with_and_without_classes_and_backup(
+        tmp_path, capsys) -> None:
+    trace = _trace(tmp_path)
+    base = [trace, "--nodes", "3", "--l1-capacity", "24blocks", "--quiet"]
+    assert command_main([*base, "--min-reclaimable-owner-count", "2"]) == 0
+    out = capsys.readouterr().out
+    with open(trace, encoding="utf-8") as f:
+        t = read_trace(f)
+    on = replay_cluster(t, 3, parse_capacity("24blocks"), parse_capacity("0"), owner_threshold=2)
+    off = replay_cluster(t, 3, parse_capacity("24blocks"), parse_capacity("0"), owner_threshold=4)
+    assert f"3 nodes, peer pulls: hit rate {on.hit_rate:.2%}" in out
+    assert f"{on.demoted} blocks demoted, {on.restored} restored; without them {off.hit_rate:.2%}" in out
+    assert "decode backup" not in out
+
+    assert command_main([*base, "--idle-nodes", "1", "--enable-decode-backup", "--json"]) == 0
+    runs = json.loads(capsys.readouterr().out)["cluster"]
+    assert [(r["owner_threshold"], r["backup"], r["idle"]) for r in runs] == [(3, True, 1), (4, True, 1), (3, False, 1)]
+    assert runs[0]["backed_up"] > 0 and runs[2]["backed_up"] == 0
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--idle-nodes", "1"], "--idle-nodes needs --nodes"),
+    (["--nodes", "2", "--idle-nodes", "2"], "--idle-nodes must be below --nodes"),
+    (["--nodes", "2", "--enable-decode-backup"], "--enable-decode-backup needs --idle-nodes"),
+    (["--nodes", "2", "--route", "kv-aware"], "round-robin or by field:NAME"),
+    (["--nodes", "2", "--instances", "2"], "leave --instances at 1"),
+])
+def test_cluster_flags_that_cannot_run_are_one_line(tmp_path, capsys, args, needle) -> None:
+    assert command_main([_trace(tmp_path), "--l1-capacity", "24blocks", "--quiet", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0]
