@@ -40,10 +40,12 @@ What is modelled (the node's rules, ``docs/p2p.md``):
 - **Decode backup** (docs/architecture.md, "Decode backup"; :class:`BackupModel`), with
   idle nodes: after each request, each busy node whose pool is full offers its oldest
   retained blocks up to ``--backup-reclaimable-percent`` of its pool (the node's rule,
-  ``pegaflow.policy.backup``); those an idle node holds already are backed up at once, the
-  rest are copied into the next idle node's L1 (round robin per offer) as retained blocks,
-  evicting its oldest as any insert does; then the busy node demotes every offered block
-  the idle nodes hold to reclaimable (the planner's backup notice). A later miss there that
+  ``pegaflow.policy.backup``); those an idle node holds already are demoted at once (the
+  planner's ``has_backup``), the rest become plans: each idle node takes one plan a step, as
+  a target pulls one plan a tick (one busy node's blocks of one namespace; the busy nodes
+  take turns, the idle nodes round robin), copied into its L1 as retained blocks, evicting
+  its oldest as any insert does; then the busy node demotes the copies the idle nodes hold
+  to reclaimable (the planner's backup notice); what no plan took is offered again. A later miss there that
   an idle node holds is an ordinary peer pull (counted as a peer hit, the copy reclaimable).
   The owner counts run with the backup whatever the threshold, so when an idle node evicts
   the last other copy the busy node's is retained again (``n1 == 1 < n0``). The model has
@@ -222,6 +224,7 @@ class BackupModel:
             raise ValueError("the decode backup needs an idle node")
         self.sources, self.targets, self.settings = sources, targets, settings
         self._next = 0  # the planner's round robin over the targets
+        self._first = 0  # the source that plans first this step: they take turns
         self._since = 0  # requests since the last step
         self._steps = 0
         self._flight: list[tuple[int, Pool, str, list[bytes]]] = []  # (due step, source, namespace, copied)
@@ -250,19 +253,20 @@ class BackupModel:
             self.demoted += src.l1.index.reclassify(src.l1.ns[name], backed, True)
 
     def step(self) -> None:
+        """Every busy node offers; what a target holds already is demoted at once; the rest
+        becomes plans, one per target a step (a target pulls one plan a tick), each of one
+        source's blocks of one namespace, at most ``step_blocks``; the sources take turns."""
         s = self.settings
         self._steps += 1
         self._settle()
-        room = {id(t): s.step_blocks or -1 for t in self.targets}  # -1: no limit
-        for src in self.sources:
+        free = list(self.targets)  # targets with no plan this step
+        n = len(self.sources)
+        for i in range(n):
+            src = self.sources[(self._first + i) % n]
             offered = backup_candidates(src.l1.index, s.percent, s.max_candidates)
-            if not offered:
-                continue
             by_ns: dict[str, list[bytes]] = {}
             for b in offered:
                 by_ns.setdefault(b.ns.name, []).append(b.hash)
-            target = self.targets[self._next % len(self.targets)]
-            self._next += 1
             for name, hashes in by_ns.items():
                 flying = self._in_flight
                 hashes = [h for h in hashes if (id(src), name, h) not in flying]
@@ -270,17 +274,18 @@ class BackupModel:
                 self.demoted += src.l1.index.reclassify(src.l1.ns[name], backed, True)
                 known = set(backed)
                 copy = [h for h in hashes if h not in known]
-                left = room[id(target)]
-                if left >= 0:  # what the step's bandwidth leaves: the rest is offered again next step
-                    copy = copy[:left]
-                    room[id(target)] = left - len(copy)
-                if copy:
-                    target.l1.index.insert(target.l1.ns[name], copy)  # the target's pull: retained copies
-                    target._flush_ssd()  # noqa: SLF001 - the target's write-behind, as on any commit
-                    self.copied += sum(target.l1.index.contains(target.l1.ns[name], h) for h in copy)
-                if copy:
-                    self._flight.append((self._steps + s.delay, src, name, copy))
-                    flying.update((id(src), name, h) for h in copy)
+                if not copy or not free:
+                    continue  # offered again next step
+                target = free.pop(self._next % len(free))
+                self._next += 1
+                if s.step_blocks:
+                    copy = copy[: s.step_blocks]
+                target.l1.index.insert(target.l1.ns[name], copy)  # the target's pull: retained copies
+                target._flush_ssd()  # noqa: SLF001 - the target's write-behind, as on any commit
+                self.copied += sum(target.l1.index.contains(target.l1.ns[name], h) for h in copy)
+                self._flight.append((self._steps + s.delay, src, name, copy))
+                flying.update((id(src), name, h) for h in copy)
+        self._first = (self._first + 1) % max(n, 1)
         self._settle()  # delay 0: at once
 
 

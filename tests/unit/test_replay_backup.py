@@ -91,6 +91,19 @@ def test_a_paced_backup_copies_a_step_s_blocks_and_demotes_them_a_delay_later() 
     assert c.backup is not None and (c.backup.copied, c.backup.demoted) == (4, 4)
 
 
+def test_an_idle_node_takes_one_plan_a_step_and_the_busy_nodes_take_turns() -> None:
+    c = NodeCluster(3, (4, True), (0, True), {NS: 1}, idle=1, backup=BackupSettings(percent=50, every=2))
+    a, b = hs("a", 4), hs("b", 4)
+    c.serve(0, NS, a)
+    c.serve(1, NS, b)  # step 1: both full; node 0 plans first, node 1's offer waits
+    assert [h for h, _ in order(c.pools[2])] == a[:2]
+    assert c.pools[1].l1.index.reclaimable_bytes == 0
+    c.serve(0, NS, [])
+    c.serve(1, NS, [])  # step 2: node 1's turn first; node 0 is at its percent
+    assert [h for h, _ in order(c.pools[2])] == [*a[:2], *b[:2]]
+    assert order(c.pools[1])[:2] == [(b[0], True), (b[1], True)]
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_the_models_candidates_are_the_nodes(seed: int) -> None:
     rng = random.Random(seed)
