@@ -12,9 +12,11 @@ is gone, a planning replica that stops and one that takes over.
 
 from __future__ import annotations
 
+import json
 import shutil
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
@@ -38,37 +40,84 @@ HALF = POOL_PAGES // 2
 WAIT_S = 60
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[P2PCluster]:
+BUSY = ("--pool-size", str(POOL_PAGES * PAGE), "--backup-reclaimable-percent", "50")
+META = ("--enable-decode-backup", "--backup-target-delay-secs", "1")
+
+# The nodes (by name) that hold each of the named blocks, asked of pegaflow-meta one block at a time.
+HOLDERS_EACH = """
+import sys, json, grpc
+from pegaflow._proto import meta_pb2, meta_pb2_grpc
+from tests.harness.p2p_client import hashes
+addr, ns, tag, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+stub = meta_pb2_grpc.MetaServiceStub(grpc.insecure_channel(addr))
+out = []
+for h in hashes(tag, n):
+    res = stub.QueryPrefix(meta_pb2.QueryPrefixRequest(namespace=ns, hashes=[h]), timeout=5)
+    out.append(sorted(x.node for x in res.nodes))
+print(json.dumps(out))
+"""
+
+
+def holders_each(c: P2PCluster, tag: str, n: int) -> list[list[str]]:
+    r = c.c.hub.py(HOLDERS_EACH, c.meta_addr, NS, tag, str(n))
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip())
+
+
+def log_events(c: P2PCluster, i: int, event: str) -> list[dict]:
+    out = []
+    for line in c.nodes[i].log.read_text().splitlines():
+        try:
+            d = json.loads(line)
+        except ValueError:
+            continue
+        if d.get("event") == event:
+            out.append(d)
+    return out
+
+
+def start(tmp: Path, per_node_args: dict[int, tuple[str, ...]]) -> P2PCluster:
     if not shutil.which("redis-server"):
         pytest.skip("redis-server is not installed (Debian package redis-server)")
-    c = P2PCluster(tmp_path_factory.mktemp("backup"), 2,
-                   per_node_args={0: ("--pool-size", str(POOL_PAGES * PAGE), "--backup-reclaimable-percent", "50")},
-                   meta_args=("--enable-decode-backup", "--backup-target-delay-secs", "1"))
+    c = P2PCluster(tmp, 3, per_node_args=per_node_args, meta_args=META)
     if c.fallback_reason:
         print(f"network namespaces unavailable ({c.fallback_reason}): loopback addresses instead")
+    return c
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[P2PCluster]:
+    """Three nodes, one idle (the issue's setting): node-0 and node-1 busy, node-2 without an engine."""
+    c = start(tmp_path_factory.mktemp("backup"), {0: BUSY, 1: BUSY})
     yield c
     c.close()
 
 
-def test_an_idle_node_backs_up_a_busy_nodes_overflow_and_serves_it_back(cluster: P2PCluster) -> None:
-    engine = cluster.client_proc(0, "save", "old", str(POOL_PAGES), "--hold", "300")  # fills node-0's pool
+def test_an_idle_node_backs_up_the_busy_nodes_overflow_and_serves_it_back(cluster: P2PCluster) -> None:
+    engines = [cluster.client_proc(i, "save", tag, str(POOL_PAGES), "--hold", "300")  # fill the busy pools
+               for i, tag in ((0, "old"), (1, "old1"))]
     try:
-        saved = wait_line(engine, WAIT_S)
-        assert saved == {"committed": POOL_PAGES, "page_bytes": PAGE}, saved
-        wait_until(lambda: cluster.metric(1, "pegaflow_node_backup_target") == 1, WAIT_S, "node-1 to be a target")
-        # node-0 was idle too until its engine came: a target no more within a pass or two
-        wait_until(lambda: cluster.metric(0, "pegaflow_node_backup_target") == 0, WAIT_S, "node-0 not a target")
-        # node-1 copies node-0's oldest half; node-0 demotes what node-1 holds.
-        wait_until(lambda: cluster.metric(0, "pegaflow_node_class_demotions_total", 'reason="backup_hint"') >= HALF,
-                   WAIT_S, "node-0 to demote what node-1 backed up")
-        assert cluster.metric(0, "pegaflow_node_backup_candidates_offered_total") >= HALF
-        assert cluster.metric(1, "pegaflow_node_backup_pulled_blocks_total") >= HALF
-        assert cluster.metric(1, "pegaflow_node_backup_pulled_bytes_total") >= HALF * PAGE
-        assert cluster.metric(0, "pegaflow_node_resident_bytes_by_class", 'class="reclaimable"') >= HALF * PAGE
-        assert cluster.metric(1, "pegaflow_backup_role") == 1  # the original's name too
-        wait_until(lambda: cluster.holders(NS, "old", HALF).get("node-1") == HALF, WAIT_S,
-                   "node-1 to hold the oldest half in the index")
+        for engine in engines:
+            saved = wait_line(engine, WAIT_S)
+            assert saved == {"committed": POOL_PAGES, "page_bytes": PAGE}, saved
+        wait_until(lambda: cluster.metric(2, "pegaflow_node_backup_target") == 1, WAIT_S, "node-2 to be a target")
+        # node-0 and node-1 were idle too until their engines came: targets no more within a pass or two
+        for i in (0, 1):
+            wait_until(lambda i=i: cluster.metric(i, "pegaflow_node_backup_target") == 0, WAIT_S,
+                       f"node-{i} not a target")
+        # node-2 copies both busy nodes' oldest half; each demotes what node-2 holds.
+        for i in (0, 1):
+            wait_until(lambda i=i: cluster.metric(i, "pegaflow_node_class_demotions_total",
+                                                  'reason="backup_hint"') >= HALF,
+                       WAIT_S, f"node-{i} to demote what node-2 backed up")
+            assert cluster.metric(i, "pegaflow_node_backup_candidates_offered_total") >= HALF
+            assert cluster.metric(i, "pegaflow_node_resident_bytes_by_class", 'class="reclaimable"') >= HALF * PAGE
+        assert cluster.metric(2, "pegaflow_node_backup_pulled_blocks_total") >= 2 * HALF
+        assert cluster.metric(2, "pegaflow_node_backup_pulled_bytes_total") >= 2 * HALF * PAGE
+        assert cluster.metric(2, "pegaflow_backup_role") == 1  # the original's name too
+        for tag in ("old", "old1"):
+            wait_until(lambda tag=tag: cluster.holders(NS, tag, HALF).get("node-2") == HALF, WAIT_S,
+                       f"node-2 to hold the oldest half of {tag} in the index")
         # New blocks on node-0 evict the reclaimable (backed-up) ones first.
         assert cluster.client(0, "save", "new", str(HALF))["committed"] == HALF
         wait_until(lambda: cluster.metric(0, "pegaflow_node_evicted_blocks_by_class_total", 'class="reclaimable"')
@@ -79,8 +128,64 @@ def test_an_idle_node_backs_up_a_busy_nodes_overflow_and_serves_it_back(cluster:
         assert out["statuses"][0].startswith("LOADING:0:remote"), out  # pulled back, not recomputed
         assert cluster.metric(0, "pegaflow_node_hit_blocks_total", 'tier="remote"') > remote0
     finally:
-        engine.kill()
-        engine.wait(10)
+        for engine in engines:
+            engine.kill()
+            engine.wait(10)
+
+
+PLAN_PAGES = 4  # node-1's --backup-pull-max-bytes in pages: the planner's chunk for it
+
+
+def test_a_target_dying_mid_plan_and_blocks_evicted_before_the_pull(tmp_path: Path) -> None:
+    """node-1, the only target at first, copies at a quarter page a second: its first plan goes
+    at once (the bucket's burst), each later one waits for the bandwidth. node-0 evicts the
+    blocks of node-1's second plan while it waits (counted missing), node-1 dies waiting on its
+    third, and node-2, a target once its engine leaves, gets the third plan's blocks."""
+    slow = ("--backup-pull-max-bytes", str(PLAN_PAGES * PAGE), "--backup-max-bandwidth", str(PAGE // 4))
+    c = start(tmp_path, {0: BUSY, 1: slow})
+    procs = []
+    try:
+        engine2 = c.client_proc(2, "save", "keep", "1", "--hold", "300")  # node-2 has an engine: no target
+        procs.append(engine2)
+        assert wait_line(engine2, WAIT_S)["committed"] == 1
+        engine0 = c.client_proc(0, "save", "old", str(POOL_PAGES), "--hold", "300")
+        procs.append(engine0)
+        assert wait_line(engine0, WAIT_S)["committed"] == POOL_PAGES
+        old = hashes("old", POOL_PAGES)
+        taken = lambda: log_events(c, 1, "backup_plan_taken")  # noqa: E731
+        pulled = lambda: log_events(c, 1, "backup_pulled")  # noqa: E731
+        wait_until(lambda: len(taken()) >= 2, WAIT_S, "node-1 to take a second plan")
+        assert len(pulled()) == 1, pulled()  # the first pulled at once; the second waits for the bandwidth
+        # While it waits, node-0 saves new blocks that evict the oldest ones, the second plan's among them.
+        second = old.index(bytes.fromhex(taken()[1]["first"]))
+        assert c.client(0, "save", "new", str(second + PLAN_PAGES))["committed"] == second + PLAN_PAGES
+        assert len(pulled()) == 1, "node-1 pulled its second plan before node-0 evicted its blocks"
+        wait_until(lambda: c.metric(1, "pegaflow_node_backup_missing_blocks_total") >= 1, WAIT_S,
+                   "node-1 to find the second plan's blocks gone on node-0")
+        assert pulled()[1]["missing"] >= 1 and pulled()[1]["blocks"] < PLAN_PAGES, pulled()
+        assert c.metric(1, "pegaflow_backup_pull_missing_blocks_total") >= 1  # the original's name too
+        # node-1 takes a third plan and dies waiting for the bandwidth: taken, never finished.
+        wait_until(lambda: len(taken()) >= 3, WAIT_S, "node-1 to take a third plan")
+        c.kill_node(1)
+        assert len(pulled()) == 2, "node-1 finished its third plan before it was killed"
+        third = old.index(bytes.fromhex(taken()[2]["first"]))
+        assert "node-1" not in holders_each(c, "old", third + 1)[third]
+        # node-2's engine leaves: it becomes a target and gets the dead target's plan ...
+        demoted = c.metric(0, "pegaflow_node_class_demotions_total", 'reason="backup_hint"')
+        engine2.kill()
+        engine2.wait(10)
+        wait_until(lambda: c.metric(2, "pegaflow_node_backup_target") == 1, WAIT_S, "node-2 to be a target")
+        wait_until(lambda: "node-2" in holders_each(c, "old", third + 1)[third], WAIT_S,
+                   "node-2 to hold the block of the plan node-1 died in")
+        assert c.metric(2, "pegaflow_node_backup_pulled_blocks_total") >= 1
+        # ... and node-0 demotes what node-2 copied.
+        wait_until(lambda: c.metric(0, "pegaflow_node_class_demotions_total", 'reason="backup_hint"') > demoted,
+                   WAIT_S, "node-0 to demote what node-2 backed up")
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)
+        c.close()
 
 
 # ---- the planner's steps on a real redis-server --------------------------------------------
