@@ -21,14 +21,18 @@ set of twice its pool. The same run is made twice, each on a fresh cluster: back
    node-2), count the hit, release, store a miss as an engine would. Every Query call's
    latency is kept (the busy nodes' Query p99).
 
-The prediction: pegaflow replay does not model the decode backup yet, so the bench
-computes it the simplest honest way. With the backup on, node-2's pool holds copies of the
-busy nodes' overflow (the working-set pages beyond their pools); the busy nodes keep up to
-``--reclaimable-percent`` of their pools as backed-up pages, which are copies node-2 holds
-too, so node-2 adds ``idle pages - the busy nodes' reclaimable pages`` distinct pages (those
-read from the nodes at the start and the end of the measure, the mean). Of the accesses
+The prediction: replay's cluster model (``pegaflow.replay.cluster``, docs/replay.md) runs the
+same warm-up and accesses on three modelled nodes of ``--pages`` blocks (node-2 idle, the
+backup on and off, pegaflow-meta's default owner threshold): its hit rate with the backup on
+is what the measured one is held to (``hit_rate_error_pp``). The model has no clock: the
+bench paces it as the live run (:func:`replay_prediction`). Beside it, the share the idle pool can hold: node-2's pool holds
+copies of the busy nodes' overflow (the working-set pages beyond their pools); the busy nodes
+keep up to ``--reclaimable-percent`` of their pools as backed-up pages, which are copies node-2
+holds too, so node-2 adds ``idle pages - the busy nodes' reclaimable pages`` distinct pages
+(those read from the nodes at the start and the end of the measure, the mean). Of the accesses
 that missed with the backup off, that share of the overflow should hit:
-``predicted on = off + off misses x useful idle pages / overflow pages``. Root for namespaces.
+``on >= off + off misses x useful idle pages / overflow pages`` (``predicted_gain_pp``).
+Root for namespaces.
 """
 
 from __future__ import annotations
@@ -186,6 +190,42 @@ def _drive(cfg: dict[str, Any]) -> None:
     }), flush=True)
 
 
+def replay_prediction(a: argparse.Namespace, on: bool) -> dict[str, Any]:
+    """The same warm-up and accesses on replay's cluster model (the module docstring), paced as
+    the live backup: a step per ``BACKUP_TICK_S`` of requests, copying the bandwidth's pages
+    per tick, demoted on the source after the mean of the stages between an offer and its
+    notice (the planner's pass, the target's tick, the planner's next pass, the notice's poll);
+    the warm-up's waits for ``BATCH`` backed-up pages are backup steps until there are."""
+    from pegaflow.meta.backup import PASS_S
+    from pegaflow.node.backup import BACKUP_TICK_S
+    from pegaflow.node.classes import NOTICE_POLL_S
+    from pegaflow.replay.cluster import BackupSettings, NodeCluster
+
+    ns, ws = NS.format(a.page_kib), 2 * a.pages
+    lag = (2 * PASS_S + BACKUP_TICK_S + NOTICE_POLL_S) / 2
+    pace = BackupSettings(percent=a.reclaimable_percent, every=max(1, round(a.rate * BACKUP_TICK_S)),
+                          step_blocks=max(1, int(a.bandwidth_mb * BACKUP_TICK_S * 1024 // a.page_kib)),
+                          delay=round(lag / BACKUP_TICK_S))
+    c = NodeCluster(3, (a.pages, True), (0, True), {ns: 1}, idle=1, backup=pace if on else None)
+    l1 = [c.pools[k].l1 for k in range(3)]
+    for start in range(0, ws, BATCH):
+        for k in BUSY:
+            if on and start >= a.pages:
+                for _ in range(ws):  # bounded: a step copies at least one block while any is retained
+                    if l1[k].index.reclaimable_bytes >= BATCH:
+                        break
+                    c.backup_step()
+            c.serve(k, ns, [], saved=[block(k, i) for i in range(start, min(start + BATCH, ws))])
+    hits = remote = 0
+    for k, b in accesses(a.accesses, ws, a.seed):
+        own_l1, own_ssd, peer_l1, peer_ssd = c.serve(k, ns, [block(k, b)])
+        hits += own_l1 + own_ssd + peer_l1 + peer_ssd
+        remote += peer_l1 + peer_ssd
+    return {"hits": hits, "remote_hits": remote, "hit_rate": hits / a.accesses,
+            "backed_up": c.backup.copied if c.backup else 0,
+            "reclaimable_pages": [l1[k].index.reclaimable_bytes for k in BUSY]}
+
+
 def run_mode(a: argparse.Namespace, on: bool) -> dict[str, Any]:
     from tests.harness.p2p import HTTP_PORT, P2PCluster
 
@@ -214,25 +254,31 @@ def run_mode(a: argparse.Namespace, on: bool) -> dict[str, Any]:
     return out
 
 
-def summarize(a: argparse.Namespace, off: dict[str, Any], on: dict[str, Any]) -> dict[str, Any]:
-    """The figures and their ratios, every one from this run's measurements."""
+def summarize(a: argparse.Namespace, off: dict[str, Any], on: dict[str, Any],
+              model: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The figures and their ratios, every one from this run's measurements and ``model``
+    (:func:`replay_prediction`'s runs, "off" and "on")."""
     overflow = 2 * (2 * a.pages - a.pages)  # the busy nodes' working-set pages beyond their pools
     # Backed-up pages the busy pools keep too (their reclaimable class, at most --reclaimable-percent):
     # measured with the backup on, the mean of the measure's start and end.
     kept = (sum(on["reclaimable_pages_before"]) + sum(on["reclaimable_pages"])) / 2
     useful = max(0, min(a.pages - kept, overflow))  # distinct pages node-2 adds
     share = useful / overflow
-    predicted_on = off["hit_rate"] + (1 - off["hit_rate"]) * share
+    share_on = off["hit_rate"] + (1 - off["hit_rate"]) * share  # the share's bound
+    predicted_on = model["on"]["hit_rate"]  # replay's
     limit = a.bandwidth_mb << 20
     rate = on["bandwidth_bytes_per_s"]
     return {
         "hit_rate_off": off["hit_rate"], "hit_rate_on": on["hit_rate"],
         "gain_pp": (on["hit_rate"] - off["hit_rate"]) * 100,
-        "idle_share_of_overflow": share, "idle_useful_pages": useful, "predicted_gain_pp": (predicted_on - off["hit_rate"]) * 100,
-        "predicted_hit_rate_on": predicted_on, "prediction": "bench (replay does not model the decode backup)",
-        "gain_over_predicted": (on["hit_rate"] - off["hit_rate"]) / (predicted_on - off["hit_rate"])
-        if predicted_on > off["hit_rate"] else None,
+        "idle_share_of_overflow": share, "idle_useful_pages": useful, "predicted_gain_pp": (share_on - off["hit_rate"]) * 100,
+        "gain_over_predicted": (on["hit_rate"] - off["hit_rate"]) / (share_on - off["hit_rate"])
+        if share_on > off["hit_rate"] else None,
+        "predicted_hit_rate_on": predicted_on, "prediction": "replay (pegaflow.replay.cluster, the same accesses)",
+        "replay_hit_rate_off": model["off"]["hit_rate"], "replay_hit_rate_on": predicted_on,
+        "replay_remote_hits_on": model["on"]["remote_hits"], "replay_backed_up": model["on"]["backed_up"],
         "hit_rate_error_pp": abs(on["hit_rate"] - predicted_on) * 100,
+        "hit_rate_off_error_pp": abs(off["hit_rate"] - model["off"]["hit_rate"]) * 100,
         "bandwidth_mb_per_s": rate / 2**20, "bandwidth_limit_mb_per_s": limit / 2**20,
         "bandwidth_ratio": rate / limit, "bandwidth_error_pct": abs(rate / limit - 1) * 100,
         "query_p99_us_on": on["query_p99_us"], "query_p99_us_off": off["query_p99_us"],
@@ -261,14 +307,16 @@ def main() -> None:
         p.error("--pages must be at least 16, --reclaimable-percent in 0..100, --bandwidth-mb and --rate positive")
     off = run_mode(a, on=False)
     on = run_mode(a, on=True)
-    s = summarize(a, off, on)
+    s = summarize(a, off, on, {"off": replay_prediction(a, False), "on": replay_prediction(a, True)})
     mb = a.pages * a.page_kib / 1024
     print(f"3 nodes, pools of {a.pages} x {a.page_kib} KiB ({mb:.0f} MiB); busy node-0, node-1 with working sets of "
           f"{2 * a.pages} pages each; idle node-2; {a.accesses} accesses at {a.rate:g}/s")
     print(f"hit rate: backup off {s['hit_rate_off']:.2%}, on {s['hit_rate_on']:.2%} "
-          f"({s['gain_pp']:+.2f} pp; {on['remote_hits']} pulled back from node-2); predicted on "
-          f"{s['predicted_hit_rate_on']:.2%} (+{s['predicted_gain_pp']:.2f} pp: node-2 holds "
-          f"{s['idle_share_of_overflow']:.0%} of the overflow; replay does not model the backup yet)")
+          f"({s['gain_pp']:+.2f} pp; {on['remote_hits']} pulled back from node-2); replay predicts off "
+          f"{s['replay_hit_rate_off']:.2%}, on {s['predicted_hit_rate_on']:.2%} ({s['replay_remote_hits_on']} pulled "
+          f"back; on measured - predicted {(s['hit_rate_on'] - s['predicted_hit_rate_on']) * 100:+.2f} pp); the idle "
+          f"pool's share: +{s['predicted_gain_pp']:.2f} pp (node-2 holds {s['idle_share_of_overflow']:.0%} of the "
+          "overflow)")
     print(f"backup bandwidth {s['bandwidth_mb_per_s']:.2f} MiB/s against the limit {s['bandwidth_limit_mb_per_s']:.0f}"
           f" ({s['bandwidth_ratio']:.3f}x, over {on['plans_seen']} plans in a {on['warm_s']:.1f} s warm-up)")
     print(f"busy nodes' Query p99: on {s['query_p99_us_on']:.0f} µs, off {s['query_p99_us_off']:.0f} µs "

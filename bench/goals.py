@@ -103,8 +103,8 @@ GOALS: tuple[Goal, ...] = (
     Goal("p2p", "peer pull, median of rounds (ratio: median of per-round ratios)", "pull_gbps_median", "GB/s",
          "iperf3_gbps_median", "iperf3, same link", 0.85, ratio="ratio_median"),
     # The decode backup (bench/backup.py): 3 nodes, one idle, busy working sets of twice a pool, backup on
-    # against off in the same run. Replay does not model the backup yet: the bench predicts the gain as the
-    # idle pool's useful share of the overflow (the module docstring).
+    # against off in the same run. The gain is held to the idle pool's useful share of the overflow, the hit rate
+    # with the backup on to replay's cluster model run on the same accesses (the module docstring).
     Goal("backup", "hit rate gain, backup on - off (ratio: over the idle pool's share)", "gain_pp", "pp",
          "predicted_gain_pp", "idle pool's share of the overflow", 1.0, ratio="gain_over_predicted"),
     Goal("backup", "hit rate with backup on, |measured - predicted|", "hit_rate_error_pp", "pp", None, "", 2.0,
