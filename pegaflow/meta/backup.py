@@ -10,8 +10,9 @@ One replica plans at a time (``keys.BACKUP_LOCK``); a pass every ``PASS_S``:
    events) are backed up: the source gets a ``BACKUP`` class notice for them
    (``pegaflow/cluster/notices.py``) and demotes them (:func:`back_up`). Plans of a target
    that is no longer one (it died, went invisible or got an engine) are forgotten at once,
-   and plans past ``PLAN_DEADLINE_S`` (a block gone on the source) too; their blocks, still
-   retained on the source, come back in its offers and are planned again.
+   blocks the source no longer holds (evicted before the pull) too, and plans past
+   ``PLAN_DEADLINE_S``; their blocks still retained on the source come back in its offers
+   and are planned again.
 3. Pair (:func:`pair`): per source, in name order, each offered block a target already
    holds is backed up at once (filtered ``has_backup``); blocks in flight are skipped; the
    rest go to the targets round robin, in plans of at most the target's
@@ -59,45 +60,53 @@ SOURCE_GONE = "source_gone"
 
 # KEYS[1]: the namespace's anchor (its slot: the buckets and the notice lists are there too).
 # ARGV: bucket prefix, the backers (holder ids, NID bytes each), the hashes, the source's
-# notice list. Of the hashes, those a backer holds now (any tier) get one backup notice on
-# the source's list, kept as the index's scripts keep it; returns them.
+# notice list, the source's holder id. Of the hashes, those a backer holds now (any tier) get
+# one backup notice on the source's list, kept as the index's scripts keep it. Returns them,
+# and those of the rest the source no longer holds.
 _BACK = Script(string.Template("""
-local pre, blob, key = ARGV[1], ARGV[3], ARGV[4]
+local pre, blob, key, source = ARGV[1], ARGV[3], ARGV[4], ARGV[5]
 local backers = {}
 for j = 1, #ARGV[2], $NID do backers[ARGV[2]:sub(j, j + $NID - 1)] = true end
-local out = {}
+local out, gone = {}, {}
 for off = 1, #blob, $HASH do
-  local v = redis.call('HGET', pre .. blob:sub(off, off + $BUCKET - 1), blob:sub(off + $BUCKET, off + $HASH - 1))
-  if v then
-    for j = 1, #v, $NID do
-      local c = v:sub(j, j + $NID - 1)
-      if backers[string.char(c:byte(1) % $TOP) .. c:sub(2)] then out[#out + 1] = blob:sub(off, off + $HASH - 1) break end
-    end
+  local h = blob:sub(off, off + $HASH - 1)
+  local v = redis.call('HGET', pre .. h:sub(1, $BUCKET), h:sub($BUCKET + 1)) or ''
+  local backed, held = false, false
+  for j = 1, #v, $NID do
+    local c = v:sub(j, j + $NID - 1)
+    c = string.char(c:byte(1) % $TOP) .. c:sub(2)
+    if backers[c] then backed = true end
+    if c == source then held = true end
   end
+  if backed then out[#out + 1] = h elseif not held then gone[#gone + 1] = h end
 end
 if #out > 0 then
   redis.call('RPUSH', key, '$OP' .. table.concat(out))
   redis.call('LTRIM', key, -$MAX, -1)
   redis.call('PEXPIRE', key, $TTL)
 end
-return table.concat(out)
+return {table.concat(out), table.concat(gone)}
 """).substitute(NID=keys.NID_BYTES, HASH=HASH_BYTES, BUCKET=keys.BUCKET_BYTES,
                 TOP=keys.TIER_BIT >> (8 * (keys.NID_BYTES - 1)), OP=notices.BACKUP.decode(),
                 MAX=notices.MAX_ENTRIES, TTL=notices.TTL_MS))
 
 
-def back_up(r: Client, namespace: str, source_nid: int, backers: Iterable[int], hashes: Sequence[bytes],
-            prefix: str = keys.BUCKET_PREFIX) -> list[bytes]:
-    """Demote on the source (nid ``source_nid``) those of ``hashes`` that one of ``backers``
-    (nids) holds in the index now, in one atomic step with the index (:data:`_BACK`); returns
-    them."""
-    if not hashes:
-        return []
-    tag = keys.ns_tag(namespace)
-    blob = _BACK(r, [keys.anchor_key(tag)], [keys.bucket_prefix(tag, prefix), b"".join(map(nid_bytes, sorted(backers))),
-                                             b"".join(hashes), keys.notice_key(tag, source_nid)])
-    assert isinstance(blob, bytes)
+def _split(blob: bytes) -> list[bytes]:
     return [blob[i:i + HASH_BYTES] for i in range(0, len(blob), HASH_BYTES)]
+
+
+def back_up(r: Client, namespace: str, source_nid: int, backers: Iterable[int], hashes: Sequence[bytes],
+            prefix: str = keys.BUCKET_PREFIX) -> tuple[list[bytes], list[bytes]]:
+    """Demote on the source (nid ``source_nid``) those of ``hashes`` that one of ``backers``
+    (nids) holds in the index now, in one atomic step with the index (:data:`_BACK`). Returns
+    them, and those of the rest the source no longer holds (nothing left to back up)."""
+    if not hashes:
+        return [], []
+    tag = keys.ns_tag(namespace)
+    backed, gone = _BACK(r, [keys.anchor_key(tag)],
+                         [keys.bucket_prefix(tag, prefix), b"".join(map(nid_bytes, sorted(backers))), b"".join(hashes),
+                          keys.notice_key(tag, source_nid), nid_bytes(source_nid)])
+    return _split(backed), _split(gone)
 
 
 @dataclass(frozen=True)
@@ -313,7 +322,8 @@ class Planner:
 
     def _settle(self, targets: set[str]) -> None:
         """Plans in flight whose target holds the block now: notify the source (:func:`back_up`);
-        drop the overdue and those of nodes no longer ``targets``."""
+        drop those of blocks the source no longer holds, the overdue and those of nodes no
+        longer ``targets``."""
         now = self.clock()
         groups: dict[tuple[str, int, str], tuple[set[int], list[bytes]]] = {}
         for k, f in list(self.flights.items()):
@@ -324,14 +334,15 @@ class Planner:
                 nids.add(f.target_nid)
                 hashes.append(k[2])
         for (source, nid, ns), (nids, hashes) in groups.items():
-            for h in back_up(self.r, ns, nid, nids, hashes):
+            backed, gone = back_up(self.r, ns, nid, nids, hashes)
+            for h in backed + gone:
                 del self.flights[(source, ns, h)]
 
     def _notify(self, backed: list[tuple[Source, str, list[bytes]]], targets: Sequence[Target]) -> int:
         """Back up blocks a target held when paired (still holds: :func:`back_up` checks again);
         returns how many."""
         nids = [t.nid for t in targets]
-        return sum(len(back_up(self.r, ns, src.nid, nids, hashes)) for src, ns, hashes in backed)
+        return sum(len(back_up(self.r, ns, src.nid, nids, hashes)[0]) for src, ns, hashes in backed)
 
 def run(planner: Planner, stop: threading.Event, interval: float = PASS_S) -> None:
     """Plan every ``interval`` seconds until ``stop``."""

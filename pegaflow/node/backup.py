@@ -13,7 +13,8 @@ Contracts:
   only the Redis calls run in a worker thread.
 - A node offers only while an engine is registered: a target never offers.
 - A plan runs only while the node has no engine; one that arrives after an engine
-  registered is dropped (the planner re-plans its blocks after ``PLAN_DEADLINE_S``).
+  registered is dropped (the planner re-plans its blocks once the node is no longer a
+  target: the pass after its report says it has an engine).
 """
 
 from __future__ import annotations

@@ -23,13 +23,14 @@ import redis
 from prometheus_client import CollectorRegistry
 
 from pegaflow.cluster import backup, keys, notices, registry
+from pegaflow.core.tiers import Tier
 from pegaflow.meta import backup as planning
 from pegaflow.meta.events.schema import Op
 from pegaflow.meta.index import Index
 from tests.harness.p2p import P2PCluster, wait_line
 from tests.harness.p2p_client import NS, hashes
-from tests.harness.redis import RedisServer
-from tests.integration.redis_fixtures import redis_server  # noqa: F401
+from tests.harness.redis import RedisClusterProc, RedisServer
+from tests.integration.redis_fixtures import redis_cluster, redis_server  # noqa: F401
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -250,6 +251,26 @@ def test_a_target_evicting_between_the_read_and_the_notice_leaves_the_source_ret
     assert ("src", NS, hs[0]) not in p.flights and w.source_classes()[hs[0]] is True
     w.index.apply(Op.EVICT, NS, w.nid["tgt"], [hs[0]])
     assert w.source_classes()[hs[0]] is False
+    # A block the source evicted before the pull: its plan is forgotten, nothing demoted.
+    w.index.apply(Op.EVICT, NS, w.nid["src"], [hs[3]])
+    p.flights[("src", NS, hs[3])] = planning._Flight("src", w.nid["src"], "tgt", w.nid["tgt"], p.clock() + 60)
+    w.index.apply(Op.EVICT, NS, w.nid["tgt"], [hs[3]])
+    before = w.r.llen(keys.notice_key(keys.ns_tag(NS), w.nid["src"]))
+    p._settle({"tgt"})
+    assert not p.flights and w.r.llen(keys.notice_key(keys.ns_tag(NS), w.nid["src"])) == before
+
+
+def test_the_backup_notice_is_one_step_on_a_redis_cluster(redis_cluster: RedisClusterProc) -> None:  # noqa: F811
+    redis_cluster.flush()
+    r = redis_cluster.client()
+    index = Index(r)
+    hs, absent = hashes("cluster", 3), hashes("absent", 1)
+    index.apply(Op.INSERT, NS, 7, hs)  # the source, nid 7
+    index.apply(Op.INSERT, NS, 9, hs[:2], Tier.SSD)  # a target, nid 9, holds two (on its SSD)
+    backed, gone = planning.back_up(r, NS, 7, [9], hs + absent)
+    assert (backed, gone) == (hs[:2], absent)
+    elements = r.lrange(keys.notice_key(keys.ns_tag(NS), 7), 0, -1)
+    assert [notices.decode(e) for e in elements] == [notices.Notice(True, hs[:2], backup=True)]
 
 
 def test_a_dead_targets_plans_go_to_a_live_target_at_once(redis_server: RedisServer) -> None:  # noqa: F811
