@@ -98,6 +98,12 @@ def _cluster_error(opts: ReplayConfig) -> str | None:
         return "--idle-nodes needs --nodes above 1" if opts.idle_nodes else None
     if opts.instances > 1:
         return "--nodes models one engine per busy node: leave --instances at 1"
+    unmodelled = [flag for flag, given in (("--enable-lfu-admission", opts.enable_lfu_admission),
+                                           ("--compare-admission", opts.compare_admission),
+                                           ("--namespace-quota", bool(opts.namespace_quota)),
+                                           ("--plot", bool(opts.plot))) if given]
+    if unmodelled:
+        return f"{', '.join(unmodelled)}: not in the cluster model (--nodes); run them without --nodes"
     if opts.idle_nodes >= opts.nodes:
         return f"--idle-nodes must be below --nodes ({opts.nodes}): some node serves the requests"
     if opts.enable_decode_backup and not opts.idle_nodes:

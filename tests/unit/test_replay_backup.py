@@ -169,6 +169,7 @@ def test_pegaflow_replay_with_nodes_prints_the_cluster_model_with_and_without_cl
     (["--nodes", "2", "--enable-decode-backup"], "--enable-decode-backup needs --idle-nodes"),
     (["--nodes", "2", "--route", "kv-aware"], "round-robin or by field:NAME"),
     (["--nodes", "2", "--instances", "2"], "leave --instances at 1"),
+    (["--nodes", "2", "--enable-lfu-admission"], "--enable-lfu-admission: not in the cluster model"),
 ])
 def test_cluster_flags_that_cannot_run_are_one_line(tmp_path, capsys, args, needle) -> None:
     assert command_main([_trace(tmp_path), "--l1-capacity", "24blocks", "--quiet", *args]) == 2
