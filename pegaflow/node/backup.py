@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
@@ -33,12 +33,12 @@ from pegaflow.common.metric_alias import Alias, OriginalNames
 from pegaflow.core.block_index import Block, BlockIndex
 from pegaflow.node.sessions import Sessions
 from pegaflow.node.tiers.remote.puller import Puller
+from pegaflow.policy.backup import backup_candidates
 
 log = structlog.get_logger("pegaflow.node.backup")
 
 BACKUP_TICK_S = 1.0  # between reports (and offers, and looks for a plan)
 OFFER_TTL_MS = 3000  # an offer outlives two missed ticks, not a node that stopped offering
-FULL_FREE_SHARE = 0.05  # a pool with less free than this share of it is full: it offers
 
 
 @dataclass(frozen=True)
@@ -77,24 +77,9 @@ class TokenBucket:
 
 
 def pick_candidates(index: BlockIndex, percent: int, most: int) -> list[backup.Candidates]:
-    """The blocks a busy node offers now: none unless its pool is full (free below
-    ``FULL_FREE_SHARE`` of it); then its oldest retained blocks, at most ``most``, until
-    their bytes and the reclaimable class together reach ``percent`` of the pool."""
-    cap = index.alloc.capacity
-    if cap <= 0 or index.alloc.free_bytes > cap * FULL_FREE_SHARE:
-        return []
-    need = cap * percent // 100 - index.reclaimable_bytes
-    return _grouped(_take(index.oldest_retained(), need, most))
-
-
-def _take(blocks: Iterable[Block], need: int, most: int) -> list[Block]:
-    out: list[Block] = []
-    for b in blocks:
-        if need <= 0 or len(out) >= most:
-            break
-        out.append(b)
-        need -= b.size
-    return out
+    """The blocks a busy node offers now (the rule of ``pegaflow/policy/backup.py``, which
+    ``pegaflow replay`` applies too), grouped by namespace."""
+    return _grouped(backup_candidates(index, percent, most))
 
 
 def _grouped(blocks: list[Block]) -> list[backup.Candidates]:
