@@ -297,6 +297,7 @@ def chain(c: int) -> list[bytes]:
     return [hashlib.blake2b(b"%d:%d" % (c, j), digest_size=16).digest() for j in range(128)]
 
 
+@pytest.mark.serial  # the writer must reach 500k blocks/s: the machine's cores to itself
 @pytest.mark.parametrize("rate", [500_000, 0], ids=["500k-blocks-per-s", "unthrottled"])
 def test_at_full_ingest_view_answers_hold_everything_older_than_the_bound(
     redis_server: RedisServer, feed: ViewFeed, rate: int
