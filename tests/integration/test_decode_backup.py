@@ -42,7 +42,11 @@ WAIT_S = 60
 
 
 BUSY = ("--pool-size", str(POOL_PAGES * PAGE), "--backup-reclaimable-percent", "50")
-META = ("--enable-decode-backup", "--backup-target-delay-secs", "1")
+# A node is a target after this long without an engine. Longer than the nodes take to start
+# and their engines to come (several seconds on a loaded host): with 1 s, node-0 and node-1
+# were targets before their engines came and pulled each other's blocks, so the oldest half
+# of a busy node was not all on node-2 (CI runs).
+META = ("--enable-decode-backup", "--backup-target-delay-secs", "15")
 
 # The nodes (by name) that hold each of the named blocks, asked of pegaflow-meta one block at a time.
 HOLDERS_EACH = """
