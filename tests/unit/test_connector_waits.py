@@ -80,14 +80,9 @@ def promotion() -> Case:
                 hit=(5 * BS, False), at_deadline=(0, False))
 
 
-def prefill() -> Case:
-    """The decode half of a disaggregated request: its prefill stored 5 blocks."""
-    node = FakeNode()
-    p = prompt(2)
-    Engine(node, identity()).run(p)
-    decode = Engine(node, identity(), settings=ConnectorSettings(mode=LOAD_ONLY))
-    req = decode.request(p, kv_transfer_params={ROUTER_KEY: {"expect_blocks": 5}})
-    later = sorted(node.stored, key=node.stored.__getitem__)[2:]  # blocks 2..4, still on their way
+def on_their_way(node: FakeNode) -> tuple[Callable[[], None], Callable[[], None]]:
+    """Withhold and deliver the node's blocks past the first two (still on their way)."""
+    later = sorted(node.stored, key=node.stored.__getitem__)[2:]
     offsets = {k: node.stored[k] for k in later}
 
     def withhold() -> None:
@@ -97,6 +92,17 @@ def prefill() -> Case:
     def deliver() -> None:
         node.stored.update(offsets)
 
+    return withhold, deliver
+
+
+def prefill() -> Case:
+    """The decode half of a disaggregated request: its prefill stored 5 blocks."""
+    node = FakeNode()
+    p = prompt(2)
+    Engine(node, identity()).run(p)
+    decode = Engine(node, identity(), settings=ConnectorSettings(mode=LOAD_ONLY))
+    req = decode.request(p, kv_transfer_params={ROUTER_KEY: {"expect_blocks": 5}})
+    withhold, deliver = on_their_way(node)  # blocks 2..4
     return Case(node, lambda: decode.sched.get_num_new_matched_tokens(req, 0), withhold, deliver,
                 hit=(5 * BS, False), at_deadline=(2 * BS, False))
 
@@ -109,16 +115,7 @@ def full_prefix() -> Case:
     Engine(node, identity()).run(p)
     eng = Engine(node, identity(), settings=ConnectorSettings(wait_for_full_prefix=True))
     req = eng.request(p)
-    later = sorted(node.stored, key=node.stored.__getitem__)[2:]
-    offsets = {k: node.stored[k] for k in later}
-
-    def withhold() -> None:
-        for k in later:
-            node.stored.pop(k, None)
-
-    def deliver() -> None:
-        node.stored.update(offsets)
-
+    withhold, deliver = on_their_way(node)
     return Case(node, lambda: eng.sched.get_num_new_matched_tokens(req, 0), withhold, deliver,
                 hit=(5 * BS, False), at_deadline=(2 * BS, False))
 
