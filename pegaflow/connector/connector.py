@@ -36,6 +36,7 @@ from pegaflow.common.security import Security
 from pegaflow.connector.events import KVEvents
 from pegaflow.connector.intents import PegaConnectorMetadata, PegaWorkerReport, PegaWorkerState
 from pegaflow.connector.link import LOGGER_NAME, NodeLink, query_only_client_factory
+from pegaflow.connector.placement import Placement, check_tp_only
 from pegaflow.connector.scheduler import KVTransferParams, SchedulerSide
 from pegaflow.connector.settings import (
     ConnectorSettings,
@@ -235,6 +236,28 @@ def _bytes_per_block(groups: Iterable[KVCacheGroupSpec]) -> int:
                for g in groups)
 
 
+def shard_placement(vllm_config: VllmConfig, identity: KVIdentity, nodes: int) -> Placement:
+    """Where the engine's KV shards are stored over ``nodes`` nodes (``pegaflow.tp_shard_endpoints``):
+    raises ``ValueError`` (the original's messages) unless the TP size divides by them and,
+    with several, the engine uses tensor parallelism only."""
+    pc = vllm_config.parallel_config
+    placement = Placement.of(identity, nodes)
+    check_tp_only(nodes, int(pc.tensor_parallel_size), int(pc.world_size),
+                  int(getattr(pc, "decode_context_parallel_size", 1) or 1),
+                  int(getattr(pc, "prefill_context_parallel_size", 1) or 1))
+    return placement
+
+
+def node_pages(identity: KVIdentity, placement: Placement, node: int) -> dict[str, int]:
+    """What the scheduler side registers on ``node``: namespace -> page bytes of the places on
+    it (and their state pages)."""
+    shards = [placement.places[i].shard for i in placement.on_node(node)]
+    pages = {identity.namespace(s): identity.page_bytes for s in shards}
+    if identity.state_namespaces:
+        pages.update({identity.state_namespaces[s]: identity.state_page_bytes for s in shards})
+    return pages
+
+
 def instance_name(settings: ConnectorSettings, vllm_config: VllmConfig, role: KVConnectorRole) -> str:
     """The name this process registers with on its node (``pegaflow status``, ``/instances``):
     ``PEGAFLOW_INSTANCE_ID`` for every process of the engine, with the original's ``_dpN`` for
@@ -363,7 +386,7 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
                 log_settings(extra)
             settings = load_settings(extra=extra)
             self.identity: KVIdentity | None = kv_identity(vllm_config, kv_cache_config, settings.model_id)
-            addr = settings.addr
+            placement = shard_placement(vllm_config, self.identity, len(settings.nodes))
             Security.load()  # a token or TLS file that cannot be used disables the connector, loudly
         except ValueError as exc:
             logger.error("PegaFlow connector disabled: %s", exc)
@@ -380,25 +403,27 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
                       if kv_events is not None and kv_events.enable_kv_cache_events else None)
             factory = (query_only_client_factory if events is None else
                        functools.partial(query_only_client_factory, on_blocks=events.on_blocks))
-            pages = {ns: ident.page_bytes for ns in ident.namespaces}
-            pages.update({ns: ident.state_page_bytes for ns in ident.state_namespaces})
-            link = NodeLink(addr, pages, instance,
-                            client_factory=factory)
-            self._sched = SchedulerSide(ident, link, settings, events, kv_groups=kv_groups,
-                                        state_groups=state_groups)
+            # One session per node, with the namespaces of its places; the KV events of shard 0
+            # (place 0) come from node 0.
+            links = [NodeLink(addr, node_pages(ident, placement, node), instance,
+                              client_factory=factory if node == 0 else query_only_client_factory)
+                     for node, addr in enumerate(settings.nodes)]
+            self._sched = SchedulerSide(ident, links, settings, events, kv_groups=kv_groups,
+                                        state_groups=state_groups, placement=placement)
             logger.info(
                 "PegaFlow scheduler: node %s (%s), mode %s, namespaces %s",
-                addr,
-                "ready" if link.ready else "down, recomputing until it is back",
+                ", ".join(settings.nodes),
+                "ready" if self._sched.nodes_ready() else "down, recomputing until it is back",
                 settings.mode,
                 ident.namespaces,
             )
         else:
             rank = _tp_rank(vllm_config)
             name = instance if settings.instance_id else f"{instance}:{rank}"
+            addr = settings.nodes[placement.node_of_rank(rank)]  # the node of this rank's group
             self._worker = WorkerSide(ident, rank,
                                       lambda ns, pci: NodeLink(addr, ns, name, pci_bus_id=pci),
-                                      kv_groups=kv_groups, state_groups=state_groups)
+                                      kv_groups=kv_groups, state_groups=state_groups, placement=placement)
 
     # A best-effort cache: a dropped save is a future miss, not lost data.
     @property
@@ -534,7 +559,7 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None:
             self._worker.close()
         if self._sched is not None:
-            self._sched.link.close()
+            self._sched.close()
 
     # ============================== scheduler side ==============================
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:

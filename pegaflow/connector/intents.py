@@ -4,9 +4,14 @@ Every engine step the scheduler side sends one ``PegaConnectorMetadata`` to ever
 (TP ranks all receive the same object); every worker answers with one ``PegaWorkerReport``
 that vLLM aggregates over ranks and hands back to the scheduler side.
 
-Division of work: the scheduler side alone talks to the node (Query, Reserve, Commit,
+Division of work: the scheduler side alone talks to the nodes (Query, Reserve, Commit,
 Release); workers only copy between their paged KV cache and pool pages. So a worker never
-blocks on the network, and a lease or reservation belongs to one session (the scheduler's).
+blocks on the network, and a lease or reservation belongs to one session (the scheduler's
+on the node that issued it).
+
+Pages are named per **place** (``pegaflow.connector.placement``): one KV shard on one node.
+With one node the places are the shards (place ``i`` is shard ``i``); with TP ranks on
+several nodes (``pegaflow.tp_shard_endpoints``) each rank copies its own place only.
 
 Contracts:
 
@@ -25,9 +30,11 @@ Contracts:
   that part of the page; saves never carry ``-1``). With several groups vLLM cannot map a
   block id back to a request, so every load is asynchronous and a failed one fails the
   whole request (``failed_recving``): vLLM recomputes it.
-* ``epoch`` (of a load or a shard save) is the node epoch its offsets were issued under. A worker whose mapping is of
-  another epoch (node restarted, worker not yet re-attached) must not copy: offsets would
-  point into the wrong pool. It reports loads as failed (vLLM recomputes) and saves as failed.
+* ``epochs[place]`` of a load, ``epoch`` of a shard save: the epoch of the place's node its
+  offsets were issued under (each node has its own). A worker whose mapping of its own node
+  is of another epoch (node restarted, worker not yet re-attached) must not copy: offsets
+  would point into the wrong pool. It reports loads as failed (vLLM recomputes) and saves
+  as failed. An epoch of ``-1`` matches no pool: its blocks are load errors.
 """
 
 from __future__ import annotations
@@ -49,13 +56,14 @@ PageBlock: TypeAlias = int | tuple[int, ...]  # one block id, or one per KV cach
 class LoadIntent:
     """Copy pool pages into engine blocks before this step's forward.
 
-    ``offsets[shard][i]`` is the page of ``block_ids[i]`` in KV shard ``shard``.
+    ``offsets[place][i]`` is the page of ``block_ids[i]`` in place ``place`` (one KV shard on
+    one node), issued under its node's epoch ``epochs[place]``.
     """
 
     req_id: str
     block_ids: tuple[PageBlock, ...]
     offsets: tuple[tuple[int, ...], ...]
-    epoch: int
+    epochs: tuple[int, ...]
     # An asynchronous load (vLLM's ``(n, True)``): once copied, the worker reports ``req_id``
     # in ``get_finished``'s finished_recving; ``missing`` are blocks of it the node could not
     # deliver, reported as load errors (vLLM recomputes from the first of them).
@@ -69,9 +77,10 @@ class LoadIntent:
 
 @dataclass(frozen=True)
 class ShardSave:
-    """Copy engine blocks of one KV shard into reserved pages after this step's forward."""
+    """Copy engine blocks of one KV shard into reserved pages of one place after this step's
+    forward (the place's writing rank does: ``Placement.writes``)."""
 
-    shard: int
+    place: int
     reservation_id: int
     block_ids: tuple[PageBlock, ...]
     offsets: tuple[int, ...]

@@ -1,6 +1,7 @@
 """The connector's link to its node: a down node is a cache miss, never an error.
 
-One ``NodeLink`` per engine process (the scheduler process and each worker). It owns one
+One ``NodeLink`` per engine process and node (each worker has one; the scheduler process
+one per node, several with ``pegaflow.tp_shard_endpoints``). It owns one
 ``PegaClient`` and registers the namespaces this process uses. While the node is
 unreachable every call returns ``None`` at once (the connector treats that as "no hit,
 nothing saved", so vLLM recomputes) and a background thread reconnects with exponential

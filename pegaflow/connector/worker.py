@@ -3,11 +3,13 @@
 A worker never talks to the node except to register (which maps the pool). Per step:
 
 * ``start_load`` copies every ``LoadIntent`` of the step (one batched ``load_pages`` call)
-  before the forward. If the pool is not mapped, or is mapped from another node epoch than
-  the one the offsets were issued under, nothing is copied and the blocks are reported
-  through ``get_block_ids_with_load_errors`` so vLLM recomputes them: never wrong KV.
+  before the forward. If the pool is not mapped, or is mapped from another epoch of the
+  rank's node than the one the offsets were issued under, nothing is copied and the blocks
+  are reported through ``get_block_ids_with_load_errors`` so vLLM recomputes them: never
+  wrong KV.
 * ``save`` copies this rank's shard of every ``SaveIntent`` after the forward (one batched
-  ``save_pages`` call) if this rank is the one that writes its shard (MLA: rank 0 only).
+  ``save_pages`` call) if this rank is the one that writes its shard on its node (MLA: rank
+  0 only, or the first rank of each node with TP ranks on several nodes: ``placement.py``).
   Failed copies are reported as failed reservations; the scheduler aborts them.
 * ``report`` tells the scheduler which step was handled, and what the copies that completed
   since the last report took (``CopyTimes``: one duration per save or load batch, i.e. per
@@ -69,6 +71,7 @@ from pegaflow.connector.intents import (
 )
 from pegaflow.connector.layout import PageLayout, build_page_layout
 from pegaflow.connector.link import LOGGER_NAME, NodeLink
+from pegaflow.connector.placement import Placement
 from pegaflow.core.identity import KVIdentity
 
 logger = logging.getLogger(LOGGER_NAME)
@@ -146,20 +149,26 @@ class WorkerSide:
     """One TP rank's copy engine; see the module docstring for the contract.
 
     ``link_factory(pages, pci_bus_id)`` registers this rank's namespaces (``pages``: namespace
-    -> page bytes) with the node, telling it the PCI address of the rank's GPU ("" on CPU).
+    -> page bytes) with its node (with TP ranks on several nodes, its group's: ``placement``),
+    telling it the PCI address of the rank's GPU ("" on CPU). The rank copies its own place
+    only: ``offsets[place]`` of a load, checked against ``epochs[place]``, and the saves of its
+    place if it is the one rank that writes it.
     ``stream`` and ``pins`` are the hardware edge (default: the KV cache's device's, chosen
     at ``register_kv_caches``); ``staging_bytes`` sizes each copier's device staging."""
 
     def __init__(self, identity: KVIdentity, tp_rank: int, link_factory: Callable[[dict[str, int], str], NodeLink],
                  kv_groups: int = 1,
                  state_groups: frozenset[int] = frozenset(), stream: CopyStream | None = None,
-                 pins: PinsFactory | None = None, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
+                 pins: PinsFactory | None = None, staging_bytes: int = DEFAULT_STAGING_BYTES,
+                 placement: Placement | None = None) -> None:
         self.identity = identity
         self.kv_groups = kv_groups  # vLLM's KV cache groups (hybrid allocator: > 1)
         self.state_groups = state_groups  # of those, state-space (Mamba) groups: state pages
         self.tp_rank = tp_rank
         self.shard = identity.shard_of_rank(tp_rank)
-        self.saves_shard = identity.rank_saves(tp_rank)
+        placement = placement or Placement.of(identity)
+        self.place = placement.place_of_rank(tp_rank)  # with one node, the shard
+        self.saves_shard = placement.writes(tp_rank)
         self.namespace = identity.namespace(self.shard)
         self.state_namespace = identity.state_namespaces[self.shard] if identity.state_page_bytes else ""
         self._link_factory = link_factory
@@ -315,8 +324,8 @@ class WorkerSide:
         if client is None:
             return None
         if link.epoch != epoch:
-            self._warn_once("epoch", "PegaFlow rank %d: pool epoch %s != scheduler epoch %s; re-attaching",
-                            self.tp_rank, link.epoch, epoch)
+            self._warn_once("epoch", "PegaFlow rank %d: pool epoch %s of node %s != scheduler's epoch %s of it; "
+                            "re-attaching", self.tp_rank, link.epoch, link.addr, epoch)
             link.reconnect()
             return None
         try:
@@ -381,13 +390,14 @@ class WorkerSide:
                 if self.tp_rank == 0 and not ld.state:  # a request, not a copy: counted once, not per rank
                     self._count("async_loads", 1)
         issued = False
-        for state, epoch in sorted({(ld.state, ld.epoch) for ld in meta.loads}):
+        place = self.place
+        for state, epoch in sorted({(ld.state, ld.epochs[place]) for ld in meta.loads}):
             loads = [ld for ld in meta.loads
-                     if ld.epoch == epoch and ld.state == state and ld.req_id not in self._failed_recving]
+                     if ld.epochs[place] == epoch and ld.state == state and ld.req_id not in self._failed_recving]
             if not loads:
                 continue
             block_ids = [b for ld in loads for b in ld.block_ids]
-            offsets = [o for ld in loads for o in ld.offsets[self.shard]]
+            offsets = [o for ld in loads for o in ld.offsets[place]]
             pool = self._pool_for(epoch)
             layout = self.state_layout if state else self.layout
             if pool is None or layout is None:
@@ -495,7 +505,7 @@ class WorkerSide:
         if not meta.saves or not self.saves_shard:
             return
         self._begin(meta)
-        mine = [s for sv in meta.saves for s in sv.shards if s.shard == self.shard]
+        mine = [s for sv in meta.saves for s in sv.shards if s.place == self.place]
         for state, epoch in sorted({(s.state, s.epoch) for s in mine}):
             batch = [s for s in mine if s.epoch == epoch and s.state == state]
             pool = self._pool_for(epoch)

@@ -22,6 +22,7 @@ from pegaflow.client.client import NO_COPIES, CopyTimes
 from pegaflow.connector.events import KVEvents
 from pegaflow.connector.intents import PegaWorkerReport
 from pegaflow.connector.link import NodeLink
+from pegaflow.connector.placement import Placement
 from pegaflow.connector.scheduler import SchedulerSide
 from pegaflow.connector.settings import ConnectorSettings
 from pegaflow.connector.worker import WorkerSide
@@ -57,15 +58,19 @@ class RES:
 class FakeNode:
     """The node's state, shared by every FakeNodeClient of one test."""
 
-    def __init__(self, pool_bytes: int = 1 << 22, page: int = 4096, pinned: bool = False) -> None:
+    def __init__(self, pool_bytes: int = 1 << 22, page: int = 4096, pinned: bool = False, ids_from: int = 1,
+                 node_id: str = "fake-node") -> None:
+        """``ids_from``: the first lease/reservation id (give two nodes distinct ids, or the same)."""
+        self.node_id = node_id
         self.pinned = pinned  # the pool in page-locked memory (a GPU engine's DMAs)
         self.pool = torch.zeros(pool_bytes, dtype=torch.uint8, pin_memory=pinned)
         self.page_bytes: dict[str, int] = {}
         self.stored: dict[tuple[str, bytes], int] = {}  # committed: (ns, hash) -> offset
         self.reservations: dict[int, list[tuple[str, bytes, int]]] = {}
         self.leases: set[int] = set()
+        self.lease_blocks: dict[int, int] = {}  # each live lease -> how many blocks of each namespace it pins
         self.next_off = 0
-        self.ids = itertools.count(1)
+        self.ids = itertools.count(ids_from)
         self.up = True
         self.epoch = 1
         self.loading = 0  # answer LOADING this many times
@@ -81,6 +86,7 @@ class FakeNode:
         self.stored.clear()
         self.reservations.clear()
         self.leases.clear()
+        self.lease_blocks.clear()
         self.pool = torch.zeros(self.pool.numel(), dtype=torch.uint8, pin_memory=self.pinned)
         self.next_off = 0
         self.epoch += 1
@@ -91,7 +97,7 @@ class FakeNodeClient:
     def __init__(self, node: FakeNode) -> None:
         self.node = node
         self.epoch = 0
-        self.node_id = "fake-node"
+        self.node_id = node.node_id
         self.pci_bus_id = ""  # as PegaClient: sent at Register
         self._pool: torch.Tensor | None = None
 
@@ -127,6 +133,7 @@ class FakeNodeClient:
         lease_id = next(self.node.ids) if (lease and n) else 0
         if lease_id:
             self.node.leases.add(lease_id)
+            self.node.lease_blocks[lease_id] = n
         offs = {ns: [self.node.stored[(ns, h)] for h in hashes[:n]] for ns in namespaces}
         return QR("READY", n, lease_id, offs, self.node.epoch)
 
@@ -164,6 +171,7 @@ class FakeNodeClient:
         self._check("release")
         self.node.copies.append(copies)
         self.node.leases.discard(lease_id)
+        self.node.lease_blocks.pop(lease_id, None)
 
     def reset(self, namespaces: Sequence[str]) -> SimpleNamespace:
         self._check("reset")
@@ -178,7 +186,7 @@ class FakeNodeClient:
 
 def fake_link(node: FakeNode, namespaces: Mapping[str, int], pci_bus_id: str = "") -> NodeLink:
     return NodeLink(
-        "fake:0",
+        f"{node.node_id}:0",
         namespaces,
         "test",
         client_factory=lambda addr, inst: FakeNodeClient(node),
@@ -218,8 +226,14 @@ def kv_value(tokens: Sequence[int], layer: int, shard: int) -> float:
     return float((sum(tokens) * 7 + len(tokens) * 13 + layer * 101 + shard * 1009) % 2039) / 8.0
 
 
+def node_pages(ident: KVIdentity, placement: Placement, node: int) -> dict[str, int]:
+    """What the scheduler side registers on ``node`` (as the connector does)."""
+    return {ident.namespace(placement.places[i].shard): ident.page_bytes for i in placement.on_node(node)}
+
+
 class Engine:
-    """One fake engine: a scheduler side plus ``tp`` worker sides sharing one FakeNode."""
+    """One fake engine: a scheduler side plus ``tp`` worker sides sharing one FakeNode, or
+    (``nodes``, ``link_factories``) one node per equal group of TP ranks."""
 
     def __init__(
         self,
@@ -232,21 +246,29 @@ class Engine:
         stream: Callable[[], Any] | None = None,
         device: str = "cpu",
         pins: Any = None,
+        nodes: Sequence[FakeNode] = (),
+        link_factories: Sequence[Callable[..., NodeLink]] = (),
     ) -> None:
         """``stream``: makes each rank's copy stream (``inflight.CopyStream``; default: the
         device's, ``Immediate`` on CPU); ``device``: where the KV caches are; ``pins``: the
         workers' pool registration (``WorkerSide``'s; default: the device's)."""
         self.node = node
         self.ident = ident
-        if link_factory is None:
-            assert node is not None
-            link_factory = lambda ns, pci="": fake_link(node, ns, pci)  # noqa: E731
-        self.sched = SchedulerSide(ident, link_factory({ns: ident.page_bytes for ns in ident.namespaces}), settings,
-                                   events)
+        if nodes:
+            link_factories = [lambda ns, pci="", n=n: fake_link(n, ns, pci) for n in nodes]
+        elif not link_factories:
+            if link_factory is None:
+                assert node is not None
+                link_factory = lambda ns, pci="": fake_link(node, ns, pci)  # noqa: E731
+            link_factories = [link_factory]
+        self.placement = Placement.of(ident, len(link_factories))
+        self.sched = SchedulerSide(ident, [f(node_pages(ident, self.placement, i)) for i, f in enumerate(link_factories)],
+                                   settings, events, placement=self.placement)
         self.workers = []
         self.caches = []
         for rank in range(ident.tp_size):
-            w = WorkerSide(ident, rank, link_factory, stream=stream() if stream is not None else None, pins=pins)
+            w = WorkerSide(ident, rank, link_factories[self.placement.node_of_rank(rank)],
+                           stream=stream() if stream is not None else None, pins=pins, placement=self.placement)
             caches = make_caches(ident, num_blocks, device)
             w.register_kv_caches(caches, num_blocks)
             self.workers.append(w)
@@ -259,7 +281,7 @@ class Engine:
         """End the engine's links (a real node's sessions; what was sent is delivered first)."""
         for w in self.workers:
             w.close()
-        self.sched.link.close()
+        self.sched.close()
 
     def request(self, tokens: list[int], **extra: Any) -> SimpleNamespace:
         fields: dict[str, Any] = dict(lora_request=None, cache_salt=None, mm_features=[])

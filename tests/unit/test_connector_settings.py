@@ -75,6 +75,13 @@ def test_the_originals_keys_are_read() -> None:
     assert load_settings({}, {}).instance_id is None and load_settings({}, {}).cross_layer_blocks
 
 
+def test_several_tp_shard_endpoints_name_one_node_per_group_in_rank_order() -> None:
+    s = load_settings({"pegaflow.tp_shard_endpoints": ["http://10.0.0.7:50077", "10.0.0.8:50078"],
+                       "pegaflow.addr": "10.0.0.2:1"}, {"PEGAFLOW_HOST": "10.0.0.3"})
+    assert s.nodes == ("10.0.0.7:50077", "10.0.0.8:50078") and s.addr == "10.0.0.7:50077"
+    assert load_settings({"pegaflow.addr": "10.0.0.2:1"}, {}).nodes == ("10.0.0.2:1",)
+
+
 @pytest.mark.parametrize("value, on", [("1", True), ("0", False), ("false", False), ("true", True), ("", True)])
 def test_cross_layer_blocks_variable(value: str, on: bool) -> None:
     assert cross_layer_blocks({"PEGAFLOW_CROSS_LAYER_BLOCKS": value}) is on
@@ -87,9 +94,8 @@ def test_cross_layer_blocks_variable(value: str, on: bool) -> None:
     ({"pegaflow.tp_shard_endpoints": ["http://a:1", ""]}, "pegaflow.tp_shard_endpoints must contain non-empty strings"),
     ({"pegaflow.tp_shard_endpoints": ["http://a:1", "http://a:1"]},
      "pegaflow.tp_shard_endpoints must not contain duplicates"),
-    # several nodes: not supported here yet, said so
-    ({"pegaflow.tp_shard_endpoints": ["http://a:1", "http://b:1"]},
-     "pegaflow.tp_shard_endpoints names 2 nodes (a:1, b:1): TP shards on different hosts are not supported yet"),
+    # two spellings of one node
+    ({"pegaflow.tp_shard_endpoints": ["http://a:1", "a:1"]}, "pegaflow.tp_shard_endpoints must not contain duplicates"),
     ({"pegaflow.wait_for_full_prefix": "sometimes"}, "pegaflow.wait_for_full_prefix='sometimes' is not a boolean"),
 ])
 def test_the_originals_keys_refuse_what_it_refused(extra: dict[str, object], message: str) -> None:

@@ -1,0 +1,258 @@
+"""TP ranks on several nodes (``pegaflow.tp_shard_endpoints``): each group of ranks copies to
+and from its own node, the scheduler side asks every node and loads the prefix all of them
+hold, and every lease and reservation goes back to the node that issued it.
+
+Two in-memory nodes (``FakeNode``) with the node's contract; the scheduler and worker sides
+are driven through vLLM's call order (``Engine``).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from pegaflow.connector.placement import Place, Placement, check_tp_only
+from pegaflow.connector.settings import ConnectorSettings
+from pegaflow.core.identity import NO_EXTRA_KEYS, block_hashes
+from tests.unit.connector_fakes import Engine, FakeNode, identity
+
+BS = 16
+
+
+def prompt(seed: int, n: int = 5 * BS + 3) -> list[int]:
+    return [(seed * 7919 + i * 31) % 5000 for i in range(n)]
+
+
+def two_nodes(b_ids_from: int = 1) -> tuple[FakeNode, FakeNode]:
+    """Nodes A and B; by default their lease and reservation ids are the same numbers, so an
+    id sent to the wrong node would find something there."""
+    return FakeNode(node_id="node-a"), FakeNode(node_id="node-b", ids_from=b_ids_from)
+
+
+def namespaces_on(node: FakeNode) -> set[str]:
+    return {ns for ns, _ in node.stored}
+
+
+def scheduled(req: Any, block_ids: list[int], n_ext: int) -> SimpleNamespace:
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=req.request_id, block_ids=(list(block_ids),),
+                                            num_computed_tokens=n_ext)],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[],
+                                              resumed_req_ids=set()),
+        num_scheduled_tokens={req.request_id: len(req.prompt_token_ids) - n_ext},
+    )
+
+
+# -- placement --------------------------------------------------------------------------------
+
+def test_ranks_split_into_equal_contiguous_groups_each_shard_on_its_groups_node() -> None:
+    p = Placement.of(identity(tp=4, heads=4), 2)
+    assert [p.node_of_rank(r) for r in range(4)] == [0, 0, 1, 1]
+    assert p.places == (Place(0, 0), Place(1, 0), Place(2, 1), Place(3, 1))
+    assert [p.place_of_rank(r) for r in range(4)] == [0, 1, 2, 3]
+    assert all(p.writes(r) for r in range(4))
+    assert p.on_node(1) == (2, 3)
+
+
+def test_a_replicated_shard_has_a_place_and_a_writer_on_each_node() -> None:
+    p = Placement.of(identity(tp=4, mla=True), 2)
+    assert p.places == (Place(0, 0), Place(0, 1))
+    assert [p.place_of_rank(r) for r in range(4)] == [0, 0, 1, 1]
+    assert [p.writes(r) for r in range(4)] == [True, False, True, False]
+
+
+def test_one_node_keeps_one_place_per_shard_in_shard_order() -> None:
+    for ident in (identity(tp=2), identity(tp=4, heads=4), identity(tp=2, mla=True)):
+        p = Placement.of(ident)
+        assert [pl.shard for pl in p.places] == list(range(ident.num_shards))
+        assert [p.place_of_rank(r) for r in range(ident.tp_size)] == [ident.shard_of_rank(r)
+                                                                       for r in range(ident.tp_size)]
+        assert [p.writes(r) for r in range(ident.tp_size)] == [ident.rank_saves(r) for r in range(ident.tp_size)]
+
+
+def test_the_originals_refusals() -> None:
+    with pytest.raises(ValueError, match=r"^tensor_parallel_size=2 must be divisible by the 4 PegaFlow TP shards$"):
+        Placement.of(identity(tp=2), 4)
+    with pytest.raises(ValueError, match="pegaflow.tp_shard_endpoints currently supports TP-only parallelism; "
+                                         "got tp_size=2, world_size=4, dcp_world_size=1, pcp_world_size=1"):
+        check_tp_only(2, 2, 4, 1, 1)
+    with pytest.raises(ValueError, match="dcp_world_size=2"):
+        check_tp_only(2, 2, 2, 2, 1)
+    check_tp_only(1, 2, 4, 2, 2)  # one node: whatever the parallelism
+
+
+# -- saves and loads -----------------------------------------------------------------------------
+
+def test_each_shard_is_saved_on_its_ranks_node_and_loaded_from_both() -> None:
+    a, b = two_nodes()
+    ident = identity(tp=2)
+    p = prompt(1)
+    assert Engine(None, ident, nodes=(a, b)).run(p)["external"] == 0
+    assert namespaces_on(a) == {ident.namespace(0)} and namespaces_on(b) == {ident.namespace(1)}
+    assert len(a.stored) == len(b.stored) == 5
+
+    warm_engine = Engine(None, ident, nodes=(a, b))
+    queries = a.calls["query"], b.calls["query"]
+    warm = warm_engine.run(p)
+    assert warm["external"] == 5 * BS and not warm["errors"]
+    for rank in (0, 1):
+        assert [warm_engine.block_content(rank, blk) for blk in warm["block_ids"][:5]] == \
+            [warm_engine.expected(rank, p, i) for i in range(5)], f"rank {rank}"
+    assert warm["loaded"][0] != warm["loaded"][1], "each rank got its own shard"
+    for node in (a, b):
+        assert not node.leases and not node.reservations, node.node_id
+    assert (a.calls["query"], b.calls["query"]) == (queries[0] + 1, queries[1] + 1), \
+        "equal hits: one Query per node, no second lease"
+
+
+def test_mla_on_two_nodes_stores_one_copy_per_node_by_the_first_rank_there() -> None:
+    a, b = two_nodes()
+    ident = identity(tp=4, mla=True)
+    p = prompt(2)
+    cold = Engine(None, ident, nodes=(a, b)).run(p)
+    assert [[s.place for s in sv.shards] for sv in cold["meta"].saves] == [[0, 1]]
+    assert namespaces_on(a) == namespaces_on(b) == {ident.namespace(0)} and len(a.stored) == len(b.stored) == 5
+    eng = Engine(None, ident, nodes=(a, b))
+    warm = eng.run(p)
+    assert warm["external"] == 5 * BS and not warm["errors"]
+    assert all(warm["loaded"][r] == warm["loaded"][0] for r in range(4))
+    assert warm["loaded"][0] == [eng.expected(0, p, i) for i in range(5)]
+
+
+def test_the_hit_is_the_common_prefix_leased_again_at_exactly_that_length() -> None:
+    a, b = two_nodes()
+    ident = identity(tp=2)
+    p = prompt(3)
+    Engine(None, ident, nodes=(a, b)).run(p)
+    # node B lost blocks 3 and 4 of its shard: only 3 blocks are on both nodes
+    for h in block_hashes(ident.seed, p, BS, NO_EXTRA_KEYS)[3:5]:
+        del b.stored[ident.namespace(1), h]
+    eng = Engine(None, ident, nodes=(a, b))
+    before_a, before_b = a.calls.copy(), b.calls.copy()
+    req = eng.request(p)
+    n, is_async = eng.sched.get_num_new_matched_tokens(req, 0)
+    assert (n, is_async) == (3 * BS, False)
+    assert list(a.lease_blocks.values()) == [3], "A's 5-block lease is released, a 3-block one taken"
+    assert list(b.lease_blocks.values()) == [3]
+    assert (a.calls - before_a) == {"query": 2, "release": 1} and (b.calls - before_b) == {"query": 1}
+
+    blocks = list(range(1, 7))
+    eng.sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (blocks,)), n)
+    meta = eng.sched.build_connector_meta(scheduled(req, blocks, n))
+    (ld,) = meta.loads
+    assert [len(o) for o in ld.offsets] == [3, 3]
+    assert not a.reservations, "A holds blocks 3 and 4 already"
+    assert [len(items) for items in b.reservations.values()] == [2], "B gets them back"
+
+
+def test_one_node_down_is_a_miss_and_nothing_stays_leased_on_the_other() -> None:
+    a, b = two_nodes()
+    ident = identity(tp=2)
+    p = prompt(4)
+    Engine(None, ident, nodes=(a, b)).run(p)
+    eng = Engine(None, ident, nodes=(a, b))
+    b.up = False  # the links do not know yet: A answers, B's Query fails
+    before = a.calls.copy()
+    out = eng.run(p)
+    assert out["external"] == 0 and not out["errors"]
+    assert (a.calls - before) == {"query": 1, "release": 1} and not a.leases, "A's lease was released at once"
+    assert not out["meta"].saves and not a.reservations, "no save while a node is unreachable"
+    assert not eng.sched.nodes_ready()
+    # and back: hits resume once B's links reconnect
+    b.up = True
+    for link in (*eng.sched.links, *(w.link for w in eng.workers)):
+        assert link is not None and link.wait_ready(10.0)
+    assert eng.run(p)["external"] == 5 * BS
+    assert not a.leases and not b.leases
+
+
+def test_a_node_promoting_blocks_makes_the_answer_loading_and_releases_the_other_lease() -> None:
+    a, b = two_nodes()
+    ident = identity(tp=2)
+    p = prompt(5)
+    Engine(None, ident, nodes=(a, b)).run(p)
+    eng = Engine(None, ident, nodes=(a, b), settings=ConnectorSettings())
+    b.loading, b.loading_dram, b.loading_from, b.loading_expected = 1, 2, "ssd", 4
+    n, is_async = eng.sched.get_num_new_matched_tokens(eng.request(p), 0)
+    assert (n, is_async) == (4 * BS, True), "the prefix every node will hold, loaded asynchronously"
+    assert not a.leases and not b.leases
+
+
+def test_leases_and_reservations_go_back_to_the_node_that_issued_them() -> None:
+    a, b = two_nodes()  # the same ids on both nodes
+    ident = identity(tp=2)
+    p = prompt(6)
+    Engine(None, ident, nodes=(a, b)).run(p)
+    assert a.calls["commit"] == b.calls["commit"] == 1 and not a.reservations and not b.reservations
+    Engine(None, ident, nodes=(a, b)).run(p)
+    assert a.calls["release"] == b.calls["release"] == 1
+    assert not a.leases and not b.leases
+
+    # a save that failed on rank 1 is aborted on B; A's reservation is committed
+    a, b = two_nodes(b_ids_from=10_000)
+    eng = Engine(None, ident, nodes=(a, b))
+    eng.workers[1]._save_pages = lambda *args: (_ for _ in ()).throw(RuntimeError("copy failed"))
+    eng.run(p)
+    assert (a.calls["commit"], a.calls["abort"]) == (1, 0) and len(a.stored) == 5
+    assert (b.calls["commit"], b.calls["abort"]) == (0, 1) and not b.stored and not b.reservations
+
+
+def test_each_rank_checks_the_epoch_of_its_own_node() -> None:
+    a, b = two_nodes()
+    b.epoch = 7
+    ident = identity(tp=2)
+    p = prompt(7)
+    Engine(None, ident, nodes=(a, b)).run(p)
+    eng = Engine(None, ident, nodes=(a, b))
+    req = eng.request(p)
+    n, _ = eng.sched.get_num_new_matched_tokens(req, 0)
+    assert n == 5 * BS
+    # B restarts after the answer; rank 1 re-attaches to its epoch 8 before the copy
+    b.restart()
+    w1 = eng.workers[1]
+    assert w1.link is not None
+    w1.link.reconnect()
+    assert w1.link.wait_ready(10.0) and w1.link.epoch == 8
+    blocks = list(range(1, 7))
+    eng.sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (blocks,)), n)
+    meta = eng.sched.build_connector_meta(scheduled(req, blocks, n))
+    assert [ld.epochs for ld in meta.loads] == [(1, 7)]
+    for w in eng.workers:
+        w.start_load(meta)
+    assert eng.workers[0].take_load_errors() == set() and w1.take_load_errors() == set(blocks[:5])
+    assert [eng.block_content(0, blk) for blk in blocks[:5]] == [eng.expected(0, p, i) for i in range(5)]
+    assert all(eng.block_content(1, blk) == [0.0] * 4 for blk in blocks[:5]), "nothing copied from B's new pool"
+
+
+def test_reset_cache_resets_every_node_and_says_when_one_was_unreachable() -> None:
+    a, b = two_nodes()
+    ident = identity(tp=2)
+    eng = Engine(None, ident, nodes=(a, b))
+    eng.run(prompt(8))
+    assert eng.sched.reset_cache()
+    assert not a.stored and not b.stored and a.calls["reset"] == b.calls["reset"] == 1
+    eng.run(prompt(9))
+    b.up = False
+    assert not eng.sched.reset_cache()
+    assert not a.stored, "the reachable node is reset all the same"
+
+
+def test_the_connector_places_shards_from_vllms_parallel_config() -> None:
+    from pegaflow.connector.connector import node_pages, shard_placement
+
+    ident = identity(tp=4, heads=4)
+
+    def config(**parallel: int) -> Any:
+        pc = dict(tensor_parallel_size=4, world_size=4, decode_context_parallel_size=1, prefill_context_parallel_size=1)
+        pc.update(parallel)
+        return SimpleNamespace(parallel_config=SimpleNamespace(**pc))
+
+    placement = shard_placement(config(), ident, 2)
+    assert node_pages(ident, placement, 1) == {ident.namespace(2): ident.page_bytes, ident.namespace(3): ident.page_bytes}
+    with pytest.raises(ValueError, match="must be divisible by the 3 PegaFlow TP shards"):
+        shard_placement(config(), ident, 3)
+    with pytest.raises(ValueError, match="supports TP-only parallelism"):
+        shard_placement(config(prefill_context_parallel_size=2), ident, 2)
+    assert shard_placement(config(world_size=8), ident, 1).nodes == 1
