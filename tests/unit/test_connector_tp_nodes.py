@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from pegaflow.connector import scheduler as scheduler_mod
 from pegaflow.connector.placement import Place, Placement, check_tp_only
 from pegaflow.connector.settings import ConnectorSettings
 from pegaflow.core.identity import NO_EXTRA_KEYS, block_hashes
@@ -107,6 +108,17 @@ def test_each_shard_is_saved_on_its_ranks_node_and_loaded_from_both() -> None:
         "equal hits: one Query per node, no second lease"
 
 
+def test_one_node_keeps_its_rpcs_one_query_one_release_one_reserve_per_shard() -> None:
+    node = FakeNode()
+    ident = identity(tp=2)
+    p = prompt(10)
+    Engine(node, ident).run(p)
+    assert (node.calls["query"], node.calls["reserve"], node.calls["commit"]) == (1, 2, 2)
+    before = node.calls.copy()
+    assert Engine(node, ident).run(p)["external"] == 5 * BS
+    assert (node.calls - before) == {"register": 3, "query": 1, "release": 1}
+
+
 def test_mla_on_two_nodes_stores_one_copy_per_node_by_the_first_rank_there() -> None:
     a, b = two_nodes()
     ident = identity(tp=4, mla=True)
@@ -168,16 +180,38 @@ def test_one_node_down_is_a_miss_and_nothing_stays_leased_on_the_other() -> None
     assert not a.leases and not b.leases
 
 
-def test_a_node_promoting_blocks_makes_the_answer_loading_and_releases_the_other_lease() -> None:
+def test_a_node_promoting_blocks_makes_the_answer_loading_then_the_async_load_comes_from_both(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [1000.0]  # the scheduler's monotonic clock, advanced by hand
+    monkeypatch.setattr(scheduler_mod, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     a, b = two_nodes()
     ident = identity(tp=2)
     p = prompt(5)
     Engine(None, ident, nodes=(a, b)).run(p)
     eng = Engine(None, ident, nodes=(a, b), settings=ConnectorSettings())
     b.loading, b.loading_dram, b.loading_from, b.loading_expected = 1, 2, "ssd", 4
-    n, is_async = eng.sched.get_num_new_matched_tokens(eng.request(p), 0)
+    req = eng.request(p)
+    n, is_async = eng.sched.get_num_new_matched_tokens(req, 0)
     assert (n, is_async) == (4 * BS, True), "the prefix every node will hold, loaded asynchronously"
-    assert not a.leases and not b.leases
+    assert not a.leases and not b.leases, "nothing stays leased while a node promotes"
+    blocks = list(range(1, 7))
+    eng.sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (blocks,)), n)
+
+    clock[0] += scheduler_mod.LOADING_POLL_S
+    meta = eng.sched.build_connector_meta(scheduled(req, blocks, 0))  # both in DRAM now: the copy goes out
+    (ld,) = meta.loads
+    assert ld.is_async and ld.block_ids == tuple(blocks[:4]) and [len(o) for o in ld.offsets] == [4, 4]
+    assert len(a.leases) == len(b.leases) == 1
+    report = None
+    for w in eng.workers:
+        w.start_load(meta)
+        assert w.take_finished_recving() == {req.request_id} and not w.take_load_errors()
+        r = w.report(meta)
+        report = r if report is None else report.aggregate(r)
+    eng.sched.update_connector_output(report)
+    for rank in (0, 1):
+        assert [eng.block_content(rank, blk) for blk in blocks[:4]] == [eng.expected(rank, p, i) for i in range(4)]
+    assert not a.leases and not b.leases, "each node's lease ends with the step, on that node"
 
 
 def test_leases_and_reservations_go_back_to_the_node_that_issued_them() -> None:
