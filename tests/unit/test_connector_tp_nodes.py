@@ -290,3 +290,91 @@ def test_the_connector_places_shards_from_vllms_parallel_config() -> None:
     with pytest.raises(ValueError, match="supports TP-only parallelism"):
         shard_placement(config(prefill_context_parallel_size=2), ident, 2)
     assert shard_placement(config(world_size=8), ident, 1).nodes == 1
+
+
+def test_a_state_space_model_saves_and_loads_each_ranks_state_through_its_own_node() -> None:
+    """Hybrid state-space (Mamba, align mode) at TP=2 over two nodes: attention pages and the
+    state page at the hit's end, both per rank, on the rank's node; the hit needs both nodes."""
+    import dataclasses
+
+    import torch
+
+    from pegaflow.connector.scheduler import NULL_BLOCK_ID, SchedulerSide
+    from pegaflow.connector.worker import WorkerSide
+    from tests.unit.connector_fakes import fake_link, kv_value
+    from tests.unit.test_connector_state_space import (
+        ATTN,
+        GROUP_OF,
+        STATE,
+        STATE_BYTES,
+        TOKENS,
+        caches,
+        idle_step,
+        sched_out,
+    )
+
+    ident = dataclasses.replace(identity(tp=2, layers=2), state_page_bytes=STATE_BYTES)
+    placement = Placement.of(ident, 2)
+    bs, nblocks = ident.block_size, -(-len(TOKENS) // ident.block_size)
+
+    def engine(a: FakeNode, b: FakeNode) -> tuple[SchedulerSide, list[WorkerSide], list[dict[str, Any]]]:
+        pages = [{ns: ident.page_bytes for ns in [ident.namespaces[r]]} | {ident.state_namespaces[r]: STATE_BYTES}
+                 for r in (0, 1)]
+        sched = SchedulerSide(ident, [fake_link(n, pages[i]) for i, n in enumerate((a, b))], kv_groups=2,
+                              state_groups=frozenset({STATE}), placement=placement)
+        workers, kv = [], []
+        for rank, n in enumerate((a, b)):
+            w = WorkerSide(ident, rank, lambda ns, pci, n=n: fake_link(n, ns, pci), kv_groups=2,
+                           state_groups=frozenset({STATE}), placement=placement)
+            kv.append(caches(ident, 64))
+            w.register_kv_caches(kv[-1], 64, GROUP_OF)
+            workers.append(w)
+        return sched, workers, kv
+
+    def value(rank: int, layer: int, blocks: int) -> float:
+        return float(torch.tensor(kv_value(TOKENS[: blocks * bs], layer, rank), dtype=torch.float16))
+
+    a, b = two_nodes()
+    sched, workers, kv = engine(a, b)
+    req = SimpleNamespace(request_id="cold", prompt_token_ids=TOKENS, num_prompt_tokens=len(TOKENS),
+                          all_token_ids=list(TOKENS), lora_request=None, cache_salt=None, mm_features=[])
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    ids = (list(range(1, nblocks + 1)), list(range(20, 20 + nblocks)))
+    sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ids), 0)
+    meta = sched.build_connector_meta(sched_out(req, ids, 0, len(TOKENS), {"cold": [(STATE, ids[STATE][5], 6 * bs)]}))
+    report = None
+    for rank, w in enumerate(workers):
+        for layer, (name, g) in enumerate(GROUP_OF.items()):
+            for i in range(nblocks):
+                v = kv_value(TOKENS[: (i + 1) * bs], layer, rank)
+                if g == ATTN:
+                    kv[rank][name][ids[ATTN][i]].fill_(v)
+                else:
+                    kv[rank][name][0][ids[STATE][i]].fill_(v)
+                    kv[rank][name][1][ids[STATE][i]].fill_(v)
+        w.save(meta)
+        r = w.report(meta)
+        report = r if report is None else report.aggregate(r)
+    sched.update_connector_output(report)
+    for rank, n in enumerate((a, b)):
+        assert namespaces_on(n) == {ident.namespaces[rank], ident.state_namespaces[rank]}
+        assert len(n.stored) == 6 + 1, "six attention pages and one state page per node"
+
+    sched, workers, kv = engine(a, b)
+    req.request_id = "warm"
+    assert sched.get_num_new_matched_tokens(req, 0) == (6 * bs, True)
+    ids = ([NULL_BLOCK_ID] * 5 + [30, 31], list(range(40, 40 + nblocks)))
+    sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ids), 6 * bs)
+    meta = sched.build_connector_meta(idle_step())
+    assert sorted(ld.state for ld in meta.loads) == [False, True]
+    report = None
+    for rank, w in enumerate(workers):
+        w.start_load(meta)
+        assert w.take_finished_recving() == {"warm"} and w.take_failed_recving() == set()
+        r = w.report(meta)
+        report = r if report is None else report.aggregate(r)
+        conv, ssm = kv[rank]["model.layers.2.mixer"]
+        assert float(conv[30].flatten()[0]) == value(rank, 2, 6), f"rank {rank}'s own state"
+        assert float(kv[rank]["model.layers.3.mixer.attn"][ids[ATTN][2]].flatten()[0]) == value(rank, 3, 3)
+    sched.update_connector_output(report)
+    assert not a.leases and not b.leases
