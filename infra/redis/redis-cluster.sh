@@ -16,7 +16,10 @@ if [[ -z "$cmd" || -z "$dir" ]]; then
 fi
 ports=(); for i in 0 1 2 3 4 5; do ports+=($((base + i))); done
 pidfile() { echo "$dir/node-$1/redis.pid"; }
-alive() { local f; f="$(pidfile "$1")"; [[ -f "$f" ]] && kill -0 "$(cat "$f")" 2>/dev/null; }
+# A process that exited is gone, though as a zombie it answers kill -0 until its parent reaps it
+# (redis-server daemonizes: its parent is init, which may reap it seconds later).
+running() { kill -0 "$1" 2>/dev/null && ! grep -qs '^State:[[:space:]]*Z' "/proc/$1/status"; }
+alive() { local f; f="$(pidfile "$1")"; [[ -f "$f" ]] && running "$(cat "$f")"; }
 
 replicas_up() {
   local n=0 p
@@ -65,8 +68,8 @@ case "$cmd" in
       fi
     done
     for pid in "${pids[@]}"; do
-      for _ in $(seq 1 200); do kill -0 "$pid" 2>/dev/null || break; sleep 0.05; done
-      kill -9 "$pid" 2>/dev/null || true
+      for _ in $(seq 1 200); do running "$pid" || break; sleep 0.05; done
+      running "$pid" && kill -9 "$pid" 2>/dev/null || true
     done
     for p in "${ports[@]}"; do rm -f "$(pidfile "$p")" "$dir/node-$p/nodes.conf"; done ;;
   status)

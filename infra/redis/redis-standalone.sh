@@ -15,7 +15,10 @@ if [[ -z "$cmd" || -z "$dir" ]]; then
   echo "usage: $0 start|stop|status DATA_DIR [PORT] [--aof]" >&2; exit 2
 fi
 pidfile="$dir/redis-$port.pid"
-alive() { [[ -f "$pidfile" ]] && kill -0 "$(cat "$pidfile")" 2>/dev/null; }
+# A process that exited is gone, though as a zombie it answers kill -0 until its parent reaps it
+# (redis-server daemonizes: its parent is init, which may reap it seconds later).
+running() { kill -0 "$1" 2>/dev/null && ! grep -qs '^State:[[:space:]]*Z' "/proc/$1/status"; }
+alive() { [[ -f "$pidfile" ]] && running "$(cat "$pidfile")"; }
 
 case "$cmd" in
   start)
@@ -38,7 +41,7 @@ case "$cmd" in
     # SHUTDOWN writes the AOF tail when AOF is on; NOSAVE keeps RDB off either way.
     redis-cli -p "$port" shutdown nosave now >/dev/null 2>&1 || kill "$pid" 2>/dev/null || true
     for _ in $(seq 1 200); do
-      kill -0 "$pid" 2>/dev/null || { rm -f "$pidfile"; exit 0; }
+      running "$pid" || { rm -f "$pidfile"; exit 0; }
       sleep 0.05
     done
     kill -9 "$pid" 2>/dev/null || true; rm -f "$pidfile" ;;
