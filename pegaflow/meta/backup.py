@@ -231,8 +231,9 @@ class Planner:
     """The passes of one replica (see the module docstring). ``clock``: monotonic seconds."""
 
     def __init__(self, r: Client, delay_ms: int, stale_ms: int | None, metrics: BackupMetrics, owner: str,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, lock_ms: int = LOCK_MS) -> None:
         self.r = r
+        self.lock_ms = lock_ms  # how long the planning lock outlives a replica that died holding it
         self.delay_ms = delay_ms
         self.stale_ms = stale_ms
         self.metrics = metrics
@@ -245,10 +246,10 @@ class Planner:
 
     def pass_once(self) -> Pairing | None:
         """One pass; None when another replica plans."""
-        if not self.r.set(keys.BACKUP_LOCK, self.owner, nx=True, px=LOCK_MS):
+        if not self.r.set(keys.BACKUP_LOCK, self.owner, nx=True, px=self.lock_ms):
             if self.r.get(keys.BACKUP_LOCK) != self.owner.encode():
                 return None
-            self.r.pexpire(keys.BACKUP_LOCK, LOCK_MS)
+            self.r.pexpire(keys.BACKUP_LOCK, self.lock_ms)
         nodes = registry.nodes(self.r)
         names = sorted(nodes)
         now_ms, visible = self._visible(names)

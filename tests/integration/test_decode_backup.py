@@ -42,11 +42,11 @@ WAIT_S = 60
 
 
 BUSY = ("--pool-size", str(POOL_PAGES * PAGE), "--backup-reclaimable-percent", "50")
-# A node is a target after this long without an engine. Longer than the nodes take to start
-# and their engines to come (several seconds on a loaded host): with 1 s, node-0 and node-1
-# were targets before their engines came and pulled each other's blocks, so the oldest half
-# of a busy node was not all on node-2 (CI runs).
-META = ("--enable-decode-backup", "--backup-target-delay-secs", "15")
+# A node is a target after this long without an engine (--backup-target-delay-secs). In the
+# first test, longer than the nodes take to start and their engines to come (several seconds
+# on a loaded host): with 1 s, node-0 and node-1 were targets before their engines came and
+# pulled each other's blocks, so the oldest half of a busy node was not all on node-2 (CI runs).
+TARGET_DELAY_S = 15
 
 # The nodes (by name) that hold each of the named blocks, asked of pegaflow-meta one block at a time.
 HOLDERS_EACH = """
@@ -81,10 +81,11 @@ def log_events(c: P2PCluster, i: int, event: str) -> list[dict]:
     return out
 
 
-def start(tmp: Path, per_node_args: dict[int, tuple[str, ...]]) -> P2PCluster:
+def start(tmp: Path, per_node_args: dict[int, tuple[str, ...]], target_delay_s: int = TARGET_DELAY_S) -> P2PCluster:
     if not shutil.which("redis-server"):
         pytest.skip("redis-server is not installed (Debian package redis-server)")
-    c = P2PCluster(tmp, 3, per_node_args=per_node_args, meta_args=META)
+    c = P2PCluster(tmp, 3, per_node_args=per_node_args,
+                   meta_args=("--enable-decode-backup", "--backup-target-delay-secs", str(target_delay_s)))
     if c.fallback_reason:
         print(f"network namespaces unavailable ({c.fallback_reason}): loopback addresses instead")
     return c
@@ -160,7 +161,11 @@ def test_a_target_dying_mid_plan_and_blocks_evicted_before_the_pull(tmp_path: Pa
     blocks of node-1's second plan while it waits (counted missing), node-1 dies waiting on its
     third, and node-2, a target once its engine leaves, gets the third plan's blocks."""
     slow = ("--backup-pull-max-bytes", str(PLAN_PAGES * PAGE), "--backup-max-bandwidth", str(PAGE // 4))
-    c = start(tmp_path, {0: BUSY, 1: slow})
+    # A shorter target delay than the first test's: here a node that is a target before its
+    # engine comes finds nothing to copy (node-2's engine stores one block, no full pool
+    # offers any, before node-0's engine fills node-0), and node-2 is a target that much
+    # sooner once its engine leaves.
+    c = start(tmp_path, {0: BUSY, 1: slow}, target_delay_s=5)
     procs = []
     try:
         engine2 = c.client_proc(2, "save", "keep", "1", "--hold", "300")  # node-2 has an engine: no target
@@ -227,9 +232,10 @@ class World:
         self.index.apply(Op.INSERT, NS, self.nid["src"], hs)
         backup.offer(self.r, "src", [backup.Candidates(NS, PAGE, hs)], 600_000)
 
-    def planner(self, owner: str = "replica-a") -> tuple[planning.Planner, CollectorRegistry]:
+    def planner(self, owner: str = "replica-a", lock_ms: int = planning.LOCK_MS
+                ) -> tuple[planning.Planner, CollectorRegistry]:
         reg = CollectorRegistry()
-        return planning.Planner(self.r, 0, None, planning.BackupMetrics(reg), owner), reg
+        return planning.Planner(self.r, 0, None, planning.BackupMetrics(reg), owner, lock_ms=lock_ms), reg
 
     def source_classes(self) -> dict[bytes, bool]:
         """hash -> reclaimable, as the source ends up after applying its notice list in order."""
@@ -329,7 +335,7 @@ def test_a_second_replica_takes_over_the_planning(redis_server: RedisServer) -> 
     hs = hashes("takeover", 4)
     w.offer(hs)
     a, _ = w.planner("replica-a")
-    b, reg_b = w.planner("replica-b")
+    b, reg_b = w.planner("replica-b", lock_ms=1000)  # a lock that expires within the test's second
     planned_a = a.pass_once()
     assert planned_a is not None and planned_a.plans
     assert b.pass_once() is None  # a holds the lock
@@ -351,4 +357,4 @@ def test_a_second_replica_takes_over_the_planning(redis_server: RedisServer) -> 
     assert b.pass_once() is not None
     a2, _ = w.planner("replica-c")
     assert a2.pass_once() is None
-    wait_until(lambda: a2.pass_once() is not None, planning.LOCK_MS / 1000 + 5, "replica-c to take over")
+    wait_until(lambda: a2.pass_once() is not None, b.lock_ms / 1000 + 5, "replica-c to take over")
