@@ -31,7 +31,10 @@ MYPY = $(PYTHON) -m mypy
 JOBS ?= 3
 SERIAL ?=
 XDIST = -n $(JOBS) --dist loadfile --no-loadscope-reorder
-PYTEST = $(PYTHON) -m pytest -ra --durations=15 $(if $(SERIAL),,$(XDIST))
+# Bytecode is written (an environment may say PYTHONDONTWRITEBYTECODE): without it every
+# worker rewrote the assertions of every test module (~4 s of CPU each), and every process a
+# test starts compiled what it imports from tests/ and bench/ again.
+PYTEST = PYTHONDONTWRITEBYTECODE= $(PYTHON) -m pytest -ra --durations=15 $(if $(SERIAL),,$(XDIST))
 
 test: install-test lint
 	$(PYTEST) $(PYTEST_ARGS)
@@ -40,7 +43,7 @@ test: install-test lint
 # vLLM engine (tests/e2e), no chaos. FAST_JOBS workers: 4 took 5:52 on host H, 3 took 6:55.
 FAST_JOBS ?= 4
 test-fast:
-	$(PYTHON) -m pytest -ra --durations=15 -n $(FAST_JOBS) --dist loadfile --no-loadscope-reorder -m "not e2e" tests/unit tests/integration $(PYTEST_ARGS)
+	PYTHONDONTWRITEBYTECODE= $(PYTHON) -m pytest -ra --durations=15 -n $(FAST_JOBS) --dist loadfile --no-loadscope-reorder -m "not e2e" tests/unit tests/integration $(PYTEST_ARGS)
 
 lint:
 	$(PYTHON) -m ruff check pegaflow tests bench scripts
