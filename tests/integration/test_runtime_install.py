@@ -27,7 +27,7 @@ from tests.harness.ports import free_port
 from tests.integration.redis_fixtures import redis_server  # noqa: F401
 from tests.waiting import wait_until
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.install]
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ("pegaflow-node", "pegaflow-server", "pegaflow-meta", "pegaflow-metaserver", "pegaflow", "pegaflow-router")

@@ -31,6 +31,8 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+pytestmark = pytest.mark.install
+
 ROOT = Path(__file__).resolve().parents[2]
 # What setup.py and pyproject.toml read to build the wheel.
 BUILD_INPUTS_FILES = ("pyproject.toml", "setup.py", "README.md")
