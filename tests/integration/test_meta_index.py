@@ -261,9 +261,19 @@ def test_redis_restarted_index_converges(aof: bool, tmp_path: Path) -> None:
         wait_until(lambda: r.hlen(keys.NAMESPACES) > 0, 20, "first updates applied")
         r.set("test:marker", 1)
         srv.stop()  # SHUTDOWN writes the AOF tail (infra/redis/redis-standalone.sh)
-        with pytest.raises(grpc.RpcError) as err:  # lookups fail fast and say why
-            meta.query("model-0|fp16|bs16", [b"\1" * 16])
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+        def lookup_error() -> grpc.RpcError | None:
+            try:
+                meta.query("model-0|fp16|bs16", [b"\1" * 16])
+            except grpc.RpcError as exc:
+                return exc
+            return None
+
+        # Lookups fail fast and say why: at once when the view's watch connection drops, at the
+        # latest once the view is older than --view-max-lag-ms (100 ms; docs/meta.md), and then
+        # they read Redis. (A lookup sent within the moment Redis is gone may still be answered.)
+        err = wait_until(lookup_error, 2, "lookups to fail once Redis is down")
+        assert err.code() == grpc.StatusCode.UNAVAILABLE
         # Redis stays down until every node has noticed (a failed publish or heartbeat).
         wait_until(lambda: all(noticed_redis_down(p) for p in procs.values()), 30, "nodes to see Redis down")
         srv.start()
