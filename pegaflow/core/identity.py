@@ -123,10 +123,6 @@ class KVIdentity:
             raise ValueError(f"tp_rank {tp_rank} out of range 0..{self.tp_size - 1}")
         return tp_rank * self.num_shards // self.tp_size
 
-    def rank_saves(self, tp_rank: int) -> bool:
-        """Whether this rank writes its shard: exactly one rank per shard does."""
-        return tp_rank % (self.tp_size // self.num_shards) == 0
-
     @property
     def seed(self) -> bytes:
         """``h_{-1}``: the hash of the root namespace."""

@@ -10,6 +10,7 @@ import sys
 import pytest
 import xxhash
 
+from pegaflow.connector.placement import Placement
 from pegaflow.core.identity import (
     HASH_BYTES,
     ExtraKeys,
@@ -134,7 +135,7 @@ def test_tp_shards_have_distinct_namespaces_but_share_hashes() -> None:
     assert tp.namespace(0) != tp.namespace(1)
     assert tp.namespace(0) != ident().namespace(0)
     assert [tp.shard_of_rank(r) for r in range(2)] == [0, 1]
-    assert tp.rank_saves(0) and tp.rank_saves(1)
+    assert Placement.of(tp).writes(0) and Placement.of(tp).writes(1)
     with pytest.raises(ValueError):
         tp.namespace(2)
 
@@ -144,7 +145,7 @@ def test_mla_is_one_shard_saved_by_one_rank_and_loaded_by_all() -> None:
     assert mla.namespaces == [mla.namespace(0)]
     assert "shard" not in mla.namespace(0)
     assert [mla.shard_of_rank(r) for r in range(2)] == [0, 0]
-    assert [mla.rank_saves(r) for r in range(2)] == [True, False]
+    assert [Placement.of(mla).writes(r) for r in range(2)] == [True, False]
     # the same model at TP=1 is a different namespace (tp is part of the layout)
     assert mla.namespace(0) != ident(mla=True, num_kv_heads=1, head_size=576).namespace(0)
 
@@ -152,7 +153,7 @@ def test_mla_is_one_shard_saved_by_one_rank_and_loaded_by_all() -> None:
 def test_replicated_kv_heads_map_ranks_onto_fewer_shards() -> None:
     rep = ident(tp_size=4, num_shards=2)
     assert [rep.shard_of_rank(r) for r in range(4)] == [0, 0, 1, 1]
-    assert [rep.rank_saves(r) for r in range(4)] == [True, False, True, False]
+    assert [Placement.of(rep).writes(r) for r in range(4)] == [True, False, True, False]
     with pytest.raises(ValueError):
         ident(tp_size=4, num_shards=3)
 
