@@ -4,6 +4,7 @@ and how a process group is ended."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -12,6 +13,20 @@ from pathlib import Path
 from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def log_events(log: str, event: str) -> list[dict]:
+    """The records of ``event`` in a daemon's JSON log (``--log-format json``), in order; lines
+    that are not JSON objects (a traceback, another library's print) are passed over."""
+    out = []
+    for line in log.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("event") == event:
+            out.append(rec)
+    return out
 
 
 def python_env(**extra: str) -> dict[str, str]:

@@ -29,6 +29,7 @@ from pegaflow.meta.events.schema import Op
 from pegaflow.meta.index import Index
 from tests.harness.p2p import P2PCluster, wait_line
 from tests.harness.p2p_client import NS, hashes
+from tests.harness.procs import log_events
 from tests.harness.redis import RedisClusterProc, RedisServer
 from tests.integration.redis_fixtures import redis_cluster, redis_server  # noqa: F401
 from tests.waiting import wait_until
@@ -69,16 +70,8 @@ def holders_each(c: P2PCluster, tag: str, n: int) -> list[list[str]]:
     return json.loads(r.stdout.strip())
 
 
-def log_events(c: P2PCluster, i: int, event: str) -> list[dict]:
-    out = []
-    for line in c.nodes[i].log.read_text().splitlines():
-        try:
-            d = json.loads(line)
-        except ValueError:
-            continue
-        if d.get("event") == event:
-            out.append(d)
-    return out
+def node_events(c: P2PCluster, i: int, event: str) -> list[dict]:
+    return log_events(c.nodes[i].log.read_text(), event)
 
 
 def start(tmp: Path, per_node_args: dict[int, tuple[str, ...]], target_delay_s: int = TARGET_DELAY_S) -> P2PCluster:
@@ -175,8 +168,8 @@ def test_a_target_dying_mid_plan_and_blocks_evicted_before_the_pull(tmp_path: Pa
         procs.append(engine0)
         assert wait_line(engine0, WAIT_S)["committed"] == POOL_PAGES
         old = hashes("old", POOL_PAGES)
-        taken = lambda: log_events(c, 1, "backup_plan_taken")  # noqa: E731
-        pulled = lambda: log_events(c, 1, "backup_pulled")  # noqa: E731
+        taken = lambda: node_events(c, 1, "backup_plan_taken")  # noqa: E731
+        pulled = lambda: node_events(c, 1, "backup_pulled")  # noqa: E731
         wait_until(lambda: len(taken()) >= 2, WAIT_S, "node-1 to take a second plan")
         assert len(pulled()) == 1, pulled()  # the first pulled at once; the second waits for the bandwidth
         # While it waits, node-0 saves new blocks that evict the oldest ones, the second plan's among them.

@@ -4,7 +4,6 @@ unites only the node that agrees with it, counts the other as skipped and logs w
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ import pytest
 from pegaflow.client import PegaClient
 from pegaflow.policy.ceiling import CeilingEstimator
 from tests.harness.meta import MetaServer
+from tests.harness.procs import log_events
 from tests.harness.redis import RedisServer
 from tests.integration import redis_fixtures
 from tests.integration.test_cluster_ceiling import NS, hashes, run_requests, scrape
@@ -59,15 +59,7 @@ def test_metaserver_leaves_out_a_node_of_other_bucket_bits(node_factory, redis_s
         wait_until(settled, 30, "the metaserver to unite the 16-bit node only", every=0.3)
 
         def skip_lines() -> list[dict]:
-            out = []
-            for line in meta.log().splitlines():
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    continue
-                if rec.get("event") == "ceiling_sketch_skipped":
-                    out.append(rec)
-            return out
+            return log_events(meta.log(), "ceiling_sketch_skipped")
 
         wait_until(lambda: skip_lines(), 10, "the metaserver's log of the skipped sketch")
         for _ in range(3):  # later scrapes: the same reason is not logged again

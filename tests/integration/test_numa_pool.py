@@ -6,7 +6,6 @@ logic for several nodes is tested against fake topologies in tests/unit/test_num
 from __future__ import annotations
 
 import gc
-import json
 import os
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import pytest
 
 from pegaflow.node import numa
 from pegaflow.node.pool import SharedPool
+from tests.harness.procs import log_events
 
 pytestmark = pytest.mark.integration
 
@@ -30,15 +30,7 @@ def pool_mapping(pid: int) -> str:
 
 
 def events(log: Path, name: str) -> list[dict]:
-    out = []
-    for line in log.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if rec.get("event") == name:
-            out.append(rec)
-    return out
+    return log_events(log.read_text(), name)
 
 
 def test_a_pool_part_bound_in_process_reads_back_through_get_mempolicy() -> None:

@@ -27,6 +27,7 @@ from pegaflow._proto import meta_pb2, meta_pb2_grpc
 from pegaflow.config.options import META, NODE, options_for
 from pegaflow.node.pool import _hugepages_free
 from tests.harness.ports import free_port
+from tests.harness.procs import log_events
 from tests.integration.redis_fixtures import redis_server  # noqa: F401
 from tests.integration.test_metrics_export import Receiver
 from tests.integration.test_quickstart import (  # noqa: F401
@@ -47,15 +48,7 @@ pytestmark = pytest.mark.integration
 
 def without_effect_logged(log: str) -> collections.Counter[str]:
     """How often each flag was logged as having no effect (JSON log lines)."""
-    seen: collections.Counter[str] = collections.Counter()
-    for line in log.splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and rec.get("event") == "option_without_effect":
-            seen[rec["flag"]] += 1
-    return seen
+    return collections.Counter(rec["flag"] for rec in log_events(log, "option_without_effect"))
 
 
 def no_effect_flags(command: str) -> set[str]:
