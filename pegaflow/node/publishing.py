@@ -435,6 +435,14 @@ class EventPublisher:
         self._seq = 0
         with self._lock:
             self._need = None
+            self._busy = True  # wait_idle: not idle until the snapshot is out
+        try:
+            self._publish_snapshot(switch)
+        finally:
+            self._busy = False
+
+    def _publish_snapshot(self, switch: bool) -> None:
+        retry = self._retrying()
         snap = self._take_snapshot()
         entries = [self._event(Op.RESET, "", b"")]
         total = 0
