@@ -29,7 +29,7 @@ bench paces it as the live run (:func:`replay_prediction`). Beside it, the share
 copies of the busy nodes' overflow (the working-set pages beyond their pools); the busy nodes
 keep up to ``--reclaimable-percent`` of their pools as backed-up pages, which are copies node-2
 holds too, so node-2 adds ``idle pages - the busy nodes' reclaimable pages`` distinct pages
-(those read from the nodes at the start and the end of the measure, the mean). Of the accesses
+(read from the nodes every ``KEPT_S`` of the measure, the mean). Of the accesses
 that missed with the backup off, that share of the overflow should hit:
 ``on >= off + off misses x useful idle pages / overflow pages`` (``predicted_gain_pp``).
 Root for namespaces.
@@ -56,6 +56,10 @@ if str(ROOT) not in sys.path:
 NS = "backup-bench|p{}k"
 BATCH = 16  # blocks per warm-up save
 SAMPLE_S = 0.1  # how often the target's pulled bytes are read during the warm-up
+# Seconds of --backup-max-bandwidth per plan (--backup-pull-max-bytes): the planner queues two
+# a pass (MAX_QUEUED), twice what the bandwidth lets go; a bigger plan waits longer for its bytes.
+PLAN_S = 1.0
+KEPT_S = 0.5  # how often the busy nodes' reclaimable pages are read during the measure
 WAIT_S = 60.0  # bound on every wait for the backup (role, reclaimable pages)
 BUSY = (0, 1)
 IDLE = 2
@@ -140,6 +144,15 @@ def _drive(cfg: dict[str, Any]) -> None:
 
     before = {k: metrics(k) for k in (*BUSY, IDLE)}
     kept_before = [reclaimable_pages(k) for k in BUSY]
+    kept: list[list[float]] = [kept_before]
+    done = threading.Event()
+
+    def sample_kept() -> None:
+        while not done.wait(KEPT_S):
+            kept.append([reclaimable_pages(k) for k in BUSY])
+
+    kept_sampler = threading.Thread(target=sample_kept, name="reclaimable-sampler", daemon=True)
+    kept_sampler.start()
     lat: list[float] = []
     hits = remote = 0
     start_t = time.monotonic()
@@ -168,7 +181,10 @@ def _drive(cfg: dict[str, Any]) -> None:
             if r.reservation_id:
                 c.commit(r.reservation_id)
     measure_s = time.monotonic() - start_t
+    done.set()
+    kept_sampler.join(10)
     after = {k: metrics(k) for k in (*BUSY, IDLE)}
+    kept.append([reclaimable_pages(k) for k in BUSY])
 
     def delta(k: int, name: str, labels: str = "") -> float:
         return metric_sum(after[k], name, labels) - metric_sum(before[k], name, labels)
@@ -181,12 +197,17 @@ def _drive(cfg: dict[str, Any]) -> None:
         "bandwidth_bytes_per_s": rate, "plans_seen": plans,
         "warm_pulled_bytes": samples[-1][1] if samples else 0.0,
         "measure_pulled_bytes": delta(IDLE, "pegaflow_node_backup_pulled_bytes_total"),
-        "reclaimable_pages_before": kept_before, "reclaimable_pages": [reclaimable_pages(k) for k in BUSY],
+        "reclaimable_pages_before": kept_before, "reclaimable_pages": kept[-1],
+        "reclaimable_pages_mean": [float(np.mean([row[j] for row in kept])) for j in range(len(BUSY))],
+        "reclaimable_samples": len(kept),
         "idle_resident_pages": sum(metric_sum(after[IDLE], "pegaflow_node_resident_bytes_by_class", f'class="{c}"')
                                    for c in ("retained", "reclaimable")) / page,
         "demoted_backup": sum(metric_sum(after[k], "pegaflow_node_class_demotions_total", 'reason="backup_hint"')
                               for k in BUSY),
         "missing": metric_sum(after[IDLE], "pegaflow_node_backup_missing_blocks_total"),
+        # Busy nodes' retained evictions during the measure: blocks lost from the cluster (no copy).
+        "evicted_retained": sum(delta(k, "pegaflow_node_evicted_blocks_by_class_total", 'class="retained"')
+                                for k in BUSY),
     }), flush=True)
 
 
@@ -194,15 +215,17 @@ def replay_prediction(a: argparse.Namespace, on: bool) -> dict[str, Any]:
     """The same warm-up and accesses on replay's cluster model (the module docstring), paced as
     the live backup: a step per ``BACKUP_TICK_S`` of requests, copying the bandwidth's pages
     per tick, demoted on the source after the mean of the stages between an offer and its
-    notice (the planner's pass, the target's tick, the planner's next pass, the notice's poll);
-    the warm-up's waits for ``BATCH`` backed-up pages are backup steps until there are."""
-    from pegaflow.meta.backup import PASS_S
+    notice (the planner's pass; the plan's wait for its bytes, one plan of the bandwidth's
+    bucket, as the target takes a plan when its last one is pulled; the planner's settle; the
+    notice's poll); the warm-up's waits for ``BATCH`` backed-up pages are backup steps until
+    there are."""
+    from pegaflow.meta.backup import PASS_S, SETTLE_S
     from pegaflow.node.backup import BACKUP_TICK_S
     from pegaflow.node.classes import NOTICE_POLL_S
     from pegaflow.replay.cluster import BackupSettings, NodeCluster
 
     ns, ws = NS.format(a.page_kib), 2 * a.pages
-    lag = (2 * PASS_S + BACKUP_TICK_S + NOTICE_POLL_S) / 2
+    lag = (PASS_S + PLAN_S + SETTLE_S + NOTICE_POLL_S) / 2
     pace = BackupSettings(percent=a.reclaimable_percent, every=max(1, round(a.rate * BACKUP_TICK_S)),
                           step_blocks=max(1, int(a.bandwidth_mb * BACKUP_TICK_S * 1024 // a.page_kib)),
                           delay=round(lag / BACKUP_TICK_S))
@@ -233,7 +256,7 @@ def run_mode(a: argparse.Namespace, on: bool) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="pegaflow-bench-backup-"))
     node_args = ("--log-level", "warning", "--pool-size", str(a.pages * page),
                  "--backup-reclaimable-percent", str(a.reclaimable_percent),
-                 "--backup-pull-max-bytes", str(2 * a.bandwidth_mb << 20),  # two seconds of the limit per plan
+                 "--backup-pull-max-bytes", str(int(PLAN_S * a.bandwidth_mb) << 20),
                  "--backup-max-bandwidth", str(a.bandwidth_mb << 20))
     meta = ("--enable-decode-backup", "--backup-target-delay-secs", "1") if on else ()
     cluster = P2PCluster(tmp, 3, node_args=node_args, meta_args=meta)
@@ -260,8 +283,8 @@ def summarize(a: argparse.Namespace, off: dict[str, Any], on: dict[str, Any],
     (:func:`replay_prediction`'s runs, "off" and "on")."""
     overflow = 2 * (2 * a.pages - a.pages)  # the busy nodes' working-set pages beyond their pools
     # Backed-up pages the busy pools keep too (their reclaimable class, at most --reclaimable-percent):
-    # measured with the backup on, the mean of the measure's start and end.
-    kept = (sum(on["reclaimable_pages_before"]) + sum(on["reclaimable_pages"])) / 2
+    # measured with the backup on, the mean over the measure (read every KEPT_S, its start and end).
+    kept = sum(on["reclaimable_pages_mean"])
     useful = max(0, min(a.pages - kept, overflow))  # distinct pages node-2 adds
     share = useful / overflow
     share_on = off["hit_rate"] + (1 - off["hit_rate"]) * share  # the share's bound
@@ -323,7 +346,8 @@ def main() -> None:
           f"({s['query_p99_on_over_off']:.2f}x)")
     print(f"backup on, at the end: busy nodes' reclaimable pages {on['reclaimable_pages']}, node-2 resident "
           f"{on['idle_resident_pages']:.0f} pages, demoted (backup_hint) {on['demoted_backup']:.0f}, "
-          f"missing at pull {on['missing']:.0f}; pulled during the measure {on['measure_pulled_bytes'] / 2**20:.1f} MiB")
+          f"missing at pull {on['missing']:.0f}, retained evicted {on['evicted_retained']:.0f}; pulled during the "
+          f"measure {on['measure_pulled_bytes'] / 2**20:.1f} MiB")
     if a.summary:
         a.summary.write_text(json.dumps(s, indent=2))
 

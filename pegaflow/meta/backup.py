@@ -1,7 +1,8 @@
 """The decode backup's planner (``pegaflow-meta --enable-decode-backup``; docs/architecture.md,
 "Decode backup").
 
-One replica plans at a time (``keys.BACKUP_LOCK``); a pass every ``PASS_S``:
+One replica plans at a time (``keys.BACKUP_LOCK``); a pass every ``PASS_S``, and between
+passes, while plans are in flight, step 2 alone every ``SETTLE_S``:
 
 1. Roles: *targets* are the visible nodes whose report says no engine for
    ``--backup-target-delay-secs`` (Redis's clock); *sources* the visible nodes with an
@@ -49,6 +50,10 @@ from pegaflow.meta.index import Index, nid_bytes
 log = structlog.get_logger("pegaflow.meta.backup")
 
 PASS_S = 1.0
+# Between passes, plans in flight are settled this often: until its source hears, a copy that
+# landed is held twice (retained on the source and on the target), a page of the busy pool that
+# the idle one holds already. Cheap: one script per (source, namespace) while plans are out.
+SETTLE_S = 0.1
 LOCK_MS = 10_000  # a planner that died hands over after this long
 PLAN_DEADLINE_S = 60.0  # a plan not landed in the index by then is forgotten (and re-planned)
 PLAN_TTL_MS = 60_000  # plans queued for a target that stopped taking them expire
@@ -243,6 +248,7 @@ class Planner:
         self.flights: dict[tuple[str, str, bytes], _Flight] = {}  # (source, namespace, hash) -> plan out
         self.rr = 0
         self.pairs: set[tuple[str, str]] = set()
+        self.targets: set[str] = set()  # the last pass's targets: settle_once settles against them
 
     def pass_once(self) -> Pairing | None:
         """One pass; None when another replica plans."""
@@ -259,6 +265,7 @@ class Planner:
                    and not rep.has_instance and now_ms - rep.since_ms >= self.delay_ms]
         backup.set_targets(self.r, [t.name for t in targets], TARGETS_TTL_MS)
         target_names = {t.name for t in targets}
+        self.targets = target_names
         sources = []
         gone = 0
         for n in names:
@@ -308,6 +315,13 @@ class Planner:
                      targets=sorted(by_target))
         return out
 
+    def settle_once(self) -> None:
+        """Step 2 alone, against the last pass's targets (between passes): the sources of
+        copies that landed hear now rather than at the next pass. Nothing when no plan is out
+        (a replica that does not plan has none)."""
+        if self.flights:
+            self._settle(self.targets)
+
     def _visible(self, names: list[str]) -> tuple[int, dict[str, int]]:
         """(Redis's clock in ms, name -> visible nid of the visible nodes among ``names``), one
         round trip. The visible nid is the one the index lists as holder."""
@@ -345,16 +359,22 @@ class Planner:
         nids = [t.nid for t in targets]
         return sum(len(back_up(self.r, ns, src.nid, nids, hashes)[0]) for src, ns, hashes in backed)
 
-def run(planner: Planner, stop: threading.Event, interval: float = PASS_S) -> None:
-    """Plan every ``interval`` seconds until ``stop``."""
+def run(planner: Planner, stop: threading.Event, interval: float = PASS_S, settle: float = SETTLE_S) -> None:
+    """Plan every ``interval`` seconds and settle the plans in flight every ``settle`` seconds
+    in between, until ``stop``."""
     failing = False
-    while not stop.wait(interval):
+    next_pass = time.monotonic() + interval
+    while not stop.wait(max(0.0, min(settle, next_pass - time.monotonic()))):
         try:
-            planner.pass_once()
+            if time.monotonic() >= next_pass:
+                next_pass = time.monotonic() + interval
+                planner.pass_once()
+            else:
+                planner.settle_once()
             if failing:
                 log.info("backup_planning_recovered")
             failing = False
-        except Exception as exc:  # a failed pass is retried next interval
+        except Exception as exc:  # a failed pass is retried at the next step
             if not failing:
                 log.warning("backup_planning_failed", error=error_text(exc))
             failing = True

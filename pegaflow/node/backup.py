@@ -5,7 +5,8 @@ Every ``BACKUP_TICK_S`` the node tells the metaserver, through Redis
 and its pool is full, offers its oldest retained blocks (:func:`pick_candidates`); it reads
 whether the planner made it a backup target and, as a target with no plan running, takes
 one plan and pulls it (:meth:`BackupAgent.execute`, through the node's puller) at most at
-``--backup-max-bandwidth`` (:class:`TokenBucket`). The source side needs nothing more: the
+``--backup-max-bandwidth`` (:class:`TokenBucket`); when the plan is pulled it reports again
+and takes the next one at once, without waiting for the tick. The source side needs nothing more: the
 planner's class notices demote what a target copied (``pegaflow/node/classes.py``).
 
 Contracts:
@@ -168,7 +169,13 @@ class BackupAgent:
                 self.metrics.candidates.inc(sum(len(g.hashes) for g in groups))
                 if plan is not None:
                     self.plan_task = asyncio.create_task(self.execute(plan))
-            await asyncio.sleep(self.tick)
+            task = self.plan_task
+            if task is not None and not task.done():
+                # A target takes its next plan as soon as this one is pulled, not at the next
+                # tick: copies land sooner (the bucket still paces the bytes).
+                await asyncio.wait({task}, timeout=self.tick)
+            else:
+                await asyncio.sleep(self.tick)
 
     def _exchange(self, has_instance: bool, groups: list[backup.Candidates],
                   want_plan: bool) -> tuple[bool, backup.Plan | None]:

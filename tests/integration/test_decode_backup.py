@@ -351,3 +351,76 @@ def test_a_second_replica_takes_over_the_planning(redis_server: RedisServer) -> 
     a2, _ = w.planner("replica-c")
     assert a2.pass_once() is None
     wait_until(lambda: a2.pass_once() is not None, b.lock_ms / 1000 + 5, "replica-c to take over")
+
+
+def test_a_copy_that_lands_between_passes_is_settled_before_the_next_pass(
+        redis_server: RedisServer) -> None:  # noqa: F811
+    """run() settles the plans in flight every SETTLE_S between passes: the source hears that
+    a copy landed within a settle, not at the next pass (here a minute away)."""
+    r = redis_server.client()
+    w = World(r)
+    hs = hashes("settle", 4)
+    w.offer(hs)
+    p, _ = w.planner()
+    out = p.pass_once()  # the first pass, by hand: the plan goes out
+    assert out is not None and {h for _, plan in out.plans for h in plan.blocks.hashes} == set(hs)
+    stop = threading.Event()
+    t = threading.Thread(target=planning.run, args=(p, stop, 60.0, 0.02))
+    t.start()
+    try:
+        w.index.apply(Op.INSERT, NS, w.nid["tgt"], hs)  # the target's copies land (its insert events)
+        wait_until(lambda: w.source_classes() == dict.fromkeys(hs, True), 10, "the source's backup notice")
+        assert not p.flights
+    finally:
+        stop.set()
+        t.join(10)
+    assert not t.is_alive()
+
+
+class _Puller:
+    """The target's puller, at the hardware edge: it copies nothing and records each plan."""
+
+    def __init__(self) -> None:
+        self.plans: list[list[bytes]] = []
+
+    async def backup(self, namespace: str, page_bytes: int, node: str, address: str,
+                     hashes: list[bytes]) -> tuple[int, int, int]:
+        self.plans.append(list(hashes))
+        return len(hashes), len(hashes) * page_bytes, 0
+
+
+def test_a_target_takes_its_next_plan_when_one_is_pulled_not_at_the_next_tick(
+        redis_server: RedisServer) -> None:  # noqa: F811
+    """BackupAgent with three plans queued and a tick of a minute: all three are pulled within
+    seconds (each taken when the previous one is done)."""
+    import asyncio
+
+    from pegaflow.core.block_index import BlockIndex
+    from pegaflow.node.backup import BackupAgent, BackupMetrics, BackupSettings
+    from pegaflow.node.sessions import Sessions
+
+    r = redis_server.client()
+    backup.set_targets(r, ["tgt"], 600_000)
+    plans = [backup.Plan("src", "127.0.0.1:1", 1, backup.Candidates(NS, PAGE, hashes(f"plan{i}", 2)))
+             for i in range(3)]
+    backup.queue_plans(r, "tgt", plans, 600_000)
+    index = BlockIndex(64 * PAGE)
+    puller = _Puller()
+    agent = BackupAgent(BackupSettings(10, 16384, 4 * PAGE, 0), index, Sessions(index), "tgt",
+                        lambda: redis_server.client(), puller, BackupMetrics(CollectorRegistry()),  # type: ignore[arg-type]
+                        tick=60.0)
+
+    async def main() -> None:
+        task = asyncio.create_task(agent.run())
+        try:
+            async with asyncio.timeout(10):
+                while len(puller.plans) < len(plans):
+                    await asyncio.sleep(0.01)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await agent.close()
+
+    asyncio.run(main())
+    assert puller.plans == [p.blocks.hashes for p in plans]
+    assert backup.queued(r, "tgt") == 0
