@@ -64,6 +64,7 @@ from pegaflow.policy.classes import MIN_OWNER_THRESHOLD
 
 DUMP_CHUNK = 1024  # buckets per HGETALL pipeline when dumping / sweeping
 SWEEP_CHUNK = 256  # buckets per sweep script call: bounds the time one call holds Redis
+CENSUS_CHUNK = 64  # buckets per census script call (~1-2 ms of Redis at 64 blocks a bucket)
 # Block updates per pipeline of _APPLY calls: Redis runs a script to its end before it
 # serves anyone else, and a pipeline of a whole consumer step (~130k updates, ~0.4 s of
 # scripts) put every QueryPrefix behind it. Plain HSETNX batches need no such bound:
@@ -317,6 +318,38 @@ if T >= $MIN and next(moved) then
   flush(ARGV[7])
 end
 return fields
+"""
+)
+
+# The census of some buckets (KEYS, one namespace's: one slot): ARGV[1] the live nids. Returns
+# block keys, holder entries, keys with 1, 2, 3, >= 4 live holders, live holder entries. In
+# Redis, not in the metaserver: a count in Python held the interpreter lock of the gRPC handlers
+# for seconds (at 8M blocks, lookups while it ran had a p99 of 12-15 ms against 0.7 ms without).
+_CENSUS = _script(
+    """
+$OWNERS
+local live = {}
+for j = 1, #ARGV[1], $NID do live[string.sub(ARGV[1], j, j + $NID - 1)] = true end
+local entries, owners, copies = 0, 0, 0
+local red = {0, 0, 0, 0}
+for k = 1, #KEYS do
+  local vals = redis.call('HVALS', KEYS[k])
+  entries = entries + #vals
+  for i = 1, #vals do
+    local v = vals[i]
+    local n = 0
+    for j = 1, #v, $NID do
+      owners = owners + 1
+      if live[id(string.sub(v, j, j + $NID - 1))] then n = n + 1 end
+    end
+    if n > 0 then
+      copies = copies + n
+      if n > 4 then n = 4 end
+      red[n] = red[n] + 1
+    end
+  end
+end
+return {entries, owners, red[1], red[2], red[3], red[4], copies}
 """
 )
 
@@ -748,25 +781,21 @@ class Index:
 
     def census(self, tags: Iterable[str], live: set[int]) -> Census:
         """Count every block key, its holders, and how many are ``live`` (visible nids): SCAN
-        the buckets, HVALS them a chunk per pipeline. O(index): for a background thread."""
-        entries = owners = copies = 0
-        red = [0, 0, 0, 0]
+        the buckets, count them in Redis (:data:`_CENSUS`, ``CENSUS_CHUNK`` buckets a call).
+        O(index) in Redis, a few numbers a call here: for a background thread."""
+        blob = b"".join(nid_bytes(n) for n in sorted(live))
+        total = [0] * 7
         for tag in tags:
             existing = self._existing(tag)
-            for i in range(0, len(existing), DUMP_CHUNK):
-                p = self.r.pipeline(transaction=False)
-                for k in existing[i : i + DUMP_CHUNK]:
-                    p.hvals(k)
-                for vals in p.execute():
-                    for v in vals:
-                        nids = _nids(v)
-                        entries += 1
-                        owners += len(nids)
-                        n = sum(1 for x in nids if x in live)
-                        if n:
-                            copies += n
-                            red[min(n, 4) - 1] += 1
-        return Census(entries, owners, (red[0], red[1], red[2], red[3]), copies)
+            calls: list[Call] = [(_CENSUS, existing[i : i + CENSUS_CHUNK], [blob])
+                                 for i in range(0, len(existing), CENSUS_CHUNK)]
+            for i in range(0, len(calls), 16):
+                for counts in run_scripts(self.r, calls[i : i + 16]):
+                    if isinstance(counts, Exception):
+                        raise counts
+                    total = [a + int(b) for a, b in zip(total, counts, strict=True)]
+        entries, owners, r1, r2, r3, r4, copies = total
+        return Census(entries, owners, (r1, r2, r3, r4), copies)
 
     def clear(self, tags: Iterable[str]) -> None:
         """Delete every bucket of these namespaces under this prefix."""
