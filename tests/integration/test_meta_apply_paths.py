@@ -3,7 +3,9 @@
 sequences of inserts, snapshots and evictions by several nids over a small set of blocks
 (so that blocks have several holders and updates collide), applied both ways under two key
 prefixes, must dump equal and report the same number of changes. Queries through plain
-HGET batches answer what the ``_QUERY`` script answers on the index they build."""
+HGET batches answer what the ``_QUERY`` script answers on the index they build. The census
+counted in Redis (``_CENSUS``) equals a count of the holder lists written: holders in both
+tiers, dead and live, one to five per block, two namespaces."""
 
 from __future__ import annotations
 
@@ -15,9 +17,10 @@ import redis
 
 from pegaflow.cluster import keys
 from pegaflow.cluster.redis_conn import RawPipe, connect
+from pegaflow.core.tiers import Tier
 from pegaflow.meta import index as index_mod
 from pegaflow.meta.events.schema import Op, Update
-from pegaflow.meta.index import Index
+from pegaflow.meta.index import Census, Index
 from tests.harness.redis import RedisClusterProc, RedisServer
 from tests.integration import redis_fixtures
 
@@ -191,3 +194,55 @@ def test_a_query_that_times_out_leaves_no_late_reply_for_the_next_one(redis_serv
     redis.Redis.from_url(redis_server.url).execute_command("CLIENT", "UNPAUSE")
     assert ix.query(NAMESPACES[0], b, script=False) == {2: 8}
     assert ix.query(NAMESPACES[0], a, script=False) == {1: 32}
+
+
+# ---- the census ----------------------------------------------------------------------------
+
+CENSUS_NAMESPACES = ("census-a|fp16", "census-b|bf16")
+TAGS = [keys.ns_tag(ns) for ns in CENSUS_NAMESPACES]  # what the census is given: the namespaces' tags
+NIDS = (3, 5, 8, 13, 21)
+LIVE = {3, 8, 13, 21}
+
+
+def census_fill(index: Index) -> dict[tuple[str, bytes], dict[int, Tier]]:
+    """Blocks with 1-5 holders each, some on SSD only; returns what was written."""
+    rng = random.Random(7)
+    truth: dict[tuple[str, bytes], dict[int, Tier]] = {}
+    for ns in CENSUS_NAMESPACES:
+        blocks = [rng.randbytes(16) for _ in range(3000)]
+        for nid in NIDS:
+            held = [b for b in blocks if rng.random() < 0.45]
+            for tier in (Tier.L1, Tier.SSD):
+                part = [b for b in held if (rng.random() < 0.3) == (tier == Tier.SSD)]
+                if part:
+                    index.apply(Op.INSERT, ns, nid, part, tier)
+                    for b in part:
+                        truth.setdefault((ns, b), {})[nid] = tier
+    return truth
+
+
+def census_expected(truth: dict[tuple[str, bytes], dict[int, Tier]]) -> Census:
+    red = [0, 0, 0, 0]
+    copies = 0
+    for holders in truth.values():
+        n = sum(1 for nid in holders if nid in LIVE)
+        if n:
+            copies += n
+            red[min(n, 4) - 1] += 1
+    r1, r2, r3, r4 = red
+    return Census(len(truth), sum(map(len, truth.values())), (r1, r2, r3, r4), copies)
+
+
+def test_the_census_counts_every_holder_list_on_redis(redis_server: RedisServer) -> None:
+    index = Index(redis_server.client())
+    want = census_expected(census_fill(index))
+    assert want.redundancy[3] > 0 and want.owners > want.entries  # every case is there
+    assert index.census(TAGS, LIVE) == want
+    assert index.census(TAGS, set()) == Census(want.entries, want.owners, (0, 0, 0, 0), 0)
+
+
+def test_the_census_counts_every_holder_list_on_a_redis_cluster(redis_cluster: RedisClusterProc) -> None:
+    redis_cluster.flush()
+    index = Index(redis_cluster.client())
+    want = census_expected(census_fill(index))
+    assert index.census(TAGS, LIVE) == want
