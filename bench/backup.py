@@ -143,8 +143,7 @@ def _drive(cfg: dict[str, Any]) -> None:
     rate, plans = bandwidth(samples)
 
     before = {k: metrics(k) for k in (*BUSY, IDLE)}
-    kept_before = [reclaimable_pages(k) for k in BUSY]
-    kept: list[list[float]] = [kept_before]
+    kept = [[reclaimable_pages(k) for k in BUSY]]  # every KEPT_S of the measure, its start and end
     done = threading.Event()
 
     def sample_kept() -> None:
@@ -197,7 +196,7 @@ def _drive(cfg: dict[str, Any]) -> None:
         "bandwidth_bytes_per_s": rate, "plans_seen": plans,
         "warm_pulled_bytes": samples[-1][1] if samples else 0.0,
         "measure_pulled_bytes": delta(IDLE, "pegaflow_node_backup_pulled_bytes_total"),
-        "reclaimable_pages_before": kept_before, "reclaimable_pages": kept[-1],
+        "reclaimable_pages": kept[-1],
         "reclaimable_pages_mean": [float(np.mean([row[j] for row in kept])) for j in range(len(BUSY))],
         "reclaimable_samples": len(kept),
         "idle_resident_pages": sum(metric_sum(after[IDLE], "pegaflow_node_resident_bytes_by_class", f'class="{c}"')

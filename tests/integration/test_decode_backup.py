@@ -12,6 +12,7 @@ is gone, a planning replica that stops and one that takes over.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import threading
@@ -23,10 +24,13 @@ import redis
 from prometheus_client import CollectorRegistry
 
 from pegaflow.cluster import backup, keys, notices, registry
+from pegaflow.core.block_index import BlockIndex
 from pegaflow.core.tiers import Tier
 from pegaflow.meta import backup as planning
 from pegaflow.meta.events.schema import Op
 from pegaflow.meta.index import Index
+from pegaflow.node.backup import BackupAgent, BackupMetrics, BackupSettings
+from pegaflow.node.sessions import Sessions
 from tests.harness.p2p import P2PCluster, wait_line
 from tests.harness.p2p_client import NS, hashes
 from tests.harness.procs import log_events
@@ -393,12 +397,6 @@ def test_a_target_takes_its_next_plan_when_one_is_pulled_not_at_the_next_tick(
         redis_server: RedisServer) -> None:  # noqa: F811
     """BackupAgent with three plans queued and a tick of a minute: all three are pulled within
     seconds (each taken when the previous one is done)."""
-    import asyncio
-
-    from pegaflow.core.block_index import BlockIndex
-    from pegaflow.node.backup import BackupAgent, BackupMetrics, BackupSettings
-    from pegaflow.node.sessions import Sessions
-
     r = redis_server.client()
     backup.set_targets(r, ["tgt"], 600_000)
     plans = [backup.Plan("src", "127.0.0.1:1", 1, backup.Candidates(NS, PAGE, hashes(f"plan{i}", 2)))
