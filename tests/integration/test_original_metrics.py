@@ -68,9 +68,15 @@ def test_a_live_node_and_metaserver_serve_the_originals_names(node_factory, redi
         t = drive(node, meta)
 
         # The node's loop refreshes the window gauges every 5 s; the publisher flushes on its own.
+        # A scrape collects family by family (pegaflow.common.http.Renders), so a refresh may
+        # fall between our gauge and its alias: wait until both show every request in every
+        # window; later refreshes then set the same values.
+        requested = t.l1_hits + t.ssd_blocks + t.missed
+
         def settled():  # type: ignore[no-untyped-def]
             types, s = scrape(node.http_port)
-            ok = (value(s, "pegaflow_hll_total_requests", window="15m") >= t.l1_hits + t.ssd_blocks + t.missed
+            ok = (all(value(s, name, window=w) >= requested for w in ("15m", "1h", "1d")
+                      for name in ("pegaflow_hll_total_requests", "pegaflow_node_window_requested_blocks"))
                   and value(s, "pegaflow_metaserver_registration_blocks_total") >= SAVED)
             return (types, s) if ok else None
 
