@@ -20,10 +20,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pegaflow.cluster import keys
-from pegaflow.cluster.redis_conn import Client
 from pegaflow.core.identity import HASH_BYTES
+
+if TYPE_CHECKING:  # a type only: a node that never publishes does not import redis-py
+    from pegaflow.cluster.redis_conn import Client
 
 DEMOTE = b"d"
 RESTORE = b"r"

@@ -25,6 +25,8 @@ from redis.connection import Connection, SSLConnection, parse_url
 from redis.exceptions import NoScriptError, RedisClusterException, ResponseError
 from redis.typing import EncodableT, KeyT
 
+from pegaflow.cluster.seeds import seed_urls
+
 if TYPE_CHECKING:
     from typing_extensions import TypeIs
 
@@ -41,13 +43,6 @@ def error_text(exc: BaseException) -> str:
     """A Redis failure for a log line: its class and message on one line (redis-py 8's
     ``repr`` of its errors drops the message, which names the seeds tried)."""
     return f"{type(exc).__name__}: {' '.join(str(exc).split())}".rstrip(": ")
-
-
-def seed_urls(urls: str | Sequence[str]) -> tuple[str, ...]:
-    """The Redis URLs named by ``urls`` (``--redis-url``'s seeds, or a comma-separated list of
-    them, as ``GetClusterConfig`` carries them), in order, each once."""
-    items = [urls] if isinstance(urls, str) else list(urls)
-    return tuple(dict.fromkeys(u.strip() for item in items for u in item.split(",") if u.strip()))
 
 
 def _host_port(url: str) -> tuple[str, int]:

@@ -18,7 +18,7 @@ import redis
 import structlog
 
 from pegaflow._proto import meta_pb2, meta_pb2_grpc
-from pegaflow.cluster.redis_conn import seed_urls
+from pegaflow.cluster.seeds import seed_urls
 from pegaflow.common.errors import InvalidArgument, Unavailable
 from pegaflow.common.rpc_errors import RpcErrors
 from pegaflow.common.validate import check_hashes

@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import structlog
 
 from pegaflow.cluster import keys, notices
-from pegaflow.cluster.redis_conn import Client
 from pegaflow.core.block_index import BlockIndex, Namespace
 from pegaflow.node.metrics import DEMOTION_REASONS
+
+if TYPE_CHECKING:  # a type only: a node that never publishes does not import redis-py
+    from pegaflow.cluster.redis_conn import Client
 
 log = structlog.get_logger("pegaflow.node.classes")
 

@@ -25,7 +25,7 @@ import structlog
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
 from pegaflow._proto import meta_pb2, meta_pb2_grpc
-from pegaflow.cluster.redis_conn import seed_urls
+from pegaflow.cluster.seeds import seed_urls
 from pegaflow.common.security import Security, aio_channel
 from pegaflow.core.hosts import LOOPBACK, WILDCARD, bracketed, host_of
 
