@@ -24,9 +24,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import httpx
 import structlog
@@ -57,6 +59,42 @@ from pegaflow.router.prompts import (
 from pegaflow.router.routing import Decision, Policy
 
 log = structlog.get_logger("pegaflow.router")
+
+T = TypeVar("T")
+
+
+async def in_daemon_thread(fn: Callable[[], T], name: str) -> T:
+    """``fn()`` in a daemon thread of its own, awaited; a router asked to stop does not wait
+    for it. Written here because ``asyncio.to_thread`` (and anyio's) run in threads that
+    the loop's close and the interpreter's exit join: the tokenizer's files may come from the
+    Hub, whose client retries an unreachable host for ~25 s, and SIGTERM waited that long
+    (measured: a router whose engine reports a model name the Hub cannot be asked about
+    took 15 s to stop and was SIGKILLed by the tests' harness)."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, exc: BaseException | None) -> None:
+        if fut.done():  # cancelled meanwhile: nobody waits for it
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)  # type: ignore[arg-type]  # fn returned it: a T
+
+    def run() -> None:
+        result: T | None = None
+        error: BaseException | None = None
+        try:
+            result = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: the router stopped
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return await fut
+
+
 # An idle pooled connection to an engine is dropped after this long: before the engine's
 # server drops it (uvicorn's keep-alive, vLLM's too: 5 s). At httpx's default, also 5 s, a
 # request can be written to a connection the server is closing at that moment and fail with
@@ -264,7 +302,7 @@ class Router:
             await asyncio.sleep(0.5)
         self.tokenizer_state = "loading"
         try:
-            self.prompts.tokenizer = await asyncio.to_thread(Prompts.load, name)
+            self.prompts.tokenizer = await in_daemon_thread(lambda: Prompts.load(name), "pf-router-tokenizer")
             self.tokenizer_state = "loaded"
             log.info("tokenizer_loaded", tokenizer=name)
         except Exception as exc:  # noqa: BLE001 - text prompts are then routed by load

@@ -5,6 +5,7 @@ protocol, bad input. The same router in front of real vLLM engines: tests/e2e/te
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -273,3 +274,24 @@ def test_no_engine_up_is_503_not_a_hang(logs: Path) -> None:
         assert r.status_code == 503 and r.json()["error"]["code"] == 503
     finally:
         router.stop()
+
+
+def test_a_router_still_loading_its_tokenizer_stops_at_once(logs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM while the tokenizer's files are still being fetched (here from a Hub that
+    accepts the connection and never answers): the router exits at once, with 0. It used to
+    wait for the fetch and its retries (asyncio's executor threads are joined at exit)."""
+    hub = socket.create_server(("127.0.0.1", 0))  # listens; nobody accepts or answers
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{hub.getsockname()[1]}")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    engine = FakeEngine(logs, "tok-e0")
+    router = RouterProc(logs, "--engine", engine.url, "--policy", "kv-aware", "--tokenizer", "no-org/no-model",
+                        name="router-tokenizer")
+    try:
+        wait_until(lambda: httpx.get(router.url + "/health", timeout=5).json()["tokenizer"] == "loading", 30,
+                   "the router to start loading its tokenizer")
+        router.proc.terminate()
+        assert router.proc.wait(timeout=5) == 0, router.log.read_text()[-2000:]
+    finally:
+        router.stop()
+        engine.stop()
+        hub.close()
