@@ -80,7 +80,9 @@ class P2PCluster:
             wait_until(lambda: hub.py(META_READY, self.meta_addr).returncode == 0, 30, "metaserver")
             for i, h in enumerate(self.c.hosts):
                 self.nodes.append(NodeInfo(h, f"node-{i}", None, tmp / f"node-{i}.log"))
-                self.start_node(i)
+                self._spawn_node(i)
+            for i in range(n):  # all start at once; each is then waited for
+                self._wait_node(i)
         except BaseException:
             self.close()
             raise
@@ -90,6 +92,11 @@ class P2PCluster:
         return self.c.fallback_reason
 
     def start_node(self, i: int) -> None:
+        """Start node ``i`` (again) and wait until it answers Health."""
+        self._spawn_node(i)
+        self._wait_node(i)
+
+    def _spawn_node(self, i: int) -> None:
         n = self.nodes[i]
         h = n.host
         args = [sys.executable, "-m", "pegaflow.node.cli", "--addr", n.addr, "--pool-size", self.pool,
@@ -97,6 +104,9 @@ class P2PCluster:
                 "--node-id", n.name, "--log-format", "json", "--liveness-ttl", "5", *self.node_args,
                 *self.per_node_args.get(i, ())]
         n.proc = self.c.spawn(h, args, n.log)
+
+    def _wait_node(self, i: int) -> None:
+        n, h = self.nodes[i], self.nodes[i].host
         try:
             wait_until(lambda: n.proc.poll() is None and h.py(HEALTH, n.addr).returncode == 0, 60, f"{n.name}")
         except AssertionError:
