@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 
 from pegaflow._proto import meta_pb2, meta_pb2_grpc
+from tests.harness.node import FAST_RECONNECT
 from tests.harness.ports import free_port
 from tests.harness.procs import REPO, python_env
 from tests.waiting import wait_until
@@ -76,7 +77,7 @@ class MetaServer:
     def stub(self) -> meta_pb2_grpc.MetaServiceStub:
         """A stub on one channel kept for this server's life (closed by stop/kill)."""
         if self._channel is None:
-            self._channel = grpc.insecure_channel(self.addr)
+            self._channel = grpc.insecure_channel(self.addr, options=FAST_RECONNECT)  # a start waits less
         return meta_pb2_grpc.MetaServiceStub(self._channel)
 
     def query(self, namespace: str, hashes: list[bytes]) -> dict[str, int]:

@@ -25,9 +25,12 @@ ch = grpc.insecure_channel(sys.argv[1])
 node_pb2_grpc.PegaNodeStub(ch).Health(node_pb2.HealthRequest(), timeout=1)
 """
 
+# A refused first connection waits out gRPC's reconnect backoff (~1 s by default): short here.
 META_READY = """
 import sys, grpc
-grpc.channel_ready_future(grpc.insecure_channel(sys.argv[1])).result(timeout=1)
+fast = [("grpc.initial_reconnect_backoff_ms", 20), ("grpc.min_reconnect_backoff_ms", 20),
+        ("grpc.max_reconnect_backoff_ms", 100)]
+grpc.channel_ready_future(grpc.insecure_channel(sys.argv[1], options=fast)).result(timeout=1)
 """
 
 HOLDERS = """

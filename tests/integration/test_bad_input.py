@@ -13,6 +13,7 @@ import pytest
 
 from pegaflow._proto import meta_pb2, node_pb2, peer_pb2
 from pegaflow.common.security import Security, sync_channel
+from tests.harness.node import FAST_RECONNECT
 from tests.harness.ports import free_port
 from tests.integration.redis_fixtures import redis_server  # noqa: F401
 from tests.waiting import wait_until
@@ -74,7 +75,7 @@ def test_metaserver_answers_undecodable_requests_with_invalid_argument(tmp_path,
 
         def up() -> bool:
             assert meta.poll() is None, log_path.read_text()
-            with grpc.insecure_channel(addr) as ch:
+            with grpc.insecure_channel(addr, options=FAST_RECONNECT) as ch:
                 try:
                     grpc.channel_ready_future(ch).result(timeout=1)
                     return True
