@@ -62,11 +62,16 @@ class P2PCluster:
     """Redis + metaserver on the hub, ``n`` nodes on hosts; every process killed by close()."""
 
     def __init__(self, tmp: Path, n: int = 3, pool: str = "256mb", node_args: tuple[str, ...] = (),
-                 per_node_args: dict[int, tuple[str, ...]] | None = None, meta_args: tuple[str, ...] = ()) -> None:
+                 per_node_args: dict[int, tuple[str, ...]] | None = None, meta_args: tuple[str, ...] = (),
+                 render_interval: float | None = None) -> None:
+        """``render_interval``: the nodes' ``--metrics-render-interval``, as ``Node`` takes it
+        (tests/harness/node.py): None keeps the node's default (benchmarks), tests pass
+        ``EVERY_SCRAPE`` (at the default, every metric read waited up to a second)."""
         self.tmp = tmp
         self.c: Cluster = make_cluster(n)
         self.pool = pool
-        self.node_args = node_args
+        render = () if render_interval is None else ("--metrics-render-interval", str(render_interval))
+        self.node_args = (*render, *node_args)
         self.per_node_args = per_node_args or {}  # node i's own flags, after node_args (later flags win)
         hub = self.c.hub
         self.redis_url = f"redis://{hub.ip}:{REDIS_PORT}/0"

@@ -31,6 +31,7 @@ from pegaflow.meta.events.schema import Op
 from pegaflow.meta.index import Index
 from pegaflow.node.backup import BackupAgent, BackupMetrics, BackupSettings
 from pegaflow.node.sessions import Sessions
+from tests.harness.node import EVERY_SCRAPE
 from tests.harness.p2p import P2PCluster, wait_line
 from tests.harness.p2p_client import NS, hashes
 from tests.harness.procs import log_events
@@ -81,7 +82,7 @@ def node_events(c: P2PCluster, i: int, event: str) -> list[dict]:
 def start(tmp: Path, per_node_args: dict[int, tuple[str, ...]], target_delay_s: int = TARGET_DELAY_S) -> P2PCluster:
     if not shutil.which("redis-server"):
         pytest.skip("redis-server is not installed (Debian package redis-server)")
-    c = P2PCluster(tmp, 3, per_node_args=per_node_args,
+    c = P2PCluster(tmp, 3, per_node_args=per_node_args, render_interval=EVERY_SCRAPE,
                    meta_args=("--enable-decode-backup", "--backup-target-delay-secs", str(target_delay_s)))
     if c.fallback_reason:
         print(f"network namespaces unavailable ({c.fallback_reason}): loopback addresses instead")

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.harness.node import EVERY_SCRAPE
 from tests.harness.p2p import P2PCluster, wait_line
 from tests.harness.p2p_client import NS, namespace
 from tests.waiting import wait_until
@@ -40,7 +41,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[P2PCluster]:
     if not shutil.which("redis-server"):
         pytest.skip("redis-server is not installed (Debian package redis-server)")
     tmp = tmp_path_factory.mktemp("p2p")
-    c = P2PCluster(tmp, 3, node_args=("--pin-ttl", str(PIN_TTL), "--peer-backoff", "1"))
+    c = P2PCluster(tmp, 3, node_args=("--pin-ttl", str(PIN_TTL), "--peer-backoff", "1"), render_interval=EVERY_SCRAPE)
     if c.fallback_reason:
         print(f"network namespaces unavailable ({c.fallback_reason}): loopback addresses instead")
     yield c

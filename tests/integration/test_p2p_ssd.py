@@ -17,6 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.harness.node import EVERY_SCRAPE
 from tests.harness.p2p import P2PCluster
 from tests.harness.p2p_client import namespace
 from tests.waiting import wait_until
@@ -46,7 +47,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[P2PCluster]:
     tmp = tmp_path_factory.mktemp("p2pssd")
     ssd = tmp / "ssd0"
     ssd.mkdir()
-    c = P2PCluster(tmp, 2, node_args=("--peer-backoff", "1"), per_node_args={0: (
+    c = P2PCluster(tmp, 2, node_args=("--peer-backoff", "1"), render_interval=EVERY_SCRAPE, per_node_args={0: (
         "--pool-size", "4mb", "--ssd-cache-path", str(ssd), "--ssd-cache-capacity", "12mb", "--ssd-queue-depth", "8")})
     if c.fallback_reason:
         print(f"network namespaces unavailable ({c.fallback_reason}): loopback addresses instead")
