@@ -136,6 +136,10 @@ class Node:
             admission = TinyLFU(max(1, self.pool.size // (config.hint_value_size or ADMISSION_PAGE_GUESS)))
         # Pages become allocatable as the background pre-fault reaches them (start()).
         self.allocator = self.numa.allocator(self.pool.size, config.page_align, usable=0)
+        # Bytes of the pool pre-faulted *and* handed to the allocator (set on the loop, with the
+        # allocator): what Health, Stats and /metrics report. The pool's own count moves first,
+        # in its thread, so a client that saw it could reserve before the pages were allocatable.
+        self.faulted = 0
         self.index = BlockIndex(self.pool.size, admission=admission, allocator=self.allocator, quotas=quotas)
         register_quota_metrics(self.metrics.registry, self.index, quotas)
         self.ceiling = RequestAccounting(config.ceiling_windows, self.metrics, config.metric_hll_bucket_bits)
@@ -183,14 +187,14 @@ class Node:
             idle=self.idle, admin=self.admin,
             accounting=self.ceiling, ssd=self.ssd, query_trace=self.query_trace,
             remote=self.p2p.puller if self.p2p is not None else None,
-            pool_prefaulted=lambda: self.pool.prefaulted,
+            pool_prefaulted=lambda: self.faulted,
             block_events=self.block_events,
         )
         m = self.metrics
         m.pool_capacity.set(self.index.alloc.capacity)
         m.bind(
             pool_used=lambda: self.index.alloc.used_bytes,
-            pool_prefaulted=lambda: self.pool.prefaulted,
+            pool_prefaulted=lambda: self.faulted,
             resident_blocks=lambda: self.index.resident_blocks,
             resident_bytes=lambda: self.index.resident_bytes,
             leases=lambda: len(self.sessions.leases),
@@ -222,7 +226,7 @@ class Node:
 
     def health(self) -> dict[str, object]:
         return {"ok": True, "node_id": self.node_id, "epoch": self.epoch, "pool_bytes": self.pool.size,
-                "pool_prefaulted_bytes": self.pool.prefaulted, "pool_ready": self.pool.ready,
+                "pool_prefaulted_bytes": self.faulted, "pool_ready": self.faulted >= self.pool.size,
                 "pool_prefault_error": self.pool.prefault_error,
                 "resident_blocks": self.index.resident_blocks}
 
@@ -231,9 +235,13 @@ class Node:
         event loop (the allocator is the loop's)."""
         loop = asyncio.get_running_loop()
 
+        def usable(done: int) -> None:
+            self.allocator.extend(done)
+            self.faulted = done
+
         def grew(done: int) -> None:
             try:
-                loop.call_soon_threadsafe(self.allocator.extend, done)
+                loop.call_soon_threadsafe(usable, done)
             except RuntimeError:  # the loop is closed: the node is stopping
                 pass
 
@@ -321,7 +329,7 @@ class Node:
             self.otel = otel.start_otel_export(self.config.metrics_otel_endpoint, self.metrics.registry,
                                                "pegaflow-node", self.config.metrics_period_secs)
         log.info("node_started", addr=self.config.addr, node_id=self.node_id, epoch=self.epoch,
-                 pool_bytes=self.pool.size, pool_prefaulted_bytes=self.pool.prefaulted, pool_path=self.pool.path,
+                 pool_bytes=self.pool.size, pool_prefaulted_bytes=self.faulted, pool_path=self.pool.path,
                  local_socket=self.service.local_socket, pid=os.getpid())
 
     def _http_token(self) -> str:
