@@ -15,11 +15,6 @@ import os
 import sys
 from collections.abc import Sequence
 
-import redis
-from redis.exceptions import RedisClusterException
-
-from pegaflow.cluster.redis_conn import connect
-from pegaflow.common.logging import configure_logging
 from pegaflow.config.commands import load
 from pegaflow.config.options import META
 
@@ -40,11 +35,6 @@ def grpc_without_event_engine() -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     grpc_without_event_engine()
-    # Imported here, after: they load grpc.
-    from pegaflow.common.security import Security, SecurityError
-    from pegaflow.meta.daemon import MetaServer, StartupError
-    from pegaflow.meta.rebuild import rebuild as do_rebuild
-
     args = list(sys.argv[1:] if argv is None else argv)
     rebuild = bool(args) and args[0] == "rebuild"
     prog = "pegaflow-meta rebuild" if rebuild else "pegaflow-meta"
@@ -54,6 +44,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ValueError as exc:
         sys.stderr.write(f"{prog}: error: {exc}\n")
         raise SystemExit(2) from None
+    # Imported here: after the EventEngine choice (they load grpc), and once the flags parsed,
+    # so --help and a bad flag answer without loading grpc, redis-py and structlog.
+    import redis
+    from redis.exceptions import RedisClusterException
+
+    from pegaflow.cluster.redis_conn import connect
+    from pegaflow.common.logging import configure_logging
+    from pegaflow.common.security import Security, SecurityError
+    from pegaflow.meta.daemon import MetaServer, StartupError
+    from pegaflow.meta.rebuild import rebuild as do_rebuild
+
     configure_logging(opts.log_level, opts.log_format)
     try:
         security = Security.from_options(opts)

@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
-import asyncio
 import sys
 from collections.abc import Sequence
 
-from pegaflow.common.logging import configure_logging
 from pegaflow.config.commands import load
 from pegaflow.config.options import NODE
-from pegaflow.node.pool import PoolError
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     prog = "pegaflow-node"
     config = load(NODE, prog, argv)
-    configure_logging(config.log_level, config.log_format)
+    # The daemon's imports only once the flags parsed: --help and a bad flag answer in about
+    # half the time (structlog, numpy, grpc are not loaded for them).
+    import asyncio
+
+    from pegaflow.common.logging import configure_logging
     from pegaflow.node.daemon import Node, StartupError
+    from pegaflow.node.pool import PoolError
+
+    configure_logging(config.log_level, config.log_format)
 
     try:
         node = Node(config)
