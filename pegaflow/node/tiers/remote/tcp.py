@@ -204,9 +204,12 @@ class TcpDataServer(Generic[P]):
                     raise OSError("sendfile sent nothing")
                 off += sent
                 n -= sent
-        conn.sendall(struct.pack(f"<{len(sums)}Q", *sums))
+        # Counted before the checksums go: the puller's pull ends when they arrive, so a
+        # scrape after any pull ended counts its bytes (counted after, a pull could end and be
+        # scraped before this thread ran again: PeerStats.served_bytes 0 in a loaded test run).
         if self.on_sent is not None:
             self.on_sent(total)
+        conn.sendall(struct.pack(f"<{len(sums)}Q", *sums))
 
     def close(self) -> None:
         self._closed = True
