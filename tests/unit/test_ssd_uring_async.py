@@ -88,3 +88,18 @@ def test_every_read_and_write_goes_to_the_kernels_workers_and_lands_intact(
     finally:
         eng.close()
         os.close(fd)
+
+
+def test_close_after_the_engine_thread_ended_on_its_own_is_clean() -> None:
+    """close() sets the stop flag, then wakes the thread; the thread, woken by its own poll
+    timeout in between, may end first. It used to close the eventfd as it ended, so close()
+    wrote to a closed descriptor (EBADF in a loaded CI run). Here the thread ends first."""
+    _engine_or_skip("uring")
+    eng = UringEngine(4)
+    eng._stop = True  # noqa: SLF001 - what close() sets first
+    eng._thread.join(timeout=WAIT_S)  # noqa: SLF001 - it ends at its next poll timeout
+    assert not eng._thread.is_alive()  # noqa: SLF001
+    eng.close()
+    with pytest.raises(OSError):
+        os.fstat(eng.efd)  # closed by close(), once
+    eng.close()  # a second close does nothing

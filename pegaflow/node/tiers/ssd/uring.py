@@ -169,6 +169,7 @@ class UringEngine:
         self._inflight: dict[int, tuple[IoOp, object]] = {}
         self._tags = itertools.count(1)
         self._stop = False
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="pegaflow-ssd-uring", daemon=True)
         self._thread.start()
 
@@ -194,7 +195,9 @@ class UringEngine:
                 log.exception("ssd_uring_engine_error")
                 time.sleep(0.01)
         self.L.io_uring_queue_exit(self.ring)
-        os.close(self.efd)
+        # The eventfd stays open: close() writes to it after setting _stop, and this thread,
+        # woken by its poll timeout, may have seen _stop and ended first (close() then wrote
+        # to a closed descriptor: EBADF, or another file's had the number been reused).
 
     def _step(self, poller: select.poll, backlog: collections.deque[IoOp]) -> bool:
         """One round: wait, reap, refill, run completions. True when closed and drained."""
@@ -249,9 +252,13 @@ class UringEngine:
         return self._stop and not inflight and not backlog and not self._jobs
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         self._stop = True
         os.eventfd_write(self.efd, 1)
         self._thread.join()
+        os.close(self.efd)
 
 
 def uring_unavailable_reason() -> str | None:
