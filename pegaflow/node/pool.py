@@ -116,11 +116,6 @@ class SharedPool:
             mbind(self.base + p.start, p.size, p.node)
         self.numa_parts = list(parts)
 
-    @property
-    def ready(self) -> bool:
-        """Every page is faulted."""
-        return self.prefaulted >= self.size
-
     def start_prefault(self, on_progress: Callable[[int], None] | None = None) -> None:
         """Pre-fault in a background thread; ``on_progress(prefaulted)`` is called from that
         thread after each chunk (hand it to the event loop with ``call_soon_threadsafe``)."""

@@ -22,6 +22,7 @@ computes the prompt itself.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import threading
@@ -70,29 +71,18 @@ async def in_daemon_thread(fn: Callable[[], T], name: str) -> T:
     Hub, whose client retries an unreachable host for ~25 s, and SIGTERM waited that long
     (measured: a router whose engine reports a model name the Hub cannot be asked about
     took 15 s to stop and was SIGKILLed by the tests' harness)."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[T] = loop.create_future()
-
-    def settle(result: T | None, exc: BaseException | None) -> None:
-        if fut.done():  # cancelled meanwhile: nobody waits for it
-            return
-        if exc is not None:
-            fut.set_exception(exc)
-        else:
-            fut.set_result(result)  # type: ignore[arg-type]  # fn returned it: a T
+    fut: concurrent.futures.Future[T] = concurrent.futures.Future()
 
     def run() -> None:
-        result: T | None = None
-        error: BaseException | None = None
+        if not fut.set_running_or_notify_cancel():
+            return
         try:
-            result = fn()
+            fut.set_result(fn())
         except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
-            error = exc
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: the router stopped
-            loop.call_soon_threadsafe(settle, result, error)
+            fut.set_exception(exc)
 
     threading.Thread(target=run, name=name, daemon=True).start()
-    return await fut
+    return await asyncio.wrap_future(fut)
 
 
 # An idle pooled connection to an engine is dropped after this long: before the engine's

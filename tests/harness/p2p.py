@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tests.harness.netns import Cluster, Host, make_cluster
+from tests.harness.node import FAST_RECONNECT
 from tests.waiting import next_line, wait_until
 
 NODE_PORT, HTTP_PORT, META_PORT, REDIS_PORT = 50055, 9091, 50056, 6379
@@ -25,12 +26,11 @@ ch = grpc.insecure_channel(sys.argv[1])
 node_pb2_grpc.PegaNodeStub(ch).Health(node_pb2.HealthRequest(), timeout=1)
 """
 
-# A refused first connection waits out gRPC's reconnect backoff (~1 s by default): short here.
-META_READY = """
+# A refused first connection waits out gRPC's reconnect backoff (~1 s by default): the node
+# harness's short one.
+META_READY = f"""
 import sys, grpc
-fast = [("grpc.initial_reconnect_backoff_ms", 20), ("grpc.min_reconnect_backoff_ms", 20),
-        ("grpc.max_reconnect_backoff_ms", 100)]
-grpc.channel_ready_future(grpc.insecure_channel(sys.argv[1], options=fast)).result(timeout=1)
+grpc.channel_ready_future(grpc.insecure_channel(sys.argv[1], options={FAST_RECONNECT!r})).result(timeout=1)
 """
 
 HOLDERS = """
