@@ -93,6 +93,7 @@ def node_snapshot(addr: str, r: node_pb2.StatsResponse) -> NodeSnapshot:
             "write_bytes_per_second": r.ssd.write_bytes_per_second,
             "read_bytes_per_second": r.ssd.read_bytes_per_second,
             "write_queue_blocks": r.ssd.write_queue_blocks, "promoted_blocks": r.ssd.promoted_blocks,
+            "skipped_writes": dict(sorted(r.ssd.skipped_writes.items())),
         } if r.HasField("ssd") else None,
         "peers": {
             "pulls": dict(sorted(r.peers.pulls.items())), "pull_bytes": r.peers.pull_bytes,
@@ -232,6 +233,15 @@ def totals(nodes: Sequence[NodeEntry]) -> Totals:
     }
 
 
+def _add_maps(maps: Sequence[dict[str, int]]) -> dict[str, int]:
+    """Counts by key, summed over nodes, keys sorted."""
+    out: dict[str, int] = {}
+    for m in maps:
+        for k, v in m.items():
+            out[k] = out.get(k, 0) + v
+    return dict(sorted(out.items()))
+
+
 def _ssd_totals(ssd: Sequence[Ssd]) -> Ssd:
     return {
         "capacity_bytes": sum(d["capacity_bytes"] for d in ssd),
@@ -243,20 +253,14 @@ def _ssd_totals(ssd: Sequence[Ssd]) -> Ssd:
         "read_bytes_per_second": sum(d["read_bytes_per_second"] for d in ssd),
         "write_queue_blocks": sum(d["write_queue_blocks"] for d in ssd),
         "promoted_blocks": sum(d["promoted_blocks"] for d in ssd),
+        "skipped_writes": _add_maps([d["skipped_writes"] for d in ssd]),
     }
 
 
 def _peer_totals(peers: Sequence[Peers]) -> Peers:
-    def add_maps(maps: Sequence[dict[str, int]]) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for m in maps:
-            for k, v in m.items():
-                out[k] = out.get(k, 0) + v
-        return dict(sorted(out.items()))
-
     return {
-        "pulls": add_maps([p["pulls"] for p in peers]),
-        "lookups": add_maps([p["lookups"] for p in peers]),
+        "pulls": _add_maps([p["pulls"] for p in peers]),
+        "lookups": _add_maps([p["lookups"] for p in peers]),
         "pull_bytes": sum(p["pull_bytes"] for p in peers),
         "served_bytes": sum(p["served_bytes"] for p in peers),
         "active_pins": sum(p["active_pins"] for p in peers),

@@ -53,6 +53,7 @@ class Ssd(TypedDict):
     read_bytes_per_second: float
     write_queue_blocks: int
     promoted_blocks: int
+    skipped_writes: dict[str, int]  # blocks never written, by reason (in --json; the screen has no room)
 
 
 class Peers(TypedDict):

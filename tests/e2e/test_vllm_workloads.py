@@ -46,12 +46,14 @@ def answer_tokens(block_size: int) -> int:
 @pytest.fixture(scope="module")
 def node(e2e_logs: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     """A small DRAM pool over an SSD tier: what turn 1 saved is evicted from DRAM by the
-    prompts after it and comes back from SSD for turn 2. The write-behind queue is deep enough
-    that no batch is dropped for a full queue (what the original does, and what a loaded
-    machine would otherwise do to turn 1's last blocks): this test is about the next turn,
-    not about shedding writes."""
+    prompts after it and comes back from SSD for turn 2. No write of turn 1 is dropped for a
+    full queue (what the original does, and what a loaded machine would otherwise do to turn
+    1's last blocks): this test is about the next turn, not about shedding writes. So the
+    write-behind queue is deep, and the pool twice turn 1's ten blocks of this model: queued
+    writes pin at most half the pool (docs/ssd.md), and a 4 MiB pool dropped the last two
+    when a loaded machine held back the writes until the engine paused."""
     ssd = tmp_path_factory.mktemp("ssd-tier")
-    n = Node(e2e_logs, "4mb", http=False, extra=["--ssd-cache-path", str(ssd), "--ssd-cache-capacity", "256mb",
+    n = Node(e2e_logs, "8mb", http=False, extra=["--ssd-cache-path", str(ssd), "--ssd-cache-capacity", "256mb",
                                                  "--ssd-write-queue-depth", "256"]).start()
     yield n
     n.stop()
@@ -100,10 +102,12 @@ def turn1(model_a: Path, e2e_logs: Path, node: Node, conversation: dict[str, Any
                     extra_args=multi_connector(example_dir), multiprocess=True) as eng:
         assert eng.block_size == conversation["block_size"]
         out = eng.generate([conversation["p1"]], answer_tokens(eng.block_size))[0]
-        # Other prompts until turn 1's blocks have left the node's DRAM (LRU; kept on SSD).
         saved = (len(conversation["p1"]) + len(out["tokens"]) - 1) // eng.block_size
+        st = node.stats()
+        assert st.pool_bytes // 2 >= saved * st.namespaces[0].page_bytes, f"turn 1's queued writes fit: {st}"
         wait_until(lambda: node.stats().ssd.blocks >= saved, 60,
                    lambda: f"turn 1's {saved} blocks written to SSD (engine saved {eng.metrics()}; node {node.stats()})")
+        # Other prompts until turn 1's blocks have left the node's DRAM (LRU; kept on SSD).
         for seed in range(310, 320):
             if node.stats().evictions >= saved + 2:
                 break

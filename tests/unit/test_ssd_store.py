@@ -246,6 +246,7 @@ def test_full_write_queue_skips_and_counts_without_waiting(tmp_path: Path):
         skipped = n.tier.node_metrics.registry.get_sample_value("pegaflow_node_ssd_skipped_writes_total",
                                                                 {"reason": "queue_full"})
         assert skipped == 6
+        assert n.tier.stats().skipped_writes == {"queue_full": 6}, "the Stats RPC says why"
         await n.written()
         assert len(n.tier.store.entries) == 2
         await n.close()

@@ -42,6 +42,7 @@ SSD_SAMPLES = {
     "read_bytes_per_second": "pegaflow_node_ssd_read_bytes_per_second",
     "write_queue_blocks": "pegaflow_node_ssd_write_queue_blocks",
     "promoted_blocks": "pegaflow_node_ssd_promoted_blocks_total",
+    "skipped_writes": "pegaflow_node_ssd_skipped_writes_total{reason=%r}",
 }
 PEER_SAMPLES = {  # a dict field: one sample per label value
     "pulls": "pegaflow_node_p2p_pulls_total{status=%r}",
@@ -88,7 +89,12 @@ def _ssd_agrees(t: _Tier, svc: NodeService, fields: set[str]) -> None:
     """SsdStats, the Stats RPC and /metrics agree on every field; ``fields`` are non-zero."""
     stats, rpc, scraped = t.tier.stats(), stats_rpc(svc).ssd, scrape(t.metrics)
     for name, sample in SSD_SAMPLES.items():
-        assert getattr(stats, name) == getattr(rpc, name) == scraped[sample], name
+        value = getattr(stats, name)
+        if isinstance(value, dict):  # one sample per label value (none before the first)
+            labelled = {k.split("'")[1]: v for k, v in scraped.items() if k.startswith(sample.split("{")[0] + "{")}
+            assert value == dict(getattr(rpc, name)) == labelled, name
+        else:
+            assert value == getattr(rpc, name) == scraped[sample], name
     for name in fields:
         assert getattr(stats, name) > 0, f"SsdStats.{name} is 0"
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pegaflow.node.metrics import SSD_IO_THROUGHPUT_BUCKETS, value_of
+from pegaflow.node.metrics import SSD_IO_THROUGHPUT_BUCKETS, value_of, values_by_label
 
 PROMOTE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
@@ -26,6 +26,7 @@ class SsdStats:
     read_bytes_per_second: float
     write_queue_blocks: int
     promoted_blocks: int
+    skipped_writes: dict[str, int]  # blocks never written, by reason (queue_full, too_large, io_error)
 
 
 class SsdMetrics:
@@ -97,6 +98,7 @@ class SsdMetrics:
             read_bytes=int(value_of(self.read_bytes)), write_bytes_per_second=value_of(self.write_throughput),
             read_bytes_per_second=value_of(self.read_throughput), write_queue_blocks=int(value_of(self.queue_blocks)),
             promoted_blocks=int(value_of(self.promoted)),
+            skipped_writes={k: int(v) for k, v in values_by_label(self.skipped).items()},
         )
 
 
