@@ -61,9 +61,15 @@ def main() -> None:
     p.add_argument("--probe-each", action="store_true", help="then query every block alone, count those found")
     p.add_argument("--hold", type=float, default=0.0, help="save: keep the session (an engine) open this long after")
     a = p.parse_args()
+    # Closed at the end, as a process's exit would: P2PCluster.client runs this in its host's
+    # one agent process (tests/harness/netns.py), one command after another.
+    with PegaClient(a.addr, timeout=10) as c:
+        run(a, c)
+
+
+def run(a: argparse.Namespace, c: PegaClient) -> None:
     kv = kv_cache(a.tag, 2 * a.n, a.heads, a.dim)
     hs = hashes(a.tag, a.n)
-    c = PegaClient(a.addr, timeout=10)
     ns = namespace(a.heads, a.dim)
     c.register({ns: page_bytes(kv)})
     if a.cmd == "save":
