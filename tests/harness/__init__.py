@@ -8,7 +8,8 @@
   models they load, locally;
 - ``router.py``: ``pegaflow router`` and stand-in engines;
 - ``p2p.py``: several hosts (``netns.py``: network namespaces) with Redis, a metaserver and
-  a node each; ``p2p_client.py`` is the engine-like process run on a host;
+  a node each; ``p2p_client.py`` is the engine-like client run on a host (in the host's
+  agent process, or as a process of its own where a test kills it);
 - ``ports.py``, ``dirs.py``, ``procs.py``: free ports, scratch directories, process groups
   and the environment of every child.
 
