@@ -361,3 +361,45 @@ def test_a_view_older_than_its_bound_is_not_read(redis_server: RedisServer) -> N
     assert lookup.query_prefix("ns", held)[0].prefix_len == 64  # from Redis
     assert (count("view"), count("redis")) == (1, 1)
     pub.stop()
+
+
+def test_an_idle_feeder_backs_off_and_reads_the_first_event_after_a_quiet_spell(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While nothing is new the feeder's rounds slow down to one per ``idle_s`` (a quarter of
+    the bound), not one per ``poll_s``; an event written after the quiet spell is in the view's
+    answers soon after, and so are the node's later ones."""
+    r = client(redis_server.url, False)
+    rng = random.Random(3)
+    held = [rng.randbytes(16) for _ in range(32)]
+    pub = EventPublisher(r, "n1", "h:1", lambda: [("ns", held)], flush_interval=0.001).start(wait=5)
+    f = ViewFeed(r, BOUND_S, stale_ms=30_000)
+    assert f.idle_s == BOUND_S / 4 and f.poll_s < f.idle_s
+    rounds = 0
+    step = f.step
+
+    def counted() -> bool:
+        nonlocal rounds
+        rounds += 1
+        return step()
+
+    monkeypatch.setattr(f, "step", counted)
+    f.start()
+    try:
+        wait_until(lambda: f.holders("ns", held) is not None, 10, "the view in use")
+        t0, n0 = time.monotonic(), rounds
+        wait_until(lambda: time.monotonic() - t0 >= 1.0, 5, "a quiet second", every=0.05)
+        per_s = (rounds - n0) / (time.monotonic() - t0)
+        # At poll_s (5 ms) a quiet second held ~200 rounds; backed off, at most 1 / idle_s (40).
+        assert 0 < per_s <= 1.25 / f.idle_s, per_s
+        later = held + [rng.randbytes(16) for _ in range(8)]
+        pub.on_insert("ns", later[len(held):])
+
+        def prefix() -> int:
+            rows = f.holders("ns", later)
+            return rows[0][2] if rows else 0
+
+        wait_until(lambda: prefix() == len(later), 10, "the view to hold the blocks written after the quiet spell")
+    finally:
+        f.stop()
+        pub.stop()
