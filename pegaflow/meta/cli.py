@@ -15,6 +15,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from pegaflow.common.startup import structlog_without_rich
 from pegaflow.config.commands import load
 from pegaflow.config.options import META
 
@@ -35,6 +36,7 @@ def grpc_without_event_engine() -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     grpc_without_event_engine()
+    structlog_without_rich()
     args = list(sys.argv[1:] if argv is None else argv)
     rebuild = bool(args) and args[0] == "rebuild"
     prog = "pegaflow-meta rebuild" if rebuild else "pegaflow-meta"

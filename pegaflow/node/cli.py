@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from pegaflow.common.startup import structlog_without_rich
 from pegaflow.config.commands import load
 from pegaflow.config.options import NODE
 
@@ -12,6 +13,7 @@ from pegaflow.config.options import NODE
 def main(argv: Sequence[str] | None = None) -> None:
     prog = "pegaflow-node"
     config = load(NODE, prog, argv)
+    structlog_without_rich()
     # The daemon's imports only once the flags parsed: --help and a bad flag answer in about
     # half the time (structlog, numpy, grpc are not loaded for them).
     import asyncio

@@ -41,3 +41,34 @@ def test_a_bad_flag_is_answered_before_the_daemons_imports() -> None:
                              timeout=60, check=True)
         assert "unrecognized arguments: --no-such-flag" in out.stderr
         assert out.stdout.strip() == "", f"pegaflow.{pkg}.cli loaded {out.stdout.strip()} for a bad flag"
+
+
+# A node whose port is taken and a metaserver whose Redis does not answer: both end with
+# their one-line error after their imports, and report what those imports loaded.
+STARTED = """
+import socket, sys
+taken = socket.create_server(("127.0.0.1", 0))
+port = taken.getsockname()[1]
+from pegaflow.{pkg} import cli
+args = {{"node": ["--addr", f"127.0.0.1:{{port}}", "--pool-size", "16mb", "--http-addr", "off"],
+         "meta": ["--redis-url", f"redis://127.0.0.1:{{port}}/0", "--addr", "127.0.0.1:0"]}}["{pkg}"]
+try:
+    cli.main(args)
+except SystemExit as exc:
+    assert exc.code == 1, exc.code
+print("structlog" in sys.modules, sys.modules.get("rich", "absent"))
+"""
+
+
+def test_the_daemons_load_structlog_without_rich() -> None:
+    """rich (installed with transformers) costs each start ~0.1 s of CPU, for pretty
+    tracebacks the daemons do not print (pegaflow/common/startup.py)."""
+    for pkg in ("node", "meta"):
+        out = subprocess.run([sys.executable, "-c", STARTED.format(pkg=pkg)], capture_output=True, text=True,
+                             timeout=60, check=True)
+        assert "error:" in out.stderr, out.stderr  # it got as far as its start-up error
+        assert out.stdout.split() == ["True", "None"], f"pegaflow-{pkg}: {out.stdout} {out.stderr[-500:]}"
+    # Elsewhere structlog keeps rich (a vLLM engine's connector, the router).
+    out = subprocess.run([sys.executable, "-c", "import sys, structlog; print('rich' in sys.modules)"],
+                         capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "True"
