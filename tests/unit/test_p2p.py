@@ -164,13 +164,17 @@ async def settle(puller: Puller) -> None:
         await asyncio.gather(*list(puller.tasks), return_exceptions=True)
 
 
-def pull(a: Side, b: Side, puller: Puller, hs: list[bytes], hit: int) -> None:
-    """B misses after ``hit`` blocks and pulls the rest from A; returns when the pull ended."""
+def pull(a: Side, b: Side, puller: Puller, hs: list[bytes], hit: int, drain: bool = False) -> None:
+    """B misses after ``hit`` blocks and pulls the rest from A; returns when the pull ended,
+    and with ``drain`` once A released its pins too (its data thread may release a send just
+    after the puller has every byte; the release runs on this loop, gone once this returns)."""
 
     async def run() -> None:
         a.table.loop = asyncio.get_running_loop()
         assert await puller.query([b.ns], hs, hit)
         await settle(puller)
+        if drain:
+            await drained(a)
 
     asyncio.run(run())
 
@@ -296,7 +300,7 @@ def test_wrong_pin_answer_is_a_miss_and_backs_the_peer_off(pair, tamper):
     peers.tamper = bad
     free = b.index.alloc.free_bytes
 
-    pull(a, b, puller, hs, 0)
+    pull(a, b, puller, hs, 0, drain=True)
     assert all(b.index.get(b.ns, h) is None for h in hs)
     assert b.index.alloc.free_bytes == free  # every PENDING page discarded
     assert pulls(b, "bad_answer") == 1 and puller.backoff.skip(a.address)

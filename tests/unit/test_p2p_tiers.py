@@ -118,7 +118,7 @@ def test_an_ssd_holder_serves_blocks_read_for_the_pin_byte_identical_and_frees_t
             ssd.put(h, want[h])
         meta.holders = [Holder("a", a.address, 12, ssd_blocks=10)]
         free = a.index.alloc.free_bytes
-        pull(a, b, puller, hs, 0)
+        pull(a, b, puller, hs, 0, drain=True)
         assert [b.page(h) for h in hs] == [want[h] for h in hs]
         assert ssd.staged == 10
         assert a.sample("pegaflow_node_p2p_ssd_served_blocks_total") == 10
@@ -138,7 +138,7 @@ def test_a_page_not_matching_its_records_checksum_is_a_miss_on_the_puller() -> N
             ssd.put(h, b"z" * PAGE)
         ssd.sums[hs[2]] = 12345  # the holder does not hash: the puller must catch it
         meta.holders = [Holder("a", a.address, 4, ssd_blocks=4)]
-        pull(a, b, puller, hs, 0)
+        pull(a, b, puller, hs, 0, drain=True)
         assert b.index.get(b.ns, hs[2]) is None  # never committed with bytes that do not match
         assert [b.index.get(b.ns, h) is not None for h in (hs[0], hs[1], hs[3])] == [True, True, True]
         assert b.sample("pegaflow_node_p2p_pulls_total", status="checksum") == 1
