@@ -42,7 +42,7 @@ test: install-test lint
 # The edit-test loop: the unit tests and the integration tests, in parallel; no install, no
 # vLLM engine (tests/e2e), no chaos, and not the packaging tests that pip-install into fresh
 # venvs (marked `install`: ~45 s of CPU; `make test` runs them). FAST_JOBS workers: on a quiet
-# 2-core VM 4 took 5:28-5:57 (README: how long), 3 and 5 were slower (the run is CPU-bound).
+# 2-core VM 4 took 5:28-6:10 (README: how long), 3 and 5 were slower (the run is CPU-bound).
 FAST_JOBS ?= 4
 test-fast:
 	PYTHONDONTWRITEBYTECODE= $(PYTHON) -m pytest -ra --durations=15 -n $(FAST_JOBS) --dist loadfile --no-loadscope-reorder -m "not e2e and not install" tests/unit tests/integration $(PYTEST_ARGS)
