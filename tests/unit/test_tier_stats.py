@@ -66,6 +66,13 @@ def scrape(metrics: NodeMetrics | Side) -> dict[str, float]:
     return {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln[:1] != "#"}
 
 
+def by_label(scraped: dict[str, float], sample: str) -> dict[str, float]:
+    """A one-label family's samples in ``scrape``'s output (``sample`` as in the maps above):
+    {label value: value}, every label value it renders."""
+    family = sample.split("{")[0] + "{"
+    return {k.split("'")[1]: v for k, v in scraped.items() if k.startswith(family)}
+
+
 def service(metrics: NodeMetrics, t: _Tier | None = None, side: Side | None = None, puller=None) -> NodeService:  # noqa: ANN001
     index = t.index if t is not None else side.index  # type: ignore[union-attr]
     sessions = Sessions(index)
@@ -91,8 +98,7 @@ def _ssd_agrees(t: _Tier, svc: NodeService, fields: set[str]) -> None:
     for name, sample in SSD_SAMPLES.items():
         value = getattr(stats, name)
         if isinstance(value, dict):  # one sample per label value (none before the first)
-            labelled = {k.split("'")[1]: v for k, v in scraped.items() if k.startswith(sample.split("{")[0] + "{")}
-            assert value == dict(getattr(rpc, name)) == labelled, name
+            assert value == dict(getattr(rpc, name)) == by_label(scraped, sample), name
         else:
             assert value == getattr(rpc, name) == scraped[sample], name
     for name in fields:
@@ -153,7 +159,7 @@ def _peers_agree(stats: PeerStats, side: Side, fields: set[str]) -> None:
     for name, sample in PEER_SAMPLES.items():
         value = getattr(stats, name)
         if isinstance(value, dict):
-            assert value and value == {k: scraped[sample % k] for k in value}, name
+            assert value and value == by_label(scraped, sample), name
         else:
             assert value == scraped[sample], name
     for name in fields:
