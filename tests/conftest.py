@@ -72,15 +72,12 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         return (yield)
 
 
-@pytest.fixture
-def node_factory(tmp_path: Path) -> Iterator:
-    """Start nodes (64 MiB pools unless asked, /metrics rendered on every scrape); each is
-    killed at the end of the test and its local socket removed."""
+def _nodes(log_dir: Path) -> Iterator:
     nodes: list[Node] = []
 
     def make(pool_size: str = "64mb", extra: list[str] | None = None, start: bool = True,
              env: dict[str, str] | None = None) -> Node:
-        n = Node(tmp_path, pool_size, render_interval=EVERY_SCRAPE, extra=extra or (), env=env)
+        n = Node(log_dir, pool_size, render_interval=EVERY_SCRAPE, extra=extra or (), env=env)
         nodes.append(n)
         return n.start() if start else n
 
@@ -88,6 +85,20 @@ def node_factory(tmp_path: Path) -> Iterator:
     for n in nodes:
         n.kill()
         n.remove_local_socket()
+
+
+@pytest.fixture
+def node_factory(tmp_path: Path) -> Iterator:
+    """Start nodes (64 MiB pools unless asked, /metrics rendered on every scrape); each is
+    killed at the end of the test and its local socket removed."""
+    yield from _nodes(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def module_node_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    """``node_factory`` for nodes that a module's tests share: killed after its last test. For
+    tests that each check only what their own calls did (a node start is ~0.5 s of CPU)."""
+    yield from _nodes(tmp_path_factory.mktemp("nodes"))
 
 
 @pytest.fixture

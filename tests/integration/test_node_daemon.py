@@ -184,15 +184,32 @@ def test_namespace_isolation(node):
         assert all(torch.equal(x[:4], y[:4]) for x, y in zip(kv_a, out, strict=True))
 
 
-@pytest.fixture
-def raw(node_factory):
-    n = node_factory(extra=["--max-batch", "64"])
+def raw_session(n):  # type: ignore[no-untyped-def]
+    """A raw gRPC stub to ``n`` and a session that committed two blocks ("keep") in "ns"."""
     ch = sync_channel(n.addr, Security())
     stub = node_pb2_grpc.PegaNodeStub(ch)
     sid = stub.Register(node_pb2.RegisterRequest(
         instance_id="raw", namespaces=[node_pb2.NamespaceSpec(name="ns", page_bytes=8192)])).session_id
     r = stub.Reserve(node_pb2.ReserveRequest(session_id=sid, namespace="ns", hashes=hashes("keep", 2)))
     stub.Commit(node_pb2.CommitRequest(session_id=sid, reservation_id=r.reservation_id))
+    return ch, stub, sid
+
+
+@pytest.fixture
+def raw(node_factory):
+    """A node of its own (--max-batch 64), for a test that reads the node's totals."""
+    n = node_factory(extra=["--max-batch", "64"])
+    ch, stub, sid = raw_session(n)
+    yield n, stub, sid
+    ch.close()
+
+
+@pytest.fixture(scope="module")
+def shared_raw(module_node_factory):
+    """One node (--max-batch 64) for the tests below that each send a bad request and check
+    its answer and that the committed blocks are still whole: none reads a total."""
+    n = module_node_factory(extra=["--max-batch", "64"])
+    ch, stub, sid = raw_session(n)
     yield n, stub, sid
     ch.close()
 
@@ -226,8 +243,8 @@ def raw(node_factory):
     ("no namespaces",
      lambda s, sid: s.Register(node_pb2.RegisterRequest(instance_id="x")), "at least one"),
 ])
-def test_invalid_requests_answer_invalid_argument_and_change_nothing(raw, name, call, needle):
-    n, stub, sid = raw
+def test_invalid_requests_answer_invalid_argument_and_change_nothing(shared_raw, name, call, needle):
+    n, stub, sid = shared_raw
     with pytest.raises(grpc.RpcError) as err:
         call(stub, sid)
     assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT, name
@@ -237,8 +254,8 @@ def test_invalid_requests_answer_invalid_argument_and_change_nothing(raw, name, 
     assert n.proc.poll() is None
 
 
-def test_duplicate_commit_is_invalid_argument(raw):
-    _, stub, sid = raw
+def test_duplicate_commit_is_invalid_argument(shared_raw):
+    _, stub, sid = shared_raw
     r = stub.Reserve(node_pb2.ReserveRequest(session_id=sid, namespace="ns", hashes=hashes("dup", 1)))
     stub.Commit(node_pb2.CommitRequest(session_id=sid, reservation_id=r.reservation_id))
     with pytest.raises(grpc.RpcError) as err:
@@ -246,8 +263,8 @@ def test_duplicate_commit_is_invalid_argument(raw):
     assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "already committed" in err.value.details()
 
 
-def test_unknown_session_is_failed_precondition(raw):
-    _, stub, _ = raw
+def test_unknown_session_is_failed_precondition(shared_raw):
+    _, stub, _ = shared_raw
     with pytest.raises(grpc.RpcError) as err:
         stub.Query(node_pb2.QueryRequest(session_id=777, namespaces=["ns"], hashes=hashes("x", 1)))
     assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION

@@ -82,10 +82,12 @@ class RawLocal:
         self.s.close()
 
 
-@pytest.fixture
-def raw(node_factory):
-    """A node with --max-batch 64, a gRPC session holding two committed blocks, and a raw socket."""
-    n = node_factory(extra=["--max-batch", "64"])
+@pytest.fixture(scope="module")
+def raw_node(module_node_factory):
+    """One node (--max-batch 64) and a gRPC session holding two committed blocks, shared by
+    the tests below: each sends what a client would not over a connection of its own, then
+    checks the answer and that nothing changed; counts are read as differences."""
+    n = module_node_factory(extra=["--max-batch", "64"])
     ch = sync_channel(n.addr, Security())
     stub = node_pb2_grpc.PegaNodeStub(ch)
     reg = stub.Register(node_pb2.RegisterRequest(
@@ -94,10 +96,17 @@ def raw(node_factory):
     r = stub.Reserve(node_pb2.ReserveRequest(session_id=sid, namespace="ns", hashes=hashes("keep", 2)))
     stub.Commit(node_pb2.CommitRequest(session_id=sid, reservation_id=r.reservation_id))
     assert reg.local_socket == n.local_socket
-    link = RawLocal(reg.local_socket)
+    yield n, stub, sid
+    ch.close()
+
+
+@pytest.fixture
+def raw(raw_node):
+    """The shared node, its session, and a raw socket of this test's own."""
+    n, stub, sid = raw_node
+    link = RawLocal(n.local_socket)
     yield n, stub, sid, link
     link.close()
-    ch.close()
 
 
 def assert_unchanged(stub, sid: int) -> None:  # type: ignore[no-untyped-def]
@@ -166,13 +175,14 @@ def test_a_path_served_by_a_live_process_is_a_one_line_startup_error(node, node_
 ])
 def test_invalid_requests_over_the_socket_answer_invalid_argument_and_change_nothing(raw, name, method, make, needle):
     n, stub, sid, link = raw
+    before = rpc_counts(n, "local").get((method, "INVALID_ARGUMENT"), 0)
     code, body = link.call(method, make(sid))
     assert code is grpc.StatusCode.INVALID_ARGUMENT, name
     assert needle in body.decode()
     code, _ = link.call("Query", node_pb2.QueryRequest(session_id=sid, namespaces=["ns"], hashes=hashes("keep", 2)))
     assert code is grpc.StatusCode.OK  # the connection stays usable after a rejected request
     assert_unchanged(stub, sid)
-    assert rpc_counts(n, "local")[(method, "INVALID_ARGUMENT")] == 1
+    assert rpc_counts(n, "local")[(method, "INVALID_ARGUMENT")] == before + 1
 
 
 def test_unknown_session_over_the_socket_is_failed_precondition(raw):
@@ -209,6 +219,7 @@ def test_client_gets_the_same_errors_over_both_transports(node_factory):
 ])
 def test_a_malformed_frame_closes_that_connection_and_the_node_keeps_serving(raw, name, frame):
     n, stub, sid, link = raw
+    rejected = n.log().count("local_frame_rejected")
     other = RawLocal(n.local_socket)  # a second engine's connection is not affected
     frame(link)
     assert link.closed_by_node(), name
@@ -217,7 +228,7 @@ def test_a_malformed_frame_closes_that_connection_and_the_node_keeps_serving(raw
     other.close()
     assert_unchanged(stub, sid)
     assert n.proc.poll() is None
-    assert "local_frame_rejected" in n.log()
+    assert n.log().count("local_frame_rejected") == rejected + 1
 
 
 def test_errors_of_no_reply_calls_are_logged_by_the_node(raw):
