@@ -196,8 +196,19 @@ def test_a_target_dying_mid_plan_and_blocks_evicted_before_the_pull(tmp_path: Pa
         engine2.kill()
         engine2.wait(10)
         wait_until(lambda: c.metric(2, "pegaflow_node_backup_target") == 1, WAIT_S, "node-2 to be a target")
-        wait_until(lambda: "node-2" in holders_each(c, "old", third + 1)[third], WAIT_S,
-                   "node-2 to hold the block of the plan node-1 died in")
+        index = {h.hex(): i for i, h in enumerate(old)}
+
+        def why() -> str:  # what a failure needs: which blocks node-2 was planned, what node-0 offers now
+            plans = {n: [(index.get(e["first"], e["first"]), e["blocks"]) for e in node_events(c, i, "backup_plan_taken")]
+                     for i, n in ((1, "node-1"), (2, "node-2"))}
+            held = holders_each(c, "old", third + PLAN_PAGES)[third:]
+            reclaimable = c.metric(0, "pegaflow_cache_resident_bytes_by_class", 'class="reclaimable"')
+            return (f"node-2 to hold the block of the plan node-1 died in (old[{third}]); the plans taken (first, "
+                    f"blocks): {plans}; holders of that plan's blocks: {held}; node-0 offered "
+                    f"{c.metric(0, 'pegaflow_node_backup_candidates_offered_total')} blocks in all, holds "
+                    f"{reclaimable} bytes reclaimable")
+
+        wait_until(lambda: "node-2" in holders_each(c, "old", third + 1)[third], WAIT_S, why)
         assert c.metric(2, "pegaflow_node_backup_pulled_blocks_total") >= 1
         # ... and node-0 demotes what node-2 copied.
         wait_until(lambda: c.metric(0, "pegaflow_node_class_demotions_total", 'reason="backup_hint"') > demoted,
