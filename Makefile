@@ -6,7 +6,7 @@ PYTHON ?= python3
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: node test test-fast install install-test lint lock chaos bench compat
+.PHONY: node test test-fast test-times install install-test lint lock chaos bench compat
 
 install:
 	PYTHON=$(PYTHON) scripts/install.sh run
@@ -46,6 +46,11 @@ test: install-test lint
 FAST_JOBS ?= 4
 test-fast:
 	PYTHONDONTWRITEBYTECODE= $(PYTHON) -m pytest -ra --durations=15 -n $(FAST_JOBS) --dist loadfile --no-loadscope-reorder -m "not e2e and not install" tests/unit tests/integration $(PYTEST_ARGS)
+
+# After a make test: this checkout's seconds per test file (the pytest cache) become the committed
+# table (tests/file_seconds.json) by which a fresh clone hands out its longest test files first.
+test-times:
+	$(PYTHON) -m tests.parallel
 
 lint:
 	$(PYTHON) -m ruff check pegaflow tests bench scripts

@@ -34,10 +34,10 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(trylast=True)  # after the conftests that add marks (tests/chaos/)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """In a worker of ``pytest -n N``: the order and the units of work of the scheduler
-    (tests/parallel.py), from the marks and the last run's seconds per file."""
+    (tests/parallel.py), from the marks and the seconds per file of the last runs."""
     if hasattr(config, "workerinput"):
         cache = getattr(config, "cache", None)
-        parallel.order_and_write_units(items, cache.get(parallel.FILE_SECONDS, {}) if cache else {})
+        parallel.order_and_write_units(items, parallel.known_seconds(cache.get(parallel.FILE_SECONDS, {}) if cache else {}))
 
 
 _seconds: dict[str, float] = {}  # test file -> seconds in this run (setup + call + teardown)

@@ -9,8 +9,11 @@ What runs where (``--dist loadfile --no-loadscope-reorder``, the Makefile's, and
   first: one engine module at a time. The router's module alone holds four OpenAI servers
   (~13 GB of the 23 GiB here), and each engine process spends ~17 s of CPU importing;
 - the tests marked ``serial`` are one unit too, handed out last;
-- the other files go out longest first, by the seconds each took in the last run (the
-  pytest cache), else in the order collected.
+- the other files go out longest first, by the seconds each took in this checkout's last
+  run (the pytest cache), else in the committed table (``tests/file_seconds.json``), so a
+  fresh clone (CI) orders them too: in the order collected, the longest files (the benchmarks'
+  mechanics, the decode backup) came last and ran on beside idle workers. ``make test-times``
+  refreshes the table from the cache after a ``make test``; a file in neither counts as longest.
 
 Every test runs under a lock shared by the run's workers (``machine``): most take it
 shared and run side by side; a ``serial`` test takes it exclusive and runs with no other test
@@ -43,6 +46,7 @@ LOCKS = "PEGAFLOW_TEST_LOCKS"  # the directory of the run's lock files, set for 
 SERIAL_UNIT = "serial"  # the unit of work of the tests marked serial
 ENGINES_UNIT = "engines"  # the unit of work of the tests marked e2e (vLLM engines)
 FILE_SECONDS = "pegaflow/file_seconds"  # pytest cache key: seconds per test file, last run
+SECONDS_TABLE = Path(__file__).with_name("file_seconds.json")  # the committed seconds per test file
 
 
 @contextmanager
@@ -104,6 +108,23 @@ def order_and_write_units(items: list[Any], file_seconds: dict[str, float]) -> N
     os.replace(tmp, path)
 
 
+def known_seconds(cached: dict[str, float]) -> dict[str, float]:
+    """Seconds per test file: this checkout's last runs (``cached``, the pytest cache's) over
+    the committed table."""
+    committed = json.loads(SECONDS_TABLE.read_text()) if SECONDS_TABLE.exists() else {}
+    return {**committed, **cached}
+
+
+def write_table(cache_dir: Path) -> int:
+    """The committed table from the pytest cache in ``cache_dir`` (files that still exist,
+    sorted); returns how many files it holds."""
+    cached = json.loads((cache_dir / "v" / FILE_SECONDS).read_text())
+    root = SECONDS_TABLE.parent.parent
+    table = {f: cached[f] for f in sorted(cached) if (root / f).exists()}
+    SECONDS_TABLE.write_text(json.dumps(table, indent=0) + "\n")
+    return len(table)
+
+
 def count(seconds: dict[str, float], report: Any) -> None:
     """Add a test report's duration to its file's seconds."""
     f = _file(report.nodeid)
@@ -126,3 +147,7 @@ def file_scheduling(config: Any, log: Any) -> Any:
             return self.units.get(nodeid) or super()._split_scope(nodeid)
 
     return FileScheduling(config, log)
+
+
+if __name__ == "__main__":  # make test-times
+    print(f"{write_table(Path('.pytest_cache'))} test files in {SECONDS_TABLE}")

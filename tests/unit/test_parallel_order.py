@@ -1,0 +1,60 @@
+"""The order a parallel run hands out its test files in (tests/parallel.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tests import parallel
+
+ROOT = Path(parallel.__file__).parent.parent
+
+
+def item(nodeid: str, mark: str | None = None) -> SimpleNamespace:
+    return SimpleNamespace(nodeid=nodeid, get_closest_marker=lambda name: object() if name == mark else None)
+
+
+def test_the_engines_go_first_the_serial_tests_last_and_the_rest_longest_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(parallel.LOCKS, raising=False)  # no units' file to write
+    items = [item("a.py::t"), item("b.py::t"), item("s.py::t", "serial"), item("new.py::t"), item("e.py::t", "e2e"),
+             item("b.py::u")]
+    parallel.order_and_write_units(items, {"a.py": 1.0, "b.py": 5.0, "s.py": 9.0, "e.py": 0.1})  # type: ignore[arg-type]
+    # a file no run has timed counts as longest
+    assert [it.nodeid for it in items] == ["e.py::t", "new.py::t", "b.py::t", "b.py::u", "a.py::t", "s.py::t"]
+
+
+def test_this_checkouts_seconds_win_over_the_committed_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    table = tmp_path / "file_seconds.json"
+    table.write_text(json.dumps({"a.py": 1.0, "b.py": 2.0}))
+    monkeypatch.setattr(parallel, "SECONDS_TABLE", table)
+    assert parallel.known_seconds({"b.py": 7.0, "c.py": 3.0}) == {"a.py": 1.0, "b.py": 7.0, "c.py": 3.0}
+    assert parallel.known_seconds({}) == {"a.py": 1.0, "b.py": 2.0}  # a fresh clone: no cache
+
+
+def test_the_committed_table_names_test_files_that_exist_and_most_of_them() -> None:
+    """A fresh clone orders its files by the table: one that names files long gone, or too few
+    of today's, orders by little (``make test-times`` refreshes it)."""
+    table = json.loads(parallel.SECONDS_TABLE.read_text())
+    assert table and all((ROOT / f).is_file() and f.startswith("tests/") for f in table), \
+        [f for f in table if not (ROOT / f).is_file()]
+    assert all(isinstance(s, int | float) and s >= 0 for s in table.values())
+    files = {str(p.relative_to(ROOT)) for d in ("unit", "integration") for p in (ROOT / "tests" / d).glob("test_*.py")}
+    assert len(files & set(table)) >= 0.8 * len(files), sorted(files - set(table))
+
+
+def test_make_test_times_writes_the_cache_as_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = tmp_path / ".pytest_cache"
+    (cache / "v" / "pegaflow").mkdir(parents=True)
+    (cache / "v" / parallel.FILE_SECONDS).write_text(json.dumps(
+        {"tests/unit/test_parallel_order.py": 0.5, "tests/gone.py": 3.0, "tests/conftest.py": 1.0}))
+    table = tmp_path / "tests" / "file_seconds.json"
+    table.parent.mkdir()
+    monkeypatch.setattr(parallel, "SECONDS_TABLE", table)
+    for f in ("tests/unit/test_parallel_order.py", "tests/conftest.py"):
+        (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / f).touch()
+    assert parallel.write_table(cache) == 2  # the file that is gone is dropped
+    assert list(json.loads(table.read_text())) == ["tests/conftest.py", "tests/unit/test_parallel_order.py"]
