@@ -24,57 +24,30 @@ Contracts:
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing
 import os
-import signal
 import threading
 import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.context import SpawnProcess
-from multiprocessing.synchronize import Event
 
 import structlog
-from prometheus_client import Counter, Gauge
+from prometheus_client import Gauge
 
+from pegaflow.meta import apply_child
+from pegaflow.meta.apply_child import Snapshot
 from pegaflow.meta.events.consumer import ConsumerMetrics
 
 log = structlog.get_logger("pegaflow.meta.apply_process")
 
-REPORT_S = 1.0
 RESTART_MIN_S = 0.5
 RESTART_MAX_S = 30.0
 STOP_TIMEOUT_S = 15.0  # the consumer finishes its step and releases its leases
-PR_SET_PDEATHSIG = 1
-
-Snapshot = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-def _series(metrics: ConsumerMetrics) -> dict[str, Counter | Gauge]:
-    """Sample name -> the series, for every series ``ConsumerMetrics`` defines."""
-    out: dict[str, Counter | Gauge] = {}
-    for s in vars(metrics).values():
-        if isinstance(s, Counter | Gauge):
-            family = next(iter(s.describe()))
-            out[family.name if isinstance(s, Gauge) else family.name + "_total"] = s
-    return out
-
-
-def snapshot(metrics: ConsumerMetrics) -> Snapshot:
-    """The consumer series' current values, keyed by (sample name, labels)."""
-    names = _series(metrics)
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for m in metrics.registry.collect()
-        for s in m.samples
-        if s.name in names
-    }
-
 
 def fold(into: ConsumerMetrics, now: Snapshot, before: Snapshot) -> None:
     """Add what a child counted between two snapshots to ``into`` (gauges: set)."""
-    series = _series(into)
+    series = apply_child.series(into)
     for (name, labels), value in now.items():
         target = series[name]
         if labels:
@@ -83,49 +56,6 @@ def fold(into: ConsumerMetrics, now: Snapshot, before: Snapshot) -> None:
             target.set(value)
         elif value > before.get((name, labels), 0.0):
             target.inc(value - before.get((name, labels), 0.0))
-
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):  # not Linux: the parent check below still ends us
-        pass
-
-
-def _child(conn: Connection, stop: Event, redis_url: str | Sequence[str], cluster: bool, name: str, lease_ms: int,
-           log_level: str, log_format: str, parent: int) -> None:
-    _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us (a terminal's ^C reaches both)
-    from pegaflow.cluster.redis_conn import connect
-    from pegaflow.common.logging import configure_logging
-    from pegaflow.meta.events.consumer import Consumer
-    from pegaflow.meta.index import Index
-
-    configure_logging(log_level, log_format)
-    metrics = ConsumerMetrics()
-    r = connect(redis_url, cluster)
-    consumer = Consumer(r, Index(r), name, lease_ms=lease_ms, metrics=metrics)
-    done = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: done.set())  # a graceful end: the leases are released
-
-    def watch() -> None:
-        while not done.wait(REPORT_S):
-            try:
-                conn.send(snapshot(metrics))
-            except (OSError, EOFError):
-                done.set()
-            if stop.is_set() or os.getppid() != parent:
-                done.set()
-        try:
-            conn.send(snapshot(metrics))
-        except (OSError, EOFError):
-            pass
-
-    watcher = threading.Thread(target=watch, name="pf-meta-report", daemon=True)
-    watcher.start()
-    consumer.run(done)
-    done.set()
-    watcher.join(timeout=2 * REPORT_S)
 
 
 class ConsumerProcess:
@@ -168,7 +98,8 @@ class ConsumerProcess:
     def _spawn(self) -> None:
         here, there = self._ctx.Pipe(duplex=False)
         self._proc = self._ctx.Process(
-            target=_child, args=(there, self._stop, *self.args, os.getpid()), name="pf-meta-apply", daemon=True
+            target=apply_child.main, args=(there, self._stop, *self.args, os.getpid()), name="pf-meta-apply",
+            daemon=True,
         )
         self._proc.start()
         there.close()

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from pegaflow.meta.apply_process import fold, snapshot
+from pegaflow.meta.apply_child import snapshot
+from pegaflow.meta.apply_process import fold
 from pegaflow.meta.events.consumer import ConsumerMetrics
 from pegaflow.meta.metrics import MetaMetrics
 

@@ -72,3 +72,21 @@ def test_the_daemons_load_structlog_without_rich() -> None:
     out = subprocess.run([sys.executable, "-c", "import sys, structlog; print('rich' in sys.modules)"],
                          capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "True"
+
+
+# The metaserver's consumer child, as a spawned child starts: from its target's module (with a
+# Redis URL that cannot be parsed, it ends at connect(), after its imports).
+CHILD = """
+import sys
+from pegaflow.meta import apply_child
+try:
+    apply_child.main(None, None, "not-a-redis-url", False, "c", 1000, "info", "json", 1)
+except ValueError:
+    pass
+print("structlog" in sys.modules, "pegaflow.meta.events.consumer" in sys.modules, sys.modules.get("rich", "absent"))
+"""
+
+
+def test_the_metaservers_consumer_child_loads_structlog_without_rich() -> None:
+    out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split() == ["True", "True", "None"], f"{out.stdout} {out.stderr[-500:]}"
