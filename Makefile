@@ -41,11 +41,11 @@ test: install-test lint
 
 # The edit-test loop: the unit tests and the integration tests, in parallel; no install, no
 # vLLM engine (tests/e2e), no chaos, and not the packaging tests that pip-install into fresh
-# venvs (marked `install`: ~45 s of CPU; `make test` runs them). FAST_JOBS workers: on a quiet
-# 2-core VM 4 took 5:28-6:10 (README: how long), 3 and 5 were slower (the run is CPU-bound).
+# venvs (marked `install`: ~45 s of CPU; `make test` runs them). tests/fast.py runs the files
+# that import vLLM in one process beside FAST_JOBS xdist workers for the rest (README: how long).
 FAST_JOBS ?= 4
 test-fast:
-	PYTHONDONTWRITEBYTECODE= $(PYTHON) -m pytest -ra --durations=15 -n $(FAST_JOBS) --dist loadfile --no-loadscope-reorder -m "not e2e and not install" tests/unit tests/integration $(PYTEST_ARGS)
+	PYTHONDONTWRITEBYTECODE= $(PYTHON) -m tests.fast -n $(FAST_JOBS) $(PYTEST_ARGS)
 
 # After a make test: this checkout's seconds per test file (the pytest cache) become the committed
 # table (tests/file_seconds.json) by which a fresh clone hands out its longest test files first.

@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import sys
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,31 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["XDG_RUNTIME_DIR"] = temp_dir_removed_at_exit("pf-test-run-")  # 0700, as a user's is
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
         # pytest -n N: the first process, before it starts the workers, which inherit this
-        os.environ[parallel.LOCKS] = temp_dir_removed_at_exit("pf-test-locks-")
+        # (unless the run shares a machine with another session: tests/fast.py)
+        os.environ.setdefault(parallel.LOCKS, temp_dir_removed_at_exit("pf-test-locks-"))
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--vllm-files", choices=parallel.VLLM_CHOICES, default="all",
+                     help="all test files, all but those that import vLLM (tests/parallel.VLLM_FILES), or those "
+                          "alone: make test-fast runs the two sides in sessions of their own (tests/fast.py)")
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    return True if parallel.vllm_ignored(collection_path, config.rootpath, config.getoption("vllm_files")) else None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
+    """With ``--vllm-files=skip``, a test file whose import loads vLLM is a collection error."""
+    checked = isinstance(collector, pytest.Module) and collector.config.getoption("vllm_files") == "skip"
+    before = "vllm" in sys.modules
+    report = yield
+    if checked and not before and "vllm" in sys.modules:
+        report.outcome = "failed"
+        report.longrepr = (f"{collector.nodeid} imports vLLM: list it in tests/parallel.py's VLLM_FILES, which "
+                           "make test-fast runs in a process of its own")
+    return report
 
 
 @pytest.hookimpl(trylast=True)  # after the conftests that add marks (tests/chaos/)

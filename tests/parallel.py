@@ -43,6 +43,27 @@ from pathlib import Path
 from typing import Any
 
 LOCKS = "PEGAFLOW_TEST_LOCKS"  # the directory of the run's lock files, set for its workers
+# The test files that import vLLM when collected (the connector's unit tests and their fakes):
+# ``make test-fast`` (tests/fast.py) runs them in a process of their own, so its xdist workers
+# import no vLLM (~6.7 s of CPU each, the most of a worker's collection). ``--vllm-files=skip``
+# fails a collected file that imports vLLM and is not listed here, naming it.
+VLLM_FILES = frozenset({
+    "tests/integration/test_connector_with_node.py",
+    "tests/unit/test_connector_hybrid.py",
+    "tests/unit/test_connector_names.py",
+    "tests/unit/test_connector_pci.py",
+    "tests/unit/test_connector_router_protocol.py",
+    "tests/unit/test_connector_sides.py",
+    "tests/unit/test_connector_state_space.py",
+    "tests/unit/test_connector_tp_nodes.py",
+    "tests/unit/test_connector_waits.py",
+    "tests/unit/test_copy_times.py",
+    "tests/unit/test_gpu_ready.py",
+    "tests/unit/test_inflight.py",
+    "tests/unit/test_tiers.py",
+    "tests/unit/test_vllm_compat.py",
+})
+VLLM_CHOICES = ("all", "skip", "only")  # --vllm-files: every test file, all but VLLM_FILES, those alone
 SERIAL_UNIT = "serial"  # the unit of work of the tests marked serial
 ENGINES_UNIT = "engines"  # the unit of work of the tests marked e2e (vLLM engines)
 FILE_SECONDS = "pegaflow/file_seconds"  # pytest cache key: seconds per test file, last run
@@ -123,6 +144,14 @@ def write_table(cache_dir: Path) -> int:
     table = {f: cached[f] for f in sorted(cached) if (root / f).exists()}
     SECONDS_TABLE.write_text(json.dumps(table, indent=0) + "\n")
     return len(table)
+
+
+def vllm_ignored(path: Path, root: Path, choice: str) -> bool:
+    """Whether ``--vllm-files=choice`` leaves the test file ``path`` out of the run."""
+    if choice == "all" or not (path.name.startswith("test_") and path.suffix == ".py"):
+        return False
+    listed = path.relative_to(root).as_posix() in VLLM_FILES
+    return listed if choice == "skip" else not listed
 
 
 def count(seconds: dict[str, float], report: Any) -> None:

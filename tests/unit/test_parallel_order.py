@@ -58,3 +58,22 @@ def test_make_test_times_writes_the_cache_as_the_table(tmp_path: Path, monkeypat
         (tmp_path / f).touch()
     assert parallel.write_table(cache) == 2  # the file that is gone is dropped
     assert list(json.loads(table.read_text())) == ["tests/conftest.py", "tests/unit/test_parallel_order.py"]
+
+
+def test_the_vllm_files_exist_and_each_side_leaves_out_the_other() -> None:
+    assert parallel.VLLM_FILES and all((ROOT / f).is_file() for f in parallel.VLLM_FILES)
+    listed, other = ROOT / sorted(parallel.VLLM_FILES)[0], ROOT / "tests/unit/test_parallel_order.py"
+    helper = ROOT / "tests/unit/connector_fakes.py"  # not a test file: never left out
+    for path, skip, only in ((listed, True, False), (other, False, True), (helper, False, False)):
+        assert parallel.vllm_ignored(path, ROOT, "skip") is skip
+        assert parallel.vllm_ignored(path, ROOT, "only") is only
+        assert parallel.vllm_ignored(path, ROOT, "all") is False
+
+
+def test_a_session_that_collected_nothing_fails_the_run_only_when_both_did() -> None:
+    from tests.fast import status
+
+    assert status(0, 0) == 0
+    assert status(0, 5) == 0 and status(5, 0) == 0  # a -k that selects one side's tests only
+    assert status(5, 5) == 5
+    assert status(1, 0) == 1 and status(0, 2) == 2 and status(5, 1) == 1
