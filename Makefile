@@ -47,8 +47,9 @@ FAST_JOBS ?= 4
 test-fast:
 	PYTHONDONTWRITEBYTECODE= $(PYTHON) -m tests.fast -n $(FAST_JOBS) $(PYTEST_ARGS)
 
-# After a make test: this checkout's seconds per test file (the pytest cache) become the committed
-# table (tests/file_seconds.json) by which a fresh clone hands out its longest test files first.
+# After a make test or test-fast: the seconds per test file this checkout measured (the pytest
+# cache) update the committed table (tests/file_seconds.json) by which a fresh clone hands out
+# its longest test files first.
 test-times:
 	$(PYTHON) -m tests.parallel
 

@@ -13,7 +13,7 @@ What runs where (``--dist loadfile --no-loadscope-reorder``, the Makefile's, and
   run (the pytest cache), else in the committed table (``tests/file_seconds.json``), so a
   fresh clone (CI) orders them too: in the order collected, the longest files (the benchmarks'
   mechanics, the decode backup) came last and ran on beside idle workers. ``make test-times``
-  refreshes the table from the cache after a ``make test``; a file in neither counts as longest.
+  updates the table from the cache after a run; a file in neither counts as longest.
 
 Every test runs under a lock shared by the run's workers (``machine``): most take it
 shared and run side by side; a ``serial`` test takes it exclusive and runs with no other test
@@ -137,11 +137,12 @@ def known_seconds(cached: dict[str, float]) -> dict[str, float]:
 
 
 def write_table(cache_dir: Path) -> int:
-    """The committed table from the pytest cache in ``cache_dir`` (files that still exist,
-    sorted); returns how many files it holds."""
-    cached = json.loads((cache_dir / "v" / FILE_SECONDS).read_text())
+    """The committed table updated from the pytest cache in ``cache_dir`` (a file the cache
+    has not timed, e.g. an e2e file after ``make test-fast``, keeps its seconds; files that no
+    longer exist go; sorted); returns how many files it holds."""
+    known = known_seconds(json.loads((cache_dir / "v" / FILE_SECONDS).read_text()))
     root = SECONDS_TABLE.parent.parent
-    table = {f: cached[f] for f in sorted(cached) if (root / f).exists()}
+    table = {f: known[f] for f in sorted(known) if (root / f).exists()}
     SECONDS_TABLE.write_text(json.dumps(table, indent=0) + "\n")
     return len(table)
 

@@ -52,12 +52,16 @@ def test_make_test_times_writes_the_cache_as_the_table(tmp_path: Path, monkeypat
         {"tests/unit/test_parallel_order.py": 0.5, "tests/gone.py": 3.0, "tests/conftest.py": 1.0}))
     table = tmp_path / "tests" / "file_seconds.json"
     table.parent.mkdir()
+    table.write_text(json.dumps({"tests/e2e/test_e.py": 80.0, "tests/conftest.py": 9.0}))
     monkeypatch.setattr(parallel, "SECONDS_TABLE", table)
-    for f in ("tests/unit/test_parallel_order.py", "tests/conftest.py"):
+    for f in ("tests/unit/test_parallel_order.py", "tests/conftest.py", "tests/e2e/test_e.py"):
         (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / f).touch()
-    assert parallel.write_table(cache) == 2  # the file that is gone is dropped
-    assert list(json.loads(table.read_text())) == ["tests/conftest.py", "tests/unit/test_parallel_order.py"]
+    assert parallel.write_table(cache) == 3  # the file that is gone is dropped
+    # the cache's seconds win; a file it did not time (a make test-fast run has no e2e) keeps its own
+    assert json.loads(table.read_text()) == {"tests/conftest.py": 1.0, "tests/e2e/test_e.py": 80.0,
+                                             "tests/unit/test_parallel_order.py": 0.5}
+    assert list(json.loads(table.read_text())) == sorted(json.loads(table.read_text()))
 
 
 def test_the_vllm_files_exist_and_each_side_leaves_out_the_other() -> None:
