@@ -171,8 +171,10 @@ class HttpEndpoint:
         self.port = sock.getsockname()[1]
         # uvicorn's own lines ("Started server process", ...) are not structured: only its
         # warnings and errors reach the daemon's log; http_listening says what matters.
+        # ws="none": no endpoint is a websocket, and uvicorn's default ("auto") imports the
+        # websockets library at every start (~15 ms of CPU here, in every daemon).
         config = uvicorn.Config(self.app, log_config=None, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=STOP_TIMEOUT_S)
+                                ws="none", timeout_graceful_shutdown=STOP_TIMEOUT_S)
         self._server = server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._serve, args=(server, sock), name="pf-http", daemon=True)
         self._thread.start()

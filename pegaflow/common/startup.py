@@ -13,9 +13,9 @@ def structlog_without_rich() -> None:
     plain lines, and the import cost each start ~0.1 s of CPU here (``import structlog``:
     0.23 s of CPU with rich, 0.13 s without; a 2-core VM, 20 runs each). With ``rich`` hidden,
     ``import rich`` fails in this process and structlog takes its plain-traceback path. Only
-    for processes that need no rich: ``pegaflow-node`` and ``pegaflow-meta`` (not a vLLM
-    engine, not the router with its tokenizer); a process that already runs structlog (a
-    test calling ``main``, a tool) is left as it is.
+    for processes that need no rich: ``pegaflow-node``, ``pegaflow-meta`` and the ``pegaflow``
+    subcommands (``pegaflow/cli.py``), not a vLLM engine; a process that already runs
+    structlog (a test calling ``main``, a tool) is left as it is.
     """
     if "structlog" not in sys.modules:
         # None in sys.modules makes an import raise ModuleNotFoundError (the import system's

@@ -68,7 +68,13 @@ def test_the_daemons_load_structlog_without_rich() -> None:
                              timeout=60, check=True)
         assert "error:" in out.stderr, out.stderr  # it got as far as its start-up error
         assert out.stdout.split() == ["True", "None"], f"pegaflow-{pkg}: {out.stdout} {out.stderr[-500:]}"
-    # Elsewhere structlog keeps rich (a vLLM engine's connector, the router).
+    # The pegaflow subcommands too (pegaflow/cli.py): one that answers, with a node that does not.
+    cache = ("import sys\nfrom pegaflow.cli import main\ntry:\n    main(['cache', 'pins', '--addr', '127.0.0.1:1'])\n"
+             "except SystemExit as exc:\n    assert exc.code == 1, exc.code\n"
+             "print('structlog' in sys.modules, sys.modules.get('rich', 'absent'))")
+    out = subprocess.run([sys.executable, "-c", cache], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split() == ["True", "None"], f"pegaflow cache: {out.stdout} {out.stderr[-500:]}"
+    # Elsewhere structlog keeps rich (a vLLM engine's connector).
     out = subprocess.run([sys.executable, "-c", "import sys, structlog; print('rich' in sys.modules)"],
                          capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "True"
