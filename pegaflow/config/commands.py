@@ -200,6 +200,7 @@ class RouterConfig:
     policy: str
     metaserver_addr: str
     tokenizer: str
+    skip_tokenizer_init: bool
     load_bound: float
     load_window: float
     ssd_hit_cost: float

@@ -1173,6 +1173,15 @@ OPTIONS: list[Option] = [
         env_var="PEGAFLOW_ROUTER_TOKENIZER",
     ),
     Option(
+        "skip-tokenizer-init",
+        False,
+        "Load no tokenizer (as vLLM's flag of that name, for clients that send token ids): "
+        "token-id prompts are routed by their prefix, text prompts and chats by load.",
+        _bool,
+        commands=(ROUTER,),
+        flag=True,
+    ),
+    Option(
         "load-bound",
         DEFAULT_LOAD_BOUND,
         "kv-aware: an engine whose load is above (1 + this) x the mean (this request counted) is not "

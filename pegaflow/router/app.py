@@ -231,12 +231,13 @@ class Router:
         self._engines = engines
         self.hints: MetaHints | NodeHints | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self.tokenizer_state = "loaded" if self.prompts.tokenizer is not None else "none"
+        self.tokenizer_state = ("loaded" if self.prompts.tokenizer is not None
+                                else "skipped" if cfg.skip_tokenizer_init else "none")
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
         self._tasks.append(asyncio.create_task(loop_lag.watch(self.metrics.loop_lag)))
-        if self.prompts.tokenizer is None and self.policy.wants_prefixes:
+        if self._wants_tokenizer:
             await self._import_tokenizer_library()
         self.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
                                                             keepalive_expiry=KEEPALIVE_EXPIRY_S),
@@ -248,7 +249,7 @@ class Router:
                           if self.cfg.metaserver_addr else NodeHints(self.security, self.cfg.hint_timeout))
         await self.pool.check_all()
         self._tasks.append(asyncio.create_task(self.pool.run()))
-        if self.prompts.tokenizer is None and self.policy.wants_prefixes:
+        if self._wants_tokenizer:
             # Its files in the background (a name that is not a local path may go to the Hub):
             # until they are loaded, text prompts are routed by load. /health says which.
             self._tasks.append(asyncio.create_task(self._load_tokenizer()))
@@ -269,6 +270,11 @@ class Router:
 
     def _engine_changed(self, e: Engine) -> None:
         self.metrics.engine_up.labels(e.url, e.role).set(1 if e.up else 0)
+
+    @property
+    def _wants_tokenizer(self) -> bool:
+        """Whether the router loads a tokenizer: a prefix policy, none given, none skipped."""
+        return self.prompts.tokenizer is None and self.policy.wants_prefixes and not self.cfg.skip_tokenizer_init
 
     def _tokenizer_name(self) -> str:
         return self.cfg.tokenizer or next((e.model_root for e in self._engines if e.up and e.model_root), "")

@@ -162,7 +162,8 @@ def test_every_dashboard_panel_returns_series_from_a_real_prometheus(
 ) -> None:
     node = node_factory(pool_size="1mb", extra=node_args(tmp_path, redis_server.url))
     engine = FakeEngine(tmp_path, "e0", "--node", "metrics-node", "--node-addr", node.addr)
-    router = RouterProc(tmp_path, "--engine", engine.url, "--policy", "kv-aware", "--hint-timeout", "2")
+    router = RouterProc(tmp_path, "--engine", engine.url, "--policy", "kv-aware", "--hint-timeout", "2",
+                        "--skip-tokenizer-init")
     prom = Prometheus(tmp_path, {"node": f"127.0.0.1:{node.http_port}",
                                  "meta": f"127.0.0.1:{metaserver.http_port}",
                                  "router": f"127.0.0.1:{router.port}"})

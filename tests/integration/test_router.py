@@ -112,8 +112,10 @@ def test_kv_aware_bounds_the_holders_share_of_a_popular_prefix(logs: Path, two_n
     a, b = two_nodes
     ea = FakeEngine(logs, "bound-a", "--node", "node-a", "--node-addr", a.addr, "--block-size", str(BS))
     eb = FakeEngine(logs, "bound-b", "--node", "node-b", "--node-addr", b.addr, "--block-size", str(BS))
+    # --skip-tokenizer-init: token-id prompts are routed by prefix all the same, and the
+    # router imports no tokenizer library (~3 s of CPU).
     router = RouterProc(logs, "--engine", ea.url, eb.url, "--policy", "kv-aware", "--hint-timeout", "2",
-                        "--load-bound", "0.15", name="router-bound")
+                        "--load-bound", "0.15", "--skip-tokenizer-init", name="router-bound")
     try:
         popular = tokens(7)
         assert store(b, popular) == 10
@@ -126,6 +128,9 @@ def test_kv_aware_bounds_the_holders_share_of_a_popular_prefix(logs: Path, two_n
         assert 10 <= to_b <= 12 and len(ea.served()) == 20 - to_b
         assert router.metric("pegaflow_router_load_redirects_total") >= 1
         assert router.metric("pegaflow_router_hint_fallbacks_total") == 0
+        assert httpx.get(router.url + "/health", timeout=5).json()["tokenizer"] == "skipped"
+        events = {json.loads(line).get("event") for line in router.log.read_text().splitlines() if line.startswith("{")}
+        assert "router_started" in events and not events & {"tokenizer_library_imported", "tokenizer_loaded"}, events
     finally:
         router.stop()
         ea.stop()
@@ -230,7 +235,7 @@ def test_an_engine_that_stops_answering_leaves_rotation_and_returns(logs: Path) 
 def test_disaggregation_sends_the_prompt_to_prefill_then_the_stored_count_to_decode(logs: Path) -> None:
     p = FakeEngine(logs, "p0", "--block-size", str(BS))
     d = FakeEngine(logs, "d0", "--block-size", str(BS))
-    router = RouterProc(logs, "--prefill", p.url, "--decode", d.url, name="router-pd")
+    router = RouterProc(logs, "--prefill", p.url, "--decode", d.url, "--skip-tokenizer-init", name="router-pd")
     try:
         prompt = tokens(9)
         r = router.post("/v1/completions", completion(prompt, max_tokens=5, stream=True))
@@ -265,7 +270,7 @@ def test_bad_flags_exit_with_one_line(argv: list[str], needle: str) -> None:
 
 def test_no_engine_up_is_503_not_a_hang(logs: Path) -> None:
     dead = "http://127.0.0.1:9"  # discard port: refused
-    router = RouterProc(logs, "--engine", dead, name="router-none", wait=False)
+    router = RouterProc(logs, "--engine", dead, "--skip-tokenizer-init", name="router-none", wait=False)
     try:
         r = wait_until(lambda: httpx.get(router.url + "/health", timeout=2), 30, "the router to answer /health",
                        ignore=httpx.HTTPError)
