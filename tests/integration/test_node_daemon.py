@@ -380,12 +380,12 @@ def _first_answer(n) -> tuple[float, node_pb2.HealthResponse, object]:
 
 @pytest.mark.serial  # two start-up times compared within a second
 def test_node_serves_before_its_pool_is_prefaulted_and_hands_out_only_faulted_pages(node_factory):
-    """A 4 GiB pool takes seconds to pre-fault here; the node answers its first Query as
+    """A 1 GiB pool takes seconds to pre-fault here; the node answers its first Query as
     fast as with a tiny pool, reports progress, and never gives a page past the frontier."""
     small_took, _, _ = _first_answer(node_factory(pool_size="64mb", start=False))
-    big = node_factory(pool_size="4gb", start=False)
+    big = node_factory(pool_size="1gb", start=False)
     took, h, _ = _first_answer(big)
-    print(f"first Query answered {took:.2f} s after spawn with a 4 GiB pool, {small_took:.2f} s with 64 MiB; "
+    print(f"first Query answered {took:.2f} s after spawn with a 1 GiB pool, {small_took:.2f} s with 64 MiB; "
           f"{h.pool_prefaulted_bytes / h.pool_bytes:.0%} pre-faulted then")
     assert took < small_took + 1.0
     assert h.pool_prefaulted_bytes < h.pool_bytes, "the pool was already pre-faulted: the test proves nothing"
