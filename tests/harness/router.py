@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 
 from tests.harness.engines import ns_http
+from tests.harness.http import HTTP
 from tests.harness.ports import free_port
 from tests.harness.procs import REPO, stop_group
 from tests.waiting import wait_until
@@ -25,7 +26,7 @@ def wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float
     def answers() -> bool:
         if proc.poll() is not None:
             raise RuntimeError(f"exited {proc.returncode}: {log.read_text(errors='replace')[-3000:]}")
-        return httpx.get(url, timeout=2).status_code == status
+        return HTTP.get(url, timeout=2).status_code == status
 
     wait_until(answers, timeout, f"{url} to answer {status} (log {log})", ignore=httpx.HTTPError)
 
@@ -59,7 +60,7 @@ class FakeEngine(Proc):
                           "--name", name, *args], logs / f"engine-{name}.log", self.url + "/health")
 
     def served(self) -> list[dict[str, Any]]:
-        return httpx.get(self.url + "/_requests", timeout=5).json()
+        return HTTP.get(self.url + "/_requests", timeout=5).json()
 
 
 class RouterProc(Proc):
@@ -71,10 +72,10 @@ class RouterProc(Proc):
                          logs / f"{name}.log", self.url + "/health" if wait else None)
 
     def post(self, path: str, body: Any, **kw: Any) -> httpx.Response:
-        return httpx.post(self.url + path, json=body, timeout=60, **kw)
+        return HTTP.post(self.url + path, json=body, timeout=60, **kw)
 
     def metric(self, name: str, **labels: str) -> float:
-        return metric_sum(httpx.get(self.url + "/metrics", timeout=5).text, name, **labels)
+        return metric_sum(HTTP.get(self.url + "/metrics", timeout=5).text, name, **labels)
 
 
 class NsRouter:

@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.harness.http import HTTP
 from tests.harness.meta import MetaServer
 from tests.harness.ports import free_port
 from tests.harness.redis import RedisServer
@@ -111,7 +112,7 @@ class Prometheus:
         )  # fmt: skip
 
     def query(self, expr: str) -> list[dict]:
-        r = httpx.get(self.url + "/api/v1/query", params={"query": expr}, timeout=10)
+        r = HTTP.get(self.url + "/api/v1/query", params={"query": expr}, timeout=10)
         body = r.json()
         assert body.get("status") == "success", f"{expr}: {body.get('error') or r.text}"
         return body["data"]["result"]
@@ -119,7 +120,7 @@ class Prometheus:
     def drawn(self, expr: str, start: float) -> bool:
         """Whether Grafana would draw ``expr`` over [start, now]: some series has a finite
         value at some step (a quantile of no observations is NaN: nothing to draw)."""
-        r = httpx.get(self.url + "/api/v1/query_range",
+        r = HTTP.get(self.url + "/api/v1/query_range",
                       params={"query": expr, "start": start, "end": time.time(), "step": SCRAPE_S}, timeout=10)
         body = r.json()
         assert body.get("status") == "success", f"{expr}: {body.get('error') or r.text}"
@@ -127,7 +128,7 @@ class Prometheus:
 
     def label_values(self, metric: str, label: str) -> set[str]:
         """What Grafana's ``label_values(metric, label)`` lists."""
-        r = httpx.get(self.url + f"/api/v1/label/{label}/values", params={"match[]": metric}, timeout=10)
+        r = HTTP.get(self.url + f"/api/v1/label/{label}/values", params={"match[]": metric}, timeout=10)
         body = r.json()
         assert body.get("status") == "success", f"label_values({metric}, {label}): {r.text}"
         return set(body["data"])
@@ -135,7 +136,7 @@ class Prometheus:
     def all_up(self, jobs: set[str]) -> bool:
         if self.proc.poll() is not None:
             raise AssertionError(f"prometheus exited {self.proc.returncode}: {self.log.read_text()[-2000:]}")
-        if httpx.get(self.url + "/-/ready", timeout=10).status_code != 200:
+        if HTTP.get(self.url + "/-/ready", timeout=10).status_code != 200:
             return False  # starting: its API answers 503 "Service Unavailable" until the storage is open
         up = {s["metric"]["job"]: s["value"][1] for s in self.query("up")}
         return set(up) == jobs and all(v == "1" for v in up.values())

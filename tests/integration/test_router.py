@@ -18,6 +18,7 @@ import xxhash
 from pegaflow.client import PegaClient
 from pegaflow.core.identity import block_hashes
 from pegaflow.core.router_protocol import ROUTER_KEY
+from tests.harness.http import HTTP
 from tests.harness.node import Node
 from tests.harness.router import FakeEngine, RouterProc
 from tests.waiting import wait_until
@@ -128,7 +129,7 @@ def test_kv_aware_bounds_the_holders_share_of_a_popular_prefix(logs: Path, two_n
         assert 10 <= to_b <= 12 and len(ea.served()) == 20 - to_b
         assert router.metric("pegaflow_router_load_redirects_total") >= 1
         assert router.metric("pegaflow_router_hint_fallbacks_total") == 0
-        assert httpx.get(router.url + "/health", timeout=5).json()["tokenizer"] == "skipped"
+        assert HTTP.get(router.url + "/health", timeout=5).json()["tokenizer"] == "skipped"
         events = {json.loads(line).get("event") for line in router.log.read_text().splitlines() if line.startswith("{")}
         assert "router_started" in events and not events & {"tokenizer_library_imported", "tokenizer_loaded"}, events
     finally:
@@ -198,7 +199,7 @@ def test_a_streamed_answer_is_relayed_chunk_by_chunk(good_and_bad) -> None:  # n
 ])
 def test_bad_requests_get_the_openai_error_shape(good_and_bad, body: bytes, status: int, needle: str) -> None:  # noqa: ANN001
     router = good_and_bad[1]
-    r = httpx.post(router.url + "/v1/completions", content=body, timeout=10,
+    r = HTTP.post(router.url + "/v1/completions", content=body, timeout=10,
                    headers={"content-type": "application/json"})
     assert r.status_code == status
     err = r.json()["error"]
@@ -207,9 +208,9 @@ def test_bad_requests_get_the_openai_error_shape(good_and_bad, body: bytes, stat
 
 def test_models_and_metrics_are_served(good_and_bad) -> None:  # noqa: ANN001
     router = good_and_bad[1]
-    models = httpx.get(router.url + "/v1/models", timeout=5).json()
+    models = HTTP.get(router.url + "/v1/models", timeout=5).json()
     assert [m["id"] for m in models["data"]] == [MODEL]
-    text = httpx.get(router.url + "/metrics", timeout=5).text
+    text = HTTP.get(router.url + "/metrics", timeout=5).text
     assert "pegaflow_router_engine_up" in text and "pegaflow_router_ttft_seconds" in text
     # Its event loop's lag is sampled (every 100 ms) from the start.
     wait_until(lambda: router.metric("pegaflow_router_event_loop_lag_seconds_count") >= 2, 10,
@@ -272,7 +273,7 @@ def test_no_engine_up_is_503_not_a_hang(logs: Path) -> None:
     dead = "http://127.0.0.1:9"  # discard port: refused
     router = RouterProc(logs, "--engine", dead, "--skip-tokenizer-init", name="router-none", wait=False)
     try:
-        r = wait_until(lambda: httpx.get(router.url + "/health", timeout=2), 30, "the router to answer /health",
+        r = wait_until(lambda: HTTP.get(router.url + "/health", timeout=2), 30, "the router to answer /health",
                        ignore=httpx.HTTPError)
         assert r.status_code == 503
         r = router.post("/v1/completions", completion("x"))
@@ -292,7 +293,7 @@ def test_a_router_still_loading_its_tokenizer_stops_at_once(logs: Path, monkeypa
     router = RouterProc(logs, "--engine", engine.url, "--policy", "kv-aware", "--tokenizer", "no-org/no-model",
                         name="router-tokenizer")
     try:
-        wait_until(lambda: httpx.get(router.url + "/health", timeout=5).json()["tokenizer"] == "loading", 30,
+        wait_until(lambda: HTTP.get(router.url + "/health", timeout=5).json()["tokenizer"] == "loading", 30,
                    "the router to start loading its tokenizer")
         router.proc.terminate()
         assert router.proc.wait(timeout=5) == 0, router.log.read_text()[-2000:]
