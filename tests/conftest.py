@@ -1,5 +1,6 @@
 """The run's directories, the machine shared by the workers of a parallel run
-(tests/parallel.py), and real `pegaflow-node` daemons (tests/harness/node.py) as fixtures."""
+(tests/parallel.py), and real `pegaflow-node` daemons (tests/harness/node.py) as fixtures;
+the harness's nodes and metaservers start from a preloaded fork server (tests/harness/forked.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests import parallel
+from tests.harness import forked
 from tests.harness.dirs import VLLM_RPC, temp_dir_removed_at_exit, vllm_rpc_dir
 from tests.harness.node import EVERY_SCRAPE, Node
 
@@ -27,6 +29,7 @@ def pytest_configure(config: pytest.Config) -> None:
       inherits the variable. A node with ``--access-group`` still uses ``/tmp``."""
     os.environ[VLLM_RPC] = vllm_rpc_dir()
     os.environ["XDG_RUNTIME_DIR"] = temp_dir_removed_at_exit("pf-test-run-")  # 0700, as a user's is
+    forked.ENABLED = True  # nodes and metaservers fork from a fork server with their imports done
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
         # pytest -n N: the first process, before it starts the workers, which inherit this
         # (unless the run shares a machine with another session: tests/fast.py)

@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 
 from pegaflow._proto import meta_pb2, meta_pb2_grpc
+from tests.harness import forked
 from tests.harness.node import FAST_RECONNECT
 from tests.harness.ports import free_port
 from tests.harness.procs import REPO, python_env
@@ -28,7 +29,8 @@ class MetaServer:
     ListNodes answers (and, with ``http``, /metrics does). Its flags are the product's
     defaults but for the harness's: ``--addr``, ``--http-addr`` (a free port, or off),
     ``--redis-cluster`` with ``cluster``; ``extra`` come after them (a later flag wins), ``env``
-    on top of this process's environment. Logs (stdout and stderr; the default level, info:
+    on top of this process's environment (in the tests, forked from the fork server of
+    ``forked.py``). Logs (stdout and stderr; the default level, info:
     tests read the consumer's events there) are appended to ``log_path``.
     """
 
@@ -42,7 +44,7 @@ class MetaServer:
         self.http_port: int | None = free_port() if http else None
         self.extra = list(extra)
         self.env = dict(env or {})
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: subprocess.Popen[bytes] | forked.Forked | None = None
         self._channel: grpc.Channel | None = None
 
     def argv(self) -> list[str]:
@@ -52,9 +54,7 @@ class MetaServer:
                 *self.extra]
 
     def start(self, timeout: float = READY_TIMEOUT_S) -> MetaServer:
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                                         env=python_env(**self.env))
+        self.proc = forked.start(self.argv(), python_env(**self.env), REPO, self.log_path)
 
         def up() -> bool:
             assert self.proc is not None

@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 
+from tests.harness import forked
 from tests.harness.ports import free_port
 from tests.harness.procs import REPO
 from tests.waiting import wait_until
@@ -49,8 +50,8 @@ class Node:
     - ``extra``: more flags, after the harness's (a later flag wins); ``env``: more environment;
     - ``port``, ``host``: a given address (``host`` "0.0.0.0" or a 127.0.0.x of its own).
 
-    The node runs ``python -m pegaflow.node.cli`` with this interpreter, in the repository,
-    with JSON logs (stdout and stderr) appended to ``log_dir/node-<host>-<port>-<ms>.log``:
+    The node runs ``python -m pegaflow.node.cli`` with this interpreter (in the tests, forked
+    from a fork server that has its imports done: ``forked.py``), in the repository, with JSON logs (stdout and stderr) appended to ``log_dir/node-<host>-<port>-<ms>.log``:
     one file per Node, across its restarts.
     """
 
@@ -66,7 +67,7 @@ class Node:
         self.extra = list(extra)
         self.env = dict(env or {})
         self.log_path = log_dir / f"node-{host}-{self.port}-{int(time.time() * 1000)}.log"
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: subprocess.Popen[bytes] | forked.Forked | None = None
 
     def argv(self) -> list[str]:
         http = "off" if self.http_port is None else f"{self.host}:{self.http_port}"
@@ -80,9 +81,7 @@ class Node:
         caller that saved at once could find no pages free (a 64 MiB pool is one pre-fault
         chunk: nothing is allocatable until it is done) and a test would see less than the
         whole capacity."""
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                                         env={**os.environ, **self.env})
+        self.proc = forked.start(self.argv(), {**os.environ, **self.env}, REPO, self.log_path)
         self.wait_ready(timeout, wait_pool)
         return self
 

@@ -1,0 +1,14 @@
+"""What the tests' fork server (tests/harness/forked.py) imports before it forks a daemon:
+the modules ``pegaflow-node`` and ``pegaflow-meta`` import at start, with ``rich`` hidden
+first as their entry points hide it. Nothing here starts a thread or opens a socket: a fork
+copies only the thread that forks."""
+
+from pegaflow.common.startup import structlog_without_rich
+
+structlog_without_rich()
+
+import pegaflow.common.http  # noqa: E402,F401
+import pegaflow.meta.cli  # noqa: E402,F401
+import pegaflow.meta.daemon  # noqa: E402,F401
+import pegaflow.node.cli  # noqa: E402,F401
+import pegaflow.node.daemon  # noqa: E402,F401
