@@ -12,7 +12,9 @@
   agent process, or as a process of its own where a test kills it);
 - ``ports.py``, ``dirs.py``, ``procs.py``: free ports, scratch directories, process groups
   and the environment of every child;
-- ``http.py``: one HTTP client for plain requests (``httpx.get`` costs ~29 ms of CPU a call).
+- ``http.py``: one HTTP client for plain requests (``httpx.get`` costs ~29 ms of CPU a call);
+- ``forked.py``: the tests' fork server, from which ``Node`` and ``MetaServer`` start
+  with their imports done (turned on by tests/conftest.py).
 
 Fixtures stay in the conftest files (and tests/integration/redis_fixtures.py); they pass
 their own choices (pool sizes, ``--metrics-render-interval 0``) explicitly. The benchmarks
