@@ -1,5 +1,5 @@
-"""Daemons started from a preloaded fork server, for the tests: ``pegaflow-node`` and
-``pegaflow-meta`` without paying their imports at every start.
+"""Daemons started from a preloaded fork server, for the tests: ``pegaflow-node``,
+``pegaflow-meta`` and the tests' publisher processes without paying their imports at every start.
 
 A test run starts ~180 nodes and ~55 metaservers. Each ``python -m pegaflow.node.cli`` spent
 ~0.55 s of CPU before it served, nearly all of it importing (numpy, grpc, structlog,
@@ -46,14 +46,15 @@ def _context() -> multiprocessing.context.ForkServerContext:
     return ctx  # type: ignore[return-value]
 
 
-def _run(module: str, argv: list[str], env: dict[str, str], cwd: str, log_path: str) -> None:
-    """In the forked child: become ``python -m module argv...`` with its output in ``log_path``."""
+def _run(module: str, argv: list[str], env: dict[str, str], cwd: str, log_path: str, out_path: str | None) -> None:
+    """In the forked child: become ``python -m module argv...`` with its stderr (and its stdout
+    unless ``out_path``) appended to ``log_path``."""
     sys.stdout.flush()
     sys.stderr.flush()
-    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+    for fd, path in ((1, out_path or log_path), (2, log_path)):
+        f = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
@@ -66,10 +67,12 @@ def _run(module: str, argv: list[str], env: dict[str, str], cwd: str, log_path: 
 class Forked:
     """The part of ``subprocess.Popen`` the harness and the tests use, for a forked daemon."""
 
-    def __init__(self, module: str, argv: Sequence[str], env: Mapping[str, str], cwd: Path, log_path: Path) -> None:
+    def __init__(self, module: str, argv: Sequence[str], env: Mapping[str, str], cwd: Path, log_path: Path,
+                 out_path: Path | None = None) -> None:
         self.args = [sys.executable, "-m", module, *argv]
-        self._p = _context().Process(target=_run, args=(module, list(argv), dict(env), str(cwd), str(log_path)),
-                                     name=f"{module} {' '.join(argv)}"[:200])
+        self._p = _context().Process(target=_run, name=f"{module} {' '.join(argv)}"[:200],
+                                     args=(module, list(argv), dict(env), str(cwd), str(log_path),
+                                           None if out_path is None else str(out_path)))
         self._p.start()
         # Not one of multiprocessing's children: those are joined when this process exits,
         # and a daemon a failed test left running must not hold the test run open (it is
@@ -103,12 +106,15 @@ class Forked:
         self.send_signal(signal.SIGKILL)
 
 
-def start(argv: Sequence[str], env: Mapping[str, str], cwd: Path, log_path: Path) -> Forked | subprocess.Popen[bytes]:
-    """Run ``argv`` (``[sys.executable, "-m", module, *args]``) with stdout and stderr appended
-    to ``log_path``: forked from the fork server when ``enabled()``, else exec'd."""
+def start(argv: Sequence[str], env: Mapping[str, str], cwd: Path, log_path: Path,
+          out_path: Path | None = None) -> Forked | subprocess.Popen[bytes]:
+    """Run ``argv`` (``[sys.executable, "-m", module, *args]``) with stderr, and stdout unless
+    ``out_path``, appended to ``log_path``: forked from the fork server when ``enabled()``,
+    else exec'd."""
     if enabled():
         exe, dash_m, module, *args = argv
         assert exe == sys.executable and dash_m == "-m", argv
-        return Forked(module, args, env, cwd, log_path)
-    with open(log_path, "ab") as log:
-        return subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=dict(env))
+        return Forked(module, args, env, cwd, log_path, out_path)
+    with open(log_path, "ab") as log, open(out_path or os.devnull, "ab") as out:
+        return subprocess.Popen(list(argv), stdout=out if out_path else log, stderr=log if out_path else subprocess.STDOUT,
+                                cwd=cwd, env=dict(env))

@@ -1,5 +1,6 @@
 """What the tests' fork server (tests/harness/forked.py) imports before it forks a daemon:
-the modules ``pegaflow-node`` and ``pegaflow-meta`` import at start, with ``rich`` hidden
+the modules ``pegaflow-node``, ``pegaflow-meta`` and the tests' publisher processes
+(tests/integration/meta_nodeproc.py) import at start, with ``rich`` hidden
 first as their entry points hide it. Nothing here starts a thread or opens a socket: a fork
 copies only the thread that forks."""
 
@@ -12,3 +13,4 @@ import pegaflow.meta.cli  # noqa: E402,F401
 import pegaflow.meta.daemon  # noqa: E402,F401
 import pegaflow.node.cli  # noqa: E402,F401
 import pegaflow.node.daemon  # noqa: E402,F401
+import tests.integration.meta_nodeproc  # noqa: E402,F401

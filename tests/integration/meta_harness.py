@@ -6,15 +6,17 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from pegaflow.cluster import keys, registry
 from pegaflow.cluster.redis_conn import Client, connect
 from pegaflow.meta.index import Index
+from tests.harness import forked
 from tests.harness.meta import MetaServer
-from tests.harness.procs import python_env
-from tests.waiting import next_line, wait_until
+from tests.harness.procs import REPO, python_env
+from tests.waiting import wait_until
 
 # The index tests' metaserver: a short stream lease (a dead consumer's streams are claimed
 # within seconds) and no sweeper unless a test asks for one.
@@ -65,15 +67,28 @@ class PublisherProc:
         if cluster:
             args.append("--cluster")
         self.log = log
-        self.proc = subprocess.Popen(args, env=python_env(), stdout=subprocess.PIPE, stderr=open(log, "ab"), text=True)
+        # Its one JSON line (stdout) once the workload is published; a file of this process's own
+        # (a restarted node's publisher shares the log).
+        self.out = log.parent / f"{log.stem}-{time.monotonic_ns()}.out"
+        self.proc = forked.start(args, python_env(), REPO, log, out_path=self.out)
         self.result: dict | None = None
 
     def wait_done(self, timeout: float = 60) -> dict:
         """Wait until the workload is published (the process prints one JSON line)."""
-        assert self.proc.stdout is not None
-        line = next_line(self.proc.stdout, self.proc, timeout, f"publisher {self.node} to finish",
-                         tail=lambda: self.log.read_text()[-3000:])
-        self.result = json.loads(line)
+
+        def line() -> str | None:
+            text = self.out.read_text() if self.out.exists() else ""
+            if "\n" in text:
+                return text.split("\n", 1)[0]
+            if self.proc.poll() is not None:
+                raise AssertionError(f"publisher {self.node} exited with status {self.proc.returncode} and wrote no line")
+            return None
+
+        try:
+            got = wait_until(line, timeout, f"publisher {self.node} to finish", every=0.05)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.log.read_text()[-3000:]}") from None
+        self.result = json.loads(got)
         return self.result
 
     def kill(self) -> None:
