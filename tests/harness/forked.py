@@ -1,5 +1,6 @@
 """Daemons started from a preloaded fork server, for the tests: ``pegaflow-node``,
-``pegaflow-meta`` and the tests' publisher processes without paying their imports at every start.
+``pegaflow-meta``, the tests' publisher processes and ``pegaflow`` subcommands (``run``)
+without paying their imports at every start.
 
 A test run starts ~180 nodes and ~55 metaservers. Each ``python -m pegaflow.node.cli`` spent
 ~0.55 s of CPU before it served, nearly all of it importing (numpy, grpc, structlog,
@@ -26,6 +27,7 @@ import runpy
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -118,3 +120,26 @@ def start(argv: Sequence[str], env: Mapping[str, str], cwd: Path, log_path: Path
     with open(log_path, "ab") as log, open(out_path or os.devnull, "ab") as out:
         return subprocess.Popen(list(argv), stdout=out if out_path else log, stderr=log if out_path else subprocess.STDOUT,
                                 cwd=cwd, env=dict(env))
+
+
+def run(argv: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: Path | None = None,
+        timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(argv, capture_output=True, text=True, ...)`` for a ``python -m`` command
+    (a ``pegaflow`` subcommand): forked from the fork server when ``enabled()``."""
+    env = dict(os.environ if env is None else env)
+    cwd = cwd or Path.cwd()
+    if not enabled():
+        return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+    exe, dash_m, module, *args = argv
+    assert exe == sys.executable and dash_m == "-m", argv
+    with tempfile.TemporaryDirectory(prefix="pf-forked-") as d:
+        out, err = Path(d) / "stdout", Path(d) / "stderr"
+        p = Forked(module, args, env, cwd, err, out)
+        try:
+            code = p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
+            raise
+        read = lambda f: f.read_text(errors="replace") if f.exists() else ""  # noqa: E731
+        return subprocess.CompletedProcess(list(argv), code, read(out), read(err))

@@ -1,6 +1,7 @@
 """The node's operator surface against real `pegaflow-node` processes: the original's HTTP
 endpoints (/instances, /instances/cleanup, /cache/memory/cleanup) and `pegaflow cache`
-(run as a subprocess, the way an operator runs it)."""
+(run as a process of its own, as an operator runs it: forked from the tests' fork server,
+tests/harness/forked.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from pegaflow._proto import node_pb2, node_pb2_grpc
 from pegaflow.client import PegaClient
 from pegaflow.common.security import Security, sync_channel
 from pegaflow.core.identity import KVIdentity, block_hashes
+from tests.harness import forked
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -68,8 +70,8 @@ def http(node: Any, method: str, path: str, token: str | None = TOKEN) -> tuple[
 
 
 def cache(node: Any, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pegaflow.cli", "cache", *args, "--addr", node.addr],
-                          capture_output=True, text=True, timeout=60, env={**os.environ, **(ENV if env is None else env)})
+    return forked.run([sys.executable, "-m", "pegaflow.cli", "cache", *args, "--addr", node.addr],
+                      env={**os.environ, **(ENV if env is None else env)})
 
 
 def cache_json(node: Any, *args: str) -> Any:

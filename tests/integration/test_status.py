@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from pegaflow.client import PegaClient
+from tests.harness import forked
 from tests.harness.ports import free_port
 from tests.integration.test_ssd_tier import (
     NS,
@@ -36,8 +37,8 @@ TOKEN = "status-test-token-0123456789abcdef"
 
 
 def status(*args: str, env: dict[str, str] | None = None, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pegaflow.cli", "status", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})})
+    return forked.run([sys.executable, "-m", "pegaflow.cli", "status", *args], timeout=timeout, cwd=ROOT,
+                      env={**os.environ, **(env or {})})
 
 
 def status_json(*args: str, env: dict[str, str] | None = None) -> dict[str, Any]:

@@ -7,6 +7,7 @@ import pytest
 from pegaflow.config.commands import CONFIGS, NodeConfig, field_names, load, node_config
 from pegaflow.config.options import NODE, render_markdown
 from pegaflow.core.units import parse_size
+from tests.harness import forked
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,7 +50,7 @@ def test_docs_options_page_is_generated_from_the_table():
     ],
 )
 def test_bad_flags_exit_with_one_line(argv, needle):
-    p = subprocess.run([sys.executable, "-m", "pegaflow.node.cli", *argv], capture_output=True, text=True, timeout=60)
+    p = forked.run([sys.executable, "-m", "pegaflow.node.cli", *argv])
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], p.stderr
@@ -123,7 +124,7 @@ def test_meta_addr_is_an_alias_as_flag_and_as_environment_variable():
 @pytest.mark.parametrize("argv", [["--metaserver-addr", "ftp://m:1"], ["--metaserver-addr", "http://m"],
                                   ["--nics", ","], ["--nics"]])
 def test_bad_cluster_flags_exit_with_one_line(argv):
-    p = subprocess.run([sys.executable, "-m", "pegaflow.node.cli", *argv], capture_output=True, text=True, timeout=60)
+    p = forked.run([sys.executable, "-m", "pegaflow.node.cli", *argv])
     lines = p.stderr.strip().splitlines()
     assert p.returncode == 2 and len(lines) == 1 and "--" in lines[0] and "Traceback" not in p.stderr, p.stderr
 
@@ -360,7 +361,7 @@ def test_devices_take_the_originals_comma_list_or_the_flag_repeated(argv, want):
     ],
 )
 def test_the_originals_flags_reject_what_the_original_rejects_in_one_line(argv, needle):
-    p = subprocess.run([sys.executable, "-m", "pegaflow.node.cli", *argv], capture_output=True, text=True, timeout=60)
+    p = forked.run([sys.executable, "-m", "pegaflow.node.cli", *argv])
     lines = p.stderr.strip().splitlines()
     assert p.returncode == 2 and len(lines) == 1 and needle in lines[0] and "Traceback" not in p.stderr, p.stderr
 
@@ -494,8 +495,7 @@ def test_what_a_cache_command_acts_on_is_never_read_from_the_environment():
     ],
 )
 def test_bad_cache_arguments_exit_2_with_one_line(argv: list[str], needle: str) -> None:
-    p = subprocess.run([sys.executable, "-m", "pegaflow.cli", "cache", *argv], capture_output=True, text=True,
-                       timeout=60)
+    p = forked.run([sys.executable, "-m", "pegaflow.cli", "cache", *argv])
     lines = p.stderr.strip().splitlines()
     assert p.returncode == 2 and len(lines) == 1 and needle in lines[0] and "Traceback" not in p.stderr, p.stderr
     assert lines[0].startswith("pegaflow cache"), p.stderr
