@@ -59,6 +59,17 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, p
     return report
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
+    """With ``--vllm-files=skip``, a test that imports vLLM as it runs fails, naming its file."""
+    checked = (item.config.getoption("vllm_files") == "skip" and "vllm" not in sys.modules
+               and not parallel.vllm_ignored(item.path, item.config.rootpath, "skip"))  # a listed file named as an argument
+    yield
+    if checked and "vllm" in sys.modules:
+        raise AssertionError(f"{item.path.relative_to(item.config.rootpath)} imports vLLM as its tests run: list it "
+                             "in tests/parallel.py's VLLM_FILES, which make test-fast runs in a process of its own")
+
+
 @pytest.hookimpl(trylast=True)  # after the conftests that add marks (tests/chaos/)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """In a worker of ``pytest -n N``: the order and the units of work of the scheduler

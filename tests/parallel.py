@@ -43,12 +43,15 @@ from pathlib import Path
 from typing import Any
 
 LOCKS = "PEGAFLOW_TEST_LOCKS"  # the directory of the run's lock files, set for its workers
-# The test files that import vLLM when collected (the connector's unit tests and their fakes):
-# ``make test-fast`` (tests/fast.py) runs them in a process of their own, so its xdist workers
-# import no vLLM (~6.7 s of CPU each, the most of a worker's collection). ``--vllm-files=skip``
-# fails a collected file that imports vLLM and is not listed here, naming it.
+# The test files that import vLLM when collected or when their tests run (the connector's unit
+# tests and their fakes, the tests that drive a fake engine's connector): ``make test-fast``
+# (tests/fast.py) runs them in a process of their own, so its xdist workers import no vLLM
+# (~6.7 s of CPU each time). ``--vllm-files=skip`` fails a file not listed here that imports
+# vLLM, naming it: at collection, or the test that imported it.
 VLLM_FILES = frozenset({
     "tests/integration/test_connector_with_node.py",
+    "tests/integration/test_copy_times.py",
+    "tests/integration/test_grafana_prometheus.py",
     "tests/unit/test_connector_hybrid.py",
     "tests/unit/test_connector_names.py",
     "tests/unit/test_connector_pci.py",
@@ -60,6 +63,7 @@ VLLM_FILES = frozenset({
     "tests/unit/test_copy_times.py",
     "tests/unit/test_gpu_ready.py",
     "tests/unit/test_inflight.py",
+    "tests/unit/test_metrics_docs.py",
     "tests/unit/test_tiers.py",
     "tests/unit/test_vllm_compat.py",
 })

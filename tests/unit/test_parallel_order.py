@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -81,3 +82,24 @@ def test_a_session_that_collected_nothing_fails_the_run_only_when_both_did() -> 
     assert status(0, 5) == 0 and status(5, 0) == 0  # a -k that selects one side's tests only
     assert status(5, 5) == 5
     assert status(1, 0) == 1 and status(0, 2) == 2 and status(5, 1) == 1
+
+
+@pytest.mark.parametrize(("path", "fails"), [("tests/unit/test_new_engine_fake.py", True),
+                                             ("tests/unit/test_metrics_docs.py", False)])  # listed: named as an argument
+def test_a_test_that_imports_vllm_as_it_runs_fails_on_the_workers_side_unless_listed(
+        path: str, fails: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """make test-fast's xdist side (``--vllm-files=skip``): collection catches a module that
+    imports vLLM; this catches a test that imports it as it runs (tests/conftest.py)."""
+    from tests import conftest
+
+    monkeypatch.delitem(sys.modules, "vllm", raising=False)
+    config = SimpleNamespace(getoption=lambda name: "skip", rootpath=ROOT)
+    hook = conftest.pytest_runtest_call(SimpleNamespace(config=config, path=ROOT / path))  # type: ignore[arg-type]
+    next(hook)
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace())  # the test imported it
+    if fails:
+        with pytest.raises(AssertionError, match="test_new_engine_fake.py imports vLLM as its tests run: list it"):
+            hook.send(None)
+    else:
+        with pytest.raises(StopIteration):
+            hook.send(None)
