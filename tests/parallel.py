@@ -55,6 +55,7 @@ VLLM_FILES = frozenset({
     "tests/unit/test_connector_hybrid.py",
     "tests/unit/test_connector_names.py",
     "tests/unit/test_connector_pci.py",
+    "tests/unit/test_connector_settings.py",
     "tests/unit/test_connector_router_protocol.py",
     "tests/unit/test_connector_sides.py",
     "tests/unit/test_connector_state_space.py",
