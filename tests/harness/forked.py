@@ -117,9 +117,11 @@ def start(argv: Sequence[str], env: Mapping[str, str], cwd: Path, log_path: Path
         exe, dash_m, module, *args = argv
         assert exe == sys.executable and dash_m == "-m", argv
         return Forked(module, args, env, cwd, log_path, out_path)
-    with open(log_path, "ab") as log, open(out_path or os.devnull, "ab") as out:
-        return subprocess.Popen(list(argv), stdout=out if out_path else log, stderr=log if out_path else subprocess.STDOUT,
-                                cwd=cwd, env=dict(env))
+    with open(log_path, "ab") as log:
+        if out_path is None:
+            return subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=dict(env))
+        with open(out_path, "ab") as out:
+            return subprocess.Popen(list(argv), stdout=out, stderr=log, cwd=cwd, env=dict(env))
 
 
 def run(argv: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: Path | None = None,
@@ -141,5 +143,5 @@ def run(argv: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: Path 
             p.kill()
             p.wait(10)
             raise
-        read = lambda f: f.read_text(errors="replace") if f.exists() else ""  # noqa: E731
-        return subprocess.CompletedProcess(list(argv), code, read(out), read(err))
+        stdout, stderr = (f.read_text(errors="replace") if f.exists() else "" for f in (out, err))
+        return subprocess.CompletedProcess(list(argv), code, stdout, stderr)
