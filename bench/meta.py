@@ -21,16 +21,27 @@ backend:
    Interleaved with them, a
    GetClusterConfig (answered from memory) on the same server: its p99 is this host's gRPC
    floor at that moment (it varied 0.6-4 ms between runs here);
-6. the same gRPC lookups while that server's consumer applies a second backlog of events
-   (the same inserts again plus fresh churn) at full rate, counted while the backlog lasts.
+6. ingest: a fresh workload of as many blocks, published as our nodes publish (bench/sender.py:
+   encoded beforehand, pipelined XADD, one connection per node, in a process of its own), timed
+   from the first XADD until that server's in-memory view has applied every update
+   (``pegaflow_meta_view_updates_total``, polled every 20 ms: late by up to that, never early):
+   the (block, node) pairs a replica makes answerable per second. Its consumer applies the same
+   events to the Redis index meanwhile (step 3's rate); that backlog is drained before step 7;
+7. the same gRPC lookups while the nodes publish a second load (the same inserts again plus
+   fresh churn) again and again, until as many lookups as in step 5 were answered: the view and
+   the consumer ingest it as they serve. An XADD is answered before any replica read it, so the
+   nodes are paced: at the rate the original ingested the same load (its nodes wait for each
+   reply: as fast as it ingests), or ``LOAD_RATE`` without it.
 
 On standalone Redis the Rust original's metaserver (``pegaflow-llm`` 0.25.1, fetched once
 into a cache: bench/original_meta.py; skipped with the reason where it cannot be) is the
 same-run peer: the same nodes register and send it the same events (InsertBlockHashes /
-RemoveBlockHashes, at full rate from one connection per node): its ingest rate and its
+RemoveBlockHashes, at full rate from one connection per node, bench/sender.py): its ingest
+rate (from the first call to the last reply: then it answers them) and its
 RSS growth per block; its QueryPrefixBlocks and HeartbeatNode (its cheapest call)
 interleaved round by round with ours in step 5, each answer checked against the expected
-longest holder; and its lookups while it ingests the second backlog at full rate. The
+longest holder; and its lookups while its nodes send the second load again and again
+(before ours, whose nodes then publish at the rate it reached). The
 report shows ours ÷ original per row; bench/goals.py holds issue #55's goals on them.
 """
 
@@ -54,14 +65,15 @@ sys.path.insert(0, str(ROOT))
 from bench.original_meta import (  # noqa: E402
     PACKAGE,
     VERSION,
-    Ingest,
     OriginalMetaServer,
     Session,
     Unavailable,
+    ingest,
     longest_holder,
     plan,
     process_rss,
 )
+from bench.sender import Sender  # noqa: E402
 from pegaflow._proto import meta_pb2, meta_pb2_grpc  # noqa: E402
 from pegaflow.cluster import registry  # noqa: E402
 from pegaflow.cluster.keys import stream_key  # noqa: E402
@@ -73,6 +85,7 @@ from pegaflow.meta.events.schema import Event, Op  # noqa: E402
 from pegaflow.meta.events.streams import GROUP  # noqa: E402
 from pegaflow.meta.index import Index  # noqa: E402
 from pegaflow.meta.lookup import Lookup  # noqa: E402
+from pegaflow.node.publishing import XADD_PIPELINE  # noqa: E402
 from tests.harness.meta import MetaServer  # noqa: E402
 
 NODES = 8
@@ -80,6 +93,7 @@ PREFIX = 128
 NAMESPACES = ["bench-model-a|fp16|bs16|tp1", "bench-model-b|fp16|bs16|tp1"]
 ENTRY = 512
 WARMUP = 200  # gRPC rounds before the timed ones
+LOAD_RATE = 500_000.0  # updates / s our nodes publish under load where the original's rate is not measured
 RSS_SETTLE_S = 15.0  # the longest settled_rss waits for a process tree's memory to settle
 
 
@@ -496,11 +510,84 @@ def start_original(logs: Path) -> OriginalMetaServer | str:
         return str(e)
 
 
-def original_ingest(orig: OriginalMetaServer, sessions: list[Session], events, scratch: Path) -> Ingest:
+def original_ingest(orig: OriginalMetaServer, sessions: list[Session], events, scratch: Path) -> Sender:
     """``events`` as the original's nodes send them, in a process of its own, ready to go."""
     calls = plan(orig.pb, sessions, ((node, NAMESPACES[ns], op is Op.INSERT, hashes)
                                      for node, ns, op, hashes in events))
-    return Ingest(orig.addr, calls, scratch)
+    return ingest(orig.addr, calls, scratch)
+
+
+class StreamEntries:
+    """bench/sender.py's ``streams`` kind: each node's events, encoded beforehand, ``XADD``-ed
+    to its stream on a connection of its own in pipelines of ``XADD_PIPELINE`` entries, as
+    ``pegaflow/node/publishing.py`` sends them."""
+
+    def __init__(self, data: dict) -> None:
+        self.url, self.cluster, self.streams = data["url"], data["cluster"], data["streams"]
+        self.items = [[(chunk, sum(n for _, n in chunk)) for chunk in
+                       (entries[j : j + XADD_PIPELINE] for j in range(0, len(entries), XADD_PIPELINE))]
+                      for entries in data["entries"]]
+
+    def connect(self, k: int) -> Callable[[list[tuple[bytes, int]]], list]:
+        r, key = connect(self.url, self.cluster, socket_timeout=60), self.streams[k]
+
+        def send(chunk: list[tuple[bytes, int]]) -> list:
+            p = r.pipeline(transaction=False)
+            for data, _ in chunk:
+                p.xadd(key, {FIELD: data})
+            return p.execute()
+
+        return send
+
+    def check_first(self, replies: list[list[list]]) -> None:
+        for items, got in zip(self.items, replies, strict=True):
+            for (chunk, _), ids in zip(items, got, strict=True):
+                self.check_later(chunk, ids)
+
+    def check_later(self, chunk: list[tuple[bytes, int]], ids: list) -> None:
+        if len(ids) != len(chunk) or not all(isinstance(i, bytes) for i in ids):
+            raise RuntimeError(f"XADD of {len(chunk)} entries answered {ids[:2]}...")
+
+
+def publish(url: str, cluster: bool, events: list[tuple[int, int, Op, list[bytes]]],
+            nids: dict[int, tuple[str, int, int]], seqs: dict[int, int], scratch: Path, rate: float = 0.0
+            ) -> tuple[Sender, int]:
+    """``events`` as our nodes publish them, in a process of its own, ready to go (at most
+    ``rate`` updates / s: XADD answers before any replica read the entry); and the block
+    updates in them (``seqs`` carries the nodes' sequence numbers on)."""
+    entries: list[list[tuple[bytes, int]]] = [[] for _ in range(NODES)]
+    for node, ns, op, hashes in events:
+        name, nid, epoch = nids[node]
+        seqs[node] += 1
+        entries[node].append((encode(Event(name, nid, epoch, seqs[node], op, NAMESPACES[ns], b"".join(hashes))),
+                              len(hashes)))
+    payload = {"url": url, "cluster": cluster, "streams": [stream_key(nids[k][0]) for k in range(NODES)],
+               "entries": entries}
+    return Sender("streams", payload, scratch, rate), sum(n for e in entries for _, n in e)
+
+
+def view_updates(meta: MetaServer) -> float:
+    return meta_samples(meta).get("pegaflow_meta_view_updates_total", 0.0)
+
+
+def wait_backlog(r: Client, timeout: float = 900.0) -> None:
+    """Until every node stream's entries were applied and acked by a consumer."""
+    t0 = time.monotonic()
+    while backlog(r):
+        if time.monotonic() - t0 > timeout:
+            raise SystemExit(f"bench: the consumer did not apply the streams' backlog in {timeout:.0f} s")
+        time.sleep(0.1)
+
+
+def wait_view_updates(meta: MetaServer, target: float, timeout: float = 600.0, every: float = 0.02) -> float:
+    """``time.monotonic()`` of the first poll (every ``every`` s) that found our metaserver's view
+    had applied ``target`` block updates in all: the time is late by up to ``every``, never early."""
+    t0 = time.monotonic()
+    while view_updates(meta) < target:
+        if time.monotonic() - t0 > timeout:
+            raise SystemExit(f"bench: our metaserver's view did not apply {target:,.0f} updates in {timeout:.0f} s")
+        time.sleep(every)
+    return time.monotonic()
 
 
 def run_backend(cluster: bool, blocks: int, queries: int, peer: bool) -> dict:
@@ -587,43 +674,70 @@ def run_backend(cluster: bool, blocks: int, queries: int, peer: bool) -> dict:
             out["meta_process_bytes_per_block"] = (settled_rss(meta.proc.pid) - base_rss) / distinct
             out["memory_bytes_per_block"] = out["bytes_per_block"] + out["meta_process_bytes_per_block"]
 
+            # Ingest: a fresh workload of as many blocks, published as our nodes publish it
+            # (bench/sender.py, one connection per node), timed from the first XADD until the
+            # view answers it all: what a lookup on this replica sees. Its consumer applies the
+            # same events to the Redis index meanwhile, as it serves; that backlog is drained
+            # before the next step.
+            _, held2, _ = make_workload(blocks, seed=11)
+            sender, updates2 = publish(url, cluster, node_events(held2, churn=0.1, seed=3), nids, seqs, tmp)
+            base = view_updates(meta)
+            sender.go(loop=False)
+            t_view = wait_view_updates(meta, base + updates2)
+            res = sender.result()
+            out["ingest_updates"] = updates2
+            out["ingest_pairs_per_s"] = updates2 / (t_view - res["t0"])
+            out["ingest_publish_pairs_per_s"] = res["pairs"] / res["seconds"]
+            wait_backlog(r)
+
             # Under load: the same events again (inserts of blocks already held: the answers
-            # stay what they were) plus fresh churn. Ours: its consumer applies them from the
-            # streams; counted while the backlog lasts.
+            # stay what they were) plus fresh churn, sent again and again while the lookups
+            # run, until there were as many as in the idle rounds. The original first: its
+            # nodes wait for each reply, so its load is as fast as it ingests.
             again = node_events(held, churn=0.1, seed=5)
-            updates = write_streams(r, again, nids=nids, seqs=seqs)
+            if orig is not None:
+                ingest = original_ingest(orig, sessions, again, tmp)
+                probes = original_probes(orig, sessions[0], reqs, expect)
+                ingest.go(loop=True)
+                lat = drive(probes, len(reqs), None,
+                            until=lambda k: (k >= queries and ingest.first_pass.is_set()) or not ingest.running())
+                ingest.stop()
+                res = ingest.result()
+                o = out["original"]
+                o["loaded_updates"], o["loaded_ingest_pairs_per_s"] = res["pairs"], res["pairs"] / res["seconds"]
+                o["loaded_passes"] = res["passes"]
+                o["loaded_queries"] = len(lat["query"])
+                o["loaded_query_p50_us"], o["loaded_query_p99_us"] = p50_p99_us(lat["query"])
+                o["loaded_floor_p99_us"] = p50_p99_us(lat["floor"])[1]
+
+            # Ours: an XADD is answered before any replica read the entry, so our nodes publish
+            # at the rate the original ingested that load (LOAD_RATE without it); the view and
+            # the consumer ingest it as they serve.
+            load_rate = out.get("original", {}).get("loaded_ingest_pairs_per_s", LOAD_RATE)
+            sender, updates = publish(url, cluster, again, nids, seqs, tmp, rate=load_rate)
             seen = meta_samples(meta)
-            t0 = time.perf_counter()
-            lat = drive(ours, len(reqs), None, until=lambda _k: backlog(r) == 0)
-            dt = time.perf_counter() - t0
+            sender.go(loop=True)
+            t0 = time.monotonic()
+            lat = drive(ours, len(reqs), None,
+                        until=lambda k: (k >= queries and sender.first_pass.is_set()) or not sender.running())
+            sender.stop()
+            dt = time.monotonic() - t0
+            res = sender.result()
             now = meta_samples(meta)
             out["loaded_lookups_from_view"], out["loaded_lookups_from_redis"] = (
                 now.get(f"pegaflow_meta_lookups_total_{k}", 0) - seen.get(f"pegaflow_meta_lookups_total_{k}", 0)
                 for k in ("view", "redis"))
-            out["loaded_updates"], out["loaded_apply_blocks_per_s"] = updates, updates / dt
+            out["loaded_updates"], out["loaded_passes"] = res["pairs"], res["passes"]
+            out["loaded_offered_pairs_per_s"] = load_rate
+            out["loaded_ingest_pairs_per_s"] = (now.get("pegaflow_meta_view_updates_total", 0)
+                                                - seen.get("pegaflow_meta_view_updates_total", 0)) / dt
+            out["loaded_publish_pairs_per_s"] = res["pairs"] / res["seconds"]
             out["loaded_queries"] = len(lat["query"])
             out["loaded_grpc_query_p50_us"], out["loaded_grpc_query_p99_us"] = p50_p99_us(lat["query"])
             out["loaded_grpc_route_p50_us"], out["loaded_grpc_route_p99_us"] = p50_p99_us(lat["route"])
             out["loaded_grpc_floor_p99_us"] = p50_p99_us(lat["floor"])[1]
         finally:
             meta.stop()
-        if orig is not None:
-            # The original: its nodes send the same events at full rate while it is queried,
-            # again and again until it answered as many lookups as in the idle rounds (its
-            # ingest is faster: one pass would be over within a few hundred lookups).
-            ingest = original_ingest(orig, sessions, again, tmp)
-            probes = original_probes(orig, sessions[0], reqs, expect)
-            ingest.go(loop=True)
-            lat = drive(probes, len(reqs), None,
-                        until=lambda k: (k >= queries and ingest.first_pass.is_set()) or not ingest.running())
-            ingest.stop()
-            res = ingest.result()
-            o = out["original"]
-            o["loaded_updates"], o["loaded_ingest_pairs_per_s"] = res["pairs"], res["pairs"] / res["seconds"]
-            o["loaded_passes"] = res["passes"]
-            o["loaded_queries"] = len(lat["query"])
-            o["loaded_query_p50_us"], o["loaded_query_p99_us"] = p50_p99_us(lat["query"])
-            o["loaded_floor_p99_us"] = p50_p99_us(lat["floor"])[1]
         return out
     finally:
         if orig is not None:
@@ -657,8 +771,10 @@ def report_original(res: dict) -> list[str]:
         (res["grpc_query_p50_us"], res["grpc_query_p99_us"]), (o["query_p50_us"], o["query_p99_us"]), "µs")
     row("cheapest call answered from memory p50 / p99: GetClusterConfig vs HeartbeatNode",
         (res["grpc_floor_p50_us"], res["grpc_floor_p99_us"]), (o["floor_p50_us"], o["floor_p99_us"]), "µs")
-    row("ingest, (block, node) pairs / s: one consumer replica applying the streams vs "
-        f"Insert/RemoveBlockHashes from {NODES} node connections",
+    row(f"ingest, (block, node) pairs / s: XADD from {NODES} node connections until a replica's view answers "
+        f"them vs Insert/RemoveBlockHashes from {NODES} node connections",
+        (res["ingest_pairs_per_s"],), (o["ingest_pairs_per_s"],), "/s")
+    row("the same into the Redis index: one consumer replica applying the streams (fallback path, owner counts)",
         (res["apply_blocks_per_s"],), (o["ingest_pairs_per_s"],), "/s")
     row("memory per indexed block: Redis + metaserver processes vs process RSS growth",
         (res["memory_bytes_per_block"],), (o["bytes_per_block"],), "B", ".1f")
@@ -668,11 +784,12 @@ def report_original(res: dict) -> list[str]:
     row("lookup p50 / p99 while ingesting at full rate: QueryPrefix vs QueryPrefixBlocks",
         (res["loaded_grpc_query_p50_us"], res["loaded_grpc_query_p99_us"]),
         (o["loaded_query_p50_us"], o["loaded_query_p99_us"]), "µs")
-    row("ingest rate meanwhile, (block, node) pairs / s", (res["loaded_apply_blocks_per_s"],),
+    row("ingest rate meanwhile, (block, node) pairs / s: into ours' view vs the original's", (res["loaded_ingest_pairs_per_s"],),
         (o["loaded_ingest_pairs_per_s"],), "/s")
     lines += ["", f"{res['grpc_lookups_checked']:,} lookups of each kind interleaved, every answer checked; "
-              f"under load {res['loaded_queries']:,} (ours, while its backlog lasted) and {o['loaded_queries']:,} "
-              f"(original, its nodes' events sent {o['loaded_passes']} times or more); "
+              f"under load {res['loaded_queries']:,} (ours, its nodes' events published {res['loaded_passes']} times "
+              f"or more) and {o['loaded_queries']:,} (original, its nodes' events sent {o['loaded_passes']} times or "
+              "more); "
               f"{res['indexed_blocks']:,} blocks, {res['indexed_pairs']:,} (block, node) pairs on {NODES} nodes. "
               f"Ours' memory: {res['bytes_per_block']:.1f} B of Redis and "
               f"{res['meta_process_bytes_per_block']:.1f} B of the metaserver's processes per block.", ""]
@@ -686,7 +803,11 @@ def report(res: dict) -> str:
             "",
             "| metric | value | ratio vs same-run baseline |",
             "|---|---|---|",
-            f"| block updates applied / s (1 replica) | {res['apply_blocks_per_s']:,.0f} "
+            f"| block updates made answerable / s (published at full rate until a replica's view holds them) | "
+            f"{res['ingest_pairs_per_s']:,.0f} ({res['ingest_updates']:,} updates; published alone at "
+            f"{res['ingest_publish_pairs_per_s']:,.0f}/s) | {res['ingest_pairs_per_s'] / res['ingest_publish_pairs_per_s']:.2f}x "
+            "the publishing alone |",
+            f"| block updates applied to the Redis index / s (1 replica) | {res['apply_blocks_per_s']:,.0f} "
             f"({res['updates']:,} updates in {res['apply_seconds']:.1f} s) | "
             f"{res['apply_blocks_per_s'] / res['raw_xreadgroup_ack_per_s']:.2f}x redis-py XREADGROUP+XACK msgs/s; "
             f"{res['apply_blocks_per_s'] / res['redis_benchmark_xadd_per_s']:.2f}x redis-benchmark XADD/s |",
@@ -707,10 +828,11 @@ def report(res: dict) -> str:
             f"{res['loaded_lookups_from_view']:,.0f} of "
             f"{res['loaded_lookups_from_view'] + res['loaded_lookups_from_redis']:,.0f} (the rest from Redis; "
             f"the view read from the streams {res['view_ready_s']:.1f} s after the server started) | |",
-            f"| QueryPrefix 128 blocks via gRPC while the server applies updates, p50 / p99 | "
+            f"| QueryPrefix 128 blocks via gRPC while nodes publish at full rate, p50 / p99 | "
             f"{res['loaded_grpc_query_p50_us']:.0f} / {res['loaded_grpc_query_p99_us']:.0f} µs "
-            f"({res['loaded_queries']} queries; {res['loaded_apply_blocks_per_s']:,.0f} updates/s applied meanwhile, "
-            f"{res['loaded_updates']:,} in all) | {res['loaded_grpc_query_p99_us'] / res['loaded_grpc_floor_p99_us']:.2f}x "
+            f"({res['loaded_queries']} queries; {res['loaded_ingest_pairs_per_s']:,.0f} updates/s into the view "
+            f"meanwhile, {res['loaded_updates']:,} published at {res['loaded_publish_pairs_per_s']:,.0f}/s, offered "
+            f"{res['loaded_offered_pairs_per_s']:,.0f}/s) | {res['loaded_grpc_query_p99_us'] / res['loaded_grpc_floor_p99_us']:.2f}x "
             f"the interleaved in-memory call's p99 ({res['loaded_grpc_floor_p99_us']:.0f} µs) |",
             f"| Redis bytes per indexed block | {res['bytes_per_block']:.1f} B "
             f"({res['indexed_blocks']:,} blocks, {res['indexed_pairs']:,} (block, node) pairs; "

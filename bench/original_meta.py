@@ -14,19 +14,17 @@ server over an in-memory map, as ``pegaflow/pegaflow-metaserver-py`` in the
   (``pegaflow-core/src/internode/metaserver_client.rs``): ``HeartbeatNode`` registers a node
   (address + a session UUID), ``InsertBlockHashes`` / ``RemoveBlockHashes`` carry at most
   ``MAX_HASHES_PER_RPC`` hashes, ``QueryPrefixBlocks`` answers a lookup;
-- ingests in a process of its own (``python bench/original_meta.py ingest PLAN``): one
+- ingests in a process of its own (bench/sender.py's ``original`` kind, :func:`ingest`): one
   thread and one channel per node, as that many nodes would, sending requests serialized
   beforehand, so the rate is the server's and the querying process shares no interpreter
-  lock with the load (our metaserver's consumer is a process of its own too).
+  lock with the load (our nodes' events are sent the same way: bench/meta.py).
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib
-import json
 import os
-import pickle
 import platform
 import re
 import shutil
@@ -34,17 +32,17 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 import uuid
 import zipfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import grpc
+
+from bench.sender import Sender
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -270,63 +268,40 @@ def plan(pb: ModuleType, sessions: list[Session], events: Iterable[tuple[int, st
     return out
 
 
-class Ingest:
-    """``calls`` sent by a child process (``ingest_main``). Constructed, the child has read
-    them, connected one channel per node, and waits. ``go(loop=False)`` sends every node's
-    calls once; ``go(loop=True)`` sends them again and again (re-inserting what is held,
-    removing what is gone: the same work for the map) until ``stop()``, so a load lasts as
-    long as the lookups measured under it; ``first_pass`` is set once every call was sent
-    once. ``result()``: ``{"pairs", "seconds", "calls", "passes"}`` ((block, node) updates
-    sent, wall time from the first send to the last reply, calls sent, the least number of
-    times any node's calls were all sent)."""
+class OriginalCalls:
+    """bench/sender.py's ``original`` kind: each node's calls (``plan``) on a channel of its own,
+    sent serialized; replies parsed after the first pass's timing."""
 
-    def __init__(self, addr: str, calls: list[list[Call]], scratch: Path) -> None:
-        path = scratch / f"original-ingest-{uuid.uuid4().hex[:8]}.pickle"
-        path.write_bytes(pickle.dumps({"addr": addr, "calls": calls}, protocol=pickle.HIGHEST_PROTOCOL))
-        self.proc = subprocess.Popen([sys.executable, __file__, "ingest", str(path)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, cwd=ROOT,
-                                     env={**os.environ, "PYTHONPATH": str(ROOT)})
-        assert self.proc.stdout is not None and self.proc.stdin is not None
-        line = self.proc.stdout.readline().strip()  # the child exits (EOF) if it cannot get ready
-        path.unlink()
-        if line != "ready":
-            self.proc.wait(30)
-            raise SystemExit(f"original ingest: the child did not get ready (exit {self.proc.returncode})")
-        self.first_pass = threading.Event()
-        self._lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, name="original-ingest-out", daemon=True)
-        self._reader.start()
+    def __init__(self, data: dict[str, Any]) -> None:
+        self.pb, _ = stubs()
+        self.addr: str = data["addr"]
+        self.items: list[list[tuple[tuple[str, bytes], int]]] = [
+            [((method, req), n) for method, req, n in calls] for calls in data["calls"]]
 
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.strip() == "first-pass":
-                self.first_pass.set()
-            else:
-                self._lines.append(line)
+    def connect(self, k: int) -> Callable[[tuple[str, bytes]], bytes]:
+        ch = grpc.insecure_channel(self.addr)
+        grpc.channel_ready_future(ch).result(timeout=READY_TIMEOUT_S)
+        ident = lambda b: b  # noqa: E731 (requests are serialized beforehand)
+        methods = {m: ch.unary_unary(SERVICE + m, request_serializer=ident, response_deserializer=ident)
+                   for m in ("InsertBlockHashes", "RemoveBlockHashes")}
+        return lambda call: methods[call[0]](call[1], timeout=120)
 
-    def _say(self, word: str) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(word + "\n")
-        self.proc.stdin.flush()
+    def check_first(self, replies: list[list[bytes]]) -> None:
+        for node_calls, got in zip(self.items, replies, strict=True):
+            for ((method, _req), n), raw in zip(node_calls, got, strict=True):
+                ok, count = _reply_ok(self.pb, method, raw)
+                if not ok or count != n:
+                    raise SystemExit(f"original ingest: {method} of {n} hashes answered ok={ok} count={count}")
 
-    def go(self, loop: bool = False) -> None:
-        self._say("loop" if loop else "once")
+    def check_later(self, call: tuple[str, bytes], raw: bytes) -> None:
+        ok, _count = _reply_ok(self.pb, call[0], raw)
+        if not ok:  # counts differ on later passes (what was removed is gone): only ok is checked
+            raise RuntimeError(f"{call[0]} answered not ok")
 
-    def stop(self) -> None:
-        self._say("stop")
 
-    def running(self) -> bool:
-        return self.proc.poll() is None
-
-    def result(self, timeout: float = 600) -> dict[str, Any]:
-        self.proc.wait(timeout)
-        self._reader.join(timeout)
-        out = "".join(self._lines).strip()
-        if self.proc.returncode != 0 or not out:
-            raise SystemExit(f"original ingest failed (exit {self.proc.returncode}): {out[-300:]}")
-        res: dict[str, Any] = json.loads(out.splitlines()[-1])
-        return res
+def ingest(addr: str, calls: list[list[Call]], scratch: Path) -> Sender:
+    """``calls`` sent to the original's metaserver at ``addr`` by a process of its own, ready to go."""
+    return Sender("original", {"addr": addr, "calls": calls}, scratch)
 
 
 def _reply_ok(pb: ModuleType, method: str, raw: bytes) -> tuple[bool, int]:
@@ -335,78 +310,3 @@ def _reply_ok(pb: ModuleType, method: str, raw: bytes) -> tuple[bool, int]:
         return r.status.ok, r.inserted_count
     r = pb.RemoveBlockHashesResponse.FromString(raw)
     return r.status.ok, r.removed_count
-
-
-def ingest_main(plan_path: str) -> None:
-    """The child of :class:`Ingest`: stdin says ``once`` or ``loop`` (then ``stop``)."""
-    data = pickle.loads(Path(plan_path).read_bytes())
-    pb, _ = stubs()
-    ident = lambda b: b  # noqa: E731 (requests are serialized beforehand; replies parsed after the first pass)
-    channels = [grpc.insecure_channel(data["addr"]) for _ in data["calls"]]
-    for ch in channels:
-        grpc.channel_ready_future(ch).result(timeout=READY_TIMEOUT_S)
-    methods = [{m: ch.unary_unary(SERVICE + m, request_serializer=ident, response_deserializer=ident)
-                for m in ("InsertBlockHashes", "RemoveBlockHashes")} for ch in channels]
-    first: list[list[bytes]] = [[] for _ in channels]  # replies of the first pass, checked after timing
-    pairs = [0] * len(channels)
-    calls = [0] * len(channels)
-    passes = [0] * len(channels)
-    errors: list[str] = []
-    stop = threading.Event()
-    lock = threading.Lock()
-    done_first = [0]
-
-    def send(k: int) -> None:
-        try:
-            for method, req, n in data["calls"][k]:
-                first[k].append(methods[k][method](req, timeout=120))
-                pairs[k] += n
-                calls[k] += 1
-            passes[k] = 1
-            with lock:
-                done_first[0] += 1
-                if done_first[0] == len(channels):
-                    print("first-pass", flush=True)
-            while not stop.is_set():
-                for method, req, n in data["calls"][k]:
-                    if stop.is_set():
-                        return
-                    ok, _count = _reply_ok(pb, method, methods[k][method](req, timeout=120))
-                    if not ok:  # counts differ on later passes (what was removed is gone): only ok is checked
-                        raise RuntimeError(f"{method} of {n} hashes answered not ok")
-                    pairs[k] += n
-                    calls[k] += 1
-                passes[k] += 1
-        except Exception as e:  # reported below
-            errors.append(repr(e))
-            stop.set()
-
-    threads = [threading.Thread(target=send, args=(k,)) for k in range(len(channels))]
-    print("ready", flush=True)
-    mode = sys.stdin.readline().strip()
-    if mode not in ("once", "loop"):
-        return
-    if mode == "once":
-        stop.set()
-    else:
-        threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    dt = time.perf_counter() - t0
-    if errors:
-        raise SystemExit(f"original ingest: {errors[0]}")
-    for node_calls, got in zip(data["calls"], first, strict=True):
-        for (method, _req, n), raw in zip(node_calls, got, strict=True):
-            ok, count = _reply_ok(pb, method, raw)
-            if not ok or count != n:
-                raise SystemExit(f"original ingest: {method} of {n} hashes answered ok={ok} count={count}")
-    print(json.dumps({"pairs": sum(pairs), "seconds": dt, "calls": sum(calls), "passes": min(passes)}), flush=True)
-
-
-if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] != "ingest":
-        raise SystemExit(f"usage: python {sys.argv[0]} ingest PLAN (bench/meta.py runs it)")
-    ingest_main(sys.argv[2])

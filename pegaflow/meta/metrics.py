@@ -180,6 +180,9 @@ class _ViewSeries(Collector):
             CounterMetricFamily("pegaflow_meta_view_restarts",
                                 "Times the in-memory view started over from the streams (Redis errors, "
                                 "incarnations it could not complete, more incarnations than it holds)"),
+            CounterMetricFamily("pegaflow_meta_view_updates",
+                                "Block updates (hashes of INSERT, SNAPSHOT and EVICT events) the in-memory view "
+                                "applied from the node streams: its rate is what this replica makes answerable"),
         ]
 
     def collect(self) -> list[GaugeMetricFamily | CounterMetricFamily]:
@@ -187,7 +190,7 @@ class _ViewSeries(Collector):
         fams = self.describe()
         if v is None:
             return fams
-        for fam, value in zip(fams, (v.lag_s(), len(v.view), v.view.nbytes, v.incarnations(), v.restarts),
+        for fam, value in zip(fams, (v.lag_s(), len(v.view), v.view.nbytes, v.incarnations(), v.restarts, v.updates),
                               strict=True):
             fam.add_metric([], value)
         return fams

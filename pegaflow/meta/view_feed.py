@@ -150,6 +150,7 @@ class ViewFeed:
         self.snapshot: Snapshot | None = None  # None: lookups read Redis
         self.restarts = 0  # times the view started over (not counting the first start)
         self.malformed = 0  # entries skipped (the consumer logs and counts them too)
+        self.updates = 0  # block updates applied (hashes of INSERT, SNAPSHOT and EVICT), over start-overs too
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -395,6 +396,7 @@ class ViewFeed:
                     continue
                 ns = self._ns_ids[ev.namespace] = len(self._ns_ids)
             view.apply(ns, slot, ev.op, ev.blob, ev.tier)
+            self.updates += len(ev.blob) // 16
 
     def _slot_for(self, ev: Event) -> int | None:
         """The slot of ``ev``'s incarnation, taken on its first event; None: skip the event."""

@@ -371,6 +371,33 @@ def test_a_view_older_than_its_bound_is_not_read(redis_server: RedisServer) -> N
     pub.stop()
 
 
+def test_the_view_counts_every_block_update_it_applies_once(redis_server: RedisServer) -> None:
+    """``pegaflow_meta_view_updates_total`` (the view's ingest, what bench/meta.py times) counts
+    each hash of a node's SNAPSHOT, INSERT and EVICT events once: as many as the consumer
+    applies to Redis from the same stream."""
+    r = client(redis_server.url, False)
+    rng = random.Random(4)
+    held = [rng.randbytes(16) for _ in range(48)]
+    more = [rng.randbytes(16) for _ in range(20)]
+    pub = EventPublisher(r, "n1", "h:1", lambda: [("ns", held)], flush_interval=0.001).start(wait=5)
+    pub.on_insert("ns", more)
+    pub.on_evict("ns", held[:10])
+    written = len(held) + len(more) + 10
+    consumer = Consumer(r, Index(r), "c")
+    wait_until(lambda: consumer.wait_caught_up(1) and consumer.stats.blocks == written, 10,
+               lambda: f"the consumer to apply {written} updates (applied {consumer.stats.blocks})")
+    feed = ViewFeed(r, BOUND_S, stale_ms=30_000)  # stepped by hand: no thread
+    metrics = MetaMetrics(CollectorRegistry())
+    metrics.bind_view(feed)
+    wait_until(lambda: (feed.step(), feed.holders("ns", more) is not None)[1], 10, "the view in use", every=0.01)
+    for _ in range(3):
+        feed.step()  # nothing new: nothing counted again
+    assert feed.updates == written
+    assert metrics.registry.get_sample_value("pegaflow_meta_view_updates_total") == written
+    assert feed.holders("ns", held[10:]) == [("n1", "h:1", len(held) - 10, 0)]
+    pub.stop()
+
+
 def test_an_idle_feeder_backs_off_and_reads_the_first_event_after_a_quiet_spell(
     redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
