@@ -566,8 +566,23 @@ def publish(url: str, cluster: bool, events: list[tuple[int, int, Op, list[bytes
     return Sender("streams", payload, scratch, rate), sum(n for e in entries for _, n in e)
 
 
-def view_updates(meta: MetaServer) -> float:
-    return meta_samples(meta).get("pegaflow_meta_view_updates_total", 0.0)
+def wait_view_updates(meta: MetaServer, target: float, restarts: float, timeout: float = 600.0,
+                      every: float = 0.02) -> float:
+    """``time.monotonic()`` of the first poll (every ``every`` s) that found our metaserver's view
+    had applied ``target`` block updates in all and was within its bound (100 ms: it answers
+    lookups): late by up to ``every``, never early. A view that started over meanwhile (past
+    ``restarts``) counted updates twice: no figure."""
+    t0 = time.monotonic()
+    while True:
+        m = meta_samples(meta)
+        if m.get("pegaflow_meta_view_restarts_total", 0) != restarts:
+            raise SystemExit("bench: our metaserver's view started over during the ingest: no figure")
+        if (m.get("pegaflow_meta_view_updates_total", 0) >= target
+                and m.get("pegaflow_meta_view_lag_seconds", math.inf) <= 0.1):
+            return time.monotonic()
+        if time.monotonic() - t0 > timeout:
+            raise SystemExit(f"bench: our metaserver's view did not apply {target:,.0f} updates in {timeout:.0f} s")
+        time.sleep(every)
 
 
 def wait_backlog(r: Client, timeout: float = 900.0) -> None:
@@ -577,17 +592,6 @@ def wait_backlog(r: Client, timeout: float = 900.0) -> None:
         if time.monotonic() - t0 > timeout:
             raise SystemExit(f"bench: the consumer did not apply the streams' backlog in {timeout:.0f} s")
         time.sleep(0.1)
-
-
-def wait_view_updates(meta: MetaServer, target: float, timeout: float = 600.0, every: float = 0.02) -> float:
-    """``time.monotonic()`` of the first poll (every ``every`` s) that found our metaserver's view
-    had applied ``target`` block updates in all: the time is late by up to ``every``, never early."""
-    t0 = time.monotonic()
-    while view_updates(meta) < target:
-        if time.monotonic() - t0 > timeout:
-            raise SystemExit(f"bench: our metaserver's view did not apply {target:,.0f} updates in {timeout:.0f} s")
-        time.sleep(every)
-    return time.monotonic()
 
 
 def run_backend(cluster: bool, blocks: int, queries: int, peer: bool) -> dict:
@@ -681,9 +685,10 @@ def run_backend(cluster: bool, blocks: int, queries: int, peer: bool) -> dict:
             # before the next step.
             _, held2, _ = make_workload(blocks, seed=11)
             sender, updates2 = publish(url, cluster, node_events(held2, churn=0.1, seed=3), nids, seqs, tmp)
-            base = view_updates(meta)
+            m = meta_samples(meta)
             sender.go(loop=False)
-            t_view = wait_view_updates(meta, base + updates2)
+            t_view = wait_view_updates(meta, m.get("pegaflow_meta_view_updates_total", 0) + updates2,
+                                       m.get("pegaflow_meta_view_restarts_total", 0))
             res = sender.result()
             out["ingest_updates"] = updates2
             out["ingest_pairs_per_s"] = updates2 / (t_view - res["t0"])
