@@ -16,8 +16,9 @@ each variant a process of its own:
 
 Variants: the sync ``grpc.server`` with a ``ThreadPoolExecutor`` of 1, 2, 4 or 8 workers,
 ``grpc.aio`` on asyncio or uvloop, protobuf servicers or generic handlers that answer
-pre-serialized bytes, the real ``MetaServicer`` behind ``SyncGuard`` (today's daemon, minus
-Redis), server options, ``GRPC_POLL_STRATEGY``, grpc core's EventEngine listener and
+pre-serialized bytes, the real ``MetaServicer`` behind ``SyncGuard`` (``ours-daemon``: as
+pegaflow-meta serves with its view, 2 threads, EventEngine off, heap frozen; ``ours-today``: 8
+threads, as it served before the view; both minus Redis), server options, ``GRPC_POLL_STRATEGY``, grpc core's EventEngine listener and
 endpoints switched off (``GRPC_EXPERIMENTS``, ``NO_EE``), a server pinned to one CPU, the
 collector frozen or off. The Rust original's metaserver (bench/original_meta.py) is the reference:
 ``HeartbeatNode`` (its cheapest call) as its floor, ``QueryPrefixBlocks`` of the same
@@ -300,7 +301,9 @@ class Variant:
 NO_EE = "-event_engine_listener,-event_engine_for_all_other_endpoints,-event_engine_callback_cq,-event_engine_client"
 
 VARIANTS: dict[str, Variant] = {
-    "ours-today": Variant(handler="ours", workers=8),
+    "ours-today": Variant(handler="ours", workers=8),  # the daemon before the view
+    # pegaflow-meta's gRPC as it serves with its view (daemon.py): 2 threads, EventEngine off, heap frozen
+    "ours-daemon": Variant(handler="ours", workers=2, gc="freeze", env=(("GRPC_EXPERIMENTS", NO_EE),)),
     "sync-w8": Variant(workers=8),
     "sync-w4": Variant(workers=4),
     "sync-w2": Variant(workers=2),
