@@ -39,12 +39,15 @@ import secrets
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import grpc
 
 from pegaflow.common.grpc_guard import AUTH_HEADER, ENV_TOKEN, TokenError, read_token
 from pegaflow.core.hosts import LOOPBACK, WILDCARD, host_of, split_host_port
+
+if TYPE_CHECKING:
+    from pegaflow.common.cq_server import CqServer
 
 ENV_TLS_CA = "PEGAFLOW_TLS_CA"
 SOCKET_NAME = "pegaflow-node-{host}-{port}.sock"  # a node's default local socket (--local-socket auto)
@@ -281,7 +284,7 @@ class Security:
     def channel_credentials(self) -> grpc.ChannelCredentials | None:
         return grpc.ssl_channel_credentials(root_certificates=self.tls_ca) if self.tls_ca else None
 
-    def add_port(self, server: grpc.Server | grpc.aio.Server, addr: str) -> int:
+    def add_port(self, server: grpc.Server | grpc.aio.Server | CqServer, addr: str) -> int:
         """Bind ``addr`` on a grpc (or grpc.aio) server, with TLS when this process has a certificate."""
         creds = self.server_credentials()
         return server.add_secure_port(addr, creds) if creds is not None else server.add_insecure_port(addr)
