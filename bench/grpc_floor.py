@@ -14,7 +14,9 @@ each variant a process of its own:
   ``NumpyIndex``, every answer checked) in variants that have one, else answered
   ``found=False`` without looking (the cost of the message alone).
 
-Variants: the sync ``grpc.server`` with a ``ThreadPoolExecutor`` of 1, 2, 4 or 8 workers,
+Variants: the sync ``grpc.server`` with a ``ThreadPoolExecutor`` of 1, 2, 4 or 8 workers, one
+thread on grpc core's completion queue answering where each call lands (``cq-*``: what
+``pegaflow/common/cq_server.py`` does for the metaserver's lookups),
 ``grpc.aio`` on asyncio or uvloop, protobuf servicers or generic handlers that answer
 pre-serialized bytes, the real ``MetaServicer`` behind ``SyncGuard`` (``ours-daemon``: as
 pegaflow-meta serves with its view, 2 threads, EventEngine off, heap frozen; ``ours-today``: 8
@@ -50,6 +52,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
@@ -284,7 +287,8 @@ def build_index(kind: str, blocks: int) -> tuple[DictIndex | NumpyIndex, list[np
 class Variant:
     """One server configuration (what ``serve`` builds in its own process)."""
 
-    mode: str = "sync"  # sync: grpc.server + ThreadPoolExecutor; aio: grpc.aio.server
+    mode: str = "sync"  # sync: grpc.server + ThreadPoolExecutor; aio: grpc.aio.server; cq: one thread on
+    # grpc core's completion queue (grpc._cython.cygrpc, private): each call answered where its request lands
     workers: int = 8  # sync (handlers cannot run inline on grpc's polling thread: a unary
     # handler waits there for its request body, which that thread delivers)
     loop: str = "asyncio"  # aio: asyncio or uvloop
@@ -329,6 +333,8 @@ VARIANTS: dict[str, Variant] = {
     "sync-w1-dict": Variant(workers=1, table="dict", gc="freeze"),
     "sync-w1-noee-dict": Variant(workers=1, table="dict", gc="freeze", env=(("GRPC_EXPERIMENTS", NO_EE),)),
     "sync-w1-noee-raw": Variant(workers=1, handler="raw", env=(("GRPC_EXPERIMENTS", NO_EE),)),
+    "cq-noee-raw": Variant(mode="cq", handler="raw", gc="freeze", env=(("GRPC_EXPERIMENTS", NO_EE),)),
+    "cq-raw": Variant(mode="cq", handler="raw", gc="freeze"),
 }
 
 
@@ -452,6 +458,10 @@ def serve(name: str, blocks: int) -> None:
         server.stop(0)
         return
 
+    if v.mode == "cq":
+        _serve_cq(v, ans)
+        return
+
     async def main() -> None:
         server = grpc.aio.server(options=_options(v))
         if v.handler == "raw":
@@ -471,6 +481,38 @@ def serve(name: str, blocks: int) -> None:
         uvloop.run(main())
     else:
         asyncio.run(main())
+
+
+def _serve_cq(v: Variant, ans: _Answers) -> None:
+    """Research (issue #55): no thread pool. One thread polls grpc core's completion queue; a new
+    call asks for its request body there and then, and the body's completion answers it on the
+    same thread (pre-serialized bytes), so no call waits for another thread to wake. Private
+    API, no auth, no deadlines, no errors: a floor, not a server."""
+    from grpc._cython import cygrpc
+
+    cq = cygrpc.CompletionQueue()
+    server = cygrpc.Server(tuple(_options(v)), False)
+    server.register_completion_queue(cq)
+    port = server.add_http2_port(b"127.0.0.1:0")
+    server.start()
+    answers = {f"/{SERVICE}/GetClusterConfig".encode(): ans.config_raw, f"/{SERVICE}/RouteHint".encode(): ans.notfound_raw}
+    new = object()
+    server.request_call(cq, cq, new)
+    threading.Thread(target=lambda: (sys.stdin.read(), os._exit(0)), daemon=True).start()
+    _after_start(v, port)
+    while True:
+        ev = cq.poll()
+        if ev.tag is new:
+            server.request_call(cq, cq, new)
+            method = ev.call_details.method
+            method = method if isinstance(method, bytes) else method.encode()
+            ev.call.start_server_batch((cygrpc.ReceiveMessageOperation(0),), ("body", ev.call, method))
+        elif isinstance(ev.tag, tuple) and ev.tag[0] == "body":
+            _, call, method = ev.tag
+            call.start_server_batch((cygrpc.SendInitialMetadataOperation(None, 0),
+                                     cygrpc.SendMessageOperation(answers[method], 0),
+                                     cygrpc.SendStatusFromServerOperation(None, cygrpc.StatusCode.ok, b"", 0),
+                                     cygrpc.ReceiveCloseOnServerOperation(0)), ("done", call))
 
 
 def _after_start(v: Variant, port: int) -> None:

@@ -46,6 +46,7 @@ def test_both_metaservers_get_the_same_work_and_every_goal_figure_is_written(tmp
     assert o["updates"] == s["updates"] and s["ingest_updates"] >= s["indexed_blocks"]
     assert o["loaded_passes"] >= 1 and s["loaded_passes"] >= 1
     assert s["loaded_offered_pairs_per_s"] == o["loaded_ingest_pairs_per_s"]
+    assert s["loaded_publish_pairs_per_s"] <= 1.02 * s["loaded_offered_pairs_per_s"]  # paced, never ahead
     assert s["loaded_queries"] >= 50 and o["loaded_queries"] >= 50
     # Ours is measured as it serves: from its in-memory view, read from the streams it keeps.
     assert s["lookups_from_view"] + s["lookups_from_redis"] == 2 * 50 and s["lookups_from_view"] >= 90
