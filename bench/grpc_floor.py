@@ -334,6 +334,8 @@ VARIANTS: dict[str, Variant] = {
     "sync-w1-noee-dict": Variant(workers=1, table="dict", gc="freeze", env=(("GRPC_EXPERIMENTS", NO_EE),)),
     "sync-w1-noee-raw": Variant(workers=1, handler="raw", env=(("GRPC_EXPERIMENTS", NO_EE),)),
     "cq-noee-raw": Variant(mode="cq", handler="raw", gc="freeze", env=(("GRPC_EXPERIMENTS", NO_EE),)),
+    # pegaflow-meta as it serves today: its servicer behind SyncGuard on pegaflow/common/cq_server.py
+    "ours-cqserver": Variant(mode="cqserver", handler="ours", workers=2, gc="freeze", env=(("GRPC_EXPERIMENTS", NO_EE),)),
     "cq-raw": Variant(mode="cq", handler="raw", gc="freeze"),
 }
 
@@ -460,6 +462,19 @@ def serve(name: str, blocks: int) -> None:
 
     if v.mode == "cq":
         _serve_cq(v, ans)
+        return
+    if v.mode == "cqserver":
+        from pegaflow.common.cq_server import CqServer
+
+        servicer, guard = _ours(ans)
+        cq = CqServer([f"/{SERVICE}/{m}" for m in ("GetClusterConfig", "RouteHint", "QueryPrefix")],
+                      workers=v.workers, interceptors=guard, options=_options(v))
+        meta_pb2_grpc.add_MetaServiceServicer_to_server(servicer, cq)  # type: ignore[arg-type]
+        port = cq.add_insecure_port("127.0.0.1:0")
+        cq.start()
+        _after_start(v, port)
+        sys.stdin.read()
+        cq.stop(0).wait(5)
         return
 
     async def main() -> None:
