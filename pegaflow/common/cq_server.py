@@ -194,10 +194,8 @@ class CqServer:
         shut = False
         while True:
             ev = self._cq.poll()
-            if ev.completion_type == cygrpc.CompletionType.queue_shutdown:
-                break
-            if ev.completion_type == cygrpc.CompletionType.queue_timeout:
-                continue
+            if ev.completion_type != cygrpc.CompletionType.operation_complete:
+                continue  # poll has no deadline: no timeout; the queue is never shut down (below)
             with self._lock:
                 self._pending -= 1
             tag = ev.tag
@@ -217,7 +215,12 @@ class CqServer:
                 if shut and self._pending == 0 and not self._closed:
                     self._closed = True
                     self._server.destroy()
-                    self._cq.shutdown()
+            # Destroyed, the server has closed its listener and let its clients close their
+            # connections. The queue is left to its garbage collection, as grpc.server leaves its
+            # own: shutting it down here closed the connections from this side, whose TIME_WAIT
+            # then held the port for a minute.
+            if self._closed:
+                break
         if self._own_pool:
             self._pool.shutdown(wait=False)
         self._stopped.set()

@@ -3,6 +3,7 @@ thread, against a real grpc client over a real socket."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -60,6 +61,12 @@ class Echo:
 
 
 def serve(echo: Echo, token: str = "", pool: futures.Executor | None = None) -> tuple[CqServer, grpc.Channel]:
+    server, channel, _ = serve_port(echo, token, pool)
+    return server, channel
+
+
+def serve_port(echo: Echo, token: str = "", pool: futures.Executor | None = None
+               ) -> tuple[CqServer, grpc.Channel, int]:
     ident = lambda b: b  # noqa: E731
     handlers = {name: grpc.unary_unary_rpc_method_handler(fn, ident, ident)
                 for name, fn in (("Fast", echo.fast), ("Slow", echo.slow), ("Refuse", echo.refuse),
@@ -74,7 +81,7 @@ def serve(echo: Echo, token: str = "", pool: futures.Executor | None = None) -> 
     server.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     grpc.channel_ready_future(channel).result(timeout=10)
-    return server, channel
+    return server, channel, port
 
 
 @pytest.fixture
@@ -169,4 +176,16 @@ def test_stop_cancels_what_outlives_the_grace_and_takes_no_new_call(echo: Echo) 
     echo.release.set()  # the handler ends after the stop: its answer has nowhere to go, and is dropped
     pool.shutdown(wait=True)
     assert echo.threads["Hang"]
+    ch.close()
+
+
+def test_a_stopped_server_leaves_its_port_free_though_a_client_is_still_connected(echo: Echo) -> None:
+    """The clients close their connections, not the server: a port in TIME_WAIT on the server's
+    side could not be bound again (without SO_REUSEADDR) for a minute."""
+    server, ch, port = serve_port(echo)
+    assert call(ch, "Fast", b"x") == b"fast:x"
+    assert call(ch, "Slow", b"y") == b"slow:y"
+    assert server.stop(1.0).wait(10)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))  # raises while anything holds the port
     ch.close()
