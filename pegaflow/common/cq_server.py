@@ -134,10 +134,9 @@ class CqServer:
         self._lock = threading.Lock()
         self._pending = 0  # batches started and not completed (the new-call request included)
         self._stopping = False
-        self._closed = False  # the queue shut down: no batch may start
+        self._closed = False  # the server destroyed: no batch may start
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
-        self._handlers: dict[str, Handler | None] = {}  # method -> its handler after the interceptors
 
     # --- grpc.Server's surface -----------------------------------------------------------------
 
@@ -162,6 +161,9 @@ class CqServer:
 
     def stop(self, grace: float | None) -> _Done:
         """Stop taking calls; calls still running after ``grace`` seconds are cancelled."""
+        if self._thread is None:  # never started: nothing to drain (destroying it aborts; as grpc.server, left to GC)
+            self._stopped.set()
+            return _Done(self._stopped)
         with self._lock:
             if not self._stopping:
                 self._stopping = True
@@ -172,7 +174,9 @@ class CqServer:
         else:
             def cancel_after_grace() -> None:
                 if not self._stopped.wait(grace):
-                    self._server.cancel_all_calls()
+                    with self._lock:  # not once the polling thread destroyed the server
+                        if not self._closed:
+                            self._server.cancel_all_calls()
             threading.Thread(target=cancel_after_grace, name="pf-grpc-grace", daemon=True).start()
         return _Done(self._stopped)
 

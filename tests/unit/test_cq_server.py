@@ -189,3 +189,9 @@ def test_a_stopped_server_leaves_its_port_free_though_a_client_is_still_connecte
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))  # raises while anything holds the port
     ch.close()
+
+
+def test_a_server_never_started_stops_at_once() -> None:
+    server = CqServer([], workers=1)
+    assert server.add_insecure_port("127.0.0.1:0") > 0
+    assert server.stop(1.0).wait(5)
