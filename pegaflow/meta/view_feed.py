@@ -16,11 +16,11 @@ acking them. On standalone Redis it is one ``XREAD`` of every stream, on a clust
 stream (their keys are in different slots). While nothing is new the thread sleeps between
 rounds: ``poll_s`` after a round that read something, twice as long after each empty one, up
 to ``idle_s`` (a quarter of the bound: 25 ms at the default 100 ms). An idle round asks what
-the last one asked, so its commands are packed once and sent again as they were: 62 µs of
+the last one asked, so its commands are packed once and sent again as they were: 51-63 µs of
 CPU a round against 165 µs packing them each time (2-core host K; partly under the
 interpreter lock that lookups need). Before the backoff, polling every 5 ms, this thread of an
-idle metaserver used 7.9% of a core, 2.3% with it (rounds of ~0.4-0.6 ms then). The first event after a quiet spell is read within ``idle_s``, inside the
-bound. Not ``XREAD BLOCK``: Redis times a blocked client out only when its event loop wakes, every
+idle metaserver used 7.9% of a core, 2.3% with it (rounds of ~0.4-0.6 ms then). The first
+event after a quiet spell is read within ``idle_s``, inside the bound. Not ``XREAD BLOCK``: Redis times a blocked client out only when its event loop wakes, every
 1/hz s (100 ms at the default hz 10), so a blocking round would last that long whenever
 nothing is written, and its liveness would be as old. A second thread (``pf-meta-view-watch``)
 holds a ``BLPOP`` of a key nobody writes on the registry's shard, so the view goes out of use
@@ -106,6 +106,10 @@ RESTART_MAX_S = 300.0  # the wait doubles up to this while starting over does no
 START = b"0-0"  # a stream read from its first entry
 
 
+# A round's commands: per shard as lists and packed (RESP), and the registry's count (ViewFeed._commands).
+_Asked = tuple[list[tuple[str, list[Command]]], list[tuple[str, bytes, int]], int]
+
+
 @dataclass(frozen=True, slots=True)
 class Snapshot:
     """What a lookup reads: the visible incarnations' slots, as of ``at``."""
@@ -157,8 +161,8 @@ class ViewFeed:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._native: bool | None = None  # raw_round_trip works (a real socket); None: not asked yet
-        self._packed_for: tuple[tuple[str, ...], tuple[bytes, ...]] | None = None  # what _packed asks
-        self._packed: list[tuple[str, bytes, int]] = []  # the last round's commands, RESP
+        self._asked_for: tuple[tuple[str, ...], tuple[bytes, ...]] | None = None  # (nodes, positions) of _asked
+        self._asked: _Asked = ([], [], 0)  # the last round's commands (_commands)
         self._round = 0
         self._version = -1  # of the nodes below
         self._names: list[str] = []
@@ -319,6 +323,25 @@ class ViewFeed:
 
     def _read(self, names: list[str]) -> tuple[int, list[Reply], list[tuple[str, list[Reply]]]]:
         """The round trip: (registry version, replies of the visibility commands, entries per stream)."""
+        key = (tuple(names), tuple(self._pos[n] for n in names))
+        if key != self._asked_for:  # the nodes changed or a stream moved: this round asks anew
+            self._asked, self._asked_for = self._commands(names), key
+        groups, packed, n_reg = self._asked  # else what the last round asked, packed once (~0.1 ms of Python)
+        replies = self._round_trip(groups, packed)
+        reg = replies[0][:n_reg]
+        xreads = replies[0][n_reg:] if not self.cluster else [g[0] for g in replies[1:]]
+        out: list[tuple[str, list[Reply]]] = []
+        for rep in xreads:
+            # {stream: entries} (RESP3, as redis-py connects to Redis 7), or [[stream, entries], ...]
+            for key, entries in (rep.items() if isinstance(rep, dict) else rep or ()):
+                node = self._key_node.get(bytes(key))
+                if node is not None:
+                    out.append((node, entries))
+        return int(reg[0] or 0), reg[1:], out
+
+    def _commands(self, names: list[str]) -> _Asked:
+        """A round's commands per shard, as lists (``parallel``, no real socket) and packed
+        (``raw_round_trip``), and how many of the first group's are the registry's."""
         reg_cmds: list[Command] = [["GET", keys.VERSION]]
         if names:
             reg_cmds += registry.visibility_commands(names)
@@ -333,24 +356,9 @@ class ViewFeed:
             if names:
                 cmds.append(["XREAD", "COUNT", READ_COUNT, "STREAMS", *streams, *(self._pos[n] for n in names)])
             groups = [(keys.VERSION, cmds)]
-        key = (tuple(names), tuple(self._pos[n] for n in names))
-        if self._native and key == self._packed_for:
-            packed = self._packed  # an idle round asks what the last one asked: packed once (~0.1 ms of Python)
-        else:
-            packed = [(k, b"".join(hiredis.pack_command(tuple(c))  # type: ignore[arg-type]  # the stub: a 1-tuple
-                                   for c in cmds), len(cmds)) for k, cmds in groups]
-            self._packed_for, self._packed = key, packed
-        replies = self._round_trip(groups, packed)
-        reg = replies[0][: len(reg_cmds)]
-        xreads = replies[0][len(reg_cmds):] if not self.cluster else [g[0] for g in replies[1:]]
-        out: list[tuple[str, list[Reply]]] = []
-        for rep in xreads:
-            # {stream: entries} (RESP3, as redis-py connects to Redis 7), or [[stream, entries], ...]
-            for key, entries in (rep.items() if isinstance(rep, dict) else rep or ()):
-                node = self._key_node.get(bytes(key))
-                if node is not None:
-                    out.append((node, entries))
-        return int(reg[0] or 0), reg[1:], out
+        packed = [(k, b"".join(hiredis.pack_command(tuple(c))  # type: ignore[arg-type]  # the stub: a 1-tuple
+                               for c in cmds), len(cmds)) for k, cmds in groups]
+        return groups, packed, len(reg_cmds)
 
     def _round_trip(self, groups: list[tuple[str, list[Command]]], packed: list[tuple[str, bytes, int]]
                     ) -> list[list[Reply]]:
