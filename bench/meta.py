@@ -213,6 +213,19 @@ def node_events(held: dict[tuple[int, int], list[bytes]], churn: float, seed: in
     return out
 
 
+def encode_events(events: list[tuple[int, int, Op, list[bytes]]], nids: dict[int, tuple[str, int, int]],
+                  seqs: dict[int, int]) -> list[list[tuple[bytes, int]]]:
+    """Per node, its events encoded as its stream entries (``seqs`` carries the nodes' sequence
+    numbers from one call to the next), each with the block updates in it."""
+    entries: list[list[tuple[bytes, int]]] = [[] for _ in range(NODES)]
+    for node, ns, op, hashes in events:
+        name, nid, epoch = nids[node]
+        seqs[node] += 1
+        entries[node].append((encode(Event(name, nid, epoch, seqs[node], op, NAMESPACES[ns], b"".join(hashes))),
+                              len(hashes)))
+    return entries
+
+
 def write_streams(r: Client, events: list[tuple[int, int, Op, list[bytes]]],
                   nids: dict[int, tuple[str, int, int]] | None = None, seqs: dict[int, int] | None = None) -> int:
     """Write the nodes' events to their streams (registering the nodes first unless ``nids``
@@ -220,21 +233,14 @@ def write_streams(r: Client, events: list[tuple[int, int, Op, list[bytes]]],
     block updates."""
     nids = nids if nids is not None else register_nodes(r)
     seqs = seqs if seqs is not None else dict.fromkeys(range(NODES), 0)
-    per_node: dict[int, list[bytes]] = {}
-    updates = 0
-    for node, ns, op, hashes in events:
-        name, nid, epoch = nids[node]
-        seqs[node] += 1
-        per_node.setdefault(node, []).append(encode(Event(name, nid, epoch, seqs[node], op, NAMESPACES[ns],
-                                                          b"".join(hashes))))
-        updates += len(hashes)
-    for node, entries in per_node.items():
-        for j in range(0, len(entries), 64):
+    entries = encode_events(events, nids, seqs)
+    for node, node_entries in enumerate(entries):
+        for j in range(0, len(node_entries), XADD_PIPELINE):
             p = r.pipeline(transaction=False)
-            for data in entries[j : j + 64]:
+            for data, _ in node_entries[j : j + XADD_PIPELINE]:
                 p.xadd(stream_key(nids[node][0]), {FIELD: data})
             p.execute()
-    return updates
+    return sum(n for e in entries for _, n in e)
 
 
 def backlog(r: Client) -> int:
@@ -555,12 +561,7 @@ def publish(url: str, cluster: bool, events: list[tuple[int, int, Op, list[bytes
     """``events`` as our nodes publish them, in a process of its own, ready to go (at most
     ``rate`` updates / s: XADD answers before any replica read the entry); and the block
     updates in them (``seqs`` carries the nodes' sequence numbers on)."""
-    entries: list[list[tuple[bytes, int]]] = [[] for _ in range(NODES)]
-    for node, ns, op, hashes in events:
-        name, nid, epoch = nids[node]
-        seqs[node] += 1
-        entries[node].append((encode(Event(name, nid, epoch, seqs[node], op, NAMESPACES[ns], b"".join(hashes))),
-                              len(hashes)))
+    entries = encode_events(events, nids, seqs)
     payload = {"url": url, "cluster": cluster, "streams": [stream_key(nids[k][0]) for k in range(NODES)],
                "entries": entries}
     return Sender("streams", payload, scratch, rate), sum(n for e in entries for _, n in e)

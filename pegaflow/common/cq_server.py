@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent import futures
 from typing import Any
 
@@ -44,6 +44,7 @@ _NEW = "new-call"  # the tag of a call asked for (one outstanding at a time)
 _SHUTDOWN = "shutdown"
 
 Handler = Any  # grpc.RpcMethodHandler (types-grpcio's is generic, grpc's is not)
+_Resolve = Callable[[grpc.HandlerCallDetails], "Handler | None"]  # a call's method and metadata -> its handler
 
 
 def supported() -> bool:
@@ -128,6 +129,7 @@ class CqServer:
         self._interceptors = list(interceptors)
         self._registered: dict[str, Handler] = {}
         self._generic: list[grpc.GenericRpcHandler] = []
+        self._resolve: _Resolve = self._lookup  # behind the interceptors at start()
         self._cq = cygrpc.CompletionQueue()
         self._server = cygrpc.Server(tuple(options), False)
         self._server.register_completion_queue(self._cq)
@@ -154,6 +156,7 @@ class CqServer:
         return int(self._server.add_http2_port(address.encode(), credentials._credentials))  # type: ignore[attr-defined]
 
     def start(self) -> None:
+        self._resolve = self._chain()  # handlers are added before the start, as with grpc.server
         self._server.start()
         self._ask()
         self._thread = threading.Thread(target=self._serve, name="pf-grpc-cq", daemon=True)
@@ -211,7 +214,7 @@ class CqServer:
                 elif tag == _SHUTDOWN:
                     shut = True
                 elif isinstance(tag, tuple) and tag[0] == "body":
-                    self._body(tag[1], tag[2], ev)
+                    self._body(tag[1], tag[2], tag[3], ev)
             except Exception:  # a bug here must not stop the server answering
                 log.exception("grpc_server_event_failed")
             ev = None
@@ -229,41 +232,38 @@ class CqServer:
             self._pool.shutdown(wait=False)
         self._stopped.set()
 
-    def _handler(self, method: str, metadata: tuple[tuple[str, str | bytes], ...]) -> Handler | None:
-        details = _Details(method, metadata)
+    def _lookup(self, d: grpc.HandlerCallDetails) -> Handler | None:
+        h = self._registered.get(d.method)
+        if h is None:
+            for g in self._generic:
+                h = g.service(d)
+                if h is not None:
+                    break
+        return h
 
-        def lookup(d: grpc.HandlerCallDetails) -> Handler | None:
-            h = self._registered.get(d.method)
-            if h is None:
-                for g in self._generic:
-                    h = g.service(d)
-                    if h is not None:
-                        break
-            return h
-
-        handler = lookup
-        for icpt in reversed(self._interceptors):  # the first interceptor runs first, as grpc.server
-            handler = (lambda nxt, i: (lambda d: i.intercept_service(nxt, d)))(handler, icpt)
-        return handler(details)
+    def _chain(self) -> _Resolve:
+        """The handler lookup behind the interceptors, the first one outermost (as grpc.server)."""
+        resolve: _Resolve = self._lookup
+        for icpt in reversed(self._interceptors):
+            resolve = (lambda nxt, i: (lambda d: i.intercept_service(nxt, d)))(resolve, icpt)
+        return resolve
 
     def _begin(self, ev: Any) -> None:
         method = ev.call_details.method
         method = method.decode() if isinstance(method, bytes) else method
-        handler = self._handler(method, tuple(ev.invocation_metadata))
+        handler = self._resolve(_Details(method, tuple(ev.invocation_metadata)))
         if handler is None or not handler.unary_unary:
             what = "unknown method" if handler is None else "streaming methods are not served here"
             self._status(ev.call, grpc.StatusCode.UNIMPLEMENTED, f"{what}: {method}")
             return
-        self._batch(ev.call, (cygrpc.ReceiveMessageOperation(_NO_FLAGS),), ("body", ev, handler))
+        self._batch(ev.call, (cygrpc.ReceiveMessageOperation(_NO_FLAGS),), ("body", ev, handler, method in self.inline))
 
-    def _body(self, call_ev: Any, handler: Handler, ev: Any) -> None:
+    def _body(self, call_ev: Any, handler: Handler, inline: bool, ev: Any) -> None:
         raw = ev.batch_operations[0].message() if ev.success else None
         if raw is None:  # the client went away, or sent no message
             self._status(call_ev.call, grpc.StatusCode.UNIMPLEMENTED, "a unary call needs one request message")
             return
-        method = call_ev.call_details.method
-        method = method.decode() if isinstance(method, bytes) else method
-        if method in self.inline:
+        if inline:
             self._run(call_ev, handler, raw)
         else:
             self._pool.submit(self._run, call_ev, handler, raw)
