@@ -740,7 +740,8 @@ OPTIONS: list[Option] = [
         60.0,
         "Seconds between counts of the whole index (block keys, holders, live holders per key) "
         "in the background, served as pegaflow_meta_index_* and the original's store_entries, "
-        "block_owners and block_redundancy gauges (0: never; each count SCANs every bucket).",
+        "block_owners and block_redundancy gauges (0: never; each count SCANs every bucket, paced to a "
+        "fifth of its thread's time).",
         _non_negative_float,
         commands=(META,),
     ),

@@ -32,7 +32,7 @@ from pegaflow.config.options import META, without_effect
 from pegaflow.meta import admin, backup, owners, sweeper
 from pegaflow.meta.apply_process import ConsumerProcess
 from pegaflow.meta.events.consumer import default_consumer_name
-from pegaflow.meta.index import Census, Index
+from pegaflow.meta.index import Census, Index, Pause
 from pegaflow.meta.lookup import Lookup
 from pegaflow.meta.metrics import MetaMetrics, run_census
 from pegaflow.meta.service import MetaServicer
@@ -123,11 +123,11 @@ class MetaServer:
         self.server: grpc.Server | CqServer | None = None
         self.port = 0  # the gRPC port bound (--addr may name port 0)
 
-    def _census(self) -> Census:
-        """Count the index's entries of live nodes (``--index-census-interval``)."""
+    def _census(self, pause: Pause) -> Census:
+        """Count the index's entries of live nodes (``--index-census-interval``), paced by ``pause``."""
         live = set(node_registry.visible(self.redis, sorted(node_registry.nodes(self.redis)),
                                        self.config.node_stale_secs * 1000))
-        return Index(self.redis).census(sorted(node_registry.namespace_tags(self.redis)), live)
+        return Index(self.redis).census(sorted(node_registry.namespace_tags(self.redis)), live, pause)
 
     def start(self) -> None:
         """Bind and start everything; :class:`StartupError` when a listener or the exporter

@@ -62,9 +62,18 @@ from pegaflow.core.tiers import Tier
 from pegaflow.meta.events.schema import Op, Update
 from pegaflow.policy.classes import MIN_OWNER_THRESHOLD
 
+Pause = Callable[[float], object]  # called with the seconds a step of a background scan took
+
+
+def _no_pause(busy_s: float) -> None:
+    pass
+
+
 DUMP_CHUNK = 1024  # buckets per HGETALL pipeline when dumping / sweeping
 SWEEP_CHUNK = 256  # buckets per sweep script call: bounds the time one call holds Redis
-CENSUS_CHUNK = 64  # buckets per census script call (~1-2 ms of Redis at 64 blocks a bucket)
+CENSUS_CHUNK = 64  # buckets per census script call (~0.35 ms of Redis at 1M blocks, 2-core host K)
+CENSUS_GROUP = 4  # census calls per round trip: Redis serves no one else for the group (16: ~6 ms)
+CENSUS_SCAN = 256  # SCAN's COUNT in a census (1024: ~2 ms of Redis a call at 1M blocks, host K)
 # Block updates per pipeline of _APPLY calls: Redis runs a script to its end before it
 # serves anyone else, and a pipeline of a whole consumer step (~130k updates, ~0.4 s of
 # scripts) put every QueryPrefix behind it. Plain HSETNX batches need no such bound:
@@ -753,10 +762,19 @@ class Index:
                     fields += int(res)
         return fields
 
-    def _existing(self, tag: str) -> list[bytes]:
-        """Bucket keys of a namespace that exist (SCAN: sparse namespaces cost little)."""
+    def _existing(self, tag: str, pause: Pause = _no_pause, count: int = DUMP_CHUNK) -> list[bytes]:
+        """Bucket keys of a namespace that exist (SCAN ``count`` at a time: sparse namespaces
+        cost little); ``pause`` as :meth:`census`'s, after every ``count`` keys."""
         pat = keys.bucket_prefix(tag, self.prefix) + b"*"
-        return sorted(set(self.r.scan_iter(match=pat, count=DUMP_CHUNK)))
+        found: set[bytes] = set()
+        n, t0 = 0, time.monotonic()
+        for k in self.r.scan_iter(match=pat, count=count):  # SCAN may repeat a key: the set
+            found.add(k)
+            n += 1
+            if n % count == 0:
+                pause(time.monotonic() - t0)
+                t0 = time.monotonic()
+        return sorted(found)
 
     def dump(
         self, tags: Iterable[str], visible: set[int] | None = None
@@ -779,18 +797,23 @@ class Index:
                             out[(tag, b + f)] = nids
         return out
 
-    def census(self, tags: Iterable[str], live: set[int]) -> Census:
+    def census(self, tags: Iterable[str], live: set[int], pause: Pause = _no_pause) -> Census:
         """Count every block key, its holders, and how many are ``live`` (visible nids): SCAN
-        the buckets, count them in Redis (:data:`_CENSUS`, ``CENSUS_CHUNK`` buckets a call).
-        O(index) in Redis, a few numbers a call here: for a background thread."""
+        the buckets, count them in Redis (:data:`_CENSUS`, ``CENSUS_CHUNK`` buckets a call,
+        ``CENSUS_GROUP`` calls a round trip). O(index) in Redis, a few numbers a call here: for
+        a background thread, which ``pause`` paces: it is called after every round trip with
+        the seconds it took (the daemon waits a multiple of them, ``run_census``)."""
         blob = b"".join(nid_bytes(n) for n in sorted(live))
         total = [0] * 7
         for tag in tags:
-            existing = self._existing(tag)
+            existing = self._existing(tag, pause, CENSUS_SCAN)
             calls: list[Call] = [(_CENSUS, existing[i : i + CENSUS_CHUNK], [blob])
                                  for i in range(0, len(existing), CENSUS_CHUNK)]
-            for i in range(0, len(calls), 16):
-                for counts in run_scripts(self.r, calls[i : i + 16]):
+            for i in range(0, len(calls), CENSUS_GROUP):
+                t0 = time.monotonic()
+                replies = run_scripts(self.r, calls[i : i + CENSUS_GROUP])
+                pause(time.monotonic() - t0)
+                for counts in replies:
                     if isinstance(counts, Exception):
                         raise counts
                     total = [a + int(b) for a, b in zip(total, counts, strict=True)]

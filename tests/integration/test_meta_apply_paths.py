@@ -9,6 +9,7 @@ tiers, dead and live, one to five per block, two namespaces."""
 
 from __future__ import annotations
 
+import math
 import os
 import random
 
@@ -20,7 +21,7 @@ from pegaflow.cluster.redis_conn import RawPipe, connect
 from pegaflow.core.tiers import Tier
 from pegaflow.meta import index as index_mod
 from pegaflow.meta.events.schema import Op, Update
-from pegaflow.meta.index import Census, Index
+from pegaflow.meta.index import CENSUS_CHUNK, CENSUS_GROUP, Census, Index
 from tests.harness.redis import RedisClusterProc, RedisServer
 from tests.integration import redis_fixtures
 
@@ -239,6 +240,24 @@ def test_the_census_counts_every_holder_list_on_redis(redis_server: RedisServer)
     assert want.redundancy[3] > 0 and want.owners > want.entries  # every case is there
     assert index.census(TAGS, LIVE) == want
     assert index.census(TAGS, set()) == Census(want.entries, want.owners, (0, 0, 0, 0), 0)
+
+
+def test_a_paced_census_pauses_after_every_round_trip_and_counts_the_same(
+        redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon paces its census (metrics.run_census): a pause after every CENSUS_SCAN keys the
+    SCAN returned and every round trip of CENSUS_GROUP script calls, each told how long its
+    step took."""
+    monkeypatch.setattr(index_mod, "CENSUS_SCAN", 64)  # several SCAN steps at this size
+    r = redis_server.client()
+    index = Index(r)
+    want = census_expected(census_fill(index))
+    steps: list[float] = []
+    assert index.census(TAGS, LIVE, steps.append) == want
+    buckets = [len(set(r.scan_iter(match=keys.bucket_prefix(t, index.prefix) + b"*"))) for t in TAGS]
+    trips = sum(math.ceil(math.ceil(b / CENSUS_CHUNK) / CENSUS_GROUP) for b in buckets)
+    pages = sum(b // 64 for b in buckets)  # a pause every CENSUS_SCAN keys SCAN returned
+    assert trips > len(TAGS) and pages > len(TAGS) and len(steps) == trips + pages, (buckets, len(steps))
+    assert all(s > 0 for s in steps)
 
 
 def test_the_census_counts_every_holder_list_on_a_redis_cluster(redis_cluster: RedisClusterProc) -> None:
