@@ -33,9 +33,13 @@ def replica(url: str, *argv: str) -> MetaServer:
 
 
 def can_bind(port: int) -> bool:
+    """A server could listen on ``port`` again. With SO_REUSEADDR, as gRPC and uvicorn bind: a
+    connection of the stopped server left in TIME_WAIT does not hold the port, a listener does."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
+            s.listen()
             return True
         except OSError:
             return False
