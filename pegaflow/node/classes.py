@@ -29,7 +29,9 @@ if TYPE_CHECKING:  # a type only: a node that never publishes does not import re
 
 log = structlog.get_logger("pegaflow.node.classes")
 
-NOTICE_POLL_S = 0.25  # how often the node pops its notices: one LPOP per namespace it holds
+# How often the node pops its notices: one pipelined LPOP round trip for the namespaces it holds.
+# A backup notice waits for it, and until then the copy is held twice (pegaflow/meta/backup.py).
+NOTICE_POLL_S = 0.05
 
 
 class Classes:
