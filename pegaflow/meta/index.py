@@ -71,9 +71,9 @@ def _no_pause(busy_s: float) -> None:
 
 DUMP_CHUNK = 1024  # buckets per HGETALL pipeline when dumping / sweeping
 SWEEP_CHUNK = 256  # buckets per sweep script call: bounds the time one call holds Redis
-CENSUS_CHUNK = 64  # buckets per census script call (~0.35 ms of Redis at 1M blocks, 2-core host K)
+CENSUS_CHUNK = 64  # buckets per census script call (~0.35 ms of Redis at 1M blocks, 2-core host L)
 CENSUS_GROUP = 4  # census calls per round trip: Redis serves no one else for the group (16: ~6 ms)
-CENSUS_SCAN = 256  # SCAN's COUNT in a census (1024: ~2 ms of Redis a call at 1M blocks, host K)
+CENSUS_SCAN = 256  # SCAN's COUNT in a census (1024: ~2 ms of Redis a call at 1M blocks, host L)
 # Block updates per pipeline of _APPLY calls: Redis runs a script to its end before it
 # serves anyone else, and a pipeline of a whole consumer step (~130k updates, ~0.4 s of
 # scripts) put every QueryPrefix behind it. Plain HSETNX batches need no such bound:

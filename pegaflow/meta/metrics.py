@@ -198,8 +198,9 @@ class _ViewSeries(Collector):
 
 # The census's share of its thread's time: after each round trip it waits (1 / share - 1) times
 # as long. Unpaced, a count of 1M blocks held Redis and this process's interpreter lock for
-# seconds; on a 2-core host that start-up count took the CPU lookups needed (bench/meta.py: with
-# it, idle lookup p99 ~1.1-2.7 ms, without ~0.9-1.0; the original's slowed the same way).
+# seconds; on a 2-core host that start-up count took the CPU lookups needed (bench/meta.py, one
+# run each on host L: idle lookup p99 0.87x / 1.09x the original's with it, 0.81x / 0.91x with
+# the census off).
 CENSUS_SHARE = 0.2
 
 
