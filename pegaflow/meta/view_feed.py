@@ -323,9 +323,9 @@ class ViewFeed:
 
     def _read(self, names: list[str]) -> tuple[int, list[Reply], list[tuple[str, list[Reply]]]]:
         """The round trip: (registry version, replies of the visibility commands, entries per stream)."""
-        key = (tuple(names), tuple(self._pos[n] for n in names))
-        if key != self._asked_for:  # the nodes changed or a stream moved: this round asks anew
-            self._asked, self._asked_for = self._commands(names), key
+        asked_for = (tuple(names), tuple(self._pos[n] for n in names))
+        if asked_for != self._asked_for:  # the nodes changed or a stream moved: this round asks anew
+            self._asked, self._asked_for = self._commands(names), asked_for
         groups, packed, n_reg = self._asked  # else what the last round asked, packed once (~0.1 ms of Python)
         replies = self._round_trip(groups, packed)
         reg = replies[0][:n_reg]
