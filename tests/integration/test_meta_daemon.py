@@ -45,6 +45,14 @@ def can_bind(port: int) -> bool:
             return False
 
 
+def sockets_on(*ports: int) -> str:
+    """``ss``'s TCP sockets on these local ports, for a failure's message."""
+    import subprocess
+
+    out = subprocess.run(["ss", "-tanp"], capture_output=True, text=True, timeout=10).stdout.splitlines()
+    return "; ".join(ln for ln in out if any(f":{p} " in ln for p in ports)) or "none"
+
+
 def test_a_replica_serves_once_started_and_gives_everything_back_when_stopped(redis_server: RedisServer) -> None:
     http = free_port()
     m = replica(redis_server.url, "--addr", "127.0.0.1:0", "--http-addr", f"127.0.0.1:{http}",
@@ -71,7 +79,10 @@ def test_a_replica_serves_once_started_and_gives_everything_back_when_stopped(re
     finally:
         m.stop()
     assert not any(t.is_alive() for t in m.threads)
-    assert can_bind(http) and can_bind(m.port)
+    # grpc core closes a destroyed server's listener and connections on its own threads: bounded,
+    # not necessarily before stop() returns (seen once in a loaded CI run, in neither of 6 alone).
+    wait_until(lambda: can_bind(http) and can_bind(m.port), 10,
+               lambda: f"ports {http} and {m.port} free again; sockets on them: {sockets_on(http, m.port)}")
     with pytest.raises(ProcessLookupError):  # ended and reaped
         os.kill(child, 0)
 
