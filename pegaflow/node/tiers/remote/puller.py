@@ -61,6 +61,7 @@ HOLD_SECONDS = 2.0  # pulled blocks stay pinned this long for the engine's next 
 BACKOFF_MIN = 5.0  # first skip after a failure; doubles up to BACKOFF_MAX while failures repeat
 BACKOFF_MAX = 120.0
 META_KEY = "<metaserver>"  # backoff entry of the metaserver itself
+RECONNECT_FIRST_MS = 100  # the metaserver channel's first wait before reconnecting (grpc's default: 1 s)
 NEGATIVE_TTL = 0.5  # seconds a "nobody holds it" answer is reused (an engine re-Queries a waiting request)
 NEGATIVE_MAX = 65536  # remembered negative answers at most (oldest dropped first)
 # A pull from an SSD holder pins this much per chunk, SSD_CHUNKS_IN_FLIGHT at once (see
@@ -119,20 +120,39 @@ class Peers(Protocol):
 class MetaLookup:
     """QueryPrefix on the metaserver over one grpc.aio channel.
 
-    The channel is made on first use: a grpc.aio channel binds to the loop running at its
-    creation, and the node is constructed before its loop starts.
+    :meth:`start` makes the channel and starts connecting, on the node's loop before it
+    serves (a grpc.aio channel binds to the loop running at its creation, and the node is
+    constructed before its loop starts). Made on the first lookup instead, the channel's
+    connection fell inside that lookup's ``META_TIMEOUT``: on a loaded host it could time
+    out, and a failed lookup skips the metaserver for the puller's backoff, so the node's
+    first remote hits were answered as misses.
+
+    ``reconnect_max``: the longest the channel waits between attempts to connect to a
+    metaserver that is down (grpc's default grows to 120 s). The puller skips a failing
+    metaserver for its backoff (``--peer-backoff``, 5 s first) anyway; a channel backing
+    off longer would keep lookups failing after the metaserver is back.
     """
 
-    def __init__(self, addr: str, security: Security) -> None:
+    def __init__(self, addr: str, security: Security, reconnect_max: float = BACKOFF_MIN) -> None:
         self.addr = addr
         self.security = security
+        ms = max(1, round(reconnect_max * 1000))
+        self.options = [("grpc.initial_reconnect_backoff_ms", min(ms, RECONNECT_FIRST_MS)),
+                        ("grpc.max_reconnect_backoff_ms", ms)]
         self.channel: grpc.aio.Channel | None = None
         self.stub: meta_pb2_grpc.MetaServiceStub | None = None
 
-    async def __call__(self, namespace: str, hashes: Sequence[bytes]) -> list[Holder]:
-        if self.stub is None:
-            self.channel = aio_channel(self.addr, self.security)
+    def start(self) -> None:
+        """Make the channel and start connecting (on the running loop)."""
+        if self.channel is None:
+            self.channel = aio_channel(self.addr, self.security, self.options)
             self.stub = meta_pb2_grpc.MetaServiceStub(self.channel)
+            self.channel.get_state(try_to_connect=True)
+
+    async def __call__(self, namespace: str, hashes: Sequence[bytes]) -> list[Holder]:
+        if self.stub is None:  # not started (a node's start starts it)
+            self.start()
+        assert self.stub is not None
         res = await self.stub.QueryPrefix(meta_pb2.QueryPrefixRequest(namespace=namespace, hashes=hashes),
                                           timeout=META_TIMEOUT)
         return [Holder(n.node, n.address, n.prefix_len, n.ssd_blocks) for n in res.nodes]

@@ -88,7 +88,7 @@ class P2P:
             else:
                 transport = TcpTransport(pool.view)
             self._peers = GrpcPeers(security)
-            self._lookup = MetaLookup(config.metaserver_addr, security)
+            self._lookup = MetaLookup(config.metaserver_addr, security, reconnect_max=config.peer_backoff)
             self.puller = Puller(index, pool.view, node_id, self._lookup, self._peers, transport, self.metrics,
                                  pin_ttl=config.pin_ttl, backoff=config.peer_backoff, max_pull=config.max_batch,
                                  on_remote_hits=on_remote_hits, checksums=self.checksums)
@@ -115,6 +115,8 @@ class P2P:
         self.table.loop = loop
         self.checksums.start()
         self.data.start()
+        if self._lookup is not None:
+            self._lookup.start()
 
     async def close(self) -> None:
         """Stop pulls and serving; must run before the pool is unmapped."""
