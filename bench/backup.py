@@ -59,6 +59,7 @@ SAMPLE_S = 0.1  # how often the target's pulled bytes are read during the warm-u
 # Seconds of --backup-max-bandwidth per plan (--backup-pull-max-bytes): the planner queues two
 # a pass (MAX_QUEUED), twice what the bandwidth lets go; a bigger plan waits longer for its bytes.
 PLAN_S = 1.0
+RESAMPLES = 2000  # bootstrap resamples of the Query latencies (the p99 ratio's spread)
 KEPT_S = 0.5  # how often the busy nodes' reclaimable pages are read during the measure
 WAIT_S = 60.0  # bound on every wait for the backup (role, reclaimable pages)
 BUSY = (0, 1)
@@ -192,7 +193,7 @@ def _drive(cfg: dict[str, Any]) -> None:
     print(json.dumps({
         "hits": hits, "remote_hits": remote, "accesses": cfg["accesses"], "measure_s": measure_s, "warm_s": warm_s,
         "query_calls": len(lat), "query_p50_us": float(np.percentile(us, 50)),
-        "query_p99_us": float(np.percentile(us, 99)),
+        "query_p99_us": float(np.percentile(us, 99)), "query_us": [round(float(x), 1) for x in us],
         "bandwidth_bytes_per_s": rate, "plans_seen": plans,
         "warm_pulled_bytes": samples[-1][1] if samples else 0.0,
         "measure_pulled_bytes": delta(IDLE, "pegaflow_node_backup_pulled_bytes_total"),
@@ -276,6 +277,21 @@ def run_mode(a: argparse.Namespace, on: bool) -> dict[str, Any]:
     return out
 
 
+def p99_ratio_interval(on_us: list[float], off_us: list[float], resamples: int = RESAMPLES,
+                       seed: int = 0) -> tuple[float, float]:
+    """The 5th and 95th percentiles of p99(on) / p99(off) over bootstrap resamples of each
+    run's Query latencies: how far the ratio moves with the calls that happened to land in
+    the tail, within this run (a later run on a busier host moves it further)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    on_a, off_a = np.asarray(on_us), np.asarray(off_us)
+    on_p = np.percentile(rng.choice(on_a, (resamples, len(on_a))), 99, axis=1)
+    off_p = np.percentile(rng.choice(off_a, (resamples, len(off_a))), 99, axis=1)
+    lo, hi = np.percentile(on_p / off_p, [5, 95])
+    return float(lo), float(hi)
+
+
 def summarize(a: argparse.Namespace, off: dict[str, Any], on: dict[str, Any],
               model: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The figures and their ratios, every one from this run's measurements and ``model``
@@ -305,7 +321,8 @@ def summarize(a: argparse.Namespace, off: dict[str, Any], on: dict[str, Any],
         "bandwidth_ratio": rate / limit, "bandwidth_error_pct": abs(rate / limit - 1) * 100,
         "query_p99_us_on": on["query_p99_us"], "query_p99_us_off": off["query_p99_us"],
         "query_p99_on_over_off": on["query_p99_us"] / off["query_p99_us"],
-        "off": off, "on": on,
+        "query_p99_on_over_off_90pct": p99_ratio_interval(on["query_us"], off["query_us"]),
+        "off": {k: v for k, v in off.items() if k != "query_us"}, "on": {k: v for k, v in on.items() if k != "query_us"},
         "config": {"pages": a.pages, "page_kib": a.page_kib, "reclaimable_percent": a.reclaimable_percent,
                    "bandwidth_mb": a.bandwidth_mb, "accesses": a.accesses, "rate": a.rate, "seed": a.seed},
     }
@@ -341,8 +358,10 @@ def main() -> None:
           "overflow)")
     print(f"backup bandwidth {s['bandwidth_mb_per_s']:.2f} MiB/s against the limit {s['bandwidth_limit_mb_per_s']:.0f}"
           f" ({s['bandwidth_ratio']:.3f}x, over {on['plans_seen']} plans in a {on['warm_s']:.1f} s warm-up)")
+    lo, hi = s["query_p99_on_over_off_90pct"]
     print(f"busy nodes' Query p99: on {s['query_p99_us_on']:.0f} µs, off {s['query_p99_us_off']:.0f} µs "
-          f"({s['query_p99_on_over_off']:.2f}x)")
+          f"({s['query_p99_on_over_off']:.2f}x; {lo:.2f}x-{hi:.2f}x over resamples of this run's "
+          f"{on['query_calls']} and {off['query_calls']} calls)")
     print(f"backup on, at the end: busy nodes' reclaimable pages {on['reclaimable_pages']}, node-2 resident "
           f"{on['idle_resident_pages']:.0f} pages, demoted (backup_hint) {on['demoted_backup']:.0f}, "
           f"missing at pull {on['missing']:.0f}, retained evicted {on['evicted_retained']:.0f}; pulled during the "
