@@ -6,8 +6,11 @@
 Three real nodes in network namespaces (tests/harness/p2p.py: redis-server and pegaflow-meta
 on the hub), each with a pool of ``--pages`` pages. node-0 and node-1 are busy (an engine
 session is registered on each), node-2 is idle (none). Each busy node has its own working
-set of twice its pool. The same run is made twice, each on a fresh cluster: backup off
-(pegaflow-meta without --enable-decode-backup) and on (with it, --backup-target-delay-secs 1).
+set of twice its pool. The same run is made twice at once, each on a fresh cluster: backup
+off (pegaflow-meta without --enable-decode-backup) and on (with it, --backup-target-delay-secs
+1). Both warm up, then measure from the same moment, their requests interleaved (the on run's
+half a request later): this host's latency tail moved more between minutes than between the
+modes, so run one after the other the p99 ratio said more about the minute than the backup.
 
 1. **Warm-up**: each busy node stores its whole working set, in batches, oldest first. With
    the backup on, once a node's pool is full each batch waits (bounded) until the node has
@@ -15,7 +18,7 @@ set of twice its pool. The same run is made twice, each on a fresh cluster: back
    first; meanwhile node-2's ``pegaflow_node_backup_pulled_bytes_total`` is sampled every
    ``SAMPLE_S``: the backup's bandwidth is the bytes it pulled between the end of its first
    plan (the token bucket's burst) and the end of its last, over that time.
-2. **Measure**: ``--accesses`` single-block requests, uniformly at random over each busy
+2. **Measure** (once both runs are warm): ``--accesses`` single-block requests, uniformly at random over each busy
    node's working set (the same seeded sequence in both runs), alternating nodes, paced at
    ``--rate`` per second: Query until READY (LOADING while a block is pulled back from
    node-2), count the hit, release, store a miss as an engine would. Every Query call's
@@ -42,10 +45,12 @@ import json
 import random
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +67,7 @@ PLAN_S = 1.0
 RESAMPLES = 2000  # bootstrap resamples of the Query latencies (the p99 ratio's spread)
 KEPT_S = 0.5  # how often the busy nodes' reclaimable pages are read during the measure
 WAIT_S = 60.0  # bound on every wait for the backup (role, reclaimable pages)
+GO_S = 0.2  # both measures start this long after both runs are warm
 BUSY = (0, 1)
 IDLE = 2
 
@@ -92,6 +98,16 @@ def bandwidth(samples: list[tuple[float, float]]) -> tuple[float, int]:
         return 0.0, len(changes)
     (t1, b1), (tn, bn) = changes[0], changes[-1]
     return (bn - b1) / (tn - t1), len(changes)
+
+
+def together(barrier: Path, mode: str, timeout: float) -> float:
+    """This run is warm: say so in ``barrier`` and wait (bounded) for the go, the moment
+    (``time.monotonic``, one clock for every namespace) both runs' measures start from."""
+    from tests.harness import wait_until
+
+    (barrier / f"warm-{mode}").touch()
+    go = barrier / "go"
+    return float(wait_until(lambda: go.exists() and go.read_text() or None, timeout, "the go of both runs' measures"))
 
 
 def _drive(cfg: dict[str, Any]) -> None:
@@ -143,6 +159,7 @@ def _drive(cfg: dict[str, Any]) -> None:
     sampler.join(10)
     rate, plans = bandwidth(samples)
 
+    start_t = together(Path(cfg["barrier"]), "on" if on else "off", WAIT_S * 10) + cfg["offset"]
     before = {k: metrics(k) for k in (*BUSY, IDLE)}
     kept = [[reclaimable_pages(k) for k in BUSY]]  # every KEPT_S of the measure, its start and end
     done = threading.Event()
@@ -155,7 +172,6 @@ def _drive(cfg: dict[str, Any]) -> None:
     kept_sampler.start()
     lat: list[float] = []
     hits = remote = 0
-    start_t = time.monotonic()
     for i, (k, b) in enumerate(accesses(cfg["accesses"], ws, cfg["seed"])):
         pause = start_t + i / cfg["rate"] - time.monotonic()  # pacing, not waiting for a condition
         if pause > 0:
@@ -192,6 +208,7 @@ def _drive(cfg: dict[str, Any]) -> None:
     us = np.array(lat) * 1e6
     print(json.dumps({
         "hits": hits, "remote_hits": remote, "accesses": cfg["accesses"], "measure_s": measure_s, "warm_s": warm_s,
+        "measure_start": start_t,
         "query_calls": len(lat), "query_p50_us": float(np.percentile(us, 50)),
         "query_p99_us": float(np.percentile(us, 99)), "query_us": [round(float(x), 1) for x in us],
         "bandwidth_bytes_per_s": rate, "plans_seen": plans,
@@ -249,7 +266,26 @@ def replay_prediction(a: argparse.Namespace, on: bool) -> dict[str, Any]:
             "reclaimable_pages": [l1[k].index.reclaimable_bytes for k in BUSY]}
 
 
-def run_mode(a: argparse.Namespace, on: bool) -> dict[str, Any]:
+@dataclass
+class Run:
+    """One run (backup off or on): its cluster and its driver, in host 0's namespace."""
+
+    on: bool
+    cluster: Any  # tests.harness.p2p.P2PCluster
+    tmp: Path
+    proc: subprocess.Popen | None = None
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.cluster.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def start_run(a: argparse.Namespace, on: bool, barrier: Path) -> Run:
+    """A fresh 3-node cluster, backup on or off, and its driver started (warm-up, then the
+    measure once both runs are warm: :func:`together`)."""
     from tests.harness.p2p import HTTP_PORT, P2PCluster
 
     page = a.page_kib << 10
@@ -259,29 +295,77 @@ def run_mode(a: argparse.Namespace, on: bool) -> dict[str, Any]:
                  "--backup-pull-max-bytes", str(int(PLAN_S * a.bandwidth_mb) << 20),
                  "--backup-max-bandwidth", str(a.bandwidth_mb << 20))
     meta = ("--enable-decode-backup", "--backup-target-delay-secs", "1") if on else ()
-    cluster = P2PCluster(tmp, 3, node_args=node_args, meta_args=meta)
+    try:
+        cluster = P2PCluster(tmp, 3, node_args=node_args, meta_args=meta)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    run = Run(on, cluster, tmp)
     if cluster.fallback_reason:
         print(f"network namespaces unavailable ({cluster.fallback_reason}): loopback addresses instead")
+    cfg = {"addrs": [n.addr for n in cluster.nodes], "https": [f"{n.host.ip}:{HTTP_PORT}" for n in cluster.nodes],
+           "page": page, "pages": a.pages, "on": on, "accesses": a.accesses, "rate": a.rate, "seed": a.seed,
+           "barrier": str(barrier), "offset": 0.5 / a.rate if on else 0.0}
     try:
-        cfg = {"addrs": [n.addr for n in cluster.nodes], "https": [f"{n.host.ip}:{HTTP_PORT}" for n in cluster.nodes],
-               "page": page, "pages": a.pages, "on": on, "accesses": a.accesses, "rate": a.rate, "seed": a.seed}
-        r = cluster.nodes[0].host.run([sys.executable, str(Path(__file__).resolve()), "_drive", json.dumps(cfg)],
-                                      timeout=900)
-        if r.returncode != 0:
-            raise SystemExit(f"driver failed (backup {'on' if on else 'off'}): {r.stdout[-2000:]}\n{r.stderr[-3000:]}")
-        out: dict[str, Any] = json.loads(r.stdout.strip().splitlines()[-1])
+        out, err = (open(tmp / f"driver.{x}", "w") for x in ("out", "err"))
+        with out, err:
+            run.proc = subprocess.Popen(cluster.nodes[0].host.argv(
+                [sys.executable, str(Path(__file__).resolve()), "_drive", json.dumps(cfg)]), stdout=out, stderr=err)
+    except BaseException:
+        run.close()
+        raise
+    return run
+
+
+def run_both(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Backup off and on, each on a fresh cluster, at once: both warm up, then measure from
+    the same moment, their requests interleaved (the on run's half a request later), so the
+    busy nodes' Query latencies of both come from the same moments of this host."""
+    from tests.harness import wait_until
+
+    barrier = Path(tempfile.mkdtemp(prefix="pegaflow-bench-backup-go-"))
+    runs: list[Run] = []
+    try:
+        for on in (False, True):
+            runs.append(start_run(a, on, barrier))
+
+        def warm() -> bool:
+            for r in runs:
+                assert r.proc is not None
+                if r.proc.poll() is not None:
+                    raise SystemExit(driver_failed(r))
+            return all((barrier / f"warm-{m}").exists() for m in ("off", "on"))
+
+        wait_until(warm, WAIT_S * 10, "both runs' warm-ups", every=0.05)
+        go = barrier / "go.tmp"
+        go.write_text(repr(time.monotonic() + GO_S))
+        go.rename(barrier / "go")
+        results = []
+        for r in runs:
+            assert r.proc is not None
+            r.proc.wait(timeout=900)
+            if r.proc.returncode != 0:
+                raise SystemExit(driver_failed(r))
+            got: dict[str, Any] = json.loads((r.tmp / "driver.out").read_text().strip().splitlines()[-1])
+            got["hit_rate"] = got["hits"] / got["accesses"]
+            results.append(got)
+        return results[0], results[1]
     finally:
-        cluster.close()
-        shutil.rmtree(tmp, ignore_errors=True)
-    out["hit_rate"] = out["hits"] / out["accesses"]
-    return out
+        for r in runs:
+            r.close()
+        shutil.rmtree(barrier, ignore_errors=True)
+
+
+def driver_failed(r: Run) -> str:
+    out, err = ((r.tmp / f"driver.{x}").read_text(errors="replace") for x in ("out", "err"))
+    return f"driver failed (backup {'on' if r.on else 'off'}): {out[-2000:]}\n{err[-3000:]}"
 
 
 def p99_ratio_interval(on_us: list[float], off_us: list[float], resamples: int = RESAMPLES,
                        seed: int = 0) -> tuple[float, float]:
     """The 5th and 95th percentiles of p99(on) / p99(off) over bootstrap resamples of each
     run's Query latencies: how far the ratio moves with the calls that happened to land in
-    the tail, within this run (a later run on a busier host moves it further)."""
+    the tail, within this run."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
@@ -344,8 +428,7 @@ def main() -> None:
     a = p.parse_args()
     if a.pages < BATCH or not 0 <= a.reclaimable_percent <= 100 or a.bandwidth_mb < 1 or a.rate <= 0:
         p.error("--pages must be at least 16, --reclaimable-percent in 0..100, --bandwidth-mb and --rate positive")
-    off = run_mode(a, on=False)
-    on = run_mode(a, on=True)
+    off, on = run_both(a)
     s = summarize(a, off, on, {"off": replay_prediction(a, False), "on": replay_prediction(a, True)})
     mb = a.pages * a.page_kib / 1024
     print(f"3 nodes, pools of {a.pages} x {a.page_kib} KiB ({mb:.0f} MiB); busy node-0, node-1 with working sets of "

@@ -1,6 +1,6 @@
 """bench/backup.py in a tiny mode: the mechanics, not the figures.
 
-Both runs (backup off, then on) must finish on three real nodes; with the backup on the
+Both runs (backup off and on, at once) must finish on three real nodes; with the backup on the
 idle node must have pulled the busy nodes' pages (paced: several plans seen, so a bandwidth
 was measured), the busy nodes must have demoted what it holds, and some accesses must have
 been pulled back from it; with the backup off nothing is pulled. Every printed ratio must
@@ -39,6 +39,8 @@ def test_backup_bench_runs_both_modes_and_computes_its_ratios(tmp_path: Path) ->
     assert on["plans_seen"] >= 3 and on["bandwidth_bytes_per_s"] > 0
     assert on["warm_pulled_bytes"] > 0 and on["demoted_backup"] > 0 and on["remote_hits"] > 0
     assert off["warm_pulled_bytes"] == 0 and off["measure_pulled_bytes"] == 0 and off["remote_hits"] == 0
+    # Both measures start from one go, the on run's requests half a request after the off run's.
+    assert on["measure_start"] - off["measure_start"] == pytest.approx(0.5 / 50)
     for run in (on, off):
         assert run["accesses"] == 60 and run["query_calls"] >= 60 and run["query_p99_us"] > 0
     assert s["gain_pp"] == pytest.approx((on["hit_rate"] - off["hit_rate"]) * 100)
