@@ -35,6 +35,15 @@ def _server(meta: _Meta, port: int = 0) -> tuple[grpc.aio.Server, str]:
     return server, f"127.0.0.1:{port}"
 
 
+async def start(lookup: MetaLookup, state: grpc.ChannelConnectivity, what: str) -> None:
+    """Start ``lookup`` and wait (bounded) until its channel is in ``state``, with no call made."""
+    lookup.start()
+    ch = lookup.channel
+    assert ch is not None
+    await wait_until_async(lambda: ch.get_state() == state, 10,
+                           lambda: f"the started channel to {what} (state {ch.get_state()})")
+
+
 def test_a_started_lookup_is_connected_before_its_first_call():
     async def run() -> tuple[int, list[Holder], int]:
         meta = _Meta()
@@ -42,11 +51,7 @@ def test_a_started_lookup_is_connected_before_its_first_call():
         await server.start()
         lookup = MetaLookup(addr, Security())
         try:
-            lookup.start()
-            assert lookup.channel is not None
-            ch = lookup.channel
-            await wait_until_async(lambda: ch.get_state() == grpc.ChannelConnectivity.READY, 10,
-                                   lambda: f"the channel to connect on its own (state {ch.get_state()})")
+            await start(lookup, grpc.ChannelConnectivity.READY, "connect on its own")
             before = meta.calls  # connected, and nothing asked yet
             return before, await lookup(NS, [b"h" * 16] * 3), meta.calls
         finally:
@@ -79,11 +84,7 @@ def test_a_metaserver_down_at_start_is_found_soon_after_it_serves():
         server: grpc.aio.Server | None = None
         lookup = MetaLookup(f"127.0.0.1:{port}", Security(), reconnect_max=reconnect_max)
         try:
-            lookup.start()
-            assert lookup.channel is not None
-            ch = lookup.channel
-            await wait_until_async(lambda: ch.get_state() == grpc.ChannelConnectivity.TRANSIENT_FAILURE, 10,
-                                   lambda: f"the start's connection to fail (state {ch.get_state()})")
+            await start(lookup, grpc.ChannelConnectivity.TRANSIENT_FAILURE, "fail to connect")
             failed = 0
             end = time.monotonic() + OUTAGE_S
             while time.monotonic() < end:  # the outage: Queries' lookups keep failing
