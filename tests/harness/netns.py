@@ -128,6 +128,7 @@ class Cluster:
     namespaces: list[str] = field(default_factory=list)
     fallback_reason: str = ""
     procs: list[subprocess.Popen] = field(default_factory=list)
+    loopback_base: int | None = None  # the fallback's 127.0.BASE.x, held until close()
 
     def spawn(self, host: Host, args: list[str], log: Path, **kw: object) -> subprocess.Popen:
         p = host.popen(args, log, **kw)
@@ -147,6 +148,11 @@ class Cluster:
                 pass
         for ns in self.namespaces:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        if self.loopback_base is not None:
+            _LOOPBACK_BASES.discard(self.loopback_base)
+
+
+_LOOPBACK_BASES: set[int] = set()  # the fallback's bases of this process's open clusters
 
 
 def make_cluster(n: int) -> Cluster:
@@ -162,10 +168,13 @@ def make_cluster(n: int) -> Cluster:
         except (subprocess.CalledProcessError, OSError) as exc:
             err = getattr(exc, "stderr", "") or str(exc)
             reason = f"ip netns failed: {err.strip()}"
-    base = random.randrange(2, 200)
+    # A base no cluster of this process holds (two at once, as bench/backup.py runs, would
+    # otherwise share addresses, hence ports, once in ~200 picks).
+    base = random.choice([b for b in range(2, 200) if b not in _LOOPBACK_BASES])
+    _LOOPBACK_BASES.add(base)
     hub = Host("hub", None, f"127.0.{base}.1")
     hosts = [Host(f"h{i}", None, f"127.0.{base}.{11 + i}") for i in range(n)]
-    return Cluster(hub, hosts, fallback_reason=reason)
+    return Cluster(hub, hosts, fallback_reason=reason, loopback_base=base)
 
 
 def _netns_cluster(n: int) -> Cluster:
