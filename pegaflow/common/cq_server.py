@@ -32,6 +32,8 @@ from typing import Any
 import grpc
 import structlog
 
+from pegaflow.common.priority import name_thread
+
 log = structlog.get_logger("pegaflow.grpc")
 
 try:  # grpc's own implementation layer (module docstring)
@@ -198,6 +200,7 @@ class CqServer:
         call.start_server_batch(ops, tag)
 
     def _serve(self) -> None:
+        name_thread()
         shut = False
         while True:
             ev = self._cq.poll()

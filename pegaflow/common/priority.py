@@ -34,7 +34,8 @@ starts with its creator's: io_uring's kernel workers started by the SSD I/O thre
 value too. Raising nice needs no privilege; lowering it again does, so only threads that
 do background work for their whole life call this (a thread's first line, an executor's
 ``initializer``). It also names the OS thread (``top -H``, ``ps -L`` show which part burns
-CPU). Elsewhere than Linux it does nothing.
+CPU); :func:`name_thread` only names it, for threads that keep their creator's priority (the
+metaserver's). Elsewhere than Linux both do nothing.
 """
 
 from __future__ import annotations
@@ -68,6 +69,14 @@ def background_thread() -> None:
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICE))
     except OSError:  # a sandbox that forbids it: the thread runs at its creator's priority
         pass
+    name_thread()
+
+
+def name_thread() -> None:
+    """Give the calling OS thread the Python thread's name (15 bytes), its priority unchanged:
+    for the threads that serve or keep what serving reads current (``top -H``, ``ps -L``)."""
+    if not sys.platform.startswith("linux"):
+        return
     try:
         _set_os_name(threading.current_thread().name)
     except (OSError, AttributeError):

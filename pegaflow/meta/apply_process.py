@@ -35,6 +35,7 @@ from multiprocessing.context import SpawnProcess
 import structlog
 from prometheus_client import Gauge
 
+from pegaflow.common.priority import name_thread
 from pegaflow.meta import apply_child
 from pegaflow.meta.apply_child import Snapshot
 from pegaflow.meta.events.consumer import ConsumerMetrics
@@ -122,6 +123,7 @@ class ConsumerProcess:
             self._conn = None
 
     def _supervise(self) -> None:
+        name_thread()
         delay = RESTART_MIN_S
         started = time.monotonic()
         while True:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable
 from concurrent import futures
 
 import grpc
@@ -26,6 +27,7 @@ from pegaflow.common.cq_server import CqServer
 from pegaflow.common.grpc_guard import SyncGuard
 from pegaflow.common.heap import freeze_startup_heap
 from pegaflow.common.http import HttpEndpoint
+from pegaflow.common.priority import name_thread
 from pegaflow.common.security import Security
 from pegaflow.config.commands import MetaConfig
 from pegaflow.config.options import META, without_effect
@@ -54,6 +56,18 @@ GRPC_THREADS_VIEW = 2
 GRPC_THREADS = 8
 GRPC_GRACE_S = 1.0  # calls in flight at stop get this long to finish
 JOIN_TIMEOUT_S = 5.0  # the sweeper and the census finish their pass (they stop at their next wait)
+
+
+
+def _thread(target: Callable[..., object], args: tuple[object, ...], name: str) -> threading.Thread:
+    """A daemon thread running ``target(*args)``, its OS thread named ``name`` (``top -H``
+    tells the metaserver's parts apart; pegaflow/common/priority.py)."""
+
+    def run() -> None:
+        name_thread()
+        target(*args)
+
+    return threading.Thread(target=run, name=name, daemon=True)
 
 
 class StartupError(Exception):
@@ -86,26 +100,22 @@ class MetaServer:
         self.stopping = threading.Event()
         self.threads: list[threading.Thread] = []
         if config.sweep_interval > 0:
-            self.threads.append(threading.Thread(
-                target=sweeper.run,
-                args=(redis, self.stopping, config.sweep_interval, self.consumer.name, self.metrics,
-                      round(config.ttl_minutes * 60_000)),
-                name="pf-meta-sweeper", daemon=True))
+            self.threads.append(_thread(
+                sweeper.run, (redis, self.stopping, config.sweep_interval, self.consumer.name, self.metrics,
+                              round(config.ttl_minutes * 60_000)), "pf-meta-sweeper"))
         # Owner counts of the replacement classes (pegaflow/meta/owners.py): who counts, recounted.
-        self.threads.append(threading.Thread(
-            target=owners.run, args=(redis, self.stopping, self.consumer.name, config.min_reclaimable_owner_count,
-                                     config.node_stale_secs * 1000 or None),
-            name="pf-meta-owners", daemon=True))
+        self.threads.append(_thread(
+            owners.run, (redis, self.stopping, self.consumer.name, config.min_reclaimable_owner_count,
+                         config.node_stale_secs * 1000 or None), "pf-meta-owners"))
         if config.enable_decode_backup:  # the decode backup's planner (pegaflow/meta/backup.py)
             planner = backup.Planner(redis, config.backup_target_delay_secs * 1000,
                                      config.node_stale_secs * 1000 or None, backup.BackupMetrics(registry),
                                      self.consumer.name)
-            self.threads.append(threading.Thread(target=backup.run, args=(planner, self.stopping),
-                                                 name="pf-meta-backup", daemon=True))
+            self.threads.append(_thread(backup.run, (planner, self.stopping), "pf-meta-backup"))
         if config.index_census_interval > 0:
-            self.threads.append(threading.Thread(
-                target=run_census, args=(self.metrics, self._census, self.stopping, config.index_census_interval),
-                name="pf-meta-census", daemon=True))
+            self.threads.append(_thread(
+                run_census, (self.metrics, self._census, self.stopping, config.index_census_interval),
+                "pf-meta-census"))
         self.ceiling = ClusterCeilingCollector(redis, config.ceiling_windows, lg_k=config.metric_hll_bucket_bits)
         registry.register(self.ceiling)
         stale_ms = config.node_stale_secs * 1000  # --node-stale-secs hides silent nodes

@@ -88,6 +88,7 @@ from pegaflow.cluster.redis_conn import (
     parallel,
     raw_round_trip,
 )
+from pegaflow.common.priority import name_thread
 from pegaflow.meta.events.codec import FIELD, MalformedEvent, decode
 from pegaflow.meta.events.schema import Event, Op
 from pegaflow.meta.view import MAX_NAMESPACES, MAX_SLOTS, PrefixView
@@ -249,6 +250,7 @@ class ViewFeed:
 
     def run(self) -> None:
         """Rounds until :meth:`stop`; Redis errors put the view out of use (contract 5)."""
+        name_thread()
         failing = False
         sleep = self.poll_s
         while not self._stop.is_set():
@@ -282,6 +284,7 @@ class ViewFeed:
     def watch(self) -> None:
         """Block on Redis until :meth:`stop`; a dropped connection puts the view out of use
         at once (contract 5)."""
+        name_thread()
         while not self._stop.is_set():
             try:
                 self.r.blpop([keys.VIEW_WATCH], timeout=WATCH_S)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
+from pathlib import Path
 
 import grpc
 import pytest
@@ -74,6 +76,12 @@ def test_a_replica_serves_once_started_and_gives_everything_back_when_stopped(re
         # the sweeper, the owner counts (replacement classes) and the census; no decode backup planner
         assert all(t.is_alive() for t in m.threads)
         assert sorted(t.name for t in m.threads) == ["pf-meta-census", "pf-meta-owners", "pf-meta-sweeper"]
+        # Every thread of the replica carries its name to the OS (top -H, ps -L): 15 bytes.
+        named = {t.name: t.native_id for t in threading.enumerate() if t.name.startswith("pf-")}
+        assert {"pf-grpc-cq", "pf-meta-view", "pf-meta-view-watch", "pf-meta-apply-supervisor", *(
+            t.name for t in m.threads)} <= named.keys(), sorted(named)
+        comms = {name: Path(f"/proc/self/task/{tid}/comm").read_text().strip() for name, tid in named.items()}
+        assert all(comm == name[:15] for name, comm in comms.items()), comms
         child = m.consumer.pid
         assert child is not None
     finally:

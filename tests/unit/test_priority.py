@@ -7,7 +7,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from pegaflow.common.priority import BACKGROUND_NICE, background_thread
+from pegaflow.common.priority import BACKGROUND_NICE, background_thread, name_thread
 
 
 def _nice(tid: int) -> int:
@@ -33,6 +33,21 @@ def test_a_background_thread_is_niced_and_named_and_its_creator_is_not():
     t.join()
     assert seen == {"nice": min(19, base + BACKGROUND_NICE), "comm": "pf-test-backgro"}
     assert _nice(me) == base
+
+
+def test_a_named_thread_keeps_its_creators_priority():
+    base = _nice(threading.get_native_id())
+    seen: dict[str, object] = {}
+
+    def work() -> None:
+        name_thread()
+        tid = threading.get_native_id()
+        seen.update(nice=_nice(tid), comm=_comm(tid))
+
+    t = threading.Thread(target=work, name="pf-test-named-thread")
+    t.start()
+    t.join()
+    assert seen == {"nice": base, "comm": "pf-test-named-t"}
 
 
 def test_an_executor_initializer_nices_every_worker():
