@@ -117,6 +117,16 @@ class Peers(Protocol):
     async def unpin(self, address: str, pin_id: int) -> None: ...
 
 
+def reconnect_options(reconnect_max: float) -> list[tuple[str, int]]:
+    """Options of the node's channels to the metaserver and to peers: while the server is
+    down, the channel waits ``RECONNECT_FIRST_MS`` before its next attempt to connect, then
+    longer, up to ``reconnect_max`` seconds (grpc's own waits start at 1 s and grow to 120 s).
+    The puller skips a failing metaserver or peer for its backoff (``--peer-backoff``, 5 s
+    first) anyway; a channel waiting longer would keep calls failing after the server is back."""
+    ms = max(1, round(reconnect_max * 1000))
+    return [("grpc.initial_reconnect_backoff_ms", min(ms, RECONNECT_FIRST_MS)), ("grpc.max_reconnect_backoff_ms", ms)]
+
+
 class MetaLookup:
     """QueryPrefix on the metaserver over one grpc.aio channel.
 
@@ -127,18 +137,13 @@ class MetaLookup:
     out, and a failed lookup skips the metaserver for the puller's backoff, so the node's
     first remote hits were answered as misses.
 
-    ``reconnect_max``: the longest the channel waits between attempts to connect to a
-    metaserver that is down (grpc's default grows to 120 s). The puller skips a failing
-    metaserver for its backoff (``--peer-backoff``, 5 s first) anyway; a channel backing
-    off longer would keep lookups failing after the metaserver is back.
+    ``reconnect_max``: :func:`reconnect_options`.
     """
 
     def __init__(self, addr: str, security: Security, reconnect_max: float = BACKOFF_MIN) -> None:
         self.addr = addr
         self.security = security
-        ms = max(1, round(reconnect_max * 1000))
-        self.options = [("grpc.initial_reconnect_backoff_ms", min(ms, RECONNECT_FIRST_MS)),
-                        ("grpc.max_reconnect_backoff_ms", ms)]
+        self.options = reconnect_options(reconnect_max)
         self.channel: grpc.aio.Channel | None = None
         self.stub: meta_pb2_grpc.MetaServiceStub | None = None
 
@@ -163,12 +168,14 @@ class MetaLookup:
 
 
 class GrpcPeers:
-    """PegaPeer stubs, one grpc.aio channel per peer address."""
+    """PegaPeer stubs, one grpc.aio channel per peer address (``reconnect_max``:
+    :func:`reconnect_options`)."""
 
-    def __init__(self, security: Security, max_message: int = 64 << 20) -> None:
+    def __init__(self, security: Security, max_message: int = 64 << 20, reconnect_max: float = BACKOFF_MIN) -> None:
         self.security = security
         self._stubs: dict[str, tuple[grpc.aio.Channel, peer_pb2_grpc.PegaPeerStub]] = {}
-        self._opts = [("grpc.max_receive_message_length", max_message), ("grpc.max_send_message_length", max_message)]
+        self._opts = [("grpc.max_receive_message_length", max_message), ("grpc.max_send_message_length", max_message),
+                      *reconnect_options(reconnect_max)]
 
     def stub(self, address: str) -> peer_pb2_grpc.PegaPeerStub:
         e = self._stubs.get(address)

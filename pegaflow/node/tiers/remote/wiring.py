@@ -87,7 +87,7 @@ class P2P:
                 transport = RdmaTransport(self.engine, self._handshake, node_id, config.qps_per_peer)
             else:
                 transport = TcpTransport(pool.view)
-            self._peers = GrpcPeers(security)
+            self._peers = GrpcPeers(security, reconnect_max=config.peer_backoff)
             self._lookup = MetaLookup(config.metaserver_addr, security, reconnect_max=config.peer_backoff)
             self.puller = Puller(index, pool.view, node_id, self._lookup, self._peers, transport, self.metrics,
                                  pin_ttl=config.pin_ttl, backoff=config.peer_backoff, max_pull=config.max_batch,
