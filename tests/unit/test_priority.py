@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -18,36 +19,32 @@ def _comm(tid: int) -> str:
     return Path(f"/proc/self/task/{tid}/comm").read_text().strip()
 
 
-def test_a_background_thread_is_niced_and_named_and_its_creator_is_not():
-    me = threading.get_native_id()
-    base = _nice(me)
+def _seen_in_thread(first: Callable[[], None], name: str) -> dict[str, object]:
+    """The nice value and OS name of a thread called ``name`` once it ran ``first``."""
     seen: dict[str, object] = {}
 
     def work() -> None:
-        background_thread()
+        first()
         tid = threading.get_native_id()
         seen.update(nice=_nice(tid), comm=_comm(tid))
 
-    t = threading.Thread(target=work, name="pf-test-background-thread")
+    t = threading.Thread(target=work, name=name)
     t.start()
     t.join()
+    return seen
+
+
+def test_a_background_thread_is_niced_and_named_and_its_creator_is_not():
+    me = threading.get_native_id()
+    base = _nice(me)
+    seen = _seen_in_thread(background_thread, "pf-test-background-thread")
     assert seen == {"nice": min(19, base + BACKGROUND_NICE), "comm": "pf-test-backgro"}
     assert _nice(me) == base
 
 
 def test_a_named_thread_keeps_its_creators_priority():
     base = _nice(threading.get_native_id())
-    seen: dict[str, object] = {}
-
-    def work() -> None:
-        name_thread()
-        tid = threading.get_native_id()
-        seen.update(nice=_nice(tid), comm=_comm(tid))
-
-    t = threading.Thread(target=work, name="pf-test-named-thread")
-    t.start()
-    t.join()
-    assert seen == {"nice": base, "comm": "pf-test-named-t"}
+    assert _seen_in_thread(name_thread, "pf-test-named-thread") == {"nice": base, "comm": "pf-test-named-t"}
 
 
 def test_an_executor_initializer_nices_every_worker():

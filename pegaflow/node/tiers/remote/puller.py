@@ -61,7 +61,7 @@ HOLD_SECONDS = 2.0  # pulled blocks stay pinned this long for the engine's next 
 BACKOFF_MIN = 5.0  # first skip after a failure; doubles up to BACKOFF_MAX while failures repeat
 BACKOFF_MAX = 120.0
 META_KEY = "<metaserver>"  # backoff entry of the metaserver itself
-RECONNECT_FIRST_MS = 100  # the metaserver channel's first wait before reconnecting (grpc's default: 1 s)
+RECONNECT_FIRST_MS = 100  # the first wait of a channel to the metaserver or a peer before reconnecting (grpc's: 1 s)
 NEGATIVE_TTL = 0.5  # seconds a "nobody holds it" answer is reused (an engine re-Queries a waiting request)
 NEGATIVE_MAX = 65536  # remembered negative answers at most (oldest dropped first)
 # A pull from an SSD holder pins this much per chunk, SSD_CHUNKS_IN_FLIGHT at once (see
