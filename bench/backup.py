@@ -64,7 +64,6 @@ SAMPLE_S = 0.1  # how often the target's pulled bytes are read during the warm-u
 # Seconds of --backup-max-bandwidth per plan (--backup-pull-max-bytes): the planner queues two
 # a pass (MAX_QUEUED), twice what the bandwidth lets go; a bigger plan waits longer for its bytes.
 PLAN_S = 1.0
-RESAMPLES = 2000  # bootstrap resamples of the Query latencies (the p99 ratio's spread)
 KEPT_S = 0.5  # how often the busy nodes' reclaimable pages are read during the measure
 WAIT_S = 60.0  # bound on every wait for the backup (role, reclaimable pages)
 GO_S = 0.2  # both measures start this long after both runs are warm
@@ -361,25 +360,12 @@ def driver_failed(r: Run) -> str:
     return f"driver failed (backup {'on' if r.on else 'off'}): {out[-2000:]}\n{err[-3000:]}"
 
 
-def p99_ratio_interval(on_us: list[float], off_us: list[float], resamples: int = RESAMPLES,
-                       seed: int = 0) -> tuple[float, float]:
-    """The 5th and 95th percentiles of p99(on) / p99(off) over bootstrap resamples of each
-    run's Query latencies: how far the ratio moves with the calls that happened to land in
-    the tail, within this run."""
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    on_a, off_a = np.asarray(on_us), np.asarray(off_us)
-    on_p = np.percentile(rng.choice(on_a, (resamples, len(on_a))), 99, axis=1)
-    off_p = np.percentile(rng.choice(off_a, (resamples, len(off_a))), 99, axis=1)
-    lo, hi = np.percentile(on_p / off_p, [5, 95])
-    return float(lo), float(hi)
-
-
 def summarize(a: argparse.Namespace, off: dict[str, Any], on: dict[str, Any],
               model: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The figures and their ratios, every one from this run's measurements and ``model``
     (:func:`replay_prediction`'s runs, "off" and "on")."""
+    from bench.common import p99_ratio_interval
+
     overflow = 2 * (2 * a.pages - a.pages)  # the busy nodes' working-set pages beyond their pools
     # Backed-up pages the busy pools keep too (their reclaimable class, at most --reclaimable-percent):
     # measured with the backup on, the mean over the measure (read every KEPT_S, its start and end).

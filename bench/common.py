@@ -180,3 +180,27 @@ class Streamed:
         if self.first is None:
             raise RuntimeError(f"{who}: no token streamed")
         return self.first
+
+
+RESAMPLES = 2000  # bootstrap resamples behind p99_ratio_interval
+
+
+def p99_ratio_interval(a_us: list[float], b_us: list[float], *, paired: bool = False, resamples: int = RESAMPLES,
+                       seed: int = 0) -> tuple[float, float]:
+    """The 5th and 95th percentiles of p99(a) / p99(b) over bootstrap resamples of the calls:
+    how far the ratio moves with the calls that happened to land in the tail, within one run.
+    ``paired``: ``a_us[i]`` and ``b_us[i]`` were made in the same round (calls interleaved on
+    one client), so a resample takes both calls of a round, and a slow moment of the host
+    stays on both sides."""
+    rng = np.random.default_rng(seed)
+    a, b = np.asarray(a_us), np.asarray(b_us)
+    if paired:
+        if len(a) != len(b):
+            raise ValueError(f"paired calls need as many of each: {len(a)} and {len(b)}")
+        idx = rng.integers(0, len(a), (resamples, len(a)))
+        a_p, b_p = np.percentile(a[idx], 99, axis=1), np.percentile(b[idx], 99, axis=1)
+    else:
+        a_p = np.percentile(rng.choice(a, (resamples, len(a))), 99, axis=1)
+        b_p = np.percentile(rng.choice(b, (resamples, len(b))), 99, axis=1)
+    lo, hi = np.percentile(a_p / b_p, [5, 95])
+    return float(lo), float(hi)

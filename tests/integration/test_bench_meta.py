@@ -54,6 +54,10 @@ def test_both_metaservers_get_the_same_work_and_every_goal_figure_is_written(tmp
         row, _ = evaluate(g, s)
         assert row[3] != "—", (g.metric, row)  # a ratio: both figures are there
     assert "ours ÷ original" in p.stdout
+    for k in ("route", "query"):  # how far each idle p99 ratio moves over resamples of the rounds
+        lo, hi = o[f"{k}_p99_ratio_90pct"]
+        assert 0 < lo <= hi
+    assert "over resamples of their rounds" in p.stdout
 
 
 def test_goals_against_an_absent_original_do_not_hold() -> None:
