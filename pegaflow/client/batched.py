@@ -131,7 +131,17 @@ ALL_PINNED = AllPinned()
 
 
 class BounceBusy(RuntimeError):
-    """Every bounce slot is still in use by earlier copies: this batch is not copied."""
+    """Pool memory not registered yet and no bounce slots to copy it through."""
+
+
+class IssueFailed(RuntimeError):
+    """A batch failed after some of its copies were queued. ``completions``: the host work
+    those queued (a save's bounce copies into the pool), which still runs: the pages it
+    writes must not be handed out again before it is done."""
+
+    def __init__(self, cause: BaseException, completions: tuple[Event, ...]) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.completions = completions
 
 
 def alias(ptr: int, nbytes: int, device: torch.device, keep: object) -> torch.Tensor:
@@ -328,6 +338,7 @@ class _Slot:
         self.buf = buf
         self.ptr = buf.data_ptr()
         self.busy: Event | None = None
+        self.taken = 0  # when it was last taken (Bounce's count of takes)
 
     def free(self) -> bool:
         return self.busy is None or self.busy.query()
@@ -389,7 +400,15 @@ class Finisher:
 
 class Bounce:
     """Pinned host slots, one chunk of staging each, for pool pieces not registered yet.
-    ``count(runs)`` is told of every run that goes through one (a metric)."""
+    ``count(runs)`` is told of every run that goes through one (a metric).
+
+    A chunk that finds every slot in use waits on the host for the one taken longest ago
+    (``waits`` counts it): a batch larger than the slots reuses them in turn, and on a GPU
+    its copies start only after the forward, so its third chunk finds both slots in use.
+    Refusing there would fail every load or save of more than two chunks until the pool is
+    registered, after some of its copies were queued. The engine thread then waits for
+    the device, as it does for a pinned index buffer (``DeviceCopier._host_slot``); only
+    while a piece of the pool is not registered."""
 
     def __init__(self, stream: DeviceStream, slot_bytes: int, slots: int = 2,
                  count: Callable[[int], None] | None = None) -> None:
@@ -397,6 +416,8 @@ class Bounce:
         self.finisher = Finisher(stream.recycle)
         self._stream = stream
         self.used = 0  # runs that went through a slot
+        self.waits = 0  # takes that waited on the host for a slot in use
+        self._takes = 0
         self._count = count
 
     def counted(self, runs: int) -> None:
@@ -405,13 +426,17 @@ class Bounce:
             self._count(runs)
 
     def take(self) -> _Slot:
-        for s in self.slots:
-            if s.free():
-                if s.busy is not None:
-                    self._stream.recycle(s.busy)  # a load's event (a save's completion is the finisher's)
-                    s.busy = None
-                return s
-        raise BounceBusy("every bounce slot is in use; the pool's registration is not done yet")
+        free = [s for s in self.slots if s.free()]
+        slot = free[0] if free else min(self.slots, key=lambda s: s.taken)
+        if slot.busy is not None:
+            if not free:
+                slot.busy.synchronize()  # the class docstring
+                self.waits += 1
+            self._stream.recycle(slot.busy)  # a load's event (a save's completion is no stream's: ignored)
+            slot.busy = None
+        self._takes += 1
+        slot.taken = self._takes
+        return slot
 
     def close(self) -> None:
         self.finisher.close()
@@ -504,6 +529,18 @@ class DeviceCopier:
         out = Issued()
         completions: list[Event] = []
         bands = (self.save_band,) if to_pool else self.load_bands
+        try:
+            self._chunks(batch, pool, pins, to_pool, bands, out, completions, on_gathered, on_layers)
+        except Exception as exc:
+            if not completions:
+                raise
+            raise IssueFailed(exc, tuple(completions)) from exc
+        out.completions = tuple(completions)
+        return out
+
+    def _chunks(self, batch: Batch, pool: torch.Tensor, pins: Pins, to_pool: bool, bands: Sequence[Band], out: Issued,
+                completions: list[Event], on_gathered: Callable[[], None] | None,
+                on_layers: Callable[[tuple[str, ...]], None] | None) -> None:
         pool_ptr = pool.data_ptr()
         last = len(batch.chunks) - 1
         for k, chunk in enumerate(batch.chunks):
@@ -528,8 +565,6 @@ class DeviceCopier:
                         on_layers(band.layers)
                 if slot is not None:
                     slot.busy = self.stream.record()
-        out.completions = tuple(completions)
-        return out
 
     def _run_bytes(self, r: Run) -> int:
         return r.part[1] - r.part[0] if r.part else r.pages * self.page

@@ -342,6 +342,10 @@ class SchedulerSide:
         self._load_leases: list[Leases] = []
         self._step = 0
         self._inflight: dict[int, _StepWork] = {}
+        # Reservations a worker failed, until their step settles: a rank reports a failure when
+        # it happens, and the step may settle in a later report (its other copies, or another
+        # rank's, still running).
+        self._failed: set[int] = set()
         self._async: dict[str, _ReqState] = {}  # requests whose asynchronous load is not issued yet
         self.disabled: str | None = None  # a worker cannot copy: why (``disable``)
         self._copies: CopyTimes = NO_COPIES  # the workers' copy times not sent to the node yet
@@ -896,6 +900,7 @@ class SchedulerSide:
         if report.disabled:
             self.disable("a worker rank reported it cannot copy (see that rank's log)")
         self._copies = self._copies.merge(report.copies)
+        self._failed |= report.failed_reservations
         for step in sorted(s for s in self._inflight if s <= report.done_through or s in report.lost_steps):
             work = self._inflight.pop(step)
             acked = step not in report.lost_steps
@@ -903,7 +908,9 @@ class SchedulerSide:
                 link = self.links[node]
                 # (Reservation ids are random 64-bit numbers per node: one failed on another
                 # node with the same id would abort this one too, a miss and never wrong KV.)
-                if acked and rid not in report.failed_reservations:
+                failed = rid in self._failed
+                self._failed.discard(rid)
+                if acked and not failed:
                     # Not waiting for the answer keeps the commit off the path between a
                     # step's output and the next step (a sync round trip per reservation).
                     link.call(lambda c, rid, t: c.commit(rid, wait=False, copies=t), rid, self._take_copies(node))

@@ -56,6 +56,7 @@ from pegaflow.client.batched import (
     DeviceStream,
     Event,
     Issued,
+    IssueFailed,
     Pins,
 )
 from pegaflow.client.blocks import BlockIds
@@ -417,11 +418,11 @@ class WorkerSide:
                     issued = True
                 else:
                     nbytes = self._load_pages(layout.segments, block_ids, pool, offsets, layout.groups)
-            except Exception:  # noqa: BLE001 - any copy failure means "recompute these blocks"
+            except Exception as exc:  # noqa: BLE001 - any copy failure means "recompute these blocks"
                 logger.exception(
                     "PegaFlow rank %d: load of %d blocks failed; vLLM recomputes them", self.tp_rank, len(block_ids)
                 )
-                self._after_failed_issue(meta.step, pool)
+                self._after_failed_issue(meta.step, pool, exc)
                 self._fail_loads(loads)
                 self._load_failures += 1
                 continue
@@ -476,16 +477,20 @@ class WorkerSide:
         assert self.stream is not None
         self.inflight.add(step, self.stream.record(), keep=pool)
 
-    def _after_failed_issue(self, step: int, pool: torch.Tensor) -> None:
+    def _after_failed_issue(self, step: int, pool: torch.Tensor, exc: Exception) -> None:
         """Some copies of a failed batch may be queued already: the compute stream waits for
         them (a recomputed block is never written under a stray load, a block is never
-        reused under a gather still reading it), and the pool is kept until they ran."""
+        reused under a gather still reading it), and the step, with the pool, waits until
+        they ran, bounce copies into the pool included (``IssueFailed``): the failed saves'
+        pages are aborted only then, so none is handed out again while a copy writes it."""
         if not self._async:
             return
         assert self.stream is not None
         ev = self.stream.record()
         self.stream.compute_waits(ev)
         self.inflight.add(step, ev, keep=pool)
+        for done in exc.completions if isinstance(exc, IssueFailed) else ():
+            self.inflight.add(step, done, keep=pool)
 
     def _drop_layer_events(self) -> None:
         """Last step's per-layer events: every wait on them is queued by now."""
@@ -524,9 +529,9 @@ class WorkerSide:
                                               frozenset(s.reservation_id for s in batch))
                 else:
                     nbytes = self._save_pages(layout.segments, block_ids, pool, offsets, layout.groups)
-            except Exception:  # noqa: BLE001 - a failed save is a future miss, never an error
+            except Exception as exc:  # noqa: BLE001 - a failed save is a future miss, never an error
                 logger.exception("PegaFlow rank %d: save of %d blocks failed", self.tp_rank, len(block_ids))
-                self._after_failed_issue(meta.step, pool)
+                self._after_failed_issue(meta.step, pool, exc)
                 self._failed_reservations.update(s.reservation_id for s in batch)
                 continue
             if self._async:

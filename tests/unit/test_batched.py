@@ -16,6 +16,7 @@ is the host stand-in of tests/fakes/device.py. What is proved here:
 from __future__ import annotations
 
 import math
+import threading
 from collections import Counter
 
 import numpy as np
@@ -24,7 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pegaflow.client import load_pages, save_pages
-from pegaflow.client.batched import MIN_UNIT, BounceBusy, DeviceCopier, Run, UnitSpan, _runs, plan
+from pegaflow.client.batched import MIN_UNIT, DeviceCopier, Run, UnitSpan, _runs, plan
 from pegaflow.connector.layout import build_page_layout
 from tests.fakes.device import HostStream
 from tests.unit.test_connector_layout import LAYOUTS, NB, zeroed
@@ -243,27 +244,72 @@ def test_pool_pieces_not_registered_go_through_the_bounce_slots_never_by_direct_
     assert not [a for a in touched if pool.data_ptr() + 8 * page <= a < hi]
 
 
-def test_a_batch_is_refused_before_it_moves_when_every_bounce_slot_is_busy() -> None:
-    caches, _arena = placed(_flash(2))
+class _LagEvent:
+    """A device event: completes ``lag`` seconds after it was recorded, on its own."""
+
+    def __init__(self, lag: float) -> None:
+        self._done = threading.Event()
+        threading.Timer(lag, self._done.set).start()
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def synchronize(self) -> None:
+        assert self._done.wait(5.0), "the device never got there"
+
+
+class LaggingStream(HostStream):
+    """A copy stream whose events complete a while after they are recorded, as on a GPU
+    where the copies start only after the forward (the DMAs themselves run at once here)."""
+
+    def __init__(self, lag: float = 0.2) -> None:
+        super().__init__()
+        self.lag = lag
+
+    def record(self) -> _LagEvent:  # type: ignore[override]
+        self.records += 1
+        return _LagEvent(self.lag)
+
+
+def test_a_batch_larger_than_the_bounce_slots_reuses_them_in_turn_waiting_for_the_oldest() -> None:
+    caches, _arena = placed(_flash(3))
     layout = build_page_layout(caches)
     page = layout.page_bytes
-    pool = torch.zeros(8 * page, dtype=torch.uint8)
+    pool = torch.zeros(16 * page, dtype=torch.uint8)
+    ref = torch.zeros_like(pool)
+    ids = [5, 1, 7, 9, 2, 30, 11, 3, 14, 20, 6, 25]
+    offs = [i * page for i in range(len(ids))]
+    save_pages(layout.segments, ids, ref, offs)
+    pins = Unpinned(0, pool)  # nothing registered yet: every chunk goes through a slot
+    stream = LaggingStream()
+    saver = DeviceCopier(layout.segments, stream, staging_bytes=3 * page, bounce_slots=2)  # 4 chunks, 2 slots
+    issued = saver.save(ids, pool, offs, pins)
+    for done in issued.completions:
+        done.synchronize()
+    # A slot taken again before its bytes were copied out into the pool would have lost them.
+    assert torch.equal(pool, ref)
+    assert saver.bounce is not None and saver.bounce.waits >= 1 and len(issued.completions) == 4
 
-    class Pending:
-        def query(self) -> bool:
-            return False
+    out_caches, _a2 = placed({k: torch.zeros_like(v) for k, v in caches.items()})
+    out = build_page_layout(out_caches)
+    loader = DeviceCopier(out.segments, stream, staging_bytes=3 * page, bounce_slots=2)
+    assert loader.bounce is not None
+    take = loader.bounce.take
+    refilled_busy: list[object] = []
 
-        def synchronize(self) -> None:
-            raise AssertionError("the host must not wait for the device here")
+    def watched_take() -> object:
+        before = {id(s): s.busy for s in loader.bounce.slots}  # type: ignore[union-attr]
+        slot = take()
+        last = before[id(slot)]
+        if last is not None and not last.query():  # its last DMA may still read it
+            refilled_busy.append(slot)
+        return slot
 
-    copier = DeviceCopier(layout.segments, HostStream(), bounce_slots=2)
-    assert copier.bounce is not None
-    for s in copier.bounce.slots:
-        s.busy = Pending()
-    out = [seg.clone() for seg in layout.segments]
-    with pytest.raises(BounceBusy):
-        copier.load([0, 1], pool.fill_(9), [0, page], Unpinned(0, pool))
-    assert all(torch.equal(a, b) for a, b in zip(out, layout.segments, strict=True)), "nothing was written"
+    loader.bounce.take = watched_take  # type: ignore[method-assign]
+    loader.load(ids, pool, offs, pins)
+    for i in ids:
+        assert torch.equal(out.page(i), layout.page(i))
+    assert loader.bounce.waits >= 1 and not refilled_busy  # never refilled under a DMA still reading it
 
 
 def test_rows_without_a_common_unit_are_copied_segment_by_segment_with_the_same_bytes() -> None:

@@ -17,6 +17,8 @@ from contextlib import nullcontext
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from pegaflow.connector.intents import PegaWorkerReport
 from tests.fakes.device import HostDma
 from tests.unit.connector_fakes import Engine, FakeNode, identity
@@ -115,6 +117,54 @@ def test_a_save_is_committed_only_after_its_copy_completed() -> None:
     out = Engine(node, identity()).run(tokens)
     assert out["external"] == (len(tokens) - 1) // bs * bs
     assert out["loaded"][0] == computed
+
+
+def _failing_save(monkeypatch: pytest.MonkeyPatch, exc: Exception) -> None:
+    from pegaflow.client import batched
+
+    def save(*args: object, **kwargs: object) -> None:
+        raise exc
+
+    monkeypatch.setattr(batched.DeviceCopier, "save", save)
+
+
+def test_a_save_that_fails_while_its_step_is_in_flight_is_aborted_never_committed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    node = FakeNode()
+    streams: list[ManualStream] = []
+    eng = Engine(node, identity(), stream=lambda: streams.append(ManualStream()) or streams[-1])
+    _failing_save(monkeypatch, RuntimeError("the copy stream refused it"))
+    eng.run(prompt(1))
+    # The failed batch's queued copies (if any) still hold the step: it settles later, and
+    # the failure, reported now, must still count then.
+    assert node.calls["reserve"] == 1 and node.calls["commit"] == node.calls["abort"] == 0
+    assert eng.sched.pending_steps()
+    monkeypatch.undo()
+    for s in streams:
+        s.complete()
+    empty_step(eng)
+    empty_step(eng)
+    assert node.calls["commit"] == 0 and node.calls["abort"] == 1 and not node.stored
+    assert not eng.sched.pending_steps()
+
+
+def test_a_failed_batchs_queued_bounce_copies_hold_its_pages_until_they_ran(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pegaflow.client.batched import IssueFailed
+
+    node = FakeNode()
+    streams: list[ManualStream] = []
+    eng = Engine(node, identity(), stream=lambda: streams.append(ManualStream()) or streams[-1])
+    bounce_copy = ManualEvent("bounce copy into the pool")  # queued before the batch failed
+    _failing_save(monkeypatch, IssueFailed(RuntimeError("cudaMemcpyAsync failed"), (bounce_copy,)))
+    eng.run(prompt(1))
+    monkeypatch.undo()
+    for s in streams:
+        s.complete()
+    empty_step(eng)
+    assert node.calls["abort"] == 0, "aborted (its pages free for others) while a copy still writes them"
+    bounce_copy.done = True
+    empty_step(eng)
+    assert node.calls["commit"] == 0 and node.calls["abort"] == 1 and not node.stored
 
 
 def test_the_forward_waits_for_the_gather_not_for_the_dma() -> None:
