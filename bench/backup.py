@@ -1,7 +1,7 @@
 """The decode backup, measured (docs/architecture.md, "Decode backup"; issue #56).
 
     python bench/backup.py [--pages 256] [--page-kib 512] [--reclaimable-percent 25]
-                           [--bandwidth-mb 10] [--accesses 1024] [--rate 40] [--seed 1] [--summary OUT]
+                           [--bandwidth-mb 10] [--accesses 2048] [--rate 40] [--seed 1] [--summary OUT]
 
 Three real nodes in network namespaces (tests/harness/p2p.py: redis-server and pegaflow-meta
 on the hub), each with a pool of ``--pages`` pages. node-0 and node-1 are busy (an engine
@@ -407,7 +407,7 @@ def main() -> None:
     p.add_argument("--page-kib", type=int, default=512)
     p.add_argument("--reclaimable-percent", type=int, default=25, help="the nodes' --backup-reclaimable-percent")
     p.add_argument("--bandwidth-mb", type=int, default=10, help="the nodes' --backup-max-bandwidth, MiB/s")
-    p.add_argument("--accesses", type=int, default=1024, help="measured requests per run")
+    p.add_argument("--accesses", type=int, default=2048, help="measured requests per run")
     p.add_argument("--rate", type=float, default=40.0, help="measured requests per second")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--summary", type=Path, help="write the figures as JSON here")
