@@ -113,6 +113,11 @@ class DeviceStream(Protocol):
         """Nobody queries or waits for ``event`` again: it may be recorded anew."""
         ...
 
+    def bind_thread(self) -> None:
+        """Called first on a thread of the copier's own (``Finisher``): the stream's device
+        becomes that thread's."""
+        ...
+
 
 class Pins(Protocol):
     def registered(self, first: int, nbytes: int) -> bool:
@@ -368,8 +373,9 @@ class Finisher:
     copy into the pool), in order; the engine thread never waits for the device. Each
     event goes back to the stream (``recycle``) once waited for."""
 
-    def __init__(self, recycle: Callable[[Event], None] | None = None) -> None:
+    def __init__(self, recycle: Callable[[Event], None] | None = None, bind: Callable[[], None] | None = None) -> None:
         self._recycle = recycle
+        self._bind = bind  # first, on the thread (``DeviceStream.bind_thread``)
         self._q: queue.SimpleQueue[tuple[Event, Callable[[], None], HostCompletion] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="pegaflow-bounce", daemon=True)
         self._thread.start()
@@ -380,6 +386,8 @@ class Finisher:
         return done
 
     def _run(self) -> None:
+        if self._bind is not None:
+            self._bind()
         while (item := self._q.get()) is not None:
             event, fn, done = item
             try:
@@ -413,7 +421,7 @@ class Bounce:
     def __init__(self, stream: DeviceStream, slot_bytes: int, slots: int = 2,
                  count: Callable[[int], None] | None = None) -> None:
         self.slots = [_Slot(stream.pinned(slot_bytes)) for _ in range(slots)]
-        self.finisher = Finisher(stream.recycle)
+        self.finisher = Finisher(stream.recycle, stream.bind_thread)
         self._stream = stream
         self.used = 0  # runs that went through a slot
         self.waits = 0  # takes that waited on the host for a slot in use

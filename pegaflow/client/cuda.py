@@ -20,9 +20,15 @@ pool's registration (pinning) with CUDA.
   pieces it did not register keep going through the bounce slots, never through a pageable
   copy (a DMA from the GPU to pageable memory blocks the host behind the forward).
   "Already registered" (712) counts as registered (by someone else: never unregistered
-  here). The registration ends with the pool tensor (``weakref.finalize``): the caller
-  keeps the tensor alive while copies use it (``connector.inflight.InFlight`` holds it
-  with every step's copies).
+  here). A stream-capture error (900-908: a CUDA graph being captured on another thread
+  in CUDA's global mode, which forbids other threads' registrations) is no refusal: the
+  piece is tried again a second later. The caller starts a registration only once the
+  engine copies (vLLM captures its graphs after ``register_kv_caches``; a registration
+  during a capture also breaks the capture, vllm-project/vllm#46933). The thread first
+  makes the engine's device current (``device``): a new thread's is device 0, and its
+  first call would create a CUDA context there on every rank. The registration ends with
+  the pool tensor (``weakref.finalize``): the caller keeps the tensor alive while copies
+  use it (``connector.inflight.InFlight`` holds it with every step's copies).
 
 Everything here runs only where ``torch.cuda.is_available()``, except ``PoolPins`` and
 ``PinMetrics``, which the tests drive with a fake runtime (the hardware edge).
@@ -50,6 +56,8 @@ CHUNK = 1 << 30  # registration pieces: no DMA spans two (batched's ``split``)
 _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction from the addresses (unified addressing)
 ERROR_ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
+CAPTURE_ERRORS = range(900, 909)  # cudaErrorStreamCaptureUnsupported (900) ... cudaErrorStreamCaptureWrongThread (908)
+CAPTURE_RETRY_S = 1.0  # a piece refused during a stream capture is tried again this much later
 FRONT_POLL_S = 0.05  # how often the registration thread looks at the node's pre-fault front
 
 
@@ -87,6 +95,8 @@ class Runtime(Protocol):
     def host_unregister(self, ptr: int) -> int: ...
 
     def get_last_error(self) -> int: ...
+
+    def set_device(self, device: int) -> int: ...
 
 
 def find_cudart(maps: str | None = None) -> str:
@@ -138,6 +148,8 @@ class Cudart:
         self._unregister.argtypes, self._unregister.restype = [c.c_void_p], c.c_int
         self._last = lib.cudaGetLastError
         self._last.argtypes, self._last.restype = [], c.c_int
+        self._set_device = lib.cudaSetDevice
+        self._set_device.argtypes, self._set_device.restype = [c.c_int], c.c_int
         self._memcpy = lib.cudaMemcpyAsync
         self._memcpy.argtypes = [c.c_void_p, c.c_void_p, c.c_size_t, c.c_int, c.c_void_p]
         self._memcpy.restype = c.c_int
@@ -156,6 +168,9 @@ class Cudart:
 
     def get_last_error(self) -> int:
         return int(self._last())
+
+    def set_device(self, device: int) -> int:
+        return int(self._set_device(device))
 
     def error_string(self, rc: int) -> str:
         s = self._errstr(rc)
@@ -225,6 +240,11 @@ class CudaCopyStream:
     def pinned(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
+    def bind_thread(self) -> None:
+        """Make this stream's device current on the calling thread (a new thread's is device
+        0: its first CUDA call would create a context there)."""
+        torch.cuda.set_device(self.device)
+
 
 class PoolPins:
     """Which ``chunk`` pieces of one pool mapping ``[base, base + size)`` are registered with
@@ -232,9 +252,13 @@ class PoolPins:
     has pre-faulted). See the module docstring for the rules."""
 
     def __init__(self, base: int, size: int, runtime: Runtime, front: Callable[[], int], chunk: int = CHUNK,
-                 metrics: PinMetrics | None = None, poll_s: float = FRONT_POLL_S) -> None:
+                 metrics: PinMetrics | None = None, poll_s: float = FRONT_POLL_S, device: int | None = None,
+                 retry_s: float = CAPTURE_RETRY_S) -> None:
         self.base, self.size, self.chunk = base, size, chunk
         self.runtime = runtime
+        self.device = device  # made current on the thread first (None: the tests' runtimes)
+        self.retry_s = retry_s
+        self.deferred = 0  # registrations a stream capture refused (tried again)
         self.front = front
         self.metrics = metrics or pin_metrics()
         self.poll_s = poll_s
@@ -275,18 +299,28 @@ class PoolPins:
 
     def _run(self) -> None:
         try:
+            if self.device is not None:
+                rc = self.runtime.set_device(self.device)
+                if rc:
+                    self._refused(rc, 0, 0, "cudaSetDevice")
+                    return
             for i in range(self.pieces):
                 end = min((i + 1) * self.chunk, self.size)
                 while self._front() < end:
                     if self._stop.wait(self.poll_s):
                         return
-                if self._stop.is_set() or not self.register(i):
+                while (done := self.register(i)) is None:  # a capture is under way: later
+                    if self._stop.wait(self.retry_s):
+                        return
+                if not done:
                     return
         finally:
             self._done.set()
 
-    def register(self, i: int) -> bool:
-        """Register piece ``i`` now (the thread's step; tests call it directly)."""
+    def register(self, i: int) -> bool | None:
+        """Register piece ``i`` now (the thread's step; tests call it directly): True if it
+        is, False if CUDA refused it (the registration stops), None if a stream capture
+        did (try again later)."""
         n = min(self.chunk, self.size - i * self.chunk)
         t0 = time.perf_counter()
         with self._lock:
@@ -298,13 +332,15 @@ class PoolPins:
                 self.runtime.get_last_error()
                 self.adopted.add(i)
                 return True
+            if rc in CAPTURE_ERRORS:
+                self.runtime.get_last_error()
+                self.deferred += 1
+                if self.deferred == 1:
+                    log.warning("cuda_host_register_deferred", error=rc, offset=i * self.chunk,
+                                reason="a CUDA graph is being captured", retry_s=self.retry_s)
+                return None
             if rc != 0:
-                self.runtime.get_last_error()  # clear it: the next kernel on this thread would report it
-                self.failed = rc
-                self.metrics.failures.inc()
-                log.warning("cuda_host_register_failed", error=rc, offset=i * self.chunk, bytes=n,
-                            registered_bytes=len(self.pinned) * self.chunk,
-                            effect="the rest of the pool is copied through pinned bounce buffers (slower)")
+                self._refused(rc, i * self.chunk, n, "cudaHostRegister")
                 return False
             self.pinned.add(i)
         self.seconds += took
@@ -314,6 +350,14 @@ class PoolPins:
                   gib_per_s=round(n / max(took, 1e-9) / 2**30, 1))
         return True
 
+    def _refused(self, rc: int, offset: int, nbytes: int, call: str) -> None:
+        self.runtime.get_last_error()  # clear it: the next kernel on this thread would report it
+        self.failed = rc
+        self.metrics.failures.inc()
+        log.warning("cuda_host_register_failed", call=call, error=rc, offset=offset, bytes=nbytes,
+                    registered_bytes=len(self.pinned) * self.chunk,
+                    effect="the rest of the pool is copied through pinned bounce buffers (slower)")
+
     def close(self) -> None:
         """Stop registering and unregister what was registered here."""
         self._stop.set()
@@ -321,7 +365,10 @@ class PoolPins:
             self._thread.join()
         with self._lock:
             for i in sorted(self.pinned):
-                self.runtime.host_unregister(self.base + i * self.chunk)
+                rc = self.runtime.host_unregister(self.base + i * self.chunk)
+                if rc:  # cleared: this is often the engine's thread, whose next kernel would report it
+                    self.runtime.get_last_error()
+                    log.warning("cuda_host_unregister_failed", error=rc, offset=i * self.chunk)
                 self.metrics.bytes.dec(min(self.chunk, self.size - i * self.chunk))
             self.pinned.clear()
 
@@ -331,14 +378,15 @@ _lock = threading.Lock()
 
 
 def pins_for(pool: torch.Tensor, front: Callable[[], int], runtime: Runtime | None = None,
-             chunk: int = CHUNK) -> PoolPins:
+             chunk: int = CHUNK, device: int | None = None) -> PoolPins:
     """The registration of the mapping ``pool`` views, started once (its thread registers
-    behind ``front``); it ends when ``pool`` is collected."""
+    behind ``front``, with ``device`` current); it ends when ``pool`` is collected."""
     ptr = pool.data_ptr()
     with _lock:
         pins = _pins.get(ptr)
         if pins is None or pins.size != pool.numel():
-            pins = _pins[ptr] = PoolPins(ptr, pool.numel(), runtime or cudart(), front, chunk).start()
+            pins = _pins[ptr] = PoolPins(ptr, pool.numel(), runtime or cudart(), front, chunk,
+                                         device=device).start()
             weakref.finalize(pool, _end, ptr, pins)
     return pins
 

@@ -108,7 +108,8 @@ def pins_for(device: torch.device) -> PinsFactory:
     if device.type == "cuda":
         from pegaflow.client import cuda
 
-        return lambda pool, front: cuda.pins_for(pool, front)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return lambda pool, front: cuda.pins_for(pool, front, device=index)
     return lambda pool, front: ALL_PINNED
 
 
@@ -284,7 +285,10 @@ class WorkerSide:
             took_ms,
         )
         if self.copier is not None and self.link.ready:
-            self._attach(self._mapped_pool())  # start registering the pool now, not at the first copy
+            # Mapped now; registered with CUDA from the first copy on (``_attach``), not now:
+            # vLLM captures its CUDA graphs next, and a registration on another thread during
+            # a capture (CUDA's global mode) is refused and breaks the capture.
+            self._mapped_pool()
 
     def _copier(self, layout: PageLayout) -> DeviceCopier:
         stream = self.stream

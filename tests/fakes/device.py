@@ -29,6 +29,7 @@ class HostDma:
         self.dma: dict[str, int] = {"copy": 0, "copy2d": 0}
         self.recycled: list[Any] = []
         self.pinned_bytes = 0
+        self.bound: list[str] = []  # threads that made the stream's device theirs (bind_thread)
 
     def copy(self, dst: int, src: int, nbytes: int) -> None:
         ctypes.memmove(dst, src, nbytes)
@@ -50,6 +51,9 @@ class HostDma:
 
     def recycle(self, event: Any) -> None:
         self.recycled.append(event)
+
+    def bind_thread(self) -> None:
+        self.bound.append(threading.current_thread().name)
 
 
 class _Done:
@@ -92,13 +96,23 @@ class FakeRuntime:
         self.registered: list[tuple[int, int]] = []
         self.unregistered: list[int] = []
         self.threads: set[str] = set()  # the threads that registered
+        self.devices: set[int] = set()  # the devices current where they registered
+        self.attempts: list[int] = []  # every registration asked for, refused or not
         self._last = threading.local()  # CUDA's last error: per runtime and host thread
+        self._device = threading.local()  # the current device: per host thread, 0 on a new one
         self.gate: threading.Event | None = None
+        self.refuse_unregister = 0  # the error every unregistration returns (0: none)
+
+    def set_device(self, device: int) -> int:
+        self._device.index = device
+        return 0
 
     def host_register(self, ptr: int, nbytes: int, flags: int) -> int:
         if self.gate is not None:
             self.gate.wait(10)
         self.threads.add(threading.current_thread().name)
+        self.devices.add(getattr(self._device, "index", 0))
+        self.attempts.append(ptr)
         rc = self.refuse.get(ptr, 0)
         if rc:
             self._last.error = rc  # set until someone on this thread reads it
@@ -108,7 +122,10 @@ class FakeRuntime:
 
     def host_unregister(self, ptr: int) -> int:
         self.unregistered.append(ptr)
-        return 0
+        rc = self.refuse_unregister
+        if rc:
+            self._last.error = rc
+        return rc
 
     def get_last_error(self) -> int:
         rc = getattr(self._last, "error", 0)

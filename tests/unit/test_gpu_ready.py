@@ -3,9 +3,11 @@ at the hardware edge only (tests/fakes/device.py: a copy stream on the host, a C
 that refuses, blocks and keeps CUDA's per-thread last error); the rest of the path is the
 real connector, copier and layout code.
 
-1. The pool is registered with CUDA in the background from ``register_kv_caches``, behind
-   the node's pre-fault, never inside a copy; copies to pieces not registered go through
-   the bounce slots.
+1. The pool is registered with CUDA in the background from the first copy on (not at
+   ``register_kv_caches``: vLLM captures its CUDA graphs after it, and another thread's
+   registration during a capture breaks it), behind the node's pre-fault, never inside a
+   copy, on a thread that made the engine's device current; copies to pieces not
+   registered go through the bounce slots.
 2. A refused registration is cleared on the thread that made it (the next kernel there
    reports nothing), counted, and leaves copies on the bounce path; "already registered"
    counts as registered and is not undone.
@@ -62,14 +64,15 @@ def pins_with(runtime: FakeRuntime) -> Any:
 
 
 # -- 1 ------------------------------------------------------------------------------------------
-def test_registration_starts_at_register_in_the_background_and_a_copy_never_waits_for_it() -> None:
+def test_registration_starts_at_the_first_copy_in_the_background_and_a_copy_never_waits_for_it() -> None:
     runtime = FakeRuntime()
     runtime.gate = threading.Event()  # every registration blocks until the test lets it go
     node = FakeNode()
     stream = HostStream()
     eng = Engine(node, identity(), stream=lambda: stream, pins=pins_with(runtime))
     w = eng.workers[0]
-    assert w._pins is not ALL_PINNED, "registration starts at register_kv_caches, before any copy"  # noqa: SLF001
+    # vLLM captures its CUDA graphs between register_kv_caches and its first request.
+    assert w._pins is ALL_PINNED and runtime.attempts == [], "a registration began during the engine's start"  # noqa: SLF001
     t0 = time.monotonic()
     tokens = prompt(1)
     eng.run(tokens)
@@ -88,6 +91,33 @@ def test_registration_starts_at_register_in_the_background_and_a_copy_never_wait
     pins = w._pins  # noqa: SLF001
     assert isinstance(pins, cuda.PoolPins) and pins.wait(10) and pins.complete
     assert runtime.threads == {"pegaflow-pool-pin"}, "registered on the engine's thread"
+    assert stream.bound == ["pegaflow-bounce"], "the bounce thread did not make the engine's device its own"
+
+
+def test_the_registration_thread_makes_the_engines_device_current_before_it_registers() -> None:
+    base = 1 << 40
+    for device, want in ((3, {3}), (None, {0})):  # without it: device 0, as CUDA gives a new thread
+        runtime = FakeRuntime()
+        pins = cuda.PoolPins(base, 2 * CHUNK, runtime, front=lambda: 2 * CHUNK, chunk=CHUNK,
+                             metrics=cuda.PinMetrics(CollectorRegistry()), device=device).start()
+        assert pins.wait(5) and runtime.devices == want
+        pins.close()
+
+
+def test_a_registration_refused_by_a_graph_capture_is_tried_again_not_given_up() -> None:
+    base = 1 << 40
+    runtime = FakeRuntime(refuse={base + CHUNK: 900})  # cudaErrorStreamCaptureUnsupported
+    metrics = cuda.PinMetrics(CollectorRegistry())
+    pins = cuda.PoolPins(base, 3 * CHUNK, runtime, front=lambda: 3 * CHUNK, chunk=CHUNK, metrics=metrics,
+                         retry_s=0.01).start()
+    wait_until(lambda: runtime.attempts.count(base + CHUNK) >= 3, timeout=5, what="piece 1 tried again")
+    assert not pins.complete and pins.failed is None and pins.deferred >= 3
+    del runtime.refuse[base + CHUNK]  # the capture ended
+    assert pins.wait(5) and pins.complete
+    assert metrics.registry.get_sample_value("pegaflow_client_pin_failures_total") == 0
+    runtime.refuse_unregister = 1  # an unregistration CUDA refuses leaves no error for this thread's next kernel
+    pins.close()
+    assert len(runtime.unregistered) == 3 and runtime.pending_error() == 0
 
 
 def test_registration_stays_behind_the_node_prefault_front() -> None:
