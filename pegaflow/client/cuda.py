@@ -99,14 +99,20 @@ class Runtime(Protocol):
     def set_device(self, device: int) -> int: ...
 
 
-def find_cudart(maps: str | None = None) -> str:
+def find_cudart(maps: str | None = None, major: str | None = None) -> str:
     """The path of the ``libcudart`` this process has loaded (torch's), from
-    ``/proc/self/maps``; several: the one beside torch's or in an ``nvidia`` package."""
+    ``/proc/self/maps``; several: those of torch's CUDA major version (``major``, else
+    ``torch.version.cuda``'s: each runtime instance has its own current device and last
+    error), then those beside torch's or in an ``nvidia`` package."""
     text = maps if maps is not None else Path("/proc/self/maps").read_text()
     paths = sorted({line.split()[-1] for line in text.splitlines()
                     if "libcudart" in line.rsplit("/", 1)[-1] and line.split()[-1].startswith("/")})
     if not paths:
         raise OSError("no libcudart is loaded in this process (torch with CUDA initialized loads one)")
+    if major is None and torch.version.cuda:
+        major = torch.version.cuda.split(".")[0]
+    if major is not None:
+        paths = [p for p in paths if f".so.{major}" in p.rsplit("/", 1)[-1]] or paths
     preferred = [p for p in paths if "/torch/" in p or "/nvidia/" in p]
     return (preferred or paths)[0]
 

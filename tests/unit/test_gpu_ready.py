@@ -370,6 +370,11 @@ def test_the_cuda_runtime_is_the_one_torch_mapped() -> None:
         "7f06-7f07 r-xp 00000000 08:01 3 /opt/other/libcudart.so.12",
         "7f08-7f09 rw-p 00000000 00:00 0 ",
     ])
-    assert cuda.find_cudart(maps).endswith("/nvidia/cu13/lib/libcudart.so.13")
+    assert cuda.find_cudart(maps, major="13").endswith("/nvidia/cu13/lib/libcudart.so.13")
+    # Two runtimes in nvidia packages (a CUDA 12 torch beside a CUDA 13 wheel): torch's major.
+    both = maps + "\n7f0a-7f0b r-xp 00000000 08:01 4 /opt/venv/lib/python3.12/site-packages/nvidia/cuda_runtime/lib/" \
+                  "libcudart.so.12"
+    assert cuda.find_cudart(both, major="12").endswith("/nvidia/cuda_runtime/lib/libcudart.so.12")
+    assert cuda.find_cudart(both, major="13").endswith("/nvidia/cu13/lib/libcudart.so.13")
     with pytest.raises(OSError, match="no libcudart"):
         cuda.find_cudart("7f00-7f01 r-xp 00000000 08:01 1 /usr/lib/libc.so.6")
