@@ -3,8 +3,9 @@ node's pool and loaded back for every layout the connector knows (``save_pages``
 ``load_pages`` -> ``DeviceCopier`` with ``CudaCopyStream``), the pool registered with CUDA
 in the background (``PoolPins``) or not yet (bounce slots); the worker's asynchronous path
 end to end (copies beside a forward, committed after their event); a request larger than
-the staging whose pages cross a 1 GiB registration piece, one page straddling it; and a
-refused registration that leaves no error behind for torch's next kernel.
+the staging whose pages cross a 1 GiB registration piece, one page straddling it; a
+request of more chunks than bounce slots queued behind a forward; and a refused
+registration that leaves no error behind for torch's next kernel.
 
 Skipped, with the reason printed, where CUDA is absent (tests/gpu/conftest.py); run by
 ``scripts/gpu_check.sh`` on a GPU host.
@@ -127,6 +128,48 @@ def test_a_request_over_the_staging_across_a_registration_piece_restores_every_b
             assert torch.equal(a, b)
     finally:
         client.close()
+
+
+class _NothingRegistered:
+    def registered(self, first: int, nbytes: int) -> bool:
+        return False
+
+
+def test_a_request_of_more_chunks_than_bounce_slots_behind_a_forward_restores_every_byte() -> None:
+    """Before the pool is registered every chunk goes through one of 2 bounce slots; queued
+    behind a slow forward, the third chunk finds both in use and waits for the first."""
+    caches = {f"model.layers.{i}.self_attn.attn": torch.randn(2, 64, 16, 8, 128, device="cuda").half()
+              for i in range(4)}
+    layout = build_page_layout(caches, 64)
+    pool = torch.zeros(16 * layout.page_bytes, dtype=torch.uint8)  # pageable: never a DMA's end
+    offsets = [i * layout.page_bytes for i in range(10)]
+    stream = cuda.CudaCopyStream(torch.device("cuda"))
+    copier = DeviceCopier(layout.segments, stream, staging_bytes=2 * layout.page_bytes, bounce_slots=2)  # 5 chunks
+    big = torch.randn(8192, 8192, device="cuda")
+    for _ in range(6):  # the "forward" the copies queue behind
+        big = big @ big
+        big /= big.abs().amax()
+    stream.after_compute()
+    with stream.issuing():
+        issued = copier.save(list(range(10)), pool, offsets, _NothingRegistered())
+    for done in issued.completions:
+        done.synchronize()
+    assert copier.bounce is not None and copier.bounce.waits >= 1 and len(issued.completions) == 5
+    dst = build_page_layout({k: torch.zeros_like(v) for k, v in caches.items()}, 64)
+    loader = DeviceCopier(dst.segments, stream, None, dst.layers_done_at, staging_bytes=2 * layout.page_bytes,
+                          bounce_slots=2)
+    for _ in range(6):
+        big = big @ big
+        big /= big.abs().amax()
+    stream.after_compute()
+    with stream.issuing():
+        loader.load(list(range(20, 30)), pool, offsets, _NothingRegistered())
+    torch.cuda.synchronize()
+    assert loader.bounce is not None and loader.bounce.waits >= 1
+    for b in range(10):
+        assert torch.equal(dst.page(20 + b), layout.page(b)), f"block {b}"
+    copier.close()
+    loader.close()
 
 
 def test_copies_beside_the_forward_read_and_write_the_kv_the_forward_sees() -> None:
