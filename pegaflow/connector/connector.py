@@ -280,6 +280,17 @@ def _tp_rank(vllm_config: VllmConfig) -> int:
         return int(vllm_config.parallel_config.rank) % max(1, vllm_config.parallel_config.tensor_parallel_size)
 
 
+def layer_by_layer(forward_context: object) -> bool:
+    """Whether vLLM calls ``wait_for_layer_load`` between this forward's layers. Not when it
+    replays the forward as one CUDA graph, which runs no Python between layers: then the
+    compute stream waits for the whole load before it. vLLM's second model runner starts
+    a FULL graph's loads outside the forward's context, in a stand-in that carries no
+    attention metadata and no graph mode (``set_forward_context(None, ...)``): a context
+    without attention metadata is taken as a whole-graph replay too."""
+    mode = getattr(getattr(forward_context, "cudagraph_runtime_mode", None), "name", "NONE")
+    return mode != "FULL" and getattr(forward_context, "attn_metadata", None) is not None
+
+
 @dataclass
 class PegaConnectorStats(KVConnectorStats):
     """Per-interval counters from the workers: loaded/saved blocks, load errors, copy seconds."""
@@ -483,10 +494,7 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._meta()
         if self._worker is not None and meta is not None:
-            # A forward replayed as one CUDA graph runs no Python between layers: then the
-            # compute stream waits for the whole load before it, not layer by layer.
-            mode = getattr(getattr(forward_context, "cudagraph_runtime_mode", None), "name", "NONE")
-            self._worker.start_load(meta, layerwise=mode != "FULL")
+            self._worker.start_load(meta, layerwise=layer_by_layer(forward_context))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # On CPU every copy finished in start_load_kv; on a GPU the compute stream waits for

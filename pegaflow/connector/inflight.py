@@ -166,7 +166,7 @@ class InFlight:
         return self._last_step
 
     def drain(self) -> None:
-        """Wait on the host for every copy (shutdown)."""
+        """Wait on the host for every copy (shutdown; a step with nothing scheduled)."""
         for st in self._steps:
             for e in st.events:
                 e.synchronize()

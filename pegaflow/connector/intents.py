@@ -103,6 +103,10 @@ class PegaConnectorMetadata(KVConnectorMetadata):
     step: int
     loads: tuple[LoadIntent, ...] = ()
     saves: tuple[SaveIntent, ...] = ()
+    # Nothing is scheduled this step while copies are in flight (the engine going idle): the
+    # workers wait for them on the host before they report, so the scheduler settles every
+    # step now. vLLM runs one such step after the last request and then none until the next.
+    flush: bool = False
 
 
 @dataclass(frozen=True)

@@ -741,7 +741,8 @@ class SchedulerSide:
 
         if work.leases or work.reservations:
             self._inflight[step] = work
-        return PegaConnectorMetadata(step=step, loads=loads, saves=tuple(saves))
+        flush = not num_sched and bool(self._inflight)
+        return PegaConnectorMetadata(step=step, loads=loads, saves=tuple(saves), flush=flush)
 
     def _boundary_states(self, scheduler_output: SchedulerOutput) -> dict[str, dict[int, dict[int, int]]]:
         """This step's state hand-offs: request -> {boundary tokens: {state group: block}}.

@@ -184,6 +184,10 @@ class WorkerSide:
         # Saves copied into the pool by a bounce slot's finisher: (step, its completion, the
         # reservations it writes); a completion with an ``error`` fails them.
         self._bounced: list[tuple[int, Event, frozenset[int]]] = []
+        # A step whose saves are not issued yet (bound, ``save`` not called): with speculative
+        # decoding vLLM asks for the report before ``wait_for_save``, and the step must not
+        # be reported done before its copies even started.
+        self._save_pending: int | None = None
         self._load_pages, self._save_pages = _copy_fns()
         # The copy stream (inflight.py): None until register_kv_caches sees the cache's device.
         self.stream: CopyStream | None = stream
@@ -369,6 +373,8 @@ class WorkerSide:
         after the asynchronous loads issued in earlier steps, so a block of a request aborted
         while its load was in flight is never reused under a copy still writing it."""
         self._begin(meta)
+        if meta.saves and self.saves_shard:
+            self._save_pending = meta.step
         ev, self._load_event = self._load_event, None
         if ev is not None and self.stream is not None and not ev.query():
             self.stream.compute_waits(ev)
@@ -513,6 +519,12 @@ class WorkerSide:
     def save(self, meta: PegaConnectorMetadata) -> None:
         if not meta.saves or not self.saves_shard:
             return
+        try:
+            self._save(meta)
+        finally:
+            self._save_pending = None
+
+    def _save(self, meta: PegaConnectorMetadata) -> None:
         self._begin(meta)
         mine = [s for sv in meta.saves for s in sv.shards if s.place == self.place]
         for state, epoch in sorted({(s.state, s.epoch) for s in mine}):
@@ -588,7 +600,15 @@ class WorkerSide:
         if meta is None:
             return None
         self._begin(meta)
+        if meta.flush:  # the engine goes idle: no forward to overlap, and maybe no step soon
+            try:
+                self.inflight.drain()
+            except Exception as exc:  # noqa: BLE001 - a wait: a copy's failure is reported with its step
+                self._warn_once("flush", "PegaFlow rank %d: waiting for the copies in flight failed: %s",
+                                self.tp_rank, exc)
         done_through = self.inflight.done_through()
+        if self._save_pending is not None:
+            done_through = min(done_through, self._save_pending - 1)
         if self._bounced:  # completed (their steps are done): an error is set by now
             settled = [b for b in self._bounced if b[0] <= done_through]
             self._bounced = [b for b in self._bounced if b[0] > done_through]

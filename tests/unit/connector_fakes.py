@@ -291,9 +291,13 @@ class Engine:
             all_token_ids=list(tokens), **fields,
         )
 
-    def run(self, tokens: list[int], generate: Sequence[int] = (), **extra: Any) -> dict[str, Any]:
+    def run(self, tokens: list[int], generate: Sequence[int] = (), finalize_late: bool = False,
+            **extra: Any) -> dict[str, Any]:
         """Schedule, 'forward' and finish one request; returns what happened. ``generate``:
-        tokens it then 'samples' one per decode step (the prefill samples the first)."""
+        tokens it then 'samples' one per decode step (the prefill samples the first).
+        ``finalize_late``: the prefill's report is taken before its saves are issued, as vLLM
+        does with speculative decoding (``defer_kv_connector_finalize``: ``wait_for_save``
+        after the drafter); the metadata is bound first (``before_step``), as vLLM does."""
         req = self.request(tokens, **extra)
         bs = self.ident.block_size
         n_ext, is_async = self.sched.get_num_new_matched_tokens(req, 0)
@@ -313,12 +317,18 @@ class Engine:
         report: PegaWorkerReport | None = None
         errors: set[int] = set()
         for rank, w in enumerate(self.workers):
+            if finalize_late:
+                w.before_step(meta)
             w.start_load(meta)
             errors |= w.take_load_errors()
             self._forward(rank, tokens, block_ids, n_ext)
-            w.save(meta)
+            if not finalize_late:
+                w.save(meta)
             r = w.report(meta)
             report = r if report is None else report.aggregate(r)  # type: ignore[arg-type]
+        if finalize_late:
+            for w in self.workers:
+                w.save(meta)
         self.sched.update_connector_output(report)
         # the second call vLLM makes after a load, with no external tokens
         self.sched.update_state_after_alloc(req, blocks, 0)

@@ -378,3 +378,25 @@ def test_the_cuda_runtime_is_the_one_torch_mapped() -> None:
     assert cuda.find_cudart(both, major="13").endswith("/nvidia/cu13/lib/libcudart.so.13")
     with pytest.raises(OSError, match="no libcudart"):
         cuda.find_cudart("7f00-7f01 r-xp 00000000 08:01 1 /usr/lib/libc.so.6")
+
+
+def test_a_forward_replayed_as_one_cuda_graph_waits_for_the_whole_load_in_either_model_runner() -> None:
+    """vLLM's first model runner starts a FULL graph's loads inside the forward's context
+    (its graph mode FULL); its second starts them before, in a stand-in context
+    (``set_forward_context(None, ...)``) with no graph mode and no attention metadata.
+    Either way no Python runs between the replayed layers: the whole load is waited for."""
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import get_forward_context, set_forward_context
+
+    from pegaflow.connector.connector import layer_by_layer
+    from tests.unit.test_connector_names import vllm_config
+
+    cfg = vllm_config("PegaKVConnector", "pegaflow.connector")
+    attn = {"model.layers.0.self_attn.attn": object()}
+    with set_forward_context(None, cfg):  # the second runner's stand-in
+        assert not layer_by_layer(get_forward_context())
+    with set_forward_context(attn, cfg, cudagraph_runtime_mode=CUDAGraphMode.FULL):
+        assert not layer_by_layer(get_forward_context())
+    for mode in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.NONE):  # attention runs eagerly: layer by layer
+        with set_forward_context(attn, cfg, cudagraph_runtime_mode=mode):
+            assert layer_by_layer(get_forward_context())

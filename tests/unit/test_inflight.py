@@ -103,13 +103,12 @@ def test_a_save_is_committed_only_after_its_copy_completed() -> None:
     eng = Engine(node, identity(), stream=lambda: streams.append(ManualStream()) or streams[-1])
     tokens = prompt(1)
     bs = identity().block_size
-    saved = eng.run(tokens)
+    saved = eng.run(tokens, generate=[7])  # the prefill, then a decode step while its save is in flight
     computed = [eng.block_content(0, b) for b in saved["block_ids"][: (len(tokens) - 1) // bs]]
     assert node.calls["reserve"] >= 1
+    assert saved["meta"].flush is False
     assert node.calls["commit"] == 0, "committed while the copy into the pool was still in flight"
     assert eng.sched.pending_steps(), "the step waits for its copy"
-    empty_step(eng)
-    assert node.calls["commit"] == 0, "a later step does not settle an earlier one still in flight"
     streams[0].complete()
     empty_step(eng)
     assert node.calls["commit"] >= 1 and not eng.sched.pending_steps()
@@ -117,6 +116,35 @@ def test_a_save_is_committed_only_after_its_copy_completed() -> None:
     out = Engine(node, identity()).run(tokens)
     assert out["external"] == (len(tokens) - 1) // bs * bs
     assert out["loaded"][0] == computed
+
+
+def test_a_step_with_nothing_scheduled_waits_for_the_copies_so_an_idle_engine_commits_them() -> None:
+    # vLLM runs one step with nothing scheduled after the last request, then none until the
+    # next: without the wait the save would stay uncommitted, and the next request (asking
+    # the node before any step) would miss it.
+    node = FakeNode()
+    streams: list[ManualStream] = []
+    eng = Engine(node, identity(), stream=lambda: streams.append(ManualStream()) or streams[-1])
+    tokens = prompt(1)
+    eng.run(tokens)
+    assert node.calls["commit"] == 0 and eng.sched.pending_steps()
+    report = empty_step(eng)
+    assert report.done_through == eng.sched._step, "the idle step's report did not wait for the copies"  # noqa: SLF001
+    assert node.calls["commit"] == 1 and not eng.sched.pending_steps()
+    assert Engine(node, identity()).run(tokens)["external"] > 0, "the same prompt again misses"
+    empty_step(eng)
+    assert node.calls["commit"] == 1  # nothing in flight: a plain idle step
+
+
+def test_a_step_is_not_reported_done_before_its_saves_are_issued() -> None:
+    # With speculative decoding vLLM builds the step's report before wait_for_save.
+    node = FakeNode()
+    eng = Engine(node, identity(), stream=ManualStream)
+    out = eng.run(prompt(1), finalize_late=True)
+    step = out["meta"].step
+    assert out["meta"].saves
+    assert node.calls["reserve"] == 1 and node.calls["commit"] == 0, "committed before its copy was queued"
+    assert step in eng.sched.pending_steps()
 
 
 def _failing_save(monkeypatch: pytest.MonkeyPatch, exc: Exception) -> None:
@@ -160,11 +188,13 @@ def test_a_failed_batchs_queued_bounce_copies_hold_its_pages_until_they_ran(monk
     monkeypatch.undo()
     for s in streams:
         s.complete()
-    empty_step(eng)
+    eng.run(prompt(2))  # a later step with work (an idle one would wait for every copy)
     assert node.calls["abort"] == 0, "aborted (its pages free for others) while a copy still writes them"
     bounce_copy.done = True
+    for s in streams:
+        s.complete()
     empty_step(eng)
-    assert node.calls["commit"] == 0 and node.calls["abort"] == 1 and not node.stored
+    assert node.calls["abort"] == 1 and node.calls["commit"] == 1  # the failed save, then prompt 2's
 
 
 def test_the_forward_waits_for_the_gather_not_for_the_dma() -> None:
@@ -244,7 +274,7 @@ def test_the_slowest_rank_decides_and_a_step_a_rank_never_saw_is_aborted() -> No
     eng = Engine(node, identity(tp=2), stream=lambda: streams.append(ManualStream()) or streams[-1])
     eng.run(prompt(5))
     streams[0].complete()  # rank 0 done, rank 1 still copying
-    empty_step(eng)
+    eng.run(prompt(6))  # a later step with work (an idle one would wait for every copy)
     assert node.calls["commit"] == 0
     streams[1].complete()
     empty_step(eng)
