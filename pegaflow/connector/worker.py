@@ -511,12 +511,19 @@ class WorkerSide:
         self._layer_events.clear()
 
     def wait_for_layer(self, layer_name: str) -> None:
-        """vLLM's ``wait_for_layer_load``: the compute stream waits for that layer's load."""
-        ev = self._layer_events.pop(layer_name, None)
+        """vLLM's ``wait_for_layer_load``: the current stream waits for that layer's load,
+        at every call (micro-batches of one step each wait, on their own streams)."""
+        ev = self._layer_events.get(layer_name)
         if ev is not None and self.stream is not None:
             self.stream.compute_waits(ev)
 
     def save(self, meta: PegaConnectorMetadata) -> None:
+        """vLLM's ``wait_for_save``, after the forward was queued. First, what is queued next
+        (this step's gathers, the next step) waits for all of this step's loads, whether a
+        layer waited for its own or not (a layer the forward skipped, a drafter replayed as
+        one CUDA graph): the last band's event, recorded after every band's copies."""
+        if self._band_events and self.stream is not None:
+            self.stream.compute_waits(self._band_events[-1])
         if not meta.saves or not self.saves_shard:
             return
         try:

@@ -257,8 +257,12 @@ def test_each_layer_waits_for_its_own_load_event_or_the_whole_load_under_a_cuda_
     stream.log.clear()
     w.wait_for_layer(layers[1])
     assert stream.log == [("waits", events[layers[1]])]
-    w.wait_for_layer(layers[1])
-    assert len(stream.log) == 1, "waited for once"
+    w.wait_for_layer(layers[1])  # a second micro-batch, on its own stream, waits too
+    assert stream.log == [("waits", events[layers[1]])] * 2
+    # After the forward, what comes next waits for every layer's load, waited for or not.
+    stream.log.clear()
+    w.save(meta)
+    assert stream.log[0] == ("waits", events[layers[-1]])
 
     # Replayed as one graph: the compute stream waits for the whole load before the forward.
     stream.log.clear()
