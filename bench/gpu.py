@@ -90,7 +90,7 @@ def main() -> None:
     try:
         client.register({"bench-gpu": page})
         pins = cuda.pins_for(client.pool, front=lambda: int(client.health().pool_prefaulted_bytes))
-        if not pins.wait(600) or pins.failed is not None:
+        if not pins.wait(120) or pins.failed is not None:
             sys.exit(f"bench/gpu.py: the pool was not registered with CUDA (error {pins.failed})")
         pin_gib_s = pins.size / 2**30 / max(pins.seconds, 1e-9)
         print(f"registered the {pins.size / 2**30:.1f} GiB pool in {pins.seconds * 1e3:.0f} ms inside "
@@ -110,6 +110,8 @@ def main() -> None:
             hashes = [xxhash.xxh3_128_digest(f"gpu:{r}:{i}".encode()) for i in range(args.blocks)]
             src = list(range(r % 2 * args.blocks, r % 2 * args.blocks + args.blocks))
             res = client.reserve("bench-gpu", hashes)
+            if min(res.offsets) < 0:
+                raise SystemExit(f"bench/gpu.py: the node refused {sum(o < 0 for o in res.offsets)} reservations")
             s = timed(lambda: issue(copier.save, src, client.pool, res.offsets, pins))  # noqa: B023
             client.commit(res.reservation_id)
             q = client.query(["bench-gpu"], hashes)
@@ -159,6 +161,8 @@ def step_overhead(torch, layout, client, copier, stream, pins, args) -> dict[str
     load_offs = q.offsets["bench-gpu"]
     save_res = [client.reserve("bench-gpu", [xxhash.xxh3_128_digest(f"step:{s}:{i}".encode())
                                              for i in range(args.blocks)]) for s in range(args.steps + 2)]
+    if min(min(r.offsets) for r in (res, *save_res)) < 0:
+        raise SystemExit("bench/gpu.py: the node refused reservations (pool too small for --blocks and --steps)")
 
     def forward(events: dict[str, object] | None) -> None:
         x = x0

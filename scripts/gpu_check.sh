@@ -7,14 +7,18 @@
 #   1. the Python packages it lacks come as wheels in $PEGAFLOW_WHEELS (default .whl/,
 #      made here by scripts/gpu_wheels.sh) and are installed into a private folder;
 #   2. the gRPC stubs and the three native libraries are built in place for that Python;
-#   3. pytest tests/gpu (every layout the connector pages, registered and bounced, the
-#      worker's asynchronous path, a request over the staging across a 1 GiB piece, a
-#      refused registration) -> OUT_DIR/tests-gpu.log;
+#   3. pytest tests/gpu (every layout the connector pages, registered and bounced, more
+#      chunks than bounce slots behind a forward, the worker's asynchronous path where vLLM
+#      is installed (skipped on a bare machine), a request over the staging across a 1 GiB
+#      piece, a refused registration) -> OUT_DIR/tests-gpu.log;
 #   4. python bench/gpu.py (save/load vs pinned cudaMemcpy, the step with copies beside it,
 #      the pool's registration rate) -> OUT_DIR/bench-gpu.log and OUT_DIR/bench-gpu.json.
-# Without CUDA (make test runs it so, so that it cannot rot) steps 1-3 run the same, every
-# test of tests/gpu is skipped saying why, and step 4 is skipped with its reason. Exit 0
-# when every step passed or was skipped for want of a GPU. Budget: 6 minutes on a GPU.
+# The host (nvidia-smi -L, kernel) is written to OUT_DIR/device.txt first, whatever fails
+# later. Without CUDA (make test runs it so, so that it cannot rot) steps 1-3 run the same,
+# every test of tests/gpu is skipped saying why, and step 4 is skipped with its reason; but
+# where nvidia-smi lists a GPU that torch cannot use, the check fails. Exit 0 when every
+# step passed or was skipped for want of a GPU. Budget: 6 minutes on a GPU; a hang ends
+# at the step's bound (tests: 120 s each, 300 s in all; bench: 180 s).
 set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUT_DIR}
 mkdir -p "$out"
@@ -26,6 +30,8 @@ summary="$out/summary.txt"
 : >"$summary"
 note() { echo "$*" | tee -a "$summary"; }
 t0=$(date +%s)
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+{ echo "host $(uname -r); nvidia-smi: ${gpus:-0} GPU(s)"; nvidia-smi -L 2>/dev/null || true; } >"$out/device.txt"
 
 if compgen -G "$wheels/*.whl" >/dev/null; then
     site=$(mktemp -d /tmp/pf-gpu-site.XXXXXX)
@@ -43,6 +49,10 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # already where this is the development machine).
 if ! "$PY" -c "import pegaflow._proto.node_pb2, pegaflow.client._pagecopy, pegaflow.core._sketch, pegaflow.core._blockindex" \
         >/dev/null 2>&1; then
+    if ! "$PY" -c "import grpc_tools" >/dev/null 2>&1; then
+        note "FAIL build: no grpc_tools for $("$PY" -V 2>&1) and no wheels in $wheels (run scripts/gpu_wheels.sh on the development machine and carry .whl)"
+        exit 1
+    fi
     if ! "$PY" setup.py -q egg_info build_ext --inplace >"$out/build.log" 2>&1; then
         note "FAIL build: stubs or native libraries did not build for $("$PY" -V) (see build.log)"
         exit 1
@@ -50,7 +60,7 @@ if ! "$PY" -c "import pegaflow._proto.node_pb2, pegaflow.client._pagecopy, pegaf
     note "build: stubs and native libraries built in place for $("$PY" -V 2>&1)"
 fi
 
-"$PY" - >"$out/device.txt" 2>&1 <<'PY'
+"$PY" - >>"$out/device.txt" 2>&1 <<'PY'
 import platform, torch
 print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda)
 if torch.cuda.is_available():
@@ -62,21 +72,29 @@ else:
     print("device none: torch.cuda.is_available() is False")
 PY
 note "$(cat "$out/device.txt" | tr '\n' ';')"
-gpu=$("$PY" -c "import torch; print(int(torch.cuda.is_available()))")
+gpu=$("$PY" -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null || echo 0)
 
 rc=0
-if "$PY" -m pytest -p no:cacheprovider -q -rs tests/gpu >"$out/tests-gpu.log" 2>&1; then
+if [ "${gpus:-0}" -gt 0 ] && [ "$gpu" != 1 ]; then
+    note "FAIL device: nvidia-smi lists ${gpus} GPU(s) but torch cannot use one (see device.txt): nothing below tests it"
+    rc=1
+fi
+timeout -k 10 300 "$PY" -m pytest -p no:cacheprovider -o timeout=120 -q -rs tests/gpu >"$out/tests-gpu.log" 2>&1
+t=$?
+if [ $t = 0 ]; then
     note "tests/gpu: $(tail -n 1 "$out/tests-gpu.log")"
 else
-    note "FAIL tests/gpu: $(tail -n 1 "$out/tests-gpu.log") (see tests-gpu.log)"
+    note "FAIL tests/gpu: $([ $t = 124 ] && echo "timed out after 300 s;") $(tail -n 1 "$out/tests-gpu.log") (see tests-gpu.log)"
     rc=1
 fi
 
 if [ "$gpu" = 1 ]; then
-    if "$PY" bench/gpu.py --rounds 3 --steps 5 --summary "$out/bench-gpu.json" >"$out/bench-gpu.log" 2>&1; then
+    timeout -k 10 180 "$PY" bench/gpu.py --rounds 3 --steps 5 --summary "$out/bench-gpu.json" >"$out/bench-gpu.log" 2>&1
+    t=$?
+    if [ $t = 0 ]; then
         note "bench/gpu.py: $(grep -E '^(save|registered|[0-9]+-token)' "$out/bench-gpu.log" | tr '\n' ';')"
     else
-        note "FAIL bench/gpu.py: $(tail -n 1 "$out/bench-gpu.log") (see bench-gpu.log)"
+        note "FAIL bench/gpu.py: $([ $t = 124 ] && echo "timed out after 180 s;") $(tail -n 1 "$out/bench-gpu.log") (see bench-gpu.log)"
         rc=1
     fi
 else

@@ -106,6 +106,7 @@ def test_a_request_over_the_staging_across_a_registration_piece_restores_every_b
             r = client.reserve("gpu-big", hashes[lo:lo + 1024])
             offsets += r.offsets
             rids.append(r.reservation_id)
+        assert min(offsets) >= 0, "the node refused some reservations"
         assert min(offsets) < (1 << 30) < max(offsets), "the pages do not cross the first piece"
         stream = cuda.CudaCopyStream(torch.device("cuda"))
         copier = DeviceCopier(layout.segments, stream, split=cuda.CHUNK, staging_bytes=8 << 20)

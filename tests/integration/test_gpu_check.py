@@ -32,3 +32,21 @@ def test_the_device_check_runs_in_cpu_mode_and_says_what_it_skipped(tmp_path: Pa
     assert not re.search(r"\d+ (failed|error)", log), log
     assert "no CUDA device" in log, "the skip reason is printed"
     assert re.search(r"gpu_check: rc 0 in \d+ s", summary)
+    device = (out / "device.txt").read_text()
+    assert re.search(r"^host \S+; nvidia-smi: 0 GPU\(s\)", device, re.M), device
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU host runs the check for real (scripts/gpu_check.sh)")
+def test_a_gpu_that_torch_cannot_use_fails_the_check_rather_than_skipping_everything(tmp_path: Path) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"  # the driver sees a GPU; this torch (CPU) cannot use it
+    smi.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)'\n")
+    smi.chmod(0o755)
+    env = {**os.environ, "PEGAFLOW_WHEELS": str(tmp_path / "no-wheels"), "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path / "out")], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=600)
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert r.returncode == 1, summary
+    assert "FAIL device: nvidia-smi lists 1 GPU(s) but torch cannot use one" in summary
+    assert "H100" in (tmp_path / "out" / "device.txt").read_text()
