@@ -85,10 +85,7 @@ def test_a_copy_on_a_copy_stream_is_timed_until_the_report_that_finds_it_done(
     node = FakeNode()
     stream = ManualStream()
     eng = Engine(node, identity(), stream=lambda: stream)
-    eng.run(prompt(5))  # the save is issued at 100.0; its DMA has not completed
-    assert not sent(node)
-    now[0] = 100.25
-    empty_step(eng)
+    eng.run(prompt(5), generate=[7])  # the save is issued at 100.0; a decode step's report finds its DMA running
     assert not sent(node), "not done: neither committed nor timed"
     now[0] = 100.5
     stream.complete()
