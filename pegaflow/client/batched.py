@@ -343,10 +343,6 @@ class _Slot:
         self.buf = buf
         self.ptr = buf.data_ptr()
         self.busy: Event | None = None
-        self.taken = 0  # when it was last taken (Bounce's count of takes)
-
-    def free(self) -> bool:
-        return self.busy is None or self.busy.query()
 
 
 class HostCompletion:
@@ -410,12 +406,12 @@ class Bounce:
     """Pinned host slots, one chunk of staging each, for pool pieces not registered yet.
     ``count(runs)`` is told of every run that goes through one (a metric).
 
-    A chunk that finds every slot in use waits on the host for the one taken longest ago
-    (``waits`` counts it): a batch larger than the slots reuses them in turn, and on a GPU
-    its copies start only after the forward, so its third chunk finds both slots in use.
-    Refusing there would fail every load or save of more than two chunks until the pool is
-    registered, after some of its copies were queued. The engine thread then waits for
-    the device, as it does for a pinned index buffer (``DeviceCopier._host_slot``); only
+    The slots are taken in turn, and one still in use is waited for on the host (``waits``
+    counts it): a batch larger than the slots reuses them, and on a GPU its copies start
+    only after the forward, so its third chunk finds the first slot in use. Refusing there
+    would fail every load or save of more than two chunks until the pool is registered,
+    after some of its copies were queued. The engine thread then waits for the device, as
+    it does for a pinned index buffer (``DeviceCopier._host_slot``, the same turn); only
     while a piece of the pool is not registered."""
 
     def __init__(self, stream: DeviceStream, slot_bytes: int, slots: int = 2,
@@ -425,7 +421,7 @@ class Bounce:
         self._stream = stream
         self.used = 0  # runs that went through a slot
         self.waits = 0  # takes that waited on the host for a slot in use
-        self._takes = 0
+        self._next = 0
         self._count = count
 
     def counted(self, runs: int) -> None:
@@ -434,16 +430,14 @@ class Bounce:
             self._count(runs)
 
     def take(self) -> _Slot:
-        free = [s for s in self.slots if s.free()]
-        slot = free[0] if free else min(self.slots, key=lambda s: s.taken)
+        slot = self.slots[self._next]
+        self._next = (self._next + 1) % len(self.slots)
         if slot.busy is not None:
-            if not free:
+            if not slot.busy.query():
                 slot.busy.synchronize()  # the class docstring
                 self.waits += 1
             self._stream.recycle(slot.busy)  # a load's event (a save's completion is no stream's: ignored)
             slot.busy = None
-        self._takes += 1
-        slot.taken = self._takes
         return slot
 
     def close(self) -> None:

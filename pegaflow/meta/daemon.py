@@ -58,7 +58,6 @@ GRPC_GRACE_S = 1.0  # calls in flight at stop get this long to finish
 JOIN_TIMEOUT_S = 5.0  # the sweeper and the census finish their pass (they stop at their next wait)
 
 
-
 def _thread(target: Callable[..., object], args: tuple[object, ...], name: str) -> threading.Thread:
     """A daemon thread running ``target(*args)``, its OS thread named ``name`` (``top -H``
     tells the metaserver's parts apart; pegaflow/common/priority.py)."""

@@ -271,7 +271,7 @@ class LaggingStream(HostStream):
         return _LagEvent(self.lag)
 
 
-def test_a_batch_larger_than_the_bounce_slots_reuses_them_in_turn_waiting_for_the_oldest() -> None:
+def test_a_batch_larger_than_the_bounce_slots_reuses_them_in_turn_waiting_for_each() -> None:
     caches, _arena = placed(_flash(3))
     layout = build_page_layout(caches)
     page = layout.page_bytes
