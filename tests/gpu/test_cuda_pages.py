@@ -25,6 +25,7 @@ import xxhash
 from pegaflow.client import PegaClient, cuda, load_pages, save_pages
 from pegaflow.client.batched import DeviceCopier
 from pegaflow.connector.layout import build_page_layout
+from tests.unit.test_batched import Unpinned
 from tests.unit.test_connector_layout import LAYOUTS, NB, zeroed
 from tests.waiting import wait_until
 
@@ -131,11 +132,6 @@ def test_a_request_over_the_staging_across_a_registration_piece_restores_every_b
         client.close()
 
 
-class _NothingRegistered:
-    def registered(self, first: int, nbytes: int) -> bool:
-        return False
-
-
 def test_a_request_of_more_chunks_than_bounce_slots_behind_a_forward_restores_every_byte() -> None:
     """Before the pool is registered every chunk goes through one of 2 bounce slots; queued
     behind a slow forward, the third chunk finds both in use and waits for the first."""
@@ -152,7 +148,7 @@ def test_a_request_of_more_chunks_than_bounce_slots_behind_a_forward_restores_ev
         big /= big.abs().amax()
     stream.after_compute()
     with stream.issuing():
-        issued = copier.save(list(range(10)), pool, offsets, _NothingRegistered())
+        issued = copier.save(list(range(10)), pool, offsets, Unpinned(0, pool))
     for done in issued.completions:
         done.synchronize()
     assert copier.bounce is not None and copier.bounce.waits >= 1 and len(issued.completions) == 5
@@ -164,7 +160,7 @@ def test_a_request_of_more_chunks_than_bounce_slots_behind_a_forward_restores_ev
         big /= big.abs().amax()
     stream.after_compute()
     with stream.issuing():
-        loader.load(list(range(20, 30)), pool, offsets, _NothingRegistered())
+        loader.load(list(range(20, 30)), pool, offsets, Unpinned(0, pool))
     torch.cuda.synchronize()
     assert loader.bounce is not None and loader.bounce.waits >= 1
     for b in range(10):
