@@ -28,13 +28,16 @@ The prediction: replay's cluster model (``pegaflow.replay.cluster``, docs/replay
 same warm-up and accesses on three modelled nodes of ``--pages`` blocks (node-2 idle, the
 backup on and off, pegaflow-meta's default owner threshold): its hit rate with the backup on
 is what the measured one is held to (``hit_rate_error_pp``). The model has no clock: the
-bench paces it as the live run (:func:`replay_prediction`). Beside it, the share the idle pool can hold: node-2's pool holds
-copies of the busy nodes' overflow (the working-set pages beyond their pools); the busy nodes
-keep up to ``--reclaimable-percent`` of their pools as backed-up pages, which are copies node-2
-holds too, so node-2 adds ``idle pages - the busy nodes' reclaimable pages`` distinct pages
-(read from the nodes every ``KEPT_S`` of the measure, the mean). Of the accesses
-that missed with the backup off, that share of the overflow should hit:
-``on >= off + off misses x useful idle pages / overflow pages`` (``predicted_gain_pp``).
+bench paces it as the live run (:func:`replay_prediction`). Beside it, the share the idle pool
+can hold: node-2's pool holds copies of the busy nodes' overflow (the working-set pages beyond
+their pools); the busy nodes keep up to ``--reclaimable-percent`` of their pools as backed-up
+pages, which node-2 holds too, so what node-2 adds is the busy nodes' working-set pages that
+only node-2 holds: counted from the three pools (``CacheInspect``, which touches nothing) every
+``KEPT_S`` of the measure, the mean (both runs read their pools alike). Of the accesses that
+missed with the backup off, that share of the overflow should hit:
+``on >= off + off misses x pages only node-2 holds / overflow pages`` (``predicted_gain_pp``).
+Node-2's pool less the busy nodes' reclaimable pages (their metrics) is printed beside it as a
+cross-check.
 Root for namespaces.
 """
 
@@ -113,8 +116,10 @@ def _drive(cfg: dict[str, Any]) -> None:
     """In host 0's namespace: warm-up and measure (the module docstring); one JSON line."""
     import urllib.request
 
+    import grpc
     import numpy as np
 
+    from pegaflow._proto import node_pb2, node_pb2_grpc
     from pegaflow.client import PegaClient
     from tests.harness import wait_until
 
@@ -126,6 +131,23 @@ def _drive(cfg: dict[str, Any]) -> None:
 
     def reclaimable_pages(k: int) -> float:
         return metric_sum(metrics(k), "pegaflow_node_resident_bytes_by_class", 'class="reclaimable"') / page
+
+    stubs = {k: node_pb2_grpc.PegaNodeStub(grpc.insecure_channel(cfg["addrs"][k])) for k in (*BUSY, IDLE)}
+    working = {k: [block(k, i) for i in range(ws)] for k in BUSY}
+
+    def resident(k: int, of: int) -> np.ndarray:
+        """Which of busy node ``of``'s working-set pages node ``k`` holds in its pool now
+        (``CacheInspect``: reads the index, touches nothing)."""
+        r = stubs[k].CacheInspect(node_pb2.CacheInspectRequest(namespace=ns, hashes=working[of]), timeout=5)
+        return np.array(r.dram if r.namespace_known else [False] * ws, dtype=bool)
+
+    def holding() -> list[list[int]]:
+        """Per busy node: its working-set pages it holds, and those only node-2 holds."""
+        rows = []
+        for k in BUSY:
+            own = resident(k, k)
+            rows.append([int(own.sum()), int((resident(IDLE, k) & ~own).sum())])
+        return rows
 
     clients = {k: PegaClient(cfg["addrs"][k], timeout=30) for k in BUSY}
     for c in clients.values():
@@ -161,11 +183,13 @@ def _drive(cfg: dict[str, Any]) -> None:
     start_t = together(Path(cfg["barrier"]), "on" if on else "off", WAIT_S * 10) + cfg["offset"]
     before = {k: metrics(k) for k in (*BUSY, IDLE)}
     kept = [[reclaimable_pages(k) for k in BUSY]]  # every KEPT_S of the measure, its start and end
+    held = [holding()]  # alike
     done = threading.Event()
 
     def sample_kept() -> None:
         while not done.wait(KEPT_S):
             kept.append([reclaimable_pages(k) for k in BUSY])
+            held.append(holding())
 
     kept_sampler = threading.Thread(target=sample_kept, name="reclaimable-sampler", daemon=True)
     kept_sampler.start()
@@ -200,6 +224,7 @@ def _drive(cfg: dict[str, Any]) -> None:
     kept_sampler.join(10)
     after = {k: metrics(k) for k in (*BUSY, IDLE)}
     kept.append([reclaimable_pages(k) for k in BUSY])
+    held.append(holding())
 
     def delta(k: int, name: str, labels: str = "") -> float:
         return metric_sum(after[k], name, labels) - metric_sum(before[k], name, labels)
@@ -216,6 +241,10 @@ def _drive(cfg: dict[str, Any]) -> None:
         "reclaimable_pages": kept[-1],
         "reclaimable_pages_mean": [float(np.mean([row[j] for row in kept])) for j in range(len(BUSY))],
         "reclaimable_samples": len(kept),
+        # Means over the same samples, per busy node: its working-set pages in its own pool, and
+        # those in node-2's pool only (what the idle pool adds).
+        "own_pages_mean": [float(np.mean([row[j][0] for row in held])) for j in range(len(BUSY))],
+        "idle_only_pages_mean": [float(np.mean([row[j][1] for row in held])) for j in range(len(BUSY))],
         "idle_resident_pages": sum(metric_sum(after[IDLE], "pegaflow_node_resident_bytes_by_class", f'class="{c}"')
                                    for c in ("retained", "reclaimable")) / page,
         "demoted_backup": sum(metric_sum(after[k], "pegaflow_node_class_demotions_total", 'reason="backup_hint"')
@@ -367,13 +396,16 @@ def summarize(a: argparse.Namespace, off: dict[str, Any], on: dict[str, Any],
     from bench.common import p99_ratio_interval
 
     overflow = 2 * (2 * a.pages - a.pages)  # the busy nodes' working-set pages beyond their pools
-    # Backed-up pages the busy pools keep too (their reclaimable class, at most --reclaimable-percent):
-    # measured with the backup on, the mean over the measure (read every KEPT_S, its start and end).
-    kept = sum(on["reclaimable_pages_mean"])
-    useful = max(0, min(a.pages - kept, overflow))  # distinct pages node-2 adds
+    # Distinct pages node-2 adds: the busy nodes' working-set pages only node-2 holds, read from
+    # the three pools (CacheInspect) every KEPT_S of the measure with the backup on, the mean.
+    useful = sum(on["idle_only_pages_mean"])
     share = useful / overflow
     share_on = off["hit_rate"] + (1 - off["hit_rate"]) * share  # the share's bound
+    # A cross-check from the metrics alone: node-2's pool less the busy nodes' reclaimable
+    # (backed-up) pages, which node-2 holds too.
+    estimate = max(0.0, min(a.pages - sum(on["reclaimable_pages_mean"]), overflow))
     predicted_on = model["on"]["hit_rate"]  # replay's
+    ws_pages = 2 * 2 * a.pages  # both busy nodes' working sets
     limit = a.bandwidth_mb << 20
     rate = on["bandwidth_bytes_per_s"]
     return {
@@ -382,6 +414,10 @@ def summarize(a: argparse.Namespace, off: dict[str, Any], on: dict[str, Any],
         "idle_share_of_overflow": share, "idle_useful_pages": useful, "predicted_gain_pp": (share_on - off["hit_rate"]) * 100,
         "gain_over_predicted": (on["hit_rate"] - off["hit_rate"]) / (share_on - off["hit_rate"])
         if share_on > off["hit_rate"] else None,
+        "idle_useful_pages_from_metrics": estimate,
+        # What uniform accesses would hit from what the pools held (own pool; own or node-2 only).
+        "held_hit_rate_off": sum(off["own_pages_mean"]) / ws_pages,
+        "held_hit_rate_on": (sum(on["own_pages_mean"]) + useful) / ws_pages,
         "predicted_hit_rate_on": predicted_on, "prediction": "replay (pegaflow.replay.cluster, the same accesses)",
         "replay_hit_rate_off": model["off"]["hit_rate"], "replay_hit_rate_on": predicted_on,
         "replay_remote_hits_on": model["on"]["remote_hits"], "replay_backed_up": model["on"]["backed_up"],
@@ -435,6 +471,10 @@ def main() -> None:
           f"{on['idle_resident_pages']:.0f} pages, demoted (backup_hint) {on['demoted_backup']:.0f}, "
           f"missing at pull {on['missing']:.0f}, retained evicted {on['evicted_retained']:.0f}; pulled during the "
           f"measure {on['measure_pulled_bytes'] / 2**20:.1f} MiB")
+    print(f"node-2 alone held {s['idle_useful_pages']:.1f} of the busy nodes' pages (the pools read every "
+          f"{KEPT_S:g} s; node-2's pool less their reclaimable pages: {s['idle_useful_pages_from_metrics']:.1f}); "
+          f"uniform accesses to what the pools held would hit {s['held_hit_rate_off']:.2%} off, "
+          f"{s['held_hit_rate_on']:.2%} on")
     if a.summary:
         a.summary.write_text(json.dumps(s, indent=2))
 

@@ -3,7 +3,8 @@
 Both runs (backup off and on, at once) must finish on three real nodes; with the backup on the
 idle node must have pulled the busy nodes' pages (paced: several plans seen, so a bandwidth
 was measured), the busy nodes must have demoted what it holds, and some accesses must have
-been pulled back from it; with the backup off nothing is pulled. Every printed ratio must
+been pulled back from it; with the backup off nothing is pulled, and node-2 holds none of the
+busy nodes' pages. Every printed ratio must
 be the one computed from the two runs' own figures. Timings on a shared test machine mean
 nothing, so no hit rate, bandwidth or latency bound is checked.
 """
@@ -44,6 +45,14 @@ def test_backup_bench_runs_both_modes_and_computes_its_ratios(tmp_path: Path) ->
     for run in (on, off):
         assert run["accesses"] == 60 and run["query_calls"] >= 60 and run["query_p99_us"] > 0
     assert s["gain_pp"] == pytest.approx((on["hit_rate"] - off["hit_rate"]) * 100)
+    # The idle pool's share is counted from the pools: node-2 holds none of the busy nodes' pages
+    # with the backup off, some with it on; a busy pool holds at most its pages.
+    assert off["idle_only_pages_mean"] == [0.0, 0.0] and sum(on["idle_only_pages_mean"]) > 0
+    assert all(0 < own <= 64 for run in (on, off) for own in run["own_pages_mean"])
+    assert s["idle_useful_pages"] == pytest.approx(sum(on["idle_only_pages_mean"]))
+    overflow = 2 * 64
+    assert s["predicted_gain_pp"] == pytest.approx(
+        (1 - off["hit_rate"]) * s["idle_useful_pages"] / overflow * 100)
     assert s["hit_rate_error_pp"] == pytest.approx(abs(on["hit_rate"] - s["predicted_hit_rate_on"]) * 100)
     assert s["bandwidth_ratio"] == pytest.approx(on["bandwidth_bytes_per_s"] / (1 << 20))
     assert s["query_p99_on_over_off"] == pytest.approx(on["query_p99_us"] / off["query_p99_us"])
