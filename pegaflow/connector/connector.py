@@ -114,7 +114,7 @@ def check_kv_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> 
     gpt-oss layer mixes), next to state-space (Mamba) groups whose states vLLM keeps at block
     boundaries of the same size (``mamba_cache_mode="align"``: Nemotron-H, Granite-4). Not
     stored: state-space layers only, cross-attention or other non-attention groups, groups
-    that opt out of KV transfer, pipeline parallelism; several groups on a vLLM without
+    that opt out of KV transfer, pipeline or context parallelism; several groups on a vLLM without
     ``transfer_results``, state-space groups on one without ``block_state`` (``vllm_compat``).
     """
     groups = kv_cache_config.kv_cache_groups
@@ -135,6 +135,19 @@ def check_kv_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> 
             _check_attention_group(g.kv_cache_spec, spec, several=len(groups) > 1)
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise ValueError("PegaFlow does not support pipeline parallelism yet")
+    dcp, pcp = context_parallel_sizes(vllm_config)
+    if dcp > 1 or pcp > 1:
+        # vLLM's block then spans block_size x dcp tokens, interleaved over the ranks: a page
+        # named by the hash of block_size tokens would hold other tokens.
+        raise ValueError("PegaFlow does not store KV sharded by context parallelism; got "
+                         f"decode_context_parallel_size={dcp}, prefill_context_parallel_size={pcp}")
+
+
+def context_parallel_sizes(vllm_config: VllmConfig) -> tuple[int, int]:
+    """vLLM's decode- and prefill-context parallel sizes (1 on a vLLM without them)."""
+    pc = vllm_config.parallel_config
+    return (int(getattr(pc, "decode_context_parallel_size", 1) or 1),
+            int(getattr(pc, "prefill_context_parallel_size", 1) or 1))
 
 
 def _check_state_space_group(gs: KVCacheSpec, spec: KVCacheSpec) -> None:
@@ -201,7 +214,9 @@ def derive_kv_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
     return KVIdentity(
         model=model,
         config_hash=config_hash(mc.hf_config.to_dict()),
-        model_dtype=_dtype_name(mc.dtype),
+        # Weights quantized as they load (--quantization fp8 on a bf16 checkpoint) change the
+        # KV values with the config unchanged; a quantized checkpoint's config says it too.
+        model_dtype=_dtype_name(mc.dtype) + (f"+{mc.quantization}" if getattr(mc, "quantization", None) else ""),
         kv_dtype=f"{_dtype_name(spec.dtype)}/{vllm_config.cache_config.cache_dtype}",
         block_size=int(spec.block_size),
         num_layers=sum(len(g.layer_names) for g in attn),
@@ -242,9 +257,7 @@ def shard_placement(vllm_config: VllmConfig, identity: KVIdentity, nodes: int) -
     with several, the engine uses tensor parallelism only."""
     pc = vllm_config.parallel_config
     placement = Placement.of(identity, nodes)
-    check_tp_only(nodes, int(pc.tensor_parallel_size), int(pc.world_size),
-                  int(getattr(pc, "decode_context_parallel_size", 1) or 1),
-                  int(getattr(pc, "prefill_context_parallel_size", 1) or 1))
+    check_tp_only(nodes, int(pc.tensor_parallel_size), int(pc.world_size), *context_parallel_sizes(vllm_config))
     return placement
 
 
@@ -383,6 +396,10 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
                          kv_cache_config=cast("KVCacheConfig", kv_cache_config))
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        # Why a worker refused this engine at construction: its handshake says so, or the
+        # scheduler, whose config may pass (vLLM gives it a flattened copy of the groups),
+        # would plan saves no rank copies, holding their pages reserved on the node.
+        self._refused = ""
         self._vllm = vllm_config
         self._kv_cache_config = cast("KVCacheConfig", kv_cache_config)  # None as above
         groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
@@ -402,6 +419,7 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
         except ValueError as exc:
             logger.error("PegaFlow connector disabled: %s", exc)
             self.identity = None
+            self._refused = str(exc) if role == KVConnectorRole.WORKER else ""
             return
         instance = instance_name(settings, vllm_config, role)
         ident = self.identity
@@ -472,7 +490,9 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.register_kv_caches({"cross_layers": kv_cache}, layerwise=False)
 
     def get_handshake_metadata(self) -> PegaWorkerState | None:
-        return self._worker.handshake() if self._worker is not None else None
+        if self._worker is not None:
+            return self._worker.handshake()
+        return PegaWorkerState(rank=_tp_rank(self._vllm), disabled=self._refused) if self._refused else None
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         if self._sched is None:

@@ -526,8 +526,10 @@ class SchedulerSide:
         """One answer for vLLM (see the module docstring); a wait in progress is asked about
         only once it is ``due``."""
         max_blocks = min(len(st.hashes), (st.num_prompt_tokens - 1) // self.block_size)
-        if (max_blocks * self.block_size <= num_computed_tokens or not self.nodes_ready()
-                or not self.settings.loads or self.disabled is not None):
+        # A local hit that ends inside a block (vLLM's prefix match unit below the block size,
+        # state-space models): pages are whole blocks, so nothing is loaded after it.
+        if (max_blocks * self.block_size <= num_computed_tokens or num_computed_tokens % self.block_size
+                or not self.nodes_ready() or not self.settings.loads or self.disabled is not None):
             return 0, False
         now = time.monotonic()
         if st.wait is not None and not st.wait.due(now):

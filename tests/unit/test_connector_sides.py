@@ -214,6 +214,23 @@ def test_local_prefix_hit_covering_the_stored_prefix_loads_nothing() -> None:
     assert not node.leases
 
 
+def test_a_local_hit_that_ends_inside_a_block_loads_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM's own cache may hit part of a block (a prefix match unit below the block size):
+    pages are whole blocks, so the answer is no load, not a load vLLM's tokens cannot match."""
+    node = FakeNode()
+    Engine(node, identity()).run(prompt(10))
+    b = Engine(node, identity())
+    queries = node.calls["query"]
+    req = b.request(prompt(10))
+    with caplog.at_level("ERROR"):
+        for computed in (BS // 2, BS + BS // 2):
+            assert b.sched.get_num_new_matched_tokens(req, computed) == (0, False)
+        b.sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([],)), 0)
+    assert node.calls["query"] == queries and not node.leases
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+    assert b.sched.get_num_new_matched_tokens(req, BS) == (4 * BS, False), "an aligned local hit still loads"
+
+
 def test_a_request_the_node_rejects_is_a_miss_logged_once(caplog: pytest.LogCaptureFixture) -> None:
     from tests.unit.connector_fakes import FakeNodeClient, FakeRejected
 

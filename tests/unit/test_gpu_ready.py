@@ -242,6 +242,33 @@ def test_a_worker_that_cannot_copy_tells_the_scheduler_before_any_request() -> N
     assert node.calls["reserve"] == reserves, "a save no rank will copy"
 
 
+def test_a_worker_that_refuses_the_model_at_construction_tells_the_scheduler() -> None:
+    """A group of layers with different shapes (vLLM's ``UniformTypeKVCacheSpecs``) is refused
+    by the worker; vLLM gives the scheduler a copy flattened to the first layer's spec, which
+    passes, so only the worker's handshake can stop it planning saves no rank copies."""
+    from vllm.config import KVTransferConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        UniformTypeKVCacheSpecs,
+    )
+
+    specs = {f"l{i}": FullAttentionSpec(block_size=16, num_kv_heads=heads, head_size=8, dtype=torch.float16)
+             for i, heads in enumerate((8, 2))}
+    group = KVCacheGroupSpec(list(specs), UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs=specs))
+    config = VllmConfig(kv_transfer_config=KVTransferConfig(
+        kv_connector="PegaKVConnector", kv_role="kv_both", kv_connector_module_path="pegaflow.connector"))
+    worker = PegaKVConnector(config, KVConnectorRole.WORKER,
+                             KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[group]))
+    state = worker.get_handshake_metadata()
+    assert state is not None and "UniformTypeKVCacheSpecs" in state.disabled
+    eng = Engine(FakeNode(), identity())
+    PegaKVConnector.set_xfer_handshake_metadata(SimpleNamespace(_sched=eng.sched), {0: state})  # type: ignore[arg-type]
+    assert eng.sched.disabled
+
+
 def test_a_worker_disabled_after_start_is_seen_in_its_report() -> None:
     node = FakeNode()
     eng = Engine(node, identity())
@@ -285,6 +312,41 @@ def test_the_layout_a_vllm_names_only_through_get_kv_cache_layout_separates_name
     assert set(nhd.namespaces).isdisjoint(hnd.namespaces), "NHD and HND engines would exchange pages"
     assert get_kv_cache_layout.cache_info().currsize == 0, "vLLM's own layout cache was filled by the connector"
     assert kv_layout_name(SimpleNamespace(cache_config=SimpleNamespace(kv_cache_layout="BHLNC")), None) == "BHLNC"
+
+
+def _one_group() -> Any:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float16)
+    return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
+
+
+@pytest.mark.parametrize("size", ["decode_context_parallel_size", "prefill_context_parallel_size"])
+def test_kv_sharded_by_context_parallelism_is_refused(size: str) -> None:
+    """With DCP vLLM's block spans block_size x dcp tokens interleaved over the ranks: a page
+    named by block_size tokens' hash would hold other tokens (on one node as on several)."""
+    from pegaflow.connector.connector import kv_identity
+
+    cfg = _vllm_config()
+    setattr(cfg.parallel_config, size, 1)
+    kv_identity(cfg, _one_group())
+    setattr(cfg.parallel_config, size, 2)
+    with pytest.raises(ValueError, match=f"context parallelism; got .*{size}=2"):
+        kv_identity(cfg, _one_group())
+
+
+def test_weights_quantized_as_they_load_get_their_own_namespace() -> None:
+    """``--quantization fp8`` on a bf16 checkpoint leaves its config as it was, and changes
+    the KV values: the two engines must not share pages."""
+    from pegaflow.connector.connector import kv_identity
+
+    plain = kv_identity(_vllm_config(), _one_group())
+    cfg = _vllm_config()
+    cfg.model_config.quantization = None
+    assert kv_identity(cfg, _one_group()) == plain
+    cfg.model_config.quantization = "fp8"
+    fp8 = kv_identity(cfg, _one_group())
+    assert fp8.model_dtype == f"{plain.model_dtype}+fp8" and set(fp8.namespaces).isdisjoint(plain.namespaces)
 
 
 def test_a_worker_whose_layout_is_not_the_namespaces_copies_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
