@@ -10,12 +10,18 @@ Any check that fails completes with an error status, as real hardware does.
 
 Failure injection: ``Fabric.kill_qp(qp_num)`` (the remote side died: its QPs stop
 answering, READs against them complete with IBV_WC_RETRY_EXC_ERR), ``Fabric.drop_device``.
+A device's ports (state, link layer, LID, GID table with types, MTU) and its READ limits
+are ``Fabric.ports`` and ``Fabric.rd_atom``; by default one active InfiniBand port. The
+QPs record the attributes they were connected with (``QP.rtr``, ``QP.rts``), and a READ
+limit above the device's is refused, as ``ibv_modify_qp`` does (EINVAL). Work requests and
+SGEs count their ``close()`` calls (``closed``): pyverbs frees them only there.
 """
 
 from __future__ import annotations
 
 import ctypes
 import itertools
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
@@ -35,6 +41,21 @@ class enums:  # noqa: N801 - mirrors the pyverbs.enums module
     IBV_WC_REM_ACCESS_ERR = 10
     IBV_WC_RETRY_EXC_ERR = 12
     IBV_WC_WR_FLUSH_ERR = 5
+    IBV_PORT_DOWN, IBV_PORT_ACTIVE = 1, 4
+    IBV_LINK_LAYER_INFINIBAND, IBV_LINK_LAYER_ETHERNET = 1, 2
+    IBV_GID_TYPE_SYSFS_IB_ROCE_V1, IBV_GID_TYPE_SYSFS_ROCE_V2 = 0, 1
+
+
+@dataclass
+class Port:
+    """One port of a fake device: ``gids`` is its GID table, (GID, sysfs type) per index
+    (an empty GID: an unused slot); ``lid`` None: one derived from the device's name."""
+
+    state: int = enums.IBV_PORT_ACTIVE
+    link_layer: int = enums.IBV_LINK_LAYER_INFINIBAND
+    lid: int | None = None
+    gids: list[tuple[str, int]] = field(default_factory=list)
+    active_mtu: int = enums.IBV_MTU_4096
 
 
 class Fabric:
@@ -48,6 +69,8 @@ class Fabric:
         self._qpns = itertools.count(0x10)
         self.reads = 0
         self.read_bytes = 0
+        self.ports: dict[str, list[Port]] = {}  # by device; absent: one active InfiniBand port
+        self.rd_atom: dict[str, int] = {}  # by device: max_qp_rd_atom = max_qp_init_rd_atom (16)
 
     def kill_qp(self, qp_num: int) -> None:
         self.qps[qp_num].dead = True
@@ -76,13 +99,34 @@ class Context:
         self.name = name
         self.closed = False
 
+    def _ports(self) -> list[Port]:
+        return self.fabric.ports.get(self.name) or [Port()]
+
+    def _port(self, port: int) -> Port:
+        ports = self._ports()
+        if not 1 <= port <= len(ports):
+            raise RuntimeError(f"Failed to query port {port}")
+        p = ports[port - 1]
+        if not p.gids:  # the default: one InfiniBand GID derived from the device's name
+            raw = bytes(8) + (abs(hash(self.name)) % (1 << 64)).to_bytes(8, "big")
+            p.gids = [(":".join(raw.hex()[i:i + 4] for i in range(0, 32, 4)), enums.IBV_GID_TYPE_SYSFS_IB_ROCE_V1)]
+        return p
+
+    def query_device(self) -> Any:
+        limit = self.fabric.rd_atom.get(self.name, 16)
+        return SimpleNamespace(phys_port_cnt=len(self._ports()), max_qp_rd_atom=limit, max_qp_init_rd_atom=limit)
+
     def query_port(self, port: int) -> Any:
-        return SimpleNamespace(lid=hash(self.name) & 0xFFFF, active_mtu=enums.IBV_MTU_4096)
+        p = self._port(port)
+        lid = p.lid if p.lid is not None else (hash(self.name) & 0xFFFF) or 1
+        return SimpleNamespace(state=p.state, link_layer=p.link_layer, lid=lid, active_mtu=p.active_mtu,
+                               gid_tbl_len=len(p.gids))
 
     def query_gid(self, port: int, index: int) -> Any:
-        h = (abs(hash(self.name)) % (1 << 64)).to_bytes(8, "big")
-        raw = bytes(8) + h
-        return GID(":".join(raw.hex()[i:i + 4] for i in range(0, 32, 4)))
+        return GID(self._port(port).gids[index][0] or "0000:0000:0000:0000:0000:0000:0000:0000")
+
+    def query_gid_type(self, port: int, index: int) -> int:
+        return self._port(port).gids[index][1]
 
     def close(self) -> None:
         self.closed = True
@@ -144,6 +188,9 @@ class QPAttr:
         self.port_num = 1
         self.dest_qp_num = 0
         self.ah_attr: AHAttr | None = None
+        self.path_mtu = 0
+        self.max_dest_rd_atomic = 0
+        self.max_rd_atomic = 0
 
 
 class GID:
@@ -164,6 +211,10 @@ class AHAttr:
 class SGE:
     def __init__(self, addr: int, length: int, lkey: int) -> None:
         self.addr, self.length, self.lkey = addr, length, lkey
+        self.closed = 0
+
+    def close(self) -> None:
+        self.closed += 1
 
 
 class SendWR:
@@ -172,6 +223,10 @@ class SendWR:
         self.wr_id, self.opcode, self.num_sge, self.sg, self.send_flags = wr_id, opcode, num_sge, sg or [], send_flags
         self.rkey = 0
         self.remote_addr = 0
+        self.closed = 0
+
+    def close(self) -> None:
+        self.closed += 1
 
     def set_wr_rdma(self, rkey: int, addr: int) -> None:
         self.rkey, self.remote_addr = rkey, addr
@@ -189,6 +244,9 @@ class QP:
         self.access = 0
         self.dead = False
         self.outstanding = 0
+        self.rd_atom = fab.rd_atom.get(pd.ctx.name, 16)
+        self.rtr: dict[str, Any] = {}
+        self.rts: dict[str, Any] = {}
         fab.qps[self.qp_num] = self
 
     def to_init(self, attr: QPAttr) -> None:
@@ -199,11 +257,19 @@ class QP:
     def to_rtr(self, attr: QPAttr) -> None:
         assert self.qp_state == enums.IBV_QPS_INIT, "to_rtr needs INIT"
         assert attr.ah_attr is not None and attr.dest_qp_num, "RTR needs a path and a remote QP"
+        if attr.max_dest_rd_atomic > self.rd_atom:
+            raise RuntimeError("Failed to modify QP state to RTR: EINVAL (max_dest_rd_atomic)")
         self.dest = attr.dest_qp_num
+        self.rtr = {"path_mtu": attr.path_mtu, "max_dest_rd_atomic": attr.max_dest_rd_atomic,
+                    "port_num": attr.port_num, "sgid_index": attr.ah_attr.gr.sgid_index,
+                    "ah_port_num": attr.ah_attr.port_num}
         self.qp_state = enums.IBV_QPS_RTR
 
     def to_rts(self, attr: QPAttr) -> None:
         assert self.qp_state == enums.IBV_QPS_RTR, "to_rts needs RTR"
+        if attr.max_rd_atomic > self.rd_atom:
+            raise RuntimeError("Failed to modify QP state to RTS: EINVAL (max_rd_atomic)")
+        self.rts = {"max_rd_atomic": attr.max_rd_atomic}
         self.qp_state = enums.IBV_QPS_RTS
 
     def post_send(self, wr: SendWR) -> None:

@@ -23,6 +23,7 @@ READ, so everything above the hardware edge is the code that runs on real NICs.
 from __future__ import annotations
 
 import ctypes
+import enum
 import mmap
 import random
 import sys
@@ -39,10 +40,8 @@ from pegaflow.node.tiers.remote import RDMA, RemotePages, TransferError, page_ch
 
 log = structlog.get_logger("pegaflow.p2p")
 
-PORT = 1  # HCA port used on every device
-GID_INDEX = 0  # RoCE v2 deployments usually want the index of the IPv4-mapped GID; see docs
 MAX_OUTSTANDING = 64  # READs in flight per QP (max_send_wr); enough to fill a 200 Gbit/s link
-MAX_RD_ATOMIC = 16  # outstanding RDMA READs the responder accepts per QP
+MAX_RD_ATOMIC = 16  # outstanding RDMA READs per QP, each way (ConnectX's limit; less where the device says)
 POLL_TIMEOUT = 10.0  # seconds without any completion before the pull is failed
 CQ_BATCH = 32  # completions taken per poll call
 DIST_PACKAGES = "/usr/lib/python3/dist-packages"  # Debian's python3-pyverbs lives here
@@ -60,14 +59,39 @@ def load_pyverbs() -> SimpleNamespace:
     if DIST_PACKAGES not in sys.path:
         sys.path.append(DIST_PACKAGES)
     try:
-        from pyverbs import addr, cq, device, enums, mr, pd, qp, wr
+        from pyverbs import addr, cq, device, mr, pd, qp, wr
+        e = pyverbs_enums()
     except ImportError as exc:
         raise RdmaUnavailable(f"pyverbs is not importable ({exc}); apt install python3-pyverbs") from None
     return SimpleNamespace(
         Context=device.Context, PD=pd.PD, MR=mr.MR, CQ=cq.CQ, QP=qp.QP, QPCap=qp.QPCap,
         QPInitAttr=qp.QPInitAttr, QPAttr=qp.QPAttr, AHAttr=addr.AHAttr, GlobalRoute=addr.GlobalRoute,
-        GID=addr.GID, SGE=wr.SGE, SendWR=wr.SendWR, e=enums,
+        GID=addr.GID, SGE=wr.SGE, SendWR=wr.SendWR, e=e,
     )  # fmt: skip
+
+
+def pyverbs_enums() -> object:
+    """pyverbs' constants by their C names (``e.IBV_ACCESS_LOCAL_WRITE``): the module
+    ``pyverbs.enums`` up to rdma-core 58; from 59 (built with Cython 3) it is gone and the
+    constants are members of enum classes in ``pyverbs.libibverbs_enums``, flattened here."""
+    try:
+        from pyverbs import enums
+
+        return enums
+    except ImportError:
+        from pyverbs import libibverbs_enums
+
+        return flat_enums(libibverbs_enums)
+
+
+def flat_enums(module: object) -> SimpleNamespace:
+    """The members of every enum class in ``module``, and its own ``IBV_*`` names, by name."""
+    names: dict[str, object] = {}
+    for value in vars(module).values():
+        if isinstance(value, type) and issubclass(value, enum.Enum):
+            names.update(value.__members__)
+    names.update({k: v for k, v in vars(module).items() if k.startswith("IBV_")})
+    return SimpleNamespace(**names)
 
 
 def buffer_address(mm: mmap.mmap) -> tuple[int, ctypes.c_char]:
@@ -85,8 +109,13 @@ def gid_str(raw: bytes) -> str:
     return ":".join(h[i:i + 4] for i in range(0, 32, 4))
 
 
+def link_local(gid: str) -> bool:
+    """fe80::/10, the address every port has; RoCE v2 routes only the others."""
+    return gid_bytes(gid)[:2] in (b"\xfe\x80", b"\xfe\x81", b"\xfe\x82", b"\xfe\x83")
+
+
 class Nic:
-    """One opened device with the pool registered on it."""
+    """One opened device with the pool registered on it, on its first active port."""
 
     def __init__(self, verbs: SimpleNamespace, name: str, base: int, size: int) -> None:
         e = verbs.e
@@ -97,15 +126,65 @@ class Nic:
         except Exception as exc:
             raise RdmaUnavailable(f"cannot open RDMA device {name!r}: {exc}") from None
         self.pd = verbs.PD(self.ctx)
+        try:
+            self._choose_port()
+        except RdmaUnavailable:
+            raise
+        except Exception as exc:  # a verbs query error (PyverbsRDMAError)
+            raise RdmaUnavailable(f"cannot query RDMA device {name!r}: {exc}") from None
         access = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_READ
         try:
             self.mr = verbs.MR(self.pd, size, access, address=base)
         except Exception as exc:
             raise RdmaUnavailable(f"cannot register the pool on {name!r}: {exc} (ulimit -l?)") from None
-        port = self.ctx.query_port(PORT)
-        self.lid: int = port.lid
-        self.gid: bytes = gid_bytes(self.ctx.query_gid(PORT, GID_INDEX).gid)
-        self.mtu = getattr(port, "active_mtu", e.IBV_MTU_1024)
+        log.info("rdma_nic_ready", nic=name, port=self.port, link_layer=self.link_layer, lid=self.lid,
+                 gid_index=self.gid_index, gid=gid_str(self.gid), mtu=int(self.mtu), rd_atomic=self.rd_atomic,
+                 dest_rd_atomic=self.dest_rd_atomic)
+
+    def _choose_port(self) -> None:
+        """As the original (pegaflow-transfer's ``choose_port_and_gid``): the first ACTIVE
+        port; its LID (InfiniBand: never 0); the first RoCE v2 GID that is not link-local
+        (RoCE v1, GID index 0 on Ethernet, is not routed across subnets), else the first
+        non-link-local one, else index 0; its active MTU. The READs in flight each way are
+        held to what the device accepts."""
+        e = self.v.e
+        dev = self.ctx.query_device()
+        self.rd_atomic = max(1, min(MAX_RD_ATOMIC, int(dev.max_qp_init_rd_atom)))  # as initiator
+        self.dest_rd_atomic = max(1, min(MAX_RD_ATOMIC, int(dev.max_qp_rd_atom)))  # as responder
+        for port_num in range(1, int(dev.phys_port_cnt) + 1):
+            port = self.ctx.query_port(port_num)
+            if port.state != e.IBV_PORT_ACTIVE:
+                continue
+            self.port = port_num
+            self.mtu = port.active_mtu
+            ethernet = port.link_layer == e.IBV_LINK_LAYER_ETHERNET
+            self.link_layer = "ethernet" if ethernet else "infiniband"
+            self.lid = int(port.lid)
+            if not ethernet and self.lid == 0:
+                raise RdmaUnavailable(f"RDMA device {self.name!r} port {port_num}: InfiniBand with LID 0 "
+                                      "(no subnet manager?)")
+            self.gid_index, gid = self._choose_gid(port_num, int(port.gid_tbl_len), ethernet)
+            self.gid = gid_bytes(gid)
+            return
+        raise RdmaUnavailable(f"RDMA device {self.name!r} has no active port")
+
+    def _choose_gid(self, port_num: int, entries: int, ethernet: bool) -> tuple[int, str]:
+        e = self.v.e
+        table: list[tuple[int, str, object]] = []
+        for i in range(entries):
+            try:
+                gid = str(self.ctx.query_gid(port_num, i).gid)
+                kind = self.ctx.query_gid_type(port_num, i) if ethernet else None
+            except Exception:  # noqa: BLE001 - an empty slot of the table
+                continue
+            if any(gid_bytes(gid)):
+                table.append((i, gid, kind))
+        picked = ([t for t in table if ethernet and t[2] == e.IBV_GID_TYPE_SYSFS_ROCE_V2 and not link_local(t[1])]
+                  or [t for t in table if not ethernet]
+                  or [t for t in table if not link_local(t[1])])
+        if picked:
+            return picked[0][0], picked[0][1]
+        return 0, str(self.ctx.query_gid(port_num, 0).gid)
 
     def new_qp(self) -> tuple[Qp, Cq]:
         v = self.v
@@ -115,29 +194,29 @@ class Nic:
         return qp, cq
 
     def endpoint(self, qp: Qp, psn: int) -> peer_pb2.QpEndpoint:
-        return peer_pb2.QpEndpoint(qp_num=qp.qp_num, lid=self.lid, gid=self.gid, psn=psn, port=PORT)
+        return peer_pb2.QpEndpoint(qp_num=qp.qp_num, lid=self.lid, gid=self.gid, psn=psn, port=self.port)
 
     def connect(self, qp: Qp, psn: int, remote: peer_pb2.QpEndpoint) -> None:
         """RESET -> INIT -> RTR -> RTS against the remote endpoint."""
         v, e = self.v, self.v.e
         attr = v.QPAttr()
         attr.qp_access_flags = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_READ
-        attr.port_num = PORT
+        attr.port_num = self.port
         attr.pkey_index = 0
         qp.to_init(attr)
         attr.path_mtu = self.mtu
         attr.dest_qp_num = remote.qp_num
         attr.rq_psn = remote.psn
-        attr.max_dest_rd_atomic = MAX_RD_ATOMIC
+        attr.max_dest_rd_atomic = self.dest_rd_atomic
         attr.min_rnr_timer = 12
-        gr = v.GlobalRoute(dgid=v.GID(gid_str(remote.gid)), sgid_index=GID_INDEX)
-        attr.ah_attr = v.AHAttr(gr=gr, is_global=1, port_num=PORT, dlid=remote.lid)
+        gr = v.GlobalRoute(dgid=v.GID(gid_str(remote.gid)), sgid_index=self.gid_index)
+        attr.ah_attr = v.AHAttr(gr=gr, is_global=1, port_num=self.port, dlid=remote.lid)
         qp.to_rtr(attr)
         attr.sq_psn = psn
         attr.timeout = 14
         attr.retry_cnt = 7
         attr.rnr_retry = 7
-        attr.max_rd_atomic = MAX_RD_ATOMIC
+        attr.max_rd_atomic = self.rd_atomic
         qp.to_rts(attr)
 
     def close(self) -> None:
@@ -251,7 +330,10 @@ class RdmaTransport:
             return c
         nic = self.engine.nics[i]
         peer_nic = i % peer_nics
-        qp, cq = nic.new_qp()
+        try:
+            qp, cq = nic.new_qp()
+        except Exception as exc:  # a verbs error (ENOMEM once locked memory is used up, ...)
+            raise TransferError(f"cannot create an RDMA queue pair on {nic.name}: {exc}") from exc
         psn = random.randrange(1 << 24)
         try:
             resp = self.handshake(peer, peer_pb2.RdmaConnectRequest(
@@ -322,7 +404,13 @@ class RdmaTransport:
                         wr = v.SendWR(wr_id=i, opcode=e.IBV_WR_RDMA_READ, num_sge=1, sg=[sge],
                                       send_flags=e.IBV_SEND_SIGNALED)
                         wr.set_wr_rdma(rkey, remote.rdma_base + remote.offsets[i])
-                        c.qp.post_send(wr)
+                        try:
+                            c.qp.post_send(wr)  # the NIC's queue holds a copy from here on
+                        finally:
+                            # pyverbs 44-63 never free these (their destructor is misspelt
+                            # __dealloc): 61 MiB per million READs unless closed, once each.
+                            wr.close()
+                            sge.close()
                         posted[j] += 1
                     if done[j] == len(part):
                         continue

@@ -1,0 +1,187 @@
+"""What rdma.py takes from the device before its first READ: the port, the GID, the READ
+limits, pyverbs' constants, and what it frees. Over the fake verbs layer
+(tests/unit/fake_verbs.py): only the hardware edge is fake.
+
+- The port is the first ACTIVE one; the GID on Ethernet (RoCE) the first RoCE v2 one that
+  is not link-local: index 0 there is RoCE v1, which is not routed between subnets (as the
+  original's pegaflow-transfer chooses).
+- The READs in flight each way are held to the device's limits (``ibv_modify_qp`` refuses more).
+- pyverbs from rdma-core 59 has no ``pyverbs.enums``: its constants are enum members.
+- Every READ's work request and SGE is closed once (pyverbs 44-63 never free them otherwise).
+"""
+
+from __future__ import annotations
+
+import enum
+import mmap
+import sys
+import types
+from typing import Any
+
+import pytest
+
+from pegaflow.node.tiers.remote import RemotePages, TransferError, page_checksum
+from pegaflow.node.tiers.remote.rdma import (
+    RdmaEngine,
+    RdmaResponder,
+    RdmaTransport,
+    RdmaUnavailable,
+    flat_enums,
+    gid_str,
+    load_pyverbs,
+)
+from tests.unit import fake_verbs
+from tests.unit.fake_verbs import Port, enums
+
+PAGE = 4096
+PAGES = 8
+V1, V2 = enums.IBV_GID_TYPE_SYSFS_IB_ROCE_V1, enums.IBV_GID_TYPE_SYSFS_ROCE_V2
+ETH = enums.IBV_LINK_LAYER_ETHERNET
+ROCE_TABLE = [("fe80:0000:0000:0000:0a00:00ff:fe00:0001", V1), ("fe80:0000:0000:0000:0a00:00ff:fe00:0001", V2),
+              ("0000:0000:0000:0000:0000:ffff:0a00:0001", V1), ("0000:0000:0000:0000:0000:ffff:0a00:0001", V2)]
+
+
+class Pair:
+    """Two engines on one fake fabric: node a serves (responder), node b pulls (transport)."""
+
+    def __init__(self, fabric: fake_verbs.Fabric) -> None:
+        self.fabric = fabric
+        self.mm = [mmap.mmap(-1, PAGES * PAGE) for _ in range(2)]
+        for i in range(PAGES):
+            self.mm[0][i * PAGE:(i + 1) * PAGE] = bytes([i + 1]) * PAGE
+        v = fabric.verbs()
+        self.a = RdmaEngine(["a_0"], self.mm[0], v)
+        self.b = RdmaEngine(["b_0"], self.mm[1], v)
+        self.responder = RdmaResponder(self.a)
+        self.transport = RdmaTransport(self.b, lambda peer, req: self.responder.accept(req), "b")
+
+    def pull(self, pages: int = PAGES) -> list[int | None]:
+        offsets = tuple(i * PAGE for i in range(pages))
+        sums = tuple(page_checksum(self.a.view[o:o + PAGE]) for o in offsets)
+        remote = RemotePages("a", 1, PAGE, offsets, sums, rdma_base=self.a.base, rkeys=tuple(self.a.rkeys))
+        return self.transport.read(remote, list(offsets))
+
+    def qps(self) -> list[fake_verbs.QP]:
+        return list(self.fabric.qps.values())
+
+    def close(self) -> None:
+        self.transport.close()
+        self.a.close()
+        self.b.close()
+        for m in self.mm:
+            m.close()
+
+
+def pair(**ports: list[Port]) -> Pair:
+    fabric = fake_verbs.Fabric(["a_0", "b_0"])
+    fabric.ports.update(ports)
+    return Pair(fabric)
+
+
+def test_roce_uses_the_first_routable_roce_v2_gid_not_index_0() -> None:
+    p = pair(a_0=[Port(link_layer=ETH, lid=0, gids=ROCE_TABLE)], b_0=[Port(link_layer=ETH, lid=0, gids=ROCE_TABLE)])
+    try:
+        for nic in (p.a.nics[0], p.b.nics[0]):
+            assert nic.gid_index == 3 and gid_str(nic.gid) == ROCE_TABLE[3][0] and nic.link_layer == "ethernet"
+        assert all(s is not None for s in p.pull())
+        assert p.mm[1][:] == p.mm[0][:]
+        assert {qp.rtr["sgid_index"] for qp in p.qps()} == {3}  # both sides' QPs
+    finally:
+        p.close()
+
+
+def test_roce_without_a_v2_gid_takes_a_routable_one_and_infiniband_its_first() -> None:
+    p = pair(a_0=[Port(link_layer=ETH, lid=0, gids=[ROCE_TABLE[0], ROCE_TABLE[2]])],
+             b_0=[Port(gids=[("", V1), ("fe80:0000:0000:0000:0002:c903:0001:0002", V1)])])
+    try:
+        assert p.a.nics[0].gid_index == 1  # no RoCE v2: the first that is not link-local
+        assert p.b.nics[0].gid_index == 1  # InfiniBand: the first GID (an empty slot skipped)
+    finally:
+        p.close()
+
+
+def test_the_first_active_port_is_used_and_none_is_one_line() -> None:
+    p = pair(a_0=[Port(state=enums.IBV_PORT_DOWN), Port()], b_0=[Port(state=enums.IBV_PORT_DOWN), Port()])
+    try:
+        assert p.a.nics[0].port == 2
+        assert all(s is not None for s in p.pull())
+        assert {(qp.rtr["port_num"], qp.rtr["ah_port_num"]) for qp in p.qps()} == {(2, 2)}
+    finally:
+        p.close()
+    for ports, match in (([Port(state=enums.IBV_PORT_DOWN)], "no active port"), ([Port(lid=0)], "LID 0")):
+        fabric = fake_verbs.Fabric(["x_0"])
+        fabric.ports["x_0"] = ports
+        m = mmap.mmap(-1, PAGE)
+        with pytest.raises(RdmaUnavailable, match=match) as exc:
+            RdmaEngine(["x_0"], m, fabric.verbs())
+        assert "\n" not in str(exc.value) and "x_0" in str(exc.value)
+        m.close()  # the engine let go of the pool
+
+
+def test_reads_in_flight_are_held_to_the_devices_limits() -> None:
+    fabric = fake_verbs.Fabric(["a_0", "b_0"])
+    fabric.rd_atom.update(a_0=4, b_0=8)
+    p = Pair(fabric)
+    try:
+        assert all(s is not None for s in p.pull())
+        by_device = {qp.pd.ctx.name: qp for qp in p.qps()}
+        assert by_device["a_0"].rtr["max_dest_rd_atomic"] == 4 and by_device["a_0"].rts["max_rd_atomic"] == 4
+        assert by_device["b_0"].rtr["max_dest_rd_atomic"] == 8 and by_device["b_0"].rts["max_rd_atomic"] == 8
+    finally:
+        p.close()
+
+
+def test_every_work_request_and_sge_is_closed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[Any] = []
+    for cls in (fake_verbs.SGE, fake_verbs.SendWR):
+        init = cls.__init__
+
+        def tracked(self: Any, *a: Any, _init: Any = init, **k: Any) -> None:
+            _init(self, *a, **k)
+            made.append(self)
+
+        monkeypatch.setattr(cls, "__init__", tracked)
+    p = pair()
+    try:
+        p.pull()
+        assert len(made) == 2 * PAGES and [o.closed for o in made] == [1] * len(made)
+    finally:
+        p.close()
+
+
+def test_a_queue_pair_the_device_cannot_create_fails_the_pull_not_the_puller(monkeypatch: pytest.MonkeyPatch) -> None:
+    p = pair()
+    try:
+        def refused(self: Any, pd: Any, init_attr: Any) -> None:
+            raise RuntimeError("Failed to create QP: ENOMEM")
+
+        monkeypatch.setattr(fake_verbs.QP, "__init__", refused)
+        with pytest.raises(TransferError, match="ENOMEM"):
+            p.pull()
+    finally:
+        p.close()
+
+
+def test_pyverbs_without_its_enums_module_uses_the_enum_classes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """rdma-core >= 59 (Cython 3): ``pyverbs.libibverbs_enums`` holds enum classes, no flat names."""
+    access = enum.IntFlag("ibv_access_flags", {"IBV_ACCESS_LOCAL_WRITE": 1, "IBV_ACCESS_REMOTE_READ": 4})
+    port_state = enum.IntEnum("ibv_port_state", {"IBV_PORT_DOWN": 1, "IBV_PORT_ACTIVE": 4})
+    fake = fake_verbs.Fabric([]).verbs()
+    modules = {
+        "addr": {"AHAttr": fake.AHAttr, "GlobalRoute": fake.GlobalRoute, "GID": fake.GID},
+        "cq": {"CQ": fake.CQ}, "device": {"Context": fake.Context}, "mr": {"MR": fake.MR}, "pd": {"PD": fake.PD},
+        "qp": {"QP": fake.QP, "QPCap": fake.QPCap, "QPInitAttr": fake.QPInitAttr, "QPAttr": fake.QPAttr},
+        "wr": {"SGE": fake.SGE, "SendWR": fake.SendWR},
+        "libibverbs_enums": {"ibv_access_flags": access, "ibv_port_state": port_state, "IBV_OTHER": 7},
+    }
+    package = types.ModuleType("pyverbs")
+    monkeypatch.setitem(sys.modules, "pyverbs", package)
+    for name, attrs in modules.items():
+        m = types.ModuleType(f"pyverbs.{name}")
+        m.__dict__.update(attrs)
+        setattr(package, name, m)
+        monkeypatch.setitem(sys.modules, m.__name__, m)
+    v = load_pyverbs()
+    assert v.e.IBV_ACCESS_LOCAL_WRITE | v.e.IBV_ACCESS_REMOTE_READ == 5
+    assert v.e.IBV_PORT_ACTIVE == 4 and v.e.IBV_OTHER == 7
+    assert flat_enums(types.SimpleNamespace()).__dict__ == {}
