@@ -490,7 +490,7 @@ def test_rdma_qps_are_reused_and_a_dead_peer_qp_fails_the_pull_cleanly():
         asyncio.run(pull(0))
         assert r.handshakes == 2
         r.b.index.remove(r.b.index.resident(r.b.ns))
-        for qp, _ in r.responder.qps:  # the peer's side of every QP dies
+        for qp, _ in r.responder.qps.values():  # the peer's side of every QP dies
             r.fabric.kill_qp(qp.qp_num)
         asyncio.run(pull(0))
         assert all(r.b.index.get(r.b.ns, h) is None for h in hs)

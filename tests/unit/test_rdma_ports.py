@@ -15,7 +15,9 @@ from __future__ import annotations
 import enum
 import mmap
 import sys
+import threading
 import types
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -42,18 +44,26 @@ ROCE_TABLE = [("fe80:0000:0000:0000:0a00:00ff:fe00:0001", V1), ("fe80:0000:0000:
 
 
 class Pair:
-    """Two engines on one fake fabric: node a serves (responder), node b pulls (transport)."""
+    """Two engines on one fake fabric: node a serves (responder), node b pulls (transport);
+    ``nics`` devices each (a_0.., b_0..); ``handshake`` wraps the responder's answer."""
 
-    def __init__(self, fabric: fake_verbs.Fabric) -> None:
+    def __init__(self, fabric: fake_verbs.Fabric, nics: int = 1,
+                 handshake: Callable[[Callable[[], Any]], Any] = lambda answer: answer()) -> None:
         self.fabric = fabric
         self.mm = [mmap.mmap(-1, PAGES * PAGE) for _ in range(2)]
         for i in range(PAGES):
             self.mm[0][i * PAGE:(i + 1) * PAGE] = bytes([i + 1]) * PAGE
         v = fabric.verbs()
-        self.a = RdmaEngine(["a_0"], self.mm[0], v)
-        self.b = RdmaEngine(["b_0"], self.mm[1], v)
+        self.a = RdmaEngine([f"a_{i}" for i in range(nics)], self.mm[0], v)
+        self.b = RdmaEngine([f"b_{i}" for i in range(nics)], self.mm[1], v)
         self.responder = RdmaResponder(self.a)
-        self.transport = RdmaTransport(self.b, lambda peer, req: self.responder.accept(req), "b")
+        self.handshakes = 0
+
+        def answer(peer: str, req: Any) -> Any:
+            self.handshakes += 1
+            return handshake(lambda: self.responder.accept(req))
+
+        self.transport = RdmaTransport(self.b, answer, "b")
 
     def pull(self, pages: int = PAGES) -> list[int | None]:
         offsets = tuple(i * PAGE for i in range(pages))
@@ -66,6 +76,7 @@ class Pair:
 
     def close(self) -> None:
         self.transport.close()
+        self.responder.close()
         self.a.close()
         self.b.close()
         for m in self.mm:
@@ -185,3 +196,55 @@ def test_pyverbs_without_its_enums_module_uses_the_enum_classes(monkeypatch: pyt
     assert v.e.IBV_ACCESS_LOCAL_WRITE | v.e.IBV_ACCESS_REMOTE_READ == 5
     assert v.e.IBV_PORT_ACTIVE == 4 and v.e.IBV_OTHER == 7
     assert flat_enums(types.SimpleNamespace()).__dict__ == {}
+
+
+def test_every_nic_gets_its_reads_before_any_completion_is_polled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several NICs transfer at once: no NIC's READs wait for another's completions."""
+    events: list[tuple[str, str]] = []
+    post, poll = fake_verbs.QP.post_send, fake_verbs.CQ.poll
+
+    def posted(self: fake_verbs.QP, wr: Any) -> None:
+        events.append(("post", self.pd.ctx.name))
+        post(self, wr)
+
+    def polled(self: fake_verbs.CQ, n: int = 1) -> tuple[int, list[Any]]:
+        events.append(("poll", ""))
+        return poll(self, n)
+
+    monkeypatch.setattr(fake_verbs.QP, "post_send", posted)
+    monkeypatch.setattr(fake_verbs.CQ, "poll", polled)
+    p = Pair(fake_verbs.Fabric(["a_0", "a_1", "b_0", "b_1"]), nics=2)
+    try:
+        assert all(s is not None for s in p.pull())
+        first_poll = events.index(("poll", ""))
+        assert {dev for kind, dev in events[:first_poll]} == {"b_0", "b_1"}
+        assert sum(kind == "post" for kind, _ in events) == PAGES
+    finally:
+        p.close()
+
+
+def test_two_pulls_setting_up_the_same_queue_pair_make_one() -> None:
+    """The peer keeps one QP per puller QP: a second handshake for it would replace the
+    first one's while that one is in use. Both pulls wait (bounded) for each other inside
+    the handshake: if both were let in, both would get there."""
+    both = threading.Barrier(2, timeout=1.0)
+
+    def meet(answer: Callable[[], Any]) -> Any:
+        try:
+            both.wait()
+        except threading.BrokenBarrierError:
+            pass  # the other pull waits for this setup instead
+        return answer()
+
+    p = Pair(fake_verbs.Fabric(["a_0", "b_0"]), handshake=meet)
+    try:
+        got: list[Any] = []
+        threads = [threading.Thread(target=lambda: got.append(p.transport._conn("a", 0, 0, 1))) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert len(got) == 2 and got[0] is got[1]
+        assert p.handshakes == 1 and len(p.responder.qps) == 1
+    finally:
+        p.close()

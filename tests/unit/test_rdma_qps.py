@@ -56,12 +56,19 @@ def test_a_pull_spreads_each_nics_pages_over_qps_per_peer_queue_pairs(qps: int, 
         assert pulls(r.b, "ok") == 2
         # The peer dies (its QPs stop answering): the pull fails and every QP to it is dropped.
         for n in list(r.fabric.qps):
-            if r.fabric.qps[n] in [q for q, _ in r.responder.qps]:
+            if r.fabric.qps[n] in [q for q, _ in r.responder.qps.values()]:
                 r.fabric.kill_qp(n)
         r.b.index.remove(r.b.index.resident(r.b.ns))
         asyncio.run(pull())
         assert r.transport.qps() == 0
         assert pulls(r.b, "ok") == 2
+        # The peer is back: the next pull (past the backoff) handshakes again for the same QPs,
+        # and the peer closes the QPs that answered the dropped ones instead of keeping them.
+        r.puller.backoff.ok(r.a.address)
+        asyncio.run(pull())
+        assert pulls(r.b, "ok") == 3 and r.handshakes == 4 * qps
+        assert len(r.responder.qps) == r.transport.qps() == 2 * qps
+        assert len(r.fabric.qps) == 4 * qps, "a QP of a dropped one is still open"
     finally:
         r.close()
 

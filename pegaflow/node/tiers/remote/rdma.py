@@ -8,8 +8,8 @@ original's "RC QPs per (local NIC, remote NIC) pair", default 2), each set up la
 a gRPC handshake (``PegaPeer.RdmaConnect``: QP number, LID, GID, PSN each way; the
 responder opens one QP per puller QP, so the two sides need not agree on the number); a
 pull posts one signaled READ work request per page, striped over the NICs and, within a
-NIC, over its QPs, at most ``MAX_OUTSTANDING`` in flight per QP, and polls the QPs' CQs
-until every page completed. The peer's CPU takes no part in the copy.
+NIC, over its QPs, at most ``MAX_OUTSTANDING`` in flight per QP, every QP's before it polls
+any CQ (all NICs transfer at once), and polls the QPs' CQs until every page completed. The peer's CPU takes no part in the copy.
 
 A failed completion (peer died, keys revoked) or a poll timeout raises
 :class:`TransferError`; the QP is then in the error state and is dropped, so the next
@@ -261,12 +261,14 @@ class RdmaResponder:
     """Serving side of the handshake: a QP per puller QP, connected back to it.
 
     Responder QPs never post work: the NIC serves the puller's READs from the registered
-    pool by itself. They live until the node stops.
+    pool by itself. Each is kept for its puller's QP, (puller, NIC, the puller's QP index):
+    a puller that dropped its QP (a failed pull, a restart) handshakes again for the same
+    one, and the QP that answered the old one is closed. The rest live until the node stops.
     """
 
     def __init__(self, engine: RdmaEngine) -> None:
         self.engine = engine
-        self.qps: list[tuple[Qp, Cq]] = []
+        self.qps: dict[tuple[str, int, int], tuple[Qp, Cq]] = {}
         self._lock = threading.Lock()
 
     @property
@@ -284,12 +286,36 @@ class RdmaResponder:
         nic = nics[req.nic_index]
         qp, cq = nic.new_qp()
         psn = random.randrange(1 << 24)
-        nic.connect(qp, psn, req.endpoint)
+        try:
+            nic.connect(qp, psn, req.endpoint)
+        except BaseException:
+            _close(qp, cq)
+            raise
+        key = (req.puller, req.nic_index, req.qp_index)
         with self._lock:
-            self.qps.append((qp, cq))
-        log.info("rdma_qp_accepted", puller=req.puller, nic=nic.name, qp=qp.qp_num)
+            old = self.qps.get(key)
+            self.qps[key] = (qp, cq)
+        if old is not None:
+            _close(*old)
+        log.info("rdma_qp_accepted", puller=req.puller, nic=nic.name, qp=qp.qp_num, replaced=old is not None)
         return peer_pb2.RdmaConnectResponse(endpoint=nic.endpoint(qp, psn), rkey=nic.mr.rkey,
                                             rdma_base=self.engine.base)
+
+    def close(self) -> None:
+        """Close every QP (before the engine's devices)."""
+        with self._lock:
+            qps, self.qps = list(self.qps.values()), {}
+        for qp, cq in qps:
+            _close(qp, cq)
+
+
+def _close(*objects: Any) -> None:
+    """Close verbs objects, best effort (a QP whose peer died may refuse)."""
+    for o in objects:
+        try:
+            o.close()
+        except Exception:  # noqa: BLE001
+            pass
 
 
 # (peer gRPC address, RdmaConnectRequest) -> RdmaConnectResponse; blocking (worker thread)
@@ -316,6 +342,9 @@ class RdmaTransport:
         self.qps_per_peer = qps_per_peer
         self._conns: dict[tuple[str, int, int], _Conn] = {}  # (peer, our NIC, QP index)
         self._lock = threading.Lock()
+        # One handshake at a time: two pulls setting up the same QP would each make one, and
+        # the peer keeps one per QP index.
+        self._setup = threading.Lock()
 
     def qps(self, peer: str | None = None) -> int:
         """Queue pairs open (to ``peer``, or to every peer)."""
@@ -328,6 +357,13 @@ class RdmaTransport:
             c = self._conns.get(key)
         if c is not None:
             return c
+        with self._setup:
+            with self._lock:
+                c = self._conns.get(key)
+            return c if c is not None else self._connect(key, peer_nics)
+
+    def _connect(self, key: tuple[str, int, int], peer_nics: int) -> _Conn:
+        peer, i, j = key
         nic = self.engine.nics[i]
         peer_nic = i % peer_nics
         try:
@@ -337,11 +373,10 @@ class RdmaTransport:
         psn = random.randrange(1 << 24)
         try:
             resp = self.handshake(peer, peer_pb2.RdmaConnectRequest(
-                puller=self.node_id, nic_index=peer_nic, endpoint=nic.endpoint(qp, psn)))
+                puller=self.node_id, nic_index=peer_nic, endpoint=nic.endpoint(qp, psn), qp_index=j))
             nic.connect(qp, psn, resp.endpoint)
         except Exception as exc:
-            qp.close()
-            cq.close()
+            _close(qp, cq)
             raise TransferError(f"RDMA handshake with {peer} failed: {exc}") from exc
         c = _Conn(qp, cq, nic, peer_nic)
         with self._lock:
@@ -359,11 +394,8 @@ class RdmaTransport:
         if not remote.rkeys or len(remote.checksums) != n:
             raise TransferError("peer returned no RDMA keys or no checksums")
         k = len(self.engine.nics)
-        stripes: list[list[int]] = [list(range(i, n, k)) for i in range(k)]
         try:
-            for i, pages in enumerate(stripes):
-                if pages:
-                    self._read_stripe(remote, dests, i, pages)
+            self._read_pages(remote, dests, [list(range(i, n, k)) for i in range(k)])
         except TransferError:
             self.forget(remote.peer)  # the peer likely died: every QP to it is suspect
             raise
@@ -371,33 +403,25 @@ class RdmaTransport:
         return [c if page_checksum(view[o:o + size]) == c else None
                 for o, c in zip(dests, remote.checksums, strict=True)]
 
-    def _read_stripe(self, remote: RemotePages, dests: Sequence[int], nic_i: int, pages: list[int]) -> None:
-        """The pages of one NIC, dealt round-robin over its QPs to the peer, posted and
-        polled together (each QP keeps up to ``MAX_OUTSTANDING`` READs in flight)."""
-        q = min(self.qps_per_peer, len(pages))
-        parts = [pages[j::q] for j in range(q)]
-        conns: list[_Conn] = []
-        try:
-            for j in range(q):
-                conns.append(self._conn(remote.peer, nic_i, j, len(remote.rkeys)))
-        except TransferError:
-            for j in range(len(conns)):
-                self._drop(remote.peer, nic_i, j)
-            raise
+    def _read_pages(self, remote: RemotePages, dests: Sequence[int], stripes: list[list[int]]) -> None:
+        """Each NIC's pages (``stripes``, by NIC), dealt round-robin over its QPs to the peer:
+        every QP gets its READs (up to ``MAX_OUTSTANDING`` in flight) before any CQ is
+        polled, so all NICs transfer at once."""
+        jobs: list[tuple[_Conn, list[int]]] = []
+        for i, pages in enumerate(stripes):
+            q = min(self.qps_per_peer, len(pages))
+            jobs += [(self._conn(remote.peer, i, j, len(remote.rkeys)), pages[j::q]) for j in range(q)]
         v, e = self.engine.verbs, self.engine.verbs.e
         base, size = self.engine.base, remote.page_bytes
-        for c in conns:  # always in QP order: two pulls cannot deadlock
+        for c, _ in jobs:  # always in (NIC, QP) order: two pulls cannot deadlock
             c.lock.acquire()
         try:
-            posted = [0] * q
-            done = [0] * q
+            posted = [0] * len(jobs)
+            done = [0] * len(jobs)
             last = time.monotonic()
-            while any(done[j] < len(parts[j]) for j in range(q)):
-                progress = False
-                for j, c in enumerate(conns):
-                    part = parts[j]
-                    rkey = remote.rkeys[c.peer_nic]
-                    lkey = c.nic.mr.lkey
+            while any(done[j] < len(part) for j, (_, part) in enumerate(jobs)):
+                for j, (c, part) in enumerate(jobs):
+                    rkey, lkey = remote.rkeys[c.peer_nic], c.nic.mr.lkey
                     while posted[j] < len(part) and posted[j] - done[j] < MAX_OUTSTANDING:
                         i = part[posted[j]]
                         sge = v.SGE(base + dests[i], size, lkey)
@@ -412,6 +436,8 @@ class RdmaTransport:
                             wr.close()
                             sge.close()
                         posted[j] += 1
+                progress = False
+                for j, (c, part) in enumerate(jobs):
                     if done[j] == len(part):
                         continue
                     npolled, wcs = c.cq.poll(CQ_BATCH)
@@ -424,32 +450,20 @@ class RdmaTransport:
                 if progress:
                     last = time.monotonic()
                 elif time.monotonic() - last > POLL_TIMEOUT:
-                    raise TransferError(f"no RDMA completion for {POLL_TIMEOUT}s ({sum(done)}/{len(pages)})")
+                    raise TransferError(f"no RDMA completion for {POLL_TIMEOUT}s ({sum(done)}/{sum(posted)})")
         except TransferError:
-            self._drop_nic(remote.peer, nic_i)
             raise
         except Exception as exc:  # a verbs error (QP in error state, ...)
-            self._drop_nic(remote.peer, nic_i)
             raise TransferError(f"RDMA READ from {remote.peer}: {exc}") from exc
         finally:
-            for c in conns:
+            for c, _ in jobs:
                 c.lock.release()
-
-    def _drop_nic(self, peer: str, i: int) -> None:
-        with self._lock:
-            keys = [k for k in self._conns if k[0] == peer and k[1] == i]
-        for k in keys:
-            self._drop(*k)
 
     def _drop(self, peer: str, i: int, j: int) -> None:
         with self._lock:
             c = self._conns.pop((peer, i, j), None)
         if c is not None:
-            for o in (c.qp, c.cq):
-                try:
-                    o.close()
-                except Exception:  # noqa: BLE001
-                    pass
+            _close(c.qp, c.cq)
 
     def forget(self, addr: str) -> None:
         """Drop every QP to a peer (it failed); the next pull handshakes again."""

@@ -74,6 +74,7 @@ class P2P:
                 self.data.close()
                 raise
             rdma = RdmaResponder(self.engine)
+        self.responder = rdma
         self.service = PeerService(self.table, self.data_addr, config.max_batch, rdma)
         self.puller: Puller | None = None
         self._peers: GrpcPeers | None = None
@@ -132,5 +133,7 @@ class P2P:
             await self._lookup.close()
         for ch in self._sync_channels.values():
             ch.close()
+        if self.responder is not None:
+            self.responder.close()
         if self.engine is not None:
             self.engine.close()
