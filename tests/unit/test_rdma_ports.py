@@ -248,3 +248,12 @@ def test_two_pulls_setting_up_the_same_queue_pair_make_one() -> None:
         assert p.handshakes == 1 and len(p.responder.qps) == 1
     finally:
         p.close()
+
+
+def test_both_sides_use_the_smaller_path_mtu() -> None:
+    p = pair(a_0=[Port(active_mtu=enums.IBV_MTU_4096)], b_0=[Port(active_mtu=enums.IBV_MTU_1024)])
+    try:
+        assert all(s is not None for s in p.pull())
+        assert {qp.rtr["path_mtu"] for qp in p.qps()} == {enums.IBV_MTU_1024}
+    finally:
+        p.close()

@@ -194,7 +194,8 @@ class Nic:
         return qp, cq
 
     def endpoint(self, qp: Qp, psn: int) -> peer_pb2.QpEndpoint:
-        return peer_pb2.QpEndpoint(qp_num=qp.qp_num, lid=self.lid, gid=self.gid, psn=psn, port=self.port)
+        return peer_pb2.QpEndpoint(qp_num=qp.qp_num, lid=self.lid, gid=self.gid, psn=psn, port=self.port,
+                                   mtu=int(self.mtu))
 
     def connect(self, qp: Qp, psn: int, remote: peer_pb2.QpEndpoint) -> None:
         """RESET -> INIT -> RTR -> RTS against the remote endpoint."""
@@ -204,7 +205,9 @@ class Nic:
         attr.port_num = self.port
         attr.pkey_index = 0
         qp.to_init(attr)
-        attr.path_mtu = self.mtu
+        # A READ's responses are cut to the responder's path MTU: a peer with jumbo frames must
+        # not send this side more than its port takes (nor this side it).
+        attr.path_mtu = min(int(self.mtu), remote.mtu or int(self.mtu))
         attr.dest_qp_num = remote.qp_num
         attr.rq_psn = remote.psn
         attr.max_dest_rd_atomic = self.dest_rd_atomic
