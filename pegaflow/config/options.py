@@ -367,8 +367,10 @@ OPTIONS: list[Option] = [
         "disable-numa-affinity",
         False,
         "Turn off NUMA placement of the pool. By default the pool is split into one part per NUMA "
-        "node with memory, each bound to its node (mbind MPOL_BIND, before the pre-fault; one node: "
-        "the whole pool bound to it); an engine's pages come from its own node's part, then the "
+        "node with memory that the node may use (Mems_allowed_list), each bound to its node (mbind "
+        "MPOL_BIND, before the pre-fault; one node: the whole pool bound to it; a node without the "
+        "free memory or huge pages for its part refuses the pool at start); an engine's pages come "
+        "from its own node's part, then the "
         "nearest, when its node is known (pegaflow/node/numa.py). Off: one part, the kernel's "
         "default policy.",
         _bool,

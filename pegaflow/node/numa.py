@@ -24,7 +24,13 @@ Mechanics:
   installed on every host (it is a separate package, with no binding in the standard
   library), the call is a stable kernel ABI, and the pool needs nothing else of libnuma.
   On a shared memfd the policy belongs to the file's range, so every mapping of it (the
-  engines' too) gets pages of that node. :func:`get_mempolicy` reads it back.
+  engines' too) gets pages of that node; a hugetlb memfd has no shared policy, so only the
+  node's own mapping is bound, which is enough: the node pre-faults every page it hands
+  out. :func:`get_mempolicy` reads it back. The parts are planned over the nodes this
+  process may allocate on (``Mems_allowed_list``: a cgroup's cpuset), each checked against
+  what its node has free (:func:`node_free`: ``MPOL_BIND`` on a node that runs out calls
+  the OOM killer, or fails the pre-fault of huge pages) before anything is bound, and a
+  bind that fails part-way is undone (``MPOL_DEFAULT`` over the pool).
 - :class:`NumaAllocator` is the block index's page allocator over the parts (one
   :class:`~pegaflow.core.allocator.ExtentAllocator` each); :meth:`NumaAllocator.prefer`
   names the node whose part serves the next allocations.
@@ -37,6 +43,7 @@ import contextlib
 import ctypes
 import os
 import platform
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,9 +55,10 @@ from pegaflow.core.allocator import ExtentAllocator, OutOfSpace
 
 log = structlog.get_logger("pegaflow.numa")
 
-HUGE_PAGE = 2 << 20  # parts start on huge-page boundaries (mbind wants page alignment; --use-hugepages 2 MiB)
+HUGE_PAGE = 2 << 20  # parts start on huge-page boundaries at least (mbind splits a hugetlb range only there)
 SYSFS_NODES = "/sys/devices/system/node"
 SYSFS_PCI = "/sys/bus/pci/devices"
+MPOL_DEFAULT = 0
 MPOL_BIND = 2
 MPOL_MF_MOVE = 1 << 1
 MPOL_F_ADDR = 1 << 1
@@ -110,7 +118,8 @@ def read_topology(root: str = SYSFS_NODES) -> Topology:
     nodes = tuple(sorted(parse_cpulist(listed))) or (0,)
     cpus: dict[int, frozenset[int]] = {}
     distance: dict[int, dict[int, int]] = {}
-    every = sorted(parse_cpulist((base / "possible").read_text())) if (base / "possible").exists() else list(nodes)
+    # A distance row has a column per online node (the kernel's node_read_distance).
+    every = sorted(parse_cpulist((base / "online").read_text())) if (base / "online").exists() else list(nodes)
     for n in nodes:
         d = base / f"node{n}"
         with contextlib.suppress(OSError):
@@ -121,14 +130,54 @@ def read_topology(root: str = SYSFS_NODES) -> Topology:
     return Topology(nodes, cpus, distance)
 
 
+_BDF = re.compile(r"([0-9a-f]{1,8}):([0-9a-f]{2}):([0-9a-f]{2})\.([0-7])")
+
+
 def node_of_pci(bdf: str, root: str = SYSFS_PCI) -> int | None:
-    """The NUMA node of PCI device ``bdf`` (``0000:3b:00.0``, as CUDA's ``pci_bus_id``
-    writes it, lower-cased); None when the firmware does not say (-1) or there is none."""
+    """The NUMA node of PCI device ``bdf`` (CUDA's ``0000:3b:00.0``, nvidia-smi's
+    ``00000000:3B:00.0``: sysfs names it with a 4-digit domain, lower case); None when the
+    firmware does not say (-1), there is none, or ``bdf`` is not a PCI address."""
+    m = _BDF.fullmatch(bdf.strip().lower())
+    if m is None:
+        return None
+    domain, bus, slot, fn = m.groups()
     try:
-        v = int((Path(root) / bdf.lower() / "numa_node").read_text())
+        v = int((Path(root) / f"{int(domain, 16):04x}:{bus}:{slot}.{fn}" / "numa_node").read_text())
     except (OSError, ValueError):
         return None
     return v if v >= 0 else None
+
+
+def mems_allowed(proc: str = "/proc") -> frozenset[int]:
+    """The NUMA nodes this process may allocate on (``Mems_allowed_list``: its cgroup's
+    cpuset, e.g. a Kubernetes topology manager's or systemd's ``AllowedMemoryNodes``);
+    empty when unknown."""
+    try:
+        with open(f"{proc}/self/status") as f:
+            for line in f:
+                if line.startswith("Mems_allowed_list:"):
+                    return parse_cpulist(line.split(":", 1)[1])
+    except OSError:
+        pass
+    return frozenset()
+
+
+def node_free(node: int, huge_page: int = 0, root: str = SYSFS_NODES) -> int | None:
+    """Bytes node ``node`` can still give the pool: its free huge pages of ``huge_page``
+    bytes, or (``huge_page`` 0) its free memory and page cache (``nodeN/meminfo`` MemFree +
+    FilePages, generous: what the kernel could reclaim); None when sysfs does not say."""
+    d = Path(root) / f"node{node}"
+    try:
+        if huge_page:
+            return int((d / "hugepages" / f"hugepages-{huge_page >> 10}kB" / "free_hugepages").read_text()) * huge_page
+        fields = {}
+        for line in (d / "meminfo").read_text().splitlines():
+            words = line.split()  # "Node 0 MemFree:   123456 kB"
+            if len(words) >= 4 and words[3].isdigit():
+                fields[words[2].rstrip(":")] = int(words[3]) << 10
+        return fields["MemFree"] + fields.get("FilePages", 0)
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def cpus_allowed(pid: int, proc: str = "/proc") -> frozenset[int]:
@@ -190,16 +239,21 @@ def _mask(nodes: Sequence[int]) -> tuple[ctypes.Array[ctypes.c_ulong], int]:
     return arr, words * _ULONG_BITS + 1  # maxnode: the kernel counts one bit less
 
 
-def mbind(addr: int, length: int, node: int) -> None:
+def mbind(addr: int, length: int, node: int | None) -> None:
     """Bind ``[addr, addr + length)`` (page-aligned) to ``node`` (MPOL_BIND, moving pages
-    already faulted elsewhere). Raises :class:`NumaError`."""
+    already faulted elsewhere); ``node`` None: back to the default policy (MPOL_DEFAULT).
+    Raises :class:`NumaError`."""
     nr_mbind, _ = _syscalls()
-    mask, maxnode = _mask([node])
+    if node is None:
+        mode, mask, maxnode, flags = MPOL_DEFAULT, None, 0, 0
+    else:
+        (mask, maxnode), mode, flags = _mask([node]), MPOL_BIND, MPOL_MF_MOVE
     r = _libc.syscall(ctypes.c_long(nr_mbind), ctypes.c_void_p(addr), ctypes.c_ulong(length),
-                      ctypes.c_int(MPOL_BIND), mask, ctypes.c_ulong(maxnode), ctypes.c_uint(MPOL_MF_MOVE))
+                      ctypes.c_int(mode), mask, ctypes.c_ulong(maxnode), ctypes.c_uint(flags))
     if r != 0:
         err = ctypes.get_errno()
-        raise NumaError(err, f"mbind of {length} bytes to NUMA node {node}: {os.strerror(err)}")
+        where = "the default policy" if node is None else f"NUMA node {node}"
+        raise NumaError(err, f"mbind of {length} bytes to {where}: {os.strerror(err)}")
 
 
 def get_mempolicy(addr: int, max_nodes: int = 1024) -> tuple[int, list[int]]:
@@ -238,7 +292,7 @@ class NumaAllocator:
         self.capacity = sum(a.capacity for a in self._allocs)
         self._by_node = {p.node: i for i, p in enumerate(self.parts)}
         self._orders: dict[int | None, list[int]] = {None: list(range(len(self.parts)))}
-        for n in self._by_node:
+        for n in {*topo.nodes, *self._by_node}:  # a node without a part (not allowed) takes the nearest
             self._orders[n] = [self._by_node[m] for m in topo.nearest(n) if m in self._by_node]
         self._order = self._orders[None]
         self.preferred: int | None = None
@@ -322,20 +376,30 @@ class Placement:
 
 class _Bindable(Protocol):
     size: int
+    page_size: int  # the pool's pages (a huge page with --use-hugepages)
 
     def bind_numa(self, parts: Sequence[Part]) -> None: ...
 
 
-def place_pool(pool: _Bindable, disabled: bool, align: int, topo: Topology | None = None) -> Placement:
-    """Split ``pool`` over the host's NUMA nodes and bind each part (the node's start-up,
-    before the pre-fault). On a one-node host the one part is bound to that node. A failed
-    bind (a container without CAP_SYS_NICE under Docker's seccomp profile, a kernel without
-    NUMA) is logged and leaves the kernel's default policy: the node still starts."""
+def place_pool(pool: _Bindable, disabled: bool, align: int, topo: Topology | None = None,
+               allowed: frozenset[int] | None = None) -> Placement:
+    """Split ``pool`` over the host's NUMA nodes this process may use (``allowed``, read
+    from ``Mems_allowed_list`` when None) and bind each part (the node's start-up, before
+    the pre-fault). On a one-node host the one part is bound to that node. A failed bind (a
+    container without CAP_SYS_NICE under Docker's seccomp profile, a kernel without NUMA)
+    is logged and leaves the kernel's default policy: the node still starts. A node without
+    the memory for its part is the pool's to refuse (``bind_numa``)."""
     topo = topo if topo is not None else read_topology()
     if disabled:
         log.info("pool_numa_affinity_off", nodes=list(topo.nodes))
         return Placement(topo, ())
-    parts = plan_parts(pool.size, topo.nodes, max(align, HUGE_PAGE))
+    allowed = mems_allowed() if allowed is None else allowed
+    nodes = [n for n in topo.nodes if n in allowed] if allowed else list(topo.nodes)
+    if not nodes:
+        log.warning("pool_numa_no_allowed_node", nodes=list(topo.nodes), allowed=sorted(allowed),
+                    fallback="the kernel's default memory policy")
+        return Placement(topo, ())
+    parts = plan_parts(pool.size, nodes, max(align, HUGE_PAGE, pool.page_size))
     try:
         pool.bind_numa(parts)
     except NumaError as exc:

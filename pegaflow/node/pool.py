@@ -15,6 +15,7 @@ always already faulted. A 500 GiB pool no longer takes minutes before the first 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import mmap
@@ -29,7 +30,7 @@ import xxhash
 
 from pegaflow.common.memory import MADV_POPULATE_WRITE, madvise
 from pegaflow.common.priority import background_thread
-from pegaflow.node.numa import Part, mbind
+from pegaflow.node.numa import SYSFS_NODES, NumaError, Part, mbind, node_free
 
 
 def page_checksum(data: memoryview | bytes | bytearray) -> int:
@@ -71,8 +72,10 @@ class SharedPool:
         if size <= 0:
             raise PoolError("pool size must be > 0")
         flags = os.MFD_CLOEXEC
+        self.page_size = mmap.PAGESIZE
         if use_hugepages:
             free, hp = _hugepages_free()
+            self.page_size = hp
             size = (size + hp - 1) // hp * hp
             need = size // hp
             if free < need:
@@ -109,11 +112,29 @@ class SharedPool:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def bind_numa(self, parts: Sequence[Part]) -> None:
+    def bind_numa(self, parts: Sequence[Part], nodes_root: str = SYSFS_NODES) -> None:
         """Bind each part of the pool to its NUMA node (``mbind``, pegaflow/node/numa.py),
-        before the pre-fault touches it. Raises NumaError (the caller decides)."""
-        for p in parts:
-            mbind(self.base + p.start, p.size, p.node)
+        before the pre-fault touches it. Raises NumaError (the caller decides; a bind that
+        failed part-way is undone first), or PoolError when a node has not the memory (or
+        the huge pages) for its part: bound there, the pre-fault would fail on that node
+        or the OOM killer end a process (an engine, whose RSS holds the pool's pages)."""
+        if len(parts) > 1:  # one node: the host-wide check at creation was the same
+            hp = self.page_size if self.use_hugepages else 0
+            for p in parts:
+                free = node_free(p.node, hp, nodes_root)
+                if free is not None and free < p.size:
+                    what = f"{free // hp} free huge pages of {hp >> 20} MiB" if hp else f"{free >> 20} MiB free"
+                    fix = (f"reserve {-(-p.size // hp)} on it ({nodes_root}/node{p.node}/hugepages/"
+                           f"hugepages-{hp >> 10}kB/nr_hugepages), " if hp else "")
+                    raise PoolError(f"NUMA node {p.node} has {what} for its {p.size >> 20} MiB part of the pool: "
+                                    f"{fix}choose a smaller --pool-size, or --disable-numa-affinity")
+        try:
+            for p in parts:
+                mbind(self.base + p.start, p.size, p.node)
+        except NumaError:
+            with contextlib.suppress(NumaError):
+                mbind(self.base, self.size, None)  # the parts bound so far: back to the default
+            raise
         self.numa_parts = list(parts)
 
     def start_prefault(self, on_progress: Callable[[int], None] | None = None) -> None:

@@ -60,6 +60,45 @@ def pool_mapping_of_self() -> str:
     return pool_mapping(os.getpid())
 
 
+def test_a_bind_that_fails_part_way_leaves_no_part_bound(tmp_path: Path) -> None:
+    """A later part's node refused (outside the process's cpuset, or absent): the parts
+    bound before it go back to the default policy, so the pool is not half bound."""
+    node = numa.read_topology().nodes[0]
+    pool = SharedPool(8 * MB)
+    try:
+        parts = [numa.Part(node, 0, 4 * MB), numa.Part(63, 4 * MB, 4 * MB)]  # no node 63 here
+        with pytest.raises(numa.NumaError, match="node 63"):
+            pool.bind_numa(parts, nodes_root=str(tmp_path))  # a sysfs that says nothing of free memory
+        assert numa.get_mempolicy(pool.base)[0] == numa.MPOL_DEFAULT and pool.numa_parts == []
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("huge", [False, True])
+def test_a_node_without_the_memory_for_its_part_refuses_the_pool(tmp_path: Path, huge: bool) -> None:
+    """Bound to a node that runs out, the pre-fault would fail there (huge pages) or the OOM
+    killer end a process: the pool is refused at start, naming the node, before any bind."""
+    from pegaflow.node.pool import PoolError
+
+    pool = SharedPool(8 * MB)
+    try:
+        hp = 2 * MB
+        if huge:  # as a --use-hugepages pool (none may be reserved here): what bind_numa reads of it
+            pool.use_hugepages, pool.page_size = True, hp
+        for n, free in ((0, 64 * MB), (1, 3 * MB)):
+            d = tmp_path / f"node{n}"
+            (d / "hugepages" / "hugepages-2048kB").mkdir(parents=True)
+            (d / "hugepages" / "hugepages-2048kB" / "free_hugepages").write_text(f"{free // hp}\n")
+            (d / "meminfo").write_text(f"Node {n} MemTotal: 99999999 kB\nNode {n} MemFree: {free >> 11} kB\n"
+                                       f"Node {n} FilePages: {free >> 11} kB\n")
+        with pytest.raises(PoolError, match="NUMA node 1 has") as exc:
+            pool.bind_numa([numa.Part(0, 0, 4 * MB), numa.Part(1, 4 * MB, 4 * MB)], nodes_root=str(tmp_path))
+        assert ("nr_hugepages" in str(exc.value)) == huge and "\n" not in str(exc.value)
+        assert numa.get_mempolicy(pool.base)[0] == numa.MPOL_DEFAULT and pool.numa_parts == []
+    finally:
+        pool.close()
+
+
 def test_node_binds_its_pool_to_its_numa_node_unless_disabled(node_factory) -> None:
     node = numa.read_topology().nodes[0]
     n = node_factory(pool_size="64mb")

@@ -158,6 +158,7 @@ def test_the_allocator_grows_with_the_prefault_front_to_back() -> None:
 def test_placement_binds_each_part_and_falls_back_when_binding_fails() -> None:
     class Pool:
         size = 64 * MB
+        page_size = 4096
 
         def __init__(self, fail: bool = False) -> None:
             self.bound: list[Part] = []
@@ -169,17 +170,18 @@ def test_placement_binds_each_part_and_falls_back_when_binding_fails() -> None:
             self.bound = list(parts)
 
     two = Topology((0, 1))
+    both = frozenset({0, 1})  # the process may use both (Mems_allowed_list)
     p = Pool()
-    pl = numa.place_pool(p, False, 4096, two)
+    pl = numa.place_pool(p, False, 4096, two, both)
     assert [(x.node, x.size) for x in p.bound] == [(0, 32 * MB), (1, 32 * MB)]
     assert isinstance(pl.allocator(p.size, 4096), NumaAllocator)
     # --disable-numa-affinity: nothing bound, one extent allocator as before.
     p = Pool()
-    pl = numa.place_pool(p, True, 4096, two)
+    pl = numa.place_pool(p, True, 4096, two, both)
     assert p.bound == [] and pl.parts == ()
     assert isinstance(pl.allocator(p.size, 4096), ExtentAllocator)
     # A host that refuses mbind: the node still starts, unbound.
-    pl = numa.place_pool(Pool(fail=True), False, 4096, two)
+    pl = numa.place_pool(Pool(fail=True), False, 4096, two, both)
     assert pl.parts == () and isinstance(pl.allocator(64 * MB, 4096), ExtentAllocator)
     # One node: the one part is bound to it, and the allocator is the plain one.
     p = Pool()
@@ -215,3 +217,52 @@ def test_sessions_reserve_an_engines_pages_on_the_node_it_registered_from(
         got = {alloc.part_of(b.offset).node for b in res.blocks if b is not None}
         assert got == ({node} if node is not None else {0}), (node, got)
     assert alloc.preferred is None  # the preference ends with the reservation
+
+
+def test_distance_rows_have_a_column_per_online_node(tmp_path: Path) -> None:
+    """The kernel writes a column per online node, not per possible one."""
+    root = fake_sysfs(tmp_path / "node", {0: "0-3", 2: "4-7"}, {0: "10 21", 2: "21 10"}, possible="0-3")
+    t = numa.read_topology(str(root))
+    assert t.distance[0] == {0: 10, 2: 21} and t.nearest(0) == [0, 2]
+
+
+def test_a_gpu_address_as_nvidia_smi_writes_it_finds_its_node(tmp_path: Path) -> None:
+    pci = tmp_path / "pci"
+    (pci / "0000:3b:00.0").mkdir(parents=True)
+    (pci / "0000:3b:00.0" / "numa_node").write_text("1\n")
+    for bdf in ("0000:3b:00.0", "00000000:3B:00.0", " 0000:3B:00.0\n"):
+        assert numa.node_of_pci(bdf, str(pci)) == 1, bdf
+    for bdf in ("../3b:00.0", "3b:00.0", "0000:3b:00.0/../../x", ""):
+        assert numa.node_of_pci(bdf, str(pci)) is None, bdf
+
+
+def test_parts_go_to_the_nodes_the_process_may_use_on_huge_page_boundaries() -> None:
+    class Pool:
+        size = 3 << 30
+        page_size = 1 << 30  # --use-hugepages with 1 GiB pages: mbind splits a hugetlb range only there
+
+        def __init__(self) -> None:
+            self.bound: list[Part] = []
+
+        def bind_numa(self, parts: list[Part]) -> None:
+            self.bound = list(parts)
+
+    two = Topology((0, 1), distance={0: {0: 10, 1: 21}, 1: {0: 21, 1: 10}})
+    p = Pool()
+    numa.place_pool(p, False, 4096, two, allowed=frozenset({0, 1}))
+    assert [(x.node, x.start, x.size) for x in p.bound] == [(0, 0, 1 << 30), (1, 1 << 30, 2 << 30)]
+    # A cpuset that allows node 1 only (Mems_allowed_list): the pool is placed there alone.
+    p = Pool()
+    pl = numa.place_pool(p, False, 4096, two, allowed=frozenset({1}))
+    assert p.bound == [Part(1, 0, 3 << 30)] and pl.parts == (Part(1, 0, 3 << 30),)
+    # None of the nodes allowed: the kernel's default policy.
+    p = Pool()
+    assert numa.place_pool(p, False, 4096, two, allowed=frozenset({7})).parts == () and p.bound == []
+    assert numa.mems_allowed()  # this process's, read from /proc/self/status
+
+
+def test_an_engine_on_a_node_without_a_part_takes_the_nearest() -> None:
+    t = Topology((0, 1, 2), distance={2: {0: 31, 1: 21, 2: 10}})
+    a = NumaAllocator(plan_parts(8 * MB, (0, 1), 2 * MB), t, 4096)  # node 2 not allowed: no part
+    with a.prefer(2):
+        assert a.part_of(a.alloc(4096)).node == 1
