@@ -152,10 +152,15 @@ def mems_allowed(proc: str = "/proc") -> frozenset[int]:
     """The NUMA nodes this process may allocate on (``Mems_allowed_list``: its cgroup's
     cpuset, e.g. a Kubernetes topology manager's or systemd's ``AllowedMemoryNodes``);
     empty when unknown."""
+    return _status_list(f"{proc}/self/status", "Mems_allowed_list")
+
+
+def _status_list(path: str, key: str) -> frozenset[int]:
+    """A list field (``0-3,8``) of a ``/proc/<pid>/status`` file; empty when there is none."""
     try:
-        with open(f"{proc}/self/status") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("Mems_allowed_list:"):
+                if line.startswith(f"{key}:"):
                     return parse_cpulist(line.split(":", 1)[1])
     except OSError:
         pass
@@ -182,14 +187,7 @@ def node_free(node: int, huge_page: int = 0, root: str = SYSFS_NODES) -> int | N
 
 def cpus_allowed(pid: int, proc: str = "/proc") -> frozenset[int]:
     """The CPUs ``pid`` may run on (empty when it is gone)."""
-    try:
-        with open(f"{proc}/{pid}/status") as f:
-            for line in f:
-                if line.startswith("Cpus_allowed_list:"):
-                    return parse_cpulist(line.split(":", 1)[1])
-    except OSError:
-        pass
-    return frozenset()
+    return _status_list(f"{proc}/{pid}/status", "Cpus_allowed_list")
 
 
 def node_of_pid(topo: Topology, pid: int, proc: str = "/proc") -> int | None:
