@@ -108,14 +108,18 @@ class Topology:
 
 
 def read_topology(root: str = SYSFS_NODES) -> Topology:
-    """The host's nodes that have memory (``has_memory``, else ``online``), with their CPUs
-    and distances. A host without the directory is one node, 0."""
+    """The host's nodes that have memory (``has_memory``, else ``online``) and CPUs
+    (``has_cpu``: not a memory-only node, CXL memory or a Grace host's GPU memory), with
+    their CPUs and distances. A host without the directory is one node, 0."""
     base = Path(root)
     try:
         listed = (base / "has_memory").read_text() if (base / "has_memory").exists() else (base / "online").read_text()
     except OSError:
         return Topology((0,))
-    nodes = tuple(sorted(parse_cpulist(listed))) or (0,)
+    found = parse_cpulist(listed)
+    with contextlib.suppress(OSError):
+        found &= parse_cpulist((base / "has_cpu").read_text()) or found
+    nodes = tuple(sorted(found)) or (0,)
     cpus: dict[int, frozenset[int]] = {}
     distance: dict[int, dict[int, int]] = {}
     # A distance row has a column per online node (the kernel's node_read_distance).

@@ -63,8 +63,8 @@ def _meminfo() -> dict[str, int]:
 
 def _hugepages_free() -> tuple[int, int]:
     """(free huge pages, huge page size in bytes) from /proc/meminfo."""
-    info = _meminfo()
-    return info.get("HugePages_Free", 0), info.get("Hugepagesize", HUGE_PAGE)
+    info = _meminfo()  # free, less those other mappings reserved and have not touched yet
+    return info.get("HugePages_Free", 0) - info.get("HugePages_Rsvd", 0), info.get("Hugepagesize", HUGE_PAGE)
 
 
 class SharedPool:

@@ -54,6 +54,14 @@ def test_memoryless_nodes_get_no_part(tmp_path: Path) -> None:
     assert numa.read_topology(str(root)).nodes == (0,)
 
 
+def test_memory_only_nodes_get_no_part(tmp_path: Path) -> None:
+    """A node with memory and no CPUs is CXL memory or, on a Grace host, a GPU's memory."""
+    root = fake_sysfs(tmp_path / "node", {0: "0-3", 1: "4-7", 2: ""}, {0: "10 20 40", 1: "20 10 40", 2: "40 40 10"})
+    assert numa.read_topology(str(root)).nodes == (0, 1, 2)  # no has_cpu: an older kernel says nothing
+    (root / "has_cpu").write_text("0-1\n")
+    assert numa.read_topology(str(root)).nodes == (0, 1)
+
+
 def test_a_host_without_sysfs_nodes_is_one_node(tmp_path: Path) -> None:
     t = numa.read_topology(str(tmp_path / "absent"))
     assert t.nodes == (0,) and not t.multi
