@@ -40,6 +40,7 @@ PAGES = 8
 V1, V2 = enums.IBV_GID_TYPE_SYSFS_IB_ROCE_V1, enums.IBV_GID_TYPE_SYSFS_ROCE_V2
 ETH = enums.IBV_LINK_LAYER_ETHERNET
 ROCE_TABLE = [("fe80:0000:0000:0000:0a00:00ff:fe00:0001", V1), ("fe80:0000:0000:0000:0a00:00ff:fe00:0001", V2),
+              ("febf:0000:0000:0000:0a00:00ff:fe00:0001", V2),  # link-local too (fe80::/10)
               ("0000:0000:0000:0000:0000:ffff:0a00:0001", V1), ("0000:0000:0000:0000:0000:ffff:0a00:0001", V2)]
 
 
@@ -93,16 +94,16 @@ def test_roce_uses_the_first_routable_roce_v2_gid_not_index_0() -> None:
     p = pair(a_0=[Port(link_layer=ETH, lid=0, gids=ROCE_TABLE)], b_0=[Port(link_layer=ETH, lid=0, gids=ROCE_TABLE)])
     try:
         for nic in (p.a.nics[0], p.b.nics[0]):
-            assert nic.gid_index == 3 and gid_str(nic.gid) == ROCE_TABLE[3][0] and nic.link_layer == "ethernet"
+            assert nic.gid_index == 4 and gid_str(nic.gid) == ROCE_TABLE[4][0] and nic.link_layer == "ethernet"
         assert all(s is not None for s in p.pull())
         assert p.mm[1][:] == p.mm[0][:]
-        assert {qp.rtr["sgid_index"] for qp in p.qps()} == {3}  # both sides' QPs
+        assert {qp.rtr["sgid_index"] for qp in p.qps()} == {4}  # both sides' QPs
     finally:
         p.close()
 
 
 def test_roce_without_a_v2_gid_takes_a_routable_one_and_infiniband_its_first() -> None:
-    p = pair(a_0=[Port(link_layer=ETH, lid=0, gids=[ROCE_TABLE[0], ROCE_TABLE[2]])],
+    p = pair(a_0=[Port(link_layer=ETH, lid=0, gids=[ROCE_TABLE[0], ROCE_TABLE[3]])],
              b_0=[Port(gids=[("", V1), ("fe80:0000:0000:0000:0002:c903:0001:0002", V1)])])
     try:
         assert p.a.nics[0].gid_index == 1  # no RoCE v2: the first that is not link-local

@@ -9,7 +9,8 @@ a gRPC handshake (``PegaPeer.RdmaConnect``: QP number, LID, GID, PSN each way; t
 responder opens one QP per puller QP, so the two sides need not agree on the number); a
 pull posts one signaled READ work request per page, striped over the NICs and, within a
 NIC, over its QPs, at most ``MAX_OUTSTANDING`` in flight per QP, every QP's before it polls
-any CQ (all NICs transfer at once), and polls the QPs' CQs until every page completed. The peer's CPU takes no part in the copy.
+any CQ (all NICs transfer at once), and polls the QPs' CQs until every page completed. The
+peer's CPU takes no part in the copy.
 
 A failed completion (peer died, keys revoked) or a poll timeout raises
 :class:`TransferError`; the QP is then in the error state and is dropped, so the next
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import ipaddress
 import mmap
 import random
 import sys
@@ -111,7 +113,7 @@ def gid_str(raw: bytes) -> str:
 
 def link_local(gid: str) -> bool:
     """fe80::/10, the address every port has; RoCE v2 routes only the others."""
-    return gid_bytes(gid)[:2] in (b"\xfe\x80", b"\xfe\x81", b"\xfe\x82", b"\xfe\x83")
+    return ipaddress.IPv6Address(gid_bytes(gid)).is_link_local
 
 
 class Nic:
@@ -223,11 +225,7 @@ class Nic:
         qp.to_rts(attr)
 
     def close(self) -> None:
-        for o in (self.mr, self.pd, self.ctx):
-            try:
-                o.close()
-            except Exception:  # noqa: BLE001 - best effort at shutdown
-                pass
+        _close(self.mr, self.pd, self.ctx)
 
 
 class RdmaEngine:
