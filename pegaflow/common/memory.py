@@ -1,6 +1,6 @@
 """Page-table calls the mmap module does not expose: ``madvise`` with the populate advices
 (Linux >= 5.14) and ``mincore``, through ctypes so the GIL is released while the kernel
-works (``mmap.madvise`` holds it)."""
+works (``mmap.madvise`` holds it); and the kernel's memory counters (``meminfo``)."""
 
 from __future__ import annotations
 
@@ -28,3 +28,17 @@ def resident(addr: int) -> bool:
     whichever process touched it first, mapped here or not."""
     vec = (ctypes.c_ubyte * 1)()
     return _libc.mincore(addr, PAGE_SIZE, vec) == 0 and bool(vec[0] & 1)
+
+
+def meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
+    """A meminfo file as {field: value}: ``/proc/meminfo`` or a NUMA node's
+    ``/sys/devices/system/node/nodeN/meminfo`` (whose lines start ``Node N``); kB fields in
+    bytes, counts as they are."""
+    out: dict[str, int] = {}
+    with open(path) as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            parts = rest.split()
+            if parts and parts[0].isdigit():
+                out[key.split()[-1]] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    return out

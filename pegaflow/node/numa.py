@@ -51,6 +51,7 @@ from typing import Protocol
 
 import structlog
 
+from pegaflow.common.memory import meminfo
 from pegaflow.core.allocator import ExtentAllocator, OutOfSpace
 
 log = structlog.get_logger("pegaflow.numa")
@@ -179,11 +180,7 @@ def node_free(node: int, huge_page: int = 0, root: str = SYSFS_NODES) -> int | N
     try:
         if huge_page:
             return int((d / "hugepages" / f"hugepages-{huge_page >> 10}kB" / "free_hugepages").read_text()) * huge_page
-        fields = {}
-        for line in (d / "meminfo").read_text().splitlines():
-            words = line.split()  # "Node 0 MemFree:   123456 kB"
-            if len(words) >= 4 and words[3].isdigit():
-                fields[words[2].rstrip(":")] = int(words[3]) << 10
+        fields = meminfo(str(d / "meminfo"))
         return fields["MemFree"] + fields.get("FilePages", 0)
     except (OSError, ValueError, KeyError):
         return None

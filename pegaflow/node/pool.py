@@ -28,7 +28,7 @@ import numpy as np
 import structlog
 import xxhash
 
-from pegaflow.common.memory import MADV_POPULATE_WRITE, madvise
+from pegaflow.common.memory import MADV_POPULATE_WRITE, madvise, meminfo
 from pegaflow.common.priority import background_thread
 from pegaflow.node.numa import SYSFS_NODES, NumaError, Part, mbind, node_free
 
@@ -49,21 +49,9 @@ class PoolError(Exception):
     """The pool cannot be created as asked (a one-line reason for the operator)."""
 
 
-def _meminfo() -> dict[str, int]:
-    """/proc/meminfo as {field: value}; kB fields in bytes, counts as they are."""
-    out: dict[str, int] = {}
-    with open("/proc/meminfo") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            parts = rest.split()
-            if parts and parts[0].isdigit():
-                out[key] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
-    return out
-
-
 def _hugepages_free() -> tuple[int, int]:
     """(free huge pages, huge page size in bytes) from /proc/meminfo."""
-    info = _meminfo()  # free, less those other mappings reserved and have not touched yet
+    info = meminfo()  # free, less those other mappings reserved and have not touched yet
     return info.get("HugePages_Free", 0) - info.get("HugePages_Rsvd", 0), info.get("Hugepagesize", HUGE_PAGE)
 
 
@@ -86,7 +74,7 @@ class SharedPool:
             flags |= os.MFD_HUGETLB
         else:
             # Pre-faulting more than the host has would end in the OOM killer, not an error.
-            avail = _meminfo().get("MemAvailable", size)
+            avail = meminfo().get("MemAvailable", size)
             if size > avail:
                 raise PoolError(
                     f"--pool-size {size / (1 << 30):.1f} GiB is more than the {avail / (1 << 30):.1f} GiB "
