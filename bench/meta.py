@@ -418,18 +418,19 @@ def original_probes(orig: OriginalMetaServer, first: Session, reqs, expect) -> d
 
 def drive(probes: dict[str, Probe], n_reqs: int, rounds: int | None, until: Callable[[int], bool] | None = None,
           seed: int = 4) -> dict[str, list[float]]:
-    """Rounds of one call of each probe on one random request, the order rotated each round
-    (no kind always first): ``rounds`` of them, or until ``until(rounds so far)`` (asked every
-    50 rounds)."""
+    """Rounds of one call of each probe, each call on a random request of its own and the
+    round's order shuffled: ``rounds`` of them, or until ``until(rounds so far)`` (asked every
+    50 rounds). Every call is cold alike: no probe always follows the same one (a rotation
+    kept each probe's predecessor fixed: our RouteHint always came right after our QueryPrefix,
+    on the same hashes, so it found the view's entries in cache where the original's lookup,
+    after our GetClusterConfig, never did)."""
     rng = random.Random(seed)
     names = list(probes)
     lat: dict[str, list[float]] = {k: [] for k in names}
     k = 0
     while True:
-        i = rng.randrange(n_reqs)
-        r = k % len(names)
-        for name in names[r:] + names[:r]:
-            lat[name].append(probes[name](i))
+        for name in rng.sample(names, len(names)):
+            lat[name].append(probes[name](rng.randrange(n_reqs)))
         k += 1
         if rounds is not None and k >= rounds:
             return lat
@@ -657,8 +658,8 @@ def run_backend(cluster: bool, blocks: int, queries: int, peer: bool) -> dict:
                                        "ingest_pairs_per_s": res["pairs"] / res["seconds"]}
                 o["bytes_per_block"] = (orig.rss() - rss0) / distinct
 
-        # Lookups through gRPC, ours and the original's interleaved (one random request per
-        # round, every kind of call on it): the same moments of this host for both.
+        # Lookups through gRPC, ours and the original's interleaved (a round: one call of each kind,
+        # in a shuffled order, each on a random request; drive()): the same moments of this host for both.
         meta = start_meta(url, cluster, tmp)
         try:
             out["view_ready_s"] = wait_view(meta)  # its view read from the streams, as a replica starts
