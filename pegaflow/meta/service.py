@@ -56,12 +56,17 @@ def _rpc(method: str) -> Callable[[Method[Req, Resp]], Method[Req, Resp]]:
                 context.abort(st.code, st.message)
                 raise  # unreachable: abort raises
             finally:
-                self.metrics.rpc_seconds.labels(method, status).observe(time.perf_counter() - t0)
+                timer = self._rpc_ok.get(method) if status == "OK" else None
+                if timer is None:
+                    timer = self.metrics.rpc_seconds.labels(method, status)
+                timer.observe(time.perf_counter() - t0)
 
         return handler
 
     return wrap
 
+
+RPC_METHODS = ("QueryPrefix", "RouteHint", "ListNodes", "GetClusterConfig", "ClusterCeiling")
 
 # () -> (stats per window, nodes merged, nodes skipped), or None when the sketches cannot
 # be read (ClusterCeilingCollector.current).
@@ -98,11 +103,16 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         self.cluster_config = meta_pb2.ClusterConfigResponse(redis_url=",".join(seed_urls(redis_url)),
                                                              redis_cluster=redis_cluster)
         self.ceiling = ceiling
+        # The timer of each method's OK calls, resolved once (labels() is a lock and a dict per call).
+        self._rpc_ok = {m: metrics.rpc_seconds.labels(m, "OK") for m in RPC_METHODS}
 
     def _query(self, request: meta_pb2.QueryPrefixRequest) -> list[NodePrefix]:
-        check_request(request.namespace, request.hashes, self.max_blocks)
+        # One list: each read of a protobuf repeated field makes new bytes objects (128 of them
+        # for a checked, then walked, request: ~5 us of a lookup's ~30 us of Python).
+        hashes = list(request.hashes)
+        check_request(request.namespace, hashes, self.max_blocks)
         t0 = time.perf_counter()
-        res = self.lookup.query_prefix(request.namespace, list(request.hashes))
+        res = self.lookup.query_prefix(request.namespace, hashes)
         self.metrics.query_seconds.observe(time.perf_counter() - t0)
         return res
 
