@@ -45,7 +45,9 @@ longest holder; and its lookups while its nodes send the second load again and a
 report shows ours ÷ original per row; bench/goals.py holds issue #55's goals on them. Beside
 the idle lookup p99 ratios it gives how far each moves over bootstrap resamples of the rounds
 (5th-95th percentile; a round's calls resampled together, so a slow moment of the host stays
-on both sides): on a shared host a p99 from 2,000 calls rests on its 20 slowest.
+on both sides): on a shared host a p99 from 2,000 calls rests on its 20 slowest, and the
+ratio moved 0.83x-1.14x between three runs of 2,000 in a row on one host (0.64x-1.18x over
+resamples within a run); ``python -m bench`` makes 6,000 (~2 minutes in all).
 """
 
 from __future__ import annotations
