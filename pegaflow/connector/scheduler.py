@@ -927,7 +927,14 @@ class SchedulerSide:
 
     def request_finished(self, request: Request) -> tuple[bool, KVTransferParams | None]:
         st = self._reqs.pop(request.request_id, None)
-        self._async.pop(request.request_id, None)  # aborted while its load was pending
+        if self._async.pop(request.request_id, None) is not None:
+            # Aborted while its asynchronous load was pending (not issued yet). vLLM keeps the
+            # request and its blocks until every rank reports it received (a request finished
+            # in WAITING_FOR_REMOTE_KVS frees only then: no timeout), so it still gets an
+            # intent, with nothing to copy: each worker reports it finished in the next step.
+            self._loads.append(LoadIntent(req_id=request.request_id, block_ids=(),
+                                          offsets=tuple(() for _ in self._place_ns), epochs=self._stale,
+                                          is_async=True))
         if st is not None:
             self._drop_hit(st)
         if router_params(request) is None:

@@ -403,8 +403,10 @@ class WorkerSide:
         issued = False
         place = self.place
         for state, epoch in sorted({(ld.state, ld.epochs[place]) for ld in meta.loads}):
-            loads = [ld for ld in meta.loads
-                     if ld.epochs[place] == epoch and ld.state == state and ld.req_id not in self._failed_recving]
+            # (An intent with no block copies nothing: a load that lost every block, counted
+            # above, or a request aborted before its load was issued.)
+            loads = [ld for ld in meta.loads if ld.block_ids and ld.epochs[place] == epoch and ld.state == state
+                     and ld.req_id not in self._failed_recving]
             if not loads:
                 continue
             block_ids = [b for ld in loads for b in ld.block_ids]

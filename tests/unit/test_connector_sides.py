@@ -455,13 +455,13 @@ def run_step(eng: Engine, meta) -> set[str]:  # type: ignore[no-untyped-def]
     return done
 
 
-def async_setup(monkeypatch: pytest.MonkeyPatch, expected: int = 5):  # type: ignore[no-untyped-def]
+def async_setup(monkeypatch: pytest.MonkeyPatch, expected: int = 5, tp: int = 1):  # type: ignore[no-untyped-def]
     clock = [1000.0]
     monkeypatch.setattr(scheduler_mod, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     node = FakeNode()
     p = prompt(13)
-    Engine(node, identity()).run(p)
-    b = Engine(node, identity(tp=1))
+    Engine(node, identity(tp=tp)).run(p)
+    b = Engine(node, identity(tp=tp))
     node.loading, node.loading_dram, node.loading_from, node.loading_expected = 2, 1, "ssd", expected
     req = b.request(p)
     block_ids = [b.free.pop() for _ in range(6)]
@@ -516,6 +516,33 @@ def test_an_async_load_that_never_lands_gives_up_and_recomputes(monkeypatch: pyt
     (ld,) = meta.loads
     assert ld.block_ids == () and ld.missing == tuple(block_ids[:5])
     assert run_step(b, meta) == {req.request_id} and b.load_errors == set(block_ids[:5])
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_request_aborted_before_its_async_load_went_out_is_still_reported_received(
+        monkeypatch: pytest.MonkeyPatch, tp: int) -> None:
+    """vLLM frees a request that finished while WAITING_FOR_REMOTE_KVS only once every rank
+    reported it received (no timeout): an abort before the load's intent went out must still
+    end in one, with nothing to copy, or its blocks stay allocated for good."""
+    clock, node, b, p, req, block_ids = async_setup(monkeypatch, tp=tp)
+    assert b.sched.get_num_new_matched_tokens(req, 0) == (5 * BS, True)
+    b.sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (block_ids,)), 5 * BS)
+    assert run_step(b, b.sched.build_connector_meta(idle_step())) == set(), "polled too soon: not issued yet"
+    before = [b.block_content(0, blk) for blk in block_ids[:5]]
+    assert b.sched.request_finished(req) == (False, None)  # the client went away
+    meta = b.sched.build_connector_meta(idle_step())
+    (ld,) = meta.loads
+    assert ld.req_id == req.request_id and ld.is_async and ld.block_ids == () and ld.missing == ()
+    for w in b.workers:  # every rank reports it, once
+        w.start_load(meta)
+        w.save(meta)
+        assert w.take_finished_recving() == {req.request_id}
+        assert w.take_load_errors() == set() and w.take_finished_recving() == set()
+        assert w.report(meta).copies.load_failures == 0, "no copy was tried, none failed"
+    assert [b.block_content(0, blk) for blk in block_ids[:5]] == before, "nothing copied"
+    clock[0] += scheduler_mod.LOADING_WAIT_S
+    assert b.sched.build_connector_meta(idle_step()).loads == (), "one intent"
+    assert not node.leases, "what the answer leased is released"
 
 
 def test_async_load_off_keeps_the_request_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
