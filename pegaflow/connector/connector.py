@@ -133,8 +133,16 @@ def check_kv_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> 
             _check_state_space_group(g.kv_cache_spec, spec)
         else:
             _check_attention_group(g.kv_cache_spec, spec, several=len(groups) > 1)
-    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+    pc = vllm_config.parallel_config
+    if pc.pipeline_parallel_size > 1:
         raise ValueError("PegaFlow does not support pipeline parallelism yet")
+    if getattr(pc, "distributed_executor_backend", None) == "external_launcher" and pc.tensor_parallel_size > 1:
+        # torchrun mode: every rank runs an engine of its own, scheduler included, with one
+        # worker, and the ranks stay in step only while their schedules are identical. Each
+        # rank's scheduler would ask the node apart (hits can differ between ranks: a hang in
+        # a collective) and commit the pages of every rank's shard having written only its own.
+        raise ValueError("PegaFlow does not support distributed_executor_backend='external_launcher' with "
+                         "tensor parallelism (every rank schedules on its own); use vLLM's own executor")
     dcp, pcp = context_parallel_sizes(vllm_config)
     if dcp > 1 or pcp > 1:
         # vLLM's block then spans block_size x dcp tokens, interleaved over the ranks: a page
@@ -500,6 +508,18 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
         for rank, state in sorted(metadata.items()):
             if isinstance(state, PegaWorkerState) and state.disabled:
                 self._sched.disable(f"rank {rank}: {state.disabled}")
+
+    def set_xfer_handshake_metadata_pp_aware(
+            self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]) -> None:
+        """vLLM >= 0.24 hands over the workers' states keyed by (pipeline stage, TP rank). The
+        base class raises on any stage but 0, which with pipeline parallelism (refused by every
+        rank, each answering the handshake with why) stopped the engine instead of leaving it
+        serving without PegaFlow. Any rank's refusal disables the scheduler side."""
+        if self._sched is None:
+            return
+        for (stage, rank), state in sorted(metadata.items()):
+            if isinstance(state, PegaWorkerState) and state.disabled:
+                self._sched.disable(f"rank {rank} of stage {stage}: {state.disabled}")
 
     def _meta(self) -> PegaConnectorMetadata | None:
         m = self._connector_metadata

@@ -269,6 +269,20 @@ def test_a_worker_that_refuses_the_model_at_construction_tells_the_scheduler() -
     assert eng.sched.disabled
 
 
+def test_pipeline_stages_refusing_the_model_leave_the_engine_serving() -> None:
+    """vLLM >= 0.24 gives the scheduler side every worker's handshake keyed by (stage, rank);
+    the base class raised on stage 1's, which stopped the engine where PegaFlow only meant to
+    step aside (every rank refuses pipeline parallelism)."""
+
+    refused = PegaWorkerState(rank=0, disabled="PegaFlow does not support pipeline parallelism yet")
+    both = {(0, 0): refused, (1, 0): refused}
+    PegaKVConnector.set_xfer_handshake_metadata_pp_aware(SimpleNamespace(_sched=None), both)  # type: ignore[arg-type]
+    eng = Engine(FakeNode(), identity())
+    PegaKVConnector.set_xfer_handshake_metadata_pp_aware(  # type: ignore[arg-type]
+        SimpleNamespace(_sched=eng.sched), {(0, 0): PegaWorkerState(rank=0), (1, 0): refused})
+    assert eng.sched.disabled and "stage 1" in eng.sched.disabled
+
+
 def test_a_worker_disabled_after_start_is_seen_in_its_report() -> None:
     node = FakeNode()
     eng = Engine(node, identity())
@@ -333,6 +347,22 @@ def test_kv_sharded_by_context_parallelism_is_refused(size: str) -> None:
     setattr(cfg.parallel_config, size, 2)
     with pytest.raises(ValueError, match=f"context parallelism; got .*{size}=2"):
         kv_identity(cfg, _one_group())
+
+
+def test_torchrun_mode_with_tensor_parallelism_is_refused() -> None:
+    """With ``external_launcher`` every rank runs its own scheduler and one worker: each would
+    ask the node apart (diverging schedules hang the ranks' collectives) and commit pages of
+    shards it never wrote."""
+    from pegaflow.connector.connector import kv_identity
+
+    cfg = _vllm_config()
+    cfg.parallel_config.distributed_executor_backend = "external_launcher"
+    kv_identity(cfg, _one_group())  # one rank: its own engine, as any
+    cfg.parallel_config.tensor_parallel_size = 2
+    with pytest.raises(ValueError, match="external_launcher"):
+        kv_identity(cfg, _one_group())
+    cfg.parallel_config.distributed_executor_backend = "mp"
+    kv_identity(cfg, _one_group())
 
 
 def test_weights_quantized_as_they_load_get_their_own_namespace() -> None:
