@@ -403,6 +403,8 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         s = self.sessions.open(request.instance_id, specs)
         s.watch_blocks = request.watch_blocks
         s.numa_node = engine_node(self.sessions.index.alloc, request.pci_bus_id, request.cpu_affinity)
+        if request.pci_bus_id:  # a worker (a GPU): where its namespaces' pages belong
+            self.sessions.writer_node(s)
         log.info("session_registered", session=s.id, instance=request.instance_id, namespaces=[n for n, _ in specs],
                  numa_node=s.numa_node)
         return node_pb2.RegisterResponse(

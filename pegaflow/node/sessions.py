@@ -119,6 +119,9 @@ class Sessions:
         self.clock = clock
         self.sessions: dict[int, Session] = {}
         self._ns_users: dict[str, int] = {}  # namespace name -> live sessions that registered it
+        # namespace name -> NUMA node of the GPU of the newest worker that registered it
+        # (``writer_node``): where its pages go, whoever reserves them.
+        self._ns_numa: dict[str, int] = {}
         self.leases: dict[int, Lease] = {}
         self.reservations: dict[int, Reservation] = {}
         # Ids of reservations that were committed or aborted, to tell "duplicate commit"
@@ -229,9 +232,19 @@ class Sessions:
             s.leases.pop(lease.id, None)
         self.index.unpin(lease.blocks)
 
+    def writer_node(self, s: Session) -> None:
+        """``s`` registered from a GPU (its ``numa_node`` is that GPU's): its namespaces'
+        pages go to that node. The engine's scheduler side reserves every page, from a
+        process with no GPU; each TP rank's worker copies its own shard's pages, so the
+        shard's pages belong near that rank's GPU (on a 2-socket host, half the ranks would
+        otherwise copy across the sockets)."""
+        if s.numa_node is not None:
+            for name in s.namespaces:
+                self._ns_numa[name] = s.numa_node
+
     # ---- reservations -----------------------------------------------------------------
     def reserve(self, s: Session, ns: Namespace, hashes: Sequence[bytes]) -> Reservation:
-        with prefer_node(self.index.alloc, s.numa_node):
+        with prefer_node(self.index.alloc, self._ns_numa.get(ns.name, s.numa_node)):
             blocks = self.index.reserve(ns, hashes)
         res = Reservation(self._new_id(self.reservations), s.id, ns, blocks, self.clock() + self.reservation_ttl)
         if any(b is not None for b in blocks):

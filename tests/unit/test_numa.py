@@ -227,6 +227,27 @@ def test_sessions_reserve_an_engines_pages_on_the_node_it_registered_from(
     assert alloc.preferred is None  # the preference ends with the reservation
 
 
+def test_a_shards_pages_go_to_the_node_of_the_gpu_that_copies_them(tmp_path: Path) -> None:
+    """The scheduler side reserves every shard's pages from a process with no GPU; each TP
+    rank's worker copies its own shard: its pages belong on that worker's GPU's node."""
+    from pegaflow.core.block_index import BlockIndex
+    from pegaflow.node.sessions import Sessions
+
+    topo = numa.read_topology(str(fake_sysfs(tmp_path / "node", FOUR, FOUR_DIST)))
+    alloc = NumaAllocator(plan_parts(32 * MB, topo.nodes, 2 * MB), topo, 4096)
+    sessions = Sessions(BlockIndex(alloc.capacity, allocator=alloc), 30.0, 30.0)
+    page = 64 << 10
+    for rank, gpu_node in ((0, 1), (1, 3)):  # each rank's worker registers its shard from its GPU
+        w = sessions.open(f"engine-rank{rank}", [(f"m|shard={rank}/2", page)])
+        w.numa_node = gpu_node
+        sessions.writer_node(w)
+    sched = sessions.open("engine", [("m|shard=0/2", page), ("m|shard=1/2", page), ("other", page)])
+    sched.numa_node = 2  # the engine core's CPUs
+    for name, want in (("m|shard=0/2", 1), ("m|shard=1/2", 3), ("other", 2)):
+        res = sessions.reserve(sched, sched.namespaces[name], [bytes([want, i]) * 8 for i in range(8)])
+        assert {alloc.part_of(b.offset).node for b in res.blocks if b is not None} == {want}, name
+
+
 def test_distance_rows_have_a_column_per_online_node(tmp_path: Path) -> None:
     """The kernel writes a column per online node, not per possible one."""
     root = fake_sysfs(tmp_path / "node", {0: "0-3", 2: "4-7"}, {0: "10 21", 2: "21 10"}, possible="0-3")
