@@ -42,6 +42,7 @@ cache groups give one block id per group and page, ``-1`` where a group holds no
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
@@ -382,10 +383,18 @@ class Finisher:
         return done
 
     def _run(self) -> None:
+        unusable: BaseException | None = None  # the device could not be made current here
         if self._bind is not None:
-            self._bind()
+            try:
+                self._bind()
+            except BaseException as exc:  # noqa: BLE001 - every completion fails with it, none hangs
+                log.error("PegaFlow bounce thread cannot use the device: %s", exc)
+                unusable = exc
         while (item := self._q.get()) is not None:
             event, fn, done = item
+            if unusable is not None:
+                done.finish(unusable)
+                continue
             try:
                 event.synchronize()
                 if self._recycle is not None:
@@ -551,22 +560,31 @@ class DeviceCopier:
             if slot is None and any(not pins.registered(r.pool_off + (r.part[0] if r.part else 0),
                                                         self._run_bytes(r)) for r in chunk.runs):
                 raise BounceBusy("pool memory is not registered and there is no bounce buffer")
-            index = self._upload_index(batch, chunk, bands)
-            if to_pool:
-                self._gather(batch, chunk, index[0])
-                if on_gathered is not None and k == last:
-                    on_gathered()
-                out.nbytes += self._dma_out(chunk, pool_ptr, slot, completions)
-            else:
-                if slot is not None:
-                    self._fill_bounce(chunk, pool_ptr, slot)
-                for b, band in enumerate(bands):
-                    out.nbytes += self._dma_in(chunk, rows, band, pool_ptr, slot)
-                    self._scatter(batch, chunk, band, index[b])
-                    if on_layers is not None and k == last and band.layers:
-                        on_layers(band.layers)
-                if slot is not None:
-                    slot.busy = self.stream.record()
+            try:
+                index = self._upload_index(batch, chunk, bands)
+                if to_pool:
+                    self._gather(batch, chunk, index[0])
+                    if on_gathered is not None and k == last:
+                        on_gathered()
+                    out.nbytes += self._dma_out(chunk, pool_ptr, slot, completions)
+                else:
+                    if slot is not None:
+                        self._fill_bounce(chunk, pool_ptr, slot)
+                    for b, band in enumerate(bands):
+                        out.nbytes += self._dma_in(chunk, rows, band, pool_ptr, slot)
+                        self._scatter(batch, chunk, band, index[b])
+                        if on_layers is not None and k == last and band.layers:
+                            on_layers(band.layers)
+                    if slot is not None:
+                        slot.busy = self.stream.record()
+            except BaseException:
+                if slot is not None and slot.busy is None:
+                    # DMAs into or out of the slot may be queued ahead of the failure: on a device
+                    # they run later, so the slot is not free before they did (a load taking it
+                    # would fill it on the host, then read the failed save's bytes from it).
+                    with contextlib.suppress(Exception):  # a broken stream: nothing runs anyway
+                        slot.busy = self.stream.record()
+                raise
 
     def _run_bytes(self, r: Run) -> int:
         return r.part[1] - r.part[0] if r.part else r.pages * self.page

@@ -57,6 +57,7 @@ _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA c
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction from the addresses (unified addressing)
 ERROR_ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
 CAPTURE_ERRORS = range(900, 909)  # cudaErrorStreamCaptureUnsupported (900) ... cudaErrorStreamCaptureWrongThread (908)
+ERROR_RAISED = -1  # PoolPins.failed when a call raised instead of returning CUDA's error code
 CAPTURE_RETRY_S = 1.0  # a piece refused during a stream capture is tried again this much later
 FRONT_POLL_S = 0.05  # how often the registration thread looks at the node's pre-fault front
 
@@ -271,7 +272,7 @@ class PoolPins:
         self.pieces = (size + chunk - 1) // chunk
         self.pinned: set[int] = set()  # registered here (unregistered by close)
         self.adopted: set[int] = set()  # found registered already (712): left alone
-        self.failed: int | None = None  # the error CUDA refused a piece with
+        self.failed: int | None = None  # the error CUDA refused a piece with (ERROR_RAISED: a call raised)
         self.seconds = 0.0
         self._lock = threading.Lock()  # pinned/adopted vs close; never held by a copy
         self._stop = threading.Event()
@@ -320,6 +321,11 @@ class PoolPins:
                         return
                 if not done:
                     return
+        except Exception:  # noqa: BLE001 - not an error code: counted as a refusal, not a silent thread end
+            self.failed = ERROR_RAISED
+            self.metrics.failures.inc()
+            log.exception("cuda_host_register_crashed", registered_bytes=len(self.pinned) * self.chunk,
+                          effect="the rest of the pool is copied through pinned bounce buffers (slower)")
         finally:
             self._done.set()
 

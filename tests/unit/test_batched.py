@@ -312,6 +312,61 @@ def test_a_batch_larger_than_the_bounce_slots_reuses_them_in_turn_waiting_for_ea
     assert loader.bounce.waits >= 1 and not refilled_busy  # never refilled under a DMA still reading it
 
 
+class _Queued:
+    """A device event the device has not reached yet."""
+
+    def query(self) -> bool:
+        return False
+
+    def synchronize(self) -> None:
+        raise AssertionError("waited for on the host")
+
+
+def test_a_save_that_fails_part_way_keeps_its_bounce_slot_until_its_queued_copies_ran() -> None:
+    """Its first DMAs into the slot were queued (on a device they run later); the slot must
+    not be handed out as free, or a load would fill it on the host and then read the
+    failed save's bytes from it into the KV cache."""
+    caches, _arena = placed(_flash(3))
+    layout = build_page_layout(caches)
+    page = layout.page_bytes
+    pool = torch.zeros(4 * page, dtype=torch.uint8)
+
+    class FailsThirdCopy(HostStream):
+        def __init__(self) -> None:
+            super().__init__()
+            self.copies = 0
+
+        def record(self) -> _Queued:  # type: ignore[override]
+            return _Queued()
+
+        def copy(self, dst: int, src: int, nbytes: int) -> None:
+            self.copies += 1  # 1: the index upload, 2: the first run into the slot, 3: the second
+            if self.copies == 3:
+                raise RuntimeError("cudaMemcpyAsync: invalid argument")
+            super().copy(dst, src, nbytes)
+
+    saver = DeviceCopier(layout.segments, FailsThirdCopy(), bounce_slots=1)
+    with pytest.raises(RuntimeError, match="invalid argument"):
+        saver.save([0, 1], pool, [0, 2 * page], Unpinned(0, pool))  # two runs, nothing registered
+    assert saver.bounce is not None
+    (slot,) = saver.bounce.slots
+    assert slot.busy is not None and not slot.busy.query(), "the slot looks free under its queued copy"
+
+
+def test_a_bounce_thread_that_cannot_bind_the_device_fails_its_copies_instead_of_hanging() -> None:
+    from pegaflow.client.batched import Finisher
+
+    def boom() -> None:
+        raise RuntimeError("CUDA error: invalid device ordinal")
+
+    f = Finisher(bind=boom)
+    ran: list[int] = []
+    done = f.after(_Queued(), lambda: ran.append(1))
+    assert done._done.wait(5.0), "the completion never finished: every bounced save would hang"  # noqa: SLF001
+    assert isinstance(done.error, RuntimeError) and not ran
+    f.close()
+
+
 def test_rows_without_a_common_unit_are_copied_segment_by_segment_with_the_same_bytes() -> None:
     seg = [torch.randint(0, 255, (NB, 8), dtype=torch.uint8), torch.randint(0, 255, (NB, 24), dtype=torch.uint8)]
     assert UnitSpan.of(seg) is None or UnitSpan.of(seg).unit >= MIN_UNIT  # type: ignore[union-attr]

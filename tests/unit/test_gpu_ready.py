@@ -120,6 +120,21 @@ def test_a_registration_refused_by_a_graph_capture_is_tried_again_not_given_up()
     assert len(runtime.unregistered) == 3 and runtime.pending_error() == 0
 
 
+def test_a_registration_call_that_raises_is_counted_as_a_refusal_not_a_silent_thread_end() -> None:
+    base = 1 << 40
+    runtime = FakeRuntime()
+
+    def raising(ptr: int, size: int, flags: int) -> int:
+        raise OSError("libcudart: undefined symbol cudaHostRegister")
+
+    runtime.host_register = raising  # type: ignore[method-assign]
+    metrics = cuda.PinMetrics(CollectorRegistry())
+    pins = cuda.PoolPins(base, 2 * CHUNK, runtime, front=lambda: 2 * CHUNK, chunk=CHUNK, metrics=metrics).start()
+    assert not pins.wait(5) and pins.failed == cuda.ERROR_RAISED
+    assert metrics.registry.get_sample_value("pegaflow_client_pin_failures_total") == 1
+    pins.close()
+
+
 def test_registration_stays_behind_the_node_prefault_front() -> None:
     runtime = FakeRuntime()
     front, asked = [0], [0]
