@@ -506,8 +506,8 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self._sched is None:
             return
         for rank, state in sorted(metadata.items()):
-            if isinstance(state, PegaWorkerState) and state.disabled:
-                self._sched.disable(f"rank {rank}: {state.disabled}")
+            if isinstance(state, PegaWorkerState):
+                self._sched.check_rank(rank, state)
 
     def set_xfer_handshake_metadata_pp_aware(
             self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]) -> None:
@@ -520,6 +520,8 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
         for (stage, rank), state in sorted(metadata.items()):
             if isinstance(state, PegaWorkerState) and state.disabled:
                 self._sched.disable(f"rank {rank} of stage {stage}: {state.disabled}")
+            elif isinstance(state, PegaWorkerState) and stage == 0:
+                self._sched.check_rank(rank, state)
 
     def _meta(self) -> PegaConnectorMetadata | None:
         m = self._connector_metadata

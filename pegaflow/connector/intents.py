@@ -142,7 +142,9 @@ class PegaWorkerReport(KVConnectorWorkerMetadata):
 class PegaWorkerState(KVConnectorHandshakeMetadata):
     """One rank's state once its KV cache is registered, sent to the scheduler side before
     any request is scheduled (vLLM's handshake metadata): ``disabled`` says why the rank
-    will copy nothing ("" if it copies)."""
+    will copy nothing ("" if it copies); ``node`` is the id of the node it registered with
+    ("" if none answered yet)."""
 
     rank: int
     disabled: str = ""
+    node: str = ""

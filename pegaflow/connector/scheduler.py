@@ -113,11 +113,12 @@ from pegaflow.connector.intents import (
     PageBlock,
     PegaConnectorMetadata,
     PegaWorkerReport,
+    PegaWorkerState,
     SaveIntent,
     ShardSave,
 )
 from pegaflow.connector.link import LOGGER_NAME, NodeLink
-from pegaflow.connector.placement import Placement
+from pegaflow.connector.placement import TP_SHARD_ENDPOINTS, Placement
 from pegaflow.connector.settings import ConnectorSettings
 from pegaflow.core.identity import NO_EXTRA_KEYS, ExtraKeys, KVIdentity, MMItem, block_hashes
 from pegaflow.core.router_protocol import DESCRIBE_VERSION, ROUTER_KEY
@@ -512,6 +513,20 @@ class SchedulerSide:
             logger.error("PegaFlow disabled for this engine (%s): every request is computed, nothing is saved",
                          reason)
         self.disabled = reason
+
+    def check_rank(self, rank: int, state: PegaWorkerState) -> None:
+        """A rank's handshake: disabled if it will copy nothing, or if it registered with
+        another node than the one this side plans its pages on (a TP group spread over hosts,
+        each rank on its host's node, without ``pegaflow.tp_shard_endpoints``: every hit
+        would fail to load there and be recomputed)."""
+        if state.disabled:
+            self.disable(f"rank {rank}: {state.disabled}")
+            return
+        if 0 <= rank < self.placement.tp_size:
+            want = self.links[self.placement.node_of_rank(rank)].node_id
+            if state.node and want and state.node != want:
+                self.disable(f"rank {rank} copies to and from node {state.node!r}, this engine's scheduler uses "
+                             f"node {want!r}: set {TP_SHARD_ENDPOINTS} for TP ranks on several hosts")
 
     # -- vLLM hooks ----------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:

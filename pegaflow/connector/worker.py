@@ -229,7 +229,8 @@ class WorkerSide:
     def handshake(self) -> PegaWorkerState:
         """What the scheduler side must know before it schedules anything (vLLM collects it
         from every rank after ``register_kv_caches``)."""
-        return PegaWorkerState(rank=self.tp_rank, disabled=self.disabled or "")
+        return PegaWorkerState(rank=self.tp_rank, disabled=self.disabled or "",
+                               node=self.link.node_id if self.link is not None else "")
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor], num_blocks: int | None,
                            layer_groups: Mapping[str, int] | None = None, layerwise: bool = True) -> None:

@@ -229,7 +229,7 @@ def test_kernel_blocks_smaller_than_vllms_block_are_paged_by_the_worker() -> Non
     w = WorkerSide(ident, 0, lambda ns, pci="": fake_link(node, ns, pci))
     w.register_kv_caches(caches, nb)
     assert w.disabled is None and w.layout is not None and w.layout.page_bytes == page
-    assert w.handshake() == PegaWorkerState(rank=0, disabled="")
+    assert w.handshake() == PegaWorkerState(rank=0, disabled="", node=node.node_id)
     # vLLM block 3's page is kernel rows 6 and 7 of every layer, K then V.
     want = torch.cat([t[kv, 6:8].reshape(-1).view(torch.uint8) for t in caches.values() for kv in (0, 1)])
     assert torch.equal(w.layout.page(3), want)
@@ -296,6 +296,26 @@ def test_pipeline_stages_refusing_the_model_leave_the_engine_serving() -> None:
     PegaKVConnector.set_xfer_handshake_metadata_pp_aware(  # type: ignore[arg-type]
         SimpleNamespace(_sched=eng.sched), {(0, 0): PegaWorkerState(rank=0), (1, 0): refused})
     assert eng.sched.disabled and "stage 1" in eng.sched.disabled
+
+
+def test_a_rank_on_another_hosts_node_disables_the_engine_with_the_setting_to_use() -> None:
+    """A TP group spread over hosts, each rank mapping its own host's node, without
+    ``pegaflow.tp_shard_endpoints``: the scheduler plans pages on its node that the other
+    host's ranks cannot copy (every hit a load error): refused at the handshake."""
+    here = FakeNode(node_id="host-a")
+    eng = Engine(here, identity(tp=2))
+    states = {r: w.handshake() for r, w in enumerate(eng.workers)}
+    assert [s.node for s in states.values()] == ["host-a", "host-a"]
+    PegaKVConnector.set_xfer_handshake_metadata(SimpleNamespace(_sched=eng.sched), states)  # type: ignore[arg-type]
+    assert eng.sched.disabled is None
+    states[1] = PegaWorkerState(rank=1, node="host-b")
+    PegaKVConnector.set_xfer_handshake_metadata_pp_aware(  # type: ignore[arg-type]
+        SimpleNamespace(_sched=eng.sched), {(0, r): st for r, st in states.items()})
+    assert eng.sched.disabled is not None and "tp_shard_endpoints" in eng.sched.disabled
+    unknown = Engine(FakeNode(node_id="host-a"), identity(tp=2))  # a rank whose node did not answer: not judged
+    PegaKVConnector.set_xfer_handshake_metadata(  # type: ignore[arg-type]
+        SimpleNamespace(_sched=unknown.sched), {0: PegaWorkerState(rank=0), 1: PegaWorkerState(rank=1, node="")})
+    assert unknown.sched.disabled is None
 
 
 def test_a_worker_disabled_after_start_is_seen_in_its_report() -> None:
