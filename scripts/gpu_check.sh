@@ -16,9 +16,11 @@
 # The host (nvidia-smi -L, kernel) is written to OUT_DIR/device.txt first, whatever fails
 # later. Without CUDA (make test runs it so, so that it cannot rot) steps 1-3 run the same,
 # every test of tests/gpu is skipped saying why, and step 4 is skipped with its reason; but
-# where nvidia-smi lists a GPU that torch cannot use, the check fails. Exit 0 when every
-# step passed or was skipped for want of a GPU. Budget: 6 minutes on a GPU; a hang ends
-# at the step's bound (tests: 120 s each, 300 s in all; bench: 180 s).
+# where nvidia-smi lists a GPU that torch cannot use, the check fails, and with
+# PEGAFLOW_REQUIRE_GPU=1 (on the device) so does a host where torch sees none: a run there
+# must not pass by skipping. Exit 0 when every step passed or was skipped for want of a GPU.
+# Budget: 6 minutes on a GPU; a hang ends at the step's bound (tests: 120 s each, a thread
+# timer that fires inside a CUDA wait too, 300 s in all; bench: 180 s).
 set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUT_DIR}
 mkdir -p "$out"
@@ -47,7 +49,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
 # The stubs and native libraries of this checkout, for this Python (an install made them
 # already where this is the development machine).
-if ! "$PY" -c "import pegaflow._proto.node_pb2, pegaflow.client._pagecopy, pegaflow.core._sketch, pegaflow.core._blockindex" \
+if ! "$PY" -c "import pegaflow._proto.node_pb2, pegaflow.client._pagecopy, pegaflow.core._sketch, pegaflow.core._blockindex, pegaflow.meta._metaview" \
         >/dev/null 2>&1; then
     if ! "$PY" -c "import grpc_tools" >/dev/null 2>&1; then
         note "FAIL build: no grpc_tools for $("$PY" -V 2>&1) and no wheels in $wheels (run scripts/gpu_wheels.sh on the development machine and carry .whl)"
@@ -78,8 +80,13 @@ rc=0
 if [ "${gpus:-0}" -gt 0 ] && [ "$gpu" != 1 ]; then
     note "FAIL device: nvidia-smi lists ${gpus} GPU(s) but torch cannot use one (see device.txt): nothing below tests it"
     rc=1
+elif [ "${PEGAFLOW_REQUIRE_GPU:-0}" = 1 ] && [ "$gpu" != 1 ]; then
+    note "FAIL device: PEGAFLOW_REQUIRE_GPU=1 but torch sees no CUDA device (see device.txt): every test would skip"
+    rc=1
 fi
-timeout -k 10 300 "$PY" -m pytest -p no:cacheprovider -o timeout=120 -q -rs tests/gpu >"$out/tests-gpu.log" 2>&1
+# -v -rA: every test's verdict and what it printed (registration rates, a raw refusal) in the log
+timeout -k 10 300 "$PY" -m pytest -p no:cacheprovider -o timeout=120 -o timeout_method=thread -v -rA tests/gpu \
+    >"$out/tests-gpu.log" 2>&1
 t=$?
 if [ $t = 0 ]; then
     note "tests/gpu: $(tail -n 1 "$out/tests-gpu.log")"

@@ -213,8 +213,10 @@ class CudaCopyStream:
     asynchronous = True
 
     def __init__(self, device: torch.device, runtime: Cudart | None = None) -> None:
-        self.device = device
-        self.stream = torch.cuda.Stream(device=device)
+        # An index always: ``bind_thread``'s set_device refuses a bare "cuda" (ValueError), and
+        # a new thread's current device is 0, not necessarily this one.
+        self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+        self.stream = torch.cuda.Stream(device=self.device)
         self.runtime = runtime or cudart()
         self._free: list[torch.cuda.Event] = []
 

@@ -174,9 +174,21 @@ def _copy_batched(segments: Sequence[torch.Tensor], block_ids: BlockIds, pool: t
         else:
             issued = copier.load(block_ids, pool, offsets, pins)
     stream.record().synchronize()
-    for done in issued.completions:
-        done.synchronize()
+    wait_completions(issued.completions)
     return issued.nbytes
+
+
+def wait_completions(completions: Sequence[object]) -> None:
+    """Wait for a copy's host-side completions (its bounce copies into the pool); the first
+    that failed raises its error: the bytes did not all get where they go."""
+    failed: BaseException | None = None
+    for done in completions:
+        done.synchronize()  # type: ignore[attr-defined]  # an Event: batched.HostCompletion or a stream's
+        err = getattr(done, "error", None)
+        if failed is None and isinstance(err, BaseException):
+            failed = err
+    if failed is not None:
+        raise failed
 
 
 class _NotPinned:

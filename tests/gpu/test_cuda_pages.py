@@ -151,6 +151,7 @@ def test_a_request_of_more_chunks_than_bounce_slots_behind_a_forward_restores_ev
         issued = copier.save(list(range(10)), pool, offsets, Unpinned(0, pool))
     for done in issued.completions:
         done.synchronize()
+        assert getattr(done, "error", None) is None, done.error  # type: ignore[attr-defined]
     assert copier.bounce is not None and copier.bounce.waits >= 1 and len(issued.completions) == 5
     dst = build_page_layout({k: torch.zeros_like(v) for k, v in caches.items()}, 64)
     loader = DeviceCopier(dst.segments, stream, None, dst.layers_done_at, staging_bytes=2 * layout.page_bytes,

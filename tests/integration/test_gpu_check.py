@@ -50,3 +50,16 @@ def test_a_gpu_that_torch_cannot_use_fails_the_check_rather_than_skipping_everyt
     assert r.returncode == 1, summary
     assert "FAIL device: nvidia-smi lists 1 GPU(s) but torch cannot use one" in summary
     assert "H100" in (tmp_path / "out" / "device.txt").read_text()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU host runs the check for real (scripts/gpu_check.sh)")
+def test_a_run_that_requires_a_gpu_fails_where_torch_sees_none(tmp_path: Path) -> None:
+    """On the device the check runs with PEGAFLOW_REQUIRE_GPU=1: a host whose GPU neither
+    nvidia-smi nor torch sees must not pass by skipping every test."""
+    env = {**os.environ, "PEGAFLOW_WHEELS": str(tmp_path / "no-wheels"), "PEGAFLOW_REQUIRE_GPU": "1",
+           "PATH": os.environ["PATH"]}
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path / "out")], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=600)
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert r.returncode == 1, summary
+    assert "FAIL device: PEGAFLOW_REQUIRE_GPU=1 but torch sees no CUDA device" in summary

@@ -135,6 +135,37 @@ def test_a_registration_call_that_raises_is_counted_as_a_refusal_not_a_silent_th
     pins.close()
 
 
+def test_a_copy_stream_for_a_bare_cuda_device_binds_threads_to_the_current_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch.device("cuda")`` has no index, and ``torch.cuda.set_device`` refuses it: the
+    bounce thread failed every copy (tests/gpu passes one)."""
+    made, bound = [], []
+
+    class Stream:
+        def __init__(self, device: torch.device) -> None:
+            made.append(device)
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: bound.append(d))
+    s = cuda.CudaCopyStream(torch.device("cuda"), runtime=object())  # type: ignore[arg-type]
+    s.bind_thread()
+    assert made == bound == [torch.device("cuda", 2)]
+    cuda.CudaCopyStream(torch.device("cuda", 1), runtime=object()).bind_thread()  # type: ignore[arg-type]
+    assert bound[-1] == torch.device("cuda", 1)
+
+
+def test_a_synchronous_copy_raises_when_a_bounce_copy_into_the_pool_failed() -> None:
+    from pegaflow.client.batched import HostCompletion
+    from pegaflow.client.pages import wait_completions
+
+    ok, bad = HostCompletion(), HostCompletion()
+    ok.finish()
+    bad.finish(RuntimeError("bounce copy failed"))
+    wait_completions([ok])
+    with pytest.raises(RuntimeError, match="bounce copy failed"):
+        wait_completions([ok, bad])
+
+
 def test_registration_stays_behind_the_node_prefault_front() -> None:
     runtime = FakeRuntime()
     front, asked = [0], [0]
