@@ -16,8 +16,10 @@ PY=${PYTHON:-python3}
 # beyond what a torch image holds. protobuf and grpcio travel too, so that the stubs built
 # there with grpcio-tools match the protobuf runtime they load. liburing is not among them:
 # the check runs no SSD tier (it is imported only by one), and its pinned release has no 3.12 wheel.
+# setuptools travels too: the in-place build needs >= 77 (pyproject.toml's license string),
+# and a torch image's may be older.
 names=(structlog tenacity redis hiredis datasketches grpcio grpcio-tools grpcio-health-checking
-       grpcio-reflection protobuf starlette uvicorn)
+       grpcio-reflection protobuf starlette uvicorn setuptools)
 pins=()
 for n in "${names[@]}"; do
     v=$(grep -iE "^${n}==" requirements/test.txt | head -n 1)
