@@ -351,7 +351,8 @@ _PROM_COUNTERS = {
                       "copied into the KV cache."),
     "saved_states": ("vllm:pegaflow_saved_states_total",
                      "State pages copied into the pool (one per state vLLM hands off at a block boundary)."),
-    "load_errors": ("vllm:pegaflow_load_errors_total", "Blocks that failed to load and were recomputed."),
+    "load_errors": ("vllm:pegaflow_load_errors_total",
+                    "Blocks that failed to load and were recomputed, counted by each TP rank that failed them."),
     "async_loads": ("vllm:pegaflow_async_loads_total",
                     "Requests loaded through vLLM's asynchronous path (SSD promotions; every hit of a "
                     "multi-group engine)."),
