@@ -258,3 +258,35 @@ def test_both_sides_use_the_smaller_path_mtu() -> None:
         assert {qp.rtr["path_mtu"] for qp in p.qps()} == {enums.IBV_MTU_1024}
     finally:
         p.close()
+
+
+def test_a_pull_waiting_on_a_silent_peer_yields_then_sleeps_and_still_times_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A spin would hold the interpreter lock against the node's event loop (every engine's
+    call) and burn a core for the whole timeout on a dead peer: empty sweeps yield, then
+    sleep longer and longer, and the pull still fails at POLL_TIMEOUT."""
+    from pegaflow.node.tiers.remote import TransferError, rdma
+
+    clock = [1000.0]
+    slept: list[float] = []
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        clock[0] += max(s, 1e-6)
+
+    def monotonic() -> float:
+        clock[0] += 1e-4  # a sweep's own time: a spinning poll reaches the timeout too
+        return clock[0]
+
+    monkeypatch.setattr(rdma, "time", types.SimpleNamespace(monotonic=monotonic, sleep=sleep))
+    p = Pair(fake_verbs.Fabric(["a_0", "b_0"]))
+    try:
+        assert all(s is not None for s in p.pull()) and slept == [], "completions at once: no wait"
+        monkeypatch.setattr(fake_verbs.CQ, "poll", lambda self, n=1: (0, []))  # the peer died
+        with pytest.raises(TransferError, match="no RDMA completion"):
+            p.pull()
+        assert slept[:rdma.SPIN_SWEEPS] == [0.0] * rdma.SPIN_SWEEPS, "first only yield the lock"
+        waits = slept[rdma.SPIN_SWEEPS:]
+        assert waits == sorted(waits) and waits[0] == rdma.IDLE_SLEEP_S and max(waits) == rdma.IDLE_SLEEP_MAX_S
+        assert len(slept) < rdma.POLL_TIMEOUT / rdma.IDLE_SLEEP_MAX_S + 64, "a sweep per ms, not a spin"
+    finally:
+        p.close()

@@ -46,6 +46,23 @@ MAX_OUTSTANDING = 64  # READs in flight per QP (max_send_wr); enough to fill a 2
 MAX_RD_ATOMIC = 16  # outstanding RDMA READs per QP, each way (ConnectX's limit; less where the device says)
 POLL_TIMEOUT = 10.0  # seconds without any completion before the pull is failed
 CQ_BATCH = 32  # completions taken per poll call
+# A sweep over the CQs that found nothing yields the interpreter lock (a spin holds it, and the
+# node's event loop, which answers every engine, would get it only at the switch interval, 5 ms);
+# after SPIN_SWEEPS of them the poll sleeps, from IDLE_SLEEP_S doubling up to IDLE_SLEEP_MAX_S,
+# instead of burning a core for POLL_TIMEOUT on a peer that died.
+SPIN_SWEEPS = 8
+IDLE_SLEEP_S = 20e-6
+IDLE_SLEEP_MAX_S = 1e-3
+
+
+def idle_sleep(idle: int) -> float:
+    """Seconds to sleep after the ``idle``-th sweep in a row that found no completion (0:
+    only yield the interpreter lock)."""
+    if idle <= SPIN_SWEEPS:
+        return 0.0
+    return min(IDLE_SLEEP_MAX_S, IDLE_SLEEP_S * 2.0 ** min(idle - SPIN_SWEEPS - 1, 16))
+
+
 DIST_PACKAGES = "/usr/lib/python3/dist-packages"  # Debian's python3-pyverbs lives here
 
 Qp = Any  # pyverbs.qp.QP: Debian's python3-pyverbs has no stubs and is absent where mypy runs
@@ -420,6 +437,7 @@ class RdmaTransport:
             posted = [0] * len(jobs)
             done = [0] * len(jobs)
             last = time.monotonic()
+            idle = 0  # sweeps in a row that found no completion
             while any(done[j] < len(part) for j, (_, part) in enumerate(jobs)):
                 for j, (c, part) in enumerate(jobs):
                     rkey, lkey = remote.rkeys[c.peer_nic], c.nic.mr.lkey
@@ -450,8 +468,12 @@ class RdmaTransport:
                         progress = True
                 if progress:
                     last = time.monotonic()
+                    idle = 0
                 elif time.monotonic() - last > POLL_TIMEOUT:
                     raise TransferError(f"no RDMA completion for {POLL_TIMEOUT}s ({sum(done)}/{sum(posted)})")
+                else:
+                    idle += 1
+                    time.sleep(idle_sleep(idle))
         except TransferError:
             raise
         except Exception as exc:  # a verbs error (QP in error state, ...)
