@@ -113,14 +113,40 @@ def evaluate(g: Goal, summary: dict | None) -> tuple[list[str], bool]:
             "yes" if holds else "**no**"], holds
 
 
+def print_goals(summaries: dict[str, dict | None]) -> bool:
+    """The table of the goals of the runs in ``summaries``; True when every one holds."""
+    print("| metric | measured | same-run peer / limit | ratio | goal | holds |")
+    print("|---|---|---|---|---|---|")
+    ok = True
+    for g in GOALS:
+        if g.run not in summaries:
+            continue
+        row, holds = evaluate(g, summaries[g.run])
+        ok &= holds
+        print("| " + " | ".join(row) + " |")
+    return ok
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default="", help="comma-separated benchmark names")
     ap.add_argument("--skip", default="", help="comma-separated benchmark names")
     ap.add_argument("--out", type=Path, default=None, help="where logs and summaries go (default bench/out/<time>)")
+    ap.add_argument("--check", metavar="RUN=SUMMARY", default="",
+                    help="run nothing: judge RUN's goals on a summary it wrote already (e.g. "
+                         "gpu=OUT/bench-gpu.json from scripts/gpu_check.sh); exit 1 if one fails")
     a = ap.parse_args()
     names = {r.name for r in RUNS}
+    if a.check:
+        name, _, path = a.check.partition("=")
+        if name not in names or not path:
+            ap.error(f"--check wants RUN=SUMMARY with RUN one of {', '.join(r.name for r in RUNS)}")
+        try:
+            summary = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            ap.error(f"--check: cannot read {path}: {exc}")
+        sys.exit(0 if print_goals({name: summary}) else 1)
     only = {x for x in a.only.split(",") if x}
     skip = {x for x in a.skip.split(",") if x}
     unknown = (only | skip) - names
@@ -142,15 +168,7 @@ def main() -> None:
     total = time.monotonic() - t_all
     print(f"\n# python -m bench — commit {commit()}, {time.strftime('%Y-%m-%d %H:%M %Z')}, {machine()}; "
           f"{total / 60:.1f} min; logs in {out}\n")
-    print("| metric | measured | same-run peer / limit | ratio | goal | holds |")
-    print("|---|---|---|---|---|---|")
-    ok = not failures
-    for g in GOALS:
-        if g.run not in summaries:
-            continue
-        row, holds = evaluate(g, summaries[g.run])
-        ok &= holds
-        print("| " + " | ".join(row) + " |")
+    ok = print_goals(summaries) and not failures
     for name, err in failures.items():
         print(f"\n{name} failed: {err} (see {out / (name + '.log')})")
     node = summaries.get("node") or {}

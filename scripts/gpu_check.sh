@@ -100,6 +100,10 @@ if [ "$gpu" = 1 ]; then
     t=$?
     if [ $t = 0 ]; then
         note "bench/gpu.py: $(grep -E '^(save|registered|[0-9]+-token)' "$out/bench-gpu.log" | tr '\n' ';')"
+        # Its figures against bench/goals.py's GPU goals (reported, not the check's verdict).
+        goals=$("$PY" -m bench --check gpu="$out/bench-gpu.json" 2>&1)
+        note "bench/gpu.py goals: $([ $? = 0 ] && echo "all hold" || echo "NOT ALL HOLD")"
+        echo "$goals" | grep '^| ' | tail -n +3 | tee -a "$summary"
     else
         note "FAIL bench/gpu.py: $([ $t = 124 ] && echo "timed out after 180 s;") $(tail -n 1 "$out/bench-gpu.log") (see bench-gpu.log)"
         rc=1

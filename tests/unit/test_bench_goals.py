@@ -73,3 +73,24 @@ def test_best_copy_is_the_better_of_one_and_two_threads() -> None:
     assert (both.one_thread_gbps, both.two_threads_gbps, both.gbps, both.winner) == (13.0, 20.0, 20.0, "2 threads")
     assert BestCopy(12.0, 11.0).winner == "1 thread"
     assert "20.00 GB/s, 2 threads (1 thread 13.00, 2 threads 20.00)" == both.describe()
+
+
+def test_check_judges_a_runs_goals_on_a_summary_it_wrote_already(tmp_path: Path) -> None:
+    """``python -m bench --check gpu=FILE``: what scripts/gpu_check.sh prints on a GPU host."""
+    import json
+    import subprocess
+    import sys
+
+    good = {"save_gbps": 20.0, "pinned_d2h_gbps": 22.0, "load_gbps": 21.0, "pinned_h2d_gbps": 22.0,
+            "step_with_copies_ms": 100.0, "step_ms": 99.0, "pin_gib_per_s": 5.0}
+    for summary, rc in ((good, 0), ({**good, "load_gbps": 10.0}, 1)):
+        f = tmp_path / "bench-gpu.json"
+        f.write_text(json.dumps(summary))
+        r = subprocess.run([sys.executable, "-m", "bench", "--check", f"gpu={f}"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == rc, r.stdout + r.stderr
+        rows = [line for line in r.stdout.splitlines() if line.startswith("| ") and "GB/s" in line]
+        assert len(rows) == 2 and rows[1].endswith("| yes |" if rc == 0 else "| **no** |"), r.stdout
+    bad = subprocess.run([sys.executable, "-m", "bench", "--check", "nosuch=x.json"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "--check wants RUN=SUMMARY" in bad.stderr and "Traceback" not in bad.stderr
