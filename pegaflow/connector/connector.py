@@ -26,7 +26,7 @@ import functools
 import logging
 import os
 import socket
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, cast
 
@@ -386,6 +386,20 @@ class PegaPromMetrics(KVConnectorPromMetrics):
                 counter.labels(*labels).inc(value)
 
 
+def _check_ranks(sched: SchedulerSide | None, states: Mapping[tuple[int, int], object]) -> None:
+    """Every rank's handshake, by (pipeline stage, TP rank), to the scheduler side: any rank's
+    refusal disables it, and a stage-0 rank is checked against the node it plans pages on."""
+    if sched is None:
+        return
+    for (stage, rank), state in sorted(states.items()):
+        if not isinstance(state, PegaWorkerState):
+            continue
+        if stage == 0:
+            sched.check_rank(rank, state)
+        elif state.disabled:
+            sched.disable(f"rank {rank} of stage {stage}: {state.disabled}")
+
+
 class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector for PegaFlow; scheduler and worker contracts live in
     ``pegaflow.connector.scheduler`` and ``pegaflow.connector.worker``."""
@@ -504,25 +518,15 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
         return PegaWorkerState(rank=_tp_rank(self._vllm), disabled=self._refused) if self._refused else None
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
-        if self._sched is None:
-            return
-        for rank, state in sorted(metadata.items()):
-            if isinstance(state, PegaWorkerState):
-                self._sched.check_rank(rank, state)
+        _check_ranks(self._sched, {(0, rank): state for rank, state in metadata.items()})
 
     def set_xfer_handshake_metadata_pp_aware(
             self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]) -> None:
         """vLLM >= 0.24 hands over the workers' states keyed by (pipeline stage, TP rank). The
         base class raises on any stage but 0, which with pipeline parallelism (refused by every
         rank, each answering the handshake with why) stopped the engine instead of leaving it
-        serving without PegaFlow. Any rank's refusal disables the scheduler side."""
-        if self._sched is None:
-            return
-        for (stage, rank), state in sorted(metadata.items()):
-            if isinstance(state, PegaWorkerState) and state.disabled:
-                self._sched.disable(f"rank {rank} of stage {stage}: {state.disabled}")
-            elif isinstance(state, PegaWorkerState) and stage == 0:
-                self._sched.check_rank(rank, state)
+        serving without PegaFlow."""
+        _check_ranks(self._sched, metadata)
 
     def _meta(self) -> PegaConnectorMetadata | None:
         m = self._connector_metadata
