@@ -16,6 +16,7 @@ from typing import TypeVar
 import grpc
 import redis
 import structlog
+from prometheus_client import Histogram
 
 from pegaflow._proto import meta_pb2, meta_pb2_grpc
 from pegaflow.cluster.seeds import seed_urls
@@ -56,17 +57,16 @@ def _rpc(method: str) -> Callable[[Method[Req, Resp]], Method[Req, Resp]]:
                 context.abort(st.code, st.message)
                 raise  # unreachable: abort raises
             finally:
-                timer = self._rpc_ok.get(method) if status == "OK" else None
+                # Each (method, status)'s timer resolved once: labels() is a lock and a dict per call.
+                timer = self._timers.get((method, status))
                 if timer is None:
-                    timer = self.metrics.rpc_seconds.labels(method, status)
+                    timer = self._timers[(method, status)] = self.metrics.rpc_seconds.labels(method, status)
                 timer.observe(time.perf_counter() - t0)
 
         return handler
 
     return wrap
 
-
-RPC_METHODS = ("QueryPrefix", "RouteHint", "ListNodes", "GetClusterConfig", "ClusterCeiling")
 
 # () -> (stats per window, nodes merged, nodes skipped), or None when the sketches cannot
 # be read (ClusterCeilingCollector.current).
@@ -103,8 +103,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         self.cluster_config = meta_pb2.ClusterConfigResponse(redis_url=",".join(seed_urls(redis_url)),
                                                              redis_cluster=redis_cluster)
         self.ceiling = ceiling
-        # The timer of each method's OK calls, resolved once (labels() is a lock and a dict per call).
-        self._rpc_ok = {m: metrics.rpc_seconds.labels(m, "OK") for m in RPC_METHODS}
+        self._timers: dict[tuple[str, str], Histogram] = {}  # (method, status) -> its rpc_seconds child
 
     def _query(self, request: meta_pb2.QueryPrefixRequest) -> list[NodePrefix]:
         # One list: each read of a protobuf repeated field makes new bytes objects (128 of them
