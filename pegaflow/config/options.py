@@ -463,9 +463,9 @@ OPTIONS: list[Option] = [
     Option(
         "local-socket",
         "auto",
-        "Unix socket (mode 0600) of the local fast path for Query/Reserve/Commit/Release, announced "
-        "to engines at Register; 'auto': $XDG_RUNTIME_DIR (else /tmp)/pegaflow-node-HOST-PORT.sock "
-        "from --addr; 'off' or empty: gRPC only.",
+        "Unix socket (mode 0600, 0660 with --access-group) of the local fast path for "
+        "Query/Reserve/Commit/Release/Reset, announced to engines at Register; 'auto': $XDG_RUNTIME_DIR "
+        "(else /tmp)/pegaflow-node-HOST-PORT.sock from --addr; 'off': gRPC only.",
         _local_socket,
         metavar="PATH",
     ),

@@ -14,7 +14,8 @@ A worker never talks to the node except to register (which maps the pool). Per s
 * ``report`` tells the scheduler which step was handled, and what the copies that completed
   since the last report took (``CopyTimes``: one duration per save or load batch, i.e. per
   rank and step, and the load batches that failed), which the scheduler side passes on to
-  the node with its next Commit or Release (the node's ``pegaflow_save_duration_seconds``
+  the node with its next Commit or Release (the node's ``pegaflow_node_save_copy_seconds``
+  and ``pegaflow_node_load_copy_seconds``; the original's ``pegaflow_save_duration_seconds``
   and ``pegaflow_load_duration_seconds``). On a CPU a batch's time is its copy call's; on a
   GPU, from issuing it until ``report`` finds its step's events completed (so up to a step
   more than the DMA itself).

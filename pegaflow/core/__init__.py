@@ -7,6 +7,8 @@
 - :mod:`units`, :mod:`durations`: sizes and durations as users write them.
 - :mod:`recent`: a bounded set of recently seen keys.
 - :mod:`tiers`: the tiers' names (``Tier``: l1, ssd, remote) and the outcomes (``miss``).
+- :mod:`hosts`: the one ``HOST:PORT`` rule and the address a node advertises to its peers.
+- :mod:`router_protocol`: what the router and the connector say in vLLM's ``kv_transfer_params``.
 
 What a pool decides to keep (admission, the hit-rate ceiling) is :mod:`pegaflow.policy`, one
 layer up. Everything else in PegaFlow may import this package; it imports nothing of PegaFlow's

@@ -14,7 +14,10 @@ are used, each with its source: the Rust original's metric labels (``ram``, ``rd
 ``pegaflow/node/metrics.py``), vLLM's ``CacheHitSource`` (``host``, ``disk``, ``p2p``:
 ``pegaflow/connector/scheduler.py``), the wire's enums (node.proto's ``LoadingFrom``,
 meta.proto's ``Tier``: the client and the metaserver's service). Prometheus label values,
-``pegaflow status --json`` keys and the proto's field names are these values themselves.
+``pegaflow status --json`` keys and the proto's field names are these values themselves,
+except where the wire names the medium rather than the tier: node.proto's ``Medium``
+(``MEDIUM_DRAM``: ``BlockEvents.medium`` is ``"dram"`` or ``"ssd"``) and ``CacheInspect``'s
+``dram`` / ``dram_prefix`` fields (``pegaflow cache``), kept as released.
 """
 
 from __future__ import annotations

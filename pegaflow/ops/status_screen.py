@@ -1,5 +1,5 @@
 """The screens of ``pegaflow status``: a node's or the cluster's figures as lines of at most
-80 columns (docs/operations.md, "pegaflow status").
+80 columns (docs/status.md).
 
 Pure functions of a snapshot (the dicts :mod:`pegaflow.ops.status` builds from the nodes'
 Stats answers, the same objects ``--json`` prints, typed below), so they are tested without
