@@ -21,8 +21,8 @@ Why a log of segments (and FIFO eviction): writes are sequential per file (the b
 for any SSD's FTL, no fragmentation, no free-space allocator), the space bound is exact,
 and recovery needs no separate index file: the records describe themselves. A segment
 is reclaimed whole, oldest first, when the log wraps; every record in it carries the
-*generation* the segment was opened with, so a scan of a segment stops at the first
-record that is torn or left over from the segment's previous use.
+*generation* the segment was opened with, so a scan of a segment tells its records from
+those left over from the segment's previous use (``store._walk``).
 
 Reset records: a header-only record (hash ``TOMBSTONE``, no payload) says that every record
 of its namespace with a smaller sequence number is void. Each file is FIFO, so a file's

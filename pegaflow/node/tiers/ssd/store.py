@@ -204,10 +204,10 @@ class SsdIndex:
             raise ValueError(f"record of {size} bytes exceeds the segment size {self.max_record}")
         return self._allocate_in(min(self.files, key=lambda x: x.bytes_written), size)
 
-    def _allocate_in(self, f: CacheFile, size: int) -> tuple[Slot, list[tuple[int, bytes]]]:
+    def _allocate_in(self, f: CacheFile, size: int, fresh: bool = False) -> tuple[Slot, list[tuple[int, bytes]]]:
         evicted: list[tuple[int, bytes]] = []
         seg = f.segments[f.cursor] if f.cursor >= 0 else None
-        if seg is None or seg.gen == 0 or seg.fill + size > f.segment_bytes:
+        if fresh or seg is None or seg.gen == 0 or seg.fill + size > f.segment_bytes:
             f.cursor = (f.cursor + 1) % len(f.segments)
             seg = f.segments[f.cursor]
             evicted = self._reclaim(seg)
@@ -219,14 +219,20 @@ class SsdIndex:
         self._seq += 1
         return Slot(seg.file, seg.index, off, seg.gen, self._seq), evicted
 
-    def tombstone(self, ns_name: str) -> list[tuple[int, bytes]]:
+    def tombstone(self, ns_name: str, fresh_segment: bool = False) -> list[tuple[int, bytes]]:
         """Make a reset of ``ns_name`` durable: a reset record in every file, written and
         ``fdatasync``-ed before this returns (a few ms on the event loop; resets are rare).
-        Returns the keys whose segments were reclaimed for it. Raises ``OSError``."""
+        Returns the keys whose segments were reclaimed for it. Raises ``OSError``.
+
+        ``fresh_segment``: writes are in flight. Each record then opens a segment of its own,
+        as its first record. Behind a slot whose write never lands (the node dies first) a
+        scan may not reach it: that slot holds zeros where the file was never written, which
+        a scan reads as the end of the segment (:func:`_walk`), and the reset would be lost.
+        The cost: the rest of each file's open segment is left unused until the log wraps."""
         evicted: list[tuple[int, bytes]] = []
         buf = aligned_buffer(BLOCK)
         for f in self.files:
-            slot, ev = self._allocate_in(f, record_bytes(0))
+            slot, ev = self._allocate_in(f, record_bytes(0), fresh=fresh_segment)
             evicted += ev
             buf[:] = bytes(BLOCK)
             pack_header(buf, slot.gen, slot.seq, ns_name.encode(), TOMBSTONE, 0, 0)
@@ -299,10 +305,15 @@ def _walk(f: CacheFile, seg: Segment) -> list[tuple[int, Header]]:
     large ones with one 4 KiB read per header, so start-up never reads the payloads.
 
     A header that is not valid where the previous record ends (a damaged sector, a torn
-    write) does not end the segment: the walk resynchronises at the next 4 KiB block that
-    holds a valid header (records are 4 KiB aligned). One of the segment's generation
-    resumes the chain, so a damaged record loses only itself; one of an older generation
-    (the stale tail of the segment's previous use) or the segment's end ends the walk.
+    write, a write that never landed) does not end the segment: the walk resynchronises at
+    the next 4 KiB block that holds a valid header (records are 4 KiB aligned). One of the
+    segment's generation resumes the chain, so a damaged record loses only itself. One of
+    an older generation is the stale content of the segment's previous use (its tail, or a
+    slot of this use whose write never landed): skipped like a damaged one, so a record
+    written behind such a slot (a reset record) is still found. One of a newer generation
+    than the chain's means the chain so far was the previous use's records (this use's
+    first writes never landed): the chain starts again from it. The segment's end ends
+    the walk.
     The segment's first record is no exception: only a first block of zeros (never
     written) ends the walk at once; a damaged first header makes the first valid header
     found the start of the chain.
@@ -339,7 +350,13 @@ def _walk(f: CacheFile, seg: Segment) -> list[tuple[int, Header]]:
             pos += BLOCK
             continue
         if gen is not None and h.gen != gen:
-            break
+            if h.gen < gen:  # stale: not a record of this use of the segment
+                if not resyncing:
+                    resyncing = True
+                    damaged_at = pos
+                pos += BLOCK
+                continue
+            out.clear()  # the previous use's records; this use's first writes never landed
         size = record_bytes(h.payload_len)
         if pos + size > f.segment_bytes:
             break

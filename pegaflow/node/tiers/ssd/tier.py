@@ -200,7 +200,8 @@ class SsdTier:
         """Forget every SSD record of ``ns`` (a reset); writes in flight are not indexed when
         they land. Returns the records forgotten. The reset is durable: a reset record in
         every cache file voids the namespace's older records for the scan of a restarted
-        node (``SsdIndex.tombstone``)."""
+        node (``SsdIndex.tombstone``), found by that scan even if the node dies before the
+        writes in flight land (each then opens a segment of its own)."""
         store = self.store
         keys = [k for k in store.entries if k[0] == ns.id]
         for k in keys:
@@ -209,7 +210,7 @@ class SsdTier:
         self.writer.voided.update(pending)
         if keys or pending:
             try:
-                evicted = store.tombstone(ns.name)
+                evicted = store.tombstone(ns.name, fresh_segment=self.writer.writing > 0)
             except OSError as exc:
                 log.warning("ssd_reset_not_durable", namespace=ns.name, error=str(exc))
             else:

@@ -16,6 +16,10 @@ Contracts:
   the write is issued.
 - A block is indexed on SSD only after its write completed and its segment was not
   reclaimed meanwhile.
+- A reset of a block's namespace (``SsdTier.clear``) voids its queued write: one not issued
+  yet is dropped, never written (its slot would be numbered after the reset record, and a
+  restarted node's scan would index it again); one issued already lies before the reset
+  record, which voids it on disk, and is not indexed when it lands.
 - Blocks already on SSD are not written again, except promoted blocks whose copy is
   about to be reclaimed (older than ``SECOND_CHANCE_AGE`` of the log): they go back to
   the head, which turns FIFO into FIFO-with-reinsertion for blocks that are really reused.
@@ -51,6 +55,7 @@ class WriteBehind:
         self.pending: set[tuple[int, bytes]] = set()
         self.voided: set[tuple[int, bytes]] = set()  # pending when their namespace was cleared
         self.queued_bytes = 0
+        self.writing = 0  # blocks whose write was issued and whose completion is not handled yet
         self.closing = False
         self._hdrs: list[bytearray] = []
         self._scheduled = 0  # batches accepted whose _issue has not run yet (they count as waiting)
@@ -97,6 +102,11 @@ class WriteBehind:
     def _issue(self, blocks: list[Block]) -> None:
         t = self.tier
         self._scheduled -= 1
+        if self.voided:
+            # Reset before it went out: never written. A slot taken now would be numbered
+            # after the reset record, so a restarted node's scan would index it again.
+            self._forget([b for b in blocks if b.key in self.voided])
+            blocks = [b for b in blocks if b.key in self.pending]
         runs: list[list[_Rec]] = []
         run_bytes = 0
         for b in blocks:
@@ -114,6 +124,9 @@ class WriteBehind:
             else:
                 runs.append([rec])
                 run_bytes = size
+        if not runs:
+            return
+        self.writing += len(blocks)
         ops = [self._op(run) for run in runs]
         accepted = t.writes.offer(ops)
         assert accepted, "checked in on_index_event: at most queue_depth batches wait"
@@ -157,11 +170,20 @@ class WriteBehind:
         return self._hdrs.pop() if self._hdrs else aligned_buffer(BLOCK)
 
     # ---- completion (event loop) ------------------------------------------------------
+    def _forget(self, blocks: list[Block]) -> None:
+        """Unqueue blocks whose namespace was cleared before their write was issued."""
+        self.tier.index.unpin(blocks)
+        for b in blocks:
+            self.pending.discard(b.key)
+            self.voided.discard(b.key)
+            self.queued_bytes -= round_up(b.size)
+
     def _done(self, run: list[_Rec], ok: bool) -> None:
         t = self.tier
         m = t.metrics
         blocks = [r.block for r in run]
         t.index.unpin(blocks)
+        self.writing -= len(blocks)
         stored: dict[int, tuple[Namespace, list[bytes]]] = {}  # namespace id -> (namespace, hashes written)
         for r in run:
             b = r.block
@@ -169,7 +191,7 @@ class WriteBehind:
             self.pending.discard(key)
             self.queued_bytes -= round_up(b.size)
             self._hdrs.append(r.hdr)
-            if key in self.voided:  # cleared while it was written: not indexed
+            if key in self.voided:  # cleared while it was written (its slot before the reset record): not indexed
                 self.voided.discard(key)
             elif not ok:
                 m.skipped.labels("io_error").inc()
