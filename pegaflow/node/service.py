@@ -36,7 +36,7 @@ from google.protobuf.message import Message
 from prometheus_client import Histogram
 
 from pegaflow._proto import node_pb2, node_pb2_grpc
-from pegaflow.common.errors import InvalidArgument, PegaError
+from pegaflow.common.errors import FailedPrecondition, InvalidArgument, PegaError
 from pegaflow.common.local_wire import METHODS as LOCAL_METHODS
 from pegaflow.common.rpc_errors import GRPC, RpcErrors, RpcStatus, status_of
 from pegaflow.common.validate import check_copy_times, check_hashes
@@ -502,7 +502,11 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
             return node_pb2.QueryResponse(status=node_pb2.LOADING, hit_blocks=hit,
                                           loading_from=node_pb2.LOADING_FROM_REMOTE,
                                           expected_blocks=self.remote.expected(nss, hashes, hit))
-        # The metaserver lookup awaited: blocks may have come or gone meanwhile.
+        # The metaserver lookup awaited: the session may have ended meanwhile (a lease on it
+        # would pin its pages for good: nothing releases a gone session's leases), and
+        # blocks may have come or gone.
+        if self.sessions.sessions.get(s.id) is not s:
+            raise FailedPrecondition(f"session {s.id} ended while its query waited for the metaserver")
         per_ns = [self.index.prefix(ns, hashes, touch=False) for ns in nss]
         return self._answer(s, request, nss, hashes, per_ns, min(len(p) for p in per_ns))
 
