@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import os
 import select
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -739,3 +740,93 @@ def test_a_pin_request_with_a_bad_batch_is_refused_and_pins_nothing():
         assert not a.table.pins and all(blk.pins == 0 for blk in a.index.resident(a.ns))
     finally:
         a.close()
+
+
+def test_a_checksum_kept_for_a_block_a_reset_dropped_is_never_its_successors():
+    """Work that pinned a block (an SSD write, a send) may keep its checksum after a Reset
+    dropped the block; the engine then saves the same hash again, with other bytes."""
+    side = Side("c")
+    try:
+        (h,) = hashes("reset", 1)
+        old = side.store([h])[h]
+        b1 = side.index.get(side.ns, h)
+        assert b1 is not None
+        side.index.pin([b1])
+        side.index.clear(side.ns)
+        side.checksums.record(b1, page_checksum(old))
+        side.index.unpin([b1])
+        new = side.store([h])[h]
+        b2 = side.index.get(side.ns, h)
+        assert b2 is not None and b2 is not b1 and new != old
+        assert side.checksums.get(b2) is None, "another block's checksum"
+        assert side.checksums.of(b2) == page_checksum(new)
+    finally:
+        side.close()
+
+
+def test_a_pull_into_a_full_pool_evicts_neither_the_prefix_nor_the_resident_blocks_between(pair):
+    """Reserving the pulled pages evicts the oldest blocks: never the request's own prefix,
+    nor the blocks it skipped because this node holds them (as the SSD promoter pins first)."""
+    a, b, meta, peers, puller = pair
+    hs = hashes("full", 8)
+    want = a.store(hs)
+    mine = b.store([hs[0], hs[1], hs[4]])  # the oldest in b's LRU
+    b.store(hashes("filler", POOL // PAGE - 3))
+    assert b.index.alloc.free_bytes < PAGE, "b's pool must be full"
+    meta.holders = [Holder("a", a.address, 8)]
+    pull(a, b, puller, hs, 2)
+    assert all(b.index.get(b.ns, h) is not None for h in hs), "the whole prefix is resident after the pull"
+    assert [b.page(h) for h in hs] == [mine.get(h, want[h]) for h in hs]
+
+
+class BlockedTransport:
+    """A transport whose reads wait until the test lets them write the pages."""
+
+    name = "tcp"
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.go = threading.Event()
+        self.dests: list[int] = []
+
+    def read(self, remote: RemotePages, dests: Sequence[int]) -> list[int | None]:
+        self.dests = list(dests)
+        self.entered.set()
+        assert self.go.wait(10)
+        return list(remote.checksums)
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_pull_cancelled_mid_transfer_keeps_its_pages_until_the_transfer_stopped():
+    """At the node's stop pulls are cancelled; their pages may be handed out again only once
+    the worker thread that writes them returned."""
+    a, b = Side("a"), Side("b")
+    transport = BlockedTransport()
+    meta = FakeMeta()
+    puller = Puller(b.index, b.pool.view, "b", meta, DirectPeers({a.address: a}), transport, b.metrics,
+                    pin_ttl=5.0, backoff=30.0, checksums=b.checksums)
+    hs = hashes("cancel", 4)
+    a.store(hs)
+    meta.holders = [Holder("a", a.address, 4)]
+
+    async def run() -> None:
+        a.table.loop = asyncio.get_running_loop()
+        free = b.index.alloc.free_bytes
+        assert await puller.query([b.ns], hs, 0)
+        await asyncio.get_running_loop().run_in_executor(None, transport.entered.wait, 10)
+        closing = asyncio.ensure_future(puller.close())
+        for _ in range(10):  # the cancellation delivered, and whatever it runs up to its next wait
+            await asyncio.sleep(0)
+        assert b.index.alloc.free_bytes == free - 4 * PAGE, "pages freed while the transfer still writes them"
+        transport.go.set()
+        await asyncio.wait_for(closing, 10)
+        assert b.index.alloc.free_bytes == free and not puller.inflight
+
+    try:
+        asyncio.run(run())
+    finally:
+        transport.go.set()
+        a.close()
+        b.close()

@@ -8,10 +8,12 @@ TCP data plane, ~0.1 CPU-s per GB, ~40% of the sender's CPU and ~20% of both end
 before the pin was even answered.
 
 Contracts:
-- An entry is keyed by block key (namespace id, block hash) and dropped when the block
-  leaves the index (``evict`` event), so it always describes the resident page of that
-  key. Should one ever be stale anyway, a puller would reject a good page (a miss), never
-  accept a wrong one: it checks the bytes it received against the value.
+- An entry is keyed by block key (namespace id, block hash), holds the block it was
+  computed for, and is dropped when the block leaves the index (``evict`` event). A value
+  is only ever given for that same block: work that pinned a block a Reset dropped may
+  still record its value afterwards, and the engine may save the same hash again with
+  other bytes (a new block). Should one ever be stale anyway, a puller would reject a good
+  page (a miss), never accept a wrong one: it checks the bytes it received against the value.
 - Where values come from, cheapest first: a pulled page's value is the one it was
   verified against (:meth:`record`, no extra pass); a block committed on a node that
   serves peers is hashed in the background, off the engine's save path and before any
@@ -63,7 +65,7 @@ class PageChecksums:
         self.view = pool_view
         self.metrics = metrics
         self.background = background
-        self._sums: dict[tuple[int, bytes], int] = {}
+        self._sums: dict[tuple[int, bytes], tuple[Block, int]] = {}  # key -> (the block hashed, its value)
         self._batch_bytes = max(1, min(HASH_BATCH_BYTES, index.alloc.capacity // HASH_BATCH_POOL_SHARE))
         self._queue: deque[tuple[Namespace, bytes]] = deque()
         self._queued_bytes = 0
@@ -76,11 +78,12 @@ class PageChecksums:
 
     # ---- any thread (pinned blocks) ---------------------------------------------------------
     def get(self, b: Block) -> int | None:
-        return self._sums.get((b.ns.id, b.hash))
+        got = self._sums.get((b.ns.id, b.hash))
+        return got[1] if got is not None and got[0] is b else None
 
     def record(self, b: Block, checksum: int) -> None:
         """Keep a value computed elsewhere for ``b``'s current page (e.g. verified on a pull)."""
-        self._sums[(b.ns.id, b.hash)] = checksum
+        self._sums[(b.ns.id, b.hash)] = (b, checksum)
 
     def forget(self, blocks: Sequence[Block]) -> None:
         """Drop the values of pages that never became resident (read from SSD for a pin)."""
@@ -90,10 +93,10 @@ class PageChecksums:
 
     def of(self, b: Block) -> int:
         """``b``'s value, hashing its page now (and keeping the value) if it is not known."""
-        key = (b.ns.id, b.hash)
-        c = self._sums.get(key)
+        c = self.get(b)
         if c is None:
-            c = self._sums[key] = page_checksum(self.view[b.offset:b.offset + b.size])
+            c = page_checksum(self.view[b.offset:b.offset + b.size])
+            self._sums[(b.ns.id, b.hash)] = (b, c)
             self.metrics.hashed_bytes.labels("transfer").inc(b.size)
         return c
 
@@ -136,7 +139,7 @@ class PageChecksums:
                     ns, h = self._queue.popleft()
                     self._queued_bytes -= ns.page_bytes
                     b = self.index.get(ns, h)
-                    if b is not None and (ns.id, h) not in self._sums:
+                    if b is not None and self.get(b) is None:
                         batch.append(b)
                         size += b.size
                 if not batch:
@@ -148,7 +151,7 @@ class PageChecksums:
                     t0 = time.perf_counter()
                     sums = await loop.run_in_executor(self._executor, self._hash, batch)
                     for b, c in zip(batch, sums, strict=True):
-                        self._sums[(b.ns.id, b.hash)] = c
+                        self._sums[(b.ns.id, b.hash)] = (b, c)
                     self.metrics.hashed_bytes.labels("commit").inc(size)
                     log.debug("p2p_checksums", blocks=len(batch), bytes=size,
                               seconds=round(time.perf_counter() - t0, 4))

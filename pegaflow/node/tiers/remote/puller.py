@@ -321,22 +321,29 @@ class Puller:
             if self._on_way(ns, h0):
                 continue
             need: list[bytes] = []
+            held = list(self.index.prefix(ns, hashes[:hit], touch=False))
             for h in hashes[hit:min(end, best.prefix_len)]:
                 if (ns.id, h) in self.inflight:
                     break
-                if self.index.get(ns, h) is None:
+                b = self.index.get(ns, h)
+                if b is None:
                     need.append(h)
+                else:
+                    held.append(b)  # resident already: part of the prefix once the pull lands
+            # Pinned before reserving, as the SSD promoter does: the reservation evicts to
+            # make room, and must not evict the request's own prefix or the blocks between
+            # the pulled ones (the pull would land behind a hole).
+            self.index.pin(held)
             blocks = self.index.reserve(ns, need, reclaimable=True) if need else []
             k = next((i for i, b in enumerate(blocks) if b is None), len(blocks))
             self.index.discard([b for b in blocks[k:] if b is not None])
             if k == 0:
+                self.index.unpin(held)
                 self.metrics.pulls.labels("no_space").inc()
                 continue
             got = cast("list[Block]", blocks[:k])  # before the first None
             for b in got:
                 self.inflight[b.key] = b
-            held = self.index.prefix(ns, hashes[:hit], touch=False)
-            self.index.pin(held)
             # From an SSD holder, one pin per chunk, SSD_CHUNKS_IN_FLIGHT at once: the holder
             # reads each chunk from its SSD into the pin's pages before it can send it, so
             # chunks pipeline its SSD reads with the transfer (one pin: the whole read, then
@@ -382,9 +389,17 @@ class Puller:
             remote = RemotePages(addr, pin_id, resp.page_bytes, tuple(resp.offsets), tuple(resp.checksums),
                                  resp.data_addr, resp.rdma_base, tuple(resp.rkeys))
             blocks = p.blocks[:k]
+            moving = asyncio.get_running_loop().run_in_executor(
+                self._executor, self._read_verify, remote, [b.offset for b in blocks])
             try:
-                sums = await asyncio.get_running_loop().run_in_executor(
-                    self._executor, self._read_verify, remote, [b.offset for b in blocks])
+                sums = await asyncio.shield(moving)
+            except asyncio.CancelledError:
+                # Cancelled (the node stops): the worker thread still writes into these pages,
+                # which the ``finally`` below frees for reuse: only once it returned.
+                await asyncio.wait([moving])
+                if not moving.cancelled():
+                    moving.exception()  # retrieved: its outcome no longer matters
+                raise
             except TransferError as exc:
                 status = "error"
                 self._fail(addr, "transfer_failed", exc)
