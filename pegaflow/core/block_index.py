@@ -511,7 +511,8 @@ class BlockIndex:
         nbytes = 0
         rblocks = rbytes = 0
         for b in pending:
-            if b.state != PENDING or tables[b.ns.id].get(b.hash) is not b:
+            # .get: the namespace may be gone (cleared while the block was written, then dropped)
+            if b.state != PENDING or (t := tables.get(b.ns.id)) is None or t.get(b.hash) is not b:
                 if b in self._voided:  # its namespace was cleared while it was written
                     self._voided.discard(b)
                     self.alloc.free(b.offset, b.size)

@@ -499,3 +499,20 @@ def test_clear_drops_a_namespace_and_frees_pinned_and_pending_pages_when_they_ar
     assert idx.alloc.used_bytes == used - 4 * 4096, "the pinned and pending pages are freed once done"
     fill(idx, a, [1])  # the namespace works as before
     assert [x.hash for x in idx.prefix(a, [h(1)])] == [h(1)]
+
+
+@pytest.mark.parametrize("ending", ["commit", "discard"])
+def test_a_write_that_lands_after_its_namespace_was_cleared_and_dropped_frees_its_page(ending):
+    """An SSD promotion or a peer pull writes into PENDING pages; the namespace is cleared,
+    its last session ends, and the node drops it before the write lands."""
+    idx = BlockIndex(16 * 4096)
+    a = idx.namespace("a", 4096)
+    writing = [b for b in idx.reserve(a, [h(1), h(2)]) if b is not None]
+    idx.clear(a)
+    assert idx.drop_namespace("a"), "nothing of it is left in the table"
+    if ending == "commit":
+        assert idx.commit(writing) == []
+    else:
+        idx.discard(writing)
+    assert idx.alloc.used_bytes == 0, "the pages are free again"
+    assert idx.get_namespace("a") is None
