@@ -208,7 +208,7 @@ class _LocalLink:
                 body = _recv_exactly(s, length)
                 if status != 0:
                     raise PermissionError(f"local socket refused the token: {body.decode(errors='replace')}")
-        except OSError:
+        except BaseException:
             s.close()
             raise
         with self._lock:
@@ -233,7 +233,9 @@ class _LocalLink:
 
     def call(self, method_id: int, payload: bytes, reply: bool = True) -> tuple[int, bytes]:
         """Send one frame; with ``reply`` return ``(status, body)``. ``OSError`` (including a
-        timeout, or EOF from a node that went away) means the socket is gone."""
+        timeout, or EOF from a node that went away) means the socket is gone. Any exception
+        mid-call drops the socket (``KeyboardInterrupt`` in a blocked read too): its reply may
+        still come, and the thread's next call would read it as its own."""
         s = self._sock()
         try:
             s.sendall(REQUEST_HEADER.pack(len(payload), method_id, 0 if reply else NO_REPLY) + payload)
@@ -241,7 +243,7 @@ class _LocalLink:
                 return 0, b""
             length, status = REPLY_HEADER.unpack(_recv_exactly(s, REPLY_HEADER.size))
             return status, _recv_exactly(s, length)
-        except OSError:
+        except BaseException:
             self._drop()
             raise
 
@@ -253,7 +255,7 @@ class _LocalLink:
             s.sendall(REQUEST_HEADER.pack(0, POOL, 0))
             want = REPLY_HEADER.size + POOL_REPLY.size
             data, fds, _, _ = socket.recv_fds(s, want, 1, socket.MSG_CMSG_CLOEXEC)
-        except OSError:
+        except BaseException:
             self._drop()
             raise
         try:
@@ -281,7 +283,7 @@ class _LocalLink:
     def _recv(self, s: socket.socket, n: int) -> bytes:
         try:
             return _recv_exactly(s, n)
-        except OSError:
+        except BaseException:
             self._drop()
             raise
 

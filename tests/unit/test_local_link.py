@@ -1,0 +1,81 @@
+"""The client's connections to the node's local socket stay in step with their replies.
+
+A call cut short by any exception, ``KeyboardInterrupt`` in a blocked read among them,
+drops its socket: the node's reply to it may still arrive, and the thread's next call
+would read it as its own (a Reserve answered with a Query's bytes: offsets of pages
+committed already). The node here is a thread that echoes each frame's payload."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import pegaflow.client.client as client_mod
+from pegaflow.client.client import _LocalLink
+from pegaflow.common.local_wire import REPLY_HEADER, REQUEST_HEADER
+
+
+def _recv(conn: socket.socket, n: int) -> bytes | None:
+    buf = b""
+    while len(buf) < n:
+        chunk = conn.recv(n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return buf
+
+
+def _echo(conn: socket.socket) -> None:
+    with conn:
+        try:
+            while (head := _recv(conn, REQUEST_HEADER.size)) is not None:
+                length, _method, _flags = REQUEST_HEADER.unpack(head)
+                body = _recv(conn, length) if length else b""
+                if body is None:
+                    return
+                conn.sendall(REPLY_HEADER.pack(len(body), 0) + body)
+        except OSError:  # the client dropped this connection
+            return
+
+
+@pytest.fixture
+def echo_socket(tmp_path: Path) -> Iterator[str]:
+    path = str(tmp_path / "node.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen()
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            threading.Thread(target=_echo, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield path
+    finally:
+        srv.close()
+
+
+def test_a_call_interrupted_in_its_read_never_hands_its_reply_to_the_next_call(
+        echo_socket: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    link = _LocalLink(echo_socket, timeout=5.0)
+    assert link.call(1, b"warm-up") == (0, b"warm-up")
+    real = client_mod._recv_exactly
+
+    def interrupted(s: socket.socket, n: int) -> bytes:
+        monkeypatch.setattr(client_mod, "_recv_exactly", real)
+        raise KeyboardInterrupt  # Ctrl-C while the call waits for its reply
+
+    monkeypatch.setattr(client_mod, "_recv_exactly", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        link.call(1, b"first")
+    assert link.call(1, b"second") == (0, b"second"), "the interrupted call's reply was taken as this one's"
+    link.close()
