@@ -476,6 +476,14 @@ class PegaClient:
             raise NodeUnavailable("not registered" if self.map_pool else "this client does not map the pool")
         return self._mapping.tensor
 
+    def pool_of(self, epoch: int) -> torch.Tensor | None:
+        """The pool mapped for node epoch ``epoch``, or ``None`` (another epoch, not mapped):
+        one read of the current registration, so a re-registration to a restarted node
+        running meanwhile never pairs one epoch's offsets with the other's pool (``epoch``
+        and ``pool`` read apart could)."""
+        b = self._bound
+        return b.pool if b is not None and b.epoch == epoch else None
+
     def _pool_or_none(self) -> torch.Tensor | None:
         return self._mapping.tensor if self._mapping is not None else None
 

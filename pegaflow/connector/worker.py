@@ -339,9 +339,8 @@ class WorkerSide:
                             "re-attaching", self.tp_rank, link.epoch, link.addr, epoch)
             link.reconnect()
             return None
-        try:
-            pool = client.pool
-        except Exception:  # noqa: BLE001 - not mapped (yet)
+        pool = client.pool_of(epoch)  # None: not mapped (yet), or the link re-registered meanwhile
+        if pool is None:
             return None
         self._attach(pool)
         return pool

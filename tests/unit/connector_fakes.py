@@ -118,6 +118,9 @@ class FakeNodeClient:
         assert self._pool is not None
         return self._pool
 
+    def pool_of(self, epoch: int) -> torch.Tensor | None:
+        return self._pool if epoch == self.epoch else None
+
     def query(self, namespaces: Sequence[str], hashes: Sequence[bytes], req_id: str = "", lease: bool = True) -> QR:
         self._check("query")
         if self.node.loading > 0 and any(self.node.loading_match in ns for ns in namespaces):

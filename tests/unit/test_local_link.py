@@ -1,4 +1,4 @@
-"""The client's connections to the node's local socket stay in step with their replies.
+"""The client's connections to the node stay in step with their replies and epochs.
 
 A call cut short by any exception, ``KeyboardInterrupt`` in a blocked read among them,
 drops its socket: the node's reply to it may still arrive, and the thread's next call
@@ -13,10 +13,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 import pegaflow.client.client as client_mod
-from pegaflow.client.client import _LocalLink
+from pegaflow._proto import node_pb2
+from pegaflow.client.client import PegaClient, _LocalLink
 from pegaflow.common.local_wire import REPLY_HEADER, REQUEST_HEADER
+from pegaflow.common.security import Security
 
 
 def _recv(conn: socket.socket, n: int) -> bytes | None:
@@ -79,3 +82,45 @@ def test_a_call_interrupted_in_its_read_never_hands_its_reply_to_the_next_call(
         link.call(1, b"first")
     assert link.call(1, b"second") == (0, b"second"), "the interrupted call's reply was taken as this one's"
     link.close()
+
+
+class _Stream:
+    def __iter__(self) -> Iterator[object]:
+        return iter(())
+
+    def cancel(self) -> None:
+        pass
+
+
+class _Pool:
+    def __init__(self, epoch: int) -> None:
+        self.tensor = torch.full((4,), epoch, dtype=torch.uint8)
+
+
+def test_a_re_registration_never_pairs_one_epochs_pool_with_the_other_epoch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The node restarted (epoch 1 -> 2) and the client registers again on its own thread while
+    a worker asks for the pool of the epoch its offsets belong to: at every step of the
+    re-registration the answer is that epoch's pool or nothing."""
+    seen: list[tuple[int, int | None]] = []
+
+    class Watched(PegaClient):
+        def __setattr__(self, name: str, value: object) -> None:
+            super().__setattr__(name, value)
+            if "_bound" in self.__dict__:
+                for epoch in (1, 2):
+                    pool = self.pool_of(epoch)
+                    seen.append((epoch, None if pool is None else int(pool[0])))
+
+    c = Watched("127.0.0.1:1", security=Security())
+    replies = iter([node_pb2.RegisterResponse(session_id=7, epoch=e, pool_path="/x", pool_bytes=4, node_id="n")
+                    for e in (1, 2)])
+    monkeypatch.setattr(c, "_call", lambda *a, **kw: next(replies))
+    monkeypatch.setattr(c, "_map", lambda resp, local: _Pool(resp.epoch))
+    monkeypatch.setattr(c._stub, "Session", lambda req: _Stream())
+    c.register({"ns": 4})
+    assert c.pool_of(1) is not None and int(c.pool_of(1)[0]) == 1
+    seen.clear()
+    with c._lock:
+        c._register_locked()
+    assert seen and all(pool in (None, epoch) for epoch, pool in seen), seen
+    assert c.pool_of(2) is not None and c.pool_of(1) is None
