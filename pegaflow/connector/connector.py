@@ -353,6 +353,9 @@ _PROM_COUNTERS = {
                      "State pages copied into the pool (one per state vLLM hands off at a block boundary)."),
     "load_errors": ("vllm:pegaflow_load_errors_total",
                     "Blocks that failed to load and were recomputed, counted by each TP rank that failed them."),
+    "poisoned_saves": ("vllm:pegaflow_dropped_saves_total",
+                       "Save reservations dropped because a synchronous load failed in their step or the one "
+                       "before (KV computed over blocks that were not loaded), counted by each TP rank that saw it."),
     "async_loads": ("vllm:pegaflow_async_loads_total",
                     "Requests loaded through vLLM's asynchronous path (SSD promotions; every hit of a "
                     "multi-group engine)."),

@@ -182,6 +182,8 @@ class WorkerSide:
         self._finished_recving: set[str] = set()  # asynchronous loads done (copied or failed)
         self._failed_recving: set[str] = set()  # of those, the ones that failed (several KV cache groups)
         self._failed_reservations: set[int] = set()
+        # The last step whose saves may hold KV computed over a failed synchronous load (see save()).
+        self._poisoned_through = -1
         # Saves copied into the pool by a bounce slot's finisher: (step, its completion, the
         # reservations it writes); a completion with an ``error`` fails them.
         self._bounced: list[tuple[int, Event, frozenset[int]]] = []
@@ -348,9 +350,12 @@ class WorkerSide:
     def _request_level(self) -> bool:
         return self.kv_groups > 1
 
-    def _fail_loads(self, loads: list[LoadIntent]) -> None:
+    def _fail_loads(self, loads: list[LoadIntent], step: int) -> None:
         """Loads that were not copied: their blocks are load errors, or with several KV cache
-        groups their (asynchronous) requests failed."""
+        groups their (asynchronous) requests failed. A synchronous one poisons the saves of
+        this step and the next (``save``)."""
+        if any(not ld.is_async for ld in loads):
+            self._poisoned_through = max(self._poisoned_through, step + 1)
         for ld in loads:
             if self._request_level():
                 if ld.is_async:
@@ -415,7 +420,7 @@ class WorkerSide:
             pool = self._pool_for(epoch)
             layout = self.state_layout if state else self.layout
             if pool is None or layout is None:
-                self._fail_loads(loads)
+                self._fail_loads(loads, meta.step)
                 self._load_failures += 1
                 continue
             t0 = time.perf_counter()
@@ -436,7 +441,7 @@ class WorkerSide:
                     "PegaFlow rank %d: load of %d blocks failed; vLLM recomputes them", self.tp_rank, len(block_ids)
                 )
                 self._after_failed_issue(meta.step, pool, exc)
-                self._fail_loads(loads)
+                self._fail_loads(loads, meta.step)
                 self._load_failures += 1
                 continue
             if self._async:  # queued, not done: timed until report() finds its step done
@@ -527,12 +532,28 @@ class WorkerSide:
         one CUDA graph): the last band's event, recorded after every band's copies."""
         if self._band_events and self.stream is not None:
             self.stream.compute_waits(self._band_events[-1])
-        if not meta.saves or not self.saves_shard:
+        if not meta.saves:
             return
         try:
-            self._save(meta)
+            if meta.step <= self._poisoned_through:
+                self._poisoned(meta)
+            elif self.saves_shard:
+                self._save(meta)
         finally:
             self._save_pending = None
+
+    def _poisoned(self, meta: PegaConnectorMetadata) -> None:
+        """A synchronous load failed in this step or the one before: every save of the step
+        fails, every shard's (not only this rank's), so that none is committed. vLLM ran the
+        forward before it learnt of the failure: blocks computed in this step attended to the
+        KV cache blocks that were not loaded, on this rank, and through the layers' all-reduce
+        on every other. The next step too, which vLLM's asynchronous scheduling may have
+        planned before it learnt. Such KV stored would be a wrong hit for every engine later."""
+        rids = {s.reservation_id for sv in meta.saves for s in sv.shards}
+        self._failed_reservations |= rids
+        self._count("poisoned_saves", len(rids))
+        self._warn_once("poisoned", "PegaFlow rank %d: a load failed; the saves of the steps that computed over "
+                        "it are dropped (their KV would be wrong)", self.tp_rank)
 
     def _save(self, meta: PegaConnectorMetadata) -> None:
         self._begin(meta)

@@ -549,3 +549,23 @@ def test_async_load_off_keeps_the_request_waiting(monkeypatch: pytest.MonkeyPatc
     clock, node, b, p, req, block_ids = async_setup(monkeypatch)
     b.sched.settings = ConnectorSettings(async_load=False)
     assert b.sched.get_num_new_matched_tokens(req, 0) == (None, False)
+
+
+@pytest.mark.parametrize("tp, failing", [(1, 0), (2, 1)], ids=["tp1", "tp2-rank1-fails"])
+def test_a_failed_load_never_stores_the_kv_computed_over_it(tp: int, failing: int) -> None:
+    """vLLM runs the forward before it learns a load failed: the blocks the step computes
+    attend to KV cache blocks that were never loaded (on the failing rank, and through the
+    layers' all-reduce on every other). No shard of them may reach the node, where every
+    later hit would load it."""
+    node = FakeNode()
+    ident = identity(tp=tp)
+    Engine(node, ident).run(prompt(1, 4 * BS + 3))
+    assert len(node.stored) == 4 * tp
+    commits = node.calls["commit"]
+    b = Engine(node, ident)
+    b.workers[failing]._load_pages = lambda *args: (_ for _ in ()).throw(RuntimeError("copy failed"))
+    got = b.run(prompt(1, 8 * BS + 3))  # hits 4 blocks, computes 4 more in the same step
+    assert got["external"] == 4 * BS and got["errors"] == set(got["block_ids"][:4])
+    assert len(node.stored) == 4 * tp, "blocks computed over the failed load were stored"
+    assert not node.reservations and node.calls["commit"] == commits and node.calls["abort"] >= 1
+    assert b.workers[failing].stats["poisoned_saves"] >= 1
