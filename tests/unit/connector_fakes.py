@@ -276,7 +276,7 @@ class Engine:
             w.register_kv_caches(caches, num_blocks)
             self.workers.append(w)
             self.caches.append(caches)
-        self.free = list(range(num_blocks - 1, -1, -1))
+        self.free = list(range(num_blocks - 1, 0, -1))  # as vLLM's BlockPool: block 0 is the null block, never handed out
         self.req_ids = itertools.count()
         self.load_errors: set[int] = set()
 

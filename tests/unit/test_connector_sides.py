@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from pegaflow.connector import scheduler as scheduler_mod
+from pegaflow.connector.scheduler import NULL_BLOCK_ID as NULL
 from pegaflow.connector.settings import LOAD_ONLY, SAVE_ONLY, ConnectorSettings
 from tests.unit.connector_fakes import Engine, FakeNode, identity
 
@@ -136,19 +137,12 @@ def test_node_restart_between_query_and_copy_is_a_load_error_not_wrong_kv() -> N
     node.restart()
     b.workers[0].link.reconnect()
     assert b.workers[0].link.wait_ready(10.0) and b.workers[0].link.epoch == 2
-    from types import SimpleNamespace
-
-    blocks = SimpleNamespace(get_block_ids=lambda: (list(range(6)),))
-    b.sched.update_state_after_alloc(req, blocks, n)
-    so = SimpleNamespace(
-        scheduled_new_reqs=[SimpleNamespace(req_id=req.request_id, block_ids=(list(range(6)),), num_computed_tokens=n)],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set()),
-        num_scheduled_tokens={req.request_id: len(p) - n},
-    )
-    meta = b.sched.build_connector_meta(so)
+    ids = list(range(1, 7))  # block 0 is vLLM's null block
+    b.sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (list(ids),)), n)
+    meta = b.sched.build_connector_meta(_new_step(req, ids, n, len(p)))
     b.workers[0].start_load(meta)
-    assert b.workers[0].take_load_errors() == set(range(5))
-    assert all(b.block_content(0, i) == [0.0] * 4 for i in range(5)), "nothing copied from the wrong pool"
+    assert b.workers[0].take_load_errors() == set(ids[:5])
+    assert all(b.block_content(0, i) == [0.0] * 4 for i in ids[:5]), "nothing copied from the wrong pool"
 
 
 def test_failed_save_is_aborted_never_committed() -> None:
@@ -372,7 +366,7 @@ def test_hit_sources_split_the_tokens_by_the_tier_that_held_them(
     clock[0] += scheduler_mod.LOADING_POLL_S
     n, _ = b.sched.get_num_new_matched_tokens(req, BS)
     assert n == 4 * BS
-    b.sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (list(range(6)),)), n)
+    b.sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (list(range(1, 7)),)), n)
     split = b.sched.hit_sources(req, n)
     assert split == {"host": BS, source: 3 * BS} and sum(split.values()) == n
     assert b.sched.hit_sources(req, 0) == {}
@@ -569,3 +563,40 @@ def test_a_failed_load_never_stores_the_kv_computed_over_it(tp: int, failing: in
     assert len(node.stored) == 4 * tp, "blocks computed over the failed load were stored"
     assert not node.reservations and node.calls["commit"] == commits and node.calls["abort"] >= 1
     assert b.workers[failing].stats["poisoned_saves"] >= 1
+
+
+def _new_step(req, ids: list[int], computed: int, total: int) -> SimpleNamespace:  # type: ignore[no-untyped-def]
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=req.request_id, block_ids=(list(ids),), num_computed_tokens=computed)],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set()),
+        num_scheduled_tokens={req.request_id: total - computed},
+    )
+
+
+def test_a_sliding_window_models_null_block_is_never_saved_nor_loaded_into() -> None:
+    """A model whose one KV cache group is sliding-window attention: vLLM's block table holds
+    its null block (id 0, shared by every request) at the positions below the window."""
+    node = FakeNode()
+    p = prompt(4, 8 * BS + 3)
+    a = Engine(node, identity())
+    req = a.request(p)
+    assert a.sched.get_num_new_matched_tokens(req, 4 * BS) == (0, False)  # vLLM's own cache: 4 blocks
+    ids = [NULL, NULL] + [a.free.pop() for _ in range(7)]  # the first 2 below the window
+    a.sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (list(ids),)), 0)
+    meta = a.sched.build_connector_meta(_new_step(req, ids, 4 * BS, len(p)))
+    saved = [b for sv in meta.saves for s in sv.shards for b in s.block_ids]
+    assert sorted(saved) == sorted(ids[2:8]), "the null block's bytes saved under a real block's hash"
+
+    Engine(node, identity()).run(p)  # the node holds all 8 blocks
+    b = Engine(node, identity())
+    req = b.request(p)
+    assert b.sched.get_num_new_matched_tokens(req, 0) == (8 * BS, False)
+    ids = [NULL, NULL] + [b.free.pop() for _ in range(7)]
+    b.sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (list(ids),)), 8 * BS)
+    meta = b.sched.build_connector_meta(_new_step(req, ids, 8 * BS, len(p)))
+    (load,) = meta.loads
+    assert list(load.block_ids) == ids[2:8] and all(len(o) == 6 for o in load.offsets)
+    b.workers[0].start_load(meta)
+    assert not b.workers[0].take_load_errors()
+    assert [b.block_content(0, blk) for blk in ids[2:8]] == [b.expected(0, p, i) for i in range(2, 8)]
+    assert b.block_content(0, NULL) == [0.0] * len(b.block_content(0, NULL)), "a load wrote into the null block"
