@@ -363,13 +363,12 @@ class SchedulerSide:
     def _state(self, request: Request) -> _ReqState:
         st = self._reqs.get(request.request_id)
         if st is None:
-            tokens = request.prompt_token_ids
+            # Prompt embeddings: no token ids name the blocks. A prompt mixing text and
+            # embeddings has token ids too, a placeholder id where an embedding goes (vLLM
+            # hashes the embeddings themselves there): neither is stored nor looked up.
+            tokens = request.prompt_token_ids if getattr(request, "prompt_embeds", None) is None else None
             extra = extra_keys_of(request)
-            hashes = (
-                block_hashes(self.identity.seed, tokens, self.block_size, extra)
-                if tokens is not None
-                else []  # prompt embeddings: no token ids to name the blocks by
-            )
+            hashes = block_hashes(self.identity.seed, tokens, self.block_size, extra) if tokens is not None else []
             st = _ReqState(hashes=hashes, num_prompt_tokens=int(request.num_prompt_tokens), req_id=request.request_id,
                            request=request if tokens is not None else None, extra=extra,
                            # pegaflow.wait_for_full_prefix: every request waits for its whole prompt

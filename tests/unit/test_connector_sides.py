@@ -600,3 +600,19 @@ def test_a_sliding_window_models_null_block_is_never_saved_nor_loaded_into() -> 
     assert not b.workers[0].take_load_errors()
     assert [b.block_content(0, blk) for blk in ids[2:8]] == [b.expected(0, p, i) for i in range(2, 8)]
     assert b.block_content(0, NULL) == [0.0] * len(b.block_content(0, NULL)), "a load wrote into the null block"
+
+
+def test_a_prompt_with_embeddings_is_neither_stored_nor_looked_up() -> None:
+    """A prompt mixing text and embeddings carries token ids too, with a placeholder id where
+    an embedding goes: two such prompts with other embeddings have the same ids."""
+    import torch
+
+    node = FakeNode()
+    p = prompt(5)
+    a = Engine(node, identity())
+    assert a.run(p, prompt_embeds=torch.ones(len(p), 8))["external"] == 0
+    assert not node.stored, "KV of embeddings stored under token ids that do not name them"
+    a.run(p)  # the same ids as text: stored, and found again as text
+    b = Engine(node, identity())
+    assert b.run(p, prompt_embeds=torch.zeros(len(p), 8))["external"] == 0, "another prompt's KV loaded"
+    assert b.run(p)["external"] == 5 * BS
