@@ -642,7 +642,8 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._sched is not None:
             report = connector_output.kv_connector_worker_meta
-            self._sched.update_connector_output(report if isinstance(report, PegaWorkerReport) else None)
+            self._sched.update_connector_output(report if isinstance(report, PegaWorkerReport) else None,
+                                                getattr(connector_output, "failed_recving", None) or ())
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, KVTransferParams | None]:
         if self._sched is None:

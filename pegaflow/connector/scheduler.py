@@ -105,7 +105,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -283,6 +283,9 @@ class _ReqState:
     hit_end: int = 0  # tokens: end of the last hit
     pending: _AsyncLoad | None = None  # an asynchronous load promised to vLLM
     expect_blocks: int = 0  # the decode half of a disaggregated request: blocks its prefill stored
+    # An asynchronous load of it lost blocks, or failed on a worker: vLLM asks again once it
+    # recomputes from 0, and is answered no hit (a promise each time could go on for ever).
+    async_failed: bool = False
 
 
 @dataclass
@@ -561,7 +564,8 @@ class SchedulerSide:
         # A local hit that ends inside a block (vLLM's prefix match unit below the block size,
         # state-space models): pages are whole blocks, so nothing is loaded after it.
         if (max_blocks * self.block_size <= num_computed_tokens or num_computed_tokens % self.block_size
-                or not self.nodes_ready() or not self.settings.loads or self.disabled is not None):
+                or not self.nodes_ready() or not self.settings.loads or self.disabled is not None
+                or st.async_failed):
             return 0, False
         now = time.monotonic()
         if st.wait is not None and not st.wait.due(now):
@@ -862,6 +866,7 @@ class SchedulerSide:
                 self._load_leases.append(leases)
             self.hit_blocks += n
             if n < len(a.block_ids):
+                st.async_failed = True
                 logger.info("PegaFlow: async load of %s got %d of %d blocks; vLLM recomputes the rest",
                             req_id, n, len(a.block_ids))
             st.pending = None
@@ -924,7 +929,13 @@ class SchedulerSide:
         if shards:
             out.append(SaveIntent(req_id=req_id, shards=tuple(shards)))
 
-    def update_connector_output(self, report: PegaWorkerReport | None) -> None:
+    def update_connector_output(self, report: PegaWorkerReport | None, failed_recving: Iterable[str] = ()) -> None:
+        """A step's report from the workers, and the requests whose asynchronous load failed
+        on a worker as a whole (vLLM's ``failed_recving``)."""
+        for req_id in failed_recving:
+            st = self._reqs.get(req_id)
+            if st is not None:
+                st.async_failed = True
         if report is None:
             return
         if report.disabled:

@@ -510,6 +510,17 @@ def test_an_async_load_that_never_lands_gives_up_and_recomputes(monkeypatch: pyt
     (ld,) = meta.loads
     assert ld.block_ids == () and ld.missing == tuple(block_ids[:5])
     assert run_step(b, meta) == {req.request_id} and b.load_errors == set(block_ids[:5])
+    # vLLM recomputes from block 0, asks again, and must get no second promise (the node still
+    # says LOADING: each promise would end the same, for ever).
+    assert b.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+
+
+def test_a_request_whose_async_load_failed_on_a_worker_is_not_promised_another(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    clock, node, b, p, req, block_ids = async_setup(monkeypatch)
+    assert b.sched.get_num_new_matched_tokens(req, 0) == (5 * BS, True)
+    b.sched.update_connector_output(None, failed_recving={req.request_id})  # vLLM's failed_recving
+    assert b.sched.get_num_new_matched_tokens(req, 0) == (0, False)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
