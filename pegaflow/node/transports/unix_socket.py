@@ -147,7 +147,11 @@ class LocalServer:
             return
         self._server.close()
         for c in list(self._connections):
-            c.close()
+            # abort, not close: a connection whose engine stopped reading keeps unsent replies,
+            # and close() waits for them to drain; wait_closed() waits for every connection
+            # (Python >= 3.12.1), so the node's stop would hang on one stalled engine.
+            if c.transport is not None:
+                c.transport.abort()
         await self._server.wait_closed()
         self._server = None
         try:
