@@ -132,6 +132,7 @@ _port = Bounded(int, lo=1, hi=65535)
 _hll_bucket_bits = Bounded(int, lo=4, hi=18, says="HLL bucket_bits must be in 4..=18, got {v}")  # the original's
 _positive_float = Bounded(float, lo=0, lo_open=True)
 _non_negative_float = Bounded(float, lo=0)
+_ttl_seconds = Bounded(float, lo=0.001)  # a Redis expiry: at least 1 ms (PX 0 is refused)
 _fraction = Bounded(float, lo=0, hi=1)  # a share, a rate, a cost relative to computing
 _sample_rate = Bounded(float, lo=0, hi=1, says="sample rate must be between 0.0 and 1.0, got {v}")  # the original's
 
@@ -661,7 +662,7 @@ OPTIONS: list[Option] = [
         "liveness-ttl",
         10.0,
         "Seconds after its last heartbeat that a node disappears from global lookups.",
-        _non_negative_float,
+        _ttl_seconds,
     ),
     Option(
         "event-buffer",
@@ -724,7 +725,7 @@ OPTIONS: list[Option] = [
         "stream-lease-ttl",
         10.0,
         "Seconds before a dead replica's node streams are taken over by another replica.",
-        _non_negative_float,
+        _ttl_seconds,
         commands=(META,),
     ),
     Option(
@@ -753,7 +754,8 @@ OPTIONS: list[Option] = [
         "Seconds without a heartbeat after which a node is hidden from lookups and from ListNodes' "
         "alive nodes (the original's stale filtering; Redis's clock). A node's own --liveness-ttl "
         "hides it too when shorter; neither removes anything (--ttl-minutes does). Nodes heartbeat every third "
-        "of their --liveness-ttl, so keep this above that (the metaserver warns otherwise).",
+        "of their --liveness-ttl, so keep this above that (the metaserver warns otherwise). 0: off (only the "
+        "--liveness-ttl hides a node).",
         _non_negative_int,
         commands=(META,),
         metavar="SECONDS",

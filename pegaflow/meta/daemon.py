@@ -98,6 +98,9 @@ class MetaServer:
                                         config.log_level, config.log_format)
         self.stopping = threading.Event()
         self.threads: list[threading.Thread] = []
+        # --node-stale-secs hides silent nodes, alike everywhere a node's visibility is judged
+        # (lookups, the view, owner counts, the backup planner); 0: off, its live key alone.
+        stale_ms = config.node_stale_secs * 1000 or None
         if config.sweep_interval > 0:
             self.threads.append(_thread(
                 sweeper.run, (redis, self.stopping, config.sweep_interval, self.consumer.name, self.metrics,
@@ -105,10 +108,10 @@ class MetaServer:
         # Owner counts of the replacement classes (pegaflow/meta/owners.py): who counts, recounted.
         self.threads.append(_thread(
             owners.run, (redis, self.stopping, self.consumer.name, config.min_reclaimable_owner_count,
-                         config.node_stale_secs * 1000 or None), "pf-meta-owners"))
+                         stale_ms), "pf-meta-owners"))
         if config.enable_decode_backup:  # the decode backup's planner (pegaflow/meta/backup.py)
             planner = backup.Planner(redis, config.backup_target_delay_secs * 1000,
-                                     config.node_stale_secs * 1000 or None, backup.BackupMetrics(registry),
+                                     stale_ms, backup.BackupMetrics(registry),
                                      self.consumer.name)
             self.threads.append(_thread(backup.run, (planner, self.stopping), "pf-meta-backup"))
         if config.index_census_interval > 0:
@@ -117,7 +120,6 @@ class MetaServer:
                 "pf-meta-census"))
         self.ceiling = ClusterCeilingCollector(redis, config.ceiling_windows, lg_k=config.metric_hll_bucket_bits)
         registry.register(self.ceiling)
-        stale_ms = config.node_stale_secs * 1000  # --node-stale-secs hides silent nodes
         # The in-memory view lookups read while it is fresh (--view-max-lag-ms; 0: Redis only).
         self.view = ViewFeed(redis, config.view_max_lag_ms / 1000, stale_ms) if config.view_max_lag_ms > 0 else None
         if self.view is not None:

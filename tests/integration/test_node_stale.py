@@ -111,3 +111,21 @@ def test_metaserver_hides_a_stopped_node_after_node_stale_secs(node_factory, red
         channel.close()
         meta.stop()
         r.close()
+
+
+def test_node_stale_secs_0_turns_the_bound_off(redis_server: RedisServer, tmp_path: Path) -> None:
+    """0 is off, as for the metaserver's other intervals: only the live key hides a node (it
+    hid every node from lookups and ListNodes whose heartbeat was older than 0 ms)."""
+    r = connect(redis_server.url)
+    r.flushall()
+    registry.register(r, "a", "10.0.0.1:1", 60_000, True)
+    meta = MetaServer(redis_server.url, tmp_path / "meta.log", extra=["--node-stale-secs", "0", "--sweep-interval", "0"])
+    meta.start()
+    channel = grpc.insecure_channel(meta.addr)
+    try:
+        ans = meta_pb2_grpc.MetaServiceStub(channel).ListNodes(meta_pb2.ListNodesRequest(), timeout=5)
+        assert [(n.node, n.alive) for n in ans.nodes] == [("a", True)]
+    finally:
+        channel.close()
+        meta.stop()
+        r.close()

@@ -358,6 +358,7 @@ def test_devices_take_the_originals_comma_list_or_the_flag_repeated(argv, want):
         (["--backup-reclaimable-percent", "12.5"], "--backup-reclaimable-percent"),
         (["--backup-pull-max-bytes", "0"], "must be greater than 0"),
         (["--backup-max-bandwidth", "lots"], "--backup-max-bandwidth"),
+        (["--liveness-ttl", "0"], "--liveness-ttl"),  # ours: a live key Redis cannot set (PX 0)
     ],
 )
 def test_the_originals_flags_reject_what_the_original_rejects_in_one_line(argv, needle):
@@ -370,7 +371,9 @@ def test_the_originals_flags_reject_what_the_original_rejects_in_one_line(argv, 
                                           (["--ttl-minutes", "1", "--node-stale-secs", "61"], "must cover"),
                                           (["--min-reclaimable-owner-count", "1"], "must be at least 2"),
                                           (["--backup-target-delay-secs", "-1"], "--backup-target-delay-secs"),
-                                          (["--enable-decode-backup", "true"], "unrecognized arguments: true")])
+                                          (["--enable-decode-backup", "true"], "unrecognized arguments: true"),
+                                          # a lease Redis cannot set (PX 0): the consumer applied nothing
+                                          (["--stream-lease-ttl", "0"], "--stream-lease-ttl")])
 def test_metaserver_lifecycle_flags_are_checked_like_the_originals(argv, needle):
     p = subprocess.run([sys.executable, "-m", "pegaflow.meta.cli", *argv], capture_output=True, text=True, timeout=60)
     lines = p.stderr.strip().splitlines()
