@@ -24,7 +24,7 @@ import hashlib
 
 from pegaflow.core.identity import HASH_BYTES
 
-NODES = "pf:{pf}:nodes"  # HASH node name -> json {nid, epoch, addr} of its newest incarnation
+NODES = "pf:{pf}:nodes"  # HASH node name -> json {nid, epoch, addr, ttl[, prev]} of its newest incarnation
 NEXT_NID = "pf:{pf}:nid"  # STRING counter; nids are never reused
 VERSION = "pf:{pf}:ver"  # STRING counter bumped whenever the visible set of incarnations changes
 SEEN = "pf:{pf}:seen"  # HASH node name -> ms (Redis clock) of its last registration or heartbeat

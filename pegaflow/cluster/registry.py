@@ -16,7 +16,10 @@ the node refreshes. Hence:
   (the old one's entries are stale: the node lost its memory) while the snapshot fills it.
 - A node re-syncing in-process (after dropped events or to compact its stream) registers
   with ``switch=False``: readers keep the old nid until the consumer applies the new
-  epoch's last snapshot chunk and calls :func:`switch`.
+  epoch's last snapshot chunk and calls :func:`switch`. The node's record keeps that old
+  nid (``prev``) meanwhile, so it is retired however the re-sync ends: the switch, or the
+  node's liveness lapsing first (a heartbeat then makes the new nid the live one, a reap
+  or a new registration retires both).
 - Every change of the visible set bumps ``pf:{pf}:ver`` so readers refresh their cache.
 - Registration and every heartbeat also stamp the node's entry of ``pf:{pf}:seen`` with
   Redis's clock (one clock for every host). A metaserver's ``--node-stale-secs`` (the
@@ -51,10 +54,12 @@ _REGISTER = Script(
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
 local epoch = tonumber(ARGV[7])
 local old = nil
+local prev = nil
 if cur then
   local c = cjson.decode(cur)
   epoch = c.epoch + 1
   old = tostring(c.nid)
+  if c.prev then prev = tostring(c.prev) end
 end
 -- A fresh (or emptied) Redis starts nids at a random base and a node's first epoch at a
 -- random value: events written before the loss (a node notices it only at its next
@@ -62,16 +67,22 @@ end
 -- node's new one, and the consumer drops them.
 redis.call('SET', KEYS[2], ARGV[6], 'NX')
 local nid = redis.call('INCR', KEYS[2])
-redis.call('HSET', KEYS[1], ARGV[1], cjson.encode({nid = nid, epoch = epoch, addr = ARGV[2], ttl = tonumber(ARGV[3])}))
+local rec = {nid = nid, epoch = epoch, addr = ARGV[2], ttl = tonumber(ARGV[3])}
 redis.call('HSET', KEYS[6], ARGV[1], now)
 local vis = redis.call('GET', KEYS[5])
 if ARGV[4] == '1' or not vis then
   if vis then redis.call('ZADD', KEYS[4], now, vis) end
   redis.call('SET', KEYS[5], nid, 'PX', ARGV[3])
 else
+  -- The incarnation still visible until the new one switches (an in-process re-sync): kept
+  -- in the record, so whichever way it ends (switch, expiry and heartbeat, reap, another
+  -- registration) retires it.
   redis.call('PEXPIRE', KEYS[5], ARGV[3])
+  rec.prev = tonumber(vis)
 end
+redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(rec))
 if old and old ~= vis then redis.call('ZADD', KEYS[4], now, old) end
+if prev and prev ~= vis and prev ~= old then redis.call('ZADD', KEYS[4], now, prev) end
 -- A fresh (or emptied) Redis starts the version at a random base, so a reader's cached
 -- version from before the loss cannot match by accident.
 redis.call('SET', KEYS[3], ARGV[5], 'NX')
@@ -86,10 +97,17 @@ _HEARTBEAT = Script(
     _NOW
     + """
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
-if not cur or cjson.decode(cur).nid ~= tonumber(ARGV[2]) then return 0 end
+if not cur then return 0 end
+local c = cjson.decode(cur)
+if c.nid ~= tonumber(ARGV[2]) then return 0 end
 if redis.call('PEXPIRE', KEYS[2], ARGV[3]) == 0 then
   redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
   redis.call('INCR', KEYS[4])
+  if c.prev then  -- the re-sync's old incarnation lost its liveness: superseded now
+    redis.call('ZADD', KEYS[5], now, c.prev)
+    c.prev = nil
+    redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(c))
+  end
 end
 redis.call('HSET', KEYS[3], ARGV[1], now)
 return 1
@@ -100,9 +118,16 @@ _SWITCH = Script(
     _NOW
     + """
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
-if not cur or cjson.decode(cur).nid ~= tonumber(ARGV[2]) then return 0 end
+if not cur then return 0 end
+local c = cjson.decode(cur)
+if c.nid ~= tonumber(ARGV[2]) then return 0 end
 local vis = redis.call('GET', KEYS[2])
 if not vis then return 0 end
+if c.prev then
+  if tostring(c.prev) ~= vis then redis.call('ZADD', KEYS[3], now, c.prev) end
+  c.prev = nil
+  redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(c))
+end
 if vis == ARGV[2] then return 1 end
 redis.call('ZADD', KEYS[3], now, vis)
 redis.call('SET', KEYS[2], ARGV[2], 'KEEPTTL')
@@ -125,7 +150,9 @@ for i = 1, #ARGV - 1 do
   if redis.call('EXISTS', KEYS[4 + i]) == 0 and (idle <= 0 or not seen or now - tonumber(seen) > idle) then
     local cur = redis.call('HGET', KEYS[1], name)
     if cur then
-      redis.call('ZADD', KEYS[2], now, cjson.decode(cur).nid)
+      local c = cjson.decode(cur)
+      redis.call('ZADD', KEYS[2], now, c.nid)
+      if c.prev then redis.call('ZADD', KEYS[2], now, c.prev) end
       redis.call('HDEL', KEYS[1], name)
       redis.call('HDEL', KEYS[4], name)
       out[#out + 1] = name
@@ -162,7 +189,8 @@ def heartbeat(r: Client, node: str, nid: int, ttl_ms: int) -> bool:
     """Refresh liveness (a live key that expired is set again while ``nid`` is still the
     node's registration); False when the registration is gone or superseded (reaped after
     ``--ttl-minutes`` of silence, Redis lost data): re-register."""
-    return bool(_HEARTBEAT(r, [keys.NODES, keys.live_key(node), keys.SEEN, keys.VERSION], [node, nid, ttl_ms]))
+    return bool(_HEARTBEAT(r, [keys.NODES, keys.live_key(node), keys.SEEN, keys.VERSION, keys.RETIRED],
+                           [node, nid, ttl_ms]))
 
 
 def switch(r: Client, node: str, nid: int) -> int:

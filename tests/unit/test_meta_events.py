@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import fakeredis
@@ -136,6 +137,32 @@ def test_register_switch_and_heartbeat(r: fakeredis.FakeRedis) -> None:
     r.delete(keys.live_key("a"))
     assert registry.reap(r, ["a"]) == ["a"] and nid3 in registry.retired(r) and registry.nodes(r) == {}
     assert not registry.heartbeat(r, "a", nid3, 10_000)
+
+
+@pytest.mark.parametrize("ending", ["switch", "reap", "register", "heartbeat"])
+def test_the_incarnation_visible_during_a_re_sync_is_retired_however_the_re_sync_ends(
+        r: fakeredis.FakeRedis, ending: str) -> None:
+    """A node re-syncs in process: its new incarnation registers unswitched while the old one
+    stays visible. If the node's liveness lapses before the switch, the old one was never
+    retired: never swept, and counted as an owner of its blocks for good."""
+    nid1, _ = registry.register(r, "a", "h:1", 10_000, switch=True)
+    nid2, _ = registry.register(r, "a", "h:1", 10_000, switch=False)
+    assert registry.visible(r, ["a"]) == {nid1: "a"} and nid1 not in registry.retired(r)
+    if ending == "switch":
+        assert registry.switch(r, "a", nid2) == 2
+        assert registry.visible(r, ["a"]) == {nid2: "a"}
+    else:
+        r.delete(keys.live_key("a"))  # the node stalled past its --liveness-ttl
+        if ending == "reap":
+            assert registry.reap(r, ["a"]) == ["a"] and nid2 in registry.retired(r)
+        elif ending == "register":  # it restarted
+            nid3, _ = registry.register(r, "a", "h:1", 10_000, switch=True)
+            assert registry.visible(r, ["a"]) == {nid3: "a"} and nid2 in registry.retired(r)
+        else:  # it beats again, its new incarnation's liveness now; the switch finds it visible
+            assert registry.heartbeat(r, "a", nid2, 10_000)
+            assert registry.visible(r, ["a"]) == {nid2: "a"} and registry.switch(r, "a", nid2) == 1
+    assert nid1 in registry.retired(r), "the re-sync's old incarnation was never retired"
+    assert all("prev" not in json.loads(v) for v in r.hvals(keys.NODES)), "a superseded incarnation still kept"
 
 
 # --- publisher buffer and consumer on fakeredis ------------------------------------------------
