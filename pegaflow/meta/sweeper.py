@@ -20,7 +20,6 @@ memory, not correctness, and may lag. One replica sweeps at a time (``SWEEP_LOCK
 from __future__ import annotations
 
 import threading
-import time
 from typing import cast
 
 import structlog
@@ -74,7 +73,7 @@ def sweep_once(
     if not r.set(keys.SWEEP_LOCK, owner, nx=True, px=lock_ms):
         return None
     try:
-        t0_ms = int(time.time() * 1000)
+        t0_ms = registry.redis_ms(r.time())  # the retirements' clock: Redis's TIME, not this host's
         silent = silent_nodes(r, idle_ms)
         nids = {name: info.nid for name, info in registry.nodes(r).items() if name in silent}
         gone = registry.reap(r, sorted(silent), idle_ms)  # re-checked there against a heartbeat meanwhile

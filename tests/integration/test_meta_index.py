@@ -508,3 +508,21 @@ def test_long_running_node_compacts_its_stream_without_a_visibility_gap(
     entries = r.xrange(stream_key("n1"))
     assert {decode(e[1][FIELD]).epoch for e in entries} == {pub.epoch}  # older epochs trimmed
     pub.stop()
+
+
+def test_a_retired_nid_is_kept_for_its_second_sweep_whatever_this_hosts_clock_says(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retirements are stamped with Redis's clock: the grace before a nid's second (last)
+    sweep is judged by the same clock, not by a metaserver host's that runs ahead."""
+    import time
+
+    from pegaflow.meta import sweeper
+
+    r = client(redis_server.url, False)
+    old, _ = registry.register(r, "a", "h:1", 60_000, switch=True)
+    registry.register(r, "a", "h:1", 60_000, switch=True)  # restart: old nid retired
+    ahead = time.time() + 2 * sweeper.RETIRED_GRACE_MS / 1000
+    monkeypatch.setattr(time, "time", lambda: ahead)
+    sweeper.sweep_once(r)
+    assert old in registry.retired(r), "forgotten at its first sweep: a lagging consumer's late events stay"
