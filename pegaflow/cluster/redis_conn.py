@@ -20,12 +20,15 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import hiredis
 import redis
+import structlog
 from redis.cluster import ClusterNode, RedisCluster
 from redis.connection import Connection, SSLConnection, parse_url
 from redis.exceptions import NoScriptError, RedisClusterException, ResponseError
 from redis.typing import EncodableT, KeyT
 
 from pegaflow.cluster.seeds import seed_urls
+
+log = structlog.get_logger("pegaflow.redis")
 
 if TYPE_CHECKING:
     from typing_extensions import TypeIs
@@ -123,6 +126,18 @@ def connect(url: str | Sequence[str], cluster: bool = False, **kwargs: Any) -> C
 
 def is_cluster(r: Client) -> TypeIs[RedisCluster]:
     return isinstance(r, RedisCluster)
+
+
+def relearn(r: Client) -> None:
+    """Make a cluster client re-learn which node owns which slots (after MOVED, a dead shard,
+    a failover). Mid-failover that fails too (``RedisClusterException``, which is no
+    ``RedisError``): then the next call tries again, and the caller's own error stands."""
+    if not is_cluster(r):
+        return
+    try:
+        r.nodes_manager.initialize()
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        log.info("redis_cluster_relearn_failed", error=error_text(exc))
 
 
 @dataclass(eq=False)
@@ -238,9 +253,8 @@ def parallel(r: Client, groups: Sequence[tuple[KeyT, Sequence[Command]]]) -> lis
     except BaseException as exc:
         for _pool, conn in conns:
             conn.disconnect()
-        if is_cluster(r) and isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
-            # A shard died or failed over: make the next call re-learn the topology.
-            r.nodes_manager.initialize()
+        if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+            relearn(r)  # a shard died or failed over: the next call re-learns the topology
         raise
     finally:
         for pool, conn in conns:
@@ -427,8 +441,7 @@ def raw_round_trip(r: Client, groups: Sequence[RawGroup]) -> list[list[Reply]] |
     except (OSError, hiredis.ProtocolError) as exc:
         for _pool, conn, _sock, _idx in shards.values():
             conn.disconnect()
-        if is_cluster(r):  # a shard died or failed over: re-learn the topology
-            r.nodes_manager.initialize()
+        relearn(r)  # a shard died or failed over: re-learn the topology
         if isinstance(exc, TimeoutError):
             raise redis.TimeoutError(f"Redis did not answer: {exc}") from exc
         raise redis.ConnectionError(f"Redis connection lost: {exc}") from exc

@@ -28,7 +28,7 @@ from prometheus_client import Counter
 from redis.exceptions import NoScriptError, ResponseError
 
 from pegaflow.cluster import keys, registry
-from pegaflow.cluster.redis_conn import Client, checked, is_cluster, parallel, raw_round_trip
+from pegaflow.cluster.redis_conn import Client, checked, is_cluster, parallel, raw_round_trip, relearn
 from pegaflow.core.tiers import Tier
 from pegaflow.meta.index import Index, prefix_tiers
 from pegaflow.meta.view_feed import ViewFeed
@@ -111,7 +111,7 @@ class Lookup:
                     values, rrep = checked(raw[0]), checked(raw[1])
                 except ResponseError as exc:
                     if is_cluster(self.r) and str(exc).startswith(("MOVED", "ASK")) and attempt < 2:
-                        self.r.nodes_manager.initialize()  # resharded: re-learn who owns the slot
+                        relearn(self.r)  # resharded: re-learn who owns the slot
                         continue
                     raise
                 held = prefix_tiers(values)

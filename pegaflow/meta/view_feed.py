@@ -87,6 +87,7 @@ from pegaflow.cluster.redis_conn import (
     is_cluster,
     parallel,
     raw_round_trip,
+    relearn,
 )
 from pegaflow.common.priority import name_thread
 from pegaflow.meta.events.codec import FIELD, MalformedEvent, decode
@@ -267,8 +268,8 @@ class ViewFeed:
             except (redis.RedisError, OSError) as exc:
                 self.snapshot = None
                 self._broken = True
-                if is_cluster(self.r) and str(exc).startswith(("MOVED", "ASK")):
-                    self.r.nodes_manager.initialize()  # resharded: re-learn who owns the slots
+                if str(exc).startswith(("MOVED", "ASK")):
+                    relearn(self.r)  # resharded: re-learn who owns the slots
                 if not failing:
                     log.warning("view_feed_redis_unavailable; lookups read Redis", error=error_text(exc))
                     failing = True

@@ -312,3 +312,41 @@ def test_apply_counts_tier_changes_and_walk_counts_ssd_blocks_inside_the_prefix(
     assert view.apply(2, 9, Op.INSERT, chain[5:8], Tier.SSD) == 3
     assert view.apply(2, 4, Op.INSERT, chain) == 8
     assert view.walk(2, chain, ALL_SLOTS) == [(3, 4, 2), (4, 8, 0), (9, 4, 4)]
+
+
+def test_the_feeder_goes_on_when_relearning_a_resharded_cluster_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A MOVED reply makes the feeder re-learn the cluster's slots; mid-failover that raises
+    too, and the feeder thread ended for good (every lookup read Redis until a restart)."""
+    import threading
+    from types import SimpleNamespace
+
+    import fakeredis
+
+    from pegaflow.cluster import redis_conn
+    from pegaflow.meta import view_feed
+
+    monkeypatch.setattr(view_feed, "RETRY_S", 0.0)
+    monkeypatch.setattr(view_feed, "is_cluster", lambda r: True)
+    monkeypatch.setattr(redis_conn, "is_cluster", lambda r: True)
+    feed = view_feed.ViewFeed(fakeredis.FakeRedis(), 0.1)
+    relearned: list[int] = []
+
+    def relearn() -> None:
+        relearned.append(1)
+        raise redis.exceptions.RedisClusterException("no node knows the slots")
+
+    feed.r.nodes_manager = SimpleNamespace(initialize=relearn)  # type: ignore[attr-defined]
+    rounds: list[int] = []
+
+    def step() -> bool:
+        rounds.append(1)
+        if len(rounds) >= 3:
+            feed._stop.set()
+        raise redis.exceptions.ResponseError("MOVED 866 10.0.0.2:7001")
+
+    feed.step = step  # type: ignore[method-assign]
+    t = threading.Thread(target=feed.run)
+    t.start()
+    t.join(10)
+    assert not t.is_alive() and len(rounds) == 3, "the feeder stopped at the first failed re-learn"
+    assert len(relearned) == 3
