@@ -297,19 +297,21 @@ class _Connection(asyncio.Protocol):
             except OSError as exc:
                 error = f"cannot open the pool: {exc.strerror}"
             else:
-                # A dup of the transport's (non-blocking) socket: asyncio's own object does
-                # not offer sendmsg. The send is of a few bytes into an empty buffer.
-                sock = socket.socket(fileno=os.dup(self.transport.get_extra_info("socket").fileno()))
+                sock: socket.socket | None = None
                 try:
+                    # A dup of the transport's (non-blocking) socket: asyncio's own object does
+                    # not offer sendmsg. The send is of a few bytes into an empty buffer.
+                    sock = socket.socket(fileno=os.dup(self.transport.get_extra_info("socket").fileno()))
                     frame = REPLY_HEADER.pack(len(body), 0) + body
                     sent = socket.send_fds(sock, [frame], [fd])
                     if sent < len(frame):  # the descriptor went with the first bytes
                         self.transport.write(frame[sent:])
                     return
-                except OSError as exc:
+                except OSError as exc:  # the dup too (EMFILE): the pool's descriptor is closed all the same
                     error = f"cannot send the pool: {exc.strerror or exc}"
                 finally:
-                    sock.close()
+                    if sock is not None:
+                        sock.close()
                     os.close(fd)
         log.warning("local_pool_fd_not_sent", error=error)
         msg = error.encode()
