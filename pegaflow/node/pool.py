@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import mmap
 import os
 import threading
@@ -55,6 +56,20 @@ def _hugepages_free() -> tuple[int, int]:
     return info.get("HugePages_Free", 0) - info.get("HugePages_Rsvd", 0), info.get("Hugepagesize", HUGE_PAGE)
 
 
+def _seal_size(fd: int) -> bool:
+    """Seal the pool's size: every engine holds a read-write descriptor of it (the local
+    socket passes one, ``/proc/<pid>/fd`` opens one), and one that shrank it (``ftruncate``,
+    a bug or worse) would make every process touching the lost pages die of SIGBUS: the
+    node and every other engine. False where the kernel cannot seal it (logged)."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    except OSError as exc:
+        log.warning("pool_size_not_sealed", error=exc.strerror or str(exc),
+                    detail="an engine could shrink the pool under the node and every other engine")
+        return False
+    return True
+
+
 class SharedPool:
     def __init__(self, size: int, use_hugepages: bool = False, name: str = "pegaflow-pool") -> None:
         if size <= 0:
@@ -82,7 +97,10 @@ class SharedPool:
                 )
         self.size = size
         self.use_hugepages = use_hugepages
-        self.fd = os.memfd_create(name, flags)
+        try:
+            self.fd = os.memfd_create(name, flags | os.MFD_ALLOW_SEALING)
+        except OSError:  # huge pages on a kernel before 4.16: no seals for them
+            self.fd = os.memfd_create(name, flags)
         os.fchmod(self.fd, 0o600)
         try:
             os.ftruncate(self.fd, size)
@@ -90,6 +108,7 @@ class SharedPool:
         except OSError as exc:
             os.close(self.fd)
             raise PoolError(f"cannot allocate a {size >> 20} MiB pool: {exc.strerror or exc}") from None
+        self.sealed = _seal_size(self.fd)
         self.path = f"/proc/{os.getpid()}/fd/{self.fd}"
         self.view = memoryview(self.mm)
         self._anchor = ctypes.c_char.from_buffer(self.mm)  # the mapping's address, for madvise
