@@ -419,16 +419,30 @@ class PegaClient:
         if self._bound is not None and self._bound.local is not None:
             self._bound.local.close()
         local = None
+        pool_fd: int | None = None
         if resp.local_socket:
             local = _LocalLink(resp.local_socket, self.timeout, self.security.token_for(self.addr))
             try:
                 local.connect()
+                # The pool's descriptor, for this node's epoch and pool size: it maps the pool,
+                # and proves the socket is this node's. The path is the node's choice on its
+                # own host: a node on another host, run with the same --addr, names the path
+                # of this host's node, whose answers to our session would all fail.
+                pool_fd = local.pool_fd(resp.epoch, resp.pool_bytes)
             except OSError as exc:  # not on the node's host, or no access: gRPC does it all
                 log.info("local_socket_unusable", path=resp.local_socket, error=str(exc))
                 local.close()
                 local = None
+            else:
+                if pool_fd is None:
+                    log.info("local_socket_unusable", path=resp.local_socket,
+                             error="another node's socket (its epoch or pool size differ), or no descriptor sent")
+                    local.close()
+                    local = None
         if self.map_pool and (self._mapping is None or resp.epoch != self.epoch):
-            self._mapping = self._map(resp, local)
+            self._mapping, pool_fd = _Mapping(resp.pool_path, resp.pool_bytes, pool_fd), None
+        if pool_fd is not None:  # not mapped with it (a client that does not map, or mapped already)
+            os.close(pool_fd)
         self._session_id = resp.session_id
         self.epoch = resp.epoch
         self.node_id = resp.node_id
@@ -457,18 +471,6 @@ class PegaClient:
                 # the node went away: reconnect and register again on next use
                 self._session_id = 0
                 self._unreachable = True
-
-    def _map(self, resp: node_pb2.RegisterResponse, local: _LocalLink | None) -> _Mapping:
-        """Map the pool from the descriptor the local socket passes, else (gRPC only, or a
-        node that does not pass it) from ``/proc/<node pid>/fd/<fd>``, which needs the
-        node's user."""
-        fd = None
-        if local is not None:
-            try:
-                fd = local.pool_fd(resp.epoch, resp.pool_bytes)
-            except OSError as exc:
-                log.info("local_pool_fd_failed", error=str(exc))
-        return _Mapping(resp.pool_path, resp.pool_bytes, fd)
 
     @property
     def pool(self) -> torch.Tensor:

@@ -88,3 +88,28 @@ def test_close_unmaps_the_pool_at_once_unless_a_view_is_held(node_factory):  # t
         assert pool_mappings() == before
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("map_pool", [True, False], ids=["worker", "scheduler"])
+def test_a_node_whose_socket_path_names_another_nodes_socket_is_used_over_grpc(node_factory, monkeypatch,  # type: ignore[no-untyped-def]
+                                                                              map_pool):
+    """A node on another host, run with the same --addr and the cluster's token, announces the
+    socket path that this host's node listens on: the client must not send that node's
+    session to this one (every call failed: unknown session, register again, in a loop)."""
+    token = {"PEGAFLOW_AUTH_TOKEN": "one-token-for-the-cluster"}
+    here, there = node_factory(env=token), node_factory(env=token)
+    monkeypatch.setenv("PEGAFLOW_AUTH_TOKEN", token["PEGAFLOW_AUTH_TOKEN"])
+    real = PegaClient._call
+
+    def announced_elsewhere(self, method, request, reply, b, **kw):  # type: ignore[no-untyped-def]
+        resp = real(self, method, request, reply, b, **kw)
+        if method == "Register":
+            resp.local_socket = here.local_socket  # the same path, on "this" host
+        return resp
+
+    monkeypatch.setattr(PegaClient, "_call", announced_elsewhere)
+    with PegaClient(there.addr, map_pool=map_pool) as c:
+        c.register({"ns": PAGE})
+        assert c.transport == "grpc"
+        q = c.query(["ns"], hashes("far"))
+        assert q.hit_blocks == 0

@@ -93,8 +93,12 @@ class _Stream:
 
 
 class _Pool:
-    def __init__(self, epoch: int) -> None:
-        self.tensor = torch.full((4,), epoch, dtype=torch.uint8)
+    """A stand-in for the pool's mapping: its bytes say which epoch's pool it is."""
+
+    epoch = 0
+
+    def __init__(self, path: str, size: int, fd: int | None = None) -> None:
+        self.tensor = torch.full((4,), _Pool.epoch, dtype=torch.uint8)
 
 
 def test_a_re_registration_never_pairs_one_epochs_pool_with_the_other_epoch(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -112,10 +116,12 @@ def test_a_re_registration_never_pairs_one_epochs_pool_with_the_other_epoch(monk
                     seen.append((epoch, None if pool is None else int(pool[0])))
 
     c = Watched("127.0.0.1:1", security=Security())
-    replies = iter([node_pb2.RegisterResponse(session_id=7, epoch=e, pool_path="/x", pool_bytes=4, node_id="n")
-                    for e in (1, 2)])
-    monkeypatch.setattr(c, "_call", lambda *a, **kw: next(replies))
-    monkeypatch.setattr(c, "_map", lambda resp, local: _Pool(resp.epoch))
+    def register_reply(*args: object, **kw: object) -> node_pb2.RegisterResponse:
+        _Pool.epoch += 1
+        return node_pb2.RegisterResponse(session_id=7, epoch=_Pool.epoch, pool_path="/x", pool_bytes=4, node_id="n")
+
+    monkeypatch.setattr(c, "_call", register_reply)
+    monkeypatch.setattr(client_mod, "_Mapping", _Pool)
     monkeypatch.setattr(c._stub, "Session", lambda req: _Stream())
     c.register({"ns": 4})
     assert c.pool_of(1) is not None and int(c.pool_of(1)[0]) == 1
