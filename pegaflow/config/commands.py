@@ -257,6 +257,7 @@ class CacheConfig:
     hashes: tuple[str, ...]
     block_size: int
     lora_name: str
+    lora_path: str
     cache_salt: str
     metaserver: str
     instance: str

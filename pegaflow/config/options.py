@@ -1343,6 +1343,9 @@ OPTIONS: list[Option] = [
     ),
     Option("lora-name", "", "The LoRA adapter the prompt ran with (it enters every hash).", commands=(CACHE,),
            subcommands=("inspect", "pin"), env_var=NO_ENV),
+    Option("lora-path", "", "The path the engine loaded that adapter from (it enters every hash with --lora-name; "
+           "the model card's root in the engine's /v1/models).", commands=(CACHE,),
+           subcommands=("inspect", "pin"), env_var=NO_ENV),
     Option("cache-salt", "", "The request's cache_salt (it enters the first block's hash).", commands=(CACHE,),
            subcommands=("inspect", "pin"), env_var=NO_ENV),
     Option(

@@ -298,7 +298,7 @@ class _StepWork:
 
 
 def extra_keys_of(request: Request) -> ExtraKeys:
-    """LoRA name, cache salt and multimodal items of a vLLM ``Request`` as hash inputs."""
+    """LoRA name and path, cache salt and multimodal items of a vLLM ``Request`` as hash inputs."""
     lora = getattr(request, "lora_request", None)
     mm: list[MMItem] = []
     for f in getattr(request, "mm_features", None) or ():
@@ -306,6 +306,7 @@ def extra_keys_of(request: Request) -> ExtraKeys:
         mm.append(MMItem(str(f.identifier), int(pos.offset), int(pos.length)))
     return ExtraKeys(
         lora_name=getattr(lora, "lora_name", None) if lora is not None else None,
+        lora_path=getattr(lora, "lora_path", None) if lora is not None else None,
         cache_salt=getattr(request, "cache_salt", None),
         mm_items=tuple(mm),
     )

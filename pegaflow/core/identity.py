@@ -153,7 +153,9 @@ class MMItem:
 class ExtraKeys:
     """Per-request inputs besides token ids that change the KV of a block.
 
-    * ``lora_name`` enters every block (another adapter gives other KV for every token);
+    * ``lora_name`` and ``lora_path`` enter every block (another adapter gives other KV for
+      every token; the path, as vLLM's own hash takes it: one name loaded again from another
+      path, or two engines with one name for other weights, are other KV);
     * ``cache_salt`` enters block 0 only, and through the chain every later block;
     * a multimodal item enters every block its placeholder overlaps, with its offset
       relative to the block start (the same image at another position is other KV).
@@ -161,6 +163,7 @@ class ExtraKeys:
 
     lora_name: str | None = None
     cache_salt: str | None = None
+    lora_path: str | None = None
     mm_items: tuple[MMItem, ...] = ()
 
     def for_block(self, start: int, end: int) -> bytes:
@@ -168,6 +171,8 @@ class ExtraKeys:
         out = bytearray()
         if self.lora_name:
             out += b"L" + _str(self.lora_name)
+            if self.lora_path:  # a tag of its own: no encoding from before it means the same
+                out += b"P" + _str(self.lora_path)
         if self.cache_salt and start == 0:
             out += b"S" + _str(self.cache_salt)
         for item in self.mm_items:

@@ -104,7 +104,8 @@ def hashes_for(cfg: CacheConfig) -> list[bytes]:
     bs = block_size_of(root, cfg.block_size)
     if len(tokens) < bs:
         raise CacheError(f"{len(tokens)} tokens make no full block of {bs}: nothing is stored for them")
-    extra = ExtraKeys(lora_name=cfg.lora_name or None, cache_salt=cfg.cache_salt or None)
+    extra = ExtraKeys(lora_name=cfg.lora_name or None, lora_path=cfg.lora_path or None,
+                      cache_salt=cfg.cache_salt or None)
     return block_hashes(xxhash.xxh3_128_digest(root.encode()), tokens, bs, extra)
 
 

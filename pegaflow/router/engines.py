@@ -92,7 +92,7 @@ class Engine:
     next_check: float = 0.0
     model: str = ""  # the served model id
     model_root: str = ""  # where the engine loaded it from (the tokenizer's default)
-    adapters: frozenset[str] = frozenset()  # LoRA adapters it serves (their names enter the hash)
+    adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapters it serves: name -> path (both enter the hash)
     cards: list[Card] = field(default_factory=list)  # its /v1/models entries
     info: EngineInfo | None = None
     described: bool = False  # asked since it came up (info may still be None: no connector)
@@ -183,7 +183,7 @@ class EnginePool:
             raise ValueError("/v1/models lists no model")
         e.model = str(base[0]["id"])
         e.model_root = str(base[0].get("root") or e.model)
-        e.adapters = frozenset(str(c["id"]) for c in cards if c.get("parent"))
+        e.adapters = {str(c["id"]): str(c.get("root") or "") for c in cards if c.get("parent")}
         e.cards = [c for c in cards if isinstance(c, dict)]
         body = {"model": e.model, "prompt": PROBE_PROMPT, "max_tokens": 1, "temperature": 0,
                 "kv_transfer_params": {ROUTER_KEY: {"describe": True}}}

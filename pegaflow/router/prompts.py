@@ -16,7 +16,7 @@ worse, never answers differently.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -114,11 +114,14 @@ class Prompts:
             return None
 
 
-def extra_keys(body: Body, adapters: frozenset[str]) -> ExtraKeys:
-    """The hash inputs besides tokens a request carries: its LoRA adapter and cache salt."""
+def extra_keys(body: Body, adapters: Mapping[str, str]) -> ExtraKeys:
+    """The hash inputs besides tokens a request carries: its LoRA adapter (name, and the path
+    the engine loaded it from: ``adapters``, from its /v1/models) and cache salt."""
     model = body.get("model")
     salt = body.get("cache_salt")
-    return ExtraKeys(lora_name=model if isinstance(model, str) and model in adapters else None,
+    lora = model if isinstance(model, str) and model in adapters else None
+    path = adapters[lora] if lora is not None else ""
+    return ExtraKeys(lora_name=lora, lora_path=path or None,
                      cache_salt=salt if isinstance(salt, str) and salt else None)
 
 

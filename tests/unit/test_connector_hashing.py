@@ -93,6 +93,10 @@ def test_extra_keys_change_the_hash() -> None:
     assert all(a != b for a, b in zip(plain, lora, strict=True))
     assert all(a != b for a, b in zip(lora, lora_b, strict=True))
     assert all(a != b for a, b in zip(plain, salt, strict=True))  # salt in block 0 reaches all via the chain
+    # The adapter's path too, as vLLM hashes it: one name loaded again from elsewhere is other KV.
+    at_x = block_hashes(seed, TOKENS, BS, ExtraKeys(lora_name="adapter-a", lora_path="/adapters/x"))
+    at_y = block_hashes(seed, TOKENS, BS, ExtraKeys(lora_name="adapter-a", lora_path="/adapters/y"))
+    assert all(a != b for a, b in zip(at_x, at_y, strict=True)) and all(a != b for a, b in zip(at_x, lora, strict=True))
 
 
 def test_multimodal_item_changes_only_blocks_from_its_position_on() -> None:
@@ -181,3 +185,20 @@ def test_hashes_are_identical_across_processes_with_different_pythonhashseed() -
         out = subprocess.run([sys.executable, "-c", _SNIPPET], env=env, capture_output=True, text=True, check=True)
         outs.add(out.stdout.strip())
     assert len(outs) == 1 and len(next(iter(outs))) == 10 * 32
+
+
+def test_the_router_and_the_connector_hash_a_lora_request_alike() -> None:
+    """The router learns each adapter's path from the engine's /v1/models (the card's root,
+    vLLM's ``lora.path``); the connector from the request's LoRARequest."""
+    from types import SimpleNamespace
+
+    from pegaflow.connector.scheduler import extra_keys_of
+    from pegaflow.router.prompts import extra_keys
+
+    adapters = {"sql": "/adapters/sql-v2"}
+    routed = extra_keys({"model": "sql", "cache_salt": "t1"}, adapters)
+    engine = extra_keys_of(SimpleNamespace(lora_request=SimpleNamespace(lora_name="sql", lora_path="/adapters/sql-v2"),
+                                           cache_salt="t1", mm_features=[]))
+    seed = ident().seed
+    assert block_hashes(seed, TOKENS, BS, routed) == block_hashes(seed, TOKENS, BS, engine)
+    assert extra_keys({"model": "base-model"}, adapters) == ExtraKeys()

@@ -253,12 +253,12 @@ def test_lora_and_multimodal_inputs_reach_the_block_hashes() -> None:
     from pegaflow.connector.scheduler import extra_keys_of
 
     req = SimpleNamespace(
-        lora_request=SimpleNamespace(lora_name="sql-adapter"),
+        lora_request=SimpleNamespace(lora_name="sql-adapter", lora_path="/adapters/sql"),
         cache_salt="s1",
         mm_features=[SimpleNamespace(identifier="img:abc", mm_position=SimpleNamespace(offset=20, length=8))],
     )
     keys = extra_keys_of(req)
-    assert keys.lora_name == "sql-adapter" and keys.cache_salt == "s1"
+    assert keys.lora_name == "sql-adapter" and keys.lora_path == "/adapters/sql" and keys.cache_salt == "s1"
     assert keys.mm_items[0].identifier == "img:abc" and keys.mm_items[0].offset == 20
 
     node = FakeNode()
@@ -266,6 +266,12 @@ def test_lora_and_multimodal_inputs_reach_the_block_hashes() -> None:
     assert Engine(node, identity()).run(prompt(12), lora_request=SimpleNamespace(lora_name="b"))["external"] == 0
     assert Engine(node, identity()).run(prompt(12))["external"] == 0
     assert Engine(node, identity()).run(prompt(12), lora_request=SimpleNamespace(lora_name="a"))["external"] == 5 * BS
+    # One name, another adapter (loaded again from another path, or another engine's weights).
+    Engine(node, identity()).run(prompt(13), lora_request=SimpleNamespace(lora_name="a", lora_path="/x"))
+    assert Engine(node, identity()).run(prompt(13), lora_request=SimpleNamespace(lora_name="a", lora_path="/y"))[
+        "external"] == 0
+    assert Engine(node, identity()).run(prompt(13), lora_request=SimpleNamespace(lora_name="a", lora_path="/x"))[
+        "external"] == 5 * BS
 
 
 def answer(seed: int, n: int) -> list[int]:
