@@ -371,3 +371,28 @@ def test_hand_packed_index_commands_are_the_bytes_redis_py_would_send() -> None:
         b"".join(conn.pack_command("HSETNX", keys.bucket_key(tag, h), keys.field(h), nid)) for h in hs)
     assert index_mod._hget_batch(prefix, blob) == b"".join(
         b"".join(conn.pack_command("HGET", keys.bucket_key(tag, h), keys.field(h))) for h in hs)
+
+
+def test_the_incarnation_still_visible_during_a_re_sync_keeps_its_events_applied(r: fakeredis.FakeRedis) -> None:
+    """Until the new incarnation switches, readers see the old one: its evictions written
+    before the node's new RESET must reach the Redis index too (lookups answered from Redis
+    named a node for blocks it had evicted, unlike the view)."""
+    from pegaflow.cluster.keys import stream_key
+    from pegaflow.meta.events.codec import FIELD, encode
+    from pegaflow.meta.events.consumer import Consumer
+    from pegaflow.meta.events.schema import Event
+
+    nid1, e1 = registry.register(r, "a", "h:1", 10_000, switch=True)
+    x = hashes(4, seed=6)
+    r.xadd(stream_key("a"), {FIELD: encode(Event("a", nid1, e1, 0, Op.INSERT, NS, b"".join(x)))})
+    c = Consumer(r, Index(r), "c1", lease_ms=10_000)
+    for _ in range(3):
+        c.step()
+    assert Index(r).query(NS, x) == {nid1: 4}
+    r.xadd(stream_key("a"), {FIELD: encode(Event("a", nid1, e1, 1, Op.EVICT, NS, b"".join(x[2:])))})
+    registry.register(r, "a", "h:1", 10_000, switch=False)  # an in-process re-sync starts
+    for _ in range(3):
+        c.step()
+    assert registry.visible(r, ["a"]) == {nid1: "a"}
+    assert Index(r).query(NS, x) == {nid1: 2}, "the visible incarnation's eviction was dropped"
+    assert c.stats.stale == 0

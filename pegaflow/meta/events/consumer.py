@@ -86,6 +86,18 @@ def default_consumer_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
+# A node's newest registration: (nid, epoch, the nid still visible while it re-syncs in process).
+_Incarnation = tuple[int, int, int | None]
+
+
+def _of(ev: Event, inc: _Incarnation | None) -> bool:
+    """Whether ``ev`` is an event of a node whose registration is ``inc``: of its newest
+    incarnation, or of the one readers still see while the newest re-syncs (the node wrote
+    it before its new RESET: its evictions and inserts until the switch, which the Redis
+    path answers from meanwhile, as the view does)."""
+    return inc is not None and ((ev.nid, ev.epoch) == inc[:2] or ev.nid == inc[2])
+
+
 @dataclass
 class ConsumerStats:
     entries: int = 0
@@ -326,13 +338,14 @@ class Consumer:
             if ev.op == Op.RESET:
                 st.resets[ev.epoch] = eid
                 continue
-            if (ev.nid, ev.epoch) != current:
+            if not _of(ev, current):
                 # Registration happens before a node writes an incarnation's events, so a
                 # newer one is already in the registry: read it again once before judging.
                 current = self._incarnation(st.node)
-            if ev.nid in self._retired or (ev.nid, ev.epoch) != current:
-                # Not the node's newest incarnation: superseded by a re-sync, or written
-                # before Redis lost its data. Its updates must not land under any nid.
+            if ev.nid in self._retired or not _of(ev, current):
+                # Neither the node's newest incarnation nor the one still visible while that
+                # one re-syncs: superseded, or written before Redis lost its data. Its updates
+                # must not land under any nid.
                 self.stats.stale += 1
                 self.metrics.events_stale.inc()
                 continue
@@ -363,13 +376,13 @@ class Consumer:
         for op, n in ops.items():
             self.metrics.events_applied.labels(op.lower()).inc(n)
 
-    def _incarnation(self, node: str) -> tuple[int, int] | None:
-        """(nid, epoch) of ``node``'s newest registration, None if it has none."""
+    def _incarnation(self, node: str) -> _Incarnation | None:
+        """``node``'s newest registration, None if it has none."""
         raw = self.r.hget(keys.NODES, node)
         if raw is None:
             return None
         d = json.loads(raw)
-        return int(d["nid"]), int(d["epoch"])
+        return int(d["nid"]), int(d["epoch"]), int(d["prev"]) if d.get("prev") is not None else None
 
     def _still_owner(self, st: _Stream) -> bool:
         return self.r.get(keys.owner_key(st.node)) == self.name.encode()
