@@ -717,7 +717,8 @@ OPTIONS: list[Option] = [
     Option(
         "consumer-name",
         "",
-        "Name of this metaserver replica in the consumer group (default: HOST-PID).",
+        "Name of this metaserver replica in the consumer group (default: HOST-PID-RANDOM; give "
+        "each replica its own).",
         str,
         commands=(META,),
     ),

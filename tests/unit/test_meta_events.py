@@ -396,3 +396,14 @@ def test_the_incarnation_still_visible_during_a_re_sync_keeps_its_events_applied
     assert registry.visible(r, ["a"]) == {nid1: "a"}
     assert Index(r).query(NS, x) == {nid1: 2}, "the visible incarnation's eviction was dropped"
     assert c.stats.stale == 0
+
+
+def test_two_replicas_on_one_host_with_one_pid_get_their_own_consumer_names(monkeypatch) -> None:
+    """Host networking: one hostname, and PID 1 in each replica's container."""
+    import os
+
+    from pegaflow.meta.events import consumer
+
+    monkeypatch.setattr(os, "getpid", lambda: 1)
+    names = {consumer.default_consumer_name() for _ in range(8)}
+    assert len(names) == 8 and all(n.startswith(f"{consumer.socket.gethostname()}-1-") for n in names)

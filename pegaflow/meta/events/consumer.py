@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import socket
 import threading
 import time
@@ -83,7 +84,10 @@ _RELEASE = Script(
 
 
 def default_consumer_name() -> str:
-    return f"{socket.gethostname()}-{os.getpid()}"
+    """``HOST-PID-RANDOM``: two replicas under host networking (one hostname, and PID 1 in
+    their containers) would otherwise share a name: each renew the other's leases and read
+    the same streams as one consumer, applying their entries out of order."""
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
 # A node's newest registration: (nid, epoch, the nid still visible while it re-syncs in process).
