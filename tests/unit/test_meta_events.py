@@ -407,3 +407,38 @@ def test_two_replicas_on_one_host_with_one_pid_get_their_own_consumer_names(monk
     monkeypatch.setattr(os, "getpid", lambda: 1)
     names = {consumer.default_consumer_name() for _ in range(8)}
     assert len(names) == 8 and all(n.startswith(f"{consumer.socket.gethostname()}-1-") for n in names)
+
+
+def test_a_replica_whose_lease_lapsed_while_it_claimed_reads_nothing_more_of_that_stream(
+        r: fakeredis.FakeRedis, monkeypatch) -> None:
+    """Claiming a taken-over stream's entries can take long; another replica may take one of
+    this replica's streams meanwhile. What this one read of it then would stay in its own
+    pending list, which the new owner (reading only new entries) never looks at."""
+    from types import SimpleNamespace
+
+    from pegaflow.cluster.keys import owner_key, stream_key
+    from pegaflow.meta.events import consumer as consumer_mod
+    from pegaflow.meta.events.codec import FIELD, encode
+    from pegaflow.meta.events.schema import Event
+    from pegaflow.meta.events.streams import GROUP
+
+    clock = [1000.0]
+    monkeypatch.setattr(consumer_mod, "time", SimpleNamespace(monotonic=lambda: clock[0], time=lambda: clock[0]))
+    nid_a, e_a = registry.register(r, "a", "h:1", 10_000, switch=True)
+    registry.register(r, "b", "h:2", 10_000, switch=True)
+    c = consumer_mod.Consumer(r, Index(r), "c1", lease_ms=10_000)
+    c.step()
+    assert set(c.streams) == {"a", "b"}
+    r.xadd(stream_key("a"), {FIELD: encode(Event("a", nid_a, e_a, 0, Op.INSERT, NS, b"".join(hashes(2))))})
+    c.streams["b"].claimed = False  # b is claimed again in the next step, slowly:
+    real = c._claim
+
+    def slow_claim(st):  # type: ignore[no-untyped-def]
+        clock[0] += 11.0  # past the lease
+        r.set(owner_key("a"), "c2")  # another replica took stream a meanwhile
+        return real(st)
+
+    monkeypatch.setattr(c, "_claim", slow_claim)
+    c.step()
+    assert "a" not in c.streams
+    assert r.xpending(stream_key("a"), GROUP)["pending"] == 0, "entries stranded in the old owner's list"

@@ -262,19 +262,26 @@ class Consumer:
 
         Returns the number of entries handled (0 when idle).
         """
-        if time.monotonic() >= self._next_refresh:
-            self.refresh()
-            self._next_refresh = time.monotonic() + min(REFRESH_SECONDS, self.lease_ms / 3000)
+        self._refresh_if_due()
         handled = 0
         for st in list(self.streams.values()):
             if not st.claimed:
                 handled += self._claim(st)
+        # Claiming may take long: a lease may have lapsed meanwhile and the stream gone to
+        # another replica. A read past it would leave the entries read in this consumer's
+        # pending list, where the new owner, which reads only new entries, never finds them.
+        self._refresh_if_due()
         batches = self._read()
         for st, entries in batches:
             self._apply(st, entries)
             handled += len(entries)
         self._flush_acks()
         return handled
+
+    def _refresh_if_due(self) -> None:
+        if time.monotonic() >= self._next_refresh:
+            self.refresh()
+            self._next_refresh = time.monotonic() + min(REFRESH_SECONDS, self.lease_ms / 3000)
 
     def _claim(self, st: _Stream) -> int:
         start: StreamIdT = "0-0"
