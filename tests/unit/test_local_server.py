@@ -85,3 +85,67 @@ def test_a_pool_descriptor_that_cannot_be_sent_is_closed(tmp_path: Path, monkeyp
         await server.close()
 
     asyncio.run(run())
+
+
+class _Transport:
+    """A transport whose buffer fills at the second reply: the connection pauses writing."""
+
+    def __init__(self) -> None:
+        self.conn: unix_socket._Connection | None = None
+        self.replies = 0
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.replies += 1
+        assert self.conn is not None
+        if self.replies == 2:
+            self.conn.pause_writing()
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+    def get_extra_info(self, name: str) -> None:
+        return None
+
+
+def test_frames_sent_before_the_engine_shut_its_side_are_all_served(tmp_path: Path) -> None:
+    """A Query that waits (for the metaserver), then two more frames, then the engine shuts
+    its sending side: while the replies back up, the two frames must still be answered."""
+
+    async def run() -> None:
+        answered = asyncio.get_running_loop().create_future()
+
+        async def waits() -> node_pb2.QueryResponse:
+            await answered
+            return node_pb2.QueryResponse()
+
+        first = [True]
+
+        def query(request: object, transport: str) -> object:
+            if first[0]:
+                first[0] = False
+                return waits()
+            return node_pb2.QueryResponse()
+
+        service = type("S", (), {"local_methods": {QUERY: (node_pb2.QueryRequest, query)}})()
+        server = LocalServer(service, str(tmp_path / "n.sock"))  # type: ignore[arg-type]
+        conn = unix_socket._Connection(server)
+        t = _Transport()
+        t.conn = conn
+        conn.connection_made(t)  # type: ignore[arg-type]
+        conn.data_received(REQUEST_HEADER.pack(0, QUERY, 0) * 3)
+        assert conn.eof_received() is True  # kept open: a frame is being answered
+        answered.set_result(None)
+        await wait_until_async(lambda: conn.waiting is None, 5.0, "the waiting query to be answered")
+        while conn.write_paused and not t.closed:  # the engine reads: each reply drains the buffer
+            conn.resume_writing()
+        assert t.replies == 3, "frames the engine sent were dropped at its end of input"
+        assert t.closed
+
+    asyncio.run(run())

@@ -278,7 +278,9 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None and not self.write_paused:
             self.transport.resume_reading()
             self._serve()
-            if self.eof and self.waiting is None:
+            # Replies may have filled the buffer again (pause_writing): the frames left are
+            # served at resume_writing, which ends the input then.
+            if self.eof and self.waiting is None and not self.write_paused:
                 self._end_of_input()
 
     def _send_pool(self, flags: int) -> None:
