@@ -19,6 +19,10 @@ Contracts:
 - Ids of sessions, leases and reservations are random 63-bit numbers (unguessable), and
   leases and reservations are looked up within their session only: one session can never
   release, commit or abort another's.
+- A session holds at most ``MAX_LEASES`` leases: a lease does not take a page (it pins
+  ones already held), so their number is not bounded by the pool, and an engine that
+  never released them would grow the node's memory and every scrape's pass over them.
+  Reservations take pages: the pool bounds them.
 
 Not thread-safe: the node calls this from its event loop only.
 """
@@ -37,6 +41,7 @@ from pegaflow.node.numa import prefer_node
 
 IDS_PER_READ = 512  # random ids fetched per system call
 SESSION_OPEN_TIMEOUT = 30.0  # seconds from Register to the Session stream (PegaClient opens it at once)
+MAX_LEASES = 65_536  # per session: far above an engine's requests in flight (vLLM: max_num_seqs, hundreds)
 
 
 @dataclass(eq=False)
@@ -198,6 +203,8 @@ class Sessions:
 
     # ---- leases -----------------------------------------------------------------------
     def lease(self, s: Session, blocks: list[Block]) -> Lease:
+        if len(s.leases) >= MAX_LEASES:
+            raise ResourceExhausted(f"session {s.id} holds {MAX_LEASES} leases: release them (Release) first")
         self.index.pin(blocks)
         lease = Lease(self._new_id(self.leases), s.id, blocks, self.clock() + self.lease_ttl)
         s.leases[lease.id] = lease

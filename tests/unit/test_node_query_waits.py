@@ -1,6 +1,9 @@
-"""A Query that misses locally on a node with peers waits for the metaserver's answer (the
+"""The leases a Query hands out, on a NodeService in-process.
+
+A Query that misses locally on a node with peers waits for the metaserver's answer (the
 one data-path call that waits). Whatever happens to its session meanwhile, no page may stay
-pinned for a session that is gone: nothing would ever release it."""
+pinned for a session that is gone: nothing would ever release it. And a session's leases
+are bounded: a lease takes no page, so the pool does not bound them."""
 
 from __future__ import annotations
 
@@ -75,3 +78,29 @@ def test_a_query_that_waited_on_the_metaserver_leases_only_for_a_live_session(se
             assert all(b.pins == 1 for b in held)
 
     asyncio.run(run())
+
+
+def test_a_session_that_never_releases_its_leases_is_refused_more(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lease takes no page, so the pool does not bound their number: the node does."""
+    from pegaflow.node import sessions as sessions_mod
+
+    monkeypatch.setattr(sessions_mod, "MAX_LEASES", 3)
+    index = BlockIndex(64 * PAGE)
+    sessions = Sessions(index)
+    metrics = NodeMetrics()
+    svc = NodeService(index, sessions, metrics, "/pool", 64 * PAGE, "n", 0, idle=DataPathIdle(),
+                      admin=NodeAdmin(index, sessions, metrics, "n", 0.5, 16384))
+    sid = svc.register(node_pb2.RegisterRequest(
+        instance_id="engine", namespaces=[node_pb2.NamespaceSpec(name="ns", page_bytes=PAGE)]), "local").session_id
+    ns = index.get_namespace("ns")
+    assert ns is not None
+    hs = [i.to_bytes(16, "little") for i in range(2)]
+    held = index.commit([b for b in index.reserve(ns, hs) if b is not None])
+    ask = node_pb2.QueryRequest(session_id=sid, namespaces=["ns"], hashes=hs, lease=True)
+    leases = [svc.query(ask, "local").lease_id for _ in range(3)]  # type: ignore[union-attr]
+    with pytest.raises(RpcStatus) as refused:
+        svc.query(ask, "local")
+    assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert all(b.pins == 3 for b in held), "the refused query pinned nothing"
+    svc.release(node_pb2.ReleaseRequest(session_id=sid, lease_id=leases[0]), "local")
+    assert svc.query(ask, "local").lease_id  # type: ignore[union-attr]
