@@ -55,6 +55,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from pegaflow.common.logging import configure_logging
     from pegaflow.common.security import Security, SecurityError
     from pegaflow.meta.daemon import MetaServer, StartupError
+    from pegaflow.meta.rebuild import RebuildError
     from pegaflow.meta.rebuild import rebuild as do_rebuild
 
     configure_logging(opts.log_level, opts.log_format)
@@ -70,7 +71,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.stderr.write(f"{prog}: error: {unreachable_redis(opts.redis_url, exc)}\n")
         raise SystemExit(1) from None
     if rebuild:
-        report = do_rebuild(r)
+        try:
+            report = do_rebuild(r)
+        except RebuildError as exc:
+            sys.stderr.write(f"{prog}: error: {exc}\n")
+            raise SystemExit(1) from None
         sys.stdout.write(json.dumps(report.__dict__) + "\n")
         return
     try:
