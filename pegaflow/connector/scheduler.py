@@ -275,6 +275,9 @@ class _ReqState:
     extra: ExtraKeys | None = None
     block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
     saved_upto: int = 0  # blocks below this need no save (saved, loaded, or given up)
+    # Blocks below this are on the node or on their way (loaded from it, or saves reserved
+    # and not failed): what a finished request tells a router it stored (``describe``).
+    stored_upto: int = 0
     hit: _Hit | None = None
     # set while the answers to vLLM are ``(None, False)``, dropped at the first other answer
     wait: _Wait | None = None
@@ -292,6 +295,7 @@ class _ReqState:
 class _StepWork:
     leases: list[Leases] = field(default_factory=list)
     reservations: dict[tuple[int, int], int] = field(default_factory=dict)  # (node, id) -> blocks
+    saves: dict[tuple[int, int], tuple[str, int]] = field(default_factory=dict)  # (node, id) -> (request, first block)
     # place 0's (node, reservation id) -> (request, [(block index, hash)], its hashes): KV events once committed
     announce: dict[tuple[int, int], tuple[Request, list[tuple[int, bytes]], list[bytes]]] = field(
         default_factory=dict)
@@ -707,6 +711,7 @@ class SchedulerSide:
                         self._release_hit(a.hit)
                         a.hit = None
             st.saved_upto = max(st.saved_upto, a.end)
+            st.stored_upto = max(st.stored_upto, a.end)
             self._async[request.request_id] = st
             return
         if num_external_tokens <= 0 or st.hit is None:
@@ -732,6 +737,7 @@ class SchedulerSide:
         if any(hit.leases):
             self._load_leases.append(hit.leases)
         st.saved_upto = max(st.saved_upto, end)
+        st.stored_upto = max(st.stored_upto, end)
         self.hit_blocks += end - start
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PegaConnectorMetadata:
@@ -901,6 +907,9 @@ class SchedulerSide:
         blocks = [lo + j for j, p in enumerate(pages) if self._whole(p)]
         if not blocks:
             return
+        # The stored prefix grows only through blocks saved in order: up to the first one
+        # left out here (or where an earlier save of the request was not made).
+        stored_to = next((lo + j for j, b in enumerate(blocks) if b != lo + j), full) if st.stored_upto >= lo else None
         hashes = [st.hashes[b] for b in blocks]
         shards: list[ShardSave] = []
         for place, ns in enumerate(self._place_ns):
@@ -908,6 +917,7 @@ class SchedulerSide:
             link = self.links[node]
             r = link.call(lambda c, ns: c.reserve(ns, hashes), ns)
             if r is None:
+                stored_to = None
                 break
             idx = [i for i, off in enumerate(r.offsets) if off >= 0]
             if not idx:
@@ -924,11 +934,14 @@ class SchedulerSide:
                 )
             )
             work.reservations[node, int(r.reservation_id)] = len(idx)
+            work.saves[node, int(r.reservation_id)] = (req_id, lo)
             if place == 0 and self.events is not None and st.request is not None:
                 work.announce[node, int(r.reservation_id)] = (st.request, [(blocks[i], hashes[i]) for i in idx],
                                                               st.hashes)
         if shards:
             out.append(SaveIntent(req_id=req_id, shards=tuple(shards)))
+        if stored_to is not None:  # (-1 offsets count as stored: mostly blocks the node holds already)
+            st.stored_upto = stored_to
 
     def update_connector_output(self, report: PegaWorkerReport | None, failed_recving: Iterable[str] = ()) -> None:
         """A step's report from the workers, and the requests whose asynchronous load failed
@@ -952,6 +965,10 @@ class SchedulerSide:
                 # node with the same id would abort this one too, a miss and never wrong KV.)
                 failed = rid in self._failed
                 self._failed.discard(rid)
+                if not acked or failed:  # what the request told of as stored, from its first block on, is not
+                    req_id, first = work.saves.get((node, rid), ("", 0))
+                    if (st := self._reqs.get(req_id)) is not None:
+                        st.stored_upto = min(st.stored_upto, first)
                 if acked and not failed:
                     # Not waiting for the answer keeps the commit off the path between a
                     # step's output and the next step (a sync round trip per reservation).
@@ -994,7 +1011,7 @@ class SchedulerSide:
             "block_size": self.block_size,
             "mode": self.settings.mode,
             "prompt_blocks": prompt_blocks,
-            "stored_blocks": min(st.saved_upto, prompt_blocks) if st is not None and self.settings.saves else 0,
+            "stored_blocks": min(st.stored_upto, prompt_blocks) if st is not None and self.settings.saves else 0,
         }
 
     def take_events(self) -> list[KVCacheEvent]:

@@ -54,6 +54,20 @@ def test_a_prefill_reports_every_full_prompt_block_it_stored() -> None:
     assert params[ROUTER_KEY]["stored_blocks"] == 0
 
 
+@pytest.mark.parametrize("why", ["copy failed", "node down"])
+def test_a_prefill_whose_saves_were_not_made_reports_none_stored(why: str) -> None:
+    """The decode half waits (up to 2 s) for the blocks its prefill says it stored: a save
+    that failed, or was never planned (the node down), must not be counted."""
+    node = FakeNode()
+    prefill = Engine(node, identity(), settings=ConnectorSettings(mode=SAVE_ONLY))
+    if why == "copy failed":
+        prefill.workers[0]._save_pages = lambda *args: (_ for _ in ()).throw(RuntimeError("copy failed"))
+    else:
+        node.up = False
+    _, params = prefill.run(prompt(6), kv_transfer_params={ROUTER_KEY: {"prefill": True}})["finished"]
+    assert not node.stored and params[ROUTER_KEY]["stored_blocks"] == 0
+
+
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     now = [1000.0]
