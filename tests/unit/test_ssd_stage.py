@@ -169,3 +169,25 @@ def test_stages_count_against_max_prefetch_blocks(tmp_path: Path, engine: str) -
         await t.close()
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_stage_ends_where_another_pin_staged_a_block_and_never_shifts_the_rest(tmp_path: Path, engine: str) -> None:
+    """Two peers pull overlapping runs from this holder: the second stage must not skip the
+    blocks the first one holds and hand out the later ones in their place (the pin serves
+    the result position by position: another hash's bytes under its own, matching checksum)."""
+    _engine_or_skip(engine)
+
+    async def run() -> None:
+        t = _Tier(tmp_path, engine)
+        hs = await _on_ssd_only(t, 6)
+        first = await t.tier.promoter.stage(t.ns, hs[:3], timeout=WAIT_S)
+        assert [b.hash for b, _ in first] == hs[:3]
+        free = t.index.alloc.free_bytes
+        got = await t.tier.promoter.stage(t.ns, hs[1:], timeout=WAIT_S)
+        assert [b.hash for b, _ in got] == hs[1:1 + len(got)], "blocks staged for other hashes"
+        assert got == [] and t.index.alloc.free_bytes == free, "pages reserved past the gap were kept"
+        t.index.discard([b for b, _ in first + got])
+        await t.close()
+
+    asyncio.run(run())

@@ -123,6 +123,11 @@ class PinTable:
             except BaseException:
                 self.index.unpin(blocks)
                 raise
+            rest = hashes[len(blocks):]
+            if any(b.hash != h for (b, _), h in zip(got, rest, strict=False)):  # Promoter.stage's contract
+                self.index.unpin(blocks)
+                self.index.discard([b for b, _ in got])
+                raise RuntimeError("staged blocks out of order with the pin's hashes")
             for b, c in got:
                 self.checksums.record(b, c)
             staged = [b for b, _ in got]

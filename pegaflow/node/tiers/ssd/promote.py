@@ -43,6 +43,7 @@ import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 from pegaflow.core.block_index import Block, Namespace
 from pegaflow.node.tiers.ssd.metrics import IoClock
@@ -331,8 +332,14 @@ class Promoter:
         if not need:
             return []
         blocks = index.reserve(ns, need)
+        # The run ends at the first hash reserve gave no page: one in the table already (in
+        # any state: another pin staged it) or no room. The caller takes the result as the
+        # blocks of ``hashes[:len(result)]``, position by position: a block past a gap would
+        # be served as another hash's page, under its own (matching) checksum.
+        k = next((i for i, b in enumerate(blocks) if b is None), len(blocks))
+        index.discard([b for b in blocks[k:] if b is not None])
         recs = [_Rec((ns.id, h), b, store.entries[(ns.id, h)], self._hdr())
-                for h, b in zip(need, blocks, strict=True) if b is not None]
+                for h, b in zip(need[:k], cast("list[Block]", blocks[:k]), strict=True)]
         if not recs:
             return []
         state = _Stage(loop.create_future(), len(recs))
