@@ -216,8 +216,11 @@ class Router:
                  prompts: Prompts | None = None, security: Security | None = None) -> None:
         cfg.check()
         self.cfg = cfg
-        self.policy = Policy(cfg.policy, cfg.load_bound, cfg.load_window,
-                             TierCosts(ssd=cfg.ssd_hit_cost, remote=cfg.peer_hit_cost))
+        # One policy per engine role: its turn (ties, round-robin) and recent loads are of the
+        # engines it chooses among. One shared by the prefill and the decode halves advanced
+        # twice a request, so each half always saw the same parity: half the engines idle.
+        self._policies: dict[str, Policy] = {}
+        self.policy = self._policy(ANY)
         self.registry = registry or CollectorRegistry()
         self.metrics = RouterMetrics(self.registry)
         self.prompts = prompts or Prompts()
@@ -354,6 +357,14 @@ class Router:
                 out[e.url] = (n * bs, min(ssd, n) * bs, max(0, anywhere - n) * bs)
         return out
 
+    def _policy(self, role: str) -> Policy:
+        p = self._policies.get(role)
+        if p is None:
+            cfg = self.cfg
+            p = self._policies[role] = Policy(cfg.policy, cfg.load_bound, cfg.load_window,
+                                              TierCosts(ssd=cfg.ssd_hit_cost, remote=cfg.peer_hit_cost))
+        return p
+
     async def route(self, role: str, body: Body, tokens: list[int] | None, exclude: list[str],
                     known: dict[str, int] | None = None) -> tuple[Engine, Decision] | None:
         assert self.pool is not None
@@ -361,14 +372,15 @@ class Router:
         engines = self.pool.candidates(role, body.get("model"), exclude)
         if not engines:
             return None
-        prefixes = await self._prefixes(engines, body, tokens, known) if self.policy.wants_prefixes else None
-        d = self.policy.choose([e.candidate(*(prefixes or {}).get(e.url, (0, 0, 0))) for e in engines],
-                               len(tokens or ()), use_prefixes=prefixes is not None)
+        policy = self._policy(role)
+        prefixes = await self._prefixes(engines, body, tokens, known) if policy.wants_prefixes else None
+        d = policy.choose([e.candidate(*(prefixes or {}).get(e.url, (0, 0, 0))) for e in engines],
+                          len(tokens or ()), use_prefixes=prefixes is not None)
         self.metrics.route_seconds.observe(time.perf_counter() - t0)
-        if self.policy.wants_prefixes:
-            if self.policy.kv.last_redirected:
+        if policy.wants_prefixes:
+            if policy.kv.last_redirected:
                 self.metrics.load_redirects.inc()
-            for url, load in self.policy.last_loads.items():
+            for url, load in policy.last_loads.items():
                 self.metrics.engine_load.labels(url).set(load)
         if tokens:
             self.metrics.prompt_tokens.inc(len(tokens))

@@ -254,6 +254,24 @@ def test_disaggregation_sends_the_prompt_to_prefill_then_the_stored_count_to_dec
         d.stop()
 
 
+@pytest.mark.parametrize("policy", ["round-robin", "least-loaded"])
+def test_disaggregation_spreads_over_every_prefill_and_decode_engine(logs: Path, policy: str) -> None:
+    """One turn shared by both halves advanced twice a request: the prefill half always
+    chose the first engine and the decode half the second."""
+    ps = [FakeEngine(logs, f"p{i}-{policy}", "--block-size", str(BS)) for i in range(2)]
+    ds = [FakeEngine(logs, f"d{i}-{policy}", "--block-size", str(BS)) for i in range(2)]
+    router = RouterProc(logs, "--prefill", *(e.url for e in ps), "--decode", *(e.url for e in ds), "--policy", policy,
+                        "--skip-tokenizer-init", name=f"router-pd-{policy}")
+    try:
+        for i in range(4):
+            assert router.post("/v1/completions", completion(tokens(20 + i), max_tokens=2)).status_code == 200
+        assert [len(e.served()) for e in ps] == [2, 2] and [len(e.served()) for e in ds] == [2, 2]
+    finally:
+        router.stop()
+        for e in ps + ds:
+            e.stop()
+
+
 @pytest.mark.parametrize(("argv", "needle"), [
     ([], "no engines"),
     (["--prefill", "http://127.0.0.1:1"], "needs at least one --prefill and one --decode"),
