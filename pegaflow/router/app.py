@@ -100,6 +100,9 @@ FORWARDED_HEADERS = ("authorization", "x-request-id")
 HINT_HEADER = "x-pegaflow-prefix-hint"
 HINT_USED, HINT_NONE = "used", "none"
 ATTEMPTS = 2  # a request that failed before streaming is tried once more, elsewhere
+# A stream broken off by the engine ends with an error event (the shape vLLM sends one in):
+# OpenAI clients raise on it, where a stream that just stopped reads as a whole answer.
+SSE_ERROR = b'data: {"error": {"message": %s, "type": "BadGateway", "code": 502}}\n\n'
 # Fields a prefill request must not carry: it computes the prompt and samples one token.
 PREFILL_DROPPED = ("stream", "stream_options", "n", "best_of", "min_tokens", "max_completion_tokens")
 
@@ -121,7 +124,11 @@ class RouterMetrics:
                                "byte, by why (connect, server_error, stream_start); each is tried once more "
                                "elsewhere.", ["reason"], registry=r)
         self.broken_streams = Counter("pegaflow_router_broken_streams_total",
-                                      "Streams an engine broke after the first byte (not retried).", registry=r)
+                                      "Streams an engine broke after the first byte (not retried; the client gets "
+                                      "an error event).", registry=r)
+        self.slow_answers = Counter("pegaflow_router_slow_answers_total",
+                                    "Requests an engine took and did not answer within --request-timeout (504; the "
+                                    "engine stays in rotation, the request is not run elsewhere).", registry=r)
         self.engine_up = Gauge("pegaflow_router_engine_up", "1 while an engine is in rotation.",
                                ["engine", "role"], registry=r)
         self.in_flight = Gauge("pegaflow_router_in_flight", "Requests in flight per engine.", ["engine"], registry=r)
@@ -209,6 +216,13 @@ class _Stream:
     upstream: httpx.Response
     load: _Load
     hint: str | None = None  # kv-aware: HINT_HEADER's value for the engine's choice
+
+
+@dataclass
+class _Done:
+    """An answer to return as it is: not to retry elsewhere."""
+
+    answer: _Answer
 
 
 class Router:
@@ -409,41 +423,67 @@ class Router:
             self.metrics.engine_requests.labels(e.url, e.role).inc()
             load = _Load(e, max(0, len(tokens or ()) - d.prefix_tokens), self.metrics)
             try:
-                upstream = await self.client.send(
-                    self.client.build_request("POST", e.url + path, json=body, headers=headers), stream=True)
-            except httpx.TransportError as exc:
-                failure = self._broken(e, load, exc, "connect", "request failed")
-                continue
-            if upstream.status_code >= 500:
-                with contextlib.suppress(httpx.HTTPError):
-                    await upstream.aread()
-                await upstream.aclose()
+                out = await self._attempt(e, load, path, body, stream, headers, hint)
+            except BaseException:  # cancelled (the client went away), or a bug: the load is given back
                 load.done()
-                self.metrics.retries.labels("server_error").inc()
-                failure = _Answer(e, upstream.status_code, upstream.content if upstream.is_stream_consumed else b"",
-                                  upstream.headers.get("content-type", "application/json"))
-                continue
-            if upstream.status_code != 200 or not stream:
-                try:
-                    data = await upstream.aread()
-                except httpx.TransportError as exc:
-                    failure = self._broken(e, load, exc, "connect", "answer broken")
-                    continue
-                finally:
-                    await upstream.aclose()
-                load.done()
-                return _Answer(e, upstream.status_code, data, upstream.headers.get("content-type", "application/json"),
-                               hint)
-            rest = upstream.aiter_raw()
-            try:
-                first = await anext(rest, b"")
-            except httpx.TransportError as exc:
-                await upstream.aclose()
-                failure = self._broken(e, load, exc, "stream_start", "stream broken before its first byte")
-                continue
-            load.first_token()
-            return _Stream(e, first, rest, upstream, load, hint)
+                raise
+            if isinstance(out, (_Stream, _Done)):
+                return out.answer if isinstance(out, _Done) else out
+            failure = out
         return failure
+
+    async def _attempt(self, e: Engine, load: _Load, path: str, body: Body, stream: bool, headers: dict[str, str],
+                       hint: str | None) -> _Answer | _Stream | _Done:
+        """One engine's try: the answer or stream to return (``_Done``, ``_Stream``), or the
+        failure to retry elsewhere (``_Answer``)."""
+        assert self.client is not None
+        try:
+            upstream = await self.client.send(
+                self.client.build_request("POST", e.url + path, json=body, headers=headers), stream=True)
+        except httpx.ReadTimeout:
+            return _Done(self._slow(e, load))
+        except httpx.TransportError as exc:
+            return self._broken(e, load, exc, "connect", "request failed")
+        if upstream.status_code >= 500:
+            body_read = b""
+            with contextlib.suppress(httpx.HTTPError):
+                body_read = await upstream.aread()  # (a body that breaks off: none)
+            await upstream.aclose()
+            load.done()
+            self.metrics.retries.labels("server_error").inc()
+            return _Answer(e, upstream.status_code, body_read, upstream.headers.get("content-type", "application/json"))
+        if upstream.status_code != 200 or not stream:
+            try:
+                data = await upstream.aread()
+            except httpx.ReadTimeout:
+                return _Done(self._slow(e, load))
+            except httpx.TransportError as exc:
+                return self._broken(e, load, exc, "connect", "answer broken")
+            finally:
+                await upstream.aclose()
+            load.done()
+            return _Done(_Answer(e, upstream.status_code, data, upstream.headers.get("content-type", "application/json"),
+                                 hint))
+        rest = upstream.aiter_raw()
+        try:
+            first = await anext(rest, b"")
+        except httpx.ReadTimeout:
+            await upstream.aclose()
+            return _Done(self._slow(e, load))
+        except httpx.TransportError as exc:
+            await upstream.aclose()
+            return self._broken(e, load, exc, "stream_start", "stream broken before its first byte")
+        load.first_token()
+        return _Stream(e, first, rest, upstream, load, hint)
+
+    def _slow(self, e: Engine, load: _Load) -> _Answer:
+        """An engine that took the request and did not answer within ``--request-timeout``: it
+        works (a long generation, a long queue), so it stays in rotation, and the request is
+        not run a second time elsewhere."""
+        load.done()
+        self.metrics.slow_answers.inc()
+        return _Answer(e, 504, f"engine {e.url} did not answer within --request-timeout "
+                               f"{self.cfg.request_timeout:g} s".encode(), "text/plain")
 
     def _broken(self, e: Engine, load: _Load, exc: Exception, reason: str, what: str) -> _Answer:
         """An engine's connection failed before the client got a byte: out of rotation."""
@@ -464,6 +504,9 @@ class Router:
             self.metrics.broken_streams.inc()
             self.metrics.requests.labels(endpoint, "failed").inc()
             log.warning("stream_broken", engine=s.engine.url, error=type(exc).__name__)
+            # An error event, as the engine sends one: a stream that simply ended would read as a
+            # whole (shorter) answer to the client.
+            yield SSE_ERROR % json.dumps(f"engine {s.engine.url}: the stream broke off ({type(exc).__name__})").encode()
         finally:
             await s.upstream.aclose()
             s.load.done()
@@ -515,6 +558,10 @@ class Router:
         tokens = self.prompts.token_ids(kind, body)
         stream = bool(body.get("stream", False))
         headers = self._headers(request)
+        if not all(v.isascii() for v in headers.values()):  # an HTTP client sends header values as ASCII
+            self.metrics.requests.labels(endpoint, "client_error").inc()
+            return openai_error(400, f"a header the router forwards ({', '.join(FORWARDED_HEADERS)}) is not ASCII",
+                                "BadRequestError")
         if self.cfg.disaggregated:
             out = await self._disaggregated(kind, body, tokens, stream, headers)
         else:

@@ -16,6 +16,7 @@ worse, never answers differently.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +63,10 @@ def check_body(kind: str, body: object) -> None:
         raise BadRequest("'model' must be a string", "model")
     if "stream" in body and not isinstance(body["stream"], bool):
         raise BadRequest("'stream' must be a boolean", "stream")
+    try:  # what the router sends on must encode: JSON has no NaN or Infinity (a Python parser takes them)
+        json.dumps(body, allow_nan=False)
+    except ValueError:
+        raise BadRequest("the request holds a number JSON cannot carry (NaN or Infinity)") from None
 
 
 def _is_ids(x: object) -> bool:

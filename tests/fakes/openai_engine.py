@@ -5,7 +5,8 @@ gauges), and ``/v1/completions`` / ``/v1/chat/completions``, streamed (SSE, one 
 "token") or not. It answers a PegaFlow describe probe as the connector would, with the
 node named on its command line. ``GET /_requests`` lists the bodies it served.
 Failure modes (``--fail``): ``500`` answers every completion with HTTP 500; ``crash``
-exits the process at its first completion, with the request's connection open.
+exits the process at its first completion, with the request's connection open;
+``midstream`` exits after a streamed answer's first chunk.
 
     python -m tests.fakes.openai_engine --port P --name e0 --node node-0 --node-addr 127.0.0.1:50055
 
@@ -86,7 +87,9 @@ def build(name: str, node: str, block_size: int, fail: str, model: str, delay: f
                                  "kv_transfer_params": params})
 
         async def events():  # noqa: ANN202
-            for w in words:
+            for i, w in enumerate(words):
+                if i == 1 and fail == "midstream" and not probe:
+                    os._exit(1)  # the stream breaks off after its first chunk
                 await asyncio.sleep(delay)
                 delta = {"delta": {"content": w}} if chat else {"text": w}
                 yield f"data: {json.dumps({'choices': [{'index': 0, **delta}]})}\n\n".encode()
@@ -111,7 +114,7 @@ def main() -> None:
     p.add_argument("--name", required=True)
     p.add_argument("--node", default="node-0")
     p.add_argument("--block-size", type=int, default=4)
-    p.add_argument("--fail", default="", choices=["", "500", "crash"])
+    p.add_argument("--fail", default="", choices=["", "500", "crash", "midstream"])
     p.add_argument("--model", default="fake-model")
     p.add_argument("--delay", type=float, default=0.0)
     p.add_argument("--node-addr", default="127.0.0.1:1")

@@ -196,6 +196,9 @@ def test_a_streamed_answer_is_relayed_chunk_by_chunk(good_and_bad) -> None:  # n
     (json.dumps({"model": MODEL}).encode(), 400, "'prompt' is required"),
     (json.dumps({"model": MODEL, "prompt": "x", "stream": "yes"}).encode(), 400, "'stream' must be a boolean"),
     (json.dumps({"model": "no-such-model", "prompt": "x"}).encode(), 404, "does not exist"),
+    # Python parses NaN; JSON (and so the router's request to the engine) has none: it held the
+    # engine's in-flight count up for good, and answered 500.
+    (b'{"model": "fake-model", "prompt": "x", "temperature": NaN}', 400, "NaN or Infinity"),
 ])
 def test_bad_requests_get_the_openai_error_shape(good_and_bad, body: bytes, status: int, needle: str) -> None:  # noqa: ANN001
     router = good_and_bad[1]
@@ -204,6 +207,16 @@ def test_bad_requests_get_the_openai_error_shape(good_and_bad, body: bytes, stat
     assert r.status_code == status
     err = r.json()["error"]
     assert needle in err["message"] and err["code"] == status and "type" in err
+    good = good_and_bad[0]
+    assert router.metric("pegaflow_router_in_flight", engine=good.url) == 0
+
+
+def test_a_header_the_router_cannot_forward_is_a_400_that_holds_no_load(good_and_bad) -> None:  # noqa: ANN001
+    good, router = good_and_bad[0], good_and_bad[1]
+    r = HTTP.post(router.url + "/v1/completions", content=json.dumps(completion("x")).encode(), timeout=10,
+                  headers={"content-type": "application/json", "x-request-id": "café".encode("latin-1")})
+    assert r.status_code == 400 and "ASCII" in r.json()["error"]["message"]
+    assert router.metric("pegaflow_router_in_flight", engine=good.url) == 0
 
 
 def test_models_and_metrics_are_served(good_and_bad) -> None:  # noqa: ANN001
@@ -215,6 +228,39 @@ def test_models_and_metrics_are_served(good_and_bad) -> None:  # noqa: ANN001
     # Its event loop's lag is sampled (every 100 ms) from the start.
     wait_until(lambda: router.metric("pegaflow_router_event_loop_lag_seconds_count") >= 2, 10,
                "the router's loop lag to be sampled")
+
+
+def test_a_stream_the_engine_breaks_off_ends_with_an_error_event(logs: Path) -> None:
+    """A stream that just stopped would read as a whole, shorter answer to the client."""
+    e = FakeEngine(logs, "mid", "--fail", "midstream")
+    router = RouterProc(logs, "--engine", e.url, "--skip-tokenizer-init", name="router-mid")
+    try:
+        r = router.post("/v1/completions", {**completion("x", max_tokens=4), "stream": True})
+        events = [line for line in r.text.splitlines() if line.startswith("data:")]
+        assert len(events) == 2 and "[DONE]" not in events[-1], events
+        assert json.loads(events[-1][5:])["error"]["code"] == 502
+    finally:
+        router.stop()
+        e.stop()
+
+
+def test_an_engine_slower_than_the_request_timeout_stays_in_rotation_and_runs_it_once(logs: Path) -> None:
+    """A read timeout is an engine at work (a long generation, a long queue): taking it out
+    of rotation and running the request again elsewhere doubled the work, for a 502."""
+    es = [FakeEngine(logs, f"slow{i}", "--delay", "3") for i in range(2)]
+    router = RouterProc(logs, "--engine", *(e.url for e in es), "--policy", "round-robin", "--request-timeout", "1",
+                        "--skip-tokenizer-init", name="router-slow")
+    try:
+        r = router.post("/v1/completions", completion("x", max_tokens=1))
+        assert r.status_code == 504 and "--request-timeout" in r.json()["error"]["message"]
+        wait_until(lambda: sum(len(e.served()) for e in es) >= 1, 10, "the engine to have the request")
+        assert sum(len(e.served()) for e in es) == 1, "run on a second engine"
+        assert all(router.metric("pegaflow_router_engine_up", engine=e.url) == 1 for e in es)
+        assert router.metric("pegaflow_router_slow_answers_total") == 1
+    finally:
+        router.stop()
+        for e in es:
+            e.stop()
 
 
 def test_an_engine_that_stops_answering_leaves_rotation_and_returns(logs: Path) -> None:
