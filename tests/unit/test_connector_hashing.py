@@ -186,19 +186,3 @@ def test_hashes_are_identical_across_processes_with_different_pythonhashseed() -
         outs.add(out.stdout.strip())
     assert len(outs) == 1 and len(next(iter(outs))) == 10 * 32
 
-
-def test_the_router_and_the_connector_hash_a_lora_request_alike() -> None:
-    """The router learns each adapter's path from the engine's /v1/models (the card's root,
-    vLLM's ``lora.path``); the connector from the request's LoRARequest."""
-    from types import SimpleNamespace
-
-    from pegaflow.connector.scheduler import extra_keys_of
-    from pegaflow.router.prompts import extra_keys
-
-    adapters = {"sql": "/adapters/sql-v2"}
-    routed = extra_keys({"model": "sql", "cache_salt": "t1"}, adapters)
-    engine = extra_keys_of(SimpleNamespace(lora_request=SimpleNamespace(lora_name="sql", lora_path="/adapters/sql-v2"),
-                                           cache_salt="t1", mm_features=[]))
-    seed = ident().seed
-    assert block_hashes(seed, TOKENS, BS, routed) == block_hashes(seed, TOKENS, BS, engine)
-    assert extra_keys({"model": "base-model"}, adapters) == ExtraKeys()

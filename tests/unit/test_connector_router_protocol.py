@@ -109,3 +109,21 @@ def test_malformed_router_params_are_ignored(params: object) -> None:
     decode = Engine(node, identity())
     req = decode.request(p, kv_transfer_params=params)
     assert decode.sched.get_num_new_matched_tokens(req, 0) == (2 * BS, False)
+
+
+def test_the_router_and_the_connector_hash_a_lora_request_alike() -> None:
+    """The router learns each adapter's path from the engine's /v1/models (the card's root,
+    vLLM's ``lora.path``); the connector from the request's LoRARequest."""
+    from types import SimpleNamespace
+
+    from pegaflow.connector.scheduler import extra_keys_of
+    from pegaflow.core.identity import ExtraKeys
+    from pegaflow.router.prompts import extra_keys
+
+    adapters = {"sql": "/adapters/sql-v2"}
+    routed = extra_keys({"model": "sql", "cache_salt": "t1"}, adapters)
+    engine = extra_keys_of(SimpleNamespace(lora_request=SimpleNamespace(lora_name="sql", lora_path="/adapters/sql-v2"),
+                                           cache_salt="t1", mm_features=[]))
+    seed, tokens = identity().seed, prompt(7)
+    assert block_hashes(seed, tokens, BS, routed) == block_hashes(seed, tokens, BS, engine)
+    assert extra_keys({"model": "base-model"}, adapters) == ExtraKeys()
