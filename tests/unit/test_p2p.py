@@ -830,3 +830,50 @@ def test_a_pull_cancelled_mid_transfer_keeps_its_pages_until_the_transfer_stoppe
         transport.go.set()
         a.close()
         b.close()
+
+
+def test_the_data_port_keeps_accepting_after_an_accept_error(pair):  # type: ignore[no-untyped-def]
+    """EMFILE (descriptors short anywhere in the process) ended the accept loop for good,
+    while the port stayed open: every later puller's connection waited out its timeout."""
+    import errno
+
+    a, b, meta, peers, puller = pair
+    real = a.data.sock
+    calls: list[int] = []
+
+    class Flaky:
+        def accept(self):  # type: ignore[no-untyped-def]
+            calls.append(1)
+            if len(calls) == 1:
+                raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+            return real.accept()
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+    a.data.sock = Flaky()  # the loop, blocked in the real accept, uses it from its next turn
+    hs = hashes("emfile", 4)
+    want = a.store(hs)
+    meta.holders = [Holder("a", a.address, 4)]
+    pull(a, b, puller, hs, 0)  # its connection wakes the loop
+    assert [b.page(h) for h in hs] == [want[h] for h in hs]
+    wait_until(lambda: len(calls) >= 2, 5, "the accept loop to accept again after the error", every=0.01)
+    assert a.data._thread.is_alive()
+
+
+def test_forgetting_a_pins_checksums_keeps_another_blocks_value_of_the_same_hash():
+    side = Side("f")
+    try:
+        (h,) = hashes("forget", 1)
+        b1 = side.index.reserve(side.ns, [h])[0]
+        assert b1 is not None
+        side.checksums.record(b1, 1)  # staged for pin A
+        side.index.discard([b1])
+        b2 = side.index.reserve(side.ns, [h])[0]  # staged again, for pin B
+        assert b2 is not None and b2 is not b1
+        side.checksums.record(b2, 2)
+        side.checksums.forget([b1])  # pin A ends
+        assert side.checksums.get(b2) == 2, "pin B's page lost its value (its bytes would be hashed as sent)"
+        side.index.discard([b2])
+    finally:
+        side.close()

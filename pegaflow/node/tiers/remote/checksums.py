@@ -86,10 +86,15 @@ class PageChecksums:
         self._sums[(b.ns.id, b.hash)] = (b, checksum)
 
     def forget(self, blocks: Sequence[Block]) -> None:
-        """Drop the values of pages that never became resident (read from SSD for a pin)."""
-        pop = self._sums.pop
+        """Drop the values of pages that never became resident (read from SSD for a pin);
+        a value since recorded for another block of the same key (staged again for another
+        pin, after a reset) stays."""
+        sums = self._sums
         for b in blocks:
-            pop((b.ns.id, b.hash), None)
+            key = (b.ns.id, b.hash)
+            got = sums.get(key)
+            if got is not None and got[0] is b:
+                del sums[key]
 
     def of(self, b: Block) -> int:
         """``b``'s value, hashing its page now (and keeping the value) if it is not known."""

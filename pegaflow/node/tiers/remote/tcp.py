@@ -29,6 +29,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Generic, Protocol, TypeVar
@@ -51,6 +52,8 @@ MIN_STREAM_BYTES = 4 << 20  # do not split pulls smaller than this per stream (s
 SOCK_BUF = 4 << 20  # socket buffers large enough to keep a 10-25 Gbit/s link busy
 IDLE_PER_PEER = 16  # idle connections kept per peer: STREAMS x the puller's SSD_CHUNKS_IN_FLIGHT, so chunked pulls reuse them
 KEEPALIVE_IDLE = 30  # seconds: probes find pullers that vanished from an idle connection
+ACCEPT_RETRY_S = 0.01  # after a failed accept (EMFILE...): the wait, doubling up to ACCEPT_RETRY_MAX_S
+ACCEPT_RETRY_MAX_S = 1.0
 
 
 
@@ -142,19 +145,36 @@ class TcpDataServer(Generic[P]):
         self._thread.start()
 
     def _accept(self) -> None:
+        """Accept until :meth:`close`. An error accepting (EMFILE, ENFILE, ENOBUFS: pressure
+        anywhere in the process) or starting a connection's thread is waited out, not the
+        end of the port: it ended the accept loop for good while the listening socket stayed
+        open, so every puller's connection sat in the backlog until its timeout."""
+        delay = 0.0
         while not self._closed:
             try:
                 conn, _ = self.sock.accept()
-            except OSError:
-                return
-            _tune(conn)
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_IDLE)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
-            with self._lock:
-                self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="p2p-data-send", daemon=True).start()
+            except OSError as exc:
+                if self._closed:
+                    return
+                delay = min(max(2 * delay, ACCEPT_RETRY_S), ACCEPT_RETRY_MAX_S)
+                log.warning("p2p_accept_failed", error=exc.strerror or repr(exc), retry_in_s=delay)
+                time.sleep(delay)
+                continue
+            delay = 0.0
+            try:
+                _tune(conn)
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE)
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_IDLE)
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+                with self._lock:
+                    self._conns.add(conn)
+                threading.Thread(target=self._serve, args=(conn,), name="p2p-data-send", daemon=True).start()
+            except (OSError, RuntimeError) as exc:  # RuntimeError: no thread could be started
+                log.warning("p2p_connection_not_served", error=repr(exc))
+                with self._lock:
+                    self._conns.discard(conn)
+                conn.close()
 
     def _serve(self, conn: socket.socket) -> None:
         hdr = bytearray(REQ.size)
