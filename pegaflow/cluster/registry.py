@@ -138,7 +138,8 @@ return 2
 
 # Retire the newest nid of nodes whose live key is gone and whose last registration or
 # heartbeat is more than ARGV[1] ms old (0, or a node without a stamp: the live key alone); forget
-# them in the registry. KEYS[4 + i] is the live key of ARGV[1 + i] (keys.live_key).
+# them in the registry and its decode-backup report. KEYS[5 + i] is the live key of ARGV[1 + i]
+# (keys.live_key).
 _REAP = Script(
     _NOW
     + """
@@ -147,7 +148,7 @@ local idle = tonumber(ARGV[1])
 for i = 1, #ARGV - 1 do
   local name = ARGV[1 + i]
   local seen = redis.call('HGET', KEYS[4], name)
-  if redis.call('EXISTS', KEYS[4 + i]) == 0 and (idle <= 0 or not seen or now - tonumber(seen) > idle) then
+  if redis.call('EXISTS', KEYS[5 + i]) == 0 and (idle <= 0 or not seen or now - tonumber(seen) > idle) then
     local cur = redis.call('HGET', KEYS[1], name)
     if cur then
       local c = cjson.decode(cur)
@@ -155,6 +156,7 @@ for i = 1, #ARGV - 1 do
       if c.prev then redis.call('ZADD', KEYS[2], now, c.prev) end
       redis.call('HDEL', KEYS[1], name)
       redis.call('HDEL', KEYS[4], name)
+      redis.call('HDEL', KEYS[5], name)
       out[#out + 1] = name
     end
   end
@@ -206,7 +208,8 @@ def reap(r: Client, names: list[str], idle_ms: int = 0) -> list[str]:
     not registered or heartbeat for more than ``idle_ms`` (Redis's clock); returns them."""
     if not names:
         return []
-    got = _REAP(r, [keys.NODES, keys.RETIRED, keys.VERSION, keys.SEEN, *map(keys.live_key, names)],
+    got = _REAP(r, [keys.NODES, keys.RETIRED, keys.VERSION, keys.SEEN, keys.BACKUP_REPORTS,
+                    *map(keys.live_key, names)],
                 [idle_ms, *names])
     return [n.decode() for n in got]
 

@@ -442,3 +442,17 @@ def test_a_replica_whose_lease_lapsed_while_it_claimed_reads_nothing_more_of_tha
     c.step()
     assert "a" not in c.streams
     assert r.xpending(stream_key("a"), GROUP)["pending"] == 0, "entries stranded in the old owner's list"
+
+
+def test_a_reaped_node_leaves_no_decode_backup_report(r: fakeredis.FakeRedis) -> None:
+    """Node ids change with pod names: a report kept for each reaped node grew the hash the
+    backup planner reads whole every second, for good."""
+    from pegaflow.cluster import backup
+
+    registry.register(r, "a", "h:1", 10_000, switch=True)
+    registry.register(r, "b", "h:2", 10_000, switch=True)
+    for n in ("a", "b"):
+        backup.report(r, n, False, 1 << 20)
+    r.delete(keys.live_key("a"))
+    assert registry.reap(r, ["a", "b"]) == ["a"]
+    assert not r.hexists(keys.BACKUP_REPORTS, "a") and r.hexists(keys.BACKUP_REPORTS, "b")
