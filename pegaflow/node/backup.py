@@ -207,6 +207,9 @@ class BackupAgent:
         wait = self.bucket.take(min(plan.nbytes, self.settings.pull_max_bytes))
         if wait > 0:
             await asyncio.sleep(wait)
+            if self.sessions.sessions:  # one registered meanwhile: its pool is not a backup's
+                log.info("backup_plan_dropped", source=plan.source, reason="an engine registered")
+                return
         c = plan.blocks
         try:
             landed, nbytes, missing = await self.puller.backup(c.namespace, c.block_bytes, plan.source,

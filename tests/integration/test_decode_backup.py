@@ -437,3 +437,24 @@ def test_a_target_takes_its_next_plan_when_one_is_pulled_not_at_the_next_tick(
     asyncio.run(main())
     assert puller.plans == [p.blocks.hashes for p in plans]
     assert backup.queued(r, "tgt") == 0
+
+
+def test_a_plan_waiting_for_its_bandwidth_is_dropped_when_an_engine_registers() -> None:
+    """A busy node's pool is not a backup's: an engine that registers while a plan waits for
+    its bandwidth must not see the plan's copies evict its blocks."""
+    index = BlockIndex(64 * PAGE)
+    sessions = Sessions(index)
+    puller = _Puller()
+    agent = BackupAgent(BackupSettings(10, 16384, 4 * PAGE, 1), index, sessions, "tgt", lambda: None,  # type: ignore[arg-type]
+                        puller, BackupMetrics(CollectorRegistry()))  # type: ignore[arg-type]
+    agent.bucket.take = lambda n: 0.05  # type: ignore[method-assign]  # the plan must wait
+    plan = backup.Plan("src", "127.0.0.1:1", 1, backup.Candidates(NS, PAGE, hashes("busy", 2)))
+
+    async def main() -> None:
+        waiting = asyncio.ensure_future(agent.execute(plan))
+        await asyncio.sleep(0)  # it waits for its bandwidth now
+        sessions.open("engine", [(NS, PAGE)])
+        await asyncio.wait_for(waiting, 10)
+
+    asyncio.run(main())
+    assert puller.plans == []
