@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import os
 import select
+import socket
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -877,3 +878,21 @@ def test_forgetting_a_pins_checksums_keeps_another_blocks_value_of_the_same_hash
         side.index.discard([b2])
     finally:
         side.close()
+
+
+def test_a_connection_that_sends_no_request_is_closed_by_the_data_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that connects and says nothing (or half a header) held a thread and a
+    descriptor of the holder for good."""
+    from pegaflow.node.tiers.remote import tcp
+
+    monkeypatch.setattr(tcp, "IDLE_TIMEOUT", 0.3, raising=False)
+    a = Side("idle")
+    try:
+        socks = [socket.create_connection(("127.0.0.1", a.data.port)) for _ in range(3)]
+        socks[0].sendall(b"PF")  # half a header
+        wait_until(lambda: len(a.data._conns) == 3, 5, "the port to take the connections", every=0.01)
+        wait_until(lambda: not a.data._conns, 5, "the silent connections to be closed", every=0.05)
+        for s in socks:
+            s.close()
+    finally:
+        a.close()

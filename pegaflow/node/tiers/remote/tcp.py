@@ -52,6 +52,7 @@ MIN_STREAM_BYTES = 4 << 20  # do not split pulls smaller than this per stream (s
 SOCK_BUF = 4 << 20  # socket buffers large enough to keep a 10-25 Gbit/s link busy
 IDLE_PER_PEER = 16  # idle connections kept per peer: STREAMS x the puller's SSD_CHUNKS_IN_FLIGHT, so chunked pulls reuse them
 KEEPALIVE_IDLE = 30  # seconds: probes find pullers that vanished from an idle connection
+IDLE_TIMEOUT = 120.0  # seconds a connection may wait for its next request before the holder closes it
 ACCEPT_RETRY_S = 0.01  # after a failed accept (EMFILE...): the wait, doubling up to ACCEPT_RETRY_MAX_S
 ACCEPT_RETRY_MAX_S = 1.0
 
@@ -180,9 +181,12 @@ class TcpDataServer(Generic[P]):
         hdr = bytearray(REQ.size)
         try:
             while True:
-                # Between requests a connection may idle for long (pooled by the puller):
-                # wait without the I/O timeout; keepalive reaps pullers that vanished.
-                conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(0))
+                # Between requests a connection may idle (pooled by the puller): it waits
+                # IDLE_TIMEOUT for the next request, then is closed (the puller replaces a
+                # pooled connection the holder closed); keepalive reaps pullers that vanished
+                # sooner. Without a bound a client that connects and sends nothing (or half a
+                # header) held a thread and a descriptor here for good.
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(IDLE_TIMEOUT))
                 try:
                     _recv_exact(conn, memoryview(hdr))
                 except (TransferError, OSError):
