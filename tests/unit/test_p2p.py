@@ -896,3 +896,28 @@ def test_a_connection_that_sends_no_request_is_closed_by_the_data_port(monkeypat
             s.close()
     finally:
         a.close()
+
+
+def test_a_backup_plan_larger_than_the_peers_batch_is_pulled_in_pins_it_takes():
+    """A decode-backup plan may hold more blocks than a peer's --max-batch allows in one pin:
+    pinned whole, it was refused (INVALID_ARGUMENT) every time, and never landed."""
+    a, b = Side("a"), Side("b")
+    a.service = PeerService(a.table, f"127.0.0.1:{a.data.port}", 4)  # --max-batch 4
+    transport = TcpTransport(b.pool.view)
+    puller = Puller(b.index, b.pool.view, "b", FakeMeta(), DirectPeers({a.address: a}), transport, b.metrics,
+                    pin_ttl=5.0, backoff=30.0, checksums=b.checksums, max_pull=4)
+    hs = hashes("plan", 10)
+    want = a.store(hs)
+
+    async def run() -> tuple[int, int, int]:
+        a.table.loop = asyncio.get_running_loop()
+        return await puller.backup(NS, PAGE, "a", a.address, hs)
+
+    try:
+        landed, nbytes, missing = asyncio.run(run())
+        assert (landed, nbytes, missing) == (10, 10 * PAGE, 0)
+        assert all(b.page(h) == want[h] for h in hs)
+    finally:
+        transport.close()
+        a.close()
+        b.close()

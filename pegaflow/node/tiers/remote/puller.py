@@ -462,7 +462,9 @@ class Puller:
         holder = Holder(node, address, len(rest))
         landed = nbytes = missing = 0
         while rest:
-            blocks = self.index.reserve(ns, rest, reclaimable=False)
+            # At most max_pull a pin, as a request's pulls (a peer refuses a pin beyond its
+            # --max-batch: a plan larger than that failed every time).
+            blocks = self.index.reserve(ns, rest[:self.max_pull], reclaimable=False)
             k = next((i for i, b in enumerate(blocks) if b is None), len(blocks))
             self.index.discard([b for b in blocks[k:] if b is not None])
             if k == 0:
