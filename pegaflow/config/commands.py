@@ -209,6 +209,7 @@ class RouterConfig:
     health_interval: float
     backoff_max: float
     request_timeout: float
+    engine_api_key: str
 
     @property
     def disaggregated(self) -> bool:

@@ -1254,6 +1254,17 @@ OPTIONS: list[Option] = [
         commands=(ROUTER,),
         env_var="PEGAFLOW_ROUTER_REQUEST_TIMEOUT",
     ),
+    Option(
+        "engine-api-key",
+        "",
+        "The key engines started with vLLM's --api-key take: the router's own checks of them "
+        "(/v1/models, the describe probe) present it. Client requests are forwarded with the "
+        "client's own Authorization header, never this key.",
+        str,
+        commands=(ROUTER,),
+        env_var="PEGAFLOW_ROUTER_ENGINE_API_KEY",
+        metavar="KEY",
+    ),
     # --- status: one screen of a node or the cluster (pegaflow/ops/status.py) ---------------
     Option("addr", NODE_ADDR, "The node to show: its gRPC address (HOST:PORT).", _grpc_target,
            commands=(STATUS,), metavar="HOST:PORT"),

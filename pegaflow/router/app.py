@@ -260,6 +260,7 @@ class Router:
                                                             keepalive_expiry=KEEPALIVE_EXPIRY_S),
                                         timeout=httpx.Timeout(self.cfg.request_timeout, connect=5.0))
         self.pool = EnginePool(self._engines, self.client, self.cfg.health_interval, self.cfg.backoff_max,
+                               api_key=self.cfg.engine_api_key,
                                on_change=self._engine_changed)
         if self.policy.wants_prefixes:
             self.hints = (MetaHints(self.cfg.metaserver_addr, self.security, self.cfg.hint_timeout)

@@ -92,6 +92,7 @@ class Engine:
     next_check: float = 0.0
     model: str = ""  # the served model id
     model_root: str = ""  # where the engine loaded it from (the tokenizer's default)
+    names: frozenset[str] = frozenset()  # every id it serves its model under (vLLM's --served-model-name a b)
     adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapters it serves: name -> path (both enter the hash)
     cards: list[Card] = field(default_factory=list)  # its /v1/models entries
     info: EngineInfo | None = None
@@ -106,16 +107,19 @@ class Engine:
                          ssd_tokens, remote_tokens)
 
     def serves(self, model: str | None) -> bool:
-        return not model or model == self.model or model in self.adapters
+        return not model or model == self.model or model in self.names or model in self.adapters
 
 
 class EnginePool:
     """The router's engines and the loop that keeps their state current."""
 
     def __init__(self, engines: Iterable[Engine], client: httpx.AsyncClient, health_interval: float,
-                 backoff_max: float, on_change: Callable[[Engine], None] | None = None) -> None:
+                 backoff_max: float, on_change: Callable[[Engine], None] | None = None, api_key: str = "") -> None:
         self.engines = {e.url: e for e in engines}
         self.client = client
+        # The router's own calls under /v1 (vLLM guards them with --api-key; /health and
+        # /metrics are open): only these carry the key.
+        self._auth = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self.health_interval = health_interval
         self.backoff = Backoff(BACKOFF_START_S, backoff_max)
         self.on_change = on_change  # on_change(engine): called when an engine goes up or down
@@ -167,6 +171,8 @@ class EnginePool:
                                                 response=r)
                 if not e.described:
                     await self._describe(e)
+                else:  # adapters loaded since (/v1/load_lora_adapter), served names
+                    await self._cards(e)
                 await self._scrape(e)
             except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
                 self.mark_down(e, f"{type(exc).__name__}: {exc}"[:200])
@@ -174,8 +180,9 @@ class EnginePool:
             self._mark_up(e)
             return True
 
-    async def _describe(self, e: Engine) -> None:
-        r = await self.client.get(e.url + "/v1/models", timeout=CHECK_TIMEOUT_S)
+    async def _cards(self, e: Engine) -> None:
+        """The engine's /v1/models: its model (every name it serves it under) and adapters."""
+        r = await self.client.get(e.url + "/v1/models", timeout=CHECK_TIMEOUT_S, headers=self._auth)
         r.raise_for_status()
         cards = r.json()["data"]
         base = [c for c in cards if not c.get("parent")]
@@ -183,11 +190,16 @@ class EnginePool:
             raise ValueError("/v1/models lists no model")
         e.model = str(base[0]["id"])
         e.model_root = str(base[0].get("root") or e.model)
+        e.names = frozenset(str(c["id"]) for c in base)
         e.adapters = {str(c["id"]): str(c.get("root") or "") for c in cards if c.get("parent")}
         e.cards = [c for c in cards if isinstance(c, dict)]
+
+    async def _describe(self, e: Engine) -> None:
+        await self._cards(e)
         body = {"model": e.model, "prompt": PROBE_PROMPT, "max_tokens": 1, "temperature": 0,
                 "kv_transfer_params": {ROUTER_KEY: {"describe": True}}}
-        r = await self.client.post(e.url + "/v1/completions", json=body, timeout=CHECK_TIMEOUT_S * 6)
+        r = await self.client.post(e.url + "/v1/completions", json=body, timeout=CHECK_TIMEOUT_S * 6,
+                                   headers=self._auth)
         r.raise_for_status()
         e.info = EngineInfo.parse(r.json().get("kv_transfer_params"))
         # A connector that has not reached its node yet names none: ask again next time.

@@ -30,10 +30,20 @@ from pegaflow.core.router_protocol import DESCRIBE_VERSION, ROUTER_KEY
 
 
 def build(name: str, node: str, block_size: int, fail: str, model: str, delay: float,
-          node_addr: str = "127.0.0.1:1") -> FastAPI:
+          node_addr: str = "127.0.0.1:1", api_key: str = "", alias: str = "") -> FastAPI:
     app = FastAPI()
     served: list[dict[str, Any]] = []
     root = f"pf1|{model}|bs={block_size}"
+    names = {model, *([alias] if alias else [])}  # vLLM's --served-model-name model alias
+    adapters: dict[str, str] = {}  # LoRA adapters loaded (POST /_adapters): name -> path
+
+    if api_key:  # (only then: the middleware relays a stream through a buffer of its own)
+        @app.middleware("http")
+        async def key(request: Request, call_next):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN202
+            # vLLM's --api-key: everything under /v1 needs it; /health and /metrics do not.
+            if request.url.path.startswith("/v1") and request.headers.get("authorization") != f"Bearer {api_key}":
+                return JSONResponse({"error": "Unauthorized"}, status_code=401)
+            return await call_next(request)
 
     def describe(body: dict[str, Any]) -> dict[str, Any]:
         n = len(body["prompt"]) if isinstance(body.get("prompt"), list) else 0
@@ -48,8 +58,15 @@ def build(name: str, node: str, block_size: int, fail: str, model: str, delay: f
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": model, "object": "model", "root": model,
-                                                         "parent": None}]})
+        cards = [{"id": n, "object": "model", "root": model, "parent": None} for n in sorted(names)]
+        cards += [{"id": n, "object": "model", "root": path, "parent": model} for n, path in adapters.items()]
+        return JSONResponse({"object": "list", "data": cards})
+
+    @app.post("/_adapters")
+    async def add_adapter(request: Request) -> Response:
+        body = await request.json()
+        adapters[str(body["name"])] = str(body["root"])
+        return JSONResponse({})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -64,7 +81,7 @@ def build(name: str, node: str, block_size: int, fail: str, model: str, delay: f
 
     async def complete(request: Request, chat: bool) -> Response:
         body = await request.json()
-        if body.get("model") != model:
+        if body.get("model") not in names and body.get("model") not in adapters:
             return JSONResponse({"error": {"message": "no such model", "type": "NotFoundError", "code": 404}},
                                 status_code=404)
         probe = (body.get("kv_transfer_params") or {}).get(ROUTER_KEY, {}).get("describe")
@@ -118,8 +135,10 @@ def main() -> None:
     p.add_argument("--model", default="fake-model")
     p.add_argument("--delay", type=float, default=0.0)
     p.add_argument("--node-addr", default="127.0.0.1:1")
+    p.add_argument("--api-key", default="")
+    p.add_argument("--alias", default="")
     a = p.parse_args()
-    uvicorn.run(build(a.name, a.node, a.block_size, a.fail, a.model, a.delay, a.node_addr), host="127.0.0.1",
+    uvicorn.run(build(a.name, a.node, a.block_size, a.fail, a.model, a.delay, a.node_addr, a.api_key, a.alias), host="127.0.0.1",
                 port=a.port, log_level="warning")
 
 

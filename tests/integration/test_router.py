@@ -263,6 +263,35 @@ def test_an_engine_slower_than_the_request_timeout_stays_in_rotation_and_runs_it
             e.stop()
 
 
+def test_engines_behind_an_api_key_come_into_rotation_with_the_routers_key(logs: Path) -> None:
+    """vLLM's --api-key guards /v1: the router's own checks (/v1/models, the describe probe)
+    carry --engine-api-key; clients' requests carry their own key, never the router's."""
+    e = FakeEngine(logs, "keyed", "--api-key", "k3y")
+    router = RouterProc(logs, "--engine", e.url, "--engine-api-key", "k3y", "--skip-tokenizer-init",
+                        name="router-key")
+    try:
+        assert router.post("/v1/completions", completion("x"), headers={"authorization": "Bearer k3y"}).status_code == 200
+        assert router.post("/v1/completions", completion("x")).status_code == 401, "the router lent a client its key"
+    finally:
+        router.stop()
+        e.stop()
+
+
+def test_a_second_served_name_and_an_adapter_loaded_later_are_served(logs: Path) -> None:
+    """vLLM's --served-model-name a b lists two base models; an adapter loaded at run time
+    (/v1/load_lora_adapter) appears in /v1/models later: both were a 404 at the router."""
+    e = FakeEngine(logs, "alias", "--alias", "fake-alias")
+    router = RouterProc(logs, "--engine", e.url, "--skip-tokenizer-init", name="router-alias")
+    try:
+        assert router.post("/v1/completions", {**completion("x"), "model": "fake-alias"}).status_code == 200
+        assert HTTP.post(e.url + "/_adapters", json={"name": "sql", "root": "/adapters/sql"}, timeout=5).status_code == 200
+        wait_until(lambda: router.post("/v1/completions", {**completion("x"), "model": "sql"}).status_code == 200, 10,
+                   "the adapter loaded later to be served")
+    finally:
+        router.stop()
+        e.stop()
+
+
 def test_an_engine_that_stops_answering_leaves_rotation_and_returns(logs: Path) -> None:
     e1, e2 = FakeEngine(logs, "k1"), FakeEngine(logs, "k2")
     router = RouterProc(logs, "--engine", e1.url, e2.url, "--policy", "round-robin", "--backoff-max", "1",
