@@ -100,6 +100,7 @@ FORWARDED_HEADERS = ("authorization", "x-request-id")
 HINT_HEADER = "x-pegaflow-prefix-hint"
 HINT_USED, HINT_NONE = "used", "none"
 ATTEMPTS = 2  # a request that failed before streaming is tried once more, elsewhere
+DISCONNECT_POLL_S = 0.1  # how often a request waiting for its engine checks that its client is still there
 # A stream broken off by the engine ends with an error event (the shape vLLM sends one in):
 # OpenAI clients raise on it, where a stream that just stopped reads as a whole answer.
 SSE_ERROR = b'data: {"error": {"message": %s, "type": "BadGateway", "code": 502}}\n\n'
@@ -116,7 +117,8 @@ class RouterMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = r = registry
         self.requests = Counter("pegaflow_router_requests_total", "Requests by endpoint and outcome "
-                                "(ok, client_error: the engine's or the router's 4xx, failed).",
+                                "(ok, client_error: the engine's or the router's 4xx, failed, cancelled: the "
+                                "client went away before the answer began).",
                                 ["endpoint", "outcome"], registry=r)
         self.engine_requests = Counter("pegaflow_router_engine_requests_total", "Requests sent to each engine.",
                                        ["engine", "role"], registry=r)
@@ -563,11 +565,34 @@ class Router:
             self.metrics.requests.labels(endpoint, "client_error").inc()
             return openai_error(400, f"a header the router forwards ({', '.join(FORWARDED_HEADERS)}) is not ASCII",
                                 "BadRequestError")
-        if self.cfg.disaggregated:
-            out = await self._disaggregated(kind, body, tokens, stream, headers)
-        else:
-            out = await self._send(ANY, endpoint, body, tokens, stream, headers)
+        work = asyncio.ensure_future(self._disaggregated(kind, body, tokens, stream, headers) if self.cfg.disaggregated
+                                     else self._send(ANY, endpoint, body, tokens, stream, headers))
+        out = await self._unless_gone(work, request)
+        if out is None:
+            self.metrics.requests.labels(endpoint, "cancelled").inc()
+            return Response(status_code=499)  # nobody reads it: the client went away
         return self._finish(out, endpoint, t0)
+
+    @staticmethod
+    async def _unless_gone(work: asyncio.Future[_Answer | _Stream], request: Request) -> _Answer | _Stream | None:
+        """``work``'s answer, or None once the client went away before it came: then the work
+        is cancelled, which closes the engine's connection, and vLLM aborts the request (its
+        ``with_cancellation``), as for a client of the engine itself. Until the first byte of
+        an answer; after it, the stream's relay sees the disconnect."""
+        while True:
+            done, _ = await asyncio.wait({work}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return work.result()
+            if await request.is_disconnected():
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+                if work.cancelled():
+                    return None
+                out = work.result()  # it came as the work was cancelled: let go of what it holds
+                if isinstance(out, _Stream):
+                    await out.upstream.aclose()
+                    out.load.done()
+                return None
 
     def _known(self, model: str | None) -> bool:
         assert self.pool is not None

@@ -292,6 +292,24 @@ def test_a_second_served_name_and_an_adapter_loaded_later_are_served(logs: Path)
         e.stop()
 
 
+def test_a_client_that_goes_away_before_its_answer_frees_the_engine(logs: Path) -> None:
+    """A client that stopped waiting (its timeout, a retry): vLLM aborts a request whose
+    connection closes; through the router the engine's connection stayed open and the
+    request ran to its end, counted in flight all along."""
+    e = FakeEngine(logs, "gone", "--delay", "6")
+    router = RouterProc(logs, "--engine", e.url, "--skip-tokenizer-init", name="router-gone")
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            HTTP.post(router.url + "/v1/completions", json=completion("x", max_tokens=1), timeout=0.5)
+        wait_until(lambda: router.metric("pegaflow_router_in_flight", engine=e.url) == 0, 3,
+                   "the router to let go of the request", every=0.05)
+        wait_until(lambda: router.metric("pegaflow_router_requests_total", endpoint="/v1/completions",
+                                         outcome="cancelled") == 1, 3, "the request counted cancelled")
+    finally:
+        router.stop()
+        e.stop()
+
+
 def test_an_engine_that_stops_answering_leaves_rotation_and_returns(logs: Path) -> None:
     e1, e2 = FakeEngine(logs, "k1"), FakeEngine(logs, "k2")
     router = RouterProc(logs, "--engine", e1.url, e2.url, "--policy", "round-robin", "--backoff-max", "1",
