@@ -26,7 +26,7 @@ import structlog
 
 from pegaflow.cluster import keys, registry
 from pegaflow.cluster.keys import stream_key
-from pegaflow.cluster.redis_conn import Client, error_text, parallel
+from pegaflow.cluster.redis_conn import Client, Script, error_text, parallel
 from pegaflow.meta.index import Index
 from pegaflow.meta.metrics import MetaMetrics
 
@@ -64,6 +64,25 @@ def silent_nodes(r: Client, idle_ms: int) -> dict[str, int | None]:
     return out
 
 
+# Delete a reaped node's stream only if nothing was written to it since the sweeper looked
+# (ARGV[1]: its last entry id then, '' for none): the stream and the registry are in
+# different slots, so the node may re-register and publish its new RESET in between, and a
+# plain DEL took that with it (its snapshot then never reached the index, and the view never
+# saw the new incarnation complete).
+_DELETE_STREAM = Script("""
+local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+local id = ''
+if #last > 0 then id = last[1][1] end
+if id == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+""")
+
+
+def _last_id(r: Client, node: str) -> str:
+    last = cast("list[tuple[bytes, object]]", r.xrevrange(stream_key(node), count=1))
+    return last[0][0].decode() if last else ""
+
+
 def sweep_once(
     r: Client, owner: str = "sweeper", lock_ms: int = 60_000, metrics: MetaMetrics | None = None,
     idle_ms: int = 0,
@@ -76,6 +95,7 @@ def sweep_once(
         t0_ms = registry.redis_ms(r.time())  # the retirements' clock: Redis's TIME, not this host's
         silent = silent_nodes(r, idle_ms)
         nids = {name: info.nid for name, info in registry.nodes(r).items() if name in silent}
+        lasts = {name: _last_id(r, name) for name in silent}  # before the reap: see _DELETE_STREAM
         gone = registry.reap(r, sorted(silent), idle_ms)  # re-checked there against a heartbeat meanwhile
         for node in gone:
             age = silent[node]
@@ -84,7 +104,8 @@ def sweep_once(
             # A reaped node's stream is void (its nid is retired). A node coming back re-registers
             # first, so only delete while it is still unregistered.
             if not r.hexists(keys.NODES, node):
-                r.delete(stream_key(node), keys.owner_key(node))
+                _DELETE_STREAM(r, [stream_key(node)], [lasts.get(node) or ""])
+                r.delete(keys.owner_key(node))
         reaped = len(gone)
         # Each retired nid is swept twice: once soon after it retired, once more when it is
         # forgotten (a lagging consumer may have applied a late event of it in between).

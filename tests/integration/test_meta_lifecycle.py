@@ -90,3 +90,32 @@ def test_a_live_node_is_never_reaped_however_old_its_stamp(redis_server: RedisSe
     r.hset(keys.SEEN, "a", redis_now_ms(r) - 10 * IDLE_MS)
     assert sweeper.sweep_once(r, idle_ms=IDLE_MS) == (0, 0)
     assert Index(r).holders(NS, hs) == [{nid}] * len(hs)
+
+
+def test_a_node_that_comes_back_while_it_is_reaped_keeps_its_new_stream(redis_server: RedisServer) -> None:
+    """The stream and the registry are in different slots: between the sweeper's last look at
+    the registry and its DEL, the node may register again and publish its new RESET. That DEL
+    took the new entries with it (the snapshot never reached the index)."""
+    r = connect(redis_server.url)
+    held(r)
+    r.xadd(stream_key("a"), {"e": b"old"}, id=f"{redis_now_ms(r) - 2 * IDLE_MS}-0")
+    silent_for(r, "a", IDLE_MS + 1000)
+
+    class ComesBack:
+        """The node registers again and publishes right after the sweeper found it gone."""
+
+        def __init__(self, real: Client) -> None:
+            self.real = real
+
+        def hexists(self, name: str, key: str) -> bool:
+            there = bool(self.real.hexists(name, key))
+            if not there and name == keys.NODES:
+                registry.register(self.real, "a", "h:1", 60_000, switch=True)
+                self.real.xadd(stream_key("a"), {"e": b"reset"})
+            return there
+
+        def __getattr__(self, attr: str) -> object:
+            return getattr(self.real, attr)
+
+    assert sweeper.sweep_once(ComesBack(r), idle_ms=IDLE_MS)[0] == 1  # type: ignore[arg-type, index]
+    assert [f[b"e"] for _, f in r.xrange(stream_key("a"))] == [b"old", b"reset"], "the new RESET was deleted"
