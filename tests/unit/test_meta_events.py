@@ -456,3 +456,37 @@ def test_a_reaped_node_leaves_no_decode_backup_report(r: fakeredis.FakeRedis) ->
     r.delete(keys.live_key("a"))
     assert registry.reap(r, ["a", "b"]) == ["a"]
     assert not r.hexists(keys.BACKUP_REPORTS, "a") and r.hexists(keys.BACKUP_REPORTS, "b")
+
+
+def test_a_compaction_whose_reset_another_consumer_read_still_trims_the_old_epoch(r: fakeredis.FakeRedis) -> None:
+    """The stream changed hands (or the consumer process restarted) between a re-sync's RESET
+    and its LAST: the older epochs stayed in the stream (another snapshot's worth each time,
+    read again by every view start-over and rebuild)."""
+    from pegaflow.cluster.keys import stream_key
+    from pegaflow.meta.events.codec import FIELD, encode
+    from pegaflow.meta.events.consumer import Consumer
+    from pegaflow.meta.events.schema import Event
+
+    def add(ev: Event) -> None:
+        r.xadd(stream_key("a"), {FIELD: encode(ev)})
+
+    nid1, e1 = registry.register(r, "a", "h:1", 10_000, switch=True)
+    add(Event("a", nid1, e1, 0, Op.RESET))
+    add(Event("a", nid1, e1, 1, Op.SNAPSHOT, NS, b"".join(hashes(2, seed=1)), FLAG_LAST))
+    add(Event("a", nid1, e1, 2, Op.INSERT, NS, b"".join(hashes(2, seed=2))))
+    c = Consumer(r, Index(r), "c1", lease_ms=10_000)
+    for _ in range(3):
+        c.step()
+    nid2, e2 = registry.register(r, "a", "h:1", 10_000, switch=False)  # compaction: a new epoch
+    add(Event("a", nid2, e2, 0, Op.RESET))
+    add(Event("a", nid2, e2, 1, Op.SNAPSHOT, NS, b"".join(hashes(4, seed=3))))
+    for _ in range(3):
+        c.step()
+    c = Consumer(r, Index(r), "c1", lease_ms=10_000)  # a new consumer object: the RESET was the old one's
+    add(Event("a", nid2, e2, 2, Op.SNAPSHOT, NS, b"".join(hashes(4, seed=4)), FLAG_LAST))
+    for _ in range(3):
+        c.step()
+    assert registry.visible(r, ["a"]) == {nid2: "a"}
+    from pegaflow.meta.events.codec import decode_entry
+
+    assert {decode_entry(f).epoch for _, f in r.xrange(stream_key("a"))} == {e2}, "the old epoch was not trimmed"

@@ -38,7 +38,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, cast
 
 import redis
 import structlog
@@ -57,6 +57,7 @@ log = structlog.get_logger("pegaflow.meta.events.consumer")
 READ_ENTRIES = 256  # entries per step over all owned streams (~131k updates at 512/entry, ~1 s):
 # big enough to amortise round trips, small enough that a step stays well inside a lease
 CLAIM_COUNT = 256
+RESET_SCAN = 1 << 20  # entries read back at most for a snapshot's RESET (a snapshot: up to ~8k entries of 512)
 REFRESH_SECONDS = 1.0  # registry / lease / retired-set refresh period
 # Sleep when no stream had anything (cluster reads cannot block), doubling while idle:
 # polling every 5 ms held the GIL ~20% of the time in an idle metaserver and put its
@@ -328,7 +329,7 @@ class Consumer:
 
     def _apply(self, st: _Stream, entries: Sequence[tuple[bytes, dict[bytes, bytes]]]) -> None:
         updates: list[Update] = []
-        switches: list[Event] = []
+        switches: list[tuple[Event, bytes]] = []  # (the LAST snapshot entry, its id)
         new_tags: dict[str, str] = {}
         ops: dict[str, int] = {}
         blocks = 0
@@ -367,7 +368,7 @@ class Consumer:
                 if tag not in self._known_tags:
                     new_tags[tag] = ev.namespace
             if ev.op == Op.SNAPSHOT and ev.last:
-                switches.append(ev)
+                switches.append((ev, eid))
         if new_tags:
             registry.add_namespace_tags(self.r, new_tags)
             self._known_tags.update(new_tags)
@@ -376,16 +377,49 @@ class Consumer:
                 self._to_ack.pop(st.key, None)
                 raise redis.ResponseError(f"lost the lease of {st.node} before applying")
             self.index.apply_many(updates)
-        for ev in switches:
+        for ev, last_id in switches:
             if registry.switch(self.r, ev.node, ev.nid):
                 self.stats.switches += 1
-                reset_id = st.resets.get(ev.epoch)
+                # Its RESET was read by another consumer object (the stream changed hands, the
+                # consumer process restarted mid-snapshot): found in the stream, so the older
+                # epochs are trimmed all the same.
+                reset_id = st.resets.get(ev.epoch) or self._find_reset(st.key, ev.epoch, last_id)
                 if reset_id is not None:
                     self.r.xtrim(st.key, minid=reset_id, approximate=False)
         self.stats.blocks += blocks
         self.metrics.blocks_applied.inc(blocks)
         for op, n in ops.items():
             self.metrics.events_applied.labels(op.lower()).inc(n)
+
+    def _find_reset(self, key: str, epoch: int, last_id: bytes) -> bytes | None:
+        """The id of ``epoch``'s RESET in stream ``key``, read back from its snapshot's LAST
+        entry ``last_id`` (a snapshot's entries follow its RESET); None past ``RESET_SCAN``
+        entries, or at an entry of another epoch first."""
+        end: bytes | str = last_id
+        seen = 0
+        while seen < RESET_SCAN:
+            chunk = cast("list[tuple[bytes, dict[bytes, bytes]]]",
+                         self.r.xrevrange(key, max=end, min="-", count=CLAIM_COUNT))
+            if not chunk:
+                return None
+            for eid, fields in chunk:
+                try:
+                    ev = decode_entry(fields)
+                except MalformedEvent:
+                    continue
+                if ev.epoch != epoch:
+                    return None
+                if ev.op == Op.RESET:
+                    return eid
+            seen += len(chunk)
+            ms, seq = chunk[-1][0].decode().split("-")
+            if int(seq) > 0:
+                end = f"{ms}-{int(seq) - 1}"
+            elif int(ms) > 0:
+                end = f"{int(ms) - 1}-{(1 << 64) - 1}"
+            else:
+                return None
+        return None
 
     def _incarnation(self, node: str) -> _Incarnation | None:
         """``node``'s newest registration, None if it has none."""
