@@ -490,3 +490,22 @@ def test_a_compaction_whose_reset_another_consumer_read_still_trims_the_old_epoc
     from pegaflow.meta.events.codec import decode_entry
 
     assert {decode_entry(f).epoch for _, f in r.xrange(stream_key("a"))} == {e2}, "the old epoch was not trimmed"
+
+
+def test_a_replica_that_takes_a_stream_over_drops_the_gone_replicas_consumer(r: fakeredis.FakeRedis) -> None:
+    """Every replica restart is a new consumer name; the group kept each one for good."""
+    from pegaflow.cluster.keys import owner_key, stream_key
+    from pegaflow.meta.events.codec import FIELD, encode
+    from pegaflow.meta.events.consumer import Consumer
+    from pegaflow.meta.events.schema import Event
+    from pegaflow.meta.events.streams import GROUP
+
+    nid, epoch = registry.register(r, "a", "h:1", 10_000, switch=True)
+    r.xadd(stream_key("a"), {FIELD: encode(Event("a", nid, epoch, 0, Op.INSERT, NS, b"".join(hashes(2))))})
+    old = Consumer(r, Index(r), "old-replica", lease_ms=10_000)
+    old.step()
+    r.delete(owner_key("a"))  # the old replica is gone: its lease and its heartbeat lapse
+    r.zrem(keys.CONSUMERS, "old-replica")
+    new = Consumer(r, Index(r), "new-replica", lease_ms=10_000)
+    new.step()
+    assert [c["name"] for c in r.xinfo_consumers(stream_key("a"), GROUP)] == [b"new-replica"]

@@ -279,6 +279,16 @@ class Consumer:
         self._flush_acks()
         return handled
 
+    def _forget_gone_consumers(self, st: _Stream) -> None:
+        """Drop from the stream's group the consumers of replicas that are gone (not in
+        ``keys.CONSUMERS``) and hold nothing (their entries were just claimed): every replica
+        restart is a new name, and the group kept each for the stream's lifetime."""
+        alive = {m.decode() for m in cast("list[bytes]", self.r.zrange(keys.CONSUMERS, 0, -1))}
+        for c in cast("list[dict[str, object]]", self.r.xinfo_consumers(st.key, GROUP)):
+            name = c["name"].decode() if isinstance(c["name"], bytes) else str(c["name"])
+            if name != self.name and name not in alive and not c.get("pending"):
+                self.r.xgroup_delconsumer(st.key, GROUP, name)
+
     def _refresh_if_due(self) -> None:
         if time.monotonic() >= self._next_refresh:
             self.refresh()
@@ -298,6 +308,7 @@ class Consumer:
             if start in (b"0-0", "0-0"):
                 break
         st.claimed = True
+        self._forget_gone_consumers(st)
         if n:
             self.stats.claimed += n
             self.metrics.entries_claimed.inc(n)
