@@ -921,3 +921,42 @@ def test_a_backup_plan_larger_than_the_peers_batch_is_pulled_in_pins_it_takes():
         transport.close()
         a.close()
         b.close()
+
+
+def test_a_puller_that_reads_its_pages_too_slowly_is_cut_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """IO_TIMEOUT bounds only a send that makes no progress: a puller reading a little every
+    few seconds held the pin, past its TTL, for as long as it liked."""
+    import time
+
+    from pegaflow.node.tiers.remote import tcp
+
+    monkeypatch.setattr(tcp, "IO_TIMEOUT", 2.0)  # each call progresses sooner: only the deadline can cut
+    monkeypatch.setattr(tcp, "MIN_RATE", 1 << 30, raising=False)  # the deadline: ~IO_TIMEOUT
+    monkeypatch.setattr(tcp, "SOCK_BUF", 64 << 10)  # the 4 MiB must not fit the kernel's buffers
+    a = Side("slow")
+    try:
+        hs = hashes("slow", 64)  # 4 MiB
+        a.store(hs)
+
+        async def pin() -> int:
+            a.table.loop = asyncio.get_running_loop()
+            p = await a.table.pin_for_transfer(NS, hs, 30.0)
+            assert p is not None
+            return p.id
+
+        pin_id = asyncio.run(pin())
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 10)
+        s.connect(("127.0.0.1", a.data.port))
+        s.sendall(tcp.REQ.pack(tcp.REQ_MAGIC, pin_id, 0, len(hs)))
+        t0, cut = time.monotonic(), False
+        while time.monotonic() - t0 < 10 and not cut:  # the slow reader under test: 16 KiB every 0.2 s
+            try:
+                cut = not s.recv(16 << 10)
+            except ConnectionResetError:
+                cut = True
+            time.sleep(0.2)
+        s.close()
+        assert cut, "a puller reading at ~80 KiB/s kept the transfer going"
+    finally:
+        a.close()

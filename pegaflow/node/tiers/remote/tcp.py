@@ -53,6 +53,10 @@ SOCK_BUF = 4 << 20  # socket buffers large enough to keep a 10-25 Gbit/s link bu
 IDLE_PER_PEER = 16  # idle connections kept per peer: STREAMS x the puller's SSD_CHUNKS_IN_FLIGHT, so chunked pulls reuse them
 KEEPALIVE_IDLE = 30  # seconds: probes find pullers that vanished from an idle connection
 IDLE_TIMEOUT = 120.0  # seconds a connection may wait for its next request before the holder closes it
+# A transfer's whole deadline: IO_TIMEOUT plus its bytes at this rate. IO_TIMEOUT alone bounds
+# only a call that makes no progress: a peer that reads (or sends) a little every few seconds
+# kept a pin past its TTL on the holder, or a puller's worker thread, for as long as it liked.
+MIN_RATE = 8 << 20  # bytes/s per connection: far below any data-center link
 ACCEPT_RETRY_S = 0.01  # after a failed accept (EMFILE...): the wait, doubling up to ACCEPT_RETRY_MAX_S
 ACCEPT_RETRY_MAX_S = 1.0
 
@@ -101,14 +105,28 @@ def sendfile_works(fd: int) -> bool:
         b.close()
 
 
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+def _deadline(nbytes: int) -> float:
+    return time.monotonic() + IO_TIMEOUT + nbytes / MIN_RATE
+
+
+def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
     got = 0
     n = len(view)
     while got < n:
+        if deadline is not None and time.monotonic() > deadline:
+            raise TransferError(f"peer sends slower than {MIN_RATE >> 20} MiB/s")
         r = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
         if r == 0:
             raise TransferError("peer closed the data connection")
         got += r
+
+
+def _send_exact(sock: socket.socket, data: memoryview, deadline: float) -> None:
+    while data:
+        if time.monotonic() > deadline:
+            raise OSError(f"peer reads slower than {MIN_RATE >> 20} MiB/s")
+        sent = sock.send(data)
+        data = data[sent:]
 
 
 class TcpDataServer(Generic[P]):
@@ -215,12 +233,15 @@ class TcpDataServer(Generic[P]):
         out, fd, checksum_of = conn.fileno(), self.pool_fd, self.checksum_of
         sums = []
         total = 0
+        deadline = _deadline(sum(p.size for p in pages))
         for p in pages:
+            if time.monotonic() > deadline:
+                raise OSError(f"peer reads slower than {MIN_RATE >> 20} MiB/s")
             sums.append(checksum_of(p))
             off, n = p.offset, p.size
             total += n
             if not self.sendfile:
-                conn.sendall(self.view[off:off + n])
+                _send_exact(conn, self.view[off:off + n], deadline)
                 continue
             while n:
                 sent = os.sendfile(out, fd, off, n)
@@ -228,6 +249,8 @@ class TcpDataServer(Generic[P]):
                     raise OSError("sendfile sent nothing")
                 off += sent
                 n -= sent
+                if n and time.monotonic() > deadline:
+                    raise OSError(f"peer reads slower than {MIN_RATE >> 20} MiB/s")
         # Counted before the checksums go: the puller's pull ends when they arrive, so a
         # scrape after any pull ended counts its bytes (counted after, a pull could end and be
         # scraped before this thread ran again: PeerStats.served_bytes 0 in a loaded test run).
@@ -319,12 +342,13 @@ class TcpTransport:
                 raise TransferError(f"peer sends {total} bytes, expected {(b - a) * size}")
             view = self.view
             got = []
+            deadline = _deadline(total)
             for i in range(a, b):
                 page = view[dests[i]:dests[i] + size]
-                _recv_exact(sock, page)
+                _recv_exact(sock, page, deadline)
                 got.append(page_checksum(page))
             trailer = bytearray(8 * (b - a))
-            _recv_exact(sock, memoryview(trailer))
+            _recv_exact(sock, memoryview(trailer), deadline)
             sent = struct.unpack(f"<{b - a}Q", trailer)
             ok = True
             return [x if x == y else None for x, y in zip(got, sent, strict=True)]
