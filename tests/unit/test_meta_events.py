@@ -25,6 +25,16 @@ def hashes(n: int, seed: int = 0) -> list[bytes]:
     return [rng.randbytes(16) for _ in range(n)]
 
 
+def publish(r: fakeredis.FakeRedis, ev: Event) -> None:
+    """``ev`` appended to its node's stream, as the node's publisher writes it."""
+    r.xadd(stream_key(ev.node), {FIELD: encode(ev)})
+
+
+def steps(c: Consumer, n: int = 3) -> None:
+    for _ in range(n):
+        c.step()
+
+
 @pytest.fixture
 def r() -> fakeredis.FakeRedis:
     pytest.importorskip(
@@ -377,22 +387,15 @@ def test_the_incarnation_still_visible_during_a_re_sync_keeps_its_events_applied
     """Until the new incarnation switches, readers see the old one: its evictions written
     before the node's new RESET must reach the Redis index too (lookups answered from Redis
     named a node for blocks it had evicted, unlike the view)."""
-    from pegaflow.cluster.keys import stream_key
-    from pegaflow.meta.events.codec import FIELD, encode
-    from pegaflow.meta.events.consumer import Consumer
-    from pegaflow.meta.events.schema import Event
-
     nid1, e1 = registry.register(r, "a", "h:1", 10_000, switch=True)
     x = hashes(4, seed=6)
-    r.xadd(stream_key("a"), {FIELD: encode(Event("a", nid1, e1, 0, Op.INSERT, NS, b"".join(x)))})
+    publish(r, Event("a", nid1, e1, 0, Op.INSERT, NS, b"".join(x)))
     c = Consumer(r, Index(r), "c1", lease_ms=10_000)
-    for _ in range(3):
-        c.step()
+    steps(c)
     assert Index(r).query(NS, x) == {nid1: 4}
-    r.xadd(stream_key("a"), {FIELD: encode(Event("a", nid1, e1, 1, Op.EVICT, NS, b"".join(x[2:])))})
+    publish(r, Event("a", nid1, e1, 1, Op.EVICT, NS, b"".join(x[2:])))
     registry.register(r, "a", "h:1", 10_000, switch=False)  # an in-process re-sync starts
-    for _ in range(3):
-        c.step()
+    steps(c)
     assert registry.visible(r, ["a"]) == {nid1: "a"}
     assert Index(r).query(NS, x) == {nid1: 2}, "the visible incarnation's eviction was dropped"
     assert c.stats.stale == 0
@@ -462,33 +465,20 @@ def test_a_compaction_whose_reset_another_consumer_read_still_trims_the_old_epoc
     """The stream changed hands (or the consumer process restarted) between a re-sync's RESET
     and its LAST: the older epochs stayed in the stream (another snapshot's worth each time,
     read again by every view start-over and rebuild)."""
-    from pegaflow.cluster.keys import stream_key
-    from pegaflow.meta.events.codec import FIELD, encode
-    from pegaflow.meta.events.consumer import Consumer
-    from pegaflow.meta.events.schema import Event
-
-    def add(ev: Event) -> None:
-        r.xadd(stream_key("a"), {FIELD: encode(ev)})
-
-    nid1, e1 = registry.register(r, "a", "h:1", 10_000, switch=True)
-    add(Event("a", nid1, e1, 0, Op.RESET))
-    add(Event("a", nid1, e1, 1, Op.SNAPSHOT, NS, b"".join(hashes(2, seed=1)), FLAG_LAST))
-    add(Event("a", nid1, e1, 2, Op.INSERT, NS, b"".join(hashes(2, seed=2))))
-    c = Consumer(r, Index(r), "c1", lease_ms=10_000)
-    for _ in range(3):
-        c.step()
-    nid2, e2 = registry.register(r, "a", "h:1", 10_000, switch=False)  # compaction: a new epoch
-    add(Event("a", nid2, e2, 0, Op.RESET))
-    add(Event("a", nid2, e2, 1, Op.SNAPSHOT, NS, b"".join(hashes(4, seed=3))))
-    for _ in range(3):
-        c.step()
-    c = Consumer(r, Index(r), "c1", lease_ms=10_000)  # a new consumer object: the RESET was the old one's
-    add(Event("a", nid2, e2, 2, Op.SNAPSHOT, NS, b"".join(hashes(4, seed=4)), FLAG_LAST))
-    for _ in range(3):
-        c.step()
-    assert registry.visible(r, ["a"]) == {nid2: "a"}
     from pegaflow.meta.events.codec import decode_entry
 
+    nid1, e1 = registry.register(r, "a", "h:1", 10_000, switch=True)
+    publish(r, Event("a", nid1, e1, 0, Op.RESET))
+    publish(r, Event("a", nid1, e1, 1, Op.SNAPSHOT, NS, b"".join(hashes(2, seed=1)), FLAG_LAST))
+    publish(r, Event("a", nid1, e1, 2, Op.INSERT, NS, b"".join(hashes(2, seed=2))))
+    steps(Consumer(r, Index(r), "c1", lease_ms=10_000))
+    nid2, e2 = registry.register(r, "a", "h:1", 10_000, switch=False)  # compaction: a new epoch
+    publish(r, Event("a", nid2, e2, 0, Op.RESET))
+    publish(r, Event("a", nid2, e2, 1, Op.SNAPSHOT, NS, b"".join(hashes(4, seed=3))))
+    steps(Consumer(r, Index(r), "c1", lease_ms=10_000))
+    publish(r, Event("a", nid2, e2, 2, Op.SNAPSHOT, NS, b"".join(hashes(4, seed=4)), FLAG_LAST))
+    steps(Consumer(r, Index(r), "c1", lease_ms=10_000))  # a new consumer object: the RESET was another's
+    assert registry.visible(r, ["a"]) == {nid2: "a"}
     assert {decode_entry(f).epoch for _, f in r.xrange(stream_key("a"))} == {e2}, "the old epoch was not trimmed"
 
 
