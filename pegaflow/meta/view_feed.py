@@ -106,6 +106,7 @@ RETRY_S = 0.2  # after a Redis error
 RESTART_AFTER_S = 5.0  # an incomplete visible incarnation this long after the streams drained: start over
 RESTART_MAX_S = 300.0  # the wait doubles up to this while starting over does not help
 START = b"0-0"  # a stream read from its first entry
+MAX_DEAD = 1 << 16  # superseded nids remembered (their events skipped); each incarnation is one
 
 
 # A round's commands: per shard as lists and packed (RESP), and the registry's count (ViewFeed._commands).
@@ -188,7 +189,9 @@ class ViewFeed:
         self._slot_of: dict[int, int] = {}  # nid -> its slot
         self._free = list(range(MAX_SLOTS - 1, -1, -1))  # lowest slot first
         self._dying: list[tuple[int, int]] = []  # (slot, clear_slot_part cursor) being cleared
-        self._dead: set[int] = set()  # superseded nids: their events are skipped
+        # Superseded nids, their events skipped: the newest MAX_DEAD (one forgotten is judged
+        # superseded again by the registry at its next event, and skipped then).
+        self._dead: dict[int, None] = {}
         self._overflow = False
         self._drained_at = -math.inf
         self._pos = dict.fromkeys(self._pos, START)
@@ -431,7 +434,7 @@ class ViewFeed:
             return None
         reg = self._reg
         if reg is not None and _superseded(reg, ev.node, ev.nid):
-            self._dead.add(ev.nid)
+            self._bury(ev.nid)
             return None
         if not self._free:
             self._overflowed("incarnations")
@@ -441,6 +444,11 @@ class ViewFeed:
             self._slots[slot] = _Slot(ev.nid, ev.node, self._round, ev.op == Op.RESET)
             self._slot_of[ev.nid] = slot
         return slot
+
+    def _bury(self, nid: int) -> None:
+        self._dead[nid] = None
+        if len(self._dead) > MAX_DEAD:
+            del self._dead[next(iter(self._dead))]
 
     def _overflowed(self, what: str) -> None:
         if not self._overflow:
@@ -456,7 +464,7 @@ class ViewFeed:
             assert s is not None
             if s.round < reg.round and nid not in referenced:
                 del self._slot_of[nid]
-                self._dead.add(nid)
+                self._bury(nid)
                 self._dying.append((slot, 0))
 
     def _clear_some(self) -> bool:

@@ -350,3 +350,17 @@ def test_the_feeder_goes_on_when_relearning_a_resharded_cluster_fails(monkeypatc
     t.join(10)
     assert not t.is_alive() and len(rounds) == 3, "the feeder stopped at the first failed re-learn"
     assert len(relearned) == 3
+
+
+def test_the_view_remembers_a_bounded_number_of_superseded_incarnations(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every restart or re-sync supersedes an incarnation; the set of them grew until the
+    view started over. A forgotten one is judged superseded again by the registry."""
+    import fakeredis
+
+    from pegaflow.meta import view_feed
+
+    monkeypatch.setattr(view_feed, "MAX_DEAD", 3, raising=False)
+    feed = view_feed.ViewFeed(fakeredis.FakeRedis(), 0.1)
+    for nid in range(10):
+        feed._bury(nid)
+    assert list(feed._dead) == [7, 8, 9]
