@@ -6,7 +6,8 @@ gauges), and ``/v1/completions`` / ``/v1/chat/completions``, streamed (SSE, one 
 node named on its command line. ``GET /_requests`` lists the bodies it served.
 Failure modes (``--fail``): ``500`` answers every completion with HTTP 500; ``crash``
 exits the process at its first completion, with the request's connection open;
-``midstream`` exits after a streamed answer's first chunk.
+``midstream`` exits after a streamed answer's first chunk; ``500-broken`` answers 500 with a
+body that breaks off.
 
     python -m tests.fakes.openai_engine --port P --name e0 --node node-0 --node-addr 127.0.0.1:50055
 
@@ -91,6 +92,13 @@ def build(name: str, node: str, block_size: int, fail: str, model: str, delay: f
                                                "code": 500}}, status_code=500)
             if fail == "crash":
                 os._exit(1)  # the connection drops with the request unanswered
+            if fail == "500-broken":
+                async def broken():  # noqa: ANN202
+                    yield b'{"error": '
+                    raise RuntimeError("the body breaks off")  # uvicorn drops the connection
+
+                return StreamingResponse(broken(), status_code=500, media_type="application/json",
+                                         headers={"content-length": "100"})
             served.append(body)
         n = int(body.get("max_tokens") or 4)
         words = [f"{name}-{i}" for i in range(n)]
@@ -131,7 +139,7 @@ def main() -> None:
     p.add_argument("--name", required=True)
     p.add_argument("--node", default="node-0")
     p.add_argument("--block-size", type=int, default=4)
-    p.add_argument("--fail", default="", choices=["", "500", "crash", "midstream"])
+    p.add_argument("--fail", default="", choices=["", "500", "crash", "midstream", "500-broken"])
     p.add_argument("--model", default="fake-model")
     p.add_argument("--delay", type=float, default=0.0)
     p.add_argument("--node-addr", default="127.0.0.1:1")

@@ -230,6 +230,22 @@ def test_models_and_metrics_are_served(good_and_bad) -> None:  # noqa: ANN001
                "the router's loop lag to be sampled")
 
 
+def test_a_5xx_whose_body_breaks_off_is_tried_on_another_engine(logs: Path) -> None:
+    """Reading the broken body failed, and the answer's content was then read anyway:
+    ResponseNotRead, a 500 of the router's own, and no second engine tried."""
+    bad, good = FakeEngine(logs, "broken5xx", "--fail", "500-broken"), FakeEngine(logs, "fine5xx")
+    router = RouterProc(logs, "--engine", bad.url, good.url, "--policy", "round-robin", "--skip-tokenizer-init",
+                        name="router-5xx")
+    try:
+        for i in range(4):  # each engine's turn comes: every request ends on the good one
+            r = router.post("/v1/completions", completion(f"p{i}"))
+            assert r.status_code == 200 and r.headers["x-pegaflow-engine"] == good.url
+    finally:
+        router.stop()
+        bad.stop()
+        good.stop()
+
+
 def test_a_stream_the_engine_breaks_off_ends_with_an_error_event(logs: Path) -> None:
     """A stream that just stopped would read as a whole, shorter answer to the client."""
     e = FakeEngine(logs, "mid", "--fail", "midstream")
