@@ -164,6 +164,14 @@ class Script:
 Call = tuple[Script, Sequence[KeyT], Sequence[EncodableT]]
 
 
+# A key held as a lease names its holder: renewed or released by that holder only, in one
+# step (GET then PEXPIRE or DEL apart could act on a lease another took meanwhile).
+RENEW_IF_HELD = Script(
+    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0"
+)
+RELEASE_IF_HELD = Script("if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0")
+
+
 def _node_client(r: Client, key: KeyT) -> redis.Redis:
     if is_cluster(r):
         return r.get_redis_connection(r.get_node_from_key(key))

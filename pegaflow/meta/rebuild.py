@@ -28,7 +28,7 @@ import structlog
 
 from pegaflow.cluster import keys, registry
 from pegaflow.cluster.keys import stream_key
-from pegaflow.cluster.redis_conn import Client, Script
+from pegaflow.cluster.redis_conn import RELEASE_IF_HELD, RENEW_IF_HELD, Client
 from pegaflow.meta.events.codec import MalformedEvent, decode_entry
 from pegaflow.meta.events.schema import Op
 from pegaflow.meta.index import Index, Update
@@ -38,9 +38,6 @@ log = structlog.get_logger("pegaflow.meta.rebuild")
 XRANGE_COUNT = 512
 PAUSE_TTL_S = 60.0  # the pause outlives a rebuild that died by at most this
 PAUSE_RENEW_S = 10.0  # renewed at least this often while the rebuild runs
-
-_HOLD = Script("if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0")
-
 
 class RebuildError(Exception):
     """The rebuild cannot be trusted to finish: nothing was swapped (one line for the operator)."""
@@ -60,14 +57,13 @@ class _Pause:
         this rebuild's."""
         if not now and time.monotonic() - self._renewed < PAUSE_RENEW_S:
             return
-        if not _HOLD(self.r, [keys.PAUSE], [self.token, int(PAUSE_TTL_S * 1000)]):
+        if not RENEW_IF_HELD(self.r, [keys.PAUSE], [self.token, int(PAUSE_TTL_S * 1000)]):
             raise RebuildError("the pause ended while rebuilding (it expired, or was lifted): replicas may have "
                                "applied updates meanwhile, which the swap would drop; nothing was changed, run it again")
         self._renewed = time.monotonic()
 
     def lift(self) -> None:
-        if self.r.get(keys.PAUSE) == self.token.encode():
-            self.r.delete(keys.PAUSE)
+        RELEASE_IF_HELD(self.r, [keys.PAUSE], [self.token])
 
 
 @dataclass

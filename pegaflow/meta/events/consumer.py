@@ -47,7 +47,7 @@ from redis.typing import StreamIdT
 
 from pegaflow.cluster import keys, registry
 from pegaflow.cluster.keys import stream_key
-from pegaflow.cluster.redis_conn import Client, Script, error_text
+from pegaflow.cluster.redis_conn import RELEASE_IF_HELD, RENEW_IF_HELD, Client, Script, error_text
 from pegaflow.meta.events.codec import MalformedEvent, decode_entry
 from pegaflow.meta.events.schema import Event, Op, Update
 from pegaflow.meta.events.streams import GROUP
@@ -66,9 +66,6 @@ REFRESH_SECONDS = 1.0  # registry / lease / retired-set refresh period
 IDLE_SLEEP = 0.002
 IDLE_SLEEP_MAX = 0.05
 
-_RENEW = Script(
-    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0"
-)
 # Take a free lease, or keep one this replica still holds (e.g. after it reset its state).
 _ACQUIRE = Script(
     """
@@ -78,9 +75,6 @@ if cur then return 0 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
 """
-)
-_RELEASE = Script(
-    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 )
 
 
@@ -190,7 +184,7 @@ class Consumer:
             if (
                 paused
                 or node not in nodes
-                or not _RENEW(self.r, [keys.owner_key(node)], [self.name, self.lease_ms])
+                or not RENEW_IF_HELD(self.r, [keys.owner_key(node)], [self.name, self.lease_ms])
             ):
                 self._release(node)
         if not paused:
@@ -216,7 +210,7 @@ class Consumer:
     def _release(self, node: str) -> None:
         self._flush_acks()
         self.streams.pop(node, None)
-        _RELEASE(self.r, [keys.owner_key(node)], [self.name])
+        RELEASE_IF_HELD(self.r, [keys.owner_key(node)], [self.name])
         log.info("released stream", consumer=self.name, node=node)
 
     def release_all(self) -> None:
