@@ -101,7 +101,7 @@ class PageChecksums:
         c = self.get(b)
         if c is None:
             c = page_checksum(self.view[b.offset:b.offset + b.size])
-            self._sums[(b.ns.id, b.hash)] = (b, c)
+            self.record(b, c)
             self.metrics.hashed_bytes.labels("transfer").inc(b.size)
         return c
 
@@ -156,7 +156,7 @@ class PageChecksums:
                     t0 = time.perf_counter()
                     sums = await loop.run_in_executor(self._executor, self._hash, batch)
                     for b, c in zip(batch, sums, strict=True):
-                        self._sums[(b.ns.id, b.hash)] = (b, c)
+                        self.record(b, c)
                     self.metrics.hashed_bytes.labels("commit").inc(size)
                     log.debug("p2p_checksums", blocks=len(batch), bytes=size,
                               seconds=round(time.perf_counter() - t0, 4))

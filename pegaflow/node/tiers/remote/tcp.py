@@ -36,6 +36,7 @@ from typing import Generic, Protocol, TypeVar
 
 import structlog
 
+from pegaflow.common.backoff import Backoff
 from pegaflow.core.hosts import split_host_port
 from pegaflow.node.tiers.remote import TCP, RemotePages, TransferError, page_checksum
 
@@ -57,7 +58,7 @@ IDLE_TIMEOUT = 120.0  # seconds a connection may wait for its next request befor
 # only a call that makes no progress: a peer that reads (or sends) a little every few seconds
 # kept a pin past its TTL on the holder, or a puller's worker thread, for as long as it liked.
 MIN_RATE = 8 << 20  # bytes/s per connection: far below any data-center link
-ACCEPT_RETRY_S = 0.01  # after a failed accept (EMFILE...): the wait, doubling up to ACCEPT_RETRY_MAX_S
+ACCEPT_RETRY_S = 0.01  # after a failed accept (EMFILE...): the wait, doubling (common.backoff) up to ACCEPT_RETRY_MAX_S
 ACCEPT_RETRY_MAX_S = 1.0
 
 
@@ -121,10 +122,15 @@ def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = 
         got += r
 
 
+def _in_time(deadline: float) -> None:
+    """A send past its deadline: the peer reads too slowly (the holder closes the connection)."""
+    if time.monotonic() > deadline:
+        raise OSError(f"peer reads slower than {MIN_RATE >> 20} MiB/s")
+
+
 def _send_exact(sock: socket.socket, data: memoryview, deadline: float) -> None:
     while data:
-        if time.monotonic() > deadline:
-            raise OSError(f"peer reads slower than {MIN_RATE >> 20} MiB/s")
+        _in_time(deadline)
         sent = sock.send(data)
         data = data[sent:]
 
@@ -168,18 +174,18 @@ class TcpDataServer(Generic[P]):
         anywhere in the process) or starting a connection's thread is waited out, not the
         end of the port: it ended the accept loop for good while the listening socket stayed
         open, so every puller's connection sat in the backlog until its timeout."""
-        delay = 0.0
+        retry = Backoff(ACCEPT_RETRY_S, ACCEPT_RETRY_MAX_S)  # (this thread's alone)
         while not self._closed:
             try:
                 conn, _ = self.sock.accept()
             except OSError as exc:
                 if self._closed:
                     return
-                delay = min(max(2 * delay, ACCEPT_RETRY_S), ACCEPT_RETRY_MAX_S)
+                delay = retry.fail("accept")
                 log.warning("p2p_accept_failed", error=exc.strerror or repr(exc), retry_in_s=delay)
                 time.sleep(delay)
                 continue
-            delay = 0.0
+            retry.ok("accept")
             try:
                 _tune(conn)
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
@@ -235,8 +241,7 @@ class TcpDataServer(Generic[P]):
         total = 0
         deadline = _deadline(sum(p.size for p in pages))
         for p in pages:
-            if time.monotonic() > deadline:
-                raise OSError(f"peer reads slower than {MIN_RATE >> 20} MiB/s")
+            _in_time(deadline)
             sums.append(checksum_of(p))
             off, n = p.offset, p.size
             total += n
@@ -249,8 +254,8 @@ class TcpDataServer(Generic[P]):
                     raise OSError("sendfile sent nothing")
                 off += sent
                 n -= sent
-                if n and time.monotonic() > deadline:
-                    raise OSError(f"peer reads slower than {MIN_RATE >> 20} MiB/s")
+                if n:
+                    _in_time(deadline)
         # Counted before the checksums go: the puller's pull ends when they arrive, so a
         # scrape after any pull ended counts its bytes (counted after, a pull could end and be
         # scraped before this thread ran again: PeerStats.served_bytes 0 in a loaded test run).
