@@ -294,8 +294,9 @@ class _ReqState:
 @dataclass
 class _StepWork:
     leases: list[Leases] = field(default_factory=list)
-    reservations: dict[tuple[int, int], int] = field(default_factory=dict)  # (node, id) -> blocks
-    saves: dict[tuple[int, int], tuple[str, int]] = field(default_factory=dict)  # (node, id) -> (request, first block)
+    # (node, id) -> (blocks, request, its first block): a request's reservation that fails
+    # takes back what the request counts as stored from that block on (a state page's: no request)
+    reservations: dict[tuple[int, int], tuple[int, str, int]] = field(default_factory=dict)
     # place 0's (node, reservation id) -> (request, [(block index, hash)], its hashes): KV events once committed
     announce: dict[tuple[int, int], tuple[Request, list[tuple[int, bytes]], list[bytes]]] = field(
         default_factory=dict)
@@ -823,7 +824,7 @@ class SchedulerSide:
                     continue
                 shards.append(ShardSave(place=place, reservation_id=int(r.reservation_id), block_ids=(page,),
                                         offsets=(int(r.offsets[0]),), epoch=int(r.epoch), state=True))
-                work.reservations[node, int(r.reservation_id)] = 1
+                work.reservations[node, int(r.reservation_id)] = (1, "", 0)
             if shards:
                 out.append(SaveIntent(req_id=req_id, shards=tuple(shards)))
 
@@ -874,6 +875,7 @@ class SchedulerSide:
             self.hit_blocks += n
             if n < len(a.block_ids):
                 st.async_failed = True
+                st.stored_upto = min(st.stored_upto, a.start + n)
                 logger.info("PegaFlow: async load of %s got %d of %d blocks; vLLM recomputes the rest",
                             req_id, n, len(a.block_ids))
             st.pending = None
@@ -933,8 +935,7 @@ class SchedulerSide:
                     epoch=int(r.epoch),
                 )
             )
-            work.reservations[node, int(r.reservation_id)] = len(idx)
-            work.saves[node, int(r.reservation_id)] = (req_id, lo)
+            work.reservations[node, int(r.reservation_id)] = (len(idx), req_id, lo)
             if place == 0 and self.events is not None and st.request is not None:
                 work.announce[node, int(r.reservation_id)] = (st.request, [(blocks[i], hashes[i]) for i in idx],
                                                               st.hashes)
@@ -959,16 +960,14 @@ class SchedulerSide:
         for step in sorted(s for s in self._inflight if s <= report.done_through or s in report.lost_steps):
             work = self._inflight.pop(step)
             acked = step not in report.lost_steps
-            for (node, rid), blocks in work.reservations.items():
+            for (node, rid), (blocks, req_id, first) in work.reservations.items():
                 link = self.links[node]
                 # (Reservation ids are random 64-bit numbers per node: one failed on another
                 # node with the same id would abort this one too, a miss and never wrong KV.)
                 failed = rid in self._failed
                 self._failed.discard(rid)
-                if not acked or failed:  # what the request told of as stored, from its first block on, is not
-                    req_id, first = work.saves.get((node, rid), ("", 0))
-                    if (st := self._reqs.get(req_id)) is not None:
-                        st.stored_upto = min(st.stored_upto, first)
+                if (not acked or failed) and (st := self._reqs.get(req_id)) is not None:
+                    st.stored_upto = min(st.stored_upto, first)  # not stored from its first block on
                 if acked and not failed:
                     # Not waiting for the answer keeps the commit off the path between a
                     # step's output and the next step (a sync round trip per reservation).

@@ -294,7 +294,7 @@ def test_the_slowest_rank_decides_and_a_step_a_rank_never_saw_is_aborted() -> No
     w = eng2.workers[0]
     m1 = eng2.sched.build_connector_meta(so)
     eng2.sched.update_connector_output(w.report(m1))
-    eng2.sched._inflight[m1.step + 1] = _StepWork(reservations={(0, 99): 1})  # noqa: SLF001
+    eng2.sched._inflight[m1.step + 1] = _StepWork(reservations={(0, 99): (1, "", 0)})  # noqa: SLF001
     eng2.sched._step += 1  # noqa: SLF001 - step m1+1 was planned, and lost on the way
     m3 = eng2.sched.build_connector_meta(so)
     rep = w.report(m3)
