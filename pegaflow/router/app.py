@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import httpx
 import structlog
@@ -100,7 +100,6 @@ FORWARDED_HEADERS = ("authorization", "x-request-id")
 HINT_HEADER = "x-pegaflow-prefix-hint"
 HINT_USED, HINT_NONE = "used", "none"
 ATTEMPTS = 2  # a request that failed before streaming is tried once more, elsewhere
-DISCONNECT_POLL_S = 0.1  # how often a request waiting for its engine checks that its client is still there
 # A stream broken off by the engine ends with an error event (the shape vLLM sends one in):
 # OpenAI clients raise on it, where a stream that just stopped reads as a whole answer.
 SSE_ERROR = b'data: {"error": {"message": %s, "type": "BadGateway", "code": 502}}\n\n'
@@ -578,21 +577,22 @@ class Router:
         """``work``'s answer, or None once the client went away before it came: then the work
         is cancelled, which closes the engine's connection, and vLLM aborts the request (its
         ``with_cancellation``), as for a client of the engine itself. Until the first byte of
-        an answer; after it, the stream's relay sees the disconnect."""
+        an answer; after it, the stream's relay sees the disconnect. The body is read: the
+        next ASGI message of the request is its disconnect, waited for beside the work."""
         while True:
-            done, _ = await asyncio.wait({work}, timeout=DISCONNECT_POLL_S)
-            if done:
+            gone: asyncio.Future[Any] = asyncio.ensure_future(request.receive())
+            done, _ = await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
+            if work in done:
+                gone.cancel()
                 return work.result()
-            if await request.is_disconnected():
-                work.cancel()
-                await asyncio.gather(work, return_exceptions=True)
-                if work.cancelled():
-                    return None
-                out = work.result()  # it came as the work was cancelled: let go of what it holds
-                if isinstance(out, _Stream):
-                    await out.upstream.aclose()
-                    out.load.done()
-                return None
+            if gone.result().get("type") != "http.disconnect":
+                continue
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            if not work.cancelled() and isinstance(out := work.result(), _Stream):
+                await out.upstream.aclose()  # it came as the work was cancelled: let go of it
+                out.load.done()
+            return None
 
     def _known(self, model: str | None) -> bool:
         assert self.pool is not None
