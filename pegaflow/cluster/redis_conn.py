@@ -14,7 +14,8 @@ from __future__ import annotations
 import hashlib
 import socket
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -170,6 +171,20 @@ RENEW_IF_HELD = Script(
     "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0"
 )
 RELEASE_IF_HELD = Script("if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0")
+
+
+@contextmanager
+def held(r: Client, key: KeyT, owner: str, ms: int) -> Iterator[bool]:
+    """Take the lease ``key`` for ``owner`` for ``ms`` if nobody holds it; yields whether it
+    was taken, and gives it back at the end only while ``owner`` still holds it (a pass that
+    outlived its lease never drops the lease another replica took meanwhile)."""
+    if not r.set(key, owner, nx=True, px=ms):
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        RELEASE_IF_HELD(r, [key], [owner])
 
 
 def _node_client(r: Client, key: KeyT) -> redis.Redis:

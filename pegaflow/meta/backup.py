@@ -42,7 +42,7 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from pegaflow.cluster import backup, keys, notices, registry
-from pegaflow.cluster.redis_conn import Client, Script, error_text, parallel
+from pegaflow.cluster.redis_conn import RELEASE_IF_HELD, RENEW_IF_HELD, Client, Script, error_text, parallel
 from pegaflow.common.metric_alias import Alias, OriginalNames
 from pegaflow.core.identity import HASH_BYTES
 from pegaflow.meta.index import Index, nid_bytes
@@ -254,10 +254,9 @@ class Planner:
 
     def pass_once(self) -> Pairing | None:
         """One pass; None when another replica plans."""
-        if not self.r.set(keys.BACKUP_LOCK, self.owner, nx=True, px=self.lock_ms):
-            if self.r.get(keys.BACKUP_LOCK) != self.owner.encode():
-                return None
-            self.r.pexpire(keys.BACKUP_LOCK, self.lock_ms)
+        if (not self.r.set(keys.BACKUP_LOCK, self.owner, nx=True, px=self.lock_ms)
+                and not RENEW_IF_HELD(self.r, [keys.BACKUP_LOCK], [self.owner, self.lock_ms])):
+            return None
         nodes = registry.nodes(self.r)
         names = sorted(nodes)
         now_ms, visible = self._visible(names)
@@ -381,7 +380,6 @@ def run(planner: Planner, stop: threading.Event, interval: float = PASS_S, settl
                 log.warning("backup_planning_failed", error=error_text(exc))
             failing = True
     try:  # hand over at once rather than after LOCK_MS
-        if planner.r.get(keys.BACKUP_LOCK) == planner.owner.encode():
-            planner.r.delete(keys.BACKUP_LOCK)
+        RELEASE_IF_HELD(planner.r, [keys.BACKUP_LOCK], [planner.owner])
     except Exception as exc:  # noqa: BLE001 - the lock expires on its own
         log.info("backup_lock_not_released", error=error_text(exc))

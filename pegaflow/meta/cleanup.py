@@ -44,7 +44,7 @@ import structlog
 
 from pegaflow.cluster import keys, registry
 from pegaflow.cluster.keys import stream_key
-from pegaflow.cluster.redis_conn import Client, Script
+from pegaflow.cluster.redis_conn import Client, Script, held
 from pegaflow.meta.events.codec import FIELD, MalformedEvent, decode_entry, encode
 from pegaflow.meta.events.schema import Event, Op, Update
 from pegaflow.meta.index import Index
@@ -160,23 +160,23 @@ def _cleanup_node(r: Client, index: Index, node: str, cutoff_ms: int, retired: s
 def cleanup_expired_blocks(r: Client, age_ms: int = MANUAL_CLEANUP_AGE_MS) -> CleanupResult:
     """Remove every owner registration older than ``age_ms`` (the module's contracts);
     :class:`CleanupBusy` when another cleanup runs, Redis errors are raised."""
-    owner = f"cleanup-{time.time_ns()}"
-    if not r.set(keys.CLEANUP_LOCK, owner, nx=True, px=LOCK_MS):
-        raise CleanupBusy("another cleanup is running")
-    try:
-        t0 = time.monotonic()
-        cutoff_ms = registry.redis_ms(cast("list[bytes]", r.time())) - age_ms
-        retired = registry.retired(r)
-        index = Index(r)
-        owners = removed_keys = 0
-        for node in sorted(registry.nodes(r)):
-            res = _cleanup_node(r, index, node, cutoff_ms, retired)
-            owners += res.removed_owners
-            removed_keys += res.removed_keys
-        log.info("cleanup_expired_blocks", removed_owners=owners, removed_keys=removed_keys,
-                 age_secs=age_ms // 1000, seconds=round(time.monotonic() - t0, 3))
-        return CleanupResult(owners, removed_keys)
-    finally:
-        if r.get(keys.CLEANUP_LOCK) == owner.encode():
-            r.delete(keys.CLEANUP_LOCK)
+    with held(r, keys.CLEANUP_LOCK, f"cleanup-{time.time_ns()}", LOCK_MS) as mine:
+        if not mine:
+            raise CleanupBusy("another cleanup is running")
+        return _cleanup(r, age_ms)
+
+
+def _cleanup(r: Client, age_ms: int) -> CleanupResult:
+    t0 = time.monotonic()
+    cutoff_ms = registry.redis_ms(cast("list[bytes]", r.time())) - age_ms
+    retired = registry.retired(r)
+    index = Index(r)
+    owners = removed_keys = 0
+    for node in sorted(registry.nodes(r)):
+        res = _cleanup_node(r, index, node, cutoff_ms, retired)
+        owners += res.removed_owners
+        removed_keys += res.removed_keys
+    log.info("cleanup_expired_blocks", removed_owners=owners, removed_keys=removed_keys,
+             age_secs=age_ms // 1000, seconds=round(time.monotonic() - t0, 3))
+    return CleanupResult(owners, removed_keys)
 

@@ -28,7 +28,7 @@ from typing import cast
 import structlog
 
 from pegaflow.cluster import keys, registry
-from pegaflow.cluster.redis_conn import Client
+from pegaflow.cluster.redis_conn import Client, held
 from pegaflow.meta.index import Index
 
 log = structlog.get_logger("pegaflow.meta.owners")
@@ -69,27 +69,26 @@ def _store(r: Client, key: str, nids: set[int]) -> None:
 def recount_once(r: Client, owner: str, stale_ms: int | None) -> int | None:
     """One pass (the module docstring); returns the blocks recounted, or None when another
     replica holds the pass or no threshold is published."""
-    if not r.set(keys.RECOUNT_LOCK, owner, nx=True, px=LOCK_MS):
+    with held(r, keys.RECOUNT_LOCK, owner, LOCK_MS) as mine:
+        return _recount(r, stale_ms) if mine else None
+
+
+def _recount(r: Client, stale_ms: int | None) -> int | None:
+    threshold = r.get(keys.OWNER_COUNT)
+    if threshold is None:
         return None
-    try:
-        threshold = r.get(keys.OWNER_COUNT)
-        if threshold is None:
-            return None
-        done, stored = _members(r, keys.RECOUNTED), _members(r, keys.UNCOUNTED)
-        fields = 0
-        if stored != done:
-            tags = sorted(registry.namespace_tags(r))
-            fields = Index(r).recount(tags, done, stored, int(threshold))
-            _store(r, keys.RECOUNTED, stored)
-            log.info("owners_recounted", counted_again=sorted(done - stored), uncounted=sorted(stored - done),
-                     blocks=fields)
-        now = uncounted(r, stale_ms)
-        if now != stored:
-            _store(r, keys.UNCOUNTED, now)
-        return fields
-    finally:
-        if r.get(keys.RECOUNT_LOCK) == owner.encode():
-            r.delete(keys.RECOUNT_LOCK)
+    done, stored = _members(r, keys.RECOUNTED), _members(r, keys.UNCOUNTED)
+    fields = 0
+    if stored != done:
+        tags = sorted(registry.namespace_tags(r))
+        fields = Index(r).recount(tags, done, stored, int(threshold))
+        _store(r, keys.RECOUNTED, stored)
+        log.info("owners_recounted", counted_again=sorted(done - stored), uncounted=sorted(stored - done),
+                 blocks=fields)
+    now = uncounted(r, stale_ms)
+    if now != stored:
+        _store(r, keys.UNCOUNTED, now)
+    return fields
 
 
 def run(r: Client, stop: threading.Event, owner: str, threshold: int, stale_ms: int | None,

@@ -26,7 +26,7 @@ import structlog
 
 from pegaflow.cluster import keys, registry
 from pegaflow.cluster.keys import stream_key
-from pegaflow.cluster.redis_conn import Client, Script, error_text, parallel
+from pegaflow.cluster.redis_conn import Client, Script, error_text, held, parallel
 from pegaflow.meta.index import Index
 from pegaflow.meta.metrics import MetaMetrics
 
@@ -89,47 +89,46 @@ def sweep_once(
 ) -> tuple[int, int] | None:
     """One pass; returns (nodes reaped, entries removed), or None if another replica sweeps.
     ``idle_ms``: how long a node must have been silent to be reaped (0: once its live key expired)."""
-    if not r.set(keys.SWEEP_LOCK, owner, nx=True, px=lock_ms):
-        return None
-    try:
-        t0_ms = registry.redis_ms(r.time())  # the retirements' clock: Redis's TIME, not this host's
-        silent = silent_nodes(r, idle_ms)
-        nids = {name: info.nid for name, info in registry.nodes(r).items() if name in silent}
-        lasts = {name: _last_id(r, name) for name in silent}  # before the reap: see _DELETE_STREAM
-        gone = registry.reap(r, sorted(silent), idle_ms)  # re-checked there against a heartbeat meanwhile
-        for node in gone:
-            age = silent[node]
-            log.info("node_swept", node=node, nid=nids.get(node),
-                     last_seen_age_secs=None if age is None else round(age / 1000, 1))
-            # A reaped node's stream is void (its nid is retired). A node coming back re-registers
-            # first, so only delete while it is still unregistered.
-            if not r.hexists(keys.NODES, node):
-                _DELETE_STREAM(r, [stream_key(node)], [lasts.get(node) or ""])
-                r.delete(keys.owner_key(node))
-        reaped = len(gone)
-        # Each retired nid is swept twice: once soon after it retired, once more when it is
-        # forgotten (a lagging consumer may have applied a late event of it in between).
-        scored = cast("list[tuple[bytes, float]]", r.zrange(keys.RETIRED, 0, -1, withscores=True))
-        retired = {int(m): int(sc) for m, sc in scored}
-        swept = {int(m) for m in cast("set[bytes]", r.smembers(keys.SWEPT))}
-        old = {n for n, t in retired.items() if t < t0_ms - RETIRED_GRACE_MS}
-        todo = {n for n in retired if n not in swept} | old
-        tags = sorted(registry.namespace_tags(r))
-        removed = Index(r).sweep(tags, todo) if todo else 0
-        if todo - old:
-            r.sadd(keys.SWEPT, *(todo - old))
-        if old:
-            r.zrem(keys.RETIRED, *old)
-            r.srem(keys.SWEPT, *old)
-        if metrics is not None:
-            metrics.reaped.inc(reaped)
-            metrics.swept.inc(removed)
-        if reaped or removed:
-            log.info("swept", reaped=reaped, removed=removed, retired=len(todo))
-        return reaped, removed
-    finally:
-        if r.get(keys.SWEEP_LOCK) == owner.encode():
-            r.delete(keys.SWEEP_LOCK)
+    with held(r, keys.SWEEP_LOCK, owner, lock_ms) as mine:
+        return _sweep(r, metrics, idle_ms) if mine else None
+
+
+def _sweep(r: Client, metrics: MetaMetrics | None, idle_ms: int) -> tuple[int, int]:
+    t0_ms = registry.redis_ms(r.time())  # the retirements' clock: Redis's TIME, not this host's
+    silent = silent_nodes(r, idle_ms)
+    nids = {name: info.nid for name, info in registry.nodes(r).items() if name in silent}
+    lasts = {name: _last_id(r, name) for name in silent}  # before the reap: see _DELETE_STREAM
+    gone = registry.reap(r, sorted(silent), idle_ms)  # re-checked there against a heartbeat meanwhile
+    for node in gone:
+        age = silent[node]
+        log.info("node_swept", node=node, nid=nids.get(node),
+                 last_seen_age_secs=None if age is None else round(age / 1000, 1))
+        # A reaped node's stream is void (its nid is retired). A node coming back re-registers
+        # first, so only delete while it is still unregistered.
+        if not r.hexists(keys.NODES, node):
+            _DELETE_STREAM(r, [stream_key(node)], [lasts.get(node) or ""])
+            r.delete(keys.owner_key(node))
+    reaped = len(gone)
+    # Each retired nid is swept twice: once soon after it retired, once more when it is
+    # forgotten (a lagging consumer may have applied a late event of it in between).
+    scored = cast("list[tuple[bytes, float]]", r.zrange(keys.RETIRED, 0, -1, withscores=True))
+    retired = {int(m): int(sc) for m, sc in scored}
+    swept = {int(m) for m in cast("set[bytes]", r.smembers(keys.SWEPT))}
+    old = {n for n, t in retired.items() if t < t0_ms - RETIRED_GRACE_MS}
+    todo = {n for n in retired if n not in swept} | old
+    tags = sorted(registry.namespace_tags(r))
+    removed = Index(r).sweep(tags, todo) if todo else 0
+    if todo - old:
+        r.sadd(keys.SWEPT, *(todo - old))
+    if old:
+        r.zrem(keys.RETIRED, *old)
+        r.srem(keys.SWEPT, *old)
+    if metrics is not None:
+        metrics.reaped.inc(reaped)
+        metrics.swept.inc(removed)
+    if reaped or removed:
+        log.info("swept", reaped=reaped, removed=removed, retired=len(todo))
+    return reaped, removed
 
 
 def run(r: Client, stop: threading.Event, interval: float, owner: str, metrics: MetaMetrics | None = None,

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import psutil
@@ -477,6 +478,34 @@ def test_sweeper_sweeps_a_retired_nid_once_then_again_when_forgetting_it(
     monkeypatch.setattr(sweeper, "RETIRED_GRACE_MS", 0)
     assert sweeper.sweep_once(r) == (0, 5)  # forgetting it: the final pass catches the late ones
     assert old not in registry.retired(r) and ix.holders("ns", hs[20:25]) == [set()] * 5
+
+
+@pytest.mark.parametrize("which", ["sweep", "recount", "cleanup"])
+def test_a_pass_that_outlived_its_lease_leaves_the_lease_another_replica_took(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch, which: str
+) -> None:
+    """The three periodic passes hold a lease while they run; one that runs past it (another
+    replica took the lease meanwhile) gives back only its own, and one that ends in time
+    gives it back at once."""
+    from pegaflow.meta import cleanup, owners, sweeper
+
+    r = client(redis_server.url, False)
+    lock = {"sweep": keys.SWEEP_LOCK, "recount": keys.RECOUNT_LOCK, "cleanup": keys.CLEANUP_LOCK}[which]
+    r.set(keys.OWNER_COUNT, 1)
+    passes = {"sweep": lambda: sweeper.sweep_once(r, "me"), "recount": lambda: owners.recount_once(r, "me", None),
+              "cleanup": lambda: cleanup.cleanup_expired_blocks(r)}
+    passes[which]()
+    assert r.get(lock) is None  # given back at once
+    nodes = registry.nodes
+
+    def lapse(r: Any) -> dict[str, registry.NodeInfo]:  # the lease lapses mid-pass; another replica takes it
+        assert r.get(lock) is not None  # held while the pass runs
+        r.set(lock, "other")
+        return nodes(r)
+
+    monkeypatch.setattr(registry, "nodes", lapse)
+    passes[which]()
+    assert r.get(lock) == b"other"
 
 
 def test_long_running_node_compacts_its_stream_without_a_visibility_gap(
