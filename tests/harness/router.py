@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -39,16 +41,38 @@ def metric_sum(text: str, name: str, **labels: str) -> float:
                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
+LIVE: list[Proc] = []  # started and not stopped yet, in start order (stop_started_since)
+
+
 class Proc:
     def __init__(self, cmd: list[str], log: Path, health: str | None) -> None:
         self.log = log
         with open(log, "ab") as f:
             self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+        LIVE.append(self)
         if health is not None:
-            wait_http(health, self.proc, log)
+            try:
+                wait_http(health, self.proc, log)
+            except BaseException:
+                self.stop()
+                raise
 
     def stop(self) -> None:
         stop_group(self.proc, 15)
+        if self in LIVE:
+            LIVE.remove(self)
+
+
+@contextmanager
+def stop_started_since() -> Iterator[None]:
+    """Stops, at the end, every process this module started inside the block and has not
+    stopped (a test that fails halfway, or whose router fails to start, leaves no engine)."""
+    before = list(LIVE)
+    try:
+        yield
+    finally:
+        for p in reversed([p for p in LIVE if p not in before]):
+            p.stop()
 
 
 class FakeEngine(Proc):

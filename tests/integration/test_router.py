@@ -20,7 +20,7 @@ from pegaflow.core.identity import block_hashes
 from pegaflow.core.router_protocol import ROUTER_KEY
 from tests.harness.http import HTTP
 from tests.harness.node import Node
-from tests.harness.router import FakeEngine, RouterProc
+from tests.harness.router import FakeEngine, RouterProc, stop_started_since
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -34,6 +34,12 @@ PAGE = 4096
 @pytest.fixture(scope="module")
 def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("router")
+
+
+@pytest.fixture(autouse=True)
+def _stop_what_the_test_started() -> Iterator[None]:
+    with stop_started_since():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -69,41 +75,36 @@ def test_kv_aware_sends_a_prefix_to_the_engine_whose_node_holds_it(logs: Path, t
     ea = FakeEngine(logs, "ea", "--node", "node-a", "--node-addr", a.addr, "--block-size", str(BS))
     eb = FakeEngine(logs, "eb", "--node", "node-b", "--node-addr", b.addr, "--block-size", str(BS))
     router = RouterProc(logs, "--engine", ea.url, eb.url, "--policy", "kv-aware", "--hint-timeout", "2")
-    try:
-        p_b, p_a = tokens(1), tokens(2)
-        assert store(b, p_b) == 10 and store(a, p_a) == 10
-        for _ in range(3):  # one at a time: no queue, so only the prefix decides
-            r = router.post("/v1/completions", completion(p_b))
-            assert r.status_code == 200, r.text
-            assert r.headers["x-pegaflow-engine"] == eb.url
-            assert r.headers["x-pegaflow-prefix-hint"] == "used"
-            assert router.post("/v1/completions", completion(p_a)).headers["x-pegaflow-engine"] == ea.url
-        assert len(eb.served()) == 3 and len(ea.served()) == 3
-        # Predicted hit: every loadable block (never the last token's) of every request.
-        assert router.metric("pegaflow_router_prefix_tokens_total") == 6 * 10 * BS
-        assert router.metric("pegaflow_router_hint_fallbacks_total") == 0
-        # The loads the last choice saw (requests routed in the last minute), within the bound:
-        # nothing was sent away from its holder.
-        assert router.metric("pegaflow_router_engine_load", engine=ea.url) == 2
-        assert router.metric("pegaflow_router_engine_load", engine=eb.url) == 3
-        assert router.metric("pegaflow_router_load_redirects_total") == 0
-        # Text with no tokenizer to hash it: no prefix answer, routed by load, and the answer says so.
-        r = router.post("/v1/completions", completion("a text prompt: the fake engines have no tokenizer"))
-        assert r.status_code == 200 and r.headers["x-pegaflow-prefix-hint"] == "none", r.headers
-        assert router.metric("pegaflow_router_hint_fallbacks_total", reason="no_tokens") == 1
-        # The tokenizer's library (seconds of import, under the GIL) came in before the router
-        # served, not under traffic.
-        events = [json.loads(line).get("event") for line in router.log.read_text().splitlines()
-                  if line.startswith("{")]
-        assert events.index("tokenizer_library_imported") < events.index("router_started"), events
-        # Nothing the router asked changed the nodes: peeks take no lease and count no access.
-        for n in (a, b):
-            st = n.stats()
-            assert st.active_leases == 0 and st.hits == 0 and st.misses == 0
-    finally:
-        router.stop()
-        ea.stop()
-        eb.stop()
+    p_b, p_a = tokens(1), tokens(2)
+    assert store(b, p_b) == 10 and store(a, p_a) == 10
+    for _ in range(3):  # one at a time: no queue, so only the prefix decides
+        r = router.post("/v1/completions", completion(p_b))
+        assert r.status_code == 200, r.text
+        assert r.headers["x-pegaflow-engine"] == eb.url
+        assert r.headers["x-pegaflow-prefix-hint"] == "used"
+        assert router.post("/v1/completions", completion(p_a)).headers["x-pegaflow-engine"] == ea.url
+    assert len(eb.served()) == 3 and len(ea.served()) == 3
+    # Predicted hit: every loadable block (never the last token's) of every request.
+    assert router.metric("pegaflow_router_prefix_tokens_total") == 6 * 10 * BS
+    assert router.metric("pegaflow_router_hint_fallbacks_total") == 0
+    # The loads the last choice saw (requests routed in the last minute), within the bound:
+    # nothing was sent away from its holder.
+    assert router.metric("pegaflow_router_engine_load", engine=ea.url) == 2
+    assert router.metric("pegaflow_router_engine_load", engine=eb.url) == 3
+    assert router.metric("pegaflow_router_load_redirects_total") == 0
+    # Text with no tokenizer to hash it: no prefix answer, routed by load, and the answer says so.
+    r = router.post("/v1/completions", completion("a text prompt: the fake engines have no tokenizer"))
+    assert r.status_code == 200 and r.headers["x-pegaflow-prefix-hint"] == "none", r.headers
+    assert router.metric("pegaflow_router_hint_fallbacks_total", reason="no_tokens") == 1
+    # The tokenizer's library (seconds of import, under the GIL) came in before the router
+    # served, not under traffic.
+    events = [json.loads(line).get("event") for line in router.log.read_text().splitlines()
+              if line.startswith("{")]
+    assert events.index("tokenizer_library_imported") < events.index("router_started"), events
+    # Nothing the router asked changed the nodes: peeks take no lease and count no access.
+    for n in (a, b):
+        st = n.stats()
+        assert st.active_leases == 0 and st.hits == 0 and st.misses == 0
 
 
 def test_kv_aware_bounds_the_holders_share_of_a_popular_prefix(logs: Path, two_nodes: list[Node]) -> None:
@@ -117,25 +118,20 @@ def test_kv_aware_bounds_the_holders_share_of_a_popular_prefix(logs: Path, two_n
     # router imports no tokenizer library (~3 s of CPU).
     router = RouterProc(logs, "--engine", ea.url, eb.url, "--policy", "kv-aware", "--hint-timeout", "2",
                         "--load-bound", "0.15", "--skip-tokenizer-init", name="router-bound")
-    try:
-        popular = tokens(7)
-        assert store(b, popular) == 10
-        to_b = 0
-        for k in range(20):
-            r = router.post("/v1/completions", completion(popular))
-            assert r.status_code == 200, r.text
-            to_b += r.headers["x-pegaflow-engine"] == eb.url
-            assert to_b <= -(-1.15 * (k + 1) // 2) + 1  # the cap at this choice, this request counted
-        assert 10 <= to_b <= 12 and len(ea.served()) == 20 - to_b
-        assert router.metric("pegaflow_router_load_redirects_total") >= 1
-        assert router.metric("pegaflow_router_hint_fallbacks_total") == 0
-        assert HTTP.get(router.url + "/health", timeout=5).json()["tokenizer"] == "skipped"
-        events = {json.loads(line).get("event") for line in router.log.read_text().splitlines() if line.startswith("{")}
-        assert "router_started" in events and not events & {"tokenizer_library_imported", "tokenizer_loaded"}, events
-    finally:
-        router.stop()
-        ea.stop()
-        eb.stop()
+    popular = tokens(7)
+    assert store(b, popular) == 10
+    to_b = 0
+    for k in range(20):
+        r = router.post("/v1/completions", completion(popular))
+        assert r.status_code == 200, r.text
+        to_b += r.headers["x-pegaflow-engine"] == eb.url
+        assert to_b <= -(-1.15 * (k + 1) // 2) + 1  # the cap at this choice, this request counted
+    assert 10 <= to_b <= 12 and len(ea.served()) == 20 - to_b
+    assert router.metric("pegaflow_router_load_redirects_total") >= 1
+    assert router.metric("pegaflow_router_hint_fallbacks_total") == 0
+    assert HTTP.get(router.url + "/health", timeout=5).json()["tokenizer"] == "skipped"
+    events = {json.loads(line).get("event") for line in router.log.read_text().splitlines() if line.startswith("{")}
+    assert "router_started" in events and not events & {"tokenizer_library_imported", "tokenizer_loaded"}, events
 
 
 def test_round_robin_ignores_the_prefix(logs: Path, two_nodes: list[Node]) -> None:
@@ -143,29 +139,23 @@ def test_round_robin_ignores_the_prefix(logs: Path, two_nodes: list[Node]) -> No
     ea = FakeEngine(logs, "rr-a", "--node", "node-a", "--node-addr", a.addr, "--block-size", str(BS))
     eb = FakeEngine(logs, "rr-b", "--node", "node-b", "--node-addr", b.addr, "--block-size", str(BS))
     router = RouterProc(logs, "--engine", f"{ea.url},{eb.url}", "--policy", "round-robin", name="router-rr")
-    try:
-        p = tokens(3)
-        store(b, p)
-        got = [router.post("/v1/completions", completion(p)).headers["x-pegaflow-engine"] for _ in range(4)]
-        assert sorted(got) == sorted([ea.url, eb.url] * 2)
-    finally:
-        router.stop()
-        ea.stop()
-        eb.stop()
+    p = tokens(3)
+    store(b, p)
+    got = [router.post("/v1/completions", completion(p)).headers["x-pegaflow-engine"] for _ in range(4)]
+    assert sorted(got) == sorted([ea.url, eb.url] * 2)
 
 
 @pytest.fixture(scope="module")
 def good_and_bad(logs: Path) -> Iterator[tuple[FakeEngine, RouterProc, RouterProc]]:
     """A good engine, and two routers that each also have a failing one: answering 500, or
     crashing with the request unanswered."""
-    good = FakeEngine(logs, "good")
-    failing = FakeEngine(logs, "failing", "--fail", "500")
-    resetting = FakeEngine(logs, "crashing", "--fail", "crash")
-    r500 = RouterProc(logs, "--engine", good.url, failing.url, "--policy", "round-robin", name="router-500")
-    reset = RouterProc(logs, "--engine", good.url, resetting.url, "--policy", "round-robin", name="router-reset")
-    yield good, r500, reset
-    for p in (r500, reset, good, failing, resetting):
-        p.stop()
+    with stop_started_since():
+        good = FakeEngine(logs, "good")
+        failing = FakeEngine(logs, "failing", "--fail", "500")
+        resetting = FakeEngine(logs, "crashing", "--fail", "crash")
+        r500 = RouterProc(logs, "--engine", good.url, failing.url, "--policy", "round-robin", name="router-500")
+        reset = RouterProc(logs, "--engine", good.url, resetting.url, "--policy", "round-robin", name="router-reset")
+        yield good, r500, reset
 
 
 @pytest.mark.parametrize("which", [1, 2], ids=["http-500", "engine-crash"])
@@ -236,28 +226,19 @@ def test_a_5xx_whose_body_breaks_off_is_tried_on_another_engine(logs: Path) -> N
     bad, good = FakeEngine(logs, "broken5xx", "--fail", "500-broken"), FakeEngine(logs, "fine5xx")
     router = RouterProc(logs, "--engine", bad.url, good.url, "--policy", "round-robin", "--skip-tokenizer-init",
                         name="router-5xx")
-    try:
-        for i in range(4):  # each engine's turn comes: every request ends on the good one
-            r = router.post("/v1/completions", completion(f"p{i}"))
-            assert r.status_code == 200 and r.headers["x-pegaflow-engine"] == good.url
-    finally:
-        router.stop()
-        bad.stop()
-        good.stop()
+    for i in range(4):  # each engine's turn comes: every request ends on the good one
+        r = router.post("/v1/completions", completion(f"p{i}"))
+        assert r.status_code == 200 and r.headers["x-pegaflow-engine"] == good.url
 
 
 def test_a_stream_the_engine_breaks_off_ends_with_an_error_event(logs: Path) -> None:
     """A stream that just stopped would read as a whole, shorter answer to the client."""
     e = FakeEngine(logs, "mid", "--fail", "midstream")
     router = RouterProc(logs, "--engine", e.url, "--skip-tokenizer-init", name="router-mid")
-    try:
-        r = router.post("/v1/completions", {**completion("x", max_tokens=4), "stream": True})
-        events = [line for line in r.text.splitlines() if line.startswith("data:")]
-        assert len(events) == 2 and "[DONE]" not in events[-1], events
-        assert json.loads(events[-1][5:])["error"]["code"] == 502
-    finally:
-        router.stop()
-        e.stop()
+    r = router.post("/v1/completions", {**completion("x", max_tokens=4), "stream": True})
+    events = [line for line in r.text.splitlines() if line.startswith("data:")]
+    assert len(events) == 2 and "[DONE]" not in events[-1], events
+    assert json.loads(events[-1][5:])["error"]["code"] == 502
 
 
 def test_an_engine_slower_than_the_request_timeout_stays_in_rotation_and_runs_it_once(logs: Path) -> None:
@@ -266,17 +247,12 @@ def test_an_engine_slower_than_the_request_timeout_stays_in_rotation_and_runs_it
     es = [FakeEngine(logs, f"slow{i}", "--delay", "3") for i in range(2)]
     router = RouterProc(logs, "--engine", *(e.url for e in es), "--policy", "round-robin", "--request-timeout", "1",
                         "--skip-tokenizer-init", name="router-slow")
-    try:
-        r = router.post("/v1/completions", completion("x", max_tokens=1))
-        assert r.status_code == 504 and "--request-timeout" in r.json()["error"]["message"]
-        wait_until(lambda: sum(len(e.served()) for e in es) >= 1, 10, "the engine to have the request")
-        assert sum(len(e.served()) for e in es) == 1, "run on a second engine"
-        assert all(router.metric("pegaflow_router_engine_up", engine=e.url) == 1 for e in es)
-        assert router.metric("pegaflow_router_slow_answers_total") == 1
-    finally:
-        router.stop()
-        for e in es:
-            e.stop()
+    r = router.post("/v1/completions", completion("x", max_tokens=1))
+    assert r.status_code == 504 and "--request-timeout" in r.json()["error"]["message"]
+    wait_until(lambda: sum(len(e.served()) for e in es) >= 1, 10, "the engine to have the request")
+    assert sum(len(e.served()) for e in es) == 1, "run on a second engine"
+    assert all(router.metric("pegaflow_router_engine_up", engine=e.url) == 1 for e in es)
+    assert router.metric("pegaflow_router_slow_answers_total") == 1
 
 
 def test_engines_behind_an_api_key_come_into_rotation_with_the_routers_key(logs: Path) -> None:
@@ -285,12 +261,8 @@ def test_engines_behind_an_api_key_come_into_rotation_with_the_routers_key(logs:
     e = FakeEngine(logs, "keyed", "--api-key", "k3y")
     router = RouterProc(logs, "--engine", e.url, "--engine-api-key", "k3y", "--skip-tokenizer-init",
                         name="router-key")
-    try:
-        assert router.post("/v1/completions", completion("x"), headers={"authorization": "Bearer k3y"}).status_code == 200
-        assert router.post("/v1/completions", completion("x")).status_code == 401, "the router lent a client its key"
-    finally:
-        router.stop()
-        e.stop()
+    assert router.post("/v1/completions", completion("x"), headers={"authorization": "Bearer k3y"}).status_code == 200
+    assert router.post("/v1/completions", completion("x")).status_code == 401, "the router lent a client its key"
 
 
 def test_a_second_served_name_and_an_adapter_loaded_later_are_served(logs: Path) -> None:
@@ -298,14 +270,10 @@ def test_a_second_served_name_and_an_adapter_loaded_later_are_served(logs: Path)
     (/v1/load_lora_adapter) appears in /v1/models later: both were a 404 at the router."""
     e = FakeEngine(logs, "alias", "--alias", "fake-alias")
     router = RouterProc(logs, "--engine", e.url, "--skip-tokenizer-init", name="router-alias")
-    try:
-        assert router.post("/v1/completions", {**completion("x"), "model": "fake-alias"}).status_code == 200
-        assert HTTP.post(e.url + "/_adapters", json={"name": "sql", "root": "/adapters/sql"}, timeout=5).status_code == 200
-        wait_until(lambda: router.post("/v1/completions", {**completion("x"), "model": "sql"}).status_code == 200, 10,
-                   "the adapter loaded later to be served")
-    finally:
-        router.stop()
-        e.stop()
+    assert router.post("/v1/completions", {**completion("x"), "model": "fake-alias"}).status_code == 200
+    assert HTTP.post(e.url + "/_adapters", json={"name": "sql", "root": "/adapters/sql"}, timeout=5).status_code == 200
+    wait_until(lambda: router.post("/v1/completions", {**completion("x"), "model": "sql"}).status_code == 200, 10,
+               "the adapter loaded later to be served")
 
 
 def test_a_client_that_goes_away_before_its_answer_frees_the_engine(logs: Path) -> None:
@@ -314,53 +282,40 @@ def test_a_client_that_goes_away_before_its_answer_frees_the_engine(logs: Path) 
     request ran to its end, counted in flight all along."""
     e = FakeEngine(logs, "gone", "--delay", "6")
     router = RouterProc(logs, "--engine", e.url, "--skip-tokenizer-init", name="router-gone")
-    try:
-        with pytest.raises(httpx.ReadTimeout):
-            HTTP.post(router.url + "/v1/completions", json=completion("x", max_tokens=1), timeout=0.5)
-        wait_until(lambda: router.metric("pegaflow_router_in_flight", engine=e.url) == 0, 3,
-                   "the router to let go of the request", every=0.05)
-        wait_until(lambda: router.metric("pegaflow_router_requests_total", endpoint="/v1/completions",
-                                         outcome="cancelled") == 1, 3, "the request counted cancelled")
-    finally:
-        router.stop()
-        e.stop()
+    with pytest.raises(httpx.ReadTimeout):
+        HTTP.post(router.url + "/v1/completions", json=completion("x", max_tokens=1), timeout=0.5)
+    wait_until(lambda: router.metric("pegaflow_router_in_flight", engine=e.url) == 0, 3,
+               "the router to let go of the request", every=0.05)
+    wait_until(lambda: router.metric("pegaflow_router_requests_total", endpoint="/v1/completions",
+                                     outcome="cancelled") == 1, 3, "the request counted cancelled")
 
 
 def test_an_engine_that_stops_answering_leaves_rotation_and_returns(logs: Path) -> None:
     e1, e2 = FakeEngine(logs, "k1"), FakeEngine(logs, "k2")
     router = RouterProc(logs, "--engine", e1.url, e2.url, "--policy", "round-robin", "--backoff-max", "1",
                         name="router-kill")
-    try:
-        e2.proc.kill()
-        e2.proc.wait()
-        for i in range(6):  # none fails: the dead engine's refusal is retried on e1
-            r = router.post("/v1/completions", completion(f"p{i}"))
-            assert r.status_code == 200 and r.headers["x-pegaflow-engine"] == e1.url
-        assert router.metric("pegaflow_router_engine_up", engine=e2.url) == 0
-    finally:
-        router.stop()
-        e1.stop()
+    e2.proc.kill()
+    e2.proc.wait()
+    for i in range(6):  # none fails: the dead engine's refusal is retried on e1
+        r = router.post("/v1/completions", completion(f"p{i}"))
+        assert r.status_code == 200 and r.headers["x-pegaflow-engine"] == e1.url
+    assert router.metric("pegaflow_router_engine_up", engine=e2.url) == 0
 
 
 def test_disaggregation_sends_the_prompt_to_prefill_then_the_stored_count_to_decode(logs: Path) -> None:
     p = FakeEngine(logs, "p0", "--block-size", str(BS))
     d = FakeEngine(logs, "d0", "--block-size", str(BS))
     router = RouterProc(logs, "--prefill", p.url, "--decode", d.url, "--skip-tokenizer-init", name="router-pd")
-    try:
-        prompt = tokens(9)
-        r = router.post("/v1/completions", completion(prompt, max_tokens=5, stream=True))
-        assert r.status_code == 200 and r.headers["x-pegaflow-engine"] == d.url
-        (pre,) = p.served()
-        assert pre["max_tokens"] == 1 and pre["stream"] is False
-        assert pre["kv_transfer_params"] == {ROUTER_KEY: {"prefill": True}}
-        (dec,) = d.served()
-        assert dec["max_tokens"] == 5 and dec["stream"] is True and dec["prompt"] == prompt
-        assert dec["kv_transfer_params"] == {ROUTER_KEY: {"expect_blocks": len(prompt) // BS}}
-        assert [line for line in r.text.splitlines() if line.startswith("data:")][-1] == "data: [DONE]"
-    finally:
-        router.stop()
-        p.stop()
-        d.stop()
+    prompt = tokens(9)
+    r = router.post("/v1/completions", completion(prompt, max_tokens=5, stream=True))
+    assert r.status_code == 200 and r.headers["x-pegaflow-engine"] == d.url
+    (pre,) = p.served()
+    assert pre["max_tokens"] == 1 and pre["stream"] is False
+    assert pre["kv_transfer_params"] == {ROUTER_KEY: {"prefill": True}}
+    (dec,) = d.served()
+    assert dec["max_tokens"] == 5 and dec["stream"] is True and dec["prompt"] == prompt
+    assert dec["kv_transfer_params"] == {ROUTER_KEY: {"expect_blocks": len(prompt) // BS}}
+    assert [line for line in r.text.splitlines() if line.startswith("data:")][-1] == "data: [DONE]"
 
 
 @pytest.mark.parametrize("policy", ["round-robin", "least-loaded"])
@@ -371,14 +326,9 @@ def test_disaggregation_spreads_over_every_prefill_and_decode_engine(logs: Path,
     ds = [FakeEngine(logs, f"d{i}-{policy}", "--block-size", str(BS)) for i in range(2)]
     router = RouterProc(logs, "--prefill", *(e.url for e in ps), "--decode", *(e.url for e in ds), "--policy", policy,
                         "--skip-tokenizer-init", name=f"router-pd-{policy}")
-    try:
-        for i in range(4):
-            assert router.post("/v1/completions", completion(tokens(20 + i), max_tokens=2)).status_code == 200
-        assert [len(e.served()) for e in ps] == [2, 2] and [len(e.served()) for e in ds] == [2, 2]
-    finally:
-        router.stop()
-        for e in ps + ds:
-            e.stop()
+    for i in range(4):
+        assert router.post("/v1/completions", completion(tokens(20 + i), max_tokens=2)).status_code == 200
+    assert [len(e.served()) for e in ps] == [2, 2] and [len(e.served()) for e in ds] == [2, 2]
 
 
 @pytest.mark.parametrize(("argv", "needle"), [
@@ -399,32 +349,32 @@ def test_bad_flags_exit_with_one_line(argv: list[str], needle: str) -> None:
 def test_no_engine_up_is_503_not_a_hang(logs: Path) -> None:
     dead = "http://127.0.0.1:9"  # discard port: refused
     router = RouterProc(logs, "--engine", dead, "--skip-tokenizer-init", name="router-none", wait=False)
-    try:
-        r = wait_until(lambda: HTTP.get(router.url + "/health", timeout=2), 30, "the router to answer /health",
-                       ignore=httpx.HTTPError)
-        assert r.status_code == 503
-        r = router.post("/v1/completions", completion("x"))
-        assert r.status_code == 503 and r.json()["error"]["code"] == 503
-    finally:
-        router.stop()
+    r = wait_until(lambda: HTTP.get(router.url + "/health", timeout=2), 30, "the router to answer /health",
+                   ignore=httpx.HTTPError)
+    assert r.status_code == 503
+    r = router.post("/v1/completions", completion("x"))
+    assert r.status_code == 503 and r.json()["error"]["code"] == 503
 
 
-def test_a_router_still_loading_its_tokenizer_stops_at_once(logs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def silent_hub() -> Iterator[socket.socket]:
+    """A Hub that accepts connections and never answers."""
+    with socket.create_server(("127.0.0.1", 0)) as hub:
+        yield hub
+
+
+def test_a_router_still_loading_its_tokenizer_stops_at_once(
+    logs: Path, monkeypatch: pytest.MonkeyPatch, silent_hub: socket.socket
+) -> None:
     """SIGTERM while the tokenizer's files are still being fetched (here from a Hub that
     accepts the connection and never answers): the router exits at once, with 0. It used to
     wait for the fetch and its retries (asyncio's executor threads are joined at exit)."""
-    hub = socket.create_server(("127.0.0.1", 0))  # listens; nobody accepts or answers
-    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{hub.getsockname()[1]}")
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{silent_hub.getsockname()[1]}")
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     engine = FakeEngine(logs, "tok-e0")
     router = RouterProc(logs, "--engine", engine.url, "--policy", "kv-aware", "--tokenizer", "no-org/no-model",
                         name="router-tokenizer")
-    try:
-        wait_until(lambda: HTTP.get(router.url + "/health", timeout=5).json()["tokenizer"] == "loading", 30,
-                   "the router to start loading its tokenizer")
-        router.proc.terminate()
-        assert router.proc.wait(timeout=5) == 0, router.log.read_text()[-2000:]
-    finally:
-        router.stop()
-        engine.stop()
-        hub.close()
+    wait_until(lambda: HTTP.get(router.url + "/health", timeout=5).json()["tokenizer"] == "loading", 30,
+               "the router to start loading its tokenizer")
+    router.proc.terminate()
+    assert router.proc.wait(timeout=5) == 0, router.log.read_text()[-2000:]
