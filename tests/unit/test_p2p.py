@@ -15,6 +15,7 @@ import os
 import select
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -420,7 +421,7 @@ def test_routability_warning_for_wildcard_and_loopback_only():
 # ---- RDMA over the fake verbs layer --------------------------------------------------------
 
 class RdmaPair:
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         from pegaflow.node.tiers.remote.rdma import RdmaEngine, RdmaResponder, RdmaTransport
 
         self.fabric = fake_verbs.Fabric(["a_0", "a_1", "b_0", "b_1"])
@@ -428,7 +429,7 @@ class RdmaPair:
         self.a, self.b = Side("ra"), Side("rb")
         self.ea = RdmaEngine(["a_0", "a_1"], self.a.pool.mm, v)
         self.eb = RdmaEngine(["b_0", "b_1"], self.b.pool.mm, v)
-        self.responder = RdmaResponder(self.ea)
+        self.responder = RdmaResponder(self.ea, clock)
         self.a.service.rdma = self.responder
         self.handshakes = 0
 
@@ -436,7 +437,7 @@ class RdmaPair:
             self.handshakes += 1
             return self.responder.accept(req)
 
-        self.transport = RdmaTransport(self.eb, handshake, "rb")
+        self.transport = RdmaTransport(self.eb, handshake, "rb", clock=clock)
         self.meta = FakeMeta()
         self.peers = DirectPeers({self.a.address: self.a})
         self.puller = Puller(self.b.index, self.b.pool.view, "rb", self.meta, self.peers, self.transport,

@@ -105,3 +105,49 @@ def test_open_queue_pairs_are_a_gauge_under_ours_and_the_originals_name() -> Non
         assert qps(r.a, "serve") == qps(r.a) == 4 and qps(r.a, "pull") == 0
     finally:
         r.close()
+
+
+def test_idle_queue_pairs_are_closed_on_both_sides_and_never_under_a_live_puller() -> None:
+    """A holder kept the QPs of every puller that ever connected (a pod's node id changes at
+    each restart): a puller closes its QPs after QP_IDLE_S without a pull; a holder closes a
+    puller's after twice that without a pin from it, never those of a puller that pins."""
+    from pegaflow.node.tiers.remote import rdma
+
+    now = [1000.0]
+    r = RdmaPair(clock=lambda: now[0])
+    try:
+        hs = hashes("idle", 8)
+        want = r.a.store(hs)
+        r.meta.holders = [Holder("ra", r.a.address, 8)]
+
+        def pull() -> None:
+            async def run() -> None:
+                r.a.table.loop = asyncio.get_running_loop()
+                assert await r.puller.query([r.b.ns], hs, 0)
+                await settle(r.puller)
+
+            r.b.index.remove(r.b.index.resident(r.b.ns))
+            asyncio.run(run())
+            assert all(r.b.page(h) == want[h] for h in hs)
+
+        pull()
+        assert r.handshakes == 2 and len(r.responder.qps) == 2 and len(r.fabric.qps) == 4
+        for _ in range(6):  # a pull every 0.6 x QP_IDLE_S: 3.6 x in all, the same QPs throughout
+            now[0] += 0.6 * rdma.QP_IDLE_S
+            r.responder.seen("rc")  # another puller pins here meanwhile (the holder looks for silent ones)
+            pull()
+        assert r.handshakes == 2 and len(r.responder.qps) == 2 and len(r.fabric.qps) == 4
+        # Idle past QP_IDLE_S: the puller closes its QPs and sets them up again for the next pull.
+        now[0] += rdma.QP_IDLE_S + 1
+        pull()
+        assert r.handshakes == 4 and r.transport.qps() == 2
+        assert len(r.responder.qps) == 2 and len(r.fabric.qps) == 4  # the holder replaced its two
+        # The puller goes away for good; another pins twice QP_IDLE_S later: its QPs are closed.
+        now[0] += 2 * rdma.QP_IDLE_S + 1
+        r.transport.close()
+        assert len(r.fabric.qps) == 2
+        r.responder.seen("rc")
+        assert r.responder.qps == {} and r.fabric.qps == {}
+        assert pulls(r.b, "ok") == 8
+    finally:
+        r.close()

@@ -42,7 +42,7 @@ from pegaflow.common.errors import FailedPrecondition, InvalidArgument
 from pegaflow.common.rpc_errors import RpcErrors, aio_rpc
 from pegaflow.common.validate import check_hashes
 from pegaflow.core.block_index import Block, BlockIndex, Namespace
-from pegaflow.node.tiers.remote import TCP
+from pegaflow.node.tiers.remote import RDMA, TCP
 from pegaflow.node.tiers.remote.checksums import PageChecksums
 from pegaflow.node.tiers.remote.metrics import PeerMetrics
 from pegaflow.node.tiers.remote.tcp import BAD_RANGE, UNKNOWN_PIN
@@ -234,6 +234,8 @@ class PeerService(peer_pb2_grpc.PegaPeerServicer):
     ) -> peer_pb2.PinResponse:
         hashes = list(request.hashes)
         check_hashes(hashes, self.max_batch, "--max-batch")
+        if self.rdma is not None and request.transport == RDMA:
+            self.rdma.seen(request.puller)  # its QPs here stay open
         p = await self.table.pin_for_transfer(request.namespace, hashes, request.ttl_seconds, request.puller)
         if p is None:
             return peer_pb2.PinResponse()
@@ -251,7 +253,7 @@ class PeerService(peer_pb2_grpc.PegaPeerServicer):
             pin_id=p.id, count=len(p.blocks), page_bytes=p.blocks[0].size, offsets=[o for o, _ in p.spans],
             checksums=sums, data_addr=self.data_addr, expires_in=max(0.0, p.expires - time.monotonic()),
         )  # fmt: skip
-        if self.rdma is not None and request.transport == "rdma":
+        if self.rdma is not None and request.transport == RDMA:
             resp.rdma_base = self.rdma.base_addr
             resp.rkeys.extend(self.rdma.rkeys)
         return resp

@@ -53,6 +53,12 @@ CQ_BATCH = 32  # completions taken per poll call
 SPIN_SWEEPS = 8
 IDLE_SLEEP_S = 20e-6
 IDLE_SLEEP_MAX_S = 1e-3
+# Queue pairs idle this long are closed on both sides, so a holder does not keep for good the
+# QPs of pullers that went away (a pod's node id changes at each restart; the device's QPs
+# and pinned memory are finite). The puller closes its own after QP_IDLE_S without a READ on
+# it; the responder closes a puller's after twice that without a pin from it (every READ
+# follows its pin), so it never closes one a live puller may still use.
+QP_IDLE_S = 300.0
 
 
 def idle_sleep(idle: int) -> float:
@@ -281,12 +287,16 @@ class RdmaResponder:
     Responder QPs never post work: the NIC serves the puller's READs from the registered
     pool by itself. Each is kept for its puller's QP, (puller, NIC, the puller's QP index):
     a puller that dropped its QP (a failed pull, a restart) handshakes again for the same
-    one, and the QP that answered the old one is closed. The rest live until the node stops.
+    one, and the QP that answered the old one is closed. A puller's QPs are closed once it
+    has neither pinned nor handshaken for twice ``QP_IDLE_S`` (:meth:`seen`).
     """
 
-    def __init__(self, engine: RdmaEngine) -> None:
+    def __init__(self, engine: RdmaEngine, clock: Callable[[], float] = time.monotonic) -> None:
         self.engine = engine
         self.qps: dict[tuple[str, int, int], tuple[Qp, Cq]] = {}
+        self.clock = clock
+        self._seen: dict[str, float] = {}  # puller -> its last pin or handshake (clock)
+        self._swept = clock()
         self._lock = threading.Lock()
 
     @property
@@ -310,6 +320,7 @@ class RdmaResponder:
             _close(qp, cq)
             raise
         key = (req.puller, req.nic_index, req.qp_index)
+        self.seen(req.puller)
         with self._lock:
             old = self.qps.get(key)
             self.qps[key] = (qp, cq)
@@ -318,6 +329,26 @@ class RdmaResponder:
         log.info("rdma_qp_accepted", puller=req.puller, nic=nic.name, qp=qp.qp_num, replaced=old is not None)
         return peer_pb2.RdmaConnectResponse(endpoint=nic.endpoint(qp, psn), rkey=nic.mr.rkey,
                                             rdma_base=self.engine.base)
+
+    def seen(self, puller: str) -> None:
+        """``puller`` pinned pages here or handshakes: its QPs stay; those of pullers silent
+        for twice ``QP_IDLE_S`` are closed (looked for every ``QP_IDLE_S`` / 4 at most)."""
+        now = self.clock()
+        gone: list[tuple[Qp, Cq]] = []
+        with self._lock:
+            self._seen[puller] = now
+            if now - self._swept < QP_IDLE_S / 4:
+                return
+            self._swept = now
+            silent = {p for p, t in self._seen.items() if now - t > 2 * QP_IDLE_S}
+            for p in silent:
+                del self._seen[p]
+            for key in [k for k in self.qps if k[0] in silent]:
+                gone.append(self.qps.pop(key))
+        for qp, cq in gone:
+            _close(qp, cq)
+        if gone:
+            log.info("rdma_qps_reclaimed", pullers=sorted(silent), qps=len(gone))
 
     def close(self) -> None:
         """Close every QP (before the engine's devices)."""
@@ -341,9 +372,10 @@ Handshake = Callable[[str, peer_pb2.RdmaConnectRequest], peer_pb2.RdmaConnectRes
 
 
 class _Conn:
-    def __init__(self, qp: Qp, cq: Cq, nic: Nic, peer_nic: int) -> None:
+    def __init__(self, qp: Qp, cq: Cq, nic: Nic, peer_nic: int, now: float) -> None:
         self.qp, self.cq, self.nic, self.peer_nic = qp, cq, nic, peer_nic
         self.lock = threading.Lock()
+        self.used = now  # when a pull last took it (the transport's clock)
 
 
 class RdmaTransport:
@@ -351,10 +383,13 @@ class RdmaTransport:
 
     name = RDMA
 
-    def __init__(self, engine: RdmaEngine, handshake: Handshake, node_id: str = "", qps_per_peer: int = 1) -> None:
+    def __init__(self, engine: RdmaEngine, handshake: Handshake, node_id: str = "", qps_per_peer: int = 1,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if qps_per_peer < 1:
             raise ValueError(f"qps_per_peer must be > 0, got {qps_per_peer}")
         self.engine = engine
+        self.clock = clock
+        self._swept = clock()
         self.handshake = handshake
         self.node_id = node_id
         self.qps_per_peer = qps_per_peer
@@ -373,11 +408,14 @@ class RdmaTransport:
         key = (peer, i, j)
         with self._lock:
             c = self._conns.get(key)
-        if c is not None:
-            return c
+            if c is not None:
+                c.used = self.clock()
+                return c
         with self._setup:
             with self._lock:
                 c = self._conns.get(key)
+                if c is not None:
+                    c.used = self.clock()
             return c if c is not None else self._connect(key, peer_nics)
 
     def _connect(self, key: tuple[str, int, int], peer_nics: int) -> _Conn:
@@ -396,7 +434,7 @@ class RdmaTransport:
         except Exception as exc:
             _close(qp, cq)
             raise TransferError(f"RDMA handshake with {peer} failed: {exc}") from exc
-        c = _Conn(qp, cq, nic, peer_nic)
+        c = _Conn(qp, cq, nic, peer_nic, self.clock())
         with self._lock:
             self._conns[key] = c
         return c
@@ -412,6 +450,7 @@ class RdmaTransport:
         if not remote.rkeys or len(remote.checksums) != n:
             raise TransferError("peer returned no RDMA keys or no checksums")
         k = len(self.engine.nics)
+        self._close_idle()
         try:
             self._read_pages(remote, dests, [list(range(i, n, k)) for i in range(k)])
         except TransferError:
@@ -479,8 +518,27 @@ class RdmaTransport:
         except Exception as exc:  # a verbs error (QP in error state, ...)
             raise TransferError(f"RDMA READ from {remote.peer}: {exc}") from exc
         finally:
+            now = self.clock()
             for c, _ in jobs:
+                c.used = now
                 c.lock.release()
+
+    def _close_idle(self) -> None:
+        """Close the QPs no pull took for ``QP_IDLE_S`` (looked for every ``QP_IDLE_S`` / 4
+        at most); one a pull holds now is kept."""
+        now = self.clock()
+        with self._lock:
+            if now - self._swept < QP_IDLE_S / 4:
+                return
+            self._swept = now
+            idle = [(k, c) for k, c in self._conns.items() if now - c.used > QP_IDLE_S and c.lock.acquire(blocking=False)]
+            for k, _ in idle:
+                del self._conns[k]
+        for _, c in idle:
+            c.lock.release()
+            _close(c.qp, c.cq)
+        if idle:
+            log.info("rdma_idle_qps_closed", qps=len(idle), peers=sorted({k[0] for k, _ in idle}))
 
     def _drop(self, peer: str, i: int, j: int) -> None:
         with self._lock:
