@@ -1001,7 +1001,7 @@ OPTIONS: list[Option] = [
         "64mb",
         "Bytes of one block's page, for capacities in bytes when the trace does not say "
         "(64mb: Llama-3-8B bf16, 512-token blocks).",
-        parse_size,
+        _positive_size,
         commands=(REPLAY,),
     ),
     Option("block-tokens", 512, "Tokens per block of the trace (Mooncake: 512).", _positive_int, commands=(REPLAY,)),

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -58,6 +59,7 @@ MOONCAKE_BLOCK_TOKENS = 512
 # Latest request time accepted, in seconds (epoch seconds of the year 33658; Mooncake's
 # relative milliseconds up to 1e15): past it a time is garbage, not a trace.
 MAX_SECONDS = 1e12
+MAX_COUNT = 2**53  # token and block counts: exact as floats (the replay's times are computed from them)
 
 JsonValue = Any  # a value json.loads returned, before validation: each field is checked where it is read
 Line = dict[str, JsonValue]  # one trace line, a JSON object
@@ -167,6 +169,12 @@ def detect_format(obj: object) -> str | None:
     return None
 
 
+def _shown(v: object) -> str:
+    """A field's value for an error line: its repr, cut to 40 characters."""
+    r = repr(v)
+    return r if len(r) <= 40 else f"{r[:37]}..."
+
+
 def _time(d: Line, key: str, line: int, scale: float = 1.0) -> float:
     """A request time in seconds (``scale``: seconds per unit): finite, in [0, MAX_SECONDS]."""
     v = d.get(key)
@@ -174,9 +182,12 @@ def _time(d: Line, key: str, line: int, scale: float = 1.0) -> float:
         raise TraceError(line, f"missing field {key!r}")
     if type(v) not in (int, float):
         raise TraceError(line, f"field {key!r} must be a number, got {type(v).__name__}")
-    t = v * scale
+    try:
+        t = v * scale
+    except OverflowError:  # an integer of hundreds of digits (JSON takes up to 4,300)
+        t = math.inf
     if not 0.0 <= t <= MAX_SECONDS:  # also false for NaN; JSON's 1e309 is inf
-        raise TraceError(line, f"field {key!r} = {v!r} is not a time in [0, {MAX_SECONDS / scale:g}]")
+        raise TraceError(line, f"field {key!r} = {_shown(v)} is not a time in [0, {MAX_SECONDS / scale:g}]")
     return float(t)
 
 
@@ -214,9 +225,10 @@ def _count(
         if required:
             raise TraceError(line, f"missing field {key!r}")
         return None
-    if type(v) is not int or v < 0 or (positive and v == 0):
+    if type(v) is not int or v < 0 or (positive and v == 0) or v > MAX_COUNT:
         raise TraceError(
-            line, f"field {key!r} must be a {'positive' if positive else 'non-negative'} integer, got {v!r}"
+            line, f"field {key!r} must be a {'positive' if positive else 'non-negative'} integer up to 2^53, "
+            f"got {_shown(v)}"
         )
     return v
 
@@ -350,7 +362,7 @@ def _hex_hashes(raw: Iterable[JsonValue], line: int) -> list[bytes]:
 
 
 def read_trace(
-    lines: Iterable[str],
+    lines: Iterable[str | bytes],
     fmt: str = "auto",
     *,
     block_tokens: int = MOONCAKE_BLOCK_TOKENS,
@@ -374,10 +386,17 @@ def read_trace(
     first_bad = ""
     parse = None if fmt == "auto" else getattr(reader, fmt)
     loads = json.loads
-    for lineno, text in _numbered(lines):
-        if not text.strip():
+    for lineno, line in _numbered(lines):
+        if not line.strip():
             continue
         try:
+            if isinstance(line, bytes):  # decoded line by line: --skip-bad skips one that is not UTF-8
+                try:
+                    text = line.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise TraceError(lineno, f"not UTF-8 text ({exc.reason})") from None
+            else:
+                text = line
             try:
                 d = loads(text)
             except json.JSONDecodeError as exc:
@@ -412,9 +431,9 @@ def read_trace(
     )
 
 
-def _numbered(lines: Iterable[str]) -> Iterator[tuple[int, str]]:
+def _numbered(lines: Iterable[str | bytes]) -> Iterator[tuple[int, str | bytes]]:
     """``enumerate(lines, 1)``; a file that cannot be read past some line (a truncated or
-    corrupt ``.gz``, bytes that are not UTF-8) raises :class:`TraceError` naming that line."""
+    corrupt ``.gz``) raises :class:`TraceError` naming that line."""
     it = iter(lines)
     lineno = 0
     while True:
@@ -425,7 +444,5 @@ def _numbered(lines: Iterable[str]) -> Iterator[tuple[int, str]]:
         except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
             raise TraceError(lineno + 1, f"cannot decompress the trace here ({exc or type(exc).__name__}): "
                                          "the file is truncated or corrupt") from None
-        except UnicodeDecodeError as exc:
-            raise TraceError(lineno + 1, f"not UTF-8 text ({exc.reason})") from None
         lineno += 1
         yield lineno, text

@@ -77,7 +77,7 @@ class _Progress:
             self.bar.close()
 
 
-def _counted(lines: Iterator[str], bar: _Progress) -> Iterator[str]:
+def _counted(lines: Iterator[bytes], bar: _Progress) -> Iterator[bytes]:
     """Pass lines through, advancing ``bar`` by their length every 4096 lines."""
     if bar.bar is None:
         yield from lines

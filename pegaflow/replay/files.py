@@ -14,9 +14,8 @@ def open_trace(path: str | Path) -> gzip.GzipFile | io.BufferedReader:
     return gzip.open(p, "rb") if p.suffix == ".gz" else open(p, "rb")
 
 
-def iter_lines(path: str | Path) -> Iterator[str]:
-    """The file's lines as text. Each line is decoded on its own, so bytes that are not UTF-8
-    fail at their own line (``read_trace`` names it)."""
+def iter_lines(path: str | Path) -> Iterator[bytes]:
+    """The file's lines, as bytes: ``read_trace`` decodes each on its own, so bytes that are
+    not UTF-8 fail at their own line (named, or skipped with ``--skip-bad``)."""
     with open_trace(path) as f:
-        for raw in f:
-            yield raw.decode("utf-8")
+        yield from f
