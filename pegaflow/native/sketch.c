@@ -3,8 +3,8 @@
  * TinyLFU owns the state (the count-min table and the doorkeeper are its bytearrays, the
  * sample count is its attribute); a Sketch only holds views of the two buffers and the
  * constants, so the Python and C paths read and write the very same memory. Every
- * function here is the line-for-line twin of the pure-Python scalar code in tinylfu.py
- * (which stays as the fallback and as the reference the tests compare against):
+ * function here is the line-for-line twin of the pure-Python scalar reference the tests
+ * compare against (tests/oracles/tinylfu_scalar.py; there is no fallback at run time):
  * the same splitmix-shaped mixing, double hashing, 4-bit saturating counters, doorkeeper
  * probes and aging at the same access.
  *
@@ -325,7 +325,7 @@ static PyMethodDef module_methods[] = {
 };
 
 static struct PyModuleDef sketch_module = {
-    PyModuleDef_HEAD_INIT, "_sketch", "TinyLFU's per-key paths in C (see pegaflow/core/tinylfu.py).", -1,
+    PyModuleDef_HEAD_INIT, "_sketch", "TinyLFU's per-key paths in C (see pegaflow/policy/tinylfu.py).", -1,
     module_methods,
 };
 

@@ -204,7 +204,12 @@ class CeilingEstimator:
         return bytes(d.serialize_compact())
 
     def _load(self, data: bytes) -> Distinct:
-        return ds.hll_sketch.deserialize(data)
+        """A sketch image; ValueError if datasketches cannot read it (it raises IndexError,
+        RuntimeError, ... on a damaged image)."""
+        try:
+            return ds.hll_sketch.deserialize(data)
+        except Exception as exc:  # noqa: BLE001 - the binding's errors, whatever their class
+            raise ValueError(f"unreadable HLL sketch ({type(exc).__name__}: {exc})") from None
 
     # --- writing ----------------------------------------------------------------------------
 
@@ -369,15 +374,16 @@ class CeilingEstimator:
                 f"incompatible ceiling sketch: lg_k={lg_k} buckets={buckets} windows={windows}, "
                 f"expected lg_k={self.lg_k} buckets={self.buckets} windows={self.windows}"
             )
-        for ring, slots in zip(self._rings, rings, strict=True):
-            for index, n, hits, blob in slots:
-                if index == _EMPTY:
-                    continue
+        # Every image is read before anything is added: a damaged one leaves this side as it was.
+        loaded = [[(index, n, hits, self._load(blob) if blob else None) for index, n, hits, blob in slots
+                   if index != _EMPTY] for slots in rings]
+        for ring, slots in zip(self._rings, loaded, strict=True):
+            for index, n, hits, sketch in slots:
                 s = self._slot(ring, index)
                 if s is None:
                     continue
-                if blob:
-                    s.distinct = self._merge_into(s.distinct, self._load(blob))
+                if sketch is not None:
+                    s.distinct = self._merge_into(s.distinct, sketch)
                 s.n += n
                 s.hits += hits
                 if ring is self._fine:

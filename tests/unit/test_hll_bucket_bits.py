@@ -4,8 +4,10 @@ whichever node sorts first."""
 
 from __future__ import annotations
 
+import struct
 import time
 
+import pytest
 from structlog.testing import capture_logs
 
 from pegaflow.cluster.sketches import ClusterCeilingCollector, cluster_union, publish_sketch
@@ -67,3 +69,44 @@ def test_collector_counts_and_logs_a_mismatch_once_per_node() -> None:
     warned = [e for e in logs if e["event"] == "ceiling_sketch_skipped"]
     assert len(warned) == 1 and warned[0]["node"] == "a"
     assert "bucket bits 12" in warned[0]["error"]
+
+
+def corrupt(blob: bytes) -> bytes:
+    """``blob`` with its last sketch image claiming more bucket bits than its bytes hold
+    (datasketches raises IndexError on it, not ValueError)."""
+    est = CeilingEstimator.deserialize(blob, clock=time.time)
+    off, images = 9 + 8 * len(est.windows), []  # the header ("<4sBBHB") and the windows: the first slot
+    while off < len(blob):
+        size = struct.unpack_from("<qQQI", blob, off)[3]  # (index, n, hits, image bytes)
+        off += 28
+        if size:
+            images.append((off, size))
+        off += size
+    at, size = images[-1]  # the last image: a merge reads the others first
+    assert len(images) > 1 and size > 1000 and blob[at + 3] == est.lg_k  # dense; its byte 3 is its lg_k
+    return blob[:at + 3] + bytes([est.lg_k + 4]) + blob[at + 4:]
+
+
+def test_a_sketch_datasketches_cannot_read_is_skipped_not_raised() -> None:
+    """One corrupt sketch in Redis raised out of the collector: every metric of the
+    metaserver's /metrics page (one registry) and its ClusterCeiling RPC failed with it."""
+    # Dense (the image's size follows its lg_k), and a sketch in a later window too: a merge
+    # that failed partway must leave nothing of it behind.
+    good = CeilingEstimator((900.0,), lg_k=16, clock=time.time)
+    good.observe(list(range(100_000)), hits=0, now=time.time() - 300)
+    good.observe(list(range(100_000)), hits=0, now=time.time())
+    bad = corrupt(good.serialize())
+    for blobs in ({"a": bad, "b": sketch(16, range(100))}, {"a": sketch(16, range(100)), "b": bad}):
+        est, merged, skipped = cluster_union(blobs, (900.0,), lg_k=16)
+        assert est is not None and est.stats(900.0).requests == 100
+        assert merged == [n for n in blobs if blobs[n] is not bad] and list(skipped) == [n for n in blobs if blobs[n] is bad]
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    r = FakeRedis(["a", "b"])
+    publish_sketch(r, "a", bad, 10.0)  # type: ignore[arg-type]
+    publish_sketch(r, "b", sketch(16, range(100)), 10.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        CeilingEstimator.deserialize(bad)
+    reg = CollectorRegistry()
+    reg.register(ClusterCeilingCollector(r, (900.0,), min_interval=0.0, lg_k=16))  # type: ignore[arg-type]
+    assert b"pegaflow_meta_cluster_sketch_nodes" in generate_latest(reg)
