@@ -48,10 +48,12 @@ class Capacity:
             return cls(float(m.group(1)), "blocks")
         return cls(float(parse_size(t)), "bytes")
 
-    def blocks_or_bytes(self, unique: int) -> tuple[int, bool]:
-        """(amount, in_blocks) for a trace with ``unique`` distinct blocks."""
+    def blocks_or_bytes(self, unique: int, storable: int | None = None) -> tuple[int, bool]:
+        """(amount, in_blocks) for a trace with ``unique`` distinct blocks requested and
+        ``storable`` distinct blocks requested or saved (default ``unique``): ``inf`` holds
+        every block the trace stores, a percentage is of ``unique``."""
         if self.unit == "inf":
-            return unique, True
+            return unique if storable is None else max(unique, storable), True
         if self.unit == "percent":
             return int(round(unique * self.value / 100.0)), True
         return int(self.value), self.unit == "blocks"

@@ -81,7 +81,10 @@ class Admission(Protocol):
     """What the index needs from an admission policy (``TinyLFU`` is the node's).
 
     A policy may also offer ``record_many(keys)`` (equal to ``record`` per key, in order);
-    the index then records a request's blocks in one call instead of one call per block.
+    the index then records a request's blocks in one call instead of one call per block;
+    and ``record_unseen(keys)`` (``record`` of each key it has not seen), which the index
+    calls with the blocks a reserve places, so that a block stored without a lookup first
+    (a saved decode block) is not a stranger to admission.
     """
 
     def record(self, key: int) -> None: ...
@@ -422,6 +425,10 @@ class BlockIndex:
         dropped: list[Block] = []  # victims _allocate evicted (counted there), reported at the end
         full = False
         group = self._quota_group.get(ns.id) if self._quota_group else None
+        if adm is not None and (unseen := getattr(adm, "record_unseen", None)) is not None:
+            if type(hashes) is not list:
+                hashes = list(hashes)
+            unseen(block_keys(ns.salt, [h for h in hashes if h not in blocks]))
         # place() takes free pages or this namespace's own LRU head: the quota rule's choice too,
         # unless the namespace's group has a maximum (own block though pages are free) or a
         # guarantee (under it, others' blocks go first), or a parked block it may evict is

@@ -102,10 +102,15 @@ class Trace:
 
     format: str
     requests: list[Request]
-    unique: int  # U: distinct (namespace, hash)
+    unique: int  # U: distinct (namespace, hash) requested
     skipped: int = 0  # bad lines skipped (only with skip_bad)
     first_bad: str = ""  # the first skipped line's error, for the report
     namespaces: dict[str, int | None] = field(default_factory=dict)  # name -> page_bytes
+    storable: int = -1  # distinct blocks requested or saved (an unbounded cache's size); -1: unique
+
+    def __post_init__(self) -> None:
+        if self.storable < 0:
+            self.storable = self.unique
 
     @property
     def blocks(self) -> int:
@@ -251,6 +256,7 @@ class _Reader:
         self.namespace_field = namespace_field
         self.ids: dict[int | tuple[str, int | bytes], int] = {}  # mooncake: raw int id; pegaflow: (namespace, hash)
         self.hashes: list[bytes] = []  # dense id -> 16-byte hash
+        self.saved: set[tuple[str, bytes]] = set()  # pegaflow: (namespace, hash) of every saved block
         self.namespaces: dict[str, int | None] = {}
 
     def mooncake(self, d: Line, line: int) -> Request:
@@ -318,6 +324,7 @@ class _Reader:
             raise TraceError(line, "field 'saved' must be a list of hex strings")
         saved = _hex_hashes(raw_saved or (), line)
         # Valid: only now touch the tables, so a skipped line leaves no trace.
+        self.saved.update((ns, h) for h in saved)
         if page is not None:
             self.namespaces[ns] = page
         else:
@@ -425,6 +432,7 @@ def read_trace(
         format=fmt if fmt != "auto" else MOONCAKE,
         requests=requests,
         unique=len(reader.hashes),
+        storable=len(reader.hashes) + sum(1 for key in reader.saved if key not in reader.ids),
         skipped=skipped,
         first_bad=first_bad,
         namespaces=reader.namespaces,

@@ -52,7 +52,7 @@ hash-flooding adversaries; block hashes are not attacker-chosen here.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -230,6 +230,17 @@ class TinyLFU:
     def estimate(self, key: int) -> int:
         """Estimated accesses of ``key`` in the current sample period (0..16, never low)."""
         return self._core.estimate(key)
+
+    def record_unseen(self, keys: Iterable[int]) -> None:
+        """Record one access of each key the sketch has not seen (estimate 0): a block stored
+        without a request for it first (a saved decode block, the block of a prompt's last
+        token) gets the sighting a lookup would have given it, as the original counts an
+        insert; without it, it lost every admission to any victim, however cold."""
+        est, rec = self._core.estimate, self._core.record
+        for k in keys:
+            if not est(k):
+                self._samples, aged = rec(k, self._samples)
+                self.agings += aged
 
     def admit(self, candidate: int, victim: int) -> bool:
         """True iff ``candidate``'s estimated frequency is strictly greater than ``victim``'s.

@@ -420,7 +420,8 @@ def replay_cluster(trace: Trace, nodes: int, l1: Capacity, ssd: Capacity, *, pag
     trace's distinct blocks, as in ``pegaflow replay``, is of the whole trace, per node); the
     requests go to the first ``nodes - idle``."""
     sizes = {name: size or page_bytes for name, size in trace.namespaces.items()}
-    c = NodeCluster(nodes, l1.blocks_or_bytes(trace.unique), ssd.blocks_or_bytes(trace.unique), sizes, peers,
+    c = NodeCluster(nodes, l1.blocks_or_bytes(trace.unique, trace.storable),
+                    ssd.blocks_or_bytes(trace.unique, trace.storable), sizes, peers,
                     ssd_writes, owner_threshold, idle, backup)
     by_field = route_field(route_by) is not None
     res = ClusterResult(nodes, peers, owner_threshold=owner_threshold, idle=idle, backup=backup is not None)

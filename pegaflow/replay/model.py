@@ -290,11 +290,12 @@ def route_hash(value: str) -> int:
 class Cluster:
     """The pools of one scenario and the rule that picks a pool for each request."""
 
-    def __init__(self, scenario: Scenario, unique: int, namespaces: dict[str, int | None]) -> None:
+    def __init__(self, scenario: Scenario, unique: int, namespaces: dict[str, int | None],
+                 storable: int | None = None) -> None:
         self.scenario = scenario
         page_bytes = {name: size or scenario.page_bytes for name, size in namespaces.items()}
-        l1_amount, l1_blocks = scenario.l1.blocks_or_bytes(unique)
-        ssd_amount, ssd_blocks = scenario.ssd.blocks_or_bytes(unique)
+        l1_amount, l1_blocks = scenario.l1.blocks_or_bytes(unique, storable)
+        ssd_amount, ssd_blocks = scenario.ssd.blocks_or_bytes(unique, storable)
         n_pools = scenario.instances if scenario.pools == ISOLATED else 1
         l1_split = 1 if scenario.l1.is_unbounded else n_pools
         ssd_split = 1 if scenario.ssd.is_unbounded else n_pools

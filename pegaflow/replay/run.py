@@ -133,7 +133,7 @@ class RunResult:
 
 def replay(trace: Trace, scenario: Scenario, progress: Progress | None = None) -> RunResult:
     """Run ``scenario`` over every request of ``trace`` in order; see the module contracts."""
-    cluster = Cluster(scenario, trace.unique, trace.namespaces)
+    cluster = Cluster(scenario, trace.unique, trace.namespaces, trace.storable)
     res = RunResult(scenario, cluster.l1_capacity_blocks)
     # The cyclic GC would walk every resident Block again and again as the index fills
     # (a third of the run on a large cache) and find nothing: the index makes no cycles.

@@ -13,6 +13,9 @@ from pegaflow.client import PegaClient
 pytestmark = pytest.mark.integration
 
 PAGE = 64 << 10  # 4 MiB pool / 64 KiB pages = 64 pages
+# The sketch sized to those pages (not the 128 KiB guess): its sample period (10 x 64 accesses)
+# then spans the hot set's and the scan's accesses, which it would otherwise partly forget.
+LFU = ["--enable-lfu-admission", "--hint-value-size", "64kb"]
 
 
 def hashes(tag: str, n: int) -> list[bytes]:
@@ -42,7 +45,7 @@ def hot_blocks_left_after_a_scan(node) -> tuple[int, float]:  # type: ignore[no-
 
 
 def test_lfu_admission_keeps_the_hot_set_through_a_scan(node_factory) -> None:
-    left, rejected = hot_blocks_left_after_a_scan(node_factory(pool_size="4mb", extra=["--enable-lfu-admission"]))
+    left, rejected = hot_blocks_left_after_a_scan(node_factory(pool_size="4mb", extra=LFU))
     assert left == 32
     # One decision per Reserve: the first 4 chunks fill the free pages, each later chunk is
     # turned away at its first block (the rest of a rejected batch is not asked: prefix rule).
@@ -78,8 +81,8 @@ def hot_blocks_left_after_a_re_asked_scan(node, same_request: bool) -> int:  # t
 
 
 def test_a_request_asked_again_counts_its_accesses_once(node_factory) -> None:
-    node = node_factory(pool_size="4mb", extra=["--enable-lfu-admission"])
+    node = node_factory(pool_size="4mb", extra=LFU)
     assert hot_blocks_left_after_a_re_asked_scan(node, same_request=True) == 32
     # Control: the same queries as 8 different requests make the scan the popular set.
-    node2 = node_factory(pool_size="4mb", extra=["--enable-lfu-admission"])
+    node2 = node_factory(pool_size="4mb", extra=LFU)
     assert hot_blocks_left_after_a_re_asked_scan(node2, same_request=False) < 32

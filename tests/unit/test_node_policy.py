@@ -84,11 +84,32 @@ def test_tinylfu_in_the_index_counts_batched_accesses_like_scalar_ones() -> None
     for _ in range(3):
         idx.prefix(ns, hs)
     keys = [block_key(ns.salt, h) for h in hs]
-    for _ in range(3):
+    for _ in range(4):  # the reserve that stored them (record_unseen), then three lookups
         for k in keys:
             scalar.record(k)
     assert list(batched.estimate_many(keys)) == list(scalar.estimate_many(keys))
-    assert min(batched.estimate_many(keys)) >= 3
+    assert min(batched.estimate_many(keys)) >= 4
+
+
+def test_a_block_stored_without_a_lookup_competes_for_admission_like_a_looked_up_one() -> None:
+    """A saved decode block (or a prompt's last block) is reserved without a Query: never
+    recorded, it lost every admission (0 against any victim, even a cold one) once the pool
+    was full, while the block computed beside it was stored."""
+    adm = TinyLFU(4)
+    idx = BlockIndex(4 * PAGE, align=PAGE, admission=adm)
+    ns = idx.namespace("m", PAGE)
+    old = hashes("old", 4)
+    idx.record_access(ns, old)
+    idx.commit([b for b in idx.reserve(ns, old) if b is not None])
+    assert len(idx.prefix(ns, old, touch=False)) == 4  # full
+    victims = [block_key(ns.salt, h) for h in old]
+    while max(adm.estimate_many(victims)):  # the sample period turns over: the victims go cold
+        adm.record_many(list(range(10_000, 10_000 + adm.sample_size)))
+    computed, saved = hashes("computed", 1), hashes("saved", 1)
+    idx.record_access(ns, computed)  # the Query that missed it
+    assert idx.reserve(ns, computed)[0] is not None
+    assert idx.reserve(ns, saved)[0] is not None, "a block never looked up never admitted"
+    assert idx.admission_rejections == 0
 
 
 def test_ceiling_counts_each_request_once_however_often_it_is_queried() -> None:

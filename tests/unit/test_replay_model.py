@@ -217,3 +217,19 @@ def test_blocks_a_request_saved_beyond_its_query_are_hit_by_the_next_turn():
     assert trace.blocks == 4, "saved blocks are not accesses"
     with pytest.raises(Exception, match="saved"):
         read_trace([json.dumps({"time": 0, "namespace": "ns", "hashes": [], "saved": "ab"})])
+
+
+def test_inf_holds_the_saved_blocks_too():
+    """``inf`` was sized on the requested blocks only: a trace whose requests save blocks
+    beyond their queries evicted at "nothing is ever evicted"."""
+    from pegaflow.core.trace import encode_query
+
+    def h(i: int) -> bytes:
+        return i.to_bytes(16, "little")
+
+    lines = [encode_query(float(i), "ns", [h(i % 50)], saved=[h(1000 + 3 * i + k) for k in range(3)])
+             for i in range(200)]
+    trace = read_trace(lines)
+    assert (trace.unique, trace.storable) == (50, 650)
+    r = run(lines, "inf")
+    assert r.evictions == 0 and r.hit_blocks == 150, (r.evictions, r.hit_blocks)
