@@ -259,8 +259,15 @@ class WorkerSide:
             self.disable(f"KV cache page (and state page) are {got} bytes, the scheduler expects {want}")
             return
         device = layout.segments[0].device
+        if device.type not in ("cpu", "cuda"):  # an XPU, HPU, ...: every load and save would fail
+            self.disable(f"no copy path for a KV cache on {device.type} (PegaFlow copies CPU and CUDA caches)")
+            return
         if self.stream is None:
-            self.stream = stream_for(device)
+            try:
+                self.stream = stream_for(device)
+            except (RuntimeError, OSError) as exc:  # no CUDA runtime to load (a ROCm torch's "cuda")
+                self.disable(f"no copy stream for the KV cache on {device}: {exc}")
+                return
         if self._pins_factory is None:
             self._pins_factory = pins_for(device)
         self.inflight.recycle = self.stream.recycle

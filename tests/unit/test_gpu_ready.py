@@ -558,3 +558,36 @@ def test_a_forward_replayed_as_one_cuda_graph_waits_for_the_whole_load_in_either
     for mode in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.NONE):  # attention runs eagerly: layer by layer
         with set_forward_context(attn, cfg, cudagraph_runtime_mode=mode):
             assert layer_by_layer(get_forward_context())
+
+
+def _worker_on(caches: dict[str, torch.Tensor]) -> WorkerSide:
+    from pegaflow.connector.layout import build_page_layout
+
+    ident = identity(layers=len(caches))
+    nb = next(iter(caches.values())).shape[1]
+    ident = type(ident)(**{**ident.__dict__, "page_bytes": build_page_layout(caches, nb).page_bytes})
+    node = FakeNode(pool_bytes=1 << 22)
+    w = WorkerSide(ident, 0, lambda ns, pci="": fake_link(node, ns, pci))
+    w.register_kv_caches(caches, nb)
+    return w
+
+
+def test_a_cuda_device_without_a_cuda_runtime_disables_the_worker_not_the_engine(monkeypatch) -> None:  # noqa: ANN001
+    """The copy stream's constructor loads libcudart: on a ROCm torch (its devices are
+    "cuda" too) or a torch without one on the loader's path, the OSError escaped
+    register_kv_caches and the engine failed to start, instead of serving without PegaFlow."""
+    from pegaflow.connector import worker as worker_module
+
+    def no_runtime(device: torch.device) -> Any:
+        raise OSError("no libcudart is loaded in this process")
+
+    monkeypatch.setattr(worker_module, "stream_for", no_runtime)
+    w = _worker_on(split_caches(1))
+    assert w.disabled and "libcudart" in w.disabled and w.link is None
+
+
+def test_a_kv_cache_on_a_device_without_a_copy_path_is_refused_at_registration() -> None:
+    """An XPU or HPU cache ("meta" stands in) was accepted: every load and save then failed
+    with a traceback each step while the scheduler kept promising hits."""
+    w = _worker_on({k: v.to("meta") for k, v in split_caches(1).items()})
+    assert w.disabled and "no copy path for a KV cache on meta" in w.disabled and w.link is None
