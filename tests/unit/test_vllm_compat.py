@@ -355,3 +355,66 @@ def test_connector_stats_read_as_the_dict_they_are_sent_as() -> None:
     assert stats["data"] == {"loaded_blocks": 3} == dataclasses.asdict(stats)["data"]
     with pytest.raises(KeyError):
         stats["loaded_blocks"]
+
+
+def _vllm_layouts() -> list[Any]:
+    mod = importlib.util.find_spec("vllm.v1.kv_cache_layout")
+    if mod is None:  # vLLM before the resolved layouts (make compat's older releases)
+        return [pytest.param(None, marks=pytest.mark.skip(reason="this vLLM has no vllm.v1.kv_cache_layout"))]
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    return list(KVCacheLayout)
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["attention", "mla"])
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "kernel-split"])
+@pytest.mark.parametrize("layout", _vllm_layouts(), ids=lambda lay: getattr(lay, "name", "none"))
+def test_every_cache_layout_vllms_allocator_makes_pages_each_blocks_bytes(layout: Any, split: bool, mla: bool) -> None:
+    """The KV caches both GPU model runners register come from vLLM's allocate_kv_cache in the
+    layout the attention backend resolves (FlashAttention and Triton: LBNHC; FlashInfer on
+    Blackwell: LBHNC or BLHNC; block-first ones are vLLM's cross-layer blocks), with the
+    kernel's smaller blocks split out. Built by vLLM itself here: a page must hold exactly
+    the bytes of its block in every layer (random bytes: another block's would not match)."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+        MLAAttentionSpec,
+        compute_layout_strides,
+    )
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    from pegaflow.connector.layout import build_page_layout
+
+    if mla:
+        spec: Any = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    else:
+        spec = FullAttentionSpec(block_size=16, num_kv_heads=4, head_size=8, dtype=torch.bfloat16)
+    n_layers, nb = 3, 10
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(n_layers)]
+    # Block-first: one block of every layer after another (the engine fixes the block stride).
+    fixed = {"fixed_strides": (None, spec.page_size_bytes * n_layers, None, None, None)} if layout.is_block_outermost else {}
+    layer_stride, block_stride, *_ = compute_layout_strides(spec, nb, n_layers, layout, **fixed)
+    tensor = KVCacheTensor(size=spec.page_size_bytes * n_layers * nb, layers=names, layer_stride=layer_stride,
+                           block_stride=block_stride)
+    cfg = KVCacheConfig(num_blocks=nb, kv_cache_tensors=[tensor], kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+    kernel = [spec.block_size // 4] if split else None
+    try:
+        kv = allocate_kv_cache(cfg, torch.device("cpu"), layout, kernel)
+    except ValueError as exc:  # no engine runs it: vLLM refuses kernel blocks in non-dense layouts
+        assert split and "does not store blocks as dense" in str(exc), exc
+        return
+    storage = kv[names[0]].untyped_storage()
+    raw = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+    raw.copy_(torch.randint(0, 256, (storage.nbytes(),), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)))
+    if layout.name == "LHBNC" and not mla:  # heads outside blocks (ROCm's layout): refused with one line
+        with pytest.raises(ValueError, match="not contiguous"):
+            build_page_layout(kv, nb)
+        return
+    pages = build_page_layout(kv, nb)
+    assert pages.page_bytes == n_layers * spec.real_page_size_bytes
+    for b in range(nb):
+        rows = [t[b * (t.shape[0] // nb):(b + 1) * (t.shape[0] // nb)] for t in (kv[n] for n in names)]
+        want = torch.cat([r.contiguous().view(torch.uint8).flatten() for r in rows])
+        assert torch.equal(pages.page(b).sort().values, want.sort().values), f"block {b}"
