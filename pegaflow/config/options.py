@@ -492,8 +492,8 @@ OPTIONS: list[Option] = [
     Option(
         "ssd-cache-path",
         [],
-        "SSD cache file, or directory to hold one; several (after one flag or the flag repeated) "
-        "stripe pages across disks. Unset: no SSD tier.",
+        "SSD cache file, or directory to hold one (existing, or ending in /; missing directories are "
+        "created); several (after one flag or the flag repeated) stripe pages across disks. Unset: no SSD tier.",
         repeatable=True,
         metavar="PATH",
     ),

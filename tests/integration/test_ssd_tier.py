@@ -346,8 +346,9 @@ def _one_line_error(r: subprocess.CompletedProcess, *words: str) -> None:
 
 
 def test_bad_ssd_configuration_is_rejected_in_one_line_and_nothing_is_overwritten(tmp_path):
-    _one_line_error(_node_cli(tmp_path, "--ssd-cache-path", str(tmp_path / "no" / "such" / "dir" / "f")),
-                    "does not exist")
+    (tmp_path / "plain").write_text("a file, not a directory")
+    _one_line_error(_node_cli(tmp_path, "--ssd-cache-path", str(tmp_path / "plain" / "f")),
+                    "is not a directory")
     _one_line_error(_node_cli(tmp_path, "--ssd-cache-path", "/proc/pegaflow-ssd.cache"), "/proc")
     _one_line_error(_node_cli(tmp_path, "--ssd-cache-path", str(tmp_path), "--ssd-cache-capacity", "900tb"),
                     "free")

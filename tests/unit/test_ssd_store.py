@@ -114,6 +114,35 @@ def test_foreign_and_newer_files_are_refused_untouched(tmp_path: Path):
     assert ours.read_bytes() == bytes(data)
 
 
+def test_missing_directories_are_created_and_a_path_ending_in_a_slash_is_one(tmp_path: Path):
+    """As the original: a path's missing directories are created (ours refused them), and
+    ``DIR/`` names a directory to hold the file (ours tried to open a file named ``DIR/``)."""
+    deep, slash = tmp_path / "a" / "b" / "c.cache", str(tmp_path / "d" / "e") + "/"
+    files = open_files([str(deep), slash], 4 << 20)
+    assert [f.path for f in files] == [str(deep), os.path.join(slash, CACHE_FILE_NAME)]
+    assert all(os.path.getsize(f.path) == 2 << 20 for f in files)
+    for f in files:
+        os.close(f.fd)
+    with pytest.raises(SsdError, match="is not a directory"):  # a file where a directory must be
+        open_files([str(deep / "f")], 1 << 20)
+
+
+def test_a_start_that_fails_removes_the_files_and_directories_it_created(tmp_path: Path):
+    """The second path's failure (its file is in use) left the first path's new file behind,
+    allocated in full (a cache file is its share of --ssd-cache-capacity: hundreds of GB)."""
+    busy = tmp_path / "busy.cache"
+    held = open_files([str(busy)], 2 << 20)  # another node holds it (flock)
+    new = tmp_path / "new" / "dir" / "a.cache"
+    try:
+        with pytest.raises(SsdError, match="in use"):
+            open_files([str(new), str(busy)], 4 << 20)
+    finally:
+        for f in held:
+            os.close(f.fd)
+    assert not (tmp_path / "new").exists()
+    assert busy.exists()  # another's: kept
+
+
 def test_capacity_beyond_free_space_is_refused_and_creates_nothing(tmp_path: Path):
     with pytest.raises(SsdError, match="free"):
         open_files([str(tmp_path)], 1 << 50)

@@ -6,6 +6,9 @@ Contracts:
 - Everything is validated before anything is written (:func:`check_paths`), so a bad path
   or capacity fails with :class:`SsdError` (one line for the operator) and leaves every
   file as it was. The only write it makes is a probe file, created and removed at once.
+- A path's missing directories are created (as the original does), a path ending in ``/``
+  is a directory (created if missing) that holds the file; a start that fails removes the
+  files and directories it created (a cache file is allocated in full: hundreds of GB).
 - Foreign or newer files are never overwritten: :func:`open_files` raises :class:`SsdError`.
 - One node per cache file (``flock``): a second one would overwrite the first one's log.
 - An existing PegaFlow file of another capacity or layout is re-formatted, with a warning:
@@ -19,7 +22,7 @@ import os
 import stat
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 
@@ -51,6 +54,7 @@ class Plan:
     paths: list[str]  # the cache files themselves (a directory's resolved to its file)
     existed: list[bool]  # per path: the file was there at validation
     file_bytes: int
+    dirs: list[str] = field(default_factory=list)  # missing directories to create, parents first
 
 
 def open_files(paths: Iterable[str], capacity: int, shards: int = 1) -> list[CacheFile]:
@@ -74,24 +78,44 @@ def check_paths(paths: Iterable[str], capacity: int, shards: int = 1) -> Plan:
     per_file = capacity // len(resolved) // BLOCK * BLOCK
     _geometry(per_file)
     existed: list[bool] = []
+    dirs: list[str] = []
     need_by_dev: dict[int, int] = {}  # bytes still to allocate, per filesystem
-    where: dict[int, str] = {}  # the first path on each filesystem (for the message)
+    where: dict[int, str] = {}  # the nearest existing directory of the first path on each filesystem
     for p in resolved:
-        exists, dev, have = _check_path(p)
+        exists, dev, have, missing = _check_path(p)
         existed.append(exists)
+        dirs += [d for d in missing if d not in dirs]
         need_by_dev[dev] = need_by_dev.get(dev, 0) + max(0, per_file - have)
-        where.setdefault(dev, p)
+        where.setdefault(dev, _existing_ancestor(_parent(p)))
     for dev, need in need_by_dev.items():
-        vfs = os.statvfs(_parent(where[dev]))
+        vfs = os.statvfs(where[dev])
         free = vfs.f_bavail * vfs.f_frsize
         if need > free:
             raise SsdError(f"--ssd-cache-capacity needs {need >> 20} MiB more on the filesystem of {where[dev]} "
                            f"but only {free >> 20} MiB are free")
-    return Plan(resolved, existed, per_file)
+    return Plan(resolved, existed, per_file, dirs)
 
 
 def _cache_file_path(path: str) -> str:
-    return os.path.join(path, CACHE_FILE_NAME) if os.path.isdir(path) else path
+    """The cache file of a path: itself, or the file in it when it is a directory (one that
+    exists, or a path ending in ``/``)."""
+    return os.path.join(path, CACHE_FILE_NAME) if os.path.isdir(path) or path.endswith(os.sep) else path
+
+
+def _existing_ancestor(d: str) -> str:
+    """``d`` or its nearest ancestor that exists."""
+    while not os.path.exists(d):
+        d = os.path.dirname(d)
+    return d
+
+
+def _missing_dirs(d: str) -> list[str]:
+    """The directories from ``d`` up that do not exist yet, outermost first."""
+    out: list[str] = []
+    while not os.path.exists(d):
+        out.append(d)
+        d = os.path.dirname(d)
+    return out[::-1]
 
 
 def _shard_paths(path: str, shards: int) -> list[str]:
@@ -112,16 +136,18 @@ def _geometry(file_bytes: int) -> tuple[int, int]:
     return seg, data // seg
 
 
-def _check_path(p: str) -> tuple[bool, int, int]:
-    """(exists, filesystem device, bytes already allocated) of one cache file path."""
-    parent = _parent(p)
+def _check_path(p: str) -> tuple[bool, int, int, list[str]]:
+    """(exists, filesystem device, bytes already allocated, directories to create) of one
+    cache file path."""
+    missing = _missing_dirs(_parent(p))
+    parent = _existing_ancestor(_parent(p))
     if not os.path.isdir(parent):
-        raise SsdError(f"--ssd-cache-path {p}: directory {parent} does not exist")
+        raise SsdError(f"--ssd-cache-path {p}: {parent} is not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise SsdError(f"--ssd-cache-path {p}: directory {parent} is not writable")
     if not os.path.exists(p):
         _probe_dir(p, parent)
-        return False, os.stat(parent).st_dev, 0
+        return False, os.stat(parent).st_dev, 0, missing
     st = os.stat(p)
     if not stat.S_ISREG(st.st_mode):
         raise SsdError(f"--ssd-cache-path {p} is not a regular file")
@@ -136,7 +162,7 @@ def _check_path(p: str) -> tuple[bool, int, int]:
             _check_existing(p, fd)
         finally:
             os.close(fd)
-    return True, st.st_dev, st.st_blocks * 512
+    return True, st.st_dev, st.st_blocks * 512, []
 
 
 def _probe_dir(p: str, parent: str) -> None:
@@ -170,18 +196,35 @@ def _check_existing(path: str, fd: int) -> tuple[int, int]:
 
 # ---- creation -------------------------------------------------------------------------
 def create_files(plan: Plan) -> list[CacheFile]:
-    """Open, lock and (re-)format the files of ``plan``; raises SsdError.
+    """Create ``plan``'s missing directories, then open, lock and (re-)format its files;
+    raises SsdError.
 
-    On failure every file opened so far is closed again, and a file this call created is
-    removed.
+    On failure every file opened so far is closed again, and every file and directory this
+    call created is removed.
     """
     files: list[CacheFile] = []
+    made: list[str] = []
     try:
+        for d in plan.dirs:
+            try:
+                os.mkdir(d, 0o755)
+            except FileExistsError:
+                continue  # made meanwhile by someone else: theirs
+            except OSError as exc:
+                raise SsdError(f"--ssd-cache-path: cannot create directory {d}: {exc.strerror}") from None
+            made.append(d)
         for i, (p, existed) in enumerate(zip(plan.paths, plan.existed, strict=True)):
             files.append(_open_file(i, p, existed, plan.file_bytes))
     except BaseException:
-        for f in files:
+        for f, existed in zip(files, plan.existed, strict=False):
             os.close(f.fd)
+            if not existed:  # created, locked and formatted by this call: ours to remove
+                os.unlink(f.path)
+        for d in reversed(made):
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass  # something else was put in it meanwhile: leave it
         raise
     return files
 
