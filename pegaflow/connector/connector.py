@@ -25,7 +25,9 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import socket
+import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, cast
@@ -279,17 +281,41 @@ def node_pages(identity: KVIdentity, placement: Placement, node: int) -> dict[st
     return pages
 
 
+def _given_engine_id(vllm_config: VllmConfig) -> str | None:
+    """``kv_transfer_config.engine_id`` when the user gave it (the original's instance id;
+    vLLM has appended ``_dpN`` for data-parallel rank N already); None when it is the random
+    UUID vLLM makes when none is given."""
+    given = getattr(getattr(vllm_config, "kv_transfer_config", None), "engine_id", None)
+    if not isinstance(given, str) or not given.strip():
+        return None
+    try:
+        uuid.UUID(re.sub(r"_dp\d+$", "", given.strip()))
+    except ValueError:
+        return given.strip()
+    return None
+
+
+def engine_name(settings: ConnectorSettings, vllm_config: VllmConfig) -> str | None:
+    """The name the user gave the engine: a user-given ``engine_id``, else
+    ``PEGAFLOW_INSTANCE_ID``; None: neither."""
+    return _given_engine_id(vllm_config) or settings.instance_id
+
+
 def instance_name(settings: ConnectorSettings, vllm_config: VllmConfig, role: KVConnectorRole) -> str:
     """The name this process registers with on its node (``pegaflow status``, ``/instances``):
-    ``PEGAFLOW_INSTANCE_ID`` for every process of the engine, with the original's ``_dpN`` for
-    data-parallel rank N of several; else ``HOST:PID:scheduler`` (a worker adds ``:RANK``)."""
-    if not settings.instance_id:
+    a user-given ``engine_id`` (as vLLM made it unique per data-parallel rank), else
+    ``PEGAFLOW_INSTANCE_ID`` with the original's ``_dpN`` for data-parallel rank N of several,
+    for every process of the engine; else ``HOST:PID:scheduler`` (a worker adds ``:RANK``)."""
+    if (given := _given_engine_id(vllm_config)) is not None:
+        return given
+    name = settings.instance_id
+    if not name:
         return f"{socket.gethostname()}:{os.getpid()}:{role.name.lower()}"
     pc = vllm_config.parallel_config
     dp_rank = getattr(pc, "data_parallel_rank_local", None)
     if pc.data_parallel_size > 1 and dp_rank is not None:
-        return f"{settings.instance_id}_dp{dp_rank}"
-    return settings.instance_id
+        return f"{name}_dp{dp_rank}"
+    return name
 
 
 def _tp_rank(vllm_config: VllmConfig) -> int:
@@ -474,7 +500,7 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
             )
         else:
             rank = _tp_rank(vllm_config)
-            name = instance if settings.instance_id else f"{instance}:{rank}"
+            name = instance if engine_name(settings, vllm_config) else f"{instance}:{rank}"
             addr = settings.nodes[placement.node_of_rank(rank)]  # the node of this rank's group
             self._worker = WorkerSide(ident, rank,
                                       lambda ns, pci: NodeLink(addr, ns, name, pci_bus_id=pci),

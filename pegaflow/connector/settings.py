@@ -127,10 +127,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(None, "PEGAFLOW_INSTANCE_ID", "`HOST:PID:scheduler`, `HOST:PID:worker:RANK`",
             "The engine's name on its node (`pegaflow status`, `/instances`, `pegaflow cache clear "
             "--instance`): every process of the engine registers under it, `ID_dpN` for data-parallel "
-            "rank N.", default_is_value=False,
+            "rank N. A `kv_transfer_config.engine_id` the user gave (not vLLM's random UUID) names it "
+            "first, as in the original.", default_is_value=False,
             original="The instance id when vLLM gave none; vLLM always gives one "
                      "(`kv_transfer_config.engine_id`, a random UUID unless set), so it was not read.",
-            here="Names the engine on its node."),
+            here="Names the engine on its node, after a user-given `engine_id`."),
     Setting(None, "PEGA_LOAD_TIMEOUT_SECONDS", "", "No effect: a load is waited for by the one wait "
             "rule (2 s, Loads that wait); then what did not arrive is recomputed.",
             original="How long a worker waited for a load (120 s, at least 30).",

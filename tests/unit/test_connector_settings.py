@@ -152,20 +152,29 @@ def test_an_unknown_key_far_from_every_known_one_points_to_the_docs(caplog: pyte
     assert "'pegaflow.zzzz' is ignored (the known keys are in docs/connector.md)" in record.getMessage()
 
 
-@pytest.mark.parametrize("env, dp, role, name", [
-    ({"PEGAFLOW_INSTANCE_ID": "engine-7"}, (1, 0), "SCHEDULER", "engine-7"),
-    ({"PEGAFLOW_INSTANCE_ID": "engine-7"}, (1, 0), "WORKER", "engine-7"),
-    ({"PEGAFLOW_INSTANCE_ID": "engine-7"}, (2, 1), "WORKER", "engine-7_dp1"),  # the original's suffix
-    ({}, (1, 0), "SCHEDULER", ":scheduler"),
+VLLMS_OWN = "0b6f4e2a-5b8c-4c1e-9d3a-2f1e0c9b8a7d"  # vLLM's engine_id when none is given: a random UUID
+
+
+@pytest.mark.parametrize("env, engine_id, dp, role, name", [
+    ({"PEGAFLOW_INSTANCE_ID": "engine-7"}, VLLMS_OWN, (1, 0), "SCHEDULER", "engine-7"),
+    ({"PEGAFLOW_INSTANCE_ID": "engine-7"}, VLLMS_OWN, (1, 0), "WORKER", "engine-7"),
+    ({"PEGAFLOW_INSTANCE_ID": "engine-7"}, VLLMS_OWN, (2, 1), "WORKER", "engine-7_dp1"),  # the original's suffix
+    ({}, VLLMS_OWN, (1, 0), "SCHEDULER", ":scheduler"),
+    ({"PEGAFLOW_INSTANCE_ID": "engine-7"}, VLLMS_OWN + "_dp1", (2, 1), "WORKER", "engine-7_dp1"),
+    # The original's instance id: kv_transfer_config.engine_id, when the user gave one (vLLM
+    # appends _dpN for data-parallel rank N itself).
+    ({}, "decode-0", (1, 0), "WORKER", "decode-0"),
+    ({"PEGAFLOW_INSTANCE_ID": "engine-7"}, "decode-0_dp1", (2, 1), "SCHEDULER", "decode-0_dp1"),
 ])
-def test_the_instance_name(env: dict[str, str], dp: tuple[int, int], role: str, name: str) -> None:
+def test_the_instance_name(env: dict[str, str], engine_id: str, dp: tuple[int, int], role: str, name: str) -> None:
     from pegaflow.connector.connector import instance_name
     from pegaflow.connector.vllm_compat import KVConnectorRole
 
     vllm_config: Any = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_size=dp[0],
-                                                                       data_parallel_rank_local=dp[1]))
+                                                                       data_parallel_rank_local=dp[1]),
+                                       kv_transfer_config=SimpleNamespace(engine_id=engine_id))
     got = instance_name(load_settings({}, env), vllm_config, KVConnectorRole[role])
-    assert got == name if env else got.endswith(name)
+    assert got == name if not name.startswith(":") else got.endswith(name)
 
 
 def test_docs_tables_are_current() -> None:
