@@ -249,8 +249,7 @@ class Router:
         self._engines = engines
         self.hints: MetaHints | NodeHints | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self.tokenizer_state = ("loaded" if self.prompts.tokenizer is not None
-                                else "skipped" if cfg.skip_tokenizer_init else "none")
+        self._tokenizers: dict[str, str] = {}  # tokenizer name -> loading, loaded or unavailable
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -292,11 +291,28 @@ class Router:
 
     @property
     def _wants_tokenizer(self) -> bool:
-        """Whether the router loads a tokenizer: a prefix policy, none given, none skipped."""
+        """Whether the router loads tokenizers: a prefix policy, none given, none skipped."""
         return self.prompts.tokenizer is None and self.policy.wants_prefixes and not self.cfg.skip_tokenizer_init
 
-    def _tokenizer_name(self) -> str:
-        return self.cfg.tokenizer or next((e.model_root for e in self._engines if e.up and e.model_root), "")
+    @property
+    def tokenizer_state(self) -> str:
+        """For /health: ``skipped``, ``none`` (no model known yet), ``loading`` (one is),
+        ``loaded`` (every one that could be), ``unavailable`` (none could)."""
+        if self.prompts.tokenizer is not None:
+            return "loaded"
+        if self.cfg.skip_tokenizer_init:
+            return "skipped"
+        states = set(self._tokenizers.values())
+        for state in ("loading", "loaded", "unavailable"):
+            if state in states:
+                return state
+        return "none"
+
+    def _tokenizer_names(self) -> list[str]:
+        """``--tokenizer``, or the model path of each model an engine up serves."""
+        if self.cfg.tokenizer:
+            return [self.cfg.tokenizer]
+        return sorted({e.model_root for e in self._engines if e.up and e.model_root})
 
     async def _import_tokenizer_library(self) -> None:
         """Import the tokenizer's library before serving. transformers imports torch: ~3 s of
@@ -312,18 +328,31 @@ class Router:
         log.info("tokenizer_library_imported", seconds=round(time.perf_counter() - t0, 2))
 
     async def _load_tokenizer(self) -> None:
-        """The configured tokenizer, or the model path the first engine up reports."""
-        while not (name := self._tokenizer_name()):
+        """The configured tokenizer, or that of each model the engines up serve (the model
+        path they report), one after the other as they come up; each is tried once."""
+        while True:
+            for name in self._tokenizer_names():
+                if name not in self._tokenizers:
+                    await self._load_one(name)
+            if self.cfg.tokenizer and self._tokenizers:
+                return
             await asyncio.sleep(0.5)
-        self.tokenizer_state = "loading"
+
+    async def _load_one(self, name: str) -> None:
+        self._tokenizers[name] = "loading"
         try:
-            self.prompts.tokenizer = await in_daemon_thread(lambda: Prompts.load(name), "pf-router-tokenizer")
-            self.tokenizer_state = "loaded"
-            log.info("tokenizer_loaded", tokenizer=name)
-        except Exception as exc:  # noqa: BLE001 - text prompts are then routed by load
-            self.tokenizer_state = "unavailable"
+            tokenizer = await in_daemon_thread(lambda: Prompts.load(name), "pf-router-tokenizer")
+        except Exception as exc:  # noqa: BLE001 - this model's text prompts are then routed by load
+            self._tokenizers[name] = "unavailable"
             log.warning("tokenizer_unavailable", tokenizer=name, error=str(exc)[:300],
-                        consequence="text prompts are routed by load only")
+                        consequence="text prompts of this model are routed by load only")
+            return
+        if self.cfg.tokenizer:
+            self.prompts.tokenizer = tokenizer
+        else:
+            self.prompts.by_root[name] = tokenizer
+        self._tokenizers[name] = "loaded"
+        log.info("tokenizer_loaded", tokenizer=name)
 
     # -- routing ---------------------------------------------------------------------------
     async def _prefixes(self, engines: list[Engine], body: Body, tokens: list[int] | None,
@@ -557,7 +586,7 @@ class Router:
                 return openai_error(503, f"no engine serving {model or 'a model'} is up", "ServiceUnavailableError")
             self.metrics.requests.labels(endpoint, "client_error").inc()
             return openai_error(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
-        tokens = self.prompts.token_ids(kind, body)
+        tokens = self.prompts.token_ids(kind, body, self._model_root(model))
         stream = bool(body.get("stream", False))
         headers = self._headers(request)
         if not all(v.isascii() for v in headers.values()):  # an HTTP client sends header values as ASCII
@@ -593,6 +622,12 @@ class Router:
                 await out.upstream.aclose()  # it came as the work was cancelled: let go of it
                 out.load.done()
             return None
+
+    def _model_root(self, model: str | None) -> str:
+        """The model path the engines serving ``model`` report (its tokenizer's name)."""
+        assert self.pool is not None
+        return next((e.model_root for e in self.pool.engines.values() if e.up and e.model_root and e.serves(model)),
+                    "")
 
     def _known(self, model: str | None) -> bool:
         assert self.pool is not None
@@ -662,4 +697,4 @@ class Router:
         ok = any(up.values()) if not self.cfg.disaggregated else (
             any(e.up for e in self.pool.engines.values() if e.role == PREFILL)
             and any(e.up for e in self.pool.engines.values() if e.role == DECODE))
-        return {"ok": ok, "engines": up, "tokenizer": self.tokenizer_state}
+        return {"ok": ok, "engines": up, "tokenizer": self.tokenizer_state, "tokenizers": dict(self._tokenizers)}

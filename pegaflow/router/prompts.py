@@ -74,10 +74,13 @@ def _is_ids(x: object) -> bool:
 
 
 class Prompts:
-    """Token ids of request bodies, with one tokenizer (loaded lazily, once)."""
+    """Token ids of request bodies: with ``tokenizer`` for every model (``--tokenizer``), else
+    with the tokenizer of the model's root (``by_root``: the model path its engines report,
+    loaded by the router in the background)."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
         self.tokenizer = tokenizer
+        self.by_root: dict[str, PreTrainedTokenizerBase] = {}
 
     @staticmethod
     def library() -> type[AutoTokenizer]:
@@ -91,8 +94,10 @@ class Prompts:
     def load(name: str) -> PreTrainedTokenizerBase:
         return Prompts.library().from_pretrained(name)
 
-    def token_ids(self, kind: str, body: Body) -> list[int] | None:
-        """The first prompt's token ids, or None when the router cannot know them."""
+    def token_ids(self, kind: str, body: Body, root: str = "") -> list[int] | None:
+        """The first prompt's token ids (text with the tokenizer of the model at ``root``),
+        or None when the router cannot know them."""
+        tokenizer = self.tokenizer or self.by_root.get(root)
         try:
             if kind == COMPLETIONS:
                 prompt = body["prompt"]
@@ -100,20 +105,20 @@ class Prompts:
                     prompt = prompt[0]  # a batch: routed by its first prompt
                 if _is_ids(prompt):
                     return list(prompt)
-                if isinstance(prompt, str) and self.tokenizer is not None:
-                    return list(self.tokenizer(prompt).input_ids)
+                if isinstance(prompt, str) and tokenizer is not None:
+                    return list(tokenizer(prompt).input_ids)
                 return None
-            if self.tokenizer is None:
+            if tokenizer is None:
                 return None
             msgs = body["messages"]
             if any(not isinstance(m.get("content", ""), str | None) for m in msgs):
                 return None  # multimodal parts
-            text = self.tokenizer.apply_chat_template(
+            text = tokenizer.apply_chat_template(
                 msgs, tokenize=False,
                 add_generation_prompt=bool(body.get("add_generation_prompt", True)),
                 continue_final_message=bool(body.get("continue_final_message", False)),
                 **(body.get("chat_template_kwargs") or {}))
-            return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+            return list(tokenizer(text, add_special_tokens=False).input_ids)
         except Exception as exc:  # noqa: BLE001 - a template or tokenizer error only costs the hint
             log.debug("tokenize_failed", kind=kind, error=str(exc)[:200])
             return None

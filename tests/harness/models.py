@@ -34,6 +34,29 @@ def make_text(n_words: int, seed: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n_words))
 
 
+def build_tokenizer(out: Path, vocab: int = 2000) -> int:
+    """Write a byte-level BPE tokenizer (trained on ``make_text``, with the tests' chat
+    template) to ``out`` (created); returns its vocabulary size. Other ``vocab`` sizes
+    tokenize the same text otherwise."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    out.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    corpus = [make_text(200, s) for s in range(200)]
+    tok.train_from_iterator(corpus, trainer)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+    return int(tok.get_vocab_size())
+
+
 def build_tiny_llama(
     out: Path,
     *,
@@ -53,26 +76,9 @@ def build_tiny_llama(
     ``sliding_window`` tokens (``layer_types``, as Gemma-2/3 and Mistral-style configs do);
     vLLM then keeps two KV cache groups, full and sliding-window attention."""
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    out.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    corpus = [make_text(200, s) for s in range(200)]
-    tok.train_from_iterator(corpus, trainer)
-    from tokenizers import decoders
-
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(out)
-    real_vocab = tok.get_vocab_size()
-
+    real_vocab = build_tokenizer(out, vocab)
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=real_vocab,

@@ -19,6 +19,7 @@ from pegaflow.client import PegaClient
 from pegaflow.core.identity import block_hashes
 from pegaflow.core.router_protocol import ROUTER_KEY
 from tests.harness.http import HTTP
+from tests.harness.models import build_tokenizer, make_text
 from tests.harness.node import Node
 from tests.harness.router import FakeEngine, RouterProc, stop_started_since
 from tests.waiting import wait_until
@@ -50,13 +51,14 @@ def two_nodes(logs: Path) -> Iterator[list[Node]]:
         n.stop()
 
 
-def store(node: Node, tokens: list[int]) -> int:
-    """Make ``node`` hold every full block of ``tokens`` in the fake engines' namespace."""
-    hashes = block_hashes(xxhash.xxh3_128_digest(ROOT.encode()), tokens, BS)
+def store(node: Node, tokens: list[int], root: str = ROOT) -> int:
+    """Make ``node`` hold every full block of ``tokens`` in a fake engine's namespace (``root``:
+    that of the engines serving ``fake-model``)."""
+    hashes = block_hashes(xxhash.xxh3_128_digest(root.encode()), tokens, BS)
     c = PegaClient(node.addr, map_pool=False)
     try:
-        c.register({ROOT: PAGE})
-        r = c.reserve(ROOT, hashes)
+        c.register({root: PAGE})
+        r = c.reserve(root, hashes)
         return c.commit(r.reservation_id)
     finally:
         c.close()
@@ -105,6 +107,46 @@ def test_kv_aware_sends_a_prefix_to_the_engine_whose_node_holds_it(logs: Path, t
     for n in (a, b):
         st = n.stats()
         assert st.active_leases == 0 and st.hits == 0 and st.misses == 0
+
+
+@pytest.fixture(scope="module")
+def two_tokenizers(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Two models' tokenizers that split the same text otherwise (other vocabularies)."""
+    out = tmp_path_factory.mktemp("tokenizers")
+    small, large = out / "model-small", out / "model-large"
+    build_tokenizer(small, vocab=300)
+    build_tokenizer(large, vocab=2000)
+    return small, large
+
+
+def test_each_models_text_is_tokenized_with_that_models_tokenizer(
+    logs: Path, two_nodes: list[Node], two_tokenizers: tuple[Path, Path]
+) -> None:
+    """A router before engines of two models loaded only the first engine's tokenizer and
+    hashed the other model's prompts with it: their prefixes were never found."""
+    from transformers import AutoTokenizer
+
+    a, b = two_nodes
+    small, large = two_tokenizers
+    ea = FakeEngine(logs, "tok-small", "--node", "node-a", "--node-addr", a.addr, "--block-size", str(BS),
+                    "--model", str(small))
+    eb = FakeEngine(logs, "tok-large", "--node", "node-b", "--node-addr", b.addr, "--block-size", str(BS),
+                    "--model", str(large))
+    router = RouterProc(logs, "--engine", ea.url, eb.url, "--policy", "kv-aware", "--hint-timeout", "2",
+                        name="router-two-models")
+    wait_until(lambda: HTTP.get(router.url + "/health", timeout=5).json()["tokenizers"]
+               == {str(small): "loaded", str(large): "loaded"}, 60, "both models' tokenizers to load")
+    assert HTTP.get(router.url + "/health", timeout=5).json()["tokenizer"] == "loaded"
+    expected = 0
+    for i, (model, node, engine) in enumerate(((small, a, ea), (large, b, eb))):
+        text = make_text(40, seed=100 + i)
+        ids = AutoTokenizer.from_pretrained(model)(text).input_ids  # as vLLM tokenizes a completion
+        held = store(node, ids, root=f"pf1|{model}|bs={BS}")
+        assert held >= 2
+        r = router.post("/v1/completions", {**completion(text), "model": str(model)})
+        assert r.status_code == 200 and r.headers["x-pegaflow-engine"] == engine.url, r.headers
+        expected += min(held, (len(ids) - 1) // BS) * BS  # every loadable block (never the last token's)
+        assert router.metric("pegaflow_router_prefix_tokens_total") == expected, model
 
 
 def test_kv_aware_bounds_the_holders_share_of_a_popular_prefix(logs: Path, two_nodes: list[Node]) -> None:
