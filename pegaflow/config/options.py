@@ -405,7 +405,7 @@ OPTIONS: list[Option] = [
     Option(
         "http-addr",
         "127.0.0.1:9092",
-        "HTTP address for Prometheus /metrics ('off' disables): the original's port 9092, not the "
+        "HTTP address for Prometheus /metrics and /health ('off' disables): the original's port 9092, not the "
         "node's 9091, so both run on one host; loopback like the node's (0.0.0.0:9092 to serve others).",
         _optional_host_port,
         commands=(META,),

@@ -6,7 +6,7 @@
   ``{"error": ...}`` when the pass fails (Redis); other methods 405.
 
 With a token (``--auth-token-file``/``PEGAFLOW_AUTH_TOKEN``) it needs ``Authorization:
-Bearer <token>`` (401 otherwise), as the node's admin routes; ``/metrics`` stays open. The
+Bearer <token>`` (401 otherwise), as the node's admin routes; ``/metrics`` and ``/health`` stay open. The
 original serves it with no authentication (0.25.1 on ``--http-addr``).
 
 The pass runs on a worker thread, off the HTTP endpoint's loop: ``/metrics`` keeps answering.

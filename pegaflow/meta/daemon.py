@@ -128,11 +128,17 @@ class MetaServer:
         self.metrics.bind_nodes(self.lookup.nodes)  # pegaflow_metaserver_nodes{state}, at scrape time
         self.servicer = MetaServicer(self.lookup, config.query_max_blocks, self.metrics, self.ceiling.current,
                                      config.redis_url, config.redis_cluster)
-        self.http = (HttpEndpoint(config.http_addr, registry, routes=admin.routes(redis, security.token))
+        # /health: liveness, as the original's (200 while the process serves; Redis's state is
+        # in /metrics, so a Redis outage does not get every replica restarted by its probe).
+        self.http = (HttpEndpoint(config.http_addr, registry, self.health, routes=admin.routes(redis, security.token))
                      if config.http_addr else None)
         self.otel: otel.OtelExport | None = None
         self.server: grpc.Server | CqServer | None = None
         self.port = 0  # the gRPC port bound (--addr may name port 0)
+
+    def health(self) -> dict[str, object]:
+        """``GET /health`` on ``--http-addr``: 200 while the replica runs."""
+        return {"ok": True, "consumer": self.consumer.name, "port": self.port}
 
     def _census(self, pause: Pause) -> Census:
         """Count the index's entries of live nodes (``--index-census-interval``), paced by ``pause``."""

@@ -5,9 +5,11 @@ a StartupError that leaves nothing started behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import threading
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -63,6 +65,9 @@ def test_a_replica_serves_once_started_and_gives_everything_back_when_stopped(re
     m.start()
     try:
         assert m.port > 0 and not can_bind(http)
+        # /health answers like the original's (k8s liveness probes): 200, without a token.
+        with urllib.request.urlopen(f"http://127.0.0.1:{http}/health", timeout=10) as r:
+            assert r.status == 200 and json.loads(r.read()) == {"ok": True, "consumer": "m1", "port": m.port}
         with grpc.insecure_channel(f"127.0.0.1:{m.port}") as ch:
             stub = meta_pb2_grpc.MetaServiceStub(ch)
             assert stub.GetClusterConfig(meta_pb2.ClusterConfigRequest(), timeout=10).redis_url == redis_server.url
