@@ -27,7 +27,7 @@ def _usage() -> str:
     lines = ["usage: pegaflow <command> [options]", "", "commands:"]
     width = max(map(len, SUBCOMMANDS))
     lines += [f"  {name.ljust(width)}  {summary}" for name, (_, summary) in SUBCOMMANDS.items()]
-    lines += ["", "pegaflow <command> --help shows a command's options."]
+    lines += ["", "pegaflow <command> --help shows a command's options; pegaflow -V its version."]
     return "\n".join(lines) + "\n"
 
 
@@ -36,6 +36,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not args or args[0] in ("-h", "--help"):
         (sys.stdout if args else sys.stderr).write(_usage())
         raise SystemExit(0 if args else 2)
+    if args[0] in ("-V", "--version"):
+        from pegaflow.core.version import version
+
+        sys.stdout.write(f"pegaflow {version()}\n")
+        raise SystemExit(0)
     name, rest = args[0], args[1:]
     entry = SUBCOMMANDS.get(name)
     if entry is None:

@@ -1425,10 +1425,27 @@ def _wrap(opt: Option) -> Callable[[str], object]:
     return parse
 
 
+class _Version(argparse.Action):
+    """``-V``/``--version``: ``PROG VERSION`` on stdout, exit 0 (the original's binaries
+    answer ``-V`` and ``--version`` alike); the version is read only when asked."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0,
+                         help="print the version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: str | Sequence[object] | None, option_string: str | None = None) -> None:
+        from pegaflow.core.version import version
+
+        sys.stdout.write(f"{parser.prog} {version()}\n")
+        parser.exit(0)
+
+
 def build_parser(command: str, prog: str, description: str = "") -> argparse.ArgumentParser:
-    """Flags for ``command`` (under each of its subcommands, if it has some); defaults are
-    filled from the environment in :func:`fill_defaults`."""
+    """Flags for ``command`` (under each of its subcommands, if it has some) and ``-V``;
+    defaults are filled from the environment in :func:`fill_defaults`."""
     p = _OneLineParser(prog=prog, description=description)
+    p.add_argument("-V", "--version", action=_Version)
     if command not in SUBCOMMANDS:
         add_options(p, command)
         return p
