@@ -9,14 +9,21 @@ import time
 import structlog
 
 
+def _drop(_logger: object, _method: str, _event: structlog.typing.EventDict) -> structlog.typing.EventDict:
+    raise structlog.DropEvent
+
+
 def configure_logging(level: str = "info", fmt: str = "console") -> None:
-    lvl = getattr(logging, level.upper(), logging.INFO)
-    logging.basicConfig(level=lvl, stream=sys.stderr, format="%(message)s")
+    """``level``: debug, info, warning, error, or off (nothing at all)."""
+    off = level == "off"
+    lvl = logging.CRITICAL if off else getattr(logging, level.upper(), logging.INFO)
+    logging.basicConfig(level=logging.CRITICAL + 1 if off else lvl, stream=sys.stderr, format="%(message)s")
     renderer: structlog.types.Processor = (
         structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer(colors=False)
     )
     structlog.configure(
         processors=[
+            *([_drop] if off else []),
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),

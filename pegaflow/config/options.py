@@ -250,11 +250,49 @@ def _redis_seeds(urls: list[object]) -> list[object]:
     return list(seeds)
 
 
+# --log-level's words, most verbose first, to the level each means here (the original's
+# 'trace' is our debug: there is nothing below it).
+_LEVELS: Final[dict[str, str]] = {"trace": "debug", "debug": "debug", "info": "info", "warn": "warning",
+                                  "warning": "warning", "error": "error", "off": "off"}
+_VERBOSITY: Final[tuple[str, ...]] = ("debug", "info", "warning", "error", "off")
+RUST_LOG: Final = "RUST_LOG"  # the original's variable: it overrides --log-level (_rust_log)
+
+
 def _log_level(text: str) -> str:
-    level = {"trace": "debug", "warn": "warning"}.get(text.lower(), text.lower())
-    if level not in ("debug", "info", "warning", "error"):
-        raise ValueError(f"invalid choice {text!r} (choose from debug, info, warning, error)")
-    return level
+    """A level, or the original's tracing ``EnvFilter`` directives (``warn,pegaflow_server=debug``):
+    a bare level is the level; ``TARGET=LEVEL`` counts where TARGET names PegaFlow
+    (``pegaflow...``, the original's crates; every line here is PegaFlow's), the most verbose
+    of them and the bare level winning; other targets (the original's dependencies) are
+    ignored, and with neither a bare level nor a PegaFlow target nothing is logged, as there.
+    A bare word that is no level, or a directive whose level is none, is refused: the
+    original reads the first as a target (and logs nothing) and replaces the second by info."""
+    found: list[str] = []
+    directives = [d.strip() for d in text.split(",") if d.strip()]
+    for directive in directives:
+        target, eq, word = directive.rpartition("=")
+        level = _LEVELS.get(word.strip().lower())
+        if level is None or (eq and not target.strip()):
+            raise ValueError(f"invalid log level {directive!r} (choose from off, error, warn, info, debug, "
+                             "trace, or TARGET=LEVEL directives)")
+        if not eq:
+            found.append(level)
+        elif target.strip().lower().startswith("pegaflow"):
+            found.append(level)
+    if not found:
+        return "off" if directives else "info"
+    return min(found, key=_VERBOSITY.index)
+
+
+def _rust_log(ns: argparse.Namespace, command: str, env: Mapping[str, str]) -> None:
+    """``RUST_LOG``, when set, overrides ``--log-level`` (and ``PEGAFLOW_LOG_LEVEL``) of the
+    original's two daemons, as it does theirs; one that does not parse is ignored there, and here."""
+    raw = env.get(RUST_LOG, "")
+    if command not in (NODE, META) or _blank(raw):
+        return
+    try:
+        ns.log_level = _log_level(raw)
+    except ValueError:
+        pass
 
 
 def _choice(*choices: str) -> Callable[[str], str]:
@@ -413,7 +451,10 @@ OPTIONS: list[Option] = [
     Option(
         "log-level",
         "info",
-        "Log level (the original's 'trace' and 'warn' mean debug and warning).",
+        "Log level: off, error, warn, info, debug or trace (trace means debug here), or the "
+        "original's TARGET=LEVEL directives (warn,pegaflow_server=debug: its pegaflow* targets count, "
+        "others are ignored; a bare word that is no level is refused, where the original would log nothing). "
+        "On pegaflow-node and pegaflow-meta, RUST_LOG overrides it, as on the original.",
         _log_level,
         commands=(NODE, META, REPLAY, ROUTER),
     ),
@@ -1532,6 +1573,7 @@ def fill_defaults(
         if not hasattr(ns, opt.dest):
             setattr(ns, opt.dest, default_of(opt))
     _check_given(opts, given, prog)
+    _rust_log(ns, command, env)
     return ns
 
 
