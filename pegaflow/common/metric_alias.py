@@ -69,7 +69,8 @@ def drop_all(_: Mapping[str, str]) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class Alias:
-    """One of the original's series: ``name`` (a counter without ``_total``), read from our
+    """One of the original's series: ``name`` (a counter's without the ``_total`` its exporter
+    adds: ``x_total`` is served as ``x_total_total``, as the original serves it), read from our
     ``sources`` (metric family names, of the same kind), relabelled by ``relabel`` onto
     ``labels`` and summed. ``fixed``: label sets always exported (0 until counted). An
     unlabelled one is 0 while its sources are registered and have counted nothing, and
@@ -142,7 +143,11 @@ class OriginalNames(Collector):
         name: str, kind: Literal["counter", "gauge"], doc: str, labels: tuple[str, ...]
     ) -> CounterMetricFamily | GaugeMetricFamily:
         if kind == "counter":
-            return CounterMetricFamily(name, doc, labels=labels)
+            fam = CounterMetricFamily(name, doc, labels=labels)
+            # prometheus_client drops a name's own ``_total``; the original's exporter keeps it
+            # and adds one (its instrument ``x_total`` is served as ``x_total_total``): so does this.
+            fam.name = name
+            return fam
         return GaugeMetricFamily(name, doc, labels=labels)
 
     def __init__(self, registry: CollectorRegistry, aliases: Iterable[Alias | ValueAlias]) -> None:

@@ -469,13 +469,15 @@ def original_aliases(m: NodeMetrics) -> list[Alias | ValueAlias]:
         # Serving peers (the original's RDMA transfer lock) and pulling from them
         Alias("pegaflow_transfer_lock_active", "gauge", "Pins held for pullers (pegaflow_node_p2p_active_pins).",
               ("pegaflow_node_p2p_active_pins",)),
-        Alias("pegaflow_transfer_lock_timeouts", "counter",
-              "Pins that reached their TTL without Unpin (pegaflow_node_p2p_pins_expired_total).",
-              ("pegaflow_node_p2p_pins_expired",)),
-        Alias("pegaflow_rdma_fetch", "counter",
-              "Pulls from peers: ok (ok, partial) or error (pegaflow_node_p2p_pulls_total{status}).",
-              ("pegaflow_node_p2p_pulls",), ("status",),
-              relabel=lambda lb: {"status": "ok" if lb.get("status") in ("ok", "partial") else "error"}),
+        # Each of these two twice: the original's instruments are named ..._total, which its
+        # exporter serves as ..._total_total (its docs/deployment.md queries
+        # pegaflow_rdma_fetch_total_total); ..._total is the name its docs/metrics.md gives.
+        *(Alias(name, "counter", "Pins that reached their TTL without Unpin (pegaflow_node_p2p_pins_expired_total).",
+                ("pegaflow_node_p2p_pins_expired",))
+          for name in ("pegaflow_transfer_lock_timeouts", "pegaflow_transfer_lock_timeouts_total")),
+        *(Alias(name, "counter", "Pulls from peers: ok (ok, partial) or error (pegaflow_node_p2p_pulls_total{status}).",
+                ("pegaflow_node_p2p_pulls",), ("status",), relabel=_pull_status)
+          for name in ("pegaflow_rdma_fetch", "pegaflow_rdma_fetch_total")),
         Alias("pegaflow_rdma_fetch_duration_seconds", "histogram",
               "From the Query that started a pull until its pages are committed (pegaflow_node_p2p_pull_seconds).",
               ("pegaflow_node_p2p_pull_seconds",)),
@@ -494,6 +496,11 @@ def original_aliases(m: NodeMetrics) -> list[Alias | ValueAlias]:
               "Node RPC latency by method and status (pegaflow_node_rpc_duration_seconds, transports summed).",
               ("pegaflow_node_rpc_duration_seconds",), ("method", "status"), relabel=rpc_labels),
     ]
+
+
+def _pull_status(labels: Mapping[str, str]) -> dict[str, str]:
+    """Our pull outcomes as the original's ``status``: ok (ok, partial) or error."""
+    return {"status": "ok" if labels.get("status") in ("ok", "partial") else "error"}
 
 
 def _ssd_throughput_aliases() -> list[Alias | ValueAlias]:

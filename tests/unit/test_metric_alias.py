@@ -100,6 +100,27 @@ def test_the_originals_ssd_inflight_and_prefetch_drops_read_our_per_direction_se
     assert s[("pegaflow_ssd_prefetch_queue_full_total", ())] == 3
 
 
+def test_the_originals_double_total_counters_are_served_under_both_names() -> None:
+    """Its instruments pegaflow_rdma_fetch_total and pegaflow_transfer_lock_timeouts_total are
+    served by its exporter (opentelemetry-prometheus 0.31) with _total added once more."""
+    from pegaflow.node.metrics import NodeMetrics
+    from pegaflow.node.tiers.remote.metrics import PeerMetrics
+
+    m = NodeMetrics()
+    p2p = PeerMetrics(m.registry)
+    p2p.pulls.labels(status="ok").inc(3)
+    p2p.pulls.labels(status="partial").inc(1)
+    p2p.pulls.labels(status="error").inc(2)
+    p2p.pins_expired.inc(5)
+    s = series(m.registry)
+    for name in ("pegaflow_rdma_fetch_total", "pegaflow_rdma_fetch_total_total"):
+        assert s[(name, (("status", "ok"),))] == 4 and s[(name, (("status", "error"),))] == 2, name
+    for name in ("pegaflow_transfer_lock_timeouts_total", "pegaflow_transfer_lock_timeouts_total_total"):
+        assert s[(name, ())] == 5, name
+    text = generate_latest(m.registry).decode()
+    assert "# TYPE pegaflow_rdma_fetch_total_total counter" in text
+
+
 def test_without_an_ssd_tier_the_originals_ssd_series_are_absent() -> None:
     from pegaflow.node.metrics import NodeMetrics
 
