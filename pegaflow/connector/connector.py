@@ -65,7 +65,7 @@ from pegaflow.connector.worker import WorkerSide
 from pegaflow.core.identity import KVIdentity, config_hash
 
 if TYPE_CHECKING:
-    from prometheus_client import Counter
+    from prometheus_client import Counter, Gauge, Histogram
     from vllm.config import KVTransferConfig, VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
@@ -338,20 +338,40 @@ def layer_by_layer(forward_context: object) -> bool:
     return mode != "FULL" and getattr(forward_context, "attn_metadata", None) is not None
 
 
+# Gauges among the stats: the latest value wins (the others are counters, summed, or a list
+# of observations per batch or prefetch, joined).
+_GAUGES = frozenset({"pending_prefetches", "pending_save_requests"})
+
+
 @dataclass
 class PegaConnectorStats(KVConnectorStats):
-    """Per-interval counters from the workers: loaded/saved blocks, load errors, copy seconds."""
+    """Per-interval stats from the workers (loaded/saved blocks, load errors, copy seconds;
+    each load and save batch's seconds and blocks, the saves in flight) and the scheduler
+    (prefetches: requests the node answered LOADING)."""
 
     def reset(self) -> None:
         self.data = {}
 
     def aggregate(self, other: KVConnectorStats) -> PegaConnectorStats:
         for k, v in other.data.items():
-            self.data[k] = self.data.get(k, 0) + v
+            if isinstance(v, list):
+                self.data[k] = [*self.data.get(k, ()), *v]
+            elif k in _GAUGES:
+                self.data[k] = v
+            else:
+                self.data[k] = self.data.get(k, 0) + v
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return {k: round(v, 4) if isinstance(v, float) else v for k, v in self.data.items()}
+        out: dict[str, int | float] = {}
+        for k, v in self.data.items():
+            if isinstance(v, list):  # observations: how many, and their mean
+                out[f"num_{k}"] = len(v)
+                if v:
+                    out[f"avg_{k}"] = round(sum(v) / len(v), 4)
+            else:
+                out[k] = round(v, 4) if isinstance(v, float) else v
+        return out
 
     def is_empty(self) -> bool:
         return not self.data
@@ -390,8 +410,53 @@ _PROM_COUNTERS = {
 }
 
 
+def _buckets(mantissas: tuple[int, ...], top: float, exponent: int) -> list[float]:
+    """The original connector's bucket rule: each mantissa times 10^exponent, 10^(exponent+1), ...
+    while at most ``top`` (1, 2, 4, 8 from 10 ms to 200 s: 0.01, 0.02, 0.04, 0.08, 0.1, ...)."""
+    out: list[float] = []
+    while True:
+        for m in mantissas:
+            v = m * 10**exponent
+            if v > top:
+                return out
+            out.append(v)
+        exponent += 1
+
+
+# The original connector's series (pegaflow-llm 0.25.1, pegaflow/connector/connector_metrics.py),
+# with its names, help, buckets and per-engine labels; docs/metrics.md ("The original's
+# connector series") says what each counts here.
+# stats list -> (histogram, help, buckets)
+_PROM_HISTOGRAMS = {
+    "prefetch_duration": ("vllm:pega_prefetch_duration_seconds", "Histogram of prefetch duration in seconds.",
+                          _buckets((1, 2, 4, 8), 200, -2)),
+    "prefetch_blocks": ("vllm:pega_prefetch_blocks", "Histogram of blocks per prefetch operation.",
+                        _buckets((1, 2, 4, 8), 2000, 0)),
+    "load_duration": ("vllm:pega_load_duration_seconds", "Histogram of KV cache load duration in seconds.",
+                      _buckets((1, 2, 4, 8), 100, -2)),
+    "load_blocks": ("vllm:pega_load_blocks", "Histogram of blocks per KV cache load operation.",
+                    _buckets((1, 2, 4, 8), 2000, 0)),
+    "save_duration": ("vllm:pega_save_duration_seconds", "Histogram of KV cache save duration in seconds.",
+                      _buckets((1, 2, 4, 8), 100, -2)),
+    "save_blocks": ("vllm:pega_save_blocks", "Histogram of blocks per KV cache save operation.",
+                    _buckets((1, 2, 4, 8), 2000, 0)),
+}
+# stats gauge -> (gauge, help)
+_PROM_GAUGES = {
+    "pending_prefetches": ("vllm:pega_pending_prefetches", "Number of requests waiting for SSD prefetch to complete."),
+    "pending_save_requests": ("vllm:pega_pending_save_requests", "Number of requests with pending save operations."),
+}
+_PROM_ORIGINAL_COUNTERS = {
+    "load_success": ("vllm:pega_load_success_total", "Number of successful KV cache load operations."),
+    "load_failure": ("vllm:pega_load_failure_total", "Number of failed KV cache load operations."),
+    "save_success": ("vllm:pega_save_success_total", "Number of successful KV cache save operations."),
+    "save_failure": ("vllm:pega_save_failure_total", "Number of failed KV cache save operations."),
+}
+
+
 class PegaPromMetrics(KVConnectorPromMetrics):
-    """Prometheus counters for PegaFlow copies, fed by ``PegaConnectorStats``."""
+    """PegaFlow's series on vLLM's /metrics, fed by ``PegaConnectorStats``: our counters and
+    the original connector's ``vllm:pega_*`` series."""
 
     def __init__(
         self,
@@ -404,15 +469,35 @@ class PegaPromMetrics(KVConnectorPromMetrics):
         # vLLM's metric_types maps Counter to a counter class (its own, or Ray's wrapper).
         self._counters: dict[str, Counter] = {
             key: cast("Counter", self._counter_cls(name=name, documentation=doc, labelnames=labelnames))
-            for key, (name, doc) in _PROM_COUNTERS.items()
+            for key, (name, doc) in {**_PROM_COUNTERS, **_PROM_ORIGINAL_COUNTERS}.items()
         }
+        self._gauges: dict[str, Gauge] = {
+            key: cast("Gauge", self._gauge_cls(name=name, documentation=doc, labelnames=labelnames))
+            for key, (name, doc) in _PROM_GAUGES.items()
+        }
+        histogram_cls = cast("type[Histogram]", self._histogram_cls)
+        self._histograms: dict[str, Histogram] = {
+            key: histogram_cls(name=name, documentation=doc, buckets=buckets, labelnames=labelnames)
+            for key, (name, doc, buckets) in _PROM_HISTOGRAMS.items()
+        }
+        # Every engine's series from the start, as the original binds them (a failure
+        # counter reads 0, not absent, until something fails).
+        for labels in per_engine_labelvalues.values():
+            for metric in (*self._counters.values(), *self._gauges.values(), *self._histograms.values()):
+                metric.labels(*labels)
 
     def observe(self, transfer_stats_data: StatsData, engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues[engine_idx]
         for key, value in transfer_stats_data.items():
-            counter = self._counters.get(key)
-            if counter is not None and value:
-                counter.labels(*labels).inc(value)
+            if (counter := self._counters.get(key)) is not None:
+                if value:
+                    counter.labels(*labels).inc(value)
+            elif (gauge := self._gauges.get(key)) is not None:
+                gauge.labels(*labels).set(value)
+            elif (histogram := self._histograms.get(key)) is not None:
+                child = histogram.labels(*labels)
+                for v in value:
+                    child.observe(v)
 
 
 def _check_ranks(sched: SchedulerSide | None, states: Mapping[tuple[int, int], object]) -> None:
@@ -611,10 +696,11 @@ class PegaKVConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker.report(self._meta()) if self._worker is not None else None
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        if self._worker is None:
+        side = self._worker if self._worker is not None else self._sched  # vLLM asks both roles
+        if side is None:
             return None
-        data = self._worker.take_stats()
-        return PegaConnectorStats(data=data) if data else None
+        data = side.take_stats()
+        return PegaConnectorStats(data=dict(data)) if data else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: StatsData | None = None) -> KVConnectorStats | None:

@@ -363,6 +363,12 @@ class SchedulerSide:
         self._async: dict[str, _ReqState] = {}  # requests whose asynchronous load is not issued yet
         self.disabled: str | None = None  # a worker cannot copy: why (``disable``)
         self._copies: CopyTimes = NO_COPIES  # the workers' copy times not sent to the node yet
+        # The original's prefetch series (vllm:pega_pending_prefetches, _prefetch_*): a request
+        # whose Query the node answered LOADING (promoting from SSD, pulling from a peer) until
+        # its blocks are loaded or it waits no more; request -> since (monotonic seconds).
+        self._prefetching: dict[str, float] = {}
+        self._prefetch_stats: dict[str, list[float]] = {"prefetch_duration": [], "prefetch_blocks": []}
+        self._prefetching_reported = 0
         # counters for logs/metrics
         self.queries = 0
         self.hit_blocks = 0
@@ -561,7 +567,23 @@ class SchedulerSide:
         answer = self._match(st, request, num_computed_tokens)
         if answer[0] is not None:
             st.wait = None  # a wait lasts while the answers are (None, False)
+            if not answer[1]:  # a prefetch ends here, unless its load was promised (_issue_async_loads)
+                self._prefetched(request.request_id, answer[0] // self.block_size)
         return answer
+
+    def _prefetched(self, req_id: str, blocks: int) -> None:
+        since = self._prefetching.pop(req_id, None)
+        if since is not None:
+            self._prefetch_stats["prefetch_duration"].append(time.monotonic() - since)
+            self._prefetch_stats["prefetch_blocks"].append(float(blocks))
+
+    def take_stats(self) -> dict[str, float | list[float]]:
+        """The prefetch series since the last call; the gauge when it changed."""
+        out: dict[str, float | list[float]] = {k: v for k, v in self._prefetch_stats.items() if v}
+        self._prefetch_stats = {"prefetch_duration": [], "prefetch_blocks": []}
+        if len(self._prefetching) != self._prefetching_reported:
+            self._prefetching_reported = out["pending_prefetches"] = len(self._prefetching)
+        return out
 
     def _match(self, st: _ReqState, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """One answer for vLLM (see the module docstring); a wait in progress is asked about
@@ -584,6 +606,7 @@ class SchedulerSide:
             return 0, False
         if res.status == QueryStatus.LOADING:
             self._release(res.leases)
+            self._prefetching.setdefault(req_id, now)
             return self._loading(st, res, max_blocks, num_computed_tokens, now)
         return self._ready_hit(st, res, hashes, num_computed_tokens, req_id, now)
 
@@ -880,6 +903,7 @@ class SchedulerSide:
                             req_id, n, len(a.block_ids))
             st.pending = None
             del self._async[req_id]
+            self._prefetched(req_id, n)
 
     def _known_hashes(self, st: _ReqState, blocks: int) -> int:
         """Extend ``st.hashes`` over generated tokens up to ``blocks`` full blocks (decode-block
@@ -982,6 +1006,7 @@ class SchedulerSide:
 
     def request_finished(self, request: Request) -> tuple[bool, KVTransferParams | None]:
         st = self._reqs.pop(request.request_id, None)
+        self._prefetching.pop(request.request_id, None)  # cancelled: no prefetch observed
         if self._async.pop(request.request_id, None) is not None:
             # Aborted while its asynchronous load was pending (not issued yet). vLLM keeps the
             # request and its blocks until every rank reports it received (a request finished

@@ -207,13 +207,18 @@ class WorkerSide:
         self._band_events: list[Event] = []  # the events behind _layer_events (recycled next step)
         self._layerwise = True  # the layout's layer names are the ones vLLM waits for
         self._load_event: Event | None = None  # after the newest asynchronous load issued
-        self.stats: dict[str, float] = {}
+        # Counters by name, and the original's per-batch observations (OP_LISTS) as lists:
+        # sent to the scheduler's process as KVConnectorStats data (PegaConnectorStats).
+        self.stats: dict[str, float | list[float]] = {}
+        self._saving: dict[int, set[str]] = {}  # step -> requests whose saves are on the copy stream
+        self._saving_reported = 0
         self._warned: set[str] = set()
         # Copy times for the next report: batches done (seconds), batches issued on a copy
         # stream and not known done yet (step, is a save, issued at), load batches that failed.
         self._save_s: list[float] = []
         self._load_s: list[float] = []
-        self._timing: list[tuple[int, bool, float]] = []
+        # (step, is a save, issued at, its blocks)
+        self._timing: list[tuple[int, bool, float, int]] = []
         self._load_failures = 0
 
     def _warn_once(self, key: str, msg: str, *args: object) -> None:
@@ -429,6 +434,7 @@ class WorkerSide:
             if pool is None or layout is None:
                 self._fail_loads(loads, meta.step)
                 self._load_failures += 1
+                self._count("load_failure", 1)
                 continue
             t0 = time.perf_counter()
             try:
@@ -450,13 +456,15 @@ class WorkerSide:
                 self._after_failed_issue(meta.step, pool, exc)
                 self._fail_loads(loads, meta.step)
                 self._load_failures += 1
+                self._count("load_failure", 1)
                 continue
             if self._async:  # queued, not done: timed until report() finds its step done
-                self._timing.append((meta.step, False, t0))
+                self._timing.append((meta.step, False, t0, len(block_ids)))
             else:
                 took = time.perf_counter() - t0
                 self._count("load_s", took)
                 self._load_s.append(took)
+                self._done("load", took, len(block_ids))
             self._count("loaded_states" if state else "loaded_blocks", len(block_ids))
             self._count("loaded_bytes", nbytes)
             if "first-load" not in self._warned:
@@ -559,18 +567,22 @@ class WorkerSide:
         rids = {s.reservation_id for sv in meta.saves for s in sv.shards}
         self._failed_reservations |= rids
         self._count("poisoned_saves", len(rids))
+        if self.saves_shard:
+            self._count("save_failure", 1)
         self._warn_once("poisoned", "PegaFlow rank %d: a load failed; the saves of the steps that computed over "
                         "it are dropped (their KV would be wrong)", self.tp_rank)
 
     def _save(self, meta: PegaConnectorMetadata) -> None:
         self._begin(meta)
         mine = [s for sv in meta.saves for s in sv.shards if s.place == self.place]
+        owner = {id(s): sv.req_id for sv in meta.saves for s in sv.shards}
         for state, epoch in sorted({(s.state, s.epoch) for s in mine}):
             batch = [s for s in mine if s.epoch == epoch and s.state == state]
             pool = self._pool_for(epoch)
             layout = self.state_layout if state else self.layout
             if pool is None or layout is None:
                 self._failed_reservations.update(s.reservation_id for s in batch)
+                self._count("save_failure", 1)
                 continue
             block_ids = [b for s in batch for b in s.block_ids]
             offsets = [o for s in batch for o in s.offsets]
@@ -587,13 +599,16 @@ class WorkerSide:
                 logger.exception("PegaFlow rank %d: save of %d blocks failed", self.tp_rank, len(block_ids))
                 self._after_failed_issue(meta.step, pool, exc)
                 self._failed_reservations.update(s.reservation_id for s in batch)
+                self._count("save_failure", 1)
                 continue
             if self._async:
-                self._timing.append((meta.step, True, t0))
+                self._timing.append((meta.step, True, t0, len(block_ids)))
+                self._saving.setdefault(meta.step, set()).update(owner[id(s)] for s in batch)
             else:
                 took = time.perf_counter() - t0
                 self._count("save_s", took)
                 self._save_s.append(took)
+                self._done("save", took, len(block_ids))
             self._count("saved_states" if state else "saved_blocks", len(block_ids))
             self._count("saved_bytes", nbytes)
 
@@ -653,6 +668,7 @@ class WorkerSide:
             for _, done, rids in settled:
                 if getattr(done, "error", None) is not None:
                     self._failed_reservations |= rids
+                    self._count("save_failure", 1)
         failed, self._failed_reservations = frozenset(self._failed_reservations), set()
         lost, self._lost = frozenset(self._lost), set()
         return PegaWorkerReport(done_through=done_through, failed_reservations=failed,
@@ -664,21 +680,39 @@ class WorkerSide:
         whose step is done (``done_through``), timed until now."""
         if self._timing:
             now = time.perf_counter()
-            for step, is_save, t0 in self._timing:
+            for step, is_save, t0, blocks in self._timing:
                 if step <= done_through:
                     (self._save_s if is_save else self._load_s).append(now - t0)
+                    self._done("save" if is_save else "load", now - t0, blocks)
             self._timing = [t for t in self._timing if t[0] > done_through]
+        for step in [s for s in self._saving if s <= done_through]:
+            del self._saving[step]
         out = CopyTimes(tuple(self._save_s[-MAX_COPY_TIMES:]), tuple(self._load_s[-MAX_COPY_TIMES:]),
                         self._load_failures)
         self._save_s, self._load_s, self._load_failures = [], [], 0
         return out
 
-    def take_stats(self) -> dict[str, float]:
+    def take_stats(self) -> dict[str, float | list[float]]:
+        saving = len(set().union(*self._saving.values())) if self._saving else 0
+        if saving != self._saving_reported:  # a gauge: sent when it changed, 0 included
+            self.stats["pending_save_requests"] = saving
+            self._saving_reported = saving
         out, self.stats = self.stats, {}
         return out
 
     def _count(self, key: str, v: float) -> None:
-        self.stats[key] = self.stats.get(key, 0.0) + v
+        n = self.stats.get(key, 0.0)
+        assert not isinstance(n, list)
+        self.stats[key] = n + v
+
+    def _done(self, op: str, seconds: float, blocks: int) -> None:
+        """A load or save batch of this rank whose copy completed: the original's per-operation
+        series (``vllm:pega_{op}_duration_seconds``, ``_blocks``, ``_success_total``)."""
+        for key, v in ((f"{op}_duration", seconds), (f"{op}_blocks", float(blocks))):
+            seen = self.stats.setdefault(key, [])
+            assert isinstance(seen, list)
+            seen.append(v)
+        self._count(f"{op}_success", 1)
 
     def close(self) -> None:
         self.inflight.drain()  # no copy may outlive the mapping it reads or writes
