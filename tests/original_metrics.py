@@ -124,6 +124,11 @@ NOT_EXPORTED: tuple[str, ...] = (
     "pegaflow_metaserver_session_resets_total",
     "pegaflow_metaserver_unregister_failures_total",
     "pegaflow_metaserver_sweep_removed_keys_total",
+    # 0.24/0.25
+    "pegaflow_transfer_served_blocks_total",
+    "pegaflow_rdma_fetch_plan_segments",
+    "pegaflow_rdma_fetch_plan_completed_segments",
+    "pegaflow_metaserver_backup_recall_planned_blocks_total",
 )
 
 ORIGINAL_NAMES: frozenset[str] = frozenset(m.name for m in EXPORTED) | frozenset(NOT_EXPORTED)
