@@ -322,16 +322,24 @@ class NodeAdmin:
                 "still_referenced_blocks": still}
 
     # ---- HTTP -------------------------------------------------------------------------
-    def routes(self, token: Callable[[], str]) -> list[Route]:
+    def routes(self, token: Callable[[], str], where: Callable[[], str] = lambda: "") -> list[Route]:
         """The original's routes for :class:`pegaflow.common.http.HttpEndpoint`; ``token()``
-        is the node's token ('' = open), read per request."""
+        is the node's token ('' = open), read per request; ``where()``: the file that holds
+        it when the node made its own ('' otherwise), named in the 401's answer."""
 
         def authorized(request: Request) -> Response | None:
             t = token()
             if not t or token_matches(t, request.headers.get("authorization")):
                 return None
-            return JSONResponse({"error": "missing or wrong token (Authorization: Bearer <token>)"},
-                                status_code=401, headers={"WWW-Authenticate": "Bearer"})
+            path = where()
+            if path:  # the original's scripts, run by the node's user, need only this header
+                error = (f"missing or wrong token: this node made its own, in {path} (readable by its user); "
+                         f"send it as Authorization: Bearer <token>, e.g. curl -H \"Authorization: Bearer "
+                         f"$(cat {path})\" (docs/security.md; --no-auth to open the node)")
+            else:
+                error = ("missing or wrong token: send the node's --auth-token-file / PEGAFLOW_AUTH_TOKEN token as "
+                         "Authorization: Bearer <token>")
+            return JSONResponse({"error": error}, status_code=401, headers={"WWW-Authenticate": "Bearer"})
 
         async def on_loop(fn: Callable[[], T]) -> T:
             if self.loop is None:

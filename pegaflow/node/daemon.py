@@ -312,7 +312,7 @@ class Node:
             # --enable-prometheus (the original's; on by default): off, /metrics serves nothing.
             served = self.metrics.registry if self.config.enable_prometheus else CollectorRegistry()
             self.http = HttpEndpoint(self.config.http_addr, served, self.health,
-                                     routes=self.admin.routes(self._http_token),
+                                     routes=self.admin.routes(self._http_token, self._own_token_path),
                                      render_interval=self.config.metrics_render_interval,
                                      pause=self.idle.pause,  # renders fall in the data path's gaps
                                      settle=loop_hop(asyncio.get_running_loop()))  # after the counts queued
@@ -337,6 +337,10 @@ class Node:
         node's own when it made one, else the configured one."""
         own = getattr(self, "own_token", None)
         return own.token if own is not None else self.security.token
+
+    def _own_token_path(self) -> str:
+        own = getattr(self, "own_token", None)
+        return own.path if own is not None else ""
 
     def _start_publishing(self) -> None:
         from pegaflow.node.publishing import publish_block_index

@@ -136,6 +136,20 @@ def test_endpoints_need_the_token_and_metrics_and_health_stay_open(node):
             assert r.status == 200
 
 
+def test_a_default_nodes_401_names_its_own_token_file_and_the_header_that_gets_in(node_factory):
+    """A node started as the original's (no token, loopback) makes its own token: the original's
+    cleanup scripts get 401, whose answer says where the token is and how to send it."""
+    n = node_factory(POOL)
+    status, body = http(n, "POST", "/cache/memory/cleanup", None)
+    assert status == 401
+    path = n.local_socket + ".token"
+    assert path in body["error"] and "Authorization: Bearer" in body["error"], body
+    with open(path) as f:
+        assert http(n, "POST", "/cache/memory/cleanup", f.read().strip())[0] == 200
+    status, body = http(node_factory(POOL, env=ENV), "GET", "/instances", "wrong")  # a configured token
+    assert status == 401 and "--auth-token-file" in body["error"] and ".token" not in body["error"], body
+
+
 def test_instances_cleanup_ends_one_engines_sessions_then_all(node):
     a = client(node, "engine-a")
     b = client(node, "engine-b")
