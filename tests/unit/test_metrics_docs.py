@@ -205,3 +205,15 @@ def test_connector_metrics_table_lists_exactly_the_workers_counters() -> None:
     doc = (ROOT / "docs" / "connector.md").read_text()
     listed = set(re.findall(r"^\| `(vllm:pegaflow_[a-z_]+)` \|", doc, flags=re.M))
     assert listed == {name for name, _ in _PROM_COUNTERS.values()}
+
+
+def test_the_otlp_section_gives_the_export_period_the_daemons_use() -> None:
+    """The daemons pass --metrics-period-secs to the exporter (pegaflow/node/daemon.py,
+    pegaflow/meta/daemon.py), so the SDK's OTEL_METRIC_EXPORT_INTERVAL is never read."""
+    from pegaflow.config.options import NODE, default_of, options_for
+
+    doc = (ROOT / "docs" / "metrics.md").read_text()
+    section = doc[doc.index("## OTLP export"):doc.index("## Dashboard")]
+    period = next(o for o in options_for(NODE) if o.name == "metrics-period-secs")
+    assert "`--metrics-period-secs`" in section and f"default {default_of(period)}" in section
+    assert "OTEL_METRIC_EXPORT_INTERVAL` ms" not in section
