@@ -86,3 +86,22 @@ def argv(flags: tuple[tuple[str, tuple[str, ...]], ...], skip: tuple[str, ...] =
         if flag not in skip:
             out += [flag, *(a.format(**values) for a in args)]
     return out
+
+
+# Every default 0.25.1's --help shows ([default: ...]), in its syntax: (command, flag) -> text.
+ORIGINAL_DEFAULTS: dict[tuple[str, str], str] = {
+    **{("node", f): d for f, d in (
+        ("--addr", "127.0.0.1:50055"), ("--pool-size", "30gb"), ("--http-addr", "0.0.0.0:9091"),
+        ("--metrics-period-secs", "10"), ("--log-level", "info"), ("--ssd-cache-capacity", "512gb"),
+        ("--ssd-cache-shards", "1"), ("--ssd-write-queue-depth", "8"), ("--ssd-prefetch-queue-depth", "2"),
+        ("--ssd-write-inflight", "2"), ("--ssd-prefetch-inflight", "16"), ("--max-prefetch-blocks", "800"),
+        ("--trace-sample-rate", "1"), ("--pool-shards", "1"), ("--qps-per-peer", "2"),
+        ("--metaserver-queue-depth", "4096"), ("--metric-hll-windows", "15m,1h,1d"),
+        ("--metric-hll-bucket-bits", "16"), ("--transfer-lock-timeout-secs", "120"),
+        ("--backup-reclaimable-percent", "10"), ("--backup-max-candidates", "16384"),
+        ("--backup-pull-max-bytes", "256mb"), ("--backup-max-bandwidth", "2gb"))},
+    **{("meta", f): d for f, d in (
+        ("--addr", "127.0.0.1:50056"), ("--http-addr", "0.0.0.0:9092"), ("--log-level", "info"),
+        ("--node-stale-secs", "30"), ("--ttl-minutes", "120"), ("--sweep-interval-secs", "600"),
+        ("--min-reclaimable-owner-count", "3"), ("--backup-target-delay-secs", "180"))},
+}

@@ -502,3 +502,20 @@ def test_bad_cache_arguments_exit_2_with_one_line(argv: list[str], needle: str) 
     lines = p.stderr.strip().splitlines()
     assert p.returncode == 2 and len(lines) == 1 and needle in lines[0] and "Traceback" not in p.stderr, p.stderr
     assert lines[0].startswith("pegaflow cache"), p.stderr
+
+
+def test_the_readme_names_every_default_that_differs_from_the_originals() -> None:
+    """README.md says which of the original's flags have another default here (and why);
+    every other default is the original's (0.25.1's --help, tests/original_flags.py)."""
+    from pegaflow.config.options import META, NODE, default_of, options_for
+    from tests.original_flags import ORIGINAL_DEFAULTS
+
+    differ = set()
+    for (command, flag), text in ORIGINAL_DEFAULTS.items():
+        opt = next(o for o in options_for(NODE if command == "node" else META) if flag in o.flags)
+        if opt.parse(text) != default_of(opt):
+            differ.add(flag)
+    readme = (ROOT / "README.md").read_text()
+    bullet = readme[readme.index("Defaults that differ from the original's"):]
+    bullet = bullet[:bullet.index("\n- ")]
+    assert differ and {f for f in differ if f"`{f}`" in bullet} == differ, (differ, bullet)
