@@ -54,6 +54,7 @@ VLLM_FILES = frozenset({
     "tests/integration/test_grafana_prometheus.py",
     "tests/unit/test_connector_hybrid.py",
     "tests/unit/test_connector_names.py",
+    "tests/unit/test_connector_original_metrics.py",
     "tests/unit/test_connector_pci.py",
     "tests/unit/test_connector_settings.py",
     "tests/unit/test_connector_router_protocol.py",
