@@ -35,6 +35,13 @@ Contracts:
   while the registration lasts: ``registry.heartbeat``). If the registration is gone (reaped
   after the metaserver's ``--ttl-minutes`` of silence, Redis restarted empty) the publisher
   re-registers and re-syncs.
+- Lost tail: the publisher keeps the id of its last entry. Every XADD round trip first reads
+  that entry back (``XRANGE last last``, in the same pipeline) and every heartbeat does too
+  while nothing is written. Gone means Redis lost what was acknowledged while keeping the
+  registration (a restart from an older RDB or AOF, a failover to a lagging replica): the
+  publisher re-syncs. No legitimate change of the stream removes it: the metaserver trims
+  only entries older than the visible epoch's ``RESET`` and deletes the stream of a node it
+  reaped (whose registration is gone too), a manual cleanup appends after it.
 - Class notices: with ``poll`` (``pegaflow/node/classes.py``'s ``NoticeReader``), the
   thread also hands its client and the current nid to it every ``poll_interval``; its
   errors are logged and never re-sync anything.
@@ -133,6 +140,10 @@ class Resync(enum.Enum):
     RESYNC = enum.auto()
 
 
+class StreamLost(Exception):
+    """The node's stream no longer holds the last entry the publisher wrote to it."""
+
+
 _TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterDownError, OSError)
 
 
@@ -193,6 +204,7 @@ class EventPublisher:
         self._dropping = False  # set on the first drop; everything until the next cut is void
         self._need: Resync | None = Resync.START  # the pending re-sync, if any
         self._seq = 0
+        self._last_id: bytes | None = None  # the id of the last entry written (see "Lost tail")
         self._since_snapshot = 0
         self._snapshot_blocks = 0
         self._stop = threading.Event()
@@ -378,11 +390,21 @@ class EventPublisher:
 
             def send(chunk: list[bytes] = chunk) -> list[bytes]:
                 p = self.r.pipeline(transaction=False)
+                last = self._last_id
+                if last is not None:
+                    p.xrange(self.stream, last, last)  # still there? (module docstring, "Lost tail")
                 for data in chunk:
                     p.xadd(self.stream, {FIELD: data})
-                return p.execute()
+                got = p.execute()
+                if last is not None:
+                    if not got[0]:
+                        raise self._lost(last)
+                    got = got[1:]
+                return got
 
-            ids.extend(self._retrying()(send))
+            sent = self._retrying()(send)
+            ids.extend(sent)
+            self._last_id = sent[-1]
             self.stats.published_entries += len(chunk)
             self._beat_if_due()  # a long snapshot or backlog must not let the liveness key lapse
         return ids
@@ -398,7 +420,15 @@ class EventPublisher:
         if not ok:
             with self._lock:
                 self._need = Resync.START
-        return ok
+            return False
+        last = self._last_id
+        if last is not None and not self._retrying()(self.r.xrange, self.stream, last, last):
+            raise self._lost(last)
+        return True
+
+    def _lost(self, last: bytes) -> StreamLost:
+        return StreamLost(f"{self.stream} no longer holds its last entry {last.decode()}: Redis lost "
+                          "writes it had acknowledged (restarted from an older save, failed over)")
 
     def _poll_if_due(self) -> None:
         now = time.monotonic()
@@ -433,6 +463,7 @@ class EventPublisher:
         with contextlib.suppress(redis.ResponseError):  # BUSYGROUP: it exists
             retry(self.r.xgroup_create, self.stream, GROUP, id="0", mkstream=True)
         self._seq = 0
+        self._last_id = None  # a new epoch: what the old one wrote no longer matters
         with self._lock:
             self._need = None
             self._busy = True  # wait_idle: not idle until the snapshot is out
