@@ -20,6 +20,8 @@ the node refreshes. Hence:
   nid (``prev``) meanwhile, so it is retired however the re-sync ends: the switch, or the
   node's liveness lapsing first (a heartbeat then makes the new nid the live one, a reap
   or a new registration retires both).
+- A node that stops cleanly deletes its live key (:func:`leave`): invisible at once, not
+  after its TTL; its registration stays as a dead node's does.
 - Every change of the visible set bumps ``pf:{pf}:ver`` so readers refresh their cache.
 - Registration and every heartbeat also stamp the node's entry of ``pf:{pf}:seen`` with
   Redis's clock (one clock for every host). A metaserver's ``--node-stale-secs`` (the
@@ -114,6 +116,20 @@ return 1
 """
 )
 
+# A node that stops cleanly: its live key goes at once (readers skip it without waiting for
+# the TTL) while ARGV[2] is still its newest incarnation; its registration stays (a restart
+# registers anew, the sweeper reaps it after --ttl-minutes).
+_LEAVE = Script(
+    """
+local cur = redis.call('HGET', KEYS[1], ARGV[1])
+if not cur then return 0 end
+if cjson.decode(cur).nid ~= tonumber(ARGV[2]) then return 0 end
+if redis.call('DEL', KEYS[2]) == 0 then return 0 end
+redis.call('INCR', KEYS[3])
+return 1
+"""
+)
+
 _SWITCH = Script(
     _NOW
     + """
@@ -193,6 +209,13 @@ def heartbeat(r: Client, node: str, nid: int, ttl_ms: int) -> bool:
     ``--ttl-minutes`` of silence, Redis lost data): re-register."""
     return bool(_HEARTBEAT(r, [keys.NODES, keys.live_key(node), keys.SEEN, keys.VERSION, keys.RETIRED],
                            [node, nid, ttl_ms]))
+
+
+def leave(r: Client, node: str, nid: int) -> bool:
+    """A clean stop: hide ``node`` now (delete its live key) if ``nid`` is still its newest
+    incarnation (the live key may name the one it re-syncs from: that is this node too);
+    False when there was nothing to hide or another incarnation took the name."""
+    return bool(_LEAVE(r, [keys.NODES, keys.live_key(node), keys.VERSION], [node, nid]))
 
 
 def switch(r: Client, node: str, nid: int) -> int:

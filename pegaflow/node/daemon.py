@@ -540,11 +540,13 @@ class Node:
             await self.backup.close()  # before the puller closes: its pull runs there
         if self.otel is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.otel.stop)
-        if self.publisher is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self.publisher.stop)
         if self.local is not None:
             await self.local.close()
         await self.server.stop(grace=1.0)
+        if self.publisher is not None:
+            # After the server: commits landing in its grace are published too; then the
+            # node's live key goes (peers are sent elsewhere at once, not for --liveness-ttl).
+            await asyncio.get_running_loop().run_in_executor(None, self.publisher.stop)
         if self.http:
             await asyncio.get_running_loop().run_in_executor(None, self.http.stop)
         if self.p2p is not None:

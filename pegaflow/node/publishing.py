@@ -42,6 +42,8 @@ Contracts:
   publisher re-syncs. No legitimate change of the stream removes it: the metaserver trims
   only entries older than the visible epoch's ``RESET`` and deletes the stream of a node it
   reaped (whose registration is gone too), a manual cleanup appends after it.
+- Stop: what is buffered is flushed, then the live key deleted (``registry.leave``): readers
+  skip the node at once instead of for its TTL.
 - Class notices: with ``poll`` (``pegaflow/node/classes.py``'s ``NoticeReader``), the
   thread also hands its client and the current nid to it every ``poll_interval``; its
   errors are logged and never re-sync anything.
@@ -260,7 +262,8 @@ class EventPublisher:
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Flush what is buffered (best effort within ``timeout``) and stop the thread."""
+        """Flush what is buffered (best effort within ``timeout``), withdraw the node's liveness
+        and stop the thread."""
         self._stop.set()
         with self._lock:
             self._wake.notify()
@@ -329,6 +332,7 @@ class EventPublisher:
                         self._need = Resync.RESYNC
                 self._stop.wait(0.2)
             if stopping:
+                self._leave()
                 return
             with self._lock:
                 if not self._buf and not self._stop.is_set():
@@ -429,6 +433,15 @@ class EventPublisher:
     def _lost(self, last: bytes) -> StreamLost:
         return StreamLost(f"{self.stream} no longer holds its last entry {last.decode()}: Redis lost "
                           "writes it had acknowledged (restarted from an older save, failed over)")
+
+    def _leave(self) -> None:
+        """After the last flush: hide this node now (``registry.leave``), not after its TTL."""
+        if not self.nid:
+            return
+        try:
+            self._retrying()(registry.leave, self.r, self.node, self.nid)
+        except Exception as exc:  # the live key then expires with its TTL
+            log.warning("liveness not withdrawn", node=self.node, error=error_text(exc))
 
     def _poll_if_due(self) -> None:
         now = time.monotonic()

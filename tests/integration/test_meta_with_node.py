@@ -9,6 +9,7 @@ import pytest
 import xxhash
 
 from pegaflow.client import PegaClient
+from pegaflow.cluster import keys, registry
 from pegaflow.cluster.redis_conn import connect
 from pegaflow.meta.events.consumer import Consumer
 from pegaflow.meta.index import Index
@@ -96,3 +97,30 @@ def test_a_reset_removes_blocks_from_the_index_without_counting_evictions(node_f
     assert node.metric("pegaflow_cache_block_evictions_total") == evicted
     assert node.metric("pegaflow_node_removed_blocks_total") == 40  # unchanged by evictions
     c.close()
+
+
+def test_a_node_that_stops_cleanly_is_hidden_at_once(node_factory, redis_server: RedisServer) -> None:
+    """SIGTERM: the node's live key goes as it stops (the version bumped, so lookups' caches
+    reload), not --liveness-ttl later, and lookups stop naming it."""
+    node = node_factory(pool_size="4mb", extra=["--redis-url", redis_server.url, "--node-id", "host-s",
+                                                 "--liveness-ttl", "60"])  # fmt: skip
+    r = connect(redis_server.url)
+    c = PegaClient(node.addr)
+    c.register({"model-s": PAGE})
+    hs = hashes("s", 10)
+    c.commit(c.reserve("model-s", hs).reservation_id)
+    consumer = Consumer(r, Index(r), "t")
+    lookup = Lookup(r)
+
+    def named() -> list[str]:
+        consumer.wait_caught_up(5)
+        return [p.node for p in lookup.query_prefix("model-s", hs)]
+
+    wait_until(lambda: named() == ["host-s"], 20, "the index to name the node")
+    version = registry.version(r)
+    c.close()
+    node.stop()
+    assert not r.exists(keys.live_key("host-s"))
+    assert registry.version(r) > version
+    assert named() == []
+    assert "host-s" in registry.nodes(r)  # still registered: reaped after --ttl-minutes as a dead node

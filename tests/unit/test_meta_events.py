@@ -149,6 +149,18 @@ def test_register_switch_and_heartbeat(r: fakeredis.FakeRedis) -> None:
     assert not registry.heartbeat(r, "a", nid3, 10_000)
 
 
+def test_a_node_that_leaves_hides_only_its_own_incarnation(r: fakeredis.FakeRedis) -> None:
+    old, _ = registry.register(r, "a", "h:1", 10_000, switch=True)
+    nid, _ = registry.register(r, "a", "h:2", 10_000, switch=False)  # re-syncing: ``old`` still visible
+    v = registry.version(r)
+    assert not registry.leave(r, "a", old)  # superseded: not its to hide
+    assert registry.visible(r, ["a"]) == {old: "a"} and registry.version(r) == v
+    assert registry.leave(r, "a", nid)  # the visible one is its re-sync's: hidden all the same
+    assert registry.visible(r, ["a"]) == {} and registry.version(r) == v + 1
+    assert not registry.leave(r, "a", nid)  # nothing left to hide
+    assert registry.nodes(r)["a"].nid == nid  # still registered
+
+
 @pytest.mark.parametrize("ending", ["switch", "reap", "register", "heartbeat"])
 def test_the_incarnation_visible_during_a_re_sync_is_retired_however_the_re_sync_ends(
         r: fakeredis.FakeRedis, ending: str) -> None:
@@ -208,7 +220,6 @@ def test_publisher_and_consumer_converge_and_skip_malformed(r: fakeredis.FakeRed
     state[NS].update(last)
     pub.on_insert(NS, last)
     assert pub.wait_idle(5)
-    pub.stop()
     c = Consumer(r, Index(r), "c1")
     assert c.wait_caught_up(10)
     assert c.stats.malformed == 3
@@ -217,6 +228,7 @@ def test_publisher_and_consumer_converge_and_skip_malformed(r: fakeredis.FakeRed
     got = {h for h, nids in zip(every, Index(r).holders(NS, every), strict=True) if live in nids}
     assert got == state[NS]
     assert r.xpending(stream_key("n1"), "pf-meta")["pending"] == 0
+    pub.stop()
 
 
 def test_query_never_matches_a_nid_across_two_others(r: fakeredis.FakeRedis) -> None:
