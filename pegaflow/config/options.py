@@ -156,6 +156,14 @@ def _name(text: str) -> str:
     return text.strip()
 
 
+def _node_id(text: str) -> str:
+    """A node's name: no braces (it is the Redis Cluster hash tag of the node's keys,
+    ``pf:ev:{<node>}``: pegaflow/cluster/keys.py)."""
+    if "{" in text or "}" in text:
+        raise ValueError(f"{text!r} may not contain braces (the node's Redis keys use it as a hash tag)")
+    return text
+
+
 def _optional_size(text: str) -> int:
     """A size (as ``--pool-size``) that must be > 0 when given; 0 is 'not set'."""
     if text.strip() in ("0", "none", "off"):
@@ -643,7 +651,7 @@ OPTIONS: list[Option] = [
         commands=(NODE, META),
         flag=True,
     ),
-    Option("node-id", "", "Name of this node in the global index (default: the hostname).", str),
+    Option("node-id", "", "Name of this node in the global index (default: the hostname); no braces.", _node_id),
     Option(
         "advertise-addr",
         "",

@@ -47,6 +47,7 @@ def test_docs_options_page_is_generated_from_the_table():
         (["--addr", "nowhere"], "--addr"),
         (["--no-such-flag"], "unrecognized"),
         (["--log-level", "chatty"], "--log-level"),
+        (["--node-id", "gpu{1}"], "--node-id"),  # braces: a hash tag in its Redis keys
     ],
 )
 def test_bad_flags_exit_with_one_line(argv, needle):
