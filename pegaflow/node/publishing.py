@@ -248,6 +248,10 @@ class EventPublisher:
         self._dropping = True
         if self._need is None:
             self._need = Resync.RESYNC
+        self._dropped(n)
+
+    def _dropped(self, n: int) -> None:
+        """Count ``n`` block updates that never reached the stream (under the lock)."""
         self.stats.dropped_blocks += n
         self.metrics.dropped.inc(n)
 
@@ -325,6 +329,7 @@ class EventPublisher:
                 self.metrics.errors.inc()
                 log.warning("publish failed; will re-sync", node=self.node, error=error_text(exc))
                 with self._lock:
+                    self._dropped(self._buf_blocks)  # void: the re-sync's snapshot replaces them
                     self._buf.clear()
                     self._buf_blocks = 0
                     self._dropping = True
@@ -351,9 +356,9 @@ class EventPublisher:
         buf = self._take()
         if not buf:
             return
+        entries: list[Event] = []
+        before = self.stats.published_entries
         try:
-            entries: list[Event] = []
-            counts: dict[Op, int] = {}
             # Merge runs of the same (op, namespace, tier) into entries of at most batch_blocks hashes.
             i = 0
             while i < len(buf):
@@ -363,7 +368,6 @@ class EventPublisher:
                     parts.extend(buf[i][2])
                     i += 1
                 flags = FLAG_SSD if tier == Tier.SSD else 0
-                counts[op] = counts.get(op, 0) + len(parts)
                 for j in range(0, len(parts), self.batch_blocks):
                     chunk = parts[j : j + self.batch_blocks]
                     blob = b"".join(chunk)
@@ -371,16 +375,29 @@ class EventPublisher:
                         raise ValueError("block hash of wrong length passed to the publisher")
                     entries.append(self._event(op, ns, blob, flags))
             self._xadd(entries)
-            for op, n in counts.items():
-                self.metrics.published.labels(op.name.lower()).inc(n)
-                self.stats.published_blocks += n
-                self._since_snapshot += n
+            self._published(entries)
             if self._since_snapshot > max(COMPACT_MIN_BLOCKS, COMPACT_FACTOR * self._snapshot_blocks):
                 with self._lock:
                     if self._need is None:
                         self._need = Resync.RESYNC  # compact: new epoch, snapshot, trim the old one
+        except BaseException:
+            # What the failed round trips did not write is lost (the re-sync replaces it): counted.
+            sent = entries[: self.stats.published_entries - before]
+            self._published(sent)
+            with self._lock:
+                self._dropped(sum(len(b[2]) for b in buf) - sum(e.count for e in sent))
+            raise
         finally:
             self._busy = False
+
+    def _published(self, entries: Sequence[Event]) -> None:
+        counts: dict[Op, int] = {}
+        for e in entries:
+            counts[e.op] = counts.get(e.op, 0) + e.count
+        for op, n in counts.items():
+            self.metrics.published.labels(op.name.lower()).inc(n)
+            self.stats.published_blocks += n
+            self._since_snapshot += n
 
     def _event(self, op: Op, ns: str, blob: bytes, flags: int = 0) -> Event:
         ev = Event(self.node, self.nid, self.epoch, self._seq, op, ns, blob, flags)

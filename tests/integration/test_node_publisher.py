@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from pegaflow.meta.events.codec import FIELD, decode
 from pegaflow.meta.events.schema import Op
@@ -79,6 +80,27 @@ def test_a_redis_that_lost_the_end_of_a_stream_but_kept_the_registration_gets_a_
         wait_until(lambda: replayed(node.r, node.pub.stream) == node.truth, 10,
                    lambda: f"the stream to hold the node's blocks again (resyncs {node.pub.stats.resyncs})")
         assert node.pub.stats.resyncs == 2
+    finally:
+        node.pub.stop()
+        srv.stop()
+
+
+def test_updates_lost_while_redis_is_down_are_counted_as_dropped(tmp_path: Path) -> None:
+    """The batch a failed flush took and what was buffered meanwhile are dropped: counted in
+    stats and in pegaflow_node_events_dropped_blocks_total."""
+    srv = start_server(tmp_path / "redis")
+    metrics = CollectorRegistry()
+    node = Node(srv, retry_seconds=1.0, registry=metrics)
+    node.pub.flush_interval = 0.5
+    try:
+        node.pub.start(wait=5)
+        srv.stop()
+        node.insert(0, 1000)
+        wait_until(lambda: node.pub._buf_blocks == 0, 5, "the flush to take the batch")  # then it retries
+        node.insert(1000, 1500)  # buffered while the flush retries
+        wait_until(lambda: node.pub.stats.errors >= 1, 10, "the flush to give up")
+        assert node.pub.stats.dropped_blocks == 1500 and node.pub.stats.published_blocks == 0
+        assert metrics.get_sample_value("pegaflow_node_events_dropped_blocks_total") == 1500
     finally:
         node.pub.stop()
         srv.stop()
