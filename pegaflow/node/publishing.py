@@ -496,6 +496,9 @@ class EventPublisher:
         self._last_id = None  # a new epoch: what the old one wrote no longer matters
         with self._lock:
             self._need = None
+            # Updates from here to the cut are buffered, not dropped: the cut discards the
+            # buffer and its snapshot holds them (dropped, they would call a second re-sync).
+            self._dropping = False
             self._busy = True  # wait_idle: not idle until the snapshot is out
         try:
             self._publish_snapshot(switch)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
+import threading
 
 import fakeredis
 import pytest
@@ -16,6 +18,7 @@ from pegaflow.meta.events.consumer import Consumer
 from pegaflow.meta.events.schema import FLAG_LAST, Event, Op
 from pegaflow.meta.index import Index
 from pegaflow.node.publishing import EventPublisher
+from tests.waiting import wait_until
 
 NS = "llama|fp16|bs16|tp1"
 
@@ -196,6 +199,38 @@ def test_full_buffer_drops_counts_and_never_blocks() -> None:
     pub.on_insert(NS, hashes(60, seed=1))  # does not fit: dropped
     pub.on_insert(NS, hashes(1, seed=2))  # dropping until the re-sync cut
     assert pub.stats.dropped_blocks == 61 and pub._buf_blocks == 60
+
+
+def test_one_drop_episode_re_syncs_once_while_the_loop_keeps_changing_the_index(r: fakeredis.FakeRedis) -> None:
+    """An update handled on the loop between the re-sync's start and its cut goes into the
+    buffer the cut discards (the snapshot has it): it is not dropped, so no second re-sync."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    pub = EventPublisher(r, "n1", "h:1", lambda: [], loop=loop, buffer_blocks=100, flush_interval=0.5)
+    try:
+        pub.start(wait=5)
+        assert pub.stats.resyncs == 1
+        take = pub._take_snapshot
+
+        async def an_insert() -> None:
+            pub.on_insert(NS, hashes(1, seed=8))
+
+        def busy_take() -> list:  # the loop handles an insert before it runs the cut
+            asyncio.run_coroutine_threadsafe(an_insert(), loop).result(5)
+            return take()
+
+        pub._take_snapshot = busy_take  # type: ignore[method-assign]
+        pub.on_insert(NS, hashes(60))
+        pub.on_insert(NS, hashes(60, seed=1))  # overflows: dropping until the re-sync's cut
+        assert pub.stats.dropped_blocks == 60
+        wait_until(lambda: pub.stats.resyncs >= 2 and pub.wait_idle(0.1), 10, "the re-sync")
+        assert pub.stats.resyncs == 2 and pub.stats.dropped_blocks == 60
+    finally:
+        pub.stop()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
 
 
 def test_publisher_and_consumer_converge_and_skip_malformed(r: fakeredis.FakeRedis) -> None:
