@@ -218,6 +218,23 @@ def leave(r: Client, node: str, nid: int) -> bool:
     return bool(_LEAVE(r, [keys.NODES, keys.live_key(node), keys.VERSION], [node, nid]))
 
 
+def rival(r: Client, node: str, nid: int, addr: str) -> NodeInfo | None:
+    """The live incarnation of another process that took ``node``'s name (two nodes given
+    one --node-id): the registration names a nid other than ``nid`` and an address other
+    than ``addr``, and the name's live key exists. None when the name is free to register
+    again (its registration gone, or ours, or the other one dead)."""
+    p = r.pipeline(transaction=False)
+    p.hget(keys.NODES, node)
+    p.get(keys.live_key(node))
+    cur, live = p.execute()
+    if cur is None or live is None:
+        return None
+    d = json.loads(cur)
+    if int(d["nid"]) == nid or str(d["addr"]) == addr:
+        return None
+    return NodeInfo(node, int(d["nid"]), int(d["epoch"]), str(d["addr"]), int(d.get("ttl", 0)))
+
+
 def switch(r: Client, node: str, nid: int) -> int:
     """Make ``nid`` the visible incarnation of ``node`` if it is still the newest and alive.
 

@@ -42,6 +42,13 @@ Contracts:
   publisher re-syncs. No legitimate change of the stream removes it: the metaserver trims
   only entries older than the visible epoch's ``RESET`` and deletes the stream of a node it
   reaped (whose registration is gone too), a manual cleanup appends after it.
+- One name, two nodes: a re-registration (the registration lost, or the stream's end) first
+  asks whether another live node with another address took the name (``registry.rival``:
+  two nodes given one ``--node-id``; the one that registered last holds it). If so this one
+  logs one error naming both addresses, sets ``pegaflow_node_events_node_id_conflict``, drops
+  its updates and asks again every ``ttl_seconds / 3`` instead of taking the name back (each
+  used to retire the other at every heartbeat, a full snapshot each time); once the other is
+  gone it registers anew (``START``).
 - Stop: what is buffered is flushed, then the live key deleted (``registry.leave``): readers
   skip the node at once instead of for its TTL.
 - Class notices: with ``poll`` (``pegaflow/node/classes.py``'s ``NoticeReader``), the
@@ -67,6 +74,7 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_e
 from pegaflow.cluster import registry
 from pegaflow.cluster.keys import stream_key
 from pegaflow.cluster.redis_conn import Client, connect, error_text
+from pegaflow.cluster.registry import NodeInfo
 from pegaflow.common.priority import background_thread
 from pegaflow.config.commands import NodeConfig
 from pegaflow.core.block_index import BlockIndex, IndexEvent, Namespace
@@ -131,6 +139,11 @@ class PublisherMetrics:
         )
         self.buffered = Gauge(
             "pegaflow_node_events_buffered_blocks", "Block updates waiting to be published", registry=registry
+        )
+        self.conflict = Gauge(
+            "pegaflow_node_events_node_id_conflict",
+            "1 while another live node (another address) holds this node's --node-id: this one stays out of the index",
+            registry=registry,
         )
 
 
@@ -209,6 +222,8 @@ class EventPublisher:
         self._last_id: bytes | None = None  # the id of the last entry written (see "Lost tail")
         self._since_snapshot = 0
         self._snapshot_blocks = 0
+        self._rival: NodeInfo | None = None  # another live node that took our name
+        self._rival_next = 0.0  # when to ask again whether it is gone (publisher thread)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
@@ -315,15 +330,15 @@ class EventPublisher:
         while True:
             stopping = self._stop.is_set()
             try:
-                if self._need is not None and not stopping:
-                    self._resync(self._need is Resync.START)
+                if self._need is not None and not stopping and self._resync(self._need is Resync.START):
                     self._next_beat = time.monotonic() + self.ttl_ms / 3000
-                if not stopping and not self._beat_if_due():
-                    log.warning("registration lost; re-registering", node=self.node, nid=self.nid)
-                    continue
-                self._flush()
-                if not stopping:
-                    self._poll_if_due()
+                if self._rival is None:  # else: the name is another node's, nothing to publish
+                    if not stopping and not self._beat_if_due():
+                        log.warning("registration lost; re-registering", node=self.node, nid=self.nid)
+                        continue
+                    self._flush()
+                    if not stopping:
+                        self._poll_if_due()
             except Exception as exc:  # keep the thread alive whatever Redis does
                 self.stats.errors += 1
                 self.metrics.errors.inc()
@@ -486,8 +501,40 @@ class EventPublisher:
 
         return asyncio.run_coroutine_threadsafe(cut(), self._loop).result(timeout=60)
 
-    def _resync(self, switch: bool) -> None:
-        """New epoch: register, cut, publish RESET + snapshot. Raises on Redis failure."""
+    def _name_free(self) -> bool:
+        """Whether this node may register again: no other live node took its name since it
+        last registered (module docstring, "One name, two nodes"); asked every third of the
+        TTL while one holds it."""
+        now = time.monotonic()
+        if self._rival is not None and now < self._rival_next:
+            return False
+        other = self._retrying()(registry.rival, self.r, self.node, self.nid, self.addr)
+        if other is None:
+            if self._rival is not None:
+                log.info("node id free again; registering", node=self.node, other_addr=self._rival.addr)
+                self._rival = None
+                self.metrics.conflict.set(0)
+            return True
+        self._rival_next = now + self.ttl_ms / 3000
+        if self._rival is None:
+            log.error("another live node uses this node id; staying out of the index until it is gone",
+                      node=self.node, addr=self.addr, other_addr=other.addr,
+                      fix="give each node its own --node-id")
+            self.metrics.conflict.set(1)
+            with self._lock:  # what it holds goes in the snapshot once the name is free again
+                self._dropped(self._buf_blocks)
+                self._buf.clear()
+                self._buf_blocks = 0
+                self._dropping = True
+                self._need = Resync.START
+        self._rival = other
+        return False
+
+    def _resync(self, switch: bool) -> bool:
+        """New epoch: register, cut, publish RESET + snapshot; False (nothing done) while
+        another node holds the name. Raises on Redis failure."""
+        if self.nid and not self._name_free():
+            return False
         retry = self._retrying()
         self.nid, self.epoch = retry(registry.register, self.r, self.node, self.addr, self.ttl_ms, switch)
         with contextlib.suppress(redis.ResponseError):  # BUSYGROUP: it exists
@@ -504,6 +551,7 @@ class EventPublisher:
             self._publish_snapshot(switch)
         finally:
             self._busy = False
+        return True
 
     def _publish_snapshot(self, switch: bool) -> None:
         retry = self._retrying()

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
+from structlog.testing import capture_logs
 
+from pegaflow.cluster import keys, registry
 from pegaflow.meta.events.codec import FIELD, decode
 from pegaflow.meta.events.schema import Op
 from pegaflow.node.publishing import EventPublisher
@@ -103,4 +105,44 @@ def test_updates_lost_while_redis_is_down_are_counted_as_dropped(tmp_path: Path)
         assert metrics.get_sample_value("pegaflow_node_events_dropped_blocks_total") == 1500
     finally:
         node.pub.stop()
+        srv.stop()
+
+
+def test_two_nodes_given_one_node_id_do_not_knock_each_other_out(tmp_path: Path) -> None:
+    """The node that registered last keeps the name; the other logs one error naming both
+    addresses, sets its conflict gauge and publishes nothing until the first one is gone,
+    then registers anew."""
+    srv = start_server(tmp_path / "redis")
+    metrics = CollectorRegistry()
+    a = Node(srv, "dup", "10.0.0.1:50055", ttl_seconds=1.5, registry=metrics)
+    b = Node(srv, "dup", "10.0.0.2:50055", ttl_seconds=1.5)
+    conflict = "pegaflow_node_events_node_id_conflict"
+    try:
+        with capture_logs() as logs:
+            a.insert(0, 10)
+            a.pub.start(wait=5)
+            b.insert(100, 110)
+            b.pub.start(wait=5)
+            stamps: set[bytes] = set()
+
+            def heartbeats() -> bool:
+                stamps.add(a.r.hget(keys.SEEN, "dup"))
+                return len(stamps) >= 5
+
+            wait_until(heartbeats, 10, "a few more heartbeats (a third of the TTL apart)", every=0.05)
+            assert (a.pub.stats.resyncs, b.pub.stats.resyncs) == (1, 1)
+            assert metrics.get_sample_value(conflict) == 1
+            assert registry.nodes(a.r)["dup"].addr == "10.0.0.2:50055"
+            assert registry.visible(a.r, ["dup"]) == {b.pub.nid: "dup"}
+            assert replayed(a.r, a.pub.stream) == b.truth
+        errors = [e for e in logs if e["log_level"] == "error"]
+        assert len(errors) == 1, logs
+        assert errors[0]["other_addr"] == "10.0.0.2:50055" and "--node-id" in errors[0]["fix"]
+        b.pub.stop()  # the name is free: the first node registers again, its blocks published
+        wait_until(lambda: registry.visible(a.r, ["dup"]) == {a.pub.nid: "dup"}, 10, "the first node back")
+        wait_until(lambda: replayed(a.r, a.pub.stream) == a.truth, 10, "its snapshot")
+        assert metrics.get_sample_value(conflict) == 0 and a.pub.stats.resyncs == 2
+    finally:
+        a.pub.stop()
+        b.pub.stop()
         srv.stop()

@@ -152,6 +152,17 @@ def test_register_switch_and_heartbeat(r: fakeredis.FakeRedis) -> None:
     assert not registry.heartbeat(r, "a", nid3, 10_000)
 
 
+def test_a_rival_is_another_live_node_at_another_address_that_took_the_name(r: fakeredis.FakeRedis) -> None:
+    mine, _ = registry.register(r, "a", "h:1", 10_000, switch=True)
+    assert registry.rival(r, "a", mine, "h:1") is None  # the name is ours
+    theirs, _ = registry.register(r, "a", "h:2", 10_000, switch=True)
+    got = registry.rival(r, "a", mine, "h:1")
+    assert got is not None and (got.nid, got.addr) == (theirs, "h:2")
+    assert registry.rival(r, "a", mine, "h:2") is None  # the same address: this node restarted
+    r.delete(keys.live_key("a"))
+    assert registry.rival(r, "a", mine, "h:1") is None  # the other one is dead: free to register
+
+
 def test_a_node_that_leaves_hides_only_its_own_incarnation(r: fakeredis.FakeRedis) -> None:
     old, _ = registry.register(r, "a", "h:1", 10_000, switch=True)
     nid, _ = registry.register(r, "a", "h:2", 10_000, switch=False)  # re-syncing: ``old`` still visible
