@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 
 
 def structlog_without_rich() -> None:
@@ -21,3 +23,19 @@ def structlog_without_rich() -> None:
         # None in sys.modules makes an import raise ModuleNotFoundError (the import system's
         # documented marker); typeshed types the values as modules only.
         sys.modules.setdefault("rich", None)  # type: ignore[arg-type]
+
+
+def set_on_signals(event: threading.Event, *signals: signal.Signals) -> None:
+    """Set ``event`` when one of ``signals`` arrives (install from the main thread).
+
+    Not from the handler itself: a handler runs in the main thread between two bytecodes,
+    possibly inside ``event.set`` for the signal before (a second SIGTERM 1 ms after the
+    first: ``timeout``, a process group's), whose lock is not reentrant: that deadlocked the
+    process for good. A thread of its own takes the lock the usual way.
+    """
+
+    def handler(signum: int, frame: object) -> None:
+        threading.Thread(target=event.set, name="pf-signal", daemon=True).start()
+
+    for sig in signals:
+        signal.signal(sig, handler)

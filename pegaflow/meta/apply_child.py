@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import Counter, Gauge
 
-from pegaflow.common.startup import structlog_without_rich
+from pegaflow.common.startup import set_on_signals, structlog_without_rich
 
 if TYPE_CHECKING:
     from pegaflow.meta.events.consumer import ConsumerMetrics
@@ -74,7 +74,7 @@ def main(conn: Connection, stop: Event, redis_url: str | Sequence[str], cluster:
     r = connect(redis_url, cluster)
     consumer = Consumer(r, Index(r), name, lease_ms=lease_ms, metrics=metrics)
     done = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: done.set())  # a graceful end: the leases are released
+    set_on_signals(done, signal.SIGTERM)  # a graceful end: the leases are released
 
     def watch() -> None:
         while not done.wait(REPORT_S):

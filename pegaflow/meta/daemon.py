@@ -29,6 +29,7 @@ from pegaflow.common.heap import freeze_startup_heap
 from pegaflow.common.http import HttpEndpoint
 from pegaflow.common.priority import name_thread
 from pegaflow.common.security import Security
+from pegaflow.common.startup import set_on_signals
 from pegaflow.config.commands import MetaConfig
 from pegaflow.config.options import META, without_effect
 from pegaflow.meta import admin, backup, owners, sweeper
@@ -55,6 +56,9 @@ INLINE = (_SERVICE + "GetClusterConfig",)
 GRPC_THREADS_VIEW = 2
 GRPC_THREADS = 8
 GRPC_GRACE_S = 1.0  # calls in flight at stop get this long to finish
+# grpc's default lets a second server bind a port in use (SO_REUSEPORT): a leftover replica
+# then answered half the connections from its own index, and the new one logged started.
+GRPC_OPTIONS = (("grpc.so_reuseport", 0),)
 JOIN_TIMEOUT_S = 5.0  # the sweeper and the census finish their pass (they stop at their next wait)
 
 
@@ -182,10 +186,12 @@ class MetaServer:
         guard: list[grpc.ServerInterceptor] = [SyncGuard(self.security.token)]
         server: grpc.Server | CqServer
         if cq_server.supported():
-            server = CqServer(INLINE_VIEW if self.view is not None else INLINE, workers=threads, interceptors=guard)
+            server = CqServer(INLINE_VIEW if self.view is not None else INLINE, workers=threads, interceptors=guard,
+                              options=GRPC_OPTIONS)
         else:  # a grpcio whose internals moved: the stock server, two thread hand-overs a call
             log.warning("grpc_cq_server_unsupported; serving with grpc.server", grpc=grpc.__version__)
-            server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads), interceptors=guard)
+            server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads), interceptors=guard,
+                                 options=GRPC_OPTIONS)
         meta_pb2_grpc.add_MetaServiceServicer_to_server(self.servicer, server)
         try:
             port = self.security.add_port(server, c.addr)
@@ -220,8 +226,7 @@ class MetaServer:
         """Serve until SIGTERM or SIGINT (from the main thread: it installs their handlers)."""
         for flag, reason in without_effect(META, self.config):  # the original's flags, once each
             log.info("option_without_effect", flag=flag, reason=reason)
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self.stopping.set())
+        set_on_signals(self.stopping, signal.SIGTERM, signal.SIGINT)
         self.start()
         freeze_startup_heap()
         self.stopping.wait()

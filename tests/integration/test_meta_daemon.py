@@ -100,6 +100,21 @@ def test_a_replica_serves_once_started_and_gives_everything_back_when_stopped(re
         os.kill(child, 0)
 
 
+def test_a_second_metaserver_on_a_port_in_use_is_a_startup_error(redis_server: RedisServer) -> None:
+    """grpc's default SO_REUSEPORT let a second replica bind the first's --addr: it logged
+    started and answered about half the new connections, from its own index."""
+    first = replica(redis_server.url, "--addr", "127.0.0.1:0", "--http-addr", "off")
+    first.start()
+    try:
+        addr = f"127.0.0.1:{first.port}"
+        second = replica(redis_server.url, "--addr", addr, "--http-addr", "off", "--consumer-name", "m2")
+        with pytest.raises(StartupError, match=f"cannot listen on {addr}"):
+            second.start()
+        assert second.consumer.pid is None and not any(t.is_alive() for t in second.threads)
+    finally:
+        first.stop()
+
+
 def test_a_listener_it_cannot_have_is_a_startup_error_and_nothing_stays_started(
     redis_server: RedisServer,
 ) -> None:
