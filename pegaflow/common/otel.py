@@ -1,9 +1,12 @@
-"""Optional OTLP/HTTP export of a Prometheus registry (``--metrics-otel-endpoint``).
+"""Optional OTLP export of a Prometheus registry (``--metrics-otel-endpoint``).
 
 The Prometheus registry stays the one definition of every metric (``docs/metrics.md``);
 this module only mirrors it: each metric family becomes OpenTelemetry *observable*
 instruments whose callbacks read the registry, and a periodic reader pushes them to an
-OTLP/HTTP collector. Names and labels are unchanged, so a dashboard works on either path:
+OTLP collector, over gRPC as the original does (``http://host:4317``), or over HTTP
+(:func:`protocol`: an endpoint with a path or on port 4318, or the OpenTelemetry
+variable ``OTEL_EXPORTER_OTLP_METRICS_PROTOCOL`` / ``OTEL_EXPORTER_OTLP_PROTOCOL`` set to
+``http/protobuf``). Names and labels are unchanged, so a dashboard works on either path:
 
 - counter ``x`` → observable counter ``x_total`` (cumulative);
 - gauge ``x`` → observable gauge ``x``;
@@ -22,32 +25,71 @@ Needs the ``otel`` extra (``pip install 'pegaflow[otel]'``); without it
 
 from __future__ import annotations
 
+import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry
 
 if TYPE_CHECKING:  # the otel extra, imported where an export starts
     from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import MetricExporter
 
 CACHE_SECONDS = 0.5  # callbacks of one export cycle share one collect() of the registry
 
 
+GRPC, HTTP = "grpc", "http/protobuf"  # OTLP's protocols, as OTEL_EXPORTER_OTLP_PROTOCOL names them
+HTTP_PORT = 4318  # OTLP/HTTP's registered port (gRPC's is 4317)
+EXPORT_TIMEOUT_S = 5.0  # one export's deadline: a stop waits at most about this on a dead collector
+
+
 class OtelUnavailable(Exception):
-    """The OpenTelemetry SDK or its OTLP/HTTP exporter is not installed."""
+    """The OpenTelemetry SDK or the exporter the endpoint needs is not installed, or the
+    protocol asked for is not one we speak."""
 
 
-def check_available() -> None:
-    """Raise :class:`OtelUnavailable` (one line) unless the ``otel`` extra is installed."""
+def protocol(endpoint: str, env: Mapping[str, str] = os.environ) -> str:
+    """:data:`GRPC` or :data:`HTTP` for ``endpoint``: the OpenTelemetry protocol variable when
+    set; else HTTP for an endpoint with a path or on port 4318, gRPC otherwise (the
+    original's export, e.g. ``http://127.0.0.1:4317``)."""
+    asked = env.get("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+    if asked:
+        if asked not in (GRPC, HTTP):
+            raise OtelUnavailable(f"--metrics-otel-endpoint: OTLP protocol {asked!r} is not {GRPC} or {HTTP}")
+        return asked
+    parts = urlsplit(endpoint.strip() if "://" in endpoint else "http://" + endpoint.strip())
     try:
-        import opentelemetry.exporter.otlp.proto.http.metric_exporter  # noqa: F401
+        port = parts.port
+    except ValueError:
+        port = None
+    return HTTP if parts.path not in ("", "/") or port == HTTP_PORT else GRPC
+
+
+def check_available(endpoint: str = "") -> None:
+    """Raise :class:`OtelUnavailable` (one line) unless the ``otel`` extra (the SDK and the
+    exporter of ``endpoint``'s protocol) is installed."""
+    try:
+        if protocol(endpoint) == GRPC:
+            import opentelemetry.exporter.otlp.proto.grpc.metric_exporter  # noqa: F401
+        else:
+            import opentelemetry.exporter.otlp.proto.http.metric_exporter  # noqa: F401
         import opentelemetry.sdk.metrics  # noqa: F401
     except ImportError as exc:
         raise OtelUnavailable(
             f"--metrics-otel-endpoint needs the otel extra (pip install 'pegaflow[otel]'): {exc}"
         ) from None
+
+
+def grpc_target(endpoint: str) -> tuple[str, bool]:
+    """(``host:port`` for the gRPC exporter, insecure): ``https://`` is TLS, anything else not."""
+    e = endpoint.strip()
+    scheme, sep, rest = e.partition("://")
+    if not sep:
+        scheme, rest = "http", e
+    return rest.rstrip("/"), scheme != "https"
 
 
 def metrics_url(endpoint: str) -> str:
@@ -71,8 +113,9 @@ class OtelExport:
         return bool(self.provider.force_flush(timeout_ms))
 
     def stop(self) -> None:
-        """Push once more and stop the reader thread."""
-        self.provider.shutdown()
+        """Push once more and stop the reader thread (bounded: a collector that does not
+        answer costs one export's deadline)."""
+        self.provider.shutdown(timeout_millis=2 * EXPORT_TIMEOUT_S * 1000)
 
 
 class _Snapshot:
@@ -112,20 +155,31 @@ def instruments(registry: CollectorRegistry) -> list[tuple[str, str, str]]:
     return out
 
 
+def _exporter(endpoint: str) -> MetricExporter:
+    if protocol(endpoint) == GRPC:
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as GrpcExporter
+
+        target, insecure = grpc_target(endpoint)
+        return GrpcExporter(endpoint=target, insecure=insecure, timeout=EXPORT_TIMEOUT_S)
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter as HttpExporter
+
+    return HttpExporter(endpoint=metrics_url(endpoint), timeout=EXPORT_TIMEOUT_S)
+
+
 def start_otel_export(
     endpoint: str, registry: CollectorRegistry, service_name: str, interval: float | None = None
 ) -> OtelExport:
-    """Mirror ``registry`` to the OTLP/HTTP collector at ``endpoint``; returns the running export."""
-    check_available()
-    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+    """Mirror ``registry`` to the OTLP collector at ``endpoint``; returns the running export."""
+    check_available(endpoint)
     from opentelemetry.metrics import CallbackOptions, Observation
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
     from opentelemetry.sdk.resources import Resource
 
     reader = PeriodicExportingMetricReader(
-        OTLPMetricExporter(endpoint=metrics_url(endpoint)),
+        _exporter(endpoint),
         export_interval_millis=None if interval is None else interval * 1000,
+        export_timeout_millis=EXPORT_TIMEOUT_S * 1000,
     )
     provider = MeterProvider(metric_readers=[reader], resource=Resource.create({"service.name": service_name}))
     meter = provider.get_meter("pegaflow")

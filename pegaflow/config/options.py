@@ -972,8 +972,8 @@ OPTIONS: list[Option] = [
     Option(
         "metrics-otel-endpoint",
         "",
-        "Also push every metric to this OTLP/HTTP collector, e.g. http://127.0.0.1:4318 "
-        "(needs the otel extra; empty: Prometheus /metrics only).",
+        "Also push every metric to this OTLP collector: gRPC as the original's (e.g. http://127.0.0.1:4317), "
+        "HTTP for a URL with a path or on port 4318 (needs the otel extra; empty: Prometheus /metrics only).",
         str,
         commands=(NODE, META),
         metavar="URL",

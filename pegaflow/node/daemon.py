@@ -100,7 +100,7 @@ class Node:
             raise StartupError(str(exc)) from None
         if config.metrics_otel_endpoint:
             try:  # before the pool is allocated: a missing extra is a one-line error
-                otel.check_available()
+                otel.check_available(config.metrics_otel_endpoint)
             except otel.OtelUnavailable as exc:
                 raise StartupError(str(exc)) from None
         try:

@@ -1,6 +1,6 @@
-"""`--metrics-otel-endpoint`: a real node pushes its Prometheus metrics over OTLP/HTTP to a
-loopback receiver in the test (names, labels and values as on /metrics); without the otel
-extra the flag is a one-line start-up error."""
+"""`--metrics-otel-endpoint`: a real node pushes its Prometheus metrics over OTLP, gRPC (the
+original's, by default) or HTTP, to a loopback receiver in the test (names, labels and values
+as on /metrics); without the otel extra the flag is a one-line start-up error."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 import xxhash
 
 from pegaflow.client import PegaClient
-from pegaflow.common.otel import metrics_url
+from pegaflow.common.otel import GRPC, HTTP, OtelUnavailable, grpc_target, metrics_url, protocol
 from tests.harness.meta import MetaServer
 from tests.harness.redis import RedisServer
 from tests.integration import redis_fixtures
@@ -90,6 +90,33 @@ class Receiver:
         self.server.server_close()
 
 
+class GrpcReceiver(Receiver):
+    """A loopback OTLP/gRPC metrics endpoint (the original's export) keeping every request."""
+
+    def __init__(self) -> None:  # noqa: D107 - no HTTP server: Receiver's decoding only
+        from concurrent import futures
+
+        import grpc
+        from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2_grpc
+
+        self.requests = []
+        self.paths = []
+        outer = self
+
+        class Sink(metrics_service_pb2_grpc.MetricsServiceServicer):
+            def Export(self, request: object, context: object) -> object:  # noqa: N802 (gRPC API)
+                outer.requests.append(request)
+                return otlp.ExportMetricsServiceResponse()
+
+        self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(Sink(), self.grpc)
+        self.port = self.grpc.add_insecure_port("127.0.0.1:0")
+        self.grpc.start()
+
+    def close(self) -> None:
+        self.grpc.stop(None)
+
+
 @pytest.fixture
 def receiver() -> Iterator[Receiver]:
     r = Receiver()
@@ -97,9 +124,32 @@ def receiver() -> Iterator[Receiver]:
     r.close()
 
 
+@pytest.fixture
+def grpc_receiver() -> Iterator[GrpcReceiver]:
+    r = GrpcReceiver()
+    yield r
+    r.close()
+
+
+def test_node_pushes_its_metrics_over_grpc_as_the_original_does(node_factory, grpc_receiver: GrpcReceiver) -> None:
+    """The original's --metrics-otel-endpoint is OTLP/gRPC (``http://127.0.0.1:4317``): ours
+    spoke only OTLP/HTTP, so the original's endpoint received nothing."""
+    node = node_factory(extra=["--metrics-otel-endpoint", f"http://127.0.0.1:{grpc_receiver.port}",
+                               "--metrics-period-secs", "1"])
+    with PegaClient(node.addr) as c:
+        c.register({"m": 8192})
+        res = c.reserve("m", [xxhash.xxh3_128_digest(b"otel-grpc")])
+        c.commit(res.reservation_id)
+    pts = wait_until(lambda: (p := grpc_receiver.points()).get(("pegaflow_node_resident_blocks", ())) == 1 and p,
+                     30, "the node's metrics pushed over gRPC", every=0.2)
+    assert pts[("pegaflow_node_pool_capacity_bytes", ())] == 64 << 20
+    assert grpc_receiver.services() == {"pegaflow-node"}
+
+
 def test_node_pushes_its_metrics_to_an_otlp_http_receiver(node_factory, receiver: Receiver) -> None:
+    # OTLP/HTTP at a port that is not 4318, as OpenTelemetry's own variable asks.
     node = node_factory(extra=["--metrics-otel-endpoint", f"http://127.0.0.1:{receiver.port}"],
-                        env={"OTEL_METRIC_EXPORT_INTERVAL": "300"})  # fmt: skip
+                        env={"OTEL_METRIC_EXPORT_INTERVAL": "300", "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL": HTTP})
     hs = [xxhash.xxh3_128_digest(f"otel:{i}".encode()) for i in range(5)]
     with PegaClient(node.addr) as c:
         c.register({"m": 8192})
@@ -131,7 +181,8 @@ def test_node_pushes_its_metrics_to_an_otlp_http_receiver(node_factory, receiver
 def test_metaserver_pushes_its_metrics_and_the_cluster_view(redis_server: RedisServer, receiver: Receiver,
                                                              tmp_path: Path) -> None:
     meta = MetaServer(redis_server.url, tmp_path / "meta.log",
-                      extra=["--sweep-interval", "0", "--metrics-otel-endpoint", f"http://127.0.0.1:{receiver.port}"],
+                      extra=["--sweep-interval", "0", "--metrics-otel-endpoint",
+                             f"http://127.0.0.1:{receiver.port}/v1/metrics"],  # a path: OTLP/HTTP
                       env={"OTEL_METRIC_EXPORT_INTERVAL": "300"}).start()
     try:
 
@@ -146,6 +197,22 @@ def test_metaserver_pushes_its_metrics_and_the_cluster_view(redis_server: RedisS
         assert receiver.services() == {"pegaflow-meta"}
     finally:
         meta.stop()
+
+
+def test_the_protocol_is_grpc_unless_the_endpoint_or_opentelemetrys_variable_says_http() -> None:
+    assert protocol("http://127.0.0.1:4317", {}) == GRPC  # the original's example
+    assert protocol("collector:9000", {}) == GRPC
+    assert protocol("https://otel.example", {}) == GRPC
+    assert protocol("http://127.0.0.1:4318", {}) == HTTP  # OTLP/HTTP's port
+    assert protocol("http://c:9000/v1/metrics", {}) == HTTP  # a path
+    assert protocol("http://c:4317", {"OTEL_EXPORTER_OTLP_PROTOCOL": HTTP}) == HTTP
+    assert protocol("http://c:4318", {"OTEL_EXPORTER_OTLP_METRICS_PROTOCOL": GRPC,
+                                      "OTEL_EXPORTER_OTLP_PROTOCOL": HTTP}) == GRPC
+    with pytest.raises(OtelUnavailable, match="http/json"):
+        protocol("http://c:4318", {"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"})
+    assert grpc_target("http://127.0.0.1:4317/") == ("127.0.0.1:4317", True)
+    assert grpc_target("https://otel.example:443") == ("otel.example:443", False)
+    assert grpc_target("collector:4317") == ("collector:4317", True)
 
 
 def test_endpoint_url_gets_the_otlp_metrics_path() -> None:

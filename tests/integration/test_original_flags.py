@@ -29,7 +29,7 @@ from pegaflow.node.pool import _hugepages_free
 from tests.harness.ports import free_port
 from tests.harness.procs import log_events
 from tests.integration.redis_fixtures import redis_server  # noqa: F401
-from tests.integration.test_metrics_export import Receiver
+from tests.integration.test_metrics_export import GrpcReceiver
 from tests.integration.test_quickstart import (  # noqa: F401
     FAKES,
     ROOT,
@@ -73,7 +73,7 @@ def test_both_daemons_start_and_serve_with_the_originals_complete_flag_lists(
     ports = {k: str(free_port()) for k in ("node_port", "node_http_port", "meta_port", "meta_http_port")}
     ssd = tmp_path / "ssd"
     ssd.mkdir()
-    receiver = Receiver()
+    receiver = GrpcReceiver()  # the original exports over OTLP/gRPC
     values = {**ports, "otel_port": str(receiver.port), "ssd": str(ssd)}
     json_logs = {"PEGAFLOW_LOG_FORMAT": "json"}
 

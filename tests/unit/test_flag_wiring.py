@@ -58,11 +58,11 @@ def test_node_options_reach_their_components(tmp_path: Path):
 def test_otlp_exports_come_every_configured_period():
     from prometheus_client import CollectorRegistry, Counter
 
-    from tests.integration.test_metrics_export import Receiver  # skips without the otel extra
+    from tests.integration.test_metrics_export import GrpcReceiver  # skips without the otel extra
 
     reg = CollectorRegistry()
     Counter("pf_test", "a metric to export", registry=reg).inc()
-    c = Receiver()
+    c = GrpcReceiver()
     export = otel.start_otel_export(f"http://127.0.0.1:{c.port}", reg, "t", 1)  # the SDK's own period: 60 s
     try:
         deadline = time.monotonic() + 10
