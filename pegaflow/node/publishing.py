@@ -63,7 +63,7 @@ import contextlib
 import enum
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import redis
@@ -77,7 +77,7 @@ from pegaflow.cluster.redis_conn import Client, connect, error_text
 from pegaflow.cluster.registry import NodeInfo
 from pegaflow.common.priority import background_thread
 from pegaflow.config.commands import NodeConfig
-from pegaflow.core.block_index import BlockIndex, IndexEvent, Namespace
+from pegaflow.core.block_index import Block, BlockIndex, IndexEvent, Namespace
 from pegaflow.core.hosts import advertised
 from pegaflow.core.identity import HASH_BYTES
 from pegaflow.core.tiers import Tier
@@ -112,6 +112,8 @@ COMPACT_FACTOR = 4  # ...and more than this many times the snapshot size
 
 # (namespace, hashes) held in DRAM, or (namespace, hashes, tier)
 SnapshotItem = tuple[str, Sequence[bytes]] | tuple[str, Sequence[bytes], Tier]
+# Called on the node's loop at the cut; the iterable it returns is read in the publisher thread,
+# so it must hold a copy of the state at the cut (HolderTiers.snapshot: the loop only copies).
 SnapshotFn = Callable[[], Iterable[SnapshotItem]]
 
 
@@ -485,21 +487,22 @@ class EventPublisher:
         except Exception as exc:  # notices wait for the next poll; publishing goes on
             log.warning("class notices unread", node=self.node, error=repr(exc))
 
-    def _cut(self) -> list[SnapshotItem]:
+    def _cut(self) -> Iterable[SnapshotItem]:
         with self._lock:
             self._buf.clear()
             self._buf_blocks = 0
             self._dropping = False
-            return list(self._snapshot())
+            return self._snapshot()
 
     def _take_snapshot(self) -> list[SnapshotItem]:
+        """The state at the cut (taken on the loop), read here in the publisher thread."""
         if self._loop is None:
+            return list(self._cut())
+
+        async def cut() -> Iterable[SnapshotItem]:
             return self._cut()
 
-        async def cut() -> list[SnapshotItem]:
-            return self._cut()
-
-        return asyncio.run_coroutine_threadsafe(cut(), self._loop).result(timeout=60)
+        return list(asyncio.run_coroutine_threadsafe(cut(), self._loop).result(timeout=60))
 
     def _name_free(self) -> bool:
         """Whether this node may register again: no other live node took its name since it
@@ -621,25 +624,32 @@ class HolderTiers:
         if gone:
             self.pub.on_evict(ns.name, gone)
 
-    def snapshot(self) -> list[SnapshotItem]:
-        """DRAM blocks as L1, blocks only on SSD as SSD, per namespace."""
-        index = self.index
-        out: list[SnapshotItem] = []
+    def snapshot(self) -> Iterator[SnapshotItem]:
+        """DRAM blocks as L1, blocks only on SSD as SSD, per namespace.
+
+        On the loop (the cut) it only copies: the resident blocks (a block's namespace and
+        hash never change) and the SSD tier's keys; the returned iterator groups and filters
+        them where it is read, in the publisher thread. Grouped on the loop, a re-sync of
+        500k DRAM and 500k SSD blocks held every engine's requests for 0.23 s."""
+        blocks = self.index.resident()
+        ssd_keys = list(self.ssd) if self.ssd else []
+        return self._items(blocks, ssd_keys)
+
+    def _items(self, blocks: list[Block], ssd_keys: list[tuple[int, bytes]]) -> Iterator[SnapshotItem]:
         by_ns: dict[str, list[bytes]] = {}
-        for b in index.resident():
+        held: dict[int, set[bytes]] = {}
+        for b in blocks:
             by_ns.setdefault(b.ns.name, []).append(b.hash)
-        out.extend(by_ns.items())
-        if self.ssd:
-            ssd: dict[int, list[bytes]] = {}
-            for ns_id, h in self.ssd:
+            held.setdefault(b.ns.id, set()).add(b.hash)
+        yield from by_ns.items()
+        ssd: dict[int, list[bytes]] = {}
+        for ns_id, h in ssd_keys:
+            if h not in held.get(ns_id, ()):
                 ssd.setdefault(ns_id, []).append(h)
-            for ns_id, hs in ssd.items():
-                ns = index.namespace_by_id(ns_id)
-                if ns is not None:
-                    only = [h for h in hs if not index.contains(ns, h)]
-                    if only:
-                        out.append((ns.name, only, Tier.SSD))
-        return out
+        for ns_id, only in ssd.items():
+            ns = self.index.namespace_by_id(ns_id)  # one dict lookup: safe beside the loop
+            if ns is not None:
+                yield ns.name, only, Tier.SSD
 
 
 def publish_block_index(
@@ -668,7 +678,7 @@ def publish_block_index(
     addr = advertised(config.addr, config.advertise_addr)
     tiers: HolderTiers | None = None
 
-    def snapshot() -> list[SnapshotItem]:
+    def snapshot() -> Iterator[SnapshotItem]:
         assert tiers is not None
         return tiers.snapshot()
 

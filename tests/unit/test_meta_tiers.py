@@ -177,5 +177,8 @@ def test_snapshot_lists_dram_blocks_as_l1_and_ssd_only_blocks_as_ssd() -> None:
     ns, idx, ssd, pub, t = _setup()
     idx.l1.update({(1, H[0]), (1, H[1])})
     ssd.update({(1, H[1]): 0, (1, H[3]): 0, (9, H[4]): 0})  # ns 9: unknown here, left out
-    snap = t.snapshot()
+    snap = t.snapshot()  # the cut, on the node's loop: it copies, the publisher thread groups
+    idx.l1.clear()  # the loop goes on changing both tiers meanwhile
+    ssd.clear()
+    ssd[(1, H[5])] = 0
     assert sorted(map(str, snap)) == sorted(map(str, [("m", [H[0], H[1]]), ("m", [H[3]], Tier.SSD)]))
