@@ -40,12 +40,14 @@ class Capacity:
             return cls(math.inf, "inf")
         if t.endswith("%"):
             v = float(t[:-1])
-            if v < 0:
-                raise ValueError(f"capacity must be >= 0, got {text!r}")
+            if not math.isfinite(v) or v < 0:  # 'inf' is the word for unbounded, 'inf%' no percentage
+                raise ValueError(f"capacity must be a finite percentage >= 0, got {text!r}")
             return cls(v, "percent")
         m = re.fullmatch(r"(\d+)\s*(blocks?|blk)", t)
         if m:
-            return cls(float(m.group(1)), "blocks")
+            if not math.isfinite(blocks := float(m.group(1))):
+                raise ValueError(f"capacity {text!r} is too large")
+            return cls(blocks, "blocks")
         return cls(float(parse_size(t)), "bytes")
 
     def blocks_or_bytes(self, unique: int, storable: int | None = None) -> tuple[int, bool]:

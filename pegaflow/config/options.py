@@ -22,6 +22,7 @@ Later features add their rows to ``OPTIONS``; nothing else parses options.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -100,6 +101,10 @@ class Bounded:
 
     def __call__(self, text: str | int | float) -> int | float:
         v = self.kind(text.strip() if isinstance(text, str) else text)
+        if isinstance(v, float) and not math.isfinite(v):  # nan compares false with everything; inf passes an open side
+            if self.lo is not None and self.hi is not None:
+                raise ValueError(self.says.format(range=self.range, v=v))
+            raise ValueError(f"must be a finite number {self.range}, got {v}")
         below = self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo)
         if below or (self.hi is not None and v > self.hi):
             raise ValueError(self.says.format(range=self.range, v=v))
@@ -218,7 +223,7 @@ def _group(text: str) -> str:
     elif text:
         try:
             grp.getgrgid(int(text))
-        except KeyError:
+        except (KeyError, OverflowError):  # OverflowError: past a gid_t
             raise ValueError(f"no such group id {text}") from None
     return text
 

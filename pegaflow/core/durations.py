@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
@@ -21,6 +22,8 @@ def parse_duration(text: str | float | int) -> float:
         if mult is None:
             raise ValueError(f"invalid duration unit {unit!r} in {text!r} (use s, m, h or d)")
         seconds = float(number) * mult
+    if not math.isfinite(seconds):
+        raise ValueError(f"duration must be a finite number of seconds, got {text!r}")
     if seconds <= 0:
         raise ValueError(f"duration must be > 0, got {text!r}")
     return seconds

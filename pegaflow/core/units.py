@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 _UNITS = {
@@ -36,7 +37,10 @@ def parse_size(text: str | int) -> int:
     mult = _UNITS.get(unit.lower())
     if mult is None:
         raise ValueError(f"invalid size unit {unit!r} in {text!r} (use kb, mb, gb or tb)")
-    return int(float(number) * mult)
+    size = float(number) * mult
+    if not math.isfinite(size):  # a number of hundreds of digits: int(inf) would raise OverflowError
+        raise ValueError(f"size {text!r} is too large")
+    return int(size)
 
 
 def format_size(n: int) -> str:

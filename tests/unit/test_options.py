@@ -434,6 +434,58 @@ def test_every_bounded_option_refuses_a_value_outside_its_range_naming_the_optio
     assert opt.parse(str(inside)) == opt.parse.kind(inside)
 
 
+# Every spelling of a number that is not finite that float() (and so a parser) might take.
+NON_FINITE = ("nan", "NaN", "-nan", "inf", "+inf", "-inf", "Infinity", "1e400", "9" * 400, "nan%", "inf%",
+              "9" * 400 + "%", "9" * 400 + "blocks", "9" * 400 + "s", "9" * 400 + "gb", "15m,nan", "x=nan")
+# The options where inf is a value, and its one spelling: a replay tier's 'inf' (nothing is
+# ever evicted; config/capacity.py).
+INF_ALLOWED = {"l1-capacity": "inf", "ssd-capacity": "inf", "sweep": "inf"}
+
+
+def _floats(value: object) -> list[float]:
+    """The floats a parsed value holds (in a list, a tuple, a dataclass's fields)."""
+    import dataclasses
+
+    if isinstance(value, float):
+        return [value]
+    if isinstance(value, list | tuple):
+        return [f for v in value for f in _floats(v)]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [f for fl in dataclasses.fields(value) for f in _floats(getattr(value, fl.name))]
+    return []
+
+
+def _valued() -> list[tuple[str, object]]:
+    from pegaflow.config.options import OPTIONS
+
+    return [(c, o) for o in OPTIONS if not (o.positional or o.flag) for c in o.commands]
+
+
+@pytest.mark.parametrize("command, opt", _valued(), ids=lambda x: x if isinstance(x, str) else x.name)
+def test_no_option_takes_nan_and_only_a_replay_tier_takes_inf(command: str, opt,  # noqa: ANN001
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """nan passed every range check (comparisons with it are false) and inf every open upper
+    bound: a daemon then failed at int(inf), slept forever under a lock or answered INTERNAL."""
+    import math
+
+    from pegaflow.config.options import SUBCOMMANDS
+
+    subcommand = (opt.subcommands or [n for n, _ in SUBCOMMANDS.get(command, ())] or [None])[0]
+    args = _minimal(command, subcommand)
+    if f"--{opt.name}" in args:  # a required option: give it the value instead of 'x'
+        i = args.index(f"--{opt.name}")
+        del args[i:i + 2]
+    for text in NON_FINITE:
+        try:
+            value = getattr(load(command, "prog", [*args, f"--{opt.name}", text], env={}), opt.dest)
+        except SystemExit as stop:
+            err = capsys.readouterr().err.strip()
+            assert stop.code == 2 and len(err.splitlines()) == 1 and f"--{opt.name}" in err, (text, err)
+            continue
+        bad = [f for f in _floats(value) if math.isnan(f) or (math.isinf(f) and INF_ALLOWED.get(opt.name) != text)]
+        assert not bad, (opt.name, text, value)
+
+
 def test_a_cost_of_two_is_refused_as_a_cost_not_as_a_sample_rate(capsys: pytest.CaptureFixture[str]) -> None:
     """Two parsers had one name; the second (the trace sample rate's) won, so every other
     fraction was refused in the sample rate's words."""
