@@ -147,6 +147,14 @@ _backup_candidates = Bounded(int, lo=1, hi=65536, says="must be in 1..=65536, go
 _owner_count = Bounded(int, lo=2, says="must be at least 2, got {v}")  # the original: "must be at least 2"
 
 
+def _page_align(text: str | int) -> int:
+    """A page alignment: a power of two (the pool's allocator carves pages at multiples of it)."""
+    v = int(_positive_int(text))
+    if v & (v - 1):
+        raise ValueError(f"must be a power of two, got {v}")
+    return v
+
+
 def _positive_size(text: str) -> int:
     """A size (kb/mb/gb/tb) greater than zero (the original's words when it is not)."""
     v = parse_size(text)
@@ -539,8 +547,8 @@ OPTIONS: list[Option] = [
     Option(
         "page-align",
         4096,
-        "Alignment in bytes of every page in the pool (O_DIRECT needs 4096).",
-        _positive_int,
+        "Alignment in bytes of every page in the pool, a power of two (O_DIRECT needs 4096).",
+        _page_align,
     ),
     # --- node: SSD tier (pegaflow/node/tiers/ssd/, docs/ssd.md) ---------------------------------
     Option(

@@ -70,6 +70,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     except (redis.RedisError, RedisClusterException, OSError) as exc:
         sys.stderr.write(f"{prog}: error: {unreachable_redis(opts.redis_url, exc)}\n")
         raise SystemExit(1) from None
+    except ValueError as exc:  # redis-py's reading of a URL (a port out of range, a bad query option)
+        sys.stderr.write(f"{prog}: error: --redis-url {','.join(opts.redis_url)}: {exc}\n")
+        raise SystemExit(2) from None
     if rebuild:
         try:
             report = do_rebuild(r)

@@ -127,6 +127,9 @@ class Node:
             quotas = Quotas(config.namespace_quota)
         except ValueError as exc:
             raise StartupError(f"--namespace-quota: {exc}") from None
+        if config.page_align > config.pool_size:
+            raise StartupError(f"--page-align {config.page_align} is larger than --pool-size {config.pool_size}: "
+                               "no page fits in the pool")
         self.pool = SharedPool(config.pool_size, config.use_hugepages)
         # One part per NUMA node, bound to it before the pre-fault (pegaflow/node/numa.py).
         self.numa = place_pool(self.pool, config.disable_numa_affinity, config.page_align)

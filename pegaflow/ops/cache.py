@@ -97,6 +97,8 @@ def hashes_for(cfg: CacheConfig) -> list[bytes]:
             text = Path(cfg.tokens_file).read_text()
         except OSError as exc:
             raise CacheError(f"cannot read {cfg.tokens_file}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError:
+            raise CacheError(f"{cfg.tokens_file} is not text (UTF-8): expected token ids") from None
     else:
         text = cfg.tokens
     tokens = _parse_tokens(text)

@@ -328,14 +328,17 @@ def test_pins_stay_within_the_pinned_share(node_factory):
         c.close()
 
 
-def test_bad_input_is_one_line_and_invalid_argument(node):
+def test_bad_input_is_one_line_and_invalid_argument(node, tmp_path):
     c = client(node, "engine-a")
+    binary = tmp_path / "tokens.bin"
+    binary.write_bytes(bytes(range(256)))  # not UTF-8: was a UnicodeDecodeError traceback
     try:
         for args, want in ((("inspect", "-n", NS, "--hashes", "zz"), "not hex"),
                            (("inspect", "-n", NS, "--hashes", "abcd"), "expected 16"),
                            (("inspect", "-n", "plain-name", "--tokens", "1,2,3,4"), "give --hashes"),
                            (("inspect", "-n", NS, "--tokens", "1,2"), "no full block"),
                            (("inspect", "-n", NS, "--tokens", "1,x"), "integers"),
+                           (("inspect", "-n", NS, "--tokens-file", str(binary)), "is not text"),
                            (("pin", "-n", NS, "--tokens", "1,2,3,4", "--block-size", "8"), "contradicts"),
                            (("clear",), "required")):
             p = cache(node, *args)

@@ -335,6 +335,14 @@ def test_hugepages_without_reservation_is_a_one_line_error(node_factory):
     assert p.stderr.strip().splitlines() == [p.stderr.strip()] and "huge pages" in p.stderr
 
 
+def test_a_page_alignment_larger_than_the_pool_is_a_one_line_error(node_factory):
+    # the node used to start with a pool in which no page fits
+    n = node_factory(pool_size="64mb", extra=["--page-align", str(1 << 30)], start=False)
+    p = subprocess.run(n.argv(), capture_output=True, text=True, timeout=60)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 1 and len(lines) == 1 and "--page-align 1073741824 is larger than --pool-size" in lines[0], p.stderr
+
+
 def test_address_in_use_is_a_one_line_error(node, node_factory):
     other = node_factory(start=False)
     other.addr = node.addr

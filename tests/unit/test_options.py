@@ -48,6 +48,8 @@ def test_docs_options_page_is_generated_from_the_table():
         (["--no-such-flag"], "unrecognized"),
         (["--log-level", "chatty"], "--log-level"),
         (["--node-id", "gpu{1}"], "--node-id"),  # braces: a hash tag in its Redis keys
+        (["--page-align", "3"], "--page-align: must be a power of two, got 3"),  # was the allocator's traceback
+        (["--page-align", "99999999999999999999"], "must be a power of two"),
     ],
 )
 def test_bad_flags_exit_with_one_line(argv, needle):
@@ -153,6 +155,9 @@ def test_redis_seeds_are_the_flag_repeated_or_comma_separated_in_order_each_once
     (["--redis-url", "redis://a:1/0,rediss://b:2/0"], "in more than HOST:PORT"),
     (["--redis-url", "unix:///tmp/r.sock,redis://b:2/0"], "must be redis:// or rediss://"),
     (["--redis-url", "redis://a:1/0,http://b:2"], "invalid Redis URL"),
+    # redis-py's ValueErrors when it reads the URL were tracebacks
+    (["--redis-url", "redis://127.0.0.1:99999/0"], "redis://127.0.0.1:99999/0"),
+    (["--redis-url", "redis://127.0.0.1:1/0?socket_timeout=abc"], "socket_timeout"),
 ])
 def test_seeds_that_one_client_cannot_share_are_refused_in_one_line(argv, needle):
     p = subprocess.run([sys.executable, "-m", "pegaflow.meta.cli", *argv], capture_output=True, text=True, timeout=60)
