@@ -237,9 +237,9 @@ def _group(text: str) -> str:
 
 
 def _redis_url(text: str) -> str:
-    if text and not text.startswith(("redis://", "rediss://", "unix://")):
-        raise ValueError(f"invalid Redis URL {text!r} (expected redis://HOST:PORT[/DB], rediss:// or unix://)")
-    return text
+    from pegaflow.config.redis_url import check_seed
+
+    return check_seed(text) if text else text
 
 
 # How --redis-url's seeds are used (pegaflow/cluster/redis_conn.py connects through them).

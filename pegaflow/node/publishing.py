@@ -302,6 +302,7 @@ class EventPublisher:
         return False
 
     _busy = False
+    _reached = False  # Redis has answered once (publisher thread)
     _next_beat = 0.0  # when the liveness key is next refreshed (publisher thread)
 
     @property
@@ -313,7 +314,6 @@ class EventPublisher:
             if self._connect is None:
                 raise redis.ConnectionError("the publisher has no Redis client")
             self._r = self._retrying()(self._connect)
-            log.info("redis_reached", node=self.node)
         return self._r
     _next_poll = 0.0  # when the class notices are next read (publisher thread)
 
@@ -540,6 +540,9 @@ class EventPublisher:
             return False
         retry = self._retrying()
         self.nid, self.epoch = retry(registry.register, self.r, self.node, self.addr, self.ttl_ms, switch)
+        if not self._reached:  # Redis answered (a standalone client connects at its first command)
+            self._reached = True
+            log.info("redis_reached", node=self.node)
         with contextlib.suppress(redis.ResponseError):  # BUSYGROUP: it exists
             retry(self.r.xgroup_create, self.stream, GROUP, id="0", mkstream=True)
         self._seq = 0

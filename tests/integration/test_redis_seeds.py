@@ -60,6 +60,7 @@ def test_cluster_daemons_started_with_their_first_seed_dead_start_and_work(
         assert c.commit(c.reserve("m", hs).reservation_id) == 6
         wait_until(lambda: meta.query("m", hs) == {"seeded": 6}, 30, "the node's blocks in the metaserver's lookups")
         assert "Traceback" not in meta.log() and "Traceback" not in node.log()
+        assert node.log().count("redis_reached") == 1
         c.close()
     finally:
         meta.stop()
@@ -74,9 +75,11 @@ def test_metaserver_with_every_seed_dead_exits_with_one_line_naming_them(tmp_pat
     assert "cannot reach Redis" in lines[0] and a in lines[0] and b in lines[0], lines[0]
 
 
-def test_a_node_whose_seeds_are_all_dead_serves_and_names_them(node_factory) -> None:
+@pytest.mark.parametrize("cluster", [True, False], ids=["cluster", "standalone"])
+def test_a_node_whose_seeds_are_all_dead_serves_and_names_them(node_factory, cluster: bool) -> None:
     a, b = dead_seed(), dead_seed()
-    node = node_factory(extra=["--redis-url", f"{a},{b}", "--redis-cluster", "--node-id", "alone"])
+    node = node_factory(extra=["--redis-url", f"{a},{b}", *(["--redis-cluster"] if cluster else []),
+                               "--node-id", "alone"])
     c = PegaClient(node.addr)
     c.register({"m": PAGE})
     hs = [xxhash.xxh3_128_digest(f"alone:{i}".encode()) for i in range(3)]
@@ -89,6 +92,7 @@ def test_a_node_whose_seeds_are_all_dead_serves_and_names_them(node_factory) -> 
 
     wait_until(named, 30, "the publisher's warning naming both seeds")
     assert "Traceback" not in node.log()
+    assert "redis_reached" not in node.log()  # a standalone client was reported reached as it was made
     c.close()
 
 

@@ -125,7 +125,10 @@ def test_meta_addr_is_an_alias_as_flag_and_as_environment_variable():
 
 
 @pytest.mark.parametrize("argv", [["--metaserver-addr", "ftp://m:1"], ["--metaserver-addr", "http://m"],
-                                  ["--nics", ","], ["--nics"]])
+                                  ["--nics", ","], ["--nics"],
+                                  # a node took these and retried publishing forever (the metaserver refused them)
+                                  ["--redis-url", "redis://:99999"], ["--redis-url", "redis://h:0/0"],
+                                  ["--redis-url", "unix://"], ["--redis-url", "redis://h:1/0?socket_timeout=abc"]])
 def test_bad_cluster_flags_exit_with_one_line(argv):
     p = forked.run([sys.executable, "-m", "pegaflow.node.cli", *argv])
     lines = p.stderr.strip().splitlines()
@@ -158,6 +161,8 @@ def test_redis_seeds_are_the_flag_repeated_or_comma_separated_in_order_each_once
     # redis-py's ValueErrors when it reads the URL were tracebacks
     (["--redis-url", "redis://127.0.0.1:99999/0"], "redis://127.0.0.1:99999/0"),
     (["--redis-url", "redis://127.0.0.1:1/0?socket_timeout=abc"], "socket_timeout"),
+    (["--redis-url", "redis://127.0.0.1:0/0"], "port must be in 1..65535"),  # redis-py: port 6379
+    (["--redis-url", "redis://127.0.0.1:1/0?no_such_option=1"], "no_such_option"),  # a TypeError at connect
 ])
 def test_seeds_that_one_client_cannot_share_are_refused_in_one_line(argv, needle):
     p = subprocess.run([sys.executable, "-m", "pegaflow.meta.cli", *argv], capture_output=True, text=True, timeout=60)
