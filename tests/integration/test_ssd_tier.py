@@ -352,6 +352,8 @@ def test_bad_ssd_configuration_is_rejected_in_one_line_and_nothing_is_overwritte
     _one_line_error(_node_cli(tmp_path, "--ssd-cache-path", "/proc/pegaflow-ssd.cache"), "/proc")
     _one_line_error(_node_cli(tmp_path, "--ssd-cache-path", str(tmp_path), "--ssd-cache-capacity", "900tb"),
                     "free")
+    _one_line_error(_node_cli(tmp_path, "--ssd-cache-path", str(tmp_path), "--ssd-cache-capacity", "1mb",
+                              "--ssd-cache-shards", "2000000"), "into 2000000 cache files", "leaves 0 bytes each")
     assert not (tmp_path / "pegaflow-ssd.cache").exists()
     foreign = tmp_path / "foreign.bin"
     foreign.write_bytes(b"my precious data" * 1000)

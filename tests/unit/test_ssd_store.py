@@ -18,7 +18,7 @@ from pegaflow.core.block_index import BlockIndex
 from pegaflow.node.metrics import NodeMetrics
 from pegaflow.node.pool import SharedPool
 from pegaflow.node.tiers.ssd import SsdError, SsdTier, open_cache, promote
-from pegaflow.node.tiers.ssd.files import CACHE_FILE_NAME, open_files
+from pegaflow.node.tiers.ssd.files import CACHE_FILE_NAME, MIN_SEGMENTS, check_paths, open_files
 from pegaflow.node.tiers.ssd.records import BLOCK, aligned_buffer, pack_header, record_bytes, unpack_header
 from pegaflow.node.tiers.ssd.store import SsdIndex
 from pegaflow.node.tiers.ssd.uring import uring_unavailable_reason
@@ -392,3 +392,18 @@ def test_completion_drain_yields_to_the_loop_and_keeps_call_order(tmp_path: Path
     order = asyncio.run(run())
     assert [x for x in order if x != "query"] == list(range(20))
     assert order.index("query") < 5, order
+
+
+def test_shards_that_leave_each_file_too_little_are_refused_before_any_path_is_built(tmp_path: Path) -> None:
+    """--ssd-cache-capacity 1mb --ssd-cache-shards 2000000 built and resolved two million
+    paths (53 s, 550 MB) before it said a file of 0 bytes is too small."""
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(SsdError, match="split into 2000000 cache files"):
+        check_paths([str(tmp_path)], 1 << 20, shards=2_000_000)
+    assert time.monotonic() - t0 < 1.0
+    least = BLOCK + MIN_SEGMENTS * 2 * BLOCK  # a superblock and the fewest segments of two blocks
+    assert check_paths([str(tmp_path)], 2 * least, shards=2).file_bytes == least
+    with pytest.raises(SsdError, match="leaves"):
+        check_paths([str(tmp_path)], 2 * least - 1, shards=2)

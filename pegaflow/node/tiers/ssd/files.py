@@ -72,11 +72,17 @@ def check_paths(paths: Iterable[str], capacity: int, shards: int = 1) -> Plan:
     paths = list(paths)
     if not paths:
         raise SsdError("no --ssd-cache-path given")
+    # The size of each file first: a huge --ssd-cache-shards leaves each file nothing, and the
+    # paths of two million shards took most of a minute and half a GB to build and resolve.
+    files = len(paths) * shards
+    per_file = capacity // files // BLOCK * BLOCK
+    if per_file < min_file_bytes():
+        raise SsdError(f"--ssd-cache-capacity of {capacity} bytes split into {files} cache files "
+                       f"(--ssd-cache-path x --ssd-cache-shards) leaves {per_file} bytes each; "
+                       f"a file needs >= {min_file_bytes()}")
     resolved = [f for p in paths for f in _shard_paths(_cache_file_path(p), shards)]
     if len({os.path.realpath(p) for p in resolved}) != len(resolved):
         raise SsdError("the same --ssd-cache-path is given twice")
-    per_file = capacity // len(resolved) // BLOCK * BLOCK
-    _geometry(per_file)
     existed: list[bool] = []
     dirs: list[str] = []
     need_by_dev: dict[int, int] = {}  # bytes still to allocate, per filesystem
@@ -127,12 +133,17 @@ def _parent(p: str) -> str:
     return os.path.dirname(os.path.abspath(p)) or "."
 
 
+def min_file_bytes() -> int:
+    """The smallest cache file the layout takes: a superblock and MIN_SEGMENTS of 2 blocks."""
+    return BLOCK + MIN_SEGMENTS * 2 * BLOCK
+
+
 def _geometry(file_bytes: int) -> tuple[int, int]:
     """(segment bytes, segment count) for a file of ``file_bytes``."""
     data = file_bytes - BLOCK
     seg = min(MAX_SEGMENT, data // MIN_SEGMENTS) // BLOCK * BLOCK
     if seg < 2 * BLOCK:
-        raise SsdError(f"SSD cache file of {file_bytes} bytes is too small (need >= {BLOCK + MIN_SEGMENTS * 2 * BLOCK})")
+        raise SsdError(f"SSD cache file of {file_bytes} bytes is too small (need >= {min_file_bytes()})")
     return seg, data // seg
 
 
