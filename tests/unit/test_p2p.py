@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import select
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -350,7 +352,7 @@ def test_pins_expire_without_unpin_and_unpin_their_blocks():
 
         async def run() -> None:
             a.table.loop = asyncio.get_running_loop()
-            resp = await a.service.PinForTransfer(peer_pb2.PinRequest(namespace=NS, hashes=hs, ttl_seconds=60), Ctx())
+            resp = await a.service.PinForTransfer(peer_pb2.PinRequest(namespace=NS, hashes=hs, ttl_seconds=60, transport="tcp"), Ctx())
             assert resp.count == 4 and 0 < resp.expires_in <= 0.2
             assert all(blk.pins == 1 for blk in a.index.resident(a.ns))
             assert a.index.lru_order() == []  # pinned: not evictable
@@ -374,7 +376,7 @@ def test_expired_pin_is_refused_on_the_data_port():
 
         async def run() -> RemotePages:
             a.table.loop = asyncio.get_running_loop()
-            r = await a.service.PinForTransfer(peer_pb2.PinRequest(namespace=NS, hashes=hs), Ctx())
+            r = await a.service.PinForTransfer(peer_pb2.PinRequest(namespace=NS, hashes=hs, transport="tcp"), Ctx())
             a.table.unpin(r.pin_id)
             return RemotePages("x", r.pin_id, r.page_bytes, tuple(r.offsets), tuple(r.checksums), r.data_addr)
 
@@ -536,7 +538,8 @@ def test_namespace_mismatch_between_nodes_pins_nothing():
 
         async def run() -> peer_pb2.PinResponse:
             a.table.loop = asyncio.get_running_loop()
-            return await a.service.PinForTransfer(peer_pb2.PinRequest(namespace="other", hashes=hashes("n", 2)), Ctx())
+            return await a.service.PinForTransfer(peer_pb2.PinRequest(namespace="other", hashes=hashes("n", 2), transport="tcp"),
+                                                       Ctx())
 
         resp = asyncio.run(run())
         assert resp.count == 0 and resp.pin_id == 0 and not a.table.pins
@@ -657,6 +660,8 @@ def test_a_published_node_hashes_each_committed_page_once_and_every_pull_reuses_
             assert await puller.query([b.ns], hs, 0)
             await settle(puller)
             await drained(a)
+            # an RDMA pin carries every checksum: a stand-in responder plays a node with --nics
+            a.service.rdma = SimpleNamespace(seen=lambda puller: None, base_addr=0, rkeys=[])
             pin = await a.service.PinForTransfer(peer_pb2.PinRequest(namespace=NS, hashes=hs, transport="rdma"), Ctx())
             a.table.unpin(pin.pin_id)
             # b's hasher has seen the pulled pages' inserts: its queue is empty and it pins nothing.
@@ -734,10 +739,19 @@ def test_a_pin_request_with_a_bad_batch_is_refused_and_pins_nothing():
                 await a.service.PinForTransfer(req, Ctx())
             return str(err.value)
 
-        short = asyncio.run(refused(peer_pb2.PinRequest(namespace=NS, hashes=[hs[0], b"short"])))
+        short = asyncio.run(refused(peer_pb2.PinRequest(namespace=NS, hashes=[hs[0], b"short"], transport="tcp")))
         assert short.startswith("INVALID_ARGUMENT") and "hash 1 has 5 bytes" in short
+        # the transport and the TTL were ignored: a pigeon pinned pages, nan pinned for the whole --pin-ttl
+        for transport in ("pigeon", "", "TCP"):
+            bad = asyncio.run(refused(peer_pb2.PinRequest(namespace=NS, hashes=hs, transport=transport)))
+            assert bad.startswith("INVALID_ARGUMENT") and f"unknown transport {transport!r}" in bad, bad
+        rdma = asyncio.run(refused(peer_pb2.PinRequest(namespace=NS, hashes=hs, transport="rdma")))
+        assert rdma.startswith("FAILED_PRECONDITION") and "without --nics" in rdma, rdma
+        for ttl in (-1.0, math.nan, math.inf, -math.inf):
+            bad = asyncio.run(refused(peer_pb2.PinRequest(namespace=NS, hashes=hs, transport="tcp", ttl_seconds=ttl)))
+            assert bad.startswith("INVALID_ARGUMENT") and "ttl_seconds" in bad, (ttl, bad)
         a.service.max_batch = 2
-        many = asyncio.run(refused(peer_pb2.PinRequest(namespace=NS, hashes=hs)))
+        many = asyncio.run(refused(peer_pb2.PinRequest(namespace=NS, hashes=hs, transport="tcp")))
         assert many.startswith("INVALID_ARGUMENT") and "exceeds --max-batch 2" in many
         assert not a.table.pins and all(blk.pins == 0 for blk in a.index.resident(a.ns))
     finally:

@@ -27,6 +27,7 @@ Contracts:
 from __future__ import annotations
 
 import asyncio
+import math
 import secrets
 import threading
 import time
@@ -234,6 +235,12 @@ class PeerService(peer_pb2_grpc.PegaPeerServicer):
     ) -> peer_pb2.PinResponse:
         hashes = list(request.hashes)
         check_hashes(hashes, self.max_batch, "--max-batch")
+        if request.transport not in (TCP, RDMA):
+            raise InvalidArgument(f"unknown transport {request.transport!r} (expected {TCP!r} or {RDMA!r})")
+        if request.transport == RDMA and self.rdma is None:
+            raise FailedPrecondition("this node runs without --nics (no RDMA)")
+        if not math.isfinite(request.ttl_seconds) or request.ttl_seconds < 0:
+            raise InvalidArgument(f"ttl_seconds must be a finite number >= 0 (0: --pin-ttl), got {request.ttl_seconds}")
         if self.rdma is not None and request.transport == RDMA:
             self.rdma.seen(request.puller)  # its QPs here stay open
         p = await self.table.pin_for_transfer(request.namespace, hashes, request.ttl_seconds, request.puller)
