@@ -368,8 +368,9 @@ class Option:
 
     @property
     def envs(self) -> tuple[str, ...]:
-        """The environment variables read, in order: the option's, then its aliases'."""
-        if self.env_var == NO_ENV:
+        """The environment variables read, in order: the option's, then its aliases'. None for a
+        positional argument: argparse wants it on the command line, before any variable applies."""
+        if self.env_var == NO_ENV or self.positional:
             return ()
         return (self.env, *(_env_name(a) for a in self.aliases))
 

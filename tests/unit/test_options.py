@@ -243,6 +243,24 @@ def test_an_empty_value_counts_as_not_given_for_every_option(command: str, subco
     assert checked == len([o for o in opts if not o.positional]) > 0
 
 
+@pytest.mark.parametrize("command, subcommand", _invocations())
+def test_help_names_only_the_variables_that_are_read(command: str, subcommand: str | None) -> None:
+    """``pegaflow replay --help`` said TRACE could be given as $PEGAFLOW_TRACE; it never was
+    read (a positional argument is required on the command line)."""
+    import re
+
+    from pegaflow.config.options import build_parser, options_for
+
+    parser = build_parser(command, command)
+    if subcommand:
+        parser = next(a for a in parser._actions if a.choices and subcommand in a.choices).choices[subcommand]  # noqa: SLF001
+    actions = {a.dest: a for a in parser._actions}  # noqa: SLF001
+    for o in options_for(command, subcommand):
+        named = re.findall(r"\$(PEGAFLOW_\w+)", actions[o.dest].help or "")
+        assert named == list(o.envs[:1]), (o.name, named)
+        assert not (o.positional and named), (o.name, named)  # fill_defaults never reads one
+
+
 def test_an_empty_flag_lets_the_environment_apply():
     o = load(NODE, "pegaflow-node", ["--pool-size="], env={"PEGAFLOW_POOL_SIZE": "2gb"})
     assert o.pool_size == 2 << 30
