@@ -36,6 +36,7 @@ from __future__ import annotations
 import grp
 import os
 import secrets
+import ssl
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -230,6 +231,31 @@ def _read(path: str, what: str) -> bytes:
     return data
 
 
+def _no_passphrase() -> bytes:
+    raise SecurityError("is encrypted (gRPC takes no passphrase)")
+
+
+def _check_pem(cert: str, key: str, ca: str) -> None:
+    """The TLS files as OpenSSL reads them (Python's ssl), so a file that is not PEM, or a key
+    that is not the certificate's, is named in one line at start; gRPC's C core said only
+    that it could not bind the port, after three lines of its own."""
+    for path, what in ((cert, "--tls-cert"), (ca, "the TLS CA file")):
+        if path:
+            try:
+                ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=path)
+            except ssl.SSLError as exc:
+                raise SecurityError(f"{what} {path} holds no PEM certificate ({exc.reason or exc})") from None
+    if cert:
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key, password=_no_passphrase)
+        except SecurityError as exc:
+            raise SecurityError(f"--tls-key {key} {exc}") from None
+        except ssl.SSLError as exc:
+            why = "is not the private key of --tls-cert" if exc.reason == "KEY_VALUES_MISMATCH" else \
+                "holds no PEM private key"
+            raise SecurityError(f"--tls-key {key} {why}") from None
+
+
 @dataclass(frozen=True)
 class Security:
     """A process's credentials: the token it requires and sends, and its TLS material."""
@@ -251,8 +277,10 @@ class Security:
         if bool(cert) != bool(key):
             raise SecurityError("--tls-cert and --tls-key go together")
         ca = ca or env.get(ENV_TLS_CA, "")
-        return cls(token, _read(cert, "--tls-cert") if cert else b"", _read(key, "--tls-key") if key else b"",
+        made = cls(token, _read(cert, "--tls-cert") if cert else b"", _read(key, "--tls-key") if key else b"",
                    _read(ca, "the TLS CA file") if ca else b"")
+        _check_pem(cert, key, ca)
+        return made
 
     @classmethod
     def from_options(cls, config: SecurityOptions, tls_ca: str = "") -> Security:

@@ -85,6 +85,14 @@ def _grpc_target(text: str) -> str:
     return _optional_host_port(text)
 
 
+def _node_target(text: str) -> str:
+    """``_grpc_target`` where a node must be named: 'off' is no address to show."""
+    target = _grpc_target(text)
+    if not target:
+        raise ValueError(f"invalid address {text!r} (expected HOST:PORT or http://HOST:PORT)")
+    return target
+
+
 @dataclass(frozen=True)
 class Bounded:
     """The parser of a number with a range: every bounded option's, so each says the same
@@ -1329,7 +1337,7 @@ OPTIONS: list[Option] = [
         metavar="KEY",
     ),
     # --- status: one screen of a node or the cluster (pegaflow/ops/status.py) ---------------
-    Option("addr", NODE_ADDR, "The node to show: its gRPC address (HOST:PORT).", _grpc_target,
+    Option("addr", NODE_ADDR, "The node to show: its gRPC address (HOST:PORT).", _node_target,
            commands=(STATUS,), metavar="HOST:PORT"),
     Option(
         "metaserver",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import sys
 from collections.abc import Sequence
 
@@ -41,15 +42,35 @@ def main(argv: Sequence[str] | None = None, prog: str = "pegaflow router") -> in
     except SecurityError as exc:
         sys.stderr.write(f"{prog}: error: {exc}\n")
         return 2
+    # Bound here, before the app starts: uvicorn binds after its startup, so a host that does not
+    # resolve or a port in use came after "router_started", as uvicorn's ERROR line and exit 3.
+    try:
+        sock = _listen(cfg.host, cfg.port)
+    except OSError as exc:
+        sys.stderr.write(f"{prog}: error: cannot listen on {cfg.host}:{cfg.port}: {exc.strerror or exc}\n")
+        return 1
     server = uvicorn.Server(uvicorn.Config(router.app(), host=cfg.host, port=cfg.port, log_level="warning",
                                            access_log=False, lifespan="on", timeout_graceful_shutdown=10))
     # uvicorn shuts down gracefully on SIGINT/SIGTERM and then raises the signal again to
     # whatever handler was there before it: make that a no-op, so a stop exits 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    server.run()
-    # uvicorn exits non-zero only through its own sys.exit (e.g. the port is taken).
+    server.run(sockets=[sock])
+    # uvicorn exits non-zero only through its own sys.exit (the app's startup failed).
     return 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The router's listening socket, bound as uvicorn binds it (IPv6 for a host with ':')."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
 
 
 def console() -> None:

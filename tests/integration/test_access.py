@@ -251,3 +251,36 @@ def test_a_cluster_with_a_token_and_tls_works_and_refuses_strangers(tmp_path, no
     finally:
         meta.terminate()
         meta.wait(15)
+
+
+def _cert(tmp: Path, name: str) -> tuple[Path, Path]:
+    cert, key = tmp / f"{name}.crt", tmp / f"{name}.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", f"/CN={name}",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True, timeout=60)
+    return cert, key
+
+
+def test_unusable_tls_files_are_named_in_one_line_at_start(tmp_path, node_factory):  # type: ignore[no-untyped-def]
+    """A file that is not PEM, or a key of another certificate, was reported as 'cannot listen
+    on HOST:PORT' after three lines of gRPC's C core."""
+    cert, key = _cert(tmp_path, "a")
+    _, other_key = _cert(tmp_path, "b")
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate\n")
+    cases = [((garbage, key), "--tls-cert", "holds no PEM certificate"),
+             ((cert, garbage), "--tls-key", "holds no PEM private key"),
+             ((cert, other_key), "--tls-key", "is not the private key of --tls-cert")]
+    for (c, k), flag, says in cases:
+        tls = ["--tls-cert", str(c), "--tls-key", str(k)]
+        node = subprocess.run(node_factory(extra=tls, start=False).argv(), capture_output=True, text=True, timeout=60)
+        meta = subprocess.run([sys.executable, "-m", "pegaflow.meta.cli", "--addr", f"127.0.0.1:{free_port()}",
+                               "--http-addr", "off", "--redis-url", "redis://127.0.0.1:1/0", *tls],
+                              capture_output=True, text=True, timeout=60)
+        for p, rc in ((node, 1), (meta, 2)):
+            lines = p.stderr.strip().splitlines()
+            assert p.returncode == rc and len(lines) == 1, p.stderr[-2000:]
+            assert f"{flag} {k if flag == '--tls-key' else c} {says}" in lines[0], lines[0]
+    status = subprocess.run([sys.executable, "-m", "pegaflow.cli", "status", "--addr", f"127.0.0.1:{free_port()}",
+                             "--tls-ca", str(garbage)], capture_output=True, text=True, timeout=60)
+    lines = status.stderr.strip().splitlines()
+    assert status.returncode != 0 and len(lines) == 1 and "the TLS CA file" in lines[0], status.stderr[-2000:]

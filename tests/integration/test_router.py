@@ -388,6 +388,24 @@ def test_bad_flags_exit_with_one_line(argv: list[str], needle: str) -> None:
     assert len(lines) == 1 and needle in lines[0], r.stderr
 
 
+@pytest.mark.parametrize("where", ["unresolvable", "taken"])
+def test_an_address_the_router_cannot_listen_on_is_one_line_before_it_starts(where: str) -> None:
+    """The router bound its port after its startup: a host that does not resolve logged
+    router_started, then uvicorn's ERROR, and exited 3."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        host, port = ("no-such-host.invalid", "8000") if where == "unresolvable" else \
+            ("127.0.0.1", str(taken.getsockname()[1]))
+        r = subprocess.run([sys.executable, "-m", "pegaflow.cli", "router", "--host", host, "--port", port,
+                            "--engine", "http://127.0.0.1:9", "--skip-tokenizer-init"],
+                           capture_output=True, text=True, timeout=60)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"pegaflow router: error: cannot listen on {host}:{port}: "), lines[0]
+    assert "router_started" not in r.stdout + r.stderr
+
+
 def test_no_engine_up_is_503_not_a_hang(logs: Path) -> None:
     dead = "http://127.0.0.1:9"  # discard port: refused
     router = RouterProc(logs, "--engine", dead, "--skip-tokenizer-init", name="router-none", wait=False)

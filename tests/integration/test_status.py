@@ -114,6 +114,15 @@ def test_unreachable_node_is_one_line() -> None:
     assert r.returncode == 1 and json.loads(r.stdout)["reachable"] is False
 
 
+@pytest.mark.parametrize("addr", ["off", "none"])
+def test_no_node_address_is_a_bad_flag(addr: str) -> None:
+    # was taken as no address: gRPC's core printed its own errors and status said "node  unreachable"
+    r = status("--addr", addr)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and f"--addr: invalid address {addr!r}" in lines[0], r.stderr
+    assert r.stdout == ""
+
+
 def test_token(node_factory) -> None:  # type: ignore[no-untyped-def]
     node = node_factory("4mb", env={"PEGAFLOW_AUTH_TOKEN": TOKEN})
     assert status_json("--addr", node.addr, env={"PEGAFLOW_AUTH_TOKEN": TOKEN})["reachable"]
