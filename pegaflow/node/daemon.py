@@ -60,7 +60,7 @@ from pegaflow.node.tiers.remote import wiring
 from pegaflow.node.tiers.remote.checksums import PageChecksums
 from pegaflow.node.tiers.remote.metrics import PeerMetrics
 from pegaflow.node.tiers.remote.rdma import RdmaUnavailable
-from pegaflow.node.tiers.ssd import SsdError, SsdTier, open_cache
+from pegaflow.node.tiers.ssd import SsdError, SsdFiles, SsdTier, open_cache
 from pegaflow.node.transports.unix_socket import LocalServer, LocalSocketError
 from pegaflow.policy.quota import Quotas
 from pegaflow.policy.tinylfu import TinyLFU
@@ -98,6 +98,16 @@ class Node:
             ssd_files = open_cache(SsdConfig.from_node(config))
         except SsdError as exc:
             raise StartupError(str(exc)) from None
+        self.ssd_files = ssd_files
+        try:
+            self._compose(config, ssd_files)
+        except BaseException:
+            if ssd_files is not None:  # a start that failed leaves no cache file it created
+                ssd_files.discard()
+            raise
+
+    def _compose(self, config: NodeConfig, ssd_files: SsdFiles | None) -> None:
+        """Every part but the SSD files, in dependency order (:meth:`__init__`)."""
         if config.metrics_otel_endpoint:
             try:  # before the pool is allocated: a missing extra is a one-line error
                 otel.check_available(config.metrics_otel_endpoint)
@@ -490,7 +500,12 @@ class Node:
         # checksums) runs below the loop that serves engines (pegaflow/common/priority.py).
         asyncio.get_running_loop().set_default_executor(
             ThreadPoolExecutor(thread_name_prefix="pf-executor", initializer=background_thread))
-        await self.start()
+        try:
+            await self.start()
+        except BaseException:
+            if self.ssd_files is not None:  # a start that failed leaves no cache file it created
+                self.ssd_files.discard()
+            raise
         assert self.server is not None
         frozen = freeze_startup_heap()
         log.debug("startup_heap_frozen", objects=frozen)

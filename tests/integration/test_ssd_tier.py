@@ -10,6 +10,7 @@ import math
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ import torch
 import xxhash
 
 from pegaflow.client import NodeError, PegaClient, QueryResult
+from pegaflow.node.tiers.ssd.files import open_files
 from pegaflow.node.tiers.ssd.records import BLOCK, SB_MAGIC, TOMBSTONE, record_bytes, unpack_header
 from tests.integration.redis_fixtures import redis_server  # noqa: F401
 from tests.waiting import wait_until
@@ -369,6 +371,33 @@ def test_bad_ssd_configuration_is_rejected_in_one_line_and_nothing_is_overwritte
     _one_line_error(_node_cli(tmp_path, "--ssd-cache-path", str(newer)), "newer")
     assert newer.read_bytes() == before
     assert os.path.getsize(newer) == len(before)
+
+
+def test_a_start_that_fails_after_the_ssd_files_leaves_none_it_created(tmp_path):
+    """The cache files are made (allocated in full) before the rest is checked: a start that
+    failed later (a flag conflict, a port in use) left them and their new directories."""
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    token.chmod(0o600)
+    existing = tmp_path / "existing.cache"
+    _one_line_error(_node_cli(tmp_path, "--ssd-cache-path", str(existing), "--ssd-cache-capacity", "16mb",
+                              "--no-auth", "--auth-token-file", str(token)), "--no-auth")
+    assert not existing.exists()
+    for f in open_files([str(existing)], 16 << 20):  # a cache of an earlier run: kept
+        os.close(f.fd)
+    new = str(tmp_path / "new" / "dir") + "/"
+    r = _node_cli(tmp_path, "--ssd-cache-path", new, str(existing), "--ssd-cache-capacity", "32mb",
+                  "--no-auth", "--auth-token-file", str(token))
+    _one_line_error(r, "--no-auth")
+    assert not (tmp_path / "new").exists() and existing.exists()
+    with socket.socket() as taken:  # failing in the async start: the gRPC port is taken
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        r = subprocess.run([sys.executable, "-m", "pegaflow.node.cli", "--addr", f"127.0.0.1:{taken.getsockname()[1]}",
+                            "--pool-size", "1mb", "--http-addr", "off", "--ssd-cache-path", new,
+                            "--ssd-cache-capacity", "16mb"], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1 and "cannot listen" in r.stderr.strip().splitlines()[-1], r.stderr[-2000:]
+    assert not (tmp_path / "new").exists()
 
 
 def test_reset_drops_a_namespace_from_dram_and_ssd_and_keeps_the_others(node_factory, tmp_path):

@@ -17,6 +17,7 @@ Contracts:
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import stat
@@ -225,19 +226,30 @@ def create_files(plan: Plan) -> list[CacheFile]:
                 raise SsdError(f"--ssd-cache-path: cannot create directory {d}: {exc.strerror}") from None
             made.append(d)
         for i, (p, existed) in enumerate(zip(plan.paths, plan.existed, strict=True)):
-            files.append(_open_file(i, p, existed, plan.file_bytes))
+            f = _open_file(i, p, existed, plan.file_bytes)
+            f.created = not existed
+            f.made_dirs = tuple(d for d in made if p.startswith(d + os.sep))
+            files.append(f)
     except BaseException:
-        for f, existed in zip(files, plan.existed, strict=False):
+        for f in files:
             os.close(f.fd)
-            if not existed:  # created, locked and formatted by this call: ours to remove
-                os.unlink(f.path)
-        for d in reversed(made):
-            try:
-                os.rmdir(d)
-            except OSError:
-                pass  # something else was put in it meanwhile: leave it
+        discard_created(files, made)
         raise
     return files
+
+
+def discard_created(files: Iterable[CacheFile], dirs: Iterable[str] = ()) -> None:
+    """Remove the cache files a start created and the directories it made for them (and
+    ``dirs``): what a start that failed leaves (each file is allocated in full). Files that
+    were there before are kept; a directory something else was put in is kept."""
+    files = list(files)
+    for f in files:
+        if f.created:  # created, locked and formatted by this start: ours to remove
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f.path)
+    for d in sorted({*dirs, *(d for f in files for d in f.made_dirs)}, key=len, reverse=True):
+        with contextlib.suppress(OSError):  # not empty: something else was put in it meanwhile
+            os.rmdir(d)
 
 
 def _open_file(i: int, p: str, existed: bool, file_bytes: int) -> CacheFile:

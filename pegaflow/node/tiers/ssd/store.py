@@ -71,6 +71,8 @@ class CacheFile:
     segments: list[Segment]
     cursor: int = -1  # index of the open segment (-1: none yet)
     bytes_written: int = 0
+    created: bool = False  # made by this start (not there before): a start that fails removes it
+    made_dirs: tuple[str, ...] = ()  # directories this start made for it, outermost first
 
 
 # ---- the index ------------------------------------------------------------------------

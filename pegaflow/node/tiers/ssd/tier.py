@@ -28,7 +28,7 @@ from pegaflow.core.tiers import Tier
 from pegaflow.node.block_events import TierListener
 from pegaflow.node.idle import DataPathIdle
 from pegaflow.node.metrics import NodeMetrics, value_of
-from pegaflow.node.tiers.ssd.files import SsdError, open_files
+from pegaflow.node.tiers.ssd.files import SsdError, discard_created, open_files
 from pegaflow.node.tiers.ssd.gate import IoGate
 from pegaflow.node.tiers.ssd.metrics import SsdMetrics, SsdStats
 from pegaflow.node.tiers.ssd.parts import KnownChecksums
@@ -52,6 +52,10 @@ class SsdFiles:
 
     config: SsdConfig
     files: tuple[CacheFile, ...]
+
+    def discard(self) -> None:
+        """Remove the files and directories this start created: the start failed."""
+        discard_created(self.files)
 
 
 def open_cache(config: SsdConfig) -> SsdFiles | None:
