@@ -436,7 +436,7 @@ class EventPublisher:
                 got = p.execute()
                 if last is not None:
                     if not got[0]:
-                        raise self._lost(last)
+                        self._lost(last)
                     got = got[1:]
                 return got
 
@@ -461,12 +461,19 @@ class EventPublisher:
             return False
         last = self._last_id
         if last is not None and not self._retrying()(self.r.xrange, self.stream, last, last):
-            raise self._lost(last)
+            self._lost(last)
         return True
 
-    def _lost(self, last: bytes) -> StreamLost:
-        return StreamLost(f"{self.stream} no longer holds its last entry {last.decode()}: Redis lost "
-                          "writes it had acknowledged (restarted from an older save, failed over)")
+    def _lost(self, last: bytes) -> None:
+        """The stream no longer holds this node's last entry: another live node that took its
+        name trimmed it at its own start (then a re-registration finds it: one error naming
+        the conflict), else Redis lost acknowledged writes (raises :class:`StreamLost`)."""
+        if self._retrying()(registry.rival, self.r, self.node, self.nid, self.addr) is not None:
+            with self._lock:
+                self._need = Resync.START
+            return
+        raise StreamLost(f"{self.stream} no longer holds its last entry {last.decode()}: Redis lost "
+                         "writes it had acknowledged (restarted from an older save, failed over)")
 
     def _leave(self) -> None:
         """After the last flush: hide this node now (``registry.leave``), not after its TTL."""

@@ -146,3 +146,28 @@ def test_two_nodes_given_one_node_id_do_not_knock_each_other_out(tmp_path: Path)
         a.pub.stop()
         b.pub.stop()
         srv.stop()
+
+
+def test_a_node_whose_name_another_took_reports_the_conflict_not_a_redis_loss(tmp_path: Path) -> None:
+    """The other node's start trims the shared stream at its RESET, which takes this node's
+    last entry: its next flush (long before its heartbeat) found the entry gone and reported
+    Redis losing acknowledged writes, pointing the operator at Redis instead of the id."""
+    srv = start_server(tmp_path / "redis")
+    a = Node(srv, "dup", "10.0.0.1:50055", ttl_seconds=30)
+    b = Node(srv, "dup", "10.0.0.2:50055", ttl_seconds=30)
+    try:
+        with capture_logs() as logs:
+            a.insert(0, 10)
+            a.pub.start(wait=5)
+            b.insert(100, 110)
+            b.pub.start(wait=5)
+            a.insert(10, 20)  # flushed at once: its round trip finds its last entry trimmed
+            wait_until(lambda: any(e["log_level"] == "error" for e in logs), 10, "the conflict reported")
+        assert a.pub.stats.errors == 0, logs
+        assert not [e for e in logs if e["log_level"] == "warning"], logs
+        (error,) = [e for e in logs if e["log_level"] == "error"]
+        assert error["other_addr"] == "10.0.0.2:50055"
+    finally:
+        a.pub.stop()
+        b.pub.stop()
+        srv.stop()
