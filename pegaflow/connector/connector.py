@@ -471,8 +471,11 @@ class PegaPromMetrics(KVConnectorPromMetrics):
             key: cast("Counter", self._counter_cls(name=name, documentation=doc, labelnames=labelnames))
             for key, (name, doc) in {**_PROM_COUNTERS, **_PROM_ORIGINAL_COUNTERS}.items()
         }
+        # "mostrecent", as vLLM's own gauges: with several API servers (PROMETHEUS_MULTIPROC_DIR)
+        # the default ("all") keeps a series per process, dead ones' included.
+        gauge_cls = cast("type[Gauge]", self._gauge_cls)
         self._gauges: dict[str, Gauge] = {
-            key: cast("Gauge", self._gauge_cls(name=name, documentation=doc, labelnames=labelnames))
+            key: gauge_cls(name=name, documentation=doc, labelnames=labelnames, multiprocess_mode="mostrecent")
             for key, (name, doc) in _PROM_GAUGES.items()
         }
         histogram_cls = cast("type[Histogram]", self._histogram_cls)

@@ -218,7 +218,8 @@ class WorkerSide:
         self._save_s: list[float] = []
         self._load_s: list[float] = []
         # (step, is a save, issued at, its blocks)
-        self._timing: list[tuple[int, bool, float, int]] = []
+        # Issued batches until their step is done: (step, is save, issued at, blocks, a save's reservations)
+        self._timing: list[tuple[int, bool, float, int, frozenset[int]]] = []
         self._load_failures = 0
 
     def _warn_once(self, key: str, msg: str, *args: object) -> None:
@@ -459,7 +460,7 @@ class WorkerSide:
                 self._count("load_failure", 1)
                 continue
             if self._async:  # queued, not done: timed until report() finds its step done
-                self._timing.append((meta.step, False, t0, len(block_ids)))
+                self._timing.append((meta.step, False, t0, len(block_ids), frozenset()))
             else:
                 took = time.perf_counter() - t0
                 self._count("load_s", took)
@@ -602,7 +603,7 @@ class WorkerSide:
                 self._count("save_failure", 1)
                 continue
             if self._async:
-                self._timing.append((meta.step, True, t0, len(block_ids)))
+                self._timing.append((meta.step, True, t0, len(block_ids), frozenset(s.reservation_id for s in batch)))
                 self._saving.setdefault(meta.step, set()).update(owner[id(s)] for s in batch)
             else:
                 took = time.perf_counter() - t0
@@ -673,17 +674,19 @@ class WorkerSide:
         lost, self._lost = frozenset(self._lost), set()
         return PegaWorkerReport(done_through=done_through, failed_reservations=failed,
                                 lost_steps=lost, disabled=self.disabled is not None,
-                                copies=self._take_copies(done_through))
+                                copies=self._take_copies(done_through, failed))
 
-    def _take_copies(self, done_through: int) -> CopyTimes:
+    def _take_copies(self, done_through: int, failed: frozenset[int] = frozenset()) -> CopyTimes:
         """The copy times to report: the synchronous batches', and those of issued batches
-        whose step is done (``done_through``), timed until now."""
+        whose step is done (``done_through``), timed until now; a save batch whose copy into
+        the pool failed (its reservations in ``failed``) counted its failure already."""
         if self._timing:
             now = time.perf_counter()
-            for step, is_save, t0, blocks in self._timing:
+            for step, is_save, t0, blocks, rids in self._timing:
                 if step <= done_through:
                     (self._save_s if is_save else self._load_s).append(now - t0)
-                    self._done("save" if is_save else "load", now - t0, blocks)
+                    if not rids & failed:
+                        self._done("save" if is_save else "load", now - t0, blocks)
             self._timing = [t for t in self._timing if t[0] > done_through]
         for step in [s for s in self._saving if s <= done_through]:
             del self._saving[step]

@@ -517,6 +517,9 @@ def test_a_save_whose_bounce_copy_failed_is_aborted_not_committed() -> None:
     eng.run(prompt(12))
     wait_until(lambda: empty_step(eng) and node.calls["abort"] >= 1, timeout=10, what="the failed save is aborted")
     assert node.calls["commit"] == 0 and not node.stored
+    # The original's series: that batch is a failure only, not a success too.
+    stats = eng.workers[0].take_stats()
+    assert stats.get("save_failure", 0) >= 1 and stats.get("save_success", 0) == 0, stats
     runtime.gate.set()
 
 
