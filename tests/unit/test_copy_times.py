@@ -46,7 +46,7 @@ def test_no_call_is_added_for_the_report() -> None:
     # The same traffic with reports that carry nothing: the calls are the same ones.
     orig = worker_mod.WorkerSide._take_copies  # noqa: SLF001
     try:
-        worker_mod.WorkerSide._take_copies = lambda self, done_through: NO_COPIES  # type: ignore[method-assign]  # noqa: SLF001
+        worker_mod.WorkerSide._take_copies = lambda self, done_through, failed=frozenset(): NO_COPIES  # type: ignore[method-assign]  # noqa: SLF001
         Engine(b, identity()).run(prompt(2))
         Engine(b, identity()).run(prompt(2))
     finally:
