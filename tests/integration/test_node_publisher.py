@@ -108,6 +108,14 @@ def test_updates_lost_while_redis_is_down_are_counted_as_dropped(tmp_path: Path)
         srv.stop()
 
 
+def start_one_after_the_other(a: Node, b: Node) -> None:
+    """Two nodes given one id: ``a`` registers and publishes first, then ``b`` takes the name."""
+    a.insert(0, 10)
+    a.pub.start(wait=5)
+    b.insert(100, 110)
+    b.pub.start(wait=5)
+
+
 def test_two_nodes_given_one_node_id_do_not_knock_each_other_out(tmp_path: Path) -> None:
     """The node that registered last keeps the name; the other logs one error naming both
     addresses, sets its conflict gauge and publishes nothing until the first one is gone,
@@ -119,10 +127,7 @@ def test_two_nodes_given_one_node_id_do_not_knock_each_other_out(tmp_path: Path)
     conflict = "pegaflow_node_events_node_id_conflict"
     try:
         with capture_logs() as logs:
-            a.insert(0, 10)
-            a.pub.start(wait=5)
-            b.insert(100, 110)
-            b.pub.start(wait=5)
+            start_one_after_the_other(a, b)
             stamps: set[bytes] = set()
 
             def heartbeats() -> bool:
@@ -157,10 +162,7 @@ def test_a_node_whose_name_another_took_reports_the_conflict_not_a_redis_loss(tm
     b = Node(srv, "dup", "10.0.0.2:50055", ttl_seconds=30)
     try:
         with capture_logs() as logs:
-            a.insert(0, 10)
-            a.pub.start(wait=5)
-            b.insert(100, 110)
-            b.pub.start(wait=5)
+            start_one_after_the_other(a, b)
             a.insert(10, 20)  # flushed at once: its round trip finds its last entry trimmed
             wait_until(lambda: any(e["log_level"] == "error" for e in logs), 10, "the conflict reported")
         assert a.pub.stats.errors == 0, logs
