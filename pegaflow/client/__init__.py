@@ -2,6 +2,7 @@
 
 from pegaflow.client.client import (
     BlockEvents,
+    ClientClosed,
     CopyTimes,
     NodeError,
     NodeUnavailable,
@@ -15,6 +16,7 @@ from pegaflow.client.pages import load_pages, page_bytes, save_pages
 
 __all__ = [
     "BlockEvents",
+    "ClientClosed",
     "CopyTimes",
     "NodeError",
     "NodeUnavailable",

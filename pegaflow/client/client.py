@@ -17,6 +17,7 @@ Contracts:
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import mmap
 import os
@@ -63,6 +64,10 @@ Resp = TypeVar("Resp", bound=Message)  # an RPC's response message
 
 class NodeUnavailable(Exception):
     """The node is down or unreachable (or restarted in the middle of an operation)."""
+
+
+class ClientClosed(RuntimeError):
+    """A call on a :class:`PegaClient` after its ``close()``: a bug in the caller."""
 
 
 class NodeError(Exception):
@@ -342,6 +347,7 @@ class _Bound:
     stub: node_pb2_grpc.PegaNodeStub
     local: _LocalLink | None
     pool: torch.Tensor | None
+    channel: grpc.Channel | None = None  # ``stub``'s: held by each call made on it (``_holding``)
 
 
 class PegaClient:
@@ -370,6 +376,13 @@ class PegaClient:
         self.pci_bus_id = ""
         self.timeout = timeout
         self._channel: grpc.Channel | None = None
+        # A channel is closed only when no call is on it: grpcio crashes the process (SIGSEGV)
+        # on a call made on a closed channel with interceptors, which a thread could do with a
+        # registration taken just before another thread reconnected or closed the client.
+        self._uses_lock = threading.Lock()
+        self._uses: dict[grpc.Channel, int] = {}  # calls on each channel now
+        self._retired: set[grpc.Channel] = set()  # replaced, closed when their last call ends
+        self._shut: weakref.WeakSet[grpc.Channel] = weakref.WeakSet()  # closed: never called again
         self._connect()
         self._lock = threading.RLock()
         self._namespaces: dict[str, int] = {}
@@ -388,7 +401,7 @@ class PegaClient:
         its peer go away sits in gRPC's reconnect backoff (seconds), and a restarted node
         should be used as soon as it listens."""
         if self._channel is not None:
-            self._channel.close()
+            self._retire(self._channel)
         self._channel = sync_channel(self.addr, self.security, options=[
             ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE),
             ("grpc.max_send_message_length", GRPC_MAX_MESSAGE),
@@ -399,6 +412,50 @@ class PegaClient:
         ])
         self._stub = node_pb2_grpc.PegaNodeStub(self._channel)
         self._unreachable = False
+
+    def _retire(self, channel: grpc.Channel) -> None:
+        """Close ``channel`` now if no call is on it, else when its last call ends."""
+        with self._uses_lock:
+            if self._uses.get(channel):
+                self._retired.add(channel)
+                return
+            self._shut.add(channel)
+        channel.close()
+
+    @contextlib.contextmanager
+    def _holding(self, channel: grpc.Channel | None) -> Iterator[None]:
+        """A call on ``channel``: it stays open until the call ends."""
+        if channel is None:
+            yield
+            return
+        self._hold(channel)
+        try:
+            yield
+        finally:
+            self._release(channel)
+
+    def _hold(self, channel: grpc.Channel) -> None:
+        with self._uses_lock:
+            if channel in self._shut:  # replaced (the node was unreachable) or the client closed
+                raise NodeUnavailable(f"node {self.addr}: the connection was replaced or closed; call again")
+            self._uses[channel] = self._uses.get(channel, 0) + 1
+
+    def _release(self, channel: grpc.Channel) -> None:
+        with self._uses_lock:
+            n = self._uses.pop(channel) - 1
+            if n:
+                self._uses[channel] = n
+                return
+            if channel not in self._retired:
+                return
+            self._retired.discard(channel)
+            self._shut.add(channel)
+        channel.close()
+
+    def _check_open(self) -> None:
+        """Raise :class:`ClientClosed` once :meth:`close` was called (under ``_lock``)."""
+        if self._closed:
+            raise ClientClosed(f"this PegaClient of node {self.addr} is closed")
 
     # ---- session ----------------------------------------------------------------------
     def register(self, namespaces: Mapping[str, int]) -> None:
@@ -446,7 +503,7 @@ class PegaClient:
         self._session_id = resp.session_id
         self.epoch = resp.epoch
         self.node_id = resp.node_id
-        self._bound = _Bound(resp.session_id, resp.epoch, self._stub, local, self._pool_or_none())
+        self._bound = _Bound(resp.session_id, resp.epoch, self._stub, local, self._pool_or_none(), self._channel)
         if self._stream is not None:
             self._stream.cancel()
         self._stream = self._stub.Session(node_pb2.SessionRequest(session_id=resp.session_id))
@@ -501,6 +558,7 @@ class PegaClient:
 
     def _ensure_session(self) -> _Bound:
         with self._lock:
+            self._check_open()
             if self._unreachable:
                 self._connect()
             if not self._session_id:
@@ -539,10 +597,11 @@ class PegaClient:
             code = _STATUS_CODES.get(status, grpc.StatusCode.UNKNOWN)
             details = body.decode(errors="replace")
         else:
-            stub = b.stub if b is not None else self._stub
+            stub, channel = (b.stub, b.channel) if b is not None else (self._stub, self._channel)
             try:
-                # The generated stub is untyped: its method answers ``reply``.
-                return cast(Resp, getattr(stub, method)(request, timeout=self.timeout))
+                with self._holding(channel):
+                    # The generated stub is untyped: its method answers ``reply``.
+                    return cast(Resp, getattr(stub, method)(request, timeout=self.timeout))
             except grpc.RpcError as exc:
                 code, details = exc.code(), str(exc.details())
         if code in _UNREACHABLE:
@@ -634,8 +693,8 @@ class PegaClient:
         """Fire an RPC whose answer the caller does not need; failures are logged (by the
         node, for the local socket), and a lost session is noticed by the next synchronous call."""
         with self._lock:
-            if not self._session_id or self._bound is None:
-                return  # session gone: the node already dropped what this would commit/release
+            if self._closed or not self._session_id or self._bound is None:
+                return  # session gone (or closed): the node drops what this would commit/release
             b = self._bound
         request = make_request(b.session_id)
         if b.local is not None:
@@ -644,11 +703,19 @@ class PegaClient:
             except OSError as exc:
                 log.warning("async_rpc_failed", method=method, error=str(exc))
             return
+        held = b.channel
+        if held is not None:
+            try:
+                self._hold(held)  # released by done() below
+            except NodeUnavailable:
+                return  # replaced: the node restarted or went away meanwhile
         fut = getattr(b.stub, method).future(request, timeout=self.timeout)
         with self._lock:
             self._pending.add(fut)
 
         def done(f: grpc.Future[Message]) -> None:
+            if held is not None:
+                self._release(held)
             with self._lock:
                 self._pending.discard(f)
             exc = f.exception()
@@ -660,12 +727,14 @@ class PegaClient:
 
     def health(self) -> node_pb2.HealthResponse:
         with self._lock:
+            self._check_open()
             if self._unreachable:
                 self._connect()
             return self._call("Health", node_pb2.HealthRequest(), node_pb2.HealthResponse, None)
 
     def stats(self) -> node_pb2.StatsResponse:
         with self._lock:
+            self._check_open()
             if self._unreachable:
                 self._connect()
             return self._call("Stats", node_pb2.StatsRequest(), node_pb2.StatsResponse, None)
@@ -691,7 +760,7 @@ class PegaClient:
             if self._stream is not None:
                 self._stream.cancel()
             if self._channel is not None:
-                self._channel.close()
+                self._retire(self._channel)
             # The pool mapping goes with the last view of it: at once when the caller holds
             # none. It cannot be unmapped under views callers still hold (results' ``.pool``,
             # tensors sliced from ``client.pool``: unmapping would make them fault), so those

@@ -8,6 +8,7 @@ import signal
 import socket
 import stat
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -19,6 +20,8 @@ from pegaflow._proto import node_pb2, node_pb2_grpc
 from pegaflow.client import NodeError, NodeUnavailable, PegaClient
 from pegaflow.common.local_wire import HELLO, METHOD_IDS, NO_REPLY, REPLY_HEADER, REQUEST_HEADER
 from pegaflow.common.security import Security, sync_channel, token_for_socket
+from tests.harness.procs import python_env
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -400,3 +403,39 @@ def test_frames_sent_back_to_back_in_one_write_are_answered_in_order(raw):
     assert [code for code, _ in replies] == [grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OK]
     assert [node_pb2.QueryResponse.FromString(replies[i][1]).hit_blocks for i in (0, 2)] == [2, 0]
     assert_unchanged(stub, sid)
+
+
+REPLACED_AND_CLOSED = r"""
+import sys
+from pegaflow._proto import node_pb2
+from pegaflow.client import ClientClosed, NodeUnavailable, PegaClient
+c = PegaClient(sys.argv[1], timeout=5)
+c.register({"m": 4096})
+b = c._ensure_session()  # one thread's registration, taken just before...
+c._lost(b, unreachable=True)  # ...another thread found the node unreachable
+c._ensure_session()  # and connected again: the channel b's stub is on is replaced
+query = node_pb2.QueryRequest(session_id=b.session_id, namespaces=["m"], hashes=[bytes(16)])
+try:
+    c._call("Query", query, node_pb2.QueryResponse, b)
+except NodeUnavailable as exc:
+    print("replaced:", type(exc).__name__, flush=True)
+c.close()
+c.close()
+for name, call in (("stats", c.stats), ("health", c.health), ("query", lambda: c.query(["m"], [bytes(16)]))):
+    try:
+        call()
+    except ClientClosed:
+        print("closed:", name, flush=True)
+"""
+
+
+def test_a_call_on_a_replaced_or_closed_connection_is_a_typed_error_not_a_crash(node_factory):
+    """grpcio crashes the process (SIGSEGV) on a call on a closed channel with interceptors:
+    a thread whose registration was taken before another thread reconnected did that, and so
+    did any call after close(); a closed client also came back to life at its next call."""
+    node = node_factory(extra=["--local-socket", "off"])
+    r = subprocess.run([sys.executable, "-c", REPLACED_AND_CLOSED, node.addr], capture_output=True, text=True,
+                       timeout=60, env=python_env())
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert r.stdout.splitlines() == ["replaced: NodeUnavailable", "closed: stats", "closed: health", "closed: query"]
+    wait_until(lambda: node.stats().sessions == 0, 10, "the closed client's session gone")
