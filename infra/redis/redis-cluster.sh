@@ -14,6 +14,7 @@ cmd="${1:-}"; dir="${2:-}"; base="${3:-7000}"
 if [[ -z "$cmd" || -z "$dir" ]]; then
   echo "usage: $0 start|stop|status DATA_DIR [BASE_PORT]" >&2; exit 2
 fi
+dir="$(realpath -m "$dir")"  # redis-server enters --dir before it opens its log and pidfile
 ports=(); for i in 0 1 2 3 4 5; do ports+=($((base + i))); done
 pidfile() { echo "$dir/node-$1/redis.pid"; }
 # A process that exited is gone, though as a zombie it answers kill -0 until its parent reaps it

@@ -5,7 +5,8 @@
 #   redis-standalone.sh stop   DATA_DIR [PORT=6379]
 #   redis-standalone.sh status DATA_DIR [PORT=6379]
 #
-# start waits until the server answers PING; it is a no-op when the server already runs.
+# start waits until the server it started answers PING (a port another server holds fails);
+# it is a no-op when the server already runs. DATA_DIR may be relative.
 # stop is idempotent: it succeeds when nothing runs. --aof turns on the append-only file
 # (appendfsync everysec) for durability tests; without it nothing is persisted.
 set -euo pipefail
@@ -14,6 +15,7 @@ cmd="${1:-}"; dir="${2:-}"; port="${3:-6379}"; aof="${4:-}"
 if [[ -z "$cmd" || -z "$dir" ]]; then
   echo "usage: $0 start|stop|status DATA_DIR [PORT] [--aof]" >&2; exit 2
 fi
+dir="$(realpath -m "$dir")"  # redis-server enters --dir before it opens its log and pidfile
 pidfile="$dir/redis-$port.pid"
 # A process that exited is gone, though as a zombie it answers kill -0 until its parent reaps it
 # (redis-server daemonizes: its parent is init, which may reap it seconds later).
@@ -29,7 +31,8 @@ case "$cmd" in
     redis-server "$HERE/standalone.conf" --port "$port" --dir "$dir" \
       --pidfile "$pidfile" --logfile "$dir/redis-$port.log" "${extra[@]}"
     for _ in $(seq 1 200); do
-      if [[ "$(redis-cli -p "$port" ping 2>/dev/null)" == "PONG" ]]; then
+      # Ours answering: another server on the port also answers PING (ours then exits at once).
+      if alive && [[ "$(redis-cli -p "$port" ping 2>/dev/null)" == "PONG" ]]; then
         echo "redis running on 127.0.0.1:$port (dir $dir)"; exit 0
       fi
       sleep 0.05

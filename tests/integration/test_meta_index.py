@@ -27,6 +27,7 @@ from pegaflow.meta.index import Index
 from pegaflow.meta.lookup import Lookup
 from pegaflow.node.publishing import EventPublisher
 from tests.harness.meta import MetaServer
+from tests.harness.ports import free_port
 from tests.harness.procs import python_env
 from tests.harness.redis import INFRA, RedisServer, start_server
 from tests.integration import redis_fixtures
@@ -455,6 +456,24 @@ def test_infra_scripts_stop_is_idempotent(tmp_path: Path) -> None:
         text=True,
     )
     assert out.returncode == 1 and "stopped" in out.stdout
+
+
+def test_infra_script_takes_a_relative_dir_and_fails_on_a_port_another_server_holds(tmp_path: Path) -> None:
+    """A relative DATA_DIR failed (redis-server enters it before opening its log), and a port
+    another Redis held was reported started: that other server answered the PING."""
+    srv = start_server(tmp_path / "held")
+    script = str(INFRA / "redis-standalone.sh")
+    try:
+        out = subprocess.run([script, "start", "again", str(srv.port)], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 1 and "did not start" in out.stderr, (out.stdout, out.stderr)
+        port = free_port()
+        out = subprocess.run([script, "start", "rel", str(port)], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0 and (tmp_path / "rel" / f"redis-{port}.pid").exists(), out.stderr
+        subprocess.run([script, "stop", "rel", str(port)], cwd=tmp_path, check=True, timeout=60)
+    finally:
+        srv.stop()
 
 
 def test_sweeper_sweeps_a_retired_nid_once_then_again_when_forgetting_it(
