@@ -72,9 +72,11 @@ def _parse_tokens(text: str) -> list[int]:
             values = json.loads(text)
         else:
             values = [int(t) for t in re.split(r"[\s,]+", text) if t]
-        tokens = [int(v) for v in values]
-    except (ValueError, TypeError) as exc:
+    except ValueError as exc:
         raise CacheError(f"token ids must be integers: {exc}") from None
+    if not isinstance(values, list) or any(type(v) is not int for v in values):  # 1.9, "5", 1e400: not token ids
+        raise CacheError("token ids must be integers (a JSON list of integers, or integers separated by spaces or commas)")
+    tokens: list[int] = values
     if any(not 0 <= t < 2**32 for t in tokens):
         raise CacheError("token ids must be in 0..2^32-1")
     return tokens
@@ -106,6 +108,8 @@ def hashes_for(cfg: CacheConfig) -> list[bytes]:
     bs = block_size_of(root, cfg.block_size)
     if len(tokens) < bs:
         raise CacheError(f"{len(tokens)} tokens make no full block of {bs}: nothing is stored for them")
+    if cfg.lora_path and not cfg.lora_name:  # the path enters the hash beside the adapter's name only
+        raise CacheError("--lora-path needs --lora-name (the adapter's name as the engine serves it)")
     extra = ExtraKeys(lora_name=cfg.lora_name or None, lora_path=cfg.lora_path or None,
                       cache_salt=cfg.cache_salt or None)
     return block_hashes(xxhash.xxh3_128_digest(root.encode()), tokens, bs, extra)

@@ -339,6 +339,12 @@ def test_bad_input_is_one_line_and_invalid_argument(node, tmp_path):
                            (("inspect", "-n", NS, "--tokens", "1,2"), "no full block"),
                            (("inspect", "-n", NS, "--tokens", "1,x"), "integers"),
                            (("inspect", "-n", NS, "--tokens-file", str(binary)), "is not text"),
+                           # An OverflowError traceback; a float or a string was cut to an int silently.
+                           (("inspect", "-n", NS, "--tokens", "[1e400,2,3,4]"), "integers"),
+                           (("inspect", "-n", NS, "--tokens", "[1.9,2,3,4]"), "integers"),
+                           (("inspect", "-n", NS, "--tokens", '["5",2,3,4]'), "integers"),
+                           # Alone, the path was ignored: the answer was the base model's blocks.
+                           (("inspect", "-n", NS, "--tokens", "1,2,3,4", "--lora-path", "/p/ad"), "--lora-name"),
                            (("pin", "-n", NS, "--tokens", "1,2,3,4", "--block-size", "8"), "contradicts"),
                            (("clear",), "required")):
             p = cache(node, *args)
