@@ -21,6 +21,8 @@ def generate_stubs() -> None:
     from grpc_tools import protoc  # build-system requirement
 
     protos = sorted(glob.glob(os.path.join(HERE, "proto", "*.proto")))
+    if not protos:  # a source tree without proto/ would build a package whose every command fails
+        raise RuntimeError(f"no .proto files in {os.path.join(HERE, 'proto')}: cannot build the gRPC stubs")
     out = os.path.join(HERE, "pegaflow", "_proto")
     os.makedirs(out, exist_ok=True)
     include = os.path.join(os.path.dirname(grpc_tools.__file__), "_proto")
