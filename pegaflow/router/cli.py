@@ -33,9 +33,13 @@ def main(argv: Sequence[str] | None = None, prog: str = "pegaflow router") -> in
         return 2
     configure_logging(cfg.log_level, cfg.log_format)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request to an engine otherwise
-    import uvicorn  # imported here: `pegaflow router --help` stays instant
+    try:  # imported here: `pegaflow router --help` stays instant
+        import uvicorn
 
-    from pegaflow.router.app import Router
+        from pegaflow.router.app import Router
+    except ImportError as exc:  # the router extra (fastapi, httpx, uvicorn) is not installed
+        sys.stderr.write(f"{prog}: error: the router needs the router extra (pip install 'pegaflow[router]'): {exc}\n")
+        return 2
 
     try:
         router = Router(cfg)

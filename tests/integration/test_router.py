@@ -438,3 +438,16 @@ def test_a_router_still_loading_its_tokenizer_stops_at_once(
                "the router to start loading its tokenizer")
     router.proc.terminate()
     assert router.proc.wait(timeout=5) == 0, router.log.read_text()[-2000:]
+
+
+def test_without_the_router_extra_the_command_is_one_line(tmp_path: Path) -> None:
+    """httpx (or fastapi, uvicorn) missing was a ModuleNotFoundError traceback."""
+    shadow = tmp_path / "shadow" / "httpx"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('No module named httpx (test shadow)')\n")
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-m", "pegaflow.cli", "router", "--engine", "http://127.0.0.1:9"],
+                       env={"PYTHONPATH": f"{shadow.parent}:{root}", "PATH": "/usr/bin:/bin"}, capture_output=True,
+                       text=True, timeout=60)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "pegaflow[router]" in lines[0], r.stderr[-2000:]
