@@ -202,6 +202,7 @@ class Node:
             remote=self.p2p.puller if self.p2p is not None else None,
             pool_prefaulted=lambda: self.faulted,
             block_events=self.block_events,
+            peer_stats=self.p2p.metrics.stats if self.p2p is not None else None,
         )
         m = self.metrics
         m.pool_capacity.set(self.index.alloc.capacity)

@@ -18,6 +18,7 @@ import pytest
 from pegaflow.client import PegaClient
 from tests.harness import forked
 from tests.harness.ports import free_port
+from tests.integration import redis_fixtures
 from tests.integration.test_ssd_tier import (
     NS,
     PAGE,
@@ -102,6 +103,19 @@ def test_blocks_promoted_from_ssd_count_under_ssd(node_factory, tmp_path: Path) 
         assert s["pool"]["evictions"] == int(node.metric("pegaflow_node_evictions_total")) > 0
         lines = status("--addr", node.addr).stdout.splitlines()
         assert "blocks    L1 0 0.0%  SSD 12 100.0%  remote 0 0.0%  miss 0 0.0%" in lines
+
+
+redis_server = redis_fixtures.redis_server
+
+
+def test_a_node_published_with_redis_url_alone_shows_its_peers_line(node_factory, redis_server) -> None:  # type: ignore[no-untyped-def]
+    """A node given only --redis-url is published and serves peers (it pulls nothing: no
+    --metaserver-addr); the screen said it was not in a cluster and hid what it served."""
+    node = node_factory(extra=["--redis-url", redis_server.url, "--node-id", "status-pub"])
+    s = status_json("--addr", node.addr)
+    assert s["peers"] is not None and s["peers"]["served_bytes"] == 0 and not any(s["peers"]["pulls"].values())
+    r = status("--addr", node.addr)
+    assert r.returncode == 0 and "not in a cluster" not in r.stdout, r.stdout
 
 
 def test_unreachable_node_is_one_line() -> None:
