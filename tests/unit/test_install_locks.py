@@ -111,3 +111,24 @@ def test_this_environment_matches_the_test_lock():
     # What scripts/install.sh test installed (the suite runs after it): versions and the
     # completeness of the --no-deps install.
     assert ci.check_installed(ci.read_lock(ROOT / "requirements" / "test.txt")) == []
+
+
+def test_the_declared_grpcio_and_protobuf_floors_are_those_the_generated_stubs_check() -> None:
+    """The stubs the build generates refuse to import under a grpcio older than the grpcio-tools
+    that made them, or a protobuf of another major or older than their gencode: pip kept a
+    vLLM environment's older ones (the floors said 1.60 and 4.25), and every command failed."""
+    from packaging.version import Version
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    deps = {canonicalize_name(r.name): r for r in map(Requirement, pyproject["project"]["dependencies"])}
+    (tools,) = [Requirement(r) for r in pyproject["build-system"]["requires"] if r.startswith("grpcio-tools")]
+    generated = (ROOT / "pegaflow" / "_proto" / "node_pb2_grpc.py").read_text()
+    grpc_made = Version(re.search(r"GRPC_GENERATED_VERSION = '([\d.]+)'", generated).group(1))  # type: ignore[union-attr]
+    gencode = (ROOT / "pegaflow" / "_proto" / "node_pb2.py").read_text()
+    major, minor, patch = map(int, re.search(  # type: ignore[union-attr]
+        r"ValidateProtobufRuntimeVersion\(\s*_runtime_version\.Domain\.PUBLIC,\s*(\d+),\s*(\d+),\s*(\d+),", gencode
+    ).groups())
+    assert str(tools.specifier) == f"=={grpc_made}", "the build's grpcio-tools is what made the stubs"
+    for name in ("grpcio", "grpcio-health-checking", "grpcio-reflection"):
+        assert str(deps[name].specifier) == f">={grpc_made}", name
+    assert set(deps["protobuf"].specifier) == set(Requirement(f"protobuf>={major}.{minor}.{patch},<{major + 1}").specifier)
