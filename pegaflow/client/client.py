@@ -294,17 +294,21 @@ class _LocalLink:
 
     def close(self, drain: float = 0.0) -> None:
         """Close every thread's socket. ``drain > 0``: first let the node finish the frames
-        already sent (no-reply Commits and Releases): shut down the write side and wait, at
-        most ``drain`` seconds per socket, for the node to close its side — it serves a
+        already sent (no-reply Commits and Releases): shut down every socket's write side and
+        wait, ``drain`` seconds in all, for the node to close its side of each — it serves a
         connection's frames in order and closes only after the last one."""
         with self._lock:
             self._closed = True
             socks, self._socks = list(self._socks), weakref.WeakSet()
+        deadline = time.monotonic() + drain
+        if drain > 0:
+            for s in socks:
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_WR)
         for s in socks:
             try:
-                if drain > 0:
-                    s.shutdown(socket.SHUT_WR)
-                    s.settimeout(drain)
+                if drain > 0 and (left := deadline - time.monotonic()) > 0:
+                    s.settimeout(left)
                     while s.recv(1 << 16):
                         pass  # replies nobody waits for any more
                 s.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv on it
@@ -745,12 +749,14 @@ class PegaClient:
         would let the node drop a reservation whose Commit is still on its way. The pool
         mapping is dropped too: unmapped at once unless a caller still holds a view of it
         (a result's ``.pool``, a slice of ``client.pool``), then when the last view dies."""
+        drain = min(self.timeout, CLOSE_DRAIN_S)
+        deadline = time.monotonic() + drain
         with self._lock:
             self._closed = True
-            if self._bound is not None and self._bound.local is not None:
-                self._bound.local.close(drain=min(self.timeout, CLOSE_DRAIN_S))
+            local = self._bound.local if self._bound is not None else None
             pending, self._pending = list(self._pending), set()
-        deadline = time.monotonic() + min(self.timeout, CLOSE_DRAIN_S)
+        if local is not None:  # outside the lock: the other threads' calls end meanwhile
+            local.close(drain=drain)
         for fut in pending:
             try:
                 fut.result(timeout=max(0.0, deadline - time.monotonic()))

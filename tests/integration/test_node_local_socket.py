@@ -388,6 +388,35 @@ def test_a_timed_out_call_drops_its_socket_so_a_late_reply_is_never_read_as_the_
     c.close()
 
 
+def test_close_waits_its_drain_in_all_not_per_thread_for_a_stalled_node(node):
+    """close() drained each thread's socket for up to its timeout in turn, holding the lock
+    every other thread's call wanted: 14 s for 6 threads' sockets at timeout=2."""
+    c = PegaClient(node.addr, timeout=1)
+    c.register({"m": PAGE})
+    done, queried = threading.Event(), threading.Barrier(7)
+
+    def one() -> None:  # a thread that called once and lives on: its socket stays open
+        c.query(["m"], hashes("drain", 1), lease=False)
+        queried.wait(10)
+        done.wait(30)
+
+    threads = [threading.Thread(target=one) for _ in range(6)]
+    for t in threads:
+        t.start()
+    queried.wait(10)
+    node.proc.send_signal(signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        c.close()
+        took = time.monotonic() - t0
+    finally:
+        node.proc.send_signal(signal.SIGCONT)
+        done.set()
+        for t in threads:
+            t.join(10)
+    assert took < 2.5, f"close() took {took:.1f} s with a 1 s timeout"
+
+
 def test_frames_sent_back_to_back_in_one_write_are_answered_in_order(raw):
     """A client may pipeline: several frames arrive in one read and each gets its answer,
     in order (a Query that hits, a bad one, a Query that misses)."""
