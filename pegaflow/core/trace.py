@@ -38,6 +38,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import reprlib
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -174,12 +175,6 @@ def detect_format(obj: object) -> str | None:
     return None
 
 
-def _shown(v: object) -> str:
-    """A field's value for an error line: its repr, cut to 40 characters."""
-    r = repr(v)
-    return r if len(r) <= 40 else f"{r[:37]}..."
-
-
 def _time(d: Line, key: str, line: int, scale: float = 1.0) -> float:
     """A request time in seconds (``scale``: seconds per unit): finite, in [0, MAX_SECONDS]."""
     v = d.get(key)
@@ -192,7 +187,7 @@ def _time(d: Line, key: str, line: int, scale: float = 1.0) -> float:
     except OverflowError:  # an integer of hundreds of digits (JSON takes up to 4,300)
         t = math.inf
     if not 0.0 <= t <= MAX_SECONDS:  # also false for NaN; JSON's 1e309 is inf
-        raise TraceError(line, f"field {key!r} = {_shown(v)} is not a time in [0, {MAX_SECONDS / scale:g}]")
+        raise TraceError(line, f"field {key!r} = {reprlib.repr(v)} is not a time in [0, {MAX_SECONDS / scale:g}]")
     return float(t)
 
 
@@ -233,7 +228,7 @@ def _count(
     if type(v) is not int or v < 0 or (positive and v == 0) or v > MAX_COUNT:
         raise TraceError(
             line, f"field {key!r} must be a {'positive' if positive else 'non-negative'} integer up to 2^53, "
-            f"got {_shown(v)}"
+            f"got {reprlib.repr(v)}"
         )
     return v
 
