@@ -41,7 +41,9 @@ Contracts:
   registration (a restart from an older RDB or AOF, a failover to a lagging replica): the
   publisher re-syncs. No legitimate change of the stream removes it: the metaserver trims
   only entries older than the visible epoch's ``RESET`` and deletes the stream of a node it
-  reaped (whose registration is gone too), a manual cleanup appends after it.
+  reaped (whose registration is gone too), a manual cleanup appends after it. Another live
+  node given the same name trims it at its own start: that is the conflict below, reported
+  as such (``_lost`` asks ``registry.rival`` first).
 - One name, two nodes: a re-registration (the registration lost, or the stream's end) first
   asks whether another live node with another address took the name (``registry.rival``:
   two nodes given one ``--node-id``; the one that registered last holds it). If so this one
