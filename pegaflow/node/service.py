@@ -199,10 +199,6 @@ class RemoteTier(Protocol):
         """These blocks were leased: pulled ones need not be held for the engine any longer."""
         ...
 
-    def stats(self) -> PeerStats:
-        """Remote reads' numbers for the Stats RPC (what their metrics export)."""
-        ...
-
 
 class QueryRecorder(Protocol):
     """The ``--query-trace`` writer (``pegaflow.node.query_trace.QueryTrace``)."""
@@ -265,7 +261,8 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         self.accounting = accounting
         self.ssd = ssd  # --ssd-cache-path
         self.remote = remote  # pulls from peers: --metaserver-addr
-        # Remote reads' figures, pulls and serving: a published node serves peers without pulling.
+        # Remote reads' figures (what their metrics export), pulls and serving: a node published
+        # with --redis-url alone serves peers without pulling (no ``remote``).
         self.peer_stats = peer_stats
         self.query_trace = query_trace  # --query-trace
         self.pool_prefaulted = pool_prefaulted or (lambda: pool_bytes)  # bytes pre-faulted so far
@@ -543,16 +540,6 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
         if self.query_trace is not None:
             self.query_trace.record(ns.name, hashes, ns.page_bytes, instance)
 
-    @property
-    def _has_peers(self) -> bool:
-        return self.peer_stats is not None or self.remote is not None
-
-    def _peer_stats(self) -> PeerStats:
-        if self.peer_stats is not None:
-            return self.peer_stats()
-        assert self.remote is not None
-        return self.remote.stats()
-
     def _first_query(self, key: str) -> bool:
         """True unless request ``key`` was queried recently (requests without an id: always)."""
         return not key or not self._queried.seen(key)
@@ -652,7 +639,7 @@ class NodeService(node_pb2_grpc.PegaNodeServicer):
             hit_blocks=node_pb2.TierBlocks(miss=_int(value_of(m.misses)),
                                            **{k: _int(v) for k, v in values_by_label(m.hits).items() if k in OUTCOMES}),
             ssd=node_pb2.SsdStats(**dataclasses.asdict(self.ssd.stats())) if self.ssd is not None else None,
-            peers=node_pb2.PeerStats(**dataclasses.asdict(self._peer_stats())) if self._has_peers else None,
+            peers=node_pb2.PeerStats(**dataclasses.asdict(self.peer_stats())) if self.peer_stats is not None else None,
             engines=self._engine_stats(),
             namespaces=[node_pb2.NamespaceStats(name=ns.name, page_bytes=ns.page_bytes, blocks=by_ns.get(ns.name, 0),
                                                 bytes=by_ns.get(ns.name, 0) * ns.page_bytes)

@@ -78,7 +78,8 @@ def service(metrics: NodeMetrics, t: _Tier | None = None, side: Side | None = No
     sessions = Sessions(index)
     admin = NodeAdmin(index, sessions, metrics, "n", 0.5, 16384, ssd=t.tier if t is not None else None)
     return NodeService(index, sessions, metrics, "/pool", 4 << 20, "n", 0, idle=DataPathIdle(), admin=admin,
-                       ssd=t.tier if t is not None else None, remote=puller)
+                       ssd=t.tier if t is not None else None, remote=puller,
+                       peer_stats=puller.metrics.stats if puller is not None else None)
 
 
 def stats_rpc(svc: NodeService) -> node_pb2.StatsResponse:
@@ -185,10 +186,10 @@ def test_peer_stats_are_what_metrics_export_and_none_is_zero() -> None:
             assert await a.table.pin_for_transfer(a.ns.name, hs[:2], ttl=30.0) is not None
 
         asyncio.run(pinned())
-        stats = puller.stats()
+        stats = puller.metrics.stats()
         _peers_agree(stats, b, {"pulls", "pull_bytes", "backed_off_peers", "lookups"})
         assert stats.pulls["ok"] == 1 and stats.pulls["bad_answer"] == 1
         _peers_agree(a.metrics.stats(), a, {"served_bytes", "active_pins"})
         rpc = stats_rpc(service(NodeMetrics(), side=b, puller=puller)).peers
-        assert rpc == node_pb2.PeerStats(**dataclasses.asdict(puller.stats()))
+        assert rpc == node_pb2.PeerStats(**dataclasses.asdict(puller.metrics.stats()))
         assert rpc.pull_bytes == scrape(b)[PEER_SAMPLES["pull_bytes"]] > 0

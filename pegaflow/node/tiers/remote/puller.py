@@ -50,7 +50,7 @@ from pegaflow.core.block_index import Block, BlockIndex, Namespace
 from pegaflow.core.tiers import Tier
 from pegaflow.node.tiers.remote import TCP, RemotePages, TransferError, Transport
 from pegaflow.node.tiers.remote.checksums import PageChecksums
-from pegaflow.node.tiers.remote.metrics import PeerMetrics, PeerStats
+from pegaflow.node.tiers.remote.metrics import PeerMetrics
 
 log = structlog.get_logger("pegaflow.p2p")
 
@@ -264,11 +264,6 @@ class Puller:
 
     def _on_way(self, ns: Namespace, h: bytes) -> bool:
         return self.index.get(ns, h) is not None or (ns.id, h) in self.inflight
-
-    def stats(self) -> PeerStats:
-        """What the Stats RPC reports of remote reads: what their metrics (the node's, pulls
-        and serving alike) export now."""
-        return self.metrics.stats()
 
     def expected(self, nss: Sequence[Namespace], hashes: Sequence[bytes], hit: int) -> int:
         """The prefix length once the pulls in flight land: ``hit`` plus the blocks after it
